@@ -1,0 +1,164 @@
+"""Pure-torch reference of the decode resolve: the CPU path and the test oracle.
+
+Semantics (the Triton kernel in ``hisparse.kernels.resolve`` implements the same):
+
+Inputs: ``req_ids`` int32 [T] (request id per query token), ``topk`` int32 [T, K]
+(request-local positions, -1 = padding). Tokens of one request are contiguous.
+
+1. Groups. Token t is a *leader* when t == 0 or req_ids[t] != req_ids[t-1]. A
+   leader's group is itself and the following tokens with the same id, at most
+   ``max_query_len`` tokens. A token whose run offset is >= max_query_len (only
+   possible when validation is off) is treated as all padding and its non -1
+   entries are counted invalid.
+2. Invalid entries: a token whose id is out of [0, max_request_id) or not live, and
+   entries outside [0, seq_len) other than -1, are treated as -1 and counted in
+   STAT_INVALID (one per entry).
+3. Per group (layer l, request slot r): step[l, r] += 1 (new step ``s``). The unique
+   valid positions U of all tokens of the group are looked up in ``row_slot``.
+   Hits: slot_stamp = s (STAT_HITS += |hits|). Misses M (ascending position,
+   STAT_MISSES += |M|) take the |M| smallest-key victims among slots 0..S-1 whose
+   stamp < s (see ``state`` for the key); a victim's old row is unmapped; the miss
+   is mapped, stamped s, and appended to the group's staging list
+   stage_src/stage_dst[t0*K : t0*K + |M|] (host row -> flat hot row).
+4. physical[t, k] = r * (S + 1) + slot of the entry's row, -1 for padding;
+   valid_counts[t] = number of non-padding entries (duplicates count).
+   With ``compact`` the valid entries of each row move to its front, in order.
+
+The reference assigns the i-th miss (ascending position) to the i-th victim
+(ascending key); the kernel may pair them differently, which changes physical
+slot numbers but no row-level state (see ``state``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .state import (STAT_HITS, STAT_INVALID, STAT_MISSES, STAT_RESOLVES, HotState,
+                    ResolveBuffers)
+
+
+def group_offsets(ids: torch.Tensor, max_query_len: int) -> torch.Tensor:
+    """Offset of each token within its run of equal ids, capped at ``max_query_len``.
+
+    ids: int64 [T] (CPU or device). Returns int64 [T]; 0 = leader.
+    """
+    T = ids.numel()
+    off = torch.zeros(T, dtype=torch.int64, device=ids.device)
+    same = torch.ones(T, dtype=torch.bool, device=ids.device)
+    for j in range(1, max_query_len + 1):
+        prev = torch.full((T,), -(2**40), dtype=torch.int64, device=ids.device)
+        if j < T:
+            prev[j:] = ids[:-j]
+        same = same & (prev == ids)
+        off += same.long()
+    return off
+
+
+def _victim_keys(stamp: torch.Tensor, pos: torch.Tensor, S: int) -> torch.Tensor:
+    """int64 [S] eviction keys of slots 0..S-1 (see ``state``)."""
+    slots = torch.arange(S, dtype=torch.int64, device=stamp.device)
+    occupied = (stamp.long() << 32) | pos.long()
+    return torch.where(pos >= 0, occupied, slots - (S + 1))
+
+
+def resolve_reference(state: HotState, layer: int, req_ids: torch.Tensor, topk: torch.Tensor,
+                      out: ResolveBuffers, *, max_query_len: int, compact: bool = False) -> None:
+    """Resolve logical top-k into physical hot rows, updating ``state`` in place.
+
+    req_ids: int32 [T]; topk: int32 [T, K] (-1 = padding); ``out`` buffers of
+    capacity >= [T, K] (only the first T rows / T*K entries are written).
+    """
+    T, K = topk.shape
+    S, B = state.S, state.B
+    SP = S + 1
+    dev = topk.device
+    out.stage_src[: T * K].fill_(-1)
+    out.stage_dst[: T * K].fill_(-1)
+    if T == 0:
+        return
+
+    ids = req_ids.long()
+    id_ok = (ids >= 0) & (ids < state.id_to_slot.numel())
+    rslot = torch.full((T,), -1, dtype=torch.int64, device=dev)
+    rslot[id_ok] = state.id_to_slot[ids[id_ok]].long()
+    off = group_offsets(ids, max_query_len)
+    rslot = torch.where(off < max_query_len, rslot, torch.full_like(rslot, -1))
+
+    pos = topk.long()
+    seq = torch.zeros(T, dtype=torch.int64, device=dev)
+    live = rslot >= 0
+    seq[live] = state.seq_lens[rslot[live]].long()
+    ok = (pos >= 0) & (pos < seq[:, None])
+    state.stats[layer, STAT_INVALID] += ((pos != -1) & ~ok).sum()
+
+    row_slot = state.row_slot[layer]  # int32 [H]
+    phys = torch.full((T, K), -1, dtype=torch.int64, device=dev)
+    leaders = torch.nonzero((off == 0) & live).flatten().tolist()
+    for t0 in leaders:
+        r = int(rslot[t0])
+        n = 1
+        while t0 + n < T and int(off[t0 + n]) == n:
+            n += 1
+        g_pos, g_ok = pos[t0:t0 + n], ok[t0:t0 + n]
+        s_new = int(state.step[layer, r]) + 1
+        state.step[layer, r] = s_new
+        state.stats[layer, STAT_RESOLVES] += 1
+
+        uniq = torch.unique(g_pos[g_ok])  # ascending
+        bt = state.block_table[r].long()
+        rows = bt[uniq // B] * B + uniq % B
+        slots = row_slot[rows].long()
+        hit = slots >= 0
+        stamp = state.slot_stamp[layer, r]
+        spos = state.slot_pos[layer, r]
+        stamp[slots[hit]] = s_new
+        miss_pos, miss_rows = uniq[~hit], rows[~hit]
+        m = miss_pos.numel()
+        state.stats[layer, STAT_HITS] += int(hit.sum())
+        state.stats[layer, STAT_MISSES] += m
+        if m:
+            cand = torch.nonzero(stamp[:S] < s_new).flatten()
+            if cand.numel() < m:
+                raise RuntimeError(
+                    f"resolve: layer {layer} request slot {r} needs {m} victims but only "
+                    f"{cand.numel()} slots are evictable (S={S}); config invariant broken"
+                )
+            keys = _victim_keys(stamp[:S], spos[:S], S)[cand]
+            victims = cand[torch.argsort(keys)[:m]]
+            old = spos[victims].long()
+            had = old >= 0
+            row_slot[bt[old[had] // B] * B + old[had] % B] = -1
+            spos[victims] = miss_pos.to(torch.int32)
+            stamp[victims] = s_new
+            row_slot[miss_rows] = victims.to(torch.int32)
+            base = t0 * K
+            out.stage_src[base:base + m] = miss_rows.to(torch.int32)
+            out.stage_dst[base:base + m] = (r * SP + victims).to(torch.int32)
+
+        safe = torch.where(g_ok, g_pos, torch.zeros_like(g_pos))
+        g_rows = bt[safe // B] * B + safe % B
+        g_phys = r * SP + row_slot[g_rows].long()
+        phys[t0:t0 + n] = torch.where(g_ok, g_phys, torch.full_like(g_phys, -1))
+
+    valid = phys >= 0
+    out.valid_counts[:T] = valid.sum(dim=1).to(torch.int32)
+    if compact:
+        # stable: valid entries first, in their original order
+        order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)
+        phys = torch.gather(phys, 1, order)
+    out.physical[:T, :K] = phys.to(torch.int32)
+
+
+def copy_rows_reference(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor,
+                        dst_idx: torch.Tensor) -> int:
+    """dst[dst_idx[i]] = src[src_idx[i]] for every i with both indices >= 0.
+
+    src: uint8 [Ns, W]; dst: uint8 [Nd, W]; src_idx/dst_idx: int32 [N], -1 = skip.
+    Returns the number of rows copied.
+    """
+    sel = (src_idx >= 0) & (dst_idx >= 0)
+    s = src_idx[sel].long()
+    d = dst_idx[sel].long()
+    if s.numel():
+        dst[d.to(dst.device)] = src[s.to(src.device)].to(dst.device)
+    return int(s.numel())

@@ -1,0 +1,113 @@
+"""Device-side bookkeeping tensors of the hot tier (the "slot/LRU state").
+
+Notation (used in every shape comment of the cache):
+  L  layers                    R  request slots (max_num_reqs)
+  S  LRU slots per (layer, request) = device_buffer_size; slot S is the reserved
+     newest-token slot, so each (layer, request) owns S + 1 hot rows
+  H  host rows per layer (num_host_blocks x host_block_size)
+  B  host block size (tokens per block)      NB  host blocks
+  T  query tokens in a step    K  top-k entries per query token
+
+Layout of one layer's flat hot view ``hot[l]`` (uint8 [R * (S + 1), row_bytes]):
+  physical row = r * (S + 1) + slot
+Layout of the host pool (uint8 [L, H, row_bytes]): the row of (request r, position p)
+in layer l is ``pool[l, block_table[r, p // B] * B + p % B]``.
+
+Exact LRU: each slot carries a stamp (the step of its last use) and the position it
+holds. A resolve of (layer l, request r) increments ``step[l, r]``, stamps every hit
+with the new step, and takes victims among slots ``0..S-1`` whose stamp is older than
+the new step, in ascending order of the key
+
+  key(empty slot s)    = s - (S + 1)                  (negative: empties first, by slot)
+  key(occupied slot s) = (stamp << 32) | position     (older first; ties by position)
+
+so the policy is defined on rows, not on slot numbers: which victim slot a given miss
+lands in does not change any later hit or eviction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..config import HiSparseConfig
+
+# indices into HotState.stats[l]
+STAT_HITS = 0  # unique (request, position) hits per resolve, summed
+STAT_MISSES = 1  # unique misses (rows staged host -> device)
+STAT_INVALID = 2  # top-k entries treated as padding because they were invalid
+STAT_D2H_ROWS = 3  # rows written to the host pool
+STAT_RESOLVES = 4  # (layer, request) resolves
+NUM_STATS = 5
+
+
+@dataclasses.dataclass
+class HotState:
+    """All device tensors of the hot tier's bookkeeping. Created once, never resized."""
+
+    id_to_slot: torch.Tensor  # int32 [max_request_id], request slot of a live id, -1 = none
+    seq_lens: torch.Tensor  # int32 [R], tokens stored for the request slot (0 = free)
+    block_table: torch.Tensor  # int32 [R, NB], host block of each logical block, -1 = none
+    slot_pos: torch.Tensor  # int32 [L, R, S + 1], position held by a slot, -1 = empty
+    slot_stamp: torch.Tensor  # int32 [L, R, S + 1], step of last use, -1 = empty
+    row_slot: torch.Tensor  # int32 [L, H], slot (0..S) holding host row h, -1 = not hot
+    step: torch.Tensor  # int32 [L, R], resolves done for (layer, request slot)
+    stats: torch.Tensor  # int64 [L, NUM_STATS], see STAT_*
+    S: int  # LRU slots per (layer, request); slot S is the reserved newest slot
+    B: int  # host block size
+
+    @classmethod
+    def allocate(cls, cfg: HiSparseConfig, device: torch.device) -> "HotState":
+        L, R, S = cfg.num_layers, cfg.max_num_reqs, cfg.device_buffer_size
+        assert S is not None
+        i32 = dict(dtype=torch.int32, device=device)
+        return cls(
+            id_to_slot=torch.full((cfg.max_request_id,), -1, **i32),
+            seq_lens=torch.zeros((R,), **i32),
+            block_table=torch.full((R, cfg.num_host_blocks), -1, **i32),
+            slot_pos=torch.full((L, R, S + 1), -1, **i32),
+            slot_stamp=torch.full((L, R, S + 1), -1, **i32),
+            row_slot=torch.full((L, cfg.num_host_rows), -1, **i32),
+            step=torch.zeros((L, R), **i32),
+            stats=torch.zeros((L, NUM_STATS), dtype=torch.int64, device=device),
+            S=S,
+            B=cfg.host_block_size,
+        )
+
+    @property
+    def slots_per_req(self) -> int:
+        return self.S + 1
+
+    def clone(self) -> "HotState":
+        return dataclasses.replace(
+            self, **{f.name: getattr(self, f.name).clone()
+                     for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), torch.Tensor)}
+        )
+
+
+@dataclasses.dataclass
+class ResolveBuffers:
+    """Outputs of one resolve, allocated once per (T, K) capacity and reused.
+
+    physical:     int32 [T, K]   row in the layer's flat hot view, -1 = padding
+    valid_counts: int32 [T]      non-padding entries per query token
+    stage_src:    int32 [T * K]  host row to stage (within the layer), -1 = nothing
+    stage_dst:    int32 [T * K]  flat hot row it goes to, -1 = nothing
+    The misses of the request whose first token is t0 occupy stage_*[t0*K : t0*K + m].
+    """
+
+    physical: torch.Tensor
+    valid_counts: torch.Tensor
+    stage_src: torch.Tensor
+    stage_dst: torch.Tensor
+
+    @classmethod
+    def allocate(cls, T: int, K: int, device: torch.device) -> "ResolveBuffers":
+        i32 = dict(dtype=torch.int32, device=device)
+        return cls(
+            physical=torch.empty((T, K), **i32),
+            valid_counts=torch.empty((T,), **i32),
+            stage_src=torch.empty((T * K,), **i32),
+            stage_dst=torch.empty((T * K,), **i32),
+        )

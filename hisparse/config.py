@@ -1,0 +1,172 @@
+"""Frozen, validated configuration of a hisparse cache.
+
+Parsed and validated once at construction; nothing deeper in the code reads
+environment variables or re-validates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+
+from typing import Any
+
+
+class RowFormat(enum.Enum):
+    """Byte format of one MLA latent row (one token, one layer)."""
+
+    BF16 = "bf16"  # 576 bf16 values: 512 latent (NoPE) then 64 RoPE -> 1152 bytes
+    FP8_DS_MLA = "fp8_ds_mla"  # 512 e4m3 + 4 fp32 scales + 64 bf16 RoPE -> 656 bytes
+
+    @property
+    def row_bytes(self) -> int:
+        return 1152 if self is RowFormat.BF16 else 656
+
+    @classmethod
+    def parse(cls, value: "RowFormat | str") -> "RowFormat":
+        if isinstance(value, RowFormat):
+            return value
+        for f in cls:
+            if f.value == value:
+                return f
+        raise ValueError(
+            f"unknown row format {value!r}; expected one of {[f.value for f in cls]}"
+        )
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
+    if value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+
+
+@dataclasses.dataclass(frozen=True)
+class HiSparseConfig:
+    """Configuration of a :class:`hisparse.HiSparseCache`.
+
+    Sizes:
+      num_layers          layers whose rows the cache holds
+      row_bytes           bytes per row (656 = fp8_ds_mla, 1152 = bf16; opaque bytes otherwise)
+      top_k               indexer top-k (K) per query token
+      device_buffer_size  LRU hot slots per (layer, request), S; default 2 * top_k;
+                          must be >= max_query_len * top_k. One more reserved slot per
+                          (layer, request) holds the newest token.
+      max_num_reqs        live requests at once (request slots R)
+      max_query_len       query tokens per request per decode step (q; MTP/speculative > 1)
+      host_pool_tokens    host pool capacity in tokens (each token: one row per layer)
+      host_block_size     tokens per host block (allocation granularity)
+      max_request_id      request ids are ints in [0, max_request_id)
+      device              "cuda" (or "cuda:N") or "cpu"
+    """
+
+    num_layers: int
+    host_pool_tokens: int
+    row_bytes: int = 656
+    top_k: int = 2048
+    device_buffer_size: int | None = None
+    max_num_reqs: int = 64
+    max_query_len: int = 1
+    host_block_size: int = 64
+    max_request_id: int = 1 << 16
+    device: str = "cuda"
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "host_pool_tokens", "row_bytes", "top_k",
+                     "max_num_reqs", "max_query_len", "host_block_size", "max_request_id"):
+            _positive_int(name, getattr(self, name))
+        if self.device_buffer_size is None:
+            object.__setattr__(self, "device_buffer_size", 2 * self.top_k)
+        _positive_int("device_buffer_size", self.device_buffer_size)
+        need = self.max_query_len * self.top_k
+        if self.device_buffer_size < need:
+            raise ValueError(
+                f"device_buffer_size={self.device_buffer_size} is smaller than "
+                f"max_query_len x top_k = {self.max_query_len} x {self.top_k} = {need}: "
+                "one decode step of one request may reference that many distinct rows; "
+                f"set device_buffer_size >= {need}"
+            )
+        if self.row_bytes % 16 != 0:
+            raise ValueError(
+                f"row_bytes={self.row_bytes} must be a multiple of 16 (16-byte loads); "
+                "656 (fp8_ds_mla) and 1152 (bf16) are"
+            )
+        if self.host_pool_tokens < self.host_block_size:
+            raise ValueError(
+                f"host_pool_tokens={self.host_pool_tokens} is smaller than one block "
+                f"(host_block_size={self.host_block_size})"
+            )
+        if self.max_request_id >= 2**31:
+            raise ValueError(f"max_request_id must be < 2**31, got {self.max_request_id}")
+        if not isinstance(self.device, str) or not (
+            self.device == "cpu" or self.device == "cuda" or self.device.startswith("cuda:")
+        ):
+            raise ValueError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+        if self.num_host_rows >= 2**31:
+            raise ValueError(
+                f"host pool of {self.num_host_rows} rows per layer exceeds int32 row indices"
+            )
+        if self.slots_per_req * self.max_num_reqs >= 2**31:
+            raise ValueError("max_num_reqs x (device_buffer_size + 1) exceeds int32 indices")
+
+    # ---- derived sizes -------------------------------------------------
+    @property
+    def num_host_blocks(self) -> int:
+        """Blocks in the host pool (host_pool_tokens rounded down to whole blocks)."""
+        return self.host_pool_tokens // self.host_block_size
+
+    @property
+    def num_host_rows(self) -> int:
+        """Rows per layer in the host pool (H)."""
+        return self.num_host_blocks * self.host_block_size
+
+    @property
+    def slots_per_req(self) -> int:
+        """Hot slots per (layer, request): S LRU slots + 1 reserved newest-token slot."""
+        return self.device_buffer_size + 1  # type: ignore[operator]
+
+    @property
+    def hot_rows_per_layer(self) -> int:
+        """Rows in one layer's flat hot view: R x (S + 1)."""
+        return self.max_num_reqs * self.slots_per_req
+
+    @property
+    def host_pool_bytes(self) -> int:
+        return self.num_layers * self.num_host_rows * self.row_bytes
+
+    @property
+    def hot_buffer_bytes(self) -> int:
+        return self.num_layers * self.hot_rows_per_layer * self.row_bytes
+
+    @classmethod
+    def from_pool_bytes(cls, *, num_layers: int, host_pool_bytes: int, row_bytes: int = 656,
+                        **kwargs: Any) -> "HiSparseConfig":
+        """Build a config whose host pool holds at most ``host_pool_bytes``."""
+        _positive_int("host_pool_bytes", host_pool_bytes)
+        tokens = host_pool_bytes // (num_layers * row_bytes)
+        return cls(num_layers=num_layers, host_pool_tokens=tokens, row_bytes=row_bytes, **kwargs)
+
+    def replace(self, **changes: Any) -> "HiSparseConfig":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "HiSparseConfig":
+        fields = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - fields
+        if unknown:
+            raise ValueError(f"unknown HiSparseConfig fields {sorted(unknown)}; valid: {sorted(fields)}")
+        return cls(**d)
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+__all__ = ["HiSparseConfig", "RowFormat", "ceil_div"]

@@ -1,0 +1,33 @@
+"""Test setup: Triton runs in interpreter mode when there is no GPU.
+
+TRITON_INTERPRET must be set before triton is imported anywhere, so it is set here
+(the earliest hook pytest gives) and only when CUDA is absent.
+"""
+
+import os
+
+try:
+    import torch
+
+    _HAS_CUDA = torch.cuda.is_available()
+except ImportError:  # pragma: no cover
+    _HAS_CUDA = False
+
+if not _HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if _HAS_CUDA:
+        ngpu = torch.cuda.device_count()
+        skip_multi = pytest.mark.skip(reason=f"needs 2+ CUDA GPUs, found {ngpu}")
+        for item in items:
+            if "multigpu" in item.keywords and ngpu < 2:
+                item.add_marker(skip_multi)
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (none here)")
+    for item in items:
+        if "gpu" in item.keywords or "multigpu" in item.keywords:
+            item.add_marker(skip)
