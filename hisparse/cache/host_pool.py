@@ -1,0 +1,154 @@
+"""The cold tier: one pinned host buffer holding every row, and its block allocator.
+
+The pool is a single :class:`hisparse.device.PinnedBuffer` of exactly
+``L * H * row_bytes`` bytes viewed as uint8 ``[L, H, row_bytes]`` (notation in
+``hisparse.cache.state``). Host memory is handed out in blocks of ``B`` tokens; a
+request owns a list of blocks shared by all layers, and the row of (request r,
+position p) in layer l is ``rows[l, blocks[p // B] * B + p % B]``.
+
+Everything here is host-side bookkeeping (no device work), so it is exact and cheap
+to test on CPU. Capacity failures raise :class:`hisparse.CapacityError` and change
+nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable
+
+import torch
+
+from ..config import HiSparseConfig
+from ..device import PinnedBuffer
+from ..errors import CapacityError
+
+
+_EMPTY: list[int] = []
+
+
+class BlockAllocator:
+    """Free list of ``num_blocks`` host blocks plus the ordered block list of each owner.
+
+    Blocks are handed out lowest id first and freed blocks are reused lowest id first,
+    so a fresh pool gives each request consecutive blocks (fewer, larger copies).
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
+            raise ValueError(f"BlockAllocator needs a positive int num_blocks, got {num_blocks!r}")
+        self.num_blocks = num_blocks
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() -> lowest id
+        self._owned: dict[Hashable, list[int]] = {}
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def owners(self) -> list[Hashable]:
+        return list(self._owned)
+
+    def blocks(self, owner: Hashable) -> list[int]:
+        """The owner's blocks in logical order (a copy; empty for an unknown owner)."""
+        return list(self._owned.get(owner, ()))
+
+    def owned(self, owner: Hashable) -> list[int]:
+        """The owner's block list itself (no copy: read it, never mutate it)."""
+        return self._owned.get(owner, _EMPTY)
+
+    def allocate(self, owner: Hashable, n: int) -> list[int]:
+        """Append ``n`` blocks to ``owner``'s list and return them.
+
+        Raises CapacityError (nothing changed) when fewer than ``n`` blocks are free.
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"allocate needs an int n >= 0, got {n!r}")
+        if n > len(self._free):
+            raise CapacityError(
+                f"host pool exhausted: {n} more blocks needed, {len(self._free)} of "
+                f"{self.num_blocks} free; free requests or configure a larger host pool"
+            )
+        got = [self._free.pop() for _ in range(n)]
+        self._owned.setdefault(owner, []).extend(got)
+        return got
+
+    def free(self, owner: Hashable) -> list[int]:
+        """Return every block of ``owner`` to the free list; returns those blocks."""
+        blocks = self._owned.pop(owner, [])
+        # keep the free list sorted descending so pop() keeps giving the lowest id
+        self._free.extend(blocks)
+        self._free.sort(reverse=True)
+        return blocks
+
+
+class HostPool:
+    """Pinned host rows ``uint8 [L, H, row_bytes]`` and their :class:`BlockAllocator`.
+
+    ``pin``: None = pin when CUDA is available (as PinnedBuffer decides).
+    """
+
+    def __init__(self, cfg: HiSparseConfig, *, pin: bool | None = None) -> None:
+        self.cfg = cfg
+        self.B = cfg.host_block_size
+        self.buffer = PinnedBuffer(cfg.host_pool_bytes, pin=pin)
+        # uint8 [L, H, row_bytes]; a view of exactly cfg.host_pool_bytes pinned bytes
+        self.rows = self.buffer.tensor.view(cfg.num_layers, cfg.num_host_rows, cfg.row_bytes)
+        self.allocator = BlockAllocator(cfg.num_host_blocks)
+
+    @property
+    def pinned(self) -> bool:
+        return self.buffer.pinned
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.nbytes
+
+    def blocks_needed(self, owner: Hashable, num_tokens: int) -> int:
+        """Blocks ``owner`` still needs to hold positions ``0 .. num_tokens - 1``."""
+        have = len(self.allocator.owned(owner))
+        need = -(-num_tokens // self.B)
+        return max(0, need - have)
+
+    def host_rows(self, owner: Hashable, positions: torch.Tensor) -> torch.Tensor:
+        """Host row (within a layer) of each position. positions: int64 [n] CPU -> int64 [n].
+
+        Positions must lie inside the owner's blocks (checked: ValueError).
+        """
+        blocks = torch.tensor(self.allocator.owned(owner), dtype=torch.int64)
+        pos = positions.to(torch.int64)
+        if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= blocks.numel() * self.B):
+            raise ValueError(
+                f"positions out of the owner's {blocks.numel()} blocks of {self.B} tokens"
+            )
+        return blocks[pos // self.B] * self.B + pos % self.B
+
+    def segments(self, owner: Hashable, p0: int, p1: int) -> list[tuple[int, int, int]]:
+        """Positions ``[p0, p1)`` split into runs contiguous in the pool.
+
+        Returns ``[(pos_start, pos_end, host_row_start), ...]``; consecutive blocks are
+        merged into one run, so a fresh pool gives a single run per request.
+        """
+        blocks = self.allocator.owned(owner)
+        B = self.B
+        if p1 > len(blocks) * B or p0 < 0:
+            raise ValueError(f"positions [{p0}, {p1}) exceed the owner's {len(blocks)} blocks")
+        out: list[tuple[int, int, int]] = []
+        p = p0
+        while p < p1:
+            end = min(p1, (p // B + 1) * B)
+            row = blocks[p // B] * B + p % B
+            if out and out[-1][1] == p and out[-1][2] + (p - out[-1][0]) == row:
+                out[-1] = (out[-1][0], end, out[-1][2])
+            else:
+                out.append((p, end, row))
+            p = end
+        return out
+
+    def release(self) -> None:
+        """Unpin the buffer now (no device work may use it afterwards)."""
+        self.buffer.release()
+
+
+__all__ = ["BlockAllocator", "HostPool"]

@@ -1,0 +1,460 @@
+"""Invariant checker + independent exact-LRU simulation of a HiSparseCache.
+
+Reusable by test files and by the stress tool:
+
+- :class:`LRUSim` models the cache's policy on plain Python dicts, written from
+  DESIGN.md / the ``state`` and ``resolve_ref`` docstrings, not from the resolver code:
+  per (layer, request) an ordered dict ``position -> stamp`` for the S LRU slots plus
+  the reserved newest-token slot; victims are empty slots first, then the oldest stamp,
+  ties by the smallest position; slots hit this step are never victims.
+- :func:`check_cache` checks structural invariants (slot maps mutually consistent,
+  hot bytes equal host bytes for every mapped slot, block accounting, clean free
+  slots) and, given a sim, the exact slot contents, stamps, steps and counters.
+- :func:`check_result` checks one resolve result: every physical index points at a
+  slot that holds that (request, layer, position) now (so nothing referenced this step
+  was evicted) and whose bytes equal ``read_host_rows``; padding and invalid -> -1.
+- :class:`TraceRunner` drives a cache and a sim side by side with random ops and runs
+  both checkers after every op.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from hisparse import CapacityError
+from hisparse.cache.state import (STAT_D2H_ROWS, STAT_HITS, STAT_INVALID, STAT_MISSES,
+                                  STAT_RESOLVES)
+
+
+# --------------------------------------------------------------------------- sim
+class _Req:
+    def __init__(self, L: int) -> None:
+        self.lens = [0] * L
+        self.hot: list[OrderedDict[int, int]] = [OrderedDict() for _ in range(L)]
+        self.reserved: list[tuple[int, int]] = [(-1, -1)] * L  # (position, stamp)
+        self.step = [0] * L
+
+
+class LRUSim:
+    """Exact-LRU model of the cache (see module docstring). Counters are cumulative."""
+
+    def __init__(self, *, num_layers: int, S: int, max_query_len: int,
+                 max_request_id: int) -> None:
+        self.L, self.S, self.q, self.max_id = num_layers, S, max_query_len, max_request_id
+        self.reqs: dict[int, _Req] = {}
+        self.hits = [0] * num_layers
+        self.misses = [0] * num_layers
+        self.invalid = [0] * num_layers
+        self.resolves = [0] * num_layers
+        self.rows_written = [0] * num_layers
+
+    def add(self, rid: int) -> None:
+        self.reqs[rid] = _Req(self.L)
+
+    def free(self, rid: int) -> None:
+        del self.reqs[rid]
+
+    def seq_len(self, rid: int) -> int:
+        return min(self.reqs[rid].lens)
+
+    def append(self, layer: int, rid: int, n: int) -> None:
+        q = self.reqs[rid]
+        p0, p1 = q.lens[layer], q.lens[layer] + n
+        step = q.step[layer]
+        for p in range(p0, min(p1, self.S)):
+            if p in q.hot[layer]:
+                raise AssertionError(f"sim: position {p} appended twice")
+            q.hot[layer][p] = step
+        if n and p1 - 1 >= self.S:
+            q.reserved[layer] = (p1 - 1, step)
+        q.lens[layer] = p1
+        self.rows_written[layer] += n
+
+    def token_valid(self, ids: list[int]) -> list[bool]:
+        """Per token: live id and run offset < max_query_len."""
+        ok = []
+        run = 0
+        for t, rid in enumerate(ids):
+            run = run + 1 if t > 0 and ids[t - 1] == rid else 1
+            ok.append(rid in self.reqs and run <= self.q)
+        return ok
+
+    def entry_valid(self, ids: list[int], topk: list[list[int]]) -> list[list[bool]]:
+        tok = self.token_valid(ids)
+        return [[tok[t] and 0 <= p < self.seq_len(ids[t]) for p in row]
+                for t, row in enumerate(topk)]
+
+    def resolve(self, layer: int, ids: list[int], topk: list[list[int]]) -> None:
+        valid = self.entry_valid(ids, topk)
+        tok = self.token_valid(ids)
+        for t, row in enumerate(topk):
+            self.invalid[layer] += sum(1 for k, p in enumerate(row) if p != -1 and not valid[t][k])
+        t = 0
+        T = len(ids)
+        while t < T:
+            if not tok[t] or (t > 0 and ids[t - 1] == ids[t]):
+                t += 1
+                continue
+            rid, end = ids[t], t + 1
+            while end < T and ids[end] == rid and tok[end]:
+                end += 1
+            U = sorted({p for u in range(t, end) for k, p in enumerate(topk[u]) if valid[u][k]})
+            self._group(layer, rid, U)
+            t = end
+
+    def _group(self, layer: int, rid: int, U: list[int]) -> None:
+        q = self.reqs[rid]
+        q.step[layer] += 1
+        s = q.step[layer]
+        self.resolves[layer] += 1
+        hot = q.hot[layer]
+        misses = []
+        for p in U:
+            if p in hot:
+                hot[p] = s
+                self.hits[layer] += 1
+            elif p == q.reserved[layer][0]:
+                q.reserved[layer] = (p, s)
+                self.hits[layer] += 1
+            else:
+                misses.append(p)
+        self.misses[layer] += len(misses)
+        empties = self.S - len(hot)
+        evict = max(0, len(misses) - empties)
+        cands = sorted((st, p) for p, st in hot.items() if st < s)
+        if len(cands) < evict:
+            raise AssertionError(f"sim: {evict} victims needed, {len(cands)} evictable")
+        for _, p in cands[:evict]:
+            del hot[p]
+        for p in misses:
+            hot[p] = s
+
+
+# ----------------------------------------------------------------------- checker
+def _fail(msg: str) -> None:
+    raise AssertionError(msg)
+
+
+def _cpu_state(cache) -> dict[str, torch.Tensor]:
+    if cache.cuda:
+        torch.cuda.synchronize(cache.device)
+    st = cache.state
+    return {k: getattr(st, k).cpu() for k in
+            ("id_to_slot", "seq_lens", "block_table", "slot_pos", "slot_stamp", "row_slot",
+             "step", "stats")}
+
+
+def check_cache(cache, sim: LRUSim | None = None,
+                truth: dict[tuple[int, int], torch.Tensor] | None = None) -> None:
+    """Structural invariants; with ``sim`` also exact LRU contents and counters;
+    with ``truth`` ((req_id, layer) -> uint8 [n, row_bytes] rows appended) host bytes."""
+    cfg, S, SP, B = cache.cfg, cache.S, cache.SP, cache.pool.B
+    L, R = cfg.num_layers, cfg.max_num_reqs
+    st = _cpu_state(cache)
+    hot = cache.hot.cpu()
+    pool = cache.pool.rows
+    live = {rid: cache.request_slot(rid) for rid in cache.live_requests()}
+    slots_live = set(live.values())
+    if len(slots_live) != len(live):
+        _fail(f"two live ids share a request slot: {live}")
+    # id map
+    ids_mapped = torch.nonzero(st["id_to_slot"] >= 0).flatten().tolist()
+    if sorted(ids_mapped) != sorted(live):
+        _fail(f"id_to_slot maps {sorted(ids_mapped)}, live ids are {sorted(live)}")
+    for rid, r in live.items():
+        if int(st["id_to_slot"][rid]) != r:
+            _fail(f"id_to_slot[{rid}]={int(st['id_to_slot'][rid])}, expected {r}")
+    # blocks
+    alloc = cache.pool.allocator
+    all_blocks: list[int] = []
+    for rid, r in live.items():
+        blocks = alloc.blocks(r)
+        all_blocks += blocks
+        bt = st["block_table"][r].tolist()
+        if bt[:len(blocks)] != blocks or any(b != -1 for b in bt[len(blocks):]):
+            _fail(f"block_table[{r}]={bt} but allocator holds {blocks}")
+        lens = [cache.layer_len(l, rid) for l in range(L)]
+        if int(st["seq_lens"][r]) != min(lens):
+            _fail(f"seq_lens[{r}]={int(st['seq_lens'][r])}, layer lengths {lens}")
+        if max(lens) > len(blocks) * B or len(blocks) > -(-max(lens) // B):
+            _fail(f"request {rid}: {len(blocks)} blocks for layer lengths {lens}")
+    if len(set(all_blocks)) != len(all_blocks) or alloc.num_used != len(all_blocks):
+        _fail(f"blocks not disjoint or leaked: used {alloc.num_used}, owned {all_blocks}")
+    for r in range(R):
+        if r in slots_live:
+            continue
+        if (int(st["seq_lens"][r]) != 0 or (st["block_table"][r] != -1).any()
+                or (st["slot_pos"][:, r] != -1).any() or (st["slot_stamp"][:, r] != -1).any()
+                or (st["step"][:, r] != 0).any()):
+            _fail(f"free request slot {r} holds stale state")
+    # slot maps, both directions, and hot bytes
+    row_owner: dict[int, tuple[int, int]] = {}  # host row -> (slot r, position)
+    for rid, r in live.items():
+        for i, b in enumerate(alloc.blocks(r)):
+            for j in range(B):
+                row_owner[b * B + j] = (r, i * B + j)
+    for l in range(L):
+        rs = st["row_slot"][l]
+        for h in torch.nonzero(rs >= 0).flatten().tolist():
+            s = int(rs[h])
+            if h not in row_owner:
+                _fail(f"row_slot[{l}, {h}]={s} but host row {h} belongs to no live request")
+            r, p = row_owner[h]
+            if not 0 <= s <= S or int(st["slot_pos"][l, r, s]) != p:
+                _fail(f"row_slot[{l}, {h}]={s} (req slot {r}, pos {p}) but slot_pos holds "
+                      f"{int(st['slot_pos'][l, r, s]) if 0 <= s <= S else 'n/a'}")
+        for rid, r in live.items():
+            n_l = cache.layer_len(l, rid)
+            blocks = alloc.blocks(r)
+            for s in range(SP):
+                p = int(st["slot_pos"][l, r, s])
+                stamp = int(st["slot_stamp"][l, r, s])
+                if (p < 0) != (stamp < 0):
+                    _fail(f"slot ({l}, {r}, {s}): position {p} with stamp {stamp}")
+                if p < 0:
+                    continue
+                if p >= n_l:
+                    _fail(f"slot ({l}, {r}, {s}) holds position {p} >= layer length {n_l}")
+                if stamp > int(st["step"][l, r]):
+                    _fail(f"slot ({l}, {r}, {s}) stamp {stamp} > step {int(st['step'][l, r])}")
+                h = blocks[p // B] * B + p % B
+                if int(st["row_slot"][l, h]) != s:
+                    _fail(f"slot ({l}, {r}, {s}) holds pos {p} but row_slot[{l}, {h}]="
+                          f"{int(st['row_slot'][l, h])}")
+                if not torch.equal(hot[l, r * SP + s], pool[l, h]):
+                    _fail(f"hot row ({l}, {r}, {s}) bytes differ from host row of pos {p}")
+            if truth is not None:
+                want = truth.get((rid, l))
+                n_t = 0 if want is None else want.shape[0]
+                if n_t != n_l:
+                    _fail(f"truth has {n_t} rows for ({rid}, {l}), cache {n_l}")
+                if n_l and not torch.equal(cache.read_host_rows(l, rid, list(range(n_l))), want):
+                    _fail(f"host rows of request {rid} layer {l} differ from what was appended")
+    if sim is not None:
+        _check_sim(cache, sim, st, live)
+
+
+def _check_sim(cache, sim: LRUSim, st: dict[str, torch.Tensor], live: dict[int, int]) -> None:
+    S = cache.S
+    if sorted(sim.reqs) != sorted(live):
+        _fail(f"sim live {sorted(sim.reqs)} != cache live {sorted(live)}")
+    for l in range(cache.cfg.num_layers):
+        got = st["stats"][l].tolist()
+        want = {STAT_HITS: sim.hits[l], STAT_MISSES: sim.misses[l],
+                STAT_INVALID: sim.invalid[l], STAT_RESOLVES: sim.resolves[l],
+                STAT_D2H_ROWS: sim.rows_written[l]}
+        for k, v in want.items():
+            if got[k] != v:
+                _fail(f"layer {l} stat {k}: cache {got[k]}, sim {v} (all: {got})")
+        for rid, r in live.items():
+            q = sim.reqs[rid]
+            if cache.layer_len(l, rid) != q.lens[l]:
+                _fail(f"({l}, {rid}) length cache {cache.layer_len(l, rid)} sim {q.lens[l]}")
+            if int(st["step"][l, r]) != q.step[l]:
+                _fail(f"({l}, {rid}) step cache {int(st['step'][l, r])} sim {q.step[l]}")
+            pos, stamp = st["slot_pos"][l, r].tolist(), st["slot_stamp"][l, r].tolist()
+            got_hot = {p: s for p, s in zip(pos[:S], stamp[:S]) if p >= 0}
+            if got_hot != dict(q.hot[l]):
+                _fail(f"({l}, {rid}) LRU slots cache {sorted(got_hot.items())} "
+                      f"sim {sorted(q.hot[l].items())}")
+            if (pos[S], stamp[S]) != q.reserved[l]:
+                _fail(f"({l}, {rid}) reserved slot cache {(pos[S], stamp[S])} sim {q.reserved[l]}")
+
+
+def check_result(cache, layer: int, req_ids: list[int], topk: list[list[int]], res,
+                 sim: LRUSim | None = None, *, compact: bool = False) -> None:
+    """One resolve result against the cache state right after it (see module doc).
+
+    ``sim``: the simulation *after* the same resolve (decides entry validity); without
+    it every non-(-1) entry must be valid.
+    """
+    SP = cache.SP
+    st = _cpu_state(cache)
+    hot_l = cache.hot[layer].cpu()
+    phys = res.physical.cpu().tolist()
+    vc = res.valid_counts.cpu().tolist()
+    if sim is not None:
+        valid = sim.entry_valid(req_ids, topk)
+    else:
+        valid = [[p != -1 for p in row] for row in topk]
+    for t, row in enumerate(topk):
+        want_pos = [p for k, p in enumerate(row) if valid[t][k]]
+        if vc[t] != len(want_pos):
+            _fail(f"valid_counts[{t}]={vc[t]}, expected {len(want_pos)}")
+        if compact:
+            got_idx = phys[t][:len(want_pos)]
+            if any(x != -1 for x in phys[t][len(want_pos):]):
+                _fail(f"compact row {t} has entries after its {len(want_pos)} valid ones")
+        else:
+            got_idx = [x for k, x in enumerate(phys[t]) if valid[t][k]]
+            bad = [k for k in range(len(row)) if not valid[t][k] and phys[t][k] != -1]
+            if bad:
+                _fail(f"token {t}: padding/invalid entries {bad} map to {phys[t]}")
+        if not want_pos:
+            continue
+        rid = req_ids[t]
+        r = cache.request_slot(rid)
+        host = cache.read_host_rows(layer, rid, want_pos)
+        for i, (p, x) in enumerate(zip(want_pos, got_idx)):
+            if not r * SP <= x < (r + 1) * SP:
+                _fail(f"token {t} pos {p}: physical {x} outside request slot {r}")
+            s = x - r * SP
+            if int(st["slot_pos"][layer, r, s]) != p:
+                _fail(f"token {t} pos {p}: slot {s} now holds {int(st['slot_pos'][layer, r, s])}"
+                      " (evicted in the step that referenced it)")
+            if not torch.equal(hot_l[x], host[i]):
+                _fail(f"token {t} pos {p}: hot row {x} bytes differ from host")
+
+
+# ------------------------------------------------------------------- snapshots
+def snapshot(cache) -> dict[str, Any]:
+    """Everything a failed call must leave unchanged (CPU copies)."""
+    snap: dict[str, Any] = {k: v.clone() for k, v in _cpu_state(cache).items()}
+    snap["hot"] = cache.hot.cpu().clone()
+    snap["pool"] = cache.pool.rows.clone()
+    alloc = cache.pool.allocator
+    snap["alloc"] = (alloc.num_free, {o: alloc.blocks(o) for o in alloc.owners()})
+    snap["live"] = {rid: (cache.request_slot(rid),
+                          [cache.layer_len(l, rid) for l in range(cache.cfg.num_layers)])
+                    for rid in cache.live_requests()}
+    return snap
+
+
+def assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
+    for k in a:
+        same = torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k]
+        if not same:
+            _fail(f"state '{k}' changed by a call that should have changed nothing")
+
+
+# ---------------------------------------------------------------- trace runner
+class TraceRunner:
+    """Applies ops to a cache and a sim together, checking after every op.
+
+    Ops are abstract (indices are taken modulo what exists), so any op list is valid
+    and hypothesis can shrink freely.
+    """
+
+    def __init__(self, cache, *, seed: int = 0, check_every: int = 1) -> None:
+        cfg = cache.cfg
+        self.cache, self.cfg = cache, cfg
+        self.sim = LRUSim(num_layers=cfg.num_layers, S=cache.S,
+                          max_query_len=cfg.max_query_len, max_request_id=cfg.max_request_id)
+        self.truth: dict[tuple[int, int], torch.Tensor] = {}
+        self.rng = random.Random(seed)
+        self.next_id = 0
+        self.ops = 0
+        self.check_every = check_every
+        self.capacity_errors = 0
+
+    def _check(self) -> None:
+        self.ops += 1
+        if self.ops % self.check_every == 0:
+            check_cache(self.cache, self.sim, self.truth)
+
+    def add(self) -> None:
+        rid = self.next_id % self.cfg.max_request_id
+        while rid in self.sim.reqs:
+            rid = (rid + 1) % self.cfg.max_request_id
+        self.next_id = rid + 1
+        if len(self.sim.reqs) >= self.cfg.max_num_reqs:
+            before = snapshot(self.cache)
+            try:
+                self.cache.add_request(rid)
+            except CapacityError:
+                self.capacity_errors += 1
+                assert_same(before, snapshot(self.cache))
+                return
+            _fail("add_request past max_num_reqs did not raise CapacityError")
+        self.cache.add_request(rid)
+        self.sim.add(rid)
+        self._check()
+
+    def free(self, which: int) -> None:
+        live = sorted(self.sim.reqs)
+        if not live:
+            return
+        rid = live[which % len(live)]
+        self.cache.free_request(rid)
+        self.sim.free(rid)
+        for l in range(self.cfg.num_layers):
+            self.truth.pop((rid, l), None)
+        self._check()
+
+    def append(self, which: int, layer: int, n: int, all_layers: bool = False) -> None:
+        live = sorted(self.sim.reqs)
+        if not live:
+            return
+        rid = live[which % len(live)]
+        layers = range(self.cfg.num_layers) if all_layers else [layer % self.cfg.num_layers]
+        for l in layers:
+            rows = torch.randint(0, 256, (n, self.cfg.row_bytes), dtype=torch.uint8,
+                                 generator=torch.Generator().manual_seed(self.rng.randrange(2**31)))
+            before = snapshot(self.cache) if n else None
+            try:
+                p0 = self.cache.append_rows(l, rid, rows.to(self.cache.device))
+            except CapacityError:
+                self.capacity_errors += 1
+                assert_same(before, snapshot(self.cache))
+                return
+            if p0 != self.sim.reqs[rid].lens[l]:
+                _fail(f"append_rows returned {p0}, expected {self.sim.reqs[rid].lens[l]}")
+            self.sim.append(l, rid, n)
+            old = self.truth.get((rid, l), torch.empty((0, self.cfg.row_bytes), dtype=torch.uint8))
+            self.truth[(rid, l)] = torch.cat([old, rows])
+            self._check()
+
+    def make_step(self, mask: int, pad: float, invalid: bool) -> tuple[list[int], list[list[int]]]:
+        """req_ids/topk for the live requests selected by ``mask``."""
+        K, q = self.cfg.top_k, self.cfg.max_query_len
+        ids: list[int] = []
+        topk: list[list[int]] = []
+        live = sorted(self.sim.reqs)
+        for i, rid in enumerate(live):
+            if not (mask >> i) & 1:
+                continue
+            n = self.sim.seq_len(rid)
+            for _ in range(self.rng.randint(1, q + (1 if invalid else 0))):
+                row = []
+                for _ in range(K):
+                    u = self.rng.random()
+                    if u < pad or n == 0:
+                        row.append(-1)
+                    elif invalid and u < pad + 0.1:
+                        row.append(self.rng.choice([-2, n, n + 3, -7]))
+                    else:
+                        row.append(self.rng.randrange(n))
+                topk.append(row)
+                ids.append(rid)
+        cap = self.cache.max_tokens
+        ids, topk = ids[:cap], topk[:cap]
+        if invalid and ids and self.rng.random() < 0.3:
+            ids[self.rng.randrange(len(ids))] = self.rng.choice(
+                [-1, self.cfg.max_request_id, self.next_id % self.cfg.max_request_id])
+        return ids, topk
+
+    def resolve(self, layer: int, mask: int, pad: float = 0.2, invalid: bool = False,
+                compact: bool = False) -> None:
+        """Resolve a step for the live requests picked by bitmask ``mask``; ``invalid``
+        runs unchecked with bad ids/positions mixed in."""
+        layer %= self.cfg.num_layers
+        ids, topk = self.make_step(mask, pad, invalid)
+        dev = self.cache.device
+        ids_t = torch.tensor(ids, dtype=torch.int32, device=dev)
+        topk_t = torch.tensor(topk, dtype=torch.int32, device=dev).reshape(len(ids), self.cfg.top_k)
+        res = self.cache.resolve(layer, ids_t, topk_t, validate=not invalid, compact=compact)
+        self.sim.resolve(layer, ids, topk)
+        check_result(self.cache, layer, ids, topk, res, self.sim, compact=compact)
+        self._check()
+
+    def run(self, ops: list[tuple]) -> None:
+        for op in ops:
+            kind, args = op[0], op[1:]
+            getattr(self, kind)(*args)
+
+
+__all__ = ["LRUSim", "check_cache", "check_result", "snapshot", "assert_same", "TraceRunner"]

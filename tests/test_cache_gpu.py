@@ -1,0 +1,157 @@
+"""HiSparseCache on CUDA: the random traces byte-exact, CUDA-graph capture + replay
+of an unchecked resolve equal to eager, results with wait=False, and a host pool that
+is really pinned and exactly the asked size. Needs a CUDA GPU (skipped without one).
+"""
+
+import random
+
+import pytest
+import torch
+
+from hisparse import HiSparseConfig
+from hisparse.cache.cache import HiSparseCache
+
+from invariants import TraceRunner, check_cache, check_result
+
+pytestmark = pytest.mark.gpu
+
+SMALL = dict(num_layers=2, host_pool_tokens=48, row_bytes=16, top_k=2, device_buffer_size=4,
+             max_num_reqs=3, max_query_len=2, host_block_size=2, max_request_id=6)
+FP8ROWS = dict(num_layers=2, host_pool_tokens=1000, row_bytes=656, top_k=8, device_buffer_size=16,
+               max_num_reqs=3, max_query_len=2, host_block_size=16, max_request_id=9)
+
+
+def long_trace(runner, rng, n_ops, n_big=9):
+    for _ in range(n_ops):
+        u = rng.random()
+        if u < 0.12:
+            runner.add()
+        elif u < 0.18:
+            runner.free(rng.randrange(8))
+        elif u < 0.5:
+            runner.append(rng.randrange(8), rng.randrange(4), rng.choice([1, 1, 2, 5, n_big]),
+                          rng.random() < 0.8)
+        else:
+            runner.resolve(rng.randrange(4), rng.randrange(16), rng.choice([0.0, 0.3]),
+                           rng.random() < 0.25, rng.random() < 0.3)
+
+
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
+@pytest.mark.parametrize("shape,n_big", [(SMALL, 9), (FP8ROWS, 40)])
+def test_random_traces_byte_exact_on_cuda(kernels, shape, n_big):
+    cache = HiSparseCache(HiSparseConfig(device="cuda", **shape), kernels=kernels)
+    print(f"kernels={kernels} -> {cache.kernels}, pool pinned={cache.pool.pinned}")
+    if kernels == "auto":
+        assert cache.kernels == "triton", cache.kernels
+    for seed in range(2):
+        runner = TraceRunner(cache if seed == 0 else
+                             HiSparseCache(HiSparseConfig(device="cuda", **shape), kernels=kernels),
+                             seed=seed)
+        long_trace(runner, random.Random(seed), 150, n_big)
+        tot = runner.cache.stats()["total"]
+        print(f"seed {seed}: {tot} capacity_errors={runner.capacity_errors}")
+        assert tot["misses"] > 0 and tot["hits"] > 0
+
+
+def test_host_pool_is_pinned_and_exact_size():
+    cfg = HiSparseConfig(device="cuda", **FP8ROWS)  # 2 x 992 x 656 bytes: no power of two
+    cache = HiSparseCache(cfg)
+    pool = cache.pool
+    assert pool.pinned is True
+    assert pool.rows.is_pinned() and pool.buffer.tensor.is_pinned()
+    assert pool.rows.shape == (2, cfg.num_host_rows, 656)
+    assert pool.nbytes == cfg.host_pool_bytes == 2 * 992 * 656
+    assert pool.buffer.tensor.untyped_storage().nbytes() == cfg.host_pool_bytes
+    assert cache.stats()["host_pool"]["pinned"] is True
+
+
+def _build(cfg, lens, seed=0):
+    """A cache with requests 0..len(lens)-1 holding ``lens[i]`` random rows per layer."""
+    cache = HiSparseCache(cfg)
+    g = torch.Generator().manual_seed(seed)
+    for rid, n in enumerate(lens):
+        cache.add_request(rid)
+        for layer in range(cfg.num_layers):
+            rows = torch.randint(0, 256, (n, cfg.row_bytes), dtype=torch.uint8, generator=g)
+            cache.append_rows(layer, rid, rows.cuda())
+    return cache
+
+
+def _steps(ids, lens, K, n, seed):
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        rows = []
+        for rid in ids:
+            rows.append([rng.randrange(lens[rid]) if rng.random() > 0.15 else -1 for _ in range(K)])
+        out.append(rows)
+    return out
+
+
+def _state(cache):
+    st = cache.state
+    return {k: getattr(st, k).clone() for k in
+            ("id_to_slot", "seq_lens", "block_table", "slot_pos", "slot_stamp", "row_slot",
+             "step", "stats")}
+
+
+def test_graph_replay_of_unchecked_resolve_equals_eager():
+    cfg = HiSparseConfig(num_layers=2, host_pool_tokens=4096, row_bytes=656, top_k=64,
+                         device_buffer_size=128, max_num_reqs=4, max_query_len=2,
+                         host_block_size=16, max_request_id=64, device="cuda")
+    lens = [300, 100, 50]  # request 2 fits the hot buffer (never misses)
+    ids = [0, 0, 1, 2, 2]
+    steps = _steps(ids, lens, cfg.top_k, 6, seed=5)
+    eager, graphed, warm = _build(cfg, lens), _build(cfg, lens), _build(cfg, lens)
+    assert graphed.kernels == "triton"
+    ids_t = torch.tensor(ids, dtype=torch.int32, device="cuda")
+    static_topk = torch.tensor(steps[0], dtype=torch.int32, device="cuda")
+    # compile the kernels outside capture, on a third cache with the same shapes
+    warm.resolve(0, ids_t, static_topk, validate=False)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        res_g = graphed.resolve(0, ids_t, static_topk, validate=False)
+    torch.cuda.synchronize()
+    assert graphed.stats()["total"]["resolves"] == 0  # capture ran nothing
+    for i, step in enumerate(steps):
+        if i == 3:  # an eager append between replays: both caches, then join the backup
+            rows = torch.randint(0, 256, (3, cfg.row_bytes), dtype=torch.uint8,
+                                 generator=torch.Generator().manual_seed(i)).cuda()
+            for c in (eager, graphed):
+                c.append_rows(0, 1, rows)
+            graphed.join_backup()
+        static_topk.copy_(torch.tensor(step, dtype=torch.int32))
+        graph.replay()
+        res_e = eager.resolve(0, ids_t, torch.tensor(step, dtype=torch.int32, device="cuda"),
+                              validate=False)
+        torch.cuda.synchronize()
+        assert torch.equal(res_g.physical, res_e.physical), f"step {i}"
+        assert torch.equal(res_g.valid_counts, res_e.valid_counts), f"step {i}"
+        se, sg = _state(eager), _state(graphed)
+        for k in se:
+            assert torch.equal(se[k], sg[k]), f"step {i}: state {k} differs"
+        assert torch.equal(eager.hot, graphed.hot), f"step {i}: hot rows differ"
+        check_result(graphed, 0, ids, step, res_g)
+        check_cache(graphed)
+    tot = graphed.stats()["total"]
+    print(f"graph replay: {tot}")
+    assert tot["resolves"] == 3 * len(steps) and tot["misses"] > 0
+
+
+def test_wait_false_results_of_two_layers_stay_valid():
+    cfg = HiSparseConfig(device="cuda", **FP8ROWS)
+    lens = [70, 20]
+    cache = _build(cfg, lens, seed=1)
+    ids = [0, 1, 1]
+    s0, s1 = _steps(ids, lens, cfg.top_k, 2, seed=9)
+    ids_t = torch.tensor(ids, dtype=torch.int64, device="cuda")  # int64 ids accepted
+    r0 = cache.resolve(0, ids_t, torch.tensor(s0, dtype=torch.int32, device="cuda"), wait=False)
+    r1 = cache.resolve(1, ids_t, torch.tensor(s1, dtype=torch.int32, device="cuda"), wait=False)
+    assert r0.event is not None and r1.event is not None
+    r0.wait()
+    r1.wait(torch.cuda.current_stream())
+    torch.cuda.synchronize()
+    check_result(cache, 0, ids, s0, r0)
+    check_result(cache, 1, ids, s1, r1)
+    check_cache(cache)
