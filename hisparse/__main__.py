@@ -1,0 +1,7 @@
+"""``python -m hisparse ...``: the same command as ``hisparse ...``."""
+
+import sys
+
+from .tools.cli import main
+
+sys.exit(main())

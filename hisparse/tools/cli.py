@@ -1,0 +1,328 @@
+"""The ``hisparse`` command: ``stress``, ``autotune``, ``plan``, ``env`` (and ``mini-engine``).
+
+Every subcommand has ``--help``, prints a readable table (or ``--json``: the result
+dict as JSON on stdout, nothing else there), shows progress on stderr for long work
+(``--quiet`` turns it off), and exits non-zero on failure:
+
+  0  success
+  1  the run itself failed (stress: a verification mismatch; mini-engine: outputs differ)
+  2  bad arguments or input (ValueError/TypeError, with the message on stderr)
+  3  a capacity limit (CapacityError: nothing fits the budget / pool)
+  4  a missing optional dependency (e.g. --plot without matplotlib, env module absent)
+
+``python -m hisparse ...`` is the same command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, Callable, Sequence
+
+from ..errors import CapacityError
+
+EXIT_OK, EXIT_FAILED, EXIT_INPUT, EXIT_CAPACITY, EXIT_MISSING = 0, 1, 2, 3, 4
+
+
+def _verify_arg(text: str) -> int | str:
+    if text in ("all", "none"):
+        return text
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a count, 'all' or 'none', got {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"verify count must be >= 0, got {n}")
+    return n
+
+
+def _tokens(text: str) -> int:
+    from .plan import parse_tokens
+
+    try:
+        return parse_tokens(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _bytes(text: str) -> int:
+    from .plan import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _emit(args, result: dict[str, Any], text: str) -> None:
+    if args.json:
+        print(json.dumps(result, indent=2, sort_keys=True, default=str))
+    else:
+        print(text)
+
+
+# ------------------------------------------------------------------ stress
+STRESS_PRESETS = {
+    "small": {},  # the StressOptions defaults: < 1 minute on a 2-core CPU
+    "gpu": dict(num_requests=64, context=128 * 1024, context_min=96 * 1024, num_layers=4,
+                top_k=2048, buffer_size=4096, steps=100, verify=256, device="cuda"),
+}
+
+
+def _add_stress(sub) -> None:
+    from .stress import StressOptions
+
+    d = StressOptions()
+    p = sub.add_parser(
+        "stress", help="long-context stress run of the real cache, byte-exact verification",
+        description=(
+            "Drive the cache with many requests x long contexts x layers for a number of decode "
+            "steps, requests joining and leaving; verify physical rows byte-exact against the "
+            "host copy every step (a mismatch fails the run, exit 1); report hit rate vs the "
+            "Belady optimum, H2D bytes and GB/s, step time p50/p99 and memory. With no "
+            "arguments: a small CPU-sized run (< 1 min). GPU size: --preset gpu "
+            "(64 requests x 128K context x 4 layers, K=2048, S=4096). Defaults in [brackets]."))
+    p.add_argument("--preset", choices=sorted(STRESS_PRESETS), default="small",
+                   help="base sizes; explicit flags override [small]")
+    a = p.add_argument
+    a("--requests", dest="num_requests", type=int, help=f"live requests at once [{d.num_requests}]")
+    a("--context", type=_tokens, help=f"max context of a joining request, e.g. 128K, 1M [{d.context}]")
+    a("--context-min", type=_tokens, help="min context of a joining request [context/2]")
+    a("--layers", dest="num_layers", type=int, help=f"layers [{d.num_layers}]")
+    a("--top-k", type=int, help=f"indexer top-k K [{d.top_k}]")
+    a("--buffer", dest="buffer_size", type=int, help="hot LRU slots S per (layer, request) [2*K]")
+    a("--format", dest="row_format", choices=["fp8_ds_mla", "bf16"], help=f"row format [{d.row_format}]")
+    a("--steps", type=int, help=f"decode steps [{d.steps}]")
+    a("--churn", type=float, help=f"per step and request: probability it leaves [{d.churn}]")
+    a("--trace", choices=["uniform", "correlated", "replay", "indexer"],
+      help=f"top-k source [{d.trace}]")
+    a("--drift", type=float, help=f"correlated: fraction replaced per step; indexer: query drift [{d.drift}]")
+    a("--replay", metavar="FILE", help="replay a recorded .npz trace (implies --trace replay)")
+    a("--record", metavar="FILE", help="write the trace used to this .npz (format: hisparse.tools.traces)")
+    a("--verify", type=_verify_arg, help=f"rows checked per layer and step, 'all' or 'none' [{d.verify}]")
+    a("--seed", type=int, help=f"seed [{d.seed}]")
+    a("--device", help="cpu or cuda [cuda if available]")
+    a("--block-size", type=int, help=f"host block size [{d.block_size}]")
+    a("--kernels", choices=["auto", "torch", "triton"], help=f"cache kernels [{d.kernels}]")
+    a("--no-optimal", dest="optimal", action="store_false", default=None,
+      help="skip the Belady bound (saves host memory on huge runs)")
+    a("--unchecked", dest="checked", action="store_false", default=None,
+      help="resolve without the host-syncing input check (times the fast path)")
+    a("--plot", metavar="DIR", help="write hit_rate.png and step_time.png there (needs matplotlib)")
+    a("--corrupt-step", type=int, help=argparse.SUPPRESS)  # test hook
+    p.set_defaults(func=_cmd_stress)
+
+
+def _cmd_stress(args) -> int:
+    from .report import plot_stress, require_matplotlib
+    from .stress import StressOptions, format_stress, run_stress
+
+    kw = dict(STRESS_PRESETS[args.preset])
+    for f in ("num_requests", "context", "context_min", "num_layers", "top_k", "buffer_size",
+              "row_format", "steps", "churn", "trace", "drift", "replay", "record", "verify",
+              "seed", "device", "block_size", "kernels", "optimal", "checked", "corrupt_step"):
+        v = getattr(args, f)
+        if v is not None:
+            kw[f] = v
+    if "context" in kw and args.context_min is None and kw.get("context_min", 0) > kw["context"]:
+        del kw["context_min"]  # a preset's minimum above an explicit --context: use the default
+    if args.replay and "trace" not in kw:
+        kw["trace"] = "replay"
+    if args.plot:
+        require_matplotlib()  # fail before the run, not after it
+    o = StressOptions(progress=not args.quiet, **kw)
+    r = run_stress(o)
+    if args.plot:
+        ps = r["per_step"]
+        r["plots"] = plot_stress(args.plot, hit_rate=ps["hit_rate"], optimal=ps["optimal_hit_rate"],
+                                 step_ms=ps["step_ms"])
+    text = format_stress(r)
+    if args.plot:
+        text += "\nplots: " + ", ".join(r["plots"])
+    _emit(args, r, text)
+    return EXIT_OK if r["ok"] else EXIT_FAILED
+
+
+# ------------------------------------------------------------------ autotune
+def _add_autotune(sub) -> None:
+    from .autotune import AutotuneOptions
+
+    d = AutotuneOptions()
+    p = sub.add_parser(
+        "autotune", help="largest decode batch that fits GPU memory, and the fastest one",
+        description=(
+            "Find the largest max_num_reqs whose hot buffers, slot/LRU state, resolve buffers and "
+            "attention I/O fit --gpu-memory; warm the cache and attention backend at candidate "
+            "batches, time decode steps, pick the best tokens/s under --latency-ms. Writes JSON "
+            "(--out) that hisparse.tools.autotune.load_tuned_config() loads (it refuses a "
+            "result from another GPU or library version). Without a GPU it runs on CPU and "
+            "says the timings are CPU timings."))
+    a = p.add_argument
+    a("--layers", dest="num_layers", type=int, default=d.num_layers, help=f"layers [{d.num_layers}]")
+    a("--format", dest="row_format", choices=["fp8_ds_mla", "bf16"], default=d.row_format)
+    a("--top-k", type=int, default=d.top_k, help=f"[{d.top_k}]")
+    a("--buffer", dest="buffer_size", type=int, default=None, help="hot LRU slots S [2*K]")
+    a("--context", type=_tokens, default=d.context, help=f"context per request while timing [{d.context}]")
+    a("--query-len", dest="max_query_len", type=int, default=1, help="decode tokens per request per step")
+    a("--heads", dest="num_heads", type=int, default=d.num_heads, help=f"attention heads [{d.num_heads}]")
+    a("--gpu-memory", type=_bytes, default=None,
+      help="budget, e.g. 40GiB [90%% of free GPU memory; required on CPU]")
+    a("--host-memory", type=_bytes, default=None, help="host pool budget [half the machine's RAM]")
+    a("--max-reqs", type=int, default=1024, help="upper bound of the batch search [1024]")
+    a("--reserve-frac", type=float, default=d.reserve_frac, help=f"slack on top [{d.reserve_frac}]")
+    a("--latency-ms", type=float, default=None, help="max median step time")
+    a("--steps", type=int, default=d.steps, help=f"timed steps per batch [{d.steps}]")
+    a("--warmup", type=int, default=d.warmup, help=f"warm-up steps per batch [{d.warmup}]")
+    a("--candidates", dest="max_candidates", type=int, default=d.max_candidates,
+      help=f"batches to time [{d.max_candidates}]")
+    a("--block-size", type=int, default=d.block_size)
+    a("--device", default=None, help="cpu or cuda [cuda if available]")
+    a("--backend", default=None, help="preferred attention backend name")
+    a("--flashmla-lib", default=None, help="FlashMLA library path [$HISPARSE_FLASHMLA_LIB]")
+    a("--out", metavar="FILE", help="write the JSON result here")
+    p.set_defaults(func=_cmd_autotune)
+
+
+def _cmd_autotune(args) -> int:
+    from .autotune import AutotuneOptions, format_autotune, run_autotune, save_result
+
+    o = AutotuneOptions(
+        num_layers=args.num_layers, row_format=args.row_format, top_k=args.top_k,
+        buffer_size=args.buffer_size, context=args.context, max_query_len=args.max_query_len,
+        num_heads=args.num_heads, gpu_memory=args.gpu_memory, host_memory=args.host_memory,
+        max_reqs=args.max_reqs, reserve_frac=args.reserve_frac,
+        latency_ms=args.latency_ms, steps=args.steps, warmup=args.warmup,
+        max_candidates=args.max_candidates, block_size=args.block_size, device=args.device,
+        backend=args.backend, progress=not args.quiet,
+        flashmla_lib=args.flashmla_lib or os.environ.get("HISPARSE_FLASHMLA_LIB") or None)
+    r = run_autotune(o)
+    if args.out:
+        save_result(r, args.out)
+    text = format_autotune(r) + (f"\nwrote {args.out}" if args.out else "")
+    _emit(args, r, text)
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------ plan
+def _add_plan(sub) -> None:
+    from .plan import FORMULAS
+
+    p = sub.add_parser(
+        "plan", help="capacity planner: concurrent requests with and without hisparse",
+        description="Concurrent requests without hisparse (all rows on the GPU) and with it (hot "
+                    "buffers + indexer keys on the GPU, rows on host); which resource binds; the "
+                    "host pool a target concurrency needs.\n\nFormulas:" + FORMULAS,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a("--layers", dest="num_layers", type=int, default=61, help="layers L (default 61)")
+    a("--format", dest="row_format", choices=["fp8_ds_mla", "bf16"], default="fp8_ds_mla")
+    a("--top-k", type=int, default=2048, help="K (default 2048)")
+    a("--indexer-bytes", type=int, default=132, help="indexer bytes per token per layer I (default 132)")
+    a("--context", dest="context_len", type=_tokens, default=128 * 1024, help="context C (default 128K)")
+    a("--gpu-memory", dest="gpu_bytes", type=_bytes, default=80 << 30, help="GPU bytes for KV G (default 80GiB)")
+    a("--host-memory", dest="host_bytes", type=_bytes, default=1 << 40, help="host pool bytes Hm (default 1TiB)")
+    a("--hot-rows", type=int, default=None, help="hot rows per request S (default 2*K)")
+    a("--max-seqs", type=int, default=1024, help="max sequences M (default 1024)")
+    a("--block-size", type=int, default=64, help="host block size B (default 64)")
+    a("--target", dest="target_requests", type=int, default=None, help="target concurrency")
+    p.set_defaults(func=_cmd_plan)
+
+
+def _cmd_plan(args) -> int:
+    from .plan import PlanInputs, format_plan, plan
+
+    r = plan(PlanInputs(num_layers=args.num_layers, context_len=args.context_len,
+                        gpu_bytes=args.gpu_bytes, host_bytes=args.host_bytes,
+                        row_format=args.row_format, top_k=args.top_k,
+                        indexer_bytes=args.indexer_bytes, hot_rows=args.hot_rows,
+                        max_seqs=args.max_seqs, block_size=args.block_size,
+                        target_requests=args.target_requests))
+    _emit(args, r, format_plan(r))
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------ env
+class MissingDependency(RuntimeError):
+    """An optional part of hisparse is not installed."""
+
+
+def _add_env(sub) -> None:
+    p = sub.add_parser("env", help="GPU, driver, versions, pinned memory, attention backends",
+                       description="What this machine offers hisparse: GPU, driver, torch/triton/cupy "
+                                   "versions, a pinned-memory check, and which attention backends are "
+                                   "available (and why not).")
+    p.add_argument("--device", default=None, help="device the checks run on [cuda if available]")
+    p.add_argument("--flashmla-lib", default=None, help="FlashMLA library path to try "
+                                                        "(default $HISPARSE_FLASHMLA_LIB)")
+    p.set_defaults(func=_cmd_env)
+
+
+def _cmd_env(args) -> int:
+    try:
+        from .env import collect_env, format_env
+    except ImportError as e:
+        raise MissingDependency(f"`hisparse env` needs hisparse.tools.env, which failed to import: {e}") from None
+    d = collect_env(device=args.device, flashmla_lib=args.flashmla_lib)
+    _emit(args, d, format_env(d))
+    return EXIT_OK
+
+
+# ------------------------------------------------------------------ mini-engine
+def _add_mini_engine(sub) -> None:
+    try:
+        from . import mini_engine
+    except ImportError:
+        return
+    p = sub.add_parser("mini-engine", help="random-weight sparse-MLA engine: resident vs hisparse",
+                       description="Serve a random-weight sparse-MLA model twice (resident KV and "
+                                   "hisparse), check the outputs match, compare speed.")
+    mini_engine.build_parser(p)
+    p.set_defaults(func=lambda args: mini_engine.run_args(args), has_own_json=True)
+
+
+# ------------------------------------------------------------------ main
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hisparse", description="hisparse: tiered KV cache for sparse-MLA attention.",
+        epilog="exit status: 0 ok, 1 run failed, 2 bad input, 3 capacity, 4 missing dependency")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    adders: list[Callable] = [_add_stress, _add_autotune, _add_plan, _add_env]
+    for add in adders:
+        add(sub)
+    for name in ("stress", "autotune", "plan", "env"):
+        sp = sub.choices[name]
+        sp.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+        sp.add_argument("--quiet", action="store_true", help="no progress output on stderr")
+    _add_mini_engine(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``hisparse`` command; returns the exit status."""
+    from .report import PlotUnavailable
+
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (2)
+        return int(e.code or 0)
+    if not getattr(args, "command", None):
+        parser.print_help(sys.stderr)
+        return EXIT_INPUT
+    try:
+        return int(args.func(args))
+    except (ValueError, TypeError) as e:
+        print(f"hisparse {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_INPUT
+    except CapacityError as e:
+        print(f"hisparse {args.command}: capacity: {e}", file=sys.stderr)
+        return EXIT_CAPACITY
+    except (PlotUnavailable, MissingDependency) as e:
+        print(f"hisparse {args.command}: {e}", file=sys.stderr)
+        return EXIT_MISSING
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

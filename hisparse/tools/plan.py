@@ -1,0 +1,188 @@
+"""Capacity planner: how many concurrent requests fit with and without hisparse.
+
+Notation (all per request unless said otherwise):
+
+  L   layers              row  bytes of one MLA row (656 fp8_ds_mla, 1152 bf16)
+  I   indexer key bytes per token per layer (DeepSeek-V3.2: 128 fp8 + 4-byte scale = 132)
+  C   context tokens      B  host block size (tokens)      Cb = ceil(C / B) * B
+  S   hot rows (LRU slots) per (layer, request); one more reserved newest-token slot
+  G   GPU bytes for KV    Hm host bytes for the pool        M  max sequences (a cap)
+
+Formulas (``FORMULAS`` below is printed by ``hisparse plan --help``):
+
+  resident (no hisparse), GPU bytes = C * L * (row + I)
+  hisparse, GPU bytes  = L * (S + 1) * (row + 8)     hot rows + slot position/stamp (int32 each)
+                       + C * L * I                   indexer keys stay on the GPU
+                       + Cb * L * 4                  row -> slot map (int32 per host row)
+                       + 4 * (Cb / B) + 8 * L + 4    block table, LRU step, length
+  hisparse, host bytes = Cb * L * row
+
+  N_resident = min(floor(G / resident GPU bytes), M)
+  N_hisparse = min(floor(G / hisparse GPU bytes), floor(Hm / host bytes), M)
+  binding resource = the term that gives N_hisparse (gpu | host | max_seqs)
+  host pool for a target of N requests = N * host bytes
+
+Result fields (``plan`` / ``hisparse plan --json``): inputs (PlanInputs + row_bytes),
+per_request_bytes {resident_gpu, hisparse_gpu, hisparse_gpu_breakdown {hot_rows_and_
+slot_state, indexer_keys, row_to_slot_map, tables}, hisparse_host}, concurrency
+{resident, hisparse, hisparse_gpu_limit, hisparse_host_limit, max_seqs}, binding,
+gain (hisparse / resident, None when resident is 0), host_pool_for_hisparse_bytes,
+target {requests, host_pool_bytes, gpu_bytes, fits_gpu, within_max_seqs} (with a target).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+from ..config import RowFormat
+
+FORMULAS = (__doc__.split("Formulas", 1)[1].split("\n", 1)[1].split("Result fields")[0].rstrip()
+            if __doc__ else "")
+
+_MEM_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "kb": 10**3, "m": 1 << 20,
+              "mib": 1 << 20, "mb": 10**6, "g": 1 << 30, "gib": 1 << 30, "gb": 10**9,
+              "t": 1 << 40, "tib": 1 << 40, "tb": 10**12}
+_COUNT_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20}
+
+
+def _parse(text: str | int, units: dict[str, int], what: str) -> int:
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+        if not m or m.group(2).lower() not in units:
+            raise ValueError(f"cannot parse {what} {text!r}; examples: "
+                             + ", ".join(["80GiB", "141G", "1.5TB", "4096"] if units is _MEM_UNITS
+                                         else ["131072", "128K", "1M"]))
+        value = int(round(float(m.group(1)) * units[m.group(2).lower()]))
+    if value < 0:
+        raise ValueError(f"{what} must be >= 0, got {value}")
+    return value
+
+
+def parse_bytes(text: str | int) -> int:
+    """'80GiB' / '80G' (binary) / '80GB' (decimal) / '1024' -> bytes."""
+    return _parse(text, _MEM_UNITS, "memory size")
+
+
+def parse_tokens(text: str | int) -> int:
+    """'131072' / '128K' / '1M' (binary multiples) -> tokens."""
+    return _parse(text, _COUNT_UNITS, "token count")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanInputs:
+    """Inputs of the planner (see module docstring for the symbols)."""
+
+    num_layers: int  # L
+    context_len: int  # C
+    gpu_bytes: int  # G
+    host_bytes: int  # Hm
+    row_format: str = "fp8_ds_mla"
+    top_k: int = 2048
+    indexer_bytes: int = 132  # I
+    hot_rows: int | None = None  # S; default 2 * top_k
+    max_seqs: int = 1 << 20  # M
+    block_size: int = 64  # B
+    target_requests: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "context_len", "top_k", "max_seqs", "block_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        for name in ("gpu_bytes", "host_bytes", "indexer_bytes"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+        RowFormat.parse(self.row_format)
+        if self.hot_rows is None:
+            object.__setattr__(self, "hot_rows", 2 * self.top_k)
+        if isinstance(self.hot_rows, bool) or not isinstance(self.hot_rows, int) \
+                or self.hot_rows < self.top_k:
+            raise ValueError(f"hot_rows must be an int >= top_k ({self.top_k}): one step may "
+                             f"select top_k distinct rows; got {self.hot_rows!r}")
+        t = self.target_requests
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t <= 0):
+            raise ValueError(f"target_requests must be a positive int, got {t!r}")
+
+
+def plan(inp: PlanInputs) -> dict:
+    """Evaluate the formulas of the module docstring; returns a JSON-able dict."""
+    L, C, B, S, I = inp.num_layers, inp.context_len, inp.block_size, inp.hot_rows, inp.indexer_bytes
+    row = RowFormat.parse(inp.row_format).row_bytes
+    nblocks = math.ceil(C / B)
+    Cb = nblocks * B
+    resident_gpu = C * L * (row + I)
+    hot = L * (S + 1) * (row + 8)
+    indexer = C * L * I
+    row_map = Cb * L * 4
+    small = 4 * nblocks + 8 * L + 4
+    hs_gpu = hot + indexer + row_map + small
+    hs_host = Cb * L * row
+    n_res = min(inp.gpu_bytes // resident_gpu, inp.max_seqs)
+    n_gpu = inp.gpu_bytes // hs_gpu
+    n_host = inp.host_bytes // hs_host
+    n_hs = min(n_gpu, n_host, inp.max_seqs)
+    binding = "gpu" if n_hs == n_gpu else ("host" if n_hs == n_host else "max_seqs")
+    out = {
+        "inputs": dataclasses.asdict(inp) | {"row_bytes": row},
+        "per_request_bytes": {
+            "resident_gpu": resident_gpu,
+            "hisparse_gpu": hs_gpu,
+            "hisparse_gpu_breakdown": {"hot_rows_and_slot_state": hot, "indexer_keys": indexer,
+                                       "row_to_slot_map": row_map, "tables": small},
+            "hisparse_host": hs_host,
+        },
+        "concurrency": {"resident": n_res, "hisparse": n_hs, "hisparse_gpu_limit": n_gpu,
+                        "hisparse_host_limit": n_host, "max_seqs": inp.max_seqs},
+        "binding": binding,
+        "gain": (n_hs / n_res) if n_res else None,
+        "host_pool_for_hisparse_bytes": n_hs * hs_host,
+    }
+    if inp.target_requests is not None:
+        t = inp.target_requests
+        out["target"] = {"requests": t, "host_pool_bytes": t * hs_host, "gpu_bytes": t * hs_gpu,
+                         "fits_gpu": t * hs_gpu <= inp.gpu_bytes,
+                         "within_max_seqs": t <= inp.max_seqs}
+    return out
+
+
+def fmt_bytes(n: int | float) -> str:
+    """Human-readable binary size: 1536 -> '1.50 KiB'."""
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"  # pragma: no cover
+
+
+def format_plan(p: dict) -> str:
+    """The readable table of a :func:`plan` result."""
+    from .report import table
+
+    i, b, c = p["inputs"], p["per_request_bytes"], p["concurrency"]
+    head = (f"L={i['num_layers']} {i['row_format']} ({i['row_bytes']} B/row) top_k={i['top_k']} "
+            f"S={i['hot_rows']} context={i['context_len']} indexer={i['indexer_bytes']} B/token/layer\n"
+            f"GPU for KV {fmt_bytes(i['gpu_bytes'])}, host {fmt_bytes(i['host_bytes'])}, "
+            f"max seqs {i['max_seqs']}")
+    rows = [["resident (no hisparse)", fmt_bytes(b["resident_gpu"]), "-", c["resident"]],
+            ["hisparse", fmt_bytes(b["hisparse_gpu"]), fmt_bytes(b["hisparse_host"]), c["hisparse"]]]
+    lines = [head, "", table(["mode", "GPU / request", "host / request", "concurrent requests"], rows)]
+    gb = b["hisparse_gpu_breakdown"]
+    lines.append("\nhisparse GPU per request: " + ", ".join(
+        f"{k.replace('_', ' ')} {fmt_bytes(v)}" for k, v in gb.items()))
+    lines.append(f"binding resource: {p['binding']} (GPU allows {c['hisparse_gpu_limit']}, "
+                 f"host allows {c['hisparse_host_limit']}, max seqs {c['max_seqs']})")
+    if p["gain"] is not None:
+        lines.append(f"gain: {p['gain']:.2f}x the resident concurrency")
+    lines.append(f"host pool used at that concurrency: {fmt_bytes(p['host_pool_for_hisparse_bytes'])}")
+    if "target" in p:
+        t = p["target"]
+        lines.append(f"target {t['requests']} requests: host pool >= {fmt_bytes(t['host_pool_bytes'])}"
+                     f", GPU {fmt_bytes(t['gpu_bytes'])} ({'fits' if t['fits_gpu'] else 'does NOT fit'}"
+                     " the GPU budget)")
+    return "\n".join(lines)

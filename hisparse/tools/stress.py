@@ -1,0 +1,488 @@
+"""``hisparse stress``: drive the real cache with a long-context workload and verify it.
+
+Each decode step: requests that left are freed; joining requests are added and
+prefilled (rows appended in chunks); every live request appends one new row per layer;
+then each layer resolves the step's top-k for the whole batch. After every resolve a
+sample of the physical rows (or all of them, ``verify="all"``) is checked byte-exact:
+the hot row must equal the regenerated row and the host copy (``read_host_rows``)
+must equal it too; padding must map to padding and distinct positions to distinct
+rows. Any mismatch stops the run and fails it.
+
+Row contents are deterministic pseudo-random bytes of (seed, layer, request instance,
+position) (:func:`row_content`), generated on the cache device, so a verifier can
+regenerate any row without trusting the cache. The request *instance* (a counter of
+joins) rather than the id keys the bytes, so a reused id with stale mappings shows up.
+
+Timing: the step time covers the decode appends and the resolves (misses staged),
+synchronised on CUDA; top-k generation, verification and recording are outside it.
+Prefill of joining requests is timed separately.
+
+Result (``run_stress`` / ``hisparse stress --json``), a dict:
+  ok                 bool, False when any verification failed (the run stops there)
+  failures           list[str], what differed and where
+  device, kernels    the device name ("cpu" or the GPU's) and the cache kernels used
+  timings_are        "GPU (CUDA-synchronised)" or "CPU (torch reference path)"
+  config             the HiSparseConfig as a dict
+  workload           trace, drift, replay, steps_run, steps_planned, requests, context,
+                     churn, joined, left, verify, seed, record
+  overall            hits, misses, hit_rate, optimal_hit_rate (Belady, None with
+                     optimal=False), bytes_h2d, h2d_GBps (over resolve + staging time),
+                     step_ms_min/p50/p99, append_ms_p50, resolve_ms_p50, prefill_rows,
+                     prefill_s, rows_verified, host_pool_bytes, hot_buffer_bytes,
+                     host_rss_peak_bytes, gpu_peak_bytes (None on CPU)
+  per_layer          list of {layer, hits, misses, hit_rate, optimal_hit_rate,
+                     bytes_h2d, h2d_GBps}
+  per_step           {hit_rate: [..], optimal_hit_rate: [..] | None, step_ms: [..]}
+  plots              (CLI with --plot) paths of the PNGs written
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import resource
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..config import HiSparseConfig, RowFormat
+from .belady import OptimalTracker, hit_rate
+from .progress import Progress
+from .traces import (CorrelatedSource, IndexerSource, ReplaySource, TraceRecorder,
+                     UniformSource)
+
+_M32 = 0xFFFFFFFF
+_C1, _C2 = 0x2C1B3C6D, 0x297A2D39  # < 2**31: products with 32-bit values fit int64
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash on int64 tensors (values kept in [0, 2**32), no overflow)."""
+    x = x & _M32
+    x = ((x ^ (x >> 16)) * _C1) & _M32
+    x = ((x ^ (x >> 15)) * _C2) & _M32
+    return x ^ (x >> 16)
+
+
+def row_content(seed: int, layer: int, instance: torch.Tensor, positions: torch.Tensor,
+                row_bytes: int) -> torch.Tensor:
+    """Deterministic row bytes of (seed, layer, instance, position).
+
+    instance, positions: int64 [n] (same device). Returns uint8 [n, row_bytes] on that
+    device (row_bytes a multiple of 4). Identical on CPU and CUDA.
+    """
+    dev = positions.device
+    words = row_bytes // 4
+    base = _mix(torch.full_like(positions, (int(seed) * 0x9E3779B1 + int(layer)) & _M32))
+    base = _mix(base + (instance.long() & _M32))
+    base = _mix(base + (positions.long() & _M32))
+    j = torch.arange(words, dtype=torch.int64, device=dev) * 0x9E3779B1 & _M32
+    h = _mix(base[:, None] ^ j[None, :])
+    h = torch.where(h >= 2**31, h - 2**32, h).to(torch.int32)
+    return h.view(torch.uint8).reshape(-1, words * 4)
+
+
+@dataclasses.dataclass
+class StressOptions:
+    """Workload and checking knobs of a stress run (the CLI flags, 1:1)."""
+
+    num_requests: int = 4  # live requests at once
+    context: int = 2048  # max context of a joining request (tokens)
+    context_min: int | None = None  # min context of a joining request (default context // 2)
+    num_layers: int = 2
+    top_k: int = 64
+    buffer_size: int | None = None  # hot LRU slots S (default 2 * top_k)
+    row_format: str = "fp8_ds_mla"
+    steps: int = 40
+    churn: float = 0.05  # per step and request: probability it leaves (a new one joins)
+    trace: str = "correlated"  # uniform | correlated | replay | indexer
+    drift: float = 0.1  # correlated / indexer: fraction of the selection replaced per step
+    replay: str | None = None  # trace file for trace="replay"
+    record: str | None = None  # write the trace used to this .npz
+    verify: int | str = 64  # rows checked per layer and step, "all" or "none"
+    seed: int = 0
+    device: str | None = None  # default: cuda when available, else cpu
+    block_size: int = 64
+    kernels: str = "auto"
+    optimal: bool = True  # compute the Belady bound
+    checked: bool = True  # checked resolve (host sync); False times the unchecked fast path
+    prefill_chunk: int = 16384  # rows per append call when a request joins
+    progress: bool = True
+    corrupt_step: int | None = None  # test hook: flip a byte of a hot row at this step
+
+    def validate(self) -> None:
+        for name in ("num_requests", "context", "num_layers", "top_k", "steps", "block_size",
+                     "prefill_chunk"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        cm = self.context_min if self.context_min is not None else max(1, self.context // 2)
+        if not 1 <= cm <= self.context:
+            raise ValueError(f"context_min must be in [1, context={self.context}], got {cm}")
+        if not 0.0 <= float(self.churn) <= 1.0:
+            raise ValueError(f"churn must be in [0, 1], got {self.churn}")
+        RowFormat.parse(self.row_format)
+        if self.trace not in ("uniform", "correlated", "replay", "indexer"):
+            raise ValueError(f"trace must be uniform, correlated, replay or indexer; got {self.trace!r}")
+        if self.trace == "replay" and not self.replay:
+            raise ValueError("trace='replay' needs a trace file (--replay FILE)")
+        v = self.verify
+        if not (v in ("all", "none") or (isinstance(v, int) and not isinstance(v, bool) and v >= 0)):
+            raise ValueError(f"verify must be a count >= 0, 'all' or 'none'; got {v!r}")
+
+
+class _Schedule:
+    """Synthetic join/leave schedule: (req_ids, seq_lens) per step, int64 numpy arrays."""
+
+    def __init__(self, o: StressOptions, max_request_id: int) -> None:
+        self.o = o
+        self.rng = np.random.default_rng(o.seed + 1)
+        self.cmin = o.context_min if o.context_min is not None else max(1, o.context // 2)
+        self.max_id = max_request_id
+        self.live: dict[int, int] = {}  # id -> length after the last step
+
+    def _join(self, busy: set[int]) -> None:
+        # lowest id neither live nor freed this step: ids get reused one step later, so a
+        # recorded trace stays unambiguous (a join = an id absent from the previous step)
+        rid = min(set(range(len(busy) + 1)) - busy)
+        busy.add(rid)
+        self.live[rid] = int(self.rng.integers(self.cmin, self.o.context + 1)) - 1
+
+    def step(self, s: int) -> tuple[np.ndarray, np.ndarray]:
+        busy = set(self.live)
+        if s > 0:
+            for rid in list(self.live):
+                if self.rng.random() < self.o.churn:
+                    del self.live[rid]
+        while len(self.live) < self.o.num_requests:
+            self._join(busy)
+        for rid in self.live:
+            self.live[rid] += 1
+        ids = np.array(sorted(self.live), dtype=np.int64)
+        return ids, np.array([self.live[i] for i in ids], dtype=np.int64)
+
+
+def _pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(xs), q)) if xs else 0.0
+
+
+class StressRun:
+    """One stress run; ``run()`` returns the JSON-able result dict (``ok`` False on failure)."""
+
+    def __init__(self, o: StressOptions) -> None:
+        o.validate()
+        self.o = o
+        dev = o.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        self.dev = torch.device(dev if dev != "cuda" else "cuda")
+        self.replay = ReplaySource(o.replay, device=self.dev) if o.trace == "replay" else None
+        if self.replay is not None:
+            L, K = self.replay.num_layers, self.replay.top_k
+            steps = len(self.replay.steps)
+            if steps == 0:
+                raise ValueError(f"trace file {o.replay!r} has no steps")
+            live_max = max(st.req_ids.size for st in self.replay.steps)
+            max_len = max(int(st.seq_lens.max()) for st in self.replay.steps if st.seq_lens.size)
+            max_id = max(int(st.req_ids.max()) for st in self.replay.steps if st.req_ids.size)
+            self.source = self.replay
+        else:
+            L, K, steps = o.num_layers, o.top_k, o.steps
+            live_max, max_len, max_id = o.num_requests, o.context + o.steps, 0
+            if o.trace == "uniform":
+                self.source = UniformSource(top_k=K, device=self.dev, seed=o.seed)
+            elif o.trace == "indexer":
+                self.source = IndexerSource(top_k=K, max_context=max_len, drift=o.drift,
+                                            device=self.dev, seed=o.seed)
+            else:
+                self.source = CorrelatedSource(top_k=K, drift=o.drift, device=self.dev, seed=o.seed)
+        self.L, self.K, self.steps = L, K, steps
+        B = o.block_size
+        blocks = live_max * math.ceil(max_len / B)
+        self.cfg = HiSparseConfig(
+            num_layers=L, host_pool_tokens=max(blocks, 1) * B, row_bytes=RowFormat.parse(o.row_format).row_bytes,
+            top_k=K, device_buffer_size=o.buffer_size, max_num_reqs=max(live_max, 1),
+            host_block_size=B, max_request_id=max(max_id + 1, 2 * live_max + 1, 16), device=str(self.dev))
+        self.S = self.cfg.device_buffer_size
+        self.schedule = None if self.replay else _Schedule(o, self.cfg.max_request_id)
+        self.vgen = torch.Generator(device=self.dev)
+        self.vgen.manual_seed(o.seed + 2)
+
+    # ---- helpers ---------------------------------------------------------------
+    def _sync(self) -> None:
+        if self.dev.type == "cuda":
+            torch.cuda.synchronize(self.dev)
+
+    def _rows(self, layer: int, inst: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return row_content(self.o.seed, layer, inst, pos, self.cfg.row_bytes)
+
+    def _verify(self, cache, layer: int, step: int, req_ids: np.ndarray, inst_t: torch.Tensor,
+                topk: torch.Tensor, phys: torch.Tensor) -> tuple[int, list[str]]:
+        """Check the resolve of one layer; returns (rows checked, failure messages)."""
+        fails: list[str] = []
+        vin, vout = topk >= 0, phys >= 0
+        if not torch.equal(vin, vout):
+            t, k = (vin != vout).nonzero()[0].tolist()
+            fails.append(f"step {step} layer {layer}: padding mismatch at token {t} entry {k} "
+                         f"(topk {int(topk[t, k])} -> physical {int(phys[t, k])})")
+            return 0, fails
+        big = torch.iinfo(torch.int32).max
+
+        def dups(x):
+            a = torch.sort(torch.where(x >= 0, x, torch.full_like(x, big)), dim=1).values
+            return int(((a[:, 1:] == a[:, :-1]) & (a[:, 1:] != big)).sum())
+
+        if dups(phys) != dups(topk):
+            fails.append(f"step {step} layer {layer}: distinct positions share a physical row")
+        if self.o.verify == "none":
+            return 0, fails
+        hot = cache.hot_rows(layer)
+        if phys.numel() == 0:
+            return 0, fails
+        if int(phys.max()) >= hot.shape[0]:
+            fails.append(f"step {step} layer {layer}: physical index {int(phys.max())} out of "
+                         f"range [0, {hot.shape[0]})")
+            return 0, fails
+        idx = vin.nonzero()  # [V, 2]
+        if self.o.verify != "all" and idx.shape[0] > int(self.o.verify):
+            pick = torch.randperm(idx.shape[0], generator=self.vgen, device=self.dev)[:int(self.o.verify)]
+            idx = idx[pick]
+        if idx.shape[0] == 0:
+            return 0, fails
+        t, k = idx[:, 0], idx[:, 1]
+        pos, ph = topk[t, k].long(), phys[t, k].long()
+        want = self._rows(layer, inst_t[t], pos)
+        got = hot.index_select(0, ph)
+        bad = (got != want).any(dim=1)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            fails.append(f"step {step} layer {layer}: hot row {int(ph[i])} for request "
+                         f"{int(req_ids[int(t[i])])} position {int(pos[i])} differs from the "
+                         f"expected bytes ({int(bad.sum())} of {bad.numel()} checked rows bad)")
+        t_cpu, pos_cpu = t.cpu(), pos.cpu()
+        want_cpu = want.cpu()
+        for tt in torch.unique(t_cpu).tolist():
+            sel = (t_cpu == tt).nonzero().flatten()
+            host = cache.read_host_rows(layer, int(req_ids[tt]), pos_cpu[sel])
+            hbad = (host != want_cpu[sel]).any(dim=1)
+            if bool(hbad.any()):
+                j = int(hbad.nonzero()[0])
+                fails.append(f"step {step} layer {layer}: host copy of request {int(req_ids[tt])} "
+                             f"position {int(pos_cpu[sel][j])} differs from the expected bytes")
+                break
+        return int(idx.shape[0]), fails
+
+    # ---- the run -----------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        from ..cache.cache import HiSparseCache
+
+        o, L, K, S = self.o, self.L, self.K, self.S
+        cache = HiSparseCache(self.cfg, kernels=o.kernels)
+        if self.dev.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.dev)
+        tracker = OptimalTracker(num_layers=L, buffer_size=S) if o.optimal else None
+        recorder = TraceRecorder(num_layers=L, top_k=K) if o.record else None
+        live: dict[int, tuple[int, int]] = {}  # id -> (instance, length)
+        n_inst = 0
+        step_ms: list[float] = []
+        append_ms: list[float] = []  # decode appends of a step (all layers and requests)
+        step_hits = np.zeros((L, self.steps), np.int64)
+        step_miss = np.zeros((L, self.steps), np.int64)
+        resolve_s = np.zeros(L)
+        prefill_s, prefill_rows, verified, joined, left = 0.0, 0, 0, 0, 0
+        failures: list[str] = []
+        prev = np.array([[d["hits"], d["misses"]] for d in cache.stats()["layers"]], np.int64)
+        done = 0
+        with Progress(self.steps, "stress", enabled=o.progress) as bar:
+            for s in range(self.steps):
+                if self.replay is not None:
+                    st = self.replay.steps[s]
+                    ids, lens = st.req_ids, st.seq_lens
+                else:
+                    ids, lens = self.schedule.step(s)
+                # leave
+                for rid in [r for r in live if r not in set(ids.tolist())]:
+                    cache.free_request(rid)
+                    self.source.drop(rid)
+                    del live[rid]
+                    left += 1
+                # join + prefill (all but the step's last row)
+                for rid, n in zip(ids.tolist(), lens.tolist()):
+                    if rid not in live:
+                        cache.add_request(rid)
+                        live[rid] = (n_inst, 0)
+                        n_inst += 1
+                        joined += 1
+                    inst, cur = live[rid]
+                    if n < cur + 1:
+                        raise ValueError(f"step {s}: request {rid} length {n} does not grow "
+                                         f"(was {cur}); a trace must append one row or more per step")
+                    if n - 1 > cur:
+                        self._sync()
+                        t0 = time.perf_counter()
+                        for layer in range(L):
+                            for a in range(cur, n - 1, o.prefill_chunk):
+                                b = min(n - 1, a + o.prefill_chunk)
+                                pos = torch.arange(a, b, device=self.dev)
+                                rows = self._rows(layer, torch.full_like(pos, inst), pos)
+                                cache.append_rows(layer, rid, rows)
+                            if tracker:
+                                tracker.append(layer, inst, n - 1)
+                        self._sync()
+                        prefill_s += time.perf_counter() - t0
+                        prefill_rows += (n - 1 - cur) * L
+                    live[rid] = (inst, n - 1)
+                inst_t = torch.tensor([live[r][0] for r in ids.tolist()], dtype=torch.int64,
+                                      device=self.dev)
+                last = torch.as_tensor(lens - 1, device=self.dev)
+                lens_t = torch.as_tensor(lens, device=self.dev)
+                req_t = torch.as_tensor(ids, device=self.dev).to(torch.int32)
+                topks = [self.source.select(layer, torch.as_tensor(ids, device=self.dev), lens_t, s)
+                         for layer in range(L)]
+                new_rows = [self._rows(layer, inst_t, last) for layer in range(L)]
+                if recorder:
+                    recorder.begin_step(ids, lens)
+                # ---- timed: decode appends + resolves --------------------------------
+                self._sync()
+                t0 = time.perf_counter()
+                for layer in range(L):
+                    for t, rid in enumerate(ids.tolist()):
+                        cache.append_rows(layer, rid, new_rows[layer][t:t + 1])
+                self._sync()
+                t_step = time.perf_counter() - t0
+                append_ms.append(t_step * 1e3)
+                for rid, n in zip(ids.tolist(), lens.tolist()):
+                    live[rid] = (live[rid][0], n)
+                for layer in range(L):
+                    t0 = time.perf_counter()
+                    res = cache.resolve(layer, req_t, topks[layer], validate=o.checked)
+                    phys = res.physical.clone()
+                    self._sync()
+                    dt = time.perf_counter() - t0
+                    t_step += dt
+                    resolve_s[layer] += dt
+                    if o.corrupt_step is not None and s == o.corrupt_step and layer == 0:
+                        self._corrupt(cache, phys)
+                    n_chk, f = self._verify(cache, layer, s, ids, inst_t, topks[layer], phys)
+                    verified += n_chk
+                    failures += f
+                    tk_np = topks[layer].cpu().numpy()
+                    if recorder:
+                        recorder.add_layer(layer, tk_np)
+                    if tracker:
+                        for t, rid in enumerate(ids.tolist()):
+                            inst = live[rid][0]
+                            tracker.append(layer, inst, int(lens[t]))
+                            tracker.resolve(layer, inst, s, tk_np[t])
+                step_ms.append(t_step * 1e3)
+                cur = np.array([[d["hits"], d["misses"]] for d in cache.stats()["layers"]], np.int64)
+                step_hits[:, s], step_miss[:, s] = (cur - prev).T
+                prev = cur
+                done = s + 1
+                tot = step_hits[:, :done].sum() + step_miss[:, :done].sum()
+                bar.update(1, note=f"hit {step_hits[:, :done].sum() / max(tot, 1):.3f}")
+                if failures:
+                    break
+        if recorder:
+            recorder.save(o.record)
+        return self._summary(cache, tracker, done, step_ms, append_ms, step_hits[:, :done],
+                             step_miss[:, :done], resolve_s, prefill_s, prefill_rows, verified,
+                             joined, left, failures)
+
+    def _corrupt(self, cache, phys: torch.Tensor) -> None:
+        """Test hook: flip the first byte of the hot row of the step's first valid entry."""
+        valid = (phys >= 0).nonzero()
+        if valid.shape[0]:
+            p = int(phys[valid[0, 0], valid[0, 1]])
+            cache.hot_rows(0)[p, 0] ^= 0xFF
+
+    def _summary(self, cache, tracker, done, step_ms, append_ms, hits, misses, resolve_s, prefill_s,
+                 prefill_rows, verified, joined, left, failures) -> dict[str, Any]:
+        rb = self.cfg.row_bytes
+        opt = tracker.compute(done) if tracker is not None else None
+        per_layer = []
+        for layer in range(self.L):
+            h, m = int(hits[layer].sum()), int(misses[layer].sum())
+            d = {"layer": layer, "hits": h, "misses": m, "hit_rate": hit_rate(h, m),
+                 "optimal_hit_rate": hit_rate(opt["hits"][layer], opt["misses"][layer]) if opt else None,
+                 "bytes_h2d": m * rb,
+                 "h2d_GBps": m * rb / resolve_s[layer] / 1e9 if resolve_s[layer] > 0 else 0.0}
+            per_layer.append(d)
+        H, M = int(hits.sum()), int(misses.sum())
+        step_hr = [hit_rate(hits[:, s], misses[:, s]) for s in range(done)]
+        opt_hr = [hit_rate(opt["hits"][:, s], opt["misses"][:, s]) for s in range(done)] if opt else None
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        gpu_peak = torch.cuda.max_memory_allocated(self.dev) if self.dev.type == "cuda" else None
+        dev_name = torch.cuda.get_device_name(self.dev) if self.dev.type == "cuda" else "cpu"
+        o = self.o
+        return {
+            "ok": not failures,
+            "failures": failures,
+            "device": dev_name,
+            "kernels": cache.kernels,
+            "timings_are": "GPU (CUDA-synchronised)" if self.dev.type == "cuda" else "CPU (torch reference path)",
+            "config": self.cfg.to_dict(),
+            "workload": {"trace": o.trace, "drift": o.drift if o.trace in ("correlated", "indexer") else None,
+                         "replay": o.replay, "steps_run": done, "steps_planned": self.steps,
+                         "requests": o.num_requests if self.replay is None else None,
+                         "context": o.context if self.replay is None else None,
+                         "churn": o.churn if self.replay is None else None,
+                         "joined": joined, "left": left, "verify": o.verify, "seed": o.seed,
+                         "record": o.record},
+            "overall": {
+                "hits": H, "misses": M, "hit_rate": hit_rate(H, M),
+                "optimal_hit_rate": hit_rate(opt["hits"], opt["misses"]) if opt else None,
+                "bytes_h2d": M * rb,
+                "h2d_GBps": M * rb / resolve_s.sum() / 1e9 if resolve_s.sum() > 0 else 0.0,
+                "step_ms_min": min(step_ms) if step_ms else 0.0,
+                "step_ms_p50": _pct(step_ms, 50), "step_ms_p99": _pct(step_ms, 99),
+                "append_ms_p50": _pct(append_ms, 50),
+                "resolve_ms_p50": _pct([a - b for a, b in zip(step_ms, append_ms)], 50),
+                "prefill_rows": prefill_rows, "prefill_s": prefill_s,
+                "rows_verified": verified,
+                "host_pool_bytes": self.cfg.host_pool_bytes,
+                "hot_buffer_bytes": self.cfg.hot_buffer_bytes,
+                "host_rss_peak_bytes": rss,
+                "gpu_peak_bytes": gpu_peak,
+            },
+            "per_layer": per_layer,
+            "per_step": {"hit_rate": step_hr, "optimal_hit_rate": opt_hr, "step_ms": step_ms},
+        }
+
+
+def run_stress(o: StressOptions) -> dict[str, Any]:
+    """Run a stress workload; see the module docstring. ``result['ok']`` says pass/fail."""
+    return StressRun(o).run()
+
+
+def format_stress(r: dict[str, Any]) -> str:
+    """Readable summary table of a :func:`run_stress` result."""
+    from .plan import fmt_bytes
+    from .report import table
+
+    c, w, ov = r["config"], r["workload"], r["overall"]
+    opt = (lambda v: "-" if v is None else f"{v:.4f}")
+    head = (f"hisparse stress on {r['device']} (kernels: {r['kernels']}; timings: {r['timings_are']})\n"
+            f"L={c['num_layers']} row_bytes={c['row_bytes']} top_k={c['top_k']} "
+            f"S={c['device_buffer_size']} max_reqs={c['max_num_reqs']} trace={w['trace']} "
+            f"steps={w['steps_run']}/{w['steps_planned']} joined={w['joined']} left={w['left']}")
+    rows = [[d["layer"], d["hits"], d["misses"], f"{d['hit_rate']:.4f}", opt(d["optimal_hit_rate"]),
+             fmt_bytes(d["bytes_h2d"]), f"{d['h2d_GBps']:.3f}"] for d in r["per_layer"]]
+    rows.append(["all", ov["hits"], ov["misses"], f"{ov['hit_rate']:.4f}", opt(ov["optimal_hit_rate"]),
+                 fmt_bytes(ov["bytes_h2d"]), f"{ov['h2d_GBps']:.3f}"])
+    lines = [head, "", table(["layer", "hits", "misses", "hit rate", "optimal (Belady)",
+                              "H2D bytes", "H2D GB/s"], rows), ""]
+    lines.append(f"step time: min {ov['step_ms_min']:.3f} ms, p50 {ov['step_ms_p50']:.3f} ms, "
+                 f"p99 {ov['step_ms_p99']:.3f} ms (p50 split: appends {ov['append_ms_p50']:.3f} ms, "
+                 f"resolves + staging {ov['resolve_ms_p50']:.3f} ms)\n"
+                 f"prefill of joining requests: {ov['prefill_rows']} rows in {ov['prefill_s']:.2f} s")
+    gpu = "-" if ov["gpu_peak_bytes"] is None else fmt_bytes(ov["gpu_peak_bytes"])
+    lines.append(f"memory: host pool {fmt_bytes(ov['host_pool_bytes'])}, hot buffers "
+                 f"{fmt_bytes(ov['hot_buffer_bytes'])}, process RSS peak "
+                 f"{fmt_bytes(ov['host_rss_peak_bytes'])}, GPU peak {gpu}")
+    lines.append(f"verified {ov['rows_verified']} rows byte-exact (hot and host copies)")
+    if r["ok"]:
+        lines.append("RESULT: PASS")
+    else:
+        lines.append(f"RESULT: FAIL ({len(r['failures'])} problem(s))")
+        lines += ["  " + f for f in r["failures"][:10]]
+    return "\n".join(lines)

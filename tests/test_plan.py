@@ -1,0 +1,87 @@
+"""Capacity planner: hand-computed cases, unit parsing, bad input."""
+
+import pytest
+
+from hisparse.tools.plan import PlanInputs, format_plan, parse_bytes, parse_tokens, plan
+
+
+def _case(**kw):
+    base = dict(num_layers=2, context_len=1000, gpu_bytes=10_000_000, host_bytes=20_000_000,
+                row_format="fp8_ds_mla", top_k=4, indexer_bytes=100, hot_rows=8, max_seqs=100,
+                block_size=64)
+    base.update(kw)
+    return plan(PlanInputs(**base))
+
+
+def test_hand_computed_host_bound():
+    p = _case(target_requests=30)
+    b = p["per_request_bytes"]
+    # resident: C * L * (row + I) = 1000 * 2 * (656 + 100)
+    assert b["resident_gpu"] == 1_512_000
+    gb = b["hisparse_gpu_breakdown"]
+    assert gb["hot_rows_and_slot_state"] == 2 * 9 * (656 + 8) == 11_952
+    assert gb["indexer_keys"] == 1000 * 2 * 100
+    assert gb["row_to_slot_map"] == 1024 * 2 * 4  # Cb = 16 blocks x 64
+    assert gb["tables"] == 4 * 16 + 8 * 2 + 4
+    assert b["hisparse_gpu"] == 11_952 + 200_000 + 8192 + 84 == 220_228
+    assert b["hisparse_host"] == 1024 * 2 * 656 == 1_343_488
+    c = p["concurrency"]
+    assert c["resident"] == 6  # 10e6 // 1.512e6
+    assert c["hisparse_gpu_limit"] == 45  # 10e6 // 220228
+    assert c["hisparse_host_limit"] == 14  # 20e6 // 1343488
+    assert c["hisparse"] == 14 and p["binding"] == "host"
+    assert p["gain"] == pytest.approx(14 / 6)
+    assert p["host_pool_for_hisparse_bytes"] == 14 * 1_343_488
+    t = p["target"]
+    assert t["host_pool_bytes"] == 30 * 1_343_488
+    assert t["gpu_bytes"] == 30 * 220_228 and t["fits_gpu"] is True
+
+
+def test_gpu_bound_and_max_seqs_bound():
+    p = _case(host_bytes=10**12)
+    assert p["binding"] == "gpu" and p["concurrency"]["hisparse"] == 45
+    p = _case(host_bytes=10**12, max_seqs=7)
+    assert p["binding"] == "max_seqs" and p["concurrency"]["hisparse"] == 7
+    assert p["concurrency"]["resident"] == 6
+
+
+def test_bf16_and_default_hot_rows():
+    p = plan(PlanInputs(num_layers=1, context_len=64, gpu_bytes=0, host_bytes=0,
+                        row_format="bf16", top_k=16, indexer_bytes=0, block_size=64))
+    assert p["inputs"]["hot_rows"] == 32 and p["inputs"]["row_bytes"] == 1152
+    assert p["per_request_bytes"]["resident_gpu"] == 64 * 1152
+    assert p["per_request_bytes"]["hisparse_gpu"] == 33 * (1152 + 8) + 64 * 4 + 4 + 8 + 4
+    assert p["concurrency"]["resident"] == 0 and p["gain"] is None
+    assert "binding resource" in format_plan(p)
+
+
+def test_parse_units():
+    assert parse_bytes("80GiB") == 80 << 30
+    assert parse_bytes("80G") == 80 << 30
+    assert parse_bytes("1.5TB") == 1_500_000_000_000
+    assert parse_bytes("4096") == 4096
+    assert parse_tokens("128K") == 131072
+    assert parse_tokens("1M") == 1 << 20
+    assert parse_tokens(7) == 7
+    for bad in ("12XB", "", "-1", "GiB"):
+        with pytest.raises(ValueError, match="cannot parse"):
+            parse_bytes(bad)
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(num_layers=0), "num_layers"),
+    (dict(hot_rows=3), "hot_rows"),
+    (dict(row_format="fp4"), "row format"),
+    (dict(gpu_bytes=-1), "gpu_bytes"),
+    (dict(target_requests=0), "target_requests"),
+    (dict(context_len=1.5), "context_len"),
+])
+def test_bad_inputs(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        _case(**kw)
+
+
+def test_format_mentions_target_and_binding():
+    text = format_plan(_case(target_requests=100))
+    assert "binding resource: host" in text
+    assert "does NOT fit" in text  # 100 x 220228 > 10e6

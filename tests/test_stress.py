@@ -1,0 +1,223 @@
+"""The stress tool: trace sources, the trace file, row contents, verification.
+
+CPU runs are tiny; the GPU-marked tests at the end run a large size on the H200.
+"""
+
+import numpy as np
+import pytest
+import torch
+
+from hisparse.tools.stress import StressOptions, format_stress, row_content, run_stress
+from hisparse.tools.traces import (CorrelatedSource, IndexerSource, ReplaySource, TraceRecorder,
+                                   UniformSource, load_trace, sample_distinct)
+
+TINY = dict(num_requests=3, context=300, num_layers=2, top_k=16, buffer_size=32, steps=10,
+            churn=0.2, progress=False, device="cpu", block_size=16)
+
+
+def _check_topk(tk, lens, K):
+    assert tk.dtype == torch.int32 and tk.shape == (len(lens), K)
+    for row, n in zip(tk.tolist(), lens):
+        valid = [p for p in row if p >= 0]
+        assert len(valid) == min(K, n), (row, n)
+        assert len(set(valid)) == len(valid)
+        assert all(0 <= p < n for p in valid)
+        assert row[len(valid):] == [-1] * (K - len(valid))  # padding at the end
+
+
+def test_sample_distinct_excludes_and_pads():
+    g = torch.Generator().manual_seed(0)
+    lens = torch.tensor([0, 1, 5, 100])
+    out = sample_distinct(lens, 8, g)
+    _check_topk(out, [0, 1, 5, 100], 8)
+    ex = torch.tensor([[-1, -1], [0, -1], [0, 1], [3, 4]], dtype=torch.int32)
+    out = sample_distinct(lens, 8, g, exclude=ex)
+    assert out[1].tolist() == [-1] * 8
+    assert sorted(p for p in out[2].tolist() if p >= 0) == [2, 3, 4]
+    assert not ({3, 4} & set(out[3].tolist()))
+    assert sample_distinct(torch.zeros(0, dtype=torch.int64), 4, g).shape == (0, 4)
+
+
+@pytest.mark.parametrize("src", ["uniform", "correlated", "indexer"])
+def test_sources_valid(src):
+    K = 8
+    mk = {"uniform": lambda: UniformSource(top_k=K, seed=1),
+          "correlated": lambda: CorrelatedSource(top_k=K, drift=0.25, seed=1),
+          "indexer": lambda: IndexerSource(top_k=K, max_context=64, drift=0.25, seed=1)}[src]
+    s = mk()
+    ids = torch.tensor([0, 5, 9])
+    for step, lens in enumerate([[3, 20, 8], [4, 21, 9], [5, 22, 10]]):
+        tk = s.select(0, ids, torch.tensor(lens), step)
+        _check_topk(tk, lens, K)
+
+
+def test_correlated_drift_controls_overlap():
+    def overlap(drift):
+        s = CorrelatedSource(top_k=64, drift=drift, seed=3)
+        ids, lens = torch.tensor([0]), torch.tensor([4096])
+        a = set(s.select(0, ids, lens, 0)[0].tolist())
+        b = set(s.select(0, ids, lens + 1, 1)[0].tolist())
+        return len(a & b) / 64
+
+    assert overlap(0.0) == 1.0
+    assert 0.75 <= overlap(0.1) < 1.0
+    assert overlap(1.0) < 0.2
+    with pytest.raises(ValueError, match="drift"):
+        CorrelatedSource(top_k=4, drift=1.5)
+
+
+def test_correlated_refills_padding_and_forgets_dropped():
+    s = CorrelatedSource(top_k=4, drift=0.0, seed=0)
+    ids = torch.tensor([1])
+    a = s.select(0, ids, torch.tensor([2]), 0)
+    assert sorted(a[0].tolist()) == [-1, -1, 0, 1]
+    b = s.select(0, ids, torch.tensor([10]), 1)
+    assert set(a[0].tolist()) - {-1} <= set(b[0].tolist()) and -1 not in b[0].tolist()
+    s.drop(1)
+    assert not s._prev
+
+
+def test_trace_file_roundtrip_and_validation(tmp_path):
+    rec = TraceRecorder(num_layers=2, top_k=3)
+    rec.begin_step([4, 7], [5, 9])
+    rec.add_layer(0, np.array([[0, 1, -1], [8, 2, 3]]))
+    rec.add_layer(1, torch.tensor([[4, -1, -1], [0, 1, 2]], dtype=torch.int32))
+    rec.begin_step([7], [10])
+    rec.add_layer(0, [[9, 8, 7]])
+    rec.add_layer(1, [[1, 2, 3]])
+    p = tmp_path / "t.npz"
+    rec.save(p)
+    meta, steps = load_trace(p)
+    assert meta == {"format": "hisparse-trace", "version": 1, "num_layers": 2, "top_k": 3,
+                    "num_steps": 2}
+    assert steps[0].req_ids.tolist() == [4, 7] and steps[1].seq_lens.tolist() == [10]
+    assert steps[0].topk[1, 0].tolist() == [8, 2, 3]
+    src = ReplaySource(p)
+    assert src.select(1, torch.tensor([7]), torch.tensor([10]), 1).tolist() == [[1, 2, 3]]
+    with pytest.raises(ValueError, match="differs"):
+        src.select(0, torch.tensor([4]), torch.tensor([10]), 1)
+    with pytest.raises(ValueError, match="shape"):
+        rec.add_layer(0, [[1, 2]])
+    # malformed files
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, meta=np.array('{"format": "other", "version": 1}'), step_offsets=np.zeros(1),
+             req_ids=np.zeros(0), seq_lens=np.zeros(0), topk=np.zeros((0, 1, 1)))
+    with pytest.raises(ValueError, match="format"):
+        load_trace(bad)
+    with pytest.raises(ValueError, match="does not exist"):
+        load_trace(tmp_path / "missing.npz")
+    z = dict(np.load(p))
+    z["topk"] = z["topk"].copy()
+    z["topk"][0, 0, 0] = 99  # >= seq_len 5
+    np.savez(tmp_path / "oob.npz", **z)
+    with pytest.raises(ValueError, match="outside"):
+        load_trace(tmp_path / "oob.npz")
+
+
+def test_row_content_deterministic_and_distinct():
+    pos = torch.arange(6)
+    inst = torch.tensor([0, 0, 0, 1, 1, 1])
+    a = row_content(0, 0, inst, pos, 32)
+    assert a.dtype == torch.uint8 and a.shape == (6, 32)
+    assert torch.equal(a, row_content(0, 0, inst, pos, 32))
+    assert len({bytes(r.tolist()) for r in a}) == 6
+    assert not torch.equal(a, row_content(0, 1, inst, pos, 32))  # layer matters
+    assert not torch.equal(a, row_content(1, 0, inst, pos, 32))  # seed matters
+    # bytes look random: every byte value range is used
+    big = row_content(0, 0, torch.zeros(64, dtype=torch.int64), torch.arange(64), 656)
+    assert big.unique().numel() > 250
+
+
+def _result_fields(r):
+    assert set(r) >= {"ok", "failures", "device", "config", "workload", "overall", "per_layer",
+                      "per_step"}
+    assert set(r["overall"]) >= {"hit_rate", "optimal_hit_rate", "bytes_h2d", "h2d_GBps",
+                                 "step_ms_p50", "step_ms_p99", "host_pool_bytes",
+                                 "host_rss_peak_bytes", "gpu_peak_bytes", "rows_verified"}
+
+
+def test_small_run_passes_and_optimum_bounds_lru():
+    r = run_stress(StressOptions(**TINY))
+    _result_fields(r)
+    assert r["ok"], r["failures"]
+    ov = r["overall"]
+    assert ov["rows_verified"] > 0
+    assert ov["hits"] + ov["misses"] > 0 and ov["misses"] > 0
+    assert ov["optimal_hit_rate"] >= ov["hit_rate"]
+    for d in r["per_layer"]:
+        assert d["optimal_hit_rate"] >= d["hit_rate"]
+    assert r["workload"]["joined"] > 3 and r["workload"]["left"] > 0  # churn happened
+    assert len(r["per_step"]["step_ms"]) == 10
+    assert "RESULT: PASS" in format_stress(r)
+
+
+def test_context_that_fits_never_misses():
+    r = run_stress(StressOptions(**{**TINY, "context": 20, "steps": 5}))
+    assert r["ok"] and r["overall"]["misses"] == 0
+    assert r["overall"]["hit_rate"] == 1.0 == r["overall"]["optimal_hit_rate"]
+
+
+@pytest.mark.parametrize("verify", ["all", 64])
+def test_corrupted_row_fails_the_run(verify):
+    kw = {**TINY, "verify": verify, "corrupt_step": 2, "churn": 0.0}
+    if verify != "all":
+        kw["top_k"] = 4  # 3 requests x 4 entries <= 64: every entry sampled
+    r = run_stress(StressOptions(**kw))
+    assert not r["ok"]
+    assert "differs from the expected bytes" in r["failures"][0]
+    assert r["workload"]["steps_run"] == 3  # stopped at the failing step
+    assert "RESULT: FAIL" in format_stress(r)
+
+
+def test_verify_none_cannot_see_corruption():
+    # documents what --verify none means (and that the hook alone does not fail a run)
+    r = run_stress(StressOptions(**{**TINY, "verify": "none", "corrupt_step": 2}))
+    assert r["ok"] and r["overall"]["rows_verified"] == 0
+
+
+def test_record_then_replay_is_identical(tmp_path):
+    path = str(tmp_path / "trace.npz")
+    a = run_stress(StressOptions(**{**TINY, "trace": "uniform", "record": path}))
+    b = run_stress(StressOptions(**{**TINY, "trace": "replay", "replay": path, "seed": 5}))
+    assert a["ok"] and b["ok"]
+    for k in ("hits", "misses", "optimal_hit_rate"):
+        assert a["overall"][k] == b["overall"][k]
+    assert a["workload"]["joined"] == b["workload"]["joined"]
+
+
+def test_indexer_and_bf16_run():
+    r = run_stress(StressOptions(**{**TINY, "trace": "indexer", "row_format": "bf16", "steps": 4}))
+    assert r["ok"] and r["config"]["row_bytes"] == 1152
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(num_requests=0), "num_requests"),
+    (dict(trace="zipf"), "trace"),
+    (dict(trace="replay"), "replay"),
+    (dict(verify="some"), "verify"),
+    (dict(churn=2.0), "churn"),
+    (dict(context_min=500), "context_min"),
+    (dict(row_format="fp4"), "row format"),
+])
+def test_bad_options(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        run_stress(StressOptions(**{**TINY, **kw}))
+
+
+# ----------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+def test_gpu_stress_large():
+    """16 requests x 32K context x 2 layers, K = 2048, S = 4096 on the GPU, sampled verify."""
+    r = run_stress(StressOptions(num_requests=16, context=32 * 1024, num_layers=2, top_k=2048,
+                                 buffer_size=4096, steps=20, verify=512, device="cuda",
+                                 progress=False))
+    print(format_stress(r))
+    assert r["ok"], r["failures"]
+    assert r["kernels"] == "triton"
+    assert 0 < r["overall"]["hit_rate"] <= r["overall"]["optimal_hit_rate"]
+
+
+@pytest.mark.gpu
+def test_gpu_corruption_detected():
+    r = run_stress(StressOptions(**{**TINY, "device": "cuda", "verify": "all", "corrupt_step": 1}))
+    assert not r["ok"]
