@@ -1,0 +1,224 @@
+"""GPU tests of index conversion and prefill staging at production shapes (H200).
+
+Conversion: T = 256 decode tokens x K = 2048 and T = 4096 mixed decode + prefill
+tokens, block sizes 1 / 16 / 64, stride > block size, compaction; CUDA-graph replay of
+the unchecked path equals eager. Staging: a pinned host pool (hisparse.device.
+PinnedBuffer, read over UVA by the kernel) of 256K rows, hot rows on the GPU, requests
+of 0 / 1 / odd / 64K+ rows, both formats, bf16 and stored-format workspaces, on a
+side stream with the returned event; byte-exact against the torch reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hisparse.cache.convert import convert_reference, convert_topk_to_physical
+from hisparse.cache.prefill import plan_prefill_chunks, stage_prefill, stage_prefill_chunk
+from hisparse.device import PinnedBuffer
+from hisparse.formats import dequantize_fp8_ds_mla_reference
+
+pytestmark = pytest.mark.gpu
+
+DEV = torch.device("cuda")
+ROW_BYTES = {"fp8_ds_mla": 656, "bf16": 1152}
+
+
+def _random_rows_gpu(g, n: int, fmt: str) -> torch.Tensor:
+    """uint8 [n, row_bytes] on the GPU; fp8 rows with arbitrary scales, no NaN codes."""
+    if fmt == "bf16":
+        return (torch.randn(n, 576, generator=g, device=DEV) * 4).to(torch.bfloat16).view(torch.uint8)
+    codes = torch.randint(0, 256, (n, 512), generator=g, device=DEV, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x3C
+    scales = torch.rand(n, 4, generator=g, device=DEV) * 5 + 0.01
+    rope = torch.randn(n, 64, generator=g, device=DEV).to(torch.bfloat16)
+    return torch.cat([codes, scales.view(torch.uint8), rope.view(torch.uint8)], dim=1)
+
+
+# ------------------------------------------------------------------ conversion
+@pytest.mark.parametrize("B", [1, 16, 64])
+@pytest.mark.parametrize("stride_extra", [0, 7])
+@pytest.mark.parametrize("compact", [False, True])
+def test_convert_decode_production(B, stride_extra, compact):
+    g = torch.Generator(device=DEV).manual_seed(B + stride_extra)
+    T, K, R = 256, 2048, 64
+    NB = (131072 + B - 1) // B
+    bt = torch.randint(0, 1 << 20, (R, NB), generator=g, device=DEV, dtype=torch.int32)
+    bt[:, -3:] = -1
+    topk = torch.randint(0, NB * B, (T, K), generator=g, device=DEV, dtype=torch.int32)
+    topk[torch.rand(T, K, generator=g, device=DEV) < 0.25] = -1
+    req = torch.randint(0, R, (T,), generator=g, device=DEV, dtype=torch.int32)
+    want = convert_reference(topk, req, bt, block_size=B, block_stride=B + stride_extra, compact=compact)
+    got = convert_topk_to_physical(topk, req, bt, block_size=B, block_stride=B + stride_extra, compact=compact,
+                                   return_valid_counts=True, validate=False, impl="triton")
+    torch.cuda.synchronize()
+    assert torch.equal(got.physical, want.physical)
+    assert torch.equal(got.valid_counts, want.valid_counts)
+
+
+@pytest.mark.parametrize("compact", [False, True])
+def test_convert_mixed_workspace_production(compact):
+    g = torch.Generator(device=DEV).manual_seed(3)
+    T_dec, T_pre, K, R, B = 128, 4096, 2048, 32, 64
+    NB = 2048
+    bt = torch.randperm(R * NB, generator=g, device=DEV).view(R, NB).to(torch.int32)
+    topk = torch.randint(0, NB * B, (T_dec + T_pre, K), generator=g, device=DEV, dtype=torch.int32)
+    topk[torch.rand(T_dec + T_pre, K, generator=g, device=DEV) < 0.1] = -1
+    req = torch.randint(0, R, (T_dec + T_pre,), generator=g, device=DEV, dtype=torch.int32)
+    P = 8
+    lens = torch.full((P,), 16384, dtype=torch.int32, device=DEV)
+    starts = torch.arange(P, dtype=torch.int32, device=DEV) * 16384
+    pre = torch.cat([torch.full((T_dec,), -1, dtype=torch.int32, device=DEV),
+                     torch.arange(T_pre, device=DEV, dtype=torch.int32) * P // T_pre])
+    topk[T_dec:] = torch.where(topk[T_dec:] >= 0, topk[T_dec:] % 20000, topk[T_dec:])  # some >= 16384: invalid
+    kw = dict(block_size=B, prefill_request_id=pre, workspace_starts=starts, workspace_lens=lens, compact=compact)
+    want = convert_reference(topk, req, bt, **kw)
+    got = convert_topk_to_physical(topk, req, bt, return_valid_counts=True, validate=False, impl="triton", **kw)
+    torch.cuda.synchronize()
+    assert torch.equal(got.physical, want.physical)
+    assert torch.equal(got.valid_counts, want.valid_counts)
+
+
+def test_convert_cuda_graph_replay_equals_eager():
+    g = torch.Generator(device=DEV).manual_seed(5)
+    T, K, R, NB, B = 64, 2048, 16, 256, 64
+    bt = torch.randperm(R * NB, generator=g, device=DEV).view(R, NB).to(torch.int32)
+    topk = torch.randint(-1, NB * B, (T, K), generator=g, device=DEV, dtype=torch.int32)
+    req = torch.randint(0, R, (T,), generator=g, device=DEV, dtype=torch.int32)
+    out = torch.empty((T, K), dtype=torch.int32, device=DEV)
+    cnt = torch.empty((T,), dtype=torch.int32, device=DEV)
+    kw = dict(block_size=B, compact=True, out=out, valid_counts_out=cnt, validate=False, impl="triton")
+    convert_topk_to_physical(topk, req, bt, **kw)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        convert_topk_to_physical(topk, req, bt, **kw)
+    for step in range(3):
+        topk.copy_(torch.randint(-1, NB * B, (T, K), generator=g, device=DEV, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = convert_reference(topk, req, bt, block_size=B, compact=True)
+        assert torch.equal(out, want.physical) and torch.equal(cnt, want.valid_counts), step
+
+
+# ------------------------------------------------------------------ staging
+def _pool(fmt: str, H: int, g) -> tuple[PinnedBuffer, torch.Tensor]:
+    rb = ROW_BYTES[fmt]
+    buf = PinnedBuffer(H * rb)
+    pool = buf.tensor.view(H, rb)
+    chunk = 1 << 16
+    for a in range(0, H, chunk):
+        b = min(H, a + chunk)
+        pool[a:b].copy_(_random_rows_gpu(g, b - a, fmt).cpu())
+    assert pool.is_pinned()
+    return buf, pool
+
+
+def _oracle(kw, fmt, ws_dtype, W):
+    """Reference staging on the GPU; fp8 rows dequantised by the formats reference."""
+    shape = (W, 576) if ws_dtype == torch.bfloat16 else (W, ROW_BYTES[fmt])
+    ref = torch.full(shape, 3, dtype=ws_dtype, device=DEV)
+    stage_prefill(workspace=ref, impl="torch", **kw)
+    return ref
+
+
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "bf16"])
+@pytest.mark.parametrize("ws_dtype", [torch.bfloat16, torch.uint8])
+@pytest.mark.parametrize("with_hot", [False, True])
+def test_stage_production_byte_exact(fmt, ws_dtype, with_hot):
+    g = torch.Generator(device=DEV).manual_seed(len(fmt) + with_hot)
+    B, R, SP = 64, 8, 4097
+    H = 1 << 18
+    NB = H // B // R
+    buf, pool = _pool(fmt, H, g)
+    bt = torch.randperm(H // B, generator=g, device=DEV)[: R * NB].view(R, NB).to(torch.int32)
+    slots = torch.tensor([3, 0, 5, 1, 7, 2], dtype=torch.int32, device=DEV)
+    lens_l = [0, 1, 4097, 32768, 20001, 7]
+    lens = torch.tensor(lens_l, dtype=torch.int32, device=DEV)
+    starts_l, acc = [], 0
+    for n in lens_l:
+        starts_l.append(acc)
+        acc += n + 5  # gaps between requests stay untouched
+    starts = torch.tensor(starts_l, dtype=torch.int32, device=DEV)
+    W = acc
+    kw = dict(host_pool=pool, block_table=bt, req_slots=slots, seq_lens=lens, workspace_starts=starts,
+              block_size=B, row_format=fmt)
+    if with_hot:
+        hot = _random_rows_gpu(g, R * SP, fmt)  # differs from host: proves which source is read
+        row_slot = torch.full((H,), -1, dtype=torch.int32, device=DEV)
+        for r in range(R):
+            pos = torch.randperm(NB * B, generator=g, device=DEV)[:SP]
+            h = bt[r, pos // B].long() * B + pos % B
+            row_slot[h] = torch.arange(SP, dtype=torch.int32, device=DEV)
+        kw.update(hot_rows=hot, row_slot=row_slot, slots_per_req=SP)
+    shape = (W, 576) if ws_dtype == torch.bfloat16 else (W, ROW_BYTES[fmt])
+    ws = torch.full(shape, 3, dtype=ws_dtype, device=DEV)
+    side = torch.cuda.Stream()
+    ev = stage_prefill(workspace=ws, impl="triton", stream=side, validate=True, **kw)
+    assert isinstance(ev, torch.cuda.Event)
+    torch.cuda.current_stream().wait_event(ev)
+    want = _oracle(kw, fmt, ws_dtype, W)
+    torch.cuda.synchronize()
+    assert torch.equal(ws.view(torch.uint8), want.view(torch.uint8))
+    if fmt == "fp8_ds_mla" and ws_dtype == torch.bfloat16 and not with_hot:
+        # independent spot check against the formats reference on CPU
+        p = torch.arange(lens_l[3])
+        h = bt[1].cpu().long()[p // B] * B + p % B
+        deq = dequantize_fp8_ds_mla_reference(pool[h])
+        w0 = starts_l[3]
+        assert torch.equal(ws[w0:w0 + lens_l[3]].cpu().view(torch.int16), deq.view(torch.int16))
+    del buf
+
+
+def test_stage_chunks_and_graph_replay():
+    """Chunked plan staged chunk by chunk; the unchecked call replayed from a CUDA graph."""
+    g = torch.Generator(device=DEV).manual_seed(9)
+    B, H = 64, 1 << 16
+    buf, pool = _pool("fp8_ds_mla", H, g)
+    R, NB = 4, H // B // 4
+    bt = torch.randperm(H // B, generator=g, device=DEV).view(R, NB).to(torch.int32)
+    slots = torch.tensor([2, 0, 3, 1], dtype=torch.int32, device=DEV)
+    ctx = [9000, 7000, 16000, 1]
+    W = 16384
+    chunks = plan_prefill_chunks(ctx, [1, 1, 1, 1], W, req_slots=slots)
+    assert [c.requests for c in chunks] == [slice(0, 2), slice(2, 4)]
+    for c in chunks:
+        ws = torch.zeros(W, 576, dtype=torch.bfloat16, device=DEV)
+        kw = dict(host_pool=pool, block_table=bt, block_size=B, row_format="fp8_ds_mla")
+        ev = stage_prefill_chunk(c, workspace=ws, impl="triton", **kw)
+        ev.synchronize()
+        want = torch.zeros_like(ws)
+        stage_prefill_chunk(c, workspace=want, impl="torch", **kw)
+        torch.cuda.synchronize()
+        assert torch.equal(ws.view(torch.int16), want.view(torch.int16))
+    c = chunks[0]
+    ws = torch.zeros(W, 576, dtype=torch.bfloat16, device=DEV)
+    kw = dict(host_pool=pool, block_table=bt, req_slots=c.req_slots, seq_lens=c.seq_lens,
+              workspace_starts=c.workspace_starts, block_size=B, row_format="fp8_ds_mla", max_rows=c.max_rows,
+              validate=False, impl="triton")
+    stage_prefill(workspace=ws, **kw)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        stage_prefill(workspace=ws, **kw)
+    pool[:].copy_(_random_rows_gpu(g, H, "fp8_ds_mla").cpu())  # new contents, same addresses
+    ws.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    want = torch.zeros_like(ws)
+    stage_prefill(workspace=want, **{**kw, "impl": "torch"})
+    torch.cuda.synchronize()
+    assert torch.equal(ws.view(torch.int16), want.view(torch.int16))
+    del buf
+
+
+def test_stage_rejects_pageable_host_pool():
+    pool = torch.zeros(64, 656, dtype=torch.uint8)  # pageable
+    ws = torch.zeros(8, 576, dtype=torch.bfloat16, device=DEV)
+    with pytest.raises(ValueError, match="not pinned"):
+        stage_prefill(host_pool=pool, block_table=torch.zeros(1, 1, dtype=torch.int32, device=DEV),
+                      req_slots=torch.zeros(1, dtype=torch.int32, device=DEV),
+                      seq_lens=torch.ones(1, dtype=torch.int32, device=DEV),
+                      workspace_starts=torch.zeros(1, dtype=torch.int32, device=DEV), workspace=ws,
+                      block_size=64, row_format="fp8_ds_mla")
+    assert bool((ws == 0).all())
