@@ -408,6 +408,30 @@ class TraceRunner:
             self.truth[(rid, l)] = torch.cat([old, rows])
             self._check()
 
+    def append_tokens(self, mask: int, layer: int) -> None:
+        """One row to each live request picked by ``mask`` through the batched
+        ``append_token_rows`` (a decode step's new tokens)."""
+        live = sorted(self.sim.reqs)
+        rids = [rid for i, rid in enumerate(live) if (mask >> i) & 1]
+        l = layer % self.cfg.num_layers
+        rows = torch.randint(0, 256, (len(rids), self.cfg.row_bytes), dtype=torch.uint8,
+                             generator=torch.Generator().manual_seed(self.rng.randrange(2**31)))
+        before = snapshot(self.cache)
+        try:
+            pos = self.cache.append_token_rows(l, rids, rows.to(self.cache.device))
+        except CapacityError:
+            self.capacity_errors += 1
+            assert_same(before, snapshot(self.cache))
+            return
+        for i, rid in enumerate(rids):
+            if pos[i] != self.sim.reqs[rid].lens[l]:
+                _fail(f"append_token_rows gave position {pos[i]}, expected "
+                      f"{self.sim.reqs[rid].lens[l]}")
+            self.sim.append(l, rid, 1)
+            old = self.truth.get((rid, l), torch.empty((0, self.cfg.row_bytes), dtype=torch.uint8))
+            self.truth[(rid, l)] = torch.cat([old, rows[i:i + 1]])
+        self._check()
+
     def make_step(self, mask: int, pad: float, invalid: bool) -> tuple[list[int], list[list[int]]]:
         """req_ids/topk for the live requests selected by ``mask``."""
         K, q = self.cfg.top_k, self.cfg.max_query_len

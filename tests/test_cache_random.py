@@ -38,6 +38,7 @@ OP = st.one_of(
     st.tuples(st.just("free"), st.integers(0, 7)),
     st.tuples(st.just("append"), st.integers(0, 7), st.integers(0, 3),
               st.sampled_from([0, 1, 1, 1, 2, 3, 7, 17]), st.booleans()),
+    st.tuples(st.just("append_tokens"), st.integers(0, 15), st.integers(0, 3)),
     st.tuples(st.just("resolve"), st.integers(0, 3), st.integers(0, 15),
               st.sampled_from([0.0, 0.2, 0.6]), st.booleans(), st.booleans()),
 )
@@ -65,6 +66,8 @@ def _long_trace(runner, rng, n_ops):
         elif u < 0.5:
             runner.append(rng.randrange(8), rng.randrange(4), rng.choice([1, 1, 2, 5, 9]),
                           rng.random() < 0.8)
+        elif u < 0.58:
+            runner.append_tokens(rng.randrange(16), rng.randrange(4))
         else:
             runner.resolve(rng.randrange(4), rng.randrange(16), rng.choice([0.0, 0.3]),
                            rng.random() < 0.25, rng.random() < 0.3)

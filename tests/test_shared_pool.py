@@ -216,18 +216,15 @@ def test_drop_in_for_hisparse_cache(pair):
     cfg, w, r = pair
     caches = []
     for pool in (w, r):
-        c = HiSparseCache(cfg, kernels="torch", pin=False)
-        c.pool.release()
-        c.pool = pool  # the hook HiSparseCache needs (a host_pool= argument) does this
-        caches.append(c)
+        caches.append(HiSparseCache(cfg, kernels="torch", host_pool=pool))
     n = 20  # > S = 8: most positions live on host only
     for c, pool in zip(caches, (w, r)):
         c.add_request(5)
         for layer in range(cfg.num_layers):
-            c.append_rows(layer, 5, expected_rows(layer, 5, 0, n, 32))
-            pool.commit_append(layer)
+            c.append_rows(layer, 5, expected_rows(layer, 5, 0, n, 32))  # commits the append
     r.wait_visible(0)
     r.verify_admission(timeout_s=1)
+    assert all(int(v) == 1 for v in w.buffer.published)  # one append per layer published
     picks = [19, 0, 9, 10, 17, 3, 12, 1]
     for layer in range(cfg.num_layers):
         res = caches[1].resolve(layer, torch.tensor([5], dtype=torch.int32),
@@ -235,6 +232,8 @@ def test_drop_in_for_hisparse_cache(pair):
         got = caches[1].hot_rows(layer)[res.physical[0].long()]
         assert torch.equal(got, expected_rows(layer, 5, 0, n, 32)[picks])
     assert caches[1].stats()["host_pool"]["bytes"] == cfg.host_pool_bytes
+    with pytest.raises(ValueError, match="another config"):
+        HiSparseCache(cfg.replace(top_k=4, device_buffer_size=8), kernels="torch", host_pool=w)
 
 
 def test_setup_single_rank_and_bad_inputs(tmp_path):

@@ -134,7 +134,7 @@ class HiSparseCache:
     """
 
     def __init__(self, cfg: HiSparseConfig, *, kernels: str = "auto",
-                 pin: bool | None = None) -> None:
+                 pin: bool | None = None, host_pool: HostPool | None = None) -> None:
         if not isinstance(cfg, HiSparseConfig):
             raise TypeError(f"cfg must be a HiSparseConfig, got {type(cfg).__name__}")
         self.cfg = cfg
@@ -145,7 +145,19 @@ class HiSparseCache:
         L, R, S = cfg.num_layers, cfg.max_num_reqs, cfg.device_buffer_size
         self.S: int = S  # type: ignore[assignment]
         self.SP = cfg.slots_per_req
-        self.pool = HostPool(cfg, pin=pin)
+        if host_pool is None:
+            self.pool = HostPool(cfg, pin=pin)
+        else:  # e.g. a SharedHostPool mapped by every tensor-parallel rank of a node
+            if not isinstance(host_pool, HostPool):
+                raise TypeError(f"host_pool must be a HostPool, got {type(host_pool).__name__}")
+            from .shared_pool import config_diff, config_fingerprint
+            if config_fingerprint(host_pool.cfg) != config_fingerprint(cfg):
+                raise ValueError("host_pool was built for another config: "
+                                 f"{config_diff(host_pool.cfg.to_dict(), cfg.to_dict())}")
+            self.pool = host_pool
+        # a shared pool has one writer rank; the others only read (see shared_pool)
+        self._pool_writer = bool(getattr(self.pool, "is_writer", True))
+        self._pool_shared = hasattr(self.pool, "commit_append")
         self.state = HotState.allocate(cfg, self.device)
         # uint8 [L, R * (S + 1), row_bytes]; hot[l] is the flat view physical indices index
         self.hot = torch.zeros((L, R * self.SP, cfg.row_bytes), dtype=torch.uint8,
@@ -316,17 +328,136 @@ class HiSparseCache:
         if backup is not None:
             backup.wait_stream(cur)
         with self.streams.on(backup):
-            for a, b, h in pool.segments(r, p0, p1):
-                pool.rows[layer, h:h + (b - a)].copy_(rows[a - p0:b - p0], non_blocking=True)
+            if self._pool_writer:
+                for a, b, h in pool.segments(r, p0, p1):
+                    pool.rows[layer, h:h + (b - a)].copy_(rows[a - p0:b - p0], non_blocking=True)
             self._backup_ev.record(backup, capturing)
         if backup is not None and not capturing:
             rows.record_stream(backup)
+        self._commit_shared(layer)
         old_seq = min(lens)
         lens[layer] = p1
         new_seq = min(lens)
         if new_seq != old_seq:
             st.seq_lens[r] = new_seq
         return p0
+
+    def append_token_rows(self, layer: int, req_ids, rows: torch.Tensor) -> list[int]:
+        """Append one row to each of ``n`` distinct requests in one layer (a decode step).
+
+        req_ids: n distinct live request ids (a sequence of ints); rows: uint8
+        [n, row_bytes] on the cache device, row i for ``req_ids[i]``. Same result as n
+        calls of ``append_rows(layer, req_ids[i], rows[i:i+1])``, but with a fixed
+        number of launches whatever n is (the per-request bookkeeping is done on the
+        host mirrors, one small index upload, then batched writes). Returns the
+        position written for each request. CapacityError (nothing changed) when the
+        pool can't supply the blocks for all of them.
+        """
+        V.check_layer(self.cfg, layer)
+        ids = [V.check_req_id(self.cfg, i) for i in req_ids]
+        if len(set(ids)) != len(ids):
+            raise ValueError("append_token_rows: req_ids must be distinct (one row per request)")
+        slots = [self.request_slot(i) for i in ids]
+        V.check_rows(self.cfg, rows, self.device)
+        n = len(ids)
+        if int(rows.shape[0]) != n:
+            raise ValueError(f"append_token_rows: {n} request ids but {int(rows.shape[0])} rows")
+        if n == 0:
+            return []
+        pool, st, S, B = self.pool, self.state, self.S, self.pool.B
+        pos = [self._lens[r][layer] for r in slots]
+        need = [pool.blocks_needed(r, p + 1) for r, p in zip(slots, pos)]
+        if sum(need) > pool.allocator.num_free:
+            raise CapacityError(
+                f"host pool full: {sum(need)} more blocks needed, {pool.allocator.num_free} free "
+                f"of {pool.allocator.num_blocks}; free requests or configure a larger pool"
+            )
+        # ---- from here on nothing raises for caller reasons ----
+        bt_r, bt_c, bt_v = [], [], []
+        for r, k in zip(slots, need):
+            if k:
+                have = len(pool.allocator.owned(r))
+                for j, b in enumerate(pool.allocator.allocate(r, k)):
+                    bt_r.append(r)
+                    bt_c.append(have + j)
+                    bt_v.append(b)
+        host, dst, old_rows, seq_r, seq_v = [], [], [], [], []
+        wait_old = False
+        for r, p in zip(slots, pos):
+            blocks = pool.allocator.owned(r)
+            h = blocks[p // B] * B + p % B
+            host.append(h)
+            if p < S:
+                dst.append(r * self.SP + p)
+            else:
+                dst.append(r * self.SP + S)
+                old = self._reserved[r][layer]
+                if old >= 0:
+                    old_rows.append(blocks[old // B] * B + old % B)
+                    wait_old = True
+                self._reserved[r][layer] = p
+            lens = self._lens[r]
+            old_seq = min(lens)
+            lens[layer] = p + 1
+            if min(lens) != old_seq:
+                seq_r.append(r)
+                seq_v.append(min(lens))
+        cur, capturing = self.streams.current(), _capturing(self.device)
+        self._after_stage(cur, capturing)
+        if wait_old:  # old reserved rows must be on host before their slot is overwritten
+            self._backup_ev.wait_by(cur, capturing)
+        # one upload of every index list: int64 [6, n] (padded lists use -1 / 0)
+        m = max(len(old_rows), len(seq_r), len(bt_r), 1)
+        pack = torch.full((9, max(n, m)), -1, dtype=torch.int64)
+        pack[0, :n] = torch.tensor(host)
+        pack[1, :n] = torch.tensor(dst)
+        pack[2, :n] = torch.tensor(pos)
+        pack[3, :n] = torch.tensor([r for r in slots])
+        if old_rows:
+            pack[4, :len(old_rows)] = torch.tensor(old_rows)
+        if seq_r:
+            pack[5, :len(seq_r)] = torch.tensor(seq_r)
+            pack[6, :len(seq_r)] = torch.tensor(seq_v)
+        if bt_r:
+            pack[7, :len(bt_r)] = torch.tensor(bt_r) * st.block_table.shape[1] + torch.tensor(bt_c)
+            pack[8, :len(bt_r)] = torch.tensor(bt_v)
+        if self.cuda:
+            pack = pack.pin_memory()
+        dev = pack.to(self.device, non_blocking=True)
+        h_t, dst_t, pos_t, r_t = dev[0, :n], dev[1, :n], dev[2, :n], dev[3, :n]
+        if bt_r:
+            st.block_table.view(-1)[dev[7, :len(bt_r)]] = dev[8, :len(bt_r)].to(torch.int32)
+        if old_rows:
+            st.row_slot[layer][dev[4, :len(old_rows)]] = -1
+        self.hot[layer].index_copy_(0, dst_t, rows)
+        flat_pos = st.slot_pos[layer].view(-1)
+        flat_stamp = st.slot_stamp[layer].view(-1)
+        flat_pos[dst_t] = pos_t.to(torch.int32)
+        flat_stamp[dst_t] = st.step[layer].index_select(0, r_t)
+        st.row_slot[layer][h_t] = (dst_t - r_t * self.SP).to(torch.int32)
+        if seq_r:
+            st.seq_lens[dev[5, :len(seq_r)]] = dev[6, :len(seq_r)].to(torch.int32)
+        st.stats[layer, STAT_D2H_ROWS] += n
+        # host mirror: one row-copy launch on the backup stream (device -> pinned host)
+        backup = self.streams.backup
+        if backup is not None:
+            backup.wait_stream(cur)
+        with self.streams.on(backup):
+            src_idx = torch.arange(n, dtype=torch.int32, device=self.device)
+            if self._pool_writer:
+                self._copy_fn(rows, src_idx, pool.rows[layer], h_t.to(torch.int32))
+            self._backup_ev.record(backup, capturing)
+        if backup is not None and not capturing:
+            for t in (rows, dev, src_idx):
+                t.record_stream(backup)
+        self._commit_shared(layer)
+        return pos
+
+    def _commit_shared(self, layer: int) -> None:
+        """Shared pool: count this append; the writer rank publishes it once on host."""
+        if self._pool_shared:
+            ev = self._backup_ev.event if (self._pool_writer and self.cuda) else None
+            self.pool.commit_append(layer, ev)  # type: ignore[attr-defined]
 
     # ---- resolve + staging --------------------------------------------------
     def resolve(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor, *,
@@ -357,6 +488,8 @@ class HiSparseCache:
             stage_dst=self._dst[layer, :T * K],
         )
         cur, capturing = self.streams.current(), _capturing(self.device)
+        if self._pool_shared and not capturing:  # rows of the writer rank must be on host
+            self.pool.wait_visible(layer)  # type: ignore[attr-defined]
         if req_ids.dtype != torch.int32:  # the kernels take int32 ids
             # clamp first so an out-of-range int64 id cannot wrap onto a live one (int32
             # ids skip this and its small temporary)
@@ -394,6 +527,8 @@ class HiSparseCache:
         pos = V.check_positions(positions, self._lens[r][layer])
         if self._backup_ev.event is not None and self._backup_ev.recorded:
             self._backup_ev.event.synchronize()
+        if self._pool_shared:
+            self.pool.wait_visible(layer)  # type: ignore[attr-defined]
         rows = self.pool.host_rows(r, pos)
         return self.pool.rows[layer].index_select(0, rows)
 
