@@ -344,9 +344,9 @@ class StressRun:
                 # ---- timed: decode appends + resolves --------------------------------
                 self._sync()
                 t0 = time.perf_counter()
-                for layer in range(L):
-                    for t, rid in enumerate(ids.tolist()):
-                        cache.append_rows(layer, rid, new_rows[layer][t:t + 1])
+                id_list = ids.tolist()
+                for layer in range(L):  # one batched append per layer (fixed launches)
+                    cache.append_token_rows(layer, id_list, new_rows[layer])
                 self._sync()
                 t_step = time.perf_counter() - t0
                 append_ms.append(t_step * 1e3)
