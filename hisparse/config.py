@@ -13,6 +13,9 @@ import json
 from typing import Any
 
 
+HOT_ROW_ALIGN = 64  # rows; see HiSparseConfig.hot_rows_per_layer
+
+
 class RowFormat(enum.Enum):
     """Byte format of one MLA latent row (one token, one layer)."""
 
@@ -128,8 +131,10 @@ class HiSparseConfig:
 
     @property
     def hot_rows_per_layer(self) -> int:
-        """Rows in one layer's flat hot view: R x (S + 1)."""
-        return self.max_num_reqs * self.slots_per_req
+        """Rows in one layer's flat hot view: R x (S + 1) rounded up to a multiple of
+        64 (FlashMLA's decode kernel reads the view as pages of 64 rows). Physical
+        indices only ever point below R x (S + 1); the padding rows stay zero."""
+        return ceil_div(self.max_num_reqs * self.slots_per_req, HOT_ROW_ALIGN) * HOT_ROW_ALIGN
 
     @property
     def host_pool_bytes(self) -> int:

@@ -2,7 +2,7 @@
 
 What it owns (notation in ``hisparse.cache.state``):
   pool   ``HostPool``: pinned uint8 [L, H, row_bytes] + block allocator (cold tier)
-  hot    uint8 [L, R * (S + 1), row_bytes] on the cache device (hot tier)
+  hot    uint8 [L, R * (S + 1) (rounded up to 64), row_bytes] on the device (hot tier)
   state  ``HotState``: slot maps, exact-LRU stamps, block table, device counters
   per-layer output buffers of resolve, sized once for R x max_query_len tokens
 
@@ -160,7 +160,7 @@ class HiSparseCache:
         self._pool_shared = hasattr(self.pool, "commit_append")
         self.state = HotState.allocate(cfg, self.device)
         # uint8 [L, R * (S + 1), row_bytes]; hot[l] is the flat view physical indices index
-        self.hot = torch.zeros((L, R * self.SP, cfg.row_bytes), dtype=torch.uint8,
+        self.hot = torch.zeros((L, cfg.hot_rows_per_layer, cfg.row_bytes), dtype=torch.uint8,
                                device=self.device)
         self.max_tokens = R * cfg.max_query_len
         cap = self.max_tokens * cfg.top_k
@@ -205,7 +205,8 @@ class HiSparseCache:
         return min(self._lens[r])
 
     def hot_rows(self, layer: int) -> torch.Tensor:
-        """uint8 [R * (S + 1), row_bytes]: the flat view physical indices point into."""
+        """uint8 [cfg.hot_rows_per_layer, row_bytes] (R x (S + 1) rounded up to 64): the
+        flat view physical indices point into."""
         V.check_layer(self.cfg, layer)
         return self.hot[layer]
 
