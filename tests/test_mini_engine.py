@@ -1,0 +1,121 @@
+"""The mini engine on CPU: resident KV vs hisparse give the same outputs token by token.
+
+Tiny sizes (2 layers, 2 heads, top-k 8, a hot buffer of 16 slots for contexts up to 48
+tokens), so misses happen; requests arrive every 2 steps, prefill in chunks of 16 and
+decode 3-8 steps each.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from hisparse.tools import mini_engine as me
+
+
+def test_resident_and_hisparse_match_fp8():
+    cfg = me.MiniEngineConfig()
+    res = me.run(cfg)
+    c = res["compare"]
+    reqs = me.make_workload(cfg)
+    assert c["tokens_compared"] == sum(r.total for r in reqs)
+    assert c["within_tolerance"], c
+    assert c["argmax_mismatches"] == 0
+    # the same rows are gathered in the same order, so the outputs are identical
+    assert c["bitwise_equal"], c
+    cache = res["hisparse"]["cache"]
+    assert cache["misses"] > 0 and 0.0 < cache["hit_rate"] < 1.0, cache
+    assert cache["bytes_h2d"] == cache["misses"] * 656
+    assert cache["invalid"] == 0
+    assert res["resident"]["tokens"] == res["hisparse"]["tokens"] == c["tokens_compared"]
+    assert res["hisparse"]["tokens_per_s"] > 0 and res["ratio"]["tokens_per_s_hisparse_over_resident"] > 0
+    text = me.format_report(res)
+    assert "hit rate" in text and "WITHIN" in text
+
+
+def test_resident_and_hisparse_match_bf16_mixed_arrivals():
+    cfg = me.MiniEngineConfig(row_format="bf16", num_requests=5, num_heads=3, arrival_every=1, chunk=7,
+                              max_batch_tokens=24, min_prompt=17, max_prompt=30, seed=3, locality=0.0)
+    res = me.run(cfg)
+    assert res["compare"]["within_tolerance"] and res["compare"]["bitwise_equal"], res["compare"]
+    assert res["hisparse"]["cache"]["misses"] > 0
+
+
+def test_synthetic_context_fill():
+    cfg = me.MiniEngineConfig(num_requests=3, synthetic_context=12, min_prompt=20, max_prompt=24, min_decode=2,
+                              max_decode=3)
+    res = me.run(cfg)
+    c = res["compare"]
+    assert c["within_tolerance"] and c["bitwise_equal"], c
+    # positions written synthetically are not compared (no output there)
+    reqs = me.make_workload(cfg)
+    assert c["tokens_compared"] == sum(r.total - 12 for r in reqs)
+
+
+def test_a_wrong_row_is_detected(monkeypatch):
+    """The comparison can fail: shift hisparse's physical indices by one row."""
+    orig = me.HiSparseKV.decode_rows
+
+    def shifted(self, layer, topk, batch):
+        rows, phys = orig(self, layer, topk, batch)
+        return rows, torch.where(phys >= 0, (phys + 1) % rows.shape[0], phys)
+
+    monkeypatch.setattr(me.HiSparseKV, "decode_rows", shifted)
+    cfg = me.MiniEngineConfig(num_requests=2, min_prompt=20, max_prompt=24, min_decode=3, max_decode=3)
+    res = me.run(cfg)
+    assert not res["compare"]["bitwise_equal"]
+    assert not res["compare"]["within_tolerance"]
+
+
+def test_cli_main_json(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    rc = me.main(["--num-requests", "2", "--max-prompt", "24", "--max-decode", "3", "--out", str(out)])
+    assert rc == 0
+    d = json.loads(out.read_text())
+    for key in ("config", "compare", "resident", "hisparse", "ratio"):
+        assert key in d
+    assert d["config"]["num_requests"] == 2
+    assert "tok/s" in capsys.readouterr().out
+    assert me.main(["--num-requests", "2", "--max-prompt", "24", "--max-decode", "3", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["compare"]["within_tolerance"]
+
+
+@pytest.mark.parametrize("kw", [
+    dict(num_layers=0), dict(min_prompt=10, max_prompt=5), dict(locality=1.0), dict(row_format="int4"),
+    dict(synthetic_context=30), dict(max_batch_tokens=2),
+])
+def test_bad_config(kw):
+    with pytest.raises(ValueError):
+        me.MiniEngineConfig(**kw)
+
+
+def test_presets_parse():
+    args = me.build_parser().parse_args(["--preset", "h200", "--num-requests", "4", "--unchecked"])
+    cfg = me.config_from_args(args)
+    assert cfg.num_layers == 8 and cfg.top_k == 2048 and cfg.num_requests == 4 and cfg.validate is False
+    assert cfg.cache_config().device_buffer_size == 4096
+
+
+def test_multi_token_decode_within_buffer():
+    """q = 2 decode tokens per request per step (MTP), contexts within the hot buffer."""
+    cfg = me.MiniEngineConfig(query_len=2, top_k=8, device_buffer_size=64, num_requests=3, min_prompt=20,
+                              max_prompt=30, min_decode=2, max_decode=4)
+    res = me.run(cfg)
+    assert res["compare"]["within_tolerance"] and res["compare"]["bitwise_equal"], res["compare"]
+    assert res["hisparse"]["cache"]["invalid"] == 0
+
+
+def test_multi_token_decode_beyond_buffer_refused():
+    with pytest.raises(ValueError, match="query_len"):
+        me.MiniEngineConfig(query_len=2, top_k=8, device_buffer_size=16, max_prompt=40)
+
+
+def test_triton_cache_kernels_in_interpreter():
+    """The cache's Triton resolve and row-copy kernels (interpreted on CPU) give the same outputs."""
+    cfg = me.MiniEngineConfig(num_requests=2, min_prompt=20, max_prompt=26, min_decode=2, max_decode=3,
+                              cache_kernels="triton")
+    res = me.run(cfg)
+    assert res["compare"]["bitwise_equal"], res["compare"]
+    assert res["hisparse"]["cache"]["misses"] > 0
