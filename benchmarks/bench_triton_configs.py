@@ -1,0 +1,186 @@
+"""Launch-shape sweep of hisparse's Triton sparse-MLA decode kernel (pick DEFAULT_SHAPES).
+
+For each case (row format, T query tokens, H heads, K = 2048) every candidate
+``(block_h, block_n, num_warps, num_stages)`` of ``triton_backend.CANDIDATE_SHAPES``
+(with block_h <= next_pow2(H)) is timed with a few KV-split counts, next to the
+baseline = the backend's current ``default_config`` measured in the same run.
+
+Setup: N = T * 4096 rows (like one layer's hot buffers), random rows per token, no
+padding; the unchecked path (validate=False). Timing: CUDA events around each call,
+L2 flushed (256 MiB write) before every call unless --no-flush. Reported per config:
+min / median / p99 us, ``speedup`` = baseline median / config median (> 1: faster
+than the default), ``vs_flashmla`` = 108.9 us / median for the fp8 T=64 H=128 case
+(FlashMLA's time measured on the H200, ../shared/GPU.md; bench_decode.py measures
+FlashMLA live), and max |out err| of the first tokens against the float32 reference.
+A config that fails to compile or run is recorded with its error and skipped.
+
+  python benchmarks/bench_triton_configs.py --out results/triton_configs.json [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import hisparse  # noqa: E402
+from hisparse.attention.reference import ReferenceBackend  # noqa: E402
+from hisparse.attention.triton_backend import (CANDIDATE_SHAPES, TritonBackend,  # noqa: E402
+                                               TritonMLAConfig, auto_splits, default_config)
+from hisparse.formats import quantize_fp8_ds_mla  # noqa: E402
+
+FLASHMLA_US = {("fp8_ds_mla", 64, 128): 108.9, ("fp8_ds_mla", 1, 128): 42.6,
+               ("fp8_ds_mla", 8, 128): 49.1, ("fp8_ds_mla", 256, 128): 418.5}
+FLUSH_BYTES = 256 << 20
+SPOT = 4
+
+
+def stats(us: list[float]) -> dict:
+    s = sorted(us)
+    p99 = s[min(len(s) - 1, math.ceil(0.99 * len(s)) - 1)]
+    return {"min": s[0], "median": s[len(s) // 2], "p99": p99, "n": len(s)}
+
+
+def time_fn(fn, *, warmup: int, iters: int, flush: bool) -> dict:
+    scratch = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda") if flush else None
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    us = []
+    for _ in range(iters):
+        if scratch is not None:
+            scratch.fill_(1)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        us.append(a.elapsed_time(b) * 1000.0)
+    return stats(us)
+
+
+def make_problem(T: int, H: int, K: int, fmt: str, seed: int):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    N = T * 4096
+    x = torch.randn(N, 576, device="cuda", generator=g).bfloat16()
+    rows = quantize_fp8_ds_mla(x) if fmt == "fp8_ds_mla" else x
+    q = torch.randn(T, H, 576, device="cuda", generator=g).bfloat16()
+    idx = torch.randint(0, N, (T, K), device="cuda", generator=g, dtype=torch.int32)
+    return q, rows, idx
+
+
+def run_case(fmt: str, T: int, H: int, K: int, args) -> dict:
+    q, rows, idx = make_problem(T, H, K, fmt, seed=T * 1000 + H)
+    scale = 1.0 / math.sqrt(576)
+    ref_out, _ = ReferenceBackend().decode(q[:SPOT], rows, idx[:SPOT], sm_scale=scale,
+                                           row_format=fmt)
+    base_cfg = default_config(T, H, K, q.device, fmt)
+    max_bh = min(64, max(16, 1 << max(0, (H - 1).bit_length())))
+    shapes = [s for s in CANDIDATE_SHAPES if s[0] <= max_bh]
+    if args.quick:
+        shapes = [s for s in shapes if s[0] == max_bh]
+    results = []
+
+    def measure(name: str, cfg: TritonMLAConfig) -> dict:
+        rec = {"config": name, **dataclasses.asdict(cfg)}
+        be = TritonBackend(config=cfg, validate=False)
+        try:
+            t0 = time.time()
+            out, _ = be.decode(q, rows, idx, sm_scale=scale, row_format=fmt)
+            torch.cuda.synchronize()
+            rec["first_call_s"] = round(time.time() - t0, 2)
+            rec["max_err"] = (out[:SPOT].float() - ref_out.float()).abs().max().item()
+            rec["us"] = time_fn(lambda: be.decode(q, rows, idx, sm_scale=scale, row_format=fmt),
+                                warmup=args.warmup, iters=args.iters, flush=not args.no_flush)
+        except Exception as e:  # a config that can't compile/run on this GPU: record it, go on
+            rec["error"] = f"{type(e).__name__}: {e}"[:400]
+            traceback.print_exc(limit=2)
+        results.append(rec)
+        return rec
+
+    base = measure("default", base_cfg)
+    for bh, bn, nw, ns in shapes:
+        auto = TritonMLAConfig(block_h=bh, block_n=bn, num_warps=nw, num_stages=ns)
+        splits = sorted({auto_splits(T, H, K, auto, q.device), 1, 2} if not args.quick
+                        else {auto_splits(T, H, K, auto, q.device), 1})
+        for sp in splits:
+            cfg = dataclasses.replace(auto, num_splits=sp)
+            measure(f"h{bh}n{bn}w{nw}s{ns}x{sp}", cfg)
+    base_med = base.get("us", {}).get("median")
+    fm = FLASHMLA_US.get((fmt, T, H))
+    for r in results:
+        if "us" in r:
+            if base_med:
+                r["speedup"] = base_med / r["us"]["median"]
+            if fm:
+                r["vs_flashmla"] = fm / r["us"]["median"]
+    ok = [r for r in results if "us" in r]
+    best = min(ok, key=lambda r: r["us"]["median"]) if ok else None
+    print(f"\n== {fmt} T={T} H={H} K={K}  (baseline default: {base['config']} "
+          f"{dataclasses.asdict(base_cfg)})")
+    print(f"{'config':22s} {'min':>8s} {'median':>8s} {'p99':>8s} {'speedup':>8s} "
+          f"{'vs_fmla':>8s} {'max_err':>8s}")
+    for r in sorted(ok, key=lambda r: r["us"]["median"]):
+        print(f"{r['config']:22s} {r['us']['min']:8.1f} {r['us']['median']:8.1f} "
+              f"{r['us']['p99']:8.1f} {r.get('speedup', float('nan')):8.2f} "
+              f"{r.get('vs_flashmla', float('nan')):8.2f} {r['max_err']:8.4f}")
+    for r in results:
+        if "error" in r:
+            print(f"{r['config']:22s} ERROR {r['error'][:150]}")
+    if best:
+        print(f"best: {best['config']} median {best['us']['median']:.1f} us"
+              + (f" (FlashMLA {fm} us -> ratio {fm / best['us']['median']:.2f}, target >= 0.7)"
+                 if fm else ""))
+    return {"format": fmt, "T": T, "H": H, "K": K, "baseline": base["config"],
+            "best": best["config"] if best else None, "results": results}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="JSON result file")
+    ap.add_argument("--quick", action="store_true", help="one case, fewer configs and iterations")
+    ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--no-flush", action="store_true", help="don't flush L2 before each call")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_triton_configs: needs a CUDA GPU; nothing to do")
+        return 0
+    if args.iters is None:
+        args.iters = 20 if args.quick else 50
+    K = 2048
+    cases = [("fp8_ds_mla", 64, 128)]
+    if not args.quick:
+        cases += [("fp8_ds_mla", 1, 128), ("fp8_ds_mla", 8, 128), ("fp8_ds_mla", 256, 128),
+                  ("bf16", 64, 128), ("fp8_ds_mla", 64, 16)]
+    env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "triton": __import__("triton").__version__, "hisparse": hisparse.__version__,
+           "capability": list(torch.cuda.get_device_capability()),
+           "sms": torch.cuda.get_device_properties(0).multi_processor_count,
+           "flush_l2": not args.no_flush, "iters": args.iters}
+    print("env:", json.dumps(env))
+    out = {"env": env, "cases": []}
+    for fmt, T, H in cases:
+        out["cases"].append(run_case(fmt, T, H, K, args))
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=1))  # partial results survive a timeout
+    print("\nsummary (best per case):")
+    for c in out["cases"]:
+        print(f"  {c['format']:10s} T={c['T']:<4d} H={c['H']:<4d} best={c['best']}")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

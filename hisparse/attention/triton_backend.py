@@ -1,0 +1,232 @@
+"""Triton sparse-MLA backend: decode over bf16 / fp8_ds_mla rows, prefill over a bf16 workspace.
+
+Launches ``hisparse.kernels.mla_decode`` (see its docstring for the algorithm). The launch
+shape is a ``TritonMLAConfig`` (head block, rows per iteration, warps, pipeline
+stages, KV splits); ``default_config`` picks one from the problem size, and callers
+(benchmarks, autotuning) may pass their own. Inputs are validated (``base``) before
+any launch; with ``validate=False`` the host-syncing range check is skipped and the
+kernel masks out-of-range entries as padding instead (graph-capturable).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+import os
+
+import torch
+
+from ..config import RowFormat
+from .base import (D_V, DecodeInputs, Phase, SparseMLABackend, empty_result,
+                   validate_decode_inputs, validate_prefill_inputs)
+
+MAX_SPLITS = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class TritonMLAConfig:
+    """Launch shape of the sparse-MLA kernel.
+
+    block_h: heads per program (power of two >= 16; fewer heads are masked)
+    block_n: rows gathered per iteration (power of two >= 16)
+    num_warps, num_stages: Triton launch options
+    num_splits: KV splits per (token, head block); None = choose from the GPU's SM count
+    """
+
+    block_h: int = 64
+    block_n: int = 32
+    num_warps: int = 8
+    num_stages: int = 2
+    num_splits: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("block_h", "block_n", "num_warps"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
+                raise ValueError(f"{name} must be a power of two, got {v!r}")
+        if self.block_h < 16 or self.block_n < 16:
+            raise ValueError(f"block_h and block_n must be >= 16 (tl.dot), got "
+                             f"{self.block_h}, {self.block_n}")
+        if isinstance(self.num_stages, bool) or not isinstance(self.num_stages, int) \
+                or self.num_stages < 1:
+            raise ValueError(f"num_stages must be an int >= 1, got {self.num_stages!r}")
+        if self.num_splits is not None and (
+                isinstance(self.num_splits, bool) or not isinstance(self.num_splits, int)
+                or not 1 <= self.num_splits <= MAX_SPLITS):
+            raise ValueError(f"num_splits must be None or an int in [1, {MAX_SPLITS}], "
+                             f"got {self.num_splits!r}")
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+# Per head block: (block_n, num_warps, num_stages). Chosen offline from sm90 compile
+# statistics (Triton 3.6, the launcher's 16-divisibility specialisation): no register
+# spills, wgmma for block_h = 64, the largest block_n that fits (the q tile is re-read
+# from shared memory once per block_n rows). Note: with 8 warps and block_h = 64 Triton
+# lays the q . k^T dot out as warpsPerCTA [8, 1], so both warpgroups compute it; 4 warps
+# avoid that but spill the [64, 512] float32 accumulator. Re-tune on the target GPU
+# with benchmarks/bench_triton_configs.py and update this table.
+# Keyed by (row format, block_h); bf16 rows take twice the shared memory of fp8 rows
+# per block_n (bf16 at block_h 64, block_n 64 would need 221 KB of the 227 KB).
+DEFAULT_SHAPES: dict[tuple[RowFormat, int], tuple[int, int, int]] = {
+    (RowFormat.FP8_DS_MLA, 16): (64, 8, 2),
+    (RowFormat.FP8_DS_MLA, 32): (32, 8, 2),
+    (RowFormat.FP8_DS_MLA, 64): (64, 8, 2),
+    (RowFormat.BF16, 16): (64, 8, 2),
+    (RowFormat.BF16, 32): (32, 8, 2),
+    (RowFormat.BF16, 64): (32, 8, 2),
+}
+# (block_h, block_n, num_warps, num_stages) tried by the config sweep benchmark and
+# checked against the reference by the GPU tests.
+CANDIDATE_SHAPES: tuple[tuple[int, int, int, int], ...] = (
+    (64, 64, 8, 2), (64, 32, 8, 2), (64, 32, 8, 3), (64, 16, 8, 2), (64, 16, 8, 3),
+    (64, 32, 16, 2), (64, 16, 4, 2), (64, 32, 4, 2), (32, 32, 8, 2), (32, 16, 4, 2),
+    (16, 64, 8, 2), (16, 16, 4, 2), (16, 32, 4, 2),
+)
+MAX_AUTO_SPLITS = 32  # partial outputs cost T * splits * H * 2 KiB of traffic
+
+
+def default_config(T: int, H: int, K: int, device: torch.device,
+                   row_format: RowFormat | str = RowFormat.FP8_DS_MLA) -> TritonMLAConfig:
+    """Heuristic launch shape: head blocks of up to 64, enough KV splits to fill the SMs."""
+    block_h = min(64, max(16, _next_pow2(H)))
+    block_n, num_warps, num_stages = DEFAULT_SHAPES[(RowFormat.parse(row_format), block_h)]
+    cfg = TritonMLAConfig(block_h=block_h, block_n=block_n, num_warps=num_warps,
+                          num_stages=num_stages)
+    return dataclasses.replace(cfg, num_splits=auto_splits(T, H, K, cfg, device))
+
+
+def auto_splits(T: int, H: int, K: int, cfg: TritonMLAConfig, device: torch.device) -> int:
+    """KV splits so that T x head blocks x splits is about one wave of SMs.
+
+    1 when T x head blocks already fills the SMs (or on CPU); each split keeps at least
+    2 iterations of ``block_n`` rows; at most ``MAX_AUTO_SPLITS``.
+    """
+    if device.type != "cuda":
+        return 1
+    programs = max(1, T * math.ceil(H / cfg.block_h))
+    max_useful = max(1, K // (2 * cfg.block_n))
+    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return max(1, min(sms // programs, max_useful, MAX_AUTO_SPLITS))
+
+
+def run_sparse_mla(inp: DecodeInputs, cfg: TritonMLAConfig | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the kernel(s) on validated inputs. Returns out bf16 [T, H, 512], lse f32 [T, H]."""
+    from ..kernels.mla_decode import sparse_mla_combine_kernel, sparse_mla_decode_kernel
+
+    q, kv, idx, vc = inp.q, inp.kv_rows, inp.indices, inp.valid_counts
+    T, H, _ = q.shape
+    K = idx.shape[1]
+    dev = q.device
+    if T == 0 or K == 0:
+        return empty_result(T, H, dev)
+    if cfg is None:
+        cfg = default_config(T, H, K, dev, inp.row_format)
+    splits = cfg.num_splits if cfg.num_splits is not None else auto_splits(T, H, K, cfg, dev)
+    # rows per split: a multiple of block_n; drop splits that would get no rows
+    rows_per_split = math.ceil(math.ceil(K / splits) / cfg.block_n) * cfg.block_n
+    splits = math.ceil(K / rows_per_split)
+    out = torch.empty((T, H, D_V), dtype=torch.bfloat16, device=dev)
+    lse = torch.empty((T, H), dtype=torch.float32, device=dev)
+    if splits > 1:
+        part_out = torch.empty((T, splits, H, D_V), dtype=torch.float32, device=dev)
+        part_lse = torch.empty((T, splits, H), dtype=torch.float32, device=dev)
+    else:
+        part_out, part_lse = out, lse  # unused by the kernel
+    is_fp8 = inp.row_format is RowFormat.FP8_DS_MLA
+    grid = (T, math.ceil(H / cfg.block_h), splits)
+    with _on_device(dev):
+        sparse_mla_decode_kernel[grid](
+            q, kv, idx, vc if vc is not None else idx, out, lse, part_out, part_lse,
+            kv.shape[0], K, H, q.stride(0), q.stride(1), kv.stride(0), idx.stride(0),
+            rows_per_split, inp.sm_scale * 1.4426950408889634,
+            HAS_VC=vc is not None, IS_FP8=is_fp8, NUM_SPLITS=splits,
+            BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        if splits > 1:
+            sparse_mla_combine_kernel[(T, H)](part_out, part_lse, out, lse, H,
+                                              NUM_SPLITS=splits, SPLITS_P2=_next_pow2(splits),
+                                              num_warps=4)
+    return out, lse
+
+
+def _on_device(dev: torch.device):
+    """Triton launches on the current CUDA device: make it ``dev`` for the launch."""
+    return torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
+
+
+class TritonBackend(SparseMLABackend):
+    """Portable Triton backend (bf16 and fp8_ds_mla decode, bf16-workspace prefill).
+
+    config: a fixed ``TritonMLAConfig`` (None = ``default_config`` per call).
+    validate: run the host-syncing index range check before launch (default True).
+    allow_interpreter: accept CPU tensors when ``TRITON_INTERPRET=1`` (tests; slow).
+    """
+
+    name = "triton"
+
+    def __init__(self, *, config: TritonMLAConfig | None = None, validate: bool = True,
+                 allow_interpreter: bool = False) -> None:
+        if config is not None and not isinstance(config, TritonMLAConfig):
+            raise TypeError(f"config must be a TritonMLAConfig or None, got {type(config).__name__}")
+        self.config = config
+        self.validate = bool(validate)
+        self.allow_interpreter = bool(allow_interpreter)
+
+    def supports(self, *, device: torch.device, row_format: RowFormat, num_heads: int,
+                 phase: Phase) -> str | None:
+        device = torch.device(device)
+        fmt = RowFormat.parse(row_format)
+        if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+            return f"num_heads must be an int >= 1, got {num_heads!r}"
+        if phase is Phase.PREFILL and fmt is not RowFormat.BF16:
+            return "prefill runs over a bf16 workspace; row_format must be bf16"
+        if device.type == "cpu":
+            if not self.allow_interpreter:
+                return "Triton needs a CUDA device (CPU only through the interpreter, for tests)"
+            if os.environ.get("TRITON_INTERPRET") != "1":
+                return "CPU tensors need TRITON_INTERPRET=1 set before triton is imported"
+            return None
+        if device.type != "cuda":
+            return f"unsupported device type {device.type!r}"
+        if not torch.cuda.is_available():
+            return "CUDA is not available"
+        major, minor = torch.cuda.get_device_capability(device)
+        if (major, minor) < (8, 0):
+            return f"needs SM 8.0+ for bf16 tl.dot, device is SM {major}.{minor}"
+        if fmt is RowFormat.FP8_DS_MLA and (major, minor) < (8, 9):
+            return f"fp8_ds_mla needs SM 8.9+ (e4m3 conversion), device is SM {major}.{minor}"
+        return None
+
+    def _check_supported(self, inp_device: torch.device, fmt: RowFormat, H: int,
+                         phase: Phase) -> None:
+        reason = self.supports(device=inp_device, row_format=fmt, num_heads=H, phase=phase)
+        if reason is not None:
+            raise ValueError(f"triton backend cannot run this {phase.value}: {reason}")
+
+    def decode(self, q, kv_rows, indices, *, valid_counts=None, sm_scale, row_format):
+        inp = validate_decode_inputs(q, kv_rows, indices, valid_counts=valid_counts,
+                                     sm_scale=sm_scale, row_format=row_format,
+                                     check_ranges=self.validate)
+        self._check_supported(inp.q.device, inp.row_format, inp.num_heads, Phase.DECODE)
+        return run_sparse_mla(inp, self.config)
+
+    def prefill(self, q, workspace, indices, *, valid_counts=None, sm_scale):
+        inp = validate_prefill_inputs(q, workspace, indices, valid_counts=valid_counts,
+                                      sm_scale=sm_scale, check_ranges=self.validate)
+        self._check_supported(inp.q.device, RowFormat.BF16, q.shape[1], Phase.PREFILL)
+        return run_sparse_mla(inp.as_decode(), self.config)
+
+
+__all__ = ["TritonBackend", "TritonMLAConfig", "default_config", "auto_splits", "run_sparse_mla",
+           "DEFAULT_SHAPES", "CANDIDATE_SHAPES"]

@@ -1,0 +1,353 @@
+"""Sparse-MLA attention on CPU: the float32 reference (against a naive loop and hand cases)
+and the Triton backend in the interpreter (against the reference), plus input validation.
+
+Tolerance of Triton vs the float32 reference: |out - ref| <= 3e-2 + 1e-2 * |ref| and
+|lse - ref| <= 1e-3 (rows ~ N(0, 1)). The kernel rounds p to bf16 for the p . v product
+and writes bf16 output (the interpreter truncates instead of rounding, so CPU errors are
+up to twice the GPU's); scores are float32 sums of exact bf16 products in both.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hisparse.attention.base import Phase, validate_decode_inputs
+from hisparse.attention.reference import ReferenceBackend, sparse_mla_reference
+from hisparse.attention.triton_backend import TritonBackend, TritonMLAConfig, default_config
+from hisparse.config import RowFormat
+from hisparse.formats import dequantize_fp8_ds_mla_reference, quantize_fp8_ds_mla_reference
+
+# Triton runs on CUDA when there is one, else in the CPU interpreter (conftest)
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+SCALE = 1.0 / math.sqrt(576)
+ATOL, RTOL, LSE_TOL = 3e-2, 1e-2, 1e-3
+REF = ReferenceBackend()
+TRI = TritonBackend(allow_interpreter=True)
+
+
+def _rows(n: int, fmt: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(kv_rows in ``fmt``, the same rows as float32 [n, 576])."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 576, generator=g).bfloat16()
+    if fmt == "bf16":
+        return x.to(DEV), x.float().to(DEV)
+    rows = quantize_fp8_ds_mla_reference(x)
+    return rows.to(DEV), dequantize_fp8_ds_mla_reference(rows, out_dtype=torch.float32).to(DEV)
+
+
+def _q(T: int, H: int, seed: int = 1) -> torch.Tensor:
+    return torch.randn(T, H, 576, generator=torch.Generator().manual_seed(seed)).bfloat16().to(DEV)
+
+
+def _indices(T: int, K: int, N: int, seed: int = 2, pad: float = 0.25) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, N, (T, K), generator=g, dtype=torch.int32)
+    idx[torch.rand(T, K, generator=g) < pad] = -1
+    if T > 1:
+        idx[1] = -1  # token 1: no valid entry at all
+    return idx.to(DEV)
+
+
+def _close(out, lse, ref_out, ref_lse):
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    assert out.shape == ref_out.shape and lse.shape == ref_lse.shape
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    fin = torch.isfinite(ref_lse)
+    assert (lse[fin] - ref_lse[fin]).abs().max().item() <= LSE_TOL if fin.any() else True
+    err = (out.float() - ref_out.float()).abs()
+    assert (err <= ATOL + RTOL * ref_out.float().abs()).all(), f"max err {err.max().item()}"
+
+
+def _naive(q, rows32, idx, vc, scale):
+    """Per (t, h) python loop over the valid entries (oracle of the oracle)."""
+    T, H, _ = q.shape
+    out = torch.zeros(T, H, 512, device=q.device)
+    lse = torch.full((T, H), float("-inf"), device=q.device)
+    for t in range(T):
+        ks = [int(i) for k, i in enumerate(idx[t]) if i >= 0 and (vc is None or k < int(vc[t]))]
+        if not ks:
+            continue
+        k = rows32[ks]  # [n, 576]
+        for h in range(H):
+            s = (k.double() @ q[t, h].double()) * scale
+            lse[t, h] = torch.logsumexp(s, 0).float()
+            out[t, h] = (torch.softmax(s, 0)[:, None] * k[:, :512].double()).sum(0).float()
+    return out, lse
+
+
+# ------------------------------------------------------------ the reference
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla"])
+def test_reference_matches_naive_loop(fmt):
+    kv, rows32 = _rows(9, fmt)
+    q, idx = _q(3, 2), _indices(3, 6, 9)
+    vc = torch.tensor([6, 6, 2], dtype=torch.int32, device=DEV)
+    for v in (None, vc):
+        inp = validate_decode_inputs(q, kv, idx, valid_counts=v, sm_scale=SCALE, row_format=fmt)
+        out, lse = sparse_mla_reference(inp, out_dtype=torch.float32)
+        n_out, n_lse = _naive(q, rows32, idx, v, SCALE)
+        assert torch.allclose(out, n_out, atol=1e-5, rtol=1e-5)
+        assert torch.allclose(lse, n_lse, atol=1e-5) and torch.equal(lse.isinf(), n_lse.isinf())
+
+
+def test_reference_hand_case_duplicates_and_padding():
+    """Rows a, b with q . a = q . b: entries [a, a, b, -1] weigh a 2/3 and b 1/3."""
+    kv = torch.zeros(2, 576, dtype=torch.bfloat16, device=DEV)
+    kv[0, 0], kv[0, 512] = 3.0, 1.0  # row a: latent [3, 0, ...], rope [1, ...]
+    kv[1, 1], kv[1, 512] = 6.0, 1.0  # row b: latent [0, 6, ...], same score as a
+    q = torch.zeros(1, 1, 576, dtype=torch.bfloat16, device=DEV)
+    q[0, 0, 512] = 2.0  # score = 2 * 1 * scale for both rows
+    idx = torch.tensor([[0, 0, 1, -1]], dtype=torch.int32, device=DEV)
+    for be in (REF, TRI):
+        out, lse = be.decode(q, kv, idx, sm_scale=0.5, row_format="bf16")
+        assert out[0, 0, 0].item() == pytest.approx(2.0, abs=1e-2)
+        assert out[0, 0, 1].item() == pytest.approx(2.0, abs=1e-2)
+        assert out[0, 0, 2:].abs().max().item() == 0.0
+        assert lse[0, 0].item() == pytest.approx(1.0 + math.log(3.0), abs=1e-4)
+
+
+# --------------------------------------------------- Triton vs reference sweep
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla"])
+@pytest.mark.parametrize("K", [1, 7, 64])
+@pytest.mark.parametrize("H", [1, 16, 128])
+def test_triton_decode_matches_reference(H, K, fmt):
+    N, T = 40, 3
+    kv, _ = _rows(N, fmt, seed=H + K)
+    q, idx = _q(T, H, seed=K), _indices(T, K, N, seed=H)
+    # valid counts: full, 0 (token 1 is all padding anyway) and partial
+    vc = torch.tensor([K, 0, max(1, K // 2)], dtype=torch.int32, device=DEV)
+    for v in (None, vc):
+        out, lse = TRI.decode(q, kv, idx, valid_counts=v, sm_scale=SCALE, row_format=fmt)
+        ref_out, ref_lse = REF.decode(q, kv, idx, valid_counts=v, sm_scale=SCALE, row_format=fmt)
+        _close(out, lse, ref_out, ref_lse)
+        assert torch.isinf(lse[1]).all() and out[1].abs().max().item() == 0.0
+    if K > 1:  # valid_counts = 0 everywhere: nothing attended
+        zero = torch.zeros(T, dtype=torch.int32, device=DEV)
+        out, lse = TRI.decode(q, kv, idx, valid_counts=zero, sm_scale=SCALE, row_format=fmt)
+        assert out.abs().max().item() == 0.0 and torch.isneginf(lse).all()
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla"])
+@pytest.mark.parametrize("splits,block_n", [(2, 16), (3, 16), (5, 16), (64, 16), (2, 32)])
+def test_triton_split_kv_combine(fmt, splits, block_n):
+    N, T, H, K = 50, 3, 5, 70  # odd sizes: masked heads, partial last split
+    kv, _ = _rows(N, fmt, seed=7)
+    q, idx = _q(T, H, seed=8), _indices(T, K, N, seed=9)
+    vc = torch.tensor([K, 3, 20], dtype=torch.int32, device=DEV)  # token 1: valid entries land in split 0 only
+    be = TritonBackend(allow_interpreter=True,
+                       config=TritonMLAConfig(block_h=16, block_n=block_n, num_warps=4,
+                                              num_splits=splits))
+    for v in (None, vc):
+        out, lse = be.decode(q, kv, idx, valid_counts=v, sm_scale=SCALE, row_format=fmt)
+        _close(out, lse, *REF.decode(q, kv, idx, valid_counts=v, sm_scale=SCALE, row_format=fmt))
+
+
+def test_triton_bf16_rows_as_bytes_and_strided_q():
+    kv, _ = _rows(20, "bf16")
+    q = _q(2, 8)[:, ::2]  # [2, 4, 576], head stride 2 * 576
+    idx = _indices(2, 9, 20, pad=0.0)
+    a = TRI.decode(q, kv, idx, sm_scale=SCALE, row_format="bf16")
+    b = TRI.decode(q, kv.view(torch.uint8), idx, sm_scale=SCALE, row_format=RowFormat.BF16)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    _close(*a, *REF.decode(q.contiguous(), kv, idx, sm_scale=SCALE, row_format="bf16"))
+
+
+def test_triton_prefill_matches_reference():
+    ws, _ = _rows(33, "bf16", seed=4)
+    q, idx = _q(5, 16, seed=5), _indices(5, 40, 33, seed=6)
+    vc = torch.tensor([40, 0, 1, 39, 17], dtype=torch.int32, device=DEV)
+    for v in (None, vc):
+        out, lse = TRI.prefill(q, ws, idx, valid_counts=v, sm_scale=SCALE)
+        _close(out, lse, *REF.prefill(q, ws, idx, valid_counts=v, sm_scale=SCALE))
+
+
+@pytest.mark.parametrize("be", [REF, TRI], ids=["reference", "triton"])
+def test_empty_sizes(be):
+    kv, _ = _rows(4, "fp8_ds_mla")
+    out, lse = be.decode(_q(0, 3), kv, torch.zeros(0, 5, dtype=torch.int32, device=DEV), sm_scale=SCALE,
+                         row_format="fp8_ds_mla")
+    assert out.shape == (0, 3, 512) and lse.shape == (0, 3)
+    out, lse = be.decode(_q(2, 3), kv, torch.zeros(2, 0, dtype=torch.int32, device=DEV), sm_scale=SCALE,
+                         row_format="fp8_ds_mla")
+    assert out.shape == (2, 3, 512) and out.abs().max().item() == 0.0 and torch.isneginf(lse).all()
+    empty = torch.zeros(0, 656, dtype=torch.uint8, device=DEV)  # N = 0: only padding is possible
+    out, lse = be.decode(_q(2, 3), empty, torch.full((2, 4), -1, dtype=torch.int32, device=DEV),
+                         sm_scale=SCALE, row_format="fp8_ds_mla")
+    assert out.abs().max().item() == 0.0 and torch.isneginf(lse).all()
+
+
+def test_unchecked_out_of_range_entries_are_padding():
+    kv, _ = _rows(10, "fp8_ds_mla")
+    q = _q(2, 16)
+    idx = torch.tensor([[3, 10, 4, 1 << 30], [-5, 2, -(1 << 30), 9]], dtype=torch.int32, device=DEV)
+    clean = torch.where((idx >= 0) & (idx < 10), idx, torch.full_like(idx, -1))
+    fast = TritonBackend(allow_interpreter=True, validate=False)
+    out, lse = fast.decode(q, kv, idx, sm_scale=SCALE, row_format="fp8_ds_mla")
+    _close(out, lse, *REF.decode(q, kv, clean, sm_scale=SCALE, row_format="fp8_ds_mla"))
+    with pytest.raises(ValueError, match=r"\[-1, 10\)"):
+        TRI.decode(q, kv, idx, sm_scale=SCALE, row_format="fp8_ds_mla")
+
+
+# ----------------------------------------------------------- validation
+def _bad_calls():
+    kv8, _ = _rows(6, "fp8_ds_mla")
+    kv16, _ = _rows(6, "bf16")
+    q, idx = _q(2, 4), _indices(2, 3, 6)
+    ok = dict(sm_scale=SCALE, row_format="fp8_ds_mla")
+    i64 = idx.long()
+    return [
+        (TypeError, "q must be bfloat16", (q.float(), kv8, idx), ok),
+        (ValueError, r"q must be \[T, H >= 1, 576\]", (q[..., :512], kv8, idx), ok),
+        (ValueError, r"q must be \[T, H >= 1, 576\]", (q[:, :0], kv8, idx), ok),
+        (TypeError, "indices must be int32", (q, kv8, i64), ok),
+        (ValueError, r"indices must be \[T=2, K\]", (q, kv8, idx[:1]), ok),
+        (TypeError, "fp8_ds_mla kv_rows must be uint8", (q, kv16, idx), ok),
+        (ValueError, r"\[N, 656\]", (q, kv8[:, :655], idx), ok),
+        (ValueError, "4-byte aligned", (q, torch.zeros(6, 658, dtype=torch.uint8, device=DEV)[:, 1:657], idx), ok),
+        (ValueError, r"bf16 kv_rows as bytes must be uint8 \[N, 1152\]", (q, kv8, idx),
+         dict(ok, row_format="bf16")),
+        (TypeError, "bf16 kv_rows must be bfloat16", (q, kv16.float(), idx),
+         dict(ok, row_format="bf16")),
+        (ValueError, r"\[N, 576\]", (q, kv16[:, :512], idx), dict(ok, row_format="bf16")),
+        (ValueError, "unknown row format", (q, kv8, idx), dict(ok, row_format="fp8")),
+        (ValueError, r"indices must lie in \[-1, 6\)", (q, kv8, idx + 6), ok),
+        (ValueError, r"indices must lie in \[-1, 6\)", (q, kv8, idx - 3), ok),
+        (TypeError, "valid_counts must be int32", (q, kv8, idx),
+         dict(ok, valid_counts=torch.ones(2, dtype=torch.int64, device=DEV))),
+        (ValueError, r"valid_counts must be \[T=2\]", (q, kv8, idx),
+         dict(ok, valid_counts=torch.ones(3, dtype=torch.int32, device=DEV))),
+        (ValueError, r"valid_counts must lie in \[0, K=3\]", (q, kv8, idx),
+         dict(ok, valid_counts=torch.tensor([4, 0], dtype=torch.int32, device=DEV))),
+        (ValueError, r"valid_counts must lie in \[0, K=3\]", (q, kv8, idx),
+         dict(ok, valid_counts=torch.tensor([-1, 0], dtype=torch.int32, device=DEV))),
+        (ValueError, "sm_scale must be finite and > 0", (q, kv8, idx), dict(ok, sm_scale=0.0)),
+        (ValueError, "sm_scale must be finite and > 0", (q, kv8, idx), dict(ok, sm_scale=math.nan)),
+        (TypeError, "sm_scale must be a float", (q, kv8, idx), dict(ok, sm_scale="0.1")),
+        (ValueError, "kv_rows is on .*, q on meta", (q.to("meta"), kv8, idx), ok),
+        (TypeError, "kv_rows must be a torch.Tensor", (q, kv8.cpu().numpy(), idx), ok),
+    ]
+
+
+@pytest.mark.parametrize("be", [REF, TRI], ids=["reference", "triton"])
+@pytest.mark.parametrize("case", range(len(_bad_calls())))
+def test_decode_rejects_bad_input(be, case):
+    exc, msg, args, kwargs = _bad_calls()[case]
+    with pytest.raises(exc, match=msg):
+        be.decode(*args, **kwargs)
+
+
+@pytest.mark.parametrize("be", [REF, TRI], ids=["reference", "triton"])
+def test_prefill_rejects_bad_input(be):
+    ws, _ = _rows(6, "bf16")
+    q, idx = _q(2, 4), _indices(2, 3, 6)
+    with pytest.raises(TypeError, match="workspace must be bfloat16"):
+        be.prefill(q, ws.float(), idx, sm_scale=SCALE)
+    with pytest.raises(ValueError, match=r"workspace must be \[W, 576\]"):
+        be.prefill(q, ws[:, :100], idx, sm_scale=SCALE)
+    with pytest.raises(ValueError, match=r"\[-1, 6\)"):
+        be.prefill(q, ws, idx + 6, sm_scale=SCALE)
+
+
+def test_supports_reasons():
+    cpu = torch.device("cpu")
+    assert REF.supports(device=cpu, row_format=RowFormat.FP8_DS_MLA, num_heads=3,
+                        phase=Phase.DECODE) is None
+    assert TRI.supports(device=DEV, row_format=RowFormat.FP8_DS_MLA, num_heads=128,
+                        phase=Phase.DECODE) is None
+    reason = TritonBackend().supports(device=cpu, row_format=RowFormat.BF16, num_heads=16,
+                                      phase=Phase.DECODE)
+    assert isinstance(reason, str) and "CUDA" in reason
+    reason = TRI.supports(device=cpu, row_format=RowFormat.FP8_DS_MLA, num_heads=16,
+                          phase=Phase.PREFILL)
+    assert isinstance(reason, str) and "bf16" in reason
+    assert "num_heads" in TRI.supports(device=cpu, row_format=RowFormat.BF16, num_heads=0,
+                                       phase=Phase.DECODE)
+
+
+def test_config_validation_and_default():
+    with pytest.raises(ValueError, match="power of two"):
+        TritonMLAConfig(block_n=24)
+    with pytest.raises(ValueError, match=">= 16"):
+        TritonMLAConfig(block_h=8)
+    with pytest.raises(ValueError, match="num_splits"):
+        TritonMLAConfig(num_splits=0)
+    with pytest.raises(TypeError, match="TritonMLAConfig"):
+        TritonBackend(config={"block_h": 16})
+    cfg = default_config(64, 128, 2048, torch.device("cpu"), "fp8_ds_mla")
+    assert cfg.block_h == 64 and cfg.num_splits == 1
+    assert default_config(1, 1, 8, torch.device("cpu")).block_h == 16
+
+
+# ------------------------------------------- compiles for the H200 (sm90)
+_SM90_COMPILE = r'''
+import json, os, re, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from hisparse.attention.triton_backend import DEFAULT_SHAPES
+from hisparse.config import RowFormat
+from hisparse.kernels import mla_decode as M
+
+def compile_decode(fp8, bh, splits):
+    bn, nw, ns = DEFAULT_SHAPES[(RowFormat.FP8_DS_MLA if fp8 else RowFormat.BF16, bh)]
+    sig = {"q_ptr": "*bf16", "kv_ptr": "*u8" if fp8 else "*bf16", "idx_ptr": "*i32",
+           "vc_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32", "part_out_ptr": "*fp32",
+           "part_lse_ptr": "*fp32", "N": "i32", "K": "i32", "H": "i32", "q_stride_t": "i32",
+           "q_stride_h": "i32", "kv_stride": "i32", "idx_stride": "i32",
+           "rows_per_split": "i32", "qk_scale_log2": "fp32", "HAS_VC": "constexpr",
+           "IS_FP8": "constexpr", "NUM_SPLITS": "constexpr", "BLOCK_H": "constexpr",
+           "BLOCK_N": "constexpr"}
+    names = list(sig)
+    # what the launcher specializes at run time: 16-aligned pointers, strides and sizes
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if sig[n].startswith("*") or n in ("N", "K", "H", "q_stride_t", "q_stride_h",
+                                                "kv_stride", "idx_stride", "rows_per_split")}
+    src = ASTSource(fn=M.sparse_mla_decode_kernel, signature=sig, attrs=attrs,
+                    constexprs={"HAS_VC": True, "IS_FP8": fp8, "NUM_SPLITS": splits,
+                                "BLOCK_H": bh, "BLOCK_N": bn})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=nw, num_stages=ns))
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True,
+                           text=True).stdout
+    os.unlink(f.name)
+    stack = re.search(r"STACK:(\d+)", usage)
+    return {"fp8": fp8, "block_h": bh, "splits": splits, "shared": k.metadata.shared,
+            "stack": int(stack.group(1)) if stack else None,
+            "wgmma": k.asm["ptx"].count("wgmma.mma_async")}
+
+res = [compile_decode(fp8, bh, splits) for fp8 in (True, False) for bh, splits in ((64, 1), (16, 4))]
+src = ASTSource(fn=M.sparse_mla_combine_kernel,
+                signature={"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*bf16",
+                           "lse_ptr": "*fp32", "H": "i32", "NUM_SPLITS": "constexpr",
+                           "SPLITS_P2": "constexpr"}, constexprs={"NUM_SPLITS": 3, "SPLITS_P2": 4})
+triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+print(json.dumps(res))
+'''
+
+
+def test_kernels_compile_for_sm90_without_spills():
+    """Compile (ptxas from the Triton wheel, no GPU needed) the decode kernel at the
+    default shapes for sm90: no register spills, wgmma used at block_h = 64."""
+    import triton
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        pytest.skip(f"no ptxas in the Triton wheel ({ptxas})")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", _SM90_COMPILE], capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    stats = json.loads(r.stdout.strip().splitlines()[-1])
+    for s in stats:
+        assert s["stack"] == 0, f"register spills: {s}"
+        assert s["shared"] <= 227 * 1024, s
+    assert all(s["wgmma"] > 0 for s in stats if s["block_h"] == 64)
