@@ -1,0 +1,146 @@
+"""Launcher of the row-copy kernel: ``dst[dst_idx[i]] = src[src_idx[i]]``.
+
+Used for miss staging (pinned host pool -> hot rows, read by the GPU over UVA) and
+works for any pair of CUDA tensors and pinned host tensors (device -> host,
+device -> device). The kernel is ``hisparse.kernels.copy_rows``.
+
+Which path runs:
+  - src or dst on CUDA: the Triton kernel on that device's current stream. A CPU
+    side must be pinned (page-locked and mapped; ``PinnedBuffer`` and
+    ``pin_memory()`` both are); the index lists must be on the CUDA device.
+  - both on CPU: the Triton interpreter when requested (TRITON_INTERPRET=1),
+    otherwise ``copy_rows_reference``.
+
+The launcher checks dtypes, shapes, devices, row alignment (16 bytes) and pinning
+from metadata only: no device value is read, nothing is allocated, so a call can be
+captured in a CUDA graph. Index values are checked by the kernel: an entry whose
+source or destination index is -1 or out of range is skipped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+import triton
+
+from ..kernels.copy_rows import copy_rows_kernel
+from .resolve_ref import copy_rows_reference
+from .resolve_triton import interpreter_requested
+
+# Defaults of the launch shape; the staging benchmark sweeps them on the H200.
+DEFAULT_ROWS_PER_PROGRAM = 4
+DEFAULT_NUM_WARPS = 4
+DEFAULT_PROGRAMS_PER_SM = 8
+
+
+def _pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _check_rows(name: str, x: torch.Tensor) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype != torch.uint8:
+        raise TypeError(f"{name} must be uint8 rows, got {x.dtype}")
+    if x.dim() != 2:
+        raise ValueError(f"{name} must be 2-D [rows, row_bytes], got shape {tuple(x.shape)}")
+    W = x.shape[1]
+    if W % 16 != 0 or W == 0:
+        raise ValueError(f"{name} rows are {W} bytes; copy_rows needs a positive multiple of 16")
+    if x.shape[0] > 1 and x.stride(0) != W or x.stride(1) != 1:
+        raise ValueError(f"{name} rows must be contiguous (strides ({W}, 1)), got {x.stride()}")
+    if x.numel() and x.data_ptr() % 16 != 0:
+        raise ValueError(f"{name} data pointer {x.data_ptr():#x} is not 16-byte aligned")
+
+
+def _check_idx(name: str, x: torch.Tensor) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {x.dtype}")
+    if x.dim() != 1 or (x.numel() > 1 and x.stride(0) != 1):
+        raise ValueError(f"{name} must be a contiguous 1-D tensor, got shape {tuple(x.shape)} "
+                         f"strides {x.stride()}")
+
+
+def copy_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor,
+              *, rows_per_program: int | None = None, num_warps: int | None = None,
+              programs_per_sm: int | None = None) -> None:
+    """dst[dst_idx[i]] = src[src_idx[i]] for every i whose two indices are valid.
+
+    src: uint8 [Ns, W]; dst: uint8 [Nd, W] (W a multiple of 16, rows contiguous,
+    16-byte aligned); src_idx/dst_idx: int32 [N], -1 (or out of range) = skip.
+    The keyword arguments tune the launch (defaults: ``DEFAULT_*``).
+    """
+    _check_rows("src", src)
+    _check_rows("dst", dst)
+    _check_idx("src_idx", src_idx)
+    _check_idx("dst_idx", dst_idx)
+    if src.shape[1] != dst.shape[1]:
+        raise ValueError(f"row widths differ: src {src.shape[1]} bytes, dst {dst.shape[1]} bytes")
+    if src_idx.shape[0] != dst_idx.shape[0]:
+        raise ValueError(f"index lists differ in length: src_idx {src_idx.shape[0]}, "
+                         f"dst_idx {dst_idx.shape[0]}")
+    rows = DEFAULT_ROWS_PER_PROGRAM if rows_per_program is None else rows_per_program
+    warps = DEFAULT_NUM_WARPS if num_warps is None else num_warps
+    per_sm = DEFAULT_PROGRAMS_PER_SM if programs_per_sm is None else programs_per_sm
+    for name, v in (("rows_per_program", rows), ("num_warps", warps)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
+            raise ValueError(f"{name} must be a power of two >= 1, got {v!r}")
+    if isinstance(per_sm, bool) or not isinstance(per_sm, int) or per_sm < 1:
+        raise ValueError(f"programs_per_sm must be an int >= 1, got {per_sm!r}")
+
+    cuda_devs = {t.device for t in (src, dst) if t.device.type == "cuda"}
+    if len(cuda_devs) > 1:
+        raise ValueError(f"src and dst are on different CUDA devices: {sorted(map(str, cuda_devs))}")
+    if cuda_devs:
+        dev = next(iter(cuda_devs))
+        # is_pinned() asks the driver about the pointer; skipped while a graph is being
+        # captured (the eager warm-up call before capture has checked the same buffers)
+        capturing = torch.cuda.is_current_stream_capturing()
+        for name, t in (("src", src), ("dst", dst)):
+            if t.device.type == "cpu" and t.numel() and not capturing and not t.is_pinned():
+                raise ValueError(f"{name} is a CPU tensor that is not pinned; the kernel on {dev} "
+                                 "can only reach page-locked host memory (use PinnedBuffer)")
+        for name, t in (("src_idx", src_idx), ("dst_idx", dst_idx)):
+            if t.device != dev:
+                raise ValueError(f"{name} is on {t.device}; it must be on {dev}, where the kernel runs")
+    else:
+        dev = None
+        for name, t in (("src_idx", src_idx), ("dst_idx", dst_idx)):
+            if t.device.type != "cpu":
+                raise ValueError(f"{name} is on {t.device} but src and dst are on the CPU")
+
+    N = src_idx.shape[0]
+    if N == 0 or src.shape[0] == 0 or dst.shape[0] == 0:
+        return
+    if dev is None and not interpreter_requested():
+        # same skip rule as the kernel: out-of-range indices count as -1
+        ok = (src_idx >= 0) & (src_idx < src.shape[0]) & (dst_idx >= 0) & (dst_idx < dst.shape[0])
+        copy_rows_reference(src, torch.where(ok, src_idx, -1), dst, torch.where(ok, dst_idx, -1))
+        return
+
+    W = src.shape[1]
+    WW = W // 4
+    chunks = triton.cdiv(N, rows)
+    if dev is None:
+        grid = min(chunks, 3)  # interpreter: a few programs, still exercising the loop
+    else:
+        grid = min(chunks, per_sm * _sm_count(dev.index))
+    ctx = torch.cuda.device(dev) if dev is not None else contextlib.nullcontext()
+    with ctx:
+        copy_rows_kernel[(grid,)](
+            src.view(torch.int32), src_idx, src.shape[0],
+            dst.view(torch.int32), dst_idx, dst.shape[0], N, grid, chunks,
+            WW=WW, WB=_pow2(WW), ROWS=rows, num_warps=warps,
+        )
+
+
+__all__ = ["copy_rows", "DEFAULT_ROWS_PER_PROGRAM", "DEFAULT_NUM_WARPS", "DEFAULT_PROGRAMS_PER_SM"]

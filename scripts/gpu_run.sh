@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Everything hisparse runs on the H200 test machine, in one command, results under $OUT.
+#
+#   bash scripts/gpu_run.sh [SECTION ...]     sections: env tests sanitize staging decode triton_configs
+#                                             prefill e2e stress autotune
+#                                             (default: all, in that order)
+# Uses the machine's preinstalled torch/triton (no network there): PYTHONPATH=. , no install.
+# Optional kernels are picked up from .gpu-deps/ when carried (see ../shared/GPU.md):
+#   .gpu-deps/vllm/_flashmla_C.abi3.so  -> HISPARSE_FLASHMLA_LIB
+#   .gpu-deps/flashinfer/*.whl          -> installed into /tmp/site (PYTHONPATH)
+# Output: $OUT/run.log (everything), $OUT/results.tgz (all JSON/PNG), $OUT/summary.txt.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/hisparse-out}
+RES=/tmp/hisparse-results
+mkdir -p "$OUT" "$RES"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export PYTHONUNBUFFERED=1
+if [ -f .gpu-deps/vllm/_flashmla_C.abi3.so ]; then export HISPARSE_FLASHMLA_LIB=$PWD/.gpu-deps/vllm/_flashmla_C.abi3.so; fi
+if ls .gpu-deps/flashinfer/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu-deps/flashinfer/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+sections=("$@"); [ ${#sections[@]} -eq 0 ] && sections=(env tests sanitize staging decode prefill e2e stress autotune)
+LOG=$OUT/run.log
+SUM=$OUT/summary.txt
+: > "$SUM"
+run() {  # name timeout_s cmd...
+  local name=$1 t=$2; shift 2
+  echo "===== [$name] $(date +%T) $*" | tee -a "$LOG"
+  local t0=$SECONDS
+  timeout "$t" "$@" >>"$LOG" 2>&1; local rc=$?
+  echo "[$name] rc=$rc ($((SECONDS - t0)) s)" | tee -a "$SUM" "$LOG"
+}
+run_to() {  # name timeout_s stdout_file cmd...  (stdout to a file, stderr to the log)
+  local name=$1 t=$2 f=$3; shift 3
+  echo "===== [$name] $(date +%T) $*" | tee -a "$LOG"
+  local t0=$SECONDS
+  timeout "$t" "$@" >"$f" 2>>"$LOG"; local rc=$?
+  echo "[$name] rc=$rc ($((SECONDS - t0)) s)" | tee -a "$SUM" "$LOG"
+}
+for s in "${sections[@]}"; do
+  case "$s" in
+    env) run_to env 180 "$RES/env.json" python3 -m hisparse env --json; nvidia-smi >>"$LOG" 2>&1
+         python3 -m hisparse env >>"$LOG" 2>&1 ;;
+    tests) run tests 420 python3 -m pytest -m "gpu" tests -q -rs -x --junitxml="$RES/gpu-tests.xml" -p no:cacheprovider
+           tail -5 "$LOG" | tee -a "$SUM" ;;
+    sanitize)
+      run memcheck 150 compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/sanitize_trace.py
+      run racecheck 150 compute-sanitizer --tool racecheck --error-exitcode 9 python3 scripts/sanitize_trace.py ;;
+    staging) run staging 300 python3 benchmarks/bench_staging.py --out "$RES/staging.json" ${QUICK:+--quick} ;;
+    decode) run decode 300 python3 benchmarks/bench_decode.py --out "$RES/decode.json" ${QUICK:+--quick} ;;
+    triton_configs) run triton_configs 300 python3 benchmarks/bench_triton_configs.py --out "$RES/triton_configs.json" ${QUICK:+--quick} ;;
+    prefill) run prefill 240 python3 benchmarks/bench_prefill.py --out "$RES/prefill.json" ${QUICK:+--quick} ;;
+    e2e) run e2e 300 python3 benchmarks/bench_e2e.py --out "$RES/e2e.json" ${QUICK:+--quick} ;;
+    stress) run_to stress 420 "$RES/stress.json" python3 -m hisparse stress --preset gpu --json --plot "$RES"
+            python3 -c "import json,sys; from hisparse.tools.stress import format_stress; print(format_stress(json.load(open(sys.argv[1]))))" "$RES/stress.json" >>"$LOG" 2>&1 ;;
+    autotune) run autotune 420 python3 -m hisparse autotune --layers 61 --format fp8_ds_mla --top-k 2048 \
+              --heads 128 --context 8192 --out "$RES/autotune.json" ;;
+    *) echo "unknown section $s" | tee -a "$SUM" ;;
+  esac
+done
+tar -czf "$OUT/results.tgz" -C "$RES" . 2>>"$LOG"
+cat "$SUM"

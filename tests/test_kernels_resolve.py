@@ -1,0 +1,391 @@
+"""Triton resolve kernel (interpreter on CPU) against the torch reference.
+
+The kernel pairs misses with victims exactly like the reference, so after every step
+all state tensors and all output buffers must be identical. The helpers at the top
+(``make_state``, ``random_batch``, ``assert_same``) are reused by the GPU tests.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from hisparse.cache.resolve_ref import copy_rows_reference, resolve_reference
+from hisparse.cache.resolve_triton import resolve_triton
+from hisparse.cache.state import (STAT_HITS, STAT_INVALID, STAT_MISSES, STAT_RESOLVES,
+                                  HotState, ResolveBuffers)
+from hisparse.config import HiSparseConfig
+
+CPU = torch.device("cpu")
+STATE_FIELDS = ("id_to_slot", "seq_lens", "block_table", "slot_pos", "slot_stamp", "row_slot",
+                "step", "stats")
+OUT_FIELDS = ("physical", "valid_counts", "stage_src", "stage_dst")
+
+
+# ---------------------------------------------------------------- helpers
+def host_row(state: HotState, r: int, p: int) -> int:
+    return int(state.block_table[r, p // state.B]) * state.B + p % state.B
+
+
+def make_state(cfg: HiSparseConfig, seq_by_id: dict[int, int], device: torch.device,
+               rng: random.Random, *, holes: float = 0.0) -> HotState:
+    """A consistent state as the write path leaves it: live ids on random request
+    slots, random distinct host blocks, positions < S in slot == position and the
+    last position (if >= S) in the reserved slot S, in every layer. With ``holes``
+    that fraction of slots 0..S-1 is left empty (row on host only), so that empty
+    slots compete with occupied ones for eviction."""
+    st_ = HotState.allocate(cfg, CPU)
+    S, B = cfg.device_buffer_size, cfg.host_block_size
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    slots = rng.sample(range(cfg.max_num_reqs), len(seq_by_id))
+    blocks = torch.randperm(cfg.num_host_blocks, generator=gen).to(torch.int32)
+    used = 0
+    for (rid, seq), r in zip(seq_by_id.items(), slots):
+        nb = -(-seq // B)
+        if used + nb > blocks.numel():
+            raise ValueError("test config: host pool too small")
+        st_.id_to_slot[rid] = r
+        st_.seq_lens[r] = seq
+        st_.block_table[r, :nb] = blocks[used:used + nb]
+        used += nb
+        if seq == 0:
+            continue
+        p = torch.arange(min(seq, S))
+        rows = st_.block_table[r, p // B].long() * B + p % B
+        last = seq - 1
+        last_row = host_row(st_, r, last)
+        for layer in range(cfg.num_layers):
+            keep = torch.rand(p.numel(), generator=gen) >= holes
+            pk = p[keep].to(torch.int32)
+            st_.slot_pos[layer, r, pk.long()] = pk
+            st_.slot_stamp[layer, r, pk.long()] = 0
+            st_.row_slot[layer, rows[keep]] = pk
+            if seq > S:
+                st_.slot_pos[layer, r, S] = last
+                st_.slot_stamp[layer, r, S] = 0
+                st_.row_slot[layer, last_row] = S
+    return HotState(**{f: (getattr(st_, f).to(device) if f in STATE_FIELDS else getattr(st_, f))
+                       for f in ("id_to_slot", "seq_lens", "block_table", "slot_pos", "slot_stamp",
+                                 "row_slot", "step", "stats", "S", "B")})
+
+
+def random_batch(seq_by_id: dict[int, int], K: int, q: int, rng: random.Random, *,
+                 bad: bool = True, max_tokens: int | None = None):
+    """req_ids int32 [T], topk int32 [T, K]: contiguous runs of 1..q tokens per
+    request, positions mostly in range with -1 padding and duplicates; with ``bad``
+    also out-of-range positions, unknown/free ids and runs longer than q."""
+    ids = list(seq_by_id)
+    rng.shuffle(ids)
+    req: list[int] = []
+    rows: list[list[int]] = []
+    for rid in ids:
+        if rng.random() < 0.2:
+            continue
+        n = rng.randint(1, q)
+        if bad and rng.random() < 0.15:
+            n = q + rng.randint(1, 2)  # run longer than q: extra tokens are invalid
+        seq = seq_by_id[rid]
+        for _ in range(n):
+            req.append(rid)
+            row = []
+            for _ in range(K):
+                u = rng.random()
+                if u < 0.15 or seq == 0:
+                    row.append(-1)
+                elif u < 0.25 and row:
+                    row.append(rng.choice(row))  # duplicate within the token
+                elif bad and u < 0.3:
+                    row.append(rng.choice([seq, seq + 7, -2, -1000]))
+                else:
+                    row.append(rng.randrange(seq))
+            rows.append(row)
+    if bad and rng.random() < 0.5:
+        req.append(rng.choice([10**6, -3, 0]))  # unknown id (0 is free in these tests)
+        rows.append([rng.randrange(-1, 5) for _ in range(K)])
+    if max_tokens is not None:
+        req, rows = req[:max_tokens], rows[:max_tokens]
+    T = len(req)
+    return (torch.tensor(req, dtype=torch.int32).reshape(T),
+            torch.tensor(rows, dtype=torch.int32).reshape(T, K))
+
+
+def new_buffers(T: int, K: int, device: torch.device) -> ResolveBuffers:
+    """Buffers larger than needed, prefilled with a sentinel (must stay untouched)."""
+    out = ResolveBuffers.allocate(T + 2, K + 1, device)
+    for f in OUT_FIELDS:
+        getattr(out, f).fill_(777)
+    return out
+
+
+def assert_same(a: HotState, b: HotState, oa: ResolveBuffers | None = None,
+                ob: ResolveBuffers | None = None, msg: str = "") -> None:
+    for f in STATE_FIELDS:
+        x, y = getattr(a, f), getattr(b, f)
+        if not torch.equal(x, y):
+            bad = torch.nonzero(x != y)[:5].tolist()
+            raise AssertionError(f"{msg}: state.{f} differs at {bad}")
+    if oa is not None:
+        for f in OUT_FIELDS:
+            x, y = getattr(oa, f), getattr(ob, f)
+            if not torch.equal(x, y):
+                bad = torch.nonzero(x != y)[:5].tolist()
+                raise AssertionError(f"{msg}: out.{f} differs at {bad}: {x.flatten()[:40]} vs {y.flatten()[:40]}")
+
+
+def run_trace(cfg: HiSparseConfig, seq_by_id: dict[int, int], steps: int, seed: int, *,
+              compact: bool, bad: bool = True, holes: float = 0.0,
+              device: torch.device = CPU) -> HotState:
+    rng = random.Random(seed)
+    ref = make_state(cfg, seq_by_id, device, rng, holes=holes)
+    tri = ref.clone()
+    K, q = cfg.top_k, cfg.max_query_len
+    for i in range(steps):
+        req, topk = random_batch(seq_by_id, K, q, rng, bad=bad)
+        req, topk = req.to(device), topk.to(device)
+        layer = rng.randrange(cfg.num_layers)
+        oa, ob = new_buffers(req.numel(), K, device), new_buffers(req.numel(), K, device)
+        resolve_reference(ref, layer, req, topk, oa, max_query_len=q, compact=compact)
+        resolve_triton(tri, layer, req, topk, ob, max_query_len=q, compact=compact)
+        assert_same(ref, tri, oa, ob, msg=f"seed {seed} step {i} layer {layer} T={req.numel()}")
+    return tri
+
+
+def small_cfg(*, K: int, q: int, S: int, B: int = 3, L: int = 2, R: int = 8) -> HiSparseConfig:
+    return HiSparseConfig(num_layers=L, host_pool_tokens=B * 128, top_k=K, device_buffer_size=S,
+                          max_num_reqs=R, max_query_len=q, host_block_size=B, max_request_id=16,
+                          device="cpu")
+
+
+# ---------------------------------------------------------------- hand-traced case
+def test_hand_traced_step():
+    """S=4, K=2, B=4, one request (id 3) of 10 tokens: positions 0..3 in slots 0..3,
+    position 9 in the reserved slot 4. topk [5, 9]: 9 hits slot 4, 5 misses and evicts
+    the smallest key among slots 0..3 (all stamp 0: position 0, slot 0)."""
+    cfg = HiSparseConfig(num_layers=1, host_pool_tokens=64, top_k=2, device_buffer_size=4,
+                         max_num_reqs=2, max_query_len=1, host_block_size=4, max_request_id=8,
+                         device="cpu")
+    state = HotState.allocate(cfg, CPU)
+    state.id_to_slot[3] = 1
+    state.seq_lens[1] = 10
+    state.block_table[1, :3] = torch.tensor([7, 2, 5], dtype=torch.int32)
+    for p, s in [(0, 0), (1, 1), (2, 2), (3, 3), (9, 4)]:
+        state.slot_pos[0, 1, s] = p
+        state.slot_stamp[0, 1, s] = 0
+        state.row_slot[0, host_row(state, 1, p)] = s
+    out = ResolveBuffers.allocate(1, 2, CPU)
+    resolve_triton(state, 0, torch.tensor([3], dtype=torch.int32),
+                   torch.tensor([[5, 9]], dtype=torch.int32), out, max_query_len=1)
+    base = 1 * 5
+    assert out.physical.tolist() == [[base + 0, base + 4]]
+    assert out.valid_counts.tolist() == [2]
+    assert out.stage_src.tolist() == [host_row(state, 1, 5), -1]  # block 2 -> row 2*4+1 = 9
+    assert out.stage_src[0].item() == 9
+    assert out.stage_dst.tolist() == [base + 0, -1]
+    assert state.slot_pos[0, 1].tolist() == [5, 1, 2, 3, 9]
+    assert state.slot_stamp[0, 1].tolist() == [1, 0, 0, 0, 1]
+    assert state.step[0, 1].item() == 1
+    assert state.row_slot[0, host_row(state, 1, 0)].item() == -1  # position 0 evicted
+    assert state.row_slot[0, 9].item() == 0
+    s = state.stats[0]
+    assert (s[STAT_HITS].item(), s[STAT_MISSES].item(), s[STAT_INVALID].item(),
+            s[STAT_RESOLVES].item()) == (1, 1, 0, 1)
+
+
+def test_invalid_entries_counted():
+    cfg = small_cfg(K=3, q=2, S=7)
+    rng = random.Random(5)
+    state = make_state(cfg, {2: 5, 4: 9}, CPU, rng)
+    ref = state.clone()
+    # id 2: valid run of 2 + a 3rd token (run too long: 3 non -1 entries invalid);
+    # entries 5 (= seq), -2 invalid; id 9 is free: 2 non -1 entries invalid
+    req = torch.tensor([2, 2, 2, 9, 4], dtype=torch.int32)
+    topk = torch.tensor([[0, 5, -1], [-2, 1, 1], [0, 1, 2], [-1, 3, 0], [8, -1, 8]],
+                        dtype=torch.int32)
+    out, oref = new_buffers(5, 3, CPU), new_buffers(5, 3, CPU)
+    resolve_triton(state, 1, req, topk, out, max_query_len=2, compact=True)
+    resolve_reference(ref, 1, req, topk, oref, max_query_len=2, compact=True)
+    assert_same(ref, state, oref, out)
+    assert state.stats[1, STAT_INVALID].item() == 2 + 3 + 2
+    assert out.valid_counts[:5].tolist() == [1, 2, 0, 0, 2]
+    assert out.physical[2, :3].tolist() == [-1, -1, -1]
+    assert state.stats[1, STAT_RESOLVES].item() == 2
+
+
+# ---------------------------------------------------------------- sweeps vs reference
+@pytest.mark.parametrize("q", [1, 2, 4])
+@pytest.mark.parametrize("compact", [False, True])
+@pytest.mark.parametrize("K,extra", [(1, 0), (3, 2), (5, 1)])
+def test_trace_matches_reference(q, compact, K, extra):
+    S = q * K + extra  # tight (extra = 0) and odd buffers
+    cfg = small_cfg(K=K, q=q, S=S, B=3 if K != 3 else 4)
+    seqs = {1: 0, 3: 1, 5: S, 6: S + 1, 8: 3 * S + 2, 11: 40}
+    run_trace(cfg, seqs, steps=5, seed=1000 * q + 10 * K + compact, compact=compact,
+              holes=0.3 if compact else 0.0)
+
+
+def test_trace_without_bad_entries_keeps_stats_consistent():
+    cfg = small_cfg(K=4, q=2, S=9)
+    seqs = {1: 30, 2: 12, 7: 50}
+    tri = run_trace(cfg, seqs, steps=8, seed=42, compact=False, bad=False, holes=0.4)
+    s = tri.stats.sum(0)
+    assert s[STAT_INVALID].item() == 0
+    assert s[STAT_MISSES].item() > 0 and s[STAT_HITS].item() > 0
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 10**6), q=st.sampled_from([1, 2, 4]), K=st.integers(1, 6),
+       extra=st.integers(0, 5), B=st.integers(1, 5), compact=st.booleans())
+def test_random_traces(seed, q, K, extra, B, compact):
+    S = q * K + extra
+    cfg = small_cfg(K=K, q=q, S=S, B=B, L=1, R=4)
+    rng = random.Random(seed)
+    ids = rng.sample(range(1, 16), 3)
+    seqs = {i: rng.choice([0, 1, S - 1 if S > 1 else 1, S, S + 1, rng.randrange(1, 60)]) for i in ids}
+    run_trace(cfg, seqs, steps=3, seed=seed, compact=compact, holes=rng.choice([0.0, 0.5]))
+
+
+def test_empty_batch_changes_nothing():
+    cfg = small_cfg(K=3, q=1, S=5)
+    state = make_state(cfg, {1: 7}, CPU, random.Random(0))
+    before = state.clone()
+    out = new_buffers(0, 3, CPU)
+    resolve_triton(state, 0, torch.zeros(0, dtype=torch.int32),
+                   torch.zeros(0, 3, dtype=torch.int32), out, max_query_len=1)
+    assert_same(before, state)
+    assert (out.physical == 777).all()
+
+
+def test_staged_rows_make_hot_rows_byte_exact():
+    """End to end on CPU: resolve + copy_rows keep every physical row byte-equal to
+    the host row of its (request, position)."""
+    from hisparse.cache.transfer import copy_rows
+
+    cfg = small_cfg(K=4, q=2, S=9, B=4, L=1)
+    seqs = {1: 40, 2: 9, 3: 25}
+    rng = random.Random(9)
+    state = make_state(cfg, seqs, CPU, rng)
+    W = 32
+    gen = torch.Generator().manual_seed(0)
+    pool = torch.randint(0, 256, (cfg.num_host_rows, W), dtype=torch.uint8, generator=gen)
+    hot = torch.zeros(cfg.hot_rows_per_layer, W, dtype=torch.uint8)
+    SP = cfg.slots_per_req
+    for rid, seq in seqs.items():  # initial hot rows as the write path leaves them
+        r = int(state.id_to_slot[rid])
+        for s in range(SP):
+            p = int(state.slot_pos[0, r, s])
+            if p >= 0:
+                hot[r * SP + s] = pool[host_row(state, r, p)]
+    for step in range(6):
+        req, topk = random_batch(seqs, 4, 2, rng, bad=False)
+        out = new_buffers(req.numel(), 4, CPU)
+        resolve_triton(state, 0, req, topk, out, max_query_len=2)
+        n = req.numel() * 4
+        copy_rows(pool, out.stage_src[:n], hot, out.stage_dst[:n])
+        for t in range(req.numel()):
+            r = int(state.id_to_slot[int(req[t])])
+            for k in range(4):
+                p, ph = int(topk[t, k]), int(out.physical[t, k])
+                if p < 0:
+                    assert ph == -1
+                    continue
+                assert r * SP <= ph < (r + 1) * SP
+                assert torch.equal(hot[ph], pool[host_row(state, r, p)]), (step, t, k)
+
+
+# ---------------------------------------------------------------- robustness
+def test_corrupt_state_never_out_of_bounds():
+    """Validation off with a corrupt state: garbage slots in row_slot, unmapped blocks,
+    an id mapped to a request slot >= R. The kernel must run (the interpreter raises on
+    out-of-bounds pointers) and only produce -1 or in-range physical rows."""
+    cfg = small_cfg(K=4, q=2, S=8, B=2, L=1, R=3)
+    rng = random.Random(3)
+    state = make_state(cfg, {1: 20, 2: 6}, CPU, rng)
+    state.row_slot[0, :50] = torch.randint(-5, 40, (50,), dtype=torch.int32)
+    r1 = int(state.id_to_slot[1])
+    state.block_table[r1, 2] = -1
+    state.block_table[r1, 3] = 10**6
+    state.id_to_slot[5] = 7  # request slot out of range
+    state.seq_lens[int(state.id_to_slot[2])] = 10**6  # beyond its block table
+    req = torch.tensor([1, 1, 2, 5], dtype=torch.int32)
+    topk = torch.tensor([[4, 5, 6, 7], [0, 1, 2, 3], [100, 3, 9999, 0], [0, 1, 2, 3]],
+                        dtype=torch.int32)
+    out = new_buffers(4, 4, CPU)
+    for _ in range(3):
+        resolve_triton(state, 0, req, topk, out, max_query_len=2, compact=True)
+        ph = out.physical[:4, :4]
+        assert ((ph == -1) | ((ph >= 0) & (ph < cfg.hot_rows_per_layer))).all()
+        sd = out.stage_dst[:16]
+        assert ((sd == -1) | ((sd >= 0) & (sd < cfg.hot_rows_per_layer))).all()
+        assert ((out.stage_src[:16] >= -1) & (out.stage_src[:16] < cfg.num_host_rows)).all()
+    assert state.stats[0, STAT_INVALID].item() > 0
+
+
+# ---------------------------------------------------------------- argument checks
+def _args():
+    cfg = small_cfg(K=3, q=2, S=7)
+    state = make_state(cfg, {1: 9}, CPU, random.Random(0))
+    req = torch.tensor([1, 1], dtype=torch.int32)
+    topk = torch.tensor([[0, 1, 2], [3, 4, -1]], dtype=torch.int32)
+    return state, req, topk, new_buffers(2, 3, CPU)
+
+
+@pytest.mark.parametrize("case,exc", [
+    ("topk_int64", TypeError), ("req_int64", TypeError), ("req_len", ValueError),
+    ("layer", ValueError), ("layer_type", TypeError), ("mql0", ValueError),
+    ("S_small", ValueError), ("phys_small", ValueError), ("stage_small", ValueError),
+    ("topk_1d", ValueError), ("topk_strided", ValueError), ("valid_small", ValueError),
+])
+def test_bad_arguments_raise_before_launch(case, exc):
+    state, req, topk, out = _args()
+    before = state.clone()
+    kw = dict(max_query_len=2)
+    layer = 0
+    if case == "topk_int64":
+        topk = topk.long()
+    elif case == "req_int64":
+        req = req.long()
+    elif case == "req_len":
+        req = req[:1]
+    elif case == "layer":
+        layer = 2
+    elif case == "layer_type":
+        layer = 0.0
+    elif case == "mql0":
+        kw["max_query_len"] = 0
+    elif case == "S_small":
+        kw["max_query_len"] = 3  # 3 x 3 > S = 7
+    elif case == "phys_small":
+        out.physical = out.physical[:1]
+    elif case == "stage_small":
+        out.stage_dst = out.stage_dst[:5]
+    elif case == "topk_1d":
+        topk = topk.flatten()
+    elif case == "topk_strided":
+        topk = torch.zeros(2, 6, dtype=torch.int32)[:, ::2]
+    elif case == "valid_small":
+        out.valid_counts = out.valid_counts[:1]
+    with pytest.raises(exc):
+        resolve_triton(state, layer, req, topk, out, **kw)
+    assert_same(before, state)
+    assert (out.physical == 777).all()
+
+
+def test_cpu_without_interpreter_uses_reference(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    state, req, topk, out = _args()
+    ref, oref = state.clone(), new_buffers(2, 3, CPU)
+    resolve_triton(state, 0, req, topk, out, max_query_len=2)
+    resolve_reference(ref, 0, req, topk, oref, max_query_len=2)
+    assert_same(ref, state, oref, out)
+
+
+def test_copy_rows_reference_helper_consistency():
+    """copy_rows_reference (the staging oracle) skips -1 on either side."""
+    src = torch.arange(12, dtype=torch.uint8).reshape(3, 4)
+    dst = torch.zeros(3, 4, dtype=torch.uint8)
+    n = copy_rows_reference(src, torch.tensor([2, -1, 0], dtype=torch.int32), dst,
+                            torch.tensor([0, 1, -1], dtype=torch.int32))
+    assert n == 1 and dst[0].tolist() == [8, 9, 10, 11] and dst[1:].sum() == 0
