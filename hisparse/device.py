@@ -64,6 +64,7 @@ class PinnedBuffer:
                 )
             self.pinned = True
             ptr = self.tensor.data_ptr()
+            _REGISTERED[ptr] = self.nbytes
             self._finalizer = weakref.finalize(self, _unregister, ptr)
 
     def release(self) -> None:
@@ -73,7 +74,29 @@ class PinnedBuffer:
             self.pinned = False
 
 
+# start pointer -> bytes of every live PinnedBuffer registration
+_REGISTERED: dict[int, int] = {}
+
+
+def is_pinned_host(t: torch.Tensor) -> bool:
+    """Whether the CPU tensor ``t`` lies in page-locked memory the GPU can reach.
+
+    Checks the ranges this process registered (PinnedBuffer) first, then asks the
+    driver (``Tensor.is_pinned``). The first check matters under tools that wrap the
+    CUDA runtime (compute-sanitizer answers the pointer query differently).
+    """
+    if t.device.type != "cpu":
+        return False
+    start = t.data_ptr()
+    end = start + t.numel() * t.element_size()
+    for base, n in _REGISTERED.items():
+        if base <= start and end <= base + n:
+            return True
+    return bool(t.is_pinned())
+
+
 def _unregister(ptr: int) -> None:
+    _REGISTERED.pop(ptr, None)
     try:
         torch.cuda.cudart().cudaHostUnregister(ptr)
     except RuntimeError:  # interpreter shutdown with the CUDA context gone
@@ -118,4 +141,4 @@ def wait_event(stream, event) -> None:
         stream.wait_event(event)
 
 
-__all__ = ["PinnedBuffer", "Streams", "is_cuda", "resolve_device", "wait_event"]
+__all__ = ["PinnedBuffer", "Streams", "is_cuda", "is_pinned_host", "resolve_device", "wait_event"]

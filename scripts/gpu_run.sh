@@ -2,7 +2,7 @@
 # Everything hisparse runs on the H200 test machine, in one command, results under $OUT.
 #
 #   bash scripts/gpu_run.sh [SECTION ...]     sections: env tests sanitize staging decode triton_configs
-#                                             prefill e2e stress autotune
+#                                             prefill e2e stress autotune tests_each pool_kinds
 #                                             (default: all, in that order)
 # Uses the machine's preinstalled torch/triton (no network there): PYTHONPATH=. , no install.
 # Optional kernels are picked up from .gpu-deps/ when carried (see ../shared/GPU.md):
@@ -16,6 +16,11 @@ RES=/tmp/hisparse-results
 mkdir -p "$OUT" "$RES"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
+# Triton's compile cache travels between runs (git-ignored .triton-cache, carried back as
+# $OUT/triton-cache.tgz): a fresh machine would otherwise recompile every kernel.
+export TRITON_CACHE_DIR=$PWD/.triton-cache
+mkdir -p "$TRITON_CACHE_DIR"
+if [ -f .triton-cache.tgz ]; then tar -xzf .triton-cache.tgz -C "$TRITON_CACHE_DIR"; fi
 if [ -f .gpu-deps/vllm/_flashmla_C.abi3.so ]; then export HISPARSE_FLASHMLA_LIB=$PWD/.gpu-deps/vllm/_flashmla_C.abi3.so; fi
 if ls .gpu-deps/flashinfer/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu-deps/flashinfer/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
@@ -24,15 +29,24 @@ sections=("$@"); [ ${#sections[@]} -eq 0 ] && sections=(env tests sanitize stagi
 LOG=$OUT/run.log
 SUM=$OUT/summary.txt
 : > "$SUM"
+END=$((SECONDS + ${BUDGET:-560}))  # the whole run stays inside the device tool's 10-minute limit
+cap() {  # echo min(requested timeout, time left before END minus margin), or 0
+  local t=$1 rem=$((END - SECONDS - 20))
+  [ "$rem" -lt 10 ] && { echo 0; return; }
+  [ "$t" -gt "$rem" ] && t=$rem
+  echo "$t"
+}
 run() {  # name timeout_s cmd...
-  local name=$1 t=$2; shift 2
+  local name=$1 t; t=$(cap "$2"); shift 2
+  if [ "$t" = 0 ]; then echo "[$name] SKIPPED (out of time)" | tee -a "$SUM" "$LOG"; return; fi
   echo "===== [$name] $(date +%T) $*" | tee -a "$LOG"
   local t0=$SECONDS
   timeout "$t" "$@" >>"$LOG" 2>&1; local rc=$?
   echo "[$name] rc=$rc ($((SECONDS - t0)) s)" | tee -a "$SUM" "$LOG"
 }
 run_to() {  # name timeout_s stdout_file cmd...  (stdout to a file, stderr to the log)
-  local name=$1 t=$2 f=$3; shift 3
+  local name=$1 t f=$3; t=$(cap "$2"); shift 3
+  if [ "$t" = 0 ]; then echo "[$name] SKIPPED (out of time)" | tee -a "$SUM" "$LOG"; return; fi
   echo "===== [$name] $(date +%T) $*" | tee -a "$LOG"
   local t0=$SECONDS
   timeout "$t" "$@" >"$f" 2>>"$LOG"; local rc=$?
@@ -42,11 +56,17 @@ for s in "${sections[@]}"; do
   case "$s" in
     env) run_to env 180 "$RES/env.json" python3 -m hisparse env --json; nvidia-smi >>"$LOG" 2>&1
          python3 -m hisparse env >>"$LOG" 2>&1 ;;
-    tests) run tests 420 python3 -m pytest -m "gpu" tests -q -rs -x --junitxml="$RES/gpu-tests.xml" -p no:cacheprovider
+    tests) run tests ${TESTS_TIMEOUT:-400} python3 -m pytest -m "gpu" ${TESTS:-tests} -q -rs --junitxml="$RES/gpu-tests.xml" -p no:cacheprovider
            tail -5 "$LOG" | tee -a "$SUM" ;;
+    tests_each)  # one pytest per file, so a slow file can't hide the others' reports
+      for f in ${TESTS:-tests/test_*gpu*.py}; do
+        run "t:$(basename "$f" .py)" ${EACH_TIMEOUT:-150} python3 -m pytest -m gpu "$f" -q -rfE --tb=short -p no:cacheprovider
+        grep -E "passed|failed|error" "$LOG" | tail -1 | tee -a "$SUM"
+      done ;;
+    pool_kinds) run pool_kinds 200 python3 benchmarks/bench_pool_kinds.py --out "$RES/pool_kinds.json" ;;
     sanitize)
-      run memcheck 150 compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/sanitize_trace.py
-      run racecheck 150 compute-sanitizer --tool racecheck --error-exitcode 9 python3 scripts/sanitize_trace.py ;;
+      run memcheck 90 compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/sanitize_trace.py
+      run racecheck 90 compute-sanitizer --tool racecheck --error-exitcode 9 python3 scripts/sanitize_trace.py ;;
     staging) run staging 300 python3 benchmarks/bench_staging.py --out "$RES/staging.json" ${QUICK:+--quick} ;;
     decode) run decode 300 python3 benchmarks/bench_decode.py --out "$RES/decode.json" ${QUICK:+--quick} ;;
     triton_configs) run triton_configs 300 python3 benchmarks/bench_triton_configs.py --out "$RES/triton_configs.json" ${QUICK:+--quick} ;;
@@ -60,4 +80,6 @@ for s in "${sections[@]}"; do
   esac
 done
 tar -czf "$OUT/results.tgz" -C "$RES" . 2>>"$LOG"
+tar -czf "$OUT/triton-cache.tgz" -C "$TRITON_CACHE_DIR" . 2>>"$LOG"
+ls -la "$OUT" >>"$LOG"
 cat "$SUM"

@@ -46,6 +46,7 @@ from typing import Sequence
 import torch
 
 from ..config import RowFormat
+from ..device import is_pinned_host
 from ..errors import CapacityError
 
 D_ROW = 576  # bf16 values per workspace row
@@ -274,7 +275,7 @@ def _validate_structure(*, host_pool, block_table, req_slots, seq_lens, workspac
             raise ValueError(f"host_pool is on {host_pool.device}, the workspace on {dev}: the pool must be "
                              "on the workspace's device or in pinned host memory")
         # is_pinned() asks the driver about the pointer: skipped during graph capture
-        if not torch.cuda.is_current_stream_capturing() and not host_pool.is_pinned():
+        if not torch.cuda.is_current_stream_capturing() and not is_pinned_host(host_pool):
             raise ValueError("host_pool is a CPU tensor that is not pinned: the GPU kernel reads it over UVA, "
                              "which needs page-locked memory (use hisparse.device.PinnedBuffer)")
     return mode

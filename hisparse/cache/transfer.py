@@ -25,6 +25,7 @@ import functools
 import torch
 import triton
 
+from ..device import is_pinned_host
 from ..kernels.copy_rows import copy_rows_kernel
 from .resolve_ref import copy_rows_reference
 from .resolve_triton import interpreter_requested
@@ -106,7 +107,7 @@ def copy_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_i
         # captured (the eager warm-up call before capture has checked the same buffers)
         capturing = torch.cuda.is_current_stream_capturing()
         for name, t in (("src", src), ("dst", dst)):
-            if t.device.type == "cpu" and t.numel() and not capturing and not t.is_pinned():
+            if t.device.type == "cpu" and t.numel() and not capturing and not is_pinned_host(t):
                 raise ValueError(f"{name} is a CPU tensor that is not pinned; the kernel on {dev} "
                                  "can only reach page-locked host memory (use PinnedBuffer)")
         for name, t in (("src_idx", src_idx), ("dst_idx", dst_idx)):
