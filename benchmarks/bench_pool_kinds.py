@@ -112,15 +112,24 @@ def main() -> None:
             dst = torch.arange(n, dtype=torch.int32, device=dev)
             hot = torch.empty((n, W), dtype=torch.uint8, device=dev)
             bulk_src = rows[:n]
-            t_copy = time_us(lambda: copy_rows(rows, src, hot, dst))
             t_bulk = time_us(lambda: hot.copy_(bulk_src, non_blocking=True))
-            ok = torch.equal(hot[:64].cpu(), rows[src[:64].long().cpu()])
-            gbs = n * W / t_copy["median"] / 1e3
-            ratio = t_bulk["median"] / t_copy["median"]
-            print(f"  {kind:9s} N={n:7d}: copy_rows med {t_copy['median']:8.1f} us ({gbs:5.1f} GB/s), "
-                  f"bulk med {t_bulk['median']:8.1f} us, ratio {ratio:.2f}x, bytes ok={ok}")
-            res["cases"].append({"kind": kind, "rows": n, "alloc_s": secs, "copy_us": t_copy,
-                                 "bulk_us": t_bulk, "ratio": ratio, "gbs": gbs, "ok": ok})
+            # random order, then the same rows in ascending host order (as a resolve emits
+            # them per request), then rows clustered in 64-row blocks (a request's misses
+            # fall in its own blocks)
+            blk = torch.randperm(H // 64, generator=g)[: n // 64].repeat_interleave(64) * 64
+            clustered = (blk + torch.arange(64).repeat(n // 64)).to(torch.int32).to(dev)
+            for order, s_idx in (("random", src), ("sorted", src.sort().values),
+                                 ("blocks64", clustered)):
+                t_copy = time_us(lambda: copy_rows(rows, s_idx, hot, dst))
+                ok = torch.equal(hot[:64].cpu(), rows[s_idx[:64].long().cpu()])
+                gbs = n * W / t_copy["median"] / 1e3
+                ratio = t_bulk["median"] / t_copy["median"]
+                print(f"  {kind:9s} {order:8s} N={n:7d}: copy_rows med {t_copy['median']:8.1f} us "
+                      f"({gbs:5.1f} GB/s), bulk med {t_bulk['median']:8.1f} us, ratio {ratio:.2f}x, "
+                      f"bytes ok={ok}")
+                res["cases"].append({"kind": kind, "order": order, "rows": n, "alloc_s": secs,
+                                     "copy_us": t_copy, "bulk_us": t_bulk, "ratio": ratio,
+                                     "gbs": gbs, "ok": ok})
         del rows, pool
         torch.cuda.synchronize()
         rel()

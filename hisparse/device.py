@@ -2,15 +2,16 @@
 that degrade to no-ops on CPU.
 
 Pinned memory: torch's caching host allocator (``pin_memory=True``) rounds every
-allocation up to the next power of two (a 33 GiB pool would take 64 GiB). We
-allocate ordinary page-aligned memory with ``torch.empty`` (large allocations are
-mmap-backed, so exactly the asked bytes are committed) and register it with
-``cudaHostRegister``; the registration is undone when the owning object dies.
+allocation up to the next power of two (a 33 GiB pool would take 64 GiB). We map
+exactly the asked bytes (an anonymous page-aligned mapping) and register them with
+``cudaHostRegister``; the registration is undone when the last tensor viewing the
+mapping is gone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import mmap
 import weakref
 from typing import Iterator
 
@@ -37,53 +38,77 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
+class _HostMapping(mmap.mmap):
+    """An anonymous page-aligned mapping; a subclass only so it can carry a weakref
+    (the page-lock is undone when the last tensor viewing it is gone)."""
+
+
 class PinnedBuffer:
     """A host tensor of exactly ``nbytes`` bytes, page-locked when CUDA is present.
 
     ``tensor``: uint8 [nbytes], CPU. ``pinned`` says whether cudaHostRegister
     succeeded (always False on a machine without CUDA, where plain memory stands in).
+
+    The memory is an anonymous mapping (page-aligned; only the pages of ``nbytes`` are
+    committed) that ``tensor``'s storage keeps alive, and the registration lives as long
+    as the mapping: a tensor (or view) that outlives this object stays valid and pinned.
     """
 
     def __init__(self, nbytes: int, *, pin: bool | None = None) -> None:
         if nbytes <= 0:
             raise ValueError(f"PinnedBuffer needs nbytes > 0, got {nbytes}")
         self.nbytes = int(nbytes)
-        self.tensor = torch.empty(self.nbytes, dtype=torch.uint8)
         want = torch.cuda.is_available() if pin is None else pin
+        if want and not torch.cuda.is_available():
+            raise ValueError("pin=True needs CUDA, which is not available here")
+        mapping = _HostMapping(-1, self.nbytes)
+        self.tensor = torch.frombuffer(mapping, dtype=torch.uint8)  # storage refs the mapping
         self.pinned = False
+        self._finalizer = None
         if want:
-            if not torch.cuda.is_available():
-                raise ValueError("pin=True needs CUDA, which is not available here")
-            cudart = torch.cuda.cudart()
-            # flags 0 = cudaHostRegisterDefault; portable/mapped come with UVA anyway
-            err = cudart.cudaHostRegister(self.tensor.data_ptr(), self.nbytes, 0)
-            if int(err) != 0:
-                raise RuntimeError(
-                    f"cudaHostRegister of {self.nbytes} bytes failed with error {int(err)}; "
-                    "the machine may limit locked memory (ulimit -l) or lack free RAM"
-                )
-            self.pinned = True
             ptr = self.tensor.data_ptr()
-            _REGISTERED[ptr] = self.nbytes
-            self._finalizer = weakref.finalize(self, _unregister, ptr)
+            pin_host_range(ptr, self.nbytes)
+            self.pinned = True
+            self._finalizer = weakref.finalize(mapping, unpin_host_range, ptr)
 
     def release(self) -> None:
         """Unregister now (the tensor must not be used by the GPU afterwards)."""
-        if self.pinned:
+        if self.pinned and self._finalizer is not None:
             self._finalizer()
             self.pinned = False
 
 
-# start pointer -> bytes of every live PinnedBuffer registration
+# start pointer -> bytes of every live registration made through pin_host_range
 _REGISTERED: dict[int, int] = {}
+
+
+def pin_host_range(ptr: int, nbytes: int) -> None:
+    """cudaHostRegister ``nbytes`` at ``ptr`` and remember the range (see is_pinned_host)."""
+    err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)  # 0 = cudaHostRegisterDefault
+    if int(err) != 0:
+        raise RuntimeError(
+            f"cudaHostRegister of {nbytes} bytes failed with error {int(err)}; "
+            "the machine may limit locked memory (ulimit -l) or lack free RAM"
+        )
+    _REGISTERED[ptr] = nbytes
+
+
+def unpin_host_range(ptr: int) -> None:
+    """Undo :func:`pin_host_range` (no-op if already undone)."""
+    if _REGISTERED.pop(ptr, None) is None:
+        return
+    try:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
+    except RuntimeError:  # interpreter shutdown with the CUDA context gone
+        pass
 
 
 def is_pinned_host(t: torch.Tensor) -> bool:
     """Whether the CPU tensor ``t`` lies in page-locked memory the GPU can reach.
 
-    Checks the ranges this process registered (PinnedBuffer) first, then asks the
-    driver (``Tensor.is_pinned``). The first check matters under tools that wrap the
-    CUDA runtime (compute-sanitizer answers the pointer query differently).
+    Checks the ranges registered through :func:`pin_host_range` first, then asks the
+    driver (``Tensor.is_pinned``, which looks at the storage's base pointer only, and
+    which tools wrapping the CUDA runtime, like compute-sanitizer, answer differently).
     """
     if t.device.type != "cpu":
         return False
@@ -93,14 +118,6 @@ def is_pinned_host(t: torch.Tensor) -> bool:
         if base <= start and end <= base + n:
             return True
     return bool(t.is_pinned())
-
-
-def _unregister(ptr: int) -> None:
-    _REGISTERED.pop(ptr, None)
-    try:
-        torch.cuda.cudart().cudaHostUnregister(ptr)
-    except RuntimeError:  # interpreter shutdown with the CUDA context gone
-        pass
 
 
 class Streams:
@@ -141,4 +158,5 @@ def wait_event(stream, event) -> None:
         stream.wait_event(event)
 
 
-__all__ = ["PinnedBuffer", "Streams", "is_cuda", "is_pinned_host", "resolve_device", "wait_event"]
+__all__ = ["PinnedBuffer", "Streams", "is_cuda", "is_pinned_host", "pin_host_range", "resolve_device",
+           "unpin_host_range", "wait_event"]

@@ -128,26 +128,6 @@ def test_flashmla_rejects_rows_not_in_64_row_pages(flashmla, dev):
         flashmla.decode(q, quantize_fp8_ds_mla(x), idx, sm_scale=SM_SCALE, row_format=FP8)
 
 
-def test_flashmla_lse_is_natural_log(flashmla, dev):
-    _skip_unless(flashmla, dev, FP8, 128, Phase.DECODE)
-    q, x, idx, _ = _problem(4, 128, 256, 2048, dev, seed=11, pad_frac=0.0)
-    rows = quantize_fp8_ds_mla(x)
-    # the raw op, not our wrapper: which base does FlashMLA itself use?
-    ops, _ = flashmla.ops()
-    kv = rows.view(2048 // 64, 64, 1, 656)
-    args = dict(q=q.unsqueeze(1), kv=kv, indices=idx.unsqueeze(1), topk_length=None,
-                attn_sink=None, tile_scheduler_metadata=None, num_splits=None, extra_kv=None,
-                extra_indices=None, extra_topk_length=None, d_v=512, sm_scale=SM_SCALE)
-    for name in ops.decode_fill:
-        args[name] = None
-    raw_lse = ops.decode(**args)[1].reshape(4, 128)
-    _, ref_lse = ReferenceBackend().decode(q, rows, idx, sm_scale=SM_SCALE, row_format=FP8)
-    e_nat = (raw_lse - ref_lse).abs().max().item()
-    e_log2 = (raw_lse - ref_lse / math.log(2.0)).abs().max().item()
-    print(f"FlashMLA raw lse vs natural-log reference {e_nat:.2e}, vs log2 {e_log2:.2e}")
-    assert e_nat <= LSE_ATOL < e_log2
-
-
 @pytest.mark.parametrize("T,H,K,W", [(32, 128, 2048, 5000), (9, 16, 100, 777)])
 def test_flashmla_prefill(flashmla, dev, T, H, K, W):
     _skip_unless(flashmla, dev, BF16, H, Phase.PREFILL)
@@ -204,7 +184,8 @@ def test_chooser_on_gpu(dev):
         for phase in (Phase.DECODE, Phase.PREFILL):
             be = chooser.choose_backend(device=dev, row_format=fmt, num_heads=128, phase=phase,
                                         flashmla_lib=lib)
-            assert be.supports(device=dev, row_format=fmt, num_heads=128, phase=phase) is None
+            asked = BF16 if phase is Phase.PREFILL else fmt  # prefill reads the bf16 workspace
+            assert be.supports(device=dev, row_format=asked, num_heads=128, phase=phase) is None
             print(f"chooser: {phase.value} {fmt.value} -> {be.name}")
     avail = dict(chooser.available_backends(dev, flashmla_lib=lib))
     print(chooser.describe(avail.items()))

@@ -120,7 +120,7 @@ def test_copy_rows_host_to_device(W, kind, N, skip):
         src = torch.empty(Ns, W, dtype=torch.uint8).pin_memory()
     src.random_(0, 256)
     dst = torch.randint(0, 256, (Nd, W), dtype=torch.uint8, device=_dev())
-    si, di = _rows_case(W, Ns, Nd, N, seed=W + N)
+    si, di = _rows_case(W, Ns, Nd, N, seed=W + N, skip=skip)
     exp = dst.cpu()
     copy_rows_reference(src, si, exp, di)
     copy_rows(src, si.to(_dev()), dst, di.to(_dev()))

@@ -25,8 +25,10 @@ Facts the wrapper relies on (vllm 0.30 ``_flashmla_C``; FlashMLA's own reference
 - LSE is in natural log; a query with no valid index gets out = 0 and lse = +inf,
   which we turn into the interface's -inf.
 
-Our mapping: decode treats each query token as a batch entry (b = T, s_q = 1), so
-``valid_counts [T]`` is FlashMLA's ``topk_length [b]``. Heads are processed in
+Our mapping: decode treats each query token as a batch entry (b = T, s_q = 1).
+
+``valid_counts [T]``: decode masks the entries past each count to -1 (the SM90 decode
+kernel rejects ``topk_length``); prefill passes them as ``topk_length [s_q]``. Heads are processed in
 groups of at most 128, each zero-padded to 64 or 128 and sliced back. K is padded
 with -1 to a multiple of 64 (the kernels' top-k tile; the SM90 kernel asserts it).
 The flat row view ``uint8 [N, 656]`` is viewed as ``[N / 64, 64, 1, 656]``: the SM90
@@ -316,9 +318,14 @@ class FlashMLABackend(SparseMLABackend):
         if T == 0 or K == 0 or N == 0:  # nothing can be valid (ranges were checked/sanitized)
             return empty_result(T, H, q.device)
         idx, vc = self._sanitize(inp.indices, inp.valid_counts, N)
+        if vc is not None:
+            # The SM90 sparse decode kernel has no dynamic top-k length (it asserts
+            # topk_length == nullptr: "V3.2 does not support dynamic topk length", seen on
+            # the H200), so entries past each token's valid count become -1 instead.
+            k = torch.arange(idx.shape[1], device=idx.device, dtype=torch.int32)
+            idx = torch.where(k[None, :] < vc[:, None], idx, torch.full_like(idx, -1))
+            vc = None
         idx3 = _pad_topk(idx).unsqueeze(1)  # int32 [T, 1, K']
-        if vc is not None and not vc.is_contiguous():
-            vc = vc.contiguous()
         kv4 = self._blocked_kv(kv)
         groups = list(_head_groups(H))
         direct = len(groups) == 1 and groups[0][1] == groups[0][2]  # H is 64 or 128

@@ -77,7 +77,7 @@ import numpy as np
 import torch
 
 from ..config import HiSparseConfig
-from ..device import _unregister
+from ..device import pin_host_range, unpin_host_range
 from .host_pool import BlockAllocator, HostPool
 
 MAGIC = int.from_bytes(b"HISPPOOL", "little")
@@ -195,14 +195,14 @@ class SharedBuffer:
             if not torch.cuda.is_available():
                 raise ValueError("pin=True needs CUDA, which is not available here")
             ptr = self.tensor.data_ptr()
-            err = torch.cuda.cudart().cudaHostRegister(ptr, data_bytes, 0)
-            if int(err) != 0:
-                raise RuntimeError(
-                    f"cudaHostRegister of the shared pool ({data_bytes} bytes of {path}) failed "
-                    f"with error {int(err)}; check ulimit -l and free memory"
-                )
+            try:
+                pin_host_range(ptr, data_bytes)  # recorded, so is_pinned_host knows the rows
+            except RuntimeError as e:
+                raise RuntimeError(f"pinning the shared pool ({data_bytes} bytes of {path}) "
+                                   f"failed: {e}") from e
             self.pinned = True
-            self._finalizer = weakref.finalize(self, _unregister, ptr)
+            # the file mapping lives as long as self._file's storage, which self holds
+            self._finalizer = weakref.finalize(self, unpin_host_range, ptr)
 
     def release(self) -> None:
         """Unregister now (the GPU must not use the rows afterwards)."""
