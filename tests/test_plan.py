@@ -85,3 +85,22 @@ def test_format_mentions_target_and_binding():
     text = format_plan(_case(target_requests=100))
     assert "binding resource: host" in text
     assert "does NOT fit" in text  # 100 x 220228 > 10e6
+
+
+def test_tensor_parallel_pool_counted_once_per_node_when_shared():
+    # host bytes per request (one copy) = Cb * L * row = 1024 * 2 * 656 = 1_343_488
+    one = _case()
+    assert one["per_request_bytes"]["hisparse_host"] == 1_343_488
+    assert one["concurrency"]["hisparse_host_limit"] == 20_000_000 // 1_343_488 == 14
+    # 4 TP ranks, each with its own pool: 4 copies per node
+    sep = _case(tp_ranks=4)
+    assert sep["host_pool_copies_per_node"] == 4
+    assert sep["concurrency"]["hisparse_host_limit"] == 20_000_000 // (4 * 1_343_488) == 3
+    assert sep["host_pool_for_hisparse_bytes"] == 3 * 4 * 1_343_488
+    # shared: one copy per node, the same concurrency as a single rank
+    shr = _case(tp_ranks=4, tp_share=True, target_requests=10)
+    assert shr["host_pool_copies_per_node"] == 1
+    assert shr["concurrency"]["hisparse"] == 14
+    assert shr["target"]["host_pool_bytes"] == 10 * 1_343_488
+    with pytest.raises(ValueError, match="tp_ranks"):
+        _case(tp_ranks=0)

@@ -227,6 +227,10 @@ def _add_plan(sub) -> None:
     a("--max-seqs", type=int, default=1024, help="max sequences M (default 1024)")
     a("--block-size", type=int, default=64, help="host block size B (default 64)")
     a("--target", dest="target_requests", type=int, default=None, help="target concurrency")
+    a("--tp", dest="tp_ranks", type=int, default=1,
+      help="tensor-parallel ranks per node P; --gpu-memory is per rank (default 1)")
+    a("--tp-share", action="store_true",
+      help="the TP ranks of a node share one host pool (count it once per node)")
     p.set_defaults(func=_cmd_plan)
 
 
@@ -238,7 +242,8 @@ def _cmd_plan(args) -> int:
                         row_format=args.row_format, top_k=args.top_k,
                         indexer_bytes=args.indexer_bytes, hot_rows=args.hot_rows,
                         max_seqs=args.max_seqs, block_size=args.block_size,
-                        target_requests=args.target_requests))
+                        target_requests=args.target_requests, tp_ranks=args.tp_ranks,
+                        tp_share=args.tp_share))
     _emit(args, r, format_plan(r))
     return EXIT_OK
 

@@ -7,6 +7,9 @@ Notation (all per request unless said otherwise):
   C   context tokens      B  host block size (tokens)      Cb = ceil(C / B) * B
   S   hot rows (LRU slots) per (layer, request); one more reserved newest-token slot
   G   GPU bytes for KV    Hm host bytes for the pool        M  max sequences (a cap)
+  P   tensor-parallel ranks per node (each rank's GPU holds the same latent rows: MLA's
+      latent KV is replicated across TP ranks); G is per rank, Hm per node
+  X   host pool copies per node: 1 with a shared pool (--tp-share), else P
 
 Formulas (``FORMULAS`` below is printed by ``hisparse plan --help``):
 
@@ -15,18 +18,19 @@ Formulas (``FORMULAS`` below is printed by ``hisparse plan --help``):
                        + C * L * I                   indexer keys stay on the GPU
                        + Cb * L * 4                  row -> slot map (int32 per host row)
                        + 4 * (Cb / B) + 8 * L + 4    block table, LRU step, length
-  hisparse, host bytes = Cb * L * row
+  hisparse, host bytes = Cb * L * row                 (one copy)
 
   N_resident = min(floor(G / resident GPU bytes), M)
-  N_hisparse = min(floor(G / hisparse GPU bytes), floor(Hm / host bytes), M)
+  N_hisparse = min(floor(G / hisparse GPU bytes), floor(Hm / (X * host bytes)), M)
   binding resource = the term that gives N_hisparse (gpu | host | max_seqs)
-  host pool for a target of N requests = N * host bytes
+  host pool (per node) for a target of N requests = N * X * host bytes
 
 Result fields (``plan`` / ``hisparse plan --json``): inputs (PlanInputs + row_bytes),
 per_request_bytes {resident_gpu, hisparse_gpu, hisparse_gpu_breakdown {hot_rows_and_
 slot_state, indexer_keys, row_to_slot_map, tables}, hisparse_host}, concurrency
 {resident, hisparse, hisparse_gpu_limit, hisparse_host_limit, max_seqs}, binding,
-gain (hisparse / resident, None when resident is 0), host_pool_for_hisparse_bytes,
+gain (hisparse / resident, None when resident is 0), host_pool_copies_per_node,
+host_pool_for_hisparse_bytes (per node),
 target {requests, host_pool_bytes, gpu_bytes, fits_gpu, within_max_seqs} (with a target).
 """
 
@@ -87,9 +91,11 @@ class PlanInputs:
     max_seqs: int = 1 << 20  # M
     block_size: int = 64  # B
     target_requests: int | None = None
+    tp_ranks: int = 1  # P
+    tp_share: bool = False  # one shared host pool per node (hisparse.distributed)
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "context_len", "top_k", "max_seqs", "block_size"):
+        for name in ("num_layers", "context_len", "top_k", "max_seqs", "block_size", "tp_ranks"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
@@ -122,9 +128,10 @@ def plan(inp: PlanInputs) -> dict:
     small = 4 * nblocks + 8 * L + 4
     hs_gpu = hot + indexer + row_map + small
     hs_host = Cb * L * row
+    copies = 1 if inp.tp_share else inp.tp_ranks  # X
     n_res = min(inp.gpu_bytes // resident_gpu, inp.max_seqs)
     n_gpu = inp.gpu_bytes // hs_gpu
-    n_host = inp.host_bytes // hs_host
+    n_host = inp.host_bytes // (copies * hs_host)
     n_hs = min(n_gpu, n_host, inp.max_seqs)
     binding = "gpu" if n_hs == n_gpu else ("host" if n_hs == n_host else "max_seqs")
     out = {
@@ -140,11 +147,13 @@ def plan(inp: PlanInputs) -> dict:
                         "hisparse_host_limit": n_host, "max_seqs": inp.max_seqs},
         "binding": binding,
         "gain": (n_hs / n_res) if n_res else None,
-        "host_pool_for_hisparse_bytes": n_hs * hs_host,
+        "host_pool_copies_per_node": copies,
+        "host_pool_for_hisparse_bytes": n_hs * copies * hs_host,
     }
     if inp.target_requests is not None:
         t = inp.target_requests
-        out["target"] = {"requests": t, "host_pool_bytes": t * hs_host, "gpu_bytes": t * hs_gpu,
+        out["target"] = {"requests": t, "host_pool_bytes": t * copies * hs_host,
+                         "gpu_bytes": t * hs_gpu,
                          "fits_gpu": t * hs_gpu <= inp.gpu_bytes,
                          "within_max_seqs": t <= inp.max_seqs}
     return out
@@ -179,7 +188,9 @@ def format_plan(p: dict) -> str:
                  f"host allows {c['hisparse_host_limit']}, max seqs {c['max_seqs']})")
     if p["gain"] is not None:
         lines.append(f"gain: {p['gain']:.2f}x the resident concurrency")
-    lines.append(f"host pool used at that concurrency: {fmt_bytes(p['host_pool_for_hisparse_bytes'])}")
+    lines.append(f"host pool used at that concurrency (per node, {p['host_pool_copies_per_node']} "
+                 f"cop{'y' if p['host_pool_copies_per_node'] == 1 else 'ies'}): "
+                 f"{fmt_bytes(p['host_pool_for_hisparse_bytes'])}")
     if "target" in p:
         t = p["target"]
         lines.append(f"target {t['requests']} requests: host pool >= {fmt_bytes(t['host_pool_bytes'])}"
