@@ -216,7 +216,7 @@ def bench_resolve(args, dev, timer, pool_flat, results):
         p = torch.arange(S)
         for r in range(Bn):
             st.id_to_slot[r] = r
-            st.seq_lens[r] = seq
+            st.seq_lens[:, r] = seq
             st.block_table[r, :nb] = perm[r * nb:(r + 1) * nb]
             rows = st.block_table[r, p // Bk].long() * Bk + p % Bk
             st.slot_pos[0, r, :S] = p.to(torch.int32)

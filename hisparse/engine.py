@@ -45,7 +45,6 @@ import torch
 
 from .config import HiSparseConfig, RowFormat
 from .engine_metadata import SparseMLAMetadata
-from .cache.state import STAT_D2H_ROWS
 from .errors import CapacityError
 
 D_QK = 576  # 512 latent + 64 RoPE
@@ -90,18 +89,6 @@ class LayerCache:
     runtime: LayerRuntime
 
 
-def _expand_runs(runs: list[tuple[int, int, int]]) -> torch.Tensor:
-    """int64 [sum n] CPU: run (start, n, step) expanded to start, start + step, ... (n values)."""
-    if not runs:
-        return torch.empty(0, dtype=torch.int64)
-    t = torch.tensor(runs, dtype=torch.int64)  # [m, 3]
-    n = t[:, 1]
-    which = torch.repeat_interleave(torch.arange(t.shape[0]), n)
-    first = torch.cumsum(n, 0) - n
-    offs = torch.arange(int(n.sum())) - first[which]
-    return t[which, 0] + t[which, 2] * offs
-
-
 def _row_format_of(config: HiSparseConfig) -> RowFormat:
     if config.row_bytes == RowFormat.FP8_DS_MLA.row_bytes:
         return RowFormat.FP8_DS_MLA
@@ -128,8 +115,6 @@ class HiSparseIndexGroup:
         self.row_format = _row_format_of(config)
         self.validate = bool(validate)
         self.batched_writes = bool(batched_writes)
-        self._wplan: tuple | None = None  # (key, device index lists) of the last batched write
-        self._generation = 0  # bumped by add/free_request: a cached write plan never outlives them
         self._cache = HiSparseCache(config, kernels=kernels)
         self.device = self._hot_rows(0).device
         self._layers: list[LayerCache] = []
@@ -203,7 +188,6 @@ class HiSparseIndexGroup:
         """Admit a request (CapacityError when every request slot is taken)."""
         self._cache.add_request(req_id)
         self._lens[req_id] = [0] * self.config.num_layers
-        self._generation += 1
 
     def free_request(self, req_id: int) -> None:
         """Release every block and slot of a finished or preempted request."""
@@ -211,7 +195,6 @@ class HiSparseIndexGroup:
             raise ValueError(f"request {req_id!r} is not live")
         self._cache.free_request(req_id)
         del self._lens[req_id]
-        self._generation += 1
 
     def has_request(self, req_id: int) -> bool:
         return req_id in self._lens
@@ -256,20 +239,6 @@ class HiSparseIndexGroup:
         td = metadata.num_decode_tokens
         rows = metadata.req_id_per_token[:td].long()
         self._decode_ids = metadata.request_ids[rows] if td else metadata.request_ids[:0]
-        # per decode token: first new position, newest position, hot row base r * (S + 1) and
-        # the physical row of the newest position (see _resolve_decode)
-        sp, S = cfg.slots_per_req, cfg.device_buffer_size
-        meta: list[list[int]] = [[], [], [], []]
-        for row in range(metadata.num_decodes):
-            rid = metadata.request_ids_cpu[row]
-            n = metadata.query_len(row)
-            last = metadata.seq_lens_cpu[row] - 1
-            base = self._cache.request_slot(rid) * sp
-            meta[0] += [metadata.context_start(row)] * n
-            meta[1] += [last] * n
-            meta[2] += [base] * n
-            meta[3] += [base + min(last, S)] * n
-        self._decode_new = torch.tensor(meta, dtype=torch.int32).view(4, td).to(self.device, non_blocking=True)
         self._batch = metadata
         self._converted = {}
 
@@ -292,12 +261,17 @@ class HiSparseIndexGroup:
         for row, rid in enumerate(md.request_ids_cpu):
             if self._lens[rid][i] != md.context_start(row):
                 raise ValueError(f"layer {i}: rows of request {rid} were already written in this forward")
-        if self.batched_writes:
-            self._append_batch(i, rows, md)
-            for row, rid in enumerate(md.request_ids_cpu):
+        qsl = md.query_start_loc_cpu
+        if self.batched_writes:  # one plan for the whole batch, a fixed number of launches
+            ids = md.request_ids_cpu
+            counts = [qsl[row + 1] - qsl[row] for row in range(len(ids))]
+            firsts = self._cache.append_rows_batch(i, ids, rows, counts)
+            for row, rid in enumerate(ids):
+                if firsts[row] != self._lens[rid][i]:
+                    raise RuntimeError(f"cache appended request {rid} layer {i} at position {firsts[row]}, "
+                                       f"the group expected {self._lens[rid][i]}")
                 self._lens[rid][i] = md.seq_lens_cpu[row]
             return
-        qsl = md.query_start_loc_cpu
         for row, rid in enumerate(md.request_ids_cpu):
             n = qsl[row + 1] - qsl[row]
             if n == 0:
@@ -307,143 +281,6 @@ class HiSparseIndexGroup:
                 raise RuntimeError(f"cache appended request {rid} layer {i} at position {first}, "
                                    f"the group expected {self._lens[rid][i]}")
             self._lens[rid][i] += n
-
-    def _append_batch(self, layer: int, rows: torch.Tensor, md: SparseMLAMetadata) -> None:
-        """All requests' new rows of one layer in a fixed number of launches.
-
-        Exactly ``HiSparseCache.append_rows`` applied to each request in batch order
-        (same blocks, slots, stamps, row maps, host rows, counters; a test compares the
-        two), but vectorised over the batch: per-request appends cost ~8 launches and
-        ~100 us of host time each, which would dominate a 64-request decode step. The
-        index plan of a forward is built at its first layer and reused by the next
-        layers (they write the same positions into the same blocks and slots).
-        Raises CapacityError before changing anything when the pool can't hold the rows.
-        """
-        c = self._cache
-        st, pool, S, SP, B = c.state, c.pool, c.S, c.SP, c.pool.B
-        qsl = md.query_start_loc_cpu
-        work = []  # (slot r, p0, p1, first token, previous reserved-slot occupant)
-        for row, rid in enumerate(md.request_ids_cpu):
-            n = qsl[row + 1] - qsl[row]
-            if n:
-                r = c._slot_of[rid]
-                p0 = c._lens[r][layer]
-                work.append((r, p0, p0 + n, qsl[row], c._reserved[r][layer]))
-        if not work:
-            return
-        key = (self._generation, tuple(work))
-        if self._wplan is not None and self._wplan[0] == key:
-            views = self._wplan[1]
-        else:
-            need_total = sum(pool.blocks_needed(r, p1) for r, _, p1, _, _ in work)
-            if need_total > pool.allocator.num_free:
-                raise CapacityError(f"the host pool has {pool.allocator.num_free} free blocks of {B} tokens, "
-                                    f"this forward needs {need_total}; nothing was written")
-            views = self._plan_writes(work)
-            self._wplan = (key, views)
-        # ---- host mirrors (nothing below raises for caller reasons) ----
-        seq = []
-        for r, p0, p1, _, _ in work:
-            if p1 - 1 >= S:
-                c._reserved[r][layer] = p1 - 1
-            lens = c._lens[r]
-            old_seq = min(lens)
-            lens[layer] = p1
-            if min(lens) != old_seq:
-                seq.append((r, min(lens)))
-        (d_bt_r, d_bt_k, d_bt_v, d_hot_dst, d_hot_tok, d_sp_idx, d_sp_pos, d_sp_r, d_rs_h, d_rs_v, d_unmap,
-         d_host_h, d_host_tok, d_host_h32, d_host_tok32) = views
-        # ---- device work, in append_rows' order ----
-        cur = c.streams.current()
-        capturing = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-        c._after_stage(cur, capturing)
-        if d_bt_r.numel():
-            st.block_table[d_bt_r, d_bt_k] = d_bt_v
-        if d_unmap.numel():
-            st.row_slot[layer].index_fill_(0, d_unmap, -1)
-            c._backup_ev.wait_by(cur, capturing)  # old occupants' rows are on host first
-        hot_l = c.hot[layer]
-        if d_hot_dst.numel():
-            hot_l.index_copy_(0, d_hot_dst, rows.index_select(0, d_hot_tok))
-            st.slot_pos[layer].view(-1).index_copy_(0, d_sp_idx, d_sp_pos)
-            st.slot_stamp[layer].view(-1).index_copy_(0, d_sp_idx, st.step[layer].index_select(0, d_sp_r))
-        if d_rs_h.numel():
-            st.row_slot[layer].index_copy_(0, d_rs_h, d_rs_v)
-        st.stats[layer, STAT_D2H_ROWS] += d_host_h.numel()
-        if seq:
-            sv = torch.tensor(seq, dtype=torch.int64).to(self.device, non_blocking=True)
-            st.seq_lens.index_copy_(0, sv[:, 0], sv[:, 1].to(torch.int32))
-        backup = c.streams.backup
-        if backup is not None:
-            backup.wait_stream(cur)
-        with c.streams.on(backup):
-            if self.device.type == "cuda":
-                c._copy_fn(rows, d_host_tok32, pool.rows[layer], d_host_h32)
-            else:
-                pool.rows[layer].index_copy_(0, d_host_h, rows.index_select(0, d_host_tok))
-            c._backup_ev.record(backup, capturing)
-        if backup is not None and not capturing:
-            for t in (rows, d_host_tok32, d_host_h32):  # read by the copy on the backup stream
-                t.record_stream(backup)
-
-    def _plan_writes(self, work: list[tuple[int, int, int, int, int]]) -> list[torch.Tensor]:
-        """Allocate the blocks the rows need and build the device index lists of a write.
-
-        Every list is built as runs (start, length, step) and expanded in one go; one
-        host->device copy moves them all.
-        """
-        c = self._cache
-        pool, S, SP = c.pool, c.S, c.SP
-        names = ("bt_r", "bt_k", "bt_v", "hot_dst", "hot_tok", "sp_idx", "sp_pos", "sp_r", "rs_h", "rs_v",
-                 "unmap", "host_h", "host_tok")
-        runs: dict[str, list[tuple[int, int, int]]] = {n: [] for n in names}
-
-        def put(name: str, start: int, n: int = 1, step: int = 1) -> None:
-            runs[name].append((start, n, step))
-
-        for r, p0, p1, t0, old in work:
-            have = len(pool.allocator.owned(r))
-            new_blocks = pool.allocator.allocate(r, pool.blocks_needed(r, p1))
-            for k, blk in enumerate(new_blocks):  # new block-table entries
-                put("bt_r", r)
-                put("bt_k", have + k)
-                put("bt_v", blk)
-            fit_end = min(p1, S)
-            if p0 < fit_end:  # fits phase: position p -> slot p
-                n = fit_end - p0
-                put("hot_dst", r * SP + p0, n)
-                put("hot_tok", t0, n)
-                put("sp_idx", r * SP + p0, n)  # slot_pos / slot_stamp flat index
-                put("sp_pos", p0, n)
-                put("sp_r", r, n, 0)
-                for a0, b0, h in pool.segments(r, p0, fit_end):
-                    put("rs_h", h, b0 - a0)
-                    put("rs_v", a0, b0 - a0)
-            last = p1 - 1
-            if last >= S:  # the newest row takes the reserved slot S
-                if old >= 0:
-                    put("unmap", pool.segments(r, old, old + 1)[0][2])
-                put("hot_dst", r * SP + S)
-                put("hot_tok", t0 + p1 - p0 - 1)
-                put("sp_idx", r * SP + S)
-                put("sp_pos", last)
-                put("sp_r", r)
-                put("rs_h", pool.segments(r, last, last + 1)[0][2])
-                put("rs_v", S)
-            for a0, b0, h in pool.segments(r, p0, p1):  # host mirror of every row
-                put("host_h", h, b0 - a0)
-                put("host_tok", t0 + a0 - p0, b0 - a0)
-        sizes = [sum(n for _, n, _ in runs[name]) for name in names]
-        flat = _expand_runs([x for name in names for x in runs[name]])
-        dev_all = flat.to(self.device, non_blocking=True) if self.device.type == "cuda" else flat
-        views, o = [], 0
-        for size in sizes:
-            views.append(dev_all[o:o + size])
-            o += size
-        views += [views[11].to(torch.int32), views[12].to(torch.int32)]  # host_h, host_tok for copy_rows
-        for j in (2, 6, 9):  # bt_v, sp_pos, rs_v: written into int32 state
-            views[j] = views[j].to(torch.int32)
-        return views
 
     def _as_row_bytes(self, rows: object, n: int, name: str) -> torch.Tensor:
         if not isinstance(rows, torch.Tensor):
@@ -520,30 +357,15 @@ class HiSparseIndexGroup:
         return (phys, counts) if return_valid_counts else phys
 
     def _resolve_decode(self, layer: int, topk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Resolve decode top-k, serving this forward's own new rows from their known slots.
+        """Resolve decode top-k through the cache.
 
-        The cache resolves positions below ``seq_len`` = rows appended to *every* layer,
-        but layer ``layer`` already holds this forward's new rows while later layers do
-        not, so a token's own position (causal attention includes it) is not resolvable
-        yet. Those entries are hot by construction -- position p < S lives in slot p and
-        the newest row in the reserved slot S -- so they are masked out of the resolve
-        and patched afterwards: physical = r * (S + 1) + (p if p < S else S). Neither
-        slot can be evicted by this resolve (slot S is never an LRU victim; a request
-        with a new position p < S has its whole context hot, so it has no misses).
-        New positions >= S other than the newest (multi-token decode beyond the buffer)
-        stay unresolvable: the checked resolve raises, unchecked they become -1.
+        Lengths are per layer in the cache, and ``write_new_rows`` of this layer ran
+        first, so a token's own position and the other new positions of this forward
+        (multi-token decode) resolve like any other row: positions < S are hot in slot
+        == position, the newest row is hot in the reserved slot S, and new positions
+        >= S other than the newest are staged from the host mirror.
         """
-        S = self.config.device_buffer_size
-        start, last, base, newest = (self._decode_new[j, :, None] for j in range(4))
-        if self._batch.decode_max_query_len == 1:  # the own row is the newest row: fewer launches
-            own = topk == last
-            own_phys = newest
-        else:
-            own = (topk >= start) & ((topk < S) | (topk == last))
-            own_phys = base + torch.where(topk < S, topk, S)
-        res = self._cache.resolve(layer, self._decode_ids, torch.where(own, -1, topk), validate=self.validate)
-        res.physical.copy_(torch.where(own, own_phys, res.physical))
-        res.valid_counts.add_(own.sum(dim=1, dtype=torch.int32))
+        res = self._cache.resolve(layer, self._decode_ids, topk, validate=self.validate)
         return res.physical, res.valid_counts
 
     # ---------------------------------------------------------------- prefill

@@ -43,7 +43,7 @@ def build(cfg: HiSparseConfig, seqs: dict[int, int], rng: random.Random) -> HotS
     for r, (rid, seq) in enumerate(seqs.items()):
         nb = -(-seq // B)
         st.id_to_slot[rid] = r
-        st.seq_lens[r] = seq
+        st.seq_lens[:, r] = seq
         st.block_table[r, :nb] = torch.tensor(blocks[:nb], dtype=torch.int32)
         blocks = blocks[nb:]
         for p in list(range(min(seq, S))) + ([seq - 1] if seq > S else []):

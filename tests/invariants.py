@@ -59,7 +59,12 @@ class LRUSim:
         del self.reqs[rid]
 
     def seq_len(self, rid: int) -> int:
+        """Positions appended to every layer."""
         return min(self.reqs[rid].lens)
+
+    def layer_len(self, layer: int, rid: int) -> int:
+        """Positions appended to ``layer`` (what a resolve of that layer accepts)."""
+        return self.reqs[rid].lens[layer]
 
     def append(self, layer: int, rid: int, n: int) -> None:
         q = self.reqs[rid]
@@ -75,21 +80,27 @@ class LRUSim:
         self.rows_written[layer] += n
 
     def token_valid(self, ids: list[int]) -> list[bool]:
-        """Per token: live id and run offset < max_query_len."""
+        """Per token: live id, run offset < max_query_len, and its run is the first
+        run of that id in the batch (a later run of the same request is skipped)."""
         ok = []
         run = 0
+        first_run = True
         for t, rid in enumerate(ids):
-            run = run + 1 if t > 0 and ids[t - 1] == rid else 1
-            ok.append(rid in self.reqs and run <= self.q)
+            if t > 0 and ids[t - 1] == rid:
+                run += 1
+            else:
+                run = 1
+                first_run = rid not in ids[:t]
+            ok.append(rid in self.reqs and run <= self.q and first_run)
         return ok
 
-    def entry_valid(self, ids: list[int], topk: list[list[int]]) -> list[list[bool]]:
+    def entry_valid(self, layer: int, ids: list[int], topk: list[list[int]]) -> list[list[bool]]:
         tok = self.token_valid(ids)
-        return [[tok[t] and 0 <= p < self.seq_len(ids[t]) for p in row]
+        return [[tok[t] and 0 <= p < self.layer_len(layer, ids[t]) for p in row]
                 for t, row in enumerate(topk)]
 
     def resolve(self, layer: int, ids: list[int], topk: list[list[int]]) -> None:
-        valid = self.entry_valid(ids, topk)
+        valid = self.entry_valid(layer, ids, topk)
         tok = self.token_valid(ids)
         for t, row in enumerate(topk):
             self.invalid[layer] += sum(1 for k, p in enumerate(row) if p != -1 and not valid[t][k])
@@ -178,8 +189,8 @@ def check_cache(cache, sim: LRUSim | None = None,
         if bt[:len(blocks)] != blocks or any(b != -1 for b in bt[len(blocks):]):
             _fail(f"block_table[{r}]={bt} but allocator holds {blocks}")
         lens = [cache.layer_len(l, rid) for l in range(L)]
-        if int(st["seq_lens"][r]) != min(lens):
-            _fail(f"seq_lens[{r}]={int(st['seq_lens'][r])}, layer lengths {lens}")
+        if st["seq_lens"][:, r].tolist() != lens:
+            _fail(f"seq_lens[:, {r}]={st['seq_lens'][:, r].tolist()}, layer lengths {lens}")
         if max(lens) > len(blocks) * B or len(blocks) > -(-max(lens) // B):
             _fail(f"request {rid}: {len(blocks)} blocks for layer lengths {lens}")
     if len(set(all_blocks)) != len(all_blocks) or alloc.num_used != len(all_blocks):
@@ -187,7 +198,7 @@ def check_cache(cache, sim: LRUSim | None = None,
     for r in range(R):
         if r in slots_live:
             continue
-        if (int(st["seq_lens"][r]) != 0 or (st["block_table"][r] != -1).any()
+        if ((st["seq_lens"][:, r] != 0).any() or (st["block_table"][r] != -1).any()
                 or (st["slot_pos"][:, r] != -1).any() or (st["slot_stamp"][:, r] != -1).any()
                 or (st["step"][:, r] != 0).any()):
             _fail(f"free request slot {r} holds stale state")
@@ -278,7 +289,7 @@ def check_result(cache, layer: int, req_ids: list[int], topk: list[list[int]], r
     phys = res.physical.cpu().tolist()
     vc = res.valid_counts.cpu().tolist()
     if sim is not None:
-        valid = sim.entry_valid(req_ids, topk)
+        valid = sim.entry_valid(layer, req_ids, topk)
     else:
         valid = [[p != -1 for p in row] for row in topk]
     for t, row in enumerate(topk):
@@ -432,8 +443,11 @@ class TraceRunner:
             self.truth[(rid, l)] = torch.cat([old, rows[i:i + 1]])
         self._check()
 
-    def make_step(self, mask: int, pad: float, invalid: bool) -> tuple[list[int], list[list[int]]]:
-        """req_ids/topk for the live requests selected by ``mask``."""
+    def make_step(self, mask: int, pad: float, invalid: bool,
+                  layer: int = 0) -> tuple[list[int], list[list[int]]]:
+        """req_ids/topk for the live requests selected by ``mask`` (positions below the
+        request's length in ``layer``). With ``invalid``: bad positions, bad ids, and
+        sometimes a second run of an earlier request appended at the end."""
         K, q = self.cfg.top_k, self.cfg.max_query_len
         ids: list[int] = []
         topk: list[list[int]] = []
@@ -441,7 +455,7 @@ class TraceRunner:
         for i, rid in enumerate(live):
             if not (mask >> i) & 1:
                 continue
-            n = self.sim.seq_len(rid)
+            n = self.sim.layer_len(layer, rid)
             for _ in range(self.rng.randint(1, q + (1 if invalid else 0))):
                 row = []
                 for _ in range(K):
@@ -459,6 +473,14 @@ class TraceRunner:
         if invalid and ids and self.rng.random() < 0.3:
             ids[self.rng.randrange(len(ids))] = self.rng.choice(
                 [-1, self.cfg.max_request_id, self.next_id % self.cfg.max_request_id])
+        if invalid and ids and len(ids) < cap and self.rng.random() < 0.3:
+            # a second run of a request of this step (split runs): must be skipped
+            j = self.rng.randrange(len(ids))
+            if len(ids) >= 2 and ids[-1] == ids[j]:
+                j = self.rng.randrange(len(ids))
+            if ids[-1] != ids[j]:
+                ids.append(ids[j])
+                topk.append(list(topk[j]))
         return ids, topk
 
     def resolve(self, layer: int, mask: int, pad: float = 0.2, invalid: bool = False,
@@ -466,7 +488,7 @@ class TraceRunner:
         """Resolve a step for the live requests picked by bitmask ``mask``; ``invalid``
         runs unchecked with bad ids/positions mixed in."""
         layer %= self.cfg.num_layers
-        ids, topk = self.make_step(mask, pad, invalid)
+        ids, topk = self.make_step(mask, pad, invalid, layer)
         dev = self.cache.device
         ids_t = torch.tensor(ids, dtype=torch.int32, device=dev)
         topk_t = torch.tensor(topk, dtype=torch.int32, device=dev).reshape(len(ids), self.cfg.top_k)

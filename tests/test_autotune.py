@@ -20,7 +20,7 @@ def test_gpu_bytes_hand_computed():
     g = gpu_bytes(cfg, num_heads=2, reserve_frac=0.5)
     assert g["hot_rows"] == 2 * 64 * 16  # 3 x 9 rows per layer, rounded up to 64
     # slot_pos+stamp, step, seq_lens, block_table (3 x 4 blocks), row_slot (2 x 64), id_to_slot, stats
-    assert g["slot_state"] == 2 * 3 * 9 * 8 + 2 * 3 * 4 + 3 * 4 + 3 * 4 * 4 + 2 * 64 * 4 + 10 * 4 + 2 * 5 * 8
+    assert g["slot_state"] == 2 * 3 * 9 * 8 + 2 * 3 * 4 + 2 * 3 * 4 + 3 * 4 * 4 + 2 * 64 * 4 + 10 * 4 + 2 * 5 * 8
     assert g["resolve_buffers"] == 2 * 3 * 4 * 12 + 2 * 3 * 4
     assert g["attention_io"] == 3 * 2 * (1152 + 1024 + 4)
     raw = g["hot_rows"] + g["slot_state"] + g["resolve_buffers"] + g["attention_io"]

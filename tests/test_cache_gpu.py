@@ -155,3 +155,73 @@ def test_wait_false_results_of_two_layers_stay_valid():
     check_result(cache, 0, ids, s0, r0)
     check_result(cache, 1, ids, s1, r1)
     check_cache(cache)
+
+
+def test_split_runs_on_cuda_equal_reference():
+    """Unchecked batches where requests appear in several runs, on CUDA where the
+    programs of one launch run concurrently: the Triton kernel must equal the reference
+    (only the first run of a request is resolved, so there is nothing to race on)."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # any pytest import mode
+    from test_kernels_resolve import assert_same, make_state, new_buffers
+
+    from hisparse.cache.resolve_ref import resolve_reference
+    from hisparse.cache.resolve_triton import resolve_triton
+
+    cfg = HiSparseConfig(num_layers=2, host_pool_tokens=16 * 700, row_bytes=16, top_k=8,
+                         device_buffer_size=24, max_num_reqs=40, max_query_len=2, host_block_size=16,
+                         max_request_id=64, device="cuda")
+    rng = random.Random(7)
+    seqs = {rid: rng.choice([5, 24, 25, 90, 200]) for rid in range(1, 41)}
+    tri = make_state(cfg, seqs, torch.device("cuda"), rng, holes=0.2)
+    ref = tri.clone()
+    for step in range(20):
+        req, rows = [], []
+        for _ in range(rng.randint(1, 300)):  # many short runs of few ids: lots of repeats
+            rid = rng.choice(list(seqs)[:rng.choice([3, 40])])
+            for _ in range(rng.randint(1, 3)):
+                req.append(rid)
+                rows.append([rng.randrange(seqs[rid]) if rng.random() > 0.1 else -1 for _ in range(8)])
+        req_t = torch.tensor(req, dtype=torch.int32, device="cuda")
+        topk_t = torch.tensor(rows, dtype=torch.int32, device="cuda")
+        layer = step % 2
+        oa, ob = new_buffers(len(req), 8, torch.device("cuda")), new_buffers(len(req), 8, torch.device("cuda"))
+        resolve_triton(tri, layer, req_t, topk_t, ob, max_query_len=2, compact=step % 3 == 0)
+        resolve_reference(ref, layer, req_t, topk_t, oa, max_query_len=2, compact=step % 3 == 0)
+        torch.cuda.synchronize()
+        assert_same(ref, tri, oa, ob, msg=f"split runs step {step} T={len(req)}")
+    print(f"split runs on cuda: stats {tri.stats.sum(0).tolist()}")
+
+
+@pytest.mark.parametrize("kernels", ["auto", "torch"])
+def test_append_rows_batch_equals_append_rows_on_cuda(kernels):
+    """The batched write path (row-copy kernel to pinned host over UVA) leaves the same
+    state, hot rows and host rows as per-request append_rows."""
+    cfg = HiSparseConfig(device="cuda", **FP8ROWS)
+    a, b = HiSparseCache(cfg, kernels=kernels), HiSparseCache(cfg, kernels=kernels)
+    g = torch.Generator().manual_seed(3)
+    for c in (a, b):
+        for rid in (1, 4, 7):
+            c.add_request(rid)
+    for step, counts in enumerate([[10, 3, 0], [1, 1, 1], [9, 2, 30], [1, 0, 1], [2, 2, 2]]):
+        for layer in range(cfg.num_layers):
+            rows = torch.randint(0, 256, (sum(counts), cfg.row_bytes), dtype=torch.uint8, generator=g).cuda()
+            firsts = a.append_rows_batch(layer, [1, 4, 7], rows, counts)
+            t0, want = 0, []
+            for rid, n in zip((1, 4, 7), counts):
+                want.append(b.append_rows(layer, rid, rows[t0:t0 + n]))
+                t0 += n
+            assert firsts == want, (step, layer)
+    torch.cuda.synchronize()
+    sa, sb = _state(a), _state(b)
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), f"state {k} differs"
+    assert torch.equal(a.hot, b.hot)
+    for rid in (1, 4, 7):
+        for layer in range(cfg.num_layers):
+            n = a.layer_len(layer, rid)
+            assert torch.equal(a.read_host_rows(layer, rid, list(range(n))),
+                               b.read_host_rows(layer, rid, list(range(n))))
+    check_cache(a)
+    print(f"append_rows_batch on cuda ({a.kernels}): equal to append_rows")

@@ -57,7 +57,7 @@ def test_fits_phase_maps_position_to_slot_and_never_misses(make):
     assert c.append_rows(0, 3, rows(0, 3)) == 0
     assert slots(c) == ([0, 1, 2, -1, -1], [0, 0, 0, -1, -1])
     assert c.state.row_slot[0, :4].tolist() == [0, 1, 2, -1]
-    assert c.state.seq_lens.tolist() == [3, 0]
+    assert c.state.seq_lens.tolist() == [[3, 0]]
     phys, vc, res = step(c, [3], [[2, 0]])
     assert (phys, vc) == ([[2, 0]], [2])
     assert (res.stage_src == -1).all() and res.event is None
@@ -177,18 +177,24 @@ def test_capacity_errors_change_nothing(make):
     check_cache(c)
 
 
-def test_layers_append_independently_and_seq_len_is_the_min(make):
+def test_layers_append_independently_and_resolve_uses_the_layer_length(make):
     c = make(num_layers=2)
     c.add_request(4)
     assert c.append_rows(0, 4, rows(0, 3)) == 0
     assert c.append_rows(1, 4, rows(0, 1, layer=1)) == 0
-    assert c.seq_len(4) == 1 and c.layer_len(0, 4) == 3 and c.state.seq_lens[0].item() == 1
+    assert c.seq_len(4) == 1 and c.layer_len(0, 4) == 3 and c.layer_len(1, 4) == 1
+    assert c.state.seq_lens[:, 0].tolist() == [3, 1]
     assert c.pool.allocator.blocks(0) == [0, 1]  # blocks shared by both layers
+    # layer 0 holds 3 rows: position 2 resolves there even though layer 1 lacks it
+    phys, vc, _ = step(c, [4], [[2, 0]])
+    assert (phys, vc) == ([[2, 0]], [2]) and holds(c, 2, 2)
     with pytest.raises(ValueError, match="seq_len=1"):
-        step(c, [4], [[2, 0]])
-    phys, vc, _ = step(c, [4], [[2, 0]], validate=False)  # unchecked: 2 -> -1, counted
+        step(c, [4], [[2, 0]], layer=1)
+    before = c.state.step.tolist()
+    phys, vc, _ = step(c, [4], [[2, 0]], layer=1, validate=False)  # unchecked: 2 -> -1, counted
     assert (phys, vc) == ([[-1, 0]], [1])
-    assert c.stats()["layers"][0]["invalid"] == 1
+    assert c.stats()["layers"][1]["invalid"] == 1 and c.stats()["layers"][0]["invalid"] == 0
+    assert c.state.step.tolist() == [[before[0][0], 0], [before[1][0] + 1, 0]]
     assert c.append_rows(1, 4, rows(1, 2, layer=1)) == 1
     assert c.seq_len(4) == 3
     phys, _, _ = step(c, [4], [[2, 1]], layer=1)

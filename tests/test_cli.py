@@ -99,7 +99,7 @@ def test_autotune_json_cpu(tmp_path, capsys):
     r = _json(capsys, ["autotune", "--json", "--quiet", "--device", "cpu", "--layers", "1",
                        "--top-k", "8", "--context", "32", "--heads", "2", "--steps", "2",
                        "--warmup", "1", "--candidates", "2", "--block-size", "16",
-                       "--gpu-memory", "300KiB", "--out", str(out)])
+                       "--gpu-memory", "400KiB", "--out", str(out)])
     for k in ("max_num_reqs", "device_buffer_size", "backend", "measurements", "key", "config",
               "timings_are", "max_fit_reqs", "budget"):
         assert k in r, k

@@ -310,17 +310,23 @@ def test_multi_token_decode_within_buffer_and_beyond():
     topk = random_topk(md, 3)
     phys, counts = g.convert_decode_logical_to_physical_topk(0, topk, md, return_valid_counts=True)
     check_physical(g, md, topk, phys, counts, 0)
-    # beyond the buffer only the newest row is hot: selecting the other new row is refused (checked)
+    # beyond the buffer: new position 12 is neither in slot 12 (S = 8) nor the newest (13, in the
+    # reserved slot); lengths are per layer, so layer 0 resolves it (staged from its host row)
+    # although layer 1 has not written this forward's rows yet
     fill(g, 2, 12)
     md = build([(2, 2, 14)], 1)
     g.prepare_for_batch(md)
     g.write_new_rows(0, batch_rows(0, md), md)  # layer 1 not yet: the engine attends layer 0 first
+    misses = g.stats()["layers"][0]["misses"]
     topk = torch.tensor([[12, 0, -1, -1], [13, 12, 1, -1]], dtype=torch.int32)
-    with pytest.raises(ValueError):
-        g.convert_decode_logical_to_physical_topk(0, topk, md)
-    ok = torch.tensor([[11, 0, -1, -1], [13, 2, 1, -1]], dtype=torch.int32)
-    phys, counts = g.convert_decode_logical_to_physical_topk(0, ok, md, return_valid_counts=True)
-    check_physical(g, md, ok, phys, counts, 0)
+    phys, counts = g.convert_decode_logical_to_physical_topk(0, topk, md, return_valid_counts=True)
+    check_physical(g, md, topk, phys, counts, 0)
+    assert g.stats()["layers"][0]["misses"] == misses + 1  # position 12 (0, 1 are hot)
+    # position 14 does not exist yet in any layer: refused (checked)
+    g.write_new_rows(1, batch_rows(1, md), md)
+    with pytest.raises(ValueError, match="seq_len=14"):
+        g.convert_decode_logical_to_physical_topk(
+            1, torch.tensor([[14, -1, -1, -1], [13, -1, -1, -1]], dtype=torch.int32), md)
 
 
 # ------------------------------------------------------------------ batched write path

@@ -48,7 +48,7 @@ def make_state(cfg: HiSparseConfig, seq_by_id: dict[int, int], device: torch.dev
         if used + nb > blocks.numel():
             raise ValueError("test config: host pool too small")
         st_.id_to_slot[rid] = r
-        st_.seq_lens[r] = seq
+        st_.seq_lens[:, r] = seq
         st_.block_table[r, :nb] = blocks[used:used + nb]
         used += nb
         if seq == 0:
@@ -102,6 +102,12 @@ def random_batch(seq_by_id: dict[int, int], K: int, q: int, rng: random.Random, 
                 else:
                     row.append(rng.randrange(seq))
             rows.append(row)
+    if bad and req and rng.random() < 0.3:
+        # a second run of a request already in the batch (split runs): not resolved
+        j = rng.randrange(len(req))
+        if req[j] != req[-1]:
+            req += [req[j]] * rng.randint(1, q)
+            rows += [list(rows[j]) for _ in range(len(req) - len(rows))]
     if bad and rng.random() < 0.5:
         req.append(rng.choice([10**6, -3, 0]))  # unknown id (0 is free in these tests)
         rows.append([rng.randrange(-1, 5) for _ in range(K)])
@@ -169,7 +175,7 @@ def test_hand_traced_step():
                          device="cpu")
     state = HotState.allocate(cfg, CPU)
     state.id_to_slot[3] = 1
-    state.seq_lens[1] = 10
+    state.seq_lens[:, 1] = 10
     state.block_table[1, :3] = torch.tensor([7, 2, 5], dtype=torch.int32)
     for p, s in [(0, 0), (1, 1), (2, 2), (3, 3), (9, 4)]:
         state.slot_pos[0, 1, s] = p
@@ -212,6 +218,77 @@ def test_invalid_entries_counted():
     assert out.valid_counts[:5].tolist() == [1, 2, 0, 0, 2]
     assert out.physical[2, :3].tolist() == [-1, -1, -1]
     assert state.stats[1, STAT_RESOLVES].item() == 2
+
+
+@pytest.mark.parametrize("compact", [False, True])
+def test_split_runs_second_run_not_resolved(compact):
+    """ids [6, 6, 7, 6, 6]: request 6 in two runs (only possible unchecked). The second
+    run is not resolved: -1 / count 0, its non -1 entries counted invalid, and request
+    6's state moves exactly as for the first run alone (step + 1, not + 2)."""
+    cfg = small_cfg(K=3, q=2, S=7, L=2)
+    rng = random.Random(11)
+    state = make_state(cfg, {6: 20, 7: 5}, CPU, rng, holes=0.3)
+    ref, alone = state.clone(), state.clone()
+    req = torch.tensor([6, 6, 7, 6, 6], dtype=torch.int32)
+    topk = torch.tensor([[12, 0, -1], [13, 19, 3], [4, -1, 1], [14, 15, -1], [16, 2, 17]],
+                        dtype=torch.int32)
+    out, oref = new_buffers(5, 3, CPU), new_buffers(5, 3, CPU)
+    resolve_triton(state, 1, req, topk, out, max_query_len=2, compact=compact)
+    resolve_reference(ref, 1, req, topk, oref, max_query_len=2, compact=compact)
+    assert_same(ref, state, oref, out, msg="split runs")
+    assert out.valid_counts[:5].tolist() == [2, 3, 2, 0, 0]
+    assert (out.physical[3:5, :3] == -1).all()
+    assert (out.stage_src[9:15] == -1).all() and (out.stage_dst[9:15] == -1).all()
+    assert state.stats[1, STAT_INVALID].item() == 2 + 3
+    assert state.stats[1, STAT_RESOLVES].item() == 2
+    assert state.step[1].tolist() == [x + 1 if i in (int(state.id_to_slot[6]), int(state.id_to_slot[7]))
+                                      else x for i, x in enumerate(alone.step[1].tolist())]
+    # same state as resolving the batch without the second run of 6
+    oal = new_buffers(3, 3, CPU)
+    resolve_reference(alone, 1, req[:3].contiguous(), topk[:3].contiguous(), oal, max_query_len=2,
+                      compact=compact)
+    alone.stats[1, STAT_INVALID] += 5
+    assert_same(alone, state, msg="split runs vs first runs only")
+    assert torch.equal(oal.physical[:3, :3], out.physical[:3, :3])
+
+
+def test_split_run_scan_crosses_chunks(monkeypatch):
+    """The earlier occurrence lies beyond the first scan chunk (chunk of 2 here)."""
+    import hisparse.cache.resolve_triton as rt
+    monkeypatch.setattr(rt, "_SCAN_CHUNK", 2)
+    cfg = small_cfg(K=2, q=1, S=4, L=1)
+    state = make_state(cfg, {1: 3, 2: 3, 3: 3, 4: 3}, CPU, random.Random(2))
+    ref = state.clone()
+    req = torch.tensor([1, 2, 3, 4, 3, 1], dtype=torch.int32)
+    topk = torch.tensor([[0, 1]] * 6, dtype=torch.int32)
+    out, oref = new_buffers(6, 2, CPU), new_buffers(6, 2, CPU)
+    resolve_triton(state, 0, req, topk, out, max_query_len=1)
+    resolve_reference(ref, 0, req, topk, oref, max_query_len=1)
+    assert_same(ref, state, oref, out, msg="chunked scan")
+    assert out.valid_counts[:6].tolist() == [2, 2, 2, 2, 0, 0]
+    assert state.stats[0, STAT_INVALID].item() == 4
+
+
+def test_lengths_are_per_layer():
+    """Layer 0 holds 10 rows of request 3, layer 1 only 8: positions 8, 9 resolve in
+    layer 0 and are invalid in layer 1; kernel == reference in both."""
+    cfg = small_cfg(K=3, q=1, S=4, L=2)
+    state = make_state(cfg, {3: 10}, CPU, random.Random(4))
+    r = int(state.id_to_slot[3])
+    state.seq_lens[1, r] = 8
+    state.slot_pos[1, r, 4] = -1  # layer 1's newest row (7) is not in the reserved slot yet
+    state.slot_stamp[1, r, 4] = -1
+    state.row_slot[1][state.row_slot[1] == 4] = -1
+    ref = state.clone()
+    req = torch.tensor([3], dtype=torch.int32)
+    topk = torch.tensor([[9, 8, 1]], dtype=torch.int32)
+    for layer, want_valid, want_bad in ((0, 3, 0), (1, 1, 2)):
+        out, oref = new_buffers(1, 3, CPU), new_buffers(1, 3, CPU)
+        resolve_triton(state, layer, req, topk, out, max_query_len=1)
+        resolve_reference(ref, layer, req, topk, oref, max_query_len=1)
+        assert_same(ref, state, oref, out, msg=f"layer {layer}")
+        assert out.valid_counts[0].item() == want_valid
+        assert state.stats[layer, STAT_INVALID].item() == want_bad
 
 
 # ---------------------------------------------------------------- sweeps vs reference
@@ -308,7 +385,7 @@ def test_corrupt_state_never_out_of_bounds():
     state.block_table[r1, 2] = -1
     state.block_table[r1, 3] = 10**6
     state.id_to_slot[5] = 7  # request slot out of range
-    state.seq_lens[int(state.id_to_slot[2])] = 10**6  # beyond its block table
+    state.seq_lens[:, int(state.id_to_slot[2])] = 10**6  # beyond its block table
     req = torch.tensor([1, 1, 2, 5], dtype=torch.int32)
     topk = torch.tensor([[4, 5, 6, 7], [0, 1, 2, 3], [100, 3, 9999, 0], [0, 1, 2, 3]],
                         dtype=torch.int32)

@@ -219,7 +219,7 @@ def test_mixed_batch_decode_then_prefill(q):
                                       dtype=torch.int32)
     pre_id = torch.cat([torch.full((T_dec,), -1, dtype=torch.int32), chunk.prefill_request_id])
     conv = convert_topk_to_physical(topk, req_slot_per_token, st.block_table, block_size=cache.pool.B,
-                                    seq_lens=st.seq_lens, prefill_request_id=pre_id,
+                                    seq_lens=st.seq_lens[layer], prefill_request_id=pre_id,
                                     workspace_starts=chunk.workspace_starts, workspace_lens=chunk.seq_lens,
                                     return_valid_counts=True, impl="triton")
     pool = cache.pool.rows[layer]

@@ -180,7 +180,7 @@ def resolve_and_stage(pool: SharedHostPool, layer: int, req_id: int, positions: 
     cfg = pool.cfg
     st = HotState.allocate(cfg, torch.device("cpu"))
     st.id_to_slot[req_id] = 0
-    st.seq_lens[0] = seq_len
+    st.seq_lens[:, 0] = seq_len
     blocks = pool.allocator.blocks(req_id)
     st.block_table[0, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
     K = cfg.top_k
@@ -234,6 +234,36 @@ def test_drop_in_for_hisparse_cache(pair):
     assert caches[1].stats()["host_pool"]["bytes"] == cfg.host_pool_bytes
     with pytest.raises(ValueError, match="another config"):
         HiSparseCache(cfg.replace(top_k=4, device_buffer_size=8), kernels="torch", host_pool=w)
+
+
+def test_batched_append_uses_the_shared_pool_hooks(pair):
+    """append_rows_batch on both ranks: only the writer stores rows, each call commits
+    one append per layer, and the reader stages the writer's rows."""
+    from hisparse.cache.cache import HiSparseCache
+
+    cfg, w, r = pair
+    caches = [HiSparseCache(cfg, kernels="torch", host_pool=pool) for pool in (w, r)]
+    lens = {5: 20, 6: 3}
+    for c in caches:
+        for rid in lens:
+            c.add_request(rid)
+        for layer in range(cfg.num_layers):
+            rows = torch.cat([expected_rows(layer, rid, 0, n, 32) for rid, n in lens.items()])
+            if c is caches[1]:  # rows that stay host-only: a reader store would show up
+                rows[8:19] = 0
+            assert c.append_rows_batch(layer, list(lens), rows, list(lens.values())) == [0, 0]
+    r.wait_visible(0)
+    r.verify_admission(timeout_s=1)
+    assert all(int(v) == 1 for v in w.buffer.published)  # one batched append per layer
+    assert [int(v) for v in r.appends] == [1] * cfg.num_layers
+    picks = [19, 0, 9, 10, 17, 3, 12, 1]
+    for layer in range(cfg.num_layers):
+        res = caches[1].resolve(layer, torch.tensor([5, 6], dtype=torch.int32),
+                                torch.tensor([picks, [2, 0, 1] + [-1] * 5], dtype=torch.int32))
+        got = caches[1].hot_rows(layer)[res.physical[0].long()]
+        assert torch.equal(got, expected_rows(layer, 5, 0, 20, 32)[picks])
+        got6 = caches[1].hot_rows(layer)[res.physical[1, :3].long()]
+        assert torch.equal(got6, expected_rows(layer, 6, 0, 3, 32)[[2, 0, 1]])
 
 
 def test_setup_single_rank_and_bad_inputs(tmp_path):

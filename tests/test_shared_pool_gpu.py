@@ -168,7 +168,7 @@ def _worker(backend: str, rank: int, world: int, tmp: str) -> dict:
     for req, n in lens.items():
         st = HotState.allocate(cfg, dev)
         st.id_to_slot[req] = 0
-        st.seq_lens[0] = n
+        st.seq_lens[:, 0] = n
         blocks = pool.allocator.blocks(req)
         st.block_table[0, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32, device=dev)
         g = torch.Generator().manual_seed(req)

@@ -7,7 +7,8 @@ What it owns (notation in ``hisparse.cache.state``):
   per-layer output buffers of resolve, sized once for R x max_query_len tokens
 
 Calls (see DESIGN.md "Write path", "Resolve + staging", "Checked vs unchecked"):
-  add_request / append_rows / resolve / hot_rows / read_host_rows / free_request / stats
+  add_request / append_rows / append_rows_batch / resolve / hot_rows / read_host_rows /
+  free_request / stats
 
 Host-side mirrors (request id -> slot, per-layer lengths, reserved-slot occupant) let
 every call except ``resolve`` decide without reading device memory; resolve's checked
@@ -37,6 +38,7 @@ from .host_pool import HostPool
 from .resolve_ref import copy_rows_reference, resolve_reference
 from .state import (STAT_D2H_ROWS, STAT_HITS, STAT_INVALID, STAT_MISSES, STAT_RESOLVES,
                     HotState, ResolveBuffers)
+from .write_plan import WritePlan, build_write_plan
 
 KERNEL_CHOICES = ("auto", "torch", "triton")
 
@@ -175,6 +177,10 @@ class HiSparseCache:
         self._free_slots: list[int] = list(range(R - 1, -1, -1))  # pop() -> lowest
         self._lens: dict[int, list[int]] = {}  # slot -> rows appended per layer
         self._reserved: dict[int, list[int]] = {}  # slot -> position in slot S per layer
+        # last batched-append plan, reused by the other layers of a forward; the
+        # generation (bumped by add/free_request) keeps a plan from outliving them
+        self._wplan: tuple[tuple, WritePlan] | None = None
+        self._generation = 0
         # events
         self._backup_ev = _Event(self.cuda)
         self._stage_evs = [_Event(self.cuda) for _ in range(L)]
@@ -198,11 +204,10 @@ class HiSparseCache:
         return self._lens[self.request_slot(req_id)][layer]
 
     def seq_len(self, req_id: int) -> int:
-        """Positions appended to every layer (what resolve accepts)."""
-        return min(self._lens[self.request_slot(req_id)])
+        """Positions appended to every layer (the min of the layer lengths).
 
-    def _seq_len_of_slot(self, r: int) -> int:
-        return min(self._lens[r])
+        Resolve of layer l accepts positions below ``layer_len(l, req_id)``."""
+        return min(self._lens[self.request_slot(req_id)])
 
     def hot_rows(self, layer: int) -> torch.Tensor:
         """uint8 [cfg.hot_rows_per_layer, row_bytes] (R x (S + 1) rounded up to 64): the
@@ -244,6 +249,7 @@ class HiSparseCache:
         self._slot_of[req_id] = r
         self._lens[r] = [0] * self.cfg.num_layers
         self._reserved[r] = [-1] * self.cfg.num_layers
+        self._generation += 1
         return r
 
     def free_request(self, req_id: int) -> None:
@@ -264,13 +270,14 @@ class HiSparseCache:
         st.slot_pos[:, r] = -1
         st.slot_stamp[:, r] = -1
         st.step[:, r] = 0
-        st.seq_lens[r] = 0
+        st.seq_lens[:, r] = 0
         st.block_table[r] = -1
         st.id_to_slot[req_id] = -1
         self.pool.allocator.free(r)
         del self._slot_of[req_id], self._lens[r], self._reserved[r]
         self._free_slots.append(r)
         self._free_slots.sort(reverse=True)
+        self._generation += 1
 
     # ---- write path -------------------------------------------------------
     def append_rows(self, layer: int, req_id: int, rows: torch.Tensor) -> int:
@@ -336,123 +343,111 @@ class HiSparseCache:
         if backup is not None and not capturing:
             rows.record_stream(backup)
         self._commit_shared(layer)
-        old_seq = min(lens)
         lens[layer] = p1
-        new_seq = min(lens)
-        if new_seq != old_seq:
-            st.seq_lens[r] = new_seq
+        st.seq_lens[layer, r] = p1
         return p0
 
-    def append_token_rows(self, layer: int, req_ids, rows: torch.Tensor) -> list[int]:
-        """Append one row to each of ``n`` distinct requests in one layer (a decode step).
+    def append_rows_batch(self, layer: int, req_ids, rows: torch.Tensor, counts) -> list[int]:
+        """Append ``counts[i]`` rows to request ``req_ids[i]`` of one layer, for every i.
 
-        req_ids: n distinct live request ids (a sequence of ints); rows: uint8
-        [n, row_bytes] on the cache device, row i for ``req_ids[i]``. Same result as n
-        calls of ``append_rows(layer, req_ids[i], rows[i:i+1])``, but with a fixed
-        number of launches whatever n is (the per-request bookkeeping is done on the
-        host mirrors, one small index upload, then batched writes). Returns the
-        position written for each request. CapacityError (nothing changed) when the
-        pool can't supply the blocks for all of them.
+        req_ids: distinct live request ids (a sequence of ints); counts: ints >= 0, one
+        per id; rows: uint8 [sum(counts), row_bytes] on the cache device, the rows of
+        request i being ``rows[sum(counts[:i]) : sum(counts[:i+1])]``. Same result as
+        calling ``append_rows(layer, req_ids[i], those rows)`` for each i in order
+        (blocks, slots, stamps, row maps, host rows, counters), in a fixed number of
+        launches whatever the batch size. Returns the first position written for each
+        request (its previous length in the layer). CapacityError (nothing changed)
+        when the pool can't supply the blocks for all of them.
+
+        The index plan is kept and reused by the next call with the same slots,
+        positions, token offsets and reserved-slot occupants (the other layers of the
+        same forward); add_request / free_request invalidate it.
         """
         V.check_layer(self.cfg, layer)
         ids = [V.check_req_id(self.cfg, i) for i in req_ids]
         if len(set(ids)) != len(ids):
-            raise ValueError("append_token_rows: req_ids must be distinct (one row per request)")
+            raise ValueError("append_rows_batch: req_ids must be distinct (one entry per request)")
+        counts = list(counts)
+        if len(counts) != len(ids):
+            raise ValueError(f"append_rows_batch: {len(ids)} request ids but {len(counts)} counts")
+        for c in counts:
+            if isinstance(c, bool) or not isinstance(c, int) or c < 0:
+                raise ValueError(f"append_rows_batch: counts must be ints >= 0, got {c!r}")
         slots = [self.request_slot(i) for i in ids]
         V.check_rows(self.cfg, rows, self.device)
-        n = len(ids)
-        if int(rows.shape[0]) != n:
-            raise ValueError(f"append_token_rows: {n} request ids but {int(rows.shape[0])} rows")
-        if n == 0:
-            return []
-        pool, st, S, B = self.pool, self.state, self.S, self.pool.B
-        pos = [self._lens[r][layer] for r in slots]
-        need = [pool.blocks_needed(r, p + 1) for r, p in zip(slots, pos)]
-        if sum(need) > pool.allocator.num_free:
-            raise CapacityError(
-                f"host pool full: {sum(need)} more blocks needed, {pool.allocator.num_free} free "
-                f"of {pool.allocator.num_blocks}; free requests or configure a larger pool"
-            )
-        # ---- from here on nothing raises for caller reasons ----
-        bt_r, bt_c, bt_v = [], [], []
-        for r, k in zip(slots, need):
-            if k:
-                have = len(pool.allocator.owned(r))
-                for j, b in enumerate(pool.allocator.allocate(r, k)):
-                    bt_r.append(r)
-                    bt_c.append(have + j)
-                    bt_v.append(b)
-        host, dst, old_rows, seq_r, seq_v = [], [], [], [], []
-        wait_old = False
-        for r, p in zip(slots, pos):
-            blocks = pool.allocator.owned(r)
-            h = blocks[p // B] * B + p % B
-            host.append(h)
-            if p < S:
-                dst.append(r * self.SP + p)
-            else:
-                dst.append(r * self.SP + S)
-                old = self._reserved[r][layer]
-                if old >= 0:
-                    old_rows.append(blocks[old // B] * B + old % B)
-                    wait_old = True
-                self._reserved[r][layer] = p
-            lens = self._lens[r]
-            old_seq = min(lens)
-            lens[layer] = p + 1
-            if min(lens) != old_seq:
-                seq_r.append(r)
-                seq_v.append(min(lens))
+        if int(rows.shape[0]) != sum(counts):
+            raise ValueError(f"append_rows_batch: counts sum to {sum(counts)} but rows has "
+                             f"{int(rows.shape[0])} rows")
+        firsts, work, t0 = [], [], 0
+        for r, n in zip(slots, counts):
+            p0 = self._lens[r][layer]
+            firsts.append(p0)
+            if n:
+                work.append((r, p0, p0 + n, t0, self._reserved[r][layer]))
+            t0 += n
+        if not work:
+            return firsts
+        pool, st, S = self.pool, self.state, self.S
+        key = (self._generation, tuple(work))
+        if self._wplan is not None and self._wplan[0] == key:
+            plan = self._wplan[1]
+        else:
+            need = sum(pool.blocks_needed(r, p1) for r, _, p1, _, _ in work)
+            if need > pool.allocator.num_free:
+                raise CapacityError(
+                    f"host pool full: {need} more blocks needed, {pool.allocator.num_free} free "
+                    f"of {pool.allocator.num_blocks}; free requests or configure a larger pool"
+                )
+            # ---- from here on nothing raises for caller reasons ----
+            plan = build_write_plan(pool, work, S=S, device=self.device)
+            self._wplan = (key, plan)
+        for r, _, p1, _, _ in work:  # host mirrors
+            if p1 - 1 >= S:
+                self._reserved[r][layer] = p1 - 1
+            self._lens[r][layer] = p1
+        # ---- device work, in append_rows' order ----
         cur, capturing = self.streams.current(), _capturing(self.device)
         self._after_stage(cur, capturing)
-        if wait_old:  # old reserved rows must be on host before their slot is overwritten
+        if plan.bt_r.numel():
+            st.block_table[plan.bt_r, plan.bt_k] = plan.bt_v
+        if plan.unmap.numel():
+            st.row_slot[layer].index_fill_(0, plan.unmap, -1)
+            # the old occupants must be on host before their hot rows are overwritten
             self._backup_ev.wait_by(cur, capturing)
-        # one upload of every index list: int64 [6, n] (padded lists use -1 / 0)
-        m = max(len(old_rows), len(seq_r), len(bt_r), 1)
-        pack = torch.full((9, max(n, m)), -1, dtype=torch.int64)
-        pack[0, :n] = torch.tensor(host)
-        pack[1, :n] = torch.tensor(dst)
-        pack[2, :n] = torch.tensor(pos)
-        pack[3, :n] = torch.tensor([r for r in slots])
-        if old_rows:
-            pack[4, :len(old_rows)] = torch.tensor(old_rows)
-        if seq_r:
-            pack[5, :len(seq_r)] = torch.tensor(seq_r)
-            pack[6, :len(seq_r)] = torch.tensor(seq_v)
-        if bt_r:
-            pack[7, :len(bt_r)] = torch.tensor(bt_r) * st.block_table.shape[1] + torch.tensor(bt_c)
-            pack[8, :len(bt_r)] = torch.tensor(bt_v)
-        if self.cuda:
-            pack = pack.pin_memory()
-        dev = pack.to(self.device, non_blocking=True)
-        h_t, dst_t, pos_t, r_t = dev[0, :n], dev[1, :n], dev[2, :n], dev[3, :n]
-        if bt_r:
-            st.block_table.view(-1)[dev[7, :len(bt_r)]] = dev[8, :len(bt_r)].to(torch.int32)
-        if old_rows:
-            st.row_slot[layer][dev[4, :len(old_rows)]] = -1
-        self.hot[layer].index_copy_(0, dst_t, rows)
-        flat_pos = st.slot_pos[layer].view(-1)
-        flat_stamp = st.slot_stamp[layer].view(-1)
-        flat_pos[dst_t] = pos_t.to(torch.int32)
-        flat_stamp[dst_t] = st.step[layer].index_select(0, r_t)
-        st.row_slot[layer][h_t] = (dst_t - r_t * self.SP).to(torch.int32)
-        if seq_r:
-            st.seq_lens[dev[5, :len(seq_r)]] = dev[6, :len(seq_r)].to(torch.int32)
-        st.stats[layer, STAT_D2H_ROWS] += n
-        # host mirror: one row-copy launch on the backup stream (device -> pinned host)
+        if plan.hot_dst.numel():
+            self.hot[layer].index_copy_(0, plan.hot_dst, rows.index_select(0, plan.hot_tok))
+            st.slot_pos[layer].view(-1).index_copy_(0, plan.sp_idx, plan.sp_pos)
+            st.slot_stamp[layer].view(-1).index_copy_(0, plan.sp_idx,
+                                                      st.step[layer].index_select(0, plan.sp_r))
+        if plan.rs_h.numel():
+            st.row_slot[layer].index_copy_(0, plan.rs_h, plan.rs_v)
+        st.seq_lens[layer].index_copy_(0, plan.len_r, plan.len_v)
+        st.stats[layer, STAT_D2H_ROWS] += plan.host_h.numel()
+        # host mirror: one row copy on the backup stream (device -> pinned host over UVA)
         backup = self.streams.backup
         if backup is not None:
             backup.wait_stream(cur)
         with self.streams.on(backup):
-            src_idx = torch.arange(n, dtype=torch.int32, device=self.device)
             if self._pool_writer:
-                self._copy_fn(rows, src_idx, pool.rows[layer], h_t.to(torch.int32))
+                if self.cuda:
+                    self._copy_fn(rows, plan.host_tok32, pool.rows[layer], plan.host_h32)
+                else:
+                    pool.rows[layer].index_copy_(0, plan.host_h, rows.index_select(0, plan.host_tok))
             self._backup_ev.record(backup, capturing)
         if backup is not None and not capturing:
-            for t in (rows, dev, src_idx):
+            for t in (rows, plan.host_tok32, plan.host_h32):  # read on the backup stream
                 t.record_stream(backup)
         self._commit_shared(layer)
-        return pos
+        return firsts
+
+    def append_token_rows(self, layer: int, req_ids, rows: torch.Tensor) -> list[int]:
+        """One row to each of ``n`` distinct requests in one layer (a decode step).
+
+        rows: uint8 [n, row_bytes], row i for ``req_ids[i]``. ``append_rows_batch`` with
+        counts of 1; returns the position written for each request.
+        """
+        ids = list(req_ids)
+        return self.append_rows_batch(layer, ids, rows, [1] * len(ids))
 
     def _commit_shared(self, layer: int) -> None:
         """Shared pool: count this append; the writer rank publishes it once on host."""
@@ -480,8 +475,9 @@ class HiSparseCache:
         V.check_layer(self.cfg, layer)
         T, K = V.check_resolve_meta(self.cfg, self.device, req_ids, topk, self.max_tokens)
         if validate:
+            lens = self._lens
             V.check_resolve_contents(self.cfg, req_ids, topk, self._slot_of,
-                                     self._seq_len_of_slot)
+                                     lambda r: lens[r][layer])
         out = ResolveBuffers(
             physical=self._phys[layer, :T * K].view(T, K),
             valid_counts=self._valid[layer, :T],

@@ -9,10 +9,16 @@ Inputs: ``req_ids`` int32 [T] (request id per query token), ``topk`` int32 [T, K
    leader's group is itself and the following tokens with the same id, at most
    ``max_query_len`` tokens. A token whose run offset is >= max_query_len (only
    possible when validation is off) is treated as all padding and its non -1
-   entries are counted invalid.
+   entries are counted invalid. A leader whose request id already occurs at an
+   earlier token of the batch (a second run of the same request, rejected in checked
+   mode) is not resolved: all tokens of its group get physical -1 / valid count 0,
+   their non -1 entries are counted in STAT_INVALID, and the request's state is
+   untouched (so no two groups of one launch ever touch the same request's state).
 2. Invalid entries: a token whose id is out of [0, max_request_id) or not live, and
-   entries outside [0, seq_len) other than -1, are treated as -1 and counted in
-   STAT_INVALID (one per entry).
+   entries outside [0, seq_lens[layer, r]) other than -1, are treated as -1 and
+   counted in STAT_INVALID (one per entry). Lengths are per layer: layer l accepts
+   the positions appended to layer l, so a token can resolve rows written to its own
+   layer in the same step even before the later layers have written theirs.
 3. Per group (layer l, request slot r): step[l, r] += 1 (new step ``s``). The unique
    valid positions U of all tokens of the group are looked up in ``row_slot``.
    Hits: slot_stamp = s (STAT_HITS += |hits|). Misses M (ascending position,
@@ -83,11 +89,22 @@ def resolve_reference(state: HotState, layer: int, req_ids: torch.Tensor, topk: 
     rslot[id_ok] = state.id_to_slot[ids[id_ok]].long()
     off = group_offsets(ids, max_query_len)
     rslot = torch.where(off < max_query_len, rslot, torch.full_like(rslot, -1))
+    # a run of a request that already occurred earlier in the batch is not resolved
+    seen: set[int] = set()
+    dup = [False] * T
+    lead_dup = False
+    for t, (rid, o) in enumerate(zip(ids.tolist(), off.tolist())):
+        if o == 0:
+            lead_dup = rid in seen
+        dup[t] = lead_dup
+        seen.add(rid)
+    if any(dup):
+        rslot[torch.tensor(dup, device=dev)] = -1
 
     pos = topk.long()
     seq = torch.zeros(T, dtype=torch.int64, device=dev)
     live = rslot >= 0
-    seq[live] = state.seq_lens[rslot[live]].long()
+    seq[live] = state.seq_lens[layer, rslot[live]].long()
     ok = (pos >= 0) & (pos < seq[:, None])
     state.stats[layer, STAT_INVALID] += ((pos != -1) & ~ok).sum()
 

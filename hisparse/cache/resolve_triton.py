@@ -29,6 +29,9 @@ from .state import (NUM_STATS, STAT_HITS, STAT_INVALID, STAT_MISSES, STAT_RESOLV
                     HotState, ResolveBuffers)
 
 
+_SCAN_CHUNK = 256  # req_ids scanned per step for an earlier run of the same request
+
+
 def interpreter_requested() -> bool:
     """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
@@ -78,6 +81,9 @@ def _check_args(state: HotState, layer: int, req_ids: torch.Tensor, topk: torch.
         x = getattr(state, name)
         if x.dtype != torch.int32 or x.device != dev or not x.is_contiguous():
             raise ValueError(f"state.{name} must be a contiguous int32 tensor on {dev}")
+    if state.seq_lens.dim() != 2 or state.seq_lens.shape != state.step.shape:
+        raise ValueError(f"state.seq_lens must be int32 [L, R] like state.step {tuple(state.step.shape)}, "
+                         f"got {tuple(state.seq_lens.shape)}")
     if (state.stats.dtype != torch.int64 or state.stats.dim() != 2 or state.stats.shape[1] != NUM_STATS
             or state.stats.device != dev or not state.stats.is_contiguous()):
         raise ValueError(f"state.stats must be a contiguous int64 [L, {NUM_STATS}] tensor on {dev}")
@@ -121,7 +127,7 @@ def resolve_triton(state: HotState, layer: int, req_ids: torch.Tensor, topk: tor
         resolve_kernel[(T,)](
             req_ids, topk, topk.stride(0),
             state.id_to_slot, state.id_to_slot.shape[0],
-            state.seq_lens, state.seq_lens.shape[0],
+            state.seq_lens[layer], state.seq_lens.shape[1],
             state.block_table, state.block_table.stride(0), state.block_table.shape[1],
             state.slot_pos[layer], state.slot_stamp[layer],
             state.row_slot[layer], state.row_slot.shape[1],
@@ -132,7 +138,7 @@ def resolve_triton(state: HotState, layer: int, req_ids: torch.Tensor, topk: tor
             STAT_HITS=STAT_HITS, STAT_MISSES=STAT_MISSES, STAT_INVALID=STAT_INVALID,
             STAT_RESOLVES=STAT_RESOLVES,
             Q=max_query_len, KB=KB, GB=GB, SB=SB, LOG_SB=SB.bit_length() - 1,
-            COMPACT=bool(compact), num_warps=num_warps,
+            COMPACT=bool(compact), CH=_SCAN_CHUNK, num_warps=num_warps,
         )
 
 

@@ -47,7 +47,7 @@ class HotState:
     """All device tensors of the hot tier's bookkeeping. Created once, never resized."""
 
     id_to_slot: torch.Tensor  # int32 [max_request_id], request slot of a live id, -1 = none
-    seq_lens: torch.Tensor  # int32 [R], tokens stored for the request slot (0 = free)
+    seq_lens: torch.Tensor  # int32 [L, R], rows appended to layer l for the request slot (0 = free)
     block_table: torch.Tensor  # int32 [R, NB], host block of each logical block, -1 = none
     slot_pos: torch.Tensor  # int32 [L, R, S + 1], position held by a slot, -1 = empty
     slot_stamp: torch.Tensor  # int32 [L, R, S + 1], step of last use, -1 = empty
@@ -64,7 +64,7 @@ class HotState:
         i32 = dict(dtype=torch.int32, device=device)
         return cls(
             id_to_slot=torch.full((cfg.max_request_id,), -1, **i32),
-            seq_lens=torch.zeros((R,), **i32),
+            seq_lens=torch.zeros((L, R), **i32),
             block_table=torch.full((R, cfg.num_host_blocks), -1, **i32),
             slot_pos=torch.full((L, R, S + 1), -1, **i32),
             slot_stamp=torch.full((L, R, S + 1), -1, **i32),

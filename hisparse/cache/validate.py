@@ -6,7 +6,7 @@ Two levels, matching DESIGN.md "Checked vs unchecked":
   attributes: no host sync, no allocation. The cache runs them on every call, checked
   or not, because a wrong shape would make a kernel index outside its buffers.
 - *Content* checks (live request ids, contiguous tokens per request, at most
-  ``max_query_len`` tokens per request, indices in ``[-1, seq_len)``) read device
+  ``max_query_len`` tokens per request, indices in ``[-1, layer length)``) read device
   tensors, which costs a host sync. They run only in checked mode (``validate=True``,
   the default); unchecked, the resolver turns bad entries into -1 and counts them.
 
@@ -110,8 +110,8 @@ def check_resolve_contents(cfg: HiSparseConfig, req_ids: torch.Tensor, topk: tor
                            slot_of: Mapping[int, int], seq_len_of: Callable[[int], int]) -> None:
     """Contents of a resolve call (one host sync). Call after :func:`check_resolve_meta`.
 
-    slot_of: live request id -> request slot; seq_len_of(slot) -> tokens readable in
-    every layer. Raises ValueError naming the first offending token.
+    slot_of: live request id -> request slot; seq_len_of(slot) -> positions readable in
+    the resolved layer (rows appended to it). Raises ValueError naming the first offending token.
     """
     T, K = topk.shape
     if T == 0:
@@ -161,7 +161,7 @@ def check_resolve_contents(cfg: HiSparseConfig, req_ids: torch.Tensor, topk: tor
         if highs[t] >= n:
             raise ValueError(
                 f"topk[{t}] holds position {highs[t]} but request {rid} has seq_len={n} "
-                f"(positions appended to every layer); valid range is [-1, {n})"
+                f"(rows appended to this layer); valid range is [-1, {n})"
             )
 
 

@@ -6,7 +6,10 @@ victims, so the state tensors after a launch equal the reference's bit for bit.
 
 Grid (T,): program t looks at its own run offset (how many directly preceding tokens
 carry the same request id, capped at Q = max_query_len):
-  - token not part of a live group (bad/free id, or offset >= Q): writes its own
+  - token not part of a live group (bad/free id, offset >= Q, or its run's request
+    id already occurs at an earlier token -- a second run of one request, which
+    checked mode rejects; found by scanning req_ids[0 : t - offset] in chunks of
+    CH with a bounded ``while``): writes its own
     physical row as -1, valid count 0, clears its own staging slice and counts its
     non -1 entries in STAT_INVALID;
   - offset 0 and live (a *leader*): does the whole group of n <= Q tokens;
@@ -39,7 +42,7 @@ Robustness with validation off: every load and store index is range checked
 (request id, request slot, block, host row, slot), so a corrupt input or state costs
 correctness for the affected rows but never an out-of-bounds access. Two groups of
 the same request in one launch (non-contiguous tokens, rejected in checked mode)
-race on that request's state; still no out-of-bounds access.
+cannot race on that request's state: only the first run is resolved.
 """
 
 from __future__ import annotations
@@ -84,7 +87,7 @@ def resolve_kernel(
     topk_stride,
     id_to_slot_ptr,  # int32 [max_request_id], request slot of a live id, -1 = none
     max_request_id,
-    seq_lens_ptr,  # int32 [R]
+    seq_lens_ptr,  # int32 [R] of this layer: rows appended to the layer per request slot
     R,
     bt_ptr,  # int32 [R, NB] (row stride bt_stride), host block per logical block
     bt_stride,
@@ -114,6 +117,7 @@ def resolve_kernel(
     SB: tl.constexpr,  # next power of two >= S
     LOG_SB: tl.constexpr,  # log2(SB)
     COMPACT: tl.constexpr,
+    CH: tl.constexpr,  # chunk of req_ids scanned per step when looking for an earlier run
 ):
     t = tl.program_id(0)
     my_id = tl.load(req_ids_ptr + t)
@@ -130,6 +134,20 @@ def resolve_kernel(
     id_ok = (my_id >= 0) & (my_id < max_request_id)
     r = tl.load(id_to_slot_ptr + my_id, mask=id_ok, other=-1)
     live = id_ok & (r >= 0) & (r < R) & (off < Q)
+
+    # a run whose request id already occurs before it is not resolved (see docstring):
+    # scan req_ids[0 : t - off]. A bounded while over chunks (not range() with a
+    # runtime bound); every load is masked to the scanned prefix.
+    lead = tl.where(live, t - off, 0)
+    dup = t < 0
+    c0 = t * 0
+    while c0 < lead:
+        ci = c0 + tl.arange(0, CH)
+        cm = ci < lead
+        v = tl.load(req_ids_ptr + ci, mask=cm, other=0)
+        dup = dup | (tl.sum((cm & (v == my_id)).to(tl.int32), axis=0) > 0)
+        c0 += CH
+    live = live & (dup == 0)
 
     kk = tl.arange(0, KB)
     kmask = kk < K

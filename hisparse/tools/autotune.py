@@ -5,7 +5,7 @@ the batch with the best tokens/s (optionally under a per-step latency limit).
 
    hot rows            L * R * (S + 1) * row_bytes
    slot/LRU state      L * R * (S + 1) * 8 (slot_pos, slot_stamp) + L * R * 4 (step)
-                       + R * 4 (seq_lens) + R * NB * 4 (block_table) + L * H * 4 (row_slot)
+                       + L * R * 4 (seq_lens) + R * NB * 4 (block_table) + L * H * 4 (row_slot)
                        + max_request_id * 4 (id_to_slot) + stats
    resolve buffers     L * T * K * 12 (physical, stage src/dst) + L * T * 4,  T = R * q
    attention           T * heads * (576 * 2 + 512 * 2 + 4)   (q, out, lse)
@@ -137,7 +137,7 @@ def gpu_bytes(cfg: HiSparseConfig, *, num_heads: int, reserve_frac: float = 0.0)
     T = R * cfg.max_query_len
     parts = {
         "hot_rows": cfg.hot_buffer_bytes,
-        "slot_state": (L * R * SP * 8 + L * R * 4 + R * 4 + R * cfg.num_host_blocks * 4
+        "slot_state": (L * R * SP * 8 + L * R * 4 + L * R * 4 + R * cfg.num_host_blocks * 4
                        + L * cfg.num_host_rows * 4 + cfg.max_request_id * 4 + L * 5 * 8),
         "resolve_buffers": L * T * K * 12 + L * T * 4,
         "attention_io": T * num_heads * (576 * 2 + 512 * 2 + 4),

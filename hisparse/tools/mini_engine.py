@@ -100,11 +100,6 @@ class MiniEngineConfig:
         if not 0.0 <= self.locality < 1.0:
             raise ValueError(f"locality must be in [0, 1), got {self.locality}")
         RowFormat.parse(self.row_format)
-        if self.query_len > 1 and self.max_context > (self.device_buffer_size or 2 * self.top_k):
-            raise ValueError(
-                f"query_len={self.query_len} > 1 with contexts up to {self.max_context} rows beyond the hot "
-                f"buffer: the cache resolves only positions appended to every layer, so a decode token's "
-                f"earlier same-step rows beyond the buffer are not resolvable yet (see hisparse.engine)")
         if self.max_batch_tokens < self.num_requests * self.query_len:
             raise ValueError(f"max_batch_tokens={self.max_batch_tokens} cannot hold one decode step of all "
                              f"{self.num_requests} requests x query_len {self.query_len}")
@@ -288,7 +283,7 @@ class ResidentKV:
 
     def _rows_of(self, spans: list[tuple[Request, int, int]]) -> torch.Tensor:
         """int64 [n] device: global rows of positions [p0, p1) of each (request, p0, p1), concatenated."""
-        from ..engine import _expand_runs
+        from ..cache.write_plan import expand_runs as _expand_runs
 
         pos = _expand_runs([(p0, p1 - p0, 1) for _, p0, p1 in spans])
         slot = _expand_runs([(r.slot, p1 - p0, 0) for r, p0, p1 in spans])

@@ -1,0 +1,144 @@
+"""Index plan of a batched append (``HiSparseCache.append_rows_batch``).
+
+A batched append writes several requests' new rows of one layer in a fixed number of
+launches. Everything ``append_rows`` decides per request on the host (which block
+table entries are new, which hot row / slot each position takes, which host row
+mirrors it, which reserved-slot occupant is unmapped) is turned here into flat device
+index lists, built as runs ``(start, length, step)`` on the host, expanded in one go
+and moved to the device with one copy.
+
+The plan depends only on the request slots, the positions written, the token offsets
+in ``rows`` and the previous reserved-slot occupants, which are the same for every
+layer of one forward; so the cache reuses a plan across layers (see
+``HiSparseCache.append_rows_batch``). Building a plan allocates the host blocks the
+rows need (the caller checks capacity first).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .host_pool import HostPool
+
+# one unit of work: (request slot r, first position p0, end position p1, first token of
+# the request's rows in the batch, position in the reserved slot S before the write or -1)
+Work = tuple[int, int, int, int, int]
+
+
+@dataclasses.dataclass(frozen=True)
+class WritePlan:
+    """Device index lists of one batched append (int64 unless noted; N* = list length).
+
+    bt_r, bt_k: new block-table entries (request slot, logical block); bt_v int32 host block
+    hot_dst: flat hot rows written; hot_tok: token (row of ``rows``) written there
+    sp_idx: flat index into slot_pos/slot_stamp [R * (S + 1)] of the layer (= hot_dst);
+      sp_pos int32: position stored there; sp_r: request slot (for its step -> stamp)
+    rs_h, rs_v int32: host rows mapped in row_slot and their slot
+    unmap: host rows of previous reserved-slot occupants (row_slot -> -1)
+    host_h, host_tok: host row of every written token and the token (+ int32 copies
+      ``host_h32``, ``host_tok32`` for the row-copy kernel)
+    len_r, len_v int32: request slot and its new length in the layer (seq_lens[layer])
+    """
+
+    bt_r: torch.Tensor
+    bt_k: torch.Tensor
+    bt_v: torch.Tensor
+    hot_dst: torch.Tensor
+    hot_tok: torch.Tensor
+    sp_idx: torch.Tensor
+    sp_pos: torch.Tensor
+    sp_r: torch.Tensor
+    rs_h: torch.Tensor
+    rs_v: torch.Tensor
+    unmap: torch.Tensor
+    host_h: torch.Tensor
+    host_tok: torch.Tensor
+    host_h32: torch.Tensor
+    host_tok32: torch.Tensor
+    len_r: torch.Tensor
+    len_v: torch.Tensor
+
+
+_NAMES = ("bt_r", "bt_k", "bt_v", "hot_dst", "hot_tok", "sp_idx", "sp_pos", "sp_r", "rs_h", "rs_v",
+          "unmap", "host_h", "host_tok", "len_r", "len_v")
+_INT32 = ("bt_v", "sp_pos", "rs_v", "len_v")  # written into int32 state tensors
+
+
+def expand_runs(runs: list[tuple[int, int, int]]) -> torch.Tensor:
+    """int64 [sum n] CPU: each run (start, n, step) expanded to start, start + step, ... (n values)."""
+    if not runs:
+        return torch.empty(0, dtype=torch.int64)
+    t = torch.tensor(runs, dtype=torch.int64)  # [m, 3]
+    n = t[:, 1]
+    which = torch.repeat_interleave(torch.arange(t.shape[0]), n)
+    first = torch.cumsum(n, 0) - n
+    offs = torch.arange(int(n.sum())) - first[which]
+    return t[which, 0] + t[which, 2] * offs
+
+
+def build_write_plan(pool: HostPool, work: list[Work], *, S: int, device: torch.device) -> WritePlan:
+    """Allocate the blocks ``work`` needs (CapacityError only if the caller skipped the
+    capacity check) and build its device index lists.
+
+    Same decisions as ``HiSparseCache.append_rows`` per request: positions < S go to
+    slot == position; the last position, if >= S, to the reserved slot S (unmapping the
+    previous occupant); every position to its host row.
+    """
+    SP = S + 1
+    runs: dict[str, list[tuple[int, int, int]]] = {n: [] for n in _NAMES}
+
+    def put(name: str, start: int, n: int = 1, step: int = 1) -> None:
+        runs[name].append((start, n, step))
+
+    for r, p0, p1, t0, old in work:
+        have = len(pool.allocator.owned(r))
+        for k, blk in enumerate(pool.allocator.allocate(r, pool.blocks_needed(r, p1))):
+            put("bt_r", r)
+            put("bt_k", have + k)
+            put("bt_v", blk)
+        fit_end = min(p1, S)
+        if p0 < fit_end:  # fits phase: position p -> slot p
+            n = fit_end - p0
+            put("hot_dst", r * SP + p0, n)
+            put("hot_tok", t0, n)
+            put("sp_idx", r * SP + p0, n)
+            put("sp_pos", p0, n)
+            put("sp_r", r, n, 0)
+            for a, b, h in pool.segments(r, p0, fit_end):
+                put("rs_h", h, b - a)
+                put("rs_v", a, b - a)
+        last = p1 - 1
+        if last >= S:  # the newest row takes the reserved slot S
+            if old >= 0:
+                put("unmap", pool.segments(r, old, old + 1)[0][2])
+            put("hot_dst", r * SP + S)
+            put("hot_tok", t0 + last - p0)
+            put("sp_idx", r * SP + S)
+            put("sp_pos", last)
+            put("sp_r", r)
+            put("rs_h", pool.segments(r, last, last + 1)[0][2])
+            put("rs_v", S)
+        for a, b, h in pool.segments(r, p0, p1):  # host mirror of every row
+            put("host_h", h, b - a)
+            put("host_tok", t0 + a - p0, b - a)
+        put("len_r", r)
+        put("len_v", p1)
+    sizes = [sum(n for _, n, _ in runs[name]) for name in _NAMES]
+    flat = expand_runs([x for name in _NAMES for x in runs[name]])
+    if device.type == "cuda":
+        flat = flat.pin_memory().to(device, non_blocking=True)
+    else:
+        flat = flat.to(device)
+    views: dict[str, torch.Tensor] = {}
+    o = 0
+    for name, size in zip(_NAMES, sizes):
+        v = flat[o:o + size]
+        views[name] = v.to(torch.int32) if name in _INT32 else v
+        o += size
+    return WritePlan(**views, host_h32=views["host_h"].to(torch.int32),
+                     host_tok32=views["host_tok"].to(torch.int32))
+
+
+__all__ = ["WritePlan", "Work", "build_write_plan", "expand_runs"]

@@ -1,0 +1,158 @@
+"""``HiSparseCache.append_rows_batch``: the batched write path equals per-request
+``append_rows`` exactly (state tensors, hot rows, host rows, blocks, host mirrors),
+including plan reuse across layers and across add/free; CapacityError and bad input
+change nothing.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from hisparse import CapacityError, HiSparseConfig
+from hisparse.cache.cache import HiSparseCache
+from hisparse.cache.write_plan import expand_runs
+
+from invariants import check_cache, snapshot
+
+ROW_BYTES = 16
+
+
+def make_cfg(**kw) -> HiSparseConfig:
+    base = dict(num_layers=3, host_pool_tokens=96, row_bytes=ROW_BYTES, top_k=2, device_buffer_size=5,
+                max_num_reqs=4, max_query_len=2, host_block_size=3, max_request_id=10, device="cpu")
+    base.update(kw)
+    return HiSparseConfig(**base)
+
+
+def full_state(c: HiSparseCache) -> dict:
+    """Everything the write path changes, host mirrors included (CPU copies)."""
+    snap = snapshot(c)
+    snap["reserved"] = {rid: list(c._reserved[c.request_slot(rid)]) for rid in c.live_requests()}
+    snap["pool_live"] = {
+        rid: [c.read_host_rows(l, rid, list(range(c.layer_len(l, rid)))) for l in range(c.cfg.num_layers)]
+        for rid in c.live_requests()}
+    return snap
+
+
+def same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        if k == "pool":  # rows of free blocks are stale memory: compared via pool_live
+            continue
+        if k == "pool_live":
+            for rid in a[k]:
+                for x, y in zip(a[k][rid], b[k][rid]):
+                    assert torch.equal(x, y), (k, rid)
+            continue
+        eq = torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k]
+        assert eq, k
+
+
+def test_expand_runs():
+    assert expand_runs([]).tolist() == []
+    assert expand_runs([(5, 3, 1), (2, 2, 0), (10, 1, 7), (0, 0, 1)]).tolist() == [5, 6, 7, 2, 2, 10]
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_batch_equals_per_request_appends(kernels, seed):
+    """Random batches (counts 0..4, contexts crossing S and block edges) applied to every
+    layer in turn (plan reused), with requests freed and admitted in between."""
+    rng = random.Random(seed)
+    cfg = make_cfg()
+    a = HiSparseCache(cfg, kernels=kernels)
+    b = HiSparseCache(cfg, kernels="torch")
+    live: list[int] = []
+    next_id = 0
+    for step in range(8):
+        if len(live) < cfg.max_num_reqs and (not live or rng.random() < 0.4):
+            for c in (a, b):
+                c.add_request(next_id)
+            live.append(next_id)
+            next_id += 1
+        if len(live) > 1 and rng.random() < 0.2:
+            rid = live.pop(rng.randrange(len(live)))
+            for c in (a, b):
+                c.free_request(rid)
+        ids = rng.sample(live, rng.randint(1, len(live)))
+        counts = [rng.choice([0, 1, 1, 2, 4]) for _ in ids]
+        for layer in range(cfg.num_layers):
+            rows = torch.randint(0, 256, (sum(counts), ROW_BYTES), dtype=torch.uint8,
+                                 generator=torch.Generator().manual_seed(1000 * step + layer))
+            try:
+                firsts = a.append_rows_batch(layer, ids, rows, counts)
+            except CapacityError:
+                before = full_state(b)
+                with pytest.raises(CapacityError):
+                    b.append_rows_batch(layer, ids, rows, counts)
+                same(before, full_state(b))
+                break
+            want, t0 = [], 0
+            for rid, n in zip(ids, counts):
+                want.append(b.append_rows(layer, rid, rows[t0:t0 + n]))
+                t0 += n
+            assert firsts == want
+            same(full_state(a), full_state(b))
+        check_cache(a)
+
+
+def test_token_rows_wrapper_and_plan_reuse():
+    cfg = make_cfg()
+    c = HiSparseCache(cfg, kernels="torch")
+    for rid in (3, 7):
+        c.add_request(rid)
+    c.append_rows_batch(0, [3, 7], torch.zeros((9, ROW_BYTES), dtype=torch.uint8), [6, 3])
+    plan0 = c._wplan
+    c.append_rows_batch(1, [3, 7], torch.ones((9, ROW_BYTES), dtype=torch.uint8), [6, 3])
+    assert c._wplan is plan0  # same positions in the next layer: plan reused
+    c.append_rows_batch(2, [3, 7], torch.ones((9, ROW_BYTES), dtype=torch.uint8), [6, 3])
+    assert c.append_token_rows(0, [7, 3], torch.full((2, ROW_BYTES), 5, dtype=torch.uint8)) == [3, 6]
+    assert c.layer_len(0, 7) == 4 and c.layer_len(0, 3) == 7 and c.layer_len(1, 3) == 6
+    assert c.state.seq_lens[:, c.request_slot(3)].tolist() == [7, 6, 6]
+    assert c.append_rows_batch(0, [], torch.zeros((0, ROW_BYTES), dtype=torch.uint8), []) == []
+    assert c.append_rows_batch(1, [3], torch.zeros((0, ROW_BYTES), dtype=torch.uint8), [0]) == [6]
+    check_cache(c)
+
+
+def test_capacity_error_changes_nothing():
+    cfg = make_cfg(host_pool_tokens=12)  # 4 blocks of 3
+    c = HiSparseCache(cfg, kernels="torch")
+    c.add_request(1)
+    c.add_request(2)
+    c.append_rows_batch(0, [1], torch.zeros((5, ROW_BYTES), dtype=torch.uint8), [5])  # 2 blocks
+    before = full_state(c)
+    with pytest.raises(CapacityError, match="host pool full"):
+        c.append_rows_batch(0, [1, 2], torch.zeros((8, ROW_BYTES), dtype=torch.uint8), [2, 6])
+    same(before, full_state(c))
+    assert c.append_rows_batch(0, [1, 2], torch.zeros((7, ROW_BYTES), dtype=torch.uint8), [1, 6]) == [5, 0]
+
+
+U8 = torch.uint8
+
+
+@pytest.mark.parametrize("args,exc,match", [
+    (([1, 1], torch.zeros((2, ROW_BYTES), dtype=U8), [1, 1]), ValueError, "distinct"),
+    (([1, 2], torch.zeros((2, ROW_BYTES), dtype=U8), [2]), ValueError, "2 request ids but 1 counts"),
+    (([1, 2], torch.zeros((2, ROW_BYTES), dtype=U8), [3, -1]), ValueError, "counts must be ints >= 0"),
+    (([1, 2], torch.zeros((2, ROW_BYTES), dtype=U8), [1.0, 1]), ValueError, "counts must be ints >= 0"),
+    (([1, 2], torch.zeros((3, ROW_BYTES), dtype=U8), [1, 1]), ValueError, "counts sum to 2"),
+    (([1, 4], torch.zeros((2, ROW_BYTES), dtype=U8), [1, 1]), ValueError, "not live"),
+    (([1, 99], torch.zeros((2, ROW_BYTES), dtype=U8), [1, 1]), ValueError, "out of range"),
+    (([1], torch.zeros((1, ROW_BYTES + 1), dtype=U8), [1]), ValueError, "row_bytes"),
+    (([1], torch.zeros((1, ROW_BYTES), dtype=torch.int8), [1]), TypeError, "dtype"),
+    (([1], [[0] * ROW_BYTES], [1]), TypeError, "torch.Tensor"),
+])
+def test_bad_input_changes_nothing(args, exc, match):
+    c = HiSparseCache(make_cfg(), kernels="torch")
+    for rid in (1, 2):
+        c.add_request(rid)
+    c.append_rows(0, 1, torch.ones((2, ROW_BYTES), dtype=U8))
+    before = full_state(c)
+    with pytest.raises(exc, match=match):
+        c.append_rows_batch(0, *args)
+    with pytest.raises(ValueError, match="layer"):
+        c.append_rows_batch(3, [1], torch.zeros((1, ROW_BYTES), dtype=U8), [1])
+    same(before, full_state(c))
