@@ -63,7 +63,7 @@ for s in "${sections[@]}"; do
         run "t:$(basename "$f" .py)" ${EACH_TIMEOUT:-150} python3 -m pytest -m gpu "$f" -q -rfE --tb=short -p no:cacheprovider
         grep -E "passed|failed|error" "$LOG" | tail -1 | tee -a "$SUM"
       done ;;
-    pool_kinds) run pool_kinds 200 python3 benchmarks/bench_pool_kinds.py --out "$RES/pool_kinds.json" ;;
+    pool_kinds) run pool_kinds 200 python3 benchmarks/bench_pool_kinds.py --kinds ${POOL_KINDS:-register} --out "$RES/pool_kinds.json" ;;
     sanitize)
       run memcheck 90 compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/sanitize_trace.py
       run racecheck 90 compute-sanitizer --tool racecheck --error-exitcode 9 python3 scripts/sanitize_trace.py ;;

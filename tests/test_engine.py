@@ -318,7 +318,7 @@ def test_multi_token_decode_within_buffer_and_beyond():
     g.prepare_for_batch(md)
     g.write_new_rows(0, batch_rows(0, md), md)  # layer 1 not yet: the engine attends layer 0 first
     misses = g.stats()["layers"][0]["misses"]
-    topk = torch.tensor([[12, 0, -1, -1], [13, 12, 1, -1]], dtype=torch.int32)
+    topk = torch.tensor([[12, 0, -1, -1], [13, 12, 1, -1]], dtype=torch.int32, device=DEVICE)
     phys, counts = g.convert_decode_logical_to_physical_topk(0, topk, md, return_valid_counts=True)
     check_physical(g, md, topk, phys, counts, 0)
     assert g.stats()["layers"][0]["misses"] == misses + 1  # position 12 (0, 1 are hot)
@@ -326,7 +326,8 @@ def test_multi_token_decode_within_buffer_and_beyond():
     g.write_new_rows(1, batch_rows(1, md), md)
     with pytest.raises(ValueError, match="seq_len=14"):
         g.convert_decode_logical_to_physical_topk(
-            1, torch.tensor([[14, -1, -1, -1], [13, -1, -1, -1]], dtype=torch.int32), md)
+            1, torch.tensor([[14, -1, -1, -1], [13, -1, -1, -1]], dtype=torch.int32,
+                            device=DEVICE), md)
 
 
 # ------------------------------------------------------------------ batched write path

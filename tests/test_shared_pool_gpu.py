@@ -109,6 +109,7 @@ def _worker(backend: str, rank: int, world: int, tmp: str) -> dict:
     from hisparse.cache.state import HotState, ResolveBuffers
     from hisparse.cache.transfer import copy_rows
     from hisparse.config import HiSparseConfig
+    from hisparse.device import is_pinned_host
     from hisparse.distributed import barrier, setup_shared_pool
 
     cuda = torch.cuda.is_available()  # (CPU: only for a dry run of this script by hand)
@@ -130,7 +131,7 @@ def _worker(backend: str, rank: int, world: int, tmp: str) -> dict:
     shm_grew = shmem_bytes() - shm0
     gpu = torch.cuda.get_device_name(dev) if cuda else ""
     info = {"rank": rank, "device": str(dev), "gpu": gpu,
-            "pinned": pool.pinned, "is_pinned": bool(pool.rows.is_pinned()),
+            "pinned": pool.pinned, "is_pinned": is_pinned_host(pool.rows),  # the rows, not the header page before them
             "inode": pool.buffer.inode, "pool_bytes": pool.nbytes, "shmem_grew": shm_grew,
             "setup_s": setup_s, "is_writer": pool.is_writer}
 
