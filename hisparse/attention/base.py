@@ -125,6 +125,13 @@ class SparseMLABackend(abc.ABC):
 
 
 # ---------------------------------------------------------------- validation
+def heads_reason(num_heads: object) -> str | None:
+    """The common first check of every ``supports``: None, or why the head count is bad."""
+    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+        return f"num_heads must be an int >= 1, got {num_heads!r}"
+    return None
+
+
 def _check_tensor(name: str, x: object) -> torch.Tensor:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -273,5 +280,5 @@ def empty_result(T: int, H: int, device: torch.device) -> tuple[torch.Tensor, to
 __all__ = [
     "D_QK", "D_V", "D_ROPE", "FP8_ROW_BYTES", "BF16_ROW_BYTES", "Phase", "DecodeInputs",
     "PrefillInputs", "SparseMLABackend", "normalize_kv_rows", "validate_decode_inputs",
-    "validate_prefill_inputs", "empty_result",
+    "validate_prefill_inputs", "empty_result", "heads_reason",
 ]

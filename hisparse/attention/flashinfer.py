@@ -31,6 +31,7 @@ from .base import (
     Phase,
     SparseMLABackend,
     empty_result,
+    heads_reason,
     validate_decode_inputs,
     validate_prefill_inputs,
 )
@@ -109,8 +110,9 @@ class FlashInferBackend(SparseMLABackend):
                  phase: Phase) -> str | None:
         device = torch.device(device)
         fmt = RowFormat.parse(row_format)
-        if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
-            return f"num_heads must be an int >= 1, got {num_heads!r}"
+        reason = heads_reason(num_heads)
+        if reason is not None:
+            return reason
         if device.type != "cuda":
             return f"FlashInfer needs a CUDA device, got {device}"
         if not torch.cuda.is_available():

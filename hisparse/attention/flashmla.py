@@ -53,6 +53,7 @@ from .base import (
     Phase,
     SparseMLABackend,
     empty_result,
+    heads_reason,
     validate_decode_inputs,
     validate_prefill_inputs,
 )
@@ -254,8 +255,9 @@ class FlashMLABackend(SparseMLABackend):
                  phase: Phase) -> str | None:
         device = torch.device(device)
         fmt = RowFormat.parse(row_format)
-        if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
-            return f"num_heads must be an int >= 1, got {num_heads!r}"
+        reason = heads_reason(num_heads)
+        if reason is not None:
+            return reason
         if phase is Phase.DECODE and fmt is not RowFormat.FP8_DS_MLA:
             return ("FlashMLA sparse decode reads fp8_ds_mla rows only (656 bytes); "
                     f"{fmt.value} rows are not supported")

@@ -13,8 +13,8 @@ import torch
 
 from ..config import RowFormat
 from ..formats import dequantize_fp8_ds_mla_reference
-from .base import (D_QK, D_V, DecodeInputs, Phase, SparseMLABackend, validate_decode_inputs,
-                   validate_prefill_inputs)
+from .base import (D_QK, D_V, DecodeInputs, Phase, SparseMLABackend, heads_reason,
+                   validate_decode_inputs, validate_prefill_inputs)
 
 
 def sparse_mla_reference(inp: DecodeInputs, *, chunk_bytes: int = 1 << 28,
@@ -74,8 +74,9 @@ class ReferenceBackend(SparseMLABackend):
     def supports(self, *, device: torch.device, row_format: RowFormat, num_heads: int,
                  phase: Phase) -> str | None:
         RowFormat.parse(row_format)
-        if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
-            return f"num_heads must be an int >= 1, got {num_heads!r}"
+        reason = heads_reason(num_heads)
+        if reason is not None:
+            return reason
         return None
 
     def decode(self, q, kv_rows, indices, *, valid_counts=None, sm_scale, row_format):

@@ -19,7 +19,7 @@ import os
 import torch
 
 from ..config import RowFormat
-from .base import (D_V, DecodeInputs, Phase, SparseMLABackend, empty_result,
+from .base import (D_V, DecodeInputs, Phase, SparseMLABackend, empty_result, heads_reason,
                    validate_decode_inputs, validate_prefill_inputs)
 
 MAX_SPLITS = 64
@@ -187,8 +187,9 @@ class TritonBackend(SparseMLABackend):
                  phase: Phase) -> str | None:
         device = torch.device(device)
         fmt = RowFormat.parse(row_format)
-        if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
-            return f"num_heads must be an int >= 1, got {num_heads!r}"
+        reason = heads_reason(num_heads)
+        if reason is not None:
+            return reason
         if phase is Phase.PREFILL and fmt is not RowFormat.BF16:
             return "prefill runs over a bf16 workspace; row_format must be bf16"
         if device.type == "cpu":
