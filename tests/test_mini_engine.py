@@ -128,3 +128,26 @@ def test_triton_cache_kernels_in_interpreter():
     res = me.run(cfg)
     assert res["compare"]["bitwise_equal"], res["compare"]
     assert res["hisparse"]["cache"]["misses"] > 0
+
+
+def test_report_flags_outlier_steps():
+    """A step 10x over the median (a kernel compiling) is called out, since it makes the
+    tokens/s comparison meaningless (seen on the H200: a 1.7 s step in the resident run)."""
+    from hisparse.tools.mini_engine import format_report
+
+    def run(outliers):
+        step = {"n": 3, "min_ms": 1.0, "median_ms": 1.0, "p99_ms": 900.0}
+        return {"tokens": 3, "steps": 3, "time_s": 0.9, "tokens_per_s": 3.3, "step": step,
+                "decode_step": step, "outlier_steps": outliers, "outlier_s": 0.9 * outliers,
+                "backend": {"decode": "reference", "prefill": "reference"}}
+
+    res = {"compare": {"tokens_compared": 3, "max_abs_diff": 0.0, "max_rel_diff": 0.0,
+                       "argmax_mismatches": 0, "bitwise_equal": True, "within_tolerance": True},
+           "resident": run(1), "hisparse": run(0),
+           "ratio": {"tokens_per_s_hisparse_over_resident": 1.0,
+                     "decode_step_median_hisparse_over_resident": 1.0}}
+    res["hisparse"]["cache"] = {"hit_rate": 1.0, "hits": 1, "misses": 0, "bytes_h2d": 0,
+                                "bytes_d2h": 0, "invalid": 0}
+    text = format_report(res)
+    assert "WARNING: resident had 1 step(s) over 10x the median" in text
+    assert "WARNING: hisparse" not in text

@@ -605,8 +605,14 @@ def run(cfg: MiniEngineConfig, *, progress: bool = False) -> dict:
     out = {"config": dataclasses.asdict(cfg), "compare": cmp}
     for kind, res in results.items():
         tps = res["tokens"] / res["time_s"] if res["time_s"] > 0 else 0.0
+        st_ms = _pcts(res["step_times"])
+        med = st_ms.get("median_ms")
+        slow = [t for t in res["step_times"] if med and t * 1e3 > 10 * med]
         out[kind] = {"tokens": res["tokens"], "steps": res["steps"], "time_s": res["time_s"],
-                     "tokens_per_s": tps, "step": _pcts(res["step_times"]),
+                     "tokens_per_s": tps, "step": st_ms,
+                     # steps over 10x the median (e.g. a kernel compiling for new shapes)
+                     # make tokens_per_s meaningless as a comparison: reported, not hidden
+                     "outlier_steps": len(slow), "outlier_s": sum(slow),
                      "decode_step": _pcts(res["decode_step_times"]), "fill_time_s": res["fill_time_s"],
                      "backend": res["backend"]}
     st = results["hisparse"]["stats"]
@@ -636,6 +642,11 @@ def format_report(res: dict) -> str:
         lines.append(f"{name:<10}{d['tokens']:>9}{d['steps']:>7}{d['tokens_per_s']:>12.1f}"
                      f"{d['step'].get('median_ms', float('nan')):>13.3f}"
                      f"{ds.get('median_ms', float('nan')):>15.3f}{ds.get('p99_ms', float('nan')):>15.3f}")
+    for name, d in (("resident", r), ("hisparse", h)):
+        if d.get("outlier_steps"):
+            lines.append(f"WARNING: {name} had {d['outlier_steps']} step(s) over 10x the median "
+                         f"({d['outlier_s']:.2f} s in all, e.g. kernels compiling): compare the "
+                         "step medians, not tokens/s")
     ratio = res["ratio"]
     fmt = lambda v: "n/a" if v is None else f"{v:.3f}"  # noqa: E731
     lines += [
