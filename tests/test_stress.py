@@ -221,3 +221,21 @@ def test_gpu_stress_large():
 def test_gpu_corruption_detected():
     r = run_stress(StressOptions(**{**TINY, "device": "cuda", "verify": "all", "corrupt_step": 1}))
     assert not r["ok"]
+
+
+def test_replay_of_the_mini_engine_indexer_reproduces_its_cache_counters(tmp_path):
+    """Stress driven by the mini engine's real indexer (recorded with ``--record``): the
+    replay passes byte verification and sees exactly the hits and misses the engine's
+    own hisparse run saw (same trace, buffer and LRU rules)."""
+    from hisparse.tools import mini_engine as me
+
+    path = str(tmp_path / "engine.npz")
+    res = me.run(me.MiniEngineConfig(), record=path)
+    assert res["trace"]["decode_steps"] > 3 and res["compare"]["bitwise_equal"]
+    engine = res["hisparse"]["cache"]
+    r = run_stress(StressOptions(replay=path, trace="replay", device="cpu", top_k=8,
+                                 block_size=me.MiniEngineConfig().host_block_size))
+    assert r["ok"], r
+    tot = r["overall"]
+    assert (tot["hits"], tot["misses"]) == (engine["hits"], engine["misses"]), (tot, engine)
+    assert engine["misses"] > 0  # the trace really overflows the hot buffer

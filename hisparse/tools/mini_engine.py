@@ -396,6 +396,7 @@ class MiniEngine:
         self.slots = cfg.max_num_reqs or cfg.num_requests
         self.model = Model(cfg, self.device)
         self.indexer = Indexer(cfg, self.slots, self.device)
+        self.recorder = None  # a traces.TraceRecorder: decode steps' top-k go there (run(record=))
         kinds = {"resident": ResidentKV, "hisparse": HiSparseKV}
         if kv_kind not in kinds:
             raise ValueError(f"kv_kind must be one of {sorted(kinds)}, got {kv_kind!r}")
@@ -472,6 +473,11 @@ class MiniEngine:
             out = torch.zeros(T, cfg.num_heads, D_V, dtype=torch.bfloat16, device=dev)
             if td:
                 topk = self.indexer.decode_topk(layer, iq[:td], slot_t[:td], sub_t[:td], pos_t[:td], ctx)
+                if self.recorder is not None:
+                    if layer == 0:  # one entry per decode token (q = 1): the request and its length
+                        rids = [r.rid for r, n in batch.items[:nd] for _ in range(n)]
+                        self.recorder.begin_step(rids, (pos_t[:td] + 1).tolist())
+                    self.recorder.add_layer(layer, topk)
                 kv_rows, phys = self.kv.decode_rows(layer, topk, batch)
                 out[:td] = self.decode_backend.decode(q[:td], kv_rows, phys, sm_scale=self.model.sm_scale,
                                                       row_format=self.fmt)[0]
@@ -584,11 +590,26 @@ def compare(cfg: MiniEngineConfig, a: dict, b: dict) -> dict:
             "within_tolerance": rel <= cfg.tolerance}
 
 
-def run(cfg: MiniEngineConfig, *, progress: bool = False) -> dict:
-    """Run the workload resident then hisparse; return the comparison and timings (no tensors)."""
+def run(cfg: MiniEngineConfig, *, progress: bool = False, record: str | None = None) -> dict:
+    """Run the workload resident then hisparse; return the comparison and timings (no tensors).
+
+    ``record``: write the decode steps' top-k (this model's real indexer) to a trace file
+    in the format of ``hisparse.tools.traces``, which ``hisparse stress --replay`` drives
+    the cache with. Needs query_len 1 (one trace entry per request and step).
+    """
+    recorder = None
+    if record is not None:
+        if cfg.query_len != 1:
+            raise ValueError(f"--record needs query_len 1 (one trace entry per request and step), "
+                             f"got {cfg.query_len}")
+        from .traces import TraceRecorder
+
+        recorder = TraceRecorder(num_layers=cfg.num_layers, top_k=cfg.top_k)
     results = {}
     for kind in ("resident", "hisparse"):
         eng = MiniEngine(cfg, kind)
+        if kind == "resident":
+            eng.recorder = recorder  # the selections are the same in both runs
         cb = None
         if progress:
             def cb(step, nrun, npend, kind=kind):
@@ -603,6 +624,9 @@ def run(cfg: MiniEngineConfig, *, progress: bool = False) -> dict:
             torch.cuda.empty_cache()
     cmp = compare(cfg, results["resident"], results["hisparse"])
     out = {"config": dataclasses.asdict(cfg), "compare": cmp}
+    if recorder is not None:
+        recorder.save(record)
+        out["trace"] = {"path": str(record), "decode_steps": recorder.num_steps}
     for kind, res in results.items():
         tps = res["tokens"] / res["time_s"] if res["time_s"] > 0 else 0.0
         st_ms = _pcts(res["step_times"])
@@ -691,6 +715,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--json", action="store_true", help="print the result as JSON instead of the table")
     p.add_argument("--out", default=None, help="also write the JSON result to this file")
     p.add_argument("--progress", action="store_true", help="print progress on stderr")
+    p.add_argument("--record", default=None, metavar="FILE",
+                   help="write the decode steps' top-k (the real indexer's) to a .npz trace; "
+                        "replay it with `hisparse stress --replay FILE` (needs --query-len 1)")
     return p
 
 
@@ -706,7 +733,7 @@ def config_from_args(args: argparse.Namespace) -> MiniEngineConfig:
 def run_args(args: argparse.Namespace) -> int:
     """Run from parsed arguments; prints the report; exit status 1 when outputs differ."""
     cfg = config_from_args(args)
-    res = run(cfg, progress=args.progress)
+    res = run(cfg, progress=args.progress, record=args.record)
     text = format_report(res)
     print(json.dumps(res, indent=2) if args.json else text)
     if args.out:

@@ -17,6 +17,9 @@ per row, every valid entry in ``[0, seq_len)``):
 - :class:`ReplaySource`      the top-k recorded in a trace file (schedule included).
 - :class:`IndexerSource`     a real q.k indexer (random keys, a drifting query), the
   kind the mini engine (``hisparse.tools.mini_engine``) runs.
+- The mini engine's own indexer: ``hisparse mini-engine --record FILE`` writes the
+  top-k its model's indexer selected at every decode step in this format;
+  ``hisparse stress --replay FILE`` then drives the cache with it.
 
 Trace file format (``np.savez_compressed``; write with :class:`TraceRecorder`):
 
@@ -239,6 +242,10 @@ class TraceRecorder:
     def __init__(self, *, num_layers: int, top_k: int) -> None:
         self.num_layers, self.top_k = int(num_layers), int(top_k)
         self._steps: list[tuple[np.ndarray, np.ndarray, list[np.ndarray | None]]] = []
+
+    @property
+    def num_steps(self) -> int:
+        return len(self._steps)
 
     def begin_step(self, req_ids, seq_lens) -> None:
         """Start a step: req_ids / seq_lens int64 [T] (numpy, list or tensor)."""
