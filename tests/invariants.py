@@ -503,4 +503,25 @@ class TraceRunner:
             getattr(self, kind)(*args)
 
 
-__all__ = ["LRUSim", "check_cache", "check_result", "snapshot", "assert_same", "TraceRunner"]
+def long_trace(runner: "TraceRunner", rng, n_ops: int, *, n_big: int = 9,
+               token_appends: bool = True) -> None:
+    """A seeded mix of adds, frees, appends (some of ``n_big`` rows), batched token appends
+    (when ``token_appends``) and resolves (some unchecked with invalid entries)."""
+    for _ in range(n_ops):
+        u = rng.random()
+        if u < 0.12:
+            runner.add()
+        elif u < 0.18:
+            runner.free(rng.randrange(8))
+        elif u < 0.5:
+            runner.append(rng.randrange(8), rng.randrange(4), rng.choice([1, 1, 2, 5, n_big]),
+                          rng.random() < 0.8)
+        elif token_appends and u < 0.58:
+            runner.append_tokens(rng.randrange(16), rng.randrange(4))
+        else:
+            runner.resolve(rng.randrange(4), rng.randrange(16), rng.choice([0.0, 0.3]),
+                           rng.random() < 0.25, rng.random() < 0.3)
+
+
+__all__ = ["LRUSim", "check_cache", "check_result", "snapshot", "assert_same", "TraceRunner",
+           "long_trace"]

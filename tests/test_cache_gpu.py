@@ -11,7 +11,7 @@ import torch
 from hisparse import HiSparseConfig
 from hisparse.cache.cache import HiSparseCache
 
-from invariants import TraceRunner, check_cache, check_result
+from invariants import TraceRunner, check_cache, check_result, long_trace
 
 pytestmark = pytest.mark.gpu
 
@@ -19,21 +19,6 @@ SMALL = dict(num_layers=2, host_pool_tokens=48, row_bytes=16, top_k=2, device_bu
              max_num_reqs=3, max_query_len=2, host_block_size=2, max_request_id=6)
 FP8ROWS = dict(num_layers=2, host_pool_tokens=1000, row_bytes=656, top_k=8, device_buffer_size=16,
                max_num_reqs=3, max_query_len=2, host_block_size=16, max_request_id=9)
-
-
-def long_trace(runner, rng, n_ops, n_big=9):
-    for _ in range(n_ops):
-        u = rng.random()
-        if u < 0.12:
-            runner.add()
-        elif u < 0.18:
-            runner.free(rng.randrange(8))
-        elif u < 0.5:
-            runner.append(rng.randrange(8), rng.randrange(4), rng.choice([1, 1, 2, 5, n_big]),
-                          rng.random() < 0.8)
-        else:
-            runner.resolve(rng.randrange(4), rng.randrange(16), rng.choice([0.0, 0.3]),
-                           rng.random() < 0.25, rng.random() < 0.3)
 
 
 @pytest.mark.parametrize("kernels", ["auto", "torch"])
@@ -47,7 +32,7 @@ def test_random_traces_byte_exact_on_cuda(kernels, shape, n_big):
         runner = TraceRunner(cache if seed == 0 else
                              HiSparseCache(HiSparseConfig(device="cuda", **shape), kernels=kernels),
                              seed=seed)
-        long_trace(runner, random.Random(seed), 150, n_big)
+        long_trace(runner, random.Random(seed), 150, n_big=n_big, token_appends=False)
         tot = runner.cache.stats()["total"]
         print(f"seed {seed}: {tot} capacity_errors={runner.capacity_errors}")
         assert tot["misses"] > 0 and tot["hits"] > 0

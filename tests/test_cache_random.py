@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from hisparse import HiSparseConfig
 from hisparse.cache.cache import HiSparseCache
 
-from invariants import TraceRunner
+from invariants import TraceRunner, long_trace
 
 CONFIGS = {
     # two layers, multi-token decode, 2-token blocks
@@ -56,28 +56,11 @@ def test_random_trace_matches_lru_sim(name, ops, seed):
     runner.run([("add",), ("append", 0, 0, 5, True)] + ops)
 
 
-def _long_trace(runner, rng, n_ops):
-    for _ in range(n_ops):
-        u = rng.random()
-        if u < 0.12:
-            runner.add()
-        elif u < 0.18:
-            runner.free(rng.randrange(8))
-        elif u < 0.5:
-            runner.append(rng.randrange(8), rng.randrange(4), rng.choice([1, 1, 2, 5, 9]),
-                          rng.random() < 0.8)
-        elif u < 0.58:
-            runner.append_tokens(rng.randrange(16), rng.randrange(4))
-        else:
-            runner.resolve(rng.randrange(4), rng.randrange(16), rng.choice([0.0, 0.3]),
-                           rng.random() < 0.25, rng.random() < 0.3)
-
-
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_long_seeded_trace_exercises_eviction_and_capacity(name):
     """A longer trace must really evict, stage and hit the pool limit (not only hits)."""
     runner = TraceRunner(make(name), seed=7)
-    _long_trace(runner, random.Random(1234), 250)
+    long_trace(runner, random.Random(1234), 250)
     tot = runner.cache.stats()["total"]
     assert tot["misses"] > 10 and tot["hits"] > 10 and tot["invalid"] > 0, tot
     assert runner.capacity_errors > 0
@@ -89,5 +72,5 @@ def test_random_trace_through_triton_kernels(name):
     cache = make(name, kernels="triton")
     assert cache.kernels == "triton"
     runner = TraceRunner(cache, seed=3)
-    _long_trace(runner, random.Random(99), 60)
+    long_trace(runner, random.Random(99), 60)
     assert cache.stats()["total"]["misses"] > 0
