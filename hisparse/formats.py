@@ -15,7 +15,11 @@ Dequantize: ``x = float(e4m3) * scale[tile]``. Quantize: ``scale =
 2^ceil(log2(max(amax / 448, 1e-4)))`` per tile (a power of two, so the SM90 FlashMLA
 kernel, which rounds scales to bf16, reads the same value; 1e-4 floors it at 2^-13,
 so an all-zero tile gives scale 2^-13 and zero codes, never inf/NaN), then
-``e4m3 = round_nearest_even(x / scale)`` (|x / scale| <= 448 by construction).
+``e4m3 = round_nearest_even(x / scale)`` (|x / scale| <= 448 by construction). One
+exception keeps dequantisation finite: at the largest scale a float32 tile can need,
+2^120, a value within 6% of the float32 maximum would round to the code 256 and
+256 * 2^120 = 2^128 overflows, so there ``x / scale`` is first clamped to +-240 (the
+largest e4m3 below 256; relative error under 2^-4).
 
 Every function has a torch reference (``*_reference``: the CPU path and the test
 oracle). The default implementation is the Triton kernel on CUDA and the reference on
@@ -39,6 +43,8 @@ ROPE_OFFSET = 528  # byte offset of the 64 bf16 RoPE values
 FP8_ROW_BYTES = 656
 BF16_ROW_BYTES = 2 * D_ROW  # 1152
 FP8_MAX = 448.0  # largest finite e4m3fn value
+TOP_SCALE = 2.0**120  # largest scale a finite float32 tile needs (448 * 2^120 > float32 max)
+TOP_SCALE_CODE_MAX = 240.0  # largest e4m3 c with c * 2^120 finite
 MIN_SCALE = 2.0**-13  # = 2^ceil(log2(1e-4))
 
 
@@ -106,7 +112,9 @@ def quantize_fp8_ds_mla_reference(x: torch.Tensor) -> torch.Tensor:
     lat = x[:, :D_LATENT].float().reshape(N, NUM_TILES, TILE)
     scale = pow2_scales_reference(lat.abs().amax(dim=2) if N else lat.new_zeros((0, NUM_TILES)))
     inv = 1.0 / scale  # exact: powers of two
-    codes = (lat * inv[:, :, None]).to(torch.float8_e4m3fn).view(torch.uint8)
+    lim = torch.where(scale == TOP_SCALE, TOP_SCALE_CODE_MAX, FP8_MAX)[:, :, None]
+    y = torch.minimum(torch.maximum(lat * inv[:, :, None], -lim), lim)
+    codes = y.to(torch.float8_e4m3fn).view(torch.uint8)
     out[:, :D_LATENT] = codes.reshape(N, D_LATENT)
     out[:, SCALE_OFFSET:ROPE_OFFSET] = scale.contiguous().view(torch.uint8).reshape(N, 16)
     rope = x[:, D_LATENT:].to(torch.bfloat16).contiguous()

@@ -269,3 +269,18 @@ def test_property_triton_equals_reference_and_round_trip_bound(vals, scale_exp, 
     lat = x[:, :512].float().reshape(2, 4, 128)
     err = (back[:, :512].reshape(2, 4, 128) - lat).abs()
     assert (err <= torch.maximum(lat.abs() * 2.0**-4, scales[:, :, None] * 2.0**-10)).all()
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+def test_values_near_float32_max_dequantise_finite(use_triton):
+    """Found by the property test: 3.2965e38 needs scale 2^120, where x / scale rounds to
+    the code 256 and 256 * 2^120 overflows. The top scale clamps codes to 240."""
+    x = torch.zeros(2, 576)
+    x[0, 0] = 3.2964854295465914e38
+    x[0, 1] = -3.4e38
+    x[1, 130] = 3.0e38  # below 240 * 2^120: rounds as usual
+    rows = quant(x, use_triton)
+    assert torch.equal(rows, F.quantize_fp8_ds_mla_reference(x))
+    back = F.dequantize_fp8_ds_mla_reference(rows, out_dtype=torch.float32)
+    assert torch.isfinite(back).all()
+    assert (back[:, :512] - x[:, :512]).abs().le(x[:, :512].abs() * 2.0**-4).all()

@@ -78,7 +78,9 @@ def quantize_fp8_ds_mla_kernel(
     k = pow2_scale_exponent(amax)
     scale = (k << 23).to(tl.float32, bitcast=True)
     inv = ((254 - k) << 23).to(tl.float32, bitcast=True)  # exact 1 / scale
-    codes = f32_to_e4m3_bits(x * inv[:, None])
+    # at scale 2^120 (k = 247) codes >= 256 would dequantise to inf: clamp to 240
+    lim = tl.where(k == 247, 240.0, 448.0)[:, None]
+    codes = f32_to_e4m3_bits(tl.minimum(tl.maximum(x * inv[:, None], -lim), lim))
     orow = out_ptr + row * out_stride
     tl.store(orow + offs, codes)
     tl.store((orow + 512).to(tl.pointer_type(tl.float32)) + tiles, scale)
