@@ -109,14 +109,22 @@ def run_case(fmt: str, T: int, H: int, K: int, args) -> dict:
         results.append(rec)
         return rec
 
+    if args.shapes:
+        shapes = [tuple(int(v) for v in sh.split(",")) for sh in args.shapes]
     base = measure("default", base_cfg)
-    for bh, bn, nw, ns in shapes:
-        auto = TritonMLAConfig(block_h=bh, block_n=bn, num_warps=nw, num_stages=ns)
+    for shape in shapes:
+        bh, bn, nw, ns = shape[:4]
+        dv = shape[4] if len(shape) > 4 else 1
+        iso = bool(shape[5]) if len(shape) > 5 else False
+        if bh > 2 * max_bh:
+            continue
+        auto = TritonMLAConfig(block_h=bh, block_n=bn, num_warps=nw, num_stages=ns, dv_parts=dv,
+                               isolate_qk=iso)
         splits = sorted({auto_splits(T, H, K, auto, q.device), 1, 2} if not args.quick
                         else {auto_splits(T, H, K, auto, q.device), 1})
         for sp in splits:
             cfg = dataclasses.replace(auto, num_splits=sp)
-            measure(f"h{bh}n{bn}w{nw}s{ns}x{sp}", cfg)
+            measure(f"h{bh}n{bn}w{nw}s{ns}d{dv}{'i' if iso else ''}x{sp}", cfg)
     base_med = base.get("us", {}).get("median")
     fm = FLASHMLA_US.get((fmt, T, H))
     for r in results:
@@ -153,6 +161,11 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-flush", action="store_true", help="don't flush L2 before each call")
+    ap.add_argument("--shapes", nargs="+", metavar="BH,BN,W,S[,DV[,ISO]]",
+                    help="launch shapes to try instead of CANDIDATE_SHAPES "
+                         "(block_h, block_n, num_warps, num_stages, dv_parts, isolate_qk 0/1)")
+    ap.add_argument("--cases", nargs="+", metavar="FMT,T,H",
+                    help="cases to run instead of the built-in list, e.g. fp8_ds_mla,64,128")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_triton_configs: needs a CUDA GPU; nothing to do")
@@ -164,6 +177,8 @@ def main(argv=None) -> int:
     if not args.quick:
         cases += [("fp8_ds_mla", 1, 128), ("fp8_ds_mla", 8, 128), ("fp8_ds_mla", 256, 128),
                   ("bf16", 64, 128), ("fp8_ds_mla", 64, 16)]
+    if args.cases:
+        cases = [(c.split(",")[0], int(c.split(",")[1]), int(c.split(",")[2])) for c in args.cases]
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
            "triton": __import__("triton").__version__, "hisparse": hisparse.__version__,
            "capability": list(torch.cuda.get_device_capability()),

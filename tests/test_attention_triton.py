@@ -146,6 +146,28 @@ def test_triton_split_kv_combine(fmt, splits, block_n):
         _close(out, lse, *REF.decode(q, kv, idx, valid_counts=v, sm_scale=SCALE, row_format=fmt))
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla"])
+@pytest.mark.parametrize("splits,dv_parts,isolate_qk", [(1, 2, False), (3, 2, False), (1, 1, True),
+                                                        (3, 2, True)])
+def test_triton_dv_parts_and_isolated_qk_match_reference(fmt, splits, dv_parts, isolate_qk):
+    """dv_parts=2 (two programs per head block, each owning half of the output columns,
+    tiles permuted so its half comes first; lse written once) and isolate_qk (each
+    q . k^T dot in its own one-trip loop) give the reference result."""
+    N, T, H, K = 40, 3, 18, 45  # 18 heads: two head blocks of 16, the second masked
+    kv, _ = _rows(N, fmt, seed=11)
+    q, idx = _q(T, H, seed=12), _indices(T, K, N, seed=13)
+    vc = torch.tensor([K, 0, 7], dtype=torch.int32, device=DEV)
+    be = TritonBackend(allow_interpreter=True,
+                       config=TritonMLAConfig(block_h=16, block_n=16, num_warps=4,
+                                              num_splits=splits, dv_parts=dv_parts,
+                                              isolate_qk=isolate_qk))
+    for v in (None, vc):
+        out, lse = be.decode(q, kv, idx, valid_counts=v, sm_scale=SCALE, row_format=fmt)
+        _close(out, lse, *REF.decode(q, kv, idx, valid_counts=v, sm_scale=SCALE, row_format=fmt))
+        if v is not None:
+            assert out[1].abs().max().item() == 0.0 and torch.isneginf(lse[1]).all()
+
+
 def test_triton_bf16_rows_as_bytes_and_strided_q():
     kv, _ = _rows(20, "bf16")
     q = _q(2, 8)[:, ::2]  # [2, 4, 576], head stride 2 * 576
@@ -275,6 +297,10 @@ def test_config_validation_and_default():
         TritonMLAConfig(block_h=8)
     with pytest.raises(ValueError, match="num_splits"):
         TritonMLAConfig(num_splits=0)
+    with pytest.raises(ValueError, match="dv_parts"):
+        TritonMLAConfig(dv_parts=4)
+    with pytest.raises(ValueError, match="isolate_qk"):
+        TritonMLAConfig(isolate_qk=1)
     with pytest.raises(TypeError, match="TritonMLAConfig"):
         TritonBackend(config={"block_h": 16})
     cfg = default_config(64, 128, 2048, torch.device("cpu"), "fp8_ds_mla")
@@ -293,14 +319,14 @@ from hisparse.config import RowFormat
 from hisparse.kernels import mla_decode as M
 
 def compile_decode(fp8, bh, splits):
-    bn, nw, ns = DEFAULT_SHAPES[(RowFormat.FP8_DS_MLA if fp8 else RowFormat.BF16, bh)]
+    bn, nw, ns, iso = DEFAULT_SHAPES[(RowFormat.FP8_DS_MLA if fp8 else RowFormat.BF16, bh)]
     sig = {"q_ptr": "*bf16", "kv_ptr": "*u8" if fp8 else "*bf16", "idx_ptr": "*i32",
            "vc_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32", "part_out_ptr": "*fp32",
            "part_lse_ptr": "*fp32", "N": "i32", "K": "i32", "H": "i32", "q_stride_t": "i32",
            "q_stride_h": "i32", "kv_stride": "i32", "idx_stride": "i32",
            "rows_per_split": "i32", "qk_scale_log2": "fp32", "HAS_VC": "constexpr",
            "IS_FP8": "constexpr", "NUM_SPLITS": "constexpr", "BLOCK_H": "constexpr",
-           "BLOCK_N": "constexpr"}
+           "BLOCK_N": "constexpr", "DV_PARTS": "constexpr", "ISOLATE_QK": "constexpr"}
     names = list(sig)
     # what the launcher specializes at run time: 16-aligned pointers, strides and sizes
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
@@ -308,7 +334,8 @@ def compile_decode(fp8, bh, splits):
                                                 "kv_stride", "idx_stride", "rows_per_split")}
     src = ASTSource(fn=M.sparse_mla_decode_kernel, signature=sig, attrs=attrs,
                     constexprs={"HAS_VC": True, "IS_FP8": fp8, "NUM_SPLITS": splits,
-                                "BLOCK_H": bh, "BLOCK_N": bn})
+                                "BLOCK_H": bh, "BLOCK_N": bn, "DV_PARTS": 1,
+                                "ISOLATE_QK": iso})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=nw, num_stages=ns))
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
@@ -318,7 +345,9 @@ def compile_decode(fp8, bh, splits):
                            text=True).stdout
     os.unlink(f.name)
     stack = re.search(r"STACK:(\d+)", usage)
+    mma = re.findall(r"nvidia_mma<\{[^}]*warpsPerCTA = \[(\d+), (\d+)\]", k.asm["ttgir"])
     return {"fp8": fp8, "block_h": bh, "splits": splits, "shared": k.metadata.shared,
+            "mma_warps": sorted({(int(a), int(b)) for a, b in mma}),
             "stack": int(stack.group(1)) if stack else None,
             "wgmma": k.asm["ptx"].count("wgmma.mma_async")}
 
@@ -351,3 +380,6 @@ def test_kernels_compile_for_sm90_without_spills():
         assert s["stack"] == 0, f"register spills: {s}"
         assert s["shared"] <= 227 * 1024, s
     assert all(s["wgmma"] > 0 for s in stats if s["block_h"] == 64)
+    # isolate_qk at block_h 64: no dot laid out over all 8 warps along the 64 heads
+    # (which would make both warpgroups compute the same q . k^T)
+    assert all([8, 1] not in s["mma_warps"] for s in stats if s["block_h"] == 64), stats

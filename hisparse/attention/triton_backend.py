@@ -33,6 +33,8 @@ class TritonMLAConfig:
     block_n: rows gathered per iteration (power of two >= 16)
     num_warps, num_stages: Triton launch options
     num_splits: KV splits per (token, head block); None = choose from the GPU's SM count
+    dv_parts: 1, or 2 to split the 512 output columns over two programs (each computes
+        q . k^T in full and p . v for its half: half the accumulator registers)
     """
 
     block_h: int = 64
@@ -40,6 +42,8 @@ class TritonMLAConfig:
     num_warps: int = 8
     num_stages: int = 2
     num_splits: int | None = None
+    dv_parts: int = 1
+    isolate_qk: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_h", "block_n", "num_warps"):
@@ -57,6 +61,10 @@ class TritonMLAConfig:
                 or not 1 <= self.num_splits <= MAX_SPLITS):
             raise ValueError(f"num_splits must be None or an int in [1, {MAX_SPLITS}], "
                              f"got {self.num_splits!r}")
+        if isinstance(self.dv_parts, bool) or self.dv_parts not in (1, 2):
+            raise ValueError(f"dv_parts must be 1 or 2, got {self.dv_parts!r}")
+        if not isinstance(self.isolate_qk, bool):
+            raise ValueError(f"isolate_qk must be a bool, got {self.isolate_qk!r}")
 
 
 def _next_pow2(n: int) -> int:
@@ -68,22 +76,22 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-# Per head block: (block_n, num_warps, num_stages). Chosen offline from sm90 compile
-# statistics (Triton 3.6, the launcher's 16-divisibility specialisation): no register
-# spills, wgmma for block_h = 64, the largest block_n that fits (the q tile is re-read
-# from shared memory once per block_n rows). Note: with 8 warps and block_h = 64 Triton
-# lays the q . k^T dot out as warpsPerCTA [8, 1], so both warpgroups compute it; 4 warps
-# avoid that but spill the [64, 512] float32 accumulator. Re-tune on the target GPU
-# with benchmarks/bench_triton_configs.py and update this table.
-# Keyed by (row format, block_h); bf16 rows take twice the shared memory of fp8 rows
-# per block_n (bf16 at block_h 64, block_n 64 would need 221 KB of the 227 KB).
-DEFAULT_SHAPES: dict[tuple[RowFormat, int], tuple[int, int, int]] = {
-    (RowFormat.FP8_DS_MLA, 16): (64, 8, 2),
-    (RowFormat.FP8_DS_MLA, 32): (32, 8, 2),
-    (RowFormat.FP8_DS_MLA, 64): (64, 8, 2),
-    (RowFormat.BF16, 16): (64, 8, 2),
-    (RowFormat.BF16, 32): (32, 8, 2),
-    (RowFormat.BF16, 64): (32, 8, 2),
+# Per head block: (block_n, num_warps, num_stages, isolate_qk). From sm90 compile
+# statistics (Triton 3.6, the launcher's 16-divisibility specialisation: no register
+# spills, wgmma at block_h = 64) and the H200 sweep of 2026-11-29
+# (benchmarks/bench_triton_configs.py, BENCHMARKS.md). At block_h = 64 with 8 warps
+# Triton would lay every q . k^T dot out as warpsPerCTA [8, 1], so both warpgroups
+# compute the same product; isolate_qk gives it [4, 2] (half the wgmma work, 1.42x
+# faster at T = 64, H = 128 on fp8 rows, 1.38x on bf16) and frees enough shared memory
+# for block_n = 64 with bf16 rows too (147 KB). 4 warps avoid the duplication as well
+# but spill the [64, 512] float32 accumulator. Keyed by (row format, block_h).
+DEFAULT_SHAPES: dict[tuple[RowFormat, int], tuple[int, int, int, bool]] = {
+    (RowFormat.FP8_DS_MLA, 16): (64, 8, 2, False),
+    (RowFormat.FP8_DS_MLA, 32): (32, 8, 2, False),
+    (RowFormat.FP8_DS_MLA, 64): (64, 8, 2, True),
+    (RowFormat.BF16, 16): (64, 8, 2, False),
+    (RowFormat.BF16, 32): (32, 8, 2, False),
+    (RowFormat.BF16, 64): (64, 8, 2, True),
 }
 # (block_h, block_n, num_warps, num_stages) tried by the config sweep benchmark and
 # checked against the reference by the GPU tests.
@@ -99,9 +107,9 @@ def default_config(T: int, H: int, K: int, device: torch.device,
                    row_format: RowFormat | str = RowFormat.FP8_DS_MLA) -> TritonMLAConfig:
     """Heuristic launch shape: head blocks of up to 64, enough KV splits to fill the SMs."""
     block_h = min(64, max(16, _next_pow2(H)))
-    block_n, num_warps, num_stages = DEFAULT_SHAPES[(RowFormat.parse(row_format), block_h)]
+    block_n, num_warps, num_stages, isolate = DEFAULT_SHAPES[(RowFormat.parse(row_format), block_h)]
     cfg = TritonMLAConfig(block_h=block_h, block_n=block_n, num_warps=num_warps,
-                          num_stages=num_stages)
+                          num_stages=num_stages, isolate_qk=isolate)
     return dataclasses.replace(cfg, num_splits=auto_splits(T, H, K, cfg, device))
 
 
@@ -113,7 +121,7 @@ def auto_splits(T: int, H: int, K: int, cfg: TritonMLAConfig, device: torch.devi
     """
     if device.type != "cuda":
         return 1
-    programs = max(1, T * math.ceil(H / cfg.block_h))
+    programs = max(1, T * math.ceil(H / cfg.block_h) * cfg.dv_parts)
     max_useful = max(1, K // (2 * cfg.block_n))
     sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     return max(1, min(sms // programs, max_useful, MAX_AUTO_SPLITS))
@@ -144,14 +152,14 @@ def run_sparse_mla(inp: DecodeInputs, cfg: TritonMLAConfig | None = None
     else:
         part_out, part_lse = out, lse  # unused by the kernel
     is_fp8 = inp.row_format is RowFormat.FP8_DS_MLA
-    grid = (T, math.ceil(H / cfg.block_h), splits)
+    grid = (T, math.ceil(H / cfg.block_h) * cfg.dv_parts, splits)
     with _on_device(dev):
         sparse_mla_decode_kernel[grid](
             q, kv, idx, vc if vc is not None else idx, out, lse, part_out, part_lse,
             kv.shape[0], K, H, q.stride(0), q.stride(1), kv.stride(0), idx.stride(0),
             rows_per_split, inp.sm_scale * 1.4426950408889634,
             HAS_VC=vc is not None, IS_FP8=is_fp8, NUM_SPLITS=splits,
-            BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
+            BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, DV_PARTS=cfg.dv_parts, ISOLATE_QK=cfg.isolate_qk,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         if splits > 1:
             sparse_mla_combine_kernel[(T, H)](part_out, part_lse, out, lse, H,

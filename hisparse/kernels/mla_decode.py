@@ -28,33 +28,60 @@ LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def _latent_tile(kv_ptr, row_off, valid, TILE_I: tl.constexpr, IS_FP8: tl.constexpr):
-    """bf16 [BLOCK_N, 128]: latent tile TILE_I of the gathered rows (0 where not valid).
+def _load_block(kv_ptr, idx_row, start, hi, N, kv_stride, o0, o1, o2, o3,
+                BLOCK_N: tl.constexpr, IS_FP8: tl.constexpr):
+    """Issue the loads of the BLOCK_N entries [start, start + BLOCK_N) of an index row.
 
-    row_off: int64 [BLOCK_N] row start (bytes for fp8 rows, elements for bf16 rows).
+    o0..o3: the latent columns where the four 128-wide tiles start, in the order the
+    program wants them (a permutation of 0, 128, 256, 384; see DV_PARTS).
+    Returns (valid bool [BLOCK_N], c0..c3, s0..s3, kr): for fp8 rows c_i are the raw
+    e4m3 codes uint8 [BLOCK_N, 128] of the tile at o_i and s_i its float32 scales
+    [BLOCK_N]; for bf16 rows c_i are the bf16 tiles themselves and s_i unused zeros.
+    kr: bf16 [BLOCK_N, 64] RoPE part. Invalid entries (beyond ``hi``, index -1 or outside
+    [0, N)) are masked: their memory is never touched and they read as 0.
     """
-    cols = TILE_I * 128 + tl.arange(0, 128)
+    kk = start + tl.arange(0, BLOCK_N)
+    inr = kk < hi
+    idx = tl.load(idx_row + kk, mask=inr, other=-1)
+    valid = inr & (idx >= 0) & (idx < N)
+    row_off = tl.where(valid, idx, 0).to(tl.int64) * kv_stride  # bytes (fp8) / elements (bf16)
+    cols = tl.arange(0, 128)
     ptrs = kv_ptr + row_off[:, None] + cols[None, :]
+    vm = valid[:, None]
+    r = tl.arange(0, 64)
     if IS_FP8:
-        codes = tl.load(ptrs, mask=valid[:, None], other=0)
-        sptr = (kv_ptr + row_off + (512 + 4 * TILE_I)).to(tl.pointer_type(tl.float32))
-        scale = tl.load(sptr, mask=valid, other=0.0)
-        x = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None]
-        return x.to(tl.bfloat16)
+        c0 = tl.load(ptrs + o0, mask=vm, other=0)
+        c1 = tl.load(ptrs + o1, mask=vm, other=0)
+        c2 = tl.load(ptrs + o2, mask=vm, other=0)
+        c3 = tl.load(ptrs + o3, mask=vm, other=0)
+        sptr = (kv_ptr + row_off + 512).to(tl.pointer_type(tl.float32))
+        s0 = tl.load(sptr + o0 // 128, mask=valid, other=0.0)
+        s1 = tl.load(sptr + o1 // 128, mask=valid, other=0.0)
+        s2 = tl.load(sptr + o2 // 128, mask=valid, other=0.0)
+        s3 = tl.load(sptr + o3 // 128, mask=valid, other=0.0)
+        rbase = (kv_ptr + row_off + 528).to(tl.pointer_type(tl.bfloat16))
+        kr = tl.load(rbase[:, None] + r[None, :], mask=vm, other=0.0)
     else:
-        return tl.load(ptrs, mask=valid[:, None], other=0.0)
+        c0 = tl.load(ptrs + o0, mask=vm, other=0.0)
+        c1 = tl.load(ptrs + o1, mask=vm, other=0.0)
+        c2 = tl.load(ptrs + o2, mask=vm, other=0.0)
+        c3 = tl.load(ptrs + o3, mask=vm, other=0.0)
+        s0 = tl.zeros([BLOCK_N], dtype=tl.float32)
+        s1 = s0
+        s2 = s0
+        s3 = s0
+        kr = tl.load(kv_ptr + row_off[:, None] + 512 + r[None, :], mask=vm, other=0.0)
+    return valid, c0, c1, c2, c3, s0, s1, s2, s3, kr
 
 
 @triton.jit
-def _rope_tile(kv_ptr, row_off, valid, IS_FP8: tl.constexpr):
-    """bf16 [BLOCK_N, 64]: the RoPE part of the gathered rows (0 where not valid)."""
-    r = tl.arange(0, 64)
+def _tile(c, s, IS_FP8: tl.constexpr):
+    """bf16 [BLOCK_N, 128] latent tile from what ``_load_block`` loaded (fp8: code x
+    scale, exact since scales are powers of two; bf16: as loaded)."""
     if IS_FP8:
-        base = (kv_ptr + row_off + 528).to(tl.pointer_type(tl.bfloat16))
-        return tl.load(base[:, None] + r[None, :], mask=valid[:, None], other=0.0)
+        return (c.to(tl.float8e4nv, bitcast=True).to(tl.float32) * s[:, None]).to(tl.bfloat16)
     else:
-        return tl.load(kv_ptr + row_off[:, None] + 512 + r[None, :], mask=valid[:, None],
-                       other=0.0)
+        return c
 
 
 @triton.jit
@@ -78,18 +105,27 @@ def sparse_mla_decode_kernel(
     NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    DV_PARTS: tl.constexpr = 1,  # 1, or 2: a program owns half of the 512 output columns
+    ISOLATE_QK: tl.constexpr = False,  # each q . k^T dot in its own one-trip loop (see below)
 ):
     t = tl.program_id(0).to(tl.int64)
-    hb = tl.program_id(1)
+    hb = tl.program_id(1) // DV_PARTS
+    vpart = tl.program_id(1) % DV_PARTS
     sp = tl.program_id(2)
+    # Tile order: with DV_PARTS = 2 the program's own output half comes first (tiles 0, 1
+    # feed both q . k^T and p . v; tiles 2, 3 only q . k^T, whose sum is order-free).
+    o0 = vpart * 256
+    o1 = o0 + 128
+    o2 = (o0 + 256) % 512
+    o3 = o2 + 128
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
     d = tl.arange(0, 128)
     q_row = q_ptr + t * q_stride_t + heads.to(tl.int64)[:, None] * q_stride_h
-    q0 = tl.load(q_row + d[None, :], mask=hmask[:, None], other=0.0)
-    q1 = tl.load(q_row + 128 + d[None, :], mask=hmask[:, None], other=0.0)
-    q2 = tl.load(q_row + 256 + d[None, :], mask=hmask[:, None], other=0.0)
-    q3 = tl.load(q_row + 384 + d[None, :], mask=hmask[:, None], other=0.0)
+    q0 = tl.load(q_row + o0 + d[None, :], mask=hmask[:, None], other=0.0)
+    q1 = tl.load(q_row + o1 + d[None, :], mask=hmask[:, None], other=0.0)
+    q2 = tl.load(q_row + o2 + d[None, :], mask=hmask[:, None], other=0.0)
+    q3 = tl.load(q_row + o3 + d[None, :], mask=hmask[:, None], other=0.0)
     qr = tl.load(q_row + 512 + tl.arange(0, 64)[None, :], mask=hmask[:, None], other=0.0)
 
     k_end = K
@@ -102,25 +138,41 @@ def sparse_mla_decode_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc0 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
     acc1 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
-    acc3 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
+    if DV_PARTS == 1:
+        acc2 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
+        acc3 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
     idx_row = idx_ptr + t * idx_stride
+    one = (K > 0).to(tl.int32)  # a runtime 1 (see ISOLATE_QK)
     for start in range(lo, hi, BLOCK_N):
-        kk = start + tl.arange(0, BLOCK_N)
-        inr = kk < hi
-        idx = tl.load(idx_row + kk, mask=inr, other=-1)
-        valid = inr & (idx >= 0) & (idx < N)
-        row_off = tl.where(valid, idx, 0).to(tl.int64) * kv_stride
-        k0 = _latent_tile(kv_ptr, row_off, valid, 0, IS_FP8)
-        k1 = _latent_tile(kv_ptr, row_off, valid, 1, IS_FP8)
-        k2 = _latent_tile(kv_ptr, row_off, valid, 2, IS_FP8)
-        k3 = _latent_tile(kv_ptr, row_off, valid, 3, IS_FP8)
-        kr = _rope_tile(kv_ptr, row_off, valid, IS_FP8)
-        s = tl.dot(q0, tl.trans(k0))
-        s = tl.dot(q1, tl.trans(k1), s)
-        s = tl.dot(q2, tl.trans(k2), s)
-        s = tl.dot(q3, tl.trans(k3), s)
-        s = tl.dot(qr, tl.trans(kr), s)
+        valid, c0, c1, c2, c3, s0, s1, s2, s3, kr = _load_block(
+            kv_ptr, idx_row, start, hi, N, kv_stride, o0, o1, o2, o3, BLOCK_N, IS_FP8)
+        k0 = _tile(c0, s0, IS_FP8)
+        k1 = _tile(c1, s1, IS_FP8)
+        k2 = _tile(c2, s2, IS_FP8)
+        k3 = _tile(c3, s3, IS_FP8)
+        if ISOLATE_QK:
+            # Triton (3.6) lays out a dot that has another dot in its use-def slice within
+            # the same region as warpsPerCTA [num_warps, 1]; with BLOCK_H = 64 and 8 warps
+            # both warpgroups then compute the same q . k^T. One dot per loop region
+            # (trip count a runtime 1) keeps each out of the others' slices, so it gets
+            # [4, 2]: the warpgroups split the rows instead.
+            s = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
+            for _ in range(0, one):
+                s = tl.dot(q0, tl.trans(k0), s)
+            for _ in range(0, one):
+                s = tl.dot(q1, tl.trans(k1), s)
+            for _ in range(0, one):
+                s = tl.dot(q2, tl.trans(k2), s)
+            for _ in range(0, one):
+                s = tl.dot(q3, tl.trans(k3), s)
+            for _ in range(0, one):
+                s = tl.dot(qr, tl.trans(kr), s)
+        else:
+            s = tl.dot(q0, tl.trans(k0))
+            s = tl.dot(q1, tl.trans(k1), s)
+            s = tl.dot(q2, tl.trans(k2), s)
+            s = tl.dot(q3, tl.trans(k3), s)
+            s = tl.dot(qr, tl.trans(kr), s)
         s = tl.where(valid[None, :], s * qk_scale_log2, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -130,29 +182,34 @@ def sparse_mla_decode_kernel(
         pb = p.to(tl.bfloat16)
         acc0 = tl.dot(pb, k0, acc0 * alpha[:, None])
         acc1 = tl.dot(pb, k1, acc1 * alpha[:, None])
-        acc2 = tl.dot(pb, k2, acc2 * alpha[:, None])
-        acc3 = tl.dot(pb, k3, acc3 * alpha[:, None])
+        if DV_PARTS == 1:
+            acc2 = tl.dot(pb, k2, acc2 * alpha[:, None])
+            acc3 = tl.dot(pb, k3, acc3 * alpha[:, None])
         m_i = m_new
 
     has = l_i > 0.0
     inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
     lse2 = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
     hm = hmask[:, None]
+    # every D_V part computes the same lse; part 0 writes it
+    lmask = hmask & (vpart == 0)
     if NUM_SPLITS == 1:
         o_row = out_ptr + (t * H + heads.to(tl.int64))[:, None] * 512 + d[None, :]
-        tl.store(o_row, (acc0 * inv_l[:, None]).to(tl.bfloat16), mask=hm)
-        tl.store(o_row + 128, (acc1 * inv_l[:, None]).to(tl.bfloat16), mask=hm)
-        tl.store(o_row + 256, (acc2 * inv_l[:, None]).to(tl.bfloat16), mask=hm)
-        tl.store(o_row + 384, (acc3 * inv_l[:, None]).to(tl.bfloat16), mask=hm)
-        tl.store(lse_ptr + t * H + heads, lse2 * LN2, mask=hmask)
+        tl.store(o_row + o0, (acc0 * inv_l[:, None]).to(tl.bfloat16), mask=hm)
+        tl.store(o_row + o1, (acc1 * inv_l[:, None]).to(tl.bfloat16), mask=hm)
+        if DV_PARTS == 1:
+            tl.store(o_row + o2, (acc2 * inv_l[:, None]).to(tl.bfloat16), mask=hm)
+            tl.store(o_row + o3, (acc3 * inv_l[:, None]).to(tl.bfloat16), mask=hm)
+        tl.store(lse_ptr + t * H + heads, lse2 * LN2, mask=lmask)
     else:
         base = (t * NUM_SPLITS + sp) * H + heads.to(tl.int64)
         o_row = part_out_ptr + base[:, None] * 512 + d[None, :]
-        tl.store(o_row, acc0 * inv_l[:, None], mask=hm)
-        tl.store(o_row + 128, acc1 * inv_l[:, None], mask=hm)
-        tl.store(o_row + 256, acc2 * inv_l[:, None], mask=hm)
-        tl.store(o_row + 384, acc3 * inv_l[:, None], mask=hm)
-        tl.store(part_lse_ptr + base, lse2, mask=hmask)
+        tl.store(o_row + o0, acc0 * inv_l[:, None], mask=hm)
+        tl.store(o_row + o1, acc1 * inv_l[:, None], mask=hm)
+        if DV_PARTS == 1:
+            tl.store(o_row + o2, acc2 * inv_l[:, None], mask=hm)
+            tl.store(o_row + o3, acc3 * inv_l[:, None], mask=hm)
+        tl.store(part_lse_ptr + base, lse2, mask=lmask)
 
 
 @triton.jit
