@@ -199,6 +199,31 @@ def test_rounding_to_bf16_is_nearest_even():
         assert torch.equal(ws[0].view(torch.int16), want.view(torch.int16)), impl
 
 
+@pytest.mark.parametrize("rows_per_program", [1, 4])
+def test_dequant_kernel_byte_exact_with_hot_rows_and_special_codes(rows_per_program):
+    """The fp8 -> bf16 staging body (whole rows as words, codes taken apart with shifts)
+    gives the reference bytes, from host and hot rows, for -0.0, the largest e4m3 values,
+    subnormal codes, negative and tiny scales (NaN codes are outside the format: quantize
+    never writes them)."""
+    g = torch.Generator().manual_seed(23)
+    host, bt, hot, row_slot, SP = make_cache_like(g, B=4, R=3, NB=3, fmt="fp8_ds_mla", hot_frac=0.4)
+    special = torch.tensor([0x80, 0x00, 0x7E, 0xFE, 0x01, 0x81, 0x07, 0x87], dtype=torch.uint8)
+    host[:, :8] = special  # -0, 0, 448, -448, smallest and largest subnormals
+    hot[:, 200:208] = special
+    host[1::2, 512:516] = torch.tensor([-0.75], dtype=torch.float32).view(torch.uint8)
+    slots = torch.tensor([2, 0, 1], dtype=torch.int32)
+    lens = torch.tensor([12, 5, 9], dtype=torch.int32)
+    starts = torch.tensor([0, 12, 17], dtype=torch.int32)
+    ws = torch.zeros(26, 576, dtype=torch.bfloat16)
+    stage_prefill(host_pool=host, block_table=bt, req_slots=slots, seq_lens=lens, workspace_starts=starts,
+                  workspace=ws, block_size=4, row_format="fp8_ds_mla", impl="triton", max_rows=12,
+                  rows_per_program=rows_per_program, validate=False, hot_rows=hot, row_slot=row_slot,
+                  slots_per_req=SP)
+    want = oracle(host, bt, slots, lens, starts, 26, 4, "fp8_ds_mla", ws_dtype=torch.bfloat16, hot=hot,
+                  row_slot=row_slot, SP=SP)
+    assert torch.equal(ws.view(torch.int16), want.view(torch.int16))
+
+
 @pytest.mark.parametrize("rows_per_program", [1, 2, 16])
 def test_rows_per_program_variants(rows_per_program):
     g = torch.Generator().manual_seed(5)

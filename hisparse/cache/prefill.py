@@ -469,11 +469,11 @@ def _launch(mode: _Mode, *, host_pool, block_table, req_slots, seq_lens, workspa
     stride_bt = bt.stride(0) if NB else 1
     grid = (-(-max_rows // rows), P)
     if mode.dequant:
-        hot_arg = hot_rows if has_hot else host_pool
+        host_w = host_pool.view(torch.int32)
         stage_dequant_kernel[grid](
-            host_pool, hot_arg, row_slot if has_hot else req_slots, bt if bt.numel() else req_slots,
-            req_slots, seq_lens, workspace_starts, workspace.view(torch.int16),
-            R, NB, H, W, hot_n, sp, stride_bt,
+            host_w, hot_rows.view(torch.int32) if has_hot else host_w, row_slot if has_hot else req_slots,
+            bt if bt.numel() else req_slots, req_slots, seq_lens, workspace_starts,
+            workspace.view(torch.int32), R, NB, H, W, hot_n, sp, stride_bt,
             BLOCK_SIZE=block_size, ROWS=rows, HAS_HOT=has_hot, num_warps=num_warps)
     else:
         words = mode.row_bytes // 4
