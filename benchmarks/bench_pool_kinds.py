@@ -8,6 +8,17 @@ allocations of the same size, each read by the same ``copy_rows`` launch:
   register   torch.empty + cudaHostRegister (hisparse.device.PinnedBuffer today)
   thp        anonymous mmap + madvise(MADV_HUGEPAGE), touched, then cudaHostRegister
   hostalloc  cudaHostAlloc through CuPy (the driver allocates the pinned pages)
+  hugetlb2m  MAP_HUGETLB mapping of 2 MiB hugetlbfs pages, then cudaHostRegister
+  hugetlb1g  the same with 1 GiB pages (MAP_HUGE_1GB)
+  vmm_host   driver virtual-memory API: cuMemCreate on host NUMA node 0 (2 MiB+
+             granularity), mapped with cuMemMap, access granted to the GPU and the CPU
+  managed    cudaMallocManaged, preferred location CPU, accessed-by the GPU (mapped,
+             never migrated)
+
+The hugetlb kinds need reserved huge pages: the script raises
+/proc/sys/vm/nr_hugepages (or the 1 GiB pool's nr_hugepages) when it may (root) and
+puts the old value back afterwards. For thp it reports how much of the pool the
+kernel really backed with huge pages (AnonHugePages of /proc/self/smaps_rollup).
 
 Baseline in the same run: a bulk pinned host->device copy of the same bytes.
 Usage: python benchmarks/bench_pool_kinds.py [--pool-gib 32] [--out F.json]
@@ -35,6 +46,92 @@ def _register(t: torch.Tensor) -> None:
         raise RuntimeError(f"cudaHostRegister failed: {int(err)}")
 
 
+MAP_HUGETLB = 0x40000  # linux/mman.h (x86_64 and arm64)
+MAP_HUGE_SHIFT = 26
+HUGE = {"hugetlb2m": (2 << 20, "/proc/sys/vm/nr_hugepages", 21),
+        "hugetlb1g": (1 << 30, "/sys/kernel/mm/hugepages/hugepages-1048576kB/nr_hugepages", 30)}
+
+
+def _meminfo(key: str) -> str:
+    for line in open("/proc/meminfo"):
+        if line.startswith(key):
+            return line.split(":", 1)[1].strip()
+    return "?"
+
+
+def _smaps_kb(key: str) -> int:
+    try:
+        for line in open("/proc/self/smaps_rollup"):
+            if line.startswith(key):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return -1
+
+
+def reserve_huge(kind: str, nbytes: int) -> tuple[str, int, int]:
+    """Make sure enough huge pages of ``kind`` are reserved; (sysctl path, old, now)."""
+    page, path, _ = HUGE[kind]
+    need = -(-nbytes // page)
+    old = int(open(path).read())
+    free_path = path.replace("nr_hugepages", "free_hugepages") if "hugepages-" in path else None
+    free = int(open(free_path).read()) if free_path else int(_meminfo("HugePages_Free").split()[0])
+    if free < need:
+        try:
+            with open(path, "w") as f:
+                f.write(str(old + need - free))
+        except OSError as e:
+            raise RuntimeError(f"need {need} free huge pages of {page >> 20} MiB, {free} free, "
+                               f"and cannot raise {path}: {e}") from e
+    now = int(open(path).read())
+    return path, old, now
+
+
+class _Loc(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _AllocProp(ctypes.Structure):  # CUmemAllocationProp
+    _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int), ("location", _Loc),
+                ("win32HandleMetaData", ctypes.c_void_p), ("compressionType", ctypes.c_ubyte),
+                ("gpuDirectRDMACapable", ctypes.c_ubyte), ("usage", ctypes.c_ushort),
+                ("reserved", ctypes.c_ubyte * 4)]
+
+
+class _AccessDesc(ctypes.Structure):  # CUmemAccessDesc
+    _fields_ = [("location", _Loc), ("flags", ctypes.c_int)]
+
+
+def _vmm_host(nbytes: int):
+    """(ptr, size, release) of host memory from cuMemCreate(HOST_NUMA 0), GPU+CPU RW."""
+    cu = ctypes.CDLL("libcuda.so.1")
+
+    def ck(name, *args):
+        rc = getattr(cu, name)(*args)
+        if rc != 0:
+            raise RuntimeError(f"{name} failed with CUresult {rc}")
+
+    dev = torch.cuda.current_device()
+    prop = _AllocProp(type=1, requestedHandleTypes=0, location=_Loc(3, 0))  # PINNED, HOST_NUMA 0
+    gran = ctypes.c_size_t()
+    ck("cuMemGetAllocationGranularity", ctypes.byref(gran), ctypes.byref(prop), 1)  # RECOMMENDED
+    size = -(-nbytes // gran.value) * gran.value
+    handle = ctypes.c_ulonglong()
+    ck("cuMemCreate", ctypes.byref(handle), ctypes.c_size_t(size), ctypes.byref(prop), ctypes.c_ulonglong(0))
+    ptr = ctypes.c_ulonglong()
+    ck("cuMemAddressReserve", ctypes.byref(ptr), ctypes.c_size_t(size), ctypes.c_size_t(1 << 30),
+       ctypes.c_ulonglong(0), ctypes.c_ulonglong(0))
+    ck("cuMemMap", ptr, ctypes.c_size_t(size), ctypes.c_size_t(0), handle, ctypes.c_ulonglong(0))
+    desc = (_AccessDesc * 2)(_AccessDesc(_Loc(1, dev), 3), _AccessDesc(_Loc(3, 0), 3))  # RW
+    ck("cuMemSetAccess", ptr, ctypes.c_size_t(size), desc, ctypes.c_size_t(2))
+
+    def rel():
+        cu.cuMemUnmap(ptr, ctypes.c_size_t(size))
+        cu.cuMemRelease(handle)
+        cu.cuMemAddressFree(ptr, ctypes.c_size_t(size))
+    return ptr.value, size, gran.value, rel
+
+
 def alloc(kind: str, nbytes: int):
     """(uint8 CPU tensor of nbytes, release callable, seconds)."""
     t0 = time.perf_counter()
@@ -52,6 +149,57 @@ def alloc(kind: str, nbytes: int):
 
         def rel():
             torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+    elif kind in HUGE:
+        page, path, log2 = HUGE[kind]
+        path, old, now = reserve_huge(kind, nbytes)
+        size = -(-nbytes // page) * page
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | MAP_HUGETLB | (log2 << MAP_HUGE_SHIFT)
+        try:
+            mm = mmap.mmap(-1, size, flags=flags)
+        except OSError as e:
+            with open(path, "w") as f:
+                f.write(str(old))
+            raise RuntimeError(f"MAP_HUGETLB mmap of {size} bytes failed ({e}); reserved {now} "
+                               f"pages in {path}") from e
+        t = torch.frombuffer(mm, dtype=torch.uint8)[:nbytes]
+        t[:: 4096].zero_()
+        _register(t)
+
+        def rel():
+            torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+            try:
+                with open(path, "w") as f:
+                    f.write(str(old))
+            except OSError:
+                pass
+    elif kind == "vmm_host":
+        from hisparse import device as hdev
+
+        ptr, size, gran, vrel = _vmm_host(nbytes)
+        print(f"vmm_host: granularity {gran} bytes")
+        arr = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
+        t = torch.from_numpy(arr)
+        t[:: 4096].zero_()  # the CPU can write it (access granted to host NUMA 0)
+        hdev._REGISTERED[ptr] = nbytes  # reachable from the GPU: let copy_rows accept it
+
+        def rel():
+            hdev._REGISTERED.pop(ptr, None)
+            vrel()
+    elif kind == "managed":
+        import cupy
+        from hisparse import device as hdev
+
+        ptr = cupy.cuda.runtime.mallocManaged(nbytes, 1)  # cudaMemAttachGlobal
+        cupy.cuda.runtime.memAdvise(ptr, nbytes, 3, -1)  # SetPreferredLocation = CPU
+        cupy.cuda.runtime.memAdvise(ptr, nbytes, 5, torch.cuda.current_device())  # SetAccessedBy
+        arr = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
+        t = torch.from_numpy(arr)
+        t[:: 4096].zero_()
+        hdev._REGISTERED[ptr] = nbytes
+
+        def rel():
+            hdev._REGISTERED.pop(ptr, None)
+            cupy.cuda.runtime.free(ptr)
     elif kind == "hostalloc":
         import cupy
 
@@ -106,7 +254,12 @@ def main() -> None:
             res["cases"].append({"kind": kind, "error": repr(e)})
             continue
         rows = pool.view(H, W)
-        print(f"{kind}: allocated + pinned in {secs:.1f} s, is_pinned={pool.is_pinned()}")
+        huge = {"anon_huge_kb": _smaps_kb("AnonHugePages"),
+                "hugetlb_total": _meminfo("HugePages_Total"), "hugetlb_free": _meminfo("HugePages_Free")}
+        print(f"{kind}: allocated + pinned in {secs:.1f} s, is_pinned={pool.is_pinned()}, "
+              f"AnonHugePages {huge['anon_huge_kb'] / 2**20:.1f} GiB, hugetlb total/free "
+              f"{huge['hugetlb_total']}/{huge['hugetlb_free']}")
+        res["cases"].append({"kind": kind, "huge_pages": huge})
         for n in a.rows:
             src = torch.randperm(H, generator=g)[:n].to(torch.int32).to(dev)
             dst = torch.arange(n, dtype=torch.int32, device=dev)
@@ -130,7 +283,7 @@ def main() -> None:
                 res["cases"].append({"kind": kind, "order": order, "rows": n, "alloc_s": secs,
                                      "copy_us": t_copy, "bulk_us": t_bulk, "ratio": ratio,
                                      "gbs": gbs, "ok": ok})
-        del rows, pool
+        rows = pool = None
         torch.cuda.synchronize()
         rel()
     if a.out:

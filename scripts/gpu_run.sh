@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Everything hisparse runs on the H200 test machine, in one command, results under $OUT.
 #
-#   bash scripts/gpu_run.sh [SECTION ...]     sections: env tests sanitize staging decode triton_configs
+#   bash scripts/gpu_run.sh [SECTION ...]     sections: env tests sanitize staging decode triton_configs profile
 #                                             prefill e2e stress autotune tests_each pool_kinds
 #                                             (default: all, in that order)
+# Extra arguments: TC_ARGS (triton_configs), PREFILL_ARGS, DECODE_ARGS; POOL_KINDS (pool_kinds).
 # Uses the machine's preinstalled torch/triton (no network there): PYTHONPATH=. , no install.
 # Optional kernels are picked up from .gpu-deps/ when carried (see ../shared/GPU.md):
 #   .gpu-deps/vllm/_flashmla_C.abi3.so  -> HISPARSE_FLASHMLA_LIB
@@ -64,13 +65,20 @@ for s in "${sections[@]}"; do
         grep -E "passed|failed|error" "$LOG" | tail -1 | tee -a "$SUM"
       done ;;
     pool_kinds) run pool_kinds 200 python3 benchmarks/bench_pool_kinds.py --kinds ${POOL_KINDS:-register} --out "$RES/pool_kinds.json" ;;
+    profile)  # Nsight Compute on one decode launch (T=64, H=128, fp8), when ncu is installed
+      NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
+      if [ -n "$NCU" ]; then
+        run profile 240 "$NCU" --kernel-name regex:sparse_mla_decode --launch-skip 2 --launch-count 1 \
+            --section SpeedOfLight --section WarpStateStats --section Occupancy --section ComputeWorkloadAnalysis \
+            --section MemoryWorkloadAnalysis --section LaunchStats python3 scripts/profile_decode.py ${PROFILE_ARGS:-}
+      else echo "[profile] no ncu on this machine" | tee -a "$SUM" "$LOG"; fi ;;
     sanitize)
       run memcheck 90 compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/sanitize_trace.py
       run racecheck 90 compute-sanitizer --tool racecheck --error-exitcode 9 python3 scripts/sanitize_trace.py ;;
     staging) run staging 300 python3 benchmarks/bench_staging.py --out "$RES/staging.json" ${QUICK:+--quick} ;;
-    decode) run decode 300 python3 benchmarks/bench_decode.py --out "$RES/decode.json" ${QUICK:+--quick} ;;
-    triton_configs) run triton_configs 300 python3 benchmarks/bench_triton_configs.py --out "$RES/triton_configs.json" ${QUICK:+--quick} ;;
-    prefill) run prefill 240 python3 benchmarks/bench_prefill.py --out "$RES/prefill.json" ${QUICK:+--quick} ;;
+    decode) run decode 300 python3 benchmarks/bench_decode.py --out "$RES/decode.json" ${QUICK:+--quick} ${DECODE_ARGS:-} ;;
+    triton_configs) run triton_configs 300 python3 benchmarks/bench_triton_configs.py --out "$RES/triton_configs.json" ${QUICK:+--quick} ${TC_ARGS:-} ;;
+    prefill) run prefill 240 python3 benchmarks/bench_prefill.py --out "$RES/prefill.json" ${QUICK:+--quick} ${PREFILL_ARGS:-} ;;
     e2e) run e2e 300 python3 benchmarks/bench_e2e.py --out "$RES/e2e.json" ${QUICK:+--quick} ;;
     stress) run_to stress 420 "$RES/stress.json" python3 -m hisparse stress --preset gpu --json --plot "$RES"
             python3 -c "import json,sys; from hisparse.tools.stress import format_stress; print(format_stress(json.load(open(sys.argv[1]))))" "$RES/stress.json" >>"$LOG" 2>&1 ;;

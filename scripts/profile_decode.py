@@ -1,0 +1,54 @@
+"""Run the Triton sparse-MLA decode a few times at one shape, for a profiler to attach to.
+
+    ncu --kernel-name regex:sparse_mla_decode --launch-skip 2 --launch-count 1 \
+        --section SpeedOfLight --section WarpStateStats python3 scripts/profile_decode.py
+
+Shape: T tokens, H heads, K = 2048 random rows out of T x 4096, fp8_ds_mla (default) or bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import torch  # noqa: E402
+
+from hisparse.attention.triton_backend import TritonBackend, TritonMLAConfig  # noqa: E402
+from hisparse.formats import quantize_fp8_ds_mla  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--T", type=int, default=64)
+    ap.add_argument("--H", type=int, default=128)
+    ap.add_argument("--K", type=int, default=2048)
+    ap.add_argument("--format", default="fp8_ds_mla", choices=["fp8_ds_mla", "bf16"])
+    ap.add_argument("--shape", help="BH,BN,W,S[,DV[,ISO[,SPLITS]]] launch shape (default: default_config)")
+    ap.add_argument("--calls", type=int, default=4)
+    a = ap.parse_args()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    N = a.T * 4096
+    x = torch.randn(N, 576, device="cuda", generator=g).bfloat16()
+    rows = quantize_fp8_ds_mla(x) if a.format == "fp8_ds_mla" else x
+    q = torch.randn(a.T, a.H, 576, device="cuda", generator=g).bfloat16()
+    idx = torch.randint(0, N, (a.T, a.K), device="cuda", generator=g, dtype=torch.int32)
+    cfg = None
+    if a.shape:
+        v = [int(s) for s in a.shape.split(",")]
+        cfg = TritonMLAConfig(block_h=v[0], block_n=v[1], num_warps=v[2], num_stages=v[3],
+                              dv_parts=v[4] if len(v) > 4 else 1,
+                              isolate_qk=bool(v[5]) if len(v) > 5 else False,
+                              num_splits=v[6] if len(v) > 6 else None)
+    be = TritonBackend(config=cfg, validate=False)
+    for _ in range(a.calls):
+        be.decode(q, rows, idx, sm_scale=1.0 / math.sqrt(576), row_format=a.format)
+    torch.cuda.synchronize()
+    print("done", a)
+
+
+if __name__ == "__main__":
+    main()
