@@ -198,7 +198,7 @@ def bench_resolve(args, dev, timer, pool_flat, results):
     cuda = dev.type == "cuda"
     W = 656
     K, S, Bk = (8, 16, 4) if args.dry_run else (2048, 4096, 64)
-    batches = [1, 2] if args.dry_run else [1, 8, 64]
+    batches = [1, 2] if args.dry_run else [1, 8, 64, 256]
     g = torch.Generator().manual_seed(1)
     for Bn in batches:
         pool_rows = pool_flat.numel() // W
@@ -271,6 +271,23 @@ def bench_resolve(args, dev, timer, pool_flat, results):
         r_only = summary(timer.run(resolve_only, args.reps, before=restore))
         both = summary(timer.run(resolve_copy, args.reps, before=restore), nbytes)
         both["ratio_vs_bulk"] = bulk["median_us"] / both["median_us"]
+        # mixed steps: a fraction h of each row's K positions is hot (slots 0..S-1 hold
+        # positions 0..S-1), the rest are misses from [S, seq - 1)
+        mixed = {}
+        for h in (0.9, 0.5):
+            nh = int(round(h * K))
+            rows_k = [torch.cat([torch.randperm(S, generator=g)[:nh],
+                                 torch.randperm(seq - 1 - S, generator=g)[:K - nh] + S])
+                      for _ in range(Bn)]
+            topk_h = torch.stack(rows_k).to(torch.int32).to(dev)
+            mixed[h] = summary(timer.run(
+                lambda: resolve_triton(state, 0, req, topk_h, out, max_query_len=1), args.reps,
+                before=restore))
+            restore()
+            resolve_triton(state, 0, req, topk_h, out, max_query_len=1)
+            got = (int(state.stats[0, 0]), int(state.stats[0, 1]))
+            if got != (Bn * nh, Bn * (K - nh)):
+                raise RuntimeError(f"hit rate {h}: (hits, misses) {got}, expected {(Bn * nh, Bn * (K - nh))}")
         restore()
         resolve_only()  # the same top-k again: all hits from now on
         hits = summary(timer.run(resolve_only, args.reps))
@@ -279,9 +296,12 @@ def bench_resolve(args, dev, timer, pool_flat, results):
         print(fmt("resolve only (all miss)", r_only))
         print(fmt("resolve + copy_rows (all miss)", both, bulk))
         print(fmt("resolve only (all hit)", hits))
+        for h, v in mixed.items():
+            print(fmt(f"resolve only ({h:.0%} hits)", v))
         results["resolve"].append({"B": Bn, "K": K, "S": S, "W": W, "bulk_h2d": bulk,
                                    "resolve_all_miss": r_only, "resolve_copy_all_miss": both,
-                                   "resolve_all_hit": hits})
+                                   "resolve_all_hit": hits,
+                                   **{f"resolve_hit_{int(h * 100)}": v for h, v in mixed.items()}})
 
 
 def main(argv=None) -> int:

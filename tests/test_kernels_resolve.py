@@ -466,3 +466,27 @@ def test_copy_rows_reference_helper_consistency():
     n = copy_rows_reference(src, torch.tensor([2, -1, 0], dtype=torch.int32), dst,
                             torch.tensor([0, 1, -1], dtype=torch.int32))
     assert n == 1 and dst[0].tolist() == [8, 9, 10, 11] and dst[1:].sum() == 0
+
+
+@pytest.mark.parametrize("compact", [False, True])
+def test_all_hit_step_with_duplicates_padding_and_invalid(compact):
+    """The kernel's all-hit path (no sort): every valid entry hot, with duplicates within
+    and across the two tokens of a group, -1 padding and out-of-range entries. Hits are
+    counted once per unique position, state and outputs equal the reference's."""
+    cfg = small_cfg(K=6, q=2, S=12)
+    ref = make_state(cfg, {3: 9, 5: 12, 9: 40}, CPU, random.Random(5))
+    tri = ref.clone()
+    # id 3 (9 rows, all in slots) and id 5 (12 rows = S): every position is hot
+    req = torch.tensor([3, 3, 5], dtype=torch.int32)
+    topk = torch.tensor([[0, 4, 4, -1, 8, 2],
+                         [4, 2, 8, 8, -1, 99],   # 99 >= seq_len: invalid, not a miss
+                         [11, 0, 11, 5, -1, -1]], dtype=torch.int32)
+    oa, ob = new_buffers(3, 6, CPU), new_buffers(3, 6, CPU)
+    resolve_reference(ref, 0, req, topk, oa, max_query_len=2, compact=compact)
+    resolve_triton(tri, 0, req, topk, ob, max_query_len=2, compact=compact)
+    assert_same(ref, tri, oa, ob, msg="all-hit step")
+    s = tri.stats[0]
+    assert s[STAT_MISSES].item() == 0
+    assert s[STAT_HITS].item() == 4 + 3  # id 3: {0, 2, 4, 8}; id 5: {0, 5, 11}
+    assert s[STAT_INVALID].item() == 1
+    assert bool((ob.stage_src[:3 * 6] == -1).all()) and bool((ob.stage_dst[:3 * 6] == -1).all())

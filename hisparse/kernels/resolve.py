@@ -20,7 +20,8 @@ Leader phases (global memory hand-offs between phases are separated by
 ``tl.debug_barrier``, a CTA-wide barrier that also orders global memory):
   P1  load the group's n*K positions; invalid ones (out of [0, seq_len), or an
       unmapped host block) are counted and replaced by a sentinel.
-  P2  sort the positions (``tl.sort``); a position is unique when it differs from its
+  P2  if every valid position is already hot (all hits), stamp them and skip to P5.
+      Otherwise sort the positions (``tl.sort``); a position is unique when it differs from its
       left neighbour (``tl.gather``). Look each unique position up in row_slot: hits
       are stamped with the new step; misses get their rank (exclusive cumsum), which
       is their index in ascending position order, as in the reference. The miss of
@@ -187,27 +188,45 @@ def resolve_kernel(
             _grow, ggood = _host_row(gpos, gok, bt_r, NB, B, H)
             nbad = tl.sum((gmask & (gpos != -1) & (ggood == 0)).to(tl.int32), axis=0)
 
-            # P2: unique positions, hits and misses
-            sp = tl.sort(tl.where(ggood, gpos, _I32_MAX))
-            left = tl.gather(sp, tl.maximum(gi - 1, 0), 0)
-            uniq = (sp != _I32_MAX) & ((gi == 0) | (sp != left))
-            srow, sgood = _host_row(sp, uniq, bt_r, NB, B, H)
-            sslot = tl.load(row_slot_ptr + srow, mask=sgood, other=-1)
-            hit = sgood & (sslot >= 0) & (sslot <= S)
-            miss = sgood & (hit == 0)
-            tl.store(slot_stamp_r + sslot, tl.full([GB], 0, tl.int32) + s_new, mask=hit)
-            nhit = tl.sum(hit.to(tl.int32), axis=0)
-            mi = miss.to(tl.int32)
-            m = tl.sum(mi, axis=0)
-            mrank = tl.cumsum(mi, 0) - mi
-            # staging slice: the miss of rank i parks (host row, -2 - position) at
-            # entry i for its victim to pick up in P3; entries >= m are cleared. The
-            # two masks address disjoint entries (ranks < m, offsets >= m).
-            tl.store(stage_src_ptr + base + mrank, srow.to(tl.int32), mask=miss)
-            tl.store(stage_dst_ptr + base + mrank, -2 - sp, mask=miss)
-            tail = gmask & (goff >= m)
-            tl.store(stage_src_ptr + base + goff, minus1_g, mask=tail)
-            tl.store(stage_dst_ptr + base + goff, minus1_g, mask=tail)
+            # All-hit fast path (every step of a request whose context fits its buffer,
+            # and many others): when every valid entry is already hot there is nothing
+            # to rank, so skip the sort. Stamps are idempotent; the unique hits are the
+            # slots now stamped s_new (every older stamp is < s_new).
+            gslot = tl.load(row_slot_ptr + _grow, mask=ggood, other=-1)
+            ghit = ggood & (gslot >= 0) & (gslot <= S)
+            m_raw = tl.sum((ggood & (ghit == 0)).to(tl.int32), axis=0)
+            if m_raw == 0:
+                tl.store(slot_stamp_r + gslot, tl.full([GB], 0, tl.int32) + s_new, mask=ghit)
+                tl.store(stage_src_ptr + base + goff, minus1_g, mask=gmask)
+                tl.store(stage_dst_ptr + base + goff, minus1_g, mask=gmask)
+                tl.debug_barrier()
+                si0 = tl.arange(0, SB)
+                st0 = tl.load(slot_stamp_r + si0, mask=si0 < S, other=0)
+                nhit = tl.sum((st0 == s_new).to(tl.int32), axis=0) \
+                    + (tl.load(slot_stamp_r + S) == s_new).to(tl.int32)
+                m = nhit * 0
+            else:
+                # P2: unique positions, hits and misses
+                sp = tl.sort(tl.where(ggood, gpos, _I32_MAX))
+                left = tl.gather(sp, tl.maximum(gi - 1, 0), 0)
+                uniq = (sp != _I32_MAX) & ((gi == 0) | (sp != left))
+                srow, sgood = _host_row(sp, uniq, bt_r, NB, B, H)
+                sslot = tl.load(row_slot_ptr + srow, mask=sgood, other=-1)
+                hit = sgood & (sslot >= 0) & (sslot <= S)
+                miss = sgood & (hit == 0)
+                tl.store(slot_stamp_r + sslot, tl.full([GB], 0, tl.int32) + s_new, mask=hit)
+                nhit = tl.sum(hit.to(tl.int32), axis=0)
+                mi = miss.to(tl.int32)
+                m = tl.sum(mi, axis=0)
+                mrank = tl.cumsum(mi, 0) - mi
+                # staging slice: the miss of rank i parks (host row, -2 - position) at
+                # entry i for its victim to pick up in P3; entries >= m are cleared. The
+                # two masks address disjoint entries (ranks < m, offsets >= m).
+                tl.store(stage_src_ptr + base + mrank, srow.to(tl.int32), mask=miss)
+                tl.store(stage_dst_ptr + base + mrank, -2 - sp, mask=miss)
+                tail = gmask & (goff >= m)
+                tl.store(stage_src_ptr + base + goff, minus1_g, mask=tail)
+                tl.store(stage_dst_ptr + base + goff, minus1_g, mask=tail)
 
             tl.store(step_ptr + r, s_new)
             tl.atomic_add(stats_ptr + STAT_INVALID, nbad.to(tl.int64))
