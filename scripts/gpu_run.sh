@@ -4,7 +4,7 @@
 #   bash scripts/gpu_run.sh [SECTION ...]     sections: env tests sanitize staging decode triton_configs profile
 #                                             prefill e2e stress autotune tests_each pool_kinds
 #                                             (default: all, in that order)
-# Extra arguments: TC_ARGS (triton_configs), PREFILL_ARGS, DECODE_ARGS; POOL_KINDS (pool_kinds).
+# Extra arguments: TC_ARGS (triton_configs), PREFILL_ARGS, DECODE_ARGS, STAGING_ARGS; POOL_KINDS (pool_kinds).
 # Uses the machine's preinstalled torch/triton (no network there): PYTHONPATH=. , no install.
 # Optional kernels are picked up from .gpu-deps/ when carried (see ../shared/GPU.md):
 #   .gpu-deps/vllm/_flashmla_C.abi3.so  -> HISPARSE_FLASHMLA_LIB
@@ -75,7 +75,7 @@ for s in "${sections[@]}"; do
     sanitize)
       run memcheck 90 compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/sanitize_trace.py
       run racecheck 90 compute-sanitizer --tool racecheck --error-exitcode 9 python3 scripts/sanitize_trace.py ;;
-    staging) run staging 300 python3 benchmarks/bench_staging.py --out "$RES/staging.json" ${QUICK:+--quick} ;;
+    staging) run staging 300 python3 benchmarks/bench_staging.py --out "$RES/staging.json" ${QUICK:+--quick} ${STAGING_ARGS:-} ;;
     decode) run decode 300 python3 benchmarks/bench_decode.py --out "$RES/decode.json" ${QUICK:+--quick} ${DECODE_ARGS:-} ;;
     triton_configs) run triton_configs 300 python3 benchmarks/bench_triton_configs.py --out "$RES/triton_configs.json" ${QUICK:+--quick} ${TC_ARGS:-} ;;
     prefill) run prefill 240 python3 benchmarks/bench_prefill.py --out "$RES/prefill.json" ${QUICK:+--quick} ${PREFILL_ARGS:-} ;;

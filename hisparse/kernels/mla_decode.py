@@ -142,7 +142,9 @@ def sparse_mla_decode_kernel(
         acc2 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
         acc3 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
     idx_row = idx_ptr + t * idx_stride
-    one = (K > 0).to(tl.int32)  # a runtime 1 (see ISOLATE_QK)
+    # a runtime 1 for ISOLATE_QK's one-trip loops (lo >= 0 always; lo depends on the
+    # program id, so the compiler cannot fold the loops away, whatever K is specialised to)
+    one = (lo >= 0).to(tl.int32)
     for start in range(lo, hi, BLOCK_N):
         valid, c0, c1, c2, c3, s0, s1, s2, s3, kr = _load_block(
             kv_ptr, idx_row, start, hi, N, kv_stride, o0, o1, o2, o3, BLOCK_N, IS_FP8)
