@@ -7,7 +7,8 @@
 
 Runs several decode steps of resolve_triton + copy_rows (pinned host pool -> hot
 rows over UVA) for a few requests with q = 2, including padding, duplicates and,
-in the last steps, garbage entries (validation off), and checks the result against
+in the last steps, garbage entries (validation off); requests 3 and 4 fit their buffers,
+so every step of theirs takes the kernel's all-hit path. It checks the result against
 the torch reference after every step. Shapes are small so the sanitizer finishes
 in about a minute; the kernel code paths (sort, gather, barriers, atomics, the
 persistent copy loop) are the same as at production shapes. Prints "OK" and exits
