@@ -35,6 +35,9 @@ class TritonMLAConfig:
     num_splits: KV splits per (token, head block); None = choose from the GPU's SM count
     dv_parts: 1, or 2 to split the 512 output columns over two programs (each computes
         q . k^T in full and p . v for its half: half the accumulator registers)
+    isolate_qk: compile each q . k^T dot in its own one-trip loop region, so that Triton
+        does not lay it out over all warps along the heads (at block_h 64 with 8 warps
+        that makes both warpgroups compute the same product); see ``mla_decode``
     """
 
     block_h: int = 64

@@ -4,9 +4,11 @@ reuses the bf16 path over the staged workspace). Launcher: ``hisparse.attention.
 Notation: T query tokens, H heads, K selected entries per token, N rows, D_QK = 576
 (4 latent tiles of 128 + 64 RoPE), D_V = 512 (the 4 latent tiles).
 
-Grid of the main kernel: (T, cdiv(H, BLOCK_H), NUM_SPLITS). Program (t, hb, sp) takes
-the head block hb of token t and the entries [sp * rows_per_split, (sp + 1) *
-rows_per_split) of its index row (split-KV, so small T still fills the GPU). Per
+Grid of the main kernel: (T, cdiv(H, BLOCK_H) * DV_PARTS, NUM_SPLITS). Program
+(t, hb * DV_PARTS + v, sp) takes the head block hb of token t and the entries
+[sp * rows_per_split, (sp + 1) * rows_per_split) of its index row (split-KV, so small T
+still fills the GPU); with DV_PARTS = 2 it writes only output columns [256 v, 256 v +
+256). ISOLATE_QK puts each q . k^T dot in its own loop region (see the kernel body). Per
 iteration it gathers BLOCK_N rows *once* for all BLOCK_H heads, dequantizes them to
 bf16 in registers (fp8: e4m3 bytes bitcast to float8e4nv times the tile scale, exact
 since scales are powers of two; RoPE bf16 as stored), and runs an online softmax
