@@ -12,6 +12,11 @@ staging throughput to the bulk copy (target >= 0.8). A few rows-per-program /
 num_warps variants are timed and the best is named. Every staged workspace is checked
 byte-exact against the torch reference once.
 
+Each variant (and the bulk copy) is timed twice: eager (``--inner`` back-to-back calls per
+sample, Python included) and graph-replayed (the same calls captured once in a CUDA
+graph: GPU time only). The host CPU time of one call is reported too (``--profile-host``
+prints a cProfile of it for the smallest fp8 -> bf16 case).
+
     python benchmarks/bench_prefill.py --out prefill.json           # full (H200)
     python benchmarks/bench_prefill.py --quick --out q.json         # 8K and 64K only, fewer reps
     python benchmarks/bench_prefill.py --dry-run                     # tiny, CPU (interpreter)
