@@ -174,15 +174,14 @@ def _host_us_per_call(fn, calls: int = 50, profile: bool = False) -> float:
 def _time_variant(timer: Timer, base: dict, kw: dict, ws, src_bytes: int, rows: int, warps: int,
                   reps: int, warmup: int) -> dict:
     """Eager (and, on CUDA, graph-replayed) timing of one launch shape."""
-    t = timer.run(lambda: stage_prefill(workspace=ws, rows_per_program=rows, num_warps=warps, **kw),
-                  reps, warmup)
-    s = summarize(t, src_bytes)
+    def call():
+        stage_prefill(workspace=ws, rows_per_program=rows, num_warps=warps, **kw)
+
+    s = summarize(timer.run(call, reps, warmup), src_bytes)
     s.update(rows_per_program=rows, num_warps=warps, ratio_vs_bulk=s["gbps_median"] / base["gbps_median"])
     if timer.cuda:
         try:
-            gs = summarize(timer.run_graph(
-                lambda: stage_prefill(workspace=ws, rows_per_program=rows, num_warps=warps, **kw),
-                reps, warmup), src_bytes)
+            gs = summarize(timer.run_graph(call, reps, warmup), src_bytes)
             gs["ratio_vs_bulk"] = gs["gbps_median"] / base["graph"]["gbps_median"]
             s["graph"] = gs
         except Exception as e:  # report, keep the eager figures
