@@ -20,19 +20,19 @@ Inputs: ``req_ids`` int32 [T] (request id per query token), ``topk`` int32 [T, K
    the positions appended to layer l, so a token can resolve rows written to its own
    layer in the same step even before the later layers have written theirs.
 3. Per group (layer l, request slot r): step[l, r] += 1 (new step ``s``). The unique
-   valid positions U of all tokens of the group are looked up in ``row_slot``.
-   Hits: slot_stamp = s (STAT_HITS += |hits|). Misses M (ascending position,
-   STAT_MISSES += |M|) take the |M| smallest-key victims among slots 0..S-1 whose
-   stamp < s (see ``state`` for the key); a victim's old row is unmapped; the miss
-   is mapped, stamped s, and appended to the group's staging list
-   stage_src/stage_dst[t0*K : t0*K + |M|] (host row -> flat hot row).
+   valid positions U of all tokens of the group, in order of first occurrence in the
+   group's row-major top-k, are looked up in ``row_slot``. Hits: slot_stamp = s
+   (STAT_HITS += |hits|). Misses M (first-occurrence order, STAT_MISSES += |M|) take
+   the |M| smallest-key victims among slots 0..S-1 whose stamp < s (see ``state`` for
+   the key); the i-th miss takes the i-th victim in ascending *slot* order. A victim's
+   old row is unmapped; the miss is mapped, stamped s, and appended to the group's
+   staging list stage_src/stage_dst[t0*K : t0*K + |M|] (host row -> flat hot row).
 4. physical[t, k] = r * (S + 1) + slot of the entry's row, -1 for padding;
    valid_counts[t] = number of non-padding entries (duplicates count).
    With ``compact`` the valid entries of each row move to its front, in order.
 
-The reference assigns the i-th miss (ascending position) to the i-th victim
-(ascending key); the kernel may pair them differently, which changes physical
-slot numbers but no row-level state (see ``state``).
+The Triton kernel pairs misses and victims the same way (neither order needs a sort
+on the GPU), so both leave identical state and outputs.
 """
 
 from __future__ import annotations
@@ -65,6 +65,16 @@ def _victim_keys(stamp: torch.Tensor, pos: torch.Tensor, S: int) -> torch.Tensor
     slots = torch.arange(S, dtype=torch.int64, device=stamp.device)
     occupied = (stamp.long() << 32) | pos.long()
     return torch.where(pos >= 0, occupied, slots - (S + 1))
+
+
+def _first_occurrences(vals: torch.Tensor) -> torch.Tensor:
+    """Distinct values of the 1-D int64 ``vals`` in order of their first occurrence."""
+    if vals.numel() == 0:
+        return vals
+    uniq, inv = torch.unique(vals, return_inverse=True)
+    first = torch.full((uniq.numel(),), vals.numel(), dtype=torch.int64, device=vals.device)
+    first.scatter_reduce_(0, inv, torch.arange(vals.numel(), device=vals.device), reduce="amin")
+    return uniq[torch.argsort(first)]
 
 
 def resolve_reference(state: HotState, layer: int, req_ids: torch.Tensor, topk: torch.Tensor,
@@ -121,7 +131,7 @@ def resolve_reference(state: HotState, layer: int, req_ids: torch.Tensor, topk: 
         state.step[layer, r] = s_new
         state.stats[layer, STAT_RESOLVES] += 1
 
-        uniq = torch.unique(g_pos[g_ok])  # ascending
+        uniq = _first_occurrences(g_pos[g_ok])  # row-major first-occurrence order
         bt = state.block_table[r].long()
         rows = bt[uniq // B] * B + uniq % B
         slots = row_slot[rows].long()
@@ -141,7 +151,7 @@ def resolve_reference(state: HotState, layer: int, req_ids: torch.Tensor, topk: 
                     f"{cand.numel()} slots are evictable (S={S}); config invariant broken"
                 )
             keys = _victim_keys(stamp[:S], spos[:S], S)[cand]
-            victims = cand[torch.argsort(keys)[:m]]
+            victims = torch.sort(cand[torch.argsort(keys)[:m]]).values  # ascending slot
             old = spos[victims].long()
             had = old >= 0
             row_slot[bt[old[had] // B] * B + old[had] % B] = -1

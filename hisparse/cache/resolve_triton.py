@@ -119,9 +119,9 @@ def resolve_triton(state: HotState, layer: int, req_ids: torch.Tensor, topk: tor
         return
     S = state.S
     KB = _pow2(K)
-    GB = _pow2(max_query_len) * KB
+    GQ = _pow2(max_query_len)
     SB = _pow2(S)
-    big = max(GB, SB)
+    big = max(GQ * KB, SB)
     num_warps = 4 if big <= 1024 else (8 if big <= 4096 else 16)
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
         resolve_kernel[(T,)](
@@ -137,7 +137,7 @@ def resolve_triton(state: HotState, layer: int, req_ids: torch.Tensor, topk: tor
             T, K, S, state.B,
             STAT_HITS=STAT_HITS, STAT_MISSES=STAT_MISSES, STAT_INVALID=STAT_INVALID,
             STAT_RESOLVES=STAT_RESOLVES,
-            Q=max_query_len, KB=KB, GB=GB, SB=SB, LOG_SB=SB.bit_length() - 1,
+            Q=max_query_len, KB=KB, GQ=GQ, SB=SB,
             COMPACT=bool(compact), CH=_SCAN_CHUNK, num_warps=num_warps,
         )
 

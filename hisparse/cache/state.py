@@ -22,7 +22,8 @@ the new step, in ascending order of the key
   key(occupied slot s) = (stamp << 32) | position     (older first; ties by position)
 
 so the policy is defined on rows, not on slot numbers: which victim slot a given miss
-lands in does not change any later hit or eviction.
+lands in does not change any later hit or eviction. (The resolve pairs the misses, in
+order of first occurrence, with the victims in ascending slot order.)
 """
 
 from __future__ import annotations

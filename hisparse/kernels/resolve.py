@@ -16,28 +16,33 @@ carry the same request id, capped at Q = max_query_len):
   - other live tokens: nothing (their leader writes their outputs).
 So every output element and every (layer, request) state row has exactly one writer.
 
-Leader phases (global memory hand-offs between phases are separated by
-``tl.debug_barrier``, a CTA-wide barrier that also orders global memory):
-  P1  load the group's n*K positions; invalid ones (out of [0, seq_len), or an
-      unmapped host block) are counted and replaced by a sentinel.
-  P2  if every valid position is already hot (all hits), stamp them and skip to P5.
-      Otherwise sort the positions (``tl.sort``); a position is unique when it differs from its
-      left neighbour (``tl.gather``). Look each unique position up in row_slot: hits
-      are stamped with the new step; misses get their rank (exclusive cumsum), which
-      is their index in ascending position order, as in the reference. The miss of
-      rank i parks its host row and position in entry i of the group's staging slice
+Leader phases. The group is a [GQ, KB] tile (token j of the group, entry k), held
+in registers from P1 to P5; global memory hand-offs between phases are separated by
+``tl.debug_barrier`` (a CTA-wide barrier), and values written by atomics are read back
+with ``.cg`` loads (L2, not a possibly stale L1 line). No sort anywhere:
+  P1  load the group's positions; invalid ones (out of [0, seq_len), or an unmapped
+      host block) are counted and treated as padding. Look every row up in row_slot.
+  P2  hits: ``atomic_xchg`` their slot stamp to the new step; the lanes that changed
+      a stamp are the unique hits. If there is no miss, skip to P5 (the all-hit path:
+      one pass over the tile, no barrier). Misses: each miss lane bids a marker < -1
+      for its row with ``atomic_min`` (the first lane in row-major order bids the
+      smallest); the lane that reads its own marker back is the row's first
+      occurrence. First occurrences get their miss rank i (row-major exclusive cumsum)
+      and park (host row, position) at entry i of the group's staging slice
       stage_*[t0*K : (t0+n)*K] (the slice belongs to the group alone); the rest of
       the slice is cleared to -1.
-  P3  (only if there are misses) compute the eviction key of every slot 0..S-1 whose
-      stamp is older than the new step, sort the keys, and give each candidate its
-      rank by a branch-free binary search in the sorted keys. The candidates of rank
-      < m are the victims.
-  P4  the victim of rank i reads the miss parked in entry i, unmaps its old row,
-      maps the miss (slot_pos, slot_stamp, row_slot) and writes its flat hot row to
-      stage_dst[t0*K + i]. Nothing of the group-sized tensors of P1-P2 stays live
-      across the key sort, which keeps register pressure down.
-  P5  per token of the group: physical = r * (S + 1) + row_slot[row], -1 for
-      padding/invalid; valid count; optional stable compaction.
+  P3  victims = the m smallest eviction keys among slots 0..S-1 with a stamp older
+      than the new step: the empty slots first (by slot), then the occupied ones by
+      (stamp, position), selected by bisecting for the threshold stamp and then for
+      the threshold position inside that stamp (each probe one masked count over the
+      S slots).
+  P4  the victims, in ascending slot order, are ranked; the victim of rank i reads
+      the miss parked in entry i, unmaps its old row, maps the miss (slot_pos,
+      slot_stamp, row_slot, overwriting the marker) and writes its flat hot row to
+      stage_dst[t0*K + i].
+  P5  per token of the group, from the tile: physical = r * (S + 1) + slot (the miss
+      lanes re-read their final slot), -1 for padding/invalid; valid count; optional
+      stable compaction.
 
 Robustness with validation off: every load and store index is range checked
 (request id, request slot, block, host row, slot), so a corrupt input or state costs
@@ -52,7 +57,6 @@ import triton
 import triton.language as tl
 
 _I32_MAX = tl.constexpr(2147483647)
-_I64_MAX = tl.constexpr(9223372036854775807)
 
 
 @triton.jit
@@ -114,9 +118,8 @@ def resolve_kernel(
     STAT_RESOLVES: tl.constexpr,
     Q: tl.constexpr,  # max_query_len
     KB: tl.constexpr,  # next power of two >= K
-    GB: tl.constexpr,  # next power of two >= Q * KB (group tile)
+    GQ: tl.constexpr,  # next power of two >= Q (rows of the group tile)
     SB: tl.constexpr,  # next power of two >= S
-    LOG_SB: tl.constexpr,  # log2(SB)
     COMPACT: tl.constexpr,
     CH: tl.constexpr,  # chunk of req_ids scanned per step when looking for an earlier run
 ):
@@ -174,85 +177,101 @@ def resolve_kernel(
             seq = tl.load(seq_lens_ptr + r)
             s_new = tl.load(step_ptr + r) + 1
 
-            gi = tl.arange(0, GB)
-            gj = gi // KB
-            gk = gi % KB
+            # the group tile [GQ, KB]: entry k of the group's token j
+            jj = tl.arange(0, GQ)
+            gj = jj[:, None]
+            gk = tl.arange(0, KB)[None, :]
             gmask = (gj < n) & (gk < K)
             goff = gj.to(tl.int64) * K + gk  # offset within the group's staging slice
-            minus1_g = tl.full([GB], -1, tl.int32)
+            minus1_g = tl.full([GQ, KB], -1, tl.int32)
 
-            # P1: positions of the whole group
+            # P1: positions, host rows and current slots of the whole group
             gpos = tl.load(topk_ptr + (t + gj).to(tl.int64) * topk_stride + gk,
                            mask=gmask, other=-1)
             gok = gmask & (gpos >= 0) & (gpos < seq)
-            _grow, ggood = _host_row(gpos, gok, bt_r, NB, B, H)
-            nbad = tl.sum((gmask & (gpos != -1) & (ggood == 0)).to(tl.int32), axis=0)
-
-            # All-hit fast path (every step of a request whose context fits its buffer,
-            # and many others): when every valid entry is already hot there is nothing
-            # to rank, so skip the sort. Stamps are idempotent; the unique hits are the
-            # slots now stamped s_new (every older stamp is < s_new).
-            gslot = tl.load(row_slot_ptr + _grow, mask=ggood, other=-1)
+            grow, ggood = _host_row(gpos, gok, bt_r, NB, B, H)
+            nbad = tl.sum(tl.sum((gmask & (gpos != -1) & (ggood == 0)).to(tl.int32), axis=1), axis=0)
+            gslot = tl.load(row_slot_ptr + grow, mask=ggood, other=-1)
             ghit = ggood & (gslot >= 0) & (gslot <= S)
-            m_raw = tl.sum((ggood & (ghit == 0)).to(tl.int32), axis=0)
-            if m_raw == 0:
-                tl.store(slot_stamp_r + gslot, tl.full([GB], 0, tl.int32) + s_new, mask=ghit)
-                tl.store(stage_src_ptr + base + goff, minus1_g, mask=gmask)
-                tl.store(stage_dst_ptr + base + goff, minus1_g, mask=gmask)
+            gmiss = ggood & (ghit == 0)
+
+            # P2: stamp the hits; the lanes that changed a stamp are the unique hits
+            # (every stamp before this step is < s_new; duplicates see s_new)
+            old = tl.atomic_xchg(slot_stamp_r + gslot, minus1_g * 0 + s_new, mask=ghit,
+                                 sem="relaxed")
+            nhit = tl.sum(tl.sum((ghit & (old != s_new)).to(tl.int32), axis=1), axis=0)
+            m = tl.sum(tl.sum(gmiss.to(tl.int32), axis=1), axis=0)
+            if m > 0:
+                # dedupe the misses without sorting: every miss lane bids a marker
+                # < -1 for its row, smallest for the first lane (row-major); the lane
+                # that reads back its own marker is the row's first occurrence
+                marker = (gj * KB + gk) - GQ * KB - 1
+                tl.atomic_min(row_slot_ptr + grow, marker, mask=gmiss, sem="relaxed")
                 tl.debug_barrier()
-                si0 = tl.arange(0, SB)
-                st0 = tl.load(slot_stamp_r + si0, mask=si0 < S, other=0)
-                nhit = tl.sum((st0 == s_new).to(tl.int32), axis=0) \
-                    + (tl.load(slot_stamp_r + S) == s_new).to(tl.int32)
-                m = nhit * 0
-            else:
-                # P2: unique positions, hits and misses
-                sp = tl.sort(tl.where(ggood, gpos, _I32_MAX))
-                left = tl.gather(sp, tl.maximum(gi - 1, 0), 0)
-                uniq = (sp != _I32_MAX) & ((gi == 0) | (sp != left))
-                srow, sgood = _host_row(sp, uniq, bt_r, NB, B, H)
-                sslot = tl.load(row_slot_ptr + srow, mask=sgood, other=-1)
-                hit = sgood & (sslot >= 0) & (sslot <= S)
-                miss = sgood & (hit == 0)
-                tl.store(slot_stamp_r + sslot, tl.full([GB], 0, tl.int32) + s_new, mask=hit)
-                nhit = tl.sum(hit.to(tl.int32), axis=0)
-                mi = miss.to(tl.int32)
-                m = tl.sum(mi, axis=0)
-                mrank = tl.cumsum(mi, 0) - mi
-                # staging slice: the miss of rank i parks (host row, -2 - position) at
-                # entry i for its victim to pick up in P3; entries >= m are cleared. The
-                # two masks address disjoint entries (ranks < m, offsets >= m).
-                tl.store(stage_src_ptr + base + mrank, srow.to(tl.int32), mask=miss)
-                tl.store(stage_dst_ptr + base + mrank, -2 - sp, mask=miss)
+                claim = tl.load(row_slot_ptr + grow, mask=gmiss, other=0, cache_modifier=".cg")
+                win = (gmiss & (claim == marker)).to(tl.int32)
+                m = tl.sum(tl.sum(win, axis=1), axis=0)
+                wrow = tl.sum(win, axis=1)
+                mrank = tl.cumsum(win, 1) - win + (tl.cumsum(wrow, 0) - wrow)[:, None]
+                # the miss of rank i parks (host row, -2 - position) at entry i of the
+                # group's staging slice for its victim to pick up in P4; entries >= m
+                # are cleared (the two masks address disjoint entries)
+                tl.store(stage_src_ptr + base + mrank, grow.to(tl.int32), mask=win != 0)
+                tl.store(stage_dst_ptr + base + mrank, -2 - gpos, mask=win != 0)
                 tail = gmask & (goff >= m)
                 tl.store(stage_src_ptr + base + goff, minus1_g, mask=tail)
                 tl.store(stage_dst_ptr + base + goff, minus1_g, mask=tail)
+            else:
+                tl.store(stage_src_ptr + base + goff, minus1_g, mask=gmask)
+                tl.store(stage_dst_ptr + base + goff, minus1_g, mask=gmask)
 
             tl.store(step_ptr + r, s_new)
             tl.atomic_add(stats_ptr + STAT_INVALID, nbad.to(tl.int64))
             tl.atomic_add(stats_ptr + STAT_HITS, nhit.to(tl.int64))
             tl.atomic_add(stats_ptr + STAT_MISSES, m.to(tl.int64))
             tl.atomic_add(stats_ptr + STAT_RESOLVES, tl.full([], 1, tl.int64))
-            tl.debug_barrier()
 
             if m > 0:
-                # P3: victims = the m smallest keys among slots whose stamp < s_new
+                tl.debug_barrier()
+                # P3: victims = the m smallest keys among slots 0..S-1 whose stamp is
+                # < s_new: first the empty slots (by slot), then the occupied ones by
+                # (stamp, position), found by two bisections (threshold stamp, then
+                # threshold position within it) instead of a sort
                 si = tl.arange(0, SB)
                 smask = si < S
-                st = tl.load(slot_stamp_r + si, mask=smask, other=_I32_MAX)
+                st = tl.load(slot_stamp_r + si, mask=smask, other=_I32_MAX, cache_modifier=".cg")
                 spo = tl.load(slot_pos_r + si, mask=smask, other=-1)
                 cand = smask & (st < s_new)
-                occ_key = (st.to(tl.int64) << 32) | spo.to(tl.int64)
-                key = tl.where(spo >= 0, occ_key, si.to(tl.int64) - SP)
-                key = tl.where(cand, key, _I64_MAX)
-                sk = tl.sort(key)
-                rank = tl.zeros([SB], tl.int32)
-                for b in tl.static_range(LOG_SB):
-                    probe = tl.gather(sk, rank + ((SB >> (b + 1)) - 1), 0)
-                    rank = tl.where(probe < key, rank + (SB >> (b + 1)), rank)
-                vic = cand & (rank < m)
-                # P4: the victim of rank i takes the miss of rank i
-                vr = tl.where(vic, rank, 0)
+                emp = (cand & (spo < 0)).to(tl.int32)
+                occ = cand & (spo >= 0)
+                vic = (emp != 0) & (tl.cumsum(emp, 0) - emp < m)
+                m2 = m - tl.sum(emp, axis=0)
+                if m2 > 0:
+                    lo = tl.min(tl.where(occ, st, _I32_MAX), axis=0)
+                    hi = tl.max(tl.where(occ, st, -1), axis=0)
+                    while lo < hi:  # smallest stamp tau with #(occ, stamp <= tau) >= m2
+                        mid = lo + (hi - lo) // 2
+                        ge = tl.sum((occ & (st <= mid)).to(tl.int32), axis=0) >= m2
+                        hi = tl.where(ge, mid, hi)
+                        lo = tl.where(ge, lo, mid + 1)
+                    below = occ & (st < lo)
+                    eq = occ & (st == lo)
+                    r2 = m2 - tl.sum(below.to(tl.int32), axis=0)
+                    plo = tl.min(tl.where(eq, spo, _I32_MAX), axis=0)
+                    phi = tl.max(tl.where(eq, spo, -1), axis=0)
+                    if tl.sum(eq.to(tl.int32), axis=0) <= r2:
+                        plo = phi  # the whole tier goes
+                    while plo < phi:  # smallest position with #(eq, position <= p) >= r2
+                        mid = plo + (phi - plo) // 2
+                        ge = tl.sum((eq & (spo <= mid)).to(tl.int32), axis=0) >= r2
+                        phi = tl.where(ge, mid, phi)
+                        plo = tl.where(ge, plo, mid + 1)
+                    vic = vic | below | (eq & (spo <= plo))
+                # P4: victims in ascending slot order; the one of rank i takes miss i
+                vi = vic.to(tl.int32)
+                vrank = tl.cumsum(vi, 0) - vi
+                vic = vic & (vrank < m)
+                vr = tl.where(vic, vrank, 0)
                 mrow = tl.load(stage_src_ptr + base + vr, mask=vic, other=-1)
                 menc = tl.load(stage_dst_ptr + base + vr, mask=vic, other=-1)
                 okv = vic & (menc <= -2) & (mrow >= 0) & (mrow < H)
@@ -263,33 +282,32 @@ def resolve_kernel(
                 tl.store(row_slot_ptr + mrow, si, mask=okv)
                 tl.store(stage_dst_ptr + base + vr, rbase + si, mask=okv)
                 if tl.sum(okv.to(tl.int32), axis=0) != m:
-                    # only with a corrupt state (equal keys): drop unpaired misses
+                    # only with a corrupt state: unmark and drop the unpaired misses
                     tl.debug_barrier()
                     d = tl.load(stage_dst_ptr + base + goff, mask=gmask, other=-1)
                     unpaired = gmask & (d < -1)
+                    urow = tl.load(stage_src_ptr + base + goff, mask=unpaired, other=-1)
+                    urow_ok = unpaired & (urow >= 0) & (urow < H)
+                    tl.store(row_slot_ptr + urow, minus1_g, mask=urow_ok)
                     tl.store(stage_dst_ptr + base + goff, minus1_g, mask=unpaired)
                     tl.store(stage_src_ptr + base + goff, minus1_g, mask=unpaired)
                 tl.debug_barrier()
+                # the miss lanes' final slots (every duplicate included)
+                fresh = tl.load(row_slot_ptr + grow, mask=gmiss, other=-1, cache_modifier=".cg")
+                gslot = tl.where(gmiss, fresh, gslot)
 
-            # P5: physical rows of every token of the group
-            for j in tl.static_range(Q):
-                if j < n:
-                    tj = (t + j).to(tl.int64)
-                    p = tl.load(topk_ptr + tj * topk_stride + kk, mask=kmask, other=-1)
-                    ok = kmask & (p >= 0) & (p < seq)
-                    row, good = _host_row(p, ok, bt_r, NB, B, H)
-                    sl = tl.load(row_slot_ptr + row, mask=good, other=-1)
-                    v = good & (sl >= 0) & (sl <= S)
-                    ph = tl.where(v, rbase + sl, -1)
-                    vi = v.to(tl.int32)
-                    cnt = tl.sum(vi, axis=0)
-                    if COMPACT:
-                        ii = (kmask & (v == 0)).to(tl.int32)
-                        dest = tl.where(v, tl.cumsum(vi, 0) - vi, cnt + tl.cumsum(ii, 0) - ii)
-                    else:
-                        dest = kk
-                    tl.store(phys_ptr + tj * phys_stride + dest, ph, mask=kmask)
-                    tl.store(valid_ptr + tj, cnt)
+            # P5: physical rows of every token of the group, from the tile
+            v = ggood & (gslot >= 0) & (gslot <= S)
+            ph = tl.where(v, rbase + gslot, -1)
+            vi2 = v.to(tl.int32)
+            cnt = tl.sum(vi2, axis=1)
+            if COMPACT:
+                ii = (gmask & (v == 0)).to(tl.int32)
+                dest = tl.where(v, tl.cumsum(vi2, 1) - vi2, cnt[:, None] + tl.cumsum(ii, 1) - ii)
+            else:
+                dest = gk + gj * 0
+            tl.store(phys_ptr + (t + gj).to(tl.int64) * phys_stride + dest, ph, mask=gmask)
+            tl.store(valid_ptr + t + jj, cnt, mask=jj < n)
     else:
         p = tl.load(topk_ptr + t.to(tl.int64) * topk_stride + kk, mask=kmask, other=-1)
         nbad = tl.sum((p != -1).to(tl.int32), axis=0)
