@@ -28,6 +28,7 @@ Usage (the FlashMLA library: --flashmla-lib, else $HISPARSE_FLASHMLA_LIB, else
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -46,7 +47,7 @@ from hisparse.attention.base import Phase  # noqa: E402
 from hisparse.attention.flashinfer import FlashInferBackend, flashinfer_version  # noqa: E402
 from hisparse.attention.flashmla import FlashMLABackend, _pad_topk  # noqa: E402
 from hisparse.attention.reference import ReferenceBackend  # noqa: E402
-from hisparse.attention.triton_backend import TritonBackend  # noqa: E402
+from hisparse.attention.triton_backend import TritonBackend, default_config  # noqa: E402
 from hisparse.config import RowFormat  # noqa: E402
 from hisparse.formats import quantize_fp8_ds_mla  # noqa: E402
 
@@ -91,6 +92,18 @@ class Timer:
         torch.cuda.synchronize()
         us = sorted(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends))
         return stats(us)
+
+
+class TritonNoPrefetch(TritonBackend):
+    """The Triton backend at its default launch shape, but with ``prefetch = 0``."""
+
+    name = "triton_noprefetch"
+
+    def decode(self, q, kv_rows, indices, *, valid_counts=None, sm_scale, row_format):
+        cfg = default_config(q.shape[0], q.shape[1], indices.shape[1], q.device, row_format)
+        self.config = dataclasses.replace(cfg, prefetch=0)
+        return super().decode(q, kv_rows, indices, valid_counts=valid_counts, sm_scale=sm_scale,
+                              row_format=row_format)
 
 
 def stats(us: list[float]) -> dict:
@@ -253,10 +266,11 @@ def run_case(T, H, K, fmt, args, timer, backends, copy_cache) -> list[dict]:
     # ratio triton / FlashMLA throughput (= FlashMLA time / Triton time) in this run
     by = {r["backend"]: r for r in results if r.get("status") == "ok"}
     ref = by.get("flashmla_op") or by.get("flashmla")
-    if "triton" in by and ref is not None:
-        ratio = ref["us"]["median"] / by["triton"]["us"]["median"]
-        by["triton"]["triton_vs_flashmla"] = ratio
-        print(f"  -> triton/FlashMLA throughput ratio {ratio:.2f} (vs {ref['backend']})")
+    for tname in ("triton", "triton_noprefetch"):
+        if tname in by and ref is not None:
+            ratio = ref["us"]["median"] / by[tname]["us"]["median"]
+            by[tname]["triton_vs_flashmla"] = ratio
+            print(f"  -> {tname}/FlashMLA throughput ratio {ratio:.2f} (vs {ref['backend']})")
     if "triton" in by and "flashinfer" in by:
         by["triton"]["triton_vs_flashinfer"] = (by["flashinfer"]["us"]["median"]
                                                 / by["triton"]["us"]["median"])
@@ -288,7 +302,9 @@ def main(argv=None) -> int:
     ap.add_argument("--formats", nargs="+", default=["fp8_ds_mla", "bf16"],
                     choices=["fp8_ds_mla", "bf16"])
     ap.add_argument("--backends", nargs="+", default=["triton", "flashmla", "flashinfer"],
-                    choices=["triton", "flashmla", "flashinfer"])
+                    choices=["triton", "triton_noprefetch", "flashmla", "flashinfer"],
+                    help="triton_noprefetch: the default Triton launch shape with the L2 "
+                         "prefetch turned off (to measure what it buys in the same run)")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--pad-frac", type=float, default=0.0, help="fraction of -1 indices")
@@ -311,6 +327,8 @@ def main(argv=None) -> int:
         args.iters, args.warmup = min(args.iters, 20), min(args.warmup, 5)
     lib = flashmla_lib_arg(args.flashmla_lib)
     all_backends = {"triton": TritonBackend(validate=False, allow_interpreter=dev.type == "cpu"),
+                    "triton_noprefetch": TritonNoPrefetch(validate=False,
+                                                          allow_interpreter=dev.type == "cpu"),
                     "flashmla": FlashMLABackend(library_path=lib, check_ranges=False),
                     "flashinfer": FlashInferBackend()}
     backends = {k: v for k, v in all_backends.items() if k in args.backends}
@@ -344,12 +362,12 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    ratios = [(r["format"], r["H"], r["T"], r["triton_vs_flashmla"]) for r in results
+    ratios = [(r["backend"], r["format"], r["H"], r["T"], r["triton_vs_flashmla"]) for r in results
               if "triton_vs_flashmla" in r]
     if ratios:
         print("triton/FlashMLA throughput (FlashMLA time / Triton time; target >= 0.7):")
-        for f, H, T, r in ratios:
-            print(f"  {f} H={H} T={T}: {r:.2f}")
+        for b, f, H, T, r in ratios:
+            print(f"  {b} {f} H={H} T={T}: {r:.2f}")
     print(f"wrote {out} ({len(results)} records)")
     return 0
 

@@ -116,15 +116,16 @@ def run_case(fmt: str, T: int, H: int, K: int, args) -> dict:
         bh, bn, nw, ns = shape[:4]
         dv = shape[4] if len(shape) > 4 else 1
         iso = bool(shape[5]) if len(shape) > 5 else False
+        pf = shape[6] if len(shape) > 6 else 0
         if bh > 2 * max_bh:
             continue
         auto = TritonMLAConfig(block_h=bh, block_n=bn, num_warps=nw, num_stages=ns, dv_parts=dv,
-                               isolate_qk=iso)
+                               isolate_qk=iso, prefetch=pf)
         splits = sorted({auto_splits(T, H, K, auto, q.device), 1, 2} if not args.quick
                         else {auto_splits(T, H, K, auto, q.device), 1})
         for sp in splits:
             cfg = dataclasses.replace(auto, num_splits=sp)
-            measure(f"h{bh}n{bn}w{nw}s{ns}d{dv}{'i' if iso else ''}x{sp}", cfg)
+            measure(f"h{bh}n{bn}w{nw}s{ns}d{dv}{'i' if iso else ''}{f'p{pf}' if pf else ''}x{sp}", cfg)
     base_med = base.get("us", {}).get("median")
     fm = FLASHMLA_US.get((fmt, T, H))
     for r in results:
@@ -161,9 +162,10 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-flush", action="store_true", help="don't flush L2 before each call")
-    ap.add_argument("--shapes", nargs="+", metavar="BH,BN,W,S[,DV[,ISO]]",
+    ap.add_argument("--shapes", nargs="+", metavar="BH,BN,W,S[,DV[,ISO[,PF]]]",
                     help="launch shapes to try instead of CANDIDATE_SHAPES "
-                         "(block_h, block_n, num_warps, num_stages, dv_parts, isolate_qk 0/1)")
+                         "(block_h, block_n, num_warps, num_stages, dv_parts, isolate_qk 0/1, "
+                         "prefetch distance 0-3)")
     ap.add_argument("--cases", nargs="+", metavar="FMT,T,H",
                     help="cases to run instead of the built-in list, e.g. fp8_ds_mla,64,128")
     args = ap.parse_args(argv)

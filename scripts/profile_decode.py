@@ -27,7 +27,7 @@ def main() -> None:
     ap.add_argument("--H", type=int, default=128)
     ap.add_argument("--K", type=int, default=2048)
     ap.add_argument("--format", default="fp8_ds_mla", choices=["fp8_ds_mla", "bf16"])
-    ap.add_argument("--shape", help="BH,BN,W,S[,DV[,ISO[,SPLITS]]] launch shape (default: default_config)")
+    ap.add_argument("--shape", help="BH,BN,W,S[,DV[,ISO[,SPLITS[,PF]]]] launch shape (default: default_config)")
     ap.add_argument("--calls", type=int, default=4)
     a = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -42,7 +42,8 @@ def main() -> None:
         cfg = TritonMLAConfig(block_h=v[0], block_n=v[1], num_warps=v[2], num_stages=v[3],
                               dv_parts=v[4] if len(v) > 4 else 1,
                               isolate_qk=bool(v[5]) if len(v) > 5 else False,
-                              num_splits=v[6] if len(v) > 6 else None)
+                              num_splits=v[6] if len(v) > 6 else None,
+                              prefetch=v[7] if len(v) > 7 else 0)
     be = TritonBackend(config=cfg, validate=False)
     for _ in range(a.calls):
         be.decode(q, rows, idx, sm_scale=1.0 / math.sqrt(576), row_format=a.format)

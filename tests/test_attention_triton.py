@@ -301,6 +301,9 @@ def test_config_validation_and_default():
         TritonMLAConfig(dv_parts=4)
     with pytest.raises(ValueError, match="isolate_qk"):
         TritonMLAConfig(isolate_qk=1)
+    for bad in (True, -1, 4, 1.0):
+        with pytest.raises(ValueError, match="prefetch"):
+            TritonMLAConfig(prefetch=bad)
     with pytest.raises(TypeError, match="TritonMLAConfig"):
         TritonBackend(config={"block_h": 16})
     cfg = default_config(64, 128, 2048, torch.device("cpu"), "fp8_ds_mla")
@@ -319,14 +322,15 @@ from hisparse.config import RowFormat
 from hisparse.kernels import mla_decode as M
 
 def compile_decode(fp8, bh, splits):
-    bn, nw, ns, iso = DEFAULT_SHAPES[(RowFormat.FP8_DS_MLA if fp8 else RowFormat.BF16, bh)]
+    bn, nw, ns, iso, pf = DEFAULT_SHAPES[(RowFormat.FP8_DS_MLA if fp8 else RowFormat.BF16, bh)]
     sig = {"q_ptr": "*bf16", "kv_ptr": "*u8" if fp8 else "*bf16", "idx_ptr": "*i32",
            "vc_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32", "part_out_ptr": "*fp32",
            "part_lse_ptr": "*fp32", "N": "i32", "K": "i32", "H": "i32", "q_stride_t": "i32",
            "q_stride_h": "i32", "kv_stride": "i32", "idx_stride": "i32",
            "rows_per_split": "i32", "qk_scale_log2": "fp32", "HAS_VC": "constexpr",
            "IS_FP8": "constexpr", "NUM_SPLITS": "constexpr", "BLOCK_H": "constexpr",
-           "BLOCK_N": "constexpr", "DV_PARTS": "constexpr", "ISOLATE_QK": "constexpr"}
+           "BLOCK_N": "constexpr", "DV_PARTS": "constexpr", "ISOLATE_QK": "constexpr",
+           "PREFETCH": "constexpr"}
     names = list(sig)
     # what the launcher specializes at run time: 16-aligned pointers, strides and sizes
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
@@ -335,7 +339,7 @@ def compile_decode(fp8, bh, splits):
     src = ASTSource(fn=M.sparse_mla_decode_kernel, signature=sig, attrs=attrs,
                     constexprs={"HAS_VC": True, "IS_FP8": fp8, "NUM_SPLITS": splits,
                                 "BLOCK_H": bh, "BLOCK_N": bn, "DV_PARTS": 1,
-                                "ISOLATE_QK": iso})
+                                "ISOLATE_QK": iso, "PREFETCH": pf})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=nw, num_stages=ns))
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
@@ -349,7 +353,8 @@ def compile_decode(fp8, bh, splits):
     return {"fp8": fp8, "block_h": bh, "splits": splits, "shared": k.metadata.shared,
             "mma_warps": sorted({(int(a), int(b)) for a, b in mma}),
             "stack": int(stack.group(1)) if stack else None,
-            "wgmma": k.asm["ptx"].count("wgmma.mma_async")}
+            "wgmma": k.asm["ptx"].count("wgmma.mma_async"), "prefetch": pf,
+            "l2_prefetches": k.asm["ptx"].count("prefetch.global.L2")}
 
 res = [compile_decode(fp8, bh, splits) for fp8 in (True, False) for bh, splits in ((64, 1), (16, 4))]
 src = ASTSource(fn=M.sparse_mla_combine_kernel,
@@ -380,6 +385,8 @@ def test_kernels_compile_for_sm90_without_spills():
         assert s["stack"] == 0, f"register spills: {s}"
         assert s["shared"] <= 227 * 1024, s
     assert all(s["wgmma"] > 0 for s in stats if s["block_h"] == 64)
+    # the prefetch hint really reaches the PTX where the default shape asks for it
+    assert all((s["l2_prefetches"] > 0) == (s["prefetch"] > 0) for s in stats), stats
     # isolate_qk at block_h 64: no dot laid out over all 8 warps along the 64 heads
     # (which would make both warpgroups compute the same q . k^T)
     assert all([8, 1] not in s["mma_warps"] for s in stats if s["block_h"] == 64), stats

@@ -38,6 +38,8 @@ class TritonMLAConfig:
     isolate_qk: compile each q . k^T dot in its own one-trip loop region, so that Triton
         does not lay it out over all warps along the heads (at block_h 64 with 8 warps
         that makes both warpgroups compute the same product); see ``mla_decode``
+    prefetch: 0, or d >= 1 to have each iteration ask L2 for the rows d blocks ahead
+        (inline PTX ``prefetch.global.L2``: CUDA only, the interpreter runs without it)
     """
 
     block_h: int = 64
@@ -47,6 +49,7 @@ class TritonMLAConfig:
     num_splits: int | None = None
     dv_parts: int = 1
     isolate_qk: bool = False
+    prefetch: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_h", "block_n", "num_warps"):
@@ -68,6 +71,10 @@ class TritonMLAConfig:
             raise ValueError(f"dv_parts must be 1 or 2, got {self.dv_parts!r}")
         if not isinstance(self.isolate_qk, bool):
             raise ValueError(f"isolate_qk must be a bool, got {self.isolate_qk!r}")
+        if (isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int)
+                or not 0 <= self.prefetch <= 3):
+            raise ValueError(f"prefetch must be 0 (off) or a distance 1..3 in blocks, "
+                             f"got {self.prefetch!r}")
 
 
 def _next_pow2(n: int) -> int:
@@ -79,7 +86,7 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-# Per head block: (block_n, num_warps, num_stages, isolate_qk). From sm90 compile
+# Per head block: (block_n, num_warps, num_stages, isolate_qk, prefetch). From sm90 compile
 # statistics (Triton 3.6, the launcher's 16-divisibility specialisation: no register
 # spills, wgmma at block_h = 64) and the H200 sweep of 2026-11-29
 # (benchmarks/bench_triton_configs.py, BENCHMARKS.md). At block_h = 64 with 8 warps
@@ -87,14 +94,16 @@ def _num_sms(device_index: int) -> int:
 # compute the same product; isolate_qk gives it [4, 2] (half the wgmma work, 1.42x
 # faster at T = 64, H = 128 on fp8 rows, 1.38x on bf16) and frees enough shared memory
 # for block_n = 64 with bf16 rows too (147 KB). 4 warps avoid the duplication as well
-# but spill the [64, 512] float32 accumulator. Keyed by (row format, block_h).
-DEFAULT_SHAPES: dict[tuple[RowFormat, int], tuple[int, int, int, bool]] = {
-    (RowFormat.FP8_DS_MLA, 16): (64, 8, 2, False),
-    (RowFormat.FP8_DS_MLA, 32): (32, 8, 2, False),
-    (RowFormat.FP8_DS_MLA, 64): (64, 8, 2, True),
-    (RowFormat.BF16, 16): (64, 8, 2, False),
-    (RowFormat.BF16, 32): (32, 8, 2, False),
-    (RowFormat.BF16, 64): (64, 8, 2, True),
+# but spill the [64, 512] float32 accumulator. The one-trip loops also stop Triton from
+# software-pipelining the row gathers, so each iteration L2-prefetches the next block's
+# rows (prefetch = 1). Keyed by (row format, block_h).
+DEFAULT_SHAPES: dict[tuple[RowFormat, int], tuple[int, int, int, bool, int]] = {
+    (RowFormat.FP8_DS_MLA, 16): (64, 8, 2, False, 1),
+    (RowFormat.FP8_DS_MLA, 32): (32, 8, 2, False, 1),
+    (RowFormat.FP8_DS_MLA, 64): (64, 8, 2, True, 1),
+    (RowFormat.BF16, 16): (64, 8, 2, False, 1),
+    (RowFormat.BF16, 32): (32, 8, 2, False, 1),
+    (RowFormat.BF16, 64): (64, 8, 2, True, 1),
 }
 # (block_h, block_n, num_warps, num_stages) tried by the config sweep benchmark and
 # checked against the reference by the GPU tests.
@@ -110,9 +119,9 @@ def default_config(T: int, H: int, K: int, device: torch.device,
                    row_format: RowFormat | str = RowFormat.FP8_DS_MLA) -> TritonMLAConfig:
     """Heuristic launch shape: head blocks of up to 64, enough KV splits to fill the SMs."""
     block_h = min(64, max(16, _next_pow2(H)))
-    block_n, num_warps, num_stages, isolate = DEFAULT_SHAPES[(RowFormat.parse(row_format), block_h)]
+    block_n, num_warps, num_stages, isolate, prefetch = DEFAULT_SHAPES[(RowFormat.parse(row_format), block_h)]
     cfg = TritonMLAConfig(block_h=block_h, block_n=block_n, num_warps=num_warps,
-                          num_stages=num_stages, isolate_qk=isolate)
+                          num_stages=num_stages, isolate_qk=isolate, prefetch=prefetch)
     return dataclasses.replace(cfg, num_splits=auto_splits(T, H, K, cfg, device))
 
 
@@ -163,6 +172,7 @@ def run_sparse_mla(inp: DecodeInputs, cfg: TritonMLAConfig | None = None
             rows_per_split, inp.sm_scale * 1.4426950408889634,
             HAS_VC=vc is not None, IS_FP8=is_fp8, NUM_SPLITS=splits,
             BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, DV_PARTS=cfg.dv_parts, ISOLATE_QK=cfg.isolate_qk,
+            PREFETCH=cfg.prefetch if dev.type == "cuda" else 0,  # a hint; no inline PTX on CPU
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         if splits > 1:
             sparse_mla_combine_kernel[(T, H)](part_out, part_lse, out, lse, H,
