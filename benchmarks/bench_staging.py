@@ -107,6 +107,21 @@ def environment(cuda: bool) -> dict:
     return env
 
 
+def random_pool(pool_bytes: int, pin: bool):
+    """A PinnedBuffer of ``pool_bytes`` (pinned when ``pin``): random bytes in the first
+    64 MiB, tiled over the pool (the period is not a multiple of either row width, so
+    rows differ)."""
+    from hisparse.device import PinnedBuffer
+
+    buf = PinnedBuffer(pool_bytes, pin=pin)
+    chunk = min(pool_bytes, 64 << 20)
+    buf.tensor[:chunk].random_(0, 256)
+    for off in range(chunk, pool_bytes, chunk):
+        n = min(chunk, pool_bytes - off)
+        buf.tensor[off:off + n].copy_(buf.tensor[:n])
+    return buf
+
+
 def bench_copy(args, dev, timer, pool_flat, results):
     from hisparse.cache import transfer
     from hisparse.cache.transfer import copy_rows
@@ -189,11 +204,76 @@ def bench_copy(args, dev, timer, pool_flat, results):
             results["copy"].append(entry)
 
 
+class ResolveCase:
+    """The resolve benchmark's setup for Bn requests (one layer, one query token each).
+
+    Request r owns host blocks perm[r * nb:(r + 1) * nb] of a shuffled pool (nb = seq / Bk);
+    its S LRU slots hold positions 0..S-1 (stamp 0) and its newest slot S holds seq - 1.
+    ``topk`` (int32 [Bn, K]) holds K distinct positions in [S, seq - 1) per request, so
+    the first resolve after ``restore()`` is all misses and a repeat of it all hits.
+
+    cfg: HiSparseConfig; seq: tokens per request; pool: uint8 [cfg.num_host_rows, W], a
+    view of the pool; saved: HotState (on dev) as described above; state: HotState (on
+    dev), the working copy; topk: int32 [Bn, K]; req: int32 [Bn], request ids 0..Bn-1;
+    out: ResolveBuffers (Bn, K); hot: uint8 [cfg.hot_rows_per_layer, W] on dev.
+    """
+
+    def __init__(self, cfg, seq, pool, saved, state, topk, req, out, hot):
+        self.cfg, self.seq, self.pool, self.saved, self.state = cfg, seq, pool, saved, state
+        self.topk, self.req, self.out, self.hot = topk, req, out, hot
+
+    def restore(self):
+        """Put the mutable state back to ``saved`` (the block table etc. never change)."""
+        for f in ("slot_pos", "slot_stamp", "row_slot", "step", "stats"):
+            getattr(self.state, f).copy_(getattr(self.saved, f))
+
+
+def make_resolve_case(dev, pool_flat, Bn: int, K: int, S: int, Bk: int, W: int, g) -> ResolveCase | None:
+    """Build a ResolveCase over ``pool_flat`` (uint8 [bytes]) with rows of W bytes, drawing
+    from the torch.Generator ``g``; None when the pool holds too few rows for Bn requests."""
+    from hisparse.cache.state import HotState, ResolveBuffers
+    from hisparse.config import HiSparseConfig
+
+    pool_rows = pool_flat.numel() // W
+    seq = min(65536, (pool_rows // Bn) // Bk * Bk)
+    if seq < S + K + 1:
+        return None
+    cfg = HiSparseConfig(num_layers=1, host_pool_tokens=seq * Bn, top_k=K, device_buffer_size=S,
+                         max_num_reqs=Bn, max_query_len=1, host_block_size=Bk,
+                         max_request_id=Bn, device=str(dev))
+    pool = pool_flat[: cfg.num_host_rows * W].view(cfg.num_host_rows, W)
+    st = HotState.allocate(cfg, torch.device("cpu"))
+    nb = seq // Bk
+    perm = torch.randperm(cfg.num_host_blocks, generator=g).to(torch.int32)
+    p = torch.arange(S)
+    for r in range(Bn):
+        st.id_to_slot[r] = r
+        st.seq_lens[:, r] = seq
+        st.block_table[r, :nb] = perm[r * nb:(r + 1) * nb]
+        rows = st.block_table[r, p // Bk].long() * Bk + p % Bk
+        st.slot_pos[0, r, :S] = p.to(torch.int32)
+        st.slot_stamp[0, r, :S] = 0
+        st.row_slot[0, rows] = p.to(torch.int32)
+        st.slot_pos[0, r, S] = seq - 1
+        st.slot_stamp[0, r, S] = 0
+        st.row_slot[0, int(st.block_table[r, (seq - 1) // Bk]) * Bk + (seq - 1) % Bk] = S
+    fields = ("id_to_slot", "seq_lens", "block_table", "slot_pos", "slot_stamp", "row_slot",
+              "step", "stats")
+    saved = HotState(**{f: getattr(st, f).to(dev) for f in fields}, S=S, B=Bk)
+    state = saved.clone()
+    # all-miss step: K distinct positions in [S, seq - 1) per request (none is hot)
+    topk = torch.stack([torch.randperm(seq - 1 - S, generator=g)[:K] + S for _ in range(Bn)])
+    topk = topk.to(torch.int32).to(dev)
+    req = torch.arange(Bn, dtype=torch.int32, device=dev)
+    out = ResolveBuffers.allocate(Bn, K, dev)
+    hot = torch.zeros(cfg.hot_rows_per_layer, W, dtype=torch.uint8, device=dev)
+    return ResolveCase(cfg=cfg, seq=seq, pool=pool, saved=saved, state=state, topk=topk, req=req,
+                       out=out, hot=hot)
+
+
 def bench_resolve(args, dev, timer, pool_flat, results):
     from hisparse.cache.resolve_triton import resolve_triton
-    from hisparse.cache.state import HotState, ResolveBuffers
     from hisparse.cache.transfer import copy_rows
-    from hisparse.config import HiSparseConfig
 
     cuda = dev.type == "cuda"
     W = 656
@@ -201,46 +281,15 @@ def bench_resolve(args, dev, timer, pool_flat, results):
     batches = [1, 2] if args.dry_run else [1, 8, 64, 256]
     g = torch.Generator().manual_seed(1)
     for Bn in batches:
-        pool_rows = pool_flat.numel() // W
-        seq = min(65536, (pool_rows // Bn) // Bk * Bk)
-        if seq < S + K + 1:
+        case = make_resolve_case(dev, pool_flat, Bn, K, S, Bk, W, g)
+        if case is None:
             print(f"resolve B={Bn}: pool too small for {Bn} requests of >= {S + K + 1} tokens; skipped")
             continue
-        cfg = HiSparseConfig(num_layers=1, host_pool_tokens=seq * Bn, top_k=K, device_buffer_size=S,
-                             max_num_reqs=Bn, max_query_len=1, host_block_size=Bk,
-                             max_request_id=Bn, device=str(dev))
-        pool = pool_flat[: cfg.num_host_rows * W].view(cfg.num_host_rows, W)
-        st = HotState.allocate(cfg, torch.device("cpu"))
-        nb = seq // Bk
-        perm = torch.randperm(cfg.num_host_blocks, generator=g).to(torch.int32)
-        p = torch.arange(S)
-        for r in range(Bn):
-            st.id_to_slot[r] = r
-            st.seq_lens[:, r] = seq
-            st.block_table[r, :nb] = perm[r * nb:(r + 1) * nb]
-            rows = st.block_table[r, p // Bk].long() * Bk + p % Bk
-            st.slot_pos[0, r, :S] = p.to(torch.int32)
-            st.slot_stamp[0, r, :S] = 0
-            st.row_slot[0, rows] = p.to(torch.int32)
-            st.slot_pos[0, r, S] = seq - 1
-            st.slot_stamp[0, r, S] = 0
-            st.row_slot[0, int(st.block_table[r, (seq - 1) // Bk]) * Bk + (seq - 1) % Bk] = S
-        fields = ("id_to_slot", "seq_lens", "block_table", "slot_pos", "slot_stamp", "row_slot",
-                  "step", "stats")
-        saved = HotState(**{f: getattr(st, f).to(dev) for f in fields}, S=S, B=Bk)
-        state = saved.clone()
-        # all-miss step: K distinct positions in [S, seq - 1) per request (none is hot)
-        topk = torch.stack([torch.randperm(seq - 1 - S, generator=g)[:K] + S for _ in range(Bn)])
-        topk = topk.to(torch.int32).to(dev)
-        req = torch.arange(Bn, dtype=torch.int32, device=dev)
-        out = ResolveBuffers.allocate(Bn, K, dev)
-        hot = torch.zeros(cfg.hot_rows_per_layer, W, dtype=torch.uint8, device=dev)
+        seq, pool, state, topk, req, out, hot = (case.seq, case.pool, case.state, case.topk, case.req,
+                                                 case.out, case.hot)
+        restore = case.restore
         n = Bn * K
         nbytes = n * W
-
-        def restore():
-            for f in ("slot_pos", "slot_stamp", "row_slot", "step", "stats"):
-                getattr(state, f).copy_(getattr(saved, f))
 
         def resolve_only():
             resolve_triton(state, 0, req, topk, out, max_query_len=1)
@@ -319,20 +368,11 @@ def main(argv=None) -> int:
         args.pool_gib = 2.0 if args.quick else 32.0
     pool_bytes = (1 << 20) if args.dry_run else int(args.pool_gib * GIB)
 
-    from hisparse.device import PinnedBuffer
-
     results = {"benchmark": "staging", "args": vars(args), "env": environment(cuda),
                "sweep": [], "copy": [], "resolve": []}
     print("env:", json.dumps(results["env"]))
     t0 = time.perf_counter()
-    buf = PinnedBuffer(pool_bytes, pin=cuda)
-    # random bytes in the first 64 MiB, tiled over the pool (the period is not a
-    # multiple of either row width, so rows differ)
-    chunk = min(pool_bytes, 64 << 20)
-    buf.tensor[:chunk].random_(0, 256)
-    for off in range(chunk, pool_bytes, chunk):
-        n = min(chunk, pool_bytes - off)
-        buf.tensor[off:off + n].copy_(buf.tensor[:n])
+    buf = random_pool(pool_bytes, pin=cuda)
     print(f"pool: {pool_bytes / GIB:.2f} GiB, pinned={buf.pinned}, ready in {time.perf_counter() - t0:.1f} s")
     results["pool_bytes"] = pool_bytes
     results["pool_pinned"] = buf.pinned

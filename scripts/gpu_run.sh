@@ -2,9 +2,13 @@
 # Everything hisparse runs on the H200 test machine, in one command, results under $OUT.
 #
 #   bash scripts/gpu_run.sh [SECTION ...]     sections: env tests sanitize staging decode triton_configs profile
-#                                             prefill e2e stress autotune tests_each pool_kinds
+#                                             prefill e2e stress autotune tests_each pool_kinds vllm_resolve
 #                                             (default: all, in that order)
-# Extra arguments: TC_ARGS (triton_configs), PREFILL_ARGS, DECODE_ARGS, STAGING_ARGS; POOL_KINDS (pool_kinds).
+#   vllm_resolve: vLLM 0.30's hisparse_resolve_residency vs our resolve_triton, all hits, same
+#                 process (benchmarks/bench_vllm_resolve.py); needs .gpu-deps/vllm/_C_stable_libtorch.abi3.so
+#                 or its .xz (decompressed into /tmp/hisparse-vllm by the script)
+# Extra arguments: TC_ARGS (triton_configs), PREFILL_ARGS, DECODE_ARGS, STAGING_ARGS, VLLM_RESOLVE_ARGS;
+#                  POOL_KINDS (pool_kinds).
 # Uses the machine's preinstalled torch/triton (no network there): PYTHONPATH=. , no install.
 # Optional kernels are picked up from .gpu-deps/ when carried (see ../shared/GPU.md):
 #   .gpu-deps/vllm/_flashmla_C.abi3.so  -> HISPARSE_FLASHMLA_LIB
@@ -79,6 +83,7 @@ for s in "${sections[@]}"; do
     decode) run decode 300 python3 benchmarks/bench_decode.py --out "$RES/decode.json" ${QUICK:+--quick} ${DECODE_ARGS:-} ;;
     triton_configs) run triton_configs 300 python3 benchmarks/bench_triton_configs.py --out "$RES/triton_configs.json" ${QUICK:+--quick} ${TC_ARGS:-} ;;
     prefill) run prefill 240 python3 benchmarks/bench_prefill.py --out "$RES/prefill.json" ${QUICK:+--quick} ${PREFILL_ARGS:-} ;;
+    vllm_resolve) run vllm_resolve 300 python3 benchmarks/bench_vllm_resolve.py --out "$RES/vllm_resolve.json" ${VLLM_RESOLVE_ARGS:-} ;;
     e2e) run e2e 300 python3 benchmarks/bench_e2e.py --out "$RES/e2e.json" ${QUICK:+--quick} ;;
     stress) run_to stress 420 "$RES/stress.json" python3 -m hisparse stress --preset gpu --json --plot "$RES"
             python3 -c "import json,sys; from hisparse.tools.stress import format_stress; print(format_stress(json.load(open(sys.argv[1]))))" "$RES/stress.json" >>"$LOG" 2>&1 ;;

@@ -52,3 +52,16 @@ def test_bench_decode_cpu_smoke(tmp_path, capsys):
     tri = [r for r in d["results"] if r["backend"] == "triton"]
     assert len(tri) == 2 and all(r["status"] == "ok" for r in tri), [r.get("reason") for r in tri]
     assert all(r["max_err_out"] < 0.05 for r in tri)
+
+
+def test_bench_vllm_resolve_missing_library_exits_2(tmp_path, capsys):
+    """Without the vLLM library (no .so and no .so.xz) the script says so and exits 2
+    before touching a GPU: no numbers are made up."""
+    lib = tmp_path / "nowhere" / "_C_stable_libtorch.abi3.so"
+    out = tmp_path / "vllm_resolve.json"
+    rc = _load("bench_vllm_resolve").main(["--lib", str(lib), "--reps", "3", "--batches", "1", "8",
+                                           "--out", str(out)])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "vLLM library not found" in err and str(lib) in err and str(lib) + ".xz" in err
+    assert not out.exists()
