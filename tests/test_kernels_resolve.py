@@ -201,13 +201,14 @@ def test_hand_traced_step():
 
 
 @pytest.mark.parametrize("fn", [resolve_reference, resolve_triton], ids=["reference", "triton"])
-def test_hand_traced_pairing_first_occurrence_and_slot_order(fn):
+def test_hand_traced_pairing_in_slot_order(fn):
     """S=6, K=5, B=4, one request (id 3) of 10 tokens, step 5 -> new step 6.
-    slots: 0 pos 0 stamp 4 | 1 empty | 2 pos 4 stamp 2 | 3 pos 1 stamp 2 | 4 pos 2 stamp 3
-    | 5 pos 3 stamp 2 | reserved 6 pos 9. topk [7, 0, 5, 7, 8]: 0 hits slot 0; the misses
-    in first-occurrence order are 7, 5, 8 (the second 7 is a duplicate). Victims: the
-    empty slot 1, then the stamp-2 tier by position (1 -> slot 3, 3 -> slot 5; position 4
-    in slot 2 stays). Victims in slot order [1, 3, 5] take 7, 5, 8 in that order."""
+    slots: 0 pos 0 stamp 4 | 1 empty | 2 pos 4 stamp 2 | 3 pos 3 stamp 2 | 4 pos 2 stamp 3
+    | 5 pos 1 stamp 2 | reserved 6 pos 9. topk [7, 0, 5, 7, 8]: 0 hits slot 0; the misses
+    in ascending position are 5, 7, 8 (the second 7 is a duplicate). Victims: the empty
+    slot 1, then the stamp-2 tier by position (1 in slot 5, 3 in slot 3; position 4 in
+    slot 2 stays). In key order the victims are [1, 5, 3]; they are paired in slot
+    order [1, 3, 5] with 5, 7, 8."""
     cfg = HiSparseConfig(num_layers=1, host_pool_tokens=64, top_k=5, device_buffer_size=6,
                          max_num_reqs=2, max_query_len=1, host_block_size=4, max_request_id=8,
                          device="cpu")
@@ -216,7 +217,7 @@ def test_hand_traced_pairing_first_occurrence_and_slot_order(fn):
     state.seq_lens[:, 1] = 10
     state.step[0, 1] = 5
     state.block_table[1, :3] = torch.tensor([7, 2, 5], dtype=torch.int32)
-    for p, s_, stamp in [(0, 0, 4), (4, 2, 2), (1, 3, 2), (2, 4, 3), (3, 5, 2), (9, 6, 5)]:
+    for p, s_, stamp in [(0, 0, 4), (4, 2, 2), (3, 3, 2), (2, 4, 3), (1, 5, 2), (9, 6, 5)]:
         state.slot_pos[0, 1, s_] = p
         state.slot_stamp[0, 1, s_] = stamp
         state.row_slot[0, host_row(state, 1, p)] = s_
@@ -224,17 +225,17 @@ def test_hand_traced_pairing_first_occurrence_and_slot_order(fn):
     fn(state, 0, torch.tensor([3], dtype=torch.int32),
        torch.tensor([[7, 0, 5, 7, 8]], dtype=torch.int32), out, max_query_len=1)
     base = 1 * 7
-    assert out.physical.tolist() == [[base + 1, base + 0, base + 3, base + 1, base + 5]]
+    assert out.physical.tolist() == [[base + 3, base + 0, base + 1, base + 3, base + 5]]
     assert out.valid_counts.tolist() == [5]
-    assert out.stage_src.tolist() == [host_row(state, 1, 7), host_row(state, 1, 5),
+    assert out.stage_src.tolist() == [host_row(state, 1, 5), host_row(state, 1, 7),
                                       host_row(state, 1, 8), -1, -1]
     assert out.stage_dst.tolist() == [base + 1, base + 3, base + 5, -1, -1]
-    assert state.slot_pos[0, 1].tolist() == [0, 7, 4, 5, 2, 8, 9]
+    assert state.slot_pos[0, 1].tolist() == [0, 5, 4, 7, 2, 8, 9]
     assert state.slot_stamp[0, 1].tolist() == [6, 6, 2, 6, 3, 6, 5]
     assert state.step[0, 1].item() == 6
     for p in (1, 3):  # evicted
         assert state.row_slot[0, host_row(state, 1, p)].item() == -1
-    for p, s_ in [(0, 0), (7, 1), (4, 2), (5, 3), (2, 4), (8, 5), (9, 6)]:
+    for p, s_ in [(0, 0), (5, 1), (4, 2), (7, 3), (2, 4), (8, 5), (9, 6)]:
         assert state.row_slot[0, host_row(state, 1, p)].item() == s_
     assert int((state.row_slot[0] >= 0).sum()) == 7  # no marker or stale mapping left
     s = state.stats[0]

@@ -20,9 +20,9 @@ Inputs: ``req_ids`` int32 [T] (request id per query token), ``topk`` int32 [T, K
    the positions appended to layer l, so a token can resolve rows written to its own
    layer in the same step even before the later layers have written theirs.
 3. Per group (layer l, request slot r): step[l, r] += 1 (new step ``s``). The unique
-   valid positions U of all tokens of the group, in order of first occurrence in the
-   group's row-major top-k, are looked up in ``row_slot``. Hits: slot_stamp = s
-   (STAT_HITS += |hits|). Misses M (first-occurrence order, STAT_MISSES += |M|) take
+   valid positions U of all tokens of the group are looked up in ``row_slot``. Hits:
+   slot_stamp = s (STAT_HITS += |hits|). Misses M (ascending position, STAT_MISSES +=
+   |M|) take
    the |M| smallest-key victims among slots 0..S-1 whose stamp < s (see ``state`` for
    the key); the i-th miss takes the i-th victim in ascending *slot* order. A victim's
    old row is unmapped; the miss is mapped, stamped s, and appended to the group's
@@ -31,8 +31,9 @@ Inputs: ``req_ids`` int32 [T] (request id per query token), ``topk`` int32 [T, K
    valid_counts[t] = number of non-padding entries (duplicates count).
    With ``compact`` the valid entries of each row move to its front, in order.
 
-The Triton kernel pairs misses and victims the same way (neither order needs a sort
-on the GPU), so both leave identical state and outputs.
+The Triton kernel pairs misses and victims the same way (the victim order needs no
+sort on the GPU; the staging list in position order keeps a host block's rows
+together for the copy), so both leave identical state and outputs.
 """
 
 from __future__ import annotations
@@ -65,16 +66,6 @@ def _victim_keys(stamp: torch.Tensor, pos: torch.Tensor, S: int) -> torch.Tensor
     slots = torch.arange(S, dtype=torch.int64, device=stamp.device)
     occupied = (stamp.long() << 32) | pos.long()
     return torch.where(pos >= 0, occupied, slots - (S + 1))
-
-
-def _first_occurrences(vals: torch.Tensor) -> torch.Tensor:
-    """Distinct values of the 1-D int64 ``vals`` in order of their first occurrence."""
-    if vals.numel() == 0:
-        return vals
-    uniq, inv = torch.unique(vals, return_inverse=True)
-    first = torch.full((uniq.numel(),), vals.numel(), dtype=torch.int64, device=vals.device)
-    first.scatter_reduce_(0, inv, torch.arange(vals.numel(), device=vals.device), reduce="amin")
-    return uniq[torch.argsort(first)]
 
 
 def resolve_reference(state: HotState, layer: int, req_ids: torch.Tensor, topk: torch.Tensor,
@@ -131,7 +122,7 @@ def resolve_reference(state: HotState, layer: int, req_ids: torch.Tensor, topk: 
         state.step[layer, r] = s_new
         state.stats[layer, STAT_RESOLVES] += 1
 
-        uniq = _first_occurrences(g_pos[g_ok])  # row-major first-occurrence order
+        uniq = torch.unique(g_pos[g_ok])  # ascending
         bt = state.block_table[r].long()
         rows = bt[uniq // B] * B + uniq % B
         slots = row_slot[rows].long()

@@ -30,6 +30,7 @@ from .state import (NUM_STATS, STAT_HITS, STAT_INVALID, STAT_MISSES, STAT_RESOLV
 
 
 _SCAN_CHUNK = 256  # req_ids scanned per step for an earlier run of the same request
+_SMALL_SORT = 256  # misses of a group sorted in a tile of this size when they fit
 
 
 def interpreter_requested() -> bool:
@@ -137,7 +138,7 @@ def resolve_triton(state: HotState, layer: int, req_ids: torch.Tensor, topk: tor
             T, K, S, state.B,
             STAT_HITS=STAT_HITS, STAT_MISSES=STAT_MISSES, STAT_INVALID=STAT_INVALID,
             STAT_RESOLVES=STAT_RESOLVES,
-            Q=max_query_len, KB=KB, GQ=GQ, SB=SB,
+            Q=max_query_len, KB=KB, GQ=GQ, SB=SB, SMALL_SORT=min(_SMALL_SORT, GQ * KB),
             COMPACT=bool(compact), CH=_SCAN_CHUNK, num_warps=num_warps,
         )
 

@@ -23,7 +23,7 @@ the new step, in ascending order of the key
 
 so the policy is defined on rows, not on slot numbers: which victim slot a given miss
 lands in does not change any later hit or eviction. (The resolve pairs the misses, in
-order of first occurrence, with the victims in ascending slot order.)
+ascending position, with the victims in ascending slot order.)
 """
 
 from __future__ import annotations
