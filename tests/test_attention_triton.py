@@ -168,6 +168,26 @@ def test_triton_dv_parts_and_isolated_qk_match_reference(fmt, splits, dv_parts, 
             assert out[1].abs().max().item() == 0.0 and torch.isneginf(lse[1]).all()
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_triton_wide_kernel_matches_reference(fmt, splits):
+    """The fused-tile body (``wide``: one [block_n, 512] latent tile, three dots per
+    iteration) gives the reference result, with -1 padding, a masked second head
+    block, valid counts 0 and partial, and split-KV."""
+    N, T, H, K = 40, 3, 18, 45
+    kv, _ = _rows(N, fmt, seed=21)
+    q, idx = _q(T, H, seed=22), _indices(T, K, N, seed=23)
+    vc = torch.tensor([K, 0, 7], dtype=torch.int32, device=DEV)
+    be = TritonBackend(allow_interpreter=True,
+                       config=TritonMLAConfig(block_h=16, block_n=16, num_warps=4,
+                                              num_splits=splits, wide=True, prefetch=1))
+    for v in (None, vc):
+        out, lse = be.decode(q, kv, idx, valid_counts=v, sm_scale=SCALE, row_format=fmt)
+        _close(out, lse, *REF.decode(q, kv, idx, valid_counts=v, sm_scale=SCALE, row_format=fmt))
+        if v is not None:
+            assert out[1].abs().max().item() == 0.0 and torch.isneginf(lse[1]).all()
+
+
 def test_triton_bf16_rows_as_bytes_and_strided_q():
     kv, _ = _rows(20, "bf16")
     q = _q(2, 8)[:, ::2]  # [2, 4, 576], head stride 2 * 576
@@ -304,6 +324,10 @@ def test_config_validation_and_default():
     for bad in (True, -1, 4, 1.0):
         with pytest.raises(ValueError, match="prefetch"):
             TritonMLAConfig(prefetch=bad)
+    with pytest.raises(ValueError, match="wide"):
+        TritonMLAConfig(wide=1)
+    with pytest.raises(ValueError, match="dv_parts"):
+        TritonMLAConfig(wide=True, dv_parts=2)
     with pytest.raises(TypeError, match="TritonMLAConfig"):
         TritonBackend(config={"block_h": 16})
     cfg = default_config(64, 128, 2048, torch.device("cpu"), "fp8_ds_mla")
@@ -320,9 +344,10 @@ from triton.compiler import ASTSource
 from hisparse.attention.triton_backend import DEFAULT_SHAPES
 from hisparse.config import RowFormat
 from hisparse.kernels import mla_decode as M
+from hisparse.kernels import mla_decode_wide as MW
 
 def compile_decode(fp8, bh, splits):
-    bn, nw, ns, iso, pf = DEFAULT_SHAPES[(RowFormat.FP8_DS_MLA if fp8 else RowFormat.BF16, bh)]
+    bn, nw, ns, iso, pf, wide = DEFAULT_SHAPES[(RowFormat.FP8_DS_MLA if fp8 else RowFormat.BF16, bh)]
     sig = {"q_ptr": "*bf16", "kv_ptr": "*u8" if fp8 else "*bf16", "idx_ptr": "*i32",
            "vc_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32", "part_out_ptr": "*fp32",
            "part_lse_ptr": "*fp32", "N": "i32", "K": "i32", "H": "i32", "q_stride_t": "i32",
@@ -331,15 +356,17 @@ def compile_decode(fp8, bh, splits):
            "IS_FP8": "constexpr", "NUM_SPLITS": "constexpr", "BLOCK_H": "constexpr",
            "BLOCK_N": "constexpr", "DV_PARTS": "constexpr", "ISOLATE_QK": "constexpr",
            "PREFETCH": "constexpr"}
+    consts = {"HAS_VC": True, "IS_FP8": fp8, "NUM_SPLITS": splits, "BLOCK_H": bh,
+              "BLOCK_N": bn, "DV_PARTS": 1, "ISOLATE_QK": iso, "PREFETCH": pf}
+    if wide:  # the fused-tile body has no DV_PARTS / ISOLATE_QK
+        del sig["DV_PARTS"], sig["ISOLATE_QK"], consts["DV_PARTS"], consts["ISOLATE_QK"]
     names = list(sig)
     # what the launcher specializes at run time: 16-aligned pointers, strides and sizes
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if sig[n].startswith("*") or n in ("N", "K", "H", "q_stride_t", "q_stride_h",
                                                 "kv_stride", "idx_stride", "rows_per_split")}
-    src = ASTSource(fn=M.sparse_mla_decode_kernel, signature=sig, attrs=attrs,
-                    constexprs={"HAS_VC": True, "IS_FP8": fp8, "NUM_SPLITS": splits,
-                                "BLOCK_H": bh, "BLOCK_N": bn, "DV_PARTS": 1,
-                                "ISOLATE_QK": iso, "PREFETCH": pf})
+    fn = MW.sparse_mla_decode_wide_kernel if wide else M.sparse_mla_decode_kernel
+    src = ASTSource(fn=fn, signature=sig, attrs=attrs, constexprs=consts)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=nw, num_stages=ns))
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
@@ -350,7 +377,7 @@ def compile_decode(fp8, bh, splits):
     os.unlink(f.name)
     stack = re.search(r"STACK:(\d+)", usage)
     mma = re.findall(r"nvidia_mma<\{[^}]*warpsPerCTA = \[(\d+), (\d+)\]", k.asm["ttgir"])
-    return {"fp8": fp8, "block_h": bh, "splits": splits, "shared": k.metadata.shared,
+    return {"fp8": fp8, "block_h": bh, "splits": splits, "shared": k.metadata.shared, "wide": wide,
             "mma_warps": sorted({(int(a), int(b)) for a, b in mma}),
             "stack": int(stack.group(1)) if stack else None,
             "wgmma": k.asm["ptx"].count("wgmma.mma_async"), "prefetch": pf,

@@ -40,6 +40,10 @@ class TritonMLAConfig:
         that makes both warpgroups compute the same product); see ``mla_decode``
     prefetch: 0, or d >= 1 to have each iteration ask L2 for the rows d blocks ahead
         (inline PTX ``prefetch.global.L2``: CUDA only, the interpreter runs without it)
+    prefetch_l1: prefetch into L1 (``prefetch.global.L1``) instead of L2
+    wide: run ``mla_decode_wide`` instead: the four latent tiles fused into one
+        [block_n, 512] tile, three dots per iteration instead of nine (needs dv_parts 1;
+        always isolates its q . k^T dots)
     """
 
     block_h: int = 64
@@ -50,6 +54,8 @@ class TritonMLAConfig:
     dv_parts: int = 1
     isolate_qk: bool = False
     prefetch: int = 0
+    prefetch_l1: bool = False
+    wide: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_h", "block_n", "num_warps"):
@@ -75,6 +81,12 @@ class TritonMLAConfig:
                 or not 0 <= self.prefetch <= 3):
             raise ValueError(f"prefetch must be 0 (off) or a distance 1..3 in blocks, "
                              f"got {self.prefetch!r}")
+        if not isinstance(self.prefetch_l1, bool):
+            raise ValueError(f"prefetch_l1 must be a bool, got {self.prefetch_l1!r}")
+        if not isinstance(self.wide, bool):
+            raise ValueError(f"wide must be a bool, got {self.wide!r}")
+        if self.wide and self.dv_parts != 1:
+            raise ValueError("wide needs dv_parts == 1 (it owns all 512 output columns)")
 
 
 def _next_pow2(n: int) -> int:
@@ -86,9 +98,9 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-# Per head block: (block_n, num_warps, num_stages, isolate_qk, prefetch). From sm90 compile
-# statistics (Triton 3.6, the launcher's 16-divisibility specialisation: no register
-# spills, wgmma at block_h = 64) and the H200 sweep of 2026-11-29
+# Per head block: (block_n, num_warps, num_stages, isolate_qk, prefetch, wide). From sm90
+# compile statistics (Triton 3.6, the launcher's 16-divisibility specialisation: no
+# register spills, wgmma at block_h = 64) and the H200 sweeps of 2026-11-29
 # (benchmarks/bench_triton_configs.py, BENCHMARKS.md). At block_h = 64 with 8 warps
 # Triton would lay every q . k^T dot out as warpsPerCTA [8, 1], so both warpgroups
 # compute the same product; isolate_qk gives it [4, 2] (half the wgmma work, 1.42x
@@ -96,14 +108,17 @@ def _num_sms(device_index: int) -> int:
 # for block_n = 64 with bf16 rows too (147 KB). 4 warps avoid the duplication as well
 # but spill the [64, 512] float32 accumulator. The one-trip loops also stop Triton from
 # software-pipelining the row gathers, so each iteration L2-prefetches the next block's
-# rows (prefetch = 1). Keyed by (row format, block_h).
-DEFAULT_SHAPES: dict[tuple[RowFormat, int], tuple[int, int, int, bool, int]] = {
-    (RowFormat.FP8_DS_MLA, 16): (64, 8, 2, False, 1),
-    (RowFormat.FP8_DS_MLA, 32): (32, 8, 2, False, 1),
-    (RowFormat.FP8_DS_MLA, 64): (64, 8, 2, True, 1),
-    (RowFormat.BF16, 16): (64, 8, 2, False, 1),
-    (RowFormat.BF16, 32): (32, 8, 2, False, 1),
-    (RowFormat.BF16, 64): (64, 8, 2, True, 1),
+# rows (prefetch = 1: 173 vs 188 us in bench_decode). wide fuses the four latent tiles
+# (three dots per iteration instead of nine; always isolated): 1.5-2.5% faster on fp8
+# rows at T >= 64, but it spills with bf16 rows (22% slower there). Keyed by (row
+# format, block_h).
+DEFAULT_SHAPES: dict[tuple[RowFormat, int], tuple[int, int, int, bool, int, bool]] = {
+    (RowFormat.FP8_DS_MLA, 16): (64, 8, 2, False, 1, False),
+    (RowFormat.FP8_DS_MLA, 32): (32, 8, 2, False, 1, False),
+    (RowFormat.FP8_DS_MLA, 64): (64, 8, 2, True, 1, True),
+    (RowFormat.BF16, 16): (64, 8, 2, False, 1, False),
+    (RowFormat.BF16, 32): (32, 8, 2, False, 1, False),
+    (RowFormat.BF16, 64): (64, 8, 2, True, 1, False),
 }
 # (block_h, block_n, num_warps, num_stages) tried by the config sweep benchmark and
 # checked against the reference by the GPU tests.
@@ -119,9 +134,10 @@ def default_config(T: int, H: int, K: int, device: torch.device,
                    row_format: RowFormat | str = RowFormat.FP8_DS_MLA) -> TritonMLAConfig:
     """Heuristic launch shape: head blocks of up to 64, enough KV splits to fill the SMs."""
     block_h = min(64, max(16, _next_pow2(H)))
-    block_n, num_warps, num_stages, isolate, prefetch = DEFAULT_SHAPES[(RowFormat.parse(row_format), block_h)]
+    block_n, num_warps, num_stages, isolate, prefetch, wide = \
+        DEFAULT_SHAPES[(RowFormat.parse(row_format), block_h)]
     cfg = TritonMLAConfig(block_h=block_h, block_n=block_n, num_warps=num_warps,
-                          num_stages=num_stages, isolate_qk=isolate, prefetch=prefetch)
+                          num_stages=num_stages, isolate_qk=isolate, prefetch=prefetch, wide=wide)
     return dataclasses.replace(cfg, num_splits=auto_splits(T, H, K, cfg, device))
 
 
@@ -143,6 +159,7 @@ def run_sparse_mla(inp: DecodeInputs, cfg: TritonMLAConfig | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the kernel(s) on validated inputs. Returns out bf16 [T, H, 512], lse f32 [T, H]."""
     from ..kernels.mla_decode import sparse_mla_combine_kernel, sparse_mla_decode_kernel
+    from ..kernels.mla_decode_wide import sparse_mla_decode_wide_kernel
 
     q, kv, idx, vc = inp.q, inp.kv_rows, inp.indices, inp.valid_counts
     T, H, _ = q.shape
@@ -166,14 +183,21 @@ def run_sparse_mla(inp: DecodeInputs, cfg: TritonMLAConfig | None = None
     is_fp8 = inp.row_format is RowFormat.FP8_DS_MLA
     grid = (T, math.ceil(H / cfg.block_h) * cfg.dv_parts, splits)
     with _on_device(dev):
-        sparse_mla_decode_kernel[grid](
-            q, kv, idx, vc if vc is not None else idx, out, lse, part_out, part_lse,
-            kv.shape[0], K, H, q.stride(0), q.stride(1), kv.stride(0), idx.stride(0),
-            rows_per_split, inp.sm_scale * 1.4426950408889634,
-            HAS_VC=vc is not None, IS_FP8=is_fp8, NUM_SPLITS=splits,
-            BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, DV_PARTS=cfg.dv_parts, ISOLATE_QK=cfg.isolate_qk,
-            PREFETCH=cfg.prefetch if dev.type == "cuda" else 0,  # a hint; no inline PTX on CPU
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        args = (q, kv, idx, vc if vc is not None else idx, out, lse, part_out, part_lse,
+                kv.shape[0], K, H, q.stride(0), q.stride(1), kv.stride(0), idx.stride(0),
+                rows_per_split, inp.sm_scale * 1.4426950408889634)
+        prefetch = cfg.prefetch if dev.type == "cuda" else 0  # a hint; no inline PTX on CPU
+        if cfg.wide:
+            sparse_mla_decode_wide_kernel[grid](
+                *args, HAS_VC=vc is not None, IS_FP8=is_fp8, NUM_SPLITS=splits,
+                BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, PREFETCH=prefetch,
+                PREFETCH_L1=cfg.prefetch_l1, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        else:
+            sparse_mla_decode_kernel[grid](
+                *args, HAS_VC=vc is not None, IS_FP8=is_fp8, NUM_SPLITS=splits,
+                BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, DV_PARTS=cfg.dv_parts,
+                ISOLATE_QK=cfg.isolate_qk, PREFETCH=prefetch, PREFETCH_L1=cfg.prefetch_l1,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         if splits > 1:
             sparse_mla_combine_kernel[(T, H)](part_out, part_lse, out, lse, H,
                                               NUM_SPLITS=splits, SPLITS_P2=_next_pow2(splits),

@@ -79,7 +79,7 @@ def _load_block(kv_ptr, idx_row, start, hi, N, kv_stride, o0, o1, o2, o3,
 
 @triton.jit
 def _prefetch_block(kv_ptr, idx_row, start, hi, N, kv_stride, BLOCK_N: tl.constexpr,
-                    IS_FP8: tl.constexpr):
+                    IS_FP8: tl.constexpr, TO_L1: tl.constexpr = False):
     """Ask L2 for the rows of the entries [start, start + BLOCK_N) of an index row
     (``prefetch.global.L2``, one per 128-byte line of each row; no registers held, no
     wait). Entries beyond ``hi`` or invalid prefetch row 0, which is always mapped.
@@ -89,20 +89,26 @@ def _prefetch_block(kv_ptr, idx_row, start, hi, N, kv_stride, BLOCK_N: tl.conste
     idx = tl.load(idx_row + kk, mask=inr, other=-1)
     valid = inr & (idx >= 0) & (idx < N)
     if IS_FP8:
-        _prefetch_rows(kv_ptr, tl.where(valid, idx, 0).to(tl.int64) * kv_stride, 656, 8)
+        _prefetch_rows(kv_ptr, tl.where(valid, idx, 0).to(tl.int64) * kv_stride, 656, 8, TO_L1)
     else:
-        _prefetch_rows(kv_ptr, tl.where(valid, idx, 0).to(tl.int64) * (kv_stride * 2), 1152, 16)
+        _prefetch_rows(kv_ptr, tl.where(valid, idx, 0).to(tl.int64) * (kv_stride * 2), 1152, 16,
+                       TO_L1)
 
 
 @triton.jit
-def _prefetch_rows(kv_ptr, row_byte, ROW_BYTES: tl.constexpr, LINES: tl.constexpr):
+def _prefetch_rows(kv_ptr, row_byte, ROW_BYTES: tl.constexpr, LINES: tl.constexpr,
+                   TO_L1: tl.constexpr):
     """row_byte: int64 [BLOCK_N] byte offsets of rows of ROW_BYTES bytes. The line
     offsets 0, 128, ... are clamped to the row's last byte: every 128-byte line a row
     touches holds one of these addresses, whatever the row's alignment."""
     off = tl.minimum(tl.arange(0, LINES) * 128, ROW_BYTES - 1)
     ptrs = kv_ptr.to(tl.pointer_type(tl.uint8)) + row_byte[:, None] + off[None, :]
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
+    if TO_L1:
+        tl.inline_asm_elementwise("prefetch.global.L1 [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs],
+                                  dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -139,6 +145,7 @@ def sparse_mla_decode_kernel(
     DV_PARTS: tl.constexpr = 1,  # 1, or 2: a program owns half of the 512 output columns
     ISOLATE_QK: tl.constexpr = False,  # each q . k^T dot in its own one-trip loop (see below)
     PREFETCH: tl.constexpr = 0,  # L2-prefetch the rows PREFETCH blocks ahead (0 = off; GPU only)
+    PREFETCH_L1: tl.constexpr = False,  # prefetch into L1 instead of L2
 ):
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1) // DV_PARTS
@@ -178,13 +185,14 @@ def sparse_mla_decode_kernel(
     # program id, so the compiler cannot fold the loops away, whatever K is specialised to)
     one = (lo >= 0).to(tl.int32)
     for j in tl.static_range(1, PREFETCH):
-        _prefetch_block(kv_ptr, idx_row, lo + j * BLOCK_N, hi, N, kv_stride, BLOCK_N, IS_FP8)
+        _prefetch_block(kv_ptr, idx_row, lo + j * BLOCK_N, hi, N, kv_stride, BLOCK_N, IS_FP8,
+                        PREFETCH_L1)
     for start in range(lo, hi, BLOCK_N):
         if PREFETCH > 0:
             # the gathers below are not software-pipelined (see ISOLATE_QK): have L2
             # fetch a later block's rows while this one is dequantised and multiplied
             _prefetch_block(kv_ptr, idx_row, start + PREFETCH * BLOCK_N, hi, N, kv_stride,
-                            BLOCK_N, IS_FP8)
+                            BLOCK_N, IS_FP8, PREFETCH_L1)
         valid, c0, c1, c2, c3, s0, s1, s2, s3, kr = _load_block(
             kv_ptr, idx_row, start, hi, N, kv_stride, o0, o1, o2, o3, BLOCK_N, IS_FP8)
         k0 = _tile(c0, s0, IS_FP8)

@@ -1,0 +1,120 @@
+"""Sparse-MLA decode with the four 128-wide latent tiles fused into one [BLOCK_N, 512]
+tile (an alternative body of ``mla_decode.sparse_mla_decode_kernel``; same arguments,
+grid, outputs and split/combine contract -- read that module's docstring).
+
+Why: the tiled kernel issues five q . k^T dots and four p . v dots per iteration, each
+isolated in its own loop region (``ISOLATE_QK``), so every one ends with a wait on the
+tensor cores. Here an iteration issues three: q_lat . k_lat^T (K = 512), q_rope .
+k_rope^T (K = 64), each in its own one-trip loop (keeps the [4, 2] warp layout), and one
+p . v over all 512 output columns. fp8 rows are loaded as [BLOCK_N, 4, 128] codes,
+scaled by their [BLOCK_N, 4] tile scales and reshaped to [BLOCK_N, 512] (exact: the
+scales are powers of two).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .mla_decode import LN2, _prefetch_block
+
+
+@triton.jit
+def sparse_mla_decode_wide_kernel(
+    q_ptr,  # bf16 [T, H, 576], last-dim stride 1
+    kv_ptr,  # uint8 [N, 656] (IS_FP8) or bf16 [N, 576]; last-dim stride 1
+    idx_ptr,  # int32 [T, K], -1 = padding
+    vc_ptr,  # int32 [T] valid counts (read only when HAS_VC)
+    out_ptr,  # bf16 [T, H, 512] contiguous (written when NUM_SPLITS == 1)
+    lse_ptr,  # float32 [T, H] natural log (written when NUM_SPLITS == 1)
+    part_out_ptr,  # float32 [T, NUM_SPLITS, H, 512] (written when NUM_SPLITS > 1)
+    part_lse_ptr,  # float32 [T, NUM_SPLITS, H] base-2 lse (written when NUM_SPLITS > 1)
+    N, K, H,  # rows, entries per token, heads
+    q_stride_t, q_stride_h,  # elements
+    kv_stride,  # bytes (fp8) or elements (bf16) between rows
+    idx_stride,  # elements between index rows
+    rows_per_split,  # entries per split (a multiple of BLOCK_N)
+    qk_scale_log2,  # sm_scale * log2(e)
+    HAS_VC: tl.constexpr,
+    IS_FP8: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PREFETCH: tl.constexpr = 0,  # L2-prefetch the rows PREFETCH blocks ahead (0 = off; GPU only)
+    PREFETCH_L1: tl.constexpr = False,  # prefetch into L1 instead of L2
+):
+    t = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    sp = tl.program_id(2)
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < H
+    dl = tl.arange(0, 512)
+    q_row = q_ptr + t * q_stride_t + heads.to(tl.int64)[:, None] * q_stride_h
+    q_lat = tl.load(q_row + dl[None, :], mask=hmask[:, None], other=0.0)  # bf16 [BLOCK_H, 512]
+    q_rope = tl.load(q_row + 512 + tl.arange(0, 64)[None, :], mask=hmask[:, None], other=0.0)
+
+    k_end = K
+    if HAS_VC:
+        k_end = tl.minimum(tl.maximum(tl.load(vc_ptr + t), 0), K)
+    lo = sp * rows_per_split
+    hi = tl.minimum(lo + rows_per_split, k_end)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, 512], dtype=tl.float32)
+    idx_row = idx_ptr + t * idx_stride
+    one = (lo >= 0).to(tl.int32)  # a runtime 1 for the one-trip loops (see mla_decode)
+    tt = tl.arange(0, 4)
+    d = tl.arange(0, 128)
+    r = tl.arange(0, 64)
+    for j in tl.static_range(1, PREFETCH):
+        _prefetch_block(kv_ptr, idx_row, lo + j * BLOCK_N, hi, N, kv_stride, BLOCK_N, IS_FP8,
+                        PREFETCH_L1)
+    for start in range(lo, hi, BLOCK_N):
+        if PREFETCH > 0:
+            _prefetch_block(kv_ptr, idx_row, start + PREFETCH * BLOCK_N, hi, N, kv_stride,
+                            BLOCK_N, IS_FP8, PREFETCH_L1)
+        kk = start + tl.arange(0, BLOCK_N)
+        inr = kk < hi
+        idx = tl.load(idx_row + kk, mask=inr, other=-1)
+        valid = inr & (idx >= 0) & (idx < N)
+        row_off = tl.where(valid, idx, 0).to(tl.int64) * kv_stride  # bytes (fp8) / elements (bf16)
+        if IS_FP8:
+            cptr = kv_ptr + row_off[:, None, None] + (tt[None, :, None] * 128 + d[None, None, :])
+            codes = tl.load(cptr, mask=valid[:, None, None], other=0)  # uint8 [BLOCK_N, 4, 128]
+            sptr = (kv_ptr + row_off + 512).to(tl.pointer_type(tl.float32))
+            sc = tl.load(sptr[:, None] + tt[None, :], mask=valid[:, None], other=0.0)  # f32 [BLOCK_N, 4]
+            k3 = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * sc[:, :, None]
+            k_lat = tl.reshape(k3.to(tl.bfloat16), [BLOCK_N, 512])
+            rbase = (kv_ptr + row_off + 528).to(tl.pointer_type(tl.bfloat16))
+            k_rope = tl.load(rbase[:, None] + r[None, :], mask=valid[:, None], other=0.0)
+        else:
+            k_lat = tl.load(kv_ptr + row_off[:, None] + dl[None, :], mask=valid[:, None], other=0.0)
+            k_rope = tl.load(kv_ptr + row_off[:, None] + 512 + r[None, :], mask=valid[:, None],
+                             other=0.0)
+        s = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
+        for _ in range(0, one):
+            s = tl.dot(q_lat, tl.trans(k_lat), s)
+        for _ in range(0, one):
+            s = tl.dot(q_rope, tl.trans(k_rope), s)
+        s = tl.where(valid[None, :], s * qk_scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = tl.dot(p.to(tl.bfloat16), k_lat, acc * alpha[:, None])
+        m_i = m_new
+
+    has = l_i > 0.0
+    inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
+    lse2 = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    hm = hmask[:, None]
+    if NUM_SPLITS == 1:
+        o_row = out_ptr + (t * H + heads.to(tl.int64))[:, None] * 512 + dl[None, :]
+        tl.store(o_row, (acc * inv_l[:, None]).to(tl.bfloat16), mask=hm)
+        tl.store(lse_ptr + t * H + heads, lse2 * LN2, mask=hmask)
+    else:
+        base = (t * NUM_SPLITS + sp) * H + heads.to(tl.int64)
+        tl.store(part_out_ptr + base[:, None] * 512 + dl[None, :], acc * inv_l[:, None], mask=hm)
+        tl.store(part_lse_ptr + base, lse2, mask=hmask)
