@@ -122,6 +122,37 @@ def _tile(c, s, IS_FP8: tl.constexpr):
 
 
 @triton.jit
+def _split_range(vc_ptr, t, sp, rows_per_split, K, HAS_VC: tl.constexpr):
+    """[lo, hi): the entries of split sp of token t's index row (valid counts honoured)."""
+    k_end = K
+    if HAS_VC:
+        k_end = tl.minimum(tl.maximum(tl.load(vc_ptr + t), 0), K)
+    lo = sp * rows_per_split
+    return lo, tl.minimum(lo + rows_per_split, k_end)
+
+
+@triton.jit
+def _online_softmax(s, valid, m_i, l_i, qk_scale_log2):
+    """One block of the base-2 online softmax. s: float32 [BLOCK_H, BLOCK_N] raw scores;
+    valid: bool [BLOCK_N]; m_i, l_i: float32 [BLOCK_H] running max and sum. Returns
+    (p [BLOCK_H, BLOCK_N], alpha [BLOCK_H] (rescale of the accumulator), m_new, l_new)."""
+    s = tl.where(valid[None, :], s * qk_scale_log2, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def _finish(m_i, l_i):
+    """(1 / l or 0, base-2 lse or -inf) per head: a head with no valid entry gets 0 / -inf."""
+    has = l_i > 0.0
+    inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
+    return inv_l, tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+
+
+@triton.jit
 def sparse_mla_decode_kernel(
     q_ptr,  # bf16 [T, H, 576], last-dim stride 1
     kv_ptr,  # uint8 [N, 656] (IS_FP8) or bf16 [N, 576]; last-dim stride 1
@@ -167,11 +198,7 @@ def sparse_mla_decode_kernel(
     q3 = tl.load(q_row + o3 + d[None, :], mask=hmask[:, None], other=0.0)
     qr = tl.load(q_row + 512 + tl.arange(0, 64)[None, :], mask=hmask[:, None], other=0.0)
 
-    k_end = K
-    if HAS_VC:
-        k_end = tl.minimum(tl.maximum(tl.load(vc_ptr + t), 0), K)
-    lo = sp * rows_per_split
-    hi = tl.minimum(lo + rows_per_split, k_end)
+    lo, hi = _split_range(vc_ptr, t, sp, rows_per_split, K, HAS_VC)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -222,12 +249,7 @@ def sparse_mla_decode_kernel(
             s = tl.dot(q2, tl.trans(k2), s)
             s = tl.dot(q3, tl.trans(k3), s)
             s = tl.dot(qr, tl.trans(kr), s)
-        s = tl.where(valid[None, :], s * qk_scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p, alpha, m_new, l_i = _online_softmax(s, valid, m_i, l_i, qk_scale_log2)
         pb = p.to(tl.bfloat16)
         acc0 = tl.dot(pb, k0, acc0 * alpha[:, None])
         acc1 = tl.dot(pb, k1, acc1 * alpha[:, None])
@@ -236,9 +258,7 @@ def sparse_mla_decode_kernel(
             acc3 = tl.dot(pb, k3, acc3 * alpha[:, None])
         m_i = m_new
 
-    has = l_i > 0.0
-    inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
-    lse2 = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    inv_l, lse2 = _finish(m_i, l_i)
     hm = hmask[:, None]
     # every D_V part computes the same lse; part 0 writes it
     lmask = hmask & (vpart == 0)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .mla_decode import LN2, _prefetch_block
+from .mla_decode import LN2, _finish, _online_softmax, _prefetch_block, _split_range
 
 
 @triton.jit
@@ -53,11 +53,7 @@ def sparse_mla_decode_wide_kernel(
     q_lat = tl.load(q_row + dl[None, :], mask=hmask[:, None], other=0.0)  # bf16 [BLOCK_H, 512]
     q_rope = tl.load(q_row + 512 + tl.arange(0, 64)[None, :], mask=hmask[:, None], other=0.0)
 
-    k_end = K
-    if HAS_VC:
-        k_end = tl.minimum(tl.maximum(tl.load(vc_ptr + t), 0), K)
-    lo = sp * rows_per_split
-    hi = tl.minimum(lo + rows_per_split, k_end)
+    lo, hi = _split_range(vc_ptr, t, sp, rows_per_split, K, HAS_VC)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
@@ -97,18 +93,11 @@ def sparse_mla_decode_wide_kernel(
             s = tl.dot(q_lat, tl.trans(k_lat), s)
         for _ in range(0, one):
             s = tl.dot(q_rope, tl.trans(k_rope), s)
-        s = tl.where(valid[None, :], s * qk_scale_log2, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p, alpha, m_new, l_i = _online_softmax(s, valid, m_i, l_i, qk_scale_log2)
         acc = tl.dot(p.to(tl.bfloat16), k_lat, acc * alpha[:, None])
         m_i = m_new
 
-    has = l_i > 0.0
-    inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
-    lse2 = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+    inv_l, lse2 = _finish(m_i, l_i)
     hm = hmask[:, None]
     if NUM_SPLITS == 1:
         o_row = out_ptr + (t * H + heads.to(tl.int64))[:, None] * 512 + dl[None, :]
