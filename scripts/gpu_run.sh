@@ -3,6 +3,7 @@
 #
 #   bash scripts/gpu_run.sh [SECTION ...]     sections: env tests sanitize staging decode triton_configs profile
 #                                             prefill e2e stress autotune tests_each pool_kinds vllm_resolve
+#                                             profile_host (cProfile + torch.profiler of bench_e2e --quick)
 #                                             (default: all, in that order)
 #   vllm_resolve: vLLM 0.30's hisparse_resolve_residency vs our resolve_triton, all hits, same
 #                 process (benchmarks/bench_vllm_resolve.py); needs .gpu-deps/vllm/_C_stable_libtorch.abi3.so
@@ -83,6 +84,7 @@ for s in "${sections[@]}"; do
     decode) run decode 300 python3 benchmarks/bench_decode.py --out "$RES/decode.json" ${QUICK:+--quick} ${DECODE_ARGS:-} ;;
     triton_configs) run triton_configs 300 python3 benchmarks/bench_triton_configs.py --out "$RES/triton_configs.json" ${QUICK:+--quick} ${TC_ARGS:-} ;;
     prefill) run prefill 240 python3 benchmarks/bench_prefill.py --out "$RES/prefill.json" ${QUICK:+--quick} ${PREFILL_ARGS:-} ;;
+    profile_host) run profile_host 300 python3 scripts/profile_e2e_host.py --quick --torch-profiler --out "$RES/profile_e2e_host.txt" ;;
     vllm_resolve) run vllm_resolve 300 python3 benchmarks/bench_vllm_resolve.py --out "$RES/vllm_resolve.json" ${VLLM_RESOLVE_ARGS:-} ;;
     e2e) run e2e 300 python3 benchmarks/bench_e2e.py --out "$RES/e2e.json" ${QUICK:+--quick} ;;
     stress) run_to stress 420 "$RES/stress.json" python3 -m hisparse stress --preset gpu --json --plot "$RES"
