@@ -122,6 +122,8 @@ class HiSparseIndexGroup:
         self._batch: SparseMLAMetadata | None = None
         self._decode_ids = torch.empty(0, dtype=torch.int32, device=self.device)
         self._converted: dict[int, tuple[tuple, object]] = {}
+        self._written: set[int] = set()
+        self._counts: tuple[int, ...] | None = None
         self.resolves_per_layer = [0] * config.num_layers  # lifetime count, for tests/metrics
         cuda = self.device.type == "cuda"
         self.prefill_stream = torch.cuda.Stream(device=self.device) if cuda else None
@@ -241,6 +243,8 @@ class HiSparseIndexGroup:
         self._decode_ids = metadata.request_ids[rows] if td else metadata.request_ids[:0]
         self._batch = metadata
         self._converted = {}
+        self._written: set[int] = set()  # layers whose rows this forward wrote
+        self._counts: tuple[int, ...] | None = None  # rows per batch row (built on first write)
 
     def _check_batch(self, metadata: object) -> SparseMLAMetadata:
         if self._batch is None or metadata is not self._batch:
@@ -258,20 +262,26 @@ class HiSparseIndexGroup:
         i = self._layer(layer_index)
         md = self._check_batch(metadata)
         rows = self._as_row_bytes(rows, md.num_tokens, "rows")
-        for row, rid in enumerate(md.request_ids_cpu):
-            if self._lens[rid][i] != md.context_start(row):
-                raise ValueError(f"layer {i}: rows of request {rid} were already written in this forward")
+        # prepare_for_batch checked every layer's lengths against the batch, and only
+        # this method changes them: a layer not written yet in this forward is in order
+        if i in self._written:
+            raise ValueError(f"layer {i}: this forward's rows were already written")
         qsl = md.query_start_loc_cpu
         if self.batched_writes:  # one plan for the whole batch, a fixed number of launches
             ids = md.request_ids_cpu
-            counts = [qsl[row + 1] - qsl[row] for row in range(len(ids))]
-            firsts = self._cache.append_rows_batch(i, ids, rows, counts)
+            if self._counts is None:  # one tuple per forward: the cache validates it once
+                self._counts = tuple(qsl[row + 1] - qsl[row] for row in range(len(ids)))
+            firsts = self._cache.append_rows_batch(i, ids, rows, self._counts)
             for row, rid in enumerate(ids):
                 if firsts[row] != self._lens[rid][i]:
                     raise RuntimeError(f"cache appended request {rid} layer {i} at position {firsts[row]}, "
                                        f"the group expected {self._lens[rid][i]}")
                 self._lens[rid][i] = md.seq_lens_cpu[row]
+            self._written.add(i)
             return
+        for row, rid in enumerate(md.request_ids_cpu):
+            if self._lens[rid][i] != md.context_start(row):  # a partly failed earlier call
+                raise ValueError(f"layer {i}: rows of request {rid} were already written in this forward")
         for row, rid in enumerate(md.request_ids_cpu):
             n = qsl[row + 1] - qsl[row]
             if n == 0:
@@ -281,6 +291,7 @@ class HiSparseIndexGroup:
                 raise RuntimeError(f"cache appended request {rid} layer {i} at position {first}, "
                                    f"the group expected {self._lens[rid][i]}")
             self._lens[rid][i] += n
+        self._written.add(i)
 
     def _as_row_bytes(self, rows: object, n: int, name: str) -> torch.Tensor:
         if not isinstance(rows, torch.Tensor):
@@ -342,11 +353,11 @@ class HiSparseIndexGroup:
                                  "tensor; each layer is resolved once per forward")
             phys, counts = done[1]
         else:
-            for row, rid in enumerate(md.request_ids_cpu[:nd]):
-                if self._lens[rid][i] != md.seq_lens_cpu[row]:
-                    raise ValueError(f"layer {i}: write_new_rows must run before the conversion "
-                                     f"(request {rid} holds {self._lens[rid][i]} of "
-                                     f"{md.seq_lens_cpu[row]} rows)")
+            if nd and i not in self._written:  # this forward's rows of layer i are not in yet
+                rid = md.request_ids_cpu[0]
+                raise ValueError(f"layer {i}: write_new_rows must run before the conversion "
+                                 f"(request {rid} holds {self._lens[rid][i]} of "
+                                 f"{md.seq_lens_cpu[0]} rows)")
             if td:
                 phys, counts = self._resolve_decode(i, topk_indices)
                 self.resolves_per_layer[i] += 1

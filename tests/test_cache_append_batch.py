@@ -13,7 +13,8 @@ import torch
 
 from hisparse import CapacityError, HiSparseConfig
 from hisparse.cache.cache import HiSparseCache
-from hisparse.cache.write_plan import expand_runs
+from hisparse.cache.host_pool import HostPool
+from hisparse.cache.write_plan import _NAMES, _runs_plan, _single_row_plan, expand_runs
 
 from invariants import check_cache, snapshot
 
@@ -54,6 +55,37 @@ def same(a: dict, b: dict) -> None:
 def test_expand_runs():
     assert expand_runs([]).tolist() == []
     assert expand_runs([(5, 3, 1), (2, 2, 0), (10, 1, 7), (0, 0, 1)]).tolist() == [5, 6, 7, 2, 2, 10]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_single_row_plan_equals_runs_plan(seed):
+    """The decode-step fast path builds the same index lists, in the same order, and
+    allocates the same blocks as the general runs-based plan: random single-row work
+    across the fits phase, the reserved slot (with and without a previous occupant),
+    block boundaries and a skipped block."""
+    rng = random.Random(seed)
+    cfg = make_cfg(host_pool_tokens=3 * 40, max_num_reqs=6)
+    S, B = cfg.device_buffer_size, cfg.host_block_size
+    pools = [HostPool(cfg, pin=False), HostPool(cfg, pin=False)]
+    work, t0 = [], 0
+    for r in rng.sample(range(6), 5):
+        p0 = rng.choice([0, 1, S - 1, S, S + 1, B * 2, B * 3 - 1, rng.randrange(0, 20)])
+        have = rng.choice([-(-p0 // B), -(-(p0 + 1) // B)])  # sometimes the row opens a block
+        if rng.random() < 0.2:
+            have = max(0, p0 // B - 1)  # skip a block: both paths allocate the gap
+        for pool in pools:
+            pool.allocator.allocate(r, have)
+        old = rng.choice([-1, max(0, p0 - 1)]) if p0 >= S else -1
+        old = old if old < len(pools[0].allocator.owned(r)) * B else -1
+        work.append((r, p0, p0 + 1, t0, old))
+        t0 += 1
+    a = _single_row_plan(pools[0], work, S=S, device=torch.device("cpu"))
+    b = _runs_plan(pools[1], work, S=S, device=torch.device("cpu"))
+    for name in _NAMES + ("host_h32", "host_tok32"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype and torch.equal(x, y), (name, x.tolist(), y.tolist())
+    for r, *_ in work:
+        assert pools[0].allocator.owned(r) == pools[1].allocator.owned(r)
 
 
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
@@ -156,3 +188,27 @@ def test_bad_input_changes_nothing(args, exc, match):
     with pytest.raises(ValueError, match="layer"):
         c.append_rows_batch(3, [1], torch.zeros((1, ROW_BYTES), dtype=U8), [1])
     same(before, full_state(c))
+
+
+def test_validated_tuples_are_reused_only_while_requests_are_unchanged():
+    """Tuples of ids and counts validated once are not re-validated for the other layers
+    of a forward; a free_request in between drops that memo (the freed id is caught),
+    and lists are validated on every call."""
+    c = HiSparseCache(make_cfg(), kernels="torch")
+    for rid in (1, 2):
+        c.add_request(rid)
+    ids, counts = (1, 2), (1, 2)
+    rows = torch.zeros((3, ROW_BYTES), dtype=U8)
+    assert c.append_rows_batch(0, ids, rows, counts) == [0, 0]
+    assert c._batch_memo is not None and c._batch_memo[0] is ids
+    assert c.append_rows_batch(1, ids, rows, counts) == [0, 0]  # memo hit
+    with pytest.raises(ValueError, match="counts sum to 3"):  # rows still checked on a hit
+        c.append_rows_batch(2, ids, torch.zeros((4, ROW_BYTES), dtype=U8), counts)
+    c.free_request(2)
+    before = full_state(c)
+    with pytest.raises(ValueError, match="not live"):
+        c.append_rows_batch(2, ids, rows, counts)
+    same(before, full_state(c))
+    with pytest.raises(ValueError, match="not live"):  # lists: validated every time
+        c.append_rows_batch(2, [1, 2], rows, [1, 2])
+    assert c.append_rows_batch(2, (1,), torch.zeros((1, ROW_BYTES), dtype=U8), (1,)) == [0]

@@ -200,10 +200,15 @@ def test_prepare_rejects_bad_batches_without_state_change():
         g.write_new_rows(0, batch_rows(0, md)[:0], md)
     with pytest.raises(TypeError):
         g.write_new_rows(0, batch_rows(0, md).to(torch.int16), md)
+    topk = torch.zeros((1, K), dtype=torch.int32)
+    with pytest.raises(ValueError, match="write_new_rows must run before"):
+        g.convert_decode_logical_to_physical_topk(0, topk, md)
     g.write_new_rows(0, batch_rows(0, md), md)
     with pytest.raises(ValueError, match="already written"):
         g.write_new_rows(0, batch_rows(0, md), md)
     assert [g.request_length(1, i) for i in range(L)] == [13, 12]
+    with pytest.raises(ValueError, match="write_new_rows must run before"):
+        g.convert_decode_logical_to_physical_topk(1, topk, md)  # layer 1 not written yet
 
 
 def test_decode_query_len_above_config():

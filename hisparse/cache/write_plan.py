@@ -86,6 +86,13 @@ def build_write_plan(pool: HostPool, work: list[Work], *, S: int, device: torch.
     slot == position; the last position, if >= S, to the reserved slot S (unmapping the
     previous occupant); every position to its host row.
     """
+    if all(p1 == p0 + 1 for _, p0, p1, _, _ in work):
+        return _single_row_plan(pool, work, S=S, device=device)
+    return _runs_plan(pool, work, S=S, device=device)
+
+
+def _runs_plan(pool: HostPool, work: list[Work], *, S: int, device: torch.device) -> WritePlan:
+    """The general ``build_write_plan``: runs per request, expanded in one go."""
     SP = S + 1
     runs: dict[str, list[tuple[int, int, int]]] = {n: [] for n in _NAMES}
 
@@ -127,6 +134,51 @@ def build_write_plan(pool: HostPool, work: list[Work], *, S: int, device: torch.
         put("len_v", p1)
     sizes = [sum(n for _, n, _ in runs[name]) for name in _NAMES]
     flat = expand_runs([x for name in _NAMES for x in runs[name]])
+    return _to_plan(flat, sizes, device)
+
+
+def _single_row_plan(pool: HostPool, work: list[Work], *, S: int, device: torch.device) -> WritePlan:
+    """``build_write_plan`` when every request writes one row (a decode step): the same
+    lists in the same order, built directly (no runs, no ``segments``)."""
+    SP, B = S + 1, pool.B
+    alloc = pool.allocator
+    lists: dict[str, list[int]] = {n: [] for n in _NAMES}
+    bt_r, bt_k, bt_v = lists["bt_r"], lists["bt_k"], lists["bt_v"]
+    hot_dst, hot_tok, sp_idx = lists["hot_dst"], lists["hot_tok"], lists["sp_idx"]
+    sp_pos, sp_r, rs_h, rs_v = lists["sp_pos"], lists["sp_r"], lists["rs_h"], lists["rs_v"]
+    unmap, host_h, host_tok = lists["unmap"], lists["host_h"], lists["host_tok"]
+    for r, p0, _p1, t0, old in work:
+        blocks = alloc.owned(r)
+        k = p0 // B
+        if k >= len(blocks):  # the row opens a new block (and any it skips, as runs do)
+            have = len(blocks)
+            for j, blk in enumerate(alloc.allocate(r, k + 1 - have)):
+                bt_r.append(r)
+                bt_k.append(have + j)
+                bt_v.append(blk)
+            blocks = alloc.owned(r)
+        h = blocks[k] * B + p0 % B
+        slot = p0 if p0 < S else S
+        if p0 >= S and old >= 0:
+            unmap.append(blocks[old // B] * B + old % B)
+        hot_dst.append(r * SP + slot)
+        hot_tok.append(t0)
+        sp_idx.append(r * SP + slot)
+        sp_pos.append(p0)
+        sp_r.append(r)
+        rs_h.append(h)
+        rs_v.append(slot)
+        host_h.append(h)
+        host_tok.append(t0)
+        lists["len_r"].append(r)
+        lists["len_v"].append(p0 + 1)
+    sizes = [len(lists[name]) for name in _NAMES]
+    flat = torch.tensor([v for name in _NAMES for v in lists[name]], dtype=torch.int64)
+    return _to_plan(flat, sizes, device)
+
+
+def _to_plan(flat: torch.Tensor, sizes: list[int], device: torch.device) -> WritePlan:
+    """flat: int64 [sum(sizes)] CPU, the lists of ``_NAMES`` back to back -> the device plan."""
     if device.type == "cuda":
         flat = flat.pin_memory().to(device, non_blocking=True)
     else:
