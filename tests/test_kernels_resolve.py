@@ -356,6 +356,54 @@ def test_trace_without_bad_entries_keeps_stats_consistent():
     assert s[STAT_MISSES].item() > 0 and s[STAT_HITS].item() > 0
 
 
+def scramble_lru(state: HotState, rng: random.Random, *, spread: int) -> None:
+    """Give every occupied LRU slot (0..S-1) a random distinct position and a stamp from
+    a few values up to ``spread`` (so stamp ties and wide stamp ranges both occur), keep
+    row_slot consistent, and set each step past the newest stamp. In place, CPU state."""
+    S, B = state.S, state.B
+    for layer in range(state.slot_pos.shape[0]):
+        for r in range(state.slot_pos.shape[1]):
+            seq = int(state.seq_lens[layer, r])
+            occ = [s_ for s_ in range(S) if int(state.slot_pos[layer, r, s_]) >= 0]
+            if not occ:
+                continue
+            reserved = int(state.slot_pos[layer, r, S])
+            free_pos = [p for p in range(seq) if p != reserved]
+            new_pos = rng.sample(free_pos, len(occ))
+            stamps = [rng.randrange(spread + 1) for _ in range(3)]
+            for s_ in occ:
+                p = int(state.slot_pos[layer, r, s_])
+                state.row_slot[layer, int(state.block_table[r, p // B]) * B + p % B] = -1
+            for s_, p in zip(occ, new_pos):
+                state.slot_pos[layer, r, s_] = p
+                state.slot_stamp[layer, r, s_] = rng.choice(stamps)
+                state.row_slot[layer, int(state.block_table[r, p // B]) * B + p % B] = s_
+            state.step[layer, r] = max(stamps) + rng.randrange(3)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_scrambled_lru_states_pick_the_reference_victims(seed):
+    """Victim selection by bisection (threshold stamp, then position) against the
+    reference's key sort, from states with slots holding arbitrary positions, empty
+    slots, tied stamps and stamps up to ~10^6 apart (many bisection steps)."""
+    rng = random.Random(seed)
+    S, K, B = rng.choice([(9, 4, 2), (23, 7, 3), (37, 9, 4)])
+    cfg = small_cfg(K=K, q=1, S=S, B=B)
+    seq_by_id = {rid: rng.randint(S + 2, 60) for rid in rng.sample(range(1, 16), 3)}
+    ref = make_state(cfg, seq_by_id, CPU, rng, holes=rng.choice([0.0, 0.3]))
+    scramble_lru(ref, rng, spread=rng.choice([3, 1000, 10**6]))
+    tri = ref.clone()
+    for i in range(3):
+        req, topk = random_batch(seq_by_id, K, 1, rng, bad=False)
+        layer = rng.randrange(cfg.num_layers)
+        oa, ob = new_buffers(req.numel(), K, CPU), new_buffers(req.numel(), K, CPU)
+        resolve_reference(ref, layer, req, topk, oa, max_query_len=1)
+        resolve_triton(tri, layer, req, topk, ob, max_query_len=1)
+        assert_same(ref, tri, oa, ob, msg=f"seed {seed} step {i}")
+    s_ = tri.stats.sum(0)
+    assert s_[STAT_MISSES].item() > 0 and s_[STAT_HITS].item() > 0  # victims were chosen
+
+
 @settings(max_examples=10, deadline=None)
 @given(seed=st.integers(0, 10**6), q=st.sampled_from([1, 2, 4]), K=st.integers(1, 6),
        extra=st.integers(0, 5), B=st.integers(1, 5), compact=st.booleans())
