@@ -17,6 +17,7 @@ import math
 import os
 
 import torch
+import triton
 
 from ..config import RowFormat
 from .base import (D_V, DecodeInputs, Phase, SparseMLABackend, empty_result, heads_reason,
@@ -89,10 +90,6 @@ class TritonMLAConfig:
             raise ValueError("wide needs dv_parts == 1 (it owns all 512 output columns)")
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 @functools.lru_cache(maxsize=None)
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
@@ -133,7 +130,7 @@ MAX_AUTO_SPLITS = 32  # partial outputs cost T * splits * H * 2 KiB of traffic
 def default_config(T: int, H: int, K: int, device: torch.device,
                    row_format: RowFormat | str = RowFormat.FP8_DS_MLA) -> TritonMLAConfig:
     """Heuristic launch shape: head blocks of up to 64, enough KV splits to fill the SMs."""
-    block_h = min(64, max(16, _next_pow2(H)))
+    block_h = min(64, max(16, triton.next_power_of_2(H)))
     block_n, num_warps, num_stages, isolate, prefetch, wide = \
         DEFAULT_SHAPES[(RowFormat.parse(row_format), block_h)]
     cfg = TritonMLAConfig(block_h=block_h, block_n=block_n, num_warps=num_warps,
@@ -200,7 +197,7 @@ def run_sparse_mla(inp: DecodeInputs, cfg: TritonMLAConfig | None = None
                 num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         if splits > 1:
             sparse_mla_combine_kernel[(T, H)](part_out, part_lse, out, lse, H,
-                                              NUM_SPLITS=splits, SPLITS_P2=_next_pow2(splits),
+                                              NUM_SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits),
                                               num_warps=4)
     return out, lse
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import triton
 
 _IMPLS = ("auto", "triton", "torch")
 
@@ -255,10 +256,6 @@ def convert_reference(topk: torch.Tensor, req_id_per_token: torch.Tensor, block_
 # launcher
 # ---------------------------------------------------------------------------
 
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 def convert_topk_to_physical(
     topk: torch.Tensor,  # int32 [T, K] request-local positions, -1 = padding
     req_id_per_token: torch.Tensor,  # int32 [T] row of block_table of each token
@@ -326,7 +323,7 @@ def convert_topk_to_physical(
     has_pre = prefill_request_id is not None
     dummy = req_id_per_token
     R, NB = block_table.shape
-    block_n = min(max(_next_pow2(K), 16), 256)
+    block_n = min(max(triton.next_power_of_2(K), 16), 256)
     convert_topk_kernel[(T,)](
         topk, req_id_per_token, block_table if block_table.numel() else dummy, out,
         counts if counts is not None else dummy,

@@ -44,6 +44,7 @@ import dataclasses
 from typing import Sequence
 
 import torch
+import triton
 
 from ..config import RowFormat
 from ..device import is_pinned_host
@@ -483,7 +484,7 @@ def _launch(mode: _Mode, *, host_pool, block_table, req_slots, seq_lens, workspa
             bt if bt.numel() else req_slots, req_slots, seq_lens, workspace_starts,
             workspace.view(torch.int32).view(W, words),
             R, NB, H, W, hot_n, sp, stride_bt,
-            BLOCK_SIZE=block_size, ROWS=rows, WORDS=words, WORDS_P2=1 << (words - 1).bit_length(),
+            BLOCK_SIZE=block_size, ROWS=rows, WORDS=words, WORDS_P2=triton.next_power_of_2(words),
             HAS_HOT=has_hot, num_warps=num_warps)
 
 

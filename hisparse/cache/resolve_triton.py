@@ -38,10 +38,6 @@ def interpreter_requested() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def _pow2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
-
-
 def _check_i32(name: str, x: torch.Tensor, ndim: int, device: torch.device) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -119,9 +115,9 @@ def resolve_triton(state: HotState, layer: int, req_ids: torch.Tensor, topk: tor
                           compact=compact)
         return
     S = state.S
-    KB = _pow2(K)
-    GQ = _pow2(max_query_len)
-    SB = _pow2(S)
+    KB = triton.next_power_of_2(K)
+    GQ = triton.next_power_of_2(max_query_len)
+    SB = triton.next_power_of_2(S)
     big = max(GQ * KB, SB)
     num_warps = 4 if big <= 1024 else (8 if big <= 4096 else 16)
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():

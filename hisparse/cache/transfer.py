@@ -36,10 +36,6 @@ DEFAULT_NUM_WARPS = 4
 DEFAULT_PROGRAMS_PER_SM = 8
 
 
-def _pow2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
-
-
 @functools.lru_cache(maxsize=None)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -140,7 +136,7 @@ def copy_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_i
         copy_rows_kernel[(grid,)](
             src.view(torch.int32), src_idx, src.shape[0],
             dst.view(torch.int32), dst_idx, dst.shape[0], N, grid, chunks,
-            WW=WW, WB=_pow2(WW), ROWS=rows, num_warps=warps,
+            WW=WW, WB=triton.next_power_of_2(WW), ROWS=rows, num_warps=warps,
         )
 
 
