@@ -94,16 +94,25 @@ class Timer:
         return stats(us)
 
 
-class TritonNoPrefetch(TritonBackend):
-    """The Triton backend at its default launch shape, but with ``prefetch = 0``."""
+class TritonVariant(TritonBackend):
+    """The Triton backend at its default launch shape with some fields replaced (a
+    same-run baseline for what the default changed)."""
 
-    name = "triton_noprefetch"
+    def __init__(self, name: str, **overrides) -> None:
+        super().__init__(validate=False, allow_interpreter=True)
+        self.name, self.overrides = name, overrides
 
     def decode(self, q, kv_rows, indices, *, valid_counts=None, sm_scale, row_format):
         cfg = default_config(q.shape[0], q.shape[1], indices.shape[1], q.device, row_format)
-        self.config = dataclasses.replace(cfg, prefetch=0)
+        if cfg.wide or "f16_mma" not in self.overrides:
+            cfg = dataclasses.replace(cfg, **self.overrides)
+        self.config = cfg
         return super().decode(q, kv_rows, indices, valid_counts=valid_counts, sm_scale=sm_scale,
                               row_format=row_format)
+
+
+# name -> the default launch shape's fields it replaces
+VARIANTS = {"triton_noprefetch": {"prefetch": 0}, "triton_bf16dot": {"f16_mma": False}}
 
 
 def stats(us: list[float]) -> dict:
@@ -266,7 +275,7 @@ def run_case(T, H, K, fmt, args, timer, backends, copy_cache) -> list[dict]:
     # ratio triton / FlashMLA throughput (= FlashMLA time / Triton time) in this run
     by = {r["backend"]: r for r in results if r.get("status") == "ok"}
     ref = by.get("flashmla_op") or by.get("flashmla")
-    for tname in ("triton", "triton_noprefetch"):
+    for tname in ("triton", *VARIANTS):
         if tname in by and ref is not None:
             ratio = ref["us"]["median"] / by[tname]["us"]["median"]
             by[tname]["triton_vs_flashmla"] = ratio
@@ -302,9 +311,10 @@ def main(argv=None) -> int:
     ap.add_argument("--formats", nargs="+", default=["fp8_ds_mla", "bf16"],
                     choices=["fp8_ds_mla", "bf16"])
     ap.add_argument("--backends", nargs="+", default=["triton", "flashmla", "flashinfer"],
-                    choices=["triton", "triton_noprefetch", "flashmla", "flashinfer"],
-                    help="triton_noprefetch: the default Triton launch shape with the L2 "
-                         "prefetch turned off (to measure what it buys in the same run)")
+                    choices=["triton", *VARIANTS, "flashmla", "flashinfer"],
+                    help="triton_noprefetch / triton_bf16dot: the default Triton launch shape "
+                         "with the L2 prefetch off / with bf16 instead of float16 dots on "
+                         "fp8 rows (to measure what each buys in the same run)")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--pad-frac", type=float, default=0.0, help="fraction of -1 indices")
@@ -327,8 +337,7 @@ def main(argv=None) -> int:
         args.iters, args.warmup = min(args.iters, 20), min(args.warmup, 5)
     lib = flashmla_lib_arg(args.flashmla_lib)
     all_backends = {"triton": TritonBackend(validate=False, allow_interpreter=dev.type == "cpu"),
-                    "triton_noprefetch": TritonNoPrefetch(validate=False,
-                                                          allow_interpreter=dev.type == "cpu"),
+                    **{name: TritonVariant(name, **ov) for name, ov in VARIANTS.items()},
                     "flashmla": FlashMLABackend(library_path=lib, check_ranges=False),
                     "flashinfer": FlashInferBackend()}
     backends = {k: v for k, v in all_backends.items() if k in args.backends}

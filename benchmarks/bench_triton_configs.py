@@ -119,15 +119,19 @@ def run_case(fmt: str, T: int, H: int, K: int, args) -> dict:
         pf = shape[6] if len(shape) > 6 else 0
         wide = bool(shape[7]) if len(shape) > 7 else False
         l1 = bool(shape[8]) if len(shape) > 8 else False
+        f16 = bool(shape[9]) if len(shape) > 9 else False
+        rp = bool(shape[10]) if len(shape) > 10 else False
+        rs = bool(shape[11]) if len(shape) > 11 else False
         if bh > 2 * max_bh:
             continue
         auto = TritonMLAConfig(block_h=bh, block_n=bn, num_warps=nw, num_stages=ns, dv_parts=dv,
-                               isolate_qk=iso, prefetch=pf, wide=wide, prefetch_l1=l1)
+                               isolate_qk=iso, prefetch=pf, wide=wide, prefetch_l1=l1,
+                               f16_mma=f16, reg_pipe=rp, mma_rowsum=rs)
         splits = sorted({auto_splits(T, H, K, auto, q.device), 1, 2} if not args.quick
                         else {auto_splits(T, H, K, auto, q.device), 1})
         for sp in splits:
             cfg = dataclasses.replace(auto, num_splits=sp)
-            measure(f"h{bh}n{bn}w{nw}s{ns}d{dv}{'i' if iso else ''}{f'p{pf}' if pf else ''}{'W' if wide else ''}{'L1' if l1 else ''}x{sp}", cfg)
+            measure(f"h{bh}n{bn}w{nw}s{ns}d{dv}{'i' if iso else ''}{f'p{pf}' if pf else ''}{'W' if wide else ''}{'L1' if l1 else ''}{'F' if f16 else ''}{'R' if rp else ''}{'S' if rs else ''}x{sp}", cfg)
     base_med = base.get("us", {}).get("median")
     fm = FLASHMLA_US.get((fmt, T, H))
     for r in results:
@@ -164,10 +168,10 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-flush", action="store_true", help="don't flush L2 before each call")
-    ap.add_argument("--shapes", nargs="+", metavar="BH,BN,W,S[,DV[,ISO[,PF[,WIDE[,L1]]]]]",
+    ap.add_argument("--shapes", nargs="+", metavar="BH,BN,W,S[,DV[,ISO[,PF[,WIDE[,L1[,F16[,RP[,RS]]]]]]]]",
                     help="launch shapes to try instead of CANDIDATE_SHAPES "
                          "(block_h, block_n, num_warps, num_stages, dv_parts, isolate_qk 0/1, "
-                         "prefetch distance 0-3, wide 0/1, prefetch into L1 0/1)")
+                         "prefetch distance 0-3, wide 0/1, prefetch into L1 0/1, f16 dots 0/1, register pipelining 0/1, row sums on the tensor cores 0/1)")
     ap.add_argument("--cases", nargs="+", metavar="FMT,T,H",
                     help="cases to run instead of the built-in list, e.g. fp8_ds_mla,64,128")
     args = ap.parse_args(argv)

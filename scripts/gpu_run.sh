@@ -19,6 +19,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/hisparse-out}
 RES=/tmp/hisparse-results
+# a machine can come back with an earlier run's /tmp: ship only this run's results
+rm -rf "$RES"
 mkdir -p "$OUT" "$RES"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1

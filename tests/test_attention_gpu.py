@@ -82,6 +82,44 @@ def test_every_candidate_config_matches_reference(shape, fmt):
     _check(out, lse, *ref, what=f"{shape} splits={splits} {fmt}")
 
 
+@pytest.mark.parametrize("f16,rp,rs", [(False, False, False), (True, False, False),
+                                       (False, True, False), (True, True, False),
+                                       (False, False, True), (True, False, True)])
+def test_fp8_dots_at_extreme_scales(f16, rp, rs):
+    """The fp8 fused-tile kernel with bf16 dots and with float16 dots (``f16_mma``, the
+    default at 64-head blocks), each with and without register pipelining (``reg_pipe``:
+    codes carried as int32 words, converted by inline PTX) at magnitudes float16 cannot
+    hold directly (and with the row sums from the tensor cores, ``mma_rowsum``): row scales
+    from 2^-40 to 2^30, zero rows and tiles, q heads from 1e-30 to 3e4 and a zero head.
+    Each (token, head) must match the reference to 1% of its own largest |out|, and the
+    lse to 1e-3 relative."""
+    T, H, K, N = 16, 128, 2048, 8192
+    g = torch.Generator(device="cuda").manual_seed(77)
+    x = torch.randn(N, 576, device="cuda", generator=g)
+    x *= torch.exp2(torch.randint(-40, 31, (N, 1), device="cuda", generator=g).float())
+    x[::97] = 0.0
+    x[1::89, 256:384] = 0.0
+    rows = quantize_fp8_ds_mla(x.bfloat16())
+    q = torch.randn(T, H, 576, device="cuda", generator=g)
+    q[:, 0] *= 3e4
+    q[:, 1] *= 1e-30
+    q[:, 2] = 0.0
+    q[0, 64:100] *= 1e-3
+    q = q.bfloat16()
+    idx = torch.rand(T, N, device="cuda", generator=g).argsort(dim=1)[:, :K].to(torch.int32)
+    idx[3, 1000:] = -1  # a short row: the pipelined loads run past its end, masked
+    be = TritonBackend(config=TritonMLAConfig(block_h=64, block_n=64, num_warps=8, num_stages=2,
+                                              isolate_qk=True, prefetch=1, wide=True,
+                                              f16_mma=f16, reg_pipe=rp, mma_rowsum=rs))
+    out, lse = be.decode(q, rows, idx, sm_scale=SCALE, row_format="fp8_ds_mla")
+    ref_out, ref_lse = REF.decode(q, rows, idx, sm_scale=SCALE, row_format="fp8_ds_mla")
+    torch.cuda.synchronize()
+    assert ((lse - ref_lse).abs() <= 1e-3 * ref_lse.abs().clamp_min(1.0)).all()
+    err = (out.float() - ref_out.float()).abs().amax(-1)
+    bound = 1e-2 * ref_out.float().abs().amax(-1)
+    assert (err <= bound + 1e-30).all(), f"worst err / max|ref| {(err / bound).max().item()}"
+
+
 def test_odd_heads_and_small_k():
     for H, K in ((1, 1), (3, 7), (100, 100), (128, 2049)):
         q, rows, idx, vc = _problem(5, H, K, "fp8_ds_mla", N=4096, seed=H)

@@ -168,24 +168,69 @@ def test_triton_dv_parts_and_isolated_qk_match_reference(fmt, splits, dv_parts, 
             assert out[1].abs().max().item() == 0.0 and torch.isneginf(lse[1]).all()
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla"])
+@pytest.mark.parametrize("fmt,f16,rp,rs", [
+    ("bf16", False, False, False), ("fp8_ds_mla", False, False, False),
+    ("fp8_ds_mla", True, False, False), ("bf16", False, True, False),
+    ("fp8_ds_mla", False, True, False), ("fp8_ds_mla", True, True, False),
+    ("bf16", False, False, True), ("fp8_ds_mla", False, False, True),
+    ("fp8_ds_mla", True, False, True)])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_triton_wide_kernel_matches_reference(fmt, splits):
+def test_triton_wide_kernel_matches_reference(fmt, f16, rp, rs, splits):
     """The fused-tile body (``wide``: one [block_n, 512] latent tile, three dots per
-    iteration) gives the reference result, with -1 padding, a masked second head
-    block, valid counts 0 and partial, and split-KV."""
+    iteration; with ``f16_mma`` its float16 dots) gives the reference result, with -1
+    padding, a masked second head block, valid counts 0 and partial, and split-KV."""
     N, T, H, K = 40, 3, 18, 45
     kv, _ = _rows(N, fmt, seed=21)
     q, idx = _q(T, H, seed=22), _indices(T, K, N, seed=23)
     vc = torch.tensor([K, 0, 7], dtype=torch.int32, device=DEV)
     be = TritonBackend(allow_interpreter=True,
                        config=TritonMLAConfig(block_h=16, block_n=16, num_warps=4,
-                                              num_splits=splits, wide=True, prefetch=1))
+                                              num_splits=splits, wide=True, prefetch=1,
+                                              f16_mma=f16, reg_pipe=rp, mma_rowsum=rs))
     for v in (None, vc):
         out, lse = be.decode(q, kv, idx, valid_counts=v, sm_scale=SCALE, row_format=fmt)
         _close(out, lse, *REF.decode(q, kv, idx, valid_counts=v, sm_scale=SCALE, row_format=fmt))
         if v is not None:
             assert out[1].abs().max().item() == 0.0 and torch.isneginf(lse[1]).all()
+
+
+def _scale_free_close(out, lse, ref_out, ref_lse, rel=1e-2):
+    """|out - ref| <= rel * max|ref| per (token, head), whatever the magnitudes."""
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+    fin = torch.isfinite(ref_lse)
+    assert ((lse[fin] - ref_lse[fin]).abs() <= 1e-3 * ref_lse[fin].abs().clamp_min(1.0)).all()
+    err = (out.float() - ref_out.float()).abs().amax(-1)
+    bound = rel * ref_out.float().abs().amax(-1)
+    assert (err <= bound + 1e-30).all(), f"worst err / max|ref| {(err / bound.clamp_min(1e-30)).max()}"
+
+
+def test_triton_f16_mma_scale_extremes():
+    """f16_mma at magnitudes float16 cannot hold directly: rows whose tile scales span
+    2^-40 .. 2^30 (and all-zero rows), q heads from 1e-30 to 3e4 and a zero head. The
+    kernel's power-of-two normalisers keep every product in range, so each (token,
+    head) matches the reference to 1% of its own largest output value, like the bf16
+    body does."""
+    N, T, H, K = 48, 3, 20, 40
+    g = torch.Generator().manual_seed(31)
+    x = torch.randn(N, 576, generator=g)
+    x *= torch.exp2(torch.randint(-40, 31, (N, 1), generator=g).float())
+    x[5] = 0.0
+    x[7, 128:256] = 0.0
+    rows = quantize_fp8_ds_mla_reference(x.bfloat16()).to(DEV)
+    q = torch.randn(T, H, 576, generator=g)
+    q[:, 0] *= 3e4
+    q[:, 1] *= 1e-30
+    q[:, 2] = 0.0
+    q[0, 3:8] *= 1e-3
+    q = q.bfloat16().to(DEV)
+    idx = _indices(T, K, N, seed=32)
+    for f16 in (False, True):
+        be = TritonBackend(allow_interpreter=True,
+                           config=TritonMLAConfig(block_h=16, block_n=16, num_warps=4,
+                                                  num_splits=2, wide=True, f16_mma=f16))
+        out, lse = be.decode(q, rows, idx, sm_scale=SCALE, row_format="fp8_ds_mla")
+        _scale_free_close(out, lse, *REF.decode(q, rows, idx, sm_scale=SCALE,
+                                                row_format="fp8_ds_mla"))
 
 
 def test_triton_bf16_rows_as_bytes_and_strided_q():
@@ -347,7 +392,7 @@ from hisparse.kernels import mla_decode as M
 from hisparse.kernels import mla_decode_wide as MW
 
 def compile_decode(fp8, bh, splits):
-    bn, nw, ns, iso, pf, wide = DEFAULT_SHAPES[(RowFormat.FP8_DS_MLA if fp8 else RowFormat.BF16, bh)]
+    bn, nw, ns, iso, pf, wide, f16 = DEFAULT_SHAPES[(RowFormat.FP8_DS_MLA if fp8 else RowFormat.BF16, bh)]
     sig = {"q_ptr": "*bf16", "kv_ptr": "*u8" if fp8 else "*bf16", "idx_ptr": "*i32",
            "vc_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32", "part_out_ptr": "*fp32",
            "part_lse_ptr": "*fp32", "N": "i32", "K": "i32", "H": "i32", "q_stride_t": "i32",
@@ -358,8 +403,10 @@ def compile_decode(fp8, bh, splits):
            "PREFETCH": "constexpr"}
     consts = {"HAS_VC": True, "IS_FP8": fp8, "NUM_SPLITS": splits, "BLOCK_H": bh,
               "BLOCK_N": bn, "DV_PARTS": 1, "ISOLATE_QK": iso, "PREFETCH": pf}
-    if wide:  # the fused-tile body has no DV_PARTS / ISOLATE_QK
+    if wide:  # the fused-tile body has no DV_PARTS / ISOLATE_QK, and a float16 mode
         del sig["DV_PARTS"], sig["ISOLATE_QK"], consts["DV_PARTS"], consts["ISOLATE_QK"]
+        sig.update({"PREFETCH_L1": "constexpr", "F16_MMA": "constexpr", "q16_ptr": "*fp16"})
+        consts.update({"PREFETCH_L1": False, "F16_MMA": f16 and fp8})
     names = list(sig)
     # what the launcher specializes at run time: 16-aligned pointers, strides and sizes
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
@@ -381,7 +428,8 @@ def compile_decode(fp8, bh, splits):
             "mma_warps": sorted({(int(a), int(b)) for a, b in mma}),
             "stack": int(stack.group(1)) if stack else None,
             "wgmma": k.asm["ptx"].count("wgmma.mma_async"), "prefetch": pf,
-            "l2_prefetches": k.asm["ptx"].count("prefetch.global.L2")}
+            "l2_prefetches": k.asm["ptx"].count("prefetch.global.L2"), "f16_mma": f16 and fp8,
+            "f16_wgmma": len(re.findall(r"wgmma\.mma_async\S*\.f16\.f16", k.asm["ptx"]))}
 
 res = [compile_decode(fp8, bh, splits) for fp8 in (True, False) for bh, splits in ((64, 1), (16, 4))]
 src = ASTSource(fn=M.sparse_mla_combine_kernel,
@@ -417,3 +465,5 @@ def test_kernels_compile_for_sm90_without_spills():
     # isolate_qk at block_h 64: no dot laid out over all 8 warps along the 64 heads
     # (which would make both warpgroups compute the same q . k^T)
     assert all([8, 1] not in s["mma_warps"] for s in stats if s["block_h"] == 64), stats
+    # f16_mma really runs the latent dots on float16 tensor cores where the default asks
+    assert all((s["f16_wgmma"] > 0) == s["f16_mma"] for s in stats), stats

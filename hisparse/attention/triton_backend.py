@@ -45,6 +45,15 @@ class TritonMLAConfig:
     wide: run ``mla_decode_wide`` instead: the four latent tiles fused into one
         [block_n, 512] tile, three dots per iteration instead of nine (needs dv_parts 1;
         always isolates its q . k^T dots)
+    f16_mma: with ``wide`` and fp8_ds_mla rows, run the latent dots on float16 tensor
+        cores: e4m3 codes become float16 in one conversion (no float32 round trip), the
+        tile scales are applied as exact powers of two relative to the split's largest
+        scale, q's latent part is scaled per head into float16's range (exact powers of
+        two, undone on the scores); see ``mla_decode_wide``. Ignored for bf16 rows.
+    reg_pipe: with ``wide``, load the next block's rows into registers while the current
+        block's dots run (fp8 codes carried as int32 words)
+    mma_rowsum: with ``wide``, take the softmax row sums from the tensor cores (p . a
+        ones tile) instead of a cross-warp reduction of p every iteration
     """
 
     block_h: int = 64
@@ -57,6 +66,9 @@ class TritonMLAConfig:
     prefetch: int = 0
     prefetch_l1: bool = False
     wide: bool = False
+    f16_mma: bool = False
+    reg_pipe: bool = False
+    mma_rowsum: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_h", "block_n", "num_warps"):
@@ -86,6 +98,14 @@ class TritonMLAConfig:
             raise ValueError(f"prefetch_l1 must be a bool, got {self.prefetch_l1!r}")
         if not isinstance(self.wide, bool):
             raise ValueError(f"wide must be a bool, got {self.wide!r}")
+        if not isinstance(self.f16_mma, bool):
+            raise ValueError(f"f16_mma must be a bool, got {self.f16_mma!r}")
+        for name in ("reg_pipe", "mma_rowsum"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        if (self.f16_mma or self.reg_pipe or self.mma_rowsum) and not self.wide:
+            raise ValueError("f16_mma, reg_pipe and mma_rowsum need wide=True (the fused-tile "
+                             "kernel)")
         if self.wide and self.dv_parts != 1:
             raise ValueError("wide needs dv_parts == 1 (it owns all 512 output columns)")
 
@@ -95,7 +115,7 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-# Per head block: (block_n, num_warps, num_stages, isolate_qk, prefetch, wide). From sm90
+# Per head block: (block_n, num_warps, num_stages, isolate_qk, prefetch, wide, f16_mma). From sm90
 # compile statistics (Triton 3.6, the launcher's 16-divisibility specialisation: no
 # register spills, wgmma at block_h = 64) and the H200 sweeps of 2026-11-29
 # (benchmarks/bench_triton_configs.py, BENCHMARKS.md). At block_h = 64 with 8 warps
@@ -107,15 +127,18 @@ def _num_sms(device_index: int) -> int:
 # software-pipelining the row gathers, so each iteration L2-prefetches the next block's
 # rows (prefetch = 1: 173 vs 188 us in bench_decode). wide fuses the four latent tiles
 # (three dots per iteration instead of nine; always isolated): 1.5-2.5% faster on fp8
-# rows at T >= 64, but it spills with bf16 rows (22% slower there). Keyed by (row
-# format, block_h).
-DEFAULT_SHAPES: dict[tuple[RowFormat, int], tuple[int, int, int, bool, int, bool]] = {
-    (RowFormat.FP8_DS_MLA, 16): (64, 8, 2, False, 1, False),
-    (RowFormat.FP8_DS_MLA, 32): (32, 8, 2, False, 1, False),
-    (RowFormat.FP8_DS_MLA, 64): (64, 8, 2, True, 1, True),
-    (RowFormat.BF16, 16): (64, 8, 2, False, 1, False),
-    (RowFormat.BF16, 32): (32, 8, 2, False, 1, False),
-    (RowFormat.BF16, 64): (64, 8, 2, True, 1, False),
+# rows at T >= 64, but it spills with bf16 rows (22% slower there). Options measured and
+# left off (session 4, H200, same-run sweeps at T = 64 / 256, H = 128, fp8): f16_mma (the
+# loop's sm90 SASS falls from 1126 to 899 instructions a thread, yet 4-6% slower),
+# reg_pipe (a few spills; 8-17% slower), mma_rowsum (12 -> 9 CTA barriers an iteration;
+# 0-4% slower). Keyed by (row format, block_h).
+DEFAULT_SHAPES: dict[tuple[RowFormat, int], tuple[int, int, int, bool, int, bool, bool]] = {
+    (RowFormat.FP8_DS_MLA, 16): (64, 8, 2, False, 1, False, False),
+    (RowFormat.FP8_DS_MLA, 32): (32, 8, 2, False, 1, False, False),
+    (RowFormat.FP8_DS_MLA, 64): (64, 8, 2, True, 1, True, False),
+    (RowFormat.BF16, 16): (64, 8, 2, False, 1, False, False),
+    (RowFormat.BF16, 32): (32, 8, 2, False, 1, False, False),
+    (RowFormat.BF16, 64): (64, 8, 2, True, 1, False, False),
 }
 # (block_h, block_n, num_warps, num_stages) tried by the config sweep benchmark and
 # checked against the reference by the GPU tests.
@@ -131,10 +154,11 @@ def default_config(T: int, H: int, K: int, device: torch.device,
                    row_format: RowFormat | str = RowFormat.FP8_DS_MLA) -> TritonMLAConfig:
     """Heuristic launch shape: head blocks of up to 64, enough KV splits to fill the SMs."""
     block_h = min(64, max(16, triton.next_power_of_2(H)))
-    block_n, num_warps, num_stages, isolate, prefetch, wide = \
+    block_n, num_warps, num_stages, isolate, prefetch, wide, f16 = \
         DEFAULT_SHAPES[(RowFormat.parse(row_format), block_h)]
     cfg = TritonMLAConfig(block_h=block_h, block_n=block_n, num_warps=num_warps,
-                          num_stages=num_stages, isolate_qk=isolate, prefetch=prefetch, wide=wide)
+                          num_stages=num_stages, isolate_qk=isolate, prefetch=prefetch, wide=wide,
+                          f16_mma=f16)
     return dataclasses.replace(cfg, num_splits=auto_splits(T, H, K, cfg, device))
 
 
@@ -185,10 +209,16 @@ def run_sparse_mla(inp: DecodeInputs, cfg: TritonMLAConfig | None = None
                 rows_per_split, inp.sm_scale * 1.4426950408889634)
         prefetch = cfg.prefetch if dev.type == "cuda" else 0  # a hint; no inline PTX on CPU
         if cfg.wide:
+            f16 = cfg.f16_mma and is_fp8
+            # float16 q blocks, one per program (see mla_decode_wide)
+            q16 = (torch.empty((grid[0] * grid[1] * grid[2], cfg.block_h, 512),
+                               dtype=torch.float16, device=dev) if f16 else None)
             sparse_mla_decode_wide_kernel[grid](
                 *args, HAS_VC=vc is not None, IS_FP8=is_fp8, NUM_SPLITS=splits,
                 BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, PREFETCH=prefetch,
-                PREFETCH_L1=cfg.prefetch_l1, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                PREFETCH_L1=cfg.prefetch_l1, F16_MMA=f16, q16_ptr=q16, REG_PIPE=cfg.reg_pipe,
+                PTX=dev.type == "cuda", MMA_ROWSUM=cfg.mma_rowsum,
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         else:
             sparse_mla_decode_kernel[grid](
                 *args, HAS_VC=vc is not None, IS_FP8=is_fp8, NUM_SPLITS=splits,
