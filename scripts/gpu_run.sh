@@ -8,7 +8,8 @@
 #   vllm_resolve: vLLM 0.30's hisparse_resolve_residency vs our resolve_triton, all hits, same
 #                 process (benchmarks/bench_vllm_resolve.py); needs .gpu-deps/vllm/_C_stable_libtorch.abi3.so
 #                 or its .xz (decompressed into /tmp/hisparse-vllm by the script)
-# Extra arguments: TC_ARGS (triton_configs), PREFILL_ARGS, DECODE_ARGS, STAGING_ARGS, VLLM_RESOLVE_ARGS;
+# Extra arguments: TC_ARGS (triton_configs), PREFILL_ARGS, DECODE_ARGS, STAGING_ARGS, VLLM_RESOLVE_ARGS,
+#                  PROFILE_HOST_ARGS (default --quick; " " for the full size);
 #                  POOL_KINDS (pool_kinds).
 # Uses the machine's preinstalled torch/triton (no network there): PYTHONPATH=. , no install.
 # Optional kernels are picked up from .gpu-deps/ when carried (see ../shared/GPU.md):
@@ -86,7 +87,8 @@ for s in "${sections[@]}"; do
     decode) run decode 300 python3 benchmarks/bench_decode.py --out "$RES/decode.json" ${QUICK:+--quick} ${DECODE_ARGS:-} ;;
     triton_configs) run triton_configs 300 python3 benchmarks/bench_triton_configs.py --out "$RES/triton_configs.json" ${QUICK:+--quick} ${TC_ARGS:-} ;;
     prefill) run prefill 240 python3 benchmarks/bench_prefill.py --out "$RES/prefill.json" ${QUICK:+--quick} ${PREFILL_ARGS:-} ;;
-    profile_host) run profile_host 300 python3 scripts/profile_e2e_host.py --quick --torch-profiler --out "$RES/profile_e2e_host.txt" ;;
+    profile_host) run profile_host 420 python3 scripts/profile_e2e_host.py ${PROFILE_HOST_ARGS:---quick} --torch-profiler --out "$RES/profile_e2e_host.txt" --chrome-trace "$RES/traces"
+                  python3 scripts/analyse_e2e_trace.py "$RES"/traces/*.json.gz --json "$RES/e2e_trace_steps.json" >"$RES/e2e_trace_steps.txt" 2>>"$LOG" ;;
     vllm_resolve) run vllm_resolve 300 python3 benchmarks/bench_vllm_resolve.py --out "$RES/vllm_resolve.json" ${VLLM_RESOLVE_ARGS:-} ;;
     e2e) run e2e 300 python3 benchmarks/bench_e2e.py --out "$RES/e2e.json" ${QUICK:+--quick} ;;
     stress) run_to stress 420 "$RES/stress.json" python3 -m hisparse stress --preset gpu --json --plot "$RES"

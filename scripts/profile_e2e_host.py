@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import importlib.util
 import io
 import pstats
@@ -39,6 +40,21 @@ def main(argv=None) -> int:
     ap.add_argument("--torch-profiler", action="store_true",
                     help="also run each engine under torch.profiler (CPU + CUDA activity) and "
                          "list the ops by self CPU time and by device time")
+    ap.add_argument("--host-timers", action="store_true",
+                    help="first run each engine once with wall-clock timers (no profiler) around "
+                         "its calls and list the host time per decode step of each")
+    ap.add_argument("--kinds", nargs="+", default=["resident", "hisparse"],
+                    choices=["resident", "hisparse"], help="engines to run, in this order")
+    ap.add_argument("--no-gc", action="store_true", help="gc.disable() during the runs")
+    ap.add_argument("--only-timers", action="store_true",
+                    help="with --host-timers / --sync-debug: stop after them")
+    ap.add_argument("--sync-debug", action="store_true",
+                    help="first run each engine once with torch.cuda.set_sync_debug_mode('warn') "
+                         "and list the code sites that synchronised with the GPU, with counts")
+    ap.add_argument("--chrome-trace", metavar="DIR",
+                    help="with --torch-profiler: write each run's trace to DIR/KIND.json.gz, "
+                         "with ranges around every forward and every cache call (analyse with "
+                         "scripts/analyse_e2e_trace.py)")
     a = ap.parse_args(argv)
     import torch
 
@@ -54,7 +70,21 @@ def main(argv=None) -> int:
         return 2
     print(f"warm-up {be.warm_up(cfg):.1f} s", flush=True)
     report = io.StringIO()
-    for kind in ("resident", "hisparse"):
+    if a.no_gc:
+        gc.disable()
+    if a.host_timers:
+        for kind in a.kinds:
+            _host_timers(me, cfg, kind, report)
+    if a.sync_debug:
+        for kind in a.kinds:
+            _sync_sites(me, cfg, kind, report)
+    if a.only_timers:
+        print(report.getvalue())
+        if a.out:
+            Path(a.out).write_text(report.getvalue())
+        return 0
+    for kind in a.kinds:
+        gc.collect()  # as mini_engine.run does between engines
         eng = me.MiniEngine(cfg, kind)
         prof = cProfile.Profile()
         t0 = time.perf_counter()
@@ -80,8 +110,21 @@ def main(argv=None) -> int:
 
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
             eng2 = me.MiniEngine(cfg, kind)
+            if a.chrome_trace:
+                _annotate(eng2)
             with profile(activities=acts) as tp:
                 eng2.run(None)
+            if a.chrome_trace:
+                import gzip
+                import os
+                import tempfile
+
+                Path(a.chrome_trace).mkdir(parents=True, exist_ok=True)
+                with tempfile.TemporaryDirectory() as tmp:
+                    raw = os.path.join(tmp, "trace.json")
+                    tp.export_chrome_trace(raw)
+                    with open(raw, "rb") as f, gzip.open(Path(a.chrome_trace) / f"{kind}.json.gz", "wb") as g:
+                        g.write(f.read())
             ka = tp.key_averages()
             print(f"-- {kind}, torch.profiler by self CPU time", file=report)
             print(ka.table(sort_by="self_cpu_time_total", row_limit=a.top), file=report)
@@ -95,6 +138,124 @@ def main(argv=None) -> int:
     if a.out:
         Path(a.out).write_text(text)
     return 0
+
+
+def _host_timers(me, cfg, kind: str, report) -> None:
+    """Run ``kind`` once with perf_counter timers around its calls (what the host spends
+    in each, per decode step; no profiler, no syncs added)."""
+    import collections
+
+    tot: collections.Counter = collections.Counter()
+    per_step: list[dict] = []
+    gc.collect()  # as mini_engine.run does between engines
+    eng = me.MiniEngine(cfg, kind)
+
+    def wrap(obj, name, label):
+        fn = getattr(obj, name, None)
+        if fn is None:
+            return
+
+        def inner(*args, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                tot[label] += time.perf_counter() - t0
+        setattr(obj, name, inner)
+
+    for name in ("begin", "write", "decode_rows", "prefill_workspace"):
+        wrap(eng.kv, name, f"kv.{name}")
+    wrap(eng.indexer, "decode_topk", "indexer.decode_topk")
+    wrap(eng.indexer, "write", "indexer.write")
+    wrap(eng.decode_backend, "decode", "attn.decode")
+    wrap(eng.model, "pre", "model.pre")
+    wrap(eng.model, "post", "model.post")
+    fwd = eng.forward
+
+    def forward(batch):
+        tot.clear()
+        t0 = time.perf_counter()
+        out = fwd(batch)
+        host = time.perf_counter() - t0
+        per_step.append(dict(tot, forward=host, decode=batch.md.num_prefills == 0))
+        return out
+    eng.forward = forward
+    res = eng.run(None)
+    dec = [d for d in per_step if d["decode"]]
+    steps = sorted(res["decode_step_times"])
+    med = steps[len(steps) // 2] * 1e3 if steps else float("nan")
+    keys = sorted({k for d in dec for k in d if k not in ("decode",)})
+    print(f"== {kind}: host ms per decode step (median over {len(dec)}; decode step wall median "
+          f"{med:.2f} ms)", file=report)
+    for k in keys:
+        vals = sorted(d.get(k, 0.0) for d in dec)
+        print(f"   {k:22s} {vals[len(vals) // 2] * 1e3:8.3f}", file=report)
+    del eng
+
+
+def _sync_sites(me, cfg, kind: str, report) -> None:
+    """Run ``kind`` once under torch's sync debug mode; print where it synchronised."""
+    import collections
+    import traceback
+    import warnings
+
+    import torch
+
+    sites: collections.Counter = collections.Counter()
+    orig = warnings.showwarning
+    gc.collect()
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1]
+                  if "/hisparse/" in f.filename or "/benchmarks/" in f.filename]
+        where = " <- ".join(f"{f.filename.split('/hisparse/')[-1]}:{f.lineno}({f.name})"
+                            for f in reversed(frames[-4:]))
+        sites[(str(message).split(".")[0][:60], where)] += 1
+
+    eng = me.MiniEngine(cfg, kind)
+    warnings.showwarning = show
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = show
+            res = eng.run(None)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        warnings.showwarning = orig
+    dec = sorted(res["decode_step_times"])
+    med = dec[len(dec) // 2] * 1e3 if dec else float("nan")
+    print(f"== {kind}: synchronising calls (sync debug mode; decode step median {med:.2f} ms "
+          f"in this run), {sum(sites.values())} in all", file=report)
+    for (msg, where), n in sites.most_common(25):
+        print(f"{n:7d}  {msg}  at {where}", file=report)
+    del eng
+
+
+def _annotate(eng) -> None:
+    """Wrap the engine's forward and its KV object's calls in profiler ranges
+    ("e2e.forward", "kv.write", "kv.decode_rows", ...), so a trace shows which host
+    calls launched which kernels."""
+    from torch.profiler import record_function
+
+    def wrap(obj, name, label):
+        fn = getattr(obj, name, None)
+        if fn is None:
+            return
+
+        def inner(*args, **kw):
+            with record_function(label):
+                return fn(*args, **kw)
+        setattr(obj, name, inner)
+
+    wrap(eng, "forward", "e2e.forward")
+    for name in ("begin", "write", "decode_rows", "prefill_workspace", "fill"):
+        wrap(eng.kv, name, f"kv.{name}")
+    for name in ("decode_topk", "write"):
+        wrap(eng.indexer, name, f"indexer.{name}")
+    wrap(eng.decode_backend, "decode", "attn.decode")
+    wrap(eng.model, "pre", "model.pre")
+    wrap(eng.model, "post", "model.post")
 
 
 if __name__ == "__main__":

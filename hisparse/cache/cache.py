@@ -34,6 +34,7 @@ from ..config import HiSparseConfig
 from ..device import Streams, resolve_device
 from ..errors import CapacityError
 from . import validate as V
+from .apply_write import apply_write_plan_reference
 from .host_pool import HostPool
 from .resolve_ref import copy_rows_reference, resolve_reference
 from .state import (STAT_D2H_ROWS, STAT_HITS, STAT_INVALID, STAT_MISSES, STAT_RESOLVES,
@@ -107,24 +108,27 @@ class ResolveResult:
         stream.wait_event(self.event)
 
 
-def _pick_kernels(kernels: object, device: torch.device) -> tuple[Callable, Callable, str]:
-    """(resolve_fn, copy_fn, description) for a kernel choice."""
+def _pick_kernels(kernels: object, device: torch.device) -> tuple[Callable, Callable, Callable, str]:
+    """(resolve_fn, copy_fn, apply_write_fn, description) for a kernel choice."""
     if not isinstance(kernels, str) or kernels not in KERNEL_CHOICES:
         raise ValueError(f"kernels must be one of {list(KERNEL_CHOICES)}, got {kernels!r}")
     if kernels == "torch" or (kernels == "auto" and device.type == "cpu"):
-        return resolve_reference, copy_rows_reference, "torch"
+        return resolve_reference, copy_rows_reference, apply_write_plan_reference, "torch"
     try:
+        from .apply_write import apply_write_plan_triton
         from .resolve_triton import resolve_triton
         from .transfer import copy_rows
     except ModuleNotFoundError as e:
-        if e.name not in ("hisparse.cache.resolve_triton", "hisparse.cache.transfer"):
+        if e.name not in ("hisparse.cache.resolve_triton", "hisparse.cache.transfer",
+                          "hisparse.cache.apply_write"):
             raise
         if kernels == "triton":
             raise ValueError(
                 f"kernels='triton' needs {e.name}, which is not available in this install"
             ) from e
-        return resolve_reference, copy_rows_reference, f"torch (triton path missing: {e.name})"
-    return resolve_triton, copy_rows, "triton"
+        return (resolve_reference, copy_rows_reference, apply_write_plan_reference,
+                f"torch (triton path missing: {e.name})")
+    return resolve_triton, copy_rows, apply_write_plan_triton, "triton"
 
 
 class HiSparseCache:
@@ -141,7 +145,8 @@ class HiSparseCache:
             raise TypeError(f"cfg must be a HiSparseConfig, got {type(cfg).__name__}")
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
-        self._resolve_fn, self._copy_fn, self.kernels = _pick_kernels(kernels, self.device)
+        self._resolve_fn, self._copy_fn, self._apply_write_fn, self.kernels = \
+            _pick_kernels(kernels, self.device)
         self.streams = Streams(self.device)
         self.cuda = self.streams.cuda
         L, R, S = cfg.num_layers, cfg.max_num_reqs, cfg.device_buffer_size
@@ -424,21 +429,11 @@ class HiSparseCache:
         # ---- device work, in append_rows' order ----
         cur, capturing = self.streams.current(), _capturing(self.device)
         self._after_stage(cur, capturing)
-        if plan.bt_r.numel():
-            st.block_table[plan.bt_r, plan.bt_k] = plan.bt_v
         if plan.unmap.numel():
-            st.row_slot[layer].index_fill_(0, plan.unmap, -1)
             # the old occupants must be on host before their hot rows are overwritten
             self._backup_ev.wait_by(cur, capturing)
-        if plan.hot_dst.numel():
-            self.hot[layer].index_copy_(0, plan.hot_dst, rows.index_select(0, plan.hot_tok))
-            st.slot_pos[layer].view(-1).index_copy_(0, plan.sp_idx, plan.sp_pos)
-            st.slot_stamp[layer].view(-1).index_copy_(0, plan.sp_idx,
-                                                      st.step[layer].index_select(0, plan.sp_r))
-        if plan.rs_h.numel():
-            st.row_slot[layer].index_copy_(0, plan.rs_h, plan.rs_v)
-        st.seq_lens[layer].index_copy_(0, plan.len_r, plan.len_v)
-        st.stats[layer, STAT_D2H_ROWS] += plan.host_h.numel()
+        # block table, hot rows, slot maps, stamps, lengths, counters (apply_write)
+        self._apply_write_fn(st, self.hot[layer], rows, plan, layer)
         # host mirror: one row copy on the backup stream (device -> pinned host over UVA)
         backup = self.streams.backup
         if backup is not None:

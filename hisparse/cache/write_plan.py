@@ -59,6 +59,8 @@ class WritePlan:
     host_tok32: torch.Tensor
     len_r: torch.Tensor
     len_v: torch.Tensor
+    flat: torch.Tensor  # int64: every list above back to back, in _NAMES order
+    counts: tuple[int, int, int, int, int, int]  # n_bt, n_hot, n_rs, n_unmap, n_host, n_len
 
 
 _NAMES = ("bt_r", "bt_k", "bt_v", "hot_dst", "hot_tok", "sp_idx", "sp_pos", "sp_r", "rs_h", "rs_v",
@@ -189,8 +191,14 @@ def _to_plan(flat: torch.Tensor, sizes: list[int], device: torch.device) -> Writ
         v = flat[o:o + size]
         views[name] = v.to(torch.int32) if name in _INT32 else v
         o += size
+    n = dict(zip(_NAMES, sizes))
+    # the groups written together have one length each (apply_write_plan_kernel relies on it)
+    for group in (("bt_r", "bt_k", "bt_v"), ("hot_dst", "hot_tok", "sp_idx", "sp_pos", "sp_r"),
+                  ("rs_h", "rs_v"), ("host_h", "host_tok"), ("len_r", "len_v")):
+        assert len({n[g] for g in group}) == 1, {g: n[g] for g in group}
+    counts = (n["bt_r"], n["hot_dst"], n["rs_h"], n["unmap"], n["host_h"], n["len_r"])
     return WritePlan(**views, host_h32=views["host_h"].to(torch.int32),
-                     host_tok32=views["host_tok"].to(torch.int32))
+                     host_tok32=views["host_tok"].to(torch.int32), flat=flat, counts=counts)
 
 
 __all__ = ["WritePlan", "Work", "build_write_plan", "expand_runs"]

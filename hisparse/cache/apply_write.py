@@ -1,0 +1,68 @@
+"""Applying a batched append's ``WritePlan`` to one layer's hot tier: the Triton
+launcher (one launch; kernel ``hisparse.kernels.apply_write``) and the torch
+reference (the same updates as eleven small torch ops). Both leave identical state.
+
+The caller orders the launch: on GPU the current stream must already wait for the
+host mirror of any row whose hot slot the plan overwrites (``HiSparseCache``
+does this when the plan unmaps a reserved-slot occupant).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from .state import STAT_D2H_ROWS, HotState
+from .write_plan import WritePlan
+
+BLOCK = 16  # entries of each index list per program
+
+
+def apply_write_plan_reference(state: HotState, hot: torch.Tensor, rows: torch.Tensor,
+                               plan: WritePlan, layer: int) -> None:
+    """hot: uint8 [R * (S + 1) (+ padding), row_bytes], the layer's hot rows; rows: uint8
+    [T, row_bytes], the new rows the plan's tokens index."""
+    st = state
+    if plan.bt_r.numel():
+        st.block_table[plan.bt_r, plan.bt_k] = plan.bt_v
+    if plan.unmap.numel():
+        st.row_slot[layer].index_fill_(0, plan.unmap, -1)
+    if plan.hot_dst.numel():
+        hot.index_copy_(0, plan.hot_dst, rows.index_select(0, plan.hot_tok))
+        st.slot_pos[layer].view(-1).index_copy_(0, plan.sp_idx, plan.sp_pos)
+        st.slot_stamp[layer].view(-1).index_copy_(0, plan.sp_idx,
+                                                  st.step[layer].index_select(0, plan.sp_r))
+    if plan.rs_h.numel():
+        st.row_slot[layer].index_copy_(0, plan.rs_h, plan.rs_v)
+    st.seq_lens[layer].index_copy_(0, plan.len_r, plan.len_v)
+    st.stats[layer, STAT_D2H_ROWS] += plan.host_h.numel()
+
+
+def apply_write_plan_triton(state: HotState, hot: torch.Tensor, rows: torch.Tensor,
+                            plan: WritePlan, layer: int) -> None:
+    """Same arguments and result as ``apply_write_plan_reference``, one launch on the
+    current stream (CPU tensors: the Triton interpreter). Reads no device value."""
+    import triton
+
+    from ..kernels.apply_write import apply_write_plan_kernel
+
+    W = rows.shape[1]
+    assert hot.shape[1] == W and W % 4 == 0, (hot.shape, W)
+    longest = max(plan.counts)
+    if longest == 0:
+        return
+    st = state
+    bt = st.block_table
+    ww = W // 4
+    grid = (triton.cdiv(longest, BLOCK),)
+    with (torch.cuda.device(hot.device) if hot.is_cuda else contextlib.nullcontext()):
+        apply_write_plan_kernel[grid](
+            plan.flat, rows.view(torch.int32), hot.view(torch.int32), bt, bt.stride(0),
+            st.row_slot[layer], st.slot_pos[layer], st.slot_stamp[layer], st.step[layer],
+            st.seq_lens[layer], st.stats[layer], *plan.counts,
+            STAT_D2H=STAT_D2H_ROWS, WW=ww, WB=triton.next_power_of_2(ww), BLOCK=BLOCK,
+            num_warps=4)
+
+
+__all__ = ["apply_write_plan_reference", "apply_write_plan_triton"]
