@@ -608,10 +608,10 @@ def run(cfg: MiniEngineConfig, *, progress: bool = False, record: str | None = N
         recorder = TraceRecorder(num_layers=cfg.num_layers, top_k=cfg.top_k)
     results = {}
     for kind in ("resident", "hisparse"):
-        # each engine starts from a collected heap: without this the second one ran with
-        # the first one's garbage still tracked, and Python's cyclic GC passes over it
-        # made every host call of the second run slower (hisparse: 26.7 vs 17.4 ms per
-        # decode step at 64 requests, 8 layers, 32K contexts on the H200)
+        # each engine starts from a collected heap: without this the second one ran next
+        # to the first one's uncollected objects (GPU tensors included), and every host
+        # call of the second run was slower (hisparse second: 26.7 ms per decode step,
+        # first: 17.4 ms; 64 requests, 8 layers, 32K contexts on the H200)
         gc.collect()
         eng = MiniEngine(cfg, kind)
         if kind == "resident":
