@@ -65,3 +65,30 @@ def test_bench_vllm_resolve_missing_library_exits_2(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "vLLM library not found" in err and str(lib) in err and str(lib) + ".xz" in err
     assert not out.exists()
+
+
+def _load_script(name: str):
+    spec = importlib.util.spec_from_file_location(f"_script_{name}", ROOT / "scripts" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_host_calls_cpu_smoke(capsys):
+    argv = ["--device", "cpu", "--kernels", "torch", "--requests", "3", "--layers", "2",
+            "--context", "40", "--top-k", "8", "--steps", "2", "--top", "3"]
+    assert _load_script("bench_host_calls").main(argv) == 0
+    out = capsys.readouterr().out
+    assert "write_new_rows" in out and "convert" in out and "kernels torch" in out
+
+
+def test_profile_e2e_host_timers_dry_run(tmp_path, capsys):
+    """The host-timer pass runs both engines (collected between) and reports the calls."""
+    out = tmp_path / "timers.txt"
+    argv = ["--dry-run", "--host-timers", "--only-timers", "--kinds", "hisparse", "resident",
+            "--out", str(out)]
+    assert _load_script("profile_e2e_host").main(argv) == 0
+    text = out.read_text()
+    for kind in ("hisparse", "resident"):
+        assert f"== {kind}: host ms per decode step" in text
+    assert "kv.write" in text and "kv.decode_rows" in text
