@@ -4,8 +4,15 @@ Every request's MLA latent rows live in pinned host memory; a small per-request 
 hot buffer holds recently selected rows with exact LRU state on the GPU.
 """
 
+import os as _os
+
 from .config import HiSparseConfig, RowFormat
 from .errors import CapacityError, HiSparseError
+
+if _os.environ.get("TRITON_INTERPRET") == "1":  # CPU runs of the Triton kernels
+    from .interpreter_fixes import apply as _fix_interpreter
+
+    _fix_interpreter()
 
 __version__ = "0.1.0"
 
