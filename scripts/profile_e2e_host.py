@@ -11,6 +11,7 @@ work the host waits for) and the top functions by own time and by cumulative tim
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import gc
 import importlib.util
@@ -150,26 +151,15 @@ def _host_timers(me, cfg, kind: str, report) -> None:
     gc.collect()  # as mini_engine.run does between engines
     eng = me.MiniEngine(cfg, kind)
 
-    def wrap(obj, name, label):
-        fn = getattr(obj, name, None)
-        if fn is None:
-            return
+    @contextlib.contextmanager
+    def timer(label):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            tot[label] += time.perf_counter() - t0
 
-        def inner(*args, **kw):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kw)
-            finally:
-                tot[label] += time.perf_counter() - t0
-        setattr(obj, name, inner)
-
-    for name in ("begin", "write", "decode_rows", "prefill_workspace"):
-        wrap(eng.kv, name, f"kv.{name}")
-    wrap(eng.indexer, "decode_topk", "indexer.decode_topk")
-    wrap(eng.indexer, "write", "indexer.write")
-    wrap(eng.decode_backend, "decode", "attn.decode")
-    wrap(eng.model, "pre", "model.pre")
-    wrap(eng.model, "post", "model.post")
+    _wrap_calls(eng, timer)
     fwd = eng.forward
 
     def forward(batch):
@@ -233,22 +223,34 @@ def _sync_sites(me, cfg, kind: str, report) -> None:
 
 
 def _annotate(eng) -> None:
-    """Wrap the engine's forward and its KV object's calls in profiler ranges
-    ("e2e.forward", "kv.write", "kv.decode_rows", ...), so a trace shows which host
-    calls launched which kernels."""
+    """Wrap the engine's forward and its calls in profiler ranges ("e2e.forward",
+    "kv.write", "kv.decode_rows", ...), so a trace shows which host calls launched which
+    kernels."""
     from torch.profiler import record_function
 
+    _wrap_calls(eng, record_function)
+    fwd = eng.forward
+
+    def forward(*args, **kw):
+        with record_function("e2e.forward"):
+            return fwd(*args, **kw)
+    eng.forward = forward
+
+
+def _wrap_calls(eng, around) -> None:
+    """Run each of the engine's per-layer calls inside ``around(label)`` (a context
+    manager factory): its KV object's, the indexer's, the decode backend's and the
+    model's."""
     def wrap(obj, name, label):
         fn = getattr(obj, name, None)
         if fn is None:
             return
 
         def inner(*args, **kw):
-            with record_function(label):
+            with around(label):
                 return fn(*args, **kw)
         setattr(obj, name, inner)
 
-    wrap(eng, "forward", "e2e.forward")
     for name in ("begin", "write", "decode_rows", "prefill_workspace", "fill"):
         wrap(eng.kv, name, f"kv.{name}")
     for name in ("decode_topk", "write"):
