@@ -103,16 +103,24 @@ class TritonVariant(TritonBackend):
         self.name, self.overrides = name, overrides
 
     def decode(self, q, kv_rows, indices, *, valid_counts=None, sm_scale, row_format):
-        cfg = default_config(q.shape[0], q.shape[1], indices.shape[1], q.device, row_format)
-        if cfg.wide or "f16_mma" not in self.overrides:  # f16_mma exists on the wide body only
-            cfg = dataclasses.replace(cfg, **self.overrides)
+        over = dict(self.overrides)
+        tl_only = over.pop("_tl", False)  # the tl kernels' default, never the ws kernel
+        cfg = default_config(q.shape[0], q.shape[1], indices.shape[1], q.device, row_format,
+                             allow_ws=not tl_only)
+        if cfg.ws:  # the variants change fields of the tl kernels
+            cfg = default_config(q.shape[0], q.shape[1], indices.shape[1], q.device, row_format,
+                                 allow_ws=False)
+        if cfg.wide or "f16_mma" not in over:  # f16_mma exists on the wide body only
+            cfg = dataclasses.replace(cfg, **over)
         self.config = cfg
         return super().decode(q, kv_rows, indices, valid_counts=valid_counts, sm_scale=sm_scale,
                               row_format=row_format)
 
 
 # name -> the default launch shape's fields it replaces
-VARIANTS = {"triton_noprefetch": {"prefetch": 0}, "triton_f16dot": {"f16_mma": True}}
+VARIANTS = {"triton_noprefetch": {"prefetch": 0}, "triton_f16dot": {"f16_mma": True},
+            # the default before the warp-specialised kernel: the tl fused-tile kernel
+            "triton_tl": {"_tl": True}}
 
 
 def stats(us: list[float]) -> dict:
@@ -314,7 +322,9 @@ def main(argv=None) -> int:
                     choices=["triton", *VARIANTS, "flashmla", "flashinfer"],
                     help="triton_noprefetch / triton_f16dot: the default Triton launch shape "
                          "with the L2 prefetch off / with float16 instead of bf16 dots on "
-                         "fp8 rows (to measure each against the default in the same run)")
+                         "fp8 rows (to measure each against the default in the same run); "
+                         "triton_tl: the tl-kernel default (the one before the warp-"
+                         "specialised kernel became the fp8 default on SM 9.x)")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--pad-frac", type=float, default=0.0, help="fraction of -1 indices")

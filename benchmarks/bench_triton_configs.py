@@ -109,9 +109,23 @@ def run_case(fmt: str, T: int, H: int, K: int, args) -> dict:
         results.append(rec)
         return rec
 
+    ws_shapes = []
     if args.shapes:
-        shapes = [tuple(int(v) for v in sh.split(",")) for sh in args.shapes]
+        ws_shapes = [tuple(int(v) for v in sh[3:].split(",")) for sh in args.shapes
+                     if sh.startswith("ws:")]
+        shapes = [tuple(int(v) for v in sh.split(",")) for sh in args.shapes
+                  if not sh.startswith("ws:")]
     base = measure("default", base_cfg)
+    # the warp-specialised Gluon kernel: ws:BN,STAGES,RAW[,PRODUCER_REGS[,SPLIT_QK]]
+    for shape in ws_shapes:
+        bn, ns, raw = shape[:3]
+        preg = shape[3] if len(shape) > 3 else 56
+        sq = bool(shape[4]) if len(shape) > 4 else False
+        auto = TritonMLAConfig(block_h=64, block_n=bn, num_warps=4, num_stages=ns, ws=True,
+                               ws_raw=raw, ws_producer_regs=preg, ws_split_qk=sq)
+        for sp in sorted({auto_splits(T, H, K, auto, q.device), 1}):
+            measure(f"ws_n{bn}s{ns}r{raw}p{preg}{'q' if sq else ''}x{sp}",
+                    dataclasses.replace(auto, num_splits=sp))
     for shape in shapes:
         bh, bn, nw, ns = shape[:4]
         dv = shape[4] if len(shape) > 4 else 1
@@ -168,7 +182,7 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-flush", action="store_true", help="don't flush L2 before each call")
-    ap.add_argument("--shapes", nargs="+", metavar="BH,BN,W,S[,DV[,ISO[,PF[,WIDE[,L1[,F16[,RP[,RS]]]]]]]]",
+    ap.add_argument("--shapes", nargs="+", metavar="BH,BN,W,S[,DV[,ISO[,PF[,WIDE[,L1[,F16[,RP[,RS]]]]]]]] or ws:BN,S,RAW[,PREG[,SPLITQK]]",
                     help="launch shapes to try instead of CANDIDATE_SHAPES "
                          "(block_h, block_n, num_warps, num_stages, dv_parts, isolate_qk 0/1, "
                          "prefetch distance 0-3, wide 0/1, prefetch into L1 0/1, f16 dots 0/1, register pipelining 0/1, row sums on the tensor cores 0/1)")

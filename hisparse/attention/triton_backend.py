@@ -54,6 +54,18 @@ class TritonMLAConfig:
         block's dots run (fp8 codes carried as int32 words)
     mma_rowsum: with ``wide``, take the softmax row sums from the tensor cores (p . a
         ones tile) instead of a cross-warp reduction of p every iteration
+    ws: run ``mla_decode_ws`` instead (fp8_ds_mla rows, SM 9.x only): a warp-specialised
+        Gluon kernel -- a producer warpgroup gathers rows with cp.async and dequantises
+        them into a ring of num_stages bf16 slots while two consumer warpgroups run the
+        wgmma dots and the softmax, each for half of the 512 output columns. Needs
+        block_h 64 and block_n 16 or 32 (shared memory); num_warps is fixed (4 per
+        partition, 12 in all) and must be left at 4; rows must be 16-byte aligned.
+    ws_raw: with ``ws``, raw cp.async slots: the producer gathers ws_raw - 1 blocks ahead
+    ws_producer_regs: with ``ws``, registers per producer thread (40, 56, 72 or 88); the
+        consumers get the rest of the 168 x 12 warps' budget
+    ws_split_qk: with ``ws``, the two consumers split q . k^T (latent columns [0, 256) /
+        [256, 512) + RoPE) and exchange partial scores through shared memory, instead of
+        both computing all of it
     """
 
     block_h: int = 64
@@ -69,6 +81,10 @@ class TritonMLAConfig:
     f16_mma: bool = False
     reg_pipe: bool = False
     mma_rowsum: bool = False
+    ws: bool = False
+    ws_raw: int = 3
+    ws_producer_regs: int = 56
+    ws_split_qk: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_h", "block_n", "num_warps"):
@@ -108,6 +124,48 @@ class TritonMLAConfig:
                              "kernel)")
         if self.wide and self.dv_parts != 1:
             raise ValueError("wide needs dv_parts == 1 (it owns all 512 output columns)")
+        if not isinstance(self.ws, bool):
+            raise ValueError(f"ws must be a bool, got {self.ws!r}")
+        if self.ws:
+            if self.wide or self.dv_parts != 1 or self.isolate_qk:
+                raise ValueError("ws is its own kernel: leave wide, dv_parts and isolate_qk off")
+            if self.block_h != 64 or self.block_n not in (16, 32) or self.num_warps != 4:
+                raise ValueError(f"ws needs block_h 64, block_n 16 or 32 and num_warps 4, got "
+                                 f"{self.block_h}, {self.block_n}, {self.num_warps}")
+            if (isinstance(self.ws_raw, bool) or not isinstance(self.ws_raw, int)
+                    or not 2 <= self.ws_raw <= 8):
+                raise ValueError(f"ws_raw must be an int in [2, 8], got {self.ws_raw!r}")
+            if self.ws_producer_regs not in WS_PRODUCER_REGS:
+                raise ValueError(f"ws_producer_regs must be one of {WS_PRODUCER_REGS}, got "
+                                 f"{self.ws_producer_regs!r}")
+            if not isinstance(self.ws_split_qk, bool):
+                raise ValueError(f"ws_split_qk must be a bool, got {self.ws_split_qk!r}")
+            smem = ws_shared_bytes(self.block_n, self.num_stages, self.ws_raw, self.ws_split_qk)
+            if smem > WS_MAX_SHARED:
+                raise ValueError(f"ws with block_n {self.block_n}, {self.num_stages} stages and "
+                                 f"{self.ws_raw} raw slots needs {smem} bytes of shared memory, "
+                                 f"more than the {WS_MAX_SHARED} an sm90 block may have: lower "
+                                 f"num_stages or ws_raw")
+
+
+# The warp-specialised kernel (mla_decode_ws): 12 warps launched with maxnreg 168 (the
+# register file's 64K over 384 threads); the producer gets ws_producer_regs per thread,
+# the two consumer warpgroups share the rest equally.
+WS_MAXNREG = 168
+WS_PRODUCER_REGS = (40, 56, 72, 88)
+WS_MAX_SHARED = 232448 - 1024  # sm90 opt-in maximum per block, less Triton's static part
+
+
+def ws_consumer_regs(producer_regs: int) -> int:
+    return (WS_MAXNREG * 12 - 4 * producer_regs) // 8
+
+
+def ws_shared_bytes(block_n: int, stages: int, raw: int, split_qk: bool = False) -> int:
+    """Dynamic shared memory of mla_decode_ws: q (64 x 576 bf16), the bf16 ring (latent +
+    RoPE + score bias per slot), the raw ring (656-byte rows + bias per slot), with
+    split_qk the partial-score exchange (2 x stages x 64 x block_n float32), barriers."""
+    return 64 * 576 * 2 + stages * block_n * (576 * 2 + 4) + raw * block_n * (656 + 4) \
+        + (2 * stages * 64 * block_n * 4 if split_qk else 0) + 4 * stages * 8
 
 
 @functools.lru_cache(maxsize=None)
@@ -131,7 +189,9 @@ def _num_sms(device_index: int) -> int:
 # left off (session 4, H200, same-run sweeps at T = 64 / 256, H = 128, fp8): f16_mma (the
 # loop's sm90 SASS falls from 1126 to 899 instructions a thread, yet 4-6% slower),
 # reg_pipe (a few spills; 8-17% slower), mma_rowsum (12 -> 9 CTA barriers an iteration;
-# 0-4% slower). Keyed by (row format, block_h).
+# 0-4% slower). Keyed by (row format, block_h). On SM 9.x, fp8_ds_mla rows at block_h 64
+# run the warp-specialised kernel instead (WS_DEFAULT below; session 5: 155 vs 172 us at
+# T = 64, H = 128, 0.71x FlashMLA).
 DEFAULT_SHAPES: dict[tuple[RowFormat, int], tuple[int, int, int, bool, int, bool, bool]] = {
     (RowFormat.FP8_DS_MLA, 16): (64, 8, 2, False, 1, False, False),
     (RowFormat.FP8_DS_MLA, 32): (32, 8, 2, False, 1, False, False),
@@ -150,15 +210,29 @@ CANDIDATE_SHAPES: tuple[tuple[int, int, int, int], ...] = (
 MAX_AUTO_SPLITS = 32  # partial outputs cost T * splits * H * 2 KiB of traffic
 
 
+# The warp-specialised kernel's default ring (H200 sweeps, BENCHMARKS.md): 32-row blocks,
+# two bf16 slots, two raw slots (one block gathered ahead), 72 producer registers.
+WS_DEFAULT = dict(block_n=32, num_warps=4, num_stages=2, isolate_qk=False, prefetch=0,
+                  wide=False, f16_mma=False, ws=True, ws_raw=2, ws_producer_regs=72)
+
+
 def default_config(T: int, H: int, K: int, device: torch.device,
-                   row_format: RowFormat | str = RowFormat.FP8_DS_MLA) -> TritonMLAConfig:
-    """Heuristic launch shape: head blocks of up to 64, enough KV splits to fill the SMs."""
+                   row_format: RowFormat | str = RowFormat.FP8_DS_MLA, *,
+                   allow_ws: bool = True) -> TritonMLAConfig:
+    """Heuristic launch shape: head blocks of up to 64, enough KV splits to fill the SMs.
+
+    fp8_ds_mla rows with 64-head blocks on an SM 9.x GPU get the warp-specialised kernel
+    (``ws``; allow_ws=False for the ``tl`` kernels); ``run_sparse_mla`` takes the ``tl``
+    default instead for inputs that kernel cannot read (rows not 16-byte aligned)."""
+    fmt = RowFormat.parse(row_format)
     block_h = min(64, max(16, triton.next_power_of_2(H)))
-    block_n, num_warps, num_stages, isolate, prefetch, wide, f16 = \
-        DEFAULT_SHAPES[(RowFormat.parse(row_format), block_h)]
+    block_n, num_warps, num_stages, isolate, prefetch, wide, f16 = DEFAULT_SHAPES[(fmt, block_h)]
     cfg = TritonMLAConfig(block_h=block_h, block_n=block_n, num_warps=num_warps,
                           num_stages=num_stages, isolate_qk=isolate, prefetch=prefetch, wide=wide,
                           f16_mma=f16)
+    if (allow_ws and fmt is RowFormat.FP8_DS_MLA and block_h == 64 and device.type == "cuda"
+            and torch.cuda.get_device_capability(device)[0] == 9):
+        cfg = dataclasses.replace(cfg, **WS_DEFAULT)
     return dataclasses.replace(cfg, num_splits=auto_splits(T, H, K, cfg, device))
 
 
@@ -190,6 +264,8 @@ def run_sparse_mla(inp: DecodeInputs, cfg: TritonMLAConfig | None = None
         return empty_result(T, H, dev)
     if cfg is None:
         cfg = default_config(T, H, K, dev, inp.row_format)
+        if cfg.ws and ws_unsupported(inp, dev) is not None:  # e.g. a misaligned row view
+            cfg = default_config(T, H, K, dev, inp.row_format, allow_ws=False)
     splits = cfg.num_splits if cfg.num_splits is not None else auto_splits(T, H, K, cfg, dev)
     # rows per split: a multiple of block_n; drop splits that would get no rows
     rows_per_split = math.ceil(math.ceil(K / splits) / cfg.block_n) * cfg.block_n
@@ -208,7 +284,15 @@ def run_sparse_mla(inp: DecodeInputs, cfg: TritonMLAConfig | None = None
                 kv.shape[0], K, H, q.stride(0), q.stride(1), kv.stride(0), idx.stride(0),
                 rows_per_split, inp.sm_scale * 1.4426950408889634)
         prefetch = cfg.prefetch if dev.type == "cuda" else 0  # a hint; no inline PTX on CPU
-        if cfg.wide:
+        if cfg.ws:
+            _check_ws(inp, dev)
+            from ..kernels.mla_decode_ws import sparse_mla_decode_ws_kernel
+            sparse_mla_decode_ws_kernel[grid](
+                *args, HAS_VC=vc is not None, NUM_SPLITS=splits, BLOCK_N=cfg.block_n,
+                STAGES=cfg.num_stages, RAW=cfg.ws_raw, PRODUCER_REGS=cfg.ws_producer_regs,
+                CONSUMER_REGS=ws_consumer_regs(cfg.ws_producer_regs), SPLIT_QK=cfg.ws_split_qk,
+                num_warps=4, maxnreg=WS_MAXNREG)
+        elif cfg.wide:
             f16 = cfg.f16_mma and is_fp8
             # float16 q blocks, one per program (see mla_decode_wide)
             q16 = (torch.empty((grid[0] * grid[1] * grid[2], cfg.block_h, 512),
@@ -230,6 +314,27 @@ def run_sparse_mla(inp: DecodeInputs, cfg: TritonMLAConfig | None = None
                                               NUM_SPLITS=splits, SPLITS_P2=triton.next_power_of_2(splits),
                                               num_warps=4)
     return out, lse
+
+
+def ws_unsupported(inp: DecodeInputs, dev: torch.device) -> str | None:
+    """Why the warp-specialised kernel can't take these inputs, or None."""
+    if inp.row_format is not RowFormat.FP8_DS_MLA:
+        return "it reads fp8_ds_mla rows only"
+    if dev.type != "cuda":
+        return "it is a Gluon kernel for CUDA SM 9.x (no interpreter)"
+    major, _ = torch.cuda.get_device_capability(dev)
+    if major != 9:
+        return f"it uses Hopper wgmma / setmaxnreg (SM 9.x), device is SM {major}.x"
+    kv = inp.kv_rows
+    if kv.data_ptr() % 16 or kv.stride(0) % 16:
+        return "its cp.async gathers need 16-byte aligned rows (data_ptr and row stride)"
+    return None
+
+
+def _check_ws(inp: DecodeInputs, dev: torch.device) -> None:
+    reason = ws_unsupported(inp, dev)
+    if reason is not None:
+        raise ValueError(f"TritonMLAConfig(ws=True) cannot run here: {reason}; use ws=False")
 
 
 def _on_device(dev: torch.device):
@@ -302,4 +407,4 @@ class TritonBackend(SparseMLABackend):
 
 
 __all__ = ["TritonBackend", "TritonMLAConfig", "default_config", "auto_splits", "run_sparse_mla",
-           "DEFAULT_SHAPES", "CANDIDATE_SHAPES"]
+           "DEFAULT_SHAPES", "CANDIDATE_SHAPES", "ws_unsupported", "ws_shared_bytes", "WS_DEFAULT"]

@@ -1,0 +1,110 @@
+"""CPU: the warp-specialised Gluon decode kernel (``mla_decode_ws``) compiles for sm90
+(ptxas from the Triton wheel, no GPU) at the default ring and every ring shape the GPU
+tests run, within the register and shared-memory budget the launcher sets; and its
+config is validated. Its numerics are checked on the H200 (tests/test_attention_ws_gpu.py):
+Gluon has no interpreter mode.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hisparse.attention.triton_backend import (WS_DEFAULT, WS_MAX_SHARED, TritonBackend,
+                                               TritonMLAConfig, default_config, ws_shared_bytes)
+
+_COMPILE = r'''
+import json, os, re, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from hisparse.attention.triton_backend import WS_MAXNREG, ws_consumer_regs
+from hisparse.kernels.mla_decode_ws import sparse_mla_decode_ws_kernel
+
+out = []
+for bn, stages, raw, preg, sq, splits in json.loads(sys.argv[1]):
+    sig = {"q_ptr": "*bf16", "kv_ptr": "*u8", "idx_ptr": "*i32", "vc_ptr": "*i32",
+           "out_ptr": "*bf16", "lse_ptr": "*fp32", "part_out_ptr": "*fp32",
+           "part_lse_ptr": "*fp32", "N": "i32", "K": "i32", "H": "i32", "q_stride_t": "i32",
+           "q_stride_h": "i32", "kv_stride": "i32", "idx_stride": "i32",
+           "rows_per_split": "i32", "qk_scale_log2": "fp32"}
+    consts = dict(HAS_VC=True, NUM_SPLITS=splits, BLOCK_N=bn, STAGES=stages, RAW=raw,
+                  PRODUCER_REGS=preg, CONSUMER_REGS=ws_consumer_regs(preg), SPLIT_QK=sq)
+    sig.update({k: "constexpr" for k in consts})
+    names = list(sig)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if sig[n].startswith("*") or n in ("K", "q_stride_t", "q_stride_h", "kv_stride",
+                                                "idx_stride", "rows_per_split")}
+    k = triton.compile(GluonASTSource(fn=sparse_mla_decode_ws_kernel, signature=sig,
+                                      constexprs=consts, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32),
+                       options=dict(num_warps=4, maxnreg=WS_MAXNREG))
+    ptx = k.asm["ptx"]
+    out.append({"cfg": [bn, stages, raw, preg, sq, splits], "shared": k.metadata.shared,
+                "warps": k.metadata.num_warps,
+                "setmaxnreg": sorted({int(v) for v in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
+                "wgmma": ptx.count("wgmma.mma_async"), "cp_async": ptx.count("cp.async.cg.shared.global"),
+                "mbarrier_wait": ptx.count("mbarrier.try_wait"),
+                "consumer_regs": ws_consumer_regs(preg)})
+print(json.dumps(out))
+'''
+
+# (block_n, stages, raw, producer regs, split_qk, splits): the default and the GPU tests' rings
+RINGS = [(WS_DEFAULT["block_n"], WS_DEFAULT["num_stages"], WS_DEFAULT["ws_raw"],
+          WS_DEFAULT["ws_producer_regs"], False, 1),
+         (32, 2, 3, 56, False, 3), (16, 4, 4, 56, False, 1), (32, 2, 2, 72, True, 3),
+         (16, 2, 8, 88, False, 1)]
+
+
+def test_ws_kernel_compiles_for_sm90_within_budget():
+    import triton
+
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not os.path.exists(ptxas):
+        pytest.skip(f"no ptxas in the Triton wheel ({ptxas})")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(RINGS)], capture_output=True,
+                       text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    stats = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(stats) == len(RINGS)
+    for s in stats:
+        bn, stages, raw, preg, sq, _ = s["cfg"]
+        assert s["warps"] == 12, s  # 4 (consumer 0) + 4 (consumer 1) + 4 (producer)
+        # the partitions really get the registers the launcher asks for
+        assert preg in s["setmaxnreg"] and s["consumer_regs"] in s["setmaxnreg"], s
+        # the budget estimate the config validates against covers what Triton allocates
+        est = ws_shared_bytes(bn, stages, raw, sq)
+        assert est <= s["shared"] <= est + 2048 and s["shared"] <= WS_MAX_SHARED + 1024, (est, s)
+        assert s["wgmma"] > 0 and s["cp_async"] > 0 and s["mbarrier_wait"] > 0, s
+
+
+def test_ws_config_validation():
+    base = dict(block_h=64, block_n=32, num_warps=4, num_stages=2, ws=True)
+    TritonMLAConfig(**base)
+    for bad, match in ((dict(block_n=64), "block_n 16 or 32"), (dict(block_h=32), "block_h 64"),
+                       (dict(num_warps=8), "num_warps 4"), (dict(ws_raw=1), "ws_raw"),
+                       (dict(ws_raw=True), "ws_raw"), (dict(ws_producer_regs=48), "ws_producer_regs"),
+                       (dict(num_stages=6), "shared memory"), (dict(wide=True), "own kernel"),
+                       (dict(ws_split_qk=1), "ws_split_qk"), (dict(ws=1), "ws must be a bool")):
+        with pytest.raises(ValueError, match=match):
+            TritonMLAConfig(**{**base, **bad})
+    # CPU (and any non-SM-9.x device) never gets the ws kernel by default
+    assert not default_config(64, 128, 2048, torch.device("cpu"), "fp8_ds_mla").ws
+
+
+def test_ws_on_cpu_is_a_clear_error():
+    be = TritonBackend(config=TritonMLAConfig(block_h=64, block_n=32, num_warps=4, num_stages=2,
+                                              ws=True), allow_interpreter=True)
+    q = torch.zeros(1, 64, 576, dtype=torch.bfloat16)
+    rows = torch.zeros(16, 656, dtype=torch.uint8)
+    idx = torch.zeros(1, 4, dtype=torch.int32)
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the CPU path needs TRITON_INTERPRET=1 (set by the test runner)")
+    with pytest.raises(ValueError, match="ws=True.*CUDA SM 9.x"):
+        be.decode(q, rows, idx, sm_scale=0.1, row_format="fp8_ds_mla")

@@ -1,0 +1,182 @@
+"""GPU (SM 9.x): the warp-specialised Gluon decode kernel (``TritonMLAConfig(ws=True)``,
+``hisparse/kernels/mla_decode_ws.py``) against the float32 torch reference.
+
+Same tolerance as test_attention_gpu.py: |out - ref| <= 2e-2 + 1e-2 |ref| elementwise,
+|lse - ref| <= 1e-3. Shapes: K = 2048 (and awkward K), H = 128 / 100 / 16 (heads past H
+are masked in the 64-head block), T = 1 (split KV + combine) to 256, ~10% -1 padding,
+valid counts 0 / K / random, every ring shape the config accepts.
+"""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from hisparse.attention.reference import ReferenceBackend
+from hisparse.attention.triton_backend import TritonBackend, TritonMLAConfig
+from hisparse.formats import quantize_fp8_ds_mla
+
+pytestmark = pytest.mark.gpu
+
+SCALE = 1.0 / math.sqrt(576)
+ATOL, RTOL, LSE_TOL = 2e-2, 1e-2, 1e-3
+REF = ReferenceBackend()
+WS = TritonMLAConfig(block_h=64, block_n=32, num_warps=4, num_stages=2, ws=True)
+
+
+def _skip_unless_sm90():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the warp-specialised kernel is Hopper-only (SM 9.x)")
+
+
+def _problem(T, H, K, *, N=8192, pad=0.1, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    rows = quantize_fp8_ds_mla(torch.randn(N, 576, device="cuda", generator=g).bfloat16())
+    q = torch.randn(T, H, 576, device="cuda", generator=g).bfloat16()
+    idx = torch.rand(T, N, device="cuda", generator=g).argsort(dim=1)[:, :K].to(torch.int32)
+    idx[torch.rand(T, K, device="cuda", generator=g) < pad] = -1
+    vc = torch.randint(0, K + 1, (T,), device="cuda", generator=g, dtype=torch.int32)
+    vc[0] = K
+    if T > 1:
+        vc[1] = 0
+    return q, rows, idx, vc
+
+
+def _check(out, lse, ref_out, ref_lse, what=""):
+    torch.cuda.synchronize()
+    assert out.dtype == torch.bfloat16 and out.shape == ref_out.shape
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), what
+    fin = torch.isfinite(ref_lse)
+    if fin.any():
+        lse_err = (lse[fin] - ref_lse[fin]).abs().max().item()
+        assert lse_err <= LSE_TOL, f"{what}: lse err {lse_err}"
+    err = (out.float() - ref_out.float()).abs()
+    bad = err > ATOL + RTOL * ref_out.float().abs()
+    assert not bad.any(), f"{what}: {int(bad.sum())} elements off, max err {err.max().item()}"
+
+
+@pytest.mark.parametrize("split_qk", [False, True])
+@pytest.mark.parametrize("H", [128, 100, 16])
+@pytest.mark.parametrize("T", [1, 64, 256])
+def test_ws_matches_reference(T, H, split_qk):
+    _skip_unless_sm90()
+    q, rows, idx, vc = _problem(T, H, 2048, seed=T + H)
+    be = TritonBackend(config=dataclasses.replace(WS, ws_split_qk=split_qk, ws_raw=2))
+    for v in (None, vc):
+        out, lse = be.decode(q, rows, idx, valid_counts=v, sm_scale=SCALE, row_format="fp8_ds_mla")
+        ref = REF.decode(q, rows, idx, valid_counts=v, sm_scale=SCALE, row_format="fp8_ds_mla")
+        _check(out, lse, *ref, what=f"T={T} H={H} vc={v is not None}")
+        if v is not None and T > 1:
+            assert out[1].abs().max().item() == 0.0 and torch.isneginf(lse[1]).all()
+
+
+@pytest.mark.parametrize("bn,stages,raw,preg,sq", [
+    (32, 2, 3, 56, False), (32, 2, 2, 40, False), (16, 4, 4, 56, False), (16, 3, 6, 72, False),
+    (16, 2, 8, 88, False), (32, 1, 3, 56, False), (32, 2, 2, 72, True), (32, 2, 2, 56, True),
+    (16, 4, 4, 72, True), (32, 1, 2, 40, True)])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_ws_ring_shapes(bn, stages, raw, preg, sq, splits):
+    """Every ring shape: the slot / phase arithmetic wraps differently for each; K = 1000
+    (not a multiple of block_n) with short valid counts."""
+    _skip_unless_sm90()
+    q, rows, idx, vc = _problem(8, 128, 1000, seed=bn + stages + raw + sq)
+    cfg = dataclasses.replace(WS, block_n=bn, num_stages=stages, ws_raw=raw,
+                              ws_producer_regs=preg, ws_split_qk=sq, num_splits=splits)
+    out, lse = TritonBackend(config=cfg).decode(q, rows, idx, valid_counts=vc, sm_scale=SCALE,
+                                                row_format="fp8_ds_mla")
+    _check(out, lse, *REF.decode(q, rows, idx, valid_counts=vc, sm_scale=SCALE,
+                                 row_format="fp8_ds_mla"), what=f"{cfg}")
+
+
+def test_ws_small_k_and_all_padding():
+    _skip_unless_sm90()
+    for K in (1, 7, 33, 2049):
+        q, rows, idx, vc = _problem(5, 128, K, N=4096, seed=K)
+        out, lse = TritonBackend(config=WS).decode(q, rows, idx, valid_counts=vc, sm_scale=SCALE,
+                                                   row_format="fp8_ds_mla")
+        _check(out, lse, *REF.decode(q, rows, idx, valid_counts=vc, sm_scale=SCALE,
+                                     row_format="fp8_ds_mla"), what=f"K={K}")
+    q, rows, idx, _ = _problem(4, 128, 256, N=4096, seed=9)
+    idx[2] = -1  # a token with no valid entry: out 0, lse -inf
+    out, lse = TritonBackend(config=WS).decode(q, rows, idx, sm_scale=SCALE,
+                                               row_format="fp8_ds_mla")
+    torch.cuda.synchronize()
+    assert out[2].abs().max().item() == 0.0 and torch.isneginf(lse[2]).all()
+    _check(out, lse, *REF.decode(q, rows, idx, sm_scale=SCALE, row_format="fp8_ds_mla"))
+
+
+def test_ws_extreme_scales():
+    """Row scales 2^-40..2^30, zero rows and tiles, q heads from 1e-30 to 3e4 and a zero
+    head: each (token, head) within 1% of its own largest |out|, lse within 1e-3 relative."""
+    _skip_unless_sm90()
+    T, H, K, N = 16, 128, 2048, 8192
+    g = torch.Generator(device="cuda").manual_seed(77)
+    x = torch.randn(N, 576, device="cuda", generator=g)
+    x *= torch.exp2(torch.randint(-40, 31, (N, 1), device="cuda", generator=g).float())
+    x[::97] = 0.0
+    x[1::89, 256:384] = 0.0
+    rows = quantize_fp8_ds_mla(x.bfloat16())
+    q = torch.randn(T, H, 576, device="cuda", generator=g)
+    q[:, 0] *= 3e4
+    q[:, 1] *= 1e-30
+    q[:, 2] = 0.0
+    q = q.bfloat16()
+    idx = torch.rand(T, N, device="cuda", generator=g).argsort(dim=1)[:, :K].to(torch.int32)
+    idx[3, 1000:] = -1
+    out, lse = TritonBackend(config=WS).decode(q, rows, idx, sm_scale=SCALE,
+                                               row_format="fp8_ds_mla")
+    ref_out, ref_lse = REF.decode(q, rows, idx, sm_scale=SCALE, row_format="fp8_ds_mla")
+    torch.cuda.synchronize()
+    assert ((lse - ref_lse).abs() <= 1e-3 * ref_lse.abs().clamp_min(1.0)).all()
+    err = (out.float() - ref_out.float()).abs().amax(-1)
+    bound = 1e-2 * ref_out.float().abs().amax(-1)
+    assert (err <= bound + 1e-30).all(), f"worst err / max|ref| {(err / bound).max().item()}"
+
+
+def test_ws_unchecked_out_of_range_is_masked():
+    _skip_unless_sm90()
+    q, rows, idx, _ = _problem(16, 128, 256, N=1024, seed=3)
+    bad = idx.clone()
+    bad[:, ::7] = 1 << 30
+    bad[:, 3::11] = -(1 << 20)
+    clean = torch.where((bad >= 0) & (bad < 1024), bad, torch.full_like(bad, -1))
+    out, lse = TritonBackend(config=WS, validate=False).decode(q, rows, bad, sm_scale=SCALE,
+                                                               row_format="fp8_ds_mla")
+    _check(out, lse, *REF.decode(q, rows, clean, sm_scale=SCALE, row_format="fp8_ds_mla"))
+
+
+def test_ws_graph_capture_and_replay():
+    _skip_unless_sm90()
+    q, rows, idx, vc = _problem(64, 128, 2048, seed=5)
+    be = TritonBackend(config=WS, validate=False)
+    eager = be.decode(q, rows, idx, valid_counts=vc, sm_scale=SCALE, row_format="fp8_ds_mla")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        be.decode(q, rows, idx, valid_counts=vc, sm_scale=SCALE, row_format="fp8_ds_mla")
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = be.decode(q, rows, idx, valid_counts=vc, sm_scale=SCALE, row_format="fp8_ds_mla")
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager[0]) and torch.equal(lse, eager[1])
+    q.copy_(torch.randn_like(q, dtype=torch.float32).bfloat16())
+    graph.replay()
+    _check(out, lse, *REF.decode(q, rows, idx, valid_counts=vc, sm_scale=SCALE,
+                                 row_format="fp8_ds_mla"), what="graph replay")
+
+
+def test_ws_rejects_misaligned_rows_and_bf16():
+    _skip_unless_sm90()
+    q, rows, idx, _ = _problem(2, 128, 64, N=1024, seed=1)
+    be = TritonBackend(config=WS)
+    flat = torch.empty(rows.numel() + 8, dtype=torch.uint8, device="cuda")
+    shifted = flat[8:].view(rows.shape)  # 8-byte aligned only
+    shifted.copy_(rows)
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        be.decode(q, shifted, idx, sm_scale=SCALE, row_format="fp8_ds_mla")
+    with pytest.raises(ValueError, match="fp8_ds_mla rows only"):
+        be.decode(q, torch.randn(1024, 576, device="cuda").bfloat16(), idx, sm_scale=SCALE,
+                  row_format="bf16")
