@@ -11,47 +11,17 @@ import math
 
 import pytest
 import torch
+from attention_common import (REF, SCALE, check, check_extreme_scales, check_graph_capture,
+                              make_problem)
 
-from hisparse.attention.reference import ReferenceBackend
 from hisparse.attention.triton_backend import CANDIDATE_SHAPES, TritonBackend, TritonMLAConfig
 from hisparse.formats import (dequantize_fp8_ds_mla, dequantize_fp8_ds_mla_reference,
                               quantize_fp8_ds_mla, quantize_fp8_ds_mla_reference)
 
 pytestmark = pytest.mark.gpu
 
-SCALE = 1.0 / math.sqrt(576)
-ATOL, RTOL, LSE_TOL = 2e-2, 1e-2, 1e-3
-REF = ReferenceBackend()
 TRI = TritonBackend()
-
-
-def _problem(T, H, K, fmt, *, N=8192, pad=0.1, seed=0):
-    """q bf16 [T, H, 576], rows, indices int32 [T, K] (distinct rows per token, ~pad -1),
-    valid counts int32 [T] (0, K and random in between)."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    x = torch.randn(N, 576, device="cuda", generator=g).bfloat16()
-    rows = quantize_fp8_ds_mla(x) if fmt == "fp8_ds_mla" else x
-    q = torch.randn(T, H, 576, device="cuda", generator=g).bfloat16()
-    idx = torch.rand(T, N, device="cuda", generator=g).argsort(dim=1)[:, :K].to(torch.int32)
-    idx[torch.rand(T, K, device="cuda", generator=g) < pad] = -1
-    vc = torch.randint(0, K + 1, (T,), device="cuda", generator=g, dtype=torch.int32)
-    vc[0] = K
-    if T > 1:
-        vc[1] = 0
-    return q, rows, idx, vc
-
-
-def _check(out, lse, ref_out, ref_lse, what=""):
-    torch.cuda.synchronize()
-    assert out.dtype == torch.bfloat16 and out.shape == ref_out.shape
-    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), what
-    fin = torch.isfinite(ref_lse)
-    if fin.any():
-        lse_err = (lse[fin] - ref_lse[fin]).abs().max().item()
-        assert lse_err <= LSE_TOL, f"{what}: lse err {lse_err}"
-    err = (out.float() - ref_out.float()).abs()
-    bad = err > ATOL + RTOL * ref_out.float().abs()
-    assert not bad.any(), f"{what}: {int(bad.sum())} elements off, max err {err.max().item()}"
+_problem, _check = make_problem, check
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla"])
@@ -86,38 +56,13 @@ def test_every_candidate_config_matches_reference(shape, fmt):
                                        (False, True, False), (True, True, False),
                                        (False, False, True), (True, False, True)])
 def test_fp8_dots_at_extreme_scales(f16, rp, rs):
-    """The fp8 fused-tile kernel with bf16 dots and with float16 dots (``f16_mma``, the
-    default at 64-head blocks), each with and without register pipelining (``reg_pipe``:
-    codes carried as int32 words, converted by inline PTX) at magnitudes float16 cannot
-    hold directly (and with the row sums from the tensor cores, ``mma_rowsum``): row scales
-    from 2^-40 to 2^30, zero rows and tiles, q heads from 1e-30 to 3e4 and a zero head.
-    Each (token, head) must match the reference to 1% of its own largest |out|, and the
-    lse to 1e-3 relative."""
-    T, H, K, N = 16, 128, 2048, 8192
-    g = torch.Generator(device="cuda").manual_seed(77)
-    x = torch.randn(N, 576, device="cuda", generator=g)
-    x *= torch.exp2(torch.randint(-40, 31, (N, 1), device="cuda", generator=g).float())
-    x[::97] = 0.0
-    x[1::89, 256:384] = 0.0
-    rows = quantize_fp8_ds_mla(x.bfloat16())
-    q = torch.randn(T, H, 576, device="cuda", generator=g)
-    q[:, 0] *= 3e4
-    q[:, 1] *= 1e-30
-    q[:, 2] = 0.0
-    q[0, 64:100] *= 1e-3
-    q = q.bfloat16()
-    idx = torch.rand(T, N, device="cuda", generator=g).argsort(dim=1)[:, :K].to(torch.int32)
-    idx[3, 1000:] = -1  # a short row: the pipelined loads run past its end, masked
-    be = TritonBackend(config=TritonMLAConfig(block_h=64, block_n=64, num_warps=8, num_stages=2,
-                                              isolate_qk=True, prefetch=1, wide=True,
-                                              f16_mma=f16, reg_pipe=rp, mma_rowsum=rs))
-    out, lse = be.decode(q, rows, idx, sm_scale=SCALE, row_format="fp8_ds_mla")
-    ref_out, ref_lse = REF.decode(q, rows, idx, sm_scale=SCALE, row_format="fp8_ds_mla")
-    torch.cuda.synchronize()
-    assert ((lse - ref_lse).abs() <= 1e-3 * ref_lse.abs().clamp_min(1.0)).all()
-    err = (out.float() - ref_out.float()).abs().amax(-1)
-    bound = 1e-2 * ref_out.float().abs().amax(-1)
-    assert (err <= bound + 1e-30).all(), f"worst err / max|ref| {(err / bound).max().item()}"
+    """The fp8 fused-tile kernel with bf16 or float16 dots (``f16_mma``), with and without
+    register pipelining (``reg_pipe``: codes carried as int32 words, converted by inline
+    PTX) and tensor-core row sums (``mma_rowsum``), at magnitudes float16 cannot hold
+    directly (``attention_common.check_extreme_scales``)."""
+    check_extreme_scales(TritonBackend(config=TritonMLAConfig(
+        block_h=64, block_n=64, num_warps=8, num_stages=2, isolate_qk=True, prefetch=1,
+        wide=True, f16_mma=f16, reg_pipe=rp, mma_rowsum=rs)))
 
 
 def test_odd_heads_and_small_k():
@@ -148,24 +93,7 @@ def test_unchecked_out_of_range_is_masked():
 
 
 def test_decode_cuda_graph_capture_and_replay():
-    q, rows, idx, vc = _problem(64, 128, 2048, "fp8_ds_mla", seed=5)
-    be = TritonBackend(validate=False)
-    eager = be.decode(q, rows, idx, valid_counts=vc, sm_scale=SCALE, row_format="fp8_ds_mla")
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):  # warm up (compile) outside the capture
-        be.decode(q, rows, idx, valid_counts=vc, sm_scale=SCALE, row_format="fp8_ds_mla")
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = be.decode(q, rows, idx, valid_counts=vc, sm_scale=SCALE, row_format="fp8_ds_mla")
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, eager[0]) and torch.equal(lse, eager[1])
-    q.copy_(torch.randn_like(q, dtype=torch.float32).bfloat16())  # new inputs, same buffers
-    graph.replay()
-    ref = REF.decode(q, rows, idx, valid_counts=vc, sm_scale=SCALE, row_format="fp8_ds_mla")
-    _check(out, lse, *ref, what="graph replay")
+    check_graph_capture(TritonBackend(validate=False))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -7,14 +7,11 @@ and writes bf16 output (the interpreter truncates instead of rounding, so CPU er
 up to twice the GPU's); scores are float32 sums of exact bf16 products in both.
 """
 
-import json
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from attention_common import run_sm90_compile
 
 from hisparse.attention.base import Phase, validate_decode_inputs
 from hisparse.attention.reference import ReferenceBackend, sparse_mla_reference
@@ -444,18 +441,7 @@ print(json.dumps(res))
 def test_kernels_compile_for_sm90_without_spills():
     """Compile (ptxas from the Triton wheel, no GPU needed) the decode kernel at the
     default shapes for sm90: no register spills, wgmma used at block_h = 64."""
-    import triton
-
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    if not os.path.exists(ptxas):
-        pytest.skip(f"no ptxas in the Triton wheel ({ptxas})")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-c", _SM90_COMPILE], capture_output=True, text=True,
-                       env=env, timeout=300)
-    assert r.returncode == 0, r.stderr[-3000:]
-    stats = json.loads(r.stdout.strip().splitlines()[-1])
+    stats = run_sm90_compile(_SM90_COMPILE, timeout=300)
     for s in stats:
         assert s["stack"] == 0, f"register spills: {s}"
         assert s["shared"] <= 227 * 1024, s

@@ -7,11 +7,10 @@ Gluon has no interpreter mode.
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from attention_common import run_sm90_compile
 
 from hisparse.attention.triton_backend import (WS_DEFAULT, WS_MAX_SHARED, TritonBackend,
                                                TritonMLAConfig, default_config, ws_shared_bytes)
@@ -60,18 +59,7 @@ RINGS = [(WS_DEFAULT["block_n"], WS_DEFAULT["num_stages"], WS_DEFAULT["ws_raw"],
 
 
 def test_ws_kernel_compiles_for_sm90_within_budget():
-    import triton
-
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    if not os.path.exists(ptxas):
-        pytest.skip(f"no ptxas in the Triton wheel ({ptxas})")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, "-c", _COMPILE, json.dumps(RINGS)], capture_output=True,
-                       text=True, env=env, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    stats = json.loads(r.stdout.strip().splitlines()[-1])
+    stats = run_sm90_compile(_COMPILE, json.dumps(RINGS))
     assert len(stats) == len(RINGS)
     for s in stats:
         bn, stages, raw, preg, sq, _ = s["cfg"]

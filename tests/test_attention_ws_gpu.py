@@ -8,20 +8,15 @@ valid counts 0 / K / random, every ring shape the config accepts.
 """
 
 import dataclasses
-import math
 
 import pytest
 import torch
+from attention_common import REF, SCALE, check, check_extreme_scales, check_graph_capture, make_problem
 
-from hisparse.attention.reference import ReferenceBackend
 from hisparse.attention.triton_backend import TritonBackend, TritonMLAConfig
-from hisparse.formats import quantize_fp8_ds_mla
 
 pytestmark = pytest.mark.gpu
 
-SCALE = 1.0 / math.sqrt(576)
-ATOL, RTOL, LSE_TOL = 2e-2, 1e-2, 1e-3
-REF = ReferenceBackend()
 WS = TritonMLAConfig(block_h=64, block_n=32, num_warps=4, num_stages=2, ws=True)
 
 
@@ -31,29 +26,10 @@ def _skip_unless_sm90():
 
 
 def _problem(T, H, K, *, N=8192, pad=0.1, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    rows = quantize_fp8_ds_mla(torch.randn(N, 576, device="cuda", generator=g).bfloat16())
-    q = torch.randn(T, H, 576, device="cuda", generator=g).bfloat16()
-    idx = torch.rand(T, N, device="cuda", generator=g).argsort(dim=1)[:, :K].to(torch.int32)
-    idx[torch.rand(T, K, device="cuda", generator=g) < pad] = -1
-    vc = torch.randint(0, K + 1, (T,), device="cuda", generator=g, dtype=torch.int32)
-    vc[0] = K
-    if T > 1:
-        vc[1] = 0
-    return q, rows, idx, vc
+    return make_problem(T, H, K, "fp8_ds_mla", N=N, pad=pad, seed=seed)
 
 
-def _check(out, lse, ref_out, ref_lse, what=""):
-    torch.cuda.synchronize()
-    assert out.dtype == torch.bfloat16 and out.shape == ref_out.shape
-    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), what
-    fin = torch.isfinite(ref_lse)
-    if fin.any():
-        lse_err = (lse[fin] - ref_lse[fin]).abs().max().item()
-        assert lse_err <= LSE_TOL, f"{what}: lse err {lse_err}"
-    err = (out.float() - ref_out.float()).abs()
-    bad = err > ATOL + RTOL * ref_out.float().abs()
-    assert not bad.any(), f"{what}: {int(bad.sum())} elements off, max err {err.max().item()}"
+_check = check
 
 
 @pytest.mark.parametrize("split_qk", [False, True])
@@ -107,31 +83,8 @@ def test_ws_small_k_and_all_padding():
 
 
 def test_ws_extreme_scales():
-    """Row scales 2^-40..2^30, zero rows and tiles, q heads from 1e-30 to 3e4 and a zero
-    head: each (token, head) within 1% of its own largest |out|, lse within 1e-3 relative."""
     _skip_unless_sm90()
-    T, H, K, N = 16, 128, 2048, 8192
-    g = torch.Generator(device="cuda").manual_seed(77)
-    x = torch.randn(N, 576, device="cuda", generator=g)
-    x *= torch.exp2(torch.randint(-40, 31, (N, 1), device="cuda", generator=g).float())
-    x[::97] = 0.0
-    x[1::89, 256:384] = 0.0
-    rows = quantize_fp8_ds_mla(x.bfloat16())
-    q = torch.randn(T, H, 576, device="cuda", generator=g)
-    q[:, 0] *= 3e4
-    q[:, 1] *= 1e-30
-    q[:, 2] = 0.0
-    q = q.bfloat16()
-    idx = torch.rand(T, N, device="cuda", generator=g).argsort(dim=1)[:, :K].to(torch.int32)
-    idx[3, 1000:] = -1
-    out, lse = TritonBackend(config=WS).decode(q, rows, idx, sm_scale=SCALE,
-                                               row_format="fp8_ds_mla")
-    ref_out, ref_lse = REF.decode(q, rows, idx, sm_scale=SCALE, row_format="fp8_ds_mla")
-    torch.cuda.synchronize()
-    assert ((lse - ref_lse).abs() <= 1e-3 * ref_lse.abs().clamp_min(1.0)).all()
-    err = (out.float() - ref_out.float()).abs().amax(-1)
-    bound = 1e-2 * ref_out.float().abs().amax(-1)
-    assert (err <= bound + 1e-30).all(), f"worst err / max|ref| {(err / bound).max().item()}"
+    check_extreme_scales(TritonBackend(config=WS))
 
 
 def test_ws_unchecked_out_of_range_is_masked():
@@ -148,24 +101,7 @@ def test_ws_unchecked_out_of_range_is_masked():
 
 def test_ws_graph_capture_and_replay():
     _skip_unless_sm90()
-    q, rows, idx, vc = _problem(64, 128, 2048, seed=5)
-    be = TritonBackend(config=WS, validate=False)
-    eager = be.decode(q, rows, idx, valid_counts=vc, sm_scale=SCALE, row_format="fp8_ds_mla")
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        be.decode(q, rows, idx, valid_counts=vc, sm_scale=SCALE, row_format="fp8_ds_mla")
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = be.decode(q, rows, idx, valid_counts=vc, sm_scale=SCALE, row_format="fp8_ds_mla")
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, eager[0]) and torch.equal(lse, eager[1])
-    q.copy_(torch.randn_like(q, dtype=torch.float32).bfloat16())
-    graph.replay()
-    _check(out, lse, *REF.decode(q, rows, idx, valid_counts=vc, sm_scale=SCALE,
-                                 row_format="fp8_ds_mla"), what="graph replay")
+    check_graph_capture(TritonBackend(config=WS, validate=False))
 
 
 def test_ws_rejects_misaligned_rows_and_bf16():
