@@ -27,7 +27,10 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 # Triton's compile cache travels between runs (git-ignored .triton-cache, carried back as
 # $OUT/triton-cache.tgz): a fresh machine would otherwise recompile every kernel.
+# The directory itself starts empty: a warm machine keeps ignored files between calls, and
+# Triton's cache key misses changes to Gluon layouts held in module globals.
 export TRITON_CACHE_DIR=$PWD/.triton-cache
+rm -rf "$TRITON_CACHE_DIR"
 mkdir -p "$TRITON_CACHE_DIR"
 if [ -f .triton-cache.tgz ]; then tar -xzf .triton-cache.tgz -C "$TRITON_CACHE_DIR"; fi
 if [ -f .gpu-deps/vllm/_flashmla_C.abi3.so ]; then export HISPARSE_FLASHMLA_LIB=$PWD/.gpu-deps/vllm/_flashmla_C.abi3.so; fi
