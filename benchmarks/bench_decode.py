@@ -95,23 +95,19 @@ class Timer:
 
 
 class TritonVariant(TritonBackend):
-    """The Triton backend at its default launch shape with some fields replaced (a
-    same-run baseline for what the default changed)."""
+    """The Triton backend at the ``tl`` kernels' default launch shape (never the
+    warp-specialised kernel) with some fields replaced (a same-run baseline for what the
+    default changed)."""
 
     def __init__(self, name: str, **overrides) -> None:
         super().__init__(validate=False, allow_interpreter=True)
         self.name, self.overrides = name, overrides
 
     def decode(self, q, kv_rows, indices, *, valid_counts=None, sm_scale, row_format):
-        over = dict(self.overrides)
-        tl_only = over.pop("_tl", False)  # the tl kernels' default, never the ws kernel
         cfg = default_config(q.shape[0], q.shape[1], indices.shape[1], q.device, row_format,
-                             allow_ws=not tl_only)
-        if cfg.ws:  # the variants change fields of the tl kernels
-            cfg = default_config(q.shape[0], q.shape[1], indices.shape[1], q.device, row_format,
-                                 allow_ws=False)
-        if cfg.wide or "f16_mma" not in over:  # f16_mma exists on the wide body only
-            cfg = dataclasses.replace(cfg, **over)
+                             allow_ws=False)
+        if cfg.wide or "f16_mma" not in self.overrides:  # f16_mma exists on the wide body only
+            cfg = dataclasses.replace(cfg, **self.overrides)
         self.config = cfg
         return super().decode(q, kv_rows, indices, valid_counts=valid_counts, sm_scale=sm_scale,
                               row_format=row_format)
@@ -120,7 +116,7 @@ class TritonVariant(TritonBackend):
 # name -> the default launch shape's fields it replaces
 VARIANTS = {"triton_noprefetch": {"prefetch": 0}, "triton_f16dot": {"f16_mma": True},
             # the default before the warp-specialised kernel: the tl fused-tile kernel
-            "triton_tl": {"_tl": True}}
+            "triton_tl": {}}
 
 
 def stats(us: list[float]) -> dict:
