@@ -7,35 +7,12 @@ environment variables or re-validates.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import json
-
 from typing import Any
 
+from .formats import FP8_ROW_BYTES, RowFormat  # RowFormat re-exported: row formats live in formats
 
 HOT_ROW_ALIGN = 64  # rows; see HiSparseConfig.hot_rows_per_layer
-
-
-class RowFormat(enum.Enum):
-    """Byte format of one MLA latent row (one token, one layer)."""
-
-    BF16 = "bf16"  # 576 bf16 values: 512 latent (NoPE) then 64 RoPE -> 1152 bytes
-    FP8_DS_MLA = "fp8_ds_mla"  # 512 e4m3 + 4 fp32 scales + 64 bf16 RoPE -> 656 bytes
-
-    @property
-    def row_bytes(self) -> int:
-        return 1152 if self is RowFormat.BF16 else 656
-
-    @classmethod
-    def parse(cls, value: "RowFormat | str") -> "RowFormat":
-        if isinstance(value, RowFormat):
-            return value
-        for f in cls:
-            if f.value == value:
-                return f
-        raise ValueError(
-            f"unknown row format {value!r}; expected one of {[f.value for f in cls]}"
-        )
 
 
 def _positive_int(name: str, value: Any) -> None:
@@ -66,7 +43,7 @@ class HiSparseConfig:
 
     num_layers: int
     host_pool_tokens: int
-    row_bytes: int = 656
+    row_bytes: int = FP8_ROW_BYTES
     top_k: int = 2048
     device_buffer_size: int | None = None
     max_num_reqs: int = 64
@@ -145,7 +122,7 @@ class HiSparseConfig:
         return self.num_layers * self.hot_rows_per_layer * self.row_bytes
 
     @classmethod
-    def from_pool_bytes(cls, *, num_layers: int, host_pool_bytes: int, row_bytes: int = 656,
+    def from_pool_bytes(cls, *, num_layers: int, host_pool_bytes: int, row_bytes: int = FP8_ROW_BYTES,
                         **kwargs: Any) -> "HiSparseConfig":
         """Build a config whose host pool holds at most ``host_pool_bytes``."""
         _positive_int("host_pool_bytes", host_pool_bytes)

@@ -30,6 +30,7 @@ The Triton kernels match the references byte for byte.
 from __future__ import annotations
 
 import contextlib
+import enum
 
 import torch
 
@@ -46,6 +47,28 @@ FP8_MAX = 448.0  # largest finite e4m3fn value
 TOP_SCALE = 2.0**120  # largest scale a finite float32 tile needs (448 * 2^120 > float32 max)
 TOP_SCALE_CODE_MAX = 240.0  # largest e4m3 c with c * 2^120 finite
 MIN_SCALE = 2.0**-13  # = 2^ceil(log2(1e-4))
+
+
+class RowFormat(enum.Enum):
+    """Byte format of one MLA latent row (one token, one layer)."""
+
+    BF16 = "bf16"  # 576 bf16 values: 512 latent (NoPE) then 64 RoPE -> 1152 bytes
+    FP8_DS_MLA = "fp8_ds_mla"  # 512 e4m3 + 4 fp32 scales + 64 bf16 RoPE -> 656 bytes
+
+    @property
+    def row_bytes(self) -> int:
+        return BF16_ROW_BYTES if self is RowFormat.BF16 else FP8_ROW_BYTES
+
+    @classmethod
+    def parse(cls, value: "RowFormat | str") -> "RowFormat":
+        if isinstance(value, RowFormat):
+            return value
+        for f in cls:
+            if f.value == value:
+                return f
+        raise ValueError(
+            f"unknown row format {value!r}; expected one of {[f.value for f in cls]}"
+        )
 
 
 # ------------------------------------------------------------------ checks
