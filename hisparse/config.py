@@ -121,6 +121,26 @@ class HiSparseConfig:
     def hot_buffer_bytes(self) -> int:
         return self.num_layers * self.hot_rows_per_layer * self.row_bytes
 
+    @property
+    def max_tokens(self) -> int:
+        """Query tokens one resolve takes at most: max_num_reqs x max_query_len."""
+        return self.max_num_reqs * self.max_query_len
+
+    def device_bytes(self) -> dict[str, int]:
+        """Bytes of every device tensor a cache with this config allocates, by part.
+
+        hot rows; slot/LRU state (id_to_slot, seq_lens, block_table, slot_pos int32 and
+        slot_stamp int64 per slot, row_slot, step, stats); resolve buffers (physical,
+        valid counts, staging lists per layer; one undo log).
+        """
+        L, R, SP = self.num_layers, self.max_num_reqs, self.slots_per_req
+        TK = self.max_tokens * self.top_k
+        state = (4 * self.max_request_id + 4 * L * R + 4 * R * self.num_host_blocks + 12 * L * R * SP
+                 + 4 * L * self.num_host_rows + 8 * L * R + 8 * L * 5)
+        resolve = L * (12 * TK + 4 * self.max_tokens) + 20 * TK
+        return {"hot_rows": self.hot_buffer_bytes, "state": state, "resolve_buffers": resolve,
+                "total": self.hot_buffer_bytes + state + resolve}
+
     @classmethod
     def from_pool_bytes(cls, *, num_layers: int, host_pool_bytes: int, row_bytes: int = FP8_ROW_BYTES,
                         **kwargs: Any) -> "HiSparseConfig":

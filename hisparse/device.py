@@ -17,9 +17,32 @@ from typing import Iterator
 
 import torch
 
+from .errors import CapacityError
+
 
 def is_cuda(device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda"
+
+
+def available_host_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where the file does not exist)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_host_bytes(nbytes: int, what: str) -> None:
+    """CapacityError when ``nbytes`` of host memory are more than the machine has free."""
+    free = available_host_bytes()
+    if free is not None and nbytes > free:
+        raise CapacityError(f"{what} needs {nbytes / 2**30:.2f} GiB ({nbytes} bytes) of host memory but "
+                            f"only {free / 2**30:.2f} GiB are available; use a smaller host pool "
+                            "(fewer tokens, layers or requests)")
 
 
 def resolve_device(device: str) -> torch.device:
@@ -61,7 +84,12 @@ class PinnedBuffer:
         want = torch.cuda.is_available() if pin is None else pin
         if want and not torch.cuda.is_available():
             raise ValueError("pin=True needs CUDA, which is not available here")
-        mapping = _HostMapping(-1, self.nbytes)
+        check_host_bytes(self.nbytes, "the pinned host buffer")
+        try:
+            mapping = _HostMapping(-1, self.nbytes)
+        except (OSError, OverflowError) as e:
+            raise CapacityError(f"could not map {self.nbytes} bytes of host memory for the pinned "
+                                f"buffer ({e}); use a smaller host pool") from e
         self.tensor = torch.frombuffer(mapping, dtype=torch.uint8)  # storage refs the mapping
         self.pinned = False
         self._finalizer = None
@@ -86,7 +114,7 @@ def pin_host_range(ptr: int, nbytes: int) -> None:
     """cudaHostRegister ``nbytes`` at ``ptr`` and remember the range (see is_pinned_host)."""
     err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)  # 0 = cudaHostRegisterDefault
     if int(err) != 0:
-        raise RuntimeError(
+        raise CapacityError(
             f"cudaHostRegister of {nbytes} bytes failed with error {int(err)}; "
             "the machine may limit locked memory (ulimit -l) or lack free RAM"
         )
@@ -158,5 +186,5 @@ def wait_event(stream, event) -> None:
         stream.wait_event(event)
 
 
-__all__ = ["PinnedBuffer", "Streams", "is_cuda", "is_pinned_host", "pin_host_range", "resolve_device",
-           "unpin_host_range", "wait_event"]
+__all__ = ["PinnedBuffer", "Streams", "available_host_bytes", "check_host_bytes", "is_cuda", "is_pinned_host",
+           "pin_host_range", "resolve_device", "unpin_host_range", "wait_event"]

@@ -23,7 +23,7 @@ import torch  # noqa: E402
 
 from hisparse import HiSparseConfig  # noqa: E402
 from hisparse.engine import HiSparseIndexGroup  # noqa: E402
-from hisparse.engine_metadata import SparseMLAMetadata  # noqa: E402
+from hisparse.engine.metadata import SparseMLAMetadata  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -163,7 +163,7 @@ def check_cache(cache, sim: LRUSim | None = None,
                 truth: dict[tuple[int, int], torch.Tensor] | None = None) -> None:
     """Structural invariants; with ``sim`` also exact LRU contents and counters;
     with ``truth`` ((req_id, layer) -> uint8 [n, row_bytes] rows appended) host bytes."""
-    cfg, S, SP, B = cache.cfg, cache.S, cache.SP, cache.pool.B
+    cfg, S, SP, B = cache.cfg, cache.cfg.device_buffer_size, cache.cfg.slots_per_req, cache.pool.B
     L, R = cfg.num_layers, cfg.max_num_reqs
     st = _cpu_state(cache)
     hot = cache.hot.cpu()
@@ -250,7 +250,7 @@ def check_cache(cache, sim: LRUSim | None = None,
 
 
 def _check_sim(cache, sim: LRUSim, st: dict[str, torch.Tensor], live: dict[int, int]) -> None:
-    S = cache.S
+    S = cache.cfg.device_buffer_size
     if sorted(sim.reqs) != sorted(live):
         _fail(f"sim live {sorted(sim.reqs)} != cache live {sorted(live)}")
     for l in range(cache.cfg.num_layers):
@@ -283,7 +283,7 @@ def check_result(cache, layer: int, req_ids: list[int], topk: list[list[int]], r
     ``sim``: the simulation *after* the same resolve (decides entry validity); without
     it every non-(-1) entry must be valid.
     """
-    SP = cache.SP
+    SP = cache.cfg.slots_per_req
     st = _cpu_state(cache)
     hot_l = cache.hot[layer].cpu()
     phys = res.physical.cpu().tolist()
@@ -353,7 +353,7 @@ class TraceRunner:
     def __init__(self, cache, *, seed: int = 0, check_every: int = 1) -> None:
         cfg = cache.cfg
         self.cache, self.cfg = cache, cfg
-        self.sim = LRUSim(num_layers=cfg.num_layers, S=cache.S,
+        self.sim = LRUSim(num_layers=cfg.num_layers, S=cache.cfg.device_buffer_size,
                           max_query_len=cfg.max_query_len, max_request_id=cfg.max_request_id)
         self.truth: dict[tuple[int, int], torch.Tensor] = {}
         self.rng = random.Random(seed)
@@ -468,7 +468,7 @@ class TraceRunner:
                         row.append(self.rng.randrange(n))
                 topk.append(row)
                 ids.append(rid)
-        cap = self.cache.max_tokens
+        cap = self.cache.cfg.max_tokens
         ids, topk = ids[:cap], topk[:cap]
         if invalid and ids and self.rng.random() < 0.3:
             ids[self.rng.randrange(len(ids))] = self.rng.choice(

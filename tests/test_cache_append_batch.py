@@ -31,7 +31,8 @@ def make_cfg(**kw) -> HiSparseConfig:
 def full_state(c: HiSparseCache) -> dict:
     """Everything the write path changes, host mirrors included (CPU copies)."""
     snap = snapshot(c)
-    snap["reserved"] = {rid: list(c._reserved[c.request_slot(rid)]) for rid in c.live_requests()}
+    snap["reserved"] = {rid: [c.requests.reserved(c.request_slot(rid), l) for l in range(c.cfg.num_layers)]
+                        for rid in c.live_requests()}
     snap["pool_live"] = {
         rid: [c.read_host_rows(l, rid, list(range(c.layer_len(l, rid)))) for l in range(c.cfg.num_layers)]
         for rid in c.live_requests()}
@@ -59,8 +60,8 @@ def test_expand_runs():
 
 @pytest.mark.parametrize("seed", range(6))
 def test_single_row_plan_equals_runs_plan(seed):
-    """The decode-step fast path builds the same index lists, in the same order, and
-    allocates the same blocks as the general runs-based plan: random single-row work
+    """The decode-step fast path builds the same index lists, in the same order, from the
+    same new blocks as the general runs-based plan (and takes none): random single-row work
     across the fits phase, the reserved slot (with and without a previous occupant),
     block boundaries and a skipped block."""
     rng = random.Random(seed)
@@ -79,13 +80,22 @@ def test_single_row_plan_equals_runs_plan(seed):
         old = old if old < len(pools[0].allocator.owned(r)) * B else -1
         work.append((r, p0, p0 + 1, t0, old))
         t0 += 1
-    a = _single_row_plan(pools[0], work, S=S, device=torch.device("cpu"))
-    b = _runs_plan(pools[1], work, S=S, device=torch.device("cpu"))
+    pool = pools[0]
+    need = [(r, pool.blocks_needed(r, p1)) for r, _, p1, _, _ in work]
+    upcoming = pool.allocator.peek(sum(n for _, n in need))
+    new_blocks, o = {}, 0
+    for r, n in need:
+        if n:
+            new_blocks[r] = upcoming[o:o + n]
+            o += n
+    owned = {r: list(pool.allocator.owned(r)) for r, *_ in work}
+    kw = dict(owned=owned, new_blocks=new_blocks, B=B, S=S, device=torch.device("cpu"))
+    a = _single_row_plan(work, **kw)
+    b = _runs_plan(work, **kw)
     for name in _NAMES + ("host_h32", "host_tok32"):
         x, y = getattr(a, name), getattr(b, name)
         assert x.dtype == y.dtype and torch.equal(x, y), (name, x.tolist(), y.tolist())
-    for r, *_ in work:
-        assert pools[0].allocator.owned(r) == pools[1].allocator.owned(r)
+    assert pool.allocator.peek(len(upcoming)) == upcoming  # planning took nothing
 
 
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
@@ -137,9 +147,9 @@ def test_token_rows_wrapper_and_plan_reuse():
     for rid in (3, 7):
         c.add_request(rid)
     c.append_rows_batch(0, [3, 7], torch.zeros((9, ROW_BYTES), dtype=torch.uint8), [6, 3])
-    plan0 = c._wplan
+    plan0 = c.writer._plan[1]
     c.append_rows_batch(1, [3, 7], torch.ones((9, ROW_BYTES), dtype=torch.uint8), [6, 3])
-    assert c._wplan is plan0  # same positions in the next layer: plan reused
+    assert c.writer._plan[1] is plan0  # same positions in the next layer: plan reused
     c.append_rows_batch(2, [3, 7], torch.ones((9, ROW_BYTES), dtype=torch.uint8), [6, 3])
     assert c.append_token_rows(0, [7, 3], torch.full((2, ROW_BYTES), 5, dtype=torch.uint8)) == [3, 6]
     assert c.layer_len(0, 7) == 4 and c.layer_len(0, 3) == 7 and c.layer_len(1, 3) == 6
@@ -168,8 +178,8 @@ U8 = torch.uint8
 @pytest.mark.parametrize("args,exc,match", [
     (([1, 1], torch.zeros((2, ROW_BYTES), dtype=U8), [1, 1]), ValueError, "distinct"),
     (([1, 2], torch.zeros((2, ROW_BYTES), dtype=U8), [2]), ValueError, "2 request ids but 1 counts"),
-    (([1, 2], torch.zeros((2, ROW_BYTES), dtype=U8), [3, -1]), ValueError, "counts must be ints >= 0"),
-    (([1, 2], torch.zeros((2, ROW_BYTES), dtype=U8), [1.0, 1]), ValueError, "counts must be ints >= 0"),
+    (([1, 2], torch.zeros((2, ROW_BYTES), dtype=U8), [3, -1]), ValueError, "counts entry must be >= 0"),
+    (([1, 2], torch.zeros((2, ROW_BYTES), dtype=U8), [1.0, 1]), TypeError, "counts entry must be an int"),
     (([1, 2], torch.zeros((3, ROW_BYTES), dtype=U8), [1, 1]), ValueError, "counts sum to 2"),
     (([1, 4], torch.zeros((2, ROW_BYTES), dtype=U8), [1, 1]), ValueError, "not live"),
     (([1, 99], torch.zeros((2, ROW_BYTES), dtype=U8), [1, 1]), ValueError, "out of range"),
@@ -190,25 +200,23 @@ def test_bad_input_changes_nothing(args, exc, match):
     same(before, full_state(c))
 
 
-def test_validated_tuples_are_reused_only_while_requests_are_unchanged():
-    """Tuples of ids and counts validated once are not re-validated for the other layers
-    of a forward; a free_request in between drops that memo (the freed id is caught),
-    and lists are validated on every call."""
+def test_write_batch_serves_every_layer_until_requests_change():
+    """A batch checked once by plan_write serves write() of every layer; add/free_request
+    makes it out of date (refused, nothing changed), rows are checked on every write."""
     c = HiSparseCache(make_cfg(), kernels="torch")
     for rid in (1, 2):
         c.add_request(rid)
-    ids, counts = (1, 2), (1, 2)
+    batch = c.plan_write([1, 2], [1, 2])
     rows = torch.zeros((3, ROW_BYTES), dtype=U8)
-    assert c.append_rows_batch(0, ids, rows, counts) == [0, 0]
-    assert c._batch_memo is not None and c._batch_memo[0] is ids
-    assert c.append_rows_batch(1, ids, rows, counts) == [0, 0]  # memo hit
-    with pytest.raises(ValueError, match="counts sum to 3"):  # rows still checked on a hit
-        c.append_rows_batch(2, ids, torch.zeros((4, ROW_BYTES), dtype=U8), counts)
+    assert c.write(0, batch, rows) == [0, 0]
+    assert c.write(1, batch, rows) == [0, 0]
+    with pytest.raises(ValueError, match="counts sum to 3"):  # rows still checked
+        c.write(2, batch, torch.zeros((4, ROW_BYTES), dtype=U8))
     c.free_request(2)
     before = full_state(c)
-    with pytest.raises(ValueError, match="not live"):
-        c.append_rows_batch(2, ids, rows, counts)
+    with pytest.raises(ValueError, match="out of date"):
+        c.write(2, batch, rows)
     same(before, full_state(c))
-    with pytest.raises(ValueError, match="not live"):  # lists: validated every time
-        c.append_rows_batch(2, [1, 2], rows, [1, 2])
-    assert c.append_rows_batch(2, (1,), torch.zeros((1, ROW_BYTES), dtype=U8), (1,)) == [0]
+    with pytest.raises(ValueError, match="not live"):
+        c.plan_write([1, 2], [1, 2])
+    assert c.write(2, c.plan_write((1,), (1,)), torch.zeros((1, ROW_BYTES), dtype=U8)) == [0]

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from staging_helpers import convert, convert_ref, stage, stage_chunk, stage_ref  # noqa: F401
 
-from hisparse.cache.convert import convert_reference, convert_topk_to_physical
 
 IMPLS = ["torch", "triton"]
 
@@ -59,11 +59,11 @@ def test_hand_traced():
     want = torch.tensor([[12, 1, -1, 15], [-1, 8, -1, 7]], dtype=torch.int32)
     want_c = torch.tensor([[12, 1, 15, -1], [8, 7, -1, -1]], dtype=torch.int32)
     for impl in IMPLS:
-        r = convert_topk_to_physical(topk, req, bt, block_size=4, block_stride=6,
+        r = convert(topk, req, bt, block_size=4, block_stride=6,
                                      return_valid_counts=True, impl=impl)
         assert torch.equal(r.physical, want), impl
         assert r.valid_counts.tolist() == [3, 2]
-        r = convert_topk_to_physical(topk, req, bt, block_size=4, block_stride=6, compact=True, impl=impl)
+        r = convert(topk, req, bt, block_size=4, block_stride=6, compact=True, impl=impl)
         assert torch.equal(r.physical, want_c), impl
         assert r.valid_counts is None
 
@@ -77,9 +77,9 @@ def test_sweep_vs_reference(B, extra_stride, compact):
     for T, K, R, NB in [(0, 4, 2, 3), (1, 1, 1, 1), (5, 7, 3, 4), (3, 300, 2, 6)]:
         topk, req, bt = make_case(g, T, K, R, NB, B)
         want, want_n = naive(topk, req, bt, B, stride, compact=compact)
-        ref = convert_reference(topk, req, bt, block_size=B, block_stride=stride, compact=compact)
+        ref = convert_ref(topk, req, bt, block_size=B, block_stride=stride, compact=compact)
         assert torch.equal(ref.physical, want) and torch.equal(ref.valid_counts, want_n)
-        got = convert_topk_to_physical(topk, req, bt, block_size=B, block_stride=stride, compact=compact,
+        got = convert(topk, req, bt, block_size=B, block_stride=stride, compact=compact,
                                        return_valid_counts=True, impl="triton")
         assert torch.equal(got.physical, want), (T, K, R, NB)
         assert torch.equal(got.valid_counts, want_n)
@@ -90,7 +90,7 @@ def test_all_padding_and_duplicates(impl):
     bt = torch.tensor([[3, 1]], dtype=torch.int32)
     topk = torch.tensor([[-1, -1, -1], [1, 1, 1]], dtype=torch.int32)
     req = torch.zeros(2, dtype=torch.int32)
-    r = convert_topk_to_physical(topk, req, bt, block_size=2, compact=True, return_valid_counts=True, impl=impl)
+    r = convert(topk, req, bt, block_size=2, compact=True, return_valid_counts=True, impl=impl)
     assert r.physical.tolist() == [[-1, -1, -1], [7, 7, 7]]
     assert r.valid_counts.tolist() == [0, 3]
 
@@ -112,7 +112,7 @@ def test_workspace_mode_mixed(compact):
     for lens in (None, wl):
         want, want_n = naive(topk, req, bt, B, B, pre=pre, ws=ws, wl=lens, compact=compact)
         for impl in IMPLS:
-            got = convert_topk_to_physical(topk, req, bt, block_size=B, prefill_request_id=pre,
+            got = convert(topk, req, bt, block_size=B, prefill_request_id=pre,
                                            workspace_starts=ws, workspace_lens=lens, compact=compact,
                                            return_valid_counts=True, impl=impl)
             assert torch.equal(got.physical, want), impl
@@ -139,7 +139,7 @@ def test_unchecked_invalid_entries_become_padding(impl):
     ws = torch.tensor([100], dtype=torch.int32)
     wl = torch.tensor([4], dtype=torch.int32)
     want = [[0, -1, -1, -1], [13, -1, -1, -1], [-1] * 4, [-1] * 4, [-1] * 4, [100, 103, -1, -1]]
-    got = convert_topk_to_physical(topk, req, bt, block_size=B, seq_lens=seq, prefill_request_id=pre,
+    got = convert(topk, req, bt, block_size=B, seq_lens=seq, prefill_request_id=pre,
                                    workspace_starts=ws, workspace_lens=wl, return_valid_counts=True,
                                    validate=False, impl=impl)
     assert got.physical.tolist() == want
@@ -152,7 +152,7 @@ def test_preallocated_outputs(impl):
     topk, req, bt = make_case(g, 4, 9, 2, 3, 16)
     out = torch.full((4, 9), 77, dtype=torch.int32)
     cnt = torch.full((4,), 77, dtype=torch.int32)
-    r = convert_topk_to_physical(topk, req, bt, block_size=16, compact=True, out=out,
+    r = convert(topk, req, bt, block_size=16, compact=True, out=out,
                                  valid_counts_out=cnt, validate=False, impl=impl)
     assert r.physical is out and r.valid_counts is cnt
     want, want_n = naive(topk, req, bt, 16, 16, compact=True)
@@ -167,15 +167,15 @@ def _base():
 
 
 @pytest.mark.parametrize("case, exc, msg", [
-    (dict(topk=lambda a: a.long()), TypeError, "topk must be int32"),
+    (dict(topk=lambda a: a.long()), TypeError, "topk must have dtype int32"),
     (dict(topk=lambda a: a[0]), ValueError, "topk must be 2-D"),
-    (dict(req=lambda a: a.long()), TypeError, "req_id_per_token must be int32"),
-    (dict(req=lambda a: a[:1]), ValueError, "req_id_per_token has 1 entries"),
-    (dict(bt=lambda a: a.float()), TypeError, "block_table must be int32"),
+    (dict(req=lambda a: a.long()), TypeError, "req_id_per_token must have dtype int32"),
+    (dict(req=lambda a: a[:1]), ValueError, "req_id_per_token must have shape [2]"),
+    (dict(bt=lambda a: a.float()), TypeError, "block_table must have dtype int32"),
     (dict(kw=dict(block_size=0)), ValueError, "block_size must be >= 1"),
     (dict(kw=dict(block_size=2.0)), TypeError, "block_size must be an int"),
-    (dict(kw=dict(block_size=4, block_stride=3)), ValueError, "block_stride=3 must be >= block_size=4"),
-    (dict(kw=dict(block_size=4, impl="cuda")), ValueError, "impl must be one of"),
+    (dict(kw=dict(block_size=4, block_stride=3)), ValueError, "block_stride must be >= 4, got 3"),
+    (dict(kw=dict(block_size=4, impl="cuda")), ValueError, "kernels must be one of"),
     (dict(topk=lambda a: a - 2), ValueError, "must be >= 0 or -1"),
     (dict(req=lambda a: a + 1), ValueError, "req_id_per_token[1] = 2 is outside [0, 2)"),
     (dict(topk=lambda a: torch.where(a >= 0, a * 3, a)), ValueError, "needs logical block 2"),
@@ -183,7 +183,7 @@ def _base():
     (dict(kw=dict(block_size=4, seq_lens=torch.tensor([8, 3], dtype=torch.int32))), ValueError,
      "is >= seq_lens[1] = 3"),
     (dict(kw=dict(block_size=4, seq_lens=torch.tensor([8], dtype=torch.int32))), ValueError,
-     "seq_lens has 1 entries"),
+     "seq_lens must have shape [2]"),
     (dict(kw=dict(block_size=4, prefill_request_id=torch.tensor([-1, 0], dtype=torch.int32))), ValueError,
      "go together"),
     (dict(kw=dict(block_size=4, prefill_request_id=torch.tensor([-1, 1], dtype=torch.int32),
@@ -193,9 +193,9 @@ def _base():
                   workspace_starts=torch.tensor([0], dtype=torch.int32),
                   workspace_lens=torch.tensor([3], dtype=torch.int32))), ValueError,
      "beyond the 3 rows staged for prefill request 0"),
-    (dict(kw=dict(block_size=4, out=torch.empty(2, 2, dtype=torch.int32))), ValueError, "out shape"),
+    (dict(kw=dict(block_size=4, out=torch.empty(2, 2, dtype=torch.int32))), ValueError, "out must have shape"),
     (dict(kw=dict(block_size=4, valid_counts_out=torch.empty(3, dtype=torch.int32))), ValueError,
-     "valid_counts_out has 3 entries"),
+     "valid_counts_out must have shape [2]"),
 ])
 @pytest.mark.parametrize("impl", IMPLS)
 def test_bad_input_raises_before_launch(case, exc, msg, impl):
@@ -210,22 +210,22 @@ def test_bad_input_raises_before_launch(case, exc, msg, impl):
     if "out" not in kw and topk.dim() == 2 and topk.shape == (2, 3):
         kw["out"] = sentinel
     with pytest.raises(exc) as ei:
-        convert_topk_to_physical(topk, req, bt, **kw)
+        convert(topk, req, bt, **kw)
     assert msg in str(ei.value)
     assert bool((sentinel == 55).all())  # nothing written
 
 
 def test_valid_input_of_bad_input_base_passes():
     topk, req, bt = _base()
-    r = convert_topk_to_physical(topk, req, bt, block_size=4, return_valid_counts=True)
+    r = convert(topk, req, bt, block_size=4, return_valid_counts=True)
     assert r.physical.tolist() == [[0, 1, -1], [10, 11, -1]]
     assert r.valid_counts.tolist() == [2, 2]
 
 
 def test_device_mismatch_rejected():
     topk, req, bt = _base()
-    with pytest.raises(ValueError, match="must share a device"):
-        convert_topk_to_physical(topk, req.to("meta"), bt, block_size=4)
+    with pytest.raises(ValueError, match="req_id_per_token is on meta, expected cpu"):
+        convert(topk, req.to("meta"), bt, block_size=4)
 
 
 try:
@@ -254,7 +254,7 @@ if st is not None:
             kw = dict(prefill_request_id=pre, workspace_starts=ws, workspace_lens=wl)
         want, want_n = naive(topk, req, bt, B, B + extra, seq_lens=seq, pre=pre, ws=ws, wl=wl, compact=compact)
         for impl in IMPLS:
-            got = convert_topk_to_physical(topk, req, bt, block_size=B, block_stride=B + extra, seq_lens=seq,
+            got = convert(topk, req, bt, block_size=B, block_stride=B + extra, seq_lens=seq,
                                            compact=compact, return_valid_counts=True, validate=False,
                                            impl=impl, **kw)
             assert torch.equal(got.physical, want), impl

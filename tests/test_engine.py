@@ -29,7 +29,7 @@ def make_cfg(**kw) -> HiSparseConfig:
 
 
 def make_group(**kw) -> HiSparseIndexGroup:
-    opts = {k: kw.pop(k) for k in ("batched_writes", "validate") if k in kw}
+    opts = {k: kw.pop(k) for k in ("validate",) if k in kw}
     g = HiSparseIndexGroup(make_cfg(**kw), **opts)
     for _ in range(g.config.num_layers):
         g.register_layer(kv_cache_dtype="fp8_ds_mla" if g.config.row_bytes == 656 else "bf16")
@@ -219,10 +219,9 @@ def test_decode_query_len_above_config():
 
 
 # ------------------------------------------------------------------ decode
-@pytest.mark.parametrize("batched", [True, False])
-def test_decode_steps_byte_exact(batched):
+def test_decode_steps_byte_exact():
     """Several decode steps of 3 requests (one fits the buffer, two exceed it)."""
-    g = make_group(batched_writes=batched)
+    g = make_group()
     lens = {1: 5, 2: 20, 3: 31}
     for rid, n in lens.items():
         fill(g, rid, n)
@@ -350,8 +349,26 @@ def _state_snapshot(g: HiSparseIndexGroup) -> dict:
     return snap
 
 
+class _PerRequestWrites:
+    """A group whose write_new_rows appends request by request through the cache's
+    ``append_rows``: the reference the batched write path must equal."""
+
+    def __init__(self, g: HiSparseIndexGroup) -> None:
+        self.g = g
+
+    def __getattr__(self, name):
+        return getattr(self.g, name)
+
+    def write_new_rows(self, layer, rows, md):
+        qsl = md.query_start_loc_cpu
+        for row, rid in enumerate(md.request_ids_cpu):
+            if qsl[row + 1] > qsl[row]:
+                self.g.hisparse_cache.append_rows(layer, rid, rows[qsl[row]:qsl[row + 1]])
+        self.g._written.add(layer)
+
+
 def test_batched_writes_equal_per_request_appends():
-    groups = [make_group(batched_writes=True), make_group(batched_writes=False)]
+    groups = [make_group(), _PerRequestWrites(make_group())]
     for g in groups:
         fill(g, 1, 6)
         fill(g, 2, 9)

@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from hisparse import HiSparseCache, HiSparseConfig
-from hisparse.cache.convert import convert_topk_to_physical
-from hisparse.cache.prefill import plan_prefill_chunks, stage_prefill, stage_prefill_chunk
+from hisparse.staging import plan_prefill_chunks
 from hisparse.cache.resolve_ref import resolve_reference
 from hisparse.cache.state import STAT_HITS, STAT_MISSES, STAT_RESOLVES, ResolveBuffers
 from hisparse.formats import dequantize_fp8_ds_mla_reference, quantize_fp8_ds_mla_reference
+from staging_helpers import convert, convert_ref, stage, stage_chunk, stage_ref  # noqa: F401
 
 K = 4  # top-k
 
@@ -76,7 +76,7 @@ def test_union_resolved_in_one_step_reference(q):
     steps_before = st.step[layer].clone()
     hot_before = {r: set() for r in (0, 1)}
     for r in (0, 1):
-        for s in range(cache.S + 1):
+        for s in range(cache.cfg.slots_per_req):
             p = int(st.slot_pos[layer, r, s])
             if p >= 0:
                 hot_before[r].add(p)
@@ -103,7 +103,7 @@ def test_union_resolved_in_one_step_reference(q):
                 p = rows[t][k]
                 v = int(phys[t, k])
                 assert seen.setdefault(p, v) == v
-                assert r * cache.SP <= v < (r + 1) * cache.SP
+                assert r * cache.cfg.slots_per_req <= v < (r + 1) * cache.cfg.slots_per_req
         assert len(set(seen.values())) == len(seen)  # distinct positions -> distinct slots
 
 
@@ -198,9 +198,9 @@ def test_mixed_batch_decode_then_prefill(q):
     st = cache.state
     for impl in ("torch", "triton"):
         ws.zero_()
-        stage_prefill_chunk(chunk, workspace=ws, host_pool=cache.pool.rows[layer], block_table=st.block_table,
+        stage_chunk(chunk, workspace=ws, host_pool=cache.pool.rows[layer], block_table=st.block_table,
                             block_size=cache.pool.B, row_format="fp8_ds_mla", hot_rows=cache.hot_rows(layer),
-                            row_slot=st.row_slot[layer], slots_per_req=cache.SP, impl=impl)
+                            row_slot=st.row_slot[layer], slots_per_req=cache.cfg.slots_per_req, impl=impl)
         for i, req in enumerate(pre_reqs):
             w0 = int(chunk.workspace_starts[i])
             if ctx[req]:
@@ -218,7 +218,7 @@ def test_mixed_batch_decode_then_prefill(q):
     req_slot_per_token = torch.tensor([cache.request_slot(r) for r in dec_ids] + [0] * len(pre_topk),
                                       dtype=torch.int32)
     pre_id = torch.cat([torch.full((T_dec,), -1, dtype=torch.int32), chunk.prefill_request_id])
-    conv = convert_topk_to_physical(topk, req_slot_per_token, st.block_table, block_size=cache.pool.B,
+    conv = convert(topk, req_slot_per_token, st.block_table, block_size=cache.pool.B,
                                     seq_lens=st.seq_lens[layer], prefill_request_id=pre_id,
                                     workspace_starts=chunk.workspace_starts, workspace_lens=chunk.seq_lens,
                                     return_valid_counts=True, impl="triton")
@@ -243,9 +243,9 @@ def test_mixed_batch_decode_then_prefill(q):
     lens = torch.tensor([ctx[r] + ql[r] for r in pre_reqs], dtype=torch.int32)
     starts = torch.tensor([0, 16, 18], dtype=torch.int32)
     ws2 = torch.zeros(W, 576, dtype=torch.bfloat16)
-    stage_prefill(host_pool=cache.pool.rows[layer], block_table=st.block_table, req_slots=slots, seq_lens=lens,
+    stage(host_pool=cache.pool.rows[layer], block_table=st.block_table, req_slots=slots, seq_lens=lens,
                   workspace_starts=starts, workspace=ws2, block_size=cache.pool.B, row_format="fp8_ds_mla",
-                  hot_rows=cache.hot_rows(layer), row_slot=st.row_slot[layer], slots_per_req=cache.SP,
+                  hot_rows=cache.hot_rows(layer), row_slot=st.row_slot[layer], slots_per_req=cache.cfg.slots_per_req,
                   impl="triton")
     for i, req in enumerate(pre_reqs):
         n, w0 = int(lens[i]), int(starts[i])

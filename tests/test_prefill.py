@@ -8,10 +8,9 @@ import pytest
 import torch
 
 from hisparse import CapacityError
-from hisparse.cache.convert import convert_topk_to_physical
-from hisparse.cache.prefill import (plan_prefill_chunks, stage_prefill, stage_prefill_chunk,
-                                    stage_prefill_reference)
+from hisparse.staging import plan_prefill_chunks
 from hisparse.formats import dequantize_fp8_ds_mla_reference
+from staging_helpers import convert, convert_ref, stage, stage_chunk, stage_ref  # noqa: F401
 
 IMPLS = ["torch", "triton"]
 ROW_BYTES = {"fp8_ds_mla": 656, "bf16": 1152}
@@ -124,10 +123,10 @@ def test_plan_empty_and_zero_length():
 
 @pytest.mark.parametrize("args, kw, exc, msg", [
     (([1, 2], [1], 4), {}, ValueError, "context_lens has 2 entries, query_lens 1"),
-    (([1, -2], [1, 1], 4), {}, ValueError, r"context_lens\[1\] = -2"),
+    (([1, -2], [1, 1], 4), {}, ValueError, r"context_lens\[1\] must be >= 0, got -2"),
     (([1], [1], 0), {}, ValueError, "workspace_rows must be >= 1"),
     (([1], [1], 4.0), {}, TypeError, "workspace_rows must be an int"),
-    (([1.5], [1], 4), {}, TypeError, "context_lens must hold ints"),
+    (([1.5], [1], 4), {}, TypeError, r"context_lens\[0\] must be an int"),
     (([1], [1], 4), dict(token_offset=-1), ValueError, "token_offset"),
     (([1], [1], 4), dict(req_slots=torch.tensor([1, 2], dtype=torch.int32)), ValueError, "req_slots must have 1 rows"),
     (([1], [1], 4), dict(req_slots=torch.tensor([1])), TypeError, "req_slots must be an int32 tensor"),
@@ -154,7 +153,7 @@ def test_stage_byte_exact(fmt, ws_dtype, B, impl):
     for hot_args in (dict(), dict(hot_rows=hot, row_slot=row_slot, slots_per_req=SP)):
         shape = (W, 576) if ws_dtype == torch.bfloat16 else (W, ROW_BYTES[fmt])
         ws = torch.full(shape, 7, dtype=ws_dtype)
-        ev = stage_prefill(host_pool=host, block_table=bt, req_slots=slots, seq_lens=lens,
+        ev = stage(host_pool=host, block_table=bt, req_slots=slots, seq_lens=lens,
                            workspace_starts=starts, workspace=ws, block_size=B, row_format=fmt,
                            impl=impl, **hot_args)
         assert ev is None  # CPU
@@ -173,7 +172,7 @@ def test_hot_rows_are_preferred():
     row_slot[5] = 2  # position 1 is hot in slot 2
     for impl in IMPLS:
         ws = torch.zeros(3, 656, dtype=torch.uint8)
-        stage_prefill(host_pool=host, block_table=bt, req_slots=torch.tensor([0], dtype=torch.int32),
+        stage(host_pool=host, block_table=bt, req_slots=torch.tensor([0], dtype=torch.int32),
                       seq_lens=torch.tensor([3], dtype=torch.int32),
                       workspace_starts=torch.tensor([0], dtype=torch.int32), workspace=ws, block_size=4,
                       row_format="fp8_ds_mla", hot_rows=hot, row_slot=row_slot, slots_per_req=4, impl=impl)
@@ -192,7 +191,7 @@ def test_rounding_to_bf16_is_nearest_even():
     assert float(want[128]) == 1 + 2**-6 and float(want[0]) == 1.0
     for impl in IMPLS:
         ws = torch.zeros(1, 576, dtype=torch.bfloat16)
-        stage_prefill(host_pool=row, block_table=torch.zeros(1, 1, dtype=torch.int32),
+        stage(host_pool=row, block_table=torch.zeros(1, 1, dtype=torch.int32),
                       req_slots=torch.zeros(1, dtype=torch.int32), seq_lens=torch.ones(1, dtype=torch.int32),
                       workspace_starts=torch.zeros(1, dtype=torch.int32), workspace=ws, block_size=1,
                       row_format="fp8_ds_mla", impl=impl)
@@ -215,7 +214,7 @@ def test_dequant_kernel_byte_exact_with_hot_rows_and_special_codes(rows_per_prog
     lens = torch.tensor([12, 5, 9], dtype=torch.int32)
     starts = torch.tensor([0, 12, 17], dtype=torch.int32)
     ws = torch.zeros(26, 576, dtype=torch.bfloat16)
-    stage_prefill(host_pool=host, block_table=bt, req_slots=slots, seq_lens=lens, workspace_starts=starts,
+    stage(host_pool=host, block_table=bt, req_slots=slots, seq_lens=lens, workspace_starts=starts,
                   workspace=ws, block_size=4, row_format="fp8_ds_mla", impl="triton", max_rows=12,
                   rows_per_program=rows_per_program, validate=False, hot_rows=hot, row_slot=row_slot,
                   slots_per_req=SP)
@@ -232,7 +231,7 @@ def test_rows_per_program_variants(rows_per_program):
     lens = torch.tensor([11, 5], dtype=torch.int32)
     starts = torch.tensor([5, 0], dtype=torch.int32)
     ws = torch.zeros(16, 576, dtype=torch.bfloat16)
-    stage_prefill(host_pool=host, block_table=bt, req_slots=slots, seq_lens=lens, workspace_starts=starts,
+    stage(host_pool=host, block_table=bt, req_slots=slots, seq_lens=lens, workspace_starts=starts,
                   workspace=ws, block_size=4, row_format="fp8_ds_mla", impl="triton", max_rows=11,
                   rows_per_program=rows_per_program, validate=False)
     want = oracle(host, bt, slots, lens, starts, 16, 4, "fp8_ds_mla", ws_dtype=torch.bfloat16)
@@ -248,7 +247,7 @@ def test_unchecked_skips_unlocatable_rows():
     lens = torch.tensor([6, 8, 3], dtype=torch.int32)
     starts = torch.tensor([0, 6, 14], dtype=torch.int32)
     ws = torch.full((16, 576), 3.0, dtype=torch.bfloat16)  # request 1 ends beyond W: rows 14, 15 kept
-    stage_prefill(host_pool=host, block_table=bt, req_slots=slots, seq_lens=lens, workspace_starts=starts,
+    stage(host_pool=host, block_table=bt, req_slots=slots, seq_lens=lens, workspace_starts=starts,
                   workspace=ws, block_size=4, row_format="bf16", impl="triton", validate=False, max_rows=8)
     hb = host.view(torch.bfloat16)
     assert torch.equal(ws[0:4], hb[4:8])  # request 0 block 0
@@ -267,16 +266,16 @@ def _stage_kwargs():
 
 
 @pytest.mark.parametrize("change, exc, msg", [
-    (dict(host_pool=lambda k: k["host_pool"][:, :512]), ValueError, "host_pool rows are 512 bytes"),
-    (dict(host_pool=lambda k: k["host_pool"].float()), TypeError, "host_pool must be torch.uint8"),
+    (dict(host_pool=lambda k: k["host_pool"][:, :512]), ValueError, r"host_rows must have shape \[\*, 656\]"),
+    (dict(host_pool=lambda k: k["host_pool"].float()), TypeError, "host_rows must have dtype uint8"),
     (dict(row_format=lambda k: "fp4"), ValueError, "unknown row format"),
-    (dict(block_table=lambda k: k["block_table"].long()), TypeError, "block_table must be torch.int32"),
-    (dict(seq_lens=lambda k: k["seq_lens"][:1]), ValueError, "one entry per prefill request"),
+    (dict(block_table=lambda k: k["block_table"].long()), TypeError, "block_table must have dtype int32"),
+    (dict(seq_lens=lambda k: k["seq_lens"][:1]), ValueError, r"seq_lens must have shape \[2\]"),
     (dict(workspace=lambda k: torch.zeros(8, 512, dtype=torch.bfloat16)), ValueError, "bf16 workspace must be"),
     (dict(workspace=lambda k: torch.zeros(8, 576, dtype=torch.float32)), TypeError, "workspace must be bfloat16"),
     (dict(workspace=lambda k: torch.zeros(8, 1152, dtype=torch.uint8)), ValueError, "stored-format workspace"),
     (dict(block_size=lambda k: 0), ValueError, "block_size must be >= 1"),
-    (dict(impl=lambda k: "numba"), ValueError, "impl must be one of"),
+    (dict(impl=lambda k: "numba"), ValueError, "kernels must be one of"),
     (dict(rows_per_program=lambda k: 3), ValueError, "power of two"),
     (dict(hot_rows=lambda k: torch.zeros(4, 656, dtype=torch.uint8)), ValueError, "go together"),
     (dict(req_slots=lambda k: torch.tensor([2, 0], dtype=torch.int32)), ValueError, r"req_slots\[0\] = 2"),
@@ -300,13 +299,13 @@ def test_stage_bad_input_raises_before_launch(change, exc, msg, impl):
     ws = kw["workspace"]
     before = ws.clone()
     with pytest.raises(exc, match=msg):
-        stage_prefill(**kw)
+        stage(**kw)
     assert torch.equal(ws.view(torch.uint8), before.view(torch.uint8))
 
 
 def test_bad_input_base_is_valid():
     kw = _stage_kwargs()
-    stage_prefill(**kw)
+    stage(**kw)
     want = oracle(kw["host_pool"], kw["block_table"], kw["req_slots"], kw["seq_lens"], kw["workspace_starts"],
                   8, 4, "fp8_ds_mla", ws_dtype=torch.bfloat16)
     assert torch.equal(kw["workspace"].view(torch.int16), want.view(torch.int16))
@@ -315,10 +314,10 @@ def test_bad_input_base_is_valid():
 def test_bad_row_slot_values_and_stream_on_cpu():
     kw = _stage_kwargs()
     with pytest.raises(ValueError, match="row_slot holds values outside"):
-        stage_prefill(**kw, hot_rows=torch.zeros(8, 656, dtype=torch.uint8),
+        stage(**kw, hot_rows=torch.zeros(8, 656, dtype=torch.uint8),
                       row_slot=torch.full((16,), 4, dtype=torch.int32), slots_per_req=4)
     with pytest.raises(ValueError, match="stream is only meaningful"):
-        stage_prefill(**kw, stream=object())
+        stage(**kw, stream=object())
 
 
 # ------------------------------------------------------------------ end to end
@@ -346,10 +345,10 @@ def test_chunks_stage_and_convert_end_to_end(impl):
     seen = 0
     for c in chunks:
         ws = torch.zeros(W, 576, dtype=torch.bfloat16)
-        stage_prefill_chunk(c, workspace=ws, host_pool=host, block_table=bt, block_size=B,
+        stage_chunk(c, workspace=ws, host_pool=host, block_table=bt, block_size=B,
                             row_format="fp8_ds_mla", impl=impl)
         sub = topk[c.token_slice]
-        res = convert_topk_to_physical(
+        res = convert(
             sub, torch.zeros(sub.shape[0], dtype=torch.int32), bt, block_size=B,
             prefill_request_id=c.prefill_request_id, workspace_starts=c.workspace_starts,
             workspace_lens=c.seq_lens, return_valid_counts=True, impl=impl)
@@ -370,7 +369,7 @@ def test_chunks_stage_and_convert_end_to_end(impl):
 def test_reference_is_exported_and_equal():
     kw = _stage_kwargs()
     ws = kw.pop("workspace")
-    stage_prefill_reference(workspace=ws, **kw)
+    stage_ref(workspace=ws, **kw)
     want = oracle(kw["host_pool"], kw["block_table"], kw["req_slots"], kw["seq_lens"], kw["workspace_starts"],
                   8, 4, "fp8_ds_mla", ws_dtype=torch.bfloat16)
     assert torch.equal(ws.view(torch.int16), want.view(torch.int16))
@@ -386,7 +385,7 @@ def test_negative_zero_and_negative_scales_exact():
     want = dequantize_fp8_ds_mla_reference(row)
     for impl in IMPLS:
         ws = torch.zeros(2, 576, dtype=torch.bfloat16)
-        stage_prefill(host_pool=row, block_table=torch.zeros(1, 1, dtype=torch.int32),
+        stage(host_pool=row, block_table=torch.zeros(1, 1, dtype=torch.int32),
                       req_slots=torch.zeros(1, dtype=torch.int32), seq_lens=torch.tensor([2], dtype=torch.int32),
                       workspace_starts=torch.zeros(1, dtype=torch.int32), workspace=ws, block_size=2,
                       row_format="fp8_ds_mla", impl=impl)

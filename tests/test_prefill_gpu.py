@@ -13,10 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hisparse.cache.convert import convert_reference, convert_topk_to_physical
-from hisparse.cache.prefill import plan_prefill_chunks, stage_prefill, stage_prefill_chunk
+from hisparse.staging import plan_prefill_chunks
 from hisparse.device import PinnedBuffer
 from hisparse.formats import dequantize_fp8_ds_mla_reference
+from staging_helpers import convert, convert_ref, stage, stage_chunk, stage_ref  # noqa: F401
 
 pytestmark = pytest.mark.gpu
 
@@ -48,8 +48,8 @@ def test_convert_decode_production(B, stride_extra, compact):
     topk = torch.randint(0, NB * B, (T, K), generator=g, device=DEV, dtype=torch.int32)
     topk[torch.rand(T, K, generator=g, device=DEV) < 0.25] = -1
     req = torch.randint(0, R, (T,), generator=g, device=DEV, dtype=torch.int32)
-    want = convert_reference(topk, req, bt, block_size=B, block_stride=B + stride_extra, compact=compact)
-    got = convert_topk_to_physical(topk, req, bt, block_size=B, block_stride=B + stride_extra, compact=compact,
+    want = convert_ref(topk, req, bt, block_size=B, block_stride=B + stride_extra, compact=compact)
+    got = convert(topk, req, bt, block_size=B, block_stride=B + stride_extra, compact=compact,
                                    return_valid_counts=True, validate=False, impl="triton")
     torch.cuda.synchronize()
     assert torch.equal(got.physical, want.physical)
@@ -72,8 +72,8 @@ def test_convert_mixed_workspace_production(compact):
                      torch.arange(T_pre, device=DEV, dtype=torch.int32) * P // T_pre])
     topk[T_dec:] = torch.where(topk[T_dec:] >= 0, topk[T_dec:] % 20000, topk[T_dec:])  # some >= 16384: invalid
     kw = dict(block_size=B, prefill_request_id=pre, workspace_starts=starts, workspace_lens=lens, compact=compact)
-    want = convert_reference(topk, req, bt, **kw)
-    got = convert_topk_to_physical(topk, req, bt, return_valid_counts=True, validate=False, impl="triton", **kw)
+    want = convert_ref(topk, req, bt, **kw)
+    got = convert(topk, req, bt, return_valid_counts=True, validate=False, impl="triton", **kw)
     torch.cuda.synchronize()
     assert torch.equal(got.physical, want.physical)
     assert torch.equal(got.valid_counts, want.valid_counts)
@@ -88,16 +88,16 @@ def test_convert_cuda_graph_replay_equals_eager():
     out = torch.empty((T, K), dtype=torch.int32, device=DEV)
     cnt = torch.empty((T,), dtype=torch.int32, device=DEV)
     kw = dict(block_size=B, compact=True, out=out, valid_counts_out=cnt, validate=False, impl="triton")
-    convert_topk_to_physical(topk, req, bt, **kw)  # compile outside the capture
+    convert(topk, req, bt, **kw)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        convert_topk_to_physical(topk, req, bt, **kw)
+        convert(topk, req, bt, **kw)
     for step in range(3):
         topk.copy_(torch.randint(-1, NB * B, (T, K), generator=g, device=DEV, dtype=torch.int32))
         graph.replay()
         torch.cuda.synchronize()
-        want = convert_reference(topk, req, bt, block_size=B, compact=True)
+        want = convert_ref(topk, req, bt, block_size=B, compact=True)
         assert torch.equal(out, want.physical) and torch.equal(cnt, want.valid_counts), step
 
 
@@ -118,7 +118,7 @@ def _oracle(kw, fmt, ws_dtype, W):
     """Reference staging on the GPU; fp8 rows dequantised by the formats reference."""
     shape = (W, 576) if ws_dtype == torch.bfloat16 else (W, ROW_BYTES[fmt])
     ref = torch.full(shape, 3, dtype=ws_dtype, device=DEV)
-    stage_prefill(workspace=ref, impl="torch", **kw)
+    stage(workspace=ref, impl="torch", **kw)
     return ref
 
 
@@ -154,7 +154,7 @@ def test_stage_production_byte_exact(fmt, ws_dtype, with_hot):
     shape = (W, 576) if ws_dtype == torch.bfloat16 else (W, ROW_BYTES[fmt])
     ws = torch.full(shape, 3, dtype=ws_dtype, device=DEV)
     side = torch.cuda.Stream()
-    ev = stage_prefill(workspace=ws, impl="triton", stream=side, validate=True, **kw)
+    ev = stage(workspace=ws, impl="triton", stream=side, validate=True, **kw)
     assert isinstance(ev, torch.cuda.Event)
     torch.cuda.current_stream().wait_event(ev)
     want = _oracle(kw, fmt, ws_dtype, W)
@@ -185,10 +185,10 @@ def test_stage_chunks_and_graph_replay():
     for c in chunks:
         ws = torch.zeros(W, 576, dtype=torch.bfloat16, device=DEV)
         kw = dict(host_pool=pool, block_table=bt, block_size=B, row_format="fp8_ds_mla")
-        ev = stage_prefill_chunk(c, workspace=ws, impl="triton", **kw)
+        ev = stage_chunk(c, workspace=ws, impl="triton", **kw)
         ev.synchronize()
         want = torch.zeros_like(ws)
-        stage_prefill_chunk(c, workspace=want, impl="torch", **kw)
+        stage_chunk(c, workspace=want, impl="torch", **kw)
         torch.cuda.synchronize()
         assert torch.equal(ws.view(torch.int16), want.view(torch.int16))
     c = chunks[0]
@@ -196,17 +196,17 @@ def test_stage_chunks_and_graph_replay():
     kw = dict(host_pool=pool, block_table=bt, req_slots=c.req_slots, seq_lens=c.seq_lens,
               workspace_starts=c.workspace_starts, block_size=B, row_format="fp8_ds_mla", max_rows=c.max_rows,
               validate=False, impl="triton")
-    stage_prefill(workspace=ws, **kw)
+    stage(workspace=ws, **kw)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        stage_prefill(workspace=ws, **kw)
+        stage(workspace=ws, **kw)
     pool[:].copy_(_random_rows_gpu(g, H, "fp8_ds_mla").cpu())  # new contents, same addresses
     ws.zero_()
     graph.replay()
     torch.cuda.synchronize()
     want = torch.zeros_like(ws)
-    stage_prefill(workspace=want, **{**kw, "impl": "torch"})
+    stage(workspace=want, **{**kw, "impl": "torch"})
     torch.cuda.synchronize()
     assert torch.equal(ws.view(torch.int16), want.view(torch.int16))
     del buf
@@ -216,7 +216,7 @@ def test_stage_rejects_pageable_host_pool():
     pool = torch.zeros(64, 656, dtype=torch.uint8)  # pageable
     ws = torch.zeros(8, 576, dtype=torch.bfloat16, device=DEV)
     with pytest.raises(ValueError, match="not pinned"):
-        stage_prefill(host_pool=pool, block_table=torch.zeros(1, 1, dtype=torch.int32, device=DEV),
+        stage(host_pool=pool, block_table=torch.zeros(1, 1, dtype=torch.int32, device=DEV),
                       req_slots=torch.zeros(1, dtype=torch.int32, device=DEV),
                       seq_lens=torch.ones(1, dtype=torch.int32, device=DEV),
                       workspace_starts=torch.zeros(1, dtype=torch.int32, device=DEV), workspace=ws,

@@ -1,4 +1,4 @@
-"""CPU tests of the node-shared host pool (hisparse.cache.shared_pool, hisparse.distributed).
+"""CPU tests of the node-shared host pool (hisparse.cache.shared_pool, hisparse.cache.distributed).
 
 Single-process tests map one file twice (writer and reader objects); multi-process
 tests run this file as a script, one gloo rank per subprocess (file:// store), and
@@ -21,7 +21,7 @@ import torch
 from hisparse.cache.shared_pool import (_F_PIDS, AdmissionMismatchError, ConfigMismatchError,
                                         RankFailureError, SharedHostPool, layout)
 from hisparse.config import HiSparseConfig
-from hisparse.distributed import shared_pool_bytes_per_node
+from hisparse.cache.distributed import shared_pool_bytes_per_node
 
 # L=2 layers, 8 blocks of 4 tokens (H = 32 rows), 32-byte rows, K = S = 8
 CFG = dict(num_layers=2, host_pool_tokens=32, host_block_size=4, row_bytes=32, top_k=8,
@@ -273,7 +273,7 @@ def test_setup_single_rank_and_bad_inputs(tmp_path):
 
     import torch.distributed as dist
 
-    from hisparse.distributed import barrier, setup_shared_pool
+    from hisparse.cache.distributed import barrier, setup_shared_pool
 
     cfg = make_cfg()
     with pytest.raises(ValueError, match="needs torch.distributed initialised"):
@@ -392,7 +392,7 @@ def _worker(scenario: str, rank: int, world: int, tmp: str) -> dict:
 
     import torch.distributed as dist
 
-    from hisparse.distributed import barrier, setup_shared_pool
+    from hisparse.cache.distributed import barrier, setup_shared_pool
 
     dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank,
                             world_size=world, timeout=timedelta(seconds=30))

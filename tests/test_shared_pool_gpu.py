@@ -110,7 +110,7 @@ def _worker(backend: str, rank: int, world: int, tmp: str) -> dict:
     from hisparse.cache.transfer import copy_rows
     from hisparse.config import HiSparseConfig
     from hisparse.device import is_pinned_host
-    from hisparse.distributed import barrier, setup_shared_pool
+    from hisparse.cache.distributed import barrier, setup_shared_pool
 
     cuda = torch.cuda.is_available()  # (CPU: only for a dry run of this script by hand)
     dev = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")

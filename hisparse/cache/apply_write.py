@@ -12,6 +12,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import triton
+
+from ..kernels.apply_write import apply_write_plan_kernel
 
 from .state import STAT_D2H_ROWS, HotState
 from .write_plan import WritePlan
@@ -43,12 +46,10 @@ def apply_write_plan_triton(state: HotState, hot: torch.Tensor, rows: torch.Tens
                             plan: WritePlan, layer: int) -> None:
     """Same arguments and result as ``apply_write_plan_reference``, one launch on the
     current stream (CPU tensors: the Triton interpreter). Reads no device value."""
-    import triton
-
-    from ..kernels.apply_write import apply_write_plan_kernel
-
     W = rows.shape[1]
-    assert hot.shape[1] == W and W % 4 == 0, (hot.shape, W)
+    if hot.shape[1] != W or W % 4:
+        raise ValueError(f"rows are {W} bytes and hot rows {hot.shape[1]}: both must be the same "
+                         "multiple of 4")
     longest = max(plan.counts)
     if longest == 0:
         return

@@ -1,80 +1,41 @@
-"""``HiSparseCache``: the public runtime of the tiered cache (control plane + streams).
+"""``HiSparseCache``: the public runtime of the tiered cache, a small coordinator.
 
-What it owns (notation in ``hisparse.cache.state``):
-  pool   ``HostPool``: pinned uint8 [L, H, row_bytes] + block allocator (cold tier)
-  hot    uint8 [L, R * (S + 1) (rounded up to 64), row_bytes] on the device (hot tier)
-  state  ``HotState``: slot maps, exact-LRU stamps, block table, device counters
-  per-layer output buffers of resolve, sized once for R x max_query_len tokens
+Its parts (notation in ``hisparse.cache.state``):
+  pool      ``HostPool``: pinned uint8 [L, H, row_bytes] + block allocator (cold tier)
+  hot       uint8 [L, R * (S + 1) (rounded up to 64), row_bytes] on the device (hot tier)
+  state     ``HotState``: slot maps, exact-LRU stamps, block table, device counters
+  requests  ``RequestTable``: live ids, per-layer lengths, reserved occupants (host side)
+  writer    ``Writer``: the one write path (plan then commit; ``cache.write``)
+  stager    ``Stager``: resolve + miss staging on the stage stream (``cache.stager``)
 
-Calls (see DESIGN.md "Write path", "Resolve + staging", "Checked vs unchecked"):
-  add_request / append_rows / append_rows_batch / resolve / hot_rows / read_host_rows /
-  free_request / stats
-
-Host-side mirrors (request id -> slot, per-layer lengths, reserved-slot occupant) let
-every call except ``resolve`` decide without reading device memory; resolve's checked
-mode reads its inputs once (a host sync), its unchecked mode never does.
-
-Resolve outputs: one set of buffers *per layer*, so the result of layer l stays valid
-until the next resolve of the same layer (results of different layers can be held at
-once, e.g. when resolving ahead with ``wait=False``). The cost is L x R x q x top_k x
-12 bytes, small next to the hot rows themselves.
-
-GPU streams: hot-row writes and bookkeeping on the caller's (compute) stream; host
-mirroring on ``streams.backup`` (records ``backup`` event); resolve + staging on
-``streams.stage`` after it waits on the compute stream and the backup event.
+Every call except ``resolve`` decides from host-side mirrors, without reading device
+memory; resolve's checked mode reads its inputs once (a host sync), its unchecked mode
+never does. A call either completes or raises before it changes anything.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
+from .._checks import Kernels
 from ..config import HiSparseConfig
-from ..device import Streams, resolve_device
+from ..device import check_host_bytes, resolve_device
 from ..errors import CapacityError
+from ..formats import RowFormat
+from ..staging.view import BlockTable, LayerView
 from . import validate as V
-from .apply_write import apply_write_plan_reference
+from .apply_write import apply_write_plan_reference, apply_write_plan_triton
 from .host_pool import HostPool
+from .requests import RequestTable
 from .resolve_ref import copy_rows_reference, resolve_reference
-from .state import (STAT_D2H_ROWS, STAT_HITS, STAT_INVALID, STAT_MISSES, STAT_RESOLVES,
-                    HotState, ResolveBuffers)
-from .write_plan import WritePlan, build_write_plan
-
-KERNEL_CHOICES = ("auto", "torch", "triton")
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-class _Event:
-    """A CUDA event that remembers whether it was recorded during graph capture.
-
-    A wait is skipped when the event was recorded on the other side of a capture
-    boundary: a captured stream may not wait on an event recorded outside the capture,
-    and an event recorded during capture marks nothing outside the graph. Graph replays
-    run on the compute stream, which every stream here already waits on, so the only
-    case left to the caller is eager work before a replay: see
-    :meth:`HiSparseCache.join_backup`. On CPU every call is a no-op.
-    """
-
-    def __init__(self, cuda: bool) -> None:
-        self.event = torch.cuda.Event() if cuda else None
-        self.recorded = False
-        self.in_capture = False
-
-    def record(self, stream, capturing: bool) -> None:
-        if self.event is None:
-            return
-        self.event.record(stream)
-        self.recorded = True
-        self.in_capture = capturing
-
-    def wait_by(self, stream, capturing: bool) -> None:
-        if self.event is None or not self.recorded or self.in_capture != capturing:
-            return
-        stream.wait_event(self.event)
+from .resolve_triton import resolve_triton
+from .stager import CacheStreams, Stager
+from .state import HotState, ResolveBuffers
+from .stats import cache_stats
+from .transfer import copy_rows
+from .write import WriteBatch, Writer
 
 
 class ResolveResult:
@@ -86,18 +47,27 @@ class ResolveResult:
     stage_dst:    int32 [T * K] flat hot rows they went to
     event:        CUDA event recorded after staging (None on CPU)
 
-    The views are overwritten by the next resolve of the same layer.
+    Valid until the next append, resolve or free_request touching that layer: the next
+    append refills the reserved newest-token slot and the next resolve overwrites these
+    buffers. ``stale`` says whether that has happened.
     """
 
-    __slots__ = ("physical", "valid_counts", "stage_src", "stage_dst", "event")
+    __slots__ = ("physical", "valid_counts", "stage_src", "stage_dst", "event", "_epochs", "_layer",
+                 "_epoch")
 
-    def __init__(self, physical: torch.Tensor, valid_counts: torch.Tensor,
-                 stage_src: torch.Tensor, stage_dst: torch.Tensor, event) -> None:
-        self.physical = physical
-        self.valid_counts = valid_counts
-        self.stage_src = stage_src
-        self.stage_dst = stage_dst
+    def __init__(self, out: ResolveBuffers, event, epochs: list[int], layer: int) -> None:
+        self.physical = out.physical
+        self.valid_counts = out.valid_counts
+        self.stage_src = out.stage_src
+        self.stage_dst = out.stage_dst
         self.event = event
+        self._epochs, self._layer, self._epoch = epochs, layer, epochs[layer]
+
+    @property
+    def stale(self) -> bool:
+        """True once an append, resolve or free of the layer may have changed what
+        these indices point at."""
+        return self._epochs[self._layer] != self._epoch
 
     def wait(self, stream=None) -> None:
         """Make ``stream`` (default: the current stream) wait until staging is done."""
@@ -108,166 +78,139 @@ class ResolveResult:
         stream.wait_event(self.event)
 
 
-def _pick_kernels(kernels: object, device: torch.device) -> tuple[Callable, Callable, Callable, str]:
-    """(resolve_fn, copy_fn, apply_write_fn, description) for a kernel choice."""
-    if not isinstance(kernels, str) or kernels not in KERNEL_CHOICES:
-        raise ValueError(f"kernels must be one of {list(KERNEL_CHOICES)}, got {kernels!r}")
-    if kernels == "torch" or (kernels == "auto" and device.type == "cpu"):
-        return resolve_reference, copy_rows_reference, apply_write_plan_reference, "torch"
-    try:
-        from .apply_write import apply_write_plan_triton
-        from .resolve_triton import resolve_triton
-        from .transfer import copy_rows
-    except ModuleNotFoundError as e:
-        if e.name not in ("hisparse.cache.resolve_triton", "hisparse.cache.transfer",
-                          "hisparse.cache.apply_write"):
-            raise
-        if kernels == "triton":
-            raise ValueError(
-                f"kernels='triton' needs {e.name}, which is not available in this install"
-            ) from e
-        return (resolve_reference, copy_rows_reference, apply_write_plan_reference,
-                f"torch (triton path missing: {e.name})")
-    return resolve_triton, copy_rows, apply_write_plan_triton, "triton"
+def _kernel_set(kernels: Kernels, device: torch.device):
+    """(resolve_fn, copy_fn, apply_fn, mirror_fn) of a picked implementation."""
+    if kernels is Kernels.TORCH:
+        def mirror(rows, plan, host_l):
+            copy_rows_reference(rows, plan.host_tok32, host_l, plan.host_h32)
+        return resolve_reference, copy_rows_reference, apply_write_plan_reference, mirror
+    def mirror(rows, plan, host_l):  # device (or interpreter) -> pinned host over UVA
+        copy_rows(rows, plan.host_tok32, host_l, plan.host_h32)
+    return resolve_triton, copy_rows, apply_write_plan_triton, mirror
 
 
 class HiSparseCache:
     """Tiered KV cache: pinned host pool + per-(layer, request) GPU hot buffers.
 
-    ``kernels``: "auto" (Triton on CUDA, torch references on CPU), "torch", or "triton"
-    (the Triton kernels; on CPU they run under ``TRITON_INTERPRET=1``).
-    ``pin``: pin the host pool (default: when CUDA is available).
+    ``kernels``: "auto" (Triton on CUDA, torch references on CPU), "torch", or
+    "triton" (on CPU only under ``TRITON_INTERPRET=1``; otherwise a ValueError here).
+    ``pin``: pin the host pool (default: when CUDA is available). ``host_pool``: a pool
+    built elsewhere (e.g. ``SharedHostPool``) for the same config.
     """
 
-    def __init__(self, cfg: HiSparseConfig, *, kernels: str = "auto",
+    def __init__(self, cfg: HiSparseConfig, *, kernels: Kernels | str = "auto",
                  pin: bool | None = None, host_pool: HostPool | None = None) -> None:
         if not isinstance(cfg, HiSparseConfig):
             raise TypeError(f"cfg must be a HiSparseConfig, got {type(cfg).__name__}")
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
-        self._resolve_fn, self._copy_fn, self._apply_write_fn, self.kernels = \
-            _pick_kernels(kernels, self.device)
-        self.streams = Streams(self.device)
-        self.cuda = self.streams.cuda
-        L, R, S = cfg.num_layers, cfg.max_num_reqs, cfg.device_buffer_size
-        self.S: int = S  # type: ignore[assignment]
-        self.SP = cfg.slots_per_req
-        if host_pool is None:
-            self.pool = HostPool(cfg, pin=pin)
-        else:  # e.g. a SharedHostPool mapped by every tensor-parallel rank of a node
-            if not isinstance(host_pool, HostPool):
-                raise TypeError(f"host_pool must be a HostPool, got {type(host_pool).__name__}")
-            from .shared_pool import config_diff, config_fingerprint
-            if config_fingerprint(host_pool.cfg) != config_fingerprint(cfg):
-                raise ValueError("host_pool was built for another config: "
-                                 f"{config_diff(host_pool.cfg.to_dict(), cfg.to_dict())}")
-            self.pool = host_pool
-        # a shared pool has one writer rank; the others only read (see shared_pool)
-        self._pool_writer = bool(getattr(self.pool, "is_writer", True))
-        self._pool_shared = hasattr(self.pool, "commit_append")
+        choice = Kernels.parse(kernels).pick(self.device)
+        self.kernels = choice.value
+        resolve_fn, copy_fn, apply_fn, mirror_fn = _kernel_set(choice, self.device)
+        if host_pool is not None and not isinstance(host_pool, HostPool):
+            raise TypeError(f"host_pool must be a HostPool, got {type(host_pool).__name__}")
+        if host_pool is not None and host_pool.cfg.to_dict() != cfg.to_dict():
+            diff = [k for k, v in cfg.to_dict().items() if host_pool.cfg.to_dict().get(k) != v]
+            raise ValueError(f"host_pool was built for another config (differs in {diff})")
+        self._check_device_memory()
+        L = cfg.num_layers
+        self.pool = host_pool if host_pool is not None else HostPool(cfg, pin=pin)
         self.state = HotState.allocate(cfg, self.device)
-        # uint8 [L, R * (S + 1), row_bytes]; hot[l] is the flat view physical indices index
+        # uint8 [L, R * (S + 1) (rounded up), row_bytes]; hot[l] is what physical indices index
         self.hot = torch.zeros((L, cfg.hot_rows_per_layer, cfg.row_bytes), dtype=torch.uint8,
                                device=self.device)
-        self.max_tokens = R * cfg.max_query_len
-        cap = self.max_tokens * cfg.top_k
-        i32 = dict(dtype=torch.int32, device=self.device)
-        self._phys = torch.full((L, cap), -1, **i32)  # int32 [L, Tmax * top_k]
-        self._valid = torch.zeros((L, self.max_tokens), **i32)  # int32 [L, Tmax]
-        self._src = torch.full((L, cap), -1, **i32)  # int32 [L, Tmax * top_k]
-        self._dst = torch.full((L, cap), -1, **i32)  # int32 [L, Tmax * top_k]
-        self._ids32 = torch.zeros((L, self.max_tokens), **i32)  # int32 [L, Tmax] cast int64 ids
-        # host mirrors
-        self._slot_of: dict[int, int] = {}  # live request id -> request slot
-        self._free_slots: list[int] = list(range(R - 1, -1, -1))  # pop() -> lowest
-        self._lens: dict[int, list[int]] = {}  # slot -> rows appended per layer
-        self._reserved: dict[int, list[int]] = {}  # slot -> position in slot S per layer
-        # last batched-append plan, reused by the other layers of a forward; the
-        # generation (bumped by add/free_request) keeps a plan from outliving them
-        self._wplan: tuple[tuple, WritePlan] | None = None
-        self._generation = 0
-        # (req_ids, counts, generation, slots, counts list, total) of the last validated
-        # append_rows_batch whose ids and counts were tuples (see there)
-        self._batch_memo: tuple | None = None
-        # events
-        self._backup_ev = _Event(self.cuda)
-        self._stage_evs = [_Event(self.cuda) for _ in range(L)]
-        self._last_stage: _Event | None = None
+        self.requests = RequestTable(num_layers=L, max_num_reqs=cfg.max_num_reqs,
+                                     max_request_id=cfg.max_request_id)
+        self.streams = CacheStreams(self.device, L)
+        self.cuda = self.streams.cuda
+        self.writer = Writer(cfg, requests=self.requests, pool=self.pool, state=self.state, hot=self.hot,
+                             streams=self.streams, apply_fn=apply_fn, mirror_fn=mirror_fn,
+                             device=self.device)
+        self.stager = Stager(self.streams, self.state, resolve_fn=resolve_fn, copy_fn=copy_fn,
+                             max_query_len=cfg.max_query_len)
+        T, K = cfg.max_tokens, cfg.top_k
+        undo = ResolveBuffers.allocate(T, K, self.device)  # one undo log: read only inside a call
+        self._bufs = [ResolveBuffers.allocate(T, K, self.device) for _ in range(L)]
+        for b in self._bufs:
+            b.undo_hit, b.undo_vpos, b.undo_vstamp = undo.undo_hit, undo.undo_vpos, undo.undo_vstamp
+        self._views: dict[int, LayerView] = {}
+
+    def _check_device_memory(self) -> None:
+        """CapacityError before allocating when the device can't hold the cache."""
+        need = self.cfg.device_bytes()["total"]
+        if self.device.type == "cuda":
+            free = torch.cuda.mem_get_info(self.device)[0]
+            if need > free:
+                raise CapacityError(f"the cache needs {need / 2**30:.2f} GiB ({need} bytes) on {self.device} "
+                                    f"but {free / 2**30:.2f} GiB are free; use fewer requests, layers or "
+                                    "hot slots (device_buffer_size)")
+        else:
+            check_host_bytes(need, "the cache's hot rows and state (device='cpu')")
 
     # ---- small queries ----------------------------------------------------
     def live_requests(self) -> list[int]:
-        return sorted(self._slot_of)
+        return self.requests.live_ids()
 
     def request_slot(self, req_id: int) -> int:
         """Request slot r of a live id (ValueError otherwise)."""
-        V.check_req_id(self.cfg, req_id)
-        r = self._slot_of.get(req_id)
-        if r is None:
-            raise ValueError(f"request {req_id} is not live (add_request it first)")
-        return r
+        return self.requests.slot(req_id)
 
     def layer_len(self, layer: int, req_id: int) -> int:
         """Rows appended to ``layer`` for the request."""
         V.check_layer(self.cfg, layer)
-        return self._lens[self.request_slot(req_id)][layer]
+        return self.requests.length(self.requests.slot(req_id), layer)
 
     def seq_len(self, req_id: int) -> int:
-        """Positions appended to every layer (the min of the layer lengths).
+        """Positions appended to every layer (the min of the layer lengths)."""
+        return min(self.requests.lengths(self.requests.slot(req_id)))
 
-        Resolve of layer l accepts positions below ``layer_len(l, req_id)``."""
-        return min(self._lens[self.request_slot(req_id)])
+    def lengths(self, req_id: int) -> tuple[int, ...]:
+        """Rows appended to each layer for the request."""
+        return tuple(self.requests.lengths(self.requests.slot(req_id)))
 
     def hot_rows(self, layer: int) -> torch.Tensor:
-        """uint8 [cfg.hot_rows_per_layer, row_bytes] (R x (S + 1) rounded up to 64): the
-        flat view physical indices point into."""
+        """uint8 [cfg.hot_rows_per_layer, row_bytes]: the flat view physical indices point into."""
         V.check_layer(self.cfg, layer)
         return self.hot[layer]
 
-    # ---- stream helpers ---------------------------------------------------
-    def _after_stage(self, cur, capturing: bool) -> None:
-        """The compute stream waits for in-flight resolves before touching state."""
-        if self._last_stage is not None:
-            self._last_stage.wait_by(cur, capturing)
+    def layer_view(self, layer: int) -> LayerView:
+        """The frozen view staging and conversion read (``hisparse.staging``); its tensors
+        are views of the cache's own buffers, valid for the cache's lifetime."""
+        V.check_layer(self.cfg, layer)
+        view = self._views.get(layer)
+        if view is None:
+            cfg = self.cfg
+            fmt = {f.row_bytes: f for f in RowFormat}.get(cfg.row_bytes)
+            if fmt is None:
+                raise ValueError(f"row_bytes={cfg.row_bytes} is not a row format staging knows "
+                                 f"({[f.value for f in RowFormat]})")
+            blocks = BlockTable(self.state.block_table, cfg.host_block_size, seq_lens=self.state.seq_lens[layer])
+            view = LayerView(host_rows=self.pool.rows[layer], blocks=blocks, row_format=fmt,
+                             hot_rows=self.hot[layer], row_slot=self.state.row_slot[layer],
+                             slots_per_req=cfg.slots_per_req)
+            self._views[layer] = view
+        return view
 
     def join_backup(self, stream=None) -> None:
-        """Make ``stream`` (default current) wait until every host mirror copy is done.
-
-        Needed only before replaying a captured resolve after eager ``append_rows``.
-        """
-        if not self.cuda:
-            return
-        stream = stream if stream is not None else self.streams.current()
-        self._backup_ev.wait_by(stream, _capturing(self.device))
+        """``stream`` (default current) waits until every host mirror copy is done; needed
+        before replaying a captured resolve after eager appends, or before staging reads
+        rows appended in the same step from host."""
+        self.streams.join_backup(stream)
 
     # ---- lifecycle --------------------------------------------------------
     def add_request(self, req_id: int) -> int:
         """Admit ``req_id``; returns its request slot. CapacityError when all are taken."""
-        V.check_req_id(self.cfg, req_id)
-        if req_id in self._slot_of:
-            raise ValueError(f"request {req_id} is already live")
-        if not self._free_slots:
-            raise CapacityError(
-                f"all max_num_reqs={self.cfg.max_num_reqs} request slots are taken; "
-                "free a request first"
-            )
-        cur, capturing = self.streams.current(), _capturing(self.device)
-        self._after_stage(cur, capturing)
-        r = self._free_slots.pop()
+        self.streams.after_stage()
+        r = self.requests.add(req_id)
         self.state.id_to_slot[req_id] = r
-        self._slot_of[req_id] = r
-        self._lens[r] = [0] * self.cfg.num_layers
-        self._reserved[r] = [-1] * self.cfg.num_layers
-        self._generation += 1
         return r
 
     def free_request(self, req_id: int) -> None:
         """Return every block, clear every slot mapping of every layer, release the id."""
-        r = self.request_slot(req_id)
-        cur, capturing = self.streams.current(), _capturing(self.device)
-        self._after_stage(cur, capturing)
-        st = self.state
+        r = self.requests.slot(req_id)
+        self.streams.after_stage()
+        st, B = self.state, self.pool.B
         blocks = self.pool.allocator.owned(r)
-        B = self.pool.B
         start = 0
         while start < len(blocks):  # clear row_slot run by run of consecutive blocks
             end = start + 1
@@ -282,303 +225,93 @@ class HiSparseCache:
         st.block_table[r] = -1
         st.id_to_slot[req_id] = -1
         self.pool.allocator.free(r)
-        del self._slot_of[req_id], self._lens[r], self._reserved[r]
-        self._free_slots.append(r)
-        self._free_slots.sort(reverse=True)
-        self._generation += 1
+        self.requests.remove(req_id)
 
     # ---- write path -------------------------------------------------------
-    def append_rows(self, layer: int, req_id: int, rows: torch.Tensor) -> int:
-        """Append ``rows`` (uint8 [n, row_bytes], cache device) to one layer of a request.
+    def plan_write(self, req_ids, counts) -> WriteBatch:
+        """Check a batch of appends once (distinct live ids, a row count each); the
+        returned batch serves :meth:`write` of every layer until requests change."""
+        return self.writer.prepare(req_ids, counts)
 
-        Returns the first position written (the layer's previous length). Host blocks
-        are allocated on demand; CapacityError (nothing changed) when the pool is full.
-        """
+    def write(self, layer: int, batch: WriteBatch, rows: torch.Tensor) -> list[int]:
+        """Append ``batch``'s rows (uint8 [batch.total, row_bytes], cache device; any
+        strides) to ``layer``; returns the first position written per request.
+        CapacityError (nothing changed) when the host pool can't supply the blocks."""
         V.check_layer(self.cfg, layer)
-        r = self.request_slot(req_id)
-        V.check_rows(self.cfg, rows, self.device)
-        n = int(rows.shape[0])
-        lens = self._lens[r]
-        p0 = lens[layer]
-        if n == 0:
-            return p0
-        p1 = p0 + n
-        pool, st, S = self.pool, self.state, self.S
-        need = pool.blocks_needed(r, p1)
-        have = len(pool.allocator.owned(r))
-        new_blocks = pool.allocator.allocate(r, need)  # CapacityError: nothing changed
-        # ---- from here on nothing raises for caller reasons ----
-        cur, capturing = self.streams.current(), _capturing(self.device)
-        self._after_stage(cur, capturing)
-        if new_blocks:
-            st.block_table[r, have:have + need].copy_(
-                torch.tensor(new_blocks, dtype=torch.int32), non_blocking=True)
-        hot_l, base = self.hot[layer], r * self.SP
-        fit_end = min(p1, S)
-        if p0 < fit_end:  # fits phase: position p lives in slot p
-            k = fit_end - p0
-            hot_l[base + p0:base + fit_end].copy_(rows[:k])
-            st.slot_pos[layer, r, p0:fit_end] = torch.arange(
-                p0, fit_end, dtype=torch.int32, device=self.device)
-            st.slot_stamp[layer, r, p0:fit_end] = st.step[layer, r]
-            for a, b, h in pool.segments(r, p0, fit_end):
-                st.row_slot[layer, h:h + (b - a)] = torch.arange(
-                    a, b, dtype=torch.int32, device=self.device)
-        last = p1 - 1
-        if last >= S:  # the newest row takes the reserved slot S
-            old = self._reserved[r][layer]
-            if old >= 0:
-                (_, _, h_old), = pool.segments(r, old, old + 1)
-                st.row_slot[layer, h_old] = -1
-                # the old occupant must be on host before its hot row is overwritten
-                self._backup_ev.wait_by(cur, capturing)
-            hot_l[base + S].copy_(rows[n - 1])
-            st.slot_pos[layer, r, S] = last
-            st.slot_stamp[layer, r, S] = st.step[layer, r]
-            (_, _, h_new), = pool.segments(r, last, last + 1)
-            st.row_slot[layer, h_new] = S
-            self._reserved[r][layer] = last
-        st.stats[layer, STAT_D2H_ROWS] += n
-        # host mirror: every row, on the backup stream after the compute stream
-        backup = self.streams.backup
-        if backup is not None:
-            backup.wait_stream(cur)
-        with self.streams.on(backup):
-            if self._pool_writer:
-                for a, b, h in pool.segments(r, p0, p1):
-                    pool.rows[layer, h:h + (b - a)].copy_(rows[a - p0:b - p0], non_blocking=True)
-            self._backup_ev.record(backup, capturing)
-        if backup is not None and not capturing:
-            rows.record_stream(backup)
-        self._commit_shared(layer)
-        lens[layer] = p1
-        st.seq_lens[layer, r] = p1
-        return p0
+        return self.writer.write(layer, batch, rows)
 
     def append_rows_batch(self, layer: int, req_ids, rows: torch.Tensor, counts) -> list[int]:
-        """Append ``counts[i]`` rows to request ``req_ids[i]`` of one layer, for every i.
-
-        req_ids: distinct live request ids (a sequence of ints); counts: ints >= 0, one
-        per id; rows: uint8 [sum(counts), row_bytes] on the cache device, the rows of
-        request i being ``rows[sum(counts[:i]) : sum(counts[:i+1])]``. Same result as
-        calling ``append_rows(layer, req_ids[i], those rows)`` for each i in order
-        (blocks, slots, stamps, row maps, host rows, counters), in a fixed number of
-        launches whatever the batch size. Returns the first position written for each
-        request (its previous length in the layer). CapacityError (nothing changed)
-        when the pool can't supply the blocks for all of them.
-
-        The index plan is kept and reused by the next call with the same slots,
-        positions, token offsets and reserved-slot occupants (the other layers of the
-        same forward); add_request / free_request invalidate it. Passing ``req_ids`` and
-        ``counts`` as tuples lets the next calls with the very same tuple objects skip
-        re-validating them (until the next add_request / free_request).
-        """
+        """Append ``counts[i]`` rows to request ``req_ids[i]`` of one layer, for every i
+        (rows of request i = ``rows[sum(counts[:i]) : sum(counts[:i+1])]``), in a fixed
+        number of launches. Returns each request's first position written."""
         V.check_layer(self.cfg, layer)
-        memo = self._batch_memo
-        if (memo is not None and memo[0] is req_ids and memo[1] is counts
-                and memo[2] == self._generation):
-            # the same (immutable) id and count tuples as a call already validated since
-            # the last add/free_request: the other layers of one forward
-            slots, counts, total = memo[3], memo[4], memo[5]
-        else:
-            ids = [V.check_req_id(self.cfg, i) for i in req_ids]
-            if len(set(ids)) != len(ids):
-                raise ValueError("append_rows_batch: req_ids must be distinct (one entry per request)")
-            cl = list(counts)
-            if len(cl) != len(ids):
-                raise ValueError(f"append_rows_batch: {len(ids)} request ids but {len(cl)} counts")
-            for c in cl:
-                if isinstance(c, bool) or not isinstance(c, int) or c < 0:
-                    raise ValueError(f"append_rows_batch: counts must be ints >= 0, got {c!r}")
-            slots = [self.request_slot(i) for i in ids]
-            total = sum(cl)
-            if isinstance(req_ids, tuple) and isinstance(counts, tuple):
-                self._batch_memo = (req_ids, counts, self._generation, slots, cl, total)
-            counts = cl
-        V.check_rows(self.cfg, rows, self.device)
-        if int(rows.shape[0]) != total:
-            raise ValueError(f"append_rows_batch: counts sum to {total} but rows has "
-                             f"{int(rows.shape[0])} rows")
-        firsts, work, t0 = [], [], 0
-        for r, n in zip(slots, counts):
-            p0 = self._lens[r][layer]
-            firsts.append(p0)
-            if n:
-                work.append((r, p0, p0 + n, t0, self._reserved[r][layer]))
-            t0 += n
-        if not work:
-            return firsts
-        pool, st, S = self.pool, self.state, self.S
-        key = (self._generation, tuple(work))
-        if self._wplan is not None and self._wplan[0] == key:
-            plan = self._wplan[1]
-        else:
-            need = sum(pool.blocks_needed(r, p1) for r, _, p1, _, _ in work)
-            if need > pool.allocator.num_free:
-                raise CapacityError(
-                    f"host pool full: {need} more blocks needed, {pool.allocator.num_free} free "
-                    f"of {pool.allocator.num_blocks}; free requests or configure a larger pool"
-                )
-            # ---- from here on nothing raises for caller reasons ----
-            plan = build_write_plan(pool, work, S=S, device=self.device)
-            self._wplan = (key, plan)
-        for r, _, p1, _, _ in work:  # host mirrors
-            if p1 - 1 >= S:
-                self._reserved[r][layer] = p1 - 1
-            self._lens[r][layer] = p1
-        # ---- device work, in append_rows' order ----
-        cur, capturing = self.streams.current(), _capturing(self.device)
-        self._after_stage(cur, capturing)
-        if plan.unmap.numel():
-            # the old occupants must be on host before their hot rows are overwritten
-            self._backup_ev.wait_by(cur, capturing)
-        # block table, hot rows, slot maps, stamps, lengths, counters (apply_write)
-        self._apply_write_fn(st, self.hot[layer], rows, plan, layer)
-        # host mirror: one row copy on the backup stream (device -> pinned host over UVA)
-        backup = self.streams.backup
-        if backup is not None:
-            backup.wait_stream(cur)
-        with self.streams.on(backup):
-            if self._pool_writer:
-                if self.cuda:
-                    self._copy_fn(rows, plan.host_tok32, pool.rows[layer], plan.host_h32)
-                else:
-                    pool.rows[layer].index_copy_(0, plan.host_h, rows.index_select(0, plan.host_tok))
-            self._backup_ev.record(backup, capturing)
-        if backup is not None and not capturing:
-            for t in (rows, plan.host_tok32, plan.host_h32):  # read on the backup stream
-                t.record_stream(backup)
-        self._commit_shared(layer)
-        return firsts
+        return self.writer.write(layer, self.writer.prepare(req_ids, counts), rows)
+
+    def append_rows(self, layer: int, req_id: int, rows: torch.Tensor) -> int:
+        """Append ``rows`` (uint8 [n, row_bytes]) to one layer of a request; returns the
+        first position written (a batch of one)."""
+        n = int(rows.shape[0]) if isinstance(rows, torch.Tensor) and rows.dim() == 2 else 0
+        return self.append_rows_batch(layer, [req_id], rows, [n])[0]
 
     def append_token_rows(self, layer: int, req_ids, rows: torch.Tensor) -> list[int]:
-        """One row to each of ``n`` distinct requests in one layer (a decode step).
-
-        rows: uint8 [n, row_bytes], row i for ``req_ids[i]``. ``append_rows_batch`` with
-        counts of 1; returns the position written for each request.
-        """
+        """One row to each of ``n`` distinct requests in one layer (a decode step)."""
         ids = list(req_ids)
         return self.append_rows_batch(layer, ids, rows, [1] * len(ids))
-
-    def _commit_shared(self, layer: int) -> None:
-        """Shared pool: count this append; the writer rank publishes it once on host."""
-        if self._pool_shared:
-            ev = self._backup_ev.event if (self._pool_writer and self.cuda) else None
-            self.pool.commit_append(layer, ev)  # type: ignore[attr-defined]
 
     # ---- resolve + staging --------------------------------------------------
     def resolve(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor, *,
                 validate: bool = True, wait: bool = True, compact: bool = False) -> ResolveResult:
         """Map logical top-k positions to rows of ``hot_rows(layer)``, staging misses.
 
-        req_ids: int32/int64 [T] request id per query token (a request's tokens
-        contiguous, at most max_query_len of them); topk: int32 [T, K] positions,
-        -1 = padding. ``validate`` checks contents (host sync) and raises before any
-        launch; unchecked, invalid entries become -1 and are counted. ``wait``: the
-        current stream waits for staging before returning (else use ``result.wait``).
-        ``compact``: valid entries of each row moved to its front.
+        req_ids: int32 [T] request id per query token (a request's tokens contiguous,
+        at most max_query_len of them; int64 is accepted in checked mode only);
+        topk: int32 [T, K] positions, -1 = padding. ``validate`` checks contents (host
+        sync) and raises before any launch; unchecked, invalid entries become -1 and are
+        counted. ``wait``: the current stream waits for staging before returning (else
+        ``result.wait``). ``compact``: valid entries of each row moved to its front.
 
-        CUDA graphs: capture ``resolve(..., validate=False)`` with the Triton kernels
-        (the torch reference syncs), compile them first with one eager call, replay on
-        the compute stream, and call :meth:`join_backup` before a replay that follows
-        eager ``append_rows``.
+        CUDA graphs: capture ``resolve(..., validate=False)`` with the Triton kernels,
+        after one eager call compiled them; replay on the compute stream, and call
+        :meth:`join_backup` before a replay that follows eager appends.
         """
         V.check_layer(self.cfg, layer)
-        T, K = V.check_resolve_meta(self.cfg, self.device, req_ids, topk, self.max_tokens)
+        T, K = V.check_resolve_meta(self.cfg, self.device, req_ids, topk, self.cfg.max_tokens)
         if validate:
-            lens = self._lens
-            V.check_resolve_contents(self.cfg, req_ids, topk, self._slot_of,
-                                     lambda r: lens[r][layer])
-        out = ResolveBuffers(
-            physical=self._phys[layer, :T * K].view(T, K),
-            valid_counts=self._valid[layer, :T],
-            stage_src=self._src[layer, :T * K],
-            stage_dst=self._dst[layer, :T * K],
-        )
-        cur, capturing = self.streams.current(), _capturing(self.device)
-        if self._pool_shared and not capturing:  # rows of the writer rank must be on host
-            self.pool.wait_visible(layer)  # type: ignore[attr-defined]
-        if req_ids.dtype != torch.int32:  # the kernels take int32 ids
-            # clamp first so an out-of-range int64 id cannot wrap onto a live one (int32
-            # ids skip this and its small temporary)
-            ids32 = self._ids32[layer, :T]  # per layer: an in-flight resolve may read it
-            ids32.copy_(req_ids.clamp(-1, self.cfg.max_request_id))
-            req_ids = ids32
-        stage = self.streams.stage
-        if stage is not None:
-            stage.wait_stream(cur)
-            self._backup_ev.wait_by(stage, capturing)
-        ev = self._stage_evs[layer]
-        with self.streams.on(stage):
-            self._resolve_fn(self.state, layer, req_ids, topk, out,
-                             max_query_len=self.cfg.max_query_len, compact=compact)
-            self._copy_fn(self.pool.rows[layer], out.stage_src, self.hot[layer], out.stage_dst)
-            ev.record(stage, capturing)
-        self._last_stage = ev
-        if stage is not None and not capturing:
-            req_ids.record_stream(stage)
-            topk.record_stream(stage)
-        res = ResolveResult(out.physical, out.valid_counts, out.stage_src, out.stage_dst,
-                            ev.event)
-        if wait:
-            ev.wait_by(cur, capturing)
-        return res
+            req = self.requests
+            V.check_resolve_contents(self.cfg, req_ids, topk, req.slot_map(),
+                                     lambda r: req.length(r, layer))
+            if req_ids.dtype != torch.int32:  # checked above: every id is live
+                req_ids = req_ids.to(torch.int32)
+        elif req_ids.dtype != torch.int32:
+            raise TypeError("an unchecked resolve (validate=False) takes int32 req_ids: the hot path "
+                            f"neither converts nor allocates; got {req_ids.dtype}")
+        if self.pool.shared and not self.streams.capturing():
+            self.pool.wait_visible(layer)  # rows of the writer rank must be on host
+        out = self._bufs[layer].view(T, K)
+        event = self.stager.run(layer, req_ids, topk, out, host_rows=self.pool.rows[layer],
+                                hot_rows=self.hot[layer], compact=compact, wait=wait)
+        self.requests.touch(layer)
+        return ResolveResult(out, event, self.requests.epochs, layer)
 
-    # ---- reads ----------------------------------------------------------------
+    # ---- reads and metrics ------------------------------------------------------
     def read_host_rows(self, layer: int, req_id: int, positions) -> torch.Tensor:
         """uint8 [n, row_bytes] CPU copy of the host-pool rows of ``positions``.
 
-        Waits for pending host mirror copies first (a host sync on GPU).
-        """
+        Waits for pending host mirror copies first (a host sync on GPU)."""
         V.check_layer(self.cfg, layer)
-        r = self.request_slot(req_id)
-        pos = V.check_positions(positions, self._lens[r][layer])
-        if self._backup_ev.event is not None and self._backup_ev.recorded:
-            self._backup_ev.event.synchronize()
-        if self._pool_shared:
-            self.pool.wait_visible(layer)  # type: ignore[attr-defined]
-        rows = self.pool.host_rows(r, pos)
-        return self.pool.rows[layer].index_select(0, rows)
+        r = self.requests.slot(req_id)
+        pos = V.check_positions(positions, self.requests.length(r, layer))
+        self.streams.backup.synchronize()
+        self.pool.wait_visible(layer)
+        return self.pool.rows[layer].index_select(0, self.pool.host_rows(r, pos))
 
-    # ---- metrics ----------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Counters per layer and in total, host pool usage, live requests (host sync)."""
         if self.cuda:
             torch.cuda.synchronize(self.device)
-        raw = self.state.stats.cpu().tolist()
-        rb = self.cfg.row_bytes
-        layers = []
-        tot = dict(hits=0, misses=0, invalid=0, resolves=0, bytes_h2d=0, bytes_d2h=0)
-        for row in raw:
-            d = dict(hits=row[STAT_HITS], misses=row[STAT_MISSES], invalid=row[STAT_INVALID],
-                     resolves=row[STAT_RESOLVES], bytes_h2d=row[STAT_MISSES] * rb,
-                     bytes_d2h=row[STAT_D2H_ROWS] * rb)
-            for k in tot:
-                tot[k] += d[k]
-            d["hit_rate"] = _rate(d["hits"], d["misses"])
-            layers.append(d)
-        tot["hit_rate"] = _rate(tot["hits"], tot["misses"])  # type: ignore[assignment]
-        alloc = self.pool.allocator
-        return {
-            "layers": layers,
-            "total": tot,
-            "host_pool": {
-                "blocks_used": alloc.num_used,
-                "blocks_total": alloc.num_blocks,
-                "block_size": self.pool.B,
-                "bytes": self.pool.nbytes,
-                "bytes_used": alloc.num_used * self.pool.B * rb * self.cfg.num_layers,
-                "pinned": self.pool.pinned,
-            },
-            "live_requests": len(self._slot_of),
-            "kernels": self.kernels,
-        }
+        return cache_stats(self.state, self.pool, row_bytes=self.cfg.row_bytes,
+                           num_layers=self.cfg.num_layers, live_requests=len(self.requests),
+                           kernels=self.kernels)
 
 
-def _rate(hits: int, misses: int) -> float:
-    """hits / (hits + misses); 0.0 before any lookup."""
-    n = hits + misses
-    return hits / n if n else 0.0
-
-
-__all__ = ["HiSparseCache", "ResolveResult", "KERNEL_CHOICES"]
+__all__ = ["HiSparseCache", "ResolveResult"]

@@ -74,6 +74,12 @@ class BlockAllocator:
         self._owned.setdefault(owner, []).extend(got)
         return got
 
+    def peek(self, n: int) -> list[int]:
+        """The ``n`` blocks the next allocations will hand out, in order (nothing is taken)."""
+        if n > len(self._free):
+            raise CapacityError(f"host pool exhausted: {n} more blocks needed, {len(self._free)} free")
+        return self._free[-1:-n - 1:-1] if n else []
+
     def free(self, owner: Hashable) -> list[int]:
         """Return every block of ``owner`` to the free list; returns those blocks."""
         blocks = self._owned.pop(owner, [])
@@ -87,7 +93,15 @@ class HostPool:
     """Pinned host rows ``uint8 [L, H, row_bytes]`` and their :class:`BlockAllocator`.
 
     ``pin``: None = pin when CUDA is available (as PinnedBuffer decides).
+
+    Hooks for pools several processes share (``SharedHostPool`` overrides them; here
+    they do nothing): ``is_writer`` (whether this process writes rows), ``shared``,
+    ``commit_append(layer, event)`` after an append's host copy was enqueued, and
+    ``wait_visible(layer)`` before rows of ``layer`` are read.
     """
+
+    is_writer = True
+    shared = False
 
     def __init__(self, cfg: HiSparseConfig, *, pin: bool | None = None) -> None:
         self.cfg = cfg
@@ -145,6 +159,12 @@ class HostPool:
                 out.append((p, end, row))
             p = end
         return out
+
+    def commit_append(self, layer: int, event=None) -> None:
+        """An append to ``layer`` was enqueued (its host copy completes with ``event``)."""
+
+    def wait_visible(self, layer: int) -> None:
+        """Return once every committed append of ``layer`` can be read from the pool."""
 
     def release(self) -> None:
         """Unpin the buffer now (no device work may use it afterwards)."""

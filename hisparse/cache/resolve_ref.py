@@ -61,11 +61,15 @@ def group_offsets(ids: torch.Tensor, max_query_len: int) -> torch.Tensor:
     return off
 
 
-def _victim_keys(stamp: torch.Tensor, pos: torch.Tensor, S: int) -> torch.Tensor:
-    """int64 [S] eviction keys of slots 0..S-1 (see ``state``)."""
-    slots = torch.arange(S, dtype=torch.int64, device=stamp.device)
-    occupied = (stamp.long() << 32) | pos.long()
-    return torch.where(pos >= 0, occupied, slots - (S + 1))
+def _victim_order(stamp: torch.Tensor, pos: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
+    """Candidate slots (int64 [c]) in eviction order (see ``state``): the empty ones
+    first, by slot, then the occupied ones by (stamp, position). stamp: int64 [S],
+    pos: int32 [S] of the request's LRU slots."""
+    empty = cand[pos[cand] < 0]
+    occ = cand[pos[cand] >= 0]
+    occ = occ[torch.argsort(pos[occ].long(), stable=True)]
+    occ = occ[torch.argsort(stamp[occ], stable=True)]
+    return torch.cat([torch.sort(empty).values, occ])
 
 
 def resolve_reference(state: HotState, layer: int, req_ids: torch.Tensor, topk: torch.Tensor,
@@ -81,6 +85,7 @@ def resolve_reference(state: HotState, layer: int, req_ids: torch.Tensor, topk: 
     dev = topk.device
     out.stage_src[: T * K].fill_(-1)
     out.stage_dst[: T * K].fill_(-1)
+    out.undo_hit[: T * K].fill_(-2)
     if T == 0:
         return
 
@@ -129,6 +134,23 @@ def resolve_reference(state: HotState, layer: int, req_ids: torch.Tensor, topk: 
         hit = slots >= 0
         stamp = state.slot_stamp[layer, r]
         spos = state.slot_pos[layer, r]
+        # undo log of the hits: each hit lane gets its slot's stamp before this step,
+        # the first lane (row-major) of a repeated position, s_new the others
+        safe0 = torch.where(g_ok, g_pos, torch.zeros_like(g_pos))
+        lane_slot = row_slot[bt[safe0 // B] * B + safe0 % B].long()
+        lane_hit = g_ok & (lane_slot >= 0)
+        flat_pos = torch.where(lane_hit, g_pos, torch.full_like(g_pos, -1)).flatten()
+        vals, inv = torch.unique(flat_pos, return_inverse=True)
+        lane = torch.arange(flat_pos.numel(), device=dev)
+        first_lane = torch.full((vals.numel(),), flat_pos.numel(), dtype=torch.int64, device=dev)
+        first_lane = first_lane.scatter_reduce(0, inv, lane, reduce="amin")
+        first = torch.zeros_like(flat_pos, dtype=torch.bool)
+        first[first_lane] = True
+        first &= flat_pos >= 0
+        lane_old = stamp[torch.where(lane_hit, lane_slot, 0)].flatten()
+        undo = torch.where(first, lane_old, torch.full_like(lane_old, s_new))
+        undo = torch.where(lane_hit.flatten(), undo, torch.full_like(undo, -2))
+        out.undo_hit[t0 * K:(t0 + n) * K] = undo
         stamp[slots[hit]] = s_new
         miss_pos, miss_rows = uniq[~hit], rows[~hit]
         m = miss_pos.numel()
@@ -141,15 +163,16 @@ def resolve_reference(state: HotState, layer: int, req_ids: torch.Tensor, topk: 
                     f"resolve: layer {layer} request slot {r} needs {m} victims but only "
                     f"{cand.numel()} slots are evictable (S={S}); config invariant broken"
                 )
-            keys = _victim_keys(stamp[:S], spos[:S], S)[cand]
-            victims = torch.sort(cand[torch.argsort(keys)[:m]]).values  # ascending slot
+            victims = torch.sort(_victim_order(stamp[:S], spos[:S], cand)[:m]).values  # ascending slot
             old = spos[victims].long()
+            base = t0 * K
+            out.undo_vpos[base:base + m] = spos[victims]
+            out.undo_vstamp[base:base + m] = stamp[victims]
             had = old >= 0
             row_slot[bt[old[had] // B] * B + old[had] % B] = -1
             spos[victims] = miss_pos.to(torch.int32)
             stamp[victims] = s_new
             row_slot[miss_rows] = victims.to(torch.int32)
-            base = t0 * K
             out.stage_src[base:base + m] = miss_rows.to(torch.int32)
             out.stage_dst[base:base + m] = (r * SP + victims).to(torch.int32)
 

@@ -11,20 +11,20 @@ index, and ``S >= max_query_len * K`` (the condition under which a group can nev
 run out of evictable slots). Index *contents* are not checked here: invalid entries
 are handled by the kernel (treated as padding and counted in STAT_INVALID).
 
-On a CPU tensor the kernel runs only when the Triton interpreter is requested
-(``TRITON_INTERPRET=1``, set by the test suite); otherwise the reference runs.
+On CPU tensors the kernel runs in Triton's interpreter (``TRITON_INTERPRET=1``, set
+by the test suite); without it a CPU call is a ValueError (the torch path is
+``resolve_reference``, chosen by the caller, never substituted here).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 import triton
 
+from .._checks import check_int, check_tensor, interpreter_mode
 from ..kernels.resolve import resolve_kernel
-from .resolve_ref import resolve_reference
 from .state import (NUM_STATS, STAT_HITS, STAT_INVALID, STAT_MISSES, STAT_RESOLVES,
                     HotState, ResolveBuffers)
 
@@ -33,36 +33,20 @@ _SCAN_CHUNK = 256  # req_ids scanned per step for an earlier run of the same req
 _SMALL_SORT = 256  # misses of a group sorted in a tile of this size when they fit
 
 
-def interpreter_requested() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def _check_i32(name: str, x: torch.Tensor, ndim: int, device: torch.device) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype != torch.int32:
-        raise TypeError(f"{name} must be int32, got {x.dtype}")
-    if x.dim() != ndim:
-        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(x.shape)}")
-    if x.device != device:
-        raise ValueError(f"{name} is on {x.device} but the cache state is on {device}")
-    if ndim and x.stride(-1) != 1:
-        raise ValueError(f"{name} must be contiguous in its last dimension, got strides {x.stride()}")
+def _check_vec(name: str, x: object, dtype: torch.dtype, ndim: int, device: torch.device) -> None:
+    check_tensor(name, x, dtype=dtype, ndim=ndim, device=device)
+    if ndim and x.stride(-1) != 1:  # type: ignore[union-attr]
+        raise ValueError(f"{name} must be contiguous in its last dimension, got strides {x.stride()}")  # type: ignore[union-attr]
 
 
 def _check_args(state: HotState, layer: int, req_ids: torch.Tensor, topk: torch.Tensor,
                 out: ResolveBuffers, max_query_len: int) -> None:
     dev = state.slot_pos.device
-    if isinstance(layer, bool) or not isinstance(layer, int):
-        raise TypeError(f"layer must be an int, got {type(layer).__name__}")
     L = state.slot_pos.shape[0]
-    if not 0 <= layer < L:
-        raise ValueError(f"layer {layer} out of range [0, {L})")
-    if isinstance(max_query_len, bool) or not isinstance(max_query_len, int) or max_query_len < 1:
-        raise ValueError(f"max_query_len must be an int >= 1, got {max_query_len!r}")
-    _check_i32("topk", topk, 2, dev)
-    _check_i32("req_ids", req_ids, 1, dev)
+    check_int("layer", layer, 0, L)
+    check_int("max_query_len", max_query_len, 1)
+    _check_vec("topk", topk, torch.int32, 2, dev)
+    _check_vec("req_ids", req_ids, torch.int32, 1, dev)
     T, K = topk.shape
     if req_ids.shape[0] != T:
         raise ValueError(f"req_ids has {req_ids.shape[0]} entries but topk has {T} rows")
@@ -73,28 +57,30 @@ def _check_args(state: HotState, layer: int, req_ids: torch.Tensor, topk: torch.
             f"max_query_len x K = {max_query_len} x {K} exceeds the S = {state.S} LRU slots "
             "per (layer, request); a group could run out of evictable slots"
         )
-    for name in ("id_to_slot", "seq_lens", "block_table", "slot_pos", "slot_stamp",
-                 "row_slot", "step"):
+    for name, dtype in (("id_to_slot", torch.int32), ("seq_lens", torch.int32), ("block_table", torch.int32),
+                        ("slot_pos", torch.int32), ("slot_stamp", torch.int64), ("row_slot", torch.int32),
+                        ("step", torch.int64)):
         x = getattr(state, name)
-        if x.dtype != torch.int32 or x.device != dev or not x.is_contiguous():
-            raise ValueError(f"state.{name} must be a contiguous int32 tensor on {dev}")
+        if x.dtype != dtype or x.device != dev or not x.is_contiguous():
+            raise ValueError(f"state.{name} must be a contiguous {dtype} tensor on {dev}")
     if state.seq_lens.dim() != 2 or state.seq_lens.shape != state.step.shape:
         raise ValueError(f"state.seq_lens must be int32 [L, R] like state.step {tuple(state.step.shape)}, "
                          f"got {tuple(state.seq_lens.shape)}")
     if (state.stats.dtype != torch.int64 or state.stats.dim() != 2 or state.stats.shape[1] != NUM_STATS
             or state.stats.device != dev or not state.stats.is_contiguous()):
         raise ValueError(f"state.stats must be a contiguous int64 [L, {NUM_STATS}] tensor on {dev}")
-    _check_i32("out.physical", out.physical, 2, dev)
-    _check_i32("out.valid_counts", out.valid_counts, 1, dev)
-    _check_i32("out.stage_src", out.stage_src, 1, dev)
-    _check_i32("out.stage_dst", out.stage_dst, 1, dev)
+    _check_vec("out.physical", out.physical, torch.int32, 2, dev)
+    _check_vec("out.valid_counts", out.valid_counts, torch.int32, 1, dev)
     if out.physical.shape[0] < T or out.physical.shape[1] < K:
         raise ValueError(f"out.physical {tuple(out.physical.shape)} is smaller than [T, K] = [{T}, {K}]")
     if out.valid_counts.shape[0] < T:
         raise ValueError(f"out.valid_counts has {out.valid_counts.shape[0]} entries, need {T}")
-    for name in ("stage_src", "stage_dst"):
-        if getattr(out, name).shape[0] < T * K:
-            raise ValueError(f"out.{name} has {getattr(out, name).shape[0]} entries, need T*K = {T * K}")
+    for name, dtype in (("stage_src", torch.int32), ("stage_dst", torch.int32), ("undo_hit", torch.int64),
+                        ("undo_vpos", torch.int32), ("undo_vstamp", torch.int64)):
+        x = getattr(out, name)
+        _check_vec(f"out.{name}", x, dtype, 1, dev)
+        if x.shape[0] < T * K:
+            raise ValueError(f"out.{name} has {x.shape[0]} entries, need T*K = {T * K}")
 
 
 def resolve_triton(state: HotState, layer: int, req_ids: torch.Tensor, topk: torch.Tensor,
@@ -110,10 +96,9 @@ def resolve_triton(state: HotState, layer: int, req_ids: torch.Tensor, topk: tor
     if T == 0:
         return
     dev = topk.device
-    if dev.type != "cuda" and not interpreter_requested():
-        resolve_reference(state, layer, req_ids, topk, out, max_query_len=max_query_len,
-                          compact=compact)
-        return
+    if dev.type != "cuda" and not interpreter_mode():
+        raise ValueError("resolve_triton on CPU tensors needs Triton's interpreter (TRITON_INTERPRET=1); "
+                         "use hisparse.cache.resolve_ref.resolve_reference on CPU")
     S = state.S
     KB = triton.next_power_of_2(K)
     GQ = triton.next_power_of_2(max_query_len)
@@ -130,7 +115,7 @@ def resolve_triton(state: HotState, layer: int, req_ids: torch.Tensor, topk: tor
             state.row_slot[layer], state.row_slot.shape[1],
             state.step[layer], state.stats[layer],
             out.physical, out.physical.stride(0), out.valid_counts,
-            out.stage_src, out.stage_dst,
+            out.stage_src, out.stage_dst, out.undo_hit, out.undo_vpos, out.undo_vstamp,
             T, K, S, state.B,
             STAT_HITS=STAT_HITS, STAT_MISSES=STAT_MISSES, STAT_INVALID=STAT_INVALID,
             STAT_RESOLVES=STAT_RESOLVES,
@@ -139,4 +124,4 @@ def resolve_triton(state: HotState, layer: int, req_ids: torch.Tensor, topk: tor
         )
 
 
-__all__ = ["resolve_triton", "interpreter_requested"]
+__all__ = ["resolve_triton"]

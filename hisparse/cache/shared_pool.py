@@ -44,14 +44,14 @@ waiting, in ``wait_visible``, i.e. before any read of the rows): a mismatch rais
 Reuse of freed blocks is safe under TP lockstep: a reader's staging of step t
 precedes its all-reduces of step t, which the writer must pass before it admits
 and writes new requests at step t + 1. Callers outside lockstep must add a
-:func:`hisparse.distributed.barrier` before reusing blocks.
+:func:`hisparse.cache.distributed.barrier` before reusing blocks.
 
 Liveness: every rank stores its pid in the header; :meth:`dead_ranks` finds ranks
 whose process is gone (or a zombie), and :meth:`wait_visible` raises
 :class:`RankFailureError` quickly when the writer died instead of hanging.
 
 Lifetime: the creator unlinks the file once every rank has attached (see
-``hisparse.distributed``), so the memory is freed when the last rank unmaps it even
+``hisparse.cache.distributed``), so the memory is freed when the last rank unmaps it even
 after a crash; :meth:`close` unlinks too if that has not happened yet.
 
 Limits (known, not yet done): on CUDA the writer's ``commit_append(layer, event)``
@@ -273,8 +273,10 @@ class SharedHostPool(HostPool):
     protocol: ``rank``, ``is_writer``, :meth:`commit_append`, :meth:`wait_visible`,
     :meth:`verify_admission`, :meth:`dead_ranks`, :meth:`close`.
     Build it with :meth:`create` / :meth:`attach` or, across ranks,
-    :func:`hisparse.distributed.setup_shared_pool`.
+    :func:`hisparse.cache.distributed.setup_shared_pool`.
     """
+
+    shared = True
 
     def __init__(self, cfg: HiSparseConfig, buf: SharedBuffer, *, rank: int, creator: bool,
                  wait_timeout_s: float = 60.0) -> None:
@@ -294,7 +296,7 @@ class SharedHostPool(HostPool):
         self.appends = np.zeros(cfg.num_layers, dtype=np.int64)  # this rank's count per layer
         self.linked = True
         self.closed = False
-        self.group: Any = None  # hisparse.distributed.PoolGroup when set up across ranks
+        self.group: Any = None  # hisparse.cache.distributed.PoolGroup when set up across ranks
         buf.header[_F_PIDS + rank] = os.getpid()
 
     # ---- construction ------------------------------------------------------

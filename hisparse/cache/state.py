@@ -13,8 +13,9 @@ Layout of one layer's flat hot view ``hot[l]`` (uint8 [R * (S + 1), row_bytes]):
 Layout of the host pool (uint8 [L, H, row_bytes]): the row of (request r, position p)
 in layer l is ``pool[l, block_table[r, p // B] * B + p % B]``.
 
-Exact LRU: each slot carries a stamp (the step of its last use) and the position it
-holds. A resolve of (layer l, request r) increments ``step[l, r]``, stamps every hit
+Exact LRU: each slot carries a stamp (the step of its last use, int64, so a
+(layer, request) can be resolved any number of times without the counter wrapping) and
+the position it holds. A resolve of (layer l, request r) increments ``step[l, r]``, stamps every hit
 with the new step, and takes victims among slots ``0..S-1`` whose stamp is older than
 the new step, in ascending order of the key
 
@@ -51,9 +52,9 @@ class HotState:
     seq_lens: torch.Tensor  # int32 [L, R], rows appended to layer l for the request slot (0 = free)
     block_table: torch.Tensor  # int32 [R, NB], host block of each logical block, -1 = none
     slot_pos: torch.Tensor  # int32 [L, R, S + 1], position held by a slot, -1 = empty
-    slot_stamp: torch.Tensor  # int32 [L, R, S + 1], step of last use, -1 = empty
+    slot_stamp: torch.Tensor  # int64 [L, R, S + 1], step of last use, -1 = empty
     row_slot: torch.Tensor  # int32 [L, H], slot (0..S) holding host row h, -1 = not hot
-    step: torch.Tensor  # int32 [L, R], resolves done for (layer, request slot)
+    step: torch.Tensor  # int64 [L, R], resolves done for (layer, request slot)
     stats: torch.Tensor  # int64 [L, NUM_STATS], see STAT_*
     S: int  # LRU slots per (layer, request); slot S is the reserved newest slot
     B: int  # host block size
@@ -61,16 +62,16 @@ class HotState:
     @classmethod
     def allocate(cls, cfg: HiSparseConfig, device: torch.device) -> "HotState":
         L, R, S = cfg.num_layers, cfg.max_num_reqs, cfg.device_buffer_size
-        assert S is not None
         i32 = dict(dtype=torch.int32, device=device)
+        i64 = dict(dtype=torch.int64, device=device)
         return cls(
             id_to_slot=torch.full((cfg.max_request_id,), -1, **i32),
             seq_lens=torch.zeros((L, R), **i32),
             block_table=torch.full((R, cfg.num_host_blocks), -1, **i32),
             slot_pos=torch.full((L, R, S + 1), -1, **i32),
-            slot_stamp=torch.full((L, R, S + 1), -1, **i32),
+            slot_stamp=torch.full((L, R, S + 1), -1, **i64),
             row_slot=torch.full((L, cfg.num_host_rows), -1, **i32),
-            step=torch.zeros((L, R), **i32),
+            step=torch.zeros((L, R), **i64),
             stats=torch.zeros((L, NUM_STATS), dtype=torch.int64, device=device),
             S=S,
             B=cfg.host_block_size,
@@ -96,19 +97,41 @@ class ResolveBuffers:
     stage_src:    int32 [T * K]  host row to stage (within the layer), -1 = nothing
     stage_dst:    int32 [T * K]  flat hot row it goes to, -1 = nothing
     The misses of the request whose first token is t0 occupy stage_*[t0*K : t0*K + m].
+
+    Undo log (read only to roll a resolve back when a later launch of the same call
+    fails; see ``cache.rollback``):
+    undo_hit:     int64 [T * K]  entry t*K + k: the stamp its hit slot had before this
+                  resolve (s_new for a repeated hit of the same slot), -2 = not a hit
+    undo_vpos:    int32 [T * K]  entry t0*K + i: the position victim i held, -1 = empty
+    undo_vstamp:  int64 [T * K]  entry t0*K + i: the stamp victim i had
     """
 
     physical: torch.Tensor
     valid_counts: torch.Tensor
     stage_src: torch.Tensor
     stage_dst: torch.Tensor
+    undo_hit: torch.Tensor
+    undo_vpos: torch.Tensor
+    undo_vstamp: torch.Tensor
 
     @classmethod
     def allocate(cls, T: int, K: int, device: torch.device) -> "ResolveBuffers":
         i32 = dict(dtype=torch.int32, device=device)
+        i64 = dict(dtype=torch.int64, device=device)
         return cls(
             physical=torch.empty((T, K), **i32),
             valid_counts=torch.empty((T,), **i32),
             stage_src=torch.empty((T * K,), **i32),
             stage_dst=torch.empty((T * K,), **i32),
+            undo_hit=torch.empty((T * K,), **i64),
+            undo_vpos=torch.empty((T * K,), **i32),
+            undo_vstamp=torch.empty((T * K,), **i64),
         )
+
+    def view(self, T: int, K: int) -> "ResolveBuffers":
+        """The first [T, K] of these buffers (contiguous views, no copy)."""
+        n = T * K
+        return ResolveBuffers(
+            physical=self.physical.view(-1)[:n].view(T, K), valid_counts=self.valid_counts[:T],
+            stage_src=self.stage_src[:n], stage_dst=self.stage_dst[:n], undo_hit=self.undo_hit[:n],
+            undo_vpos=self.undo_vpos[:n], undo_vstamp=self.undo_vstamp[:n])

@@ -8,8 +8,8 @@ Which path runs:
   - src or dst on CUDA: the Triton kernel on that device's current stream. A CPU
     side must be pinned (page-locked and mapped; ``PinnedBuffer`` and
     ``pin_memory()`` both are); the index lists must be on the CUDA device.
-  - both on CPU: the Triton interpreter when requested (TRITON_INTERPRET=1),
-    otherwise ``copy_rows_reference``.
+  - both on CPU: the Triton interpreter (TRITON_INTERPRET=1); without it a
+    ValueError (``copy_rows_reference`` is the torch path, chosen by the caller).
 
 The launcher checks dtypes, shapes, devices, row alignment (16 bytes) and pinning
 from metadata only: no device value is read, nothing is allocated, so a call can be
@@ -20,15 +20,13 @@ source or destination index is -1 or out of range is skipped.
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
 import triton
 
+from .._checks import check_int, check_tensor, interpreter_mode, sm_count
 from ..device import is_pinned_host
 from ..kernels.copy_rows import copy_rows_kernel
-from .resolve_ref import copy_rows_reference
-from .resolve_triton import interpreter_requested
 
 # Defaults of the launch shape; the staging benchmark sweeps them on the H200.
 DEFAULT_ROWS_PER_PROGRAM = 4
@@ -36,35 +34,21 @@ DEFAULT_NUM_WARPS = 4
 DEFAULT_PROGRAMS_PER_SM = 8
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _check_rows(name: str, x: torch.Tensor) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype != torch.uint8:
-        raise TypeError(f"{name} must be uint8 rows, got {x.dtype}")
-    if x.dim() != 2:
-        raise ValueError(f"{name} must be 2-D [rows, row_bytes], got shape {tuple(x.shape)}")
-    W = x.shape[1]
+def _check_rows(name: str, x: object) -> None:
+    check_tensor(name, x, dtype=torch.uint8, ndim=2)
+    W = x.shape[1]  # type: ignore[union-attr]
     if W % 16 != 0 or W == 0:
         raise ValueError(f"{name} rows are {W} bytes; copy_rows needs a positive multiple of 16")
-    if x.shape[0] > 1 and x.stride(0) != W or x.stride(1) != 1:
-        raise ValueError(f"{name} rows must be contiguous (strides ({W}, 1)), got {x.stride()}")
-    if x.numel() and x.data_ptr() % 16 != 0:
-        raise ValueError(f"{name} data pointer {x.data_ptr():#x} is not 16-byte aligned")
+    if x.shape[0] > 1 and x.stride(0) != W or x.stride(1) != 1:  # type: ignore[union-attr]
+        raise ValueError(f"{name} rows must be contiguous (strides ({W}, 1)), got {x.stride()}")  # type: ignore[union-attr]
+    if x.numel() and x.data_ptr() % 16 != 0:  # type: ignore[union-attr]
+        raise ValueError(f"{name} data pointer {x.data_ptr():#x} is not 16-byte aligned")  # type: ignore[union-attr]
 
 
-def _check_idx(name: str, x: torch.Tensor) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype != torch.int32:
-        raise TypeError(f"{name} must be int32, got {x.dtype}")
-    if x.dim() != 1 or (x.numel() > 1 and x.stride(0) != 1):
-        raise ValueError(f"{name} must be a contiguous 1-D tensor, got shape {tuple(x.shape)} "
-                         f"strides {x.stride()}")
+def _check_idx(name: str, x: object) -> None:
+    check_tensor(name, x, dtype=torch.int32, ndim=1)
+    if x.numel() > 1 and x.stride(0) != 1:  # type: ignore[union-attr]
+        raise ValueError(f"{name} must be a contiguous 1-D tensor, got strides {x.stride()}")  # type: ignore[union-attr]
 
 
 def copy_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor,
@@ -89,10 +73,9 @@ def copy_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_i
     warps = DEFAULT_NUM_WARPS if num_warps is None else num_warps
     per_sm = DEFAULT_PROGRAMS_PER_SM if programs_per_sm is None else programs_per_sm
     for name, v in (("rows_per_program", rows), ("num_warps", warps)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
+        if check_int(name, v, 1) & (v - 1):
             raise ValueError(f"{name} must be a power of two >= 1, got {v!r}")
-    if isinstance(per_sm, bool) or not isinstance(per_sm, int) or per_sm < 1:
-        raise ValueError(f"programs_per_sm must be an int >= 1, got {per_sm!r}")
+    check_int("programs_per_sm", per_sm, 1)
 
     cuda_devs = {t.device for t in (src, dst) if t.device.type == "cuda"}
     if len(cuda_devs) > 1:
@@ -118,11 +101,9 @@ def copy_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_i
     N = src_idx.shape[0]
     if N == 0 or src.shape[0] == 0 or dst.shape[0] == 0:
         return
-    if dev is None and not interpreter_requested():
-        # same skip rule as the kernel: out-of-range indices count as -1
-        ok = (src_idx >= 0) & (src_idx < src.shape[0]) & (dst_idx >= 0) & (dst_idx < dst.shape[0])
-        copy_rows_reference(src, torch.where(ok, src_idx, -1), dst, torch.where(ok, dst_idx, -1))
-        return
+    if dev is None and not interpreter_mode():
+        raise ValueError("copy_rows on CPU tensors needs Triton's interpreter (TRITON_INTERPRET=1); "
+                         "use hisparse.cache.resolve_ref.copy_rows_reference on CPU")
 
     W = src.shape[1]
     WW = W // 4
@@ -130,7 +111,7 @@ def copy_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_i
     if dev is None:
         grid = min(chunks, 3)  # interpreter: a few programs, still exercising the loop
     else:
-        grid = min(chunks, per_sm * _sm_count(dev.index))
+        grid = min(chunks, per_sm * sm_count(dev))
     ctx = torch.cuda.device(dev) if dev is not None else contextlib.nullcontext()
     with ctx:
         copy_rows_kernel[(grid,)](

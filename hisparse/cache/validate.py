@@ -20,16 +20,8 @@ from typing import Callable, Mapping
 
 import torch
 
+from .._checks import check_int, check_ints, check_tensor
 from ..config import HiSparseConfig
-
-
-def check_int(name: str, value: object, lo: int, hi: int) -> int:
-    """``value`` must be a Python int (bool rejected) in ``[lo, hi)``."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
-    if not lo <= value < hi:
-        raise ValueError(f"{name}={value} is out of range [{lo}, {hi})")
-    return value
 
 
 def check_layer(cfg: HiSparseConfig, layer: object) -> int:
@@ -40,39 +32,6 @@ def check_req_id(cfg: HiSparseConfig, req_id: object) -> int:
     return check_int("req_id", req_id, 0, cfg.max_request_id)
 
 
-def _same_device(t: torch.Tensor, device: torch.device) -> bool:
-    if t.device.type != device.type:
-        return False
-    return device.type != "cuda" or t.device.index == device.index
-
-
-def check_tensor(name: str, t: object, *, dtypes: tuple[torch.dtype, ...], ndim: int,
-                 device: torch.device) -> torch.Tensor:
-    """Type, dtype, ndim and device of a tensor argument (metadata only)."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        want = " or ".join(str(d) for d in dtypes)
-        raise TypeError(f"{name} must have dtype {want}, got {t.dtype}")
-    if t.dim() != ndim:
-        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
-    if not _same_device(t, device):
-        raise ValueError(
-            f"{name} is on {t.device} but the cache lives on {device}; move it there first"
-        )
-    return t
-
-
-def check_rows(cfg: HiSparseConfig, rows: object, device: torch.device) -> torch.Tensor:
-    """rows: uint8 [n, row_bytes] on the cache device."""
-    check_tensor("rows", rows, dtypes=(torch.uint8,), ndim=2, device=device)
-    if rows.shape[1] != cfg.row_bytes:  # type: ignore[union-attr]
-        raise ValueError(
-            f"rows must be uint8 [n, row_bytes={cfg.row_bytes}], got shape {tuple(rows.shape)}"
-        )
-    return rows  # type: ignore[return-value]
-
-
 def check_resolve_meta(cfg: HiSparseConfig, device: torch.device, req_ids: object,
                        topk: object, max_tokens: int) -> tuple[int, int]:
     """Metadata of a resolve call; returns (T, K). No sync.
@@ -81,8 +40,8 @@ def check_resolve_meta(cfg: HiSparseConfig, device: torch.device, req_ids: objec
     only with T = 0) and T <= max_tokens
     (the capacity of the preallocated output buffers, R x max_query_len).
     """
-    check_tensor("req_ids", req_ids, dtypes=(torch.int32, torch.int64), ndim=1, device=device)
-    check_tensor("topk", topk, dtypes=(torch.int32,), ndim=2, device=device)
+    check_tensor("req_ids", req_ids, dtype=(torch.int32, torch.int64), ndim=1, device=device)
+    check_tensor("topk", topk, dtype=torch.int32, ndim=2, device=device)
     T, K = topk.shape  # type: ignore[union-attr]
     if req_ids.shape[0] != T:
         raise ValueError(
@@ -178,10 +137,7 @@ def check_positions(positions: object, length: int) -> torch.Tensor:
             )
         pos = positions.to("cpu", torch.int64)
     elif isinstance(positions, (list, tuple, range)):
-        for p in positions:
-            if isinstance(p, bool) or not isinstance(p, int):
-                raise TypeError(f"positions must hold ints, got {type(p).__name__} ({p!r})")
-        pos = torch.tensor(list(positions), dtype=torch.int64)
+        pos = torch.tensor(check_ints("positions", positions), dtype=torch.int64)
     else:
         raise TypeError(
             f"positions must be a list of ints or an integer tensor, got {type(positions).__name__}"
@@ -194,5 +150,5 @@ def check_positions(positions: object, length: int) -> torch.Tensor:
     return pos
 
 
-__all__ = ["check_int", "check_layer", "check_req_id", "check_tensor", "check_rows",
-           "check_resolve_meta", "check_resolve_contents", "check_positions"]
+__all__ = ["check_layer", "check_req_id", "check_resolve_meta", "check_resolve_contents",
+           "check_positions"]

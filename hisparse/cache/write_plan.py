@@ -8,19 +8,19 @@ index lists, built as runs ``(start, length, step)`` on the host, expanded in on
 and moved to the device with one copy.
 
 The plan depends only on the request slots, the positions written, the token offsets
-in ``rows`` and the previous reserved-slot occupants, which are the same for every
-layer of one forward; so the cache reuses a plan across layers (see
-``HiSparseCache.append_rows_batch``). Building a plan allocates the host blocks the
-rows need (the caller checks capacity first).
+in ``rows``, the previous reserved-slot occupants and the requests' host blocks, which
+are the same for every layer of one forward; so the write path reuses a plan across
+layers (``hisparse.cache.write``). Building a plan changes nothing: the blocks a write
+still needs are passed in (``new_blocks``, what the allocator will hand out), and the
+write path allocates them once its launches are enqueued.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Mapping, Sequence
 
 import torch
-
-from .host_pool import HostPool
 
 # one unit of work: (request slot r, first position p0, end position p1, first token of
 # the request's rows in the batch, position in the reserved slot S before the write or -1)
@@ -80,20 +80,39 @@ def expand_runs(runs: list[tuple[int, int, int]]) -> torch.Tensor:
     return t[which, 0] + t[which, 2] * offs
 
 
-def build_write_plan(pool: HostPool, work: list[Work], *, S: int, device: torch.device) -> WritePlan:
-    """Allocate the blocks ``work`` needs (CapacityError only if the caller skipped the
-    capacity check) and build its device index lists.
+def build_write_plan(work: list[Work], *, owned: Mapping[int, Sequence[int]],
+                     new_blocks: Mapping[int, Sequence[int]], B: int, S: int,
+                     device: torch.device) -> WritePlan:
+    """The device index lists of ``work``.
 
-    Same decisions as ``HiSparseCache.append_rows`` per request: positions < S go to
-    slot == position; the last position, if >= S, to the reserved slot S (unmapping the
-    previous occupant); every position to its host row.
+    owned[r]: the host blocks request slot r holds now; new_blocks[r]: the blocks it
+    gets for this write (appended after ``owned[r]``; absent = none). Same decisions as
+    one request at a time: positions < S go to slot == position; the last position,
+    if >= S, to the reserved slot S (unmapping the previous occupant); every position
+    to its host row.
     """
     if all(p1 == p0 + 1 for _, p0, p1, _, _ in work):
-        return _single_row_plan(pool, work, S=S, device=device)
-    return _runs_plan(pool, work, S=S, device=device)
+        return _single_row_plan(work, owned=owned, new_blocks=new_blocks, B=B, S=S, device=device)
+    return _runs_plan(work, owned=owned, new_blocks=new_blocks, B=B, S=S, device=device)
 
 
-def _runs_plan(pool: HostPool, work: list[Work], *, S: int, device: torch.device) -> WritePlan:
+def _segments(blocks: Sequence[int], B: int, p0: int, p1: int) -> list[tuple[int, int, int]]:
+    """Positions [p0, p1) of a block list as runs contiguous in the pool:
+    ``[(pos_start, pos_end, host_row_start), ...]`` (consecutive blocks merged)."""
+    out: list[tuple[int, int, int]] = []
+    p = p0
+    while p < p1:
+        end = min(p1, (p // B + 1) * B)
+        row = blocks[p // B] * B + p % B
+        if out and out[-1][1] == p and out[-1][2] + (p - out[-1][0]) == row:
+            out[-1] = (out[-1][0], end, out[-1][2])
+        else:
+            out.append((p, end, row))
+        p = end
+    return out
+
+
+def _runs_plan(work: list[Work], *, owned, new_blocks, B: int, S: int, device: torch.device) -> WritePlan:
     """The general ``build_write_plan``: runs per request, expanded in one go."""
     SP = S + 1
     runs: dict[str, list[tuple[int, int, int]]] = {n: [] for n in _NAMES}
@@ -102,11 +121,12 @@ def _runs_plan(pool: HostPool, work: list[Work], *, S: int, device: torch.device
         runs[name].append((start, n, step))
 
     for r, p0, p1, t0, old in work:
-        have = len(pool.allocator.owned(r))
-        for k, blk in enumerate(pool.allocator.allocate(r, pool.blocks_needed(r, p1))):
+        have = list(owned.get(r, ()))
+        for k, blk in enumerate(new_blocks.get(r, ())):
             put("bt_r", r)
-            put("bt_k", have + k)
+            put("bt_k", len(have) + k)
             put("bt_v", blk)
+        blocks = have + list(new_blocks.get(r, ()))
         fit_end = min(p1, S)
         if p0 < fit_end:  # fits phase: position p -> slot p
             n = fit_end - p0
@@ -115,21 +135,21 @@ def _runs_plan(pool: HostPool, work: list[Work], *, S: int, device: torch.device
             put("sp_idx", r * SP + p0, n)
             put("sp_pos", p0, n)
             put("sp_r", r, n, 0)
-            for a, b, h in pool.segments(r, p0, fit_end):
+            for a, b, h in _segments(blocks, B, p0, fit_end):
                 put("rs_h", h, b - a)
                 put("rs_v", a, b - a)
         last = p1 - 1
         if last >= S:  # the newest row takes the reserved slot S
             if old >= 0:
-                put("unmap", pool.segments(r, old, old + 1)[0][2])
+                put("unmap", blocks[old // B] * B + old % B)
             put("hot_dst", r * SP + S)
             put("hot_tok", t0 + last - p0)
             put("sp_idx", r * SP + S)
             put("sp_pos", last)
             put("sp_r", r)
-            put("rs_h", pool.segments(r, last, last + 1)[0][2])
+            put("rs_h", blocks[last // B] * B + last % B)
             put("rs_v", S)
-        for a, b, h in pool.segments(r, p0, p1):  # host mirror of every row
+        for a, b, h in _segments(blocks, B, p0, p1):  # host mirror of every row
             put("host_h", h, b - a)
             put("host_tok", t0 + a - p0, b - a)
         put("len_r", r)
@@ -139,26 +159,27 @@ def _runs_plan(pool: HostPool, work: list[Work], *, S: int, device: torch.device
     return _to_plan(flat, sizes, device)
 
 
-def _single_row_plan(pool: HostPool, work: list[Work], *, S: int, device: torch.device) -> WritePlan:
+def _single_row_plan(work: list[Work], *, owned, new_blocks, B: int, S: int,
+                     device: torch.device) -> WritePlan:
     """``build_write_plan`` when every request writes one row (a decode step): the same
-    lists in the same order, built directly (no runs, no ``segments``)."""
-    SP, B = S + 1, pool.B
-    alloc = pool.allocator
+    lists in the same order, built directly (no runs, no segments)."""
+    SP = S + 1
     lists: dict[str, list[int]] = {n: [] for n in _NAMES}
     bt_r, bt_k, bt_v = lists["bt_r"], lists["bt_k"], lists["bt_v"]
     hot_dst, hot_tok, sp_idx = lists["hot_dst"], lists["hot_tok"], lists["sp_idx"]
     sp_pos, sp_r, rs_h, rs_v = lists["sp_pos"], lists["sp_r"], lists["rs_h"], lists["rs_v"]
     unmap, host_h, host_tok = lists["unmap"], lists["host_h"], lists["host_tok"]
     for r, p0, _p1, t0, old in work:
-        blocks = alloc.owned(r)
-        k = p0 // B
-        if k >= len(blocks):  # the row opens a new block (and any it skips, as runs do)
+        blocks = owned.get(r, ())
+        extra = new_blocks.get(r)
+        if extra:  # the row opens a new block (and any it skips, as runs do)
             have = len(blocks)
-            for j, blk in enumerate(alloc.allocate(r, k + 1 - have)):
+            for j, blk in enumerate(extra):
                 bt_r.append(r)
                 bt_k.append(have + j)
                 bt_v.append(blk)
-            blocks = alloc.owned(r)
+            blocks = list(blocks) + list(extra)
+        k = p0 // B
         h = blocks[k] * B + p0 % B
         slot = p0 if p0 < S else S
         if p0 >= S and old >= 0:
@@ -195,7 +216,8 @@ def _to_plan(flat: torch.Tensor, sizes: list[int], device: torch.device) -> Writ
     # the groups written together have one length each (apply_write_plan_kernel relies on it)
     for group in (("bt_r", "bt_k", "bt_v"), ("hot_dst", "hot_tok", "sp_idx", "sp_pos", "sp_r"),
                   ("rs_h", "rs_v"), ("host_h", "host_tok"), ("len_r", "len_v")):
-        assert len({n[g] for g in group}) == 1, {g: n[g] for g in group}
+        if len({n[g] for g in group}) != 1:
+            raise RuntimeError(f"write plan lists of one group differ in length: {({g: n[g] for g in group})}")
     counts = (n["bt_r"], n["hot_dst"], n["rs_h"], n["unmap"], n["host_h"], n["len_r"])
     return WritePlan(**views, host_h32=views["host_h"].to(torch.int32),
                      host_tok32=views["host_tok"].to(torch.int32), flat=flat, counts=counts)

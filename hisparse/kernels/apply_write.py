@@ -35,8 +35,8 @@ def apply_write_plan_kernel(
     bt_stride,  # elements between block-table rows
     row_slot_ptr,  # int32 [num_host_rows] row_slot of the layer
     slot_pos_ptr,  # int32 [R * (S + 1)] slot_pos of the layer
-    slot_stamp_ptr,  # int32 [R * (S + 1)] slot_stamp of the layer
-    step_ptr,  # int32 [R] step of the layer
+    slot_stamp_ptr,  # int64 [R * (S + 1)] slot_stamp of the layer
+    step_ptr,  # int64 [R] step of the layer
     seq_lens_ptr,  # int32 [R] seq_lens of the layer
     stats_ptr,  # int64 [NUM_STATS] stats of the layer
     n_bt, n_hot, n_rs, n_unmap, n_host, n_len,  # list lengths

@@ -1,6 +1,6 @@
 """Triton body of the logical -> physical top-k index conversion.
 
-Launcher, validation and the torch reference live in ``hisparse.cache.convert``;
+Launcher, validation and the torch reference live in ``hisparse.staging.convert``;
 the semantics are spelled out there. One program per query token walks its K
 entries in tiles of BLOCK_N, so the valid entries can be compacted to the front of
 the row with a running prefix sum (no atomics, no scratch memory).
@@ -84,6 +84,7 @@ def convert_topk_kernel(
             ok_pre = nonneg & pre_ok & (pos < ws_len)
             val = tl.where(is_pre, ws_start + pos, dec_val)
             ok = tl.where(is_pre, ok_pre, dec_ok)
+        ok = ok & (val < 2147483648)  # rows are int32: a larger one would wrap onto a real row
         val = tl.where(ok, val, -1).to(tl.int32)
         if COMPACT:
             ok_i = ok.to(tl.int32)

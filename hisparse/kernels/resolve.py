@@ -39,7 +39,7 @@ with ``.cg`` loads (L2, not a possibly stale L1 line). The only sort is of the m
       the threshold position inside that stamp (each probe one masked count over the
       S slots).
   P4  the victims, in ascending slot order, are ranked; the victim of rank i reads
-      the miss parked in entry i, unmaps its old row, maps the miss (slot_pos,
+      the miss parked in entry i, logs its old position and stamp, unmaps its old row, maps the miss (slot_pos,
       slot_stamp, row_slot, overwriting the marker) and writes its flat hot row to
       stage_dst[t0*K + i].
   P5  per token of the group, from the tile: physical = r * (S + 1) + slot (the miss
@@ -59,6 +59,7 @@ import triton
 import triton.language as tl
 
 _I32_MAX = tl.constexpr(2147483647)
+_I64_MAX = tl.constexpr(9223372036854775807)
 
 
 @triton.jit
@@ -100,7 +101,8 @@ def _sort_parked(stage_src_ptr, stage_dst_ptr, base, m, bt_r, NB, B, H, TILE: tl
                        "phys_stride", "T", "K", "S", "B"],
     do_not_specialize_on_alignment=["slot_pos_ptr", "slot_stamp_ptr", "row_slot_ptr",
                                     "step_ptr", "stats_ptr", "id_to_slot_ptr", "seq_lens_ptr",
-                                    "bt_ptr", "valid_ptr"],
+                                    "bt_ptr", "valid_ptr", "undo_hit_ptr", "undo_vpos_ptr",
+                                    "undo_vstamp_ptr"],
 )
 def resolve_kernel(
     req_ids_ptr,  # int32 [T], request id per query token
@@ -114,16 +116,19 @@ def resolve_kernel(
     bt_stride,
     NB,
     slot_pos_ptr,  # int32 [R, S + 1] of this layer (contiguous), -1 = empty
-    slot_stamp_ptr,  # int32 [R, S + 1] of this layer (contiguous), -1 = empty
+    slot_stamp_ptr,  # int64 [R, S + 1] of this layer (contiguous), -1 = empty
     row_slot_ptr,  # int32 [H] of this layer, -1 = not hot
     H,
-    step_ptr,  # int32 [R] of this layer
+    step_ptr,  # int64 [R] of this layer
     stats_ptr,  # int64 [NUM_STATS] of this layer
     phys_ptr,  # int32 [>= T, >= K] (row stride phys_stride), output
     phys_stride,
     valid_ptr,  # int32 [>= T], output
     stage_src_ptr,  # int32 [>= T * K], output: host row to stage, -1 = nothing
     stage_dst_ptr,  # int32 [>= T * K], output: flat hot row, -1 = nothing
+    undo_hit_ptr,  # int64 [>= T * K], output: a hit lane's stamp before this step, -2 = no hit
+    undo_vpos_ptr,  # int32 [>= T * K], output: victim i's old position at t0 * K + i
+    undo_vstamp_ptr,  # int64 [>= T * K], output: victim i's old stamp at t0 * K + i
     T,
     K,
     S,  # LRU slots per (layer, request); slot S is reserved
@@ -214,8 +219,9 @@ def resolve_kernel(
 
             # P2: stamp the hits; the lanes that changed a stamp are the unique hits
             # (every stamp before this step is < s_new; duplicates see s_new)
-            old = tl.atomic_xchg(slot_stamp_r + gslot, minus1_g * 0 + s_new, mask=ghit,
-                                 sem="relaxed")
+            old = tl.atomic_xchg(slot_stamp_r + gslot, tl.zeros([GQ, KB], tl.int64) + s_new,
+                                 mask=ghit, sem="relaxed")
+            tl.store(undo_hit_ptr + base + goff, tl.where(ghit, old, -2), mask=gmask)
             nhit = tl.sum(tl.sum((ghit & (old != s_new)).to(tl.int32), axis=1), axis=0)
             m = tl.sum(tl.sum(gmiss.to(tl.int32), axis=1), axis=0)
             if m > 0:
@@ -268,7 +274,7 @@ def resolve_kernel(
                 # threshold position within it) instead of a sort
                 si = tl.arange(0, SB)
                 smask = si < S
-                st = tl.load(slot_stamp_r + si, mask=smask, other=_I32_MAX, cache_modifier=".cg")
+                st = tl.load(slot_stamp_r + si, mask=smask, other=_I64_MAX, cache_modifier=".cg")
                 spo = tl.load(slot_pos_r + si, mask=smask, other=-1)
                 cand = smask & (st < s_new)
                 emp = (cand & (spo < 0)).to(tl.int32)
@@ -276,7 +282,7 @@ def resolve_kernel(
                 vic = (emp != 0) & (tl.cumsum(emp, 0) - emp < m)
                 m2 = m - tl.sum(emp, axis=0)
                 if m2 > 0:
-                    lo = tl.min(tl.where(occ, st, _I32_MAX), axis=0)
+                    lo = tl.min(tl.where(occ, st, _I64_MAX), axis=0)
                     hi = tl.max(tl.where(occ, st, -1), axis=0)
                     while lo < hi:  # smallest stamp tau with #(occ, stamp <= tau) >= m2
                         mid = lo + (hi - lo) // 2
@@ -306,8 +312,10 @@ def resolve_kernel(
                 okv = vic & (menc <= -2) & (mrow >= 0) & (mrow < H)
                 orow, ogood = _host_row(spo, okv & (spo >= 0), bt_r, NB, B, H)
                 tl.store(row_slot_ptr + orow, tl.full([SB], -1, tl.int32), mask=ogood)
+                tl.store(undo_vpos_ptr + base + vr, spo, mask=okv)
+                tl.store(undo_vstamp_ptr + base + vr, st, mask=okv)
                 tl.store(slot_pos_r + si, -2 - menc, mask=okv)
-                tl.store(slot_stamp_r + si, tl.full([SB], 0, tl.int32) + s_new, mask=okv)
+                tl.store(slot_stamp_r + si, tl.zeros([SB], tl.int64) + s_new, mask=okv)
                 tl.store(row_slot_ptr + mrow, si, mask=okv)
                 tl.store(stage_dst_ptr + base + vr, rbase + si, mask=okv)
                 if tl.sum(okv.to(tl.int32), axis=0) != m:

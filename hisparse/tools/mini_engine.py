@@ -46,7 +46,7 @@ import time
 import torch
 
 from ..config import HiSparseConfig, RowFormat
-from ..engine_metadata import SparseMLAMetadata
+from ..engine.metadata import SparseMLAMetadata
 
 D_QK, D_V = 576, 512
 
@@ -301,9 +301,9 @@ class ResidentKV:
         self.rows[layer].index_copy_(0, self._dst, rows)
 
     def decode_rows(self, layer: int, topk: torch.Tensor, batch: "Batch"):
-        from ..cache.convert import convert_topk_to_physical
+        from ..staging import BlockTable, convert_topk_to_physical
 
-        phys = convert_topk_to_physical(topk, batch.dec_slots, self.block_table, block_size=self.bs,
+        phys = convert_topk_to_physical(topk, batch.dec_slots, BlockTable(self.block_table, self.bs),
                                         validate=self.validate).physical
         return self.rows[layer], phys
 

@@ -92,7 +92,7 @@ class PlanInputs:
     block_size: int = 64  # B
     target_requests: int | None = None
     tp_ranks: int = 1  # P
-    tp_share: bool = False  # one shared host pool per node (hisparse.distributed)
+    tp_share: bool = False  # one shared host pool per node (hisparse.cache.distributed)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "context_len", "top_k", "max_seqs", "block_size", "tp_ranks"):

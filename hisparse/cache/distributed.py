@@ -36,9 +36,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .cache.shared_pool import (ConfigMismatchError, RankFailureError, SharedHostPool,
-                                config_diff, layout, pid_alive)
-from .config import HiSparseConfig
+from ..config import HiSparseConfig
+from .shared_pool import (ConfigMismatchError, RankFailureError, SharedHostPool, config_diff, layout,
+                          pid_alive)
 
 _setup_counts: dict[str, int] = {}
 

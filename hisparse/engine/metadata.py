@@ -23,24 +23,11 @@ import dataclasses
 
 import torch
 
-
-def _check_int(name: str, v: object, minimum: int = 0) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise TypeError(f"{name} must be an int, got {type(v).__name__} ({v!r})")
-    if v < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {v}")
-    return v
+from .._checks import check_int, check_ints, check_tensor
 
 
 def _check_i32(name: str, x: object, shape: tuple[int, ...], device: torch.device | None) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype != torch.int32:
-        raise TypeError(f"{name} must be int32, got {x.dtype}")
-    if tuple(x.shape) != shape:
-        raise ValueError(f"{name} must have shape {shape}, got {tuple(x.shape)}")
-    if device is not None and x.device != device:
-        raise ValueError(f"{name} is on {x.device}, expected {device}")
+    check_tensor(name, x, dtype=torch.int32, shape=shape, device=device)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,15 +99,12 @@ class SparseMLAMetadata:
         dev = torch.device(device)
         for name, lst in (("request_ids", request_ids), ("query_lens", query_lens),
                           ("seq_lens", seq_lens)):
-            if not isinstance(lst, (list, tuple)):
-                raise TypeError(f"{name} must be a list of ints, got {type(lst).__name__}")
-            for v in lst:
-                _check_int(f"{name} entry", v)
+            check_ints(name, lst, 0)
         n = len(request_ids)
         if len(query_lens) != n or len(seq_lens) != n:
             raise ValueError(f"request_ids ({n}), query_lens ({len(query_lens)}) and seq_lens "
                              f"({len(seq_lens)}) must have one entry per batch row")
-        _check_int("num_decodes", num_decodes)
+        check_int("num_decodes", num_decodes, 0)
         if num_decodes > n:
             raise ValueError(f"num_decodes={num_decodes} exceeds the {n} requests in the batch")
         qsl = [0]
@@ -159,9 +143,9 @@ class SparseMLAMetadata:
             if self.query_len(row) > self.seq_lens_cpu[row]:
                 raise ValueError(f"batch row {row}: query length {self.query_len(row)} exceeds its "
                                  f"seq_len {self.seq_lens_cpu[row]} (seq_len includes this forward's tokens)")
-        _check_int("num_decodes", self.num_decodes)
-        _check_int("num_prefills", self.num_prefills)
-        _check_int("block_size", self.block_size, 1)
+        check_int("num_decodes", self.num_decodes, 0)
+        check_int("num_prefills", self.num_prefills, 0)
+        check_int("block_size", self.block_size, 1)
         if self.num_decodes + self.num_prefills != n:
             raise ValueError(f"num_decodes ({self.num_decodes}) + num_prefills ({self.num_prefills}) "
                              f"!= {n} requests")

@@ -8,7 +8,7 @@ order an engine makes them (``docs/ENGINE.md`` walks through them):
                    per layer; group.cache(i).runtime.max_num_reqs etc. size the backend
   per request      group.add_request(req_id) on admission, group.free_request(req_id)
                    when it finishes or is preempted
-  per forward      group.prepare_for_batch(metadata)                      (once)
+  per forward      group.prepare_for_batch(metadata)        (once: checks, write batch)
   per layer        group.write_new_rows(i, rows, metadata)       (this forward's KV rows)
     decode part    phys = group.convert_decode_logical_to_physical_topk(i, topk[:Td], ...)
                    backend.decode(q[:Td], group.physical_kv_cache(i), phys, ...)
@@ -24,7 +24,7 @@ Semantics fixed here:
 - Each layer's decode indices are resolved exactly once per forward: resolving moves
   LRU state, so a second call for the same layer in the same forward returns the first
   result again (same top-k tensor required) instead of resolving twice.
-- Decode tokens come first in the batch (see ``engine_metadata``); only they are
+- Decode tokens come first in the batch (see ``engine.metadata``); only they are
   resolved. Prefill requests read their context through a staged workspace.
 - Ordering on CUDA: ``convert_decode...`` returns after the compute stream was made to
   wait for the miss staging (the cache does that), so the attention kernel launched next
@@ -35,6 +35,9 @@ Semantics fixed here:
   (host syncs allowed); ``validate=False`` skips the device-reading checks for the hot
   loop. Host-side bookkeeping (request lengths per layer) is always checked: it costs
   no sync.
+- A call either completes or raises before it changes anything (the cache's write
+  path and resolve are atomic, and the group updates its own per-forward state only
+  after they returned).
 """
 
 from __future__ import annotations
@@ -43,11 +46,14 @@ import dataclasses
 
 import torch
 
-from .config import HiSparseConfig, RowFormat
-from .engine_metadata import SparseMLAMetadata
-from .errors import CapacityError
+from .._checks import check_int, check_tensor
+from ..cache.cache import HiSparseCache
+from ..config import HiSparseConfig
+from ..errors import CapacityError
+from ..formats import D_ROW, RowFormat
+from ..staging.prefill import StageRequests, stage_prefill
+from .metadata import SparseMLAMetadata
 
-D_QK = 576  # 512 latent + 64 RoPE
 _KV_DTYPES = {"fp8_ds_mla": RowFormat.FP8_DS_MLA, "bf16": RowFormat.BF16, "auto": RowFormat.BF16,
               "bfloat16": RowFormat.BF16}
 
@@ -105,25 +111,20 @@ class HiSparseIndexGroup:
     is passed to :class:`hisparse.HiSparseCache` ("auto" | "torch" | "triton").
     """
 
-    def __init__(self, config: HiSparseConfig, *, validate: bool = True, kernels: str = "auto",
-                 batched_writes: bool = True) -> None:
+    def __init__(self, config: HiSparseConfig, *, validate: bool = True, kernels: str = "auto") -> None:
         if not isinstance(config, HiSparseConfig):
             raise TypeError(f"config must be a HiSparseConfig, got {type(config).__name__}")
-        from .cache.cache import HiSparseCache
-
         self.config = config
         self.row_format = _row_format_of(config)
         self.validate = bool(validate)
-        self.batched_writes = bool(batched_writes)
         self._cache = HiSparseCache(config, kernels=kernels)
         self.device = self._hot_rows(0).device
         self._layers: list[LayerCache] = []
-        self._lens: dict[int, list[int]] = {}  # req id -> rows stored per layer (host mirror)
         self._batch: SparseMLAMetadata | None = None
         self._decode_ids = torch.empty(0, dtype=torch.int32, device=self.device)
         self._converted: dict[int, tuple[tuple, object]] = {}
         self._written: set[int] = set()
-        self._counts: tuple[int, ...] | None = None
+        self._write_batch = None  # the forward's cache.WriteBatch (prepare_for_batch)
         self.resolves_per_layer = [0] * config.num_layers  # lifetime count, for tests/metrics
         cuda = self.device.type == "cuda"
         self.prefill_stream = torch.cuda.Stream(device=self.device) if cuda else None
@@ -142,15 +143,15 @@ class HiSparseIndexGroup:
     def _hot_rows(self, layer: int) -> torch.Tensor:
         return self._cache.hot_rows(layer)
 
-    def register_layer(self, *, head_size: int = D_QK, kv_cache_dtype: str = "fp8_ds_mla") -> int:
+    def register_layer(self, *, head_size: int = D_ROW, kv_cache_dtype: str = "fp8_ds_mla") -> int:
         """Register the next layer; returns its index in the group (0, 1, ...).
 
         head_size: the MLA head size of the KV rows (576 = 512 latent + 64 RoPE).
         kv_cache_dtype: "fp8_ds_mla" or "bf16" ("auto"/"bfloat16" accepted); must match
         the config's row format.
         """
-        if head_size != D_QK:
-            raise ValueError(f"head_size must be {D_QK} (512 latent + 64 RoPE), got {head_size!r}")
+        if head_size != D_ROW:
+            raise ValueError(f"head_size must be {D_ROW} (512 latent + 64 RoPE), got {head_size!r}")
         if kv_cache_dtype not in _KV_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {sorted(_KV_DTYPES)}, got {kv_cache_dtype!r}")
         fmt = _KV_DTYPES[kv_cache_dtype]
@@ -172,11 +173,10 @@ class HiSparseIndexGroup:
         return i
 
     def _layer(self, layer_index: object) -> int:
-        if isinstance(layer_index, bool) or not isinstance(layer_index, int):
-            raise TypeError(f"layer_index must be an int, got {type(layer_index).__name__}")
-        if not 0 <= layer_index < len(self._layers):
+        check_int("layer_index", layer_index)
+        if not 0 <= layer_index < len(self._layers):  # type: ignore[operator]
             raise ValueError(f"layer_index {layer_index} is not registered (have {len(self._layers)} layers)")
-        return layer_index
+        return layer_index  # type: ignore[return-value]
 
     def cache(self, layer_index: int) -> LayerCache:
         return self._layers[self._layer(layer_index)]
@@ -189,23 +189,17 @@ class HiSparseIndexGroup:
     def add_request(self, req_id: int) -> None:
         """Admit a request (CapacityError when every request slot is taken)."""
         self._cache.add_request(req_id)
-        self._lens[req_id] = [0] * self.config.num_layers
 
     def free_request(self, req_id: int) -> None:
         """Release every block and slot of a finished or preempted request."""
-        if req_id not in self._lens:
-            raise ValueError(f"request {req_id!r} is not live")
         self._cache.free_request(req_id)
-        del self._lens[req_id]
 
     def has_request(self, req_id: int) -> bool:
-        return req_id in self._lens
+        return self._cache.requests.is_live(req_id)
 
     def request_length(self, req_id: int, layer_index: int) -> int:
         """Rows stored for ``req_id`` in layer ``layer_index``."""
-        if req_id not in self._lens:
-            raise ValueError(f"request {req_id!r} is not live")
-        return self._lens[req_id][self._layer(layer_index)]
+        return self._cache.layer_len(self._layer(layer_index), req_id)
 
     def stats(self) -> dict:
         return self._cache.stats()
@@ -229,22 +223,27 @@ class HiSparseIndexGroup:
         q = metadata.decode_max_query_len
         if metadata.num_decodes and q > cfg.max_query_len:
             raise ValueError(f"decode query length {q} exceeds the config's max_query_len={cfg.max_query_len}")
+        cache = self._cache
         for row, rid in enumerate(metadata.request_ids_cpu):
-            lens = self._lens.get(rid)
-            if lens is None:
+            if not cache.requests.is_live(rid):
                 raise ValueError(f"batch row {row}: request {rid} is not live (add_request first)")
+            lens = cache.lengths(rid)
             start = metadata.context_start(row)
             if any(n != start for n in lens):
-                raise ValueError(f"batch row {row}: request {rid} holds {lens} rows per layer but the "
+                raise ValueError(f"batch row {row}: request {rid} holds {list(lens)} rows per layer but the "
                                  f"metadata says its context before this forward is {start} "
                                  f"(seq_len {metadata.seq_lens_cpu[row]} - query_len {metadata.query_len(row)})")
+        qsl = metadata.query_start_loc_cpu
+        counts = [qsl[row + 1] - qsl[row] for row in range(metadata.num_reqs)]
+        write_batch = cache.plan_write(metadata.request_ids_cpu, counts)
         td = metadata.num_decode_tokens
         rows = metadata.req_id_per_token[:td].long()
+        # ---- nothing above changed anything; now the forward's state ----
         self._decode_ids = metadata.request_ids[rows] if td else metadata.request_ids[:0]
         self._batch = metadata
         self._converted = {}
-        self._written: set[int] = set()  # layers whose rows this forward wrote
-        self._counts: tuple[int, ...] | None = None  # rows per batch row (built on first write)
+        self._written = set()  # layers whose rows this forward wrote
+        self._write_batch = write_batch
 
     def _check_batch(self, metadata: object) -> SparseMLAMetadata:
         if self._batch is None or metadata is not self._batch:
@@ -266,48 +265,26 @@ class HiSparseIndexGroup:
         # this method changes them: a layer not written yet in this forward is in order
         if i in self._written:
             raise ValueError(f"layer {i}: this forward's rows were already written")
-        qsl = md.query_start_loc_cpu
-        if self.batched_writes:  # one plan for the whole batch, a fixed number of launches
-            ids = md.request_ids_cpu
-            if self._counts is None:  # one tuple per forward: the cache validates it once
-                self._counts = tuple(qsl[row + 1] - qsl[row] for row in range(len(ids)))
-            firsts = self._cache.append_rows_batch(i, ids, rows, self._counts)
-            for row, rid in enumerate(ids):
-                if firsts[row] != self._lens[rid][i]:
-                    raise RuntimeError(f"cache appended request {rid} layer {i} at position {firsts[row]}, "
-                                       f"the group expected {self._lens[rid][i]}")
-                self._lens[rid][i] = md.seq_lens_cpu[row]
-            self._written.add(i)
-            return
+        firsts = self._cache.write(i, self._write_batch, rows)  # atomic: CapacityError changes nothing
         for row, rid in enumerate(md.request_ids_cpu):
-            if self._lens[rid][i] != md.context_start(row):  # a partly failed earlier call
-                raise ValueError(f"layer {i}: rows of request {rid} were already written in this forward")
-        for row, rid in enumerate(md.request_ids_cpu):
-            n = qsl[row + 1] - qsl[row]
-            if n == 0:
-                continue
-            first = self._cache.append_rows(i, rid, rows[qsl[row]:qsl[row + 1]])
-            if first != self._lens[rid][i]:
-                raise RuntimeError(f"cache appended request {rid} layer {i} at position {first}, "
-                                   f"the group expected {self._lens[rid][i]}")
-            self._lens[rid][i] += n
+            if firsts[row] != md.context_start(row):
+                raise RuntimeError(f"cache appended request {rid} layer {i} at position {firsts[row]}, "
+                                   f"the batch says its context is {md.context_start(row)}")
         self._written.add(i)
 
     def _as_row_bytes(self, rows: object, n: int, name: str) -> torch.Tensor:
-        if not isinstance(rows, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(rows).__name__}")
+        """uint8 [n, row_bytes] (bf16 [n, 576] accepted for bf16 rows; any strides)."""
         rb = self.config.row_bytes
-        if rows.dtype == torch.bfloat16 and self.row_format is RowFormat.BF16:
-            if rows.dim() != 2 or rows.shape[1] != D_QK:
-                raise ValueError(f"{name} as bf16 must be [T, {D_QK}], got {tuple(rows.shape)}")
-            rows = rows.contiguous().view(torch.uint8)
-        if rows.dtype != torch.uint8:
-            raise TypeError(f"{name} must be uint8 [T, {rb}], got dtype {rows.dtype}")
-        if rows.dim() != 2 or rows.shape != (n, rb):
-            raise ValueError(f"{name} must be [T={n}, {rb}], got {tuple(rows.shape)}")
-        if rows.device != self.device:
-            raise ValueError(f"{name} is on {rows.device}, the cache on {self.device}")
-        return rows
+        check_tensor(name, rows, ndim=2, device=self.device)
+        if rows.dtype == torch.bfloat16 and self.row_format is RowFormat.BF16:  # type: ignore[union-attr]
+            if rows.shape[1] != D_ROW:  # type: ignore[union-attr]
+                raise ValueError(f"{name} as bf16 must be [T, {D_ROW}], got {tuple(rows.shape)}")  # type: ignore[union-attr]
+            rows = rows.contiguous().view(torch.uint8)  # type: ignore[union-attr]
+        check_tensor(name, rows, dtype=torch.uint8)
+        if tuple(rows.shape) != (n, rb):  # type: ignore[union-attr]
+            raise ValueError(f"{name} must be [T={n}, {rb}] (one row per token of the batch), got "
+                             f"{list(rows.shape)}")  # type: ignore[union-attr]
+        return rows  # type: ignore[return-value]
 
     # ---------------------------------------------------------------- decode
     def convert_decode_logical_to_physical_topk(
@@ -334,17 +311,12 @@ class HiSparseIndexGroup:
         if nd != md.num_decodes or (nd and q != md.decode_max_query_len):
             raise ValueError(f"num_decodes={nd}, decode_query_len={q} disagree with the batch "
                              f"({md.num_decodes} decodes of {md.decode_max_query_len} tokens)")
-        if not isinstance(topk_indices, torch.Tensor):
-            raise TypeError(f"topk_indices must be a torch.Tensor, got {type(topk_indices).__name__}")
-        if topk_indices.dtype != torch.int32:
-            raise TypeError(f"topk_indices must be int32 [Td, K], got {topk_indices.dtype}")
         td = md.num_decode_tokens
-        if topk_indices.dim() != 2 or topk_indices.shape[0] != td:
-            raise ValueError(f"topk_indices must be [num_decode_tokens={td}, K], got {tuple(topk_indices.shape)}")
+        check_tensor("topk_indices", topk_indices, dtype=torch.int32, ndim=2, device=self.device)
+        if topk_indices.shape[0] != td:
+            raise ValueError(f"topk_indices must be [num_decode_tokens={td}, K], got {list(topk_indices.shape)}")
         if topk_indices.shape[1] > self.config.top_k:
             raise ValueError(f"topk_indices has K={topk_indices.shape[1]} > config top_k={self.config.top_k}")
-        if topk_indices.device != self.device:
-            raise ValueError(f"topk_indices is on {topk_indices.device}, the cache on {self.device}")
         key = (topk_indices.data_ptr(), tuple(topk_indices.shape), tuple(topk_indices.stride()))
         done = self._converted.get(i)
         if done is not None:
@@ -356,7 +328,7 @@ class HiSparseIndexGroup:
             if nd and i not in self._written:  # this forward's rows of layer i are not in yet
                 rid = md.request_ids_cpu[0]
                 raise ValueError(f"layer {i}: write_new_rows must run before the conversion "
-                                 f"(request {rid} holds {self._lens[rid][i]} of "
+                                 f"(request {rid} holds {self._cache.layer_len(i, rid)} of "
                                  f"{md.seq_lens_cpu[0]} rows)")
             if td:
                 phys, counts = self._resolve_decode(i, topk_indices)
@@ -387,8 +359,9 @@ class HiSparseIndexGroup:
             row = md.num_decodes + p
             rid = md.request_ids_cpu[row]
             n = md.seq_lens_cpu[row]
-            if self._lens[rid][layer] != n:
-                raise ValueError(f"layer {layer}: prefill request {rid} holds {self._lens[rid][layer]} of "
+            have = self._cache.layer_len(layer, rid)
+            if have != n:
+                raise ValueError(f"layer {layer}: prefill request {rid} holds {have} of "
                                  f"{n} rows; call write_new_rows before staging its context")
             out.append((rid, n))
         return out
@@ -405,8 +378,6 @@ class HiSparseIndexGroup:
         token -- what the engine's own conversion needs to turn logical top-k into rows
         of ``staged``. The compute stream waits for the staging inside this call.
         """
-        from .cache import prefill as pf
-
         i = self._layer(layer_index)
         md = self._check_batch(metadata)
         flat, block_size = self._staging_view(kv_cache)
@@ -422,7 +393,7 @@ class HiSparseIndexGroup:
             starts.append(acc * block_size)
             table[p][:nb] = range(acc, acc + nb)
             acc += nb
-        ev = self._stage(i, reqs, starts, flat, pf, stored=True)
+        ev = self._stage(i, reqs, starts, flat)
         if ev is not None:
             torch.cuda.current_stream(self.device).wait_event(ev)
         bt = torch.tensor(table, dtype=torch.int32, device=self.device).view(len(reqs), max_b)
@@ -432,12 +403,7 @@ class HiSparseIndexGroup:
 
     def _staging_view(self, kv_cache: object) -> tuple[torch.Tensor, int]:
         rb = self.config.row_bytes
-        if not isinstance(kv_cache, torch.Tensor):
-            raise TypeError(f"kv_cache must be a torch.Tensor, got {type(kv_cache).__name__}")
-        if kv_cache.dtype != torch.uint8:
-            raise TypeError(f"kv_cache must be uint8 [..., {rb}], got {kv_cache.dtype}")
-        if kv_cache.device != self.device:
-            raise ValueError(f"kv_cache is on {kv_cache.device}, the cache on {self.device}")
+        check_tensor("kv_cache", kv_cache, dtype=torch.uint8, device=self.device)
         if kv_cache.dim() == 3 and kv_cache.shape[2] == rb and kv_cache.is_contiguous():
             return kv_cache.view(-1, rb), kv_cache.shape[1]
         if kv_cache.dim() == 2 and kv_cache.shape[1] == rb and kv_cache.is_contiguous():
@@ -459,30 +425,20 @@ class HiSparseIndexGroup:
         Returns the event (None on CPU) the compute stream must wait on before reading
         ``workspace``; the staging runs on ``prefill_stream``.
         """
-        from .cache import prefill as pf
-
         i = self._layer(layer_index)
         md = self._check_batch(metadata)
-        for name, v in (("num_reqs", num_reqs), ("req_start_idx", req_start_idx)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise TypeError(f"{name} must be an int >= 0, got {v!r}")
+        check_int("num_reqs", num_reqs, 0)
+        check_int("req_start_idx", req_start_idx, 0)
         if req_start_idx + num_reqs > md.num_prefills:
             raise ValueError(f"prefill requests {req_start_idx}..{req_start_idx + num_reqs - 1} are outside the "
                              f"batch's {md.num_prefills} prefills")
         for name, t in (("kv_cache", kv_cache), ("block_table", block_table)):
-            if t is not None and not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
-        if not isinstance(workspace, torch.Tensor) or workspace.dtype != torch.bfloat16:
-            raise TypeError(f"workspace must be a bfloat16 [W, {D_QK}] tensor")
-        if workspace.dim() != 2 or workspace.shape[1] != D_QK or not workspace.is_contiguous():
-            raise ValueError(f"workspace must be contiguous [W, {D_QK}], got {tuple(workspace.shape)}")
-        if workspace.device != self.device:
-            raise ValueError(f"workspace is on {workspace.device}, the cache on {self.device}")
-        if not isinstance(workspace_starts, torch.Tensor) or workspace_starts.dtype != torch.int32:
-            raise TypeError("workspace_starts must be an int32 [num_reqs] tensor")
-        if tuple(workspace_starts.shape) != (num_reqs,) or workspace_starts.device != self.device:
-            raise ValueError(f"workspace_starts must be [num_reqs={num_reqs}] on {self.device}, got "
-                             f"{tuple(workspace_starts.shape)} on {workspace_starts.device}")
+            if t is not None:
+                check_tensor(name, t)
+        check_tensor("workspace", workspace, dtype=torch.bfloat16, shape=(None, D_ROW), device=self.device,
+                     contiguous=True)
+        check_tensor("workspace_starts", workspace_starts, dtype=torch.int32, shape=(num_reqs,),
+                     device=self.device)
         reqs = self._prefill_rows(md, req_start_idx, num_reqs, i)
         starts, acc = [], 0
         for _, n in reqs:
@@ -496,31 +452,26 @@ class HiSparseIndexGroup:
             if got != starts:
                 raise ValueError(f"workspace_starts {got} differ from the prefix sums of the requests' "
                                  f"seq_lens {starts}")
-        return self._stage(i, reqs, starts, workspace, pf, stored=False)
+        return self._stage(i, reqs, starts, workspace)
 
-    def _stage(self, layer: int, reqs: list[tuple[int, int]], starts: list[int], dst: torch.Tensor,
-               pf, *, stored: bool):
+    def _stage(self, layer: int, reqs: list[tuple[int, int]], starts: list[int], dst: torch.Tensor):
         """Stage rows [0, n) of each (req id, n) at row ``starts[j]`` of ``dst``; returns the event.
 
-        Runs ``hisparse.cache.prefill.stage_prefill`` on the prefill stream after it waits
-        on the compute stream and on the cache's host-mirror copies (so rows written by
-        ``write_new_rows`` this forward are on host before they are read from there).
+        Runs ``hisparse.staging.stage_prefill`` over the cache's layer view on the
+        prefill stream, after it waits on the compute stream and on the cache's host
+        mirror copies (rows written by ``write_new_rows`` this forward are on host
+        before they are read from there).
         """
         c = self._cache
         i32 = dict(dtype=torch.int32, device=self.device)
-        slots = torch.tensor([c.request_slot(rid) for rid, _ in reqs], **i32)
-        lens = torch.tensor([n for _, n in reqs], **i32)
-        st = torch.tensor(starts, **i32)
+        requests = StageRequests(
+            req_slots=torch.tensor([c.request_slot(rid) for rid, _ in reqs], **i32),
+            seq_lens=torch.tensor([n for _, n in reqs], **i32), starts=torch.tensor(starts, **i32),
+            max_rows=max((n for _, n in reqs), default=0))
         if self.prefill_stream is not None:
             c.join_backup(self.prefill_stream)
-        if stored and dst.dtype != torch.uint8:
-            raise RuntimeError("stored-format staging needs a uint8 destination")
-        return pf.stage_prefill(
-            host_pool=c.pool.rows[layer], block_table=c.state.block_table, req_slots=slots, seq_lens=lens,
-            workspace_starts=st, workspace=dst, block_size=self.config.host_block_size,
-            row_format=self.row_format, hot_rows=c.hot[layer], row_slot=c.state.row_slot[layer],
-            slots_per_req=self.config.slots_per_req, max_rows=max((n for _, n in reqs), default=0),
-            stream=self.prefill_stream, validate=self.validate)
+        return stage_prefill(c.layer_view(layer), requests, dst, stream=self.prefill_stream,
+                             validate=self.validate, kernels=c.kernels)
 
 
 __all__ = ["HiSparseIndexGroup", "SparseMLAMetadata", "LayerCache", "LayerRuntime", "HotView",

@@ -16,11 +16,11 @@ Flow of one prefill step (per layer):
    chunks whose rows fit the workspace. Each chunk carries its request slice, token
    slice, block-table / request-slot slices, workspace starts rebased to the chunk,
    the rows to stage and its total rows.
-2. ``stage_prefill`` (device, on a prefill stream): gather the rows; returns an event
-   the compute stream waits on (``None`` on CPU).
-3. ``hisparse.cache.convert.convert_topk_to_physical(..., prefill_request_id=
-   chunk.prefill_request_id, workspace_starts=chunk.workspace_starts)``: top-k
-   positions -> workspace rows.
+2. ``stage_prefill(view, chunk.stage_requests(), workspace)`` (device, on a prefill
+   stream): gather the rows of a cache layer (``HiSparseCache.layer_view(layer)``);
+   returns an event the compute stream waits on (``None`` on CPU).
+3. ``hisparse.staging.convert_topk_to_physical(..., workspace=chunk.workspace_map())``:
+   top-k positions -> workspace rows.
 4. Attention over the workspace; afterwards the new rows are appended through the
    cache's write path (``HiSparseCache.append_rows``).
 
@@ -46,12 +46,12 @@ from typing import Sequence
 import torch
 import triton
 
-from ..config import RowFormat
-from ..device import is_pinned_host
+from .._checks import Kernels, check_int, check_ints, check_tensor
 from ..errors import CapacityError
-
-D_ROW = 576  # bf16 values per workspace row
-_IMPLS = ("auto", "triton", "torch")
+from ..formats import D_ROW, RowFormat, dequantize_fp8_ds_mla_reference
+from ..kernels.stage_prefill import stage_copy_kernel, stage_dequant_kernel
+from .convert import WorkspaceMap
+from .view import LayerView
 
 
 # ---------------------------------------------------------------------------
@@ -80,21 +80,59 @@ class PrefillChunk:
     def num_requests(self) -> int:
         return self.requests.stop - self.requests.start
 
+    def stage_requests(self) -> "StageRequests":
+        """What ``stage_prefill`` needs of this chunk (needs ``req_slots``)."""
+        if self.req_slots is None:
+            raise ValueError("the chunk carries no req_slots: plan with plan_prefill_chunks(..., req_slots=...)")
+        return StageRequests(req_slots=self.req_slots, seq_lens=self.seq_lens,
+                             starts=self.workspace_starts, max_rows=self.max_rows)
+
+    def workspace_map(self) -> WorkspaceMap:
+        """The chunk's tokens -> workspace rows, for ``convert_topk_to_physical``."""
+        return WorkspaceMap(prefill_request_id=self.prefill_request_id, starts=self.workspace_starts,
+                            lens=self.workspace_lens)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageRequests:
+    """The requests one ``stage_prefill`` call gathers (P of them).
+
+    req_slots: int32 [P] request slot of each (a row of the view's block table)
+    seq_lens:  int32 [P] rows [0, seq_len) to stage per request
+    starts:    int32 [P] first workspace row of each request
+    max_rows:  >= max(seq_lens), or None (then read from seq_lens: a host sync); sizes
+               the launch grid
+    """
+
+    req_slots: torch.Tensor
+    seq_lens: torch.Tensor
+    starts: torch.Tensor
+    max_rows: int | None = None
+
+    def __post_init__(self) -> None:
+        check_tensor("req_slots", self.req_slots, dtype=torch.int32, ndim=1)
+        P = self.req_slots.shape[0]
+        dev = self.req_slots.device
+        check_tensor("seq_lens", self.seq_lens, dtype=torch.int32, shape=(P,), device=dev)
+        check_tensor("workspace_starts", self.starts, dtype=torch.int32, shape=(P,), device=dev)
+        if self.max_rows is not None:
+            check_int("max_rows", self.max_rows, 0)
+
+    @property
+    def num_requests(self) -> int:
+        return int(self.req_slots.shape[0])
+
 
 def _as_int_list(name: str, v) -> list[int]:
+    """A 1-D integer tensor or a sequence of ints -> list of ints (each >= 0)."""
     if isinstance(v, torch.Tensor):
         if v.dim() != 1 or v.dtype.is_floating_point or v.dtype == torch.bool:
             raise TypeError(f"{name} must be a 1-D integer tensor or a sequence of ints, got "
                             f"{v.dtype} shape {tuple(v.shape)}")
-        return [int(x) for x in v.tolist()]
-    try:
-        out = list(v)
-    except TypeError:
-        raise TypeError(f"{name} must be a sequence of ints, got {type(v).__name__}") from None
-    for x in out:
-        if isinstance(x, bool) or not isinstance(x, int):
-            raise TypeError(f"{name} must hold ints, got {type(x).__name__} ({x!r})")
-    return out
+        v = v.tolist()
+    if not isinstance(v, (list, tuple, range)):
+        raise TypeError(f"{name} must be a sequence of ints, got {type(v).__name__}")
+    return check_ints(name, v, 0)
 
 
 def plan_prefill_chunks(
@@ -123,16 +161,8 @@ def plan_prefill_chunks(
     ql = _as_int_list("query_lens", query_lens)
     if len(ctx) != len(ql):
         raise ValueError(f"context_lens has {len(ctx)} entries, query_lens {len(ql)}")
-    if isinstance(workspace_rows, bool) or not isinstance(workspace_rows, int):
-        raise TypeError(f"workspace_rows must be an int, got {type(workspace_rows).__name__}")
-    if workspace_rows < 1:
-        raise ValueError(f"workspace_rows must be >= 1, got {workspace_rows}")
-    if isinstance(token_offset, bool) or not isinstance(token_offset, int) or token_offset < 0:
-        raise ValueError(f"token_offset must be an int >= 0, got {token_offset!r}")
-    for name, vals in (("context_lens", ctx), ("query_lens", ql)):
-        for i, v in enumerate(vals):
-            if v < 0:
-                raise ValueError(f"{name}[{i}] = {v} must be >= 0")
+    check_int("workspace_rows", workspace_rows, 1)
+    check_int("token_offset", token_offset, 0)
     P = len(ctx)
     for name, t in (("req_slots", req_slots), ("block_table", block_table)):
         if t is None:
@@ -153,7 +183,7 @@ def plan_prefill_chunks(
             raise CapacityError(
                 f"prefill request {i} needs {n} workspace rows ({what}) but the workspace holds "
                 f"W={workspace_rows} rows; a request is never split across chunks (see "
-                f"hisparse.cache.prefill): use a workspace of at least {n} rows")
+                f"hisparse.staging.prefill): use a workspace of at least {n} rows")
 
     q_start = [0]
     for q in ql:
@@ -197,32 +227,14 @@ class _Mode:
     row_bytes: int
 
 
-def _check_tensor(name: str, x, dtype: torch.dtype, ndim: int) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype != dtype:
-        raise TypeError(f"{name} must be {dtype}, got {x.dtype}")
-    if x.dim() != ndim:
-        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(x.shape)}")
-
-
-def _validate_structure(*, host_pool, block_table, req_slots, seq_lens, workspace_starts, workspace,
-                        block_size, row_format, hot_rows, row_slot, slots_per_req, max_rows,
-                        rows_per_program, impl) -> _Mode:
-    if impl not in _IMPLS:
-        raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
-    fmt = RowFormat.parse(row_format)
-    _check_tensor("host_pool", host_pool, torch.uint8, 2)
-    if host_pool.shape[1] != fmt.row_bytes:
-        raise ValueError(f"host_pool rows are {host_pool.shape[1]} bytes but row_format {fmt.value} "
-                         f"rows are {fmt.row_bytes}")
-    _check_tensor("block_table", block_table, torch.int32, 2)
-    for name, t in (("req_slots", req_slots), ("seq_lens", seq_lens), ("workspace_starts", workspace_starts)):
-        _check_tensor(name, t, torch.int32, 1)
-    P = req_slots.shape[0]
-    if seq_lens.shape[0] != P or workspace_starts.shape[0] != P:
-        raise ValueError(f"req_slots, seq_lens and workspace_starts need one entry per prefill request: "
-                         f"got {P}, {seq_lens.shape[0]}, {workspace_starts.shape[0]}")
+def _validate_structure(view: LayerView, reqs: StageRequests, workspace: object,
+                        rows_per_program: int, num_warps: int) -> _Mode:
+    """Types, dtypes, shapes and devices of one call (the view was checked when built)."""
+    if not isinstance(view, LayerView):
+        raise TypeError(f"view must be a hisparse.staging.LayerView, got {type(view).__name__}")
+    if not isinstance(reqs, StageRequests):
+        raise TypeError(f"requests must be a hisparse.staging.StageRequests, got {type(reqs).__name__}")
+    fmt = view.row_format
     if not isinstance(workspace, torch.Tensor):
         raise TypeError(f"workspace must be a torch.Tensor, got {type(workspace).__name__}")
     if workspace.dtype == torch.bfloat16:
@@ -238,61 +250,30 @@ def _validate_structure(*, host_pool, block_table, req_slots, seq_lens, workspac
         raise TypeError(f"workspace must be bfloat16 [W, {D_ROW}] or uint8 [W, row_bytes], got {workspace.dtype}")
     if not workspace.is_contiguous():
         raise ValueError("workspace must be contiguous")
-    for name, v, lo in (("block_size", block_size, 1), ("rows_per_program", rows_per_program, 1)):
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise TypeError(f"{name} must be an int, got {type(v).__name__} ({v!r})")
-        if v < lo:
-            raise ValueError(f"{name} must be >= {lo}, got {v}")
-    if rows_per_program & (rows_per_program - 1):
-        raise ValueError(f"rows_per_program must be a power of two, got {rows_per_program}")
-    if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 0):
-        raise ValueError(f"max_rows must be None or an int >= 0, got {max_rows!r}")
-    hot_args = (hot_rows is None, row_slot is None, slots_per_req is None)
-    if len(set(hot_args)) != 1:
-        raise ValueError("hot_rows, row_slot and slots_per_req go together: pass all three or none")
-    dev = workspace.device
-    if hot_rows is not None:
-        _check_tensor("hot_rows", hot_rows, torch.uint8, 2)
-        _check_tensor("row_slot", row_slot, torch.int32, 1)
-        if hot_rows.shape[1] != fmt.row_bytes:
-            raise ValueError(f"hot_rows are {hot_rows.shape[1]} bytes per row, expected {fmt.row_bytes}")
-        if row_slot.shape[0] != host_pool.shape[0]:
-            raise ValueError(f"row_slot has {row_slot.shape[0]} entries, host_pool has H={host_pool.shape[0]} rows")
-        if isinstance(slots_per_req, bool) or not isinstance(slots_per_req, int) or slots_per_req < 1:
-            raise ValueError(f"slots_per_req must be an int >= 1, got {slots_per_req!r}")
-        if not hot_rows.is_contiguous():
-            raise ValueError("hot_rows must be contiguous")
-        for name, t in (("hot_rows", hot_rows), ("row_slot", row_slot)):
-            if t.device != dev:
-                raise ValueError(f"{name} is on {t.device} but the workspace is on {dev}")
-    for name, t in (("block_table", block_table), ("req_slots", req_slots), ("seq_lens", seq_lens),
-                    ("workspace_starts", workspace_starts)):
-        if t.device != dev:
-            raise ValueError(f"{name} is on {t.device} but the workspace is on {dev}")
-    if not host_pool.is_contiguous():
-        raise ValueError("host_pool must be contiguous")
-    if host_pool.device != dev:
-        if not (host_pool.device.type == "cpu" and dev.type == "cuda"):
-            raise ValueError(f"host_pool is on {host_pool.device}, the workspace on {dev}: the pool must be "
-                             "on the workspace's device or in pinned host memory")
-        # is_pinned() asks the driver about the pointer: skipped during graph capture
-        if not torch.cuda.is_current_stream_capturing() and not is_pinned_host(host_pool):
-            raise ValueError("host_pool is a CPU tensor that is not pinned: the GPU kernel reads it over UVA, "
-                             "which needs page-locked memory (use hisparse.device.PinnedBuffer)")
+    check_int("rows_per_program", rows_per_program, 1)
+    check_int("num_warps", num_warps, 1)
+    for name, v in (("rows_per_program", rows_per_program), ("num_warps", num_warps)):
+        if v & (v - 1):
+            raise ValueError(f"{name} must be a power of two, got {v}")
+    dev = view.device
+    if workspace.device != dev:
+        raise ValueError(f"workspace is on {workspace.device} but the layer view on {dev}")
+    if reqs.req_slots.device != dev:
+        raise ValueError(f"the request tensors are on {reqs.req_slots.device} but the layer view on {dev}")
     return mode
 
 
-def _validate_values(*, host_pool, block_table, req_slots, seq_lens, workspace_starts, workspace,
-                     block_size, row_slot, slots_per_req, hot_rows, max_rows) -> None:
+def _validate_values(view: LayerView, reqs: StageRequests, workspace: torch.Tensor) -> None:
     """Index ranges (host sync). Raises ValueError naming the offending request."""
-    P = req_slots.shape[0]
+    P = reqs.num_requests
     if P == 0:
         return
-    R, NB = block_table.shape
-    H, W = host_pool.shape[0], workspace.shape[0]
-    slots = req_slots.long().cpu()
-    lens = seq_lens.long().cpu()
-    starts = workspace_starts.long().cpu()
+    block_size = view.blocks.block_size
+    R, NB = view.blocks.table.shape
+    H, W = view.num_host_rows, workspace.shape[0]
+    slots = reqs.req_slots.long().cpu()
+    lens = reqs.seq_lens.long().cpu()
+    starts = reqs.starts.long().cpu()
     for i in range(P):
         r, n, w0 = int(slots[i]), int(lens[i]), int(starts[i])
         if not 0 <= r < R:
@@ -304,14 +285,14 @@ def _validate_values(*, host_pool, block_table, req_slots, seq_lens, workspace_s
         if w0 < 0 or w0 + n > W:
             raise ValueError(f"prefill request {i}: workspace rows [{w0}, {w0 + n}) are outside the "
                              f"workspace of W={W} rows")
-    if max_rows is not None and int(lens.max()) > max_rows:
-        raise ValueError(f"max_rows={max_rows} is smaller than the longest seq_len {int(lens.max())}")
+    if reqs.max_rows is not None and int(lens.max()) > reqs.max_rows:
+        raise ValueError(f"max_rows={reqs.max_rows} is smaller than the longest seq_len {int(lens.max())}")
     order = torch.argsort(starts)
     for a, b in zip(order[:-1].tolist(), order[1:].tolist()):
         if lens[a] > 0 and lens[b] > 0 and starts[a] + lens[a] > starts[b]:
             raise ValueError(f"workspace regions of prefill requests {a} and {b} overlap "
                              f"([{int(starts[a])}, {int(starts[a] + lens[a])}) and starts[{b}] = {int(starts[b])})")
-    bt = block_table.long().cpu()
+    bt = view.blocks.table.long().cpu()
     for i in range(P):
         r, n = int(slots[i]), int(lens[i])
         if n == 0:
@@ -328,46 +309,39 @@ def _validate_values(*, host_pool, block_table, req_slots, seq_lens, workspace_s
             k = int(torch.nonzero(last >= H)[0])
             raise ValueError(f"prefill request {i}: block_table[{r}, {k}] = {int(blocks[k])} points past "
                              f"the host pool of H={H} rows")
-    if row_slot is not None:
-        rs = row_slot
-        if bool(((rs < -1) | (rs >= slots_per_req)).any()):
-            raise ValueError(f"row_slot holds values outside [-1, {slots_per_req})")
-        if hot_rows.shape[0] < R * slots_per_req:
-            raise ValueError(f"hot_rows has {hot_rows.shape[0]} rows, fewer than R x slots_per_req = "
-                             f"{R} x {slots_per_req}")
+    if view.row_slot is not None:
+        rs = view.row_slot
+        if bool(((rs < -1) | (rs >= view.slots_per_req)).any()):
+            raise ValueError(f"row_slot holds values outside [-1, {view.slots_per_req})")
 
 
 # ---------------------------------------------------------------------------
 # staging: reference and launcher
 # ---------------------------------------------------------------------------
 
-def _source_rows(host_pool, block_table, r: int, n: int, block_size: int, hot_rows, row_slot,
-                 slots_per_req) -> torch.Tensor:
+def _source_rows(view: LayerView, r: int, n: int) -> torch.Tensor:
     """uint8 [n, row_bytes] stored rows of request slot r, positions [0, n) (hot rows preferred)."""
-    dev = block_table.device
-    p = torch.arange(n, dtype=torch.long, device=dev)
-    h = block_table[r].long()[p // block_size] * block_size + p % block_size
-    rows = host_pool[h.to(host_pool.device)].to(dev)
-    if row_slot is not None:
-        s = row_slot[h].long()
+    bt = view.blocks.table
+    B = view.blocks.block_size
+    p = torch.arange(n, dtype=torch.long, device=bt.device)
+    h = bt[r].long()[p // B] * B + p % B
+    rows = view.host_rows[h.to(view.host_rows.device)].to(bt.device)
+    if view.row_slot is not None:
+        s = view.row_slot[h].long()
         hot = s >= 0
         if bool(hot.any()):
-            rows[hot] = hot_rows[r * slots_per_req + s[hot]]
+            rows[hot] = view.hot_rows[r * view.slots_per_req + s[hot]]
     return rows
 
 
-def stage_prefill_reference(*, host_pool, block_table, req_slots, seq_lens, workspace_starts, workspace,
-                            block_size: int, row_format, hot_rows=None, row_slot=None,
-                            slots_per_req: int | None = None) -> None:
+def stage_prefill_reference(view: LayerView, requests: StageRequests, workspace: torch.Tensor) -> None:
     """Pure-torch staging (the oracle and CPU path); arguments as ``stage_prefill``, no checks."""
-    from ..formats import dequantize_fp8_ds_mla_reference
-
-    fmt = RowFormat.parse(row_format)
-    for i in range(req_slots.shape[0]):
-        r, n, w0 = int(req_slots[i]), int(seq_lens[i]), int(workspace_starts[i])
+    fmt = view.row_format
+    for i in range(requests.num_requests):
+        r, n, w0 = int(requests.req_slots[i]), int(requests.seq_lens[i]), int(requests.starts[i])
         if n == 0:
             continue
-        rows = _source_rows(host_pool, block_table, r, n, block_size, hot_rows, row_slot, slots_per_req)
+        rows = _source_rows(view, r, n)
         if workspace.dtype == torch.uint8:
             workspace[w0:w0 + n] = rows
         elif fmt is RowFormat.FP8_DS_MLA:
@@ -377,50 +351,36 @@ def stage_prefill_reference(*, host_pool, block_table, req_slots, seq_lens, work
 
 
 def stage_prefill(
-    *,
-    host_pool: torch.Tensor,  # uint8 [H, row_bytes] one layer's host rows (pinned CPU, or on the device)
-    block_table: torch.Tensor,  # int32 [R, NB] host block of each logical block, per request slot
-    req_slots: torch.Tensor,  # int32 [P] request slot of each prefill request
-    seq_lens: torch.Tensor,  # int32 [P] rows [0, seq_len) to stage per request
-    workspace_starts: torch.Tensor,  # int32 [P] first workspace row of each request
+    view: LayerView,
+    requests: StageRequests,
     workspace: torch.Tensor,  # bf16 [W, 576] (dequantised) or uint8 [W, row_bytes] (stored format)
-    block_size: int,
-    row_format: RowFormat | str,
-    hot_rows: torch.Tensor | None = None,  # uint8 [R * SP, row_bytes] the layer's flat hot view
-    row_slot: torch.Tensor | None = None,  # int32 [H] hot slot of each host row of the layer, -1 = not hot
-    slots_per_req: int | None = None,  # SP = S + 1
-    max_rows: int | None = None,  # >= max(seq_lens): sizes the grid without a host sync
+    *,
     stream: "torch.cuda.Stream | None" = None,
     validate: bool = True,
-    impl: str = "auto",
+    kernels: Kernels | str = "auto",
     rows_per_program: int = 8,
     num_warps: int = 4,
 ):
-    """Gather each prefill request's rows [0, seq_len) into ``workspace`` (see module docstring).
+    """Gather each request's rows [0, seq_len) of ``view`` into ``workspace`` (module docstring).
 
     Workspace dtype selects the mode: bf16 -> fp8_ds_mla rows dequantised (bf16 rows
-    copied); uint8 -> rows copied in their stored format. ``workspace_starts[i] + p``
+    copied); uint8 -> rows copied in their stored format. ``requests.starts[i] + p``
     receives position p of request i. On CUDA the kernel runs on ``stream`` (default:
     the current stream) after that stream waits on the current stream; returns a
     ``torch.cuda.Event`` recorded after the kernel, for the compute stream to wait on.
     Returns None on CPU. ``validate=True`` checks every index range (a host sync)
-    before launching; ``validate=False`` with ``max_rows`` given is sync-free and
-    allocation-free (rows that cannot be located are skipped, never read out of bounds).
-    The caller keeps every tensor alive until the event has completed (nothing here
-    calls ``record_stream``), and runs no resolve of these requests meanwhile.
+    before launching; ``validate=False`` with ``requests.max_rows`` given is sync-free
+    and allocation-free (rows that cannot be located are skipped, never read out of
+    bounds). The caller keeps every tensor alive until the event has completed
+    (nothing here calls ``record_stream``), and runs no resolve of these requests
+    meanwhile. ``rows_per_program`` / ``num_warps`` tune the launch.
     """
-    mode = _validate_structure(
-        host_pool=host_pool, block_table=block_table, req_slots=req_slots, seq_lens=seq_lens,
-        workspace_starts=workspace_starts, workspace=workspace, block_size=block_size,
-        row_format=row_format, hot_rows=hot_rows, row_slot=row_slot, slots_per_req=slots_per_req,
-        max_rows=max_rows, rows_per_program=rows_per_program, impl=impl)
+    mode = _validate_structure(view, requests, workspace, rows_per_program, num_warps)
+    impl = Kernels.parse(kernels).pick(view.device)
     if validate:
-        _validate_values(host_pool=host_pool, block_table=block_table, req_slots=req_slots, seq_lens=seq_lens,
-                         workspace_starts=workspace_starts, workspace=workspace, block_size=block_size,
-                         row_slot=row_slot, slots_per_req=slots_per_req, hot_rows=hot_rows, max_rows=max_rows)
+        _validate_values(view, requests, workspace)
     dev = workspace.device
     cuda = dev.type == "cuda"
-    use_triton = impl == "triton" or (impl == "auto" and cuda)
     if stream is not None and not cuda:
         raise ValueError("stream is only meaningful for a CUDA workspace")
     if stream is not None and not isinstance(stream, torch.cuda.Stream):
@@ -435,71 +395,49 @@ def stage_prefill(
     else:
         ctx = contextlib.nullcontext()
     with ctx:
-        P = req_slots.shape[0]
-        if not use_triton:
-            stage_prefill_reference(host_pool=host_pool, block_table=block_table, req_slots=req_slots,
-                                    seq_lens=seq_lens, workspace_starts=workspace_starts, workspace=workspace,
-                                    block_size=block_size, row_format=row_format, hot_rows=hot_rows,
-                                    row_slot=row_slot, slots_per_req=slots_per_req)
+        if impl is Kernels.TORCH:
+            stage_prefill_reference(view, requests, workspace)
         else:
+            max_rows = requests.max_rows
             if max_rows is None:
-                max_rows = int(seq_lens.max()) if P else 0  # host sync
-            if P and max_rows:
-                _launch(mode, host_pool=host_pool, block_table=block_table, req_slots=req_slots,
-                        seq_lens=seq_lens, workspace_starts=workspace_starts, workspace=workspace,
-                        block_size=block_size, hot_rows=hot_rows, row_slot=row_slot,
-                        slots_per_req=slots_per_req, max_rows=max_rows, rows=rows_per_program,
-                        num_warps=num_warps)
+                max_rows = int(requests.seq_lens.max()) if requests.num_requests else 0  # host sync
+            if requests.num_requests and max_rows:
+                _launch(mode, view, requests, workspace, max_rows, rows_per_program, num_warps)
         if cuda:
             event = torch.cuda.Event()
             event.record()
     return event
 
 
-def _launch(mode: _Mode, *, host_pool, block_table, req_slots, seq_lens, workspace_starts, workspace,
-            block_size, hot_rows, row_slot, slots_per_req, max_rows, rows, num_warps) -> None:
-    from ..kernels.stage_prefill import stage_copy_kernel, stage_dequant_kernel
-
-    P = req_slots.shape[0]
+def _launch(mode: _Mode, view: LayerView, reqs: StageRequests, workspace: torch.Tensor,
+            max_rows: int, rows: int, num_warps: int) -> None:
+    P = reqs.num_requests
+    block_table = view.blocks.table
     R, NB = block_table.shape
-    H, W = host_pool.shape[0], workspace.shape[0]
-    has_hot = hot_rows is not None
+    H, W = view.num_host_rows, workspace.shape[0]
+    has_hot = view.hot_rows is not None
+    hot_rows, row_slot = view.hot_rows, view.row_slot
     hot_n = hot_rows.shape[0] if has_hot else 0
-    sp = slots_per_req if has_hot else 1
+    sp = view.slots_per_req if has_hot else 1
     bt = block_table if block_table.numel() and block_table.stride(1) == 1 else block_table.contiguous()
     stride_bt = bt.stride(0) if NB else 1
     grid = (-(-max_rows // rows), P)
-    if mode.dequant:
-        host_w = host_pool.view(torch.int32)
-        stage_dequant_kernel[grid](
-            host_w, hot_rows.view(torch.int32) if has_hot else host_w, row_slot if has_hot else req_slots,
-            bt if bt.numel() else req_slots, req_slots, seq_lens, workspace_starts,
-            workspace.view(torch.int32), R, NB, H, W, hot_n, sp, stride_bt,
-            BLOCK_SIZE=block_size, ROWS=rows, HAS_HOT=has_hot, num_warps=num_warps)
-    else:
-        words = mode.row_bytes // 4
-        host_w = host_pool.view(torch.int32)
-        stage_copy_kernel[grid](
-            host_w, hot_rows.view(torch.int32) if has_hot else host_w, row_slot if has_hot else req_slots,
-            bt if bt.numel() else req_slots, req_slots, seq_lens, workspace_starts,
-            workspace.view(torch.int32).view(W, words),
-            R, NB, H, W, hot_n, sp, stride_bt,
-            BLOCK_SIZE=block_size, ROWS=rows, WORDS=words, WORDS_P2=triton.next_power_of_2(words),
-            HAS_HOT=has_hot, num_warps=num_warps)
+    host_w = view.host_rows.view(torch.int32)
+    hot_w = hot_rows.view(torch.int32) if has_hot else host_w
+    common = (host_w, hot_w, row_slot if has_hot else reqs.req_slots,
+              bt if bt.numel() else reqs.req_slots, reqs.req_slots, reqs.seq_lens, reqs.starts)
+    with torch.cuda.device(workspace.device) if workspace.is_cuda else contextlib.nullcontext():
+        if mode.dequant:
+            stage_dequant_kernel[grid](
+                *common, workspace.view(torch.int32), R, NB, H, W, hot_n, sp, stride_bt,
+                BLOCK_SIZE=view.blocks.block_size, ROWS=rows, HAS_HOT=has_hot, num_warps=num_warps)
+        else:
+            words = mode.row_bytes // 4
+            stage_copy_kernel[grid](
+                *common, workspace.view(torch.int32).view(W, words), R, NB, H, W, hot_n, sp, stride_bt,
+                BLOCK_SIZE=view.blocks.block_size, ROWS=rows, WORDS=words,
+                WORDS_P2=triton.next_power_of_2(words), HAS_HOT=has_hot, num_warps=num_warps)
 
 
-def stage_prefill_chunk(chunk: PrefillChunk, *, workspace: torch.Tensor, **kwargs):
-    """``stage_prefill`` for one planned chunk: its request slots, rows and rebased starts.
-
-    kwargs: host_pool, block_table (the cache's [R, NB]), block_size, row_format and the
-    optional ones of ``stage_prefill``. The chunk must carry ``req_slots``.
-    """
-    if chunk.req_slots is None:
-        raise ValueError("the chunk carries no req_slots: plan with plan_prefill_chunks(..., req_slots=...)")
-    kwargs.setdefault("max_rows", chunk.max_rows)
-    return stage_prefill(req_slots=chunk.req_slots, seq_lens=chunk.seq_lens,
-                         workspace_starts=chunk.workspace_starts, workspace=workspace, **kwargs)
-
-
-__all__ = ["PrefillChunk", "plan_prefill_chunks", "stage_prefill", "stage_prefill_chunk",
+__all__ = ["PrefillChunk", "StageRequests", "plan_prefill_chunks", "stage_prefill",
            "stage_prefill_reference"]

@@ -1,0 +1,109 @@
+"""Undo of a resolve whose launch completed but whose call failed afterwards.
+
+A resolve updates the hot tier's LRU state in its first launch and stages the misses
+in the next one. When a later launch of the same call raises, the call must leave the
+cache as it found it: :func:`rollback_resolve` restores every slot, stamp, row map,
+step and counter the resolve changed, from the undo log the resolve wrote into its
+``ResolveBuffers`` (``undo_hit``, ``undo_vpos``, ``undo_vstamp``; both the kernel and
+the reference write it). It runs only on that failure path, so it may synchronise and
+use plain torch ops.
+
+Order of the undo per resolved group (layer l, request slot r, new step s): the misses'
+rows are unmapped and each victim gets back its old position, stamp and row map; then
+every hit slot whose stamp this step changed gets its old stamp; then step[l, r] and
+the counters go back.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .resolve_ref import group_offsets
+from .state import STAT_HITS, STAT_INVALID, STAT_MISSES, STAT_RESOLVES, HotState, ResolveBuffers
+
+
+def resolved_groups(req_ids: torch.Tensor, id_to_slot: torch.Tensor,
+                    max_query_len: int) -> list[tuple[int, int, int]]:
+    """(first token t0, request slot r, tokens n) of every group a resolve updated.
+
+    req_ids: int32 [T]; id_to_slot: int32 [max_request_id] (as the launch saw it).
+    Same grouping as ``resolve_reference``: runs of equal live ids, at most
+    ``max_query_len`` tokens, the first run of each id only.
+    """
+    ids = req_ids.long().cpu()
+    T = ids.numel()
+    if T == 0:
+        return []
+    table = id_to_slot.cpu()
+    off = group_offsets(ids, max_query_len).tolist()
+    ids_l = ids.tolist()
+    groups, seen = [], set()
+    for t, (rid, o) in enumerate(zip(ids_l, off)):
+        if o != 0:
+            continue
+        first_run = rid not in seen
+        seen.add(rid)
+        if not (0 <= rid < table.numel()) or not first_run:
+            continue
+        r = int(table[rid])
+        if r < 0:
+            continue
+        n = 1
+        while t + n < T and off[t + n] == n:
+            n += 1
+        groups.append((t, r, n))
+    return groups
+
+
+def rollback_resolve(state: HotState, layer: int, req_ids: torch.Tensor, topk: torch.Tensor,
+                     out: ResolveBuffers, *, max_query_len: int) -> None:
+    """Restore ``state`` of ``layer`` to what it was before the resolve that wrote ``out``.
+
+    req_ids: int32 [T] and topk: int32 [T, K], the resolve's inputs; out: its buffers
+    (views of capacity [T, K]). The resolve's launch must have completed (the caller
+    synchronises first).
+    """
+    T, K = topk.shape
+    if T == 0:
+        return
+    S, B = state.S, state.B
+    SP = S + 1
+    row_slot = state.row_slot[layer]
+    slot_pos = state.slot_pos[layer]
+    slot_stamp = state.slot_stamp[layer]
+    hits = misses = 0
+    groups = resolved_groups(req_ids, state.id_to_slot, max_query_len)
+    for t0, r, n in groups:
+        s_new = int(state.step[layer, r])
+        base = t0 * K
+        bt = state.block_table[r].long()
+        dst = out.stage_dst[base:base + n * K].long()
+        m = int((dst >= 0).sum())
+        if m:
+            slots = dst[:m] - r * SP
+            row_slot[out.stage_src[base:base + m].long()] = -1
+            old_pos = out.undo_vpos[base:base + m]
+            slot_pos[r, slots] = old_pos
+            slot_stamp[r, slots] = out.undo_vstamp[base:base + m]
+            had = old_pos >= 0
+            op = old_pos[had].long()
+            row_slot[bt[op // B] * B + op % B] = slots[had].to(torch.int32)
+        undo = out.undo_hit[base:base + n * K]
+        lanes = (undo >= 0) & (undo != s_new)
+        if bool(lanes.any()):
+            pos = topk[t0:t0 + n].reshape(-1)[lanes].long()
+            hs = row_slot[bt[pos // B] * B + pos % B].long()
+            slot_stamp[r, hs] = undo[lanes]
+        hits += int(lanes.sum())
+        misses += m
+        state.step[layer, r] = s_new - 1
+    entries = int((topk != -1).sum())
+    valid = int(out.valid_counts[:T].sum())
+    st = state.stats[layer]
+    st[STAT_HITS] -= hits
+    st[STAT_MISSES] -= misses
+    st[STAT_INVALID] -= entries - valid
+    st[STAT_RESOLVES] -= len(groups)
+
+
+__all__ = ["resolved_groups", "rollback_resolve"]

@@ -1,0 +1,204 @@
+"""The write path: new rows of several requests into one layer, as plan then commit.
+
+``Writer.prepare(req_ids, counts)`` checks a batch once and returns a
+:class:`WriteBatch` (the ids' slots, the row counts, their offsets in ``rows``);
+``Writer.write(layer, batch, rows)`` appends the batch's rows to one layer. One batch
+serves every layer of a forward: it is checked once, and the device index plan
+(``write_plan``) built for the first layer is reused by the others.
+
+A write is atomic: every check (rows' dtype, shape, device and layout, lengths,
+capacity of the host pool) happens before anything changes; the launches follow, the
+state-changing one last (host mirror on the backup stream, then the hot-tier update
+on the compute stream); the host-side bookkeeping (block allocation, lengths,
+reserved-slot occupants) is committed only after both launches were enqueued. A launch
+that raises leaves every block, length, slot and counter as it was (a host mirror
+that ran before the failure wrote only rows beyond the request's length, which no
+call can read).
+
+Rows whose layout a kernel can't read as packed words (a row stride other than
+``row_bytes``, a start not 16-byte aligned) are copied to a packed tensor first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Sequence
+
+import torch
+
+from .._checks import check_int, check_tensor, rows_layout_problem
+from ..config import HiSparseConfig
+from ..errors import CapacityError
+from .host_pool import HostPool
+from .requests import RequestTable
+from .stager import CacheStreams
+from .state import HotState
+from .write_plan import WritePlan, Work, build_write_plan
+
+
+@dataclasses.dataclass(frozen=True)
+class WriteBatch:
+    """A checked batch of appends (``Writer.prepare``): request i gets ``counts[i]``
+    rows, ``rows[offsets[i] : offsets[i] + counts[i]]`` of the rows passed to a write.
+
+    Valid until the next add_request / free_request (``generation``).
+    """
+
+    req_ids: tuple[int, ...]
+    slots: tuple[int, ...]
+    counts: tuple[int, ...]
+    offsets: tuple[int, ...]
+    total: int
+    generation: int
+
+
+def pack_rows(rows: torch.Tensor, row_bytes: int) -> torch.Tensor:
+    """``rows`` (uint8 [n, row_bytes]) as a packed, 16-byte aligned tensor (a copy
+    only when it is not one already)."""
+    if rows_layout_problem(rows, row_bytes) is None:
+        return rows
+    packed = torch.empty((rows.shape[0], row_bytes), dtype=torch.uint8, device=rows.device)
+    packed.copy_(rows)
+    return packed
+
+
+class Writer:
+    """Appends rows to a cache's layers (see the module docstring).
+
+    apply_fn(state, hot_l, rows, plan, layer): the hot-tier update of a plan (Triton or
+    torch); mirror_fn(rows, plan, host_l): the host copy of the plan's rows.
+    """
+
+    def __init__(self, cfg: HiSparseConfig, *, requests: RequestTable, pool: HostPool,
+                 state: HotState, hot: torch.Tensor, streams: CacheStreams,
+                 apply_fn: Callable, mirror_fn: Callable, device: torch.device) -> None:
+        self.cfg = cfg
+        self.requests = requests
+        self.pool = pool
+        self.state = state
+        self.hot = hot
+        self.streams = streams
+        self.apply_fn = apply_fn
+        self.mirror_fn = mirror_fn
+        self.device = device
+        self._plan: tuple[tuple, WritePlan] | None = None  # last committed plan and its key
+
+    # ---- checks ------------------------------------------------------------------
+    def prepare(self, req_ids: Sequence[int], counts: Sequence[int]) -> WriteBatch:
+        """Check a batch: distinct live ids, one count (int >= 0) each."""
+        if not isinstance(req_ids, (list, tuple, range)) or not isinstance(counts, (list, tuple, range)):
+            raise TypeError("req_ids and counts must be sequences of ints")
+        ids = tuple(self.requests.check_id(i) for i in req_ids)
+        if len(set(ids)) != len(ids):
+            raise ValueError("append_rows_batch: req_ids must be distinct (one entry per request)")
+        cl = tuple(check_int("counts entry", c, 0) for c in counts)
+        if len(cl) != len(ids):
+            raise ValueError(f"append_rows_batch: {len(ids)} request ids but {len(cl)} counts")
+        slots = tuple(self.requests.slot(i) for i in ids)
+        offsets, acc = [], 0
+        for c in cl:
+            offsets.append(acc)
+            acc += c
+        return WriteBatch(req_ids=ids, slots=slots, counts=cl, offsets=tuple(offsets), total=acc,
+                          generation=self.requests.generation)
+
+    def check_rows(self, rows: object, n: int) -> torch.Tensor:
+        """rows: uint8 [n, row_bytes] on the cache device -> packed rows."""
+        rb = self.cfg.row_bytes
+        check_tensor("rows", rows, dtype=torch.uint8, ndim=2, device=self.device)
+        if rows.shape[1] != rb:  # type: ignore[union-attr]
+            raise ValueError(f"rows must be uint8 [n, row_bytes={rb}], got shape {tuple(rows.shape)}")  # type: ignore[union-attr]
+        if rows.shape[0] != n:  # type: ignore[union-attr]
+            raise ValueError(f"the batch's counts sum to {n} but rows has {rows.shape[0]} rows")  # type: ignore[union-attr]
+        return pack_rows(rows, rb)  # type: ignore[arg-type]
+
+    # ---- the write -----------------------------------------------------------------
+    def write(self, layer: int, batch: WriteBatch, rows: torch.Tensor) -> list[int]:
+        """Append the batch's rows to ``layer`` (checked by the caller). Returns the first
+        position written for each request. CapacityError (nothing changed) when the host
+        pool can't supply the blocks."""
+        if not isinstance(batch, WriteBatch):
+            raise TypeError(f"batch must be a WriteBatch (Writer.prepare), got {type(batch).__name__}")
+        if batch.generation != self.requests.generation:
+            raise ValueError("the write batch is out of date: requests were added or freed since "
+                             "it was prepared; prepare it again")
+        rows = self.check_rows(rows, batch.total)
+        req = self.requests
+        firsts, work = [], []
+        for r, n, t0 in zip(batch.slots, batch.counts, batch.offsets):
+            p0 = req.length(r, layer)
+            firsts.append(p0)
+            if n:
+                work.append((r, p0, p0 + n, t0, req.reserved(r, layer)))
+        if not work:
+            return firsts
+        key = (req.generation, tuple(work))
+        cached = self._plan is not None and self._plan[0] == key
+        if cached:
+            plan, new_blocks = self._plan[1], {}  # type: ignore[index]
+        else:
+            new_blocks = self._new_blocks(work)
+            alloc = self.pool.allocator
+            plan = build_write_plan(work, owned={r: alloc.owned(r) for r, *_ in work},
+                                    new_blocks=new_blocks, B=self.pool.B, S=self.cfg.device_buffer_size,
+                                    device=self.device)  # type: ignore[arg-type]
+        self._launch(layer, plan, rows)
+        # ---- commit the host-side bookkeeping (nothing here can fail for the caller) ----
+        self._allocate(new_blocks)
+        S = self.cfg.device_buffer_size
+        for r, _, p1, _, _ in work:
+            req.set_written(r, layer, p1, p1 - 1 if p1 - 1 >= S else -1)  # type: ignore[operator]
+        req.touch(layer)
+        self._plan = (key, plan)
+        ev = self.streams.backup.event if (self.pool.is_writer and self.streams.cuda) else None
+        self.pool.commit_append(layer, ev)
+        return firsts
+
+    def _new_blocks(self, work: list[Work]) -> dict[int, list[int]]:
+        """Blocks each request of ``work`` needs, as the allocator will hand them out
+        (CapacityError, nothing changed, when they are not all free)."""
+        pool = self.pool
+        need = [(r, pool.blocks_needed(r, p1)) for r, _, p1, _, _ in work]
+        total = sum(n for _, n in need)
+        if total > pool.allocator.num_free:
+            a = pool.allocator
+            raise CapacityError(
+                f"host pool full: {total} more blocks needed, {a.num_free} free of {a.num_blocks}; "
+                "free requests or configure a larger pool")
+        upcoming = pool.allocator.peek(total)
+        out, o = {}, 0
+        for r, n in need:
+            if n:
+                out[r] = upcoming[o:o + n]
+                o += n
+        return out
+
+    def _allocate(self, new_blocks: dict[int, list[int]]) -> None:
+        alloc = self.pool.allocator
+        for r, want in new_blocks.items():
+            got = alloc.allocate(r, len(want))
+            if got != want:
+                raise RuntimeError(f"the allocator handed request slot {r} blocks {got}, the write "
+                                   f"planned with {want}")
+
+    def _launch(self, layer: int, plan: WritePlan, rows: torch.Tensor) -> None:
+        """Host mirror on the backup stream, then the hot-tier update on the compute stream."""
+        cs = self.streams
+        cur, cap = cs.after_stage()
+        if plan.unmap.numel():
+            # the old occupants must be on host before their hot rows are overwritten
+            cs.backup.wait_by(cur, cap)
+        backup = cs.streams.backup
+        if backup is not None:
+            backup.wait_stream(cur)
+        with cs.streams.on(backup):
+            if self.pool.is_writer:
+                self.mirror_fn(rows, plan, self.pool.rows[layer])
+            cs.backup.record(backup, cap)
+        if backup is not None and not cap:
+            for t in (rows, plan.host_tok32, plan.host_h32):  # read on the backup stream
+                t.record_stream(backup)
+        self.apply_fn(self.state, self.hot[layer], rows, plan, layer)
+
+
+__all__ = ["WriteBatch", "Writer", "pack_rows"]

@@ -1,0 +1,15 @@
+"""The engine façade: the calls an inference engine's sparse-MLA backend makes.
+
+- ``group``: ``HiSparseIndexGroup`` (per-model: registration, request lifecycle, per
+  forward ``prepare_for_batch``, per layer ``write_new_rows`` / decode conversion /
+  prefill staging) and the handles it returns (``LayerCache``, ``LayerRuntime``,
+  ``HotView``).
+- ``metadata``: ``SparseMLAMetadata``, one forward's batch description.
+"""
+
+from ..errors import CapacityError
+from .group import HiSparseIndexGroup, HotView, LayerCache, LayerRuntime
+from .metadata import SparseMLAMetadata
+
+__all__ = ["HiSparseIndexGroup", "SparseMLAMetadata", "LayerCache", "LayerRuntime", "HotView",
+           "CapacityError"]
