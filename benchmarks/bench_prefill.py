@@ -17,31 +17,24 @@ sample, Python included) and graph-replayed (the same calls captured once in a C
 graph: GPU time only). The host CPU time of one call is reported too (``--profile-host``
 prints a cProfile of it for the smallest fp8 -> bf16 case).
 
-    python benchmarks/bench_prefill.py --out prefill.json           # full (H200)
-    python benchmarks/bench_prefill.py --quick --out q.json         # 8K and 64K only, fewer reps
-    python benchmarks/bench_prefill.py --dry-run                     # tiny, CPU (interpreter)
+    python -m benchmarks.bench_prefill --out prefill.json           # full (H200)
+    python -m benchmarks.bench_prefill --quick --out q.json         # 8K and 64K only, fewer reps
+    python -m benchmarks.bench_prefill --dry-run                     # tiny, CPU (interpreter)
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import statistics
+import cProfile
+import pstats
 import sys
 import time
 
-_DRY = "--dry-run" in sys.argv
-if _DRY:
-    import torch as _t
+import torch
 
-    if not _t.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+from benchmarks import common
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-import torch  # noqa: E402
+common.interpret_dry_run()  # without a GPU a dry run needs the interpreter; before hisparse loads
 
 from hisparse.cache.prefill import stage_prefill  # noqa: E402
 from hisparse.device import PinnedBuffer  # noqa: E402
@@ -50,50 +43,24 @@ ROW_BYTES = {"fp8_ds_mla": 656, "bf16": 1152}
 MODES = [("fp8_ds_mla", "bf16"), ("fp8_ds_mla", "stored"), ("bf16", "bf16")]
 
 
-def percentile(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    if not s:
-        return float("nan")
-    k = min(len(s) - 1, max(0, int(round(q / 100.0 * (len(s) - 1)))))
-    return s[k]
-
-
-def summarize(times_s: list[float], nbytes: int) -> dict:
-    med = statistics.median(times_s)
-    return {"min_us": min(times_s) * 1e6, "median_us": med * 1e6, "p99_us": percentile(times_s, 99) * 1e6,
-            "gbps_median": nbytes / med / 1e9, "reps": len(times_s)}
+def summarize(us: list[float], nbytes: int) -> dict:
+    """min / median / p99 microseconds (``*_us``, ``reps``) and GB/s of ``nbytes`` at the median."""
+    d = common.stats(us, unit="_us", count="reps")
+    d["gbps_median"] = nbytes / (d["median_us"] * 1e-6) / 1e9
+    return d
 
 
 class Timer:
     """CUDA-event timing on GPU, perf_counter on CPU. Each sample times ``inner``
     back-to-back calls (so Python launch overhead overlaps GPU work, as in a serving
-    loop) and reports the time per call."""
+    loop) and reports the time per call (microseconds)."""
 
     def __init__(self, cuda: bool, inner: int = 1) -> None:
         self.cuda = cuda
         self.inner = inner
 
     def run(self, fn, reps: int, warmup: int) -> list[float]:
-        for _ in range(warmup):
-            fn()
-        if self.cuda:
-            torch.cuda.synchronize()
-        out = []
-        for _ in range(reps):
-            if self.cuda:
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                for _ in range(self.inner):
-                    fn()
-                b.record()
-                b.synchronize()
-                out.append(a.elapsed_time(b) / 1e3 / self.inner)
-            else:
-                t0 = time.perf_counter()
-                for _ in range(self.inner):
-                    fn()
-                out.append((time.perf_counter() - t0) / self.inner)
-        return out
+        return common.time_calls(fn, reps=reps, warmup=warmup, cuda=self.cuda, inner=self.inner)
 
     def run_graph(self, fn, reps: int, warmup: int) -> list[float]:
         """Time ``inner`` calls captured once in a CUDA graph and replayed: the GPU time
@@ -118,7 +85,7 @@ class Timer:
             graph.replay()
             b.record()
             b.synchronize()
-            out.append(a.elapsed_time(b) / 1e3 / self.inner)
+            out.append(a.elapsed_time(b) * 1e3 / self.inner)
         del graph
         return out
 
@@ -157,9 +124,6 @@ def _host_us_per_call(fn, calls: int = 50, profile: bool = False) -> float:
         fn()
     us = (time.perf_counter() - t0) / calls * 1e6
     if profile:
-        import cProfile
-        import pstats
-
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(calls):
@@ -251,20 +215,6 @@ def bench_case(fmt: str, ws_kind: str, N: int, *, dev, timer: Timer, reps: int, 
             "best_graph": best_graph}
 
 
-def env_info(dev: torch.device) -> dict:
-    import triton
-
-    d = {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
-         "device": str(dev)}
-    if dev.type == "cuda":
-        p = torch.cuda.get_device_properties(dev)
-        d.update(gpu=p.name, sm=f"{p.major}.{p.minor}", gpu_mem_gib=round(p.total_memory / 2**30, 1),
-                 cuda=torch.version.cuda)
-    else:
-        d["gpu"] = None
-    return d
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -277,7 +227,9 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, help="timed samples (default 30, quick 10)")
     ap.add_argument("--inner", type=int, default=None, help="back-to-back calls per sample (default 5, dry run 1)")
     args = ap.parse_args(argv)
-
+    if (why := common.out_problem(args.out)):
+        print(f"bench_prefill: {why}", file=sys.stderr)
+        return 2
     cuda = torch.cuda.is_available()
     if not cuda and not args.dry_run:
         print("bench_prefill: no CUDA GPU; use --dry-run for the tiny CPU check", file=sys.stderr)
@@ -293,7 +245,7 @@ def main(argv=None) -> int:
         variants = ([(4, 4), (8, 4), (16, 4), (16, 8), (32, 4), (32, 8)] if not args.quick
                     else [(8, 4), (16, 8)])
     inner = args.inner or (1 if args.dry_run else 5)
-    env = env_info(dev)
+    env = {**common.environment(dev), "device": str(dev)}
     env["inner_calls_per_sample"] = inner
     print(f"bench_prefill on {env.get('gpu') or 'CPU (dry run)'}: torch {env['torch']}, triton {env['triton']}")
     print(f"{'format':>10} {'workspace':>9} {'rows':>8} {'bulk GB/s':>10} {'stage GB/s':>10} {'ratio':>6} "
@@ -327,9 +279,7 @@ def main(argv=None) -> int:
     result = {"benchmark": "prefill_staging", "env": env, "quick": args.quick, "dry_run": args.dry_run,
               "cases": cases, "summary": summary}
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"wrote {args.out}")
+        common.write_json(args.out, result, indent=2)
     return 0
 
 

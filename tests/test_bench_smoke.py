@@ -1,21 +1,15 @@
-"""The benchmark scripts run end to end on CPU (tiny shapes, Triton interpreter) and write
-the JSON fields BENCHMARKS.md is built from. Timings here mean nothing; what is checked is
-that a script still runs, verifies its results and records what it claims to."""
+"""The benchmarks run end to end on CPU (tiny shapes, Triton interpreter) and write the
+JSON fields BENCHMARKS.md is built from. Timings here mean nothing; what is checked is
+that a benchmark still runs, verifies its results and records what it claims to."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
-import pathlib
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"_bench_{name}", ROOT / "benchmarks" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module(f"benchmarks.{name}")
 
 
 def test_bench_prefill_dry_run(tmp_path, capsys):
@@ -67,17 +61,10 @@ def test_bench_vllm_resolve_missing_library_exits_2(tmp_path, capsys):
     assert not out.exists()
 
 
-def _load_script(name: str):
-    spec = importlib.util.spec_from_file_location(f"_script_{name}", ROOT / "scripts" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_bench_host_calls_cpu_smoke(capsys):
     argv = ["--device", "cpu", "--kernels", "torch", "--requests", "3", "--layers", "2",
             "--context", "40", "--top-k", "8", "--steps", "2", "--top", "3"]
-    assert _load_script("bench_host_calls").main(argv) == 0
+    assert _load("bench_host_calls").main(argv) == 0
     out = capsys.readouterr().out
     assert "write_new_rows" in out and "convert" in out and "kernels torch" in out
 
@@ -87,7 +74,7 @@ def test_profile_e2e_host_timers_dry_run(tmp_path, capsys):
     out = tmp_path / "timers.txt"
     argv = ["--dry-run", "--host-timers", "--only-timers", "--kinds", "hisparse", "resident",
             "--out", str(out)]
-    assert _load_script("profile_e2e_host").main(argv) == 0
+    assert _load("profile_e2e_host").main(argv) == 0
     text = out.read_text()
     for kind in ("hisparse", "resident"):
         assert f"== {kind}: host ms per decode step" in text
