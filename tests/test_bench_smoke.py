@@ -79,3 +79,34 @@ def test_profile_e2e_host_timers_dry_run(tmp_path, capsys):
     for kind in ("hisparse", "resident"):
         assert f"== {kind}: host ms per decode step" in text
     assert "kv.write" in text and "kv.decode_rows" in text
+
+
+def test_soak_tiny_records_memory_and_sizes_runs_to_the_budget(tmp_path, capsys):
+    """A calibration run, then runs sized to what is left of the budget; host memory
+    before, after and during every run; the total is the sum of the runs' steps."""
+    out = tmp_path / "soak.json"
+    argv = ["--preset", "tiny", "--steps", "4", "--calibrate-steps", "2", "--min-steps", "1",
+            "--runs", "1", "--out", str(out)]
+    assert _load("soak").main(argv) == 0
+    d = json.loads(out.read_text())
+    assert [(r["steps"], r["calibration"]) for r in d["runs"]] == [(2, True), (4, False)]
+    assert d["ok"] and d["total_steps"] == 6 and d["options"]["churn"] > 0
+    for r in d["runs"]:
+        m = r["memory"]
+        assert r["ok"] and r["rows_verified"] > 0
+        assert m["start"]["rss"] > 0 and m["end"]["rss"] > 0 and m["start"]["gpu_allocated"] is None
+    assert "[soak] total tiny: 6 verified decode steps in 2 runs" in capsys.readouterr().out
+
+
+def test_soak_stops_when_the_budget_is_spent(tmp_path, capsys):
+    argv = ["--preset", "tiny", "--steps", "4", "--calibrate-steps", "2", "--min-steps", "3",
+            "--runs", "3", "--budget-s", "0.01"]
+    assert _load("soak").main(argv) == 0
+    text = capsys.readouterr().out
+    assert "[soak] stopping" in text and "2 verified decode steps in 1 runs" in text
+
+
+def test_soak_bad_input_exits_2(tmp_path, capsys):
+    assert _load("soak").main(["--preset", "tiny", "--churn", "2"]) == 2
+    assert "churn must be in [0, 1]" in capsys.readouterr().err
+    assert _load("soak").main(["--preset", "tiny", "--out", str(tmp_path)]) == 2
