@@ -1,4 +1,4 @@
-"""A small trace of every GPU kernel of the product, for compute-sanitizer.
+"""A small trace of the cache's GPU kernels and the decode attention, for compute-sanitizer.
 
   compute-sanitizer --tool memcheck  python -m benchmarks.sanitize_trace
   compute-sanitizer --tool racecheck python -m benchmarks.sanitize_trace
@@ -21,9 +21,12 @@ ones production shapes take.
    (apply_write), prefill staging into a bf16 workspace (fp8 dequantised) and in the
    stored format (stage_prefill), decode steps with q = 1 and q = 2 (resolve + miss
    staging, copy_rows), a request leaving; then the Triton decode attention over the
-   hot rows with 64 and 128 heads (on SM 9.x the warp-specialised Gluon kernel, with
-   its split combine) against the float32 reference. Every staged or hot row is
-   compared byte-exact with the row written.
+   hot rows with 16 heads (the ``tl`` kernel) and 64 and 128 heads (on SM 9.x the
+   warp-specialised Gluon kernel), each with its split combine, against the float32
+   reference. Every staged or hot row is compared byte-exact with the row written.
+
+Not covered: ``convert_topk_to_physical`` (an engine's own paged-table conversion) and
+decode over bf16 rows.
 
 Prints "OK" per part and exits 0 on success; any mismatch raises.
 """
@@ -155,7 +158,7 @@ class EngineTrace:
         self.gen = torch.Generator(device=dev).manual_seed(3)
         self.cpu_gen = torch.Generator().manual_seed(4)
         self.attention = TritonBackend(allow_interpreter=not self.cuda)
-        self.heads = (64, 128) if self.cuda else (16,)  # the interpreter is slow
+        self.heads = (16, 64, 128) if self.cuda else (16,)  # the interpreter is slow
         self.kernels_used: set[str] = set()
         self.attention_checks = 0
 
@@ -247,8 +250,9 @@ class EngineTrace:
             out, lse = self.attention.decode(qa, hot, ph, sm_scale=scale, row_format=FP8)
             ref_out, ref_lse = ReferenceBackend().decode(qa, hot, ph, sm_scale=scale, row_format=FP8)
             cfg = default_config(Td, H, self.K, self.dev, FP8)
-            what = f"forward {step} layer {layer} H={H} ({'ws' if cfg.ws else 'tl'} kernel)"
-            self.kernels_used.add(f"{'ws' if cfg.ws else 'tl'} H={H}")
+            kernel = "ws" if cfg.ws else "wide" if cfg.wide else "tl"
+            what = f"forward {step} layer {layer} H={H} ({kernel} kernel)"
+            self.kernels_used.add(f"{kernel} H={H}")
             if not torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)):
                 raise RuntimeError(f"{what}: empty rows differ from the reference")
             fin = torch.isfinite(ref_lse)
