@@ -36,7 +36,7 @@ import traceback
 
 import torch
 
-from benchmarks.common import L2Flush, environment, flashmla_lib, out_problem, stats, write_json
+from benchmarks.common import L2Flush, environment, flashmla_lib, out_ok, stats, write_json
 from hisparse.attention.base import Phase
 from hisparse.attention.flashinfer import FlashInferBackend, flashinfer_version
 from hisparse.attention.flashmla import FlashMLABackend, pad_topk
@@ -308,8 +308,7 @@ def main(argv=None) -> int:
                     help="path of _flashmla_C.abi3.so (default: $HISPARSE_FLASHMLA_LIB, then "
                          ".gpu-deps/vllm/_flashmla_C.abi3.so, then an installed vllm)")
     args = ap.parse_args(argv)
-    if (why := out_problem(args.out)):
-        print(f"bench_decode: {why}", file=sys.stderr)
+    if not out_ok(args.out, "bench_decode"):
         return 2
     dev = torch.device(args.device)
     if dev.type == "cuda" and not torch.cuda.is_available():

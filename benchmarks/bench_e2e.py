@@ -113,8 +113,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if (why := common.out_problem(args.out)):
-        print(f"bench_e2e: {why}", file=sys.stderr)
+    if not common.out_ok(args.out, "bench_e2e"):
         return 2
     if not args.dry_run and not torch.cuda.is_available():
         print("bench_e2e: no CUDA device; use --dry-run for the CPU check", file=sys.stderr)

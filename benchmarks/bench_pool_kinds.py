@@ -221,8 +221,7 @@ def main() -> int:
     ap.add_argument("--kinds", nargs="+", default=["register", "thp", "hostalloc"])
     ap.add_argument("--out")
     a = ap.parse_args()
-    if (why := common.out_problem(a.out)):
-        print(f"bench_pool_kinds: {why}", file=sys.stderr)
+    if not common.out_ok(a.out, "bench_pool_kinds"):
         return 2
     W = 656
     nbytes = int(a.pool_gib * 2**30) // W * W

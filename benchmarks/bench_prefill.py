@@ -227,8 +227,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, help="timed samples (default 30, quick 10)")
     ap.add_argument("--inner", type=int, default=None, help="back-to-back calls per sample (default 5, dry run 1)")
     args = ap.parse_args(argv)
-    if (why := common.out_problem(args.out)):
-        print(f"bench_prefill: {why}", file=sys.stderr)
+    if not common.out_ok(args.out, "bench_prefill"):
         return 2
     cuda = torch.cuda.is_available()
     if not cuda and not args.dry_run:

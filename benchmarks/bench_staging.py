@@ -325,8 +325,7 @@ def bench_resolve(args, dev, timer, pool_flat, results):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if (why := common.out_problem(args.out)):
-        print(f"bench_staging: {why}", file=sys.stderr)
+    if not common.out_ok(args.out, "bench_staging"):
         return 2
     cuda = torch.cuda.is_available() and not args.dry_run
     if not cuda and not args.dry_run:

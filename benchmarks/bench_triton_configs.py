@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import L2Flush, environment, out_problem, stats, time_calls
+from benchmarks.common import L2Flush, environment, out_ok, stats, time_calls
 from hisparse.attention.reference import ReferenceBackend
 from hisparse.attention.triton_backend import (CANDIDATE_SHAPES, TritonBackend,
                                                TritonMLAConfig, auto_splits, default_config)
@@ -166,8 +166,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", nargs="+", metavar="FMT,T,H",
                     help="cases to run instead of the built-in list, e.g. fp8_ds_mla,64,128")
     args = ap.parse_args(argv)
-    if (why := out_problem(args.out)):
-        print(f"bench_triton_configs: {why}", file=sys.stderr)
+    if not out_ok(args.out, "bench_triton_configs"):
         return 2
     if not torch.cuda.is_available():
         print("bench_triton_configs: needs a CUDA GPU; nothing to do")

@@ -40,7 +40,7 @@ import time
 import torch
 
 from benchmarks.bench_staging import Timer, environment, fmt, make_resolve_case, random_pool, summary
-from benchmarks.common import ROOT, out_problem, write_json
+from benchmarks.common import ROOT, out_ok, write_json
 from hisparse.cache.resolve_triton import resolve_triton
 from hisparse.cache.state import STAT_HITS, STAT_MISSES
 from hisparse.cache.transfer import copy_rows
@@ -316,8 +316,7 @@ def run_vllm(ops, dev, timer, pool_flat, case, reps: int) -> tuple[dict, dict]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if (bad := out_problem(args.out)):
-        print(f"bench_vllm_resolve: {bad}", file=sys.stderr)
+    if not out_ok(args.out, "bench_vllm_resolve"):
         return 2
     lib, why = find_library(args.lib)
     if lib is None:

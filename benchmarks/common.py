@@ -9,7 +9,7 @@ record, JSON output and the defaults of a few arguments.
 - ``L2Flush``: a 256 MiB scratch write that evicts the H200's 50 MiB L2 before a call.
 - ``environment(device)``: python / torch / triton / CUDA / driver versions, the GPU,
   and the hisparse version and git commit the figures belong to.
-- ``out_problem(path)`` before the work, ``write_json(path, obj)`` after it.
+- ``out_ok(path, prog)`` before the work, ``write_json(path, obj)`` after it.
 - ``flashmla_lib(cli)``: the FlashMLA library path (flag, env var, ``.gpu-deps``).
 - ``interpret_dry_run()``: ``--dry-run`` runs the Triton kernels in the CPU interpreter.
 
@@ -163,8 +163,7 @@ def environment(device: torch.device | str | None = None) -> dict[str, Any]:
 
 # ------------------------------------------------------------------ arguments and output
 def out_problem(path: str | None) -> str | None:
-    """Why results could not be written to ``path`` (None: they can, or no path). Call
-    before the work, so a typo costs no GPU time."""
+    """Why results could not be written to ``path`` (None: they can, or no path)."""
     if path is None:
         return None
     p = Path(path)
@@ -176,6 +175,15 @@ def out_problem(path: str | None) -> str | None:
     if not parent.is_dir() or not os.access(parent, os.W_OK):
         return f"--out {path}: cannot create files under {parent}"
     return None
+
+
+def out_ok(path: str | None, prog: str) -> bool:
+    """False (after saying why on stderr) when results could not be written to
+    ``path``. Benchmarks call it before the work, so a typo costs no GPU time."""
+    why = out_problem(path)
+    if why is not None:
+        print(f"{prog}: {why}", file=sys.stderr)
+    return why is None
 
 
 def write_json(path: str | Path, obj: Any, *, indent: int = 1) -> None:

@@ -67,8 +67,7 @@ def main(argv=None) -> int:
                          "with ranges around every forward and every cache call (analyse with "
                          "python -m benchmarks.analyse_e2e_trace)")
     a = ap.parse_args(argv)
-    if (why := common.out_problem(a.out)):
-        print(f"profile_e2e_host: {why}", file=sys.stderr)
+    if not common.out_ok(a.out, "profile_e2e_host"):
         return 2
     cfg = bench_e2e.sizes(bench_e2e.parse_args(["--dry-run"] * a.dry_run + ["--quick"] * a.quick))
     if not a.dry_run and not torch.cuda.is_available():
