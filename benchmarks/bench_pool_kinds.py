@@ -2,10 +2,10 @@
 
 Staging reads missed rows straight from pinned host memory over UVA. Scattered over a
 large pool, every row lands on a different host page, so the GPU's address
-translation for system memory can become the bottleneck. This compares three pool
+translation for system memory can become the bottleneck. This compares pool
 allocations of the same size, each read by the same ``copy_rows`` launch:
 
-  register   torch.empty + cudaHostRegister (hisparse.device.PinnedBuffer today)
+  register   torch.empty + cudaHostRegister (what hisparse.device.PinnedBuffer does)
   thp        anonymous mmap + madvise(MADV_HUGEPAGE), touched, then cudaHostRegister
   hostalloc  cudaHostAlloc through CuPy (the driver allocates the pinned pages)
   hugetlb2m  MAP_HUGETLB mapping of 2 MiB hugetlbfs pages, then cudaHostRegister
