@@ -46,7 +46,7 @@ from hisparse.tools.stress import StressOptions, run_stress
 PRESETS = {
     "16k": dict(num_requests=32, context=16384, context_min=12288, num_layers=2, steps=5000,
                 runs=4),
-    "128k": dict(num_requests=16, context=131072, context_min=98304, num_layers=2, steps=2500,
+    "128k": dict(num_requests=16, context=131072, context_min=98304, num_layers=2, steps=3000,
                  runs=1),
     "tiny": dict(num_requests=4, context=256, context_min=128, num_layers=2, steps=30, runs=2,
                  top_k=16, buffer_size=32, calibrate_steps=10, min_steps=5, device="cpu"),

@@ -4,17 +4,15 @@ that a benchmark still runs, verifies its results and records what it claims to.
 
 from __future__ import annotations
 
-import importlib
 import json
 
-
-def _load(name: str):
-    return importlib.import_module(f"benchmarks.{name}")
+from benchmarks import (bench_decode, bench_host_calls, bench_prefill, bench_staging,
+                        bench_vllm_resolve, profile_e2e_host, soak)
 
 
 def test_bench_prefill_dry_run(tmp_path, capsys):
     out = tmp_path / "prefill.json"
-    assert _load("bench_prefill").main(["--dry-run", "--rows", "64", "--out", str(out)]) == 0
+    assert bench_prefill.main(["--dry-run", "--rows", "64", "--out", str(out)]) == 0
     d = json.loads(out.read_text())
     assert {(c["format"], c["workspace"]) for c in d["cases"]} == {
         ("fp8_ds_mla", "bf16"), ("fp8_ds_mla", "stored"), ("bf16", "bf16")}
@@ -27,7 +25,7 @@ def test_bench_prefill_dry_run(tmp_path, capsys):
 
 def test_bench_staging_dry_run_records_hit_rates(tmp_path, capsys):
     out = tmp_path / "staging.json"
-    assert _load("bench_staging").main(["--dry-run", "--no-sweep", "--out", str(out)]) == 0
+    assert bench_staging.main(["--dry-run", "--no-sweep", "--out", str(out)]) == 0
     d = json.loads(out.read_text())
     assert [r["B"] for r in d["resolve"]] == [1, 2]
     for r in d["resolve"]:
@@ -41,7 +39,7 @@ def test_bench_decode_cpu_smoke(tmp_path, capsys):
     argv = ["--device", "cpu", "--tokens", "2", "--heads", "16", "--topk", "16", "--iters", "1",
             "--warmup", "0", "--formats", "fp8_ds_mla", "bf16", "--backends", "triton",
             "--rows-per-token", "32", "--out", str(out)]
-    assert _load("bench_decode").main(argv) == 0
+    assert bench_decode.main(argv) == 0
     d = json.loads(out.read_text())
     tri = [r for r in d["results"] if r["backend"] == "triton"]
     assert len(tri) == 2 and all(r["status"] == "ok" for r in tri), [r.get("reason") for r in tri]
@@ -53,7 +51,7 @@ def test_bench_vllm_resolve_missing_library_exits_2(tmp_path, capsys):
     before touching a GPU: no numbers are made up."""
     lib = tmp_path / "nowhere" / "_C_stable_libtorch.abi3.so"
     out = tmp_path / "vllm_resolve.json"
-    rc = _load("bench_vllm_resolve").main(["--lib", str(lib), "--reps", "3", "--batches", "1", "8",
+    rc = bench_vllm_resolve.main(["--lib", str(lib), "--reps", "3", "--batches", "1", "8",
                                            "--out", str(out)])
     assert rc == 2
     err = capsys.readouterr().err
@@ -64,7 +62,7 @@ def test_bench_vllm_resolve_missing_library_exits_2(tmp_path, capsys):
 def test_bench_host_calls_cpu_smoke(capsys):
     argv = ["--device", "cpu", "--kernels", "torch", "--requests", "3", "--layers", "2",
             "--context", "40", "--top-k", "8", "--steps", "2", "--top", "3"]
-    assert _load("bench_host_calls").main(argv) == 0
+    assert bench_host_calls.main(argv) == 0
     out = capsys.readouterr().out
     assert "write_new_rows" in out and "convert" in out and "kernels torch" in out
 
@@ -74,7 +72,7 @@ def test_profile_e2e_host_timers_dry_run(tmp_path, capsys):
     out = tmp_path / "timers.txt"
     argv = ["--dry-run", "--host-timers", "--only-timers", "--kinds", "hisparse", "resident",
             "--out", str(out)]
-    assert _load("profile_e2e_host").main(argv) == 0
+    assert profile_e2e_host.main(argv) == 0
     text = out.read_text()
     for kind in ("hisparse", "resident"):
         assert f"== {kind}: host ms per decode step" in text
@@ -87,7 +85,7 @@ def test_soak_tiny_records_memory_and_sizes_runs_to_the_budget(tmp_path, capsys)
     out = tmp_path / "soak.json"
     argv = ["--preset", "tiny", "--steps", "4", "--calibrate-steps", "2", "--min-steps", "1",
             "--runs", "1", "--out", str(out)]
-    assert _load("soak").main(argv) == 0
+    assert soak.main(argv) == 0
     d = json.loads(out.read_text())
     assert [(r["steps"], r["calibration"]) for r in d["runs"]] == [(2, True), (4, False)]
     assert d["ok"] and d["total_steps"] == 6 and d["options"]["churn"] > 0
@@ -101,12 +99,12 @@ def test_soak_tiny_records_memory_and_sizes_runs_to_the_budget(tmp_path, capsys)
 def test_soak_stops_when_the_budget_is_spent(tmp_path, capsys):
     argv = ["--preset", "tiny", "--steps", "4", "--calibrate-steps", "2", "--min-steps", "3",
             "--runs", "3", "--budget-s", "0.01"]
-    assert _load("soak").main(argv) == 0
+    assert soak.main(argv) == 0
     text = capsys.readouterr().out
     assert "[soak] stopping" in text and "2 verified decode steps in 1 runs" in text
 
 
 def test_soak_bad_input_exits_2(tmp_path, capsys):
-    assert _load("soak").main(["--preset", "tiny", "--churn", "2"]) == 2
+    assert soak.main(["--preset", "tiny", "--churn", "2"]) == 2
     assert "churn must be in [0, 1]" in capsys.readouterr().err
-    assert _load("soak").main(["--preset", "tiny", "--out", str(tmp_path)]) == 2
+    assert soak.main(["--preset", "tiny", "--out", str(tmp_path)]) == 2
