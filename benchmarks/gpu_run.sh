@@ -114,7 +114,7 @@ for s in "${sections[@]}"; do
     soak) left=$((END - SECONDS - 45))
           run soak 600 python3 -m benchmarks.soak --preset "${SOAK:-16k}" --seed "${SOAK_SEED:-0}" \
               --budget-s "$left" --out "$RES/soak_${SOAK:-16k}.json" ${SOAK_ARGS:-}
-          grep "^\[soak\]" "$LOG" | tail -n 8 | tee -a "$SUM" ;;
+          grep "^\[soak\] " "$LOG" | grep -v "^\[soak\] rc=" | tail -n 8 | tee -a "$SUM" ;;
     autotune) run autotune 420 python3 -m hisparse autotune --layers 61 --format fp8_ds_mla --top-k 2048 \
               --heads 128 --context 8192 --out "$RES/autotune.json" ;;
     *) echo "unknown section $s" | tee -a "$SUM" ;;
