@@ -22,39 +22,32 @@ the same-run device-to-device copy of that many bytes as a ceiling (``vs_copy``)
 
 Usage (the FlashMLA library: --flashmla-lib, else $HISPARSE_FLASHMLA_LIB, else
 .gpu-deps/vllm/_flashmla_C.abi3.so when present, else an installed vllm/sgl_kernel):
-  python benchmarks/bench_decode.py --out results/bench_decode.json [--quick]
+  python -m benchmarks.bench_decode --out results/bench_decode.json [--quick]
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
-import os
 import sys
 import time
 import traceback
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from hisparse.attention.base import Phase  # noqa: E402
-from hisparse.attention.flashinfer import FlashInferBackend, flashinfer_version  # noqa: E402
-from hisparse.attention.flashmla import FlashMLABackend, _pad_topk  # noqa: E402
-from hisparse.attention.reference import ReferenceBackend  # noqa: E402
-from hisparse.attention.triton_backend import TritonBackend, default_config  # noqa: E402
-from hisparse.config import RowFormat  # noqa: E402
-from hisparse.formats import quantize_fp8_ds_mla  # noqa: E402
+from benchmarks.common import L2Flush, environment, flashmla_lib, out_ok, stats, write_json
+from hisparse.attention.base import Phase
+from hisparse.attention.flashinfer import FlashInferBackend, flashinfer_version
+from hisparse.attention.flashmla import FlashMLABackend, pad_topk
+from hisparse.attention.reference import ReferenceBackend
+from hisparse.attention.triton_backend import TritonBackend, default_config
+from hisparse.config import RowFormat
+from hisparse.formats import quantize_fp8_ds_mla
 
 FP8, BF16 = RowFormat.FP8_DS_MLA, RowFormat.BF16
 ROWS_PER_TOKEN = 4096
 SPOT_TOKENS = 4
-FLUSH_BYTES = 256 << 20
 
 
 # ------------------------------------------------------------------ timing
@@ -67,8 +60,7 @@ class Timer:
     def __init__(self, *, warmup: int, iters: int, flush: bool, device: torch.device) -> None:
         self.warmup, self.iters, self.flush = warmup, iters, flush
         self.cuda = device.type == "cuda"
-        self._junk = (torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device)
-                      if flush and self.cuda else None)
+        self._l2 = L2Flush(device) if flush and self.cuda else None
 
     def __call__(self, fn) -> dict:
         for _ in range(self.warmup):
@@ -84,8 +76,8 @@ class Timer:
         starts = [torch.cuda.Event(enable_timing=True) for _ in range(self.iters)]
         ends = [torch.cuda.Event(enable_timing=True) for _ in range(self.iters)]
         for i in range(self.iters):
-            if self._junk is not None:
-                self._junk.zero_()
+            if self._l2 is not None:
+                self._l2.flush()
             starts[i].record()
             fn()
             ends[i].record()
@@ -117,13 +109,6 @@ class TritonVariant(TritonBackend):
 VARIANTS = {"triton_noprefetch": {"prefetch": 0}, "triton_f16dot": {"f16_mma": True},
             # the default before the warp-specialised kernel: the tl fused-tile kernel
             "triton_tl": {}}
-
-
-def stats(us: list[float]) -> dict:
-    """min / median / p99 (nearest rank) of sorted microsecond samples."""
-    n = len(us)
-    return {"min": us[0], "median": us[n // 2] if n % 2 else 0.5 * (us[n // 2 - 1] + us[n // 2]),
-            "p99": us[min(n - 1, math.ceil(0.99 * n) - 1)], "n": n}
 
 
 def time_backend(backend, q, rows, idx, *, timer: Timer, valid_counts=None, sm_scale: float,
@@ -179,7 +164,7 @@ def flashmla_op_fn(fm: FlashMLABackend, q, rows, idx, sm_scale):
     if N % 64 != 0:
         raise ValueError(f"FlashMLA needs 64-row pages; N = {N} is not a multiple of 64")
     kv4 = rows.view(N // 64, 64, 1, 656)
-    idx3 = _pad_topk(idx).unsqueeze(1).contiguous()
+    idx3 = pad_topk(idx).unsqueeze(1).contiguous()
     args = dict(q=q4, kv=kv4, indices=idx3, topk_length=None, attn_sink=None,
                 tile_scheduler_metadata=None, num_splits=None, extra_kv=None,
                 extra_indices=None, extra_topk_length=None, d_v=512, sm_scale=sm_scale)
@@ -293,16 +278,6 @@ def run_case(T, H, K, fmt, args, timer, backends, copy_cache) -> list[dict]:
     return results
 
 
-def flashmla_lib_arg(cli: str | None) -> str | None:
-    if cli:
-        return cli
-    env = os.environ.get("HISPARSE_FLASHMLA_LIB")
-    if env:
-        return env
-    default = ROOT / ".gpu-deps" / "vllm" / "_flashmla_C.abi3.so"
-    return str(default) if default.is_file() else None
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -333,6 +308,8 @@ def main(argv=None) -> int:
                     help="path of _flashmla_C.abi3.so (default: $HISPARSE_FLASHMLA_LIB, then "
                          ".gpu-deps/vllm/_flashmla_C.abi3.so, then an installed vllm)")
     args = ap.parse_args(argv)
+    if not out_ok(args.out, "bench_decode"):
+        return 2
     dev = torch.device(args.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         print("bench_decode needs a CUDA GPU (torch.cuda.is_available() is False); "
@@ -341,28 +318,23 @@ def main(argv=None) -> int:
     if args.quick:
         args.tokens = [t for t in args.tokens if t in (1, 64)] or [1]
         args.iters, args.warmup = min(args.iters, 20), min(args.warmup, 5)
-    lib = flashmla_lib_arg(args.flashmla_lib)
+    lib = flashmla_lib(args.flashmla_lib)
     all_backends = {"triton": TritonBackend(validate=False, allow_interpreter=dev.type == "cpu"),
                     **{name: TritonVariant(name, **ov) for name, ov in VARIANTS.items()},
                     "flashmla": FlashMLABackend(library_path=lib, check_ranges=False),
                     "flashinfer": FlashInferBackend()}
     backends = {k: v for k, v in all_backends.items() if k in args.backends}
     timer = Timer(warmup=args.warmup, iters=args.iters, flush=not args.no_flush, device=dev)
-    if dev.type == "cuda":
-        p = torch.cuda.get_device_properties(dev)
-        gpu = {"gpu": p.name, "sm": f"{p.major}.{p.minor}", "sm_count": p.multi_processor_count}
-    else:
-        gpu = {"gpu": "none (CPU smoke run: timings are meaningless)", "sm": None, "sm_count": None}
+    env = environment(dev)
+    if dev.type != "cuda":
+        env["gpu"] = "none (CPU smoke run: timings are meaningless)"
     ops, fm_reason = all_backends["flashmla"].ops()
     meta = {
-        **gpu,
-        "torch": torch.__version__, "cuda": torch.version.cuda,
-        "triton": __import__("triton").__version__, "flashinfer": flashinfer_version(),
+        **env, "flashinfer": flashinfer_version(),
         "flashmla_source": ops.source if ops is not None else None,
         "flashmla_reason": fm_reason, "flashmla_lib": lib,
         "args": vars(args), "rows_per_token": args.rows_per_token,
         "l2_flush": not args.no_flush and dev.type == "cuda",
-        "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     print(f"bench_decode on {meta['gpu']} (SM {meta['sm']}), torch {meta['torch']}, "
           f"triton {meta['triton']}, flashinfer {meta['flashinfer']}, "
@@ -374,16 +346,14 @@ def main(argv=None) -> int:
             for T in args.tokens:
                 print(f"case format={fmt.value} H={H} T={T} K={args.topk}", flush=True)
                 results.extend(run_case(T, H, args.topk, fmt, args, timer, backends, copy_cache))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     ratios = [(r["backend"], r["format"], r["H"], r["T"], r["triton_vs_flashmla"]) for r in results
               if "triton_vs_flashmla" in r]
     if ratios:
         print("triton/FlashMLA throughput (FlashMLA time / Triton time; target >= 0.7):")
         for b, f, H, T, r in ratios:
             print(f"  {b} {f} H={H} T={T}: {r:.2f}")
-    print(f"wrote {out} ({len(results)} records)")
+    print(f"{len(results)} records")
+    write_json(args.out, {"meta": meta, "results": results})
     return 0
 
 

@@ -19,8 +19,8 @@ Exit status: 1 when the outputs differ beyond tolerance (a correctness failure),
 (a missed speed target is reported, not an error).
 
 Usage:
-  python benchmarks/bench_e2e.py --out e2e.json [--quick] [--backend triton|flashmla]
-  python benchmarks/bench_e2e.py --dry-run          # tiny CPU run (checks the script)
+  python -m benchmarks.bench_e2e --out e2e.json [--quick] [--backend triton|flashmla]
+  python -m benchmarks.bench_e2e --dry-run          # tiny CPU run (checks the script)
 Full size (default): 8 layers, 128 heads, 64 requests, ~32K contexts, top-k 2048.
 --quick: 4 layers, 16 requests, ~8K contexts.
 """
@@ -29,22 +29,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
-import os
-import platform
 import sys
 import time
 import traceback
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+import torch
 
-if "--dry-run" in sys.argv:  # no GPU: Triton kernels in the interpreter
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from benchmarks import common
 
-import torch  # noqa: E402
+common.interpret_dry_run(with_gpu=True)  # a dry run is on the CPU; before hisparse loads
 
 from hisparse.tools import mini_engine as me  # noqa: E402
 
@@ -74,21 +67,15 @@ def sizes(args: argparse.Namespace) -> me.MiniEngineConfig:
                   synthetic_context=max(0, args.context - 768))
     if kw.get("backend") is None and not args.dry_run:
         kw["backend"] = "triton"
-    if kw.get("flashmla_lib") is None and os.environ.get("HISPARSE_FLASHMLA_LIB"):
-        kw["flashmla_lib"] = os.environ["HISPARSE_FLASHMLA_LIB"]
+    kw["flashmla_lib"] = common.flashmla_lib(kw.get("flashmla_lib"))
     return me.MiniEngineConfig(**kw)
 
 
 def env_info() -> dict:
-    import triton
-
-    d = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
-         "cuda": torch.version.cuda, "gpu": None}
-    if torch.cuda.is_available():
-        p = torch.cuda.get_device_properties(0)
-        d.update(gpu=p.name, sm=f"{p.major}.{p.minor}", gpu_mem_gib=round(p.total_memory / 2**30, 1),
-                 num_sms=p.multi_processor_count)
-    return d
+    """``common.environment`` plus ``num_sms``, this benchmark's name for ``sm_count``."""
+    env = common.environment()
+    env["num_sms"] = env["sm_count"]
+    return env
 
 
 def warm_up(cfg: me.MiniEngineConfig) -> float:
@@ -104,7 +91,8 @@ def warm_up(cfg: me.MiniEngineConfig) -> float:
     return time.perf_counter() - t0
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (also how ``profile_e2e_host`` picks the same sizes)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=None, help="write the JSON result here")
@@ -120,7 +108,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--locality", type=float, default=None, help="indexer locality knob in [0, 1)")
     ap.add_argument("--row-format", dest="row_format", default=None, choices=["fp8_ds_mla", "bf16"])
     ap.add_argument("--no-warmup", action="store_true")
-    args = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if not common.out_ok(args.out, "bench_e2e"):
+        return 2
     if not args.dry_run and not torch.cuda.is_available():
         print("bench_e2e: no CUDA device; use --dry-run for the CPU check", file=sys.stderr)
         return 2
@@ -157,10 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         print(result["traceback"], file=sys.stderr)
         rc = 1
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.out, "w") as fh:
-            json.dump(result, fh, indent=2, default=str)
-        print(f"[bench_e2e] wrote {args.out}")
+        common.write_json(args.out, result, indent=2)
     return rc
 
 

@@ -2,10 +2,10 @@
 
 Staging reads missed rows straight from pinned host memory over UVA. Scattered over a
 large pool, every row lands on a different host page, so the GPU's address
-translation for system memory can become the bottleneck. This compares three pool
+translation for system memory can become the bottleneck. This compares pool
 allocations of the same size, each read by the same ``copy_rows`` launch:
 
-  register   torch.empty + cudaHostRegister (hisparse.device.PinnedBuffer today)
+  register   torch.empty + cudaHostRegister (what hisparse.device.PinnedBuffer does)
   thp        anonymous mmap + madvise(MADV_HUGEPAGE), touched, then cudaHostRegister
   hostalloc  cudaHostAlloc through CuPy (the driver allocates the pinned pages)
   hugetlb2m  MAP_HUGETLB mapping of 2 MiB hugetlbfs pages, then cudaHostRegister
@@ -21,22 +21,22 @@ puts the old value back afterwards. For thp it reports how much of the pool the
 kernel really backed with huge pages (AnonHugePages of /proc/self/smaps_rollup).
 
 Baseline in the same run: a bulk pinned host->device copy of the same bytes.
-Usage: python benchmarks/bench_pool_kinds.py [--pool-gib 32] [--out F.json]
+Usage: python -m benchmarks.bench_pool_kinds [--pool-gib 32] [--out F.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import mmap
-import statistics
+import sys
 import time
 
 import numpy as np
 import torch
-import triton
 
+from benchmarks import common
+from hisparse import device as hdev
 from hisparse.cache.transfer import copy_rows
 
 
@@ -173,8 +173,6 @@ def alloc(kind: str, nbytes: int):
             except OSError:
                 pass
     elif kind == "vmm_host":
-        from hisparse import device as hdev
-
         ptr, size, gran, vrel = _vmm_host(nbytes)
         print(f"vmm_host: granularity {gran} bytes")
         arr = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
@@ -186,8 +184,7 @@ def alloc(kind: str, nbytes: int):
             hdev._REGISTERED.pop(ptr, None)
             vrel()
     elif kind == "managed":
-        import cupy
-        from hisparse import device as hdev
+        import cupy  # optional: only these two kinds need it
 
         ptr = cupy.cuda.runtime.mallocManaged(nbytes, 1)  # cudaMemAttachGlobal
         cupy.cuda.runtime.memAdvise(ptr, nbytes, 3, -1)  # SetPreferredLocation = CPU
@@ -201,7 +198,7 @@ def alloc(kind: str, nbytes: int):
             hdev._REGISTERED.pop(ptr, None)
             cupy.cuda.runtime.free(ptr)
     elif kind == "hostalloc":
-        import cupy
+        import cupy  # optional, see above
 
         ptr = cupy.cuda.runtime.hostAlloc(nbytes, 0)
         arr = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
@@ -213,27 +210,19 @@ def alloc(kind: str, nbytes: int):
 
 
 def time_us(fn, reps: int = 20) -> dict:
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
-    ts.sort()
-    return {"min": ts[0], "median": statistics.median(ts), "p99": ts[-1]}
+    """min / median / p99 microseconds of ``reps`` event-timed calls after one warm-up."""
+    return common.stats(common.time_calls(fn, reps=reps, warmup=1, cuda=True))
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pool-gib", type=float, default=32.0)
     ap.add_argument("--rows", type=int, nargs="+", default=[16384, 131072])
     ap.add_argument("--kinds", nargs="+", default=["register", "thp", "hostalloc"])
     ap.add_argument("--out")
     a = ap.parse_args()
+    if not common.out_ok(a.out, "bench_pool_kinds"):
+        return 2
     W = 656
     nbytes = int(a.pool_gib * 2**30) // W * W
     H = nbytes // W
@@ -241,8 +230,9 @@ def main() -> None:
         thp = open("/sys/kernel/mm/transparent_hugepage/enabled").read().strip()
     except OSError as e:
         thp = f"unreadable: {e}"
-    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "triton": triton.__version__, "pool_bytes": nbytes, "thp": thp, "cases": []}
+    env = common.environment()
+    res = {"gpu": env["gpu"], "torch": env["torch"], "triton": env["triton"], "env": env,
+           "pool_bytes": nbytes, "thp": thp, "cases": []}
     print(f"pool {nbytes / 2**30:.1f} GiB, THP: {thp}")
     dev = torch.device("cuda")
     g = torch.Generator().manual_seed(0)
@@ -287,8 +277,9 @@ def main() -> None:
         torch.cuda.synchronize()
         rel()
     if a.out:
-        json.dump(res, open(a.out, "w"), indent=1)
+        common.write_json(a.out, res)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -2,7 +2,7 @@
 
 For N in {8K, 64K, 512K} rows and both row formats, the rows of N/8K requests (8K rows
 each, 64-row blocks scattered at random over a pinned host pool twice that size) are
-staged by ``hisparse.cache.prefill.stage_prefill`` into a GPU workspace:
+staged by ``hisparse.staging.stage_prefill`` into a GPU workspace:
   * fp8_ds_mla -> bf16 workspace (dequantised in-kernel), fp8_ds_mla -> stored uint8,
   * bf16 -> bf16 workspace.
 Baseline, measured in the same run: a bulk pinned host -> device ``copy_`` of the
@@ -17,83 +17,50 @@ sample, Python included) and graph-replayed (the same calls captured once in a C
 graph: GPU time only). The host CPU time of one call is reported too (``--profile-host``
 prints a cProfile of it for the smallest fp8 -> bf16 case).
 
-    python benchmarks/bench_prefill.py --out prefill.json           # full (H200)
-    python benchmarks/bench_prefill.py --quick --out q.json         # 8K and 64K only, fewer reps
-    python benchmarks/bench_prefill.py --dry-run                     # tiny, CPU (interpreter)
+    python -m benchmarks.bench_prefill --out prefill.json           # full (H200)
+    python -m benchmarks.bench_prefill --quick --out q.json         # 8K and 64K only, fewer reps
+    python -m benchmarks.bench_prefill --dry-run                     # tiny, CPU (interpreter)
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import statistics
+import cProfile
+import pstats
 import sys
 import time
 
-_DRY = "--dry-run" in sys.argv
-if _DRY:
-    import torch as _t
+import torch
 
-    if not _t.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+from benchmarks import common
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+common.interpret_dry_run()  # without a GPU a dry run needs the interpreter; before hisparse loads
 
-import torch  # noqa: E402
-
-from hisparse.cache.prefill import stage_prefill  # noqa: E402
+from hisparse.staging import BlockTable, LayerView, StageRequests, stage_prefill  # noqa: E402
 from hisparse.device import PinnedBuffer  # noqa: E402
 
 ROW_BYTES = {"fp8_ds_mla": 656, "bf16": 1152}
 MODES = [("fp8_ds_mla", "bf16"), ("fp8_ds_mla", "stored"), ("bf16", "bf16")]
 
 
-def percentile(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    if not s:
-        return float("nan")
-    k = min(len(s) - 1, max(0, int(round(q / 100.0 * (len(s) - 1)))))
-    return s[k]
-
-
-def summarize(times_s: list[float], nbytes: int) -> dict:
-    med = statistics.median(times_s)
-    return {"min_us": min(times_s) * 1e6, "median_us": med * 1e6, "p99_us": percentile(times_s, 99) * 1e6,
-            "gbps_median": nbytes / med / 1e9, "reps": len(times_s)}
+def summarize(us: list[float], nbytes: int) -> dict:
+    """min / median / p99 microseconds (``*_us``, ``reps``) and GB/s of ``nbytes`` at the median."""
+    d = common.stats(us, unit="_us", count="reps")
+    d["gbps_median"] = nbytes / (d["median_us"] * 1e-6) / 1e9
+    return d
 
 
 class Timer:
     """CUDA-event timing on GPU, perf_counter on CPU. Each sample times ``inner``
     back-to-back calls (so Python launch overhead overlaps GPU work, as in a serving
-    loop) and reports the time per call."""
+    loop) and reports the time per call (microseconds)."""
 
     def __init__(self, cuda: bool, inner: int = 1) -> None:
         self.cuda = cuda
         self.inner = inner
 
     def run(self, fn, reps: int, warmup: int) -> list[float]:
-        for _ in range(warmup):
-            fn()
-        if self.cuda:
-            torch.cuda.synchronize()
-        out = []
-        for _ in range(reps):
-            if self.cuda:
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                for _ in range(self.inner):
-                    fn()
-                b.record()
-                b.synchronize()
-                out.append(a.elapsed_time(b) / 1e3 / self.inner)
-            else:
-                t0 = time.perf_counter()
-                for _ in range(self.inner):
-                    fn()
-                out.append((time.perf_counter() - t0) / self.inner)
-        return out
+        return common.time_calls(fn, reps=reps, warmup=warmup, cuda=self.cuda, inner=self.inner)
 
     def run_graph(self, fn, reps: int, warmup: int) -> list[float]:
         """Time ``inner`` calls captured once in a CUDA graph and replayed: the GPU time
@@ -118,7 +85,7 @@ class Timer:
             graph.replay()
             b.record()
             b.synchronize()
-            out.append(a.elapsed_time(b) / 1e3 / self.inner)
+            out.append(a.elapsed_time(b) * 1e3 / self.inner)
         del graph
         return out
 
@@ -157,9 +124,6 @@ def _host_us_per_call(fn, calls: int = 50, profile: bool = False) -> float:
         fn()
     us = (time.perf_counter() - t0) / calls * 1e6
     if profile:
-        import cProfile
-        import pstats
-
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(calls):
@@ -175,7 +139,7 @@ def _time_variant(timer: Timer, base: dict, kw: dict, ws, src_bytes: int, rows: 
                   reps: int, warmup: int) -> dict:
     """Eager (and, on CUDA, graph-replayed) timing of one launch shape."""
     def call():
-        stage_prefill(workspace=ws, rows_per_program=rows, num_warps=warps, **kw)
+        stage_prefill(*kw["args"], ws, rows_per_program=rows, num_warps=warps, **kw["opts"])
 
     s = summarize(timer.run(call, reps, warmup), src_bytes)
     s.update(rows_per_program=rows, num_warps=warps, ratio_vs_bulk=s["gbps_median"] / base["gbps_median"])
@@ -215,13 +179,14 @@ def bench_case(fmt: str, ws_kind: str, N: int, *, dev, timer: Timer, reps: int, 
     ws = (torch.empty((W, 576), dtype=torch.bfloat16, device=dev) if ws_kind == "bf16"
           else torch.empty((W, rb), dtype=torch.uint8, device=dev))
     src_bytes = W * rb
-    kw = dict(host_pool=pool, block_table=bt, req_slots=slots, seq_lens=lens, workspace_starts=starts,
-              block_size=B, row_format=fmt, max_rows=per, validate=False, impl="triton")
+    view = LayerView(host_rows=pool, blocks=BlockTable(bt, B), row_format=fmt)
+    reqs = StageRequests(req_slots=slots, seq_lens=lens, starts=starts, max_rows=per)
+    kw = dict(args=(view, reqs), opts=dict(validate=False, kernels="triton"))
 
     # correctness once (checked call, then the reference)
-    stage_prefill(workspace=ws, **{**kw, "validate": True})
+    stage_prefill(view, reqs, ws, validate=True, kernels="triton")
     ref = torch.empty_like(ws)
-    stage_prefill(workspace=ref, **{**kw, "impl": "torch", "validate": True})
+    stage_prefill(view, reqs, ref, validate=True, kernels="torch")
     if dev.type == "cuda":
         torch.cuda.synchronize()
     if not torch.equal(ws.view(torch.uint8), ref.view(torch.uint8)):
@@ -240,7 +205,7 @@ def bench_case(fmt: str, ws_kind: str, N: int, *, dev, timer: Timer, reps: int, 
 
     results = [_time_variant(timer, base, kw, ws, src_bytes, rows, warps, reps, warmup)
                for rows, warps in variants]
-    host_us = _host_us_per_call(lambda: stage_prefill(workspace=ws, **kw), calls=50 if timer.cuda else 2,
+    host_us = _host_us_per_call(lambda: stage_prefill(view, reqs, ws, **kw["opts"]), calls=50 if timer.cuda else 2,
                                 profile=profile_host)
     best = max(results, key=lambda s: s["gbps_median"])
     graphed = [s for s in results if "ratio_vs_bulk" in s.get("graph", {})]
@@ -249,20 +214,6 @@ def bench_case(fmt: str, ws_kind: str, N: int, *, dev, timer: Timer, reps: int, 
             "source_bytes": src_bytes, "bulk_h2d": base, "variants": results, "best": best,
             "host_us_per_call": host_us,
             "best_graph": best_graph}
-
-
-def env_info(dev: torch.device) -> dict:
-    import triton
-
-    d = {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
-         "device": str(dev)}
-    if dev.type == "cuda":
-        p = torch.cuda.get_device_properties(dev)
-        d.update(gpu=p.name, sm=f"{p.major}.{p.minor}", gpu_mem_gib=round(p.total_memory / 2**30, 1),
-                 cuda=torch.version.cuda)
-    else:
-        d["gpu"] = None
-    return d
 
 
 def main(argv=None) -> int:
@@ -277,7 +228,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, help="timed samples (default 30, quick 10)")
     ap.add_argument("--inner", type=int, default=None, help="back-to-back calls per sample (default 5, dry run 1)")
     args = ap.parse_args(argv)
-
+    if not common.out_ok(args.out, "bench_prefill"):
+        return 2
     cuda = torch.cuda.is_available()
     if not cuda and not args.dry_run:
         print("bench_prefill: no CUDA GPU; use --dry-run for the tiny CPU check", file=sys.stderr)
@@ -293,7 +245,7 @@ def main(argv=None) -> int:
         variants = ([(4, 4), (8, 4), (16, 4), (16, 8), (32, 4), (32, 8)] if not args.quick
                     else [(8, 4), (16, 8)])
     inner = args.inner or (1 if args.dry_run else 5)
-    env = env_info(dev)
+    env = {**common.environment(dev), "device": str(dev)}
     env["inner_calls_per_sample"] = inner
     print(f"bench_prefill on {env.get('gpu') or 'CPU (dry run)'}: torch {env['torch']}, triton {env['triton']}")
     print(f"{'format':>10} {'workspace':>9} {'rows':>8} {'bulk GB/s':>10} {'stage GB/s':>10} {'ratio':>6} "
@@ -327,9 +279,7 @@ def main(argv=None) -> int:
     result = {"benchmark": "prefill_staging", "env": env, "quick": args.quick, "dry_run": args.dry_run,
               "cases": cases, "summary": summary}
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=2)
-        print(f"wrote {args.out}")
+        common.write_json(args.out, result, indent=2)
     return 0
 
 

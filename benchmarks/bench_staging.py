@@ -3,9 +3,9 @@ pinned host pool to the GPU, against a bulk pinned host->device copy of the same
 bytes measured in the same run; then the full resolve + copy of an all-miss decode
 step (K = 2048, S = 4096) for B requests, and an all-hit resolve.
 
-  python benchmarks/bench_staging.py --out staging.json            # 32 GiB pool
-  python benchmarks/bench_staging.py --quick --out staging.json    # 2 GiB pool
-  python benchmarks/bench_staging.py --quick --dry-run             # CPU, tiny, interpreter
+  python -m benchmarks.bench_staging --out staging.json            # 32 GiB pool
+  python -m benchmarks.bench_staging --quick --out staging.json    # 2 GiB pool
+  python -m benchmarks.bench_staging --quick --dry-run             # CPU, tiny, interpreter
 
 Timing: CUDA events around each call, after a short GPU sleep so that the launch
 overhead of the host is hidden (GPU time only); warm-up calls first; min / median /
@@ -18,13 +18,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import statistics
 import sys
 import time
 
 import torch
+
+from benchmarks import common
+
+common.interpret_dry_run(with_gpu=True)  # a dry run is on the CPU; before hisparse loads
+
+from hisparse.cache import transfer  # noqa: E402
+from hisparse.cache.resolve_triton import resolve_triton  # noqa: E402
+from hisparse.cache.state import HotState, ResolveBuffers  # noqa: E402
+from hisparse.cache.transfer import copy_rows  # noqa: E402
+from hisparse.config import HiSparseConfig  # noqa: E402
+from hisparse.device import PinnedBuffer  # noqa: E402
 
 GIB = 1 << 30
 
@@ -42,43 +50,21 @@ def parse_args(argv=None):
 
 
 class Timer:
-    """Times a callable: CUDA events on the GPU, perf_counter on the CPU."""
+    """The staging benchmarks' timing: ``common.time_calls`` with a GPU sleep before each
+    call, so a sample is GPU time only (perf_counter on the CPU)."""
 
     def __init__(self, cuda: bool):
         self.cuda = cuda
 
     def run(self, fn, reps: int, warmup: int = 3, before=None) -> list[float]:
         """Microseconds per call. ``before`` (untimed) runs before every call."""
-        for _ in range(warmup):
-            if before:
-                before()
-            fn()
-        if self.cuda:
-            torch.cuda.synchronize()
-        out = []
-        for _ in range(reps):
-            if before:
-                before()
-            if self.cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                if hasattr(torch.cuda, "_sleep"):
-                    torch.cuda._sleep(1_000_000)  # ~0.5 ms: GPU busy while the host enqueues
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                out.append(start.elapsed_time(end) * 1000.0)
-            else:
-                t0 = time.perf_counter()
-                fn()
-                out.append((time.perf_counter() - t0) * 1e6)
-        return out
+        return common.time_calls(fn, reps=reps, warmup=warmup, cuda=self.cuda, before=before,
+                                 gpu_sleep=True)
 
 
 def summary(us: list[float], nbytes: int | None = None) -> dict:
-    s = sorted(us)
-    p99 = s[min(len(s) - 1, int(round(0.99 * (len(s) - 1))))]
-    d = {"min_us": s[0], "median_us": statistics.median(s), "p99_us": p99, "reps": len(s)}
+    """min / median / p99 microseconds (keys ``*_us``, ``reps``), plus GB/s of ``nbytes``."""
+    d = common.stats(us, unit="_us", count="reps")
     if nbytes:
         d["bytes"] = nbytes
         d["GBps_median"] = nbytes / (d["median_us"] * 1e-6) / 1e9
@@ -95,15 +81,10 @@ def fmt(name: str, d: dict, base: dict | None = None) -> str:
     return line
 
 
-def environment(cuda: bool) -> dict:
-    import triton
-
-    env = {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
-           "cuda_available": cuda}
-    if cuda:
-        p = torch.cuda.get_device_properties(torch.cuda.current_device())
-        env.update(gpu=p.name, sm_count=p.multi_processor_count, cuda=torch.version.cuda,
-                   capability=f"{p.major}.{p.minor}")
+def environment(dev: torch.device) -> dict:
+    """``common.environment`` plus this benchmark's own names for two of its fields."""
+    env = common.environment(dev)
+    env.update(cuda_available=dev.type == "cuda", capability=env["sm"])
     return env
 
 
@@ -111,8 +92,6 @@ def random_pool(pool_bytes: int, pin: bool):
     """A PinnedBuffer of ``pool_bytes`` (pinned when ``pin``): random bytes in the first
     64 MiB, tiled over the pool (the period is not a multiple of either row width, so
     rows differ)."""
-    from hisparse.device import PinnedBuffer
-
     buf = PinnedBuffer(pool_bytes, pin=pin)
     chunk = min(pool_bytes, 64 << 20)
     buf.tensor[:chunk].random_(0, 256)
@@ -123,9 +102,6 @@ def random_pool(pool_bytes: int, pin: bool):
 
 
 def bench_copy(args, dev, timer, pool_flat, results):
-    from hisparse.cache import transfer
-    from hisparse.cache.transfer import copy_rows
-
     cuda = dev.type == "cuda"
     reps = args.reps
     widths = [656, 1152]
@@ -231,9 +207,6 @@ class ResolveCase:
 def make_resolve_case(dev, pool_flat, Bn: int, K: int, S: int, Bk: int, W: int, g) -> ResolveCase | None:
     """Build a ResolveCase over ``pool_flat`` (uint8 [bytes]) with rows of W bytes, drawing
     from the torch.Generator ``g``; None when the pool holds too few rows for Bn requests."""
-    from hisparse.cache.state import HotState, ResolveBuffers
-    from hisparse.config import HiSparseConfig
-
     pool_rows = pool_flat.numel() // W
     seq = min(65536, (pool_rows // Bn) // Bk * Bk)
     if seq < S + K + 1:
@@ -272,9 +245,6 @@ def make_resolve_case(dev, pool_flat, Bn: int, K: int, S: int, Bk: int, W: int, 
 
 
 def bench_resolve(args, dev, timer, pool_flat, results):
-    from hisparse.cache.resolve_triton import resolve_triton
-    from hisparse.cache.transfer import copy_rows
-
     cuda = dev.type == "cuda"
     W = 656
     K, S, Bk = (8, 16, 4) if args.dry_run else (2048, 4096, 64)
@@ -355,9 +325,9 @@ def bench_resolve(args, dev, timer, pool_flat, results):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if not common.out_ok(args.out, "bench_staging"):
+        return 2
     cuda = torch.cuda.is_available() and not args.dry_run
-    if args.dry_run and not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
     if not cuda and not args.dry_run:
         print("bench_staging: no CUDA GPU; use --dry-run to exercise the script on CPU", file=sys.stderr)
         return 2
@@ -368,7 +338,7 @@ def main(argv=None) -> int:
         args.pool_gib = 2.0 if args.quick else 32.0
     pool_bytes = (1 << 20) if args.dry_run else int(args.pool_gib * GIB)
 
-    results = {"benchmark": "staging", "args": vars(args), "env": environment(cuda),
+    results = {"benchmark": "staging", "args": vars(args), "env": environment(dev),
                "sweep": [], "copy": [], "resolve": []}
     print("env:", json.dumps(results["env"]))
     t0 = time.perf_counter()
@@ -383,9 +353,7 @@ def main(argv=None) -> int:
     if cuda:
         torch.cuda.synchronize()
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
-        print(f"wrote {args.out}")
+        common.write_json(args.out, results)
     return 0
 
 

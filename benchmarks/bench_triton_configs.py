@@ -14,7 +14,7 @@ than the default), ``vs_flashmla`` = 108.9 us / median for the fp8 T=64 H=128 ca
 FlashMLA live), and max |out err| of the first tokens against the float32 reference.
 A config that fails to compile or run is recorded with its error and skipped.
 
-  python benchmarks/bench_triton_configs.py --out results/triton_configs.json [--quick]
+  python -m benchmarks.bench_triton_configs --out results/triton_configs.json [--quick]
 """
 
 from __future__ import annotations
@@ -30,44 +30,21 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-import hisparse  # noqa: E402
-from hisparse.attention.reference import ReferenceBackend  # noqa: E402
-from hisparse.attention.triton_backend import (CANDIDATE_SHAPES, TritonBackend,  # noqa: E402
+from benchmarks.common import L2Flush, environment, out_ok, stats, time_calls
+from hisparse.attention.reference import ReferenceBackend
+from hisparse.attention.triton_backend import (CANDIDATE_SHAPES, TritonBackend,
                                                TritonMLAConfig, auto_splits, default_config)
-from hisparse.formats import quantize_fp8_ds_mla  # noqa: E402
+from hisparse.formats import quantize_fp8_ds_mla
 
 FLASHMLA_US = {("fp8_ds_mla", 64, 128): 108.9, ("fp8_ds_mla", 1, 128): 42.6,
                ("fp8_ds_mla", 8, 128): 49.1, ("fp8_ds_mla", 256, 128): 418.5}
-FLUSH_BYTES = 256 << 20
 SPOT = 4
 
 
-def stats(us: list[float]) -> dict:
-    s = sorted(us)
-    p99 = s[min(len(s) - 1, math.ceil(0.99 * len(s)) - 1)]
-    return {"min": s[0], "median": s[len(s) // 2], "p99": p99, "n": len(s)}
-
-
 def time_fn(fn, *, warmup: int, iters: int, flush: bool) -> dict:
-    scratch = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda") if flush else None
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    us = []
-    for _ in range(iters):
-        if scratch is not None:
-            scratch.fill_(1)
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        us.append(a.elapsed_time(b) * 1000.0)
-    return stats(us)
+    """min / median / p99 us of ``iters`` event-timed calls, L2 flushed before each."""
+    before = L2Flush(torch.device("cuda")).flush if flush else None
+    return stats(time_calls(fn, reps=iters, warmup=warmup, cuda=True, before=before))
 
 
 def make_problem(T: int, H: int, K: int, fmt: str, seed: int):
@@ -189,6 +166,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cases", nargs="+", metavar="FMT,T,H",
                     help="cases to run instead of the built-in list, e.g. fp8_ds_mla,64,128")
     args = ap.parse_args(argv)
+    if not out_ok(args.out, "bench_triton_configs"):
+        return 2
     if not torch.cuda.is_available():
         print("bench_triton_configs: needs a CUDA GPU; nothing to do")
         return 0
@@ -201,11 +180,9 @@ def main(argv=None) -> int:
                   ("bf16", 64, 128), ("fp8_ds_mla", 64, 16)]
     if args.cases:
         cases = [(c.split(",")[0], int(c.split(",")[1]), int(c.split(",")[2])) for c in args.cases]
-    env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-           "triton": __import__("triton").__version__, "hisparse": hisparse.__version__,
-           "capability": list(torch.cuda.get_device_capability()),
-           "sms": torch.cuda.get_device_properties(0).multi_processor_count,
-           "flush_l2": not args.no_flush, "iters": args.iters}
+    env = environment()
+    env.update(capability=list(torch.cuda.get_device_capability()), sms=env["sm_count"],
+               flush_l2=not args.no_flush, iters=args.iters)
     print("env:", json.dumps(env))
     out = {"env": env, "cases": []}
     for fmt, T, H in cases:

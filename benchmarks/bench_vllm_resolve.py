@@ -2,8 +2,8 @@
 ``torch.ops._C_cache_ops.hisparse_resolve_residency`` against our
 ``hisparse.cache.resolve_triton.resolve_triton``, in one process, at the same shapes.
 
-  python benchmarks/bench_vllm_resolve.py --out vllm_resolve.json
-  python benchmarks/bench_vllm_resolve.py --lib /path/to/_C_stable_libtorch.abi3.so
+  python -m benchmarks.bench_vllm_resolve --out vllm_resolve.json
+  python -m benchmarks.bench_vllm_resolve --lib /path/to/_C_stable_libtorch.abi3.so
 
 Shapes: K = 2048 top-k entries per request, 4096 hot slots per request, 656-byte rows,
 host block size 64, one query token per request, B in {1, 8, 64, 256}; every top-k
@@ -39,10 +39,11 @@ import time
 
 import torch
 
-HERE = pathlib.Path(__file__).resolve().parent
-ROOT = HERE.parent
-sys.path.insert(0, str(HERE))
-from bench_staging import Timer, environment, fmt, make_resolve_case, random_pool, summary  # noqa: E402
+from benchmarks.bench_staging import Timer, environment, fmt, make_resolve_case, random_pool, summary
+from benchmarks.common import ROOT, out_ok, write_json
+from hisparse.cache.resolve_triton import resolve_triton
+from hisparse.cache.state import STAT_HITS, STAT_MISSES
+from hisparse.cache.transfer import copy_rows
 
 DEFAULT_LIB = ROOT / ".gpu-deps" / "vllm" / "_C_stable_libtorch.abi3.so"
 UNPACK_DIR = pathlib.Path("/tmp/hisparse-vllm")
@@ -125,10 +126,6 @@ def run_ours(dev, timer, pool_flat, Bn: int, reps: int, g) -> tuple[dict, object
     """Set up bench_staging's resolve case, make the top-k resident (all-miss resolve +
     copy_rows), check one all-hit resolve, then time all-hit resolves. Returns
     (summary, case)."""
-    from hisparse.cache.resolve_triton import resolve_triton
-    from hisparse.cache.state import STAT_HITS, STAT_MISSES
-    from hisparse.cache.transfer import copy_rows
-
     case = make_resolve_case(dev, pool_flat, Bn, K, S, BK, W, g)
     if case is None:
         raise RuntimeError(f"B={Bn}: pool too small (needs {SEQ} tokens per request)")
@@ -319,6 +316,8 @@ def run_vllm(ops, dev, timer, pool_flat, case, reps: int) -> tuple[dict, dict]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if not out_ok(args.out, "bench_vllm_resolve"):
+        return 2
     lib, why = find_library(args.lib)
     if lib is None:
         print(f"bench_vllm_resolve: {why}. Pass --lib PATH (see ../shared/GPU.md: the vllm 0.30.0 "
@@ -334,7 +333,7 @@ def main(argv=None) -> int:
         print(f"bench_vllm_resolve: {e}", file=sys.stderr)
         return 2
     dev = torch.device("cuda", torch.cuda.current_device())
-    results = {"benchmark": "vllm_resolve", "args": vars(args), "env": environment(True),
+    results = {"benchmark": "vllm_resolve", "args": vars(args), "env": environment(dev),
                "vllm_lib": str(lib),
                "vllm_schema": {"hisparse_resolve_residency": _schema(ops.hisparse_resolve_residency),
                                "hisparse_gather_compact": _schema(ops.hisparse_gather_compact)},
@@ -379,9 +378,7 @@ def main(argv=None) -> int:
               f"{e['ratio_ours_over_vllm_median']:9.2f}")
     print("(us of GPU time per call; ratio < 1 means ours is faster)")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
-        print(f"wrote {args.out}")
+        write_json(args.out, results)
     return 0
 
 

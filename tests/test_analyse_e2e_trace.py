@@ -1,22 +1,13 @@
-"""scripts/analyse_e2e_trace.py on a hand-made trace: which kernels belong to a forward
+"""benchmarks/analyse_e2e_trace.py on a hand-made trace: which kernels belong to a forward
 (through the launch's correlation id), their union over streams, and the host time of
 the annotated calls and of the CUDA runtime calls inside them."""
 
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
-import pathlib
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def _mod():
-    spec = importlib.util.spec_from_file_location("_analyse", ROOT / "scripts" / "analyse_e2e_trace.py")
-    m = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(m)
-    return m
+from benchmarks import analyse_e2e_trace as m
 
 
 def _x(cat, name, ts, dur, **args):
@@ -24,7 +15,6 @@ def _x(cat, name, ts, dur, **args):
 
 
 def test_union_and_attribution(tmp_path):
-    m = _mod()
     assert m.union([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17
     ev = [
         _x("user_annotation", "e2e.forward", 100, 100),

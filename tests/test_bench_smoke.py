@@ -1,26 +1,18 @@
-"""The benchmark scripts run end to end on CPU (tiny shapes, Triton interpreter) and write
-the JSON fields BENCHMARKS.md is built from. Timings here mean nothing; what is checked is
-that a script still runs, verifies its results and records what it claims to."""
+"""The benchmarks run end to end on CPU (tiny shapes, Triton interpreter) and write the
+JSON fields BENCHMARKS.md is built from. Timings here mean nothing; what is checked is
+that a benchmark still runs, verifies its results and records what it claims to."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(f"_bench_{name}", ROOT / "benchmarks" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from benchmarks import (bench_decode, bench_host_calls, bench_prefill, bench_staging,
+                        bench_vllm_resolve, profile_e2e_host, soak)
 
 
 def test_bench_prefill_dry_run(tmp_path, capsys):
     out = tmp_path / "prefill.json"
-    assert _load("bench_prefill").main(["--dry-run", "--rows", "64", "--out", str(out)]) == 0
+    assert bench_prefill.main(["--dry-run", "--rows", "64", "--out", str(out)]) == 0
     d = json.loads(out.read_text())
     assert {(c["format"], c["workspace"]) for c in d["cases"]} == {
         ("fp8_ds_mla", "bf16"), ("fp8_ds_mla", "stored"), ("bf16", "bf16")}
@@ -33,7 +25,7 @@ def test_bench_prefill_dry_run(tmp_path, capsys):
 
 def test_bench_staging_dry_run_records_hit_rates(tmp_path, capsys):
     out = tmp_path / "staging.json"
-    assert _load("bench_staging").main(["--dry-run", "--no-sweep", "--out", str(out)]) == 0
+    assert bench_staging.main(["--dry-run", "--no-sweep", "--out", str(out)]) == 0
     d = json.loads(out.read_text())
     assert [r["B"] for r in d["resolve"]] == [1, 2]
     for r in d["resolve"]:
@@ -47,7 +39,7 @@ def test_bench_decode_cpu_smoke(tmp_path, capsys):
     argv = ["--device", "cpu", "--tokens", "2", "--heads", "16", "--topk", "16", "--iters", "1",
             "--warmup", "0", "--formats", "fp8_ds_mla", "bf16", "--backends", "triton",
             "--rows-per-token", "32", "--out", str(out)]
-    assert _load("bench_decode").main(argv) == 0
+    assert bench_decode.main(argv) == 0
     d = json.loads(out.read_text())
     tri = [r for r in d["results"] if r["backend"] == "triton"]
     assert len(tri) == 2 and all(r["status"] == "ok" for r in tri), [r.get("reason") for r in tri]
@@ -59,7 +51,7 @@ def test_bench_vllm_resolve_missing_library_exits_2(tmp_path, capsys):
     before touching a GPU: no numbers are made up."""
     lib = tmp_path / "nowhere" / "_C_stable_libtorch.abi3.so"
     out = tmp_path / "vllm_resolve.json"
-    rc = _load("bench_vllm_resolve").main(["--lib", str(lib), "--reps", "3", "--batches", "1", "8",
+    rc = bench_vllm_resolve.main(["--lib", str(lib), "--reps", "3", "--batches", "1", "8",
                                            "--out", str(out)])
     assert rc == 2
     err = capsys.readouterr().err
@@ -67,17 +59,10 @@ def test_bench_vllm_resolve_missing_library_exits_2(tmp_path, capsys):
     assert not out.exists()
 
 
-def _load_script(name: str):
-    spec = importlib.util.spec_from_file_location(f"_script_{name}", ROOT / "scripts" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_bench_host_calls_cpu_smoke(capsys):
     argv = ["--device", "cpu", "--kernels", "torch", "--requests", "3", "--layers", "2",
             "--context", "40", "--top-k", "8", "--steps", "2", "--top", "3"]
-    assert _load_script("bench_host_calls").main(argv) == 0
+    assert bench_host_calls.main(argv) == 0
     out = capsys.readouterr().out
     assert "write_new_rows" in out and "convert" in out and "kernels torch" in out
 
@@ -87,8 +72,39 @@ def test_profile_e2e_host_timers_dry_run(tmp_path, capsys):
     out = tmp_path / "timers.txt"
     argv = ["--dry-run", "--host-timers", "--only-timers", "--kinds", "hisparse", "resident",
             "--out", str(out)]
-    assert _load_script("profile_e2e_host").main(argv) == 0
+    assert profile_e2e_host.main(argv) == 0
     text = out.read_text()
     for kind in ("hisparse", "resident"):
         assert f"== {kind}: host ms per decode step" in text
     assert "kv.write" in text and "kv.decode_rows" in text
+
+
+def test_soak_tiny_records_memory_and_sizes_runs_to_the_budget(tmp_path, capsys):
+    """A calibration run, then runs sized to what is left of the budget; host memory
+    before, after and during every run; the total is the sum of the runs' steps."""
+    out = tmp_path / "soak.json"
+    argv = ["--preset", "tiny", "--steps", "4", "--calibrate-steps", "2", "--min-steps", "1",
+            "--runs", "1", "--out", str(out)]
+    assert soak.main(argv) == 0
+    d = json.loads(out.read_text())
+    assert [(r["steps"], r["calibration"]) for r in d["runs"]] == [(2, True), (4, False)]
+    assert d["ok"] and d["total_steps"] == 6 and d["options"]["churn"] > 0
+    for r in d["runs"]:
+        m = r["memory"]
+        assert r["ok"] and r["rows_verified"] > 0
+        assert m["start"]["rss"] > 0 and m["end"]["rss"] > 0 and m["start"]["gpu_allocated"] is None
+    assert "[soak] total tiny: 6 verified decode steps in 2 runs" in capsys.readouterr().out
+
+
+def test_soak_stops_when_the_budget_is_spent(tmp_path, capsys):
+    argv = ["--preset", "tiny", "--steps", "4", "--calibrate-steps", "2", "--min-steps", "3",
+            "--runs", "3", "--budget-s", "0.01"]
+    assert soak.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "[soak] stopping" in text and "2 verified decode steps in 1 runs" in text
+
+
+def test_soak_bad_input_exits_2(tmp_path, capsys):
+    assert soak.main(["--preset", "tiny", "--churn", "2"]) == 2
+    assert "churn must be in [0, 1]" in capsys.readouterr().err
+    assert soak.main(["--preset", "tiny", "--out", str(tmp_path)]) == 2

@@ -1,6 +1,6 @@
-"""Per-forward host and GPU time from a trace of ``profile_e2e_host.py --chrome-trace``.
+"""Per-forward host and GPU time from a trace of ``benchmarks.profile_e2e_host --chrome-trace``.
 
-  python3 scripts/analyse_e2e_trace.py DIR/hisparse.json.gz [DIR/resident.json.gz ...]
+  python3 -m benchmarks.analyse_e2e_trace DIR/hisparse.json.gz [DIR/resident.json.gz ...]
 
 For every ``e2e.forward`` range (one engine step) it reports the host time of the call,
 the GPU time the kernels it launched took (their union over all streams), the gap

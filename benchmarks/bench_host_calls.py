@@ -3,8 +3,8 @@ of R requests over L layers (``prepare_for_batch``, then per layer ``write_new_r
 ``convert_decode_logical_to_physical_topk``), timed with perf_counter (no syncs added),
 then the same steps under cProfile to show where that time goes.
 
-  python3 scripts/bench_host_calls.py [--requests 64] [--layers 8] [--context 4200] [--steps 20]
-  python3 scripts/bench_host_calls.py --device cpu --kernels torch    # CPU: the torch paths
+  python3 -m benchmarks.bench_host_calls [--requests 64] [--layers 8] [--context 4200] [--steps 20]
+  python3 -m benchmarks.bench_host_calls --device cpu --kernels torch    # CPU: the torch paths
 """
 
 from __future__ import annotations
@@ -15,15 +15,12 @@ import io
 import pstats
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torch
 
-import torch  # noqa: E402
-
-from hisparse import HiSparseConfig  # noqa: E402
-from hisparse.engine import HiSparseIndexGroup  # noqa: E402
-from hisparse.engine.metadata import SparseMLAMetadata  # noqa: E402
+from benchmarks.common import percentile
+from hisparse import HiSparseConfig
+from hisparse.engine import HiSparseIndexGroup, SparseMLAMetadata
 
 
 def main(argv=None) -> int:
@@ -90,9 +87,8 @@ def main(argv=None) -> int:
     print(f"host time per call, {R} requests, {L} layers, context {C}, kernels {g.hisparse_cache.kernels}, "
           f"device {dev}:")
     for k, v in times.items():
-        v = sorted(v)
-        print(f"  {k:16s} min {v[0] * 1e6:7.1f} us  median {v[len(v) // 2] * 1e6:7.1f} us  "
-              f"p90 {v[int(0.9 * len(v))] * 1e6:7.1f} us")
+        print(f"  {k:16s} min {min(v) * 1e6:7.1f} us  median {percentile(v, 50) * 1e6:7.1f} us  "
+              f"p90 {percentile(v, 90) * 1e6:7.1f} us")
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(a.steps):

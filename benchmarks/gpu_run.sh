@@ -1,15 +1,20 @@
 #!/usr/bin/env bash
 # Everything hisparse runs on the H200 test machine, in one command, results under $OUT.
 #
-#   bash scripts/gpu_run.sh [SECTION ...]     sections: env tests sanitize staging decode triton_configs profile
+#   bash benchmarks/gpu_run.sh [SECTION ...]  sections: env tests sanitize staging decode triton_configs profile
 #                                             prefill e2e stress autotune tests_each pool_kinds vllm_resolve
 #                                             profile_host (cProfile + torch.profiler of bench_e2e --quick)
-#                                             (default: all, in that order)
+#                                             soak (long verified stress runs, memory watched; takes the whole budget)
+#                                             (default: env tests sanitize staging decode prefill e2e stress autotune)
+#   sanitize: compute-sanitizer ${SANITIZE_TOOLS:-memcheck racecheck} over benchmarks.sanitize_trace (every
+#             kernel: writes, resolve, miss and prefill staging, decode attention); reports in $OUT/sanitize/
+#   soak: python -m benchmarks.soak --preset ${SOAK:-16k} (16k: 32 requests x 16K x 2 layers; 128k: 16 x 128K x 2),
+#         runs sized to the time left; SOAK_SEED (first seed, default 0) to add runs in a later call
 #   vllm_resolve: vLLM 0.30's hisparse_resolve_residency vs our resolve_triton, all hits, same
-#                 process (benchmarks/bench_vllm_resolve.py); needs .gpu-deps/vllm/_C_stable_libtorch.abi3.so
+#                 process (benchmarks.bench_vllm_resolve); needs .gpu-deps/vllm/_C_stable_libtorch.abi3.so
 #                 or its .xz (decompressed into /tmp/hisparse-vllm by the script)
 # Extra arguments: TC_ARGS (triton_configs), PREFILL_ARGS, DECODE_ARGS, STAGING_ARGS, VLLM_RESOLVE_ARGS,
-#                  PROFILE_HOST_ARGS (default --quick; " " for the full size);
+#                  PROFILE_HOST_ARGS (default --quick; " " for the full size), SOAK_ARGS (soak);
 #                  POOL_KINDS (pool_kinds).
 # Uses the machine's preinstalled torch/triton (no network there): PYTHONPATH=. , no install.
 # Optional kernels are picked up from .gpu-deps/ when carried (see ../shared/GPU.md):
@@ -75,27 +80,41 @@ for s in "${sections[@]}"; do
         run "t:$(basename "$f" .py)" ${EACH_TIMEOUT:-150} python3 -m pytest -m gpu "$f" -q -rfE --tb=short -p no:cacheprovider
         grep -E "passed|failed|error" "$LOG" | tail -1 | tee -a "$SUM"
       done ;;
-    pool_kinds) run pool_kinds 200 python3 benchmarks/bench_pool_kinds.py --kinds ${POOL_KINDS:-register} --out "$RES/pool_kinds.json" ;;
+    pool_kinds) run pool_kinds 200 python3 -m benchmarks.bench_pool_kinds --kinds ${POOL_KINDS:-register} --out "$RES/pool_kinds.json" ;;
     profile)  # Nsight Compute on one decode launch (T=64, H=128, fp8), when ncu is installed
       NCU=$(command -v ncu || ls /usr/local/cuda*/bin/ncu 2>/dev/null | head -1)
       if [ -n "$NCU" ]; then
         run profile 240 "$NCU" --kernel-name regex:sparse_mla_decode --launch-skip 2 --launch-count 1 \
             --section SpeedOfLight --section WarpStateStats --section Occupancy --section ComputeWorkloadAnalysis \
-            --section MemoryWorkloadAnalysis --section LaunchStats python3 scripts/profile_decode.py ${PROFILE_ARGS:-}
+            --section MemoryWorkloadAnalysis --section LaunchStats python3 -m benchmarks.profile_decode ${PROFILE_ARGS:-}
       else echo "[profile] no ncu on this machine" | tee -a "$SUM" "$LOG"; fi ;;
-    sanitize)
-      run memcheck 90 compute-sanitizer --tool memcheck --error-exitcode 9 python3 scripts/sanitize_trace.py
-      run racecheck 90 compute-sanitizer --tool racecheck --error-exitcode 9 python3 scripts/sanitize_trace.py ;;
-    staging) run staging 300 python3 benchmarks/bench_staging.py --out "$RES/staging.json" ${QUICK:+--quick} ${STAGING_ARGS:-} ;;
-    decode) run decode 300 python3 benchmarks/bench_decode.py --out "$RES/decode.json" ${QUICK:+--quick} ${DECODE_ARGS:-} ;;
-    triton_configs) run triton_configs 300 python3 benchmarks/bench_triton_configs.py --out "$RES/triton_configs.json" ${QUICK:+--quick} ${TC_ARGS:-} ;;
-    prefill) run prefill 240 python3 benchmarks/bench_prefill.py --out "$RES/prefill.json" ${QUICK:+--quick} ${PREFILL_ARGS:-} ;;
-    profile_host) run profile_host 420 python3 scripts/profile_e2e_host.py ${PROFILE_HOST_ARGS:---quick} --torch-profiler --out "$RES/profile_e2e_host.txt" --chrome-trace "$RES/traces"
-                  python3 scripts/analyse_e2e_trace.py "$RES"/traces/*.json.gz --json "$RES/e2e_trace_steps.json" >"$RES/e2e_trace_steps.txt" 2>>"$LOG" ;;
-    vllm_resolve) run vllm_resolve 300 python3 benchmarks/bench_vllm_resolve.py --out "$RES/vllm_resolve.json" ${VLLM_RESOLVE_ARGS:-} ;;
-    e2e) run e2e 300 python3 benchmarks/bench_e2e.py --out "$RES/e2e.json" ${QUICK:+--quick} ;;
+    sanitize)  # one process per tool; rc=9: the tool found errors (its report says which)
+      CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+      if [ -z "$CS" ]; then echo "[sanitize] no compute-sanitizer on this machine" | tee -a "$SUM" "$LOG"
+      else
+        mkdir -p "$OUT/sanitize"
+        for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
+          # no caching allocator: each tensor is its own allocation, so memcheck sees overruns
+          run "$tool" ${SANITIZE_TIMEOUT:-270} env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$CS" --tool "$tool" \
+              --error-exitcode 9 --log-file "$OUT/sanitize/$tool.txt" python3 -m benchmarks.sanitize_trace
+          tail -2 "$OUT/sanitize/$tool.txt" 2>/dev/null | tee -a "$SUM"
+          cp "$OUT/sanitize/$tool.txt" "$RES/sanitize_$tool.txt" 2>/dev/null
+        done
+      fi ;;
+    staging) run staging 300 python3 -m benchmarks.bench_staging --out "$RES/staging.json" ${QUICK:+--quick} ${STAGING_ARGS:-} ;;
+    decode) run decode 300 python3 -m benchmarks.bench_decode --out "$RES/decode.json" ${QUICK:+--quick} ${DECODE_ARGS:-} ;;
+    triton_configs) run triton_configs 300 python3 -m benchmarks.bench_triton_configs --out "$RES/triton_configs.json" ${QUICK:+--quick} ${TC_ARGS:-} ;;
+    prefill) run prefill 240 python3 -m benchmarks.bench_prefill --out "$RES/prefill.json" ${QUICK:+--quick} ${PREFILL_ARGS:-} ;;
+    profile_host) run profile_host 420 python3 -m benchmarks.profile_e2e_host ${PROFILE_HOST_ARGS:---quick} --torch-profiler --out "$RES/profile_e2e_host.txt" --chrome-trace "$RES/traces"
+                  python3 -m benchmarks.analyse_e2e_trace "$RES"/traces/*.json.gz --json "$RES/e2e_trace_steps.json" >"$RES/e2e_trace_steps.txt" 2>>"$LOG" ;;
+    vllm_resolve) run vllm_resolve 300 python3 -m benchmarks.bench_vllm_resolve --out "$RES/vllm_resolve.json" ${VLLM_RESOLVE_ARGS:-} ;;
+    e2e) run e2e 300 python3 -m benchmarks.bench_e2e --out "$RES/e2e.json" ${QUICK:+--quick} ;;
     stress) run_to stress 420 "$RES/stress.json" python3 -m hisparse stress --preset gpu --json --plot "$RES"
             python3 -c "import json,sys; from hisparse.tools.stress import format_stress; print(format_stress(json.load(open(sys.argv[1]))))" "$RES/stress.json" >>"$LOG" 2>&1 ;;
+    soak) left=$((END - SECONDS - 45))
+          run soak 600 python3 -m benchmarks.soak --preset "${SOAK:-16k}" --seed "${SOAK_SEED:-0}" \
+              --budget-s "$left" --out "$RES/soak_${SOAK:-16k}.json" ${SOAK_ARGS:-}
+          grep "^\[soak\] " "$LOG" | grep -v "^\[soak\] rc=" | tail -n 8 | tee -a "$SUM" ;;
     autotune) run autotune 420 python3 -m hisparse autotune --layers 61 --format fp8_ds_mla --top-k 2048 \
               --heads 128 --context 8192 --out "$RES/autotune.json" ;;
     *) echo "unknown section $s" | tee -a "$SUM" ;;

@@ -1,7 +1,7 @@
 """Run the Triton sparse-MLA decode a few times at one shape, for a profiler to attach to.
 
     ncu --kernel-name regex:sparse_mla_decode --launch-skip 2 --launch-count 1 \
-        --section SpeedOfLight --section WarpStateStats python3 scripts/profile_decode.py
+        --section SpeedOfLight --section WarpStateStats python3 -m benchmarks.profile_decode
 
 Shape: T tokens, H heads, K = 2048 random rows out of T x 4096, fp8_ds_mla (default) or bf16.
 """
@@ -10,15 +10,11 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import torch
 
-import torch  # noqa: E402
-
-from hisparse.attention.triton_backend import TritonBackend, TritonMLAConfig  # noqa: E402
-from hisparse.formats import quantize_fp8_ds_mla  # noqa: E402
+from hisparse.attention.triton_backend import TritonBackend, TritonMLAConfig
+from hisparse.formats import quantize_fp8_ds_mla
 
 
 def main() -> None:

@@ -1,8 +1,8 @@
 """Where the host time of a mini-engine decode step goes: cProfile over one run of the
 resident KV and one of hisparse, at bench_e2e's sizes, after bench_e2e's warm-up.
 
-  python3 scripts/profile_e2e_host.py --quick [--top 30] [--out prof.txt]
-  python3 scripts/profile_e2e_host.py --dry-run          # CPU, tiny (checks the script)
+  python3 -m benchmarks.profile_e2e_host --quick [--top 30] [--out prof.txt]
+  python3 -m benchmarks.profile_e2e_host --dry-run          # CPU, tiny (checks the script)
 
 Prints, per run, the wall time, the time spent waiting in torch.cuda.synchronize (GPU
 work the host waits for) and the top functions by own time and by cumulative time.
@@ -11,25 +11,35 @@ work the host waits for) and the top functions by own time and by cumulative tim
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import cProfile
 import gc
-import importlib.util
+import gzip
 import io
+import os
 import pstats
+import statistics
 import sys
+import tempfile
 import time
+import traceback
+import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from benchmarks import common
+
+common.interpret_dry_run(with_gpu=True)  # a dry run is on the CPU; before hisparse loads
+
+from benchmarks import bench_e2e  # noqa: E402
+from hisparse.tools import mini_engine as me  # noqa: E402
 
 
-def _bench_e2e():
-    spec = importlib.util.spec_from_file_location("_bench_e2e", ROOT / "benchmarks" / "bench_e2e.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def _median_ms(seconds: list[float]) -> float:
+    return statistics.median(seconds) * 1e3 if seconds else float("nan")
 
 
 def main(argv=None) -> int:
@@ -55,30 +65,24 @@ def main(argv=None) -> int:
     ap.add_argument("--chrome-trace", metavar="DIR",
                     help="with --torch-profiler: write each run's trace to DIR/KIND.json.gz, "
                          "with ranges around every forward and every cache call (analyse with "
-                         "scripts/analyse_e2e_trace.py)")
+                         "python -m benchmarks.analyse_e2e_trace)")
     a = ap.parse_args(argv)
-    import torch
-
-    from hisparse.tools import mini_engine as me
-
-    be = _bench_e2e()
-    ns = be.main.__globals__["argparse"].Namespace(
-        dry_run=a.dry_run, quick=a.quick, layers=None, heads=None, requests=None, context=None,
-        top_k=None, backend=None, flashmla_lib=None, locality=None, row_format=None)
-    cfg = be.sizes(ns)
+    if not common.out_ok(a.out, "profile_e2e_host"):
+        return 2
+    cfg = bench_e2e.sizes(bench_e2e.parse_args(["--dry-run"] * a.dry_run + ["--quick"] * a.quick))
     if not a.dry_run and not torch.cuda.is_available():
         print("profile_e2e_host: no CUDA device; use --dry-run", file=sys.stderr)
         return 2
-    print(f"warm-up {be.warm_up(cfg):.1f} s", flush=True)
+    print(f"warm-up {bench_e2e.warm_up(cfg):.1f} s", flush=True)
     report = io.StringIO()
     if a.no_gc:
         gc.disable()
     if a.host_timers:
         for kind in a.kinds:
-            _host_timers(me, cfg, kind, report)
+            _host_timers(cfg, kind, report)
     if a.sync_debug:
         for kind in a.kinds:
-            _sync_sites(me, cfg, kind, report)
+            _sync_sites(cfg, kind, report)
     if a.only_timers:
         print(report.getvalue())
         if a.out:
@@ -96,9 +100,8 @@ def main(argv=None) -> int:
         st = pstats.Stats(prof)
         sync_s = sum(v[3] for k, v in st.stats.items() if k[2] == "synchronize"
                      or "synchronize" in k[2])
-        dec = sorted(res["decode_step_times"])
-        med = dec[len(dec) // 2] * 1e3 if dec else float("nan")
-        print(f"== {kind}: wall {wall:.2f} s, {len(dec)} decode steps, median {med:.2f} ms "
+        dec = res["decode_step_times"]
+        print(f"== {kind}: wall {wall:.2f} s, {len(dec)} decode steps, median {_median_ms(dec):.2f} ms "
               f"(under cProfile), time in *synchronize*: {sync_s:.2f} s", file=report)
         for key in ("tottime", "cumulative"):
             s = io.StringIO()
@@ -107,8 +110,6 @@ def main(argv=None) -> int:
             print("\n".join(line for line in s.getvalue().splitlines() if line.strip())[-8000:],
                   file=report)
         if a.torch_profiler:
-            from torch.profiler import ProfilerActivity, profile
-
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
             eng2 = me.MiniEngine(cfg, kind)
             if a.chrome_trace:
@@ -116,10 +117,6 @@ def main(argv=None) -> int:
             with profile(activities=acts) as tp:
                 eng2.run(None)
             if a.chrome_trace:
-                import gzip
-                import os
-                import tempfile
-
                 Path(a.chrome_trace).mkdir(parents=True, exist_ok=True)
                 with tempfile.TemporaryDirectory() as tmp:
                     raw = os.path.join(tmp, "trace.json")
@@ -141,11 +138,9 @@ def main(argv=None) -> int:
     return 0
 
 
-def _host_timers(me, cfg, kind: str, report) -> None:
+def _host_timers(cfg, kind: str, report) -> None:
     """Run ``kind`` once with perf_counter timers around its calls (what the host spends
     in each, per decode step; no profiler, no syncs added)."""
-    import collections
-
     tot: collections.Counter = collections.Counter()
     per_step: list[dict] = []
     gc.collect()  # as mini_engine.run does between engines
@@ -172,25 +167,17 @@ def _host_timers(me, cfg, kind: str, report) -> None:
     eng.forward = forward
     res = eng.run(None)
     dec = [d for d in per_step if d["decode"]]
-    steps = sorted(res["decode_step_times"])
-    med = steps[len(steps) // 2] * 1e3 if steps else float("nan")
+    med = _median_ms(res["decode_step_times"])
     keys = sorted({k for d in dec for k in d if k not in ("decode",)})
     print(f"== {kind}: host ms per decode step (median over {len(dec)}; decode step wall median "
           f"{med:.2f} ms)", file=report)
     for k in keys:
-        vals = sorted(d.get(k, 0.0) for d in dec)
-        print(f"   {k:22s} {vals[len(vals) // 2] * 1e3:8.3f}", file=report)
+        print(f"   {k:22s} {_median_ms([d.get(k, 0.0) for d in dec]):8.3f}", file=report)
     del eng
 
 
-def _sync_sites(me, cfg, kind: str, report) -> None:
+def _sync_sites(cfg, kind: str, report) -> None:
     """Run ``kind`` once under torch's sync debug mode; print where it synchronised."""
-    import collections
-    import traceback
-    import warnings
-
-    import torch
-
     sites: collections.Counter = collections.Counter()
     orig = warnings.showwarning
     gc.collect()
@@ -213,8 +200,7 @@ def _sync_sites(me, cfg, kind: str, report) -> None:
     finally:
         torch.cuda.set_sync_debug_mode(0)
         warnings.showwarning = orig
-    dec = sorted(res["decode_step_times"])
-    med = dec[len(dec) // 2] * 1e3 if dec else float("nan")
+    med = _median_ms(res["decode_step_times"])
     print(f"== {kind}: synchronising calls (sync debug mode; decode step median {med:.2f} ms "
           f"in this run), {sum(sites.values())} in all", file=report)
     for (msg, where), n in sites.most_common(25):
@@ -226,8 +212,6 @@ def _annotate(eng) -> None:
     """Wrap the engine's forward and its calls in profiler ranges ("e2e.forward",
     "kv.write", "kv.decode_rows", ...), so a trace shows which host calls launched which
     kernels."""
-    from torch.profiler import record_function
-
     _wrap_calls(eng, record_function)
     fwd = eng.forward
 
