@@ -29,8 +29,9 @@ from . import validate as V
 from .apply_write import apply_write_plan_reference, apply_write_plan_triton
 from .host_pool import HostPool
 from .requests import RequestTable
-from .resolve_ref import copy_rows_reference, resolve_reference
-from .resolve_triton import resolve_triton
+from .resolve_ref import copy_rows_reference, resolve_lookup_reference, resolve_reference
+from .resolve_triton import resolve_lookup_triton, resolve_triton
+from .results import ResolveResult, SplitResult
 from .stager import CacheStreams, Stager
 from .state import HotState, ResolveBuffers
 from .stats import cache_stats
@@ -38,55 +39,18 @@ from .transfer import copy_rows
 from .write import WriteBatch, Writer
 
 
-class ResolveResult:
-    """Output of :meth:`HiSparseCache.resolve` (views of the layer's reused buffers).
-
-    physical:     int32 [T, K]  rows of ``hot_rows(layer)``, -1 = padding
-    valid_counts: int32 [T]     non-padding entries per query token
-    stage_src:    int32 [T * K] host rows staged this step (-1 = none), for inspection
-    stage_dst:    int32 [T * K] flat hot rows they went to
-    event:        CUDA event recorded after staging (None on CPU)
-
-    Valid until the next append, resolve or free_request touching that layer: the next
-    append refills the reserved newest-token slot and the next resolve overwrites these
-    buffers. ``stale`` says whether that has happened.
-    """
-
-    __slots__ = ("physical", "valid_counts", "stage_src", "stage_dst", "event", "_epochs", "_layer",
-                 "_epoch")
-
-    def __init__(self, out: ResolveBuffers, event, epochs: list[int], layer: int) -> None:
-        self.physical = out.physical
-        self.valid_counts = out.valid_counts
-        self.stage_src = out.stage_src
-        self.stage_dst = out.stage_dst
-        self.event = event
-        self._epochs, self._layer, self._epoch = epochs, layer, epochs[layer]
-
-    @property
-    def stale(self) -> bool:
-        """True once an append, resolve or free of the layer may have changed what
-        these indices point at."""
-        return self._epochs[self._layer] != self._epoch
-
-    def wait(self, stream=None) -> None:
-        """Make ``stream`` (default: the current stream) wait until staging is done."""
-        if self.event is None:
-            return
-        if stream is None:
-            stream = torch.cuda.current_stream(self.physical.device)
-        stream.wait_event(self.event)
-
-
-def _kernel_set(kernels: Kernels, device: torch.device):
-    """(resolve_fn, copy_fn, apply_fn, mirror_fn) of a picked implementation."""
+def _kernel_set(kernels: Kernels) -> dict:
+    """The launch functions of a picked implementation."""
     if kernels is Kernels.TORCH:
         def mirror(rows, plan, host_l):
             copy_rows_reference(rows, plan.host_tok32, host_l, plan.host_h32)
-        return resolve_reference, copy_rows_reference, apply_write_plan_reference, mirror
+        return dict(resolve_fn=resolve_reference, lookup_fn=resolve_lookup_reference,
+                    copy_fn=copy_rows_reference, apply_fn=apply_write_plan_reference, mirror_fn=mirror)
+
     def mirror(rows, plan, host_l):  # device (or interpreter) -> pinned host over UVA
         copy_rows(rows, plan.host_tok32, host_l, plan.host_h32)
-    return resolve_triton, copy_rows, apply_write_plan_triton, mirror
+    return dict(resolve_fn=resolve_triton, lookup_fn=resolve_lookup_triton, copy_fn=copy_rows,
+                apply_fn=apply_write_plan_triton, mirror_fn=mirror)
 
 
 class HiSparseCache:
@@ -106,7 +70,7 @@ class HiSparseCache:
         self.device = resolve_device(cfg.device)
         choice = Kernels.parse(kernels).pick(self.device)
         self.kernels = choice.value
-        resolve_fn, copy_fn, apply_fn, mirror_fn = _kernel_set(choice, self.device)
+        fns = _kernel_set(choice)
         if host_pool is not None and not isinstance(host_pool, HostPool):
             raise TypeError(f"host_pool must be a HostPool, got {type(host_pool).__name__}")
         if host_pool is not None and host_pool.cfg.to_dict() != cfg.to_dict():
@@ -124,16 +88,18 @@ class HiSparseCache:
         self.streams = CacheStreams(self.device, L)
         self.cuda = self.streams.cuda
         self.writer = Writer(cfg, requests=self.requests, pool=self.pool, state=self.state, hot=self.hot,
-                             streams=self.streams, apply_fn=apply_fn, mirror_fn=mirror_fn,
+                             streams=self.streams, apply_fn=fns["apply_fn"], mirror_fn=fns["mirror_fn"],
                              device=self.device)
-        self.stager = Stager(self.streams, self.state, resolve_fn=resolve_fn, copy_fn=copy_fn,
-                             max_query_len=cfg.max_query_len)
+        self.stager = Stager(self.streams, self.state, resolve_fn=fns["resolve_fn"], lookup_fn=fns["lookup_fn"],
+                             copy_fn=fns["copy_fn"], max_query_len=cfg.max_query_len)
         T, K = cfg.max_tokens, cfg.top_k
         undo = ResolveBuffers.allocate(T, K, self.device)  # one undo log: read only inside a call
         self._bufs = [ResolveBuffers.allocate(T, K, self.device) for _ in range(L)]
         for b in self._bufs:
             b.undo_hit, b.undo_vpos, b.undo_vstamp = undo.undo_hit, undo.undo_vpos, undo.undo_vstamp
         self._views: dict[int, LayerView] = {}
+        self._split: dict[int, tuple] = {}  # layer -> (hit, miss lists), made on first use
+        self._prefetch_out = ResolveBuffers.allocate(T, K, self.device)
 
     def _check_device_memory(self) -> None:
         """CapacityError before allocating when the device can't hold the cache."""
@@ -274,12 +240,62 @@ class HiSparseCache:
         after one eager call compiled them; replay on the compute stream, and call
         :meth:`join_backup` before a replay that follows eager appends.
         """
+        T, K, req_ids = self._check_resolve(layer, req_ids, topk, validate)
+        out = self._bufs[layer].view(T, K)
+        event = self.stager.run(layer, req_ids, topk, out, host_rows=self.pool.rows[layer],
+                                hot_rows=self.hot[layer], compact=compact, wait=wait)
+        self.requests.touch(layer)
+        return ResolveResult(out, event, self.requests.epochs, layer)
+
+    def resolve_split(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor, *,
+                      validate: bool = True, compact: bool = False, stage_with=None) -> SplitResult:
+        """``resolve`` in two phases, so that attention over the hits need not wait for
+        the misses: returns once the hit phase is enqueued on the current stream
+        (``result.hit_physical`` may be attended right away); the miss phase and the
+        staging run on the stage stream and record ``result.event``, which the current
+        stream must wait on before it reads ``result.miss_physical`` rows.
+
+        ``stage_with(miss_physical, miss_host, miss_counts)``: run on the stage stream
+        after the miss phase instead of the copy kernel; it must write every miss row
+        (host row ``miss_host[t, j]``) into its slot ``miss_physical[t, j]``, as
+        ``hisparse.attention.miss.fused_miss_attention`` does while attending. The state after the call equals ``resolve``'s bit for bit.
+        """
+        T, K, req_ids = self._check_resolve(layer, req_ids, topk, validate)
+        out = self._bufs[layer].view(T, K)
+        hit, miss_lists = self._split_buffers(layer, T, K)
+        event = self.stager.run_split(layer, req_ids, topk, out, hit, miss_lists,
+                                      host_rows=self.pool.rows[layer], hot_rows=self.hot[layer],
+                                      compact=compact, stage_with=stage_with)
+        self.requests.touch(layer)
+        return SplitResult(out, hit, miss_lists, event, self.requests.epochs, layer)
+
+    def prefetch(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor) -> None:
+        """Stage a *predicted* selection of ``layer`` (e.g. the previous layer's top-k)
+        on the stage stream, ahead of the layer's real resolve, which waits on it.
+
+        Predicted rows become hot like a resolve's; positions the layer does not hold
+        yet are skipped; only the staged rows are counted (``prefetch_rows``). Unchecked
+        (``validate=False``) semantics: graph capturable.
+        """
+        T, K, req_ids = self._check_resolve(layer, req_ids, topk, False)
+        if K > self.cfg.top_k:
+            raise ValueError(f"topk has K={K} columns, more than top_k={self.cfg.top_k}")
+        out = self._prefetch_out.view(T, K)
+        self.stager.run_prefetch(layer, req_ids, topk, out, host_rows=self.pool.rows[layer],
+                                 hot_rows=self.hot[layer])
+        self.requests.touch(layer)
+
+    @property
+    def stage_stream(self):
+        """The stream staging runs on (None on CPU)."""
+        return self.streams.streams.stage
+
+    def _check_resolve(self, layer: int, req_ids, topk, validate: bool):
         V.check_layer(self.cfg, layer)
         T, K = V.check_resolve_meta(self.cfg, self.device, req_ids, topk, self.cfg.max_tokens)
         if validate:
             req = self.requests
-            V.check_resolve_contents(self.cfg, req_ids, topk, req.slot_map(),
-                                     lambda r: req.length(r, layer))
+            V.check_resolve_contents(self.cfg, req_ids, topk, req.slot_map(), lambda r: req.length(r, layer))
             if req_ids.dtype != torch.int32:  # checked above: every id is live
                 req_ids = req_ids.to(torch.int32)
         elif req_ids.dtype != torch.int32:
@@ -287,11 +303,21 @@ class HiSparseCache:
                             f"neither converts nor allocates; got {req_ids.dtype}")
         if self.pool.shared and not self.streams.capturing():
             self.pool.wait_visible(layer)  # rows of the writer rank must be on host
-        out = self._bufs[layer].view(T, K)
-        event = self.stager.run(layer, req_ids, topk, out, host_rows=self.pool.rows[layer],
-                                hot_rows=self.hot[layer], compact=compact, wait=wait)
-        self.requests.touch(layer)
-        return ResolveResult(out, event, self.requests.epochs, layer)
+        return T, K, req_ids
+
+    def _split_buffers(self, layer: int, T: int, K: int) -> tuple[torch.Tensor, tuple]:
+        """int32 [T, K] hit rows and the (miss rows, miss host rows, counts) lists of a
+        layer's split resolves (allocated on the layer's first split resolve)."""
+        bufs = self._split.get(layer)
+        if bufs is None:
+            Tm, Km = self.cfg.max_tokens, self.cfg.top_k
+            i32 = dict(dtype=torch.int32, device=self.device)
+            bufs = (torch.empty((Tm * Km,), **i32), torch.empty((Tm * Km,), **i32),
+                    torch.empty((Tm * Km,), **i32), torch.empty((Tm,), **i32))
+            self._split[layer] = bufs
+        hit, mp, mh, mc = bufs
+        n = T * K
+        return hit[:n].view(T, K), (mp[:n].view(T, K), mh[:n].view(T, K), mc[:T])
 
     # ---- reads and metrics ------------------------------------------------------
     def read_host_rows(self, layer: int, req_id: int, positions) -> torch.Tensor:

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import torch
 
-from .state import (STAT_HITS, STAT_INVALID, STAT_MISSES, STAT_RESOLVES, HotState,
+from .state import (STAT_HITS, STAT_INVALID, STAT_MISSES, STAT_PREFETCH, STAT_RESOLVES, HotState,
                     ResolveBuffers)
 
 
@@ -72,23 +72,12 @@ def _victim_order(stamp: torch.Tensor, pos: torch.Tensor, cand: torch.Tensor) ->
     return torch.cat([torch.sort(empty).values, occ])
 
 
-def resolve_reference(state: HotState, layer: int, req_ids: torch.Tensor, topk: torch.Tensor,
-                      out: ResolveBuffers, *, max_query_len: int, compact: bool = False) -> None:
-    """Resolve logical top-k into physical hot rows, updating ``state`` in place.
-
-    req_ids: int32 [T]; topk: int32 [T, K] (-1 = padding); ``out`` buffers of
-    capacity >= [T, K] (only the first T rows / T*K entries are written).
-    """
-    T, K = topk.shape
-    S, B = state.S, state.B
-    SP = S + 1
+def resolve_groups(state: HotState, layer: int, req_ids: torch.Tensor, topk: torch.Tensor,
+            max_query_len: int):
+    """(rslot, off, ok, groups): request slot per token (-1 = not resolved), run offset,
+    valid-lane mask and the resolved groups as (leader t0, slot r, tokens n)."""
+    T, _ = topk.shape
     dev = topk.device
-    out.stage_src[: T * K].fill_(-1)
-    out.stage_dst[: T * K].fill_(-1)
-    out.undo_hit[: T * K].fill_(-2)
-    if T == 0:
-        return
-
     ids = req_ids.long()
     id_ok = (ids >= 0) & (ids < state.id_to_slot.numel())
     rslot = torch.full((T,), -1, dtype=torch.int64, device=dev)
@@ -106,56 +95,133 @@ def resolve_reference(state: HotState, layer: int, req_ids: torch.Tensor, topk: 
         seen.add(rid)
     if any(dup):
         rslot[torch.tensor(dup, device=dev)] = -1
-
     pos = topk.long()
     seq = torch.zeros(T, dtype=torch.int64, device=dev)
     live = rslot >= 0
     seq[live] = state.seq_lens[layer, rslot[live]].long()
     ok = (pos >= 0) & (pos < seq[:, None])
-    state.stats[layer, STAT_INVALID] += ((pos != -1) & ~ok).sum()
-
-    row_slot = state.row_slot[layer]  # int32 [H]
-    phys = torch.full((T, K), -1, dtype=torch.int64, device=dev)
-    leaders = torch.nonzero((off == 0) & live).flatten().tolist()
-    for t0 in leaders:
-        r = int(rslot[t0])
+    groups = []
+    for t0 in torch.nonzero((off == 0) & live).flatten().tolist():
         n = 1
         while t0 + n < T and int(off[t0 + n]) == n:
             n += 1
-        g_pos, g_ok = pos[t0:t0 + n], ok[t0:t0 + n]
-        s_new = int(state.step[layer, r]) + 1
-        state.step[layer, r] = s_new
-        state.stats[layer, STAT_RESOLVES] += 1
+        groups.append((t0, int(rslot[t0]), n))
+    return rslot, off, ok, groups
 
-        uniq = torch.unique(g_pos[g_ok])  # ascending
-        bt = state.block_table[r].long()
-        rows = bt[uniq // B] * B + uniq % B
-        slots = row_slot[rows].long()
-        hit = slots >= 0
+
+def _stamp_hits(state: HotState, layer: int, r: int, s_new: int, g_pos: torch.Tensor, g_ok: torch.Tensor,
+                undo: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Stamp the group's hit slots with s_new; fill ``undo`` (int64 [n * K], the group's
+    slice) with each hit lane's old stamp (first occurrence, row-major; s_new for the
+    repeats; -2 for other lanes). Returns (lane slots int64 [n, K] (-1 = not hot), unique hits)."""
+    B = state.B
+    dev = g_pos.device
+    bt = state.block_table[r].long()
+    row_slot = state.row_slot[layer]
+    stamp = state.slot_stamp[layer, r]
+    safe = torch.where(g_ok, g_pos, torch.zeros_like(g_pos))
+    lane_slot = torch.where(g_ok, row_slot[bt[safe // B] * B + safe % B].long(), torch.full_like(g_pos, -1))
+    lane_hit = lane_slot >= 0
+    flat_pos = torch.where(lane_hit, g_pos, torch.full_like(g_pos, -1)).flatten()
+    vals, inv = torch.unique(flat_pos, return_inverse=True)
+    lane = torch.arange(flat_pos.numel(), device=dev)
+    first_lane = torch.full((vals.numel(),), flat_pos.numel(), dtype=torch.int64, device=dev)
+    first_lane = first_lane.scatter_reduce(0, inv, lane, reduce="amin")
+    first = torch.zeros_like(flat_pos, dtype=torch.bool)
+    first[first_lane] = True
+    first &= flat_pos >= 0
+    lane_old = stamp[torch.where(lane_hit, lane_slot, 0)].flatten()
+    u = torch.where(first, lane_old, torch.full_like(lane_old, s_new))
+    undo.copy_(torch.where(lane_hit.flatten(), u, torch.full_like(u, -2)))
+    nhit = int(first.sum())
+    stamp[lane_slot[lane_hit]] = s_new
+    return lane_slot, nhit
+
+
+def resolve_lookup_reference(state: HotState, layer: int, req_ids: torch.Tensor, topk: torch.Tensor,
+                             hit: torch.Tensor, undo_hit: torch.Tensor, *, max_query_len: int) -> None:
+    """The hit phase of a split resolve (``kernels.resolve.resolve_lookup_kernel``).
+
+    hit: int32 [>= T, >= K] output (flat hot row of each hit entry, -1 otherwise);
+    undo_hit: int64 [>= T * K]. Stamps the hits with step + 1 and counts unique hits and
+    the invalid entries of resolved tokens; changes no mapping and no step.
+    """
+    T, K = topk.shape
+    SP = state.S + 1
+    hit[:T, :K] = -1
+    if T == 0:
+        return
+    rslot, _off, ok, groups = resolve_groups(state, layer, req_ids, topk, max_query_len)
+    live = rslot >= 0
+    state.stats[layer, STAT_INVALID] += ((topk.long() != -1) & ~ok & live[:, None]).sum()
+    pos = topk.long()
+    for t0, r, n in groups:
+        s_new = int(state.step[layer, r]) + 1
+        lane_slot, nhit = _stamp_hits(state, layer, r, s_new, pos[t0:t0 + n], ok[t0:t0 + n],
+                                      undo_hit[t0 * K:(t0 + n) * K])
+        state.stats[layer, STAT_HITS] += nhit
+        hit[t0:t0 + n, :K] = torch.where(lane_slot >= 0, r * SP + lane_slot, torch.full_like(lane_slot, -1)).to(torch.int32)
+
+
+def resolve_reference(state: HotState, layer: int, req_ids: torch.Tensor, topk: torch.Tensor,
+                      out: ResolveBuffers, *, max_query_len: int, compact: bool = False,
+                      stamped: bool = False, miss_lists: tuple | None = None,
+                      prefetch: bool = False) -> None:
+    """Resolve logical top-k into physical hot rows, updating ``state`` in place.
+
+    req_ids: int32 [T]; topk: int32 [T, K] (-1 = padding); ``out`` buffers of
+    capacity >= [T, K] (only the first T rows / T*K entries are written).
+    ``stamped``: the hits were already stamped and counted (the miss phase of a split
+    resolve, after ``resolve_lookup_reference``). ``miss_lists``: (miss_phys int32
+    [T, K], miss_host int32 [T, K], miss_counts int32 [T]) receive each token's miss
+    entries, compacted. ``prefetch``: only the misses are counted, as STAT_PREFETCH.
+    """
+    T, K = topk.shape
+    S, B = state.S, state.B
+    SP = S + 1
+    dev = topk.device
+    out.stage_src[: T * K].fill_(-1)
+    out.stage_dst[: T * K].fill_(-1)
+    if not stamped:
+        out.undo_hit[: T * K].fill_(-2)
+    if miss_lists is not None:
+        miss_lists[2][:T] = 0
+    if T == 0:
+        return
+    rslot, _off, ok, groups = resolve_groups(state, layer, req_ids, topk, max_query_len)
+    pos = topk.long()
+    live = rslot >= 0
+    bad = (pos != -1) & ~ok
+    if not prefetch:
+        state.stats[layer, STAT_INVALID] += (bad & ~live[:, None]).sum() if stamped else bad.sum()
+
+    row_slot = state.row_slot[layer]  # int32 [H]
+    phys = torch.full((T, K), -1, dtype=torch.int64, device=dev)
+    miss_lane = torch.zeros((T, K), dtype=torch.bool, device=dev)
+    for t0, r, n in groups:
+        g_pos, g_ok = pos[t0:t0 + n], ok[t0:t0 + n]
         stamp = state.slot_stamp[layer, r]
         spos = state.slot_pos[layer, r]
-        # undo log of the hits: each hit lane gets its slot's stamp before this step,
-        # the first lane (row-major) of a repeated position, s_new the others
-        safe0 = torch.where(g_ok, g_pos, torch.zeros_like(g_pos))
-        lane_slot = row_slot[bt[safe0 // B] * B + safe0 % B].long()
-        lane_hit = g_ok & (lane_slot >= 0)
-        flat_pos = torch.where(lane_hit, g_pos, torch.full_like(g_pos, -1)).flatten()
-        vals, inv = torch.unique(flat_pos, return_inverse=True)
-        lane = torch.arange(flat_pos.numel(), device=dev)
-        first_lane = torch.full((vals.numel(),), flat_pos.numel(), dtype=torch.int64, device=dev)
-        first_lane = first_lane.scatter_reduce(0, inv, lane, reduce="amin")
-        first = torch.zeros_like(flat_pos, dtype=torch.bool)
-        first[first_lane] = True
-        first &= flat_pos >= 0
-        lane_old = stamp[torch.where(lane_hit, lane_slot, 0)].flatten()
-        undo = torch.where(first, lane_old, torch.full_like(lane_old, s_new))
-        undo = torch.where(lane_hit.flatten(), undo, torch.full_like(undo, -2))
-        out.undo_hit[t0 * K:(t0 + n) * K] = undo
-        stamp[slots[hit]] = s_new
-        miss_pos, miss_rows = uniq[~hit], rows[~hit]
-        m = miss_pos.numel()
-        state.stats[layer, STAT_HITS] += int(hit.sum())
-        state.stats[layer, STAT_MISSES] += m
+        bt = state.block_table[r].long()
+        s_new = int(state.step[layer, r]) + 1
+        if stamped:
+            safe = torch.where(g_ok, g_pos, torch.zeros_like(g_pos))
+            lane_slot = torch.where(g_ok, row_slot[bt[safe // B] * B + safe % B].long(),
+                                    torch.full_like(g_pos, -1))
+            nhit = 0
+        else:
+            lane_slot, nhit = _stamp_hits(state, layer, r, s_new, g_pos, g_ok, out.undo_hit[t0 * K:(t0 + n) * K])
+        miss_lane[t0:t0 + n] = g_ok & (lane_slot < 0)
+        state.step[layer, r] = s_new
+        uniq = torch.unique(g_pos[g_ok & (lane_slot < 0)])  # the missed positions, ascending
+        miss_rows = bt[uniq // B] * B + uniq % B
+        m = uniq.numel()
+        if prefetch:
+            state.stats[layer, STAT_PREFETCH] += m
+        else:
+            state.stats[layer, STAT_RESOLVES] += 1
+            state.stats[layer, STAT_HITS] += nhit
+            state.stats[layer, STAT_MISSES] += m
         if m:
             cand = torch.nonzero(stamp[:S] < s_new).flatten()
             if cand.numel() < m:
@@ -170,7 +236,7 @@ def resolve_reference(state: HotState, layer: int, req_ids: torch.Tensor, topk: 
             out.undo_vstamp[base:base + m] = stamp[victims]
             had = old >= 0
             row_slot[bt[old[had] // B] * B + old[had] % B] = -1
-            spos[victims] = miss_pos.to(torch.int32)
+            spos[victims] = uniq.to(torch.int32)
             stamp[victims] = s_new
             row_slot[miss_rows] = victims.to(torch.int32)
             out.stage_src[base:base + m] = miss_rows.to(torch.int32)
@@ -180,6 +246,14 @@ def resolve_reference(state: HotState, layer: int, req_ids: torch.Tensor, topk: 
         g_rows = bt[safe // B] * B + safe % B
         g_phys = r * SP + row_slot[g_rows].long()
         phys[t0:t0 + n] = torch.where(g_ok, g_phys, torch.full_like(g_phys, -1))
+        if miss_lists is not None:
+            mp, mh, mc = miss_lists
+            for j in range(n):
+                lanes = miss_lane[t0 + j]
+                cnt = int(lanes.sum())
+                mp[t0 + j, :cnt] = g_phys[j][lanes].to(torch.int32)
+                mh[t0 + j, :cnt] = g_rows[j][lanes].to(torch.int32)
+                mc[t0 + j] = cnt
 
     valid = phys >= 0
     out.valid_counts[:T] = valid.sum(dim=1).to(torch.int32)

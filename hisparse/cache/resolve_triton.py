@@ -24,8 +24,8 @@ import torch
 import triton
 
 from .._checks import check_int, check_tensor, interpreter_mode
-from ..kernels.resolve import resolve_kernel
-from .state import (NUM_STATS, STAT_HITS, STAT_INVALID, STAT_MISSES, STAT_RESOLVES,
+from ..kernels.resolve import resolve_kernel, resolve_lookup_kernel
+from .state import (NUM_STATS, STAT_HITS, STAT_INVALID, STAT_MISSES, STAT_PREFETCH, STAT_RESOLVES,
                     HotState, ResolveBuffers)
 
 
@@ -83,28 +83,55 @@ def _check_args(state: HotState, layer: int, req_ids: torch.Tensor, topk: torch.
             raise ValueError(f"out.{name} has {x.shape[0]} entries, need T*K = {T * K}")
 
 
-def resolve_triton(state: HotState, layer: int, req_ids: torch.Tensor, topk: torch.Tensor,
-                   out: ResolveBuffers, *, max_query_len: int, compact: bool = False) -> None:
-    """Resolve logical top-k into physical hot rows with the Triton kernel.
+def _check_miss_lists(miss_lists, T: int, K: int, phys_stride: int, dev: torch.device) -> None:
+    mp, mh, mc = miss_lists
+    for name, x in (("miss_phys", mp), ("miss_host", mh)):
+        _check_vec(name, x, torch.int32, 2, dev)
+        if x.shape[0] < T or x.shape[1] < K or x.stride(0) != phys_stride:
+            raise ValueError(f"{name} must be int32 [>= {T}, >= {K}] with row stride {phys_stride} "
+                             f"(that of out.physical), got {tuple(x.shape)} strides {x.stride()}")
+    _check_vec("miss_counts", mc, torch.int32, 1, dev)
+    if mc.shape[0] < T:
+        raise ValueError(f"miss_counts has {mc.shape[0]} entries, need {T}")
 
-    state: the hot tier's bookkeeping (updated in place); req_ids: int32 [T];
-    topk: int32 [T, K] (-1 = padding); out: buffers of capacity >= [T, K]. Launches
-    on the current stream; no host synchronisation, no allocation.
-    """
-    _check_args(state, layer, req_ids, topk, out, max_query_len)
-    T, K = topk.shape
-    if T == 0:
-        return
-    dev = topk.device
-    if dev.type != "cuda" and not interpreter_mode():
-        raise ValueError("resolve_triton on CPU tensors needs Triton's interpreter (TRITON_INTERPRET=1); "
-                         "use hisparse.cache.resolve_ref.resolve_reference on CPU")
-    S = state.S
+
+def _launch_sizes(S: int, K: int, max_query_len: int) -> tuple[int, int, int, int]:
     KB = triton.next_power_of_2(K)
     GQ = triton.next_power_of_2(max_query_len)
     SB = triton.next_power_of_2(S)
     big = max(GQ * KB, SB)
-    num_warps = 4 if big <= 1024 else (8 if big <= 4096 else 16)
+    return KB, GQ, SB, (4 if big <= 1024 else (8 if big <= 4096 else 16))
+
+
+def _require_device(dev: torch.device, what: str) -> None:
+    if dev.type != "cuda" and not interpreter_mode():
+        raise ValueError(f"{what} on CPU tensors needs Triton's interpreter (TRITON_INTERPRET=1); "
+                         "use the torch references of hisparse.cache.resolve_ref on CPU")
+
+
+def resolve_triton(state: HotState, layer: int, req_ids: torch.Tensor, topk: torch.Tensor,
+                   out: ResolveBuffers, *, max_query_len: int, compact: bool = False,
+                   stamped: bool = False, miss_lists: tuple | None = None,
+                   prefetch: bool = False) -> None:
+    """Resolve logical top-k into physical hot rows with the Triton kernel.
+
+    state: the hot tier's bookkeeping (updated in place); req_ids: int32 [T];
+    topk: int32 [T, K] (-1 = padding); out: buffers of capacity >= [T, K]. ``stamped``,
+    ``miss_lists`` (int32 [T, K], int32 [T, K], int32 [T]) and ``prefetch`` as in
+    ``resolve_reference``. Launches on the current stream; no host synchronisation,
+    no allocation.
+    """
+    _check_args(state, layer, req_ids, topk, out, max_query_len)
+    T, K = topk.shape
+    if miss_lists is not None:
+        _check_miss_lists(miss_lists, T, K, out.physical.stride(0), state.slot_pos.device)
+    if T == 0:
+        return
+    dev = topk.device
+    _require_device(dev, "resolve_triton")
+    S = state.S
+    KB, GQ, SB, num_warps = _launch_sizes(S, K, max_query_len)
+    mp, mh, mc = miss_lists if miss_lists is not None else (out.physical, out.physical, out.valid_counts)
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
         resolve_kernel[(T,)](
             req_ids, topk, topk.stride(0),
@@ -116,12 +143,53 @@ def resolve_triton(state: HotState, layer: int, req_ids: torch.Tensor, topk: tor
             state.step[layer], state.stats[layer],
             out.physical, out.physical.stride(0), out.valid_counts,
             out.stage_src, out.stage_dst, out.undo_hit, out.undo_vpos, out.undo_vstamp,
+            mp, mh, mc,
             T, K, S, state.B,
             STAT_HITS=STAT_HITS, STAT_MISSES=STAT_MISSES, STAT_INVALID=STAT_INVALID,
-            STAT_RESOLVES=STAT_RESOLVES,
+            STAT_RESOLVES=STAT_RESOLVES, STAT_PREFETCH=STAT_PREFETCH, STAMPED=bool(stamped),
+            MISS_LISTS=miss_lists is not None, PREFETCH=bool(prefetch),
             Q=max_query_len, KB=KB, GQ=GQ, SB=SB, SMALL_SORT=min(_SMALL_SORT, GQ * KB),
             COMPACT=bool(compact), CH=_SCAN_CHUNK, num_warps=num_warps,
         )
 
 
-__all__ = ["resolve_triton"]
+_LOOKUP_CHUNK = 256  # entries per program of the hit phase
+
+
+def resolve_lookup_triton(state: HotState, layer: int, req_ids: torch.Tensor, topk: torch.Tensor,
+                          hit: torch.Tensor, undo_hit: torch.Tensor, *, max_query_len: int) -> None:
+    """The hit phase of a split resolve (see ``resolve_lookup_reference``), one launch of
+    ``resolve_lookup_kernel`` over (T, cdiv(K, 256)) programs on the current stream.
+
+    hit: int32 [>= T, >= K] (output); undo_hit: int64 [>= T * K].
+    """
+    T, K = topk.shape
+    dev = state.slot_pos.device
+    _check_vec("topk", topk, torch.int32, 2, dev)
+    _check_vec("req_ids", req_ids, torch.int32, 1, dev)
+    _check_vec("hit", hit, torch.int32, 2, dev)
+    _check_vec("undo_hit", undo_hit, torch.int64, 1, dev)
+    check_int("layer", layer, 0, state.slot_pos.shape[0])
+    check_int("max_query_len", max_query_len, 1)
+    if req_ids.shape[0] != T or hit.shape[0] < T or hit.shape[1] < K or undo_hit.shape[0] < T * K:
+        raise ValueError(f"resolve_lookup: req_ids {tuple(req_ids.shape)}, hit {tuple(hit.shape)} and "
+                         f"undo_hit {tuple(undo_hit.shape)} do not fit topk [{T}, {K}]")
+    if T == 0 or K == 0:
+        return
+    _require_device(dev, "resolve_lookup_triton")
+    chunk = min(_LOOKUP_CHUNK, triton.next_power_of_2(K))
+    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+        resolve_lookup_kernel[(T, triton.cdiv(K, chunk))](
+            req_ids, topk, topk.stride(0),
+            state.id_to_slot, state.id_to_slot.shape[0],
+            state.seq_lens[layer], state.seq_lens.shape[1],
+            state.block_table, state.block_table.stride(0), state.block_table.shape[1],
+            state.slot_stamp[layer], state.row_slot[layer], state.row_slot.shape[1],
+            state.step[layer], state.stats[layer], hit, hit.stride(0), undo_hit,
+            T, K, state.S, state.B,
+            STAT_HITS=STAT_HITS, STAT_INVALID=STAT_INVALID, Q=max_query_len, CHUNK=chunk,
+            CH=_SCAN_CHUNK, num_warps=4,
+        )
+
+
+__all__ = ["resolve_triton", "resolve_lookup_triton"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from .resolve_ref import resolve_groups
 from .resolve_ref import group_offsets
 from .state import STAT_HITS, STAT_INVALID, STAT_MISSES, STAT_RESOLVES, HotState, ResolveBuffers
 
@@ -56,15 +57,19 @@ def resolved_groups(req_ids: torch.Tensor, id_to_slot: torch.Tensor,
 
 
 def rollback_resolve(state: HotState, layer: int, req_ids: torch.Tensor, topk: torch.Tensor,
-                     out: ResolveBuffers, *, max_query_len: int) -> None:
+                     out: ResolveBuffers, *, max_query_len: int, miss_phase_ran: bool = True) -> None:
     """Restore ``state`` of ``layer`` to what it was before the resolve that wrote ``out``.
 
     req_ids: int32 [T] and topk: int32 [T, K], the resolve's inputs; out: its buffers
-    (views of capacity [T, K]). The resolve's launch must have completed (the caller
-    synchronises first).
+    (views of capacity [T, K]). The resolve's launches must have completed (the caller
+    synchronises first). ``miss_phase_ran=False``: only the hit phase of a split
+    resolve ran (hits stamped with step + 1 and counted, nothing mapped).
     """
     T, K = topk.shape
     if T == 0:
+        return
+    if not miss_phase_ran:
+        _rollback_hit_phase(state, layer, req_ids, topk, out, max_query_len)
         return
     S, B = state.S, state.B
     SP = S + 1
@@ -104,6 +109,28 @@ def rollback_resolve(state: HotState, layer: int, req_ids: torch.Tensor, topk: t
     st[STAT_MISSES] -= misses
     st[STAT_INVALID] -= entries - valid
     st[STAT_RESOLVES] -= len(groups)
+
+
+def _rollback_hit_phase(state: HotState, layer: int, req_ids: torch.Tensor, topk: torch.Tensor,
+                        out: ResolveBuffers, max_query_len: int) -> None:
+    """Undo ``resolve_lookup_*``: the hit stamps and the hit and invalid counts."""
+    _rslot, _off, ok, groups = resolve_groups(state, layer, req_ids, topk, max_query_len)
+    K, B = topk.shape[1], state.B
+    hits = bad = 0
+    for t0, r, n in groups:
+        s_new = int(state.step[layer, r]) + 1
+        undo = out.undo_hit[t0 * K:(t0 + n) * K]
+        lanes = (undo >= 0) & (undo != s_new)
+        if bool(lanes.any()):
+            pos = topk[t0:t0 + n].reshape(-1)[lanes].long()
+            bt = state.block_table[r].long()
+            hs = state.row_slot[layer][bt[pos // B] * B + pos % B].long()
+            state.slot_stamp[layer, r, hs] = undo[lanes]
+        hits += int(lanes.sum())
+        g = topk[t0:t0 + n].long()
+        bad += int(((g != -1) & ~ok[t0:t0 + n]).sum())
+    state.stats[layer, STAT_HITS] -= hits
+    state.stats[layer, STAT_INVALID] -= bad
 
 
 __all__ = ["resolved_groups", "rollback_resolve"]

@@ -21,7 +21,7 @@ import torch
 
 from ..device import Streams
 from .rollback import rollback_resolve
-from .state import HotState, ResolveBuffers
+from .state import STAT_PREFETCH, HotState, ResolveBuffers
 
 
 def capturing(device: torch.device) -> bool:
@@ -104,12 +104,25 @@ class Stager:
     """
 
     def __init__(self, streams: CacheStreams, state: HotState, *, resolve_fn: Callable,
-                 copy_fn: Callable, max_query_len: int) -> None:
+                 lookup_fn: Callable, copy_fn: Callable, max_query_len: int) -> None:
         self.streams = streams
         self.state = state
         self.resolve_fn = resolve_fn
+        self.lookup_fn = lookup_fn
         self.copy_fn = copy_fn
         self.max_query_len = max_query_len
+
+    def _undo(self, layer: int, req_ids, topk, out: ResolveBuffers, *, miss_phase_ran: bool,
+              streams: tuple) -> None:
+        """A later launch of the call failed: wait for what ran, then roll it back."""
+        for st in streams:
+            if st is not None:
+                st.synchronize()
+        rollback_resolve(self.state, layer, req_ids, topk, out, max_query_len=self.max_query_len,
+                         miss_phase_ran=miss_phase_ran)
+        for st in streams:
+            if st is not None:
+                st.synchronize()
 
     def run(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor, out: ResolveBuffers, *,
             host_rows: torch.Tensor, hot_rows: torch.Tensor, compact: bool, wait: bool):
@@ -132,14 +145,8 @@ class Stager:
             try:
                 self.copy_fn(host_rows, out.stage_src, hot_rows, out.stage_dst)
             except BaseException:
-                if cap:  # a failed capture is discarded by its owner; nothing ran
-                    raise
-                if stage is not None:
-                    stage.synchronize()
-                rollback_resolve(self.state, layer, req_ids, topk, out,
-                                 max_query_len=self.max_query_len)
-                if stage is not None:
-                    stage.synchronize()
+                if not cap:  # a failed capture is discarded by its owner; nothing ran
+                    self._undo(layer, req_ids, topk, out, miss_phase_ran=True, streams=(stage,))
                 raise
             ev.record(stage, cap)
         cs.last_stage = ev
@@ -149,6 +156,82 @@ class Stager:
         if wait:
             ev.wait_by(cur, cap)
         return ev.event
+
+
+    def run_split(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor, out: ResolveBuffers,
+                  hit: torch.Tensor, miss_lists: tuple, *, host_rows: torch.Tensor,
+                  hot_rows: torch.Tensor, compact: bool, stage_with: Callable | None):
+        """A split resolve: the hit phase on the current (compute) stream, then on the
+        stage stream the miss phase and the staging -- the copy kernel, or
+        ``stage_with(miss_physical, miss_host, miss_counts)`` when given (it must write
+        every miss row into its slot, e.g. a fused miss attention). Returns the layer's stage event (None on CPU). Any launch
+        that raises is undone before the error propagates."""
+        cs = self.streams
+        cur, cap = cs.current(), cs.capturing()
+        cs.stage[layer].wait_by(cur, cap)  # earlier work of this layer (a prefetch) first
+        self.lookup_fn(self.state, layer, req_ids, topk, hit, out.undo_hit,
+                       max_query_len=self.max_query_len)
+        stage = cs.streams.stage
+        if stage is not None:
+            stage.wait_stream(cur)
+            cs.backup.wait_by(stage, cap)
+        ev = cs.stage[layer]
+        miss_ran = False
+        with cs.streams.on(stage):
+            try:
+                self.resolve_fn(self.state, layer, req_ids, topk, out, max_query_len=self.max_query_len,
+                                compact=compact, stamped=True, miss_lists=miss_lists)
+                miss_ran = True
+                if stage_with is None:
+                    self.copy_fn(host_rows, out.stage_src, hot_rows, out.stage_dst)
+                else:
+                    stage_with(*miss_lists)
+            except BaseException:
+                if not cap:
+                    self._undo(layer, req_ids, topk, out, miss_phase_ran=miss_ran, streams=(cur, stage))
+                raise
+            ev.record(stage, cap)
+        cs.last_stage = ev
+        if stage is not None and not cap:
+            req_ids.record_stream(stage)
+            topk.record_stream(stage)
+        return ev.event
+
+    def run_prefetch(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor, out: ResolveBuffers, *,
+                     host_rows: torch.Tensor, hot_rows: torch.Tensor):
+        """Stage ``topk`` (a predicted selection) into ``layer``'s hot rows on the stage
+        stream, as a resolve that counts only the rows it stages (STAT_PREFETCH).
+        Returns the layer's stage event; the layer's next resolve waits on it."""
+        cs = self.streams
+        cur, cap = cs.current(), cs.capturing()
+        stage = cs.streams.stage
+        if stage is not None:
+            stage.wait_stream(cur)
+            cs.backup.wait_by(stage, cap)
+        ev = cs.stage[layer]
+        with cs.streams.on(stage):
+            self.resolve_fn(self.state, layer, req_ids, topk, out, max_query_len=self.max_query_len,
+                            prefetch=True)
+            try:
+                self.copy_fn(host_rows, out.stage_src, hot_rows, out.stage_dst)
+            except BaseException:
+                if not cap:
+                    self._undo_prefetch(layer, req_ids, topk, out, stage)
+                raise
+            ev.record(stage, cap)
+        cs.last_stage = ev
+        if stage is not None and not cap:
+            req_ids.record_stream(stage)
+            topk.record_stream(stage)
+        return ev.event
+
+    def _undo_prefetch(self, layer: int, req_ids, topk, out: ResolveBuffers, stage) -> None:
+        if stage is not None:
+            stage.synchronize()
+        st = self.state.stats[layer].clone()
+        rollback_resolve(self.state, layer, req_ids, topk, out, max_query_len=self.max_query_len)
+        self.state.stats[layer] = st  # a prefetch counted only its staged rows
+        self.state.stats[layer, STAT_PREFETCH] -= int((out.stage_dst[:topk.numel()] >= 0).sum())
 
 
 __all__ = ["CacheStreams", "Stager", "capturing"]

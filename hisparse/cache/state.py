@@ -41,7 +41,8 @@ STAT_MISSES = 1  # unique misses (rows staged host -> device)
 STAT_INVALID = 2  # top-k entries treated as padding because they were invalid
 STAT_D2H_ROWS = 3  # rows written to the host pool
 STAT_RESOLVES = 4  # (layer, request) resolves
-NUM_STATS = 5
+STAT_PREFETCH = 5  # rows staged by prefetch resolves (predicted selections)
+NUM_STATS = 6
 
 
 @dataclasses.dataclass

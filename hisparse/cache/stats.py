@@ -2,17 +2,16 @@
 
 Counters (``state.STAT_*``, int64 per layer on the device, updated by the kernels):
 hits and misses (unique rows per resolve of a (layer, request)), invalid top-k entries
-treated as padding, resolves, rows written to the host pool. Bytes are rows x row_bytes.
+treated as padding, resolves, rows staged by prefetches (``prefetch_rows``), rows
+written to the host pool. Bytes are rows x row_bytes (h2d: misses + prefetched rows).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from .host_pool import HostPool
-from .state import STAT_D2H_ROWS, STAT_HITS, STAT_INVALID, STAT_MISSES, STAT_RESOLVES, HotState
+from .state import STAT_D2H_ROWS, STAT_HITS, STAT_INVALID, STAT_MISSES, STAT_PREFETCH, STAT_RESOLVES, HotState
 
 
 def hit_rate(hits: int, misses: int) -> float:
@@ -26,10 +25,11 @@ def cache_stats(state: HotState, pool: HostPool, *, row_bytes: int, num_layers: 
     """The stats dict (reads the device counters: the caller synchronised)."""
     raw = state.stats.cpu().tolist()
     layers = []
-    tot = dict(hits=0, misses=0, invalid=0, resolves=0, bytes_h2d=0, bytes_d2h=0)
+    tot = dict(hits=0, misses=0, invalid=0, resolves=0, prefetch_rows=0, bytes_h2d=0, bytes_d2h=0)
     for row in raw:
         d = dict(hits=row[STAT_HITS], misses=row[STAT_MISSES], invalid=row[STAT_INVALID],
-                 resolves=row[STAT_RESOLVES], bytes_h2d=row[STAT_MISSES] * row_bytes,
+                 resolves=row[STAT_RESOLVES], prefetch_rows=row[STAT_PREFETCH],
+                 bytes_h2d=(row[STAT_MISSES] + row[STAT_PREFETCH]) * row_bytes,
                  bytes_d2h=row[STAT_D2H_ROWS] * row_bytes)
         for k in tot:
             tot[k] += d[k]
@@ -53,9 +53,4 @@ def cache_stats(state: HotState, pool: HostPool, *, row_bytes: int, num_layers: 
     }
 
 
-def snapshot_counters(state: HotState) -> torch.Tensor:
-    """int64 [L, NUM_STATS] CPU copy of the counters (tests, metrics)."""
-    return state.stats.cpu().clone()
-
-
-__all__ = ["cache_stats", "hit_rate", "snapshot_counters"]
+__all__ = ["cache_stats", "hit_rate"]

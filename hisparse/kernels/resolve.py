@@ -92,6 +92,38 @@ def _sort_parked(stage_src_ptr, stage_dst_ptr, base, m, bt_r, NB, B, H, TILE: tl
     tl.store(stage_dst_ptr + base + i, -2 - pos, mask=im)
 
 
+@triton.jit
+def _token_group(t, req_ids_ptr, id_to_slot_ptr, max_request_id, R, Q: tl.constexpr,
+                 CH: tl.constexpr):
+    """(my_id, off, r, live) of query token t: its request id, its offset in its run of
+    equal ids (capped at Q), the request slot and whether the token belongs to a group
+    that is resolved (a live id, offset < Q, and the first run of that id)."""
+    my_id = tl.load(req_ids_ptr + t)
+    off = t * 0
+    same = t >= 0
+    for j in tl.static_range(1, Q + 1):
+        pj = t - j
+        prev = tl.load(req_ids_ptr + pj, mask=pj >= 0, other=0)
+        same = same & (pj >= 0) & (prev == my_id)
+        off += same.to(tl.int32)
+    id_ok = (my_id >= 0) & (my_id < max_request_id)
+    r = tl.load(id_to_slot_ptr + my_id, mask=id_ok, other=-1)
+    live = id_ok & (r >= 0) & (r < R) & (off < Q)
+    # a run whose request id already occurs before it is not resolved: scan
+    # req_ids[0 : t - off]. A bounded while over chunks (not range() with a runtime
+    # bound); every load is masked to the scanned prefix.
+    lead = tl.where(live, t - off, 0)
+    dup = t < 0
+    c0 = t * 0
+    while c0 < lead:
+        ci = c0 + tl.arange(0, CH)
+        cm = ci < lead
+        v = tl.load(req_ids_ptr + ci, mask=cm, other=0)
+        dup = dup | (tl.sum((cm & (v == my_id)).to(tl.int32), axis=0) > 0)
+        c0 += CH
+    return my_id, off, r, live & (dup == 0)
+
+
 # Sizes and strides vary between calls; specialising on them (== 1, % 16) would
 # recompile the kernel (tens of seconds) for each new divisibility class. The
 # per-layer state pointers are views at arbitrary 4-byte offsets, and only scalar
@@ -102,7 +134,7 @@ def _sort_parked(stage_src_ptr, stage_dst_ptr, base, m, bt_r, NB, B, H, TILE: tl
     do_not_specialize_on_alignment=["slot_pos_ptr", "slot_stamp_ptr", "row_slot_ptr",
                                     "step_ptr", "stats_ptr", "id_to_slot_ptr", "seq_lens_ptr",
                                     "bt_ptr", "valid_ptr", "undo_hit_ptr", "undo_vpos_ptr",
-                                    "undo_vstamp_ptr"],
+                                    "undo_vstamp_ptr", "miss_cnt_ptr"],
 )
 def resolve_kernel(
     req_ids_ptr,  # int32 [T], request id per query token
@@ -129,6 +161,9 @@ def resolve_kernel(
     undo_hit_ptr,  # int64 [>= T * K], output: a hit lane's stamp before this step, -2 = no hit
     undo_vpos_ptr,  # int32 [>= T * K], output: victim i's old position at t0 * K + i
     undo_vstamp_ptr,  # int64 [>= T * K], output: victim i's old stamp at t0 * K + i
+    miss_phys_ptr,  # int32 [>= T, >= K] (row stride phys_stride), output when MISS_LISTS
+    miss_host_ptr,  # int32 [>= T, >= K] (row stride phys_stride), output when MISS_LISTS
+    miss_cnt_ptr,  # int32 [>= T], output when MISS_LISTS
     T,
     K,
     S,  # LRU slots per (layer, request); slot S is reserved
@@ -137,6 +172,10 @@ def resolve_kernel(
     STAT_MISSES: tl.constexpr,
     STAT_INVALID: tl.constexpr,
     STAT_RESOLVES: tl.constexpr,
+    STAT_PREFETCH: tl.constexpr,  # rows staged by prefetch resolves
+    STAMPED: tl.constexpr,  # the hits were stamped (and counted) by resolve_lookup_kernel
+    MISS_LISTS: tl.constexpr,  # write each token's miss entries, compacted (split decode)
+    PREFETCH: tl.constexpr,  # a prefetch: only misses are counted, as STAT_PREFETCH
     Q: tl.constexpr,  # max_query_len
     KB: tl.constexpr,  # next power of two >= K
     GQ: tl.constexpr,  # next power of two >= Q (rows of the group tile)
@@ -146,34 +185,7 @@ def resolve_kernel(
     CH: tl.constexpr,  # chunk of req_ids scanned per step when looking for an earlier run
 ):
     t = tl.program_id(0)
-    my_id = tl.load(req_ids_ptr + t)
-
-    # run offset of t within its run of equal ids, capped at Q (as group_offsets)
-    off = t * 0
-    same = t >= 0
-    for j in tl.static_range(1, Q + 1):
-        pj = t - j
-        prev = tl.load(req_ids_ptr + pj, mask=pj >= 0, other=0)
-        same = same & (pj >= 0) & (prev == my_id)
-        off += same.to(tl.int32)
-
-    id_ok = (my_id >= 0) & (my_id < max_request_id)
-    r = tl.load(id_to_slot_ptr + my_id, mask=id_ok, other=-1)
-    live = id_ok & (r >= 0) & (r < R) & (off < Q)
-
-    # a run whose request id already occurs before it is not resolved (see docstring):
-    # scan req_ids[0 : t - off]. A bounded while over chunks (not range() with a
-    # runtime bound); every load is masked to the scanned prefix.
-    lead = tl.where(live, t - off, 0)
-    dup = t < 0
-    c0 = t * 0
-    while c0 < lead:
-        ci = c0 + tl.arange(0, CH)
-        cm = ci < lead
-        v = tl.load(req_ids_ptr + ci, mask=cm, other=0)
-        dup = dup | (tl.sum((cm & (v == my_id)).to(tl.int32), axis=0) > 0)
-        c0 += CH
-    live = live & (dup == 0)
+    my_id, off, r, live = _token_group(t, req_ids_ptr, id_to_slot_ptr, max_request_id, R, Q, CH)
 
     kk = tl.arange(0, KB)
     kmask = kk < K
@@ -219,10 +231,13 @@ def resolve_kernel(
 
             # P2: stamp the hits; the lanes that changed a stamp are the unique hits
             # (every stamp before this step is < s_new; duplicates see s_new)
-            old = tl.atomic_xchg(slot_stamp_r + gslot, tl.zeros([GQ, KB], tl.int64) + s_new,
-                                 mask=ghit, sem="relaxed")
-            tl.store(undo_hit_ptr + base + goff, tl.where(ghit, old, -2), mask=gmask)
-            nhit = tl.sum(tl.sum((ghit & (old != s_new)).to(tl.int32), axis=1), axis=0)
+            if STAMPED:
+                nhit = n * 0
+            else:
+                old = tl.atomic_xchg(slot_stamp_r + gslot, tl.zeros([GQ, KB], tl.int64) + s_new,
+                                     mask=ghit, sem="relaxed")
+                tl.store(undo_hit_ptr + base + goff, tl.where(ghit, old, -2), mask=gmask)
+                nhit = tl.sum(tl.sum((ghit & (old != s_new)).to(tl.int32), axis=1), axis=0)
             m = tl.sum(tl.sum(gmiss.to(tl.int32), axis=1), axis=0)
             if m > 0:
                 # dedupe the misses without sorting: every miss lane bids a marker
@@ -261,10 +276,14 @@ def resolve_kernel(
                 tl.store(stage_dst_ptr + base + goff, minus1_g, mask=gmask)
 
             tl.store(step_ptr + r, s_new)
-            tl.atomic_add(stats_ptr + STAT_INVALID, nbad.to(tl.int64))
-            tl.atomic_add(stats_ptr + STAT_HITS, nhit.to(tl.int64))
-            tl.atomic_add(stats_ptr + STAT_MISSES, m.to(tl.int64))
-            tl.atomic_add(stats_ptr + STAT_RESOLVES, tl.full([], 1, tl.int64))
+            if PREFETCH:
+                tl.atomic_add(stats_ptr + STAT_PREFETCH, m.to(tl.int64))
+            else:
+                if not STAMPED:
+                    tl.atomic_add(stats_ptr + STAT_INVALID, nbad.to(tl.int64))
+                    tl.atomic_add(stats_ptr + STAT_HITS, nhit.to(tl.int64))
+                tl.atomic_add(stats_ptr + STAT_MISSES, m.to(tl.int64))
+                tl.atomic_add(stats_ptr + STAT_RESOLVES, tl.full([], 1, tl.int64))
 
             if m > 0:
                 tl.debug_barrier()
@@ -345,11 +364,97 @@ def resolve_kernel(
                 dest = gk + gj * 0
             tl.store(phys_ptr + (t + gj).to(tl.int64) * phys_stride + dest, ph, mask=gmask)
             tl.store(valid_ptr + t + jj, cnt, mask=jj < n)
+            if MISS_LISTS:
+                # every miss lane of each token (duplicates included), compacted: the
+                # miss side of a split decode attends over these rows once they landed
+                mv = gmiss & v
+                mi = mv.to(tl.int32)
+                mdest = tl.cumsum(mi, 1) - mi
+                mrow_off = (t + gj).to(tl.int64) * phys_stride + mdest
+                tl.store(miss_phys_ptr + mrow_off, ph, mask=mv)
+                tl.store(miss_host_ptr + mrow_off, grow.to(tl.int32), mask=mv)
+                tl.store(miss_cnt_ptr + t + jj, tl.sum(mi, axis=1), mask=jj < n)
     else:
         p = tl.load(topk_ptr + t.to(tl.int64) * topk_stride + kk, mask=kmask, other=-1)
         nbad = tl.sum((p != -1).to(tl.int32), axis=0)
-        tl.atomic_add(stats_ptr + STAT_INVALID, nbad.to(tl.int64))
+        if not PREFETCH:
+            tl.atomic_add(stats_ptr + STAT_INVALID, nbad.to(tl.int64))
+        if MISS_LISTS:
+            tl.store(miss_cnt_ptr + t, 0)
         tl.store(phys_ptr + t.to(tl.int64) * phys_stride + kk, minus1_k, mask=kmask)
         tl.store(valid_ptr + t, 0)
         tl.store(stage_src_ptr + base + kk, minus1_k, mask=kmask)
         tl.store(stage_dst_ptr + base + kk, minus1_k, mask=kmask)
+
+
+@triton.jit(
+    do_not_specialize=["topk_stride", "max_request_id", "R", "bt_stride", "NB", "H",
+                       "hit_stride", "T", "K", "S", "B"],
+    do_not_specialize_on_alignment=["slot_stamp_ptr", "row_slot_ptr", "step_ptr", "stats_ptr",
+                                    "id_to_slot_ptr", "seq_lens_ptr", "bt_ptr", "undo_hit_ptr"],
+)
+def resolve_lookup_kernel(
+    req_ids_ptr,  # int32 [T], request id per query token
+    topk_ptr,  # int32 [T, K] (row stride topk_stride), -1 = padding
+    topk_stride,
+    id_to_slot_ptr,  # int32 [max_request_id]
+    max_request_id,
+    seq_lens_ptr,  # int32 [R] of this layer
+    R,
+    bt_ptr,  # int32 [R, NB] (row stride bt_stride)
+    bt_stride,
+    NB,
+    slot_stamp_ptr,  # int64 [R, S + 1] of this layer
+    row_slot_ptr,  # int32 [H] of this layer
+    H,
+    step_ptr,  # int64 [R] of this layer (read only: the miss phase increments it)
+    stats_ptr,  # int64 [NUM_STATS] of this layer
+    hit_ptr,  # int32 [>= T, >= K] (row stride hit_stride), output: hot row of a hit, else -1
+    hit_stride,
+    undo_hit_ptr,  # int64 [>= T * K], output: a hit lane's stamp before this step, -2 = no hit
+    T,
+    K,
+    S,
+    B,
+    STAT_HITS: tl.constexpr,
+    STAT_INVALID: tl.constexpr,
+    Q: tl.constexpr,  # max_query_len
+    CHUNK: tl.constexpr,  # entries per program (power of two)
+    CH: tl.constexpr,  # req_ids scanned per step (see _token_group)
+):
+    """The hit phase of a split resolve: grid (T, cdiv(K, CHUNK)).
+
+    Program (t, c) looks entries [c * CHUNK, (c + 1) * CHUNK) of token t up in
+    row_slot and, for a token of a resolved group, stamps each hit slot with the step
+    the group's miss phase will record (step + 1), writes the hit's flat hot row to
+    ``hit`` (-1 for misses, padding and invalid entries), logs the old stamps, and
+    counts unique hits and invalid entries. It changes no slot mapping, so the hot
+    rows of the hits can be read as soon as it finished, while the miss phase
+    (``resolve_kernel`` with STAMPED) maps and stages the misses on another stream.
+    """
+    t = tl.program_id(0)
+    c = tl.program_id(1)
+    my_id, off, r, live = _token_group(t, req_ids_ptr, id_to_slot_ptr, max_request_id, R, Q, CH)
+    kk = c * CHUNK + tl.arange(0, CHUNK)
+    kmask = kk < K
+    out_off = t.to(tl.int64) * hit_stride + kk
+    if live:
+        SP = S + 1
+        seq = tl.load(seq_lens_ptr + r)
+        s_new = tl.load(step_ptr + r) + 1
+        bt_r = bt_ptr + r.to(tl.int64) * bt_stride
+        pos = tl.load(topk_ptr + t.to(tl.int64) * topk_stride + kk, mask=kmask, other=-1)
+        ok = kmask & (pos >= 0) & (pos < seq)
+        row, good = _host_row(pos, ok, bt_r, NB, B, H)
+        nbad = tl.sum((kmask & (pos != -1) & (good == 0)).to(tl.int32), axis=0)
+        slot = tl.load(row_slot_ptr + row, mask=good, other=-1)
+        hit = good & (slot >= 0) & (slot <= S)
+        old = tl.atomic_xchg(slot_stamp_ptr + r.to(tl.int64) * SP + slot,
+                             tl.zeros([CHUNK], tl.int64) + s_new, mask=hit, sem="relaxed")
+        tl.store(undo_hit_ptr + t.to(tl.int64) * K + kk, tl.where(hit, old, -2), mask=kmask)
+        nhit = tl.sum((hit & (old != s_new)).to(tl.int32), axis=0)
+        tl.store(hit_ptr + out_off, tl.where(hit, r * SP + slot, -1), mask=kmask)
+        tl.atomic_add(stats_ptr + STAT_HITS, nhit.to(tl.int64))
+        tl.atomic_add(stats_ptr + STAT_INVALID, nbad.to(tl.int64))
+    else:
+        tl.store(hit_ptr + out_off, tl.full([CHUNK], -1, tl.int32), mask=kmask)
