@@ -166,7 +166,7 @@ class HiSparseCache:
     # ---- lifecycle --------------------------------------------------------
     def add_request(self, req_id: int) -> int:
         """Admit ``req_id``; returns its request slot. CapacityError when all are taken."""
-        self.streams.after_stage()
+        self.streams.before_lifecycle()
         r = self.requests.add(req_id)
         self.state.id_to_slot[req_id] = r
         return r
@@ -174,7 +174,7 @@ class HiSparseCache:
     def free_request(self, req_id: int) -> None:
         """Return every block, clear every slot mapping of every layer, release the id."""
         r = self.requests.slot(req_id)
-        self.streams.after_stage()
+        self.streams.before_lifecycle()
         st, B = self.state, self.pool.B
         blocks = self.pool.allocator.owned(r)
         start = 0

@@ -8,8 +8,10 @@ Streams (``hisparse.device.Streams``; every one None on CPU):
 
 Ordering rules (each one an event wait, never a host sync):
   - staging waits on ``backup``: no slot is refilled before the row it held is on host;
-  - the compute stream waits on the last stage event before it changes state again
-    (append / add / free), and on a layer's stage event before attention reads it;
+  - an append to layer l waits on the layer's ``resolved`` event (its last resolve's
+    state updates; the copy into victim slots may still run: an append never writes a
+    victim slot); add / free_request wait on every layer's stage event;
+  - attention (and the next resolve of the layer) waits on the layer's stage event;
   - an append that overwrites a reserved slot waits on ``backup`` first.
 """
 
@@ -70,8 +72,8 @@ class CacheStreams:
         self.streams = Streams(device)
         self.cuda = self.streams.cuda
         self.backup = _Event(self.cuda)
-        self.stage = [_Event(self.cuda) for _ in range(num_layers)]
-        self.last_stage: _Event | None = None
+        self.stage = [_Event(self.cuda) for _ in range(num_layers)]  # staging of the layer done
+        self.resolved = [_Event(self.cuda) for _ in range(num_layers)]  # its state updates done
 
     def current(self):
         return self.streams.current()
@@ -79,12 +81,18 @@ class CacheStreams:
     def capturing(self) -> bool:
         return capturing(self.device)
 
-    def after_stage(self) -> tuple[object, bool]:
-        """The compute stream waits for in-flight resolves; returns (stream, capturing)."""
+    def before_write(self, layer: int) -> tuple[object, bool]:
+        """The compute stream waits for the layer's in-flight resolve state updates;
+        returns (stream, capturing)."""
         cur, cap = self.current(), self.capturing()
-        if self.last_stage is not None:
-            self.last_stage.wait_by(cur, cap)
+        self.resolved[layer].wait_by(cur, cap)
         return cur, cap
+
+    def before_lifecycle(self) -> None:
+        """The compute stream waits for every layer's in-flight staging (add / free)."""
+        cur, cap = self.current(), self.capturing()
+        for ev in self.stage:
+            ev.wait_by(cur, cap)
 
     def join_backup(self, stream=None) -> None:
         """``stream`` (default current) waits until every host mirror copy is done."""
@@ -142,6 +150,7 @@ class Stager:
         with cs.streams.on(stage):
             self.resolve_fn(self.state, layer, req_ids, topk, out, max_query_len=self.max_query_len,
                             compact=compact)
+            cs.resolved[layer].record(stage, cap)
             try:
                 self.copy_fn(host_rows, out.stage_src, hot_rows, out.stage_dst)
             except BaseException:
@@ -149,7 +158,6 @@ class Stager:
                     self._undo(layer, req_ids, topk, out, miss_phase_ran=True, streams=(stage,))
                 raise
             ev.record(stage, cap)
-        cs.last_stage = ev
         if stage is not None and not cap:
             req_ids.record_stream(stage)
             topk.record_stream(stage)
@@ -182,6 +190,7 @@ class Stager:
                 self.resolve_fn(self.state, layer, req_ids, topk, out, max_query_len=self.max_query_len,
                                 compact=compact, stamped=True, miss_lists=miss_lists)
                 miss_ran = True
+                cs.resolved[layer].record(stage, cap)
                 if stage_with is None:
                     self.copy_fn(host_rows, out.stage_src, hot_rows, out.stage_dst)
                 else:
@@ -191,7 +200,6 @@ class Stager:
                     self._undo(layer, req_ids, topk, out, miss_phase_ran=miss_ran, streams=(cur, stage))
                 raise
             ev.record(stage, cap)
-        cs.last_stage = ev
         if stage is not None and not cap:
             req_ids.record_stream(stage)
             topk.record_stream(stage)
@@ -212,6 +220,7 @@ class Stager:
         with cs.streams.on(stage):
             self.resolve_fn(self.state, layer, req_ids, topk, out, max_query_len=self.max_query_len,
                             prefetch=True)
+            cs.resolved[layer].record(stage, cap)
             try:
                 self.copy_fn(host_rows, out.stage_src, hot_rows, out.stage_dst)
             except BaseException:
@@ -219,7 +228,6 @@ class Stager:
                     self._undo_prefetch(layer, req_ids, topk, out, stage)
                 raise
             ev.record(stage, cap)
-        cs.last_stage = ev
         if stage is not None and not cap:
             req_ids.record_stream(stage)
             topk.record_stream(stage)

@@ -184,7 +184,7 @@ class Writer:
     def _launch(self, layer: int, plan: WritePlan, rows: torch.Tensor) -> None:
         """Host mirror on the backup stream, then the hot-tier update on the compute stream."""
         cs = self.streams
-        cur, cap = cs.after_stage()
+        cur, cap = cs.before_write(layer)
         if plan.unmap.numel():
             # the old occupants must be on host before their hot rows are overwritten
             cs.backup.wait_by(cur, cap)
