@@ -234,6 +234,15 @@ def test_triton_kernels_on_cpu_without_the_interpreter_exit_4():
         assert "TRITON_INTERPRET=1" in err and f"{flag} torch" in err, err
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU interpreter path")
+def test_triton_kernels_on_cpu_with_the_interpreter(capsys):
+    from hisparse._checks import interpreter_mode
+
+    assert interpreter_mode()  # conftest sets TRITON_INTERPRET=1 without CUDA
+    r = _json(capsys, ["stress", "--json", "--kernels", "triton"] + STRESS_TINY)
+    assert r["ok"] and r["kernels"] == "triton" and r["timings_are"] == "CPU (Triton interpreter)"
+
+
 def test_host_pool_larger_than_memory_is_exit_3(capsys, monkeypatch):
     # 64 requests x 1M tokens x 2 layers x 656 B = 88 GB of host pool; this machine's
     # MemAvailable is pinned at 16 GiB so the test means the same everywhere

@@ -21,7 +21,8 @@ Result (``run_stress`` / ``hisparse stress --json``), a dict:
   ok                 bool, False when any verification failed (the run stops there)
   failures           list[str], what differed and where
   device, kernels    the device name ("cpu" or the GPU's) and the cache kernels used
-  timings_are        "GPU (CUDA-synchronised)" or "CPU (torch reference path)"
+  timings_are        "GPU (CUDA-synchronised)", "CPU (torch reference path)" or
+                     "CPU (Triton interpreter)"
   config             the HiSparseConfig as a dict
   workload           trace, drift, replay, steps_run, steps_planned, requests, context,
                      churn, joined, left, verify, seed, record
@@ -460,7 +461,9 @@ class StressRun:
             "failures": failures,
             "device": dev_name,
             "kernels": stats["kernels"],
-            "timings_are": "GPU (CUDA-synchronised)" if self.dev.type == "cuda" else "CPU (torch reference path)",
+            "timings_are": ("GPU (CUDA-synchronised)" if self.dev.type == "cuda" else
+                            "CPU (Triton interpreter)" if stats["kernels"] == "triton" else
+                            "CPU (torch reference path)"),
             "config": self.cfg.to_dict(),
             "workload": {"trace": o.trace, "drift": o.drift if o.trace in ("correlated", "indexer") else None,
                          "replay": o.replay, "steps_run": done, "steps_planned": self.steps,
