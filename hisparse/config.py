@@ -131,14 +131,17 @@ class HiSparseConfig:
 
         hot rows; slot/LRU state (id_to_slot, seq_lens, block_table, slot_pos int32 and
         slot_stamp int64 per slot, row_slot, step, stats); resolve buffers (physical,
-        valid counts, staging lists per layer; one undo log).
+        valid counts, staging lists per layer, plus one set for prefetches with the
+        undo log all share). A layer's first split resolve adds ``split_buffers_per_layer``.
         """
         L, R, SP = self.num_layers, self.max_num_reqs, self.slots_per_req
-        TK = self.max_tokens * self.top_k
+        T = self.max_tokens
+        TK = T * self.top_k
         state = (4 * self.max_request_id + 4 * L * R + 4 * R * self.num_host_blocks + 12 * L * R * SP
-                 + 4 * L * self.num_host_rows + 8 * L * R + 8 * L * 5)
-        resolve = L * (12 * TK + 4 * self.max_tokens) + 20 * TK
+                 + 4 * L * self.num_host_rows + 8 * L * R + 8 * L * 6)
+        resolve = (L + 1) * (12 * TK + 4 * T) + 20 * TK
         return {"hot_rows": self.hot_buffer_bytes, "state": state, "resolve_buffers": resolve,
+                "split_buffers_per_layer": 12 * TK + 4 * T,
                 "total": self.hot_buffer_bytes + state + resolve}
 
     @classmethod

@@ -19,9 +19,12 @@ def test_gpu_bytes_hand_computed():
                          max_request_id=10, device="cpu")
     g = gpu_bytes(cfg, num_heads=2, reserve_frac=0.5)
     assert g["hot_rows"] == 2 * 64 * 16  # 3 x 9 rows per layer, rounded up to 64
-    # slot_pos+stamp, step, seq_lens, block_table (3 x 4 blocks), row_slot (2 x 64), id_to_slot, stats
-    assert g["slot_state"] == 2 * 3 * 9 * 8 + 2 * 3 * 4 + 2 * 3 * 4 + 3 * 4 * 4 + 2 * 64 * 4 + 10 * 4 + 2 * 5 * 8
-    assert g["resolve_buffers"] == 2 * 3 * 4 * 12 + 2 * 3 * 4
+    # slot_pos (int32) + slot_stamp (int64), step (int64), seq_lens, block_table (3 x 4 blocks),
+    # row_slot (2 x 64), id_to_slot, stats (6 counters)
+    assert g["slot_state"] == 2 * 3 * 9 * 12 + 2 * 3 * 8 + 2 * 3 * 4 + 3 * 4 * 4 + 2 * 64 * 4 + 10 * 4 + 2 * 6 * 8
+    # per layer and once more for prefetches: physical + stage src/dst (T x K x 12) + counts,
+    # plus the one undo log (T x K x 20)
+    assert g["resolve_buffers"] == 3 * (3 * 4 * 12 + 3 * 4) + 3 * 4 * 20
     assert g["attention_io"] == 3 * 2 * (1152 + 1024 + 4)
     raw = g["hot_rows"] + g["slot_state"] + g["resolve_buffers"] + g["attention_io"]
     assert g["reserve"] == raw // 2 and g["total"] == raw + raw // 2
@@ -39,7 +42,12 @@ def test_gpu_bytes_matches_the_real_cache_allocation():
     state_bytes = sum(t.numel() * t.element_size() for t in
                       (st.id_to_slot, st.seq_lens, st.block_table, st.slot_pos, st.slot_stamp,
                        st.row_slot, st.step, st.stats))
-    bufs = sum(t.numel() * t.element_size() for t in (c._phys, c._valid, c._src, c._dst))
+    seen, bufs = set(), 0
+    for b in c._bufs + [c._prefetch_out]:
+        for t in (b.physical, b.valid_counts, b.stage_src, b.stage_dst, b.undo_hit, b.undo_vpos, b.undo_vstamp):
+            if t.data_ptr() not in seen:  # the undo log is shared
+                seen.add(t.data_ptr())
+                bufs += t.numel() * t.element_size()
     g = gpu_bytes(cfg, num_heads=1)
     assert g["hot_rows"] == c.hot.numel()
     assert g["slot_state"] == state_bytes

@@ -1,15 +1,33 @@
-"""The ``hisparse`` command: every subcommand at a small size, --json fields, exit codes."""
+"""The ``hisparse`` command: every subcommand at a small size, --json fields, exit codes.
+
+The error cases run the CLI in-process (``main([...])``) and check the exit code, that
+stderr is one line naming the problem, and that no traceback appears; cases that need
+a clean environment (Triton's interpreter off) run as a subprocess. Output paths are
+checked before any work: those tests replace the work itself with a function that
+fails the test if it is reached.
+"""
 
 import json
+import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+import torch
 
+import hisparse
+from hisparse import HiSparseCache
+from hisparse.tools import cli, preflight
 from hisparse.tools.cli import main
+from hisparse.tools.mini_engine import loop as me_loop
+from hisparse.tools.traces import TraceRecorder
 
 STRESS_TINY = ["--requests", "2", "--context", "200", "--layers", "1", "--top-k", "8",
                "--buffer", "16", "--steps", "6", "--block-size", "16", "--device", "cpu", "--quiet"]
+
+
+ME_TINY = ["--num-requests", "2", "--max-prompt", "24", "--max-decode", "3"]
 
 
 def _json(capsys, argv, rc=0):
@@ -19,11 +37,46 @@ def _json(capsys, argv, rc=0):
     return json.loads(out.out)
 
 
+def _fails(capsys, argv, rc, *needles):
+    """main(argv) exits ``rc`` with one line on stderr containing every needle, no traceback."""
+    got = main(argv)
+    out = capsys.readouterr()
+    assert "Traceback" not in out.err + out.out, out.err
+    err = out.err.strip()
+    assert got == rc, (got, err)
+    assert len(err.splitlines()) == 1, err
+    for n in needles:
+        assert n in err, (n, err)
+    return err
+
+
+def _never(*args, **kw):
+    raise AssertionError("work started before the output path was checked")
+
+
+def _trace(path):
+    rec = TraceRecorder(num_layers=1, top_k=4)
+    for step, n in enumerate((30, 31)):
+        rec.begin_step([0], [n])
+        rec.add_layer(0, [[0, 1, 2, step + 3]])
+    rec.save(path)
+    return path
+
+
 def test_help_everywhere(capsys):
     assert main(["--help"]) == 0
+    top = capsys.readouterr().out
+    lines = top.splitlines()
+    for cmd in ("stress", "autotune", "plan", "env", "mini-engine"):
+        i = next(i for i, ln in enumerate(lines) if ln.split()[:1] == [cmd])
+        said = lines[i].split(None, 1)[1:] or [lines[i + 1].strip()]  # argparse puts a long name's help below it
+        assert len(said[0]) > 20, lines[i:i + 2]  # each subcommand explained in one line
+    assert "3 capacity" in top and "4 missing dependency" in top
     for cmd in ("stress", "autotune", "plan", "env"):
         assert main([cmd, "--help"]) == 0
         assert "--json" in capsys.readouterr().out
+    assert main(["mini-engine", "--help"]) == 0
+    assert "--tolerance" in capsys.readouterr().out
     assert main(["plan", "--help"]) == 0
     assert "N_hisparse = min(" in capsys.readouterr().out  # formulas documented
     assert main([]) == 2  # no command: usage on stderr, non-zero
@@ -40,10 +93,27 @@ def test_stress_json_fields(capsys):
     assert r["config"]["top_k"] == 8 and r["config"]["device_buffer_size"] == 16
 
 
-def test_stress_table_and_corruption_exit_code(capsys):
+def test_version(capsys):
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"hisparse {hisparse.__version__}"
+
+
+def test_stress_table_and_corruption_exit_code(capsys, monkeypatch):
     assert main(["stress"] + STRESS_TINY) == 0
     assert "RESULT: PASS" in capsys.readouterr().out
-    assert main(["stress", "--verify", "all", "--corrupt-step", "1"] + STRESS_TINY) == 1
+    # a hot row corrupted after the second resolve (through public calls): exit 1
+    orig, count = HiSparseCache.resolve, {"n": 0}
+
+    def resolve(self, layer, req_ids, topk, **kw):
+        res = orig(self, layer, req_ids, topk, **kw)
+        count["n"] += 1
+        if count["n"] == 2:
+            valid = (res.physical >= 0).nonzero()
+            self.hot_rows(layer)[int(res.physical[valid[0, 0], valid[0, 1]]), 0] ^= 0xFF
+        return res
+
+    monkeypatch.setattr(HiSparseCache, "resolve", resolve)
+    assert main(["stress", "--verify", "all"] + STRESS_TINY) == 1
     out = capsys.readouterr().out
     assert "RESULT: FAIL" in out and "differs from the expected bytes" in out
 
@@ -57,17 +127,16 @@ def test_stress_record_replay(tmp_path, capsys):
 
 
 def test_stress_bad_input_exit_2(capsys):
-    assert main(["stress", "--trace", "replay", "--quiet"]) == 2
-    assert "needs a trace file" in capsys.readouterr().err
-    assert main(["stress", "--verify", "lots"]) == 2  # argparse rejects it
-    assert main(["stress", "--replay", "/nonexistent.npz", "--quiet"]) == 2
-    assert "does not exist" in capsys.readouterr().err
+    _fails(capsys, ["stress", "--trace", "replay", "--quiet"], 2, "needs a trace file")
+    _fails(capsys, ["stress", "--verify", "lots"], 2, "argument --verify", "see `hisparse stress --help`")
+    _fails(capsys, ["stress", "--replay", "/nonexistent.npz", "--quiet"], 2, "does not exist")
+    _fails(capsys, ["stress", "--requests", "0", "--quiet"], 2, "num_requests must be >= 1")
 
 
 def test_plot_without_matplotlib_is_a_clear_error(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if absent
-    assert main(["stress", "--plot", str(tmp_path)] + STRESS_TINY) == 4
-    assert "needs matplotlib" in capsys.readouterr().err
+    monkeypatch.setattr(cli, "StressRun", _never)
+    _fails(capsys, ["stress", "--plot", str(tmp_path)] + STRESS_TINY, 4, "needs matplotlib")
 
 
 def test_plot_writes_pngs(tmp_path, capsys):
@@ -87,9 +156,8 @@ def test_plan_json_and_errors(capsys):
     assert r["target"]["host_pool_bytes"] == 30 * 1_343_488
     assert set(r["per_request_bytes"]) == {"resident_gpu", "hisparse_gpu", "hisparse_gpu_breakdown",
                                            "hisparse_host"}
-    assert main(["plan", "--gpu-memory", "lots"]) == 2
-    assert main(["plan", "--hot-rows", "10"]) == 2  # < top_k 2048
-    assert "hot_rows" in capsys.readouterr().err
+    _fails(capsys, ["plan", "--gpu-memory", "lots"], 2, "cannot parse memory size")
+    _fails(capsys, ["plan", "--hot-rows", "10"], 2, "hot_rows")  # < top_k 2048
     assert main(["plan"]) == 0
     assert "concurrent requests" in capsys.readouterr().out
 
@@ -105,8 +173,8 @@ def test_autotune_json_cpu(tmp_path, capsys):
         assert k in r, k
     assert "CPU timings" in r["timings_are"]
     assert json.loads(out.read_text())["max_num_reqs"] == r["max_num_reqs"]
-    assert main(["autotune", "--quiet", "--device", "cpu", "--gpu-memory", "1KiB"]) == 3
-    assert "not even one request" in capsys.readouterr().err
+    _fails(capsys, ["autotune", "--quiet", "--device", "cpu", "--gpu-memory", "1KiB"], 3,
+           "capacity: not even one request")
 
 
 def test_env_json(capsys):
@@ -121,6 +189,210 @@ def test_python_dash_m():
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["binding"] in ("gpu", "host", "max_seqs")
+
+
+# ----------------------------------------------------------------- error cases
+@pytest.fixture
+def no_cuda(monkeypatch):
+    """Run as on a machine without CUDA, whatever this one has."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+@pytest.mark.parametrize("argv", [
+    ["stress", "--device", "cuda", "--quiet"],
+    ["stress", "--preset", "gpu", "--quiet"],
+    ["autotune", "--device", "cuda", "--quiet", "--gpu-memory", "1GiB"],
+    ["mini-engine", "--device", "cuda"] + ME_TINY,
+    ["mini-engine", "--preset", "h200"],
+])
+def test_cuda_without_cuda_is_exit_4(capsys, no_cuda, argv):
+    _fails(capsys, argv, 4, "missing dependency", "needs a CUDA GPU", "use --device cpu")
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["stress", "--device", "tpu", "--quiet"], "--device 'tpu': expected cpu, cuda or cuda:N"),
+    (["autotune", "--device", "tpu", "--quiet", "--gpu-memory", "1GiB"], "expected cpu, cuda or cuda:N"),
+    (["env", "--device", "tpu"], "expected cpu, cuda or cuda:N"),
+    (["mini-engine", "--device", "tpu"] + ME_TINY, "device must be cpu, cuda or cuda:N"),
+])
+def test_unknown_device_is_exit_2(capsys, argv, msg):
+    _fails(capsys, argv, 2, msg)
+
+
+def test_triton_kernels_on_cpu_without_the_interpreter_exit_4():
+    """A clean environment (no TRITON_INTERPRET): --kernels triton on CPU says how to run it."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU run even on a GPU machine
+    for flag, argv in (("--kernels", ["stress", "--kernels", "triton", "--device", "cpu", "--quiet"]),
+                       ("--cache-kernels", ["mini-engine", "--cache-kernels", "triton", "--device", "cpu"]
+                        + ME_TINY)):
+        p = subprocess.run([sys.executable, "-m", "hisparse", *argv], capture_output=True, text=True,
+                           timeout=120, env=env)
+        err = p.stderr.strip()
+        assert p.returncode == 4, p.stderr
+        assert "Traceback" not in p.stderr and len(err.splitlines()) == 1, err
+        assert "TRITON_INTERPRET=1" in err and f"{flag} torch" in err, err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU interpreter path")
+def test_triton_kernels_on_cpu_with_the_interpreter(capsys):
+    from hisparse._checks import interpreter_mode
+
+    assert interpreter_mode()  # conftest sets TRITON_INTERPRET=1 without CUDA
+    r = _json(capsys, ["stress", "--json", "--kernels", "triton"] + STRESS_TINY)
+    assert r["ok"] and r["kernels"] == "triton" and r["timings_are"] == "CPU (Triton interpreter)"
+
+
+def test_host_pool_larger_than_memory_is_exit_3(capsys, monkeypatch):
+    # 64 requests x 1M tokens x 2 layers x 656 B = 88 GB of host pool; this machine's
+    # MemAvailable is pinned at 16 GiB so the test means the same everywhere
+    monkeypatch.setattr(preflight, "host_available_bytes", lambda: 16 << 30)
+    err = _fails(capsys, ["stress", "--context", "1M", "--requests", "64", "--device", "cpu", "--quiet"],
+                 3, "capacity: this stress run needs", "of host memory", "host pool 82.",
+                 f"but {16 << 30} bytes")
+    assert "MemAvailable" in err
+
+
+def test_terabyte_top_k_refused_up_front(capsys):
+    # K = 1e8, S = 2K: ~1 TB of hot buffers, more than any machine here: no allocation tried
+    _fails(capsys, ["stress", "--top-k", "100000000", "--device", "cpu", "--quiet"], 3,
+           "capacity:", "hot buffers and slot state")
+
+
+def test_allocation_failures_map_to_exit_3(capsys, monkeypatch):
+    def oom(*a, **kw):
+        raise MemoryError()
+
+    monkeypatch.setattr(cli, "plan", oom)
+    _fails(capsys, ["plan"], 3, "capacity: out of host memory")
+
+    def full(*a, **kw):
+        raise hisparse.CapacityError("host pool allocation of 123 bytes failed")
+
+    monkeypatch.setattr(cli, "plan", full)
+    _fails(capsys, ["plan"], 3, "capacity: host pool allocation of 123 bytes failed")
+
+
+def test_interrupt_is_one_line(capsys, monkeypatch):
+    def stop(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "plan", stop)
+    _fails(capsys, ["plan"], 130, "interrupted")
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["stress", "--record", "/nonexistent_dir/x.npz"] + STRESS_TINY, "directory '/nonexistent_dir' does not exist"),
+    (["stress", "--plot", "/proc/forbidden"] + STRESS_TINY, "--plot '/proc/forbidden': cannot write in '/proc'"),
+    (["stress", "--metrics-file", "/nonexistent_dir/m.prom"] + STRESS_TINY, "--metrics-file"),
+])
+def test_stress_output_paths_checked_before_work(capsys, monkeypatch, argv, msg):
+    monkeypatch.setattr(cli, "StressRun", _never)
+    _fails(capsys, argv, 2, msg)
+
+
+def test_output_path_that_is_a_directory(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(cli, "StressRun", _never)
+    _fails(capsys, ["stress", "--record", str(tmp_path)] + STRESS_TINY, 2, "is a directory")
+    (tmp_path / "file").write_text("x")
+    _fails(capsys, ["stress", "--plot", str(tmp_path / "file")] + STRESS_TINY, 2, "is not a directory")
+
+
+def test_autotune_out_checked_before_work(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "run_autotune", _never)
+    _fails(capsys, ["autotune", "--out", "/nonexistent/x.json", "--device", "cpu", "--gpu-memory", "1MiB",
+                    "--quiet"], 2, "--out '/nonexistent/x.json'", "does not exist")
+
+
+@pytest.mark.parametrize("flag", ["--record", "--out"])
+def test_mini_engine_outputs_checked_before_work(capsys, monkeypatch, flag):
+    monkeypatch.setattr(me_loop, "MiniEngine", _never)
+    _fails(capsys, ["mini-engine", flag, "/nonexistent/x.npz"] + ME_TINY, 2, flag, "does not exist")
+
+
+def test_mini_engine_bad_values(capsys):
+    _fails(capsys, ["mini-engine", "--tolerance", "-1"] + ME_TINY, 2, "tolerance must be >= 0")
+    _fails(capsys, ["mini-engine", "--num-layers", "0"] + ME_TINY, 2, "num_layers must be >= 1")
+    _fails(capsys, ["mini-engine", "--row-format", "fp4"] + ME_TINY, 2, "argument --row-format")
+
+
+def test_mini_engine_memory_checked(capsys, monkeypatch):
+    monkeypatch.setattr(preflight, "host_available_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(me_loop, "MiniEngine", _never)
+    _fails(capsys, ["mini-engine"] + ME_TINY, 3, "capacity: this mini-engine run needs")
+
+
+def test_replay_conflicts_refused(capsys, tmp_path, monkeypatch):
+    path = str(_trace(tmp_path / "t.npz"))
+    _fails(capsys, ["stress", "--replay", "/nonexistent.npz", "--trace", "uniform", "--quiet"], 2,
+           "--replay FILE replays a recorded trace and --trace uniform generates one")
+    _fails(capsys, ["stress", "--replay", path, "--layers", "3", "--top-k", "4", "--steps", "9",
+                    "--requests", "2", "--quiet"], 2,
+           "would be ignored", "--requests, --layers, --top-k, --steps")
+    r = _json(capsys, ["stress", "--replay", path, "--trace", "replay", "--device", "cpu", "--quiet",
+                       "--json"])
+    assert r["ok"] and r["config"]["num_layers"] == 1 and r["config"]["top_k"] == 4
+
+
+def test_replay_file_messages(capsys, tmp_path):
+    text = tmp_path / "trace.json"
+    text.write_text('{"steps": []}')
+    err = _fails(capsys, ["stress", "--replay", str(text), "--quiet"], 2, "is not a .npz trace")
+    assert "pickled" not in err
+    good = dict(np.load(_trace(tmp_path / "t.npz")))
+    np.savez(tmp_path / "meta.npz", **{**good, "meta": np.array("{oops")})
+    _fails(capsys, ["stress", "--replay", str(tmp_path / "meta.npz"), "--quiet"], 2,
+           str(tmp_path / "meta.npz"), "key 'meta' is not valid JSON")
+    np.savez(tmp_path / "float.npz", **{**good, "topk": good["topk"].astype(np.float32)})
+    _fails(capsys, ["stress", "--replay", str(tmp_path / "float.npz"), "--quiet"], 2,
+           "key 'topk' has dtype float32")
+
+
+def test_plan_bad_budgets_and_limits(capsys):
+    _fails(capsys, ["plan", "--gpu-memory", "0"], 2, "argument --gpu-memory", "must be > 0")
+    _fails(capsys, ["plan", "--host-memory", "0"], 2, "argument --host-memory", "must be > 0")
+    _fails(capsys, ["plan", "--context", "1000000000000"], 2, "int32")
+    _fails(capsys, ["plan", "--gpu-memory", "1KiB"], 3, "not even one request fits")
+    _fails(capsys, ["plan", "--host-memory", "1KiB"], 3, "binding: host")
+
+
+def test_metrics_port_without_prometheus_client(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)
+    monkeypatch.setattr(cli, "StressRun", _never)
+    _fails(capsys, ["stress", "--metrics-port", "9100"] + STRESS_TINY, 4, "needs prometheus_client")
+
+
+def test_metrics_file_written(capsys, tmp_path):
+    path = tmp_path / "hisparse.prom"
+    r = _json(capsys, ["stress", "--json", "--metrics-file", str(path), "--metrics-every", "2"] + STRESS_TINY)
+    text = path.read_text()
+    assert "# TYPE hisparse_hits_total counter" in text
+    hits = [ln for ln in text.splitlines() if ln.startswith('hisparse_hits_total{layer="0"}')]
+    assert len(hits) == 1 and float(hits[0].split()[-1]) == r["overall"]["hits"]
+    assert r["metrics_file"] == str(path)
+
+
+def test_metrics_port_serves_during_the_run(capsys, monkeypatch):
+    pytest.importorskip("prometheus_client")
+    import socket
+    import urllib.request
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    orig, got = cli.StressRun.run, {}
+
+    def run(self, on_step=None):
+        r = orig(self, on_step)  # the server is still up until the command returns
+        got["body"] = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        return r
+
+    monkeypatch.setattr(cli.StressRun, "run", run)
+    r = _json(capsys, ["stress", "--json", "--metrics-port", str(port)] + STRESS_TINY)
+    line = next(ln for ln in got["body"].splitlines() if ln.startswith('hisparse_misses_total{layer="0"}'))
+    assert float(line.split()[-1]) == r["overall"]["misses"]
+    with pytest.raises(OSError):  # shut down when the command ended
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
 
 
 @pytest.mark.gpu

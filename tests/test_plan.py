@@ -46,12 +46,13 @@ def test_gpu_bound_and_max_seqs_bound():
 
 
 def test_bf16_and_default_hot_rows():
-    p = plan(PlanInputs(num_layers=1, context_len=64, gpu_bytes=0, host_bytes=0,
+    p = plan(PlanInputs(num_layers=1, context_len=64, gpu_bytes=1, host_bytes=1,
                         row_format="bf16", top_k=16, indexer_bytes=0, block_size=64))
     assert p["inputs"]["hot_rows"] == 32 and p["inputs"]["row_bytes"] == 1152
     assert p["per_request_bytes"]["resident_gpu"] == 64 * 1152
     assert p["per_request_bytes"]["hisparse_gpu"] == 33 * (1152 + 8) + 64 * 4 + 4 + 8 + 4
     assert p["concurrency"]["resident"] == 0 and p["gain"] is None
+    assert p["concurrency"]["hisparse"] == 0  # the CLI turns this into exit 3
     assert "binding resource" in format_plan(p)
 
 
@@ -73,12 +74,31 @@ def test_parse_units():
     (dict(hot_rows=3), "hot_rows"),
     (dict(row_format="fp4"), "row format"),
     (dict(gpu_bytes=-1), "gpu_bytes"),
+    (dict(gpu_bytes=0), "gpu_bytes"),
+    (dict(host_bytes=0), "host_bytes"),
     (dict(target_requests=0), "target_requests"),
-    (dict(context_len=1.5), "context_len"),
+    (dict(context_len=10**12), "int32"),
 ])
 def test_bad_inputs(kw, msg):
     with pytest.raises(ValueError, match=msg):
         _case(**kw)
+
+
+@pytest.mark.parametrize("kw, msg", [(dict(context_len=1.5), "context_len"),
+                                     (dict(tp_share=1), "tp_share")])
+def test_wrong_types(kw, msg):
+    with pytest.raises(TypeError, match=msg):
+        _case(**kw)
+
+
+def test_int32_index_limit_binds():
+    """One cache indexes at most 2**31 - 1 host rows per layer: at a 2**30-token context
+    only one request fits, however large the budgets (the limit stress and the cache
+    config enforce)."""
+    p = _case(context_len=2**30, gpu_bytes=10**18, host_bytes=10**18, max_seqs=100)
+    assert p["concurrency"]["hisparse_index_limit"] == 1
+    assert p["concurrency"]["hisparse"] == 1 and p["binding"] == "int32_indices"
+    assert "int32 indices 1" in format_plan(p)
 
 
 def test_format_mentions_target_and_binding():

@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from hisparse.tools.stress import StressOptions, format_stress, row_content, run_stress
+from hisparse import CapacityError, HiSparseCache
+from hisparse.tools import preflight
+from hisparse.tools.stress import StressOptions, StressRun, format_stress, row_content, run_stress
 from hisparse.tools.traces import (CorrelatedSource, IndexerSource, ReplaySource, TraceRecorder,
                                    UniformSource, load_trace, sample_distinct)
 
@@ -114,6 +116,59 @@ def test_trace_file_roundtrip_and_validation(tmp_path):
         load_trace(tmp_path / "oob.npz")
 
 
+def _good_trace(path):
+    rec = TraceRecorder(num_layers=1, top_k=2)
+    rec.begin_step([0], [3])
+    rec.add_layer(0, [[0, 2]])
+    rec.save(path)
+    return dict(np.load(path))
+
+
+def test_trace_saved_under_exactly_the_given_name(tmp_path):
+    _good_trace(tmp_path / "trace.bin")
+    assert (tmp_path / "trace.bin").exists() and not (tmp_path / "trace.bin.npz").exists()
+    assert load_trace(tmp_path / "trace.bin")[0]["num_steps"] == 1
+
+
+@pytest.mark.parametrize("write, msg", [
+    (lambda p: p.write_text('{"format": "hisparse-trace"}'), r"is not a \.npz trace: it is not a zip archive"),
+    (lambda p: p.write_text("step,req\n0,1\n"), r"is not a \.npz trace: it is not a zip archive"),
+    (lambda p: p.write_bytes(b""), "it is an empty file"),
+    (lambda p: np.save(open(p, "wb"), np.zeros(3)), "a single .npy array"),
+])
+def test_trace_file_that_is_not_an_npz(tmp_path, write, msg):
+    p = tmp_path / "t.npz"
+    write(p)
+    with pytest.raises(ValueError, match=msg) as e:
+        load_trace(p)
+    assert "pickled" not in str(e.value) and str(p) in str(e.value)
+
+
+@pytest.mark.parametrize("change, msg", [
+    (dict(meta=np.array("{not json")), r"key 'meta' is not valid JSON"),
+    (dict(meta=np.array('["a list"]')), r"key 'meta' must be a JSON object"),
+    (dict(meta=np.array('{"format": "hisparse-trace", "version": 1, "num_layers": 1, "num_steps": 1}')),
+     r"meta lacks 'top_k'"),
+    (dict(meta=np.array('{"format": "hisparse-trace", "version": 1, "num_layers": "1", "top_k": 2, '
+                        '"num_steps": 1}')), r"meta 'num_layers' must be an int >= 1"),
+    (dict(meta=np.array(3)), r"key 'meta' must be a 0-d string"),
+    (dict(topk=np.array([[[0.0, 2.0]]])), r"key 'topk' has dtype float64; expected integers"),
+    (dict(seq_lens=np.array([3.0])), r"key 'seq_lens' has dtype float64"),
+    (dict(topk=np.zeros((1, 1, 3), np.int32)), r"key 'topk' has shape \(1, 1, 3\), expected"),
+    (dict(step_offsets=np.array([0, 2])), r"key 'step_offsets' must rise from 0 to 1"),
+    (dict(req_ids=np.array([-1])), r"key 'req_ids' has ids outside"),
+    (dict(meta=np.array([object()], dtype=object)), r"key 'meta' holds pickled Python objects"),
+])
+def test_trace_file_messages_name_the_file_and_key(tmp_path, change, msg):
+    z = _good_trace(tmp_path / "good.npz")
+    z.update(change)
+    bad = tmp_path / "bad.npz"
+    np.savez(bad, **z)
+    with pytest.raises(ValueError, match=msg) as e:
+        load_trace(bad)
+    assert str(bad) in str(e.value)
+
+
 def test_row_content_deterministic_and_distinct():
     pos = torch.arange(6)
     inst = torch.tensor([0, 0, 0, 1, 1, 1])
@@ -157,22 +212,88 @@ def test_context_that_fits_never_misses():
     assert r["overall"]["hit_rate"] == 1.0 == r["overall"]["optimal_hit_rate"]
 
 
+def corrupt_after_resolve(monkeypatch, *, at_resolve: int, layer: int = 0):
+    """Make the ``at_resolve``-th resolve of ``layer`` (0-based, counted over the run) leave
+    a wrong byte in the hot row of its first valid entry, through public calls only
+    (``resolve``'s result and ``hot_rows``): a stand-in for a resolve/staging bug."""
+    orig = HiSparseCache.resolve
+    seen = {"n": 0, "hit": None}
+
+    def resolve(self, lyr, req_ids, topk, **kw):
+        res = orig(self, lyr, req_ids, topk, **kw)
+        if lyr == layer:
+            if seen["n"] == at_resolve:
+                valid = (res.physical >= 0).nonzero()
+                if valid.shape[0]:
+                    p = int(res.physical[valid[0, 0], valid[0, 1]])
+                    self.hot_rows(lyr)[p, 0] ^= 0xFF
+                    seen["hit"] = p
+            seen["n"] += 1
+        return res
+
+    monkeypatch.setattr(HiSparseCache, "resolve", resolve)
+    return seen
+
+
 @pytest.mark.parametrize("verify", ["all", 64])
-def test_corrupted_row_fails_the_run(verify):
-    kw = {**TINY, "verify": verify, "corrupt_step": 2, "churn": 0.0}
+def test_corrupted_row_fails_the_run(monkeypatch, verify):
+    seen = corrupt_after_resolve(monkeypatch, at_resolve=2)
+    kw = {**TINY, "verify": verify, "churn": 0.0}
     if verify != "all":
         kw["top_k"] = 4  # 3 requests x 4 entries <= 64: every entry sampled
     r = run_stress(StressOptions(**kw))
+    assert seen["hit"] is not None
     assert not r["ok"]
     assert "differs from the expected bytes" in r["failures"][0]
+    assert f"hot row {seen['hit']} " in r["failures"][0]
     assert r["workload"]["steps_run"] == 3  # stopped at the failing step
     assert "RESULT: FAIL" in format_stress(r)
 
 
-def test_verify_none_cannot_see_corruption():
-    # documents what --verify none means (and that the hook alone does not fail a run)
-    r = run_stress(StressOptions(**{**TINY, "verify": "none", "corrupt_step": 2}))
+def test_verify_none_cannot_see_corruption(monkeypatch):
+    # documents what --verify none means: the same corruption passes unseen
+    seen = corrupt_after_resolve(monkeypatch, at_resolve=2)
+    r = run_stress(StressOptions(**{**TINY, "verify": "none"}))
+    assert seen["hit"] is not None
     assert r["ok"] and r["overall"]["rows_verified"] == 0
+
+
+def test_wrong_host_copy_fails_the_run(monkeypatch):
+    """A host copy that differs (read_host_rows returning a flipped byte) is caught too."""
+    orig = HiSparseCache.read_host_rows
+
+    def read_host_rows(self, layer, req_id, positions):
+        out = orig(self, layer, req_id, positions).clone()
+        out[0, 5] ^= 0x01
+        return out
+
+    monkeypatch.setattr(HiSparseCache, "read_host_rows", read_host_rows)
+    r = run_stress(StressOptions(**{**TINY, "verify": "all"}))
+    assert not r["ok"] and "host copy" in r["failures"][0]
+    assert r["workload"]["steps_run"] == 1
+
+
+def test_on_step_sees_every_step_and_the_cache_stats():
+    seen = []
+    run = StressRun(StressOptions(**{**TINY, "steps": 4}))
+    r = run.run(lambda done, stats: seen.append((done, stats["total"]["hits"] + stats["total"]["misses"])))
+    assert [d for d, _ in seen] == [1, 2, 3, 4]
+    assert seen[-1][1] == r["overall"]["hits"] + r["overall"]["misses"]
+
+
+def test_memory_too_large_is_a_capacity_error_before_allocation(monkeypatch):
+    # a hot buffer of 1 TB (K = 1e8, S = 2K): refused up front, whatever the machine
+    with pytest.raises(CapacityError, match=r"needs \d+ bytes .*hot buffers and slot state \d+\.\d\d GiB"):
+        StressRun(StressOptions(**{**TINY, "top_k": 100_000_000, "buffer_size": None}))
+    monkeypatch.setattr(preflight, "host_available_bytes", lambda: 1 << 20)
+    with pytest.raises(CapacityError, match=r"needs \d+ bytes .* of host memory \(host pool .* "
+                                            r"but 1048576 bytes"):
+        StressRun(StressOptions(**TINY))
+
+
+def test_replay_file_and_a_generated_trace_conflict(tmp_path):
+    with pytest.raises(ValueError, match="conflict"):
+        StressOptions(**{**TINY, "trace": "uniform", "replay": str(tmp_path / "t.npz")})
 
 
 def test_record_then_replay_is_identical(tmp_path):
@@ -218,9 +339,10 @@ def test_gpu_stress_large():
 
 
 @pytest.mark.gpu
-def test_gpu_corruption_detected():
-    r = run_stress(StressOptions(**{**TINY, "device": "cuda", "verify": "all", "corrupt_step": 1}))
-    assert not r["ok"]
+def test_gpu_corruption_detected(monkeypatch):
+    seen = corrupt_after_resolve(monkeypatch, at_resolve=1)
+    r = run_stress(StressOptions(**{**TINY, "device": "cuda", "verify": "all"}))
+    assert seen["hit"] is not None and not r["ok"]
 
 
 def test_replay_of_the_mini_engine_indexer_reproduces_its_cache_counters(tmp_path):

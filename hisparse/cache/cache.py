@@ -93,13 +93,10 @@ class HiSparseCache:
         self.stager = Stager(self.streams, self.state, resolve_fn=fns["resolve_fn"], lookup_fn=fns["lookup_fn"],
                              copy_fn=fns["copy_fn"], max_query_len=cfg.max_query_len)
         T, K = cfg.max_tokens, cfg.top_k
-        undo = ResolveBuffers.allocate(T, K, self.device)  # one undo log: read only inside a call
-        self._bufs = [ResolveBuffers.allocate(T, K, self.device) for _ in range(L)]
-        for b in self._bufs:
-            b.undo_hit, b.undo_vpos, b.undo_vstamp = undo.undo_hit, undo.undo_vpos, undo.undo_vstamp
+        self._prefetch_out = ResolveBuffers.allocate(T, K, self.device)  # its undo log serves all
+        self._bufs = [ResolveBuffers.allocate(T, K, self.device, undo_of=self._prefetch_out) for _ in range(L)]
         self._views: dict[int, LayerView] = {}
         self._split: dict[int, tuple] = {}  # layer -> (hit, miss lists), made on first use
-        self._prefetch_out = ResolveBuffers.allocate(T, K, self.device)
 
     def _check_device_memory(self) -> None:
         """CapacityError before allocating when the device can't hold the cache."""

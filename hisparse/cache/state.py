@@ -116,17 +116,22 @@ class ResolveBuffers:
     undo_vstamp: torch.Tensor
 
     @classmethod
-    def allocate(cls, T: int, K: int, device: torch.device) -> "ResolveBuffers":
+    def allocate(cls, T: int, K: int, device: torch.device,
+                 undo_of: "ResolveBuffers | None" = None) -> "ResolveBuffers":
+        """Buffers of capacity [T, K]; the undo log is ``undo_of``'s when given (one log
+        serves every layer: it is read only inside the call that wrote it)."""
         i32 = dict(dtype=torch.int32, device=device)
         i64 = dict(dtype=torch.int64, device=device)
+        if undo_of is not None:
+            undo = (undo_of.undo_hit, undo_of.undo_vpos, undo_of.undo_vstamp)
+        else:
+            undo = (torch.empty((T * K,), **i64), torch.empty((T * K,), **i32), torch.empty((T * K,), **i64))
         return cls(
             physical=torch.empty((T, K), **i32),
             valid_counts=torch.empty((T,), **i32),
             stage_src=torch.empty((T * K,), **i32),
             stage_dst=torch.empty((T * K,), **i32),
-            undo_hit=torch.empty((T * K,), **i64),
-            undo_vpos=torch.empty((T * K,), **i32),
-            undo_vstamp=torch.empty((T * K,), **i64),
+            undo_hit=undo[0], undo_vpos=undo[1], undo_vstamp=undo[2],
         )
 
     def view(self, T: int, K: int) -> "ResolveBuffers":

@@ -4,10 +4,12 @@ the batch with the best tokens/s (optionally under a per-step latency limit).
 1. Budget arithmetic (:func:`gpu_bytes`, exact for the cache's own tensors):
 
    hot rows            L * R * (S + 1) * row_bytes
-   slot/LRU state      L * R * (S + 1) * 8 (slot_pos, slot_stamp) + L * R * 4 (step)
-                       + L * R * 4 (seq_lens) + R * NB * 4 (block_table) + L * H * 4 (row_slot)
-                       + max_request_id * 4 (id_to_slot) + stats
-   resolve buffers     L * T * K * 12 (physical, stage src/dst) + L * T * 4,  T = R * q
+   slot/LRU state      L * R * (S + 1) * 12 (slot_pos int32, slot_stamp int64) + L * R * 8
+                       (step) + L * R * 4 (seq_lens) + R * NB * 4 (block_table) + L * H * 4
+                       (row_slot) + max_request_id * 4 (id_to_slot) + stats
+   resolve buffers     (L + 1) * (T * K * 12 + T * 4) (physical, stage src/dst, counts; per
+                       layer and for prefetches) + T * K * 20 (undo log),  T = R * q
+                       (``HiSparseConfig.device_bytes`` is the one formula)
    attention           T * heads * (576 * 2 + 512 * 2 + 4)   (q, out, lse)
    everything x (1 + reserve_frac) for allocator slack and backend workspaces.
 
@@ -50,17 +52,26 @@ import time
 from typing import Any
 
 import torch
+import triton
 
-from .. import __version__
+from .. import HiSparseCache, __version__
+from .._checks import check_int
+from ..attention.base import Phase
+from ..attention.chooser import choose_backend
 from ..config import HiSparseConfig, RowFormat
 from ..errors import CapacityError
+from ..formats import D_LATENT, D_ROW, bf16_rows_to_bytes, quantize_fp8_ds_mla
+from .plan import fmt_bytes
+from .preflight import check_memory, parse_device
 from .progress import Progress
+from .report import table
+from .traces import UniformSource
 
 RESULT_FORMAT = "hisparse-autotune"
 RESULT_VERSION = 1
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class AutotuneOptions:
     """Knobs of an autotune run (the CLI flags, 1:1)."""
 
@@ -87,35 +98,31 @@ class AutotuneOptions:
     seed: int = 0
     progress: bool = True
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         for n in ("num_layers", "top_k", "context", "max_query_len", "num_heads", "steps",
                   "max_candidates", "block_size", "max_request_id"):
-            v = getattr(self, n)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ValueError(f"{n} must be a positive int, got {v!r}")
-        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
-            raise ValueError(f"warmup must be an int >= 0, got {self.warmup!r}")
+            check_int(n, getattr(self, n), lo=1)
+        check_int("warmup", self.warmup, lo=0)
+        check_int("seed", self.seed)
         if not 0.0 <= float(self.reserve_frac) < 1.0:
             raise ValueError(f"reserve_frac must be in [0, 1), got {self.reserve_frac}")
         if self.latency_ms is not None and not float(self.latency_ms) > 0:
             raise ValueError(f"latency_ms must be > 0, got {self.latency_ms}")
-        for n in ("gpu_memory", "host_memory", "max_reqs"):
-            v = getattr(self, n)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
-                raise ValueError(f"{n} must be a positive int, got {v!r}")
+        for n in ("gpu_memory", "host_memory", "max_reqs", "buffer_size"):
+            if getattr(self, n) is not None:
+                check_int(n, getattr(self, n), lo=1)
         RowFormat.parse(self.row_format)
+
+    def validate(self) -> None:
+        """Kept for callers of the mutable version; the checks run when the options are built."""
+        self.__post_init__()
 
 
 def device_key(device: torch.device | str | None = None) -> dict[str, Any]:
     """What a tuned result depends on: device name and library versions."""
     dev = torch.device(device) if device is not None else (
         torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
-    try:
-        import triton
-
-        tv = triton.__version__
-    except ImportError:  # pragma: no cover
-        tv = None
+    tv = triton.__version__
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     return {"device_name": name, "torch": torch.__version__, "triton": tv,
             "hisparse": __version__, "cuda": torch.version.cuda}
@@ -133,14 +140,13 @@ def _make_cfg(o: AutotuneOptions, R: int, device: str) -> HiSparseConfig:
 
 def gpu_bytes(cfg: HiSparseConfig, *, num_heads: int, reserve_frac: float = 0.0) -> dict[str, int]:
     """GPU bytes of a cache with this config plus decode attention I/O (see module doc)."""
-    L, R, SP, K = cfg.num_layers, cfg.max_num_reqs, cfg.slots_per_req, cfg.top_k
-    T = R * cfg.max_query_len
+    T = cfg.max_tokens
+    cache = cfg.device_bytes()
     parts = {
-        "hot_rows": cfg.hot_buffer_bytes,
-        "slot_state": (L * R * SP * 8 + L * R * 4 + L * R * 4 + R * cfg.num_host_blocks * 4
-                       + L * cfg.num_host_rows * 4 + cfg.max_request_id * 4 + L * 5 * 8),
-        "resolve_buffers": L * T * K * 12 + L * T * 4,
-        "attention_io": T * num_heads * (576 * 2 + 512 * 2 + 4),
+        "hot_rows": cache["hot_rows"],
+        "slot_state": cache["state"],
+        "resolve_buffers": cache["resolve_buffers"],
+        "attention_io": T * num_heads * (D_ROW * 2 + D_LATENT * 2 + 4),
     }
     raw = sum(parts.values())
     parts["reserve"] = int(raw * reserve_frac)
@@ -194,17 +200,12 @@ def candidates(rmax: int, n: int) -> list[int]:
 
 def _template_rows(fmt: RowFormat, n: int, device: torch.device, gen: torch.Generator) -> torch.Tensor:
     """n valid rows of the format (uint8 [n, row_bytes]) from random latents."""
-    from ..formats import bf16_rows_to_bytes, quantize_fp8_ds_mla
-
-    x = torch.randn((n, 576), generator=gen, device=device).to(torch.bfloat16)
+    x = torch.randn((n, D_ROW), generator=gen, device=device).to(torch.bfloat16)
     return quantize_fp8_ds_mla(x) if fmt is RowFormat.FP8_DS_MLA else bf16_rows_to_bytes(x)
 
 
 def time_batch(o: AutotuneOptions, R: int, device: torch.device, backend) -> dict[str, Any]:
     """Build a cache for R requests, warm it, and time decode steps (see module doc)."""
-    from ..cache.cache import HiSparseCache
-    from .traces import UniformSource
-
     cfg = _make_cfg(o, R, str(device))
     fmt = RowFormat.parse(o.row_format)
     cuda = device.type == "cuda"
@@ -223,9 +224,9 @@ def time_batch(o: AutotuneOptions, R: int, device: torch.device, backend) -> dic
     qlen = o.max_query_len
     # q tokens per request, a request's tokens contiguous
     ids = torch.arange(R, dtype=torch.int32, device=device).repeat_interleave(qlen)
-    q = (torch.randn((R * qlen, o.num_heads, 576), generator=gen, device=device)
+    q = (torch.randn((R * qlen, o.num_heads, D_ROW), generator=gen, device=device)
          * 0.1).to(torch.bfloat16)
-    scale = 1.0 / math.sqrt(576)
+    scale = 1.0 / math.sqrt(D_ROW)
     times: list[float] = []  # resolve + staging + attention, all layers (ms)
     lens = torch.full((R * qlen,), ctx, dtype=torch.int64, device=device)
     for it in range(o.warmup + o.steps):
@@ -254,10 +255,7 @@ def time_batch(o: AutotuneOptions, R: int, device: torch.device, backend) -> dic
 
 def run_autotune(o: AutotuneOptions) -> dict[str, Any]:
     """Budget search + timing; returns the JSON-able result (see module doc)."""
-    from ..attention.chooser import choose_backend
-
-    o.validate()
-    device = torch.device(o.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = parse_device(o.device)
     cuda = device.type == "cuda"
     if o.gpu_memory is not None:
         budget = o.gpu_memory
@@ -277,6 +275,7 @@ def run_autotune(o: AutotuneOptions) -> dict[str, Any]:
                             f"request's pool needs {cfg1.host_pool_bytes}; lower top_k/buffer/"
                             "context or raise --gpu-memory / --host-memory")
     cfg_max = _make_cfg(o, rmax, str(device))
+    _check_memory(o, cfg_max, device)
     if o.max_reqs is not None and rmax == o.max_reqs:
         bound = "max_reqs"
     elif rmax == o.max_request_id:
@@ -291,7 +290,7 @@ def run_autotune(o: AutotuneOptions) -> dict[str, Any]:
             bound = "int32_index_limits"
     fmt = RowFormat.parse(o.row_format)
     backend = choose_backend(device=device, row_format=fmt, num_heads=o.num_heads,
-                             phase="decode", prefer=o.backend, flashmla_lib=o.flashmla_lib)
+                             phase=Phase.DECODE, prefer=o.backend, flashmla_lib=o.flashmla_lib)
     cands = candidates(rmax, o.max_candidates)
     meas = []
     with Progress(len(cands), "autotune", enabled=o.progress) as bar:
@@ -332,9 +331,6 @@ def run_autotune(o: AutotuneOptions) -> dict[str, Any]:
 
 def format_autotune(r: dict[str, Any]) -> str:
     """Readable summary of a :func:`run_autotune` result."""
-    from .plan import fmt_bytes
-    from .report import table
-
     k = r["key"]
     rows = [[m["num_reqs"], round(m["step_ms_min"], 3), round(m["step_ms_p50"], 3),
              round(m["step_ms_p99"], 3), round(m["tokens_per_s"], 1),
@@ -355,7 +351,19 @@ def format_autotune(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _check_memory(o: AutotuneOptions, cfg: HiSparseConfig, device: torch.device) -> None:
+    """The largest candidate's cache (and its rows template) must fit this machine."""
+    dev = {"cache and attention buffers": gpu_bytes(cfg, num_heads=o.num_heads)["total"]}
+    host = {"host pool": cfg.host_pool_bytes}
+    if device.type != "cuda":
+        host.update(dev)
+        dev = {}
+    check_memory(host=host, device=dev, on=device, what=f"autotune at {cfg.max_num_reqs} requests",
+                 hint="lower --gpu-memory / --host-memory / --max-reqs or --context")
+
+
 def save_result(r: dict[str, Any], path: str | os.PathLike) -> None:
+    """Write an autotune result as JSON (``load_tuned_config`` reads it)."""
     with open(path, "w") as f:
         json.dump(r, f, indent=2, sort_keys=True)
 

@@ -1,16 +1,18 @@
-"""The ``hisparse`` command: ``stress``, ``autotune``, ``plan``, ``env`` (and ``mini-engine``).
+"""The ``hisparse`` command: ``stress``, ``autotune``, ``plan``, ``env``, ``mini-engine``.
 
 Every subcommand has ``--help``, prints a readable table (or ``--json``: the result
 dict as JSON on stdout, nothing else there), shows progress on stderr for long work
-(``--quiet`` turns it off), and exits non-zero on failure:
+(``--quiet`` turns it off), checks its output paths, device, kernels and memory before
+any work starts, and reports a failure as one line on stderr with an exit status
+(:mod:`hisparse.tools.exit_codes`; the table is in ``docs/CLI.md``):
 
   0  success
   1  the run itself failed (stress: a verification mismatch; mini-engine: outputs differ)
-  2  bad arguments or input (ValueError/TypeError, with the message on stderr)
-  3  a capacity limit (CapacityError: nothing fits the budget / pool)
-  4  a missing optional dependency (e.g. --plot without matplotlib, env module absent)
+  2  bad arguments or input
+  3  a capacity limit (nothing fits the budget, the pool or the machine's memory)
+  4  a missing dependency (CUDA, Triton's interpreter, matplotlib, prometheus_client)
 
-``python -m hisparse ...`` is the same command.
+``python -m hisparse ...`` is the same command; ``hisparse --version`` prints the version.
 """
 
 from __future__ import annotations
@@ -21,9 +23,24 @@ import os
 import sys
 from typing import Any, Callable, Sequence
 
+from .. import __version__
+from .. import metrics as prom
+from .._checks import Kernels
 from ..errors import CapacityError
+from . import mini_engine
+from .autotune import AutotuneOptions, format_autotune, run_autotune, save_result
+from .env import collect_env, format_env
+from .exit_codes import (EXIT_FAILED, EXIT_INPUT, EXIT_OK, MissingDependency, OneLineParser,
+                         run_command)
+from .plan import FORMULAS, PlanInputs, fmt_bytes, format_plan, parse_bytes, parse_tokens, plan
+from .preflight import check_output_dir, check_output_file, parse_device
+from .report import plot_stress, require_matplotlib
+from .stress import StressOptions, StressRun, format_stress
+from .traces import SOURCES
 
-EXIT_OK, EXIT_FAILED, EXIT_INPUT, EXIT_CAPACITY, EXIT_MISSING = 0, 1, 2, 3, 4
+EXIT_TABLE = ("exit status: 0 ok, 1 run failed, 2 bad input, 3 capacity, "
+              "4 missing dependency (docs/CLI.md)")
+KERNEL_NAMES = [k.value for k in Kernels]
 
 
 def _verify_arg(text: str) -> int | str:
@@ -39,8 +56,6 @@ def _verify_arg(text: str) -> int | str:
 
 
 def _tokens(text: str) -> int:
-    from .plan import parse_tokens
-
     try:
         return parse_tokens(text)
     except ValueError as e:
@@ -48,12 +63,33 @@ def _tokens(text: str) -> int:
 
 
 def _bytes(text: str) -> int:
-    from .plan import parse_bytes
-
     try:
-        return parse_bytes(text)
+        n = parse_bytes(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"a memory budget must be > 0, got {text!r}")
+    return n
+
+
+def _port(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 1 <= n <= 65535:
+        raise argparse.ArgumentTypeError(f"a port must be in [1, 65535], got {n}")
+    return n
+
+
+def _count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {n}")
+    return n
 
 
 def _emit(args, result: dict[str, Any], text: str) -> None:
@@ -69,21 +105,27 @@ STRESS_PRESETS = {
     "gpu": dict(num_requests=64, context=128 * 1024, context_min=96 * 1024, num_layers=4,
                 top_k=2048, buffer_size=4096, steps=100, verify=256, device="cuda"),
 }
+# StressOptions fields a replayed trace fixes, and their flags (refused next to --replay)
+REPLAY_FIXED = {"num_requests": "--requests", "context": "--context", "context_min": "--context-min",
+                "num_layers": "--layers", "top_k": "--top-k", "steps": "--steps",
+                "churn": "--churn", "drift": "--drift"}
+STRESS_FIELDS = ("num_requests", "context", "context_min", "num_layers", "top_k", "buffer_size",
+                 "row_format", "steps", "churn", "trace", "drift", "replay", "record", "verify",
+                 "seed", "device", "block_size", "kernels", "optimal", "checked")
 
 
 def _add_stress(sub) -> None:
-    from .stress import StressOptions
-
     d = StressOptions()
     p = sub.add_parser(
-        "stress", help="long-context stress run of the real cache, byte-exact verification",
+        "stress", help="long-context stress run of the real cache with byte-exact verification",
         description=(
             "Drive the cache with many requests x long contexts x layers for a number of decode "
             "steps, requests joining and leaving; verify physical rows byte-exact against the "
             "host copy every step (a mismatch fails the run, exit 1); report hit rate vs the "
             "Belady optimum, H2D bytes and GB/s, step time p50/p99 and memory. With no "
             "arguments: a small CPU-sized run (< 1 min). GPU size: --preset gpu "
-            "(64 requests x 128K context x 4 layers, K=2048, S=4096). Defaults in [brackets]."))
+            "(64 requests x 128K context x 4 layers, K=2048, S=4096). Defaults in [brackets]."),
+        epilog=EXIT_TABLE)
     p.add_argument("--preset", choices=sorted(STRESS_PRESETS), default="small",
                    help="base sizes; explicit flags override [small]")
     a = p.add_argument
@@ -96,44 +138,94 @@ def _add_stress(sub) -> None:
     a("--format", dest="row_format", choices=["fp8_ds_mla", "bf16"], help=f"row format [{d.row_format}]")
     a("--steps", type=int, help=f"decode steps [{d.steps}]")
     a("--churn", type=float, help=f"per step and request: probability it leaves [{d.churn}]")
-    a("--trace", choices=["uniform", "correlated", "replay", "indexer"],
-      help=f"top-k source [{d.trace}]")
+    a("--trace", choices=list(SOURCES), help=f"top-k source [{d.trace}]")
     a("--drift", type=float, help=f"correlated: fraction replaced per step; indexer: query drift [{d.drift}]")
-    a("--replay", metavar="FILE", help="replay a recorded .npz trace (implies --trace replay)")
+    a("--replay", metavar="FILE",
+      help="replay a recorded .npz trace (implies --trace replay; the trace fixes layers, top-k, "
+           "steps and the request schedule, so those flags are refused next to it)")
     a("--record", metavar="FILE", help="write the trace used to this .npz (format: hisparse.tools.traces)")
     a("--verify", type=_verify_arg, help=f"rows checked per layer and step, 'all' or 'none' [{d.verify}]")
     a("--seed", type=int, help=f"seed [{d.seed}]")
-    a("--device", help="cpu or cuda [cuda if available]")
+    a("--device", help="cpu, cuda or cuda:N [cuda if available]")
     a("--block-size", type=int, help=f"host block size [{d.block_size}]")
-    a("--kernels", choices=["auto", "torch", "triton"], help=f"cache kernels [{d.kernels}]")
+    a("--kernels", choices=KERNEL_NAMES,
+      help=f"cache kernels; triton on a CPU device needs TRITON_INTERPRET=1 [{d.kernels}]")
     a("--no-optimal", dest="optimal", action="store_false", default=None,
       help="skip the Belady bound (saves host memory on huge runs)")
     a("--unchecked", dest="checked", action="store_false", default=None,
       help="resolve without the host-syncing input check (times the fast path)")
     a("--plot", metavar="DIR", help="write hit_rate.png and step_time.png there (needs matplotlib)")
-    a("--corrupt-step", type=int, help=argparse.SUPPRESS)  # test hook
+    a("--metrics-file", metavar="FILE",
+      help="write the cache's stats() there in the Prometheus text format (docs/METRICS.md), "
+           "at the end and every --metrics-every steps")
+    a("--metrics-every", type=_count, default=10, metavar="N",
+      help="steps between --metrics-file writes; 0: only at the end [10]")
+    a("--metrics-port", type=_port, metavar="PORT",
+      help="serve the metrics on http://ADDR:PORT/metrics while the run lasts (needs prometheus_client)")
+    a("--metrics-addr", default="127.0.0.1", metavar="ADDR", help="address of --metrics-port [127.0.0.1]")
     p.set_defaults(func=_cmd_stress)
 
 
-def _cmd_stress(args) -> int:
-    from .report import plot_stress, require_matplotlib
-    from .stress import StressOptions, format_stress, run_stress
-
+def _stress_options(args) -> StressOptions:
+    """The options from the preset and the explicit flags; conflicting flags refused."""
+    if args.replay:
+        if args.trace not in (None, "replay"):
+            raise ValueError(f"--replay FILE replays a recorded trace and --trace {args.trace} "
+                             "generates one: give one of them")
+        given = [flag for f, flag in REPLAY_FIXED.items() if getattr(args, f) is not None]
+        if given:
+            raise ValueError(f"--replay FILE: the trace fixes the layers, top-k, steps and request "
+                             f"schedule, so {', '.join(given)} would be ignored; drop "
+                             f"{'it' if len(given) == 1 else 'them'}")
     kw = dict(STRESS_PRESETS[args.preset])
-    for f in ("num_requests", "context", "context_min", "num_layers", "top_k", "buffer_size",
-              "row_format", "steps", "churn", "trace", "drift", "replay", "record", "verify",
-              "seed", "device", "block_size", "kernels", "optimal", "checked", "corrupt_step"):
+    for f in STRESS_FIELDS:
         v = getattr(args, f)
         if v is not None:
             kw[f] = v
     if "context" in kw and args.context_min is None and kw.get("context_min", 0) > kw["context"]:
         del kw["context_min"]  # a preset's minimum above an explicit --context: use the default
-    if args.replay and "trace" not in kw:
+    if args.replay:
         kw["trace"] = "replay"
+    return StressOptions(progress=not args.quiet, **kw)
+
+
+def _cmd_stress(args) -> int:
+    # outputs and optional dependencies first: nothing runs before they are known good
+    if args.record:
+        check_output_file(args.record, flag="--record")
     if args.plot:
-        require_matplotlib()  # fail before the run, not after it
-    o = StressOptions(progress=not args.quiet, **kw)
-    r = run_stress(o)
+        check_output_dir(args.plot, flag="--plot")
+        require_matplotlib()
+    if args.metrics_file:
+        check_output_file(args.metrics_file, flag="--metrics-file")
+    if args.metrics_port is not None and not prom.prometheus_client_available():
+        raise MissingDependency("--metrics-port needs prometheus_client, which is not installed "
+                                "(`pip install prometheus_client`); or use --metrics-file")
+    run = StressRun(_stress_options(args))  # device, kernels, trace file, config, memory
+    latest: dict[str, Any] = {}
+    server = None
+    if args.metrics_port is not None:
+        try:
+            server = prom.start_metrics_server(args.metrics_port, lambda: latest.get("stats", {}),
+                                               addr=args.metrics_addr)
+        except OSError as e:
+            raise ValueError(f"--metrics-port {args.metrics_port}: cannot listen on "
+                             f"{args.metrics_addr}:{args.metrics_port} ({e.strerror or e})") from None
+
+    def on_step(done: int, stats: dict[str, Any]) -> None:
+        latest["stats"] = stats
+        if args.metrics_file and args.metrics_every and done % args.metrics_every == 0:
+            prom.write_metrics_file(args.metrics_file, stats)
+
+    try:
+        r = run.run(on_step)
+    finally:
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+    if args.metrics_file and "stats" in latest:
+        prom.write_metrics_file(args.metrics_file, latest["stats"])
+        r["metrics_file"] = args.metrics_file
     if args.plot:
         ps = r["per_step"]
         r["plots"] = plot_stress(args.plot, hit_rate=ps["hit_rate"], optimal=ps["optimal_hit_rate"],
@@ -141,14 +233,14 @@ def _cmd_stress(args) -> int:
     text = format_stress(r)
     if args.plot:
         text += "\nplots: " + ", ".join(r["plots"])
+    if args.metrics_file:
+        text += f"\nmetrics: {args.metrics_file}"
     _emit(args, r, text)
     return EXIT_OK if r["ok"] else EXIT_FAILED
 
 
 # ------------------------------------------------------------------ autotune
 def _add_autotune(sub) -> None:
-    from .autotune import AutotuneOptions
-
     d = AutotuneOptions()
     p = sub.add_parser(
         "autotune", help="largest decode batch that fits GPU memory, and the fastest one",
@@ -158,7 +250,8 @@ def _add_autotune(sub) -> None:
             "batches, time decode steps, pick the best tokens/s under --latency-ms. Writes JSON "
             "(--out) that hisparse.tools.autotune.load_tuned_config() loads (it refuses a "
             "result from another GPU or library version). Without a GPU it runs on CPU and "
-            "says the timings are CPU timings."))
+            "says the timings are CPU timings."),
+        epilog=EXIT_TABLE)
     a = p.add_argument
     a("--layers", dest="num_layers", type=int, default=d.num_layers, help=f"layers [{d.num_layers}]")
     a("--format", dest="row_format", choices=["fp8_ds_mla", "bf16"], default=d.row_format)
@@ -178,7 +271,7 @@ def _add_autotune(sub) -> None:
     a("--candidates", dest="max_candidates", type=int, default=d.max_candidates,
       help=f"batches to time [{d.max_candidates}]")
     a("--block-size", type=int, default=d.block_size)
-    a("--device", default=None, help="cpu or cuda [cuda if available]")
+    a("--device", default=None, help="cpu, cuda or cuda:N [cuda if available]")
     a("--backend", default=None, help="preferred attention backend name")
     a("--flashmla-lib", default=None, help="FlashMLA library path [$HISPARSE_FLASHMLA_LIB]")
     a("--out", metavar="FILE", help="write the JSON result here")
@@ -186,8 +279,8 @@ def _add_autotune(sub) -> None:
 
 
 def _cmd_autotune(args) -> int:
-    from .autotune import AutotuneOptions, format_autotune, run_autotune, save_result
-
+    if args.out:
+        check_output_file(args.out, flag="--out")
     o = AutotuneOptions(
         num_layers=args.num_layers, row_format=args.row_format, top_k=args.top_k,
         buffer_size=args.buffer_size, context=args.context, max_query_len=args.max_query_len,
@@ -207,14 +300,13 @@ def _cmd_autotune(args) -> int:
 
 # ------------------------------------------------------------------ plan
 def _add_plan(sub) -> None:
-    from .plan import FORMULAS
-
     p = sub.add_parser(
         "plan", help="capacity planner: concurrent requests with and without hisparse",
         description="Concurrent requests without hisparse (all rows on the GPU) and with it (hot "
                     "buffers + indexer keys on the GPU, rows on host); which resource binds; the "
-                    "host pool a target concurrency needs.\n\nFormulas:" + FORMULAS,
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+                    "host pool a target concurrency needs. Exit 3 when not even one request "
+                    "fits with hisparse.\n\nFormulas:" + FORMULAS,
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXIT_TABLE)
     a = p.add_argument
     a("--layers", dest="num_layers", type=int, default=61, help="layers L (default 61)")
     a("--format", dest="row_format", choices=["fp8_ds_mla", "bf16"], default="fp8_ds_mla")
@@ -235,8 +327,6 @@ def _add_plan(sub) -> None:
 
 
 def _cmd_plan(args) -> int:
-    from .plan import PlanInputs, format_plan, plan
-
     r = plan(PlanInputs(num_layers=args.num_layers, context_len=args.context_len,
                         gpu_bytes=args.gpu_bytes, host_bytes=args.host_bytes,
                         row_format=args.row_format, top_k=args.top_k,
@@ -244,54 +334,59 @@ def _cmd_plan(args) -> int:
                         max_seqs=args.max_seqs, block_size=args.block_size,
                         target_requests=args.target_requests, tp_ranks=args.tp_ranks,
                         tp_share=args.tp_share))
+    c, b = r["concurrency"], r["per_request_bytes"]
+    if c["hisparse"] == 0:
+        raise CapacityError(
+            f"not even one request fits with hisparse (binding: {r['binding']}): one request needs "
+            f"{fmt_bytes(b['hisparse_gpu'])} of GPU memory (--gpu-memory {fmt_bytes(args.gpu_bytes)}) "
+            f"and {fmt_bytes(b['hisparse_host'] * r['host_pool_copies_per_node'])} of host pool "
+            f"(--host-memory {fmt_bytes(args.host_bytes)})")
     _emit(args, r, format_plan(r))
     return EXIT_OK
 
 
 # ------------------------------------------------------------------ env
-class MissingDependency(RuntimeError):
-    """An optional part of hisparse is not installed."""
-
-
 def _add_env(sub) -> None:
     p = sub.add_parser("env", help="GPU, driver, versions, pinned memory, attention backends",
                        description="What this machine offers hisparse: GPU, driver, torch/triton/cupy "
                                    "versions, a pinned-memory check, and which attention backends are "
-                                   "available (and why not).")
-    p.add_argument("--device", default=None, help="device the checks run on [cuda if available]")
+                                   "available (and why not).", epilog=EXIT_TABLE)
+    p.add_argument("--device", default=None, help="device the checks describe: cpu, cuda or cuda:N "
+                                                  "[cuda if available]")
     p.add_argument("--flashmla-lib", default=None, help="FlashMLA library path to try "
                                                         "(default $HISPARSE_FLASHMLA_LIB)")
     p.set_defaults(func=_cmd_env)
 
 
 def _cmd_env(args) -> int:
-    try:
-        from .env import collect_env, format_env
-    except ImportError as e:
-        raise MissingDependency(f"`hisparse env` needs hisparse.tools.env, which failed to import: {e}") from None
-    d = collect_env(device=args.device, flashmla_lib=args.flashmla_lib)
+    dev = parse_device(args.device, available=False)
+    d = collect_env(device=str(dev), flashmla_lib=args.flashmla_lib)
     _emit(args, d, format_env(d))
     return EXIT_OK
 
 
 # ------------------------------------------------------------------ mini-engine
 def _add_mini_engine(sub) -> None:
-    try:
-        from . import mini_engine
-    except ImportError:
-        return
     p = sub.add_parser("mini-engine", help="random-weight sparse-MLA engine: resident vs hisparse",
                        description="Serve a random-weight sparse-MLA model twice (resident KV and "
-                                   "hisparse), check the outputs match, compare speed.")
+                                   "hisparse), check the outputs match, compare speed.",
+                       epilog=EXIT_TABLE)
     mini_engine.build_parser(p)
-    p.set_defaults(func=lambda args: mini_engine.run_args(args), has_own_json=True)
+    p.set_defaults(func=mini_engine.run_args)
 
 
 # ------------------------------------------------------------------ main
+def _top_help(prog: str) -> argparse.HelpFormatter:
+    # wide enough that every subcommand's help stays on its own line
+    return argparse.HelpFormatter(prog, max_help_position=20, width=100)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="hisparse", description="hisparse: tiered KV cache for sparse-MLA attention.",
-        epilog="exit status: 0 ok, 1 run failed, 2 bad input, 3 capacity, 4 missing dependency")
+    parser = OneLineParser(
+        prog="hisparse", description="hisparse: tiered KV cache for sparse-MLA attention "
+                                     "(`hisparse COMMAND --help` for each command).",
+        epilog=EXIT_TABLE, formatter_class=_top_help)
+    parser.add_argument("--version", action="version", version=f"hisparse {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     adders: list[Callable] = [_add_stress, _add_autotune, _add_plan, _add_env]
     for add in adders:
@@ -306,27 +401,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hisparse`` command; returns the exit status."""
-    from .report import PlotUnavailable
-
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-    except SystemExit as e:  # --help (0) or a usage error (2)
-        return int(e.code or 0)
+    except SystemExit as e:  # --help / --version (0) or a usage error (2)
+        return e.code if isinstance(e.code, int) else (EXIT_INPUT if e.code else EXIT_OK)
     if not getattr(args, "command", None):
         parser.print_help(sys.stderr)
         return EXIT_INPUT
-    try:
-        return int(args.func(args))
-    except (ValueError, TypeError) as e:
-        print(f"hisparse {args.command}: error: {e}", file=sys.stderr)
-        return EXIT_INPUT
-    except CapacityError as e:
-        print(f"hisparse {args.command}: capacity: {e}", file=sys.stderr)
-        return EXIT_CAPACITY
-    except (PlotUnavailable, MissingDependency) as e:
-        print(f"hisparse {args.command}: {e}", file=sys.stderr)
-        return EXIT_MISSING
+    return run_command(args.command, lambda: args.func(args))
 
 
 if __name__ == "__main__":  # pragma: no cover

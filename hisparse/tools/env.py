@@ -32,7 +32,9 @@ from typing import Any
 
 import torch
 
+from .._checks import interpreter_mode
 from ..config import RowFormat
+from ..device import PinnedBuffer
 
 FLASHMLA_LIB_ENV = "HISPARSE_FLASHMLA_LIB"
 _PIN_BYTES = 1 << 20
@@ -78,8 +80,6 @@ def _gpus() -> list[dict[str, Any]]:
 
 def _pinned_check() -> dict[str, Any]:
     """Register a 1 MiB PinnedBuffer and ask torch whether the memory is pinned."""
-    from ..device import PinnedBuffer
-
     res: dict[str, Any] = {"ok": False, "nbytes": _PIN_BYTES, "registered": False,
                            "is_pinned": False, "error": None}
     try:
@@ -151,7 +151,7 @@ def collect_env(*, device: str | None = None, flashmla_lib: str | None = None,
         "pinned": _pinned_check(),
         "flashmla_lib": flashmla_lib,
         "backends": backend_matrix(dev, flashmla_lib=flashmla_lib),
-        "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1",
+        "triton_interpret": interpreter_mode(),
     }
 
 

@@ -20,15 +20,18 @@ Formulas (``FORMULAS`` below is printed by ``hisparse plan --help``):
                        + 4 * (Cb / B) + 8 * L + 4    block table, LRU step, length
   hisparse, host bytes = Cb * L * row                 (one copy)
 
+  N_index    = min(floor((2^31 - 1) / Cb), floor((2^31 - 1) / (S + 1)))
+               one cache indexes host rows and hot rows of a layer with int32
   N_resident = min(floor(G / resident GPU bytes), M)
-  N_hisparse = min(floor(G / hisparse GPU bytes), floor(Hm / (X * host bytes)), M)
-  binding resource = the term that gives N_hisparse (gpu | host | max_seqs)
+  N_hisparse = min(floor(G / hisparse GPU bytes), floor(Hm / (X * host bytes)), M, N_index)
+  binding resource = the term that gives N_hisparse (gpu | host | max_seqs | int32_indices)
   host pool (per node) for a target of N requests = N * X * host bytes
 
 Result fields (``plan`` / ``hisparse plan --json``): inputs (PlanInputs + row_bytes),
 per_request_bytes {resident_gpu, hisparse_gpu, hisparse_gpu_breakdown {hot_rows_and_
 slot_state, indexer_keys, row_to_slot_map, tables}, hisparse_host}, concurrency
-{resident, hisparse, hisparse_gpu_limit, hisparse_host_limit, max_seqs}, binding,
+{resident, hisparse, hisparse_gpu_limit, hisparse_host_limit, hisparse_index_limit,
+max_seqs}, binding,
 gain (hisparse / resident, None when resident is 0), host_pool_copies_per_node,
 host_pool_for_hisparse_bytes (per node),
 target {requests, host_pool_bytes, gpu_bytes, fits_gpu, within_max_seqs} (with a target).
@@ -40,7 +43,11 @@ import dataclasses
 import math
 import re
 
+from .._checks import check_bool, check_int
 from ..config import RowFormat
+from .report import table
+
+INT32_ROWS = 2**31 - 1  # rows one layer of a cache can index (int32)
 
 FORMULAS = (__doc__.split("Formulas", 1)[1].split("\n", 1)[1].split("Result fields")[0].rstrip()
             if __doc__ else "")
@@ -95,24 +102,28 @@ class PlanInputs:
     tp_share: bool = False  # one shared host pool per node (hisparse.cache.distributed)
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "context_len", "top_k", "max_seqs", "block_size", "tp_ranks"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
-        for name in ("gpu_bytes", "host_bytes", "indexer_bytes"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {v!r}")
+        for name in ("num_layers", "context_len", "top_k", "max_seqs", "block_size", "tp_ranks",
+                     "gpu_bytes", "host_bytes"):
+            check_int(name, getattr(self, name), lo=1)
+        check_int("indexer_bytes", self.indexer_bytes, lo=0)
+        check_bool("tp_share", self.tp_share)
         RowFormat.parse(self.row_format)
         if self.hot_rows is None:
             object.__setattr__(self, "hot_rows", 2 * self.top_k)
-        if isinstance(self.hot_rows, bool) or not isinstance(self.hot_rows, int) \
-                or self.hot_rows < self.top_k:
-            raise ValueError(f"hot_rows must be an int >= top_k ({self.top_k}): one step may "
-                             f"select top_k distinct rows; got {self.hot_rows!r}")
-        t = self.target_requests
-        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t <= 0):
-            raise ValueError(f"target_requests must be a positive int, got {t!r}")
+        check_int("hot_rows", self.hot_rows)
+        if self.hot_rows < self.top_k:
+            raise ValueError(f"hot_rows must be >= top_k ({self.top_k}): one step may "
+                             f"select top_k distinct rows; got {self.hot_rows}")
+        if self.target_requests is not None:
+            check_int("target_requests", self.target_requests, lo=1)
+        cb = math.ceil(self.context_len / self.block_size) * self.block_size
+        if cb > INT32_ROWS:
+            raise ValueError(
+                f"context_len={self.context_len} needs {cb} host rows per layer for one request; "
+                f"a cache indexes at most {INT32_ROWS} rows per layer (int32), so not even one "
+                "request of this context fits")
+        if self.hot_rows + 1 > INT32_ROWS:
+            raise ValueError(f"hot_rows={self.hot_rows} (+1 reserved slot) exceeds int32 hot-row indices")
 
 
 def plan(inp: PlanInputs) -> dict:
@@ -132,8 +143,10 @@ def plan(inp: PlanInputs) -> dict:
     n_res = min(inp.gpu_bytes // resident_gpu, inp.max_seqs)
     n_gpu = inp.gpu_bytes // hs_gpu
     n_host = inp.host_bytes // (copies * hs_host)
-    n_hs = min(n_gpu, n_host, inp.max_seqs)
-    binding = "gpu" if n_hs == n_gpu else ("host" if n_hs == n_host else "max_seqs")
+    n_index = min(INT32_ROWS // Cb, INT32_ROWS // (S + 1))
+    n_hs = min(n_gpu, n_host, inp.max_seqs, n_index)
+    binding = ("gpu" if n_hs == n_gpu else "host" if n_hs == n_host
+               else "max_seqs" if n_hs == inp.max_seqs else "int32_indices")
     out = {
         "inputs": dataclasses.asdict(inp) | {"row_bytes": row},
         "per_request_bytes": {
@@ -144,7 +157,8 @@ def plan(inp: PlanInputs) -> dict:
             "hisparse_host": hs_host,
         },
         "concurrency": {"resident": n_res, "hisparse": n_hs, "hisparse_gpu_limit": n_gpu,
-                        "hisparse_host_limit": n_host, "max_seqs": inp.max_seqs},
+                        "hisparse_host_limit": n_host, "hisparse_index_limit": n_index,
+                        "max_seqs": inp.max_seqs},
         "binding": binding,
         "gain": (n_hs / n_res) if n_res else None,
         "host_pool_copies_per_node": copies,
@@ -171,8 +185,6 @@ def fmt_bytes(n: int | float) -> str:
 
 def format_plan(p: dict) -> str:
     """The readable table of a :func:`plan` result."""
-    from .report import table
-
     i, b, c = p["inputs"], p["per_request_bytes"], p["concurrency"]
     head = (f"L={i['num_layers']} {i['row_format']} ({i['row_bytes']} B/row) top_k={i['top_k']} "
             f"S={i['hot_rows']} context={i['context_len']} indexer={i['indexer_bytes']} B/token/layer\n"
@@ -185,7 +197,8 @@ def format_plan(p: dict) -> str:
     lines.append("\nhisparse GPU per request: " + ", ".join(
         f"{k.replace('_', ' ')} {fmt_bytes(v)}" for k, v in gb.items()))
     lines.append(f"binding resource: {p['binding']} (GPU allows {c['hisparse_gpu_limit']}, "
-                 f"host allows {c['hisparse_host_limit']}, max seqs {c['max_seqs']})")
+                 f"host allows {c['hisparse_host_limit']}, max seqs {c['max_seqs']}, int32 indices "
+                 f"{c['hisparse_index_limit']})")
     if p["gain"] is not None:
         lines.append(f"gain: {p['gain']:.2f}x the resident concurrency")
     lines.append(f"host pool used at that concurrency (per node, {p['host_pool_copies_per_node']} "

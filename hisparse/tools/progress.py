@@ -29,13 +29,12 @@ class Progress:
     def __enter__(self) -> "Progress":
         if not self.enabled:
             return self
-        try:
-            import rich.progress as rp  # optional
+        try:  # rich is optional (the [tools] extra): imported only when a bar is shown
+            import rich.progress as rp
+            from rich.console import Console
         except ImportError:
             rp = None
         if rp is not None and self._tty:
-            from rich.console import Console
-
             self._rich = rp.Progress(*rp.Progress.get_default_columns(), rp.TextColumn("{task.fields[note]}"),
                                      console=Console(file=self.stream), transient=False)
             self._rich.__enter__()

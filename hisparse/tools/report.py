@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from typing import Any, Sequence
 
+from .exit_codes import MissingDependency
+
 
 def _cell(v: Any) -> str:
     if isinstance(v, float):
@@ -31,13 +33,13 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
     return "\n".join(out)
 
 
-class PlotUnavailable(RuntimeError):
+class PlotUnavailable(MissingDependency):
     """--plot was asked for but matplotlib is not installed."""
 
 
 def require_matplotlib():
     """Return ``matplotlib.pyplot`` (Agg backend) or raise :class:`PlotUnavailable`."""
-    try:
+    try:  # matplotlib is optional (the [tools] extra): imported only when a plot is asked for
         import matplotlib
 
         matplotlib.use("Agg")

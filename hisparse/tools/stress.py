@@ -21,7 +21,8 @@ Result (``run_stress`` / ``hisparse stress --json``), a dict:
   ok                 bool, False when any verification failed (the run stops there)
   failures           list[str], what differed and where
   device, kernels    the device name ("cpu" or the GPU's) and the cache kernels used
-  timings_are        "GPU (CUDA-synchronised)" or "CPU (torch reference path)"
+  timings_are        "GPU (CUDA-synchronised)", "CPU (torch reference path)" or
+                     "CPU (Triton interpreter)"
   config             the HiSparseConfig as a dict
   workload           trace, drift, replay, steps_run, steps_planned, requests, context,
                      churn, joined, left, verify, seed, record
@@ -42,15 +43,21 @@ import dataclasses
 import math
 import resource
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
+from .. import HiSparseCache
+from .._checks import Kernels, check_int
 from ..config import HiSparseConfig, RowFormat
+from .autotune import gpu_bytes
 from .belady import OptimalTracker, hit_rate
+from .plan import fmt_bytes
+from .preflight import check_memory, check_output_file, parse_device, require_kernels
 from .progress import Progress
-from .traces import (CorrelatedSource, IndexerSource, ReplaySource, TraceRecorder,
+from .report import table
+from .traces import (SOURCES, CorrelatedSource, IndexerSource, ReplaySource, TraceRecorder,
                      UniformSource)
 
 _M32 = 0xFFFFFFFF
@@ -83,9 +90,15 @@ def row_content(seed: int, layer: int, instance: torch.Tensor, positions: torch.
     return h.view(torch.uint8).reshape(-1, words * 4)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class StressOptions:
-    """Workload and checking knobs of a stress run (the CLI flags, 1:1)."""
+    """Workload and checking knobs of a stress run (the CLI flags, 1:1), checked when built.
+
+    With ``trace="replay"`` the trace file fixes the layers, top-k, steps and the request
+    schedule: ``num_requests``, ``context``, ``context_min``, ``num_layers``, ``top_k``,
+    ``steps``, ``churn`` and ``drift`` are not used (the CLI refuses them next to
+    ``--replay``); the result's ``config`` and ``workload`` report the trace's values.
+    """
 
     num_requests: int = 4  # live requests at once
     context: int = 2048  # max context of a joining request (tokens)
@@ -102,31 +115,38 @@ class StressOptions:
     record: str | None = None  # write the trace used to this .npz
     verify: int | str = 64  # rows checked per layer and step, "all" or "none"
     seed: int = 0
-    device: str | None = None  # default: cuda when available, else cpu
+    device: str | None = None  # cpu, cuda, cuda:N; default: cuda when available, else cpu
     block_size: int = 64
-    kernels: str = "auto"
+    kernels: str = "auto"  # a hisparse._checks.Kernels value
     optimal: bool = True  # compute the Belady bound
     checked: bool = True  # checked resolve (host sync); False times the unchecked fast path
     prefill_chunk: int = 16384  # rows per append call when a request joins
     progress: bool = True
-    corrupt_step: int | None = None  # test hook: flip a byte of a hot row at this step
 
-    def validate(self) -> None:
+    def __post_init__(self) -> None:
         for name in ("num_requests", "context", "num_layers", "top_k", "steps", "block_size",
                      "prefill_chunk"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise ValueError(f"{name} must be a positive int, got {v!r}")
+            check_int(name, getattr(self, name), lo=1)
+        check_int("seed", self.seed)
+        if self.buffer_size is not None:
+            check_int("buffer_size", self.buffer_size, lo=1)
         cm = self.context_min if self.context_min is not None else max(1, self.context // 2)
+        check_int("context_min", cm)
         if not 1 <= cm <= self.context:
             raise ValueError(f"context_min must be in [1, context={self.context}], got {cm}")
-        if not 0.0 <= float(self.churn) <= 1.0:
-            raise ValueError(f"churn must be in [0, 1], got {self.churn}")
+        for name in ("churn", "drift"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= float(v) <= 1.0:
+                raise ValueError(f"{name} must be a number in [0, 1], got {v!r}")
         RowFormat.parse(self.row_format)
-        if self.trace not in ("uniform", "correlated", "replay", "indexer"):
-            raise ValueError(f"trace must be uniform, correlated, replay or indexer; got {self.trace!r}")
+        Kernels.parse(self.kernels)
+        if self.trace not in SOURCES:
+            raise ValueError(f"trace must be one of {list(SOURCES)}, got {self.trace!r}")
         if self.trace == "replay" and not self.replay:
             raise ValueError("trace='replay' needs a trace file (--replay FILE)")
+        if self.replay and self.trace != "replay":
+            raise ValueError(f"a trace file to replay ({self.replay!r}) and trace={self.trace!r} "
+                             "conflict: use trace='replay' with it, or drop the file")
         v = self.verify
         if not (v in ("all", "none") or (isinstance(v, int) and not isinstance(v, bool) and v >= 0)):
             raise ValueError(f"verify must be a count >= 0, 'all' or 'none'; got {v!r}")
@@ -168,13 +188,20 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 class StressRun:
-    """One stress run; ``run()`` returns the JSON-able result dict (``ok`` False on failure)."""
+    """One stress run; ``run()`` returns the JSON-able result dict (``ok`` False on failure).
+
+    Building it checks everything that can be checked before work starts: the options,
+    the device and kernels (:mod:`hisparse.tools.preflight`), the trace file, the cache
+    config (int32 limits), and the memory the run will allocate (:meth:`memory_needed`
+    against what the machine has: a ``CapacityError`` naming the bytes when it can't fit).
+    """
 
     def __init__(self, o: StressOptions) -> None:
-        o.validate()
         self.o = o
-        dev = o.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        self.dev = torch.device(dev if dev != "cuda" else "cuda")
+        self.dev = parse_device(o.device)
+        self.kernels = require_kernels(o.kernels, self.dev)
+        if o.record:
+            check_output_file(o.record, flag="--record")
         self.replay = ReplaySource(o.replay, device=self.dev) if o.trace == "replay" else None
         if self.replay is not None:
             L, K = self.replay.num_layers, self.replay.top_k
@@ -196,6 +223,7 @@ class StressRun:
             else:
                 self.source = CorrelatedSource(top_k=K, drift=o.drift, device=self.dev, seed=o.seed)
         self.L, self.K, self.steps = L, K, steps
+        self.live_max, self.max_len = live_max, max_len
         B = o.block_size
         blocks = live_max * math.ceil(max_len / B)
         self.cfg = HiSparseConfig(
@@ -203,9 +231,28 @@ class StressRun:
             top_k=K, device_buffer_size=o.buffer_size, max_num_reqs=max(live_max, 1),
             host_block_size=B, max_request_id=max(max_id + 1, 2 * live_max + 1, 16), device=str(self.dev))
         self.S = self.cfg.device_buffer_size
+        host, device = self.memory_needed()
+        check_memory(host=host, device=device, on=self.dev, what="this stress run",
+                     hint="lower --requests, --context, --layers, --top-k/--buffer or --steps")
         self.schedule = None if self.replay else _Schedule(o, self.cfg.max_request_id)
         self.vgen = torch.Generator(device=self.dev)
         self.vgen.manual_seed(o.seed + 2)
+
+    def memory_needed(self) -> tuple[dict[str, int], dict[str, int]]:
+        """(host parts, device parts): bytes the run allocates, by what (an estimate for
+        the Belady bound's event lists; exact for the cache's own tensors). On a CPU
+        device everything is host memory."""
+        cfg, L, steps = self.cfg, self.L, self.steps
+        device = {"hot buffers and slot state": gpu_bytes(cfg, num_heads=0)["total"]}
+        if isinstance(self.source, IndexerSource):
+            device["indexer keys"] = L * self.live_max * self.source.max_context * self.source.dim * 4
+        host = {"host pool": cfg.host_pool_bytes, "per-step counters": 2 * L * steps * 8}
+        if self.o.optimal:
+            host["Belady bound events"] = steps * L * self.live_max * min(self.K, self.max_len) * 8
+        if self.dev.type != "cuda":
+            host.update(device)
+            device = {}
+        return host, device
 
     # ---- helpers ---------------------------------------------------------------
     def _sync(self) -> None:
@@ -272,11 +319,11 @@ class StressRun:
         return int(idx.shape[0]), fails
 
     # ---- the run -----------------------------------------------------------------
-    def run(self) -> dict[str, Any]:
-        from ..cache.cache import HiSparseCache
-
+    def run(self, on_step: Callable[[int, dict[str, Any]], None] | None = None) -> dict[str, Any]:
+        """Run every step; ``on_step(steps_done, cache_stats)`` (e.g. a metrics writer)
+        is called after each step with the cache's ``stats()`` dict of that step."""
         o, L, K, S = self.o, self.L, self.K, self.S
-        cache = HiSparseCache(self.cfg, kernels=o.kernels)
+        cache = HiSparseCache(self.cfg, kernels=self.kernels.value)
         if self.dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.dev)
         tracker = OptimalTracker(num_layers=L, buffer_size=S) if o.optimal else None
@@ -290,7 +337,8 @@ class StressRun:
         resolve_s = np.zeros(L)
         prefill_s, prefill_rows, verified, joined, left = 0.0, 0, 0, 0, 0
         failures: list[str] = []
-        prev = np.array([[d["hits"], d["misses"]] for d in cache.stats()["layers"]], np.int64)
+        stats = cache.stats()
+        prev = np.array([[d["hits"], d["misses"]] for d in stats["layers"]], np.int64)
         done = 0
         with Progress(self.steps, "stress", enabled=o.progress) as bar:
             for s in range(self.steps):
@@ -344,9 +392,9 @@ class StressRun:
                 # ---- timed: decode appends + resolves --------------------------------
                 self._sync()
                 t0 = time.perf_counter()
-                id_list = ids.tolist()
+                id_list, ones = ids.tolist(), [1] * len(ids)
                 for layer in range(L):  # one batched append per layer (fixed launches)
-                    cache.append_token_rows(layer, id_list, new_rows[layer])
+                    cache.append_rows_batch(layer, id_list, new_rows[layer], ones)
                 self._sync()
                 t_step = time.perf_counter() - t0
                 append_ms.append(t_step * 1e3)
@@ -360,8 +408,6 @@ class StressRun:
                     dt = time.perf_counter() - t0
                     t_step += dt
                     resolve_s[layer] += dt
-                    if o.corrupt_step is not None and s == o.corrupt_step and layer == 0:
-                        self._corrupt(cache, phys)
                     n_chk, f = self._verify(cache, layer, s, ids, inst_t, topks[layer], phys)
                     verified += n_chk
                     failures += f
@@ -374,28 +420,24 @@ class StressRun:
                             tracker.append(layer, inst, int(lens[t]))
                             tracker.resolve(layer, inst, s, tk_np[t])
                 step_ms.append(t_step * 1e3)
-                cur = np.array([[d["hits"], d["misses"]] for d in cache.stats()["layers"]], np.int64)
+                stats = cache.stats()
+                cur = np.array([[d["hits"], d["misses"]] for d in stats["layers"]], np.int64)
                 step_hits[:, s], step_miss[:, s] = (cur - prev).T
                 prev = cur
                 done = s + 1
+                if on_step is not None:
+                    on_step(done, stats)
                 tot = step_hits[:, :done].sum() + step_miss[:, :done].sum()
                 bar.update(1, note=f"hit {step_hits[:, :done].sum() / max(tot, 1):.3f}")
                 if failures:
                     break
         if recorder:
             recorder.save(o.record)
-        return self._summary(cache, tracker, done, step_ms, append_ms, step_hits[:, :done],
+        return self._summary(stats, tracker, done, step_ms, append_ms, step_hits[:, :done],
                              step_miss[:, :done], resolve_s, prefill_s, prefill_rows, verified,
                              joined, left, failures)
 
-    def _corrupt(self, cache, phys: torch.Tensor) -> None:
-        """Test hook: flip the first byte of the hot row of the step's first valid entry."""
-        valid = (phys >= 0).nonzero()
-        if valid.shape[0]:
-            p = int(phys[valid[0, 0], valid[0, 1]])
-            cache.hot_rows(0)[p, 0] ^= 0xFF
-
-    def _summary(self, cache, tracker, done, step_ms, append_ms, hits, misses, resolve_s, prefill_s,
+    def _summary(self, stats, tracker, done, step_ms, append_ms, hits, misses, resolve_s, prefill_s,
                  prefill_rows, verified, joined, left, failures) -> dict[str, Any]:
         rb = self.cfg.row_bytes
         opt = tracker.compute(done) if tracker is not None else None
@@ -418,8 +460,10 @@ class StressRun:
             "ok": not failures,
             "failures": failures,
             "device": dev_name,
-            "kernels": cache.kernels,
-            "timings_are": "GPU (CUDA-synchronised)" if self.dev.type == "cuda" else "CPU (torch reference path)",
+            "kernels": stats["kernels"],
+            "timings_are": ("GPU (CUDA-synchronised)" if self.dev.type == "cuda" else
+                            "CPU (Triton interpreter)" if stats["kernels"] == "triton" else
+                            "CPU (torch reference path)"),
             "config": self.cfg.to_dict(),
             "workload": {"trace": o.trace, "drift": o.drift if o.trace in ("correlated", "indexer") else None,
                          "replay": o.replay, "steps_run": done, "steps_planned": self.steps,
@@ -456,9 +500,6 @@ def run_stress(o: StressOptions) -> dict[str, Any]:
 
 def format_stress(r: dict[str, Any]) -> str:
     """Readable summary table of a :func:`run_stress` result."""
-    from .plan import fmt_bytes
-    from .report import table
-
     c, w, ov = r["config"], r["workload"], r["overall"]
     opt = (lambda v: "-" if v is None else f"{v:.4f}")
     head = (f"hisparse stress on {r['device']} (kernels: {r['kernels']}; timings: {r['timings_are']})\n"

@@ -21,7 +21,8 @@ per row, every valid entry in ``[0, seq_len)``):
   top-k its model's indexer selected at every decode step in this format;
   ``hisparse stress --replay FILE`` then drives the cache with it.
 
-Trace file format (``np.savez_compressed``; write with :class:`TraceRecorder`):
+Trace file format (a ``.npz`` archive, ``np.savez_compressed``, written to exactly the
+path given; write with :class:`TraceRecorder`, read with :func:`load_trace`):
 
   ===============  =================  =============================================
   key              dtype / shape      meaning
@@ -36,6 +37,12 @@ Trace file format (``np.savez_compressed``; write with :class:`TraceRecorder`):
   ``topk``         int32 [E, L, K]    selected positions per layer, -1 = padding
   ===============  =================  =============================================
 
+:func:`load_trace` checks all of it and names the file and the key at fault: integer
+arrays only (any integer dtype is read; a float array is refused), no pickled objects,
+``meta`` valid JSON with positive ints, shapes consistent with ``meta``, request ids
+and lengths in int32 range, every position in ``[-1, seq_len)``, no request twice in
+a step.
+
 Replay semantics: a request id that appears in step s and not in step s-1 joins (its
 first ``seq_len - 1`` rows are prefilled, then the step's row is appended); a request
 live in s-1 and absent in s leaves (freed before step s). Within a step the entries
@@ -48,6 +55,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import zipfile
 
 import numpy as np
 import torch
@@ -55,6 +63,9 @@ import torch
 TRACE_FORMAT = "hisparse-trace"
 TRACE_VERSION = 1
 _SCORE_BUDGET = 1 << 24  # elements of one random-score chunk (rows x context)
+_INT32_MAX = 2**31 - 1
+_ZIP_MAGIC = b"PK\x03\x04"
+_NPY_MAGIC = b"\x93NUMPY"
 
 
 def sample_distinct(seq_lens: torch.Tensor, k: int, gen: torch.Generator,
@@ -263,6 +274,7 @@ class TraceRecorder:
         layers[layer] = a
 
     def save(self, path: str | os.PathLike) -> None:
+        """Write the trace file to ``path`` (exactly that name; no suffix is added)."""
         L, K = self.num_layers, self.top_k
         offs, tks = [0], []
         for s, (r, _, layers) in enumerate(self._steps):
@@ -274,45 +286,122 @@ class TraceRecorder:
         meta = {"format": TRACE_FORMAT, "version": TRACE_VERSION, "num_layers": L,
                 "top_k": K, "num_steps": len(self._steps)}
         cat = np.concatenate
-        np.savez_compressed(
-            path, meta=np.array(json.dumps(meta)),
-            step_offsets=np.asarray(offs, dtype=np.int64),
-            req_ids=cat([r for r, _, _ in self._steps]) if self._steps else np.zeros(0, np.int64),
-            seq_lens=cat([s for _, s, _ in self._steps]) if self._steps else np.zeros(0, np.int64),
-            topk=cat(tks).astype(np.int32) if tks else np.zeros((0, L, K), np.int32),
-        )
+        with open(path, "wb") as fh:
+            np.savez_compressed(
+                fh, meta=np.array(json.dumps(meta)),
+                step_offsets=np.asarray(offs, dtype=np.int64),
+                req_ids=cat([r for r, _, _ in self._steps]) if self._steps else np.zeros(0, np.int64),
+                seq_lens=cat([s for _, s, _ in self._steps]) if self._steps else np.zeros(0, np.int64),
+                topk=cat(tks).astype(np.int32) if tks else np.zeros((0, L, K), np.int32),
+            )
+
+
+_KEYS = ("meta", "step_offsets", "req_ids", "seq_lens", "topk")
+
+
+def _read_arrays(path: str) -> dict[str, np.ndarray]:
+    """The five arrays of a trace file; ValueError naming the file (and key) otherwise."""
+    if not os.path.exists(path):
+        raise ValueError(f"trace file {path!r} does not exist")
+    if os.path.isdir(path):
+        raise ValueError(f"trace file {path!r} is a directory")
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(_ZIP_MAGIC))
+    except OSError as e:
+        raise ValueError(f"trace file {path!r} cannot be read ({e.strerror or e})") from None
+    if head != _ZIP_MAGIC:
+        what = ("an empty file" if not head else "a single .npy array" if head == _NPY_MAGIC[:4]
+                else "not a zip archive (text or another format)")
+        raise ValueError(f"trace file {path!r} is not a .npz trace: it is {what}; record one "
+                         "with `hisparse stress --record FILE` or `hisparse mini-engine --record FILE`")
+    try:
+        z = np.load(path, allow_pickle=False)
+    except (OSError, ValueError, zipfile.BadZipFile) as e:
+        raise ValueError(f"trace file {path!r} is not a readable .npz archive: {e}") from None
+    with z:
+        missing = [k for k in _KEYS if k not in z.files]
+        if missing:
+            raise ValueError(f"trace file {path!r} lacks keys {missing} (has {sorted(z.files)})")
+        out = {}
+        for key in _KEYS:
+            try:
+                out[key] = z[key]
+            except ValueError:  # numpy refuses object arrays with allow_pickle=False
+                raise ValueError(f"trace file {path!r}: key {key!r} holds pickled Python objects; "
+                                 "trace arrays are plain integer arrays and a JSON string") from None
+            except (OSError, zipfile.BadZipFile, EOFError) as e:
+                raise ValueError(f"trace file {path!r}: key {key!r} cannot be read: {e}") from None
+    return out
+
+
+def _read_meta(path: str, m: np.ndarray) -> dict:
+    if m.shape != () or m.dtype.kind not in "US":
+        raise ValueError(f"trace file {path!r}: key 'meta' must be a 0-d string array (JSON), "
+                         f"got dtype {m.dtype} shape {m.shape}")
+    try:
+        meta = json.loads(str(m))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"trace file {path!r}: key 'meta' is not valid JSON ({e.msg} at "
+                         f"character {e.pos})") from None
+    if not isinstance(meta, dict):
+        raise ValueError(f"trace file {path!r}: key 'meta' must be a JSON object, got "
+                         f"{type(meta).__name__}")
+    if meta.get("format") != TRACE_FORMAT or meta.get("version") != TRACE_VERSION:
+        raise ValueError(f"trace file {path!r}: meta says format {meta.get('format')!r} "
+                         f"version {meta.get('version')!r}; expected {TRACE_FORMAT!r} "
+                         f"version {TRACE_VERSION}")
+    for key, lo in (("num_layers", 1), ("top_k", 1), ("num_steps", 0)):
+        if key not in meta:
+            raise ValueError(f"trace file {path!r}: meta lacks {key!r}")
+        v = meta[key]
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ValueError(f"trace file {path!r}: meta {key!r} must be an int >= {lo}, got {v!r}")
+    return meta
 
 
 def load_trace(path: str | os.PathLike) -> tuple[dict, list[TraceStep]]:
-    """Read and validate a trace file; returns (meta, steps). ValueError if malformed."""
-    if not os.path.exists(path):
-        raise ValueError(f"trace file {str(path)!r} does not exist")
-    try:
-        z = np.load(path, allow_pickle=False)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"trace file {str(path)!r} is not a readable .npz file: {e}") from None
-    need = {"meta", "step_offsets", "req_ids", "seq_lens", "topk"}
-    if not need <= set(z.files):
-        raise ValueError(f"trace file {str(path)!r} lacks keys {sorted(need - set(z.files))}")
-    meta = json.loads(str(z["meta"]))
-    if meta.get("format") != TRACE_FORMAT or meta.get("version") != TRACE_VERSION:
-        raise ValueError(f"trace file {str(path)!r} has format {meta.get('format')!r} "
-                         f"version {meta.get('version')!r}; expected {TRACE_FORMAT!r} "
-                         f"version {TRACE_VERSION}")
-    offs, rid, sl, tk = z["step_offsets"], z["req_ids"], z["seq_lens"], z["topk"]
-    L, K, N = int(meta["num_layers"]), int(meta["top_k"]), int(meta["num_steps"])
+    """Read and validate a trace file; returns (meta, steps).
+
+    ValueError naming the file and the key at fault when it is malformed (see the
+    module docstring for what is checked).
+    """
+    name = os.fspath(path)
+    arr = _read_arrays(name)
+    meta = _read_meta(name, arr["meta"])
+    for key in _KEYS[1:]:
+        if not np.issubdtype(arr[key].dtype, np.integer):
+            raise ValueError(f"trace file {name!r}: key {key!r} has dtype {arr[key].dtype}; "
+                             "expected integers (int64 offsets/ids/lengths, int32 top-k)")
+    offs, rid, sl, tk = arr["step_offsets"], arr["req_ids"], arr["seq_lens"], arr["topk"]
+    L, K, N = meta["num_layers"], meta["top_k"], meta["num_steps"]
+    if rid.ndim != 1:
+        raise ValueError(f"trace file {name!r}: key 'req_ids' must be 1-D, got shape {rid.shape}")
     E = rid.shape[0]
-    if (offs.shape != (N + 1,) or offs[0] != 0 or offs[-1] != E or np.any(np.diff(offs) < 0)
-            or sl.shape != (E,) or tk.shape != (E, L, K)):
-        raise ValueError(f"trace file {str(path)!r} has inconsistent array shapes")
-    if E and (np.any(sl <= 0) or np.any(tk < -1) or np.any(tk >= sl[:, None, None])):
-        raise ValueError(f"trace file {str(path)!r}: positions outside [-1, seq_len)")
+    if offs.shape != (N + 1,):
+        raise ValueError(f"trace file {name!r}: key 'step_offsets' has shape {offs.shape}, "
+                         f"expected ({N + 1},) for meta num_steps={N}")
+    if offs[0] != 0 or offs[-1] != E or np.any(np.diff(offs) < 0):
+        raise ValueError(f"trace file {name!r}: key 'step_offsets' must rise from 0 to {E} "
+                         "(the number of entries in 'req_ids')")
+    if sl.shape != (E,):
+        raise ValueError(f"trace file {name!r}: key 'seq_lens' has shape {sl.shape}, expected ({E},)")
+    if tk.shape != (E, L, K):
+        raise ValueError(f"trace file {name!r}: key 'topk' has shape {tk.shape}, expected "
+                         f"(entries, num_layers, top_k) = ({E}, {L}, {K})")
+    if E:
+        if rid.min() < 0 or rid.max() > _INT32_MAX:
+            raise ValueError(f"trace file {name!r}: key 'req_ids' has ids outside [0, 2**31)")
+        if sl.min() <= 0 or sl.max() > _INT32_MAX:
+            raise ValueError(f"trace file {name!r}: key 'seq_lens' has lengths outside [1, 2**31)")
+        if np.any(tk < -1) or np.any(tk >= sl[:, None, None]):
+            raise ValueError(f"trace file {name!r}: key 'topk' has positions outside [-1, seq_len)")
     steps = [TraceStep(rid[offs[s]:offs[s + 1]].astype(np.int64),
                        sl[offs[s]:offs[s + 1]].astype(np.int64),
                        tk[offs[s]:offs[s + 1]].astype(np.int32)) for s in range(N)]
     for s, st in enumerate(steps):
         if np.unique(st.req_ids).size != st.req_ids.size:
-            raise ValueError(f"trace file {str(path)!r}: step {s} lists a request twice")
+            raise ValueError(f"trace file {name!r}: step {s} lists a request twice")
     return meta, steps
 
 

@@ -1,0 +1,79 @@
+"""Exit codes of the ``hisparse`` command, and the one place that maps errors to them.
+
+  0  ok
+  1  the run itself failed (stress: a verification mismatch; mini-engine: outputs differ)
+  2  bad arguments or input (``ValueError`` / ``TypeError``)
+  3  a capacity limit (``CapacityError``, ``MemoryError``, CUDA out of memory)
+  4  a missing dependency (:class:`MissingDependency`: a package, CUDA, the Triton
+     interpreter)
+  130 interrupted (Ctrl-C)
+
+Every error is one line on stderr, ``hisparse CMD: KIND: message``, never a traceback.
+An exception outside this list is a bug in hisparse and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Callable
+
+import torch
+
+from ..errors import CapacityError
+
+EXIT_OK, EXIT_FAILED, EXIT_INPUT, EXIT_CAPACITY, EXIT_MISSING = 0, 1, 2, 3, 4
+EXIT_INTERRUPTED = 130
+
+
+class MissingDependency(RuntimeError):
+    """Something an option needs is not on this machine: an optional package, a CUDA
+    GPU, or Triton's CPU interpreter. The message says what to install or set."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """``argparse`` whose usage errors are one line on stderr (exit status 2)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(EXIT_INPUT, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def one_line(message: object) -> str:
+    """The message with its lines joined by '; ' (multi-line errors stay readable)."""
+    parts = [p.strip() for p in str(message).splitlines() if p.strip()]
+    return "; ".join(parts) if parts else type(message).__name__
+
+
+def classify(exc: BaseException) -> tuple[int, str] | None:
+    """(exit code, kind) of an error the CLI reports in one line, or None for a bug."""
+    if isinstance(exc, (CapacityError, MemoryError, torch.cuda.OutOfMemoryError)):
+        return EXIT_CAPACITY, "capacity"
+    if isinstance(exc, MissingDependency):
+        return EXIT_MISSING, "missing dependency"
+    if isinstance(exc, (ValueError, TypeError)):
+        return EXIT_INPUT, "error"
+    if isinstance(exc, KeyboardInterrupt):
+        return EXIT_INTERRUPTED, "interrupted"
+    return None
+
+
+def run_command(command: str, fn: Callable[[], int], *, stream=None) -> int:
+    """Run ``fn`` (a subcommand body returning its exit status), turning the errors of
+    :func:`classify` into one line on ``stream`` (stderr) and their exit code."""
+    try:
+        return int(fn())
+    except (Exception, KeyboardInterrupt) as e:
+        got = classify(e)
+        if got is None:
+            raise  # a bug in hisparse: keep the traceback
+        code, kind = got
+        text = one_line(e) if not isinstance(e, KeyboardInterrupt) else "stopped by the user"
+        if isinstance(e, MemoryError) and not str(e):
+            text = "out of host memory (MemoryError)"
+        print(f"hisparse {command}: {kind}: {text}", file=stream if stream is not None else sys.stderr)
+        return code
+
+
+__all__ = ["EXIT_OK", "EXIT_FAILED", "EXIT_INPUT", "EXIT_CAPACITY", "EXIT_MISSING",
+           "EXIT_INTERRUPTED", "MissingDependency", "OneLineParser", "one_line", "classify",
+           "run_command"]

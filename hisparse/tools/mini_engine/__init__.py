@@ -1,0 +1,35 @@
+"""A runnable mini inference engine: N layers of sparse MLA served with and without hisparse.
+
+A random-weight model (deterministic from ``seed``; :mod:`.model`) with a real q.k
+top-k indexer serves a workload of requests that arrive, prefill in chunks, decode and
+leave (:mod:`.config`, :mod:`.loop`). The same workload runs twice, differing only in
+where KV rows live (:mod:`.kv`, one interface for both):
+
+  resident  an ordinary paged device KV cache: decode attention reads it through a block
+            table (``convert_topk_to_physical``), prefill gathers context rows into a
+            bf16 workspace
+  hisparse  ``hisparse.engine.HiSparseIndexGroup``: rows in the host pool, a hot buffer
+            smaller than the contexts; decode attention reads the hot buffer through the
+            resolved physical indices, prefill through ``gather_fp8_prefill``
+
+Both use the same attention backend objects. The final hidden states must match token
+by token within ``tolerance`` (the same rows are gathered, so they normally match
+exactly); the report (:mod:`.report`) has tokens/s of both, their ratio, hisparse's hit
+rate and bytes moved. ``hisparse mini-engine`` (:mod:`.cli`) runs it from the shell.
+
+``synthetic_context`` (benchmarks): the first n positions of every prompt get random
+rows and indexer keys written straight into both caches instead of being prefilled,
+so a 32K context costs seconds, not minutes; the rest of the prompt is prefilled.
+"""
+
+from .cli import build_parser, config_from_args, main, run_args
+from .config import PRESETS, MiniEngineConfig, Request, make_workload, memory_needed
+from .kv import KV_STORES, Attention, Batch, HiSparseKV, KVStore, ResidentKV
+from .loop import MiniEngine, compare, run
+from .model import Indexer, Model, synthetic_rows
+from .report import format_report
+
+__all__ = ["MiniEngineConfig", "Request", "make_workload", "memory_needed", "PRESETS", "Model",
+           "synthetic_rows", "Indexer", "Batch", "Attention", "KVStore", "ResidentKV", "HiSparseKV",
+           "KV_STORES", "MiniEngine", "compare", "run", "format_report", "build_parser",
+           "config_from_args", "run_args", "main"]

@@ -1,0 +1,85 @@
+"""``hisparse mini-engine``: flags (one per :class:`MiniEngineConfig` field), presets, run.
+
+Errors follow the ``hisparse`` command's exit codes (:mod:`hisparse.tools.exit_codes`):
+1 when the outputs differ beyond ``--tolerance``, 2 bad input, 3 capacity, 4 missing
+dependency. ``--out`` and ``--record`` are checked before anything runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from ..._checks import Kernels
+from ..exit_codes import EXIT_FAILED, EXIT_OK, OneLineParser, run_command
+from ..preflight import check_output_file
+from .config import PRESETS, MiniEngineConfig
+from .loop import run
+from .report import format_report
+
+_CHOICES = {"row_format": ["fp8_ds_mla", "bf16"], "cache_kernels": [k.value for k in Kernels]}
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    p = parser or OneLineParser(
+        prog="hisparse mini-engine",
+        description="Serve a random-weight sparse-MLA model with a resident KV cache and with hisparse; "
+                    "check the outputs match and compare speed.")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="cpu", help="base sizes (flags override)")
+    for f in dataclasses.fields(MiniEngineConfig):
+        name = f.name
+        if name == "validate":
+            p.add_argument("--unchecked", dest="validate", action="store_false", default=None,
+                           help="skip host-syncing validation in the hot loop")
+            continue
+        ann = str(f.type)
+        typ = float if "float" in ann else int if "int" in ann else str
+        p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None,
+                       choices=_CHOICES.get(name), help=f"(default {f.default})")
+    p.add_argument("--json", action="store_true", help="print the result as JSON instead of the table")
+    p.add_argument("--out", default=None, metavar="FILE", help="also write the JSON result to this file")
+    p.add_argument("--progress", action="store_true", help="print progress on stderr")
+    p.add_argument("--record", default=None, metavar="FILE",
+                   help="write the decode steps' top-k (the real indexer's) to a .npz trace; "
+                        "replay it with `hisparse stress --replay FILE` (needs --query-len 1)")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> MiniEngineConfig:
+    kw = dict(PRESETS[args.preset])
+    for f in dataclasses.fields(MiniEngineConfig):
+        v = getattr(args, f.name, None)
+        if v is not None:
+            kw[f.name] = v
+    return MiniEngineConfig(**kw)
+
+
+def run_args(args: argparse.Namespace) -> int:
+    """Run from parsed arguments; prints the report; exit status 1 when outputs differ."""
+    if args.out:
+        check_output_file(args.out, flag="--out")
+    cfg = config_from_args(args)
+    res = run(cfg, progress=args.progress, record=args.record)
+    print(json.dumps(res, indent=2) if args.json else format_report(res))
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(res, fh, indent=2)
+    return EXIT_OK if res["compare"]["within_tolerance"] else EXIT_FAILED
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m hisparse.tools.mini_engine``: the same as ``hisparse mini-engine``."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (2)
+        return e.code if isinstance(e.code, int) else 2
+    return run_command("mini-engine", lambda: run_args(args))
+
+
+__all__ = ["build_parser", "config_from_args", "run_args", "main"]
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""Sizes of the mini engine's model, workload and cache, and the workload itself.
+
+``MiniEngineConfig`` is checked when built (every field, before anything is
+allocated); :func:`memory_needed` says what a run will allocate, so the CLI can refuse
+a size the machine can't hold before it starts. :func:`make_workload` draws the
+requests (arrival step, prompt and decode lengths, teacher-forced tokens) from
+``seed``, so both runs of a comparison see the same inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import torch
+
+from ..._checks import Kernels, check_bool, check_int
+from ...config import HiSparseConfig, RowFormat, ceil_div
+from ...formats import D_LATENT, D_ROW
+from ..autotune import gpu_bytes
+
+_DEVICE_RE = re.compile(r"cpu|cuda(:\d+)?")
+
+
+@dataclasses.dataclass(frozen=True)
+class MiniEngineConfig:
+    """Sizes of the model, the workload and the hisparse cache (see the package docstring)."""
+
+    num_layers: int = 2
+    num_heads: int = 2
+    hidden: int = 64
+    indexer_dim: int = 16
+    vocab: int = 97
+    top_k: int = 8
+    num_requests: int = 4
+    min_prompt: int = 20
+    max_prompt: int = 40
+    min_decode: int = 3
+    max_decode: int = 8
+    arrival_every: int = 2  # request i arrives at step i * arrival_every
+    query_len: int = 1  # decode tokens per request per step (MTP > 1)
+    chunk: int = 16  # prefill chunk per request per step
+    max_batch_tokens: int = 64
+    device_buffer_size: int | None = None  # hot slots per (layer, request); default 2 * top_k
+    host_block_size: int = 16
+    max_num_reqs: int | None = None  # default num_requests
+    row_format: str = "fp8_ds_mla"
+    device: str = "cpu"  # cpu, cuda or cuda:N
+    seed: int = 0
+    locality: float = 0.9
+    synthetic_context: int = 0
+    backend: str | None = None  # attention backend name (None: chooser default)
+    flashmla_lib: str | None = None  # path of FlashMLA's _flashmla_C library (backend "flashmla")
+    cache_kernels: str = "auto"  # HiSparseCache kernels, a Kernels value (triton on CPU: interpreter)
+    validate: bool = True  # checked mode for cache and attention calls
+    tolerance: float = 2e-2  # max |x_resident - x_hisparse| allowed, relative to max |x|
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_heads", "hidden", "indexer_dim", "vocab", "top_k", "num_requests",
+                     "min_prompt", "max_prompt", "max_decode", "query_len", "chunk",
+                     "max_batch_tokens", "host_block_size"):
+            check_int(name, getattr(self, name), lo=1)
+        for name in ("arrival_every", "min_decode", "synthetic_context"):
+            check_int(name, getattr(self, name), lo=0)
+        check_int("seed", self.seed)
+        for name in ("device_buffer_size", "max_num_reqs"):
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), lo=1)
+        check_bool("validate", self.validate)
+        if self.min_decode > self.max_decode:
+            raise ValueError(f"need 0 <= min_decode <= max_decode, got {self.min_decode}, {self.max_decode}")
+        if self.min_prompt > self.max_prompt:
+            raise ValueError(f"min_prompt {self.min_prompt} > max_prompt {self.max_prompt}")
+        if not self.synthetic_context < self.min_prompt:
+            raise ValueError(f"synthetic_context must be in [0, min_prompt={self.min_prompt}), "
+                             f"got {self.synthetic_context}")
+        for name in ("locality", "tolerance"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise TypeError(f"{name} must be a finite number, got {v!r}")
+        if not 0.0 <= self.locality < 1.0:
+            raise ValueError(f"locality must be in [0, 1), got {self.locality}")
+        if self.tolerance < 0:
+            raise ValueError(f"tolerance must be >= 0 (a relative difference), got {self.tolerance}")
+        RowFormat.parse(self.row_format)
+        Kernels.parse(self.cache_kernels, "cache_kernels")
+        if not isinstance(self.device, str) or not _DEVICE_RE.fullmatch(self.device):
+            raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
+        if self.max_batch_tokens < self.num_requests * self.query_len:
+            raise ValueError(f"max_batch_tokens={self.max_batch_tokens} cannot hold one decode step of all "
+                             f"{self.num_requests} requests x query_len {self.query_len}")
+        self.cache_config()  # the cache's own limits (buffer >= q x K, int32 indices)
+
+    @property
+    def max_context(self) -> int:
+        return self.max_prompt + self.max_decode * self.query_len
+
+    @property
+    def slots(self) -> int:
+        """Requests served at once (engine slots)."""
+        return self.max_num_reqs or self.num_requests
+
+    def cache_config(self) -> HiSparseConfig:
+        fmt = RowFormat.parse(self.row_format)
+        R = self.slots
+        return HiSparseConfig(
+            num_layers=self.num_layers, row_bytes=fmt.row_bytes, top_k=self.top_k,
+            device_buffer_size=self.device_buffer_size, max_num_reqs=R, max_query_len=self.query_len,
+            host_block_size=self.host_block_size,
+            host_pool_tokens=R * (ceil_div(self.max_context, self.host_block_size) + 1) * self.host_block_size,
+            max_request_id=max(self.num_requests, 1), device=self.device)
+
+
+def memory_needed(cfg: MiniEngineConfig) -> tuple[dict[str, int], dict[str, int]]:
+    """(host parts, device parts) in bytes of one run (the two engines run one after the
+    other: the larger KV store counts). On a CPU device everything is host memory."""
+    L, D, H, R, C = cfg.num_layers, cfg.hidden, cfg.num_heads, cfg.slots, cfg.max_context
+    rb = RowFormat.parse(cfg.row_format).row_bytes
+    cc = cfg.cache_config()
+    resident = L * R * ceil_div(C, cfg.host_block_size) * cfg.host_block_size * rb
+    hisparse_dev = gpu_bytes(cc, num_heads=H)["total"]
+    device = {
+        "weights": L * D * (H * D_ROW + D_ROW + H * D_LATENT) * 2 + L * D * cfg.indexer_dim * 8
+                   + (cfg.vocab + D) * D * 4,
+        "indexer keys": L * R * C * cfg.indexer_dim * 4,
+        "prefill workspace": R * C * D_ROW * 2,
+        "KV rows (resident or hot buffers)": max(resident, hisparse_dev),
+        "outputs": cfg.num_requests * C * D * 4,
+    }
+    host = {"host pool": cc.host_pool_bytes}
+    if not cfg.device.startswith("cuda"):
+        host.update(device)
+        device = {}
+    return host, device
+
+
+# ---------------------------------------------------------------------- workload
+@dataclasses.dataclass
+class Request:
+    rid: int
+    arrival: int
+    prompt_len: int
+    decode_len: int  # decode steps
+    tokens: torch.Tensor  # int64 [prompt_len + decode_len * q] teacher-forced inputs (CPU)
+    done: int = 0  # positions processed
+    slot: int = -1  # engine slot (indexer store, resident block table)
+
+    @property
+    def total(self) -> int:
+        return self.tokens.numel()
+
+
+def make_workload(cfg: MiniEngineConfig) -> list[Request]:
+    g = torch.Generator().manual_seed(cfg.seed)
+    reqs = []
+    for i in range(cfg.num_requests):
+        p = int(torch.randint(cfg.min_prompt, cfg.max_prompt + 1, (1,), generator=g))
+        d = int(torch.randint(cfg.min_decode, cfg.max_decode + 1, (1,), generator=g))
+        toks = torch.randint(0, cfg.vocab, (p + d * cfg.query_len,), generator=g)
+        reqs.append(Request(rid=i, arrival=i * cfg.arrival_every, prompt_len=p, decode_len=d, tokens=toks))
+    return reqs
+
+
+PRESETS = {
+    "cpu": {},
+    "h200": dict(num_layers=8, num_heads=128, hidden=256, indexer_dim=64, vocab=1024, top_k=2048,
+                 num_requests=64, min_prompt=30 * 1024, max_prompt=32 * 1024, min_decode=24, max_decode=32,
+                 arrival_every=0, chunk=2048, max_batch_tokens=8192, host_block_size=64, device="cuda",
+                 synthetic_context=28 * 1024, locality=0.98),
+}
+
+__all__ = ["MiniEngineConfig", "Request", "make_workload", "memory_needed", "PRESETS"]

@@ -1,0 +1,244 @@
+"""The mini engine's two KV stores behind one interface, and the batch they serve.
+
+:class:`KVStore` is what the engine loop calls, per forward and per layer:
+
+  begin(batch)                          once per forward, before layer 0
+  write(layer, rows, batch)             the forward's new rows (every token) of a layer
+  decode_attention(layer, q, topk, batch) -> bf16 [Td, H, D_LATENT]
+                                        sparse attention of the decode tokens over their
+                                        top-k rows (lookup + attention)
+  prefill_attention(layer, q, idx, batch) -> bf16 [Tp, H, D_LATENT]
+                                        gather the prefill requests' rows into the bf16
+                                        workspace, then attention over ``idx``
+  admit / release / fill / stats        request lifecycle, synthetic context, counters
+
+The attention calls take the query and the top-k and return the attention output, so
+a store decides how rows reach the kernel: the resident store reads its own paged rows;
+the hisparse store resolves the top-k into hot-buffer slots (staging misses) first. An
+overlap mode (resolving layer l+1 while layer l attends) or a CUDA-graph decode per
+batch-size bucket lives inside a store's ``decode_attention`` without the loop knowing.
+Both stores share one :class:`Attention` (the backends, softmax scale, workspace).
+
+- :class:`ResidentKV`  an ordinary paged device KV cache holding every row (the
+  baseline); decode reads it through a block table (``convert_topk_to_physical``).
+- :class:`HiSparseKV`  ``hisparse.engine.HiSparseIndexGroup``: rows in the host pool, a
+  hot buffer smaller than the contexts; decode reads the hot buffer through the
+  resolved physical indices, prefill through ``gather_fp8_prefill``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ...attention.base import SparseMLABackend
+from ...staging import BlockTable, convert_topk_to_physical
+from ...config import RowFormat, ceil_div
+from ...engine import HiSparseIndexGroup, SparseMLAMetadata
+from ...formats import dequantize_fp8_ds_mla
+from .config import MiniEngineConfig, Request
+
+
+@dataclasses.dataclass
+class Batch:
+    """One forward: the scheduled requests and the tensors every layer reuses."""
+
+    items: list[tuple[Request, int]]  # (request, tokens this step), decodes first
+    md: SparseMLAMetadata
+    dec_slots: torch.Tensor  # int32 [Td] engine slot per decode token
+    ws_starts: torch.Tensor  # int32 [P] workspace start of each prefill request
+    ws_starts_cpu: list[int]
+    ws_rows: int  # workspace rows the prefill requests use
+
+
+@dataclasses.dataclass(frozen=True)
+class Attention:
+    """What both stores attend with: the backends and the prefill workspace."""
+
+    decode: SparseMLABackend  # reads rows of ``row_format`` through physical indices
+    prefill: SparseMLABackend  # reads the bf16 workspace
+    sm_scale: float
+    row_format: RowFormat
+    workspace: torch.Tensor  # bf16 [slots * max_context, D_ROW]
+
+
+class KVStore:
+    """The interface the engine loop calls (see the module docstring)."""
+
+    name = "base"
+
+    def __init__(self, attn: Attention) -> None:
+        self.attn = attn
+
+    def admit(self, req: Request) -> None:
+        raise NotImplementedError
+
+    def release(self, req: Request) -> None:
+        raise NotImplementedError
+
+    def begin(self, batch: Batch) -> None:
+        """Per-forward set-up, before the first layer."""
+
+    def write(self, layer: int, rows: torch.Tensor, batch: Batch) -> None:
+        """rows: uint8 [T, row_bytes], the forward's tokens in batch order."""
+        raise NotImplementedError
+
+    def decode_rows(self, layer: int, topk: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """topk: int32 [Td, K] logical, -1 = padding -> (rows uint8 [N, row_bytes], the rows
+        the decode kernel reads; physical int32 [Td, K], -1 = padding)."""
+        raise NotImplementedError
+
+    def decode_attention(self, layer: int, q: torch.Tensor, topk: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """q bf16 [Td, H, D_ROW], topk int32 [Td, K] -> bf16 [Td, H, D_LATENT]."""
+        rows, phys = self.decode_rows(layer, topk, batch)
+        a = self.attn
+        return a.decode.decode(q, rows, phys, sm_scale=a.sm_scale, row_format=a.row_format)[0]
+
+    def prefill_workspace(self, layer: int, batch: Batch) -> None:
+        """Write each prefill request's rows 0 .. done + n as bf16 into the workspace at
+        its ``ws_starts`` offset."""
+        raise NotImplementedError
+
+    def prefill_attention(self, layer: int, q: torch.Tensor, idx: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """q bf16 [Tp, H, D_ROW], idx int32 [Tp, K] workspace rows (-1 = padding) ->
+        bf16 [Tp, H, D_LATENT]."""
+        self.prefill_workspace(layer, batch)
+        a = self.attn
+        return a.prefill.prefill(q, a.workspace[:batch.ws_rows], idx, sm_scale=a.sm_scale)[0]
+
+    def fill(self, req: Request, layer: int, rows: torch.Tensor) -> None:
+        """Write rows 0 .. n-1 of a request straight in (synthetic context), uint8 [n, row_bytes]."""
+        raise NotImplementedError
+
+    def stats(self) -> dict:
+        return {}
+
+
+def _expand(runs: list[tuple[int, int, int]]) -> torch.Tensor:
+    """int64 [sum n] CPU: each (start, n, step) run as start, start + step, ... (n values)."""
+    if not runs:
+        return torch.empty(0, dtype=torch.int64)
+    t = torch.tensor(runs, dtype=torch.int64)  # [m, 3]
+    n = t[:, 1]
+    run_of = torch.repeat_interleave(torch.arange(t.shape[0]), n)
+    start_of_run = torch.cumsum(n, 0) - n
+    within = torch.arange(int(n.sum())) - start_of_run[run_of]
+    return t[run_of, 0] + t[run_of, 2] * within
+
+
+class ResidentKV(KVStore):
+    """An ordinary paged device KV cache holding every row (the baseline)."""
+
+    name = "resident"
+
+    def __init__(self, cfg: MiniEngineConfig, slots: int, device: torch.device, attn: Attention) -> None:
+        super().__init__(attn)
+        self.bs = cfg.host_block_size
+        self.max_blocks = ceil_div(cfg.max_context, self.bs)
+        nblocks = slots * self.max_blocks
+        self.fmt = RowFormat.parse(cfg.row_format)
+        self.rows = torch.zeros(cfg.num_layers, nblocks * self.bs, self.fmt.row_bytes, dtype=torch.uint8,
+                                device=device)
+        self.free = list(range(nblocks - 1, -1, -1))
+        self.block_table = torch.full((slots, self.max_blocks), -1, dtype=torch.int32, device=device)
+        self.owned: dict[int, list[int]] = {}
+        self.device = device
+        self.validate = cfg.validate
+
+    def admit(self, req: Request) -> None:
+        n = ceil_div(req.total, self.bs)
+        blocks = [self.free.pop() for _ in range(n)]
+        self.owned[req.rid] = blocks
+        self.block_table[req.slot].fill_(-1)
+        self.block_table[req.slot, :n] = torch.tensor(blocks, dtype=torch.int32, device=self.device)
+
+    def release(self, req: Request) -> None:
+        self.free.extend(self.owned.pop(req.rid))
+
+    def _rows_of(self, spans: list[tuple[Request, int, int]]) -> torch.Tensor:
+        """int64 [n] device: global rows of positions [p0, p1) of each (request, p0, p1), concatenated."""
+        pos = _expand([(p0, p1 - p0, 1) for _, p0, p1 in spans])
+        slot = _expand([(r.slot, p1 - p0, 0) for r, p0, p1 in spans])
+        both = torch.stack([pos, slot]).to(self.device)
+        pos, slot = both[0], both[1]
+        return self.block_table[slot, pos // self.bs].long() * self.bs + pos % self.bs
+
+    def begin(self, batch: Batch) -> None:
+        self._dst = self._rows_of([(r, r.done, r.done + n) for r, n in batch.items])
+        pre = batch.items[batch.md.num_decodes:]
+        self._ws_src = self._rows_of([(r, 0, r.done + n) for r, n in pre])
+
+    def write(self, layer: int, rows: torch.Tensor, batch: Batch) -> None:
+        self.rows[layer].index_copy_(0, self._dst, rows)
+
+    def decode_rows(self, layer: int, topk: torch.Tensor, batch: Batch):
+        phys = convert_topk_to_physical(topk, batch.dec_slots, BlockTable(self.block_table, self.bs),
+                                        validate=self.validate).physical
+        return self.rows[layer], phys
+
+    def prefill_workspace(self, layer: int, batch: Batch) -> None:
+        ws = self.attn.workspace
+        rows = self.rows[layer].index_select(0, self._ws_src)
+        n = rows.shape[0]
+        if self.fmt is RowFormat.FP8_DS_MLA:
+            ws[:n] = dequantize_fp8_ds_mla(rows)
+        else:
+            ws[:n] = rows.view(torch.bfloat16)
+
+    def fill(self, req: Request, layer: int, rows: torch.Tensor) -> None:
+        self.rows[layer].index_copy_(0, self._rows_of([(req, 0, rows.shape[0])]), rows)
+
+
+class HiSparseKV(KVStore):
+    """The same calls served by a :class:`hisparse.engine.HiSparseIndexGroup`."""
+
+    name = "hisparse"
+
+    def __init__(self, cfg: MiniEngineConfig, slots: int, device: torch.device, attn: Attention) -> None:
+        super().__init__(attn)
+        self.group = HiSparseIndexGroup(cfg.cache_config(), validate=cfg.validate, kernels=cfg.cache_kernels)
+        for _ in range(cfg.num_layers):
+            self.group.register_layer(kv_cache_dtype=cfg.row_format)
+        self.device = device
+
+    def admit(self, req: Request) -> None:
+        self.group.add_request(req.rid)
+
+    def release(self, req: Request) -> None:
+        self.group.free_request(req.rid)
+
+    def begin(self, batch: Batch) -> None:
+        self.group.prepare_for_batch(batch.md)
+
+    def write(self, layer: int, rows: torch.Tensor, batch: Batch) -> None:
+        self.group.write_new_rows(layer, rows, batch.md)
+
+    def decode_rows(self, layer: int, topk: torch.Tensor, batch: Batch):
+        phys = self.group.convert_decode_logical_to_physical_topk(layer, topk, batch.md,
+                                                                  return_valid_counts=False)
+        return self.group.physical_kv_cache(layer), phys
+
+    def prefill_workspace(self, layer: int, batch: Batch) -> None:
+        md = batch.md
+        ev = self.group.gather_fp8_prefill(layer, None, self.attn.workspace, None, batch.ws_starts,
+                                           md.num_prefills, md, 0)
+        if ev is not None:
+            torch.cuda.current_stream(self.device).wait_event(ev)
+
+    def fill(self, req: Request, layer: int, rows: torch.Tensor) -> None:
+        # a write-only forward of n prompt tokens (no attention): the façade's write path
+        n = rows.shape[0]
+        if layer == 0:
+            self._fill_md = SparseMLAMetadata.build(request_ids=[req.rid], query_lens=[n], seq_lens=[n],
+                                                    num_decodes=0, device=self.device)
+            self.group.prepare_for_batch(self._fill_md)
+        self.group.write_new_rows(layer, rows, self._fill_md)
+
+    def stats(self) -> dict:
+        return self.group.stats()
+
+
+KV_STORES = {"resident": ResidentKV, "hisparse": HiSparseKV}
+
+__all__ = ["Batch", "Attention", "KVStore", "ResidentKV", "HiSparseKV", "KV_STORES"]

@@ -1,0 +1,308 @@
+"""The mini engine's serving loop, and the resident-vs-hisparse comparison.
+
+Serving: requests arrive at different steps, prefill in chunks (``chunk`` tokens, a
+per-step token budget), then decode ``decode_len`` steps of ``query_len`` tokens each
+(teacher-forced: every input token is fixed up front, so both runs see the same inputs),
+and leave. Each step is one forward over decode tokens first, then prefill chunks.
+
+:func:`run` serves the same workload twice, differing only in the KV store
+(:mod:`.kv`), and compares the final hidden states token by token: the same rows are
+gathered, so they normally match exactly; ``tolerance`` bounds the relative difference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import sys
+import time
+from typing import Callable
+
+import torch
+
+from ...attention.base import Phase
+from ...attention.chooser import choose_backend
+from ...attention.flashmla import FlashMLABackend
+from ...attention.triton_backend import TritonBackend
+from ...config import RowFormat
+from ...device import resolve_device
+from ...engine import SparseMLAMetadata
+from ...formats import D_LATENT, D_ROW
+from ..preflight import check_memory, check_output_file, parse_device, require_kernels
+from ..traces import TraceRecorder
+from .config import MiniEngineConfig, Request, make_workload, memory_needed
+from .kv import KV_STORES, Attention, Batch
+from .model import Indexer, Model, synthetic_rows
+
+
+class MiniEngine:
+    """Runs the workload through one KV store; records the final hidden state of every token."""
+
+    def __init__(self, cfg: MiniEngineConfig, kv_kind: str) -> None:
+        if kv_kind not in KV_STORES:
+            raise ValueError(f"kv_kind must be one of {sorted(KV_STORES)}, got {kv_kind!r}")
+        self.cfg = cfg
+        self.device = resolve_device(cfg.device)
+        self.slots = cfg.slots
+        self.model = Model(cfg, self.device)
+        self.indexer = Indexer(cfg, self.slots, self.device)
+        self.recorder: TraceRecorder | None = None  # decode steps' top-k go there (run(record=))
+        self.fmt = RowFormat.parse(cfg.row_format)
+        self.decode_backend = self._pick(Phase.DECODE, self.fmt)
+        self.prefill_backend = self._pick(Phase.PREFILL, RowFormat.BF16)
+        ws = torch.zeros(self.slots * cfg.max_context, D_ROW, dtype=torch.bfloat16, device=self.device)
+        self.attn = Attention(decode=self.decode_backend, prefill=self.prefill_backend,
+                              sm_scale=self.model.sm_scale, row_format=self.fmt, workspace=ws)
+        self.kv = KV_STORES[kv_kind](cfg, self.slots, self.device, self.attn)
+
+    def _pick(self, phase: Phase, row_format: RowFormat):
+        cfg = self.cfg
+        be = choose_backend(device=self.device, row_format=row_format, num_heads=cfg.num_heads, phase=phase,
+                            prefer=cfg.backend, flashmla_lib=cfg.flashmla_lib)
+        if not cfg.validate and be.name == "triton":  # skip the host-syncing range check
+            be = TritonBackend(validate=False)
+        elif not cfg.validate and be.name == "flashmla":
+            be = FlashMLABackend(library_path=cfg.flashmla_lib, check_ranges=False)
+        return be
+
+    # ---- scheduling -------------------------------------------------------
+    def _schedule(self, running: list[Request]) -> list[tuple[Request, int]]:
+        cfg = self.cfg
+        dec = [(r, cfg.query_len) for r in running if r.done >= r.prompt_len]
+        budget = cfg.max_batch_tokens - len(dec) * cfg.query_len
+        pre = []
+        for r in running:
+            if r.done < r.prompt_len and budget > 0:
+                n = min(cfg.chunk, r.prompt_len - r.done, budget)
+                pre.append((r, n))
+                budget -= n
+        return dec + pre
+
+    def _batch(self, items: list[tuple[Request, int]]) -> Batch:
+        nd = sum(1 for r, _ in items if r.done >= r.prompt_len)
+        md = SparseMLAMetadata.build(request_ids=[r.rid for r, _ in items], query_lens=[n for _, n in items],
+                                     seq_lens=[r.done + n for r, n in items], num_decodes=nd,
+                                     device=self.device)
+        dec_slots = [r.slot for r, n in items[:nd] for _ in range(n)]
+        starts, acc = [], 0
+        for r, n in items[nd:]:
+            starts.append(acc)
+            acc += r.done + n
+        i32 = dict(dtype=torch.int32, device=self.device)
+        return Batch(items, md, torch.tensor(dec_slots, **i32), torch.tensor(starts, **i32), starts, acc)
+
+    # ---- one forward --------------------------------------------------------
+    def forward(self, batch: Batch) -> torch.Tensor:
+        cfg, md, dev = self.cfg, batch.md, self.device
+        toks, pos, slots, sub = [], [], [], []
+        for r, n in batch.items:
+            toks.append(r.tokens[r.done:r.done + n])
+            pos += range(r.done, r.done + n)
+            slots += [r.slot] * n
+            sub += range(n)
+        tok = torch.cat(toks).to(dev)
+        pos_t = torch.tensor(pos, dtype=torch.int64, device=dev)
+        slot_t = torch.tensor(slots, dtype=torch.int64, device=dev)
+        sub_t = torch.tensor(sub, dtype=torch.int64, device=dev)
+        flat = slot_t * cfg.max_context + pos_t
+        td, nd = md.num_decode_tokens, md.num_decodes
+        ctx = max((r.done + n for r, n in batch.items[:nd]), default=0)
+        self.kv.begin(batch)
+        x = self.model.embed[tok]
+        T = x.shape[0]
+        for layer in range(cfg.num_layers):
+            q, rows, iq, ik = self.model.pre(layer, x, cfg.validate)
+            self.kv.write(layer, rows, batch)
+            self.indexer.write(layer, ik, flat)
+            out = torch.zeros(T, cfg.num_heads, D_LATENT, dtype=torch.bfloat16, device=dev)
+            if td:
+                topk = self.indexer.decode_topk(layer, iq[:td], slot_t[:td], sub_t[:td], pos_t[:td], ctx)
+                if self.recorder is not None:
+                    if layer == 0:  # one entry per decode token (q = 1): the request and its length
+                        rids = [r.rid for r, n in batch.items[:nd] for _ in range(n)]
+                        self.recorder.begin_step(rids, (pos_t[:td] + 1).tolist())
+                    self.recorder.add_layer(layer, topk)
+                out[:td] = self.kv.decode_attention(layer, q[:td], topk, batch)
+            if T > td:
+                parts, t = [], td
+                for j, (r, n) in enumerate(batch.items[nd:]):
+                    tk = self.indexer.prefill_topk(layer, iq[t:t + n], r.slot, r.done)
+                    start = batch.ws_starts_cpu[j]
+                    parts.append(torch.where(tk >= 0, tk + start, tk))
+                    t += n
+                out[td:] = self.kv.prefill_attention(layer, q[td:], torch.cat(parts), batch)
+            x = self.model.post(layer, x, out)
+        return x
+
+    # ---- serving loop ---------------------------------------------------------
+    def run(self, progress: Callable[[int, int, int], None] | None = None) -> dict:
+        """Serve the whole workload; ``progress(step, running, pending)`` after each step."""
+        cfg, dev = self.cfg, self.device
+        reqs = make_workload(cfg)
+        pending = sorted(reqs, key=lambda r: r.arrival)
+        running: list[Request] = []
+        free_slots = list(range(self.slots - 1, -1, -1))
+        outputs = {r.rid: torch.zeros(r.total, cfg.hidden, device=dev) for r in reqs}
+        argmax = {r.rid: torch.zeros(r.total, dtype=torch.int64, device=dev) for r in reqs}
+        step, tokens, step_times, decode_step_times = 0, 0, [], []
+        sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+        sync()
+        t_start = time.perf_counter()
+        fill_time = 0.0
+        while pending or running:
+            while pending and pending[0].arrival <= step and free_slots:
+                r = pending.pop(0)
+                r.slot = free_slots.pop()
+                r.done = 0
+                self.kv.admit(r)
+                if cfg.synthetic_context:
+                    t0 = time.perf_counter()
+                    self._fill(r)
+                    sync()
+                    fill_time += time.perf_counter() - t0
+                running.append(r)
+            if not running:
+                step += 1
+                continue
+            items = self._schedule(running)
+            batch = self._batch(items)
+            t0 = time.perf_counter()
+            x = self.forward(batch)
+            t = 0
+            for r, n in items:
+                outputs[r.rid][r.done:r.done + n] = x[t:t + n]
+                t += n
+            sync()
+            dt = time.perf_counter() - t0
+            step_times.append(dt)
+            if batch.md.num_prefills == 0:
+                decode_step_times.append(dt)
+            tokens += x.shape[0]
+            for r, n in items:
+                r.done += n
+                if r.done >= r.total:
+                    running.remove(r)
+                    self.kv.release(r)
+                    free_slots.append(r.slot)
+            step += 1
+            if progress is not None:
+                progress(step, len(running), len(pending))
+        sync()
+        total = time.perf_counter() - t_start - fill_time
+        for r in reqs:
+            argmax[r.rid] = self.model.logits(outputs[r.rid]).argmax(dim=-1)
+        return {"outputs": outputs, "argmax": argmax, "tokens": tokens, "steps": step, "time_s": total,
+                "step_times": step_times, "decode_step_times": decode_step_times, "fill_time_s": fill_time,
+                "stats": self.kv.stats(), "synthetic": cfg.synthetic_context}
+
+    def _fill(self, r: Request) -> None:
+        n = self.cfg.synthetic_context
+        flat = r.slot * self.cfg.max_context + torch.arange(n, device=self.device)
+        for layer in range(self.cfg.num_layers):
+            rows, ik = synthetic_rows(self.cfg, r.rid, layer, n, self.device)
+            self.kv.fill(r, layer, rows)
+            self.indexer.write(layer, ik, flat)
+        r.done = n
+
+
+# ---------------------------------------------------------------------- compare
+def _pcts(xs: list[float]) -> dict:
+    if not xs:
+        return {"n": 0}
+    s = sorted(xs)
+    pick = lambda q: s[min(len(s) - 1, int(round(q * (len(s) - 1))))]  # noqa: E731
+    return {"n": len(s), "min_ms": s[0] * 1e3, "median_ms": pick(0.5) * 1e3, "p99_ms": pick(0.99) * 1e3}
+
+
+def compare(cfg: MiniEngineConfig, a: dict, b: dict) -> dict:
+    """Token-by-token comparison of two runs' final hidden states and argmax tokens."""
+    max_diff, scale, mismatched, n = 0.0, 0.0, 0, 0
+    s = cfg.synthetic_context
+    for rid in a["outputs"]:
+        xa, xb = a["outputs"][rid][s:], b["outputs"][rid][s:]
+        max_diff = max(max_diff, float((xa - xb).abs().max()) if xa.numel() else 0.0)
+        scale = max(scale, float(xa.abs().max()) if xa.numel() else 0.0)
+        mismatched += int((a["argmax"][rid][s:] != b["argmax"][rid][s:]).sum())
+        n += xa.shape[0]
+    rel = max_diff / scale if scale else 0.0
+    return {"tokens_compared": n, "max_abs_diff": max_diff, "max_rel_diff": rel,
+            "argmax_mismatches": mismatched, "bitwise_equal": max_diff == 0.0,
+            "within_tolerance": rel <= cfg.tolerance}
+
+
+def run(cfg: MiniEngineConfig, *, progress: bool = False, record: str | None = None) -> dict:
+    """Run the workload resident then hisparse; return the comparison and timings (no tensors).
+
+    ``record``: write the decode steps' top-k (this model's real indexer) to a trace file
+    in the format of ``hisparse.tools.traces``, which ``hisparse stress --replay`` drives
+    the cache with. Needs query_len 1 (one trace entry per request and step).
+
+    Before anything runs: the device and cache kernels are checked (CUDA present, the
+    Triton interpreter on for triton kernels on CPU), the record path, and the memory
+    the run allocates (:func:`memory_needed`, a ``CapacityError`` when it can't fit).
+    """
+    dev = parse_device(cfg.device)
+    require_kernels(cfg.cache_kernels, dev, flag="--cache-kernels")
+    host, device = memory_needed(cfg)
+    check_memory(host=host, device=device, on=dev, what="this mini-engine run",
+                 hint="lower --num-requests, --max-prompt, --num-layers or --num-heads")
+    recorder = None
+    if record is not None:
+        if cfg.query_len != 1:
+            raise ValueError(f"--record needs query_len 1 (one trace entry per request and step), "
+                             f"got {cfg.query_len}")
+        check_output_file(record, flag="--record")
+        recorder = TraceRecorder(num_layers=cfg.num_layers, top_k=cfg.top_k)
+    results = {}
+    for kind in ("resident", "hisparse"):
+        # each engine starts from a collected heap, so the second run's host calls do not
+        # share the process with the first one's uncollected objects (GPU tensors included)
+        gc.collect()
+        eng = MiniEngine(cfg, kind)
+        if kind == "resident":
+            eng.recorder = recorder  # the selections are the same in both runs
+        cb = None
+        if progress:
+            def cb(step, nrun, npend, kind=kind):
+                print(f"\r[{kind}] step {step} running {nrun} pending {npend}", end="", file=sys.stderr)
+        res = eng.run(cb)
+        if progress:
+            print(file=sys.stderr)
+        res["backend"] = {"decode": eng.decode_backend.name, "prefill": eng.prefill_backend.name}
+        results[kind] = res
+        del eng
+        gc.collect()
+        if cfg.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    cmp = compare(cfg, results["resident"], results["hisparse"])
+    out = {"config": dataclasses.asdict(cfg), "compare": cmp}
+    if recorder is not None:
+        recorder.save(record)
+        out["trace"] = {"path": str(record), "decode_steps": recorder.num_steps}
+    for kind, res in results.items():
+        tps = res["tokens"] / res["time_s"] if res["time_s"] > 0 else 0.0
+        st_ms = _pcts(res["step_times"])
+        med = st_ms.get("median_ms")
+        slow = [t for t in res["step_times"] if med and t * 1e3 > 10 * med]
+        out[kind] = {"tokens": res["tokens"], "steps": res["steps"], "time_s": res["time_s"],
+                     "tokens_per_s": tps, "step": st_ms,
+                     # steps over 10x the median (e.g. a kernel compiling for new shapes)
+                     # make tokens_per_s meaningless as a comparison: reported, not hidden
+                     "outlier_steps": len(slow), "outlier_s": sum(slow),
+                     "decode_step": _pcts(res["decode_step_times"]), "fill_time_s": res["fill_time_s"],
+                     "backend": res["backend"]}
+    st = results["hisparse"]["stats"]
+    tot = st.get("total", {})
+    out["hisparse"]["cache"] = {k: tot.get(k) for k in ("hits", "misses", "hit_rate", "bytes_h2d",
+                                                         "bytes_d2h", "invalid", "resolves")}
+    r, h = out["resident"], out["hisparse"]
+    out["ratio"] = {
+        "tokens_per_s_hisparse_over_resident": h["tokens_per_s"] / r["tokens_per_s"] if r["tokens_per_s"] else None,
+        "decode_step_median_hisparse_over_resident":
+            (h["decode_step"]["median_ms"] / r["decode_step"]["median_ms"])
+            if r["decode_step"].get("n") and h["decode_step"].get("n") else None,
+    }
+    return out
+
+
+__all__ = ["MiniEngine", "compare", "run"]

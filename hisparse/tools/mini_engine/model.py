@@ -1,0 +1,126 @@
+"""The mini engine's model (random weights) and its top-k indexer.
+
+Per layer l, from rmsnorm(x), x fp32 [T, D]:
+  q   = x W_q[l]   -> bf16 [T, H, D_ROW]          (absorbed-MLA query)
+  kv  = x W_kv[l]  -> one D_ROW-value row per token, stored as fp8_ds_mla (or bf16)
+  ik  = x W_ik[l]  -> indexer key fp32 [T, d_idx], kept on the device per request
+  iq  = x W_iq[l]  -> indexer query; scores = iq . ik over positions <= own position,
+                      top-k per query token (-1 padded when the context is shorter)
+  x  += attn(q, rows[top-k]) [T, H * D_LATENT] W_o[l]
+logits = rmsnorm(x) W_out. Token embeddings share a common direction with weight
+``locality`` (0..1): a high value makes consecutive indexer queries similar, as real
+indexers' are, so hot rows get reused.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ...config import RowFormat
+from ...formats import D_LATENT, D_ROW, quantize_fp8_ds_mla
+from .config import MiniEngineConfig
+
+
+class Model:
+    """Random-weight sparse-MLA stack; every tensor on ``device``."""
+
+    def __init__(self, cfg: MiniEngineConfig, device: torch.device) -> None:
+        g = torch.Generator(device="cpu").manual_seed(cfg.seed + 1)
+        D, H, L, di = cfg.hidden, cfg.num_heads, cfg.num_layers, cfg.indexer_dim
+
+        def w(*shape: int, fan_in: int) -> torch.Tensor:
+            return (torch.randn(*shape, generator=g) / math.sqrt(fan_in)).to(device)
+
+        common = torch.randn(D, generator=g)
+        common = common / common.norm() * math.sqrt(D)
+        own = torch.randn(cfg.vocab, D, generator=g)
+        a = cfg.locality
+        self.embed = (a * common + math.sqrt(1 - a * a) * own).to(device)  # fp32 [V, D]
+        self.w_q = w(L, D, H * D_ROW, fan_in=D).to(torch.bfloat16)
+        self.w_kv = w(L, D, D_ROW, fan_in=D).to(torch.bfloat16)
+        self.w_iq = w(L, D, di, fan_in=D)
+        self.w_ik = w(L, D, di, fan_in=D)
+        self.w_o = w(L, H * D_LATENT, D, fan_in=H * D_LATENT).to(torch.bfloat16)
+        self.w_out = w(D, cfg.vocab, fan_in=D)
+        self.H = H
+        self.fmt = RowFormat.parse(cfg.row_format)
+        self.sm_scale = 1.0 / math.sqrt(D_ROW)
+
+    @staticmethod
+    def _norm(x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + 1e-6)
+
+    def pre(self, layer: int, x: torch.Tensor, validate: bool):
+        """x fp32 [T, D] -> q bf16 [T, H, D_ROW], rows uint8 [T, row_bytes], iq/ik fp32 [T, di]."""
+        xn = self._norm(x)
+        xb = xn.to(torch.bfloat16)
+        q = (xb @ self.w_q[layer]).view(-1, self.H, D_ROW)
+        kv = xb @ self.w_kv[layer]  # bf16 [T, D_ROW]
+        if self.fmt is RowFormat.FP8_DS_MLA:
+            rows = quantize_fp8_ds_mla(kv, validate=validate)
+        else:
+            rows = kv.contiguous().view(torch.uint8)
+        return q, rows, xn @ self.w_iq[layer], xn @ self.w_ik[layer]
+
+    def post(self, layer: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """x fp32 [T, D] + attn bf16 [T, H, D_LATENT] projected back."""
+        return x + (attn.reshape(attn.shape[0], -1) @ self.w_o[layer]).float()
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self._norm(x) @ self.w_out
+
+
+def synthetic_rows(cfg: MiniEngineConfig, rid: int, layer: int, n: int, device: torch.device):
+    """Deterministic random context rows uint8 [n, row_bytes] and indexer keys fp32 [n, di]."""
+    g = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + rid * 1009 + layer)
+    kv = torch.randn(n, D_ROW, generator=g, device=device).to(torch.bfloat16)
+    ik = torch.randn(n, cfg.indexer_dim, generator=g, device=device) / math.sqrt(cfg.indexer_dim)
+    if RowFormat.parse(cfg.row_format) is RowFormat.FP8_DS_MLA:
+        return quantize_fp8_ds_mla(kv, validate=False), ik
+    return kv.view(torch.uint8), ik
+
+
+class Indexer:
+    """Per-layer indexer keys on the device: fp32 [L, slots, max_context, d_idx]."""
+
+    def __init__(self, cfg: MiniEngineConfig, slots: int, device: torch.device) -> None:
+        self.keys = torch.zeros(cfg.num_layers, slots, cfg.max_context, cfg.indexer_dim, device=device)
+        self.K = cfg.top_k
+        self.q = cfg.query_len
+
+    def write(self, layer: int, ik: torch.Tensor, dst: torch.Tensor) -> None:
+        """ik fp32 [T, di] to flat (slot * max_context + pos) rows ``dst`` int64 [T]."""
+        self.keys[layer].view(-1, self.keys.shape[-1]).index_copy_(0, dst, ik)
+
+    def _select(self, scores: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """scores fp32 [n, C], pos int64 [n] (own position) -> top-k int32 [n, K], -1 padded."""
+        n, C = scores.shape
+        cols = torch.arange(C, device=scores.device)
+        scores = scores.masked_fill(cols[None, :] > pos[:, None], float("-inf"))
+        k = min(self.K, C)
+        vals, idx = torch.topk(scores, k, dim=1)
+        idx = torch.where(torch.isinf(vals), torch.full_like(idx, -1), idx).to(torch.int32)
+        if k < self.K:
+            idx = torch.cat([idx, idx.new_full((n, self.K - k), -1)], dim=1)
+        return idx
+
+    def decode_topk(self, layer: int, iq: torch.Tensor, slots: torch.Tensor, sub: torch.Tensor,
+                    pos: torch.Tensor, ctx: int) -> torch.Tensor:
+        """Decode tokens: iq fp32 [Td, di], their slots/sub-token index/positions int64 [Td]."""
+        keys = self.keys[layer, :, :ctx]  # [slots, C, di]
+        qs = iq.new_zeros(keys.shape[0], keys.shape[2], self.q)
+        qs[slots, :, sub] = iq
+        scores = torch.bmm(keys, qs)  # [slots, C, q]
+        return self._select(scores[slots, :, sub], pos)
+
+    def prefill_topk(self, layer: int, iq: torch.Tensor, slot: int, p0: int) -> torch.Tensor:
+        """One prefill chunk: iq fp32 [n, di] at positions p0 .. p0+n-1 of ``slot``."""
+        n = iq.shape[0]
+        keys = self.keys[layer, slot, :p0 + n]  # [C, di]
+        pos = torch.arange(p0, p0 + n, device=iq.device)
+        return self._select(iq @ keys.T, pos)
+
+
+__all__ = ["Model", "synthetic_rows", "Indexer"]
