@@ -120,6 +120,7 @@ class WhatifOptions:
     row_bytes: int | None = None
     pcie_gbps: float = PCIE_GBPS
     device: str = "cpu"
+    threads: int = 1  # torch CPU threads while it runs (restored after)
     progress: bool = True
 
 
@@ -241,7 +242,23 @@ def _stats(x: np.ndarray) -> dict:
 
 
 def run_whatif(o: WhatifOptions) -> dict[str, Any]:
-    """Simulate LRU and Belady over the buffer sweep; the JSON-able result dict."""
+    """Simulate LRU and Belady over the buffer sweep; the JSON-able result dict.
+
+    Runs with ``o.threads`` torch CPU threads (default 1: the per-step tensors are small,
+    and on a shared 2-core machine a second OpenMP thread mostly waits) and restores the
+    caller's setting afterwards.
+    """
+    if isinstance(o.threads, bool) or not isinstance(o.threads, int) or o.threads < 1:
+        raise ValueError(f"threads must be an int >= 1, got {o.threads!r}")
+    before = torch.get_num_threads()
+    torch.set_num_threads(o.threads)
+    try:
+        return _run(o)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _run(o: WhatifOptions) -> dict[str, Any]:
     t_start = time.perf_counter()
     r = _resolve(o)
     dev = torch.device(o.device)
@@ -520,11 +537,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 def run_args(args) -> int:
     """Run ``hisparse whatif`` from parsed arguments; returns the exit status."""
-    threads = torch.get_num_threads()
     try:
-        if isinstance(args.threads, bool) or args.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
         if args.plot:
             require_matplotlib()  # before any work
             check_plot_dir(args.plot)
@@ -536,7 +549,7 @@ def run_args(args) -> int:
             drift=args.drift, layer_overlap=args.layer_overlap,
             buffers=tuple(args.buffers) if args.buffers else None, warmup=args.warmup,
             row_format=args.row_format, row_bytes=args.row_bytes, pcie_gbps=args.pcie_gbps,
-            device=args.device, progress=not args.quiet)
+            device=args.device, threads=args.threads, progress=not args.quiet)
         res = run_whatif(o)
         if args.plot:
             res["plots"] = plot_whatif(args.plot, res)
@@ -546,8 +559,6 @@ def run_args(args) -> int:
     except PlotUnavailable as e:
         print(f"hisparse whatif: {e}", file=sys.stderr)
         return EXIT_MISSING
-    finally:
-        torch.set_num_threads(threads)
     if args.json:
         print(json.dumps(res, indent=2, sort_keys=True))
     else:
