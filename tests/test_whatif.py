@@ -299,7 +299,7 @@ def test_workingset_bad_knobs(kw, msg):
 
 
 # ------------------------------------------------------------------ CLI
-SMALL = ["--requests", "2", "--steps", "15", "--layers", "2", "--quiet"]
+SMALL = ["--requests", "2", "--steps", "25", "--layers", "2", "--quiet"]
 
 
 def test_cli_fixed_interface_json(capsys):
@@ -352,6 +352,7 @@ def test_cli_replay_of_a_recorded_file(tmp_path, capsys):
     (["--persistence", "1.5"], "persistence"),
     (["--row-bytes", "0"], "row_bytes"),
     (["--threads", "0"], "threads"),
+    (["--steps", "20"], "nothing to count"),  # the preset's 20 warm-up steps
 ])
 def test_cli_bad_input_exit_2_one_line(capsys, argv, msg):
     assert main(["whatif", "--quiet"] + argv) == 2

@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .._checks import check_int
 from ..formats import RowFormat
 from .belady import (LayerTrace, Policy, hit_rate, make_plan, next_uses, row_membership,
                      simulate)
@@ -84,7 +85,7 @@ PRESETS = {
                       top_k=2048, steps=100, churn=0.0, seed=0),
         trace="workingset",
         knobs=dict(sinks=4, recent=64, pool=2.5, persistence=0.72, drift=0.03, layer_overlap=0.8),
-        warmup=10,
+        warmup=20,  # a 4x buffer fills in about 15 steps (see the plot in docs/WHATIF.md)
         reference={1.0: 0.30, 2.0: 0.134, 4.0: 0.067},
         reference_source="HiSparse (SGLang) LRU miss rates for GLM-5.1 at buffer = 1x / 2x / 4x "
                          "top-k",
@@ -139,15 +140,13 @@ def _resolve(o: WhatifOptions) -> _Resolved:
     given = {k: getattr(o, k) for k in WORKLOAD_KEYS + KNOB_KEYS["workingset"]
              if getattr(o, k) is not None}
     if o.row_bytes is not None:
-        if isinstance(o.row_bytes, bool) or not isinstance(o.row_bytes, int) or o.row_bytes <= 0:
-            raise ValueError(f"row_bytes must be a positive int, got {o.row_bytes!r}")
-        row_bytes = o.row_bytes
+        row_bytes = check_int("row_bytes", o.row_bytes, 1)
     else:
         row_bytes = RowFormat.parse(o.row_format).row_bytes
     if not isinstance(o.pcie_gbps, (int, float)) or isinstance(o.pcie_gbps, bool) or not o.pcie_gbps > 0:
         raise ValueError(f"pcie_gbps must be a positive number, got {o.pcie_gbps!r}")
-    if o.warmup is not None and (isinstance(o.warmup, bool) or not isinstance(o.warmup, int) or o.warmup < 0):
-        raise ValueError(f"warmup must be an int >= 0, got {o.warmup!r}")
+    if o.warmup is not None:
+        check_int("warmup", o.warmup, 0)
     if o.replay is not None:
         extra = sorted(set(given) - {"top_k"})
         if o.preset or o.trace:
@@ -172,16 +171,14 @@ def _resolve(o: WhatifOptions) -> _Resolved:
     base = pre.knobs if source == pre.trace else {}
     knobs = {k: given.get(k, base.get(k)) for k in KNOB_KEYS[source]}
     knobs = {k: v for k, v in knobs.items() if v is not None}
-    for k in ("requests", "context", "layers", "top_k", "steps"):
-        v = workload[k]
-        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            raise ValueError(f"{k} must be a positive int, got {v!r}")
-    cm = workload["context_min"]
-    if isinstance(cm, bool) or not isinstance(cm, int) or not 1 <= cm <= workload["context"]:
-        raise ValueError(f"context_min must be an int in [1, context={workload['context']}], got {cm!r}")
+    for k in ("requests", "context", "layers", "top_k", "steps", "seed"):
+        check_int(k, workload[k], 0 if k == "seed" else 1)
+    check_int("context_min", workload["context_min"], 1, workload["context"] + 1)
     if not 0.0 <= float(workload["churn"]) <= 1.0:
         raise ValueError(f"churn must be in [0, 1], got {workload['churn']!r}")
     warmup = o.warmup if o.warmup is not None else pre.warmup
+    if warmup >= workload["steps"]:
+        raise ValueError(f"nothing to count: --warmup {warmup} >= --steps {workload['steps']}")
     is_pre = o.trace is None or o.trace == pre.trace
     return _Resolved(source, pre if is_pre else None, workload, knobs, warmup, row_bytes)
 
@@ -248,8 +245,7 @@ def run_whatif(o: WhatifOptions) -> dict[str, Any]:
     and on a shared 2-core machine a second OpenMP thread mostly waits) and restores the
     caller's setting afterwards.
     """
-    if isinstance(o.threads, bool) or not isinstance(o.threads, int) or o.threads < 1:
-        raise ValueError(f"threads must be an int >= 1, got {o.threads!r}")
+    check_int("threads", o.threads, 1)
     before = torch.get_num_threads()
     torch.set_num_threads(o.threads)
     try:
@@ -275,10 +271,11 @@ def _run(o: WhatifOptions) -> dict[str, Any]:
     else:
         K, L = r.workload["top_k"], r.workload["layers"]
     buffers = list(o.buffers) if o.buffers else sorted({int(round(m * K)) for m in (1, 1.5, 2, 3, 4)})
-    for b in buffers:
-        if isinstance(b, bool) or not isinstance(b, int) or b < K:
-            raise ValueError(f"every buffer size must be an int >= top_k={K} (a resolve needs "
-                             f"up to top_k free slots), got {b!r}")
+    for i, b in enumerate(buffers):
+        check_int(f"buffers[{i}]", b)
+        if b < K:
+            raise ValueError(f"every buffer size must be >= top_k={K} (a resolve needs up to "
+                             f"top_k free slots), got {b}")
     buffers = sorted(set(buffers))
     n_gen = r.workload["steps"] if r.source != "replay" else 0
     with Progress(n_gen + 2 * L * len(buffers), "whatif", enabled=o.progress) as bar:
@@ -363,6 +360,9 @@ def _simulate_all(steps, L, K, buffers, r: _Resolved, dev, bar) -> dict[str, Any
                          on_step=on_step)
                 bar.update(1, note=f"layer {layer} S={S} {pol.value}")
         prev_rows = tr.topk
+    if not cnt[Policy.LRU].any():
+        raise ValueError(f"nothing to count: no lookup falls after the first {r.warmup} steps of "
+                         f"a request (--warmup) in this {N}-step trace")
     any_counted = np.zeros((L, N), dtype=bool)
     for s in range(N):
         any_counted[:, s] = bool(counted[s].any())  # same schedule in every layer
@@ -374,6 +374,9 @@ def _simulate_all(steps, L, K, buffers, r: _Resolved, dev, bar) -> dict[str, Any
             e[f"{pol.value}_hits"], e[f"{pol.value}_misses"] = int(h), int(m)
             e[f"{pol.value}_miss_rate"] = 1.0 - hit_rate(h, m)
             e[f"_{pol.value}_rows"] = rows[pol][bi][any_counted]
+        per_step = rows[Policy.LRU][bi].mean(axis=0)
+        e["lru_staging_rows_per_step"] = [float(v) if any_counted[0, s] else None
+                                          for s, v in enumerate(per_step)]
         e["lookups"] = int(cnt[Policy.LRU][bi].sum())
         e["prefetch_hit_gain"] = pf_cov[bi] / pf_look if pf_look else None
         results.append(e)
@@ -444,7 +447,7 @@ def check_plot_dir(directory: str) -> None:
 
 def plot_whatif(directory: str, res: dict[str, Any]) -> list[str]:
     """whatif.png: miss rate against buffer / top-k (LRU, Belady, published reference)
-    and LRU staging per layer-step for each buffer size. Returns the paths."""
+    and LRU staging per layer-step over the decode steps, per buffer size. Returns the paths."""
     plt = require_matplotlib()
     K = res["trace"]["top_k"]
     x = [e["buffer_over_topk"] for e in res["results"]]
@@ -464,18 +467,21 @@ def plot_whatif(directory: str, res: dict[str, Any]) -> list[str]:
     a1.grid(alpha=0.3)
     a1.legend()
     a1.set_title("miss rate against buffer size")
-    bw = res["pcie_GBps"]
+    bw, rb = res["pcie_GBps"], res["row_bytes"]
     for e in res["results"]:
-        ys = e["lru_staging_bytes"]
-        a2.bar(f"{e['buffer_over_topk']:.3g}x", ys["mean"] / 1e6, color="C0")
-        a2.plot([f"{e['buffer_over_topk']:.3g}x"] * 2, [ys["mean"] / 1e6, ys["p99"] / 1e6], "k-")
-    a2.set_xlabel("hot buffer / top-k")
-    a2.set_ylabel("LRU staging MB per layer-step (bar: mean, line: p99)")
-    sec = a2.secondary_yaxis("right", functions=(lambda mb: mb * 1e6 / (bw * 1e9) * 1e6,
-                                                 lambda us: us * 1e-6 * bw * 1e9 / 1e6))
+        ys = [None if v is None else v * rb / 1e6 for v in e["lru_staging_rows_per_step"]]
+        a2.plot(range(len(ys)), [float("nan") if v is None else v for v in ys],
+                label=f"S = {e['buffer_over_topk']:.3g}x")
+    a2.set_xlabel("decode step")
+    a2.set_ylabel("LRU staging MB per layer-step")
+    a2.set_ylim(bottom=0)
+    a2.grid(alpha=0.3)
+    a2.legend(fontsize="small", ncol=2)
+    sec = a2.secondary_yaxis("right", functions=(lambda mb: mb / bw * 1e3, lambda us: us * bw / 1e3))
     sec.set_ylabel(f"us at {bw:g} GB/s")
-    a2.set_title(f"staging per layer-step ({res['trace']['max_live_requests']} requests, "
-                 f"{res['row_bytes']} B rows)")
+    warm = res["trace"]["warmup"]
+    title = f"staging per layer-step ({res['trace']['max_live_requests']} requests, {rb} B rows)"
+    a2.set_title(title + (f"; first {warm} steps not counted" if warm else ""), fontsize="medium")
     fig.tight_layout()
     p = os.path.join(directory, "whatif.png")
     fig.savefig(p, dpi=90)
