@@ -176,10 +176,11 @@ def _resolve(o: WhatifOptions) -> _Resolved:
     check_int("context_min", workload["context_min"], 1, workload["context"] + 1)
     if not 0.0 <= float(workload["churn"]) <= 1.0:
         raise ValueError(f"churn must be in [0, 1], got {workload['churn']!r}")
-    warmup = o.warmup if o.warmup is not None else pre.warmup
+    is_pre = o.trace is None or o.trace == pre.trace
+    # another generator counts every step by default, as stress does
+    warmup = o.warmup if o.warmup is not None else (pre.warmup if is_pre else 0)
     if warmup >= workload["steps"]:
         raise ValueError(f"nothing to count: --warmup {warmup} >= --steps {workload['steps']}")
-    is_pre = o.trace is None or o.trace == pre.trace
     return _Resolved(source, pre if is_pre else None, workload, knobs, warmup, row_bytes)
 
 
@@ -525,7 +526,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
         a(f"--{k}", type=typ, default=None, help=h)
     a("--buffers", type=int, nargs="+", help="hot LRU slots S per (layer, request) [1,1.5,2,3,4 x top-k]")
     a("--warmup", type=int, help="first decode steps of each request simulated but not counted "
-                                 "[preset's; 0 with --replay]")
+                                 "[the preset's with its generator, else 0]")
     a("--format", dest="row_format", choices=[f.value for f in RowFormat], default="fp8_ds_mla",
       help="row format for the staging projection [fp8_ds_mla]")
     a("--row-bytes", type=int, help="row size in bytes (overrides --format)")
