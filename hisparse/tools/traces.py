@@ -17,6 +17,10 @@ per row, every valid entry in ``[0, seq_len)``):
 - :class:`ReplaySource`      the top-k recorded in a trace file (schedule included).
 - :class:`IndexerSource`     a real q.k indexer (random keys, a drifting query), the
   kind the mini engine (``hisparse.tools.mini_engine``) runs.
+- :class:`WorkingSetSource`  attention sinks + a recent window + a drifting working set
+  whose candidates' scores follow an AR(1) process, adjacent layers sharing a chosen
+  share of it; ``hisparse whatif --preset glm51`` calibrates it to published miss rates
+  (docs/WHATIF.md).
 - The mini engine's own indexer: ``hisparse mini-engine --record FILE`` writes the
   top-k its model's indexer selected at every decode step in this format;
   ``hisparse stress --replay FILE`` then drives the cache with it.

@@ -279,7 +279,8 @@ def _run(o: WhatifOptions) -> dict[str, Any]:
                              f"top_k free slots), got {b}")
     buffers = sorted(set(buffers))
     n_gen = r.workload["steps"] if r.source != "replay" else 0
-    with Progress(n_gen + 2 * L * len(buffers), "whatif", enabled=o.progress) as bar:
+    n_sim = 2 * L * len(buffers) * (r.workload["steps"] if r.source != "replay" else len(steps))
+    with Progress(n_gen + n_sim, "whatif", enabled=o.progress) as bar:
         t0 = time.perf_counter()
         if r.source != "replay":
             steps = generate(r, dev, bar)
@@ -357,9 +358,9 @@ def _simulate_all(steps, L, K, buffers, r: _Resolved, dev, bar) -> dict[str, Any
                     rows[pol][bi, layer, s] = m
                     if pol is Policy.LRU and in_prev is not None:
                         pf_cov[bi] += int((out.miss & in_prev[s] & c[:, None]).sum())
+                    bar.update(1, note=f"layer {layer} S={S} {pol.value}")
                 simulate(tr, S=S, policy=pol, plan=plan, nu=nu if pol is Policy.BELADY else None,
                          on_step=on_step)
-                bar.update(1, note=f"layer {layer} S={S} {pol.value}")
         prev_rows = tr.topk
     if not cnt[Policy.LRU].any():
         raise ValueError(f"nothing to count: no lookup falls after the first {r.warmup} steps of "
