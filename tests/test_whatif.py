@@ -229,6 +229,13 @@ def test_glm51_preset_within_the_published_band():
     assert res["trace"]["context_min"] > 96 * 1024 - 1
 
 
+def test_generator_defaults_are_the_preset():
+    import inspect
+
+    sig = inspect.signature(WorkingSetSource.__init__).parameters
+    assert {k: sig[k].default for k in W.PRESETS["glm51"].knobs} == W.PRESETS["glm51"].knobs
+
+
 def test_layer_overlap_knob_and_prefetch_gain():
     base = dict(preset="glm51", requests=4, steps=30, layers=3, buffers=(2048, 4096), progress=False)
     got = {}
@@ -358,6 +365,14 @@ def test_cli_bad_input_exit_2_one_line(capsys, argv, msg):
     assert main(["whatif", "--quiet"] + argv) == 2
     err = capsys.readouterr().err
     assert msg in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_malformed_trace_file_exit_2(tmp_path, capsys):
+    bad = tmp_path / "bad.npz"
+    bad.write_bytes(b"not a zip file")
+    assert main(["whatif", "--replay", str(bad), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "bad.npz" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
 def test_cli_plot_checks_before_work(tmp_path, capsys, monkeypatch):

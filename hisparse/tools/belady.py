@@ -243,7 +243,7 @@ def next_uses(tr: LayerTrace, plan: Plan) -> NextUse:
     return NextUse(res, app)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class StepResult:
     """One simulated step: hits, misses int64 [T] (unique positions per row) and the
     miss mask bool [T, K] over the canonical selection."""

@@ -266,6 +266,8 @@ class WorkingSetSource(TopkSource):
       layer before it in the same step (0: independent layers, 1: identical). Call the
       layers of a step in order (layer l-1 first), as the stress tool and whatif do.
 
+    The defaults are the ``glm51`` calibration of ``hisparse whatif`` (with top_k = 2048).
+
     State per (layer, request): candidate positions int64 [W] (-1 = empty), scores
     fp32 [W] and the mirror mask bool [W], rows of per-layer tensors indexed by a lane
     per live request (vectorised over the requests of a call; no per-entry Python).
@@ -273,8 +275,8 @@ class WorkingSetSource(TopkSource):
 
     name = "workingset"
 
-    def __init__(self, *, top_k: int, sinks: int = 4, recent: int = 64, pool: float = 2.0,
-                 persistence: float = 0.9, drift: float = 0.01, layer_overlap: float = 0.0,
+    def __init__(self, *, top_k: int, sinks: int = 4, recent: int = 64, pool: float = 2.5,
+                 persistence: float = 0.72, drift: float = 0.03, layer_overlap: float = 0.8,
                  device="cpu", seed: int = 0) -> None:
         super().__init__(top_k=top_k, device=device, seed=seed)
         check_int("sinks", sinks, 0)

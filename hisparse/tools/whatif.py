@@ -258,6 +258,8 @@ def run_whatif(o: WhatifOptions) -> dict[str, Any]:
 def _run(o: WhatifOptions) -> dict[str, Any]:
     t_start = time.perf_counter()
     r = _resolve(o)
+    if o.device not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {o.device!r}")
     dev = torch.device(o.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available")
@@ -532,7 +534,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
       help="row format for the staging projection [fp8_ds_mla]")
     a("--row-bytes", type=int, help="row size in bytes (overrides --format)")
     a("--pcie-gbps", type=float, default=PCIE_GBPS, help=f"host->device GB/s [{PCIE_GBPS:g}, H200]")
-    a("--device", default="cpu", help="device the simulation runs on [cpu]")
+    a("--device", default="cpu", choices=["cpu", "cuda"], help="device the simulation runs on [cpu]")
     a("--threads", type=int, default=1,
       help="torch CPU threads [1: the per-step tensors are small, and more threads only "
            "add waiting on a shared machine]")
