@@ -15,8 +15,9 @@ hit/miss counters, resolve by resolve). Reported per buffer size:
 - ``lru_miss_rate`` / ``belady_miss_rate``: misses / lookups (unique valid positions of
   each resolve, as the cache's STAT_HITS / STAT_MISSES count them);
 - staging per layer-step (one layer's resolve of the whole batch): rows, bytes = rows x
-  row size, time = bytes / PCIe bandwidth (default 55 GB/s, measured host -> device on
-  the H200), mean / p99 / max over the layer-steps;
+  row size, time = bytes / PCIe bandwidth (default 55 GB/s, the H200's bulk pinned
+  host -> device copy: a lower bound, scattered-row gathers run slower), mean / p99 /
+  max over the layer-steps;
 - ``prefetch_hit_gain``: share of the lookups of layers >= 1 that are LRU misses the
   previous layer selected in the same step (a prefetch of the previous layer's
   selection, staged while that layer computes, would turn them into hits).
@@ -56,7 +57,7 @@ from .traces import (CorrelatedSource, IndexerSource, TraceStep, UniformSource,
                      WorkingSetSource, load_trace)
 
 EXIT_OK, EXIT_INPUT, EXIT_MISSING = 0, 2, 4
-PCIE_GBPS = 55.0  # host -> device GB/s of the H200 test machine (pinned, UVA gathers)
+PCIE_GBPS = 55.0  # H200 bulk pinned host -> device copy: the ceiling for staging (docs/PERF_NOTES.md)
 GENERATORS = ("workingset", "correlated", "uniform", "indexer")
 WORKLOAD_KEYS = ("requests", "context", "context_min", "layers", "top_k", "steps", "churn", "seed")
 KNOB_KEYS = {"workingset": ("sinks", "recent", "pool", "persistence", "drift", "layer_overlap"),
@@ -526,14 +527,16 @@ def add_parser(sub) -> argparse.ArgumentParser:
                       ("persistence", float, "workingset: step-to-step score correlation"),
                       ("drift", float, "workingset/correlated/indexer: per step replacement rate"),
                       ("layer-overlap", float, "workingset: share of candidates mirrored from the layer before")):
-        a(f"--{k}", type=typ, default=None, help=h)
+        d = {**PRESETS["glm51"].workload, **PRESETS["glm51"].knobs}.get(k.replace("-", "_"))
+        a(f"--{k}", type=typ, default=None, help=h + ("" if d is None else f" [glm51: {d}]"))
     a("--buffers", type=int, nargs="+", help="hot LRU slots S per (layer, request) [1,1.5,2,3,4 x top-k]")
     a("--warmup", type=int, help="first decode steps of each request simulated but not counted "
                                  "[the preset's with its generator, else 0]")
     a("--format", dest="row_format", choices=[f.value for f in RowFormat], default="fp8_ds_mla",
       help="row format for the staging projection [fp8_ds_mla]")
     a("--row-bytes", type=int, help="row size in bytes (overrides --format)")
-    a("--pcie-gbps", type=float, default=PCIE_GBPS, help=f"host->device GB/s [{PCIE_GBPS:g}, H200]")
+    a("--pcie-gbps", type=float, default=PCIE_GBPS,
+      help=f"host->device GB/s for the time projection [{PCIE_GBPS:g}: the H200's bulk copy ceiling]")
     a("--device", default="cpu", choices=["cpu", "cuda"], help="device the simulation runs on [cpu]")
     a("--threads", type=int, default=1,
       help="torch CPU threads [1: the per-step tensors are small, and more threads only "
