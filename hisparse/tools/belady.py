@@ -94,6 +94,10 @@ def row_membership(values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return (values >= 0) & (torch.gather(srt, 1, idx) == values)
 
 
+def _tensor(x) -> torch.Tensor:
+    return x if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
+
+
 @dataclasses.dataclass(frozen=True)
 class LayerTrace:
     """One layer's streams, step by step.
@@ -115,9 +119,7 @@ class LayerTrace:
                              f"{len(inst)}, {len(lens)}, {len(topk)}")
         I, N, Tk = [], [], []
         for s, (i, n, t) in enumerate(zip(inst, lens, topk)):
-            i = torch.as_tensor(np.asarray(i) if not isinstance(i, torch.Tensor) else i).to(_I64).reshape(-1)
-            n = torch.as_tensor(np.asarray(n) if not isinstance(n, torch.Tensor) else n).to(_I64).reshape(-1)
-            t = torch.as_tensor(np.asarray(t) if not isinstance(t, torch.Tensor) else t)
+            i, n, t = _tensor(i).to(_I64).reshape(-1), _tensor(n).to(_I64).reshape(-1), _tensor(t)
             if t.dim() != 2 or t.shape[0] != i.numel() or n.numel() != i.numel():
                 raise ValueError(f"step {s}: topk must be [T, K] with T = {i.numel()} streams, "
                                  f"got shape {tuple(t.shape)} and {n.numel()} lengths")

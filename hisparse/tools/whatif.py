@@ -264,7 +264,6 @@ def _run(o: WhatifOptions) -> dict[str, Any]:
     dev = torch.device(o.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device is available")
-    meta = None
     if r.source == "replay":
         meta, steps = load_trace(o.replay)
         if not steps:
@@ -288,7 +287,8 @@ def _run(o: WhatifOptions) -> dict[str, Any]:
         if r.source != "replay":
             steps = generate(r, dev, bar)
         t_gen = time.perf_counter() - t0
-        res = _simulate_all(steps, L, K, buffers, r, dev, bar)
+        insts = _instances(steps)
+        res = _simulate_all(steps, insts, L, K, buffers, r, dev, bar)
     res["timings"] = {"generate_s": t_gen, "simulate_s": time.perf_counter() - t_start - t_gen}
     lens = np.concatenate([st.seq_lens for st in steps])
     res["trace"] = {
@@ -297,7 +297,7 @@ def _run(o: WhatifOptions) -> dict[str, Any]:
         "workload": r.workload if r.source != "replay" else None, "knobs": r.knobs,
         "num_layers": L, "top_k": K, "steps": len(steps),
         "max_live_requests": max(st.req_ids.size for st in steps),
-        "requests_seen": int(max(int(i.max()) for i in res.pop("_inst") if i.numel()) + 1),
+        "requests_seen": int(max([int(i.max()) for i in insts if i.size] + [-1]) + 1),
         "context_max": int(lens.max()) if lens.size else 0,
         "context_min": int(lens.min()) if lens.size else 0,
         "warmup": r.warmup}
@@ -321,8 +321,9 @@ def _run(o: WhatifOptions) -> dict[str, Any]:
     return res
 
 
-def _simulate_all(steps, L, K, buffers, r: _Resolved, dev, bar) -> dict[str, Any]:
-    inst = [torch.from_numpy(i).to(dev) for i in _instances(steps)]
+def _simulate_all(steps, insts, L, K, buffers, r: _Resolved, dev, bar) -> dict[str, Any]:
+    """Every layer x buffer size x policy; counts, staging rows per layer-step, overlaps."""
+    inst = [torch.from_numpy(i).to(dev) for i in insts]
     lens = [torch.from_numpy(st.seq_lens.astype(np.int64)).to(dev) for st in steps]
     N, B = len(steps), len(buffers)
     cnt = {p: np.zeros((B, 2)) for p in Policy}  # hits, misses (counted rows)
@@ -385,7 +386,7 @@ def _simulate_all(steps, L, K, buffers, r: _Resolved, dev, bar) -> dict[str, Any
         e["lookups"] = int(cnt[Policy.LRU][bi].sum())
         e["prefetch_hit_gain"] = pf_cov[bi] / pf_look if pf_look else None
         results.append(e)
-    return {"results": results, "_inst": inst,
+    return {"results": results,
             "overlap": {"adjacent_layer": ov["adj"][0] / ov["adj"][1] if ov["adj"][1] else None,
                         "consecutive_step": ov["step"][0] / ov["step"][1] if ov["step"][1] else None}}
 
