@@ -396,6 +396,9 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
         sp.add_argument("--quiet", action="store_true", help="no progress output on stderr")
     _add_mini_engine(sub)
+    from . import whatif  # registers itself; its run function returns the exit status
+
+    whatif.add_parser(sub)
     return parser
 
 
