@@ -152,7 +152,7 @@ class StressOptions:
             raise ValueError(f"verify must be a count >= 0, 'all' or 'none'; got {v!r}")
 
 
-class _Schedule:
+class Schedule:
     """Synthetic join/leave schedule: (req_ids, seq_lens) per step, int64 numpy arrays."""
 
     def __init__(self, o: StressOptions, max_request_id: int) -> None:
@@ -234,7 +234,7 @@ class StressRun:
         host, device = self.memory_needed()
         check_memory(host=host, device=device, on=self.dev, what="this stress run",
                      hint="lower --requests, --context, --layers, --top-k/--buffer or --steps")
-        self.schedule = None if self.replay else _Schedule(o, self.cfg.max_request_id)
+        self.schedule = None if self.replay else Schedule(o, self.cfg.max_request_id)
         self.vgen = torch.Generator(device=self.dev)
         self.vgen.manual_seed(o.seed + 2)
 

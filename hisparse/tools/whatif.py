@@ -52,7 +52,7 @@ from .belady import (LayerTrace, Policy, hit_rate, make_plan, next_uses, row_mem
 from .plan import fmt_bytes, parse_tokens
 from .progress import Progress
 from .report import PlotUnavailable, require_matplotlib, table
-from .stress import StressOptions, _Schedule
+from .stress import StressOptions, Schedule
 from .traces import (CorrelatedSource, IndexerSource, TraceStep, UniformSource,
                      WorkingSetSource, load_trace)
 
@@ -203,7 +203,7 @@ def generate(r: _Resolved, dev: torch.device, bar: Progress | None = None) -> li
     so = StressOptions(num_requests=w["requests"], context=w["context"], context_min=w["context_min"],
                        num_layers=w["layers"], top_k=w["top_k"], steps=w["steps"],
                        churn=float(w["churn"]), seed=w["seed"])
-    sched = _Schedule(so, 0)
+    sched = Schedule(so, 0)
     src = _make_source(r, dev)
     steps, live = [], set()
     for s in range(w["steps"]):
