@@ -20,6 +20,7 @@ import math
 
 import pytest
 import torch
+from attention_common import run_sm90_compile
 
 from benchmarks import bench_miss_attention  # noqa: E402
 from hisparse.attention.miss import (MissConfig, MissMode, fused_miss_attention,
@@ -512,6 +513,110 @@ def test_fused_bad_input_raises_and_changes_nothing(bad, exc, msg):
     with pytest.raises(exc, match=msg):
         fused_miss_attention(**args, sm_scale=SCALE, row_format="fp8_ds_mla", kernels="triton")
     assert torch.equal(args["kv_rows"], kv_before)
+
+
+# ------------------------------------------------------------------ sm90 build
+_SM90_COMPILE = r'''
+import json, os, re, subprocess, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from hisparse.attention.miss import MERGE_BLOCK_H, gpu_config
+from hisparse.kernels import mla_miss as M
+
+STRIDES = ("H", "q_stride_t", "q_stride_h", "kv_stride", "idx_stride", "hidx_stride")
+
+def build(fn, sig, consts, **opts):
+    # what the launcher specializes at run time: 16-aligned pointers, strides and sizes
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(sig)
+             if sig[n].startswith("*") or n in STRIDES}
+    k = triton.compile(ASTSource(fn=fn, signature=sig, attrs=attrs, constexprs=consts),
+                       target=GPUTarget("cuda", 90, 32), options=opts)
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+    usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True,
+                           text=True).stdout
+    os.unlink(f.name)
+    ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
+    layouts = dict(re.findall(r"^(#\w+) = #ttg.blocked<\{sizePerThread = \[([\d, ]+)\]", ttgir, re.M))
+    # vector width (int32 elements per thread) of every load/store of an i32 row tile
+    vec = sorted({int(layouts[l].split(",")[-1]) for l in re.findall(
+        r"tt\.(?:load|store) [^\n]*tensor<\d+x(?:256|512)x!tt\.ptr<i32>, (#\w+)>", ttgir)})
+    mma = re.findall(r"nvidia_mma<\{[^}]*warpsPerCTA = \[(\d+), (\d+)\]", ttgir)
+    stack = re.search(r"STACK:(\d+)", usage)
+    return {"stack": int(stack.group(1)) if stack else None, "shared": k.metadata.shared,
+            "wgmma": ptx.count("wgmma.mma_async"), "barriers": ttgir.count("gpu.barrier"),
+            "mma_warps": sorted({(int(a), int(b)) for a, b in mma}), "row_vec": vec}
+
+res = []
+for fp8 in (True, False):
+    kv = "*u8" if fp8 else "*bf16"
+    for H, S in ((128, 1), (128, 4), (16, 1), (32, 2)):
+        c = gpu_config("split", H, num_splits=S)
+        sig = {"q_ptr": "*bf16", "kv_ptr": kv, "idx_ptr": "*i32", "cnt_ptr": "*i32",
+               "out_ptr": "*bf16", "lse_ptr": "*fp32", "part_out_ptr": "*fp32",
+               "part_lse_ptr": "*fp32", "N": "i32", "K": "i32", "H": "i32", "q_stride_t": "i32",
+               "q_stride_h": "i32", "kv_stride": "i32", "idx_stride": "i32",
+               "qk_scale_log2": "fp32", "IS_FP8": "constexpr", "NUM_SPLITS": "constexpr",
+               "BLOCK_H": "constexpr", "BLOCK_N": "constexpr", "ISOLATE_QK": "constexpr",
+               "PREFETCH": "constexpr"}
+        consts = {"IS_FP8": fp8, "NUM_SPLITS": S, "BLOCK_H": c.block_h, "BLOCK_N": c.block_n,
+                  "ISOLATE_QK": c.isolate_qk, "PREFETCH": int(c.prefetch)}
+        r = build(M.miss_split_kernel, sig, consts, num_warps=c.num_warps,
+                  num_stages=c.num_stages)
+        res.append({"kernel": "split", "fp8": fp8, "H": H, "S": S, "block_h": c.block_h, **r})
+        rw = 164 if fp8 else 288
+        c = gpu_config("fused", H, num_splits=S)
+        sig = {"q_ptr": "*bf16", "host_ptr": "*i32", "hidx_ptr": "*i32", "kv_ptr": kv,
+               "idx_ptr": "*i32", "cnt_ptr": "*i32", "part_out_ptr": "*fp32",
+               "part_lse_ptr": "*fp32", "NH": "i32", "N": "i32", "K": "i32", "H": "i32",
+               "T": "i32", "q_stride_t": "i32", "q_stride_h": "i32", "idx_stride": "i32",
+               "hidx_stride": "i32", "kv_stride": "i32", "qk_scale_log2": "fp32",
+               "NPROG": "i32", "IS_FP8": "constexpr", "RW": "constexpr", "RWB": "constexpr",
+               "COPY_ROWS": "constexpr", "NUM_SPLITS": "constexpr", "NUM_HB": "constexpr",
+               "BLOCK_H": "constexpr", "BLOCK_N": "constexpr", "ISOLATE_QK": "constexpr"}
+        consts = {"IS_FP8": fp8, "RW": rw, "RWB": triton.next_power_of_2(rw),
+                  "COPY_ROWS": c.copy_rows, "NUM_SPLITS": S, "NUM_HB": -(-H // c.block_h),
+                  "BLOCK_H": c.block_h, "BLOCK_N": c.block_n, "ISOLATE_QK": c.isolate_qk}
+        r = build(M.miss_fused_kernel, sig, consts, num_warps=c.num_warps,
+                  num_stages=c.num_stages)
+        res.append({"kernel": "fused", "fp8": fp8, "H": H, "S": S, "block_h": c.block_h, **r})
+for base in (True, False):
+    sig = {"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "cnt_ptr": "*i32",
+           "out_ptr": "*bf16" if base else "*fp32", "lse_ptr": "*fp32", "K": "i32", "H": "i32",
+           "HAS_BASE": "constexpr", "NUM_SPLITS": "constexpr", "BLOCK_N": "constexpr",
+           "BLOCK_H": "constexpr"}
+    r = build(M.miss_combine_kernel, sig, {"HAS_BASE": base, "NUM_SPLITS": 4, "BLOCK_N": 32,
+                                           "BLOCK_H": MERGE_BLOCK_H}, num_warps=4)
+    res.append({"kernel": "combine", "block_h": MERGE_BLOCK_H, **r})
+for po in ("*fp32", "*bf16"):
+    sig = {"out_ptr": "*bf16", "lse_ptr": "*fp32", "part_out_ptr": po, "part_lse_ptr": "*fp32",
+           "H": "i32", "BLOCK_H": "constexpr"}
+    r = build(M.miss_merge_kernel, sig, {"BLOCK_H": MERGE_BLOCK_H}, num_warps=4)
+    res.append({"kernel": "merge", "block_h": MERGE_BLOCK_H, **r})
+print(json.dumps(res))
+'''
+
+
+def test_kernels_compile_for_sm90_without_spills():
+    """Compile every miss kernel at the shapes ``gpu_config`` picks (ptxas from the Triton
+    wheel, no GPU needed) for sm90: no register spills; wgmma with both warpgroups
+    splitting the rows at 64-head blocks (the one-trip loops survive even where a fused
+    program's slice starts at the constant 0); exactly one CTA barrier, the fused
+    kernel's, between its copy and its attention; the host-row copy laid out as 4 x int32
+    (16-byte) vectors per thread."""
+    stats = run_sm90_compile(_SM90_COMPILE, timeout=300)
+    assert len(stats) == 20
+    for s in stats:
+        assert s["stack"] == 0, f"register spills: {s}"
+        assert s["shared"] <= 227 * 1024, s
+        if s["block_h"] == 64:
+            assert s["wgmma"] > 0 and [8, 1] not in s["mma_warps"], s
+        if s["kernel"] == "fused":
+            assert s["barriers"] == 1 and s["row_vec"] == [4], s
+        else:
+            assert s["barriers"] == 0, s
 
 
 # ------------------------------------------------------------------ benchmark smoke

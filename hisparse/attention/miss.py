@@ -115,36 +115,54 @@ class MissConfig:
             check_int("programs", self.programs, 1)
 
 
+def gpu_config(mode: MissMode | str, num_heads: int, *, num_splits: int = 1,
+               programs: int | None = None) -> MissConfig:
+    """The CUDA launch shape for (mode, H): head blocks of up to 64 heads.
+
+    Split mode: 32-row blocks, 8 warps (4 for 16-head blocks), isolated q . k^T dots at
+    64 heads, L2 prefetch, 2 stages. Fused mode: 16-row blocks and 8 warps for every head
+    block (the persistent loop around the attention costs registers: with 32-row blocks,
+    or 4 warps, the sm90 build spills). Both compile without spills for sm90 at every
+    head block (``tests/test_miss_attention.py`` checks it offline); the timings that
+    would pick between shapes are ``benchmarks.bench_miss_attention``'s.
+    """
+    mode = MissMode(mode)
+    block_h = min(64, max(16, triton.next_power_of_2(check_int("num_heads", num_heads, 1))))
+    if mode is MissMode.SPLIT:
+        return MissConfig(block_h=block_h, block_n=32, num_warps=4 if block_h == 16 else 8,
+                          num_stages=2, num_splits=num_splits, isolate_qk=block_h == 64,
+                          prefetch=True)
+    return MissConfig(block_h=block_h, block_n=16, num_warps=8, num_stages=1,
+                      num_splits=num_splits, isolate_qk=block_h == 64, prefetch=False,
+                      programs=programs)
+
+
 def default_miss_config(mode: MissMode | str, *, num_tokens: int, num_heads: int,
                         device: torch.device, splits: bool = True) -> MissConfig:
     """A launch shape for (mode, T, H) on ``device``; ``splits=False`` keeps one split
     (the no-scratch shape ``plan=None`` uses).
 
-    CUDA: 64-head blocks (8 warps, isolated q . k^T dots) as the tl decode kernel uses;
-    split mode adds splits until T x head blocks x splits is about one wave of SMs (at
-    most 4); fused mode runs a quarter of the SMs as persistent programs and splits a
-    token's misses only when there are fewer tokens than programs. These are starting
-    points for the H200 sweep in ``benchmarks.bench_miss_attention``, not measured
-    optima. CPU (the interpreter): 16-head, 16-row blocks, one split.
+    CUDA: ``gpu_config``; split mode adds splits until T x head blocks x splits is about
+    one wave of SMs (at most 4); fused mode runs a quarter of the SMs as persistent
+    programs (the rest are left to the hit attention beside it) and splits a token's
+    misses only when there are fewer tokens than programs (at most 4). Starting points
+    for the H200 sweep, not measured optima. CPU (the interpreter): 16-row blocks, 4
+    warps, one split.
     """
     mode = MissMode(mode)
     T = check_int("num_tokens", num_tokens, 0)
     H = check_int("num_heads", num_heads, 1)
-    block_h = min(64, max(16, triton.next_power_of_2(H)))
     if device.type != "cuda":
-        return MissConfig(block_h=block_h, block_n=16, num_warps=4, isolate_qk=False,
-                          copy_rows=8)
-    cfg = MissConfig(block_h=block_h, block_n=32, num_warps=8 if block_h == 64 else 4,
-                     num_stages=2 if mode is MissMode.SPLIT else 1,
-                     isolate_qk=block_h == 64, prefetch=mode is MissMode.SPLIT)
+        return MissConfig(block_h=min(64, max(16, triton.next_power_of_2(H))), block_n=16,
+                          num_warps=4, isolate_qk=False, copy_rows=8)
     sms = sm_count(device)
     if mode is MissMode.SPLIT:
-        hb = math.ceil(H / block_h)
+        hb = math.ceil(H / min(64, max(16, triton.next_power_of_2(H))))
         s = max(1, min(sms // max(1, T * hb), 4)) if splits else 1
-        return dataclasses.replace(cfg, num_splits=s)
+        return gpu_config(mode, H, num_splits=s)
     programs = max(1, sms // 4)
     s = max(1, min(math.ceil(programs / max(1, T)), 4)) if splits else 1
-    return dataclasses.replace(cfg, num_splits=s, programs=programs)
+    return gpu_config(mode, H, num_splits=s, programs=programs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -489,7 +507,8 @@ def fused_miss_attention(
                 BLOCK_N=cfg.block_n, BLOCK_H=MERGE_BLOCK_H, num_warps=4)
 
 
-__all__ = ["MissMode", "MissConfig", "MissPlan", "default_miss_config", "plan_miss_attention",
+__all__ = ["MissMode", "MissConfig", "MissPlan", "gpu_config", "default_miss_config",
+           "plan_miss_attention",
            "merge_lse", "merge_lse_reference", "miss_attention_merge",
            "miss_attention_merge_reference", "fused_miss_attention",
            "fused_miss_attention_reference"]

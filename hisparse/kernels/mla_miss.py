@@ -116,7 +116,7 @@ def _entries(slot_row, host_row, kk, hi, N, NH, CHECK_HOST: tl.constexpr):
 
 @triton.jit
 def _attend(q_ptr, kv_ptr, slot_row, host_row, t, hb, lo, hi, N, NH, H, q_stride_t, q_stride_h,
-            kv_stride, qk_scale_log2, CHECK_HOST: tl.constexpr, IS_FP8: tl.constexpr,
+            kv_stride, qk_scale_log2, one, CHECK_HOST: tl.constexpr, IS_FP8: tl.constexpr,
             BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, ISOLATE_QK: tl.constexpr,
             PREFETCH: tl.constexpr):
     """Online-softmax attention of head block hb of token t over the entries [lo, hi) of
@@ -124,7 +124,8 @@ def _attend(q_ptr, kv_ptr, slot_row, host_row, t, hb, lo, hi, N, NH, H, q_stride
     divided by l), m_i, l_i float32 [BLOCK_H], base 2).
 
     ISOLATE_QK: each q . k^T dot in its own one-trip loop, as in ``mla_decode`` (keeps
-    Triton from laying the dot out over all warps along the heads at BLOCK_H = 64).
+    Triton from laying the dot out over all warps along the heads at BLOCK_H = 64); ``one``
+    is the trip count, a runtime 1 the compiler cannot fold (``_runtime_one``).
     PREFETCH: ask L2 for the next block's rows each iteration (inline PTX; CUDA only).
     """
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -142,7 +143,6 @@ def _attend(q_ptr, kv_ptr, slot_row, host_row, t, hb, lo, hi, N, NH, H, q_stride
     acc1 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
     acc3 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
-    one = (lo >= 0).to(tl.int32)  # a runtime 1 (see ISOLATE_QK)
     for start in range(lo, hi, BLOCK_N):
         kk = start + tl.arange(0, BLOCK_N)
         if PREFETCH > 0:
@@ -181,6 +181,14 @@ def _attend(q_ptr, kv_ptr, slot_row, host_row, t, hb, lo, hi, N, NH, H, q_stride
         acc3 = tl.dot(pb, k3, acc3 * alpha[:, None])
         m_i = m_new
     return heads, hmask, acc0, acc1, acc2, acc3, m_i, l_i
+
+
+@triton.jit
+def _runtime_one(K):
+    """1 as a value the compiler cannot fold (K > 0 whenever a kernel runs; K is not
+    specialised), the trip count of ISOLATE_QK's loops. A constant 1 would let the
+    compiler remove them: lo is the constant 0 in a fused kernel with one split."""
+    return (K > 0).to(tl.int32)
 
 
 @triton.jit
@@ -302,7 +310,8 @@ def miss_split_kernel(
         idx_row = idx_ptr + t * idx_stride
         heads, hmask, acc0, acc1, acc2, acc3, m_i, l_i = _attend(
             q_ptr, kv_ptr, idx_row, idx_row, t, hb, lo, hi, N, N, H, q_stride_t, q_stride_h,
-            kv_stride, qk_scale_log2, False, IS_FP8, BLOCK_H, BLOCK_N, ISOLATE_QK, PREFETCH)
+            kv_stride, qk_scale_log2, _runtime_one(K), False, IS_FP8, BLOCK_H, BLOCK_N,
+            ISOLATE_QK, PREFETCH)
         inv_l, lse2 = _finish(m_i, l_i)
         if NUM_SPLITS == 1:
             _merge_into(out_ptr, lse_ptr, t, heads, hmask, H, acc0, acc1, acc2, acc3, inv_l, lse2)
@@ -438,8 +447,8 @@ def miss_fused_kernel(
             for hb in range(0, NUM_HB):
                 heads, hmask, acc0, acc1, acc2, acc3, m_i, l_i = _attend(
                     q_ptr, kv_ptr, idx_row, hidx_row, t, hb, lo, hi, N, NH, H, q_stride_t,
-                    q_stride_h, kv_stride, qk_scale_log2, True, IS_FP8, BLOCK_H, BLOCK_N,
-                    ISOLATE_QK, 0)
+                    q_stride_h, kv_stride, qk_scale_log2, _runtime_one(K), True, IS_FP8,
+                    BLOCK_H, BLOCK_N, ISOLATE_QK, 0)
                 inv_l, lse2 = _finish(m_i, l_i)
                 if NUM_SPLITS == 1:
                     _store_result(part_out_ptr, part_lse_ptr, t * H + heads.to(tl.int64), hmask,
