@@ -34,12 +34,13 @@ oracle) and a Triton launcher; ``kernels=`` (``hisparse._checks.Kernels``) picks
 (auto: Triton on CUDA, the reference on CPU). Launchers check dtypes, shapes, devices,
 row layout and pinning from metadata only and raise before any launch; they read no
 device value, allocate nothing and use a launch shape fixed by (T, H, plan): CUDA-graph
-capturable. Index *values* need no check: out-of-range entries are padding.
+capturable (the CPU references do allocate and, on CUDA, sync). Index *values* need no check: out-of-range entries are padding.
 
-Splits: with ``plan=None`` a token's misses are handled by one program per head block
-(split mode) or per token (fused): no scratch. ``plan_miss_attention`` (call once,
-outside the captured step) sizes a ``MissConfig`` for a batch size and allocates the
-float32 scratch that several splits per token need.
+Splits: with ``plan=None`` a token's misses are one work item per head block (split
+mode) or per token (fused mode: the items are spread over a persistent grid): no
+scratch. ``plan_miss_attention`` (call once, outside the captured step) sizes a
+``MissConfig`` for a batch size and allocates the float32 scratch that several splits
+per token need.
 """
 
 from __future__ import annotations
@@ -171,7 +172,8 @@ class MissPlan:
     heads (from ``plan_miss_attention``; reuse it every step, capture included).
 
     part_out: float32 [max_tokens, num_splits, H, 512] and part_lse: float32
-    [max_tokens, num_splits, H] (base-2 lse) when num_splits > 1, else None.
+    [max_tokens, num_splits, H] (base-2 lse) when num_splits > 1, else None. The scratch
+    serves one call at a time: calls that may overlap (two streams) need a plan each.
     """
 
     mode: MissMode
