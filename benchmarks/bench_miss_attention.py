@@ -19,8 +19,9 @@ is GPU time from a cold L2; min / median / p99 over --reps):
   hit         Triton decode over the K - m hit entries (compacted, valid counts)
   staging     hisparse's copy_rows kernel: the m misses per token, host pool -> hot rows
   split       miss_attention_merge over the staged misses into the hit partial
-  fused       fused_miss_attention (host read + hot write + attention), per programs
-              setting of --programs (None = the default plan)
+  fused       fused_miss_attention (host read + hot write + attention) with the default
+              plan, and with each persistent-grid size of --programs (alone and as a
+              whole fused layer)
   merge       merge_lse of the fused partial into the hit partial
   bulk_h2d    one pinned host -> device copy of T x m rows' bytes (the PCIe ceiling)
 and whole layers without the resolve (the side stream forked from and joined to the
@@ -346,6 +347,9 @@ def ratios(r: dict) -> dict:
         out["fused_bulk_speed"] = bulk / med("fused")
         for p in r["fused_programs"]:
             out[f"fused_p{p['programs']}_bulk_speed"] = bulk / p["median_us"]
+    for p in r["fused_programs"]:
+        if "layer_fused" in p:
+            out[f"layer_fused_p{p['programs']}_vs_resident"] = p["layer_fused"]["median_us"] / res
     out["fused_vs_staging_plus_split"] = med("fused") / (med("staging") + med("split"))
     return out
 
@@ -380,7 +384,10 @@ def run_case(T: int, frac: float, args, pool, fmt, dev, timer) -> dict:
     rec["fused_programs"] = []
     for p in args.programs:
         alt = Calls(c, pool, fmt, scale, dev, p)
-        rec["fused_programs"].append({"programs": p, **summary(timer.run(alt.fused), nb)})
+        entry = {"programs": p, **summary(timer.run(alt.fused), nb)}
+        if not args.no_overlap:  # the grid size matters most beside the hit decode
+            entry["layer_fused"] = summary(timer.run(alt.layer_fused))
+        rec["fused_programs"].append(entry)
     if nb:
         src = pool.view(-1)[:nb]
         dst = torch.empty(nb, dtype=torch.uint8, device=dev)
@@ -413,6 +420,9 @@ def print_case(r: dict) -> None:
     print(line("fused (default plan)", r["fused"], bulk, "bulk", speed=True))
     for p in r["fused_programs"]:
         print(line(f"fused programs={p['programs']}", p, bulk, "bulk", speed=True))
+        if "layer_fused" in p:
+            print(line(f"  layer fused programs={p['programs']}", p["layer_fused"], res,
+                       "resident"))
     print(line("merge_lse", r["merge"], res, "resident"))
     for name in ("serial", "split", "fused"):
         if f"layer_{name}" in r:
