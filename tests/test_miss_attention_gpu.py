@@ -209,6 +209,43 @@ def test_fused_matches_reference_and_writes_rows(fmt, T, programs, part_dtype):
     check(out, lse, *_want(step), what="hit + fused + merge vs unsplit")
 
 
+def test_bad_entries_are_padding():
+    """-1, negative and out-of-range hot / host rows and counts beyond K (unchecked
+    inputs, as in a captured step): skipped, never dereferenced (run this one under
+    compute-sanitizer memcheck too), nothing else of the hot buffer written; the results
+    equal the references, which treat those entries as padding."""
+    step = make_step(T=64, seed=21)
+    g = torch.Generator(device=DEV).manual_seed(22)
+    N, NH = step.hot.shape[0], step.host.shape[0]
+    r = torch.rand(step.miss_idx.shape, device=DEV, generator=g)
+    step.miss_idx[r < 0.02] = N
+    step.miss_idx[(r > 0.02) & (r < 0.04)] = -(2 ** 31)
+    step.miss_host[(r > 0.04) & (r < 0.06)] = NH + 7
+    step.miss_host[(r > 0.06) & (r < 0.08)] = -1
+    step.miss_cnt[::7] = 2 ** 30  # clamped to K: the -1 tail is read, as padding
+    step.miss_cnt[1::7] = -5  # no miss
+    ref_hot = step.hot.clone()
+    ref = torch.empty(64, 128, 512, device=DEV), torch.empty(64, 128, device=DEV)
+    fused_miss_attention_reference(step.q, step.host, step.miss_host, step.kv(ref_hot),
+                                   step.miss_idx, step.miss_cnt, *ref, sm_scale=SCALE,
+                                   row_format=step.fmt)
+    po, pl = torch.empty_like(ref[0]), torch.empty_like(ref[1])
+    fused_miss_attention(step.q, step.host, step.miss_host, step.kv(), step.miss_idx,
+                         step.miss_cnt, po, pl, sm_scale=SCALE, row_format=step.fmt)
+    torch.cuda.synchronize()
+    assert torch.equal(step.hot, ref_hot)
+    fin = torch.isfinite(ref[1])
+    check(torch.where(fin[..., None], po, 0.0).bfloat16(), pl,
+          torch.where(fin[..., None], ref[0], 0.0).bfloat16(), ref[1], what="fused, bad entries")
+    out, lse = _hit(step)
+    ref_split = out.clone(), lse.clone()
+    miss_attention_merge_reference(step.q, step.kv(), step.miss_idx, step.miss_cnt, *ref_split,
+                                   sm_scale=SCALE, row_format=step.fmt)
+    miss_attention_merge(step.q, step.kv(), step.miss_idx, step.miss_cnt, out, lse,
+                         sm_scale=SCALE, row_format=step.fmt)
+    check(out, lse, *ref_split, what="split, bad entries")
+
+
 @pytest.mark.parametrize("mode", ["split", "fused"])
 def test_extreme_scales(mode):
     """Tile scales 2^-40..2^30, zero rows and tiles, heads x3e4 / x1e-30 / 0: each (token,
