@@ -1,0 +1,516 @@
+"""Miss attention: attention over each query token's *miss* entries, merged exactly with
+the partial result of its *hit* entries (LSE merge). Kernels: ``hisparse.kernels.mla_miss``.
+
+A split decode step attends over a token's hit entries (rows already in the hot
+buffer) with any backend that returns a natural-log lse, while the misses are staged;
+then it adds the misses' contribution:
+
+- ``merge_lse(out, lse, part_out, part_lse)``: merge a second partial result into the
+  first in place.
+- ``miss_attention_merge(q, kv_rows, miss_idx, miss_counts, out, lse, ...)`` (split
+  mode): the miss rows are in the hot buffer already (staged by the copy kernel);
+  attend over them and merge into the hit partial in place, in one launch (two with a
+  plan of several splits).
+- ``fused_miss_attention(q, host_rows, miss_host, kv_rows, miss_idx, miss_counts,
+  part_out, part_lse, ...)`` (fused mode): the miss rows are still in pinned host
+  memory; one kernel reads each row over PCIe once, writes it into its hot slot and
+  attends over it, producing the miss partial for a later ``merge_lse``. Meant for a
+  side stream running concurrently with the hit attention.
+
+Notation: T query tokens, H heads, K miss-list capacity, N hot rows, NH host rows,
+D_ROW = 576, D_LATENT = 512.
+
+Semantics (those of ``hisparse.attention.base``; ``reference.sparse_mla_reference``
+computes them): token t's miss entries are j < clamp(miss_counts[t], 0, K) of row t of
+the index lists; an entry whose hot row (fused: or host row) is -1 or out of range is
+padding (never read, never written). A partial result is (out [T, H, 512], lse
+float32 [T, H]) with lse natural-log, scale included, -inf = no entry (its out is then
+not read). Merge: lse = logaddexp(lse_a, lse_b), out = out_a exp(lse_a - lse) + out_b
+exp(lse_b - lse); both -inf gives out = 0, lse = -inf. A (token, head) whose second lse
+is -inf keeps its first partial bit for bit (nothing is written there).
+
+Every call has a float32 torch reference (``*_reference``: the CPU path and the test
+oracle) and a Triton launcher; ``kernels=`` (``hisparse._checks.Kernels``) picks one
+(auto: Triton on CUDA, the reference on CPU). Launchers check dtypes, shapes, devices,
+row layout and pinning from metadata only and raise before any launch; they read no
+device value, allocate nothing and use a launch shape fixed by (T, H, plan): CUDA-graph
+capturable (the CPU references do allocate and, on CUDA, sync). Index *values* need no check: out-of-range entries are padding.
+
+Splits: with ``plan=None`` a token's misses are one work item per head block (split
+mode) or per token (fused mode: the items are spread over a persistent grid): no
+scratch. ``plan_miss_attention`` (call once, outside the captured step) sizes a
+``MissConfig`` for a batch size and allocates the float32 scratch that several splits
+per token need.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import math
+
+import torch
+import triton
+
+from .._checks import (Kernels, check_bool, check_int, check_tensor, rows_layout_problem,
+                       same_device, sm_count)
+from ..device import is_pinned_host
+from ..formats import D_LATENT, RowFormat
+from ..kernels.mla_miss import (miss_combine_kernel, miss_fused_kernel, miss_merge_kernel,
+                                miss_split_kernel)
+from .base import DecodeInputs, validate_decode_inputs
+from .reference import sparse_mla_reference
+
+LOG2E = 1.4426950408889634
+MAX_SPLITS = 16
+MERGE_BLOCK_H = 8  # heads per program of the merge and combine kernels ([8, 512] tiles)
+
+
+class MissMode(enum.Enum):
+    """Where the miss rows are when their attention runs."""
+
+    SPLIT = "split"  # already staged into the hot buffer (device memory)
+    FUSED = "fused"  # still in pinned host memory: read, written to the hot slot, attended
+
+
+@dataclasses.dataclass(frozen=True)
+class MissConfig:
+    """Launch shape of the miss-attention kernels.
+
+    block_h: heads per head block (power of two >= 16; fewer heads are masked)
+    block_n: rows per attention iteration, and the granularity of the splits (power of
+        two >= 16)
+    num_warps, num_stages: Triton launch options of the attention kernels
+    num_splits: programs sharing one token's miss list (each takes a contiguous slice of
+        its entries, sized on the device from the token's count); > 1 needs a plan's
+        scratch
+    isolate_qk: each q . k^T dot in its own one-trip loop (see ``mla_decode``)
+    prefetch: split mode, CUDA only: L2-prefetch the next block's rows each iteration
+    copy_rows: fused mode: host rows per load in the copy phase (power of two; two such
+        loads in flight per program)
+    programs: fused mode: size of the persistent grid (None = one program per work item,
+        T x num_splits); fewer programs leave SMs to the hit attention running beside it
+    """
+
+    block_h: int = 64
+    block_n: int = 32
+    num_warps: int = 8
+    num_stages: int = 1
+    num_splits: int = 1
+    isolate_qk: bool = True
+    prefetch: bool = False
+    copy_rows: int = 32
+    programs: int | None = None
+
+    def __post_init__(self) -> None:
+        for name, lo in (("block_h", 16), ("block_n", 16), ("num_warps", 1), ("copy_rows", 1)):
+            v = check_int(name, getattr(self, name), lo)
+            if v & (v - 1):
+                raise ValueError(f"{name} must be a power of two, got {v}")
+        check_int("num_stages", self.num_stages, 1)
+        check_int("num_splits", self.num_splits, 1, MAX_SPLITS + 1)
+        check_bool("isolate_qk", self.isolate_qk)
+        check_bool("prefetch", self.prefetch)
+        if self.programs is not None:
+            check_int("programs", self.programs, 1)
+
+
+def gpu_config(mode: MissMode | str, num_heads: int, *, num_splits: int = 1,
+               programs: int | None = None) -> MissConfig:
+    """The CUDA launch shape for (mode, H): head blocks of up to 64 heads.
+
+    Split mode: 32-row blocks, 8 warps (4 for 16-head blocks), isolated q . k^T dots at
+    64 heads, L2 prefetch, 2 stages. Fused mode: 16-row blocks and 8 warps for every head
+    block (the persistent loop around the attention costs registers: with 32-row blocks,
+    or 4 warps, the sm90 build spills). Both compile without spills for sm90 at every
+    head block (``tests/test_miss_attention.py`` checks it offline); the timings that
+    would pick between shapes are ``benchmarks.bench_miss_attention``'s.
+    """
+    mode = MissMode(mode)
+    block_h = min(64, max(16, triton.next_power_of_2(check_int("num_heads", num_heads, 1))))
+    if mode is MissMode.SPLIT:
+        return MissConfig(block_h=block_h, block_n=32, num_warps=4 if block_h == 16 else 8,
+                          num_stages=2, num_splits=num_splits, isolate_qk=block_h == 64,
+                          prefetch=True)
+    return MissConfig(block_h=block_h, block_n=16, num_warps=8, num_stages=1,
+                      num_splits=num_splits, isolate_qk=block_h == 64, prefetch=False,
+                      programs=programs)
+
+
+def default_miss_config(mode: MissMode | str, *, num_tokens: int, num_heads: int,
+                        device: torch.device, splits: bool = True) -> MissConfig:
+    """A launch shape for (mode, T, H) on ``device``; ``splits=False`` keeps one split
+    (the no-scratch shape ``plan=None`` uses).
+
+    CUDA: ``gpu_config``; split mode adds splits until T x head blocks x splits is about
+    one wave of SMs (at most 4); fused mode runs a quarter of the SMs as persistent
+    programs (the rest are left to the hit attention beside it) and splits a token's
+    misses only when there are fewer tokens than programs (at most 4). Starting points
+    for the H200 sweep, not measured optima. CPU (the interpreter): 16-row blocks, 4
+    warps, one split.
+    """
+    mode = MissMode(mode)
+    T = check_int("num_tokens", num_tokens, 0)
+    H = check_int("num_heads", num_heads, 1)
+    if device.type != "cuda":
+        return MissConfig(block_h=min(64, max(16, triton.next_power_of_2(H))), block_n=16,
+                          num_warps=4, isolate_qk=False, copy_rows=8)
+    sms = sm_count(device)
+    if mode is MissMode.SPLIT:
+        hb = math.ceil(H / min(64, max(16, triton.next_power_of_2(H))))
+        s = max(1, min(sms // max(1, T * hb), 4)) if splits else 1
+        return gpu_config(mode, H, num_splits=s)
+    programs = max(1, sms // 4)
+    s = max(1, min(math.ceil(programs / max(1, T)), 4)) if splits else 1
+    return gpu_config(mode, H, num_splits=s, programs=programs)
+
+
+@dataclasses.dataclass(frozen=True)
+class MissPlan:
+    """A launch shape and its scratch for up to ``max_tokens`` tokens of ``num_heads``
+    heads (from ``plan_miss_attention``; reuse it every step, capture included).
+
+    part_out: float32 [max_tokens, num_splits, H, 512] and part_lse: float32
+    [max_tokens, num_splits, H] (base-2 lse) when num_splits > 1, else None. The scratch
+    serves one call at a time: calls that may overlap (two streams) need a plan each.
+    """
+
+    mode: MissMode
+    config: MissConfig
+    max_tokens: int
+    num_heads: int
+    row_format: RowFormat
+    device: torch.device
+    part_out: torch.Tensor | None
+    part_lse: torch.Tensor | None
+
+
+def plan_miss_attention(*, mode: MissMode | str, max_tokens: int, num_heads: int,
+                        row_format: RowFormat | str, device: torch.device | str,
+                        config: MissConfig | None = None) -> MissPlan:
+    """Choose (or take) a ``MissConfig`` and allocate its scratch (this allocates: call
+    it once, before capture)."""
+    mode = MissMode(mode)
+    T = check_int("max_tokens", max_tokens, 1)
+    H = check_int("num_heads", num_heads, 1)
+    fmt = RowFormat.parse(row_format)
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    if config is None:
+        config = default_miss_config(mode, num_tokens=T, num_heads=H, device=dev)
+    elif not isinstance(config, MissConfig):
+        raise TypeError(f"config must be a MissConfig or None, got {type(config).__name__}")
+    S = config.num_splits
+    part_out = part_lse = None
+    if S > 1:
+        part_out = torch.empty((T, S, H, D_LATENT), dtype=torch.float32, device=dev)
+        part_lse = torch.empty((T, S, H), dtype=torch.float32, device=dev)
+    return MissPlan(mode, config, T, H, fmt, dev, part_out, part_lse)
+
+
+# ------------------------------------------------------------------ validation
+def _check_partial(out_name: str, out: object, lse_name: str, lse: object, T: int, H: int,
+                   device: torch.device, out_dtypes: tuple[torch.dtype, ...]) -> None:
+    check_tensor(out_name, out, dtype=out_dtypes, shape=(T, H, D_LATENT), device=device,
+                 contiguous=True)
+    check_tensor(lse_name, lse, dtype=torch.float32, shape=(T, H), device=device,
+                 contiguous=True)
+
+
+def _check_list(name: str, x: object, T: int, device: torch.device, K: int | None = None) -> int:
+    check_tensor(name, x, dtype=torch.int32, ndim=2, device=device)
+    if x.shape[0] != T or (K is not None and x.shape[1] != K):  # type: ignore[union-attr]
+        want = f"[T={T}, {'K' if K is None else f'K={K}'}]"
+        raise ValueError(f"{name} must be int32 {want}, got shape {list(x.shape)}")  # type: ignore[union-attr]
+    if x.numel() and x.stride(1) != 1:  # type: ignore[union-attr]
+        raise ValueError(f"{name} must have a contiguous last dimension, got strides {x.stride()}")  # type: ignore[union-attr]
+    return x.shape[1]  # type: ignore[union-attr]
+
+
+def _check_common(q: object, kv_rows: object, miss_idx: object, miss_counts: object,
+                  sm_scale: object, row_format: RowFormat | str) -> DecodeInputs:
+    """q, the hot rows, the miss lists and the scale; returns them as DecodeInputs
+    (indices = miss_idx, valid_counts = miss_counts)."""
+    check_tensor("q", q, dtype=torch.bfloat16, ndim=3)
+    T, dev = q.shape[0], q.device  # type: ignore[union-attr]
+    _check_list("miss_idx", miss_idx, T, dev)
+    check_tensor("miss_counts", miss_counts, dtype=torch.int32, shape=(T,), device=dev,
+                 contiguous=True)
+    return validate_decode_inputs(q, kv_rows, miss_idx, valid_counts=miss_counts,
+                                  sm_scale=sm_scale, row_format=row_format, check_ranges=False)
+
+
+def _check_plan(plan: object, mode: MissMode, inp: DecodeInputs) -> MissConfig:
+    """The plan's config (or the no-scratch default when plan is None), checked against
+    the call."""
+    T, H, dev = inp.num_tokens, inp.num_heads, inp.q.device
+    if plan is None:
+        return default_miss_config(mode, num_tokens=T, num_heads=H, device=dev, splits=False)
+    if not isinstance(plan, MissPlan):
+        raise TypeError(f"plan must be a MissPlan or None, got {type(plan).__name__}")
+    if plan.mode is not mode:
+        raise ValueError(f"plan was made for {plan.mode.value} mode, this call is {mode.value}")
+    if plan.num_heads != H or T > plan.max_tokens:
+        raise ValueError(f"plan covers {plan.max_tokens} tokens of {plan.num_heads} heads, the "
+                         f"call has {T} tokens of {H} heads")
+    if plan.row_format is not inp.row_format:
+        raise ValueError(f"plan is for {plan.row_format.value} rows, the call has "
+                         f"{inp.row_format.value}")
+    if not same_device(inp.q, plan.device):
+        raise ValueError(f"plan is on {plan.device}, the call on {dev}")
+    return plan.config
+
+
+def _on_device(dev: torch.device):
+    return torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
+
+
+# ------------------------------------------------------------------ merge
+def _validate_merge(out, lse, part_out, part_lse) -> None:
+    check_tensor("out", out, dtype=torch.bfloat16, ndim=3)
+    T, H, dev = out.shape[0], out.shape[1], out.device
+    _check_partial("out", out, "lse", lse, T, H, dev, (torch.bfloat16,))
+    _check_partial("part_out", part_out, "part_lse", part_lse, T, H, dev,
+                   (torch.float32, torch.bfloat16))
+
+
+def merge_lse_reference(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor,
+                        part_lse: torch.Tensor) -> None:
+    """In-place exact LSE merge (float32 math): see the module docstring.
+
+    out: bf16 [T, H, 512], lse: float32 [T, H] (natural log, -inf = empty): first
+    partial, overwritten with the merged result; part_out: float32 or bf16 [T, H, 512],
+    part_lse: float32 [T, H]: the second partial (read where part_lse > -inf).
+    """
+    _validate_merge(out, lse, part_out, part_lse)
+    _merge_reference(out, lse, part_out, part_lse)
+
+
+def _merge_reference(out, lse, part_out, part_lse) -> None:
+    ninf = float("-inf")
+    a, b = lse, part_lse
+    has_b = b > ninf
+    m = torch.maximum(a, b)
+    m_use = torch.where(m == ninf, torch.zeros_like(m), m)
+    ea, eb = torch.exp(a - m_use), torch.exp(b - m_use)
+    tot = ea + eb
+    safe = torch.where(tot > 0, tot, torch.ones_like(tot))
+    wa, wb = ea / safe, eb / safe
+    o_a = torch.where((a > ninf)[..., None], out.float(), 0.0)
+    o_b = torch.where(has_b[..., None], part_out.float(), 0.0)
+    merged = o_a * wa[..., None] + o_b * wb[..., None]
+    out.copy_(torch.where(has_b[..., None], merged.to(out.dtype), out))
+    lse.copy_(torch.where(has_b, m_use + torch.log(safe), lse))
+
+
+def merge_lse(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor,
+              part_lse: torch.Tensor, *, kernels: Kernels | str = Kernels.AUTO) -> None:
+    """Merge the partial (part_out, part_lse) into (out, lse) in place (shapes as
+    ``merge_lse_reference``). A (token, head) whose part_lse is -inf is not touched."""
+    impl = Kernels.parse(kernels)
+    _validate_merge(out, lse, part_out, part_lse)
+    impl = impl.pick(out.device)
+    if impl is Kernels.TORCH:
+        _merge_reference(out, lse, part_out, part_lse)
+        return
+    T, H = out.shape[0], out.shape[1]
+    if T == 0:
+        return
+    with _on_device(out.device):
+        miss_merge_kernel[(T, triton.cdiv(H, MERGE_BLOCK_H))](
+            out, lse, part_out, part_lse, H, BLOCK_H=MERGE_BLOCK_H, num_warps=4)
+
+
+# ------------------------------------------------------------------ split mode
+def _validate_split(q, kv_rows, miss_idx, miss_counts, out, lse, sm_scale, row_format):
+    inp = _check_common(q, kv_rows, miss_idx, miss_counts, sm_scale, row_format)
+    _check_partial("out", out, "lse", lse, inp.num_tokens, inp.num_heads, inp.q.device,
+                   (torch.bfloat16,))
+    return inp
+
+
+def miss_attention_merge_reference(q: torch.Tensor, kv_rows: torch.Tensor,
+                                   miss_idx: torch.Tensor, miss_counts: torch.Tensor,
+                                   out: torch.Tensor, lse: torch.Tensor, *, sm_scale: float,
+                                   row_format: RowFormat | str) -> None:
+    """Torch reference of ``miss_attention_merge`` (same arguments, in place)."""
+    inp = _validate_split(q, kv_rows, miss_idx, miss_counts, out, lse, sm_scale, row_format)
+    part_out, part_lse = sparse_mla_reference(inp, out_dtype=torch.float32)
+    _merge_reference(out, lse, part_out, part_lse)
+
+
+def miss_attention_merge(
+    q: torch.Tensor,  # bf16 [T, H, 576], last-dim stride 1
+    kv_rows: torch.Tensor,  # uint8 [N, 656] fp8_ds_mla, or bf16 [N, 576] / uint8 [N, 1152]
+    miss_idx: torch.Tensor,  # int32 [T, K] hot rows of the miss entries, -1 = padding
+    miss_counts: torch.Tensor,  # int32 [T] entries j < count are used (clamped to [0, K])
+    out: torch.Tensor,  # bf16 [T, H, 512] contiguous: hit partial in, merged result out
+    lse: torch.Tensor,  # float32 [T, H] natural log, -inf = no hit entry: in and out
+    *, sm_scale: float, row_format: RowFormat | str, plan: MissPlan | None = None,
+    kernels: Kernels | str = Kernels.AUTO,
+) -> None:
+    """Attend over each token's miss entries (rows already in ``kv_rows``) and merge the
+    result into the hit partial (out, lse) in place. A token with no miss costs its
+    programs one count load; a head whose misses are all padding is not written."""
+    impl = Kernels.parse(kernels)
+    inp = _validate_split(q, kv_rows, miss_idx, miss_counts, out, lse, sm_scale, row_format)
+    cfg = _check_plan(plan, MissMode.SPLIT, inp)
+    impl = impl.pick(inp.q.device)
+    if impl is Kernels.TORCH:
+        part_out, part_lse = sparse_mla_reference(inp, out_dtype=torch.float32)
+        _merge_reference(out, lse, part_out, part_lse)
+        return
+    q, kv, dev = inp.q, inp.kv_rows, inp.q.device
+    T, H, K, N = q.shape[0], q.shape[1], miss_idx.shape[1], kv.shape[0]
+    if T == 0 or K == 0 or N == 0:
+        return  # no entry can be valid
+    S = cfg.num_splits
+    part_out, part_lse = (plan.part_out, plan.part_lse) if S > 1 else (out, lse)
+    is_fp8 = inp.row_format is RowFormat.FP8_DS_MLA
+    with _on_device(dev):
+        miss_split_kernel[(T, triton.cdiv(H, cfg.block_h), S)](
+            q, kv, miss_idx, miss_counts, out, lse, part_out, part_lse, N, K, H,
+            q.stride(0), q.stride(1), kv.stride(0), miss_idx.stride(0), inp.sm_scale * LOG2E,
+            IS_FP8=is_fp8, NUM_SPLITS=S, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
+            ISOLATE_QK=cfg.isolate_qk, PREFETCH=int(cfg.prefetch and dev.type == "cuda"),
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        if S > 1:
+            miss_combine_kernel[(T, triton.cdiv(H, MERGE_BLOCK_H))](
+                part_out, part_lse, miss_counts, out, lse, K, H, HAS_BASE=True, NUM_SPLITS=S,
+                BLOCK_N=cfg.block_n, BLOCK_H=MERGE_BLOCK_H, num_warps=4)
+
+
+# ------------------------------------------------------------------ fused mode
+@dataclasses.dataclass(frozen=True)
+class _Fused:
+    inp: DecodeInputs
+    kv_bytes: torch.Tensor  # uint8 [N, row_bytes], the same memory as inp.kv_rows
+    host_rows: torch.Tensor  # uint8 [NH, row_bytes]
+
+
+def _validate_fused(q, host_rows, miss_host, kv_rows, miss_idx, miss_counts, part_out, part_lse,
+                    sm_scale, row_format, *, need_pinned: bool) -> _Fused:
+    inp = _check_common(q, kv_rows, miss_idx, miss_counts, sm_scale, row_format)
+    T, H, dev, fmt = inp.num_tokens, inp.num_heads, inp.q.device, inp.row_format
+    rb = fmt.row_bytes
+    _check_list("miss_host", miss_host, T, dev, K=miss_idx.shape[1])
+    _check_partial("part_out", part_out, "part_lse", part_lse, T, H, dev,
+                   (torch.float32, torch.bfloat16))
+    check_tensor("host_rows", host_rows, dtype=torch.uint8, ndim=2)
+    if host_rows.shape[1] != rb:
+        raise ValueError(f"host_rows must be uint8 [NH, {rb}] ({fmt.value} rows), got shape "
+                         f"{list(host_rows.shape)}")
+    if host_rows.device.type != "cpu" and not same_device(host_rows, dev):
+        raise ValueError(f"host_rows is on {host_rows.device}: it must be a (pinned) CPU tensor "
+                         f"or on {dev}, where the kernel runs")
+    kv = inp.kv_rows
+    kv_bytes = kv if kv.dtype == torch.uint8 else kv.view(torch.uint8)
+    for name, t in (("host_rows", host_rows), ("kv_rows", kv_bytes)):
+        problem = rows_layout_problem(t, rb)
+        if problem is not None:
+            raise ValueError(f"{name} must be packed rows of {rb} bytes, 16-byte aligned (the "
+                             f"kernel copies them as 16-byte vectors): {problem}")
+    if (need_pinned and host_rows.device.type == "cpu" and host_rows.numel()
+            and not torch.cuda.is_current_stream_capturing() and not is_pinned_host(host_rows)):
+        # is_pinned asks the driver; skipped while capturing (the eager warm-up checked it)
+        raise ValueError(f"host_rows is a CPU tensor that is not pinned; the kernel on {dev} can "
+                         "only read page-locked host memory (use hisparse.device.PinnedBuffer)")
+    return _Fused(inp, kv_bytes, host_rows)
+
+
+def _fused_reference(f: _Fused, miss_host, miss_idx, miss_counts, part_out, part_lse) -> None:
+    inp = f.inp
+    T, K = miss_idx.shape
+    dev = inp.q.device
+    N, NH = f.kv_bytes.shape[0], f.host_rows.shape[0]
+    j = torch.arange(K, device=dev)
+    valid = ((j[None, :] < miss_counts.to(torch.int64)[:, None]) & (miss_idx >= 0)
+             & (miss_idx < N) & (miss_host >= 0) & (miss_host < NH))
+    slots = miss_idx[valid].to(torch.int64)
+    hosts = miss_host[valid].to(torch.int64)
+    if slots.numel():
+        f.kv_bytes[slots] = f.host_rows[hosts.to(f.host_rows.device)].to(dev)
+    idx = torch.where(valid, miss_idx, torch.full_like(miss_idx, -1))
+    po, pl = sparse_mla_reference(dataclasses.replace(inp, indices=idx, valid_counts=None),
+                                  out_dtype=torch.float32)
+    part_out.copy_(po)
+    part_lse.copy_(pl)
+
+
+def fused_miss_attention_reference(q, host_rows, miss_host, kv_rows, miss_idx, miss_counts,
+                                   part_out, part_lse, *, sm_scale, row_format) -> None:
+    """Torch reference of ``fused_miss_attention`` (same arguments). It writes part_out
+    in full (0 where part_lse is -inf)."""
+    f = _validate_fused(q, host_rows, miss_host, kv_rows, miss_idx, miss_counts, part_out,
+                        part_lse, sm_scale, row_format, need_pinned=False)
+    _fused_reference(f, miss_host, miss_idx, miss_counts, part_out, part_lse)
+
+
+def fused_miss_attention(
+    q: torch.Tensor,  # bf16 [T, H, 576], last-dim stride 1
+    host_rows: torch.Tensor,  # uint8 [NH, row_bytes] packed, 16-byte aligned; pinned CPU memory
+    miss_host: torch.Tensor,  # int32 [T, K] host row of each miss entry, -1 = padding
+    kv_rows: torch.Tensor,  # uint8 [N, 656] / bf16 [N, 576] / uint8 [N, 1152]: hot rows, packed
+    miss_idx: torch.Tensor,  # int32 [T, K] hot row each miss entry is written to, -1 = padding
+    miss_counts: torch.Tensor,  # int32 [T] entries j < count are used (clamped to [0, K])
+    part_out: torch.Tensor,  # float32 or bf16 [T, H, 512] contiguous: the miss partial (out)
+    part_lse: torch.Tensor,  # float32 [T, H] natural log, -inf = no valid miss entry (out)
+    *, sm_scale: float, row_format: RowFormat | str, plan: MissPlan | None = None,
+    kernels: Kernels | str = Kernels.AUTO,
+) -> None:
+    """Copy each valid miss entry's host row into its hot row (byte for byte) and attend
+    over the token's miss rows, writing the miss partial (part_out, part_lse) for a later
+    ``merge_lse``. An entry is valid when j < count and both its host row (in [0, NH))
+    and hot row (in [0, N)) are in range; nothing else of kv_rows is written. part_out is
+    defined where part_lse is finite; elsewhere its contents are unspecified (the kernel
+    does not write it for a token without misses). Two valid entries naming one hot row
+    with different host rows leave either row there (the resolve never emits that).
+
+    ``host_rows`` may also be a tensor on q's device (the same kernel, no PCIe).
+    """
+    impl = Kernels.parse(kernels)
+    dev = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
+    f = _validate_fused(q, host_rows, miss_host, kv_rows, miss_idx, miss_counts, part_out,
+                        part_lse, sm_scale, row_format, need_pinned=dev.type == "cuda")
+    inp = f.inp
+    cfg = _check_plan(plan, MissMode.FUSED, inp)
+    impl = impl.pick(dev)
+    if impl is Kernels.TORCH:
+        _fused_reference(f, miss_host, miss_idx, miss_counts, part_out, part_lse)
+        return
+    T, H, K = inp.num_tokens, inp.num_heads, miss_idx.shape[1]
+    N, NH = f.kv_bytes.shape[0], f.host_rows.shape[0]
+    if T == 0:
+        return
+    if K == 0 or N == 0 or NH == 0:
+        part_lse.fill_(float("-inf"))  # no entry can be valid
+        return
+    S = cfg.num_splits
+    items = T * S
+    nprog = items if cfg.programs is None else min(items, cfg.programs)
+    po, pl = (plan.part_out, plan.part_lse) if S > 1 else (part_out, part_lse)
+    fmt = inp.row_format
+    rw = fmt.row_bytes // 4
+    kv = inp.kv_rows
+    with _on_device(dev):
+        miss_fused_kernel[(nprog,)](
+            inp.q, f.host_rows.view(torch.int32), miss_host, kv, miss_idx, miss_counts, po, pl,
+            NH, N, K, H, T, inp.q.stride(0), inp.q.stride(1), miss_idx.stride(0),
+            miss_host.stride(0), kv.stride(0), inp.sm_scale * LOG2E, nprog,
+            IS_FP8=fmt is RowFormat.FP8_DS_MLA, RW=rw, RWB=triton.next_power_of_2(rw),
+            COPY_ROWS=cfg.copy_rows, NUM_SPLITS=S, NUM_HB=triton.cdiv(H, cfg.block_h),
+            BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, ISOLATE_QK=cfg.isolate_qk,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        if S > 1:
+            miss_combine_kernel[(T, triton.cdiv(H, MERGE_BLOCK_H))](
+                po, pl, miss_counts, part_out, part_lse, K, H, HAS_BASE=False, NUM_SPLITS=S,
+                BLOCK_N=cfg.block_n, BLOCK_H=MERGE_BLOCK_H, num_warps=4)
+
+
+__all__ = ["MissMode", "MissConfig", "MissPlan", "gpu_config", "default_miss_config",
+           "plan_miss_attention",
+           "merge_lse", "merge_lse_reference", "miss_attention_merge",
+           "miss_attention_merge_reference", "fused_miss_attention",
+           "fused_miss_attention_reference"]

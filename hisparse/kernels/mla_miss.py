@@ -1,0 +1,466 @@
+"""Triton bodies of miss attention: sparse-MLA attention over each query token's *miss*
+entries, merged exactly (LSE merge) with the partial result of its *hit* entries.
+Launchers, references and the math contract: ``hisparse.attention.miss``.
+
+Notation: T query tokens, H heads, K miss-list capacity per token, N hot rows, NH host
+rows, S splits of a token's miss list (NUM_SPLITS), HB = cdiv(H, BLOCK_H) head blocks.
+Token t's miss list is entries j < c_t = clamp(counts[t], 0, K) of row t of the index
+lists; an entry whose hot row (and, fused, host row) is -1 or out of range is padding:
+never dereferenced, never written.
+
+Split s of a token takes the entries [s * r, min((s + 1) * r, c_t)) with r =
+cdiv(cdiv(c_t, S), BLOCK_N) * BLOCK_N (``_slice``): the work goes where the misses
+are, while the launch shape depends on T, H and S only (no device value reaches the
+host; CUDA-graph capturable). A token with c_t = 0 costs each of its programs one
+count load.
+
+Kernels:
+- ``miss_merge_kernel``: in-place LSE merge of one partial result into another
+  (natural-log lse in and out). Grid (T, cdiv(H, BLOCK_H)); a head whose second lse is
+  -inf is neither read nor written.
+- ``miss_split_kernel``: the miss rows are already in the hot buffer. Grid (T, HB, S).
+  Each program gathers BLOCK_N rows at a time once for BLOCK_H heads (fp8 rows
+  dequantised in registers, exact: power-of-two scales), runs a base-2 online softmax
+  with tl.dot (the helpers of ``mla_decode``), and with S = 1 merges its result into
+  the hit partial in the epilogue (one launch); with S > 1 it writes a float32 partial
+  and ``miss_combine_kernel`` merges the splits and the hit partial.
+- ``miss_fused_kernel``: the miss rows are still in pinned host memory (read over UVA).
+  A persistent grid of NPROG programs walks the T * S work items (t, s). Per item:
+  phase 1 copies the slice's rows host -> hot slot (16-byte vectors, COPY_ROWS rows
+  per load, the next chunk's loads issued before the current chunk is stored: two
+  chunks in flight); a CTA barrier makes the stores visible to the whole program;
+  phase 2 loops over the HB head blocks and attends over the slice's rows, read back
+  from the hot buffer (L2-resident: just written). So each host row crosses PCIe once
+  whatever H is, and the hot slot is filled for later steps in the same pass. With
+  S = 1 it writes the miss partial (natural lse) itself; with S > 1 float32 partials
+  that ``miss_combine_kernel`` combines.
+- ``miss_combine_kernel``: merges the S float32 partials of a token (base-2 lse),
+  either into the hit partial in place (HAS_BASE) or into a fresh miss partial.
+
+Merge math (base 2 inside, natural log at the interface): with a, b the two lses and
+m = max(a, b): w_a = 2^(a - m) / (2^(a - m) + 2^(b - m)), likewise w_b; out = w_a *
+out_a + w_b * out_b; lse = m + log2(2^(a - m) + 2^(b - m)). The weights are formed
+from differences of the inputs (never from the rounded merged lse), and a side with
+lse = -inf has weight 0 and its output is not read.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .mla_decode import LN2, _finish, _online_softmax, _prefetch_rows, _tile
+
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+
+
+# ------------------------------------------------------------------ helpers
+@triton.jit
+def _slice(c, sp, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[lo, hi): the entries of split sp of a miss list with c entries (see the module
+    docstring); empty when the split has no work."""
+    rps = tl.cdiv(tl.cdiv(c, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = sp * rps
+    return lo, tl.minimum(lo + rps, c)
+
+
+@triton.jit
+def _count(cnt_ptr, t, K):
+    """clamp(counts[t], 0, K)."""
+    return tl.minimum(tl.maximum(tl.load(cnt_ptr + t), 0), K)
+
+
+@triton.jit
+def _load_rows(kv_ptr, slot, valid, kv_stride, IS_FP8: tl.constexpr):
+    """The rows ``slot`` int32 [BLOCK_N] of the hot buffer where ``valid`` (elsewhere
+    zeros; the memory of an invalid entry is never touched) as bf16 tiles: the four
+    latent tiles [BLOCK_N, 128] and the RoPE part [BLOCK_N, 64]. kv_stride: bytes
+    (fp8_ds_mla) or bf16 elements between rows."""
+    row_off = tl.where(valid, slot, 0).to(tl.int64) * kv_stride
+    cols = tl.arange(0, 128)
+    ptrs = kv_ptr + row_off[:, None] + cols[None, :]
+    vm = valid[:, None]
+    r = tl.arange(0, 64)
+    if IS_FP8:
+        sptr = (kv_ptr + row_off + 512).to(tl.pointer_type(tl.float32))
+        k0 = _tile(tl.load(ptrs, mask=vm, other=0), tl.load(sptr, mask=valid, other=0.0), True)
+        k1 = _tile(tl.load(ptrs + 128, mask=vm, other=0), tl.load(sptr + 1, mask=valid, other=0.0),
+                   True)
+        k2 = _tile(tl.load(ptrs + 256, mask=vm, other=0), tl.load(sptr + 2, mask=valid, other=0.0),
+                   True)
+        k3 = _tile(tl.load(ptrs + 384, mask=vm, other=0), tl.load(sptr + 3, mask=valid, other=0.0),
+                   True)
+        rbase = (kv_ptr + row_off + 528).to(tl.pointer_type(tl.bfloat16))
+        kr = tl.load(rbase[:, None] + r[None, :], mask=vm, other=0.0)
+    else:
+        k0 = tl.load(ptrs, mask=vm, other=0.0)
+        k1 = tl.load(ptrs + 128, mask=vm, other=0.0)
+        k2 = tl.load(ptrs + 256, mask=vm, other=0.0)
+        k3 = tl.load(ptrs + 384, mask=vm, other=0.0)
+        kr = tl.load(kv_ptr + row_off[:, None] + 512 + r[None, :], mask=vm, other=0.0)
+    return k0, k1, k2, k3, kr
+
+
+@triton.jit
+def _entries(slot_row, host_row, kk, hi, N, NH, CHECK_HOST: tl.constexpr):
+    """(hot rows int32, valid bool) of the entries kk int [BLOCK_N] of one miss list:
+    valid = kk < hi, the hot row in [0, N) and, with CHECK_HOST, the host row in [0, NH)."""
+    inr = kk < hi
+    slot = tl.load(slot_row + kk, mask=inr, other=-1)
+    valid = inr & (slot >= 0) & (slot < N)
+    if CHECK_HOST:
+        hrow = tl.load(host_row + kk, mask=inr, other=-1)
+        valid = valid & (hrow >= 0) & (hrow < NH)
+    return slot, valid
+
+
+@triton.jit
+def _attend(q_ptr, kv_ptr, slot_row, host_row, t, hb, lo, hi, N, NH, H, q_stride_t, q_stride_h,
+            kv_stride, qk_scale_log2, one, CHECK_HOST: tl.constexpr, IS_FP8: tl.constexpr,
+            BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, ISOLATE_QK: tl.constexpr,
+            PREFETCH: tl.constexpr):
+    """Online-softmax attention of head block hb of token t over the entries [lo, hi) of
+    its miss list. Returns (heads, head mask, acc0..acc3 float32 [BLOCK_H, 128] (not yet
+    divided by l), m_i, l_i float32 [BLOCK_H], base 2).
+
+    ISOLATE_QK: each q . k^T dot in its own one-trip loop, as in ``mla_decode`` (keeps
+    Triton from laying the dot out over all warps along the heads at BLOCK_H = 64); ``one``
+    is the trip count, a runtime 1 the compiler cannot fold (``_runtime_one``).
+    PREFETCH: ask L2 for the next block's rows each iteration (inline PTX; CUDA only).
+    """
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < H
+    d = tl.arange(0, 128)
+    q_row = q_ptr + t * q_stride_t + heads.to(tl.int64)[:, None] * q_stride_h
+    q0 = tl.load(q_row + d[None, :], mask=hmask[:, None], other=0.0)
+    q1 = tl.load(q_row + 128 + d[None, :], mask=hmask[:, None], other=0.0)
+    q2 = tl.load(q_row + 256 + d[None, :], mask=hmask[:, None], other=0.0)
+    q3 = tl.load(q_row + 384 + d[None, :], mask=hmask[:, None], other=0.0)
+    qr = tl.load(q_row + 512 + tl.arange(0, 64)[None, :], mask=hmask[:, None], other=0.0)
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc0 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        kk = start + tl.arange(0, BLOCK_N)
+        if PREFETCH > 0:
+            nslot, nvalid = _entries(slot_row, host_row, kk + BLOCK_N, hi, N, NH, False)
+            if IS_FP8:
+                _prefetch_rows(kv_ptr, tl.where(nvalid, nslot, 0).to(tl.int64) * kv_stride,
+                               656, 8, False)
+            else:
+                _prefetch_rows(kv_ptr, tl.where(nvalid, nslot, 0).to(tl.int64) * (kv_stride * 2),
+                               1152, 16, False)
+        slot, valid = _entries(slot_row, host_row, kk, hi, N, NH, CHECK_HOST)
+        k0, k1, k2, k3, kr = _load_rows(kv_ptr, slot, valid, kv_stride, IS_FP8)
+        if ISOLATE_QK:
+            s = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
+            for _ in range(0, one):
+                s = tl.dot(q0, tl.trans(k0), s)
+            for _ in range(0, one):
+                s = tl.dot(q1, tl.trans(k1), s)
+            for _ in range(0, one):
+                s = tl.dot(q2, tl.trans(k2), s)
+            for _ in range(0, one):
+                s = tl.dot(q3, tl.trans(k3), s)
+            for _ in range(0, one):
+                s = tl.dot(qr, tl.trans(kr), s)
+        else:
+            s = tl.dot(q0, tl.trans(k0))
+            s = tl.dot(q1, tl.trans(k1), s)
+            s = tl.dot(q2, tl.trans(k2), s)
+            s = tl.dot(q3, tl.trans(k3), s)
+            s = tl.dot(qr, tl.trans(kr), s)
+        p, alpha, m_new, l_i = _online_softmax(s, valid, m_i, l_i, qk_scale_log2)
+        pb = p.to(tl.bfloat16)
+        acc0 = tl.dot(pb, k0, acc0 * alpha[:, None])
+        acc1 = tl.dot(pb, k1, acc1 * alpha[:, None])
+        acc2 = tl.dot(pb, k2, acc2 * alpha[:, None])
+        acc3 = tl.dot(pb, k3, acc3 * alpha[:, None])
+        m_i = m_new
+    return heads, hmask, acc0, acc1, acc2, acc3, m_i, l_i
+
+
+@triton.jit
+def _runtime_one(K):
+    """1 as a value the compiler cannot fold (K > 0 whenever a kernel runs; K is not
+    specialised), the trip count of ISOLATE_QK's loops. A constant 1 would let the
+    compiler remove them: lo is the constant 0 in a fused kernel with one split."""
+    return (K > 0).to(tl.int32)
+
+
+@triton.jit
+def _merge_weights(a2, b2):
+    """Weights of the two sides and the merged lse (all base 2) of lse a2, b2 float32
+    [BLOCK_H] (see the module docstring). Where both are -inf: weights 0, lse -inf."""
+    m = tl.maximum(a2, b2)
+    m_use = tl.where(m == float("-inf"), 0.0, m)
+    ea = tl.exp2(a2 - m_use)
+    eb = tl.exp2(b2 - m_use)
+    tot = ea + eb
+    has = tot > 0.0
+    inv = tl.where(has, 1.0 / tl.where(has, tot, 1.0), 0.0)
+    return ea * inv, eb * inv, tl.where(has, m_use + tl.log2(tl.where(has, tot, 1.0)),
+                                        float("-inf"))
+
+
+@triton.jit
+def _merge_tile(out_ptr, o_off, wa, wb, part, read_a, has_b):
+    """out[o_off] = wa * out[o_off] + wb * part for the rows where has_b (a
+    [BLOCK_H, 128] tile; out is read only where read_a)."""
+    o = tl.load(out_ptr + o_off, mask=read_a[:, None], other=0.0).to(tl.float32)
+    tl.store(out_ptr + o_off, o * wa[:, None] + part * wb[:, None], mask=has_b[:, None])
+
+
+@triton.jit
+def _merge_into(out_ptr, lse_ptr, t, heads, hmask, H, acc0, acc1, acc2, acc3, inv_l, b2):
+    """Merge a normalised-on-the-fly miss result (acc_i * inv_l, base-2 lse b2) into the
+    partial (out bf16 [T, H, 512], lse float32 [T, H] natural) of token t in place;
+    heads whose b2 is -inf are neither read nor written."""
+    lp = lse_ptr + t * H + heads
+    has_b = hmask & (b2 > float("-inf"))
+    a2 = tl.load(lp, mask=has_b, other=float("-inf")) * LOG2E
+    wa, wb, lse2 = _merge_weights(a2, b2)
+    wb = wb * inv_l
+    read_a = has_b & (a2 > float("-inf"))
+    d = tl.arange(0, 128)
+    o_off = (t * H + heads.to(tl.int64))[:, None] * 512 + d[None, :]
+    _merge_tile(out_ptr, o_off, wa, wb, acc0, read_a, has_b)
+    _merge_tile(out_ptr, o_off + 128, wa, wb, acc1, read_a, has_b)
+    _merge_tile(out_ptr, o_off + 256, wa, wb, acc2, read_a, has_b)
+    _merge_tile(out_ptr, o_off + 384, wa, wb, acc3, read_a, has_b)
+    tl.store(lp, lse2 * LN2, mask=has_b)
+
+
+@triton.jit
+def _store_result(o_ptr, l_ptr, base, hmask, acc0, acc1, acc2, acc3, inv_l, lse2,
+                  NATURAL: tl.constexpr):
+    """Store a normalised result: o_ptr[base, :512] = acc_i * inv_l, l_ptr[base] = lse
+    (natural log when NATURAL, else base 2). base int64 [BLOCK_H] row numbers."""
+    d = tl.arange(0, 128)
+    o_row = o_ptr + base[:, None] * 512 + d[None, :]
+    hm = hmask[:, None]
+    tl.store(o_row, acc0 * inv_l[:, None], mask=hm)
+    tl.store(o_row + 128, acc1 * inv_l[:, None], mask=hm)
+    tl.store(o_row + 256, acc2 * inv_l[:, None], mask=hm)
+    tl.store(o_row + 384, acc3 * inv_l[:, None], mask=hm)
+    if NATURAL:
+        tl.store(l_ptr + base, lse2 * LN2, mask=hmask)
+    else:
+        tl.store(l_ptr + base, lse2, mask=hmask)
+
+
+# ------------------------------------------------------------------ kernels
+@triton.jit
+def miss_merge_kernel(
+    out_ptr,  # bf16 [T, H, 512] contiguous: first partial in, merged result out
+    lse_ptr,  # float32 [T, H] natural log, -inf = no entry: in and out
+    part_out_ptr,  # float32 or bf16 [T, H, 512] contiguous: second partial
+    part_lse_ptr,  # float32 [T, H] natural log, -inf = no entry
+    H,
+    BLOCK_H: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < H
+    base = t * H + heads
+    b2 = tl.load(part_lse_ptr + base, mask=hmask, other=float("-inf")) * LOG2E
+    has_b = hmask & (b2 > float("-inf"))
+    if tl.max(has_b.to(tl.int32), axis=0) > 0:
+        a2 = tl.load(lse_ptr + base, mask=has_b, other=float("-inf")) * LOG2E
+        wa, wb, lse2 = _merge_weights(a2, b2)
+        read_a = has_b & (a2 > float("-inf"))
+        d = tl.arange(0, 512)
+        off = base[:, None] * 512 + d[None, :]
+        o = tl.load(out_ptr + off, mask=read_a[:, None], other=0.0).to(tl.float32)
+        p = tl.load(part_out_ptr + off, mask=has_b[:, None], other=0.0).to(tl.float32)
+        tl.store(out_ptr + off, o * wa[:, None] + p * wb[:, None], mask=has_b[:, None])
+        tl.store(lse_ptr + base, lse2 * LN2, mask=has_b)
+
+
+@triton.jit(do_not_specialize=["N", "K"])
+def miss_split_kernel(
+    q_ptr,  # bf16 [T, H, 576], last-dim stride 1
+    kv_ptr,  # uint8 [N, 656] (IS_FP8) or bf16 [N, 576]; last-dim stride 1
+    idx_ptr,  # int32 [T, K] hot rows of the miss entries (-1 / out of range = padding)
+    cnt_ptr,  # int32 [T] miss counts (clamped to [0, K])
+    out_ptr,  # bf16 [T, H, 512] contiguous: the hit partial, merged in place (NUM_SPLITS 1)
+    lse_ptr,  # float32 [T, H] natural log: the hit lse, merged in place (NUM_SPLITS 1)
+    part_out_ptr,  # float32 [T, NUM_SPLITS, H, 512] (NUM_SPLITS > 1)
+    part_lse_ptr,  # float32 [T, NUM_SPLITS, H] base 2 (NUM_SPLITS > 1)
+    N, K, H,  # hot rows, miss-list capacity, heads
+    q_stride_t, q_stride_h,  # elements
+    kv_stride,  # bytes (fp8) or elements (bf16) between rows
+    idx_stride,  # elements between index rows
+    qk_scale_log2,  # sm_scale * log2(e)
+    IS_FP8: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ISOLATE_QK: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    hb = tl.program_id(1)
+    sp = tl.program_id(2)
+    lo, hi = _slice(_count(cnt_ptr, t, K), sp, NUM_SPLITS, BLOCK_N)
+    if lo < hi:
+        idx_row = idx_ptr + t * idx_stride
+        heads, hmask, acc0, acc1, acc2, acc3, m_i, l_i = _attend(
+            q_ptr, kv_ptr, idx_row, idx_row, t, hb, lo, hi, N, N, H, q_stride_t, q_stride_h,
+            kv_stride, qk_scale_log2, _runtime_one(K), False, IS_FP8, BLOCK_H, BLOCK_N,
+            ISOLATE_QK, PREFETCH)
+        inv_l, lse2 = _finish(m_i, l_i)
+        if NUM_SPLITS == 1:
+            _merge_into(out_ptr, lse_ptr, t, heads, hmask, H, acc0, acc1, acc2, acc3, inv_l, lse2)
+        else:
+            base = (t * NUM_SPLITS + sp) * H + heads.to(tl.int64)
+            _store_result(part_out_ptr, part_lse_ptr, base, hmask, acc0, acc1, acc2, acc3,
+                          inv_l, lse2, False)
+
+
+@triton.jit(do_not_specialize=["K"])
+def miss_combine_kernel(
+    part_out_ptr,  # float32 [T, NUM_SPLITS, H, 512]
+    part_lse_ptr,  # float32 [T, NUM_SPLITS, H] base 2 (read only for splits with work)
+    cnt_ptr,  # int32 [T] miss counts (the same the partials were made from)
+    out_ptr,  # HAS_BASE: bf16 [T, H, 512] hit partial, merged in place; else float32 or
+    #           bf16 [T, H, 512], the miss partial (written where its lse is finite)
+    lse_ptr,  # float32 [T, H] natural log (HAS_BASE: in and out; else written for every head)
+    K, H,
+    HAS_BASE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # the slicing granularity of the partials' kernel
+    BLOCK_H: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = heads < H
+    c = _count(cnt_ptr, t, K)
+    lp = lse_ptr + t * H + heads
+    if c > 0:
+        rps = tl.cdiv(tl.cdiv(c, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        d = tl.arange(0, 512)
+        # the miss splits first (online, base 2), then the hit partial
+        m = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        tot = tl.zeros([BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_H, 512], dtype=tl.float32)
+        for sp in tl.static_range(NUM_SPLITS):
+            base = (t * NUM_SPLITS + sp) * H + heads.to(tl.int64)
+            b = tl.load(part_lse_ptr + base, mask=hmask & (sp * rps < c), other=float("-inf"))
+            m_new = tl.maximum(m, b)
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m - m_use)
+            beta = tl.exp2(b - m_use)
+            part = tl.load(part_out_ptr + base[:, None] * 512 + d[None, :],
+                           mask=(b > float("-inf"))[:, None], other=0.0)
+            acc = acc * alpha[:, None] + part * beta[:, None]
+            tot = tot * alpha + beta
+            m = m_new
+        has_b = hmask & (tot > 0.0)
+        inv = tl.where(has_b, 1.0 / tl.where(has_b, tot, 1.0), 0.0)
+        b2 = tl.where(has_b, m + tl.log2(tl.where(has_b, tot, 1.0)), float("-inf"))
+        off = (t * H + heads.to(tl.int64))[:, None] * 512 + d[None, :]
+        if HAS_BASE:
+            a2 = tl.load(lp, mask=has_b, other=float("-inf")) * LOG2E
+            wa, wb, lse2 = _merge_weights(a2, b2)
+            read_a = has_b & (a2 > float("-inf"))
+            o = tl.load(out_ptr + off, mask=read_a[:, None], other=0.0).to(tl.float32)
+            tl.store(out_ptr + off, o * wa[:, None] + acc * (wb * inv)[:, None],
+                     mask=has_b[:, None])
+            tl.store(lp, lse2 * LN2, mask=has_b)
+        else:
+            tl.store(out_ptr + off, acc * inv[:, None], mask=has_b[:, None])
+            tl.store(lp, b2 * LN2, mask=hmask)
+    else:
+        if not HAS_BASE:
+            tl.store(lp, tl.full([BLOCK_H], float("-inf"), dtype=tl.float32), mask=hmask)
+
+
+@triton.jit
+def _copy_chunk_load(host_ptr, hrow_ptr, srow_ptr, start, hi, NH, N, lanes, cols,
+                     RW: tl.constexpr):
+    """Issue the host loads of the entries [start, start + COPY_ROWS) of a miss list.
+    Returns (words int32 [COPY_ROWS, RWB], destination rows int64 [COPY_ROWS], ok bool
+    [COPY_ROWS]). Entries at or beyond hi, or with a host or hot row out of range, load
+    nothing and are not stored."""
+    kk = start + lanes
+    inr = kk < hi
+    src = tl.load(hrow_ptr + kk, mask=inr, other=-1)
+    dst = tl.load(srow_ptr + kk, mask=inr, other=-1)
+    ok = inr & (src >= 0) & (src < NH) & (dst >= 0) & (dst < N)
+    x = tl.load(host_ptr + src.to(tl.int64)[:, None] * RW + cols[None, :],
+                mask=ok[:, None] & (cols < RW)[None, :], other=0)
+    return x, dst.to(tl.int64), ok
+
+
+@triton.jit(do_not_specialize=["NH", "N", "K", "T", "NPROG"])
+def miss_fused_kernel(
+    q_ptr,  # bf16 [T, H, 576], last-dim stride 1
+    host_ptr,  # int32 [NH, RW]: the host rows (pinned, read over UVA) viewed as words
+    hidx_ptr,  # int32 [T, K] host row of each miss entry (-1 / out of range = padding)
+    kv_ptr,  # uint8 [N, 656] (IS_FP8) or bf16 [N, 576]: the hot rows, packed, 16-byte aligned
+    idx_ptr,  # int32 [T, K] hot row of each miss entry (written, then attended)
+    cnt_ptr,  # int32 [T] miss counts (clamped to [0, K])
+    part_out_ptr,  # NUM_SPLITS 1: float32 or bf16 [T, H, 512]; else float32 [T, S, H, 512]
+    part_lse_ptr,  # NUM_SPLITS 1: float32 [T, H] natural log; else float32 [T, S, H] base 2
+    NH, N, K, H, T,  # host rows, hot rows, miss-list capacity, heads, tokens
+    q_stride_t, q_stride_h,  # elements
+    idx_stride, hidx_stride,  # elements between index rows
+    kv_stride,  # bytes (fp8) or bf16 elements between hot rows (= 4 RW or 2 RW: packed)
+    qk_scale_log2,  # sm_scale * log2(e)
+    NPROG,  # programs in the grid (the persistent loop's stride)
+    IS_FP8: tl.constexpr,
+    RW: tl.constexpr,  # int32 words per row (164 fp8_ds_mla, 288 bf16)
+    RWB: tl.constexpr,  # next power of two >= RW
+    COPY_ROWS: tl.constexpr,  # rows per host load (power of two)
+    NUM_SPLITS: tl.constexpr,
+    NUM_HB: tl.constexpr,  # cdiv(H, BLOCK_H)
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ISOLATE_QK: tl.constexpr,
+):
+    kv_words = kv_ptr.to(tl.pointer_type(tl.int32))
+    lanes = tl.arange(0, COPY_ROWS)
+    cols = tl.arange(0, RWB)
+    item = tl.program_id(0)
+    while item < T * NUM_SPLITS:
+        t = (item // NUM_SPLITS).to(tl.int64)
+        sp = item % NUM_SPLITS
+        lo, hi = _slice(_count(cnt_ptr, t, K), sp, NUM_SPLITS, BLOCK_N)
+        idx_row = idx_ptr + t * idx_stride
+        hidx_row = hidx_ptr + t * hidx_stride
+        if lo < hi:
+            # phase 1: host -> hot slot, two chunks in flight
+            x, dst, ok = _copy_chunk_load(host_ptr, hidx_row, idx_row, lo, hi, NH, N, lanes,
+                                          cols, RW)
+            for start in range(lo + COPY_ROWS, hi + COPY_ROWS, COPY_ROWS):
+                x_n, dst_n, ok_n = _copy_chunk_load(host_ptr, hidx_row, idx_row, start, hi, NH,
+                                                    N, lanes, cols, RW)
+                tl.store(kv_words + dst[:, None] * RW + cols[None, :], x,
+                         mask=ok[:, None] & (cols < RW)[None, :])
+                x, dst, ok = x_n, dst_n, ok_n
+            tl.debug_barrier()  # the slice's rows are in the hot buffer for every thread
+            # phase 2: every head block attends over the slice (rows from L2)
+            for hb in range(0, NUM_HB):
+                heads, hmask, acc0, acc1, acc2, acc3, m_i, l_i = _attend(
+                    q_ptr, kv_ptr, idx_row, hidx_row, t, hb, lo, hi, N, NH, H, q_stride_t,
+                    q_stride_h, kv_stride, qk_scale_log2, _runtime_one(K), True, IS_FP8,
+                    BLOCK_H, BLOCK_N, ISOLATE_QK, 0)
+                inv_l, lse2 = _finish(m_i, l_i)
+                if NUM_SPLITS == 1:
+                    _store_result(part_out_ptr, part_lse_ptr, t * H + heads.to(tl.int64), hmask,
+                                  acc0, acc1, acc2, acc3, inv_l, lse2, True)
+                else:
+                    _store_result(part_out_ptr, part_lse_ptr,
+                                  (t * NUM_SPLITS + sp) * H + heads.to(tl.int64), hmask,
+                                  acc0, acc1, acc2, acc3, inv_l, lse2, False)
+        else:
+            if NUM_SPLITS == 1:  # no misses: lse = -inf (part_out is left as it is)
+                for hb in range(0, NUM_HB):
+                    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+                    tl.store(part_lse_ptr + t * H + heads,
+                             tl.full([BLOCK_H], float("-inf"), dtype=tl.float32), mask=heads < H)
+        item += NPROG
