@@ -49,6 +49,7 @@ import torch
 from .._checks import check_int, check_tensor
 from ..cache.cache import HiSparseCache
 from ..config import HiSparseConfig
+from ..decode.layer import DecodeLayer
 from ..errors import CapacityError
 from ..formats import D_ROW, RowFormat
 from ..staging.prefill import StageRequests, stage_prefill
@@ -125,6 +126,7 @@ class HiSparseIndexGroup:
         self._converted: dict[int, tuple[tuple, object]] = {}
         self._written: set[int] = set()
         self._write_batch = None  # the forward's cache.WriteBatch (prepare_for_batch)
+        self._decode_layers: dict[tuple, DecodeLayer] = {}  # (backend, overlap) -> DecodeLayer
         self.resolves_per_layer = [0] * config.num_layers  # lifetime count, for tests/metrics
         cuda = self.device.type == "cuda"
         self.prefill_stream = torch.cuda.Stream(device=self.device) if cuda else None
@@ -324,6 +326,8 @@ class HiSparseIndexGroup:
                 raise ValueError(f"layer {i} was already converted in this forward with another top-k "
                                  "tensor; each layer is resolved once per forward")
             phys, counts = done[1]
+            if phys is None:
+                raise ValueError(f"layer {i} was resolved by decode_attention in this forward")
         else:
             if nd and i not in self._written:  # this forward's rows of layer i are not in yet
                 rid = md.request_ids_cpu[0]
@@ -350,6 +354,50 @@ class HiSparseIndexGroup:
         """
         res = self._cache.resolve(layer, self._decode_ids, topk, validate=self.validate)
         return res.physical, res.valid_counts
+
+    def decode_attention(self, layer_index: int, q: torch.Tensor, topk_indices: torch.Tensor,
+                         metadata: SparseMLAMetadata, *, backend, sm_scale: float,
+                         overlap: str = "split") -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode attention of layer ``layer_index`` with the miss staging hidden behind
+        it (``hisparse.decode``): resolves the decode tokens' top-k (int32 [Td, K]) and
+        attends ``q`` (bf16 [Td, H, 576]) with ``backend`` over the hits while the misses
+        stage ("split"/"fused"; "serial" = convert + attend). Returns out bf16
+        [Td, H, 512], lse float32 [Td, H]. Counts as the layer's one resolve of the
+        forward (a later conversion of the same layer is refused).
+        """
+        i = self._layer(layer_index)
+        md = self._check_batch(metadata)
+        td = md.num_decode_tokens
+        check_tensor("topk_indices", topk_indices, dtype=torch.int32, ndim=2, device=self.device)
+        if topk_indices.shape[0] != td:
+            raise ValueError(f"topk_indices must be [num_decode_tokens={td}, K], got {list(topk_indices.shape)}")
+        if i in self._converted:
+            raise ValueError(f"layer {i} was already resolved in this forward")
+        if td and i not in self._written:
+            raise ValueError(f"layer {i}: write_new_rows must run before decode attention")
+        layer = self._decode_layers.get((id(backend), overlap))
+        if layer is None:
+            layer = DecodeLayer(self._cache, backend, overlap=overlap, validate=self.validate)
+            self._decode_layers[(id(backend), overlap)] = layer
+        out = layer(i, self._decode_ids, topk_indices, q, sm_scale=sm_scale)
+        self._converted[i] = ((topk_indices.data_ptr(), tuple(topk_indices.shape), tuple(topk_indices.stride())),
+                              (None, None))
+        self.resolves_per_layer[i] += 1
+        return out
+
+    def prefetch(self, layer_index: int, topk_indices: torch.Tensor, metadata: SparseMLAMetadata) -> None:
+        """Stage a predicted selection (int32 [Td, K], e.g. the previous layer's top-k) of
+        layer ``layer_index`` ahead of its resolve in this forward (``HiSparseCache.prefetch``)."""
+        i = self._layer(layer_index)
+        self._check_batch(metadata)
+        check_tensor("topk_indices", topk_indices, dtype=torch.int32, ndim=2, device=self.device)
+        if topk_indices.shape[0] != metadata.num_decode_tokens:
+            raise ValueError(f"topk_indices must be [num_decode_tokens={metadata.num_decode_tokens}, K], "
+                             f"got {list(topk_indices.shape)}")
+        if i in self._converted:
+            raise ValueError(f"layer {i} was already resolved in this forward: prefetch it before")
+        if metadata.num_decode_tokens:
+            self._cache.prefetch(i, self._decode_ids, topk_indices)
 
     # ---------------------------------------------------------------- prefill
     def _prefill_rows(self, md: SparseMLAMetadata, start: int, count: int, layer: int) -> list[tuple[int, int]]:

@@ -13,13 +13,15 @@ import json
 import sys
 
 from ..._checks import Kernels
+from ...decode.layer import Overlap
 from ..exit_codes import EXIT_FAILED, EXIT_OK, OneLineParser, run_command
 from ..preflight import check_output_file
 from .config import PRESETS, MiniEngineConfig
 from .loop import run
 from .report import format_report
 
-_CHOICES = {"row_format": ["fp8_ds_mla", "bf16"], "cache_kernels": [k.value for k in Kernels]}
+_CHOICES = {"row_format": ["fp8_ds_mla", "bf16"], "cache_kernels": [k.value for k in Kernels],
+            "overlap": [o.value for o in Overlap]}
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -33,6 +35,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         if name == "validate":
             p.add_argument("--unchecked", dest="validate", action="store_false", default=None,
                            help="skip host-syncing validation in the hot loop")
+            continue
+        if name == "prefetch":
+            p.add_argument("--prefetch", dest="prefetch", action="store_true", default=None,
+                           help="hisparse: stage layer l+1's rows predicted from layer l's top-k")
             continue
         ann = str(f.type)
         typ = float if "float" in ann else int if "int" in ann else str

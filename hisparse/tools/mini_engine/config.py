@@ -17,6 +17,7 @@ import torch
 
 from ..._checks import Kernels, check_bool, check_int
 from ...config import HiSparseConfig, RowFormat, ceil_div
+from ...decode.layer import Overlap
 from ...formats import D_LATENT, D_ROW
 from ..autotune import gpu_bytes
 
@@ -54,6 +55,8 @@ class MiniEngineConfig:
     flashmla_lib: str | None = None  # path of FlashMLA's _flashmla_C library (backend "flashmla")
     cache_kernels: str = "auto"  # HiSparseCache kernels, a Kernels value (triton on CPU: interpreter)
     validate: bool = True  # checked mode for cache and attention calls
+    overlap: str = "serial"  # hisparse decode: serial | split | fused (hisparse.decode.Overlap)
+    prefetch: bool = False  # hisparse decode: stage layer l+1's rows predicted from layer l's top-k
     tolerance: float = 2e-2  # max |x_resident - x_hisparse| allowed, relative to max |x|
 
     def __post_init__(self) -> None:
@@ -68,6 +71,8 @@ class MiniEngineConfig:
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), lo=1)
         check_bool("validate", self.validate)
+        check_bool("prefetch", self.prefetch)
+        Overlap.parse(self.overlap)
         if self.min_decode > self.max_decode:
             raise ValueError(f"need 0 <= min_decode <= max_decode, got {self.min_decode}, {self.max_decode}")
         if self.min_prompt > self.max_prompt:

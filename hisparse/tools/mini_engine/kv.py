@@ -201,6 +201,23 @@ class HiSparseKV(KVStore):
         for _ in range(cfg.num_layers):
             self.group.register_layer(kv_cache_dtype=cfg.row_format)
         self.device = device
+        self.overlap = cfg.overlap
+        self.prefetch = cfg.prefetch
+        self.num_layers = cfg.num_layers
+
+    def decode_attention(self, layer: int, q: torch.Tensor, topk: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """Serial: convert, then attend; split / fused: ``HiSparseIndexGroup.decode_attention``
+        (the hits attended while the misses stage). With prefetch, this layer's top-k
+        then predicts the next layer's selection."""
+        if self.overlap == "serial":
+            out = super().decode_attention(layer, q, topk, batch)
+        else:
+            a = self.attn
+            out = self.group.decode_attention(layer, q, topk, batch.md, backend=a.decode, sm_scale=a.sm_scale,
+                                              overlap=self.overlap)[0]
+        if self.prefetch and layer + 1 < self.num_layers:
+            self.group.prefetch(layer + 1, topk, batch.md)
+        return out
 
     def admit(self, req: Request) -> None:
         self.group.add_request(req.rid)

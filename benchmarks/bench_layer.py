@@ -1,0 +1,288 @@
+"""One sparse-MLA decode layer in a CUDA graph: hisparse (resolve + miss staging +
+attention) against a resident paged cache holding the same rows (attention alone),
+same backend, same top-k, in one run.
+
+Setup per batch size B: B requests of ``--context`` tokens, fp8_ds_mla rows, in a
+pinned host pool (2 layers); the resident cache holds the same rows on the GPU. Each
+token selects K entries, a fraction ``hit`` of them among the rows hot in its buffer
+(the first S positions, which the write path keeps hot) and the rest among the others
+(staged from host). Before every timed replay the cache's state and hot rows are
+restored (the same misses every time) and the L2 is flushed; the resident replays get
+the same flush.
+
+Modes: serial (resolve + copy, then attention), split (attention over the hits while
+the misses stage, then the misses, LSE-merged), fused (the misses read from host,
+written and attended in one kernel beside the hit attention), and ``prefetch``: two
+layers (split), the second layer's selection prefetched from the first's while the
+first computes, against two resident layers; the two selections share ``--overlap``
+of their entries.
+
+Reported per (backend, B, hit rate): medians (min/p99 in the JSON), each mode's ratio
+to resident, and the fraction of the staging time hidden, (serial - mode) /
+(serial - resident); also the staging alone (resolve + copy) and the hit attention
+alone, and the largest output difference from resident.
+
+  python -m benchmarks.bench_layer [--batch 16 64 256] [--hits 100 95 90 80]
+      [--backends triton flashmla] [--modes serial split fused prefetch] [--out FILE]
+  python -m benchmarks.bench_layer --dry-run      # tiny shapes on CPU (interpreter)
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import torch
+
+from benchmarks import common
+
+common.interpret_dry_run()  # before hisparse loads
+
+from hisparse import HiSparseConfig  # noqa: E402
+from hisparse.attention.base import SparseMLABackend  # noqa: E402
+from hisparse.attention.flashmla import FlashMLABackend  # noqa: E402
+from hisparse.attention.triton_backend import TritonBackend  # noqa: E402
+from hisparse.attention.base import Phase  # noqa: E402
+from hisparse.cache.cache import HiSparseCache  # noqa: E402
+from hisparse.decode import DecodeLayer, Overlap  # noqa: E402
+from hisparse.formats import RowFormat, quantize_fp8_ds_mla  # noqa: E402
+
+STATE = ("slot_pos", "slot_stamp", "row_slot", "step", "stats", "seq_lens")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch", type=int, nargs="+", default=[16, 64, 256])
+    ap.add_argument("--hits", type=int, nargs="+", default=[100, 95, 90, 80], help="hit rates in percent")
+    ap.add_argument("--backends", nargs="+", default=["triton", "flashmla"], choices=["triton", "flashmla"])
+    ap.add_argument("--modes", nargs="+", default=["serial", "split", "fused", "prefetch"],
+                    choices=["serial", "split", "fused", "prefetch"])
+    ap.add_argument("--context", type=int, default=65536, help="tokens per request (B <= 64)")
+    ap.add_argument("--context-256", type=int, default=32768, help="tokens per request at B > 64")
+    ap.add_argument("--top-k", type=int, default=2048)
+    ap.add_argument("--slots", type=int, default=4096, help="LRU hot slots per request (S)")
+    ap.add_argument("--heads", type=int, default=128)
+    ap.add_argument("--overlap", type=float, default=0.8, help="adjacent-layer selection overlap (prefetch)")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--flashmla-lib", default=None)
+    ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU; figures mean nothing")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    if a.dry_run:
+        a.batch, a.context, a.context_256, a.top_k, a.slots, a.heads = [2], 96, 96, 8, 16, 16
+        a.reps, a.warmup, a.backends = 1, 0, ["triton"]
+    return a
+
+
+def fp8_rows(n: int, seed: int, device: torch.device) -> torch.Tensor:
+    """uint8 [n, 656] fp8_ds_mla rows of random values (valid codes, varied scales)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn((n, 576), generator=g) * (torch.rand((n, 1), generator=g) * 4 + 0.25)
+    return quantize_fp8_ds_mla(x.to(device=device, dtype=torch.bfloat16))
+
+
+class Setup:
+    """A cache and a resident copy of the same rows for B requests (two layers)."""
+
+    def __init__(self, B: int, ctx: int, a: argparse.Namespace, dev: torch.device) -> None:
+        self.B, self.ctx, self.K, self.S, self.dev = B, ctx, a.top_k, a.slots, dev
+        blocks = math.ceil(ctx / 64) * B
+        cfg = HiSparseConfig(num_layers=2, host_pool_tokens=blocks * 64, row_bytes=656, top_k=a.top_k,
+                             device_buffer_size=a.slots, max_num_reqs=B, host_block_size=64,
+                             max_request_id=max(16, B), device=str(dev))
+        kern = "triton" if dev.type == "cuda" or a.dry_run else "torch"
+        self.cache = HiSparseCache(cfg, kernels=kern)
+        chunk = min(ctx, 1 << 16)
+        base = [fp8_rows(chunk, 10 + layer, dev) for layer in range(2)]
+        self.resident = [torch.empty((B * ctx, 656), dtype=torch.uint8, device=dev) for _ in range(2)]
+        for b in range(B):
+            self.cache.add_request(b)
+            for layer in range(2):
+                rows = torch.roll(base[layer], shifts=b * 7919, dims=0)
+                reps = math.ceil(ctx / chunk)
+                rows = rows.repeat(reps, 1)[:ctx] if reps > 1 else rows[:ctx]
+                self.cache.append_rows(layer, b, rows)
+                self.resident[layer][b * ctx:(b + 1) * ctx] = rows
+        self.cache.join_backup()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        self.saved = {n: getattr(self.cache.state, n).clone() for n in STATE}
+        self.saved_hot = self.cache.hot.clone()
+        self.req = torch.arange(B, dtype=torch.int32, device=dev)
+        self.flush = common.L2Flush(dev)
+
+    def restore(self) -> None:
+        for n in STATE:
+            getattr(self.cache.state, n).copy_(self.saved[n])
+        self.cache.hot.copy_(self.saved_hot)
+        self.flush.flush()
+
+    def topk(self, hit: float, seed: int, like: torch.Tensor | None = None, overlap: float = 0.0) -> torch.Tensor:
+        """int32 [B, K]: round(hit K) distinct positions among the hot [0, S), the rest
+        among the cold [S, ctx - 1); with ``like``, ``overlap`` of the entries are taken
+        from it (the rest drawn afresh the same way)."""
+        g = torch.Generator().manual_seed(seed)
+        K, S, ctx = self.K, self.S, self.ctx
+        nh = round(hit * K)
+        out = torch.empty((self.B, K), dtype=torch.int32)
+        for b in range(self.B):
+            hot = torch.randperm(S, generator=g)[:nh]
+            cold = S + torch.randperm(ctx - 1 - S, generator=g)[:K - nh]
+            row = torch.cat([hot, cold])
+            if like is not None:
+                keep = round(overlap * K)
+                prev = like[b].cpu().long()
+                fresh = row[~torch.isin(row, prev[:keep])][:K - keep]
+                row = torch.cat([prev[:keep], fresh])
+                if row.numel() < K:  # rare: top up with unused cold positions
+                    extra = S + torch.randperm(ctx - 1 - S, generator=g)
+                    extra = extra[~torch.isin(extra, row)][:K - row.numel()]
+                    row = torch.cat([row, extra])
+            out[b] = row[torch.randperm(K, generator=g)].to(torch.int32)
+        return out.to(self.dev)
+
+    def resident_idx(self, topk: torch.Tensor) -> torch.Tensor:
+        return topk + (torch.arange(self.B, device=self.dev, dtype=torch.int32) * self.ctx)[:, None]
+
+
+def make_backend(name: str, a: argparse.Namespace, dev: torch.device, H: int) -> tuple[SparseMLABackend | None, str]:
+    be: SparseMLABackend = TritonBackend(allow_interpreter=a.dry_run) if name == "triton" else FlashMLABackend(
+        library_path=common.flashmla_lib(a.flashmla_lib))
+    why = be.supports(device=dev, row_format=RowFormat.FP8_DS_MLA, num_heads=H, phase=Phase.DECODE)
+    return (None, why) if why else (be, "")
+
+
+def timed(fn, s: Setup, a: argparse.Namespace, *, restore: bool) -> tuple[dict, object]:
+    """Capture ``fn`` in a graph (CUDA) and time its replays; returns (stats, output)."""
+    before = s.restore if restore else s.flush.flush
+    cuda = s.dev.type == "cuda"
+    before()
+    out = fn()  # eager: compiles, and the reference output
+    if not cuda:  # a smoke run: one timed eager call, the figure means nothing
+        return common.stats(common.time_calls(fn, reps=1, warmup=0, cuda=False, before=before), unit="_us"), out
+    torch.cuda.synchronize()
+    before()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        gout = fn()
+    before()
+    g.replay()
+    torch.cuda.synchronize()
+    samples = common.time_calls(g.replay, reps=a.reps, warmup=a.warmup, cuda=True, before=before)
+    return common.stats(samples, unit="_us"), gout
+
+
+def max_diff(x, y) -> float:
+    return float((x[0].float() - y[0].float()).abs().max()) if x[0].numel() else 0.0
+
+
+def bench_case(s: Setup, be: SparseMLABackend, hit: float, a: argparse.Namespace) -> dict:
+    H, dev = a.heads, s.dev
+    sm = 1.0 / math.sqrt(576)
+    g = torch.Generator().manual_seed(int(hit * 1000))
+    q = (torch.randn((s.B, H, 576), generator=g) * 0.5).to(device=dev, dtype=torch.bfloat16)
+    tk0 = s.topk(hit, 1)
+    tk1 = s.topk(hit, 2, like=tk0, overlap=a.overlap)
+    c = s.cache
+    fmt = RowFormat.FP8_DS_MLA
+    res = {"hit": hit}
+
+    def resident(layers=1):
+        outs = []
+        for layer, tk in list(enumerate((tk0, tk1)))[:layers]:
+            outs.append(be.decode(q, s.resident[layer], s.resident_idx(tk), sm_scale=sm, row_format=fmt))
+        return outs[-1]
+
+    res["resident"], ref = timed(resident, s, a, restore=False)
+    layers = {m: DecodeLayer(c, be, overlap=Overlap.parse(m)) for m in ("serial", "split", "fused")}
+    for m in ("serial", "split", "fused"):
+        if m not in a.modes:
+            continue
+        res[m], out = timed(lambda m=m: layers[m](0, s.req, tk0, q, sm_scale=sm), s, a, restore=True)
+        res[m]["max_abs_diff"] = max_diff(out, ref)
+    # staging alone and hit attention alone
+    res["staging_alone"], _ = timed(lambda: c.resolve(0, s.req, tk0, validate=False), s, a, restore=True)
+    s.restore()
+    sp = c.resolve_split(0, s.req, tk0, validate=False)
+    hits = sp.hit_physical.clone()
+    res["hit_attention_alone"], _ = timed(
+        lambda: be.decode(q, c.hot_rows(0), hits, sm_scale=sm, row_format=fmt), s, a, restore=False)
+    if "prefetch" in a.modes:
+        res["resident_2layers"], ref2 = timed(lambda: resident(2), s, a, restore=False)
+
+        def two(prefetch: bool):
+            out = layers["split"](0, s.req, tk0, q, sm_scale=sm)
+            if prefetch:
+                c.prefetch(1, s.req, tk0)
+            return layers["split"](1, s.req, tk1, q, sm_scale=sm)
+
+        res["split_2layers"], _ = timed(lambda: two(False), s, a, restore=True)
+        res["prefetch_2layers"], out = timed(lambda: two(True), s, a, restore=True)
+        res["prefetch_2layers"]["max_abs_diff"] = max_diff(out, ref2)
+        s.restore()
+        c.prefetch(1, s.req, tk0)
+        pre = c._prefetch_out  # what the prefetch staged, for precision / recall
+        staged = int((pre.stage_dst[:s.B * s.K] >= 0).sum())
+        real = c.resolve(1, s.req, tk1, validate=False)
+        left = int((real.stage_dst >= 0).sum())
+        sel = sum(len(set(tk1[b].tolist()) & set(tk0[b].tolist()) - set(range(s.S))) for b in range(s.B))
+        res["prefetch_quality"] = {"rows_staged": staged, "misses_left": left, "useful_rows": sel,
+                                   "precision": sel / staged if staged else 0.0,
+                                   "recall": sel / (sel + left) if sel + left else 1.0,
+                                   "wasted_bytes": (staged - sel) * 656}
+    r0 = res["resident"]["median_us"]
+    ser = res.get("serial", {}).get("median_us")
+    for m in ("serial", "split", "fused"):
+        if m in res:
+            res[m]["ratio_vs_resident"] = res[m]["median_us"] / r0
+            if ser is not None and ser > r0:
+                res[m]["staging_hidden"] = (ser - res[m]["median_us"]) / (ser - r0)
+    if "prefetch_2layers" in res:
+        r2 = res["resident_2layers"]["median_us"]
+        res["prefetch_2layers"]["ratio_vs_resident"] = res["prefetch_2layers"]["median_us"] / r2
+        res["split_2layers"]["ratio_vs_resident"] = res["split_2layers"]["median_us"] / r2
+    return res
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    if not common.out_ok(a.out, "bench_layer"):
+        return 2
+    dev = torch.device("cuda" if torch.cuda.is_available() and not a.dry_run else "cpu")
+    report = {"benchmark": "bench_layer", "env": common.environment(dev), "args": vars(a), "cases": []}
+    for B in a.batch:
+        ctx = a.context if B <= 64 else a.context_256
+        s = Setup(B, ctx, a, dev)
+        for name in a.backends:
+            be, why = make_backend(name, a, dev, a.heads)
+            if be is None:
+                print(f"{name}: skipped ({why})")
+                report["cases"].append({"backend": name, "B": B, "skipped": why})
+                continue
+            for h in a.hits:
+                r = bench_case(s, be, h / 100.0, a)
+                r.update(backend=name, B=B, context=ctx)
+                report["cases"].append(r)
+                line = f"{name:8s} B={B:4d} hit={h:3d}%  resident {r['resident']['median_us']:8.1f} us"
+                for m in ("serial", "split", "fused"):
+                    if m in r:
+                        hid = r[m].get("staging_hidden")
+                        line += f" | {m} {r[m]['ratio_vs_resident']:.2f}x" + (f" hid {hid:.0%}" if hid is not None else "")
+                if "prefetch_2layers" in r:
+                    line += (f" | 2 layers split {r['split_2layers']['ratio_vs_resident']:.2f}x prefetch "
+                             f"{r['prefetch_2layers']['ratio_vs_resident']:.2f}x")
+                line += (f" | staging {r['staging_alone']['median_us']:.1f} us, hit attn "
+                         f"{r['hit_attention_alone']['median_us']:.1f} us")
+                print(line, flush=True)
+        del s
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    if a.out:
+        common.write_json(a.out, report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""``hisparse.decode.DecodeLayer``: serial, split and fused decode of one layer give the
+same attention (split/fused within the rounding of one LSE merge of bf16 partials) and
+leave the cache bit-identical, on CPU (torch and interpreter kernels).
+
+Cases: all hits, all misses, tokens with no valid entry, repeated positions, padding,
+multi-token (q = 2) groups, fp8_ds_mla and bf16 rows; plus a prefetch of the next
+layer from this layer's selection, and the engine façade's decode_attention.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from hisparse import HiSparseConfig
+from hisparse.attention.reference import ReferenceBackend
+from hisparse.cache.cache import HiSparseCache
+from hisparse.decode import DecodeLayer, Overlap
+from hisparse.engine import HiSparseIndexGroup, SparseMLAMetadata
+from hisparse.formats import quantize_fp8_ds_mla
+
+I32 = torch.int32
+STATE = ("slot_pos", "slot_stamp", "row_slot", "step", "stats", "seq_lens")
+H = 3
+SM = 0.125
+
+
+def make(kernels: str, fmt: str, q: int = 2) -> tuple[HiSparseCache, dict]:
+    rb = 656 if fmt == "fp8_ds_mla" else 1152
+    cfg = HiSparseConfig(num_layers=2, host_pool_tokens=256, row_bytes=rb, top_k=6, device_buffer_size=12,
+                         max_num_reqs=3, max_query_len=q, host_block_size=8, max_request_id=8, device="cpu")
+    c = HiSparseCache(cfg, kernels=kernels)
+    truth = {}
+    for rid, n in ((1, 40), (2, 9), (5, 30)):
+        c.add_request(rid)
+        for layer in range(2):
+            g = torch.Generator().manual_seed(17 * rid + layer)
+            x = torch.randn((n, 576), generator=g) * 2
+            rows = quantize_fp8_ds_mla(x) if fmt == "fp8_ds_mla" else x.to(torch.bfloat16).view(torch.uint8)
+            truth[(rid, layer)] = rows
+            c.append_rows(layer, rid, rows)
+    return c, truth
+
+
+def qs(T: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn((T, H, 576), generator=g) * 0.3).to(torch.bfloat16)
+
+
+CASES = {
+    "mixed": ([1, 1, 2, 5], [[39, 3, 20, 20, -1, 11], [38, 0, 1, 2, 3, 4], [8, 7, -1, -1, -1, -1],
+                             [29, 28, 27, 13, 14, 15]]),
+    "all_hit": ([1, 5], [[0, 1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11]]),
+    "all_miss": ([1, 5], [[30, 31, 32, 33, 34, 35], [20, 21, 22, 23, 24, 25]]),
+    "empty_rows": ([1, 2], [[-1] * 6, [-1, -1, 3, -1, -1, -1]]),
+}
+
+
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "bf16"])
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_modes_agree(kernels, fmt, case):
+    ids, tk = CASES[case]
+    ids, tk = torch.tensor(ids, dtype=I32), torch.tensor(tk, dtype=I32)
+    q = qs(len(ids), 3)
+    results, states = {}, {}
+    for mode in Overlap:
+        c, _ = make(kernels, fmt)
+        layer = DecodeLayer(c, ReferenceBackend(), overlap=mode, kernels=kernels)
+        results[mode] = layer(0, ids, tk, q, sm_scale=SM)
+        states[mode] = ({n: getattr(c.state, n).clone() for n in STATE}, c.hot.clone())
+    out0, lse0 = results[Overlap.SERIAL]
+    for mode in (Overlap.SPLIT, Overlap.FUSED):
+        out, lse = results[mode]
+        assert torch.equal(torch.isinf(lse), torch.isinf(lse0)), mode
+        fin = torch.isfinite(lse0)
+        torch.testing.assert_close(lse[fin], lse0[fin], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(out.float(), out0.float(), atol=2e-2, rtol=2e-2)
+        for n in STATE:
+            assert torch.equal(states[mode][0][n], states[Overlap.SERIAL][0][n]), (mode, n)
+        assert torch.equal(states[mode][1], states[Overlap.SERIAL][1]), mode
+    empty = (tk == -1).all(dim=1)
+    assert (out0[empty] == 0).all() and torch.isinf(lse0[empty]).all()
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_random_steps_modes_agree(kernels):
+    """Several steps on both layers; every mode keeps the same state throughout."""
+    rng = random.Random(4)
+    caches = {m: make(kernels, "fp8_ds_mla")[0] for m in Overlap}
+    layers = {m: DecodeLayer(caches[m], ReferenceBackend(), overlap=m, kernels=kernels) for m in Overlap}
+    lens = {1: 40, 2: 9, 5: 30}
+    for step in range(5):
+        ids, rows = [], []
+        for rid, n in lens.items():
+            for _ in range(rng.choice([1, 2])):
+                ids.append(rid)
+                rows.append([rng.randrange(-1, n) for _ in range(6)])
+        ids, tk = torch.tensor(ids, dtype=I32), torch.tensor(rows, dtype=I32)
+        q = qs(len(rows), step)
+        outs = {m: layers[m](step % 2, ids, tk, q, sm_scale=SM) for m in Overlap}
+        for m in (Overlap.SPLIT, Overlap.FUSED):
+            torch.testing.assert_close(outs[m][0].float(), outs[Overlap.SERIAL][0].float(), atol=2e-2, rtol=2e-2)
+            for n in STATE:
+                assert torch.equal(getattr(caches[m].state, n), getattr(caches[Overlap.SERIAL].state, n)), (step, n)
+
+
+def test_prefetch_then_decode_reads_the_right_rows():
+    c, truth = make("torch", "fp8_ds_mla", q=1)
+    ids = torch.tensor([1, 5], dtype=I32)
+    tk0 = torch.tensor([[30, 31, 32, 33, 1, 2], [20, 21, 22, 23, 24, 0]], dtype=I32)
+    layer = DecodeLayer(c, ReferenceBackend(), overlap="split")
+    q = qs(2, 9)
+    layer(0, ids, tk0, q, sm_scale=SM)
+    layer.prefetch(1, ids, tk0)
+    before = c.stats()["layers"][1]
+    out, lse = layer(1, ids, tk0, q, sm_scale=SM)
+    after = c.stats()["layers"][1]
+    assert after["misses"] == before["misses"]  # everything was prefetched
+    ref, ref_lse = ReferenceBackend().decode(q, torch.cat([truth[(1, 1)], truth[(5, 1)]]),
+                                             tk0 + torch.tensor([[0], [40]], dtype=I32), sm_scale=SM,
+                                             row_format="fp8_ds_mla")
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("overlap", ["serial", "split", "fused"])
+def test_engine_decode_attention(overlap):
+    cfg = HiSparseConfig(num_layers=2, host_pool_tokens=256, row_bytes=656, top_k=4, device_buffer_size=8,
+                         max_num_reqs=2, host_block_size=8, max_request_id=8, device="cpu")
+    g = HiSparseIndexGroup(cfg, kernels="torch")
+    for _ in range(2):
+        g.register_layer()
+    g.add_request(1)
+    rows = quantize_fp8_ds_mla(torch.randn(21, 576))
+    md = SparseMLAMetadata.build(request_ids=[1], query_lens=[20], seq_lens=[20], num_decodes=0)
+    g.prepare_for_batch(md)
+    for layer in range(2):
+        g.write_new_rows(layer, rows[:20], md)
+    md = SparseMLAMetadata.build(request_ids=[1], query_lens=[1], seq_lens=[21], num_decodes=1)
+    g.prepare_for_batch(md)
+    q = qs(1, 1)
+    tk = torch.tensor([[20, 15, 3, 9]], dtype=I32)
+    for layer in range(2):
+        g.write_new_rows(layer, rows[20:], md)
+        if layer == 0:
+            g.prefetch(1, tk, md)
+        out, lse = g.decode_attention(layer, q, tk, md, backend=ReferenceBackend(), sm_scale=SM, overlap=overlap)
+        ref, _ = ReferenceBackend().decode(q, rows, tk, sm_scale=SM, row_format="fp8_ds_mla")
+        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+        with pytest.raises(ValueError, match="already resolved"):
+            g.decode_attention(layer, q, tk, md, backend=ReferenceBackend(), sm_scale=SM, overlap=overlap)
