@@ -4,6 +4,8 @@
 #   bash benchmarks/gpu_run.sh [SECTION ...]  sections: env tests sanitize staging decode triton_configs profile
 #                                             prefill e2e stress autotune tests_each pool_kinds vllm_resolve
 #                                             profile_host (cProfile + torch.profiler of bench_e2e --quick)
+#                                             layer (bench_layer: one decode layer in a CUDA graph vs resident)
+#                                             miss (bench_miss_attention: the miss-attention kernels alone)
 #                                             soak (long verified stress runs, memory watched; takes the whole budget)
 #                                             (default: env tests sanitize staging decode prefill e2e stress autotune)
 #   sanitize: compute-sanitizer ${SANITIZE_TOOLS:-memcheck racecheck} over benchmarks.sanitize_trace (every
@@ -109,6 +111,8 @@ for s in "${sections[@]}"; do
                   python3 -m benchmarks.analyse_e2e_trace "$RES"/traces/*.json.gz --json "$RES/e2e_trace_steps.json" >"$RES/e2e_trace_steps.txt" 2>>"$LOG" ;;
     vllm_resolve) run vllm_resolve 300 python3 -m benchmarks.bench_vllm_resolve --out "$RES/vllm_resolve.json" ${VLLM_RESOLVE_ARGS:-} ;;
     e2e) run e2e 300 python3 -m benchmarks.bench_e2e --out "$RES/e2e.json" ${QUICK:+--quick} ;;
+    layer) run layer ${LAYER_TIMEOUT:-420} python3 -m benchmarks.bench_layer --out "$RES/layer.json" ${LAYER_ARGS:-} ;;
+    miss) run miss 300 python3 -m benchmarks.bench_miss_attention --out "$RES/miss_attention.json" ${QUICK:+--quick} ${MISS_ARGS:-} ;;
     stress) run_to stress 420 "$RES/stress.json" python3 -m hisparse stress --preset gpu --json --plot "$RES"
             python3 -c "import json,sys; from hisparse.tools.stress import format_stress; print(format_stress(json.load(open(sys.argv[1]))))" "$RES/stress.json" >>"$LOG" 2>&1 ;;
     soak) left=$((END - SECONDS - 45))

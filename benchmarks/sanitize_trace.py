@@ -41,6 +41,9 @@ import torch
 
 from hisparse.attention.reference import ReferenceBackend
 from hisparse.attention.triton_backend import TritonBackend, default_config
+from hisparse.cache.cache import HiSparseCache
+from hisparse.decode import DecodeLayer, Overlap
+from hisparse.formats import quantize_fp8_ds_mla
 from hisparse.cache.resolve_ref import copy_rows_reference, resolve_reference
 from hisparse.cache.resolve_triton import resolve_triton
 from hisparse.cache.state import HotState, ResolveBuffers
@@ -290,6 +293,46 @@ class EngineTrace:
                                        "differ from the rows written")
 
 
+def overlap_trace(dev: torch.device) -> None:
+    """Part 3: split and fused decode layers (hit phase, miss phase, the miss-attention
+    and merge kernels, a prefetch) beside a serial twin, a few steps; state and outputs
+    compared."""
+    g = torch.Generator().manual_seed(5)
+    cfg = HiSparseConfig(num_layers=2, host_pool_tokens=4 * 2048, row_bytes=656, top_k=64, device_buffer_size=128,
+                         max_num_reqs=4, host_block_size=64, max_request_id=8, device=str(dev))
+    kern = "triton"
+    caches = {m: HiSparseCache(cfg, kernels=kern) for m in Overlap}
+    rows = {(r, l): quantize_fp8_ds_mla(torch.randn(1500, 576, generator=g).to(dev)) for r in range(4) for l in range(2)}
+    for c in caches.values():
+        for r in range(4):
+            c.add_request(r)
+            for layer in range(2):
+                c.append_rows(layer, r, rows[(r, layer)])
+    be = TritonBackend(allow_interpreter=dev.type != "cuda")
+    layers = {m: DecodeLayer(c, be, overlap=m) for m, c in caches.items()}
+    ids = torch.arange(4, dtype=torch.int32, device=dev)
+    for step in range(4):
+        tk = torch.stack([torch.randperm(1500, generator=g)[:64] for _ in range(4)]).to(torch.int32).to(dev)
+        q = torch.randn(4, 64, 576, generator=g).to(device=dev, dtype=torch.bfloat16)
+        outs = {}
+        for m, dl in layers.items():
+            for layer in range(2):
+                outs[(m, layer)] = dl(layer, ids, tk, q, sm_scale=0.04)
+                if layer == 0:
+                    dl.prefetch(1, ids, tk)
+        for m in (Overlap.SPLIT, Overlap.FUSED):
+            for layer in range(2):
+                d = (outs[(m, layer)][0].float() - outs[(Overlap.SERIAL, layer)][0].float()).abs().max().item()
+                if d > 3e-2:
+                    raise RuntimeError(f"overlap step {step} {m.value} layer {layer}: output differs by {d:.3e}")
+            for n in ("slot_pos", "slot_stamp", "row_slot", "step", "stats"):
+                if not torch.equal(getattr(caches[m].state, n), getattr(caches[Overlap.SERIAL].state, n)):
+                    raise RuntimeError(f"overlap step {step} {m.value}: state.{n} differs from serial")
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    print("part 3 (split / fused decode layers, prefetch): OK", flush=True)
+
+
 def main() -> int:
     if "--cpu" in sys.argv:  # check the script itself on a machine without a GPU
         dev = torch.device("cpu")
@@ -300,6 +343,7 @@ def main() -> int:
         dev = torch.device("cuda", torch.cuda.current_device())
     kernel_trace(dev)
     EngineTrace(dev).run()
+    overlap_trace(dev)
     return 0
 
 

@@ -3,6 +3,8 @@ host and GPU memory for growth.
 
   python -m benchmarks.soak --preset 16k --out soak_16k.json        # 32 req x 16K x 2 layers
   python -m benchmarks.soak --preset 128k --out soak_128k.json      # 16 req x 128K x 2 layers
+  python -m benchmarks.soak --preset 16k-fast                       # 8 req x 16K x 1 layer
+  python -m benchmarks.soak --preset 128k-fast                      # 4 req x 128K x 1 layer
   python -m benchmarks.soak --preset tiny                           # CPU, seconds (checks the script)
 
 Each run is one ``hisparse.tools.stress.run_stress`` (a fresh cache; requests join,
@@ -48,6 +50,12 @@ PRESETS = {
                 runs=4),
     "128k": dict(num_requests=16, context=131072, context_min=98304, num_layers=2, steps=3000,
                  runs=1),
+    # fewer requests and one layer: many more verified steps per second (the step count
+    # is what the soak is for; the 16k / 128k presets keep more requests in flight)
+    "16k-fast": dict(num_requests=8, context=16384, context_min=12288, num_layers=1, steps=12000,
+                     runs=3),
+    "128k-fast": dict(num_requests=4, context=131072, context_min=98304, num_layers=1, steps=2500,
+                      runs=1),
     "tiny": dict(num_requests=4, context=256, context_min=128, num_layers=2, steps=30, runs=2,
                  top_k=16, buffer_size=32, calibrate_steps=10, min_steps=5, device="cpu"),
 }
