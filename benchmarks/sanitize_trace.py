@@ -43,7 +43,6 @@ from hisparse.attention.reference import ReferenceBackend
 from hisparse.attention.triton_backend import TritonBackend, default_config
 from hisparse.cache.cache import HiSparseCache
 from hisparse.decode import DecodeLayer, Overlap
-from hisparse.formats import quantize_fp8_ds_mla
 from hisparse.cache.resolve_ref import copy_rows_reference, resolve_reference
 from hisparse.cache.resolve_triton import resolve_triton
 from hisparse.cache.state import HotState, ResolveBuffers
