@@ -45,7 +45,7 @@ if str(ROOT) not in sys.path:
 
 from hisparse.attention.base import Phase  # noqa: E402
 from hisparse.attention.flashinfer import FlashInferBackend, flashinfer_version  # noqa: E402
-from hisparse.attention.flashmla import FlashMLABackend, _pad_topk  # noqa: E402
+from hisparse.attention.flashmla import FlashMLABackend, pad_topk  # noqa: E402
 from hisparse.attention.reference import ReferenceBackend  # noqa: E402
 from hisparse.attention.triton_backend import TritonBackend, default_config  # noqa: E402
 from hisparse.config import RowFormat  # noqa: E402
@@ -106,16 +106,14 @@ class TritonVariant(TritonBackend):
     def decode(self, q, kv_rows, indices, *, valid_counts=None, sm_scale, row_format):
         cfg = default_config(q.shape[0], q.shape[1], indices.shape[1], q.device, row_format,
                              allow_ws=False)
-        if cfg.wide or "f16_mma" not in self.overrides:  # f16_mma exists on the wide body only
-            cfg = dataclasses.replace(cfg, **self.overrides)
-        self.config = cfg
+        self.config = dataclasses.replace(cfg, **self.overrides)
         return super().decode(q, kv_rows, indices, valid_counts=valid_counts, sm_scale=sm_scale,
                               row_format=row_format)
 
 
 # name -> the default launch shape's fields it replaces
-VARIANTS = {"triton_noprefetch": {"prefetch": 0}, "triton_f16dot": {"f16_mma": True},
-            # the default before the warp-specialised kernel: the tl fused-tile kernel
+VARIANTS = {"triton_noprefetch": {"prefetch": 0},
+            # the tl kernels' default (the fused-tile kernel for fp8 rows at 64-head blocks)
             "triton_tl": {}}
 
 
@@ -179,7 +177,7 @@ def flashmla_op_fn(fm: FlashMLABackend, q, rows, idx, sm_scale):
     if N % 64 != 0:
         raise ValueError(f"FlashMLA needs 64-row pages; N = {N} is not a multiple of 64")
     kv4 = rows.view(N // 64, 64, 1, 656)
-    idx3 = _pad_topk(idx).unsqueeze(1).contiguous()
+    idx3 = pad_topk(idx).unsqueeze(1).contiguous()
     args = dict(q=q4, kv=kv4, indices=idx3, topk_length=None, attn_sink=None,
                 tile_scheduler_metadata=None, num_splits=None, extra_kv=None,
                 extra_indices=None, extra_topk_length=None, d_v=512, sm_scale=sm_scale)
@@ -266,8 +264,16 @@ def run_case(T, H, K, fmt, args, timer, backends, copy_cache) -> list[dict]:
 
             record(name, fi_run, fi_check, plan_run)
             continue
+        def config(name=name, be=be):
+            """The Triton launch shape timed (for the default: what default_config picks,
+            with ws_off_reason saying why not the warp-specialised kernel)."""
+            if name == "triton":
+                return {"config": dataclasses.asdict(default_config(
+                    T, H, K, dev, fmt, kv_rows=rows if fmt is FP8 else None))}
+            return {"config": dataclasses.asdict(be.config)} if name in VARIANTS else {}
+
         record(name, lambda be=be: be.decode(q, rows, idx, sm_scale=sm_scale, row_format=fmt),
-               check)
+               check, config)
         if name == "flashmla":
             try:
                 op = flashmla_op_fn(be, q, rows, idx, sm_scale)
@@ -316,11 +322,10 @@ def main(argv=None) -> int:
                     choices=["fp8_ds_mla", "bf16"])
     ap.add_argument("--backends", nargs="+", default=["triton", "flashmla", "flashinfer"],
                     choices=["triton", *VARIANTS, "flashmla", "flashinfer"],
-                    help="triton_noprefetch / triton_f16dot: the default Triton launch shape "
-                         "with the L2 prefetch off / with float16 instead of bf16 dots on "
-                         "fp8 rows (to measure each against the default in the same run); "
-                         "triton_tl: the tl-kernel default (the one before the warp-"
-                         "specialised kernel became the fp8 default on SM 9.x)")
+                    help="triton_noprefetch: the tl kernels' default launch shape with the "
+                         "L2 prefetch off (to measure it against the default in the same "
+                         "run); triton_tl: the tl kernels' default (what runs where the "
+                         "warp-specialised kernel, the fp8 default on SM 9.x, can't)")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--pad-frac", type=float, default=0.0, help="fraction of -1 indices")
