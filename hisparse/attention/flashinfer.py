@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from ..config import RowFormat
+from ..formats import RowFormat
 from .base import (
     D_V,
     DecodeInputs,
@@ -53,7 +53,7 @@ def flashinfer_import_reason() -> str | None:
                                  "offline: pip install --no-index --no-deps --target DIR "
                                  ".gpu-deps/flashinfer/*.whl and add DIR to PYTHONPATH)")
         else:
-            try:
+            try:  # flashinfer is an optional dependency (the [flashinfer] extra): imported here only
                 import flashinfer  # noqa: F401
                 from flashinfer.mla import BatchMLAPagedAttentionWrapper  # noqa: F401
 
@@ -139,6 +139,7 @@ class FlashInferBackend(SparseMLABackend):
     def _wrapper(self, device: torch.device):
         w = self._wrappers.get(device)
         if w is None:
+            # optional dependency: flashinfer_import_reason() (asked by supports) imported it
             from flashinfer.mla import BatchMLAPagedAttentionWrapper
 
             ws = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)
