@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from ..formats import RowFormat
+from ..formats import D_LATENT, D_ROPE, RowFormat
 from .base import (
     D_V,
     DecodeInputs,
@@ -37,8 +37,8 @@ from .base import (
 )
 
 _WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace
-_D_CKV = 512
-_D_KPE = 64
+_D_CKV = D_LATENT  # FlashInfer's names: compressed KV (the latent) and the RoPE part
+_D_KPE = D_ROPE
 _LN2 = math.log(2.0)
 
 _IMPORT: dict[str, object] = {}

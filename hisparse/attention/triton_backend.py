@@ -22,7 +22,7 @@ import torch
 import triton
 
 from .._checks import check_bool, check_int, interpreter_mode, sm_count
-from ..formats import RowFormat
+from ..formats import BF16_ROW_BYTES, FP8_ROW_BYTES, RowFormat
 from ..kernels.gluon_support import gluon_ws_problem
 from ..kernels.mla_decode import sparse_mla_combine_kernel, sparse_mla_decode_kernel
 from ..kernels.mla_decode_wide import sparse_mla_decode_wide_kernel
@@ -129,8 +129,8 @@ def ws_consumer_regs(producer_regs: int) -> int:
 def ws_shared_bytes(block_n: int, stages: int, raw: int) -> int:
     """Dynamic shared memory of mla_decode_ws: q (64 x 576 bf16), the bf16 ring (latent +
     RoPE + score bias per slot), the raw ring (656-byte rows + bias per slot), barriers."""
-    return 64 * 576 * 2 + stages * block_n * (576 * 2 + 4) + raw * block_n * (656 + 4) \
-        + 4 * stages * 8
+    return (64 * BF16_ROW_BYTES + stages * block_n * (BF16_ROW_BYTES + 4)
+            + raw * block_n * (FP8_ROW_BYTES + 4) + 4 * stages * 8)
 
 
 # The tl kernels' defaults per (row format, head block): the fastest shapes of the H200
