@@ -406,6 +406,33 @@ def test_default_config_records_why_ws_is_off(monkeypatch):
     assert cfg == dataclasses.replace(cfg, ws_off_reason=None)  # not part of the shape
 
 
+def test_isolated_tiled_dots_off_where_ptxas_crashes_on_them(monkeypatch):
+    """Under Triton 3.7 / 3.8 (ptxas crashes on their code for the tiled body's isolated
+    dots at 64-head blocks) default_config turns isolate_qk off for CUDA and says why; an
+    explicit such config is refused before launch; other releases and the interpreter
+    keep it."""
+    cuda = torch.device("cuda")
+    bf16_64 = TB.DEFAULT_CONFIGS[(RowFormat.BF16, 64)]
+    assert bf16_64.isolate_qk and not bf16_64.wide
+    monkeypatch.setattr(TB, "_TRITON_MINOR", (3, 9))
+    assert TB.isolate_problem(bf16_64, cuda) is None
+    monkeypatch.setattr(TB, "_TRITON_MINOR", (3, 8))
+    assert "ptxas crashes" in TB.isolate_problem(bf16_64, cuda)
+    assert TB.isolate_problem(bf16_64, torch.device("cpu")) is None  # no ptxas there
+    assert TB.isolate_problem(TB.DEFAULT_CONFIGS[(RowFormat.FP8_DS_MLA, 64)], cuda) is None
+    assert TB.isolate_problem(TritonMLAConfig(block_h=32, isolate_qk=True), cuda) is None
+    monkeypatch.setattr(TB, "sm_count", lambda device: 132)  # default_config for a GPU, here
+    cfg = default_config(64, 128, 2048, cuda, "bf16")
+    assert not cfg.isolate_qk and "ptxas crashes" in cfg.isolate_off_reason
+    assert cfg == dataclasses.replace(bf16_64, isolate_qk=False, num_splits=cfg.num_splits)
+    # an explicit config that can't compile is refused before any launch
+    monkeypatch.setattr(TB, "isolate_problem", lambda cfg, device: "ptxas crashes (as on 3.8)")
+    be = TritonBackend(config=bf16_64, allow_interpreter=True)
+    with pytest.raises(ValueError, match=r"isolate_qk=True\) cannot run here: ptxas crashes"):
+        be.decode(_q(1, 64), _rows(8, "bf16")[0], _indices(1, 4, 8), sm_scale=SCALE,
+                  row_format="bf16")
+
+
 def test_gluon_guard_names_what_is_missing(monkeypatch):
     """gluon_ws_problem() names a missing module attribute and a changed signature."""
     real = GS.gluon_ws_problem()  # this Triton (None where the ws kernel can be built)
@@ -433,13 +460,16 @@ import json, os, re, subprocess, sys, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from hisparse.attention.triton_backend import DEFAULT_CONFIGS
+import dataclasses, torch
+from hisparse.attention.triton_backend import DEFAULT_CONFIGS, isolate_problem
 from hisparse.formats import RowFormat
 from hisparse.kernels import mla_decode as M
 from hisparse.kernels import mla_decode_wide as MW
 
 def compile_decode(fp8, bh, splits):
     cfg = DEFAULT_CONFIGS[(RowFormat.FP8_DS_MLA if fp8 else RowFormat.BF16, bh)]
+    if isolate_problem(cfg, torch.device("cuda")):  # as default_config does on such a Triton
+        cfg = dataclasses.replace(cfg, isolate_qk=False)
     sig = {"q_ptr": "*bf16", "kv_ptr": "*u8" if fp8 else "*bf16", "idx_ptr": "*i32",
            "vc_ptr": "*i32", "out_ptr": "*bf16", "lse_ptr": "*fp32", "part_out_ptr": "*fp32",
            "part_lse_ptr": "*fp32", "N": "i32", "K": "i32", "H": "i32", "q_stride_t": "i32",
@@ -469,7 +499,8 @@ def compile_decode(fp8, bh, splits):
     stack = re.search(r"STACK:(\d+)", usage)
     mma = re.findall(r"nvidia_mma<\{[^}]*warpsPerCTA = \[(\d+), (\d+)\]", k.asm["ttgir"])
     return {"fp8": fp8, "block_h": bh, "splits": splits, "shared": k.metadata.shared,
-            "wide": cfg.wide, "mma_warps": sorted({(int(a), int(b)) for a, b in mma}),
+            "wide": cfg.wide, "isolated": cfg.isolate_qk or cfg.wide,
+            "mma_warps": sorted({(int(a), int(b)) for a, b in mma}),
             "stack": int(stack.group(1)) if stack else None,
             "wgmma": k.asm["ptx"].count("wgmma.mma_async"), "prefetch": cfg.prefetch,
             "l2_prefetches": k.asm["ptx"].count("prefetch.global.L2")}
@@ -490,7 +521,9 @@ def test_kernels_compile_for_sm90_without_spills():
 
     The defaults were chosen under Triton 3.6 (the H200's), where none spills. Other
     releases allocate registers differently (3.9: 8 bytes of stack in the fp8 fused-tile
-    kernel at block_h 64); there the kernels must compile and any spill stay small."""
+    kernel at block_h 64); there the kernels must compile and any spill stay small.
+    Under 3.7 / 3.8 the tiled body runs without isolate_qk at block_h 64
+    (``isolate_problem``), as ``default_config`` picks it there."""
     stats = run_sm90_compile(_SM90_COMPILE, timeout=300)
     spill_limit = 0 if triton.__version__.startswith("3.6.") else 64
     for s in stats:
@@ -499,6 +532,7 @@ def test_kernels_compile_for_sm90_without_spills():
     assert all(s["wgmma"] > 0 for s in stats if s["block_h"] == 64)
     # the prefetch hint really reaches the PTX where the default shape asks for it
     assert all((s["l2_prefetches"] > 0) == (s["prefetch"] > 0) for s in stats), stats
-    # isolate_qk at block_h 64: no dot laid out over all 8 warps along the 64 heads
+    # isolated dots at block_h 64: none laid out over all 8 warps along the 64 heads
     # (which would make both warpgroups compute the same q . k^T)
-    assert all([8, 1] not in s["mma_warps"] for s in stats if s["block_h"] == 64), stats
+    assert all([8, 1] not in s["mma_warps"] for s in stats if s["block_h"] == 64
+               and s["isolated"]), stats

@@ -70,6 +70,9 @@ class TritonMLAConfig:
     ws_off_reason: set by ``default_config`` when it did not pick ``ws``: why not (None
         when it did, or for a config built by hand). Not part of the launch shape:
         ignored by ``==`` and ``hash``.
+    isolate_off_reason: set by ``default_config`` when it turned the default's
+        ``isolate_qk`` off because the installed Triton can't compile it (see
+        ``isolate_problem``); None otherwise. Ignored by ``==`` and ``hash``.
     """
 
     block_h: int = 64
@@ -84,6 +87,7 @@ class TritonMLAConfig:
     ws_raw: int = 3
     ws_producer_regs: int = 56
     ws_off_reason: str | None = dataclasses.field(default=None, compare=False)
+    isolate_off_reason: str | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         for name in ("block_h", "block_n", "num_warps"):
@@ -100,8 +104,10 @@ class TritonMLAConfig:
         check_int("prefetch", self.prefetch, 0, 4)  # 0 = off, else a distance in blocks
         check_bool("wide", self.wide)
         check_bool("ws", self.ws)
-        if self.ws_off_reason is not None and not isinstance(self.ws_off_reason, str):
-            raise TypeError(f"ws_off_reason must be None or a str, got {self.ws_off_reason!r}")
+        for name in ("ws_off_reason", "isolate_off_reason"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, str):
+                raise TypeError(f"{name} must be None or a str, got {v!r}")
         if not self.ws:
             return
         if self.wide or self.isolate_qk:
@@ -162,6 +168,23 @@ WS_DEFAULT = dict(block_n=32, num_warps=4, num_stages=2, isolate_qk=False, prefe
                   wide=False, ws=True, ws_raw=2, ws_producer_regs=72)
 
 
+# Triton 3.7 and 3.8 emit PTX for the tiled body's isolated q . k^T dots at 64-head
+# blocks on which ptxas (12.8 and 12.9) crashes with SIGSEGV for sm90, both row formats
+# (found compiling offline; 3.6 and 3.9 compile it, 16/32-head blocks compile everywhere).
+_TRITON_MINOR = tuple(int(v) for v in triton.__version__.split(".")[:2])
+_ISOLATE_CRASHES_PTXAS = ((3, 7), (3, 8))
+
+
+def isolate_problem(cfg: TritonMLAConfig, device: torch.device) -> str | None:
+    """Why the installed Triton can't compile ``cfg``'s isolated dots for ``device``, or
+    None (the interpreter runs them under every release)."""
+    if (device.type == "cuda" and cfg.isolate_qk and not cfg.wide and not cfg.ws
+            and cfg.block_h == 64 and _TRITON_MINOR in _ISOLATE_CRASHES_PTXAS):
+        return (f"ptxas crashes on Triton {triton.__version__}'s code for the tiled body with "
+                "isolate_qk at 64-head blocks (Triton 3.6 and 3.9 compile it)")
+    return None
+
+
 def ws_device_problem(device: torch.device) -> str | None:
     """Why ``device`` can't run the warp-specialised kernel, or None."""
     if device.type != "cuda":
@@ -204,6 +227,9 @@ def default_config(T: int, H: int, K: int, device: torch.device,
     fmt = RowFormat.parse(row_format)
     block_h = min(64, max(16, triton.next_power_of_2(H)))
     cfg = DEFAULT_CONFIGS[(fmt, block_h)]
+    iso = isolate_problem(cfg, device)
+    if iso is not None:  # slower without isolation, but it compiles
+        cfg = dataclasses.replace(cfg, isolate_qk=False, isolate_off_reason=iso)
     if not allow_ws:
         why = "allow_ws=False"
     elif fmt is not RowFormat.FP8_DS_MLA:
@@ -259,6 +285,9 @@ def run_sparse_mla(inp: DecodeInputs, cfg: TritonMLAConfig | None = None
         reason = ws_unsupported(inp, dev)
         if reason is not None:
             raise ValueError(f"TritonMLAConfig(ws=True) cannot run here: {reason}; use ws=False")
+    elif isolate_problem(cfg, dev) is not None:
+        raise ValueError(f"TritonMLAConfig(isolate_qk=True) cannot run here: "
+                         f"{isolate_problem(cfg, dev)}; use isolate_qk=False or wide=True")
     splits = cfg.num_splits if cfg.num_splits is not None else auto_splits(T, H, K, cfg, dev)
     # rows per split: a multiple of block_n; drop splits that would get no rows
     rows_per_split = math.ceil(math.ceil(K / splits) / cfg.block_n) * cfg.block_n
@@ -376,5 +405,6 @@ class TritonBackend(SparseMLABackend):
 
 
 __all__ = ["TritonBackend", "TritonMLAConfig", "default_config", "auto_splits", "run_sparse_mla",
-           "DEFAULT_CONFIGS", "WS_DEFAULT", "ws_unsupported", "ws_device_problem",
+           "DEFAULT_CONFIGS", "WS_DEFAULT", "isolate_problem", "ws_unsupported",
+           "ws_device_problem",
            "ws_rows_problem", "ws_shared_bytes", "ws_consumer_regs"]
