@@ -98,16 +98,14 @@ class TritonVariant(TritonBackend):
     def decode(self, q, kv_rows, indices, *, valid_counts=None, sm_scale, row_format):
         cfg = default_config(q.shape[0], q.shape[1], indices.shape[1], q.device, row_format,
                              allow_ws=False)
-        if cfg.wide or "f16_mma" not in self.overrides:  # f16_mma exists on the wide body only
-            cfg = dataclasses.replace(cfg, **self.overrides)
-        self.config = cfg
+        self.config = dataclasses.replace(cfg, **self.overrides)
         return super().decode(q, kv_rows, indices, valid_counts=valid_counts, sm_scale=sm_scale,
                               row_format=row_format)
 
 
 # name -> the default launch shape's fields it replaces
-VARIANTS = {"triton_noprefetch": {"prefetch": 0}, "triton_f16dot": {"f16_mma": True},
-            # the default before the warp-specialised kernel: the tl fused-tile kernel
+VARIANTS = {"triton_noprefetch": {"prefetch": 0},
+            # the tl kernels' default (the fused-tile kernel for fp8 rows at 64-head blocks)
             "triton_tl": {}}
 
 
@@ -251,8 +249,16 @@ def run_case(T, H, K, fmt, args, timer, backends, copy_cache) -> list[dict]:
 
             record(name, fi_run, fi_check, plan_run)
             continue
+        def config(name=name, be=be):
+            """The Triton launch shape timed (for the default: what default_config picks,
+            with ws_off_reason saying why not the warp-specialised kernel)."""
+            if name == "triton":
+                return {"config": dataclasses.asdict(default_config(
+                    T, H, K, dev, fmt, kv_rows=rows if fmt is FP8 else None))}
+            return {"config": dataclasses.asdict(be.config)} if name in VARIANTS else {}
+
         record(name, lambda be=be: be.decode(q, rows, idx, sm_scale=sm_scale, row_format=fmt),
-               check)
+               check, config)
         if name == "flashmla":
             try:
                 op = flashmla_op_fn(be, q, rows, idx, sm_scale)
@@ -291,11 +297,10 @@ def main(argv=None) -> int:
                     choices=["fp8_ds_mla", "bf16"])
     ap.add_argument("--backends", nargs="+", default=["triton", "flashmla", "flashinfer"],
                     choices=["triton", *VARIANTS, "flashmla", "flashinfer"],
-                    help="triton_noprefetch / triton_f16dot: the default Triton launch shape "
-                         "with the L2 prefetch off / with float16 instead of bf16 dots on "
-                         "fp8 rows (to measure each against the default in the same run); "
-                         "triton_tl: the tl-kernel default (the one before the warp-"
-                         "specialised kernel became the fp8 default on SM 9.x)")
+                    help="triton_noprefetch: the tl kernels' default launch shape with the "
+                         "L2 prefetch off (to measure it against the default in the same "
+                         "run); triton_tl: the tl kernels' default (what runs where the "
+                         "warp-specialised kernel, the fp8 default on SM 9.x, can't)")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--pad-frac", type=float, default=0.0, help="fraction of -1 indices")

@@ -1,7 +1,8 @@
-"""Launch-shape sweep of hisparse's Triton sparse-MLA decode kernel (pick DEFAULT_SHAPES).
+"""Launch-shape sweep of hisparse's Triton sparse-MLA decode kernels (to pick
+``triton_backend.DEFAULT_CONFIGS`` / ``WS_DEFAULT``).
 
 For each case (row format, T query tokens, H heads, K = 2048) every candidate
-``(block_h, block_n, num_warps, num_stages)`` of ``triton_backend.CANDIDATE_SHAPES``
+``(block_h, block_n, num_warps, num_stages)`` of ``CANDIDATE_SHAPES`` below
 (with block_h <= next_pow2(H)) is timed with a few KV-split counts, next to the
 baseline = the backend's current ``default_config`` measured in the same run.
 
@@ -31,14 +32,20 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import L2Flush, environment, out_ok, stats, time_calls
+import hisparse
 from hisparse.attention.reference import ReferenceBackend
-from hisparse.attention.triton_backend import (CANDIDATE_SHAPES, TritonBackend,
-                                               TritonMLAConfig, auto_splits, default_config)
+from hisparse.attention.triton_backend import TritonBackend, TritonMLAConfig, auto_splits, default_config
 from hisparse.formats import quantize_fp8_ds_mla
 
 FLASHMLA_US = {("fp8_ds_mla", 64, 128): 108.9, ("fp8_ds_mla", 1, 128): 42.6,
                ("fp8_ds_mla", 8, 128): 49.1, ("fp8_ds_mla", 256, 128): 418.5}
 SPOT = 4
+# (block_h, block_n, num_warps, num_stages) tried by default (--shapes replaces them)
+CANDIDATE_SHAPES: tuple[tuple[int, int, int, int], ...] = (
+    (64, 64, 8, 2), (64, 32, 8, 2), (64, 32, 8, 3), (64, 16, 8, 2), (64, 16, 8, 3),
+    (64, 32, 16, 2), (64, 16, 4, 2), (64, 32, 4, 2), (32, 32, 8, 2), (32, 16, 4, 2),
+    (16, 64, 8, 2), (16, 16, 4, 2), (16, 32, 4, 2),
+)
 
 
 def time_fn(fn, *, warmup: int, iters: int, flush: bool) -> dict:
@@ -93,36 +100,30 @@ def run_case(fmt: str, T: int, H: int, K: int, args) -> dict:
         shapes = [tuple(int(v) for v in sh.split(",")) for sh in args.shapes
                   if not sh.startswith("ws:")]
     base = measure("default", base_cfg)
-    # the warp-specialised Gluon kernel: ws:BN,STAGES,RAW[,PRODUCER_REGS[,SPLIT_QK]]
+    # the warp-specialised Gluon kernel: ws:BN,STAGES,RAW[,PRODUCER_REGS]
     for shape in ws_shapes:
         bn, ns, raw = shape[:3]
         preg = shape[3] if len(shape) > 3 else 56
-        sq = bool(shape[4]) if len(shape) > 4 else False
         auto = TritonMLAConfig(block_h=64, block_n=bn, num_warps=4, num_stages=ns, ws=True,
-                               ws_raw=raw, ws_producer_regs=preg, ws_split_qk=sq)
+                               ws_raw=raw, ws_producer_regs=preg)
         for sp in sorted({auto_splits(T, H, K, auto, q.device), 1}):
-            measure(f"ws_n{bn}s{ns}r{raw}p{preg}{'q' if sq else ''}x{sp}",
-                    dataclasses.replace(auto, num_splits=sp))
+            measure(f"ws_n{bn}s{ns}r{raw}p{preg}x{sp}", dataclasses.replace(auto, num_splits=sp))
     for shape in shapes:
         bh, bn, nw, ns = shape[:4]
-        dv = shape[4] if len(shape) > 4 else 1
-        iso = bool(shape[5]) if len(shape) > 5 else False
-        pf = shape[6] if len(shape) > 6 else 0
-        wide = bool(shape[7]) if len(shape) > 7 else False
-        l1 = bool(shape[8]) if len(shape) > 8 else False
-        f16 = bool(shape[9]) if len(shape) > 9 else False
-        rp = bool(shape[10]) if len(shape) > 10 else False
-        rs = bool(shape[11]) if len(shape) > 11 else False
+        iso = bool(shape[4]) if len(shape) > 4 else False
+        pf = shape[5] if len(shape) > 5 else 0
+        wide = bool(shape[6]) if len(shape) > 6 else False
         if bh > 2 * max_bh:
             continue
-        auto = TritonMLAConfig(block_h=bh, block_n=bn, num_warps=nw, num_stages=ns, dv_parts=dv,
-                               isolate_qk=iso, prefetch=pf, wide=wide, prefetch_l1=l1,
-                               f16_mma=f16, reg_pipe=rp, mma_rowsum=rs)
+        auto = TritonMLAConfig(block_h=bh, block_n=bn, num_warps=nw, num_stages=ns,
+                               isolate_qk=iso, prefetch=pf, wide=wide)
         splits = sorted({auto_splits(T, H, K, auto, q.device), 1, 2} if not args.quick
                         else {auto_splits(T, H, K, auto, q.device), 1})
         for sp in splits:
             cfg = dataclasses.replace(auto, num_splits=sp)
-            measure(f"h{bh}n{bn}w{nw}s{ns}d{dv}{'i' if iso else ''}{f'p{pf}' if pf else ''}{'W' if wide else ''}{'L1' if l1 else ''}{'F' if f16 else ''}{'R' if rp else ''}{'S' if rs else ''}x{sp}", cfg)
+            name = (f"h{bh}n{bn}w{nw}s{ns}{'i' if iso else ''}{f'p{pf}' if pf else ''}"
+                    f"{'W' if wide else ''}x{sp}")
+            measure(name, cfg)
     base_med = base.get("us", {}).get("median")
     fm = FLASHMLA_US.get((fmt, T, H))
     for r in results:
@@ -159,10 +160,11 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--no-flush", action="store_true", help="don't flush L2 before each call")
-    ap.add_argument("--shapes", nargs="+", metavar="BH,BN,W,S[,DV[,ISO[,PF[,WIDE[,L1[,F16[,RP[,RS]]]]]]]] or ws:BN,S,RAW[,PREG[,SPLITQK]]",
+    ap.add_argument("--shapes", nargs="+", metavar="BH,BN,W,S[,ISO[,PF[,WIDE]]] or ws:BN,S,RAW[,PREG]",
                     help="launch shapes to try instead of CANDIDATE_SHAPES "
-                         "(block_h, block_n, num_warps, num_stages, dv_parts, isolate_qk 0/1, "
-                         "prefetch distance 0-3, wide 0/1, prefetch into L1 0/1, f16 dots 0/1, register pipelining 0/1, row sums on the tensor cores 0/1)")
+                         "(block_h, block_n, num_warps, num_stages, isolate_qk 0/1, "
+                         "prefetch distance 0-3, wide 0/1; ws: block_n, bf16 ring slots, "
+                         "raw slots, producer registers)")
     ap.add_argument("--cases", nargs="+", metavar="FMT,T,H",
                     help="cases to run instead of the built-in list, e.g. fp8_ds_mla,64,128")
     args = ap.parse_args(argv)

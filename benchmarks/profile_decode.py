@@ -23,8 +23,9 @@ def main() -> None:
     ap.add_argument("--H", type=int, default=128)
     ap.add_argument("--K", type=int, default=2048)
     ap.add_argument("--format", default="fp8_ds_mla", choices=["fp8_ds_mla", "bf16"])
-    ap.add_argument("--shape", help="BH,BN,W,S[,DV[,ISO[,SPLITS[,PF]]]] launch shape (default: default_config)")
-    ap.add_argument("--ws", metavar="BN,STAGES,RAW[,PREG[,SPLITQK]]",
+    ap.add_argument("--shape", help="BH,BN,W,S[,ISO[,SPLITS[,PF[,WIDE]]]] launch shape "
+                                    "(default: default_config)")
+    ap.add_argument("--ws", metavar="BN,STAGES,RAW[,PREG]",
                     help="profile the warp-specialised Gluon kernel with this ring shape")
     ap.add_argument("--calls", type=int, default=4)
     a = ap.parse_args()
@@ -38,15 +39,14 @@ def main() -> None:
     if a.shape:
         v = [int(s) for s in a.shape.split(",")]
         cfg = TritonMLAConfig(block_h=v[0], block_n=v[1], num_warps=v[2], num_stages=v[3],
-                              dv_parts=v[4] if len(v) > 4 else 1,
-                              isolate_qk=bool(v[5]) if len(v) > 5 else False,
-                              num_splits=v[6] if len(v) > 6 else None,
-                              prefetch=v[7] if len(v) > 7 else 0)
+                              isolate_qk=bool(v[4]) if len(v) > 4 else False,
+                              num_splits=v[5] if len(v) > 5 else None,
+                              prefetch=v[6] if len(v) > 6 else 0,
+                              wide=bool(v[7]) if len(v) > 7 else False)
     if a.ws:
         v = [int(s) for s in a.ws.split(",")]
         cfg = TritonMLAConfig(block_h=64, block_n=v[0], num_warps=4, num_stages=v[1], ws=True,
-                              ws_raw=v[2], ws_producer_regs=v[3] if len(v) > 3 else 56,
-                              ws_split_qk=bool(v[4]) if len(v) > 4 else False)
+                              ws_raw=v[2], ws_producer_regs=v[3] if len(v) > 3 else 56)
     be = TritonBackend(config=cfg, validate=False)
     for _ in range(a.calls):
         be.decode(q, rows, idx, sm_scale=1.0 / math.sqrt(576), row_format=a.format)

@@ -22,9 +22,10 @@ exception keeps dequantisation finite: at the largest scale a float32 tile can n
 largest e4m3 below 256; relative error under 2^-4).
 
 Every function has a torch reference (``*_reference``: the CPU path and the test
-oracle). The default implementation is the Triton kernel on CUDA and the reference on
-CPU; ``use_triton=True`` forces the kernel (on CPU that needs ``TRITON_INTERPRET=1``).
-The Triton kernels match the references byte for byte.
+oracle). ``kernels=`` (a ``hisparse._checks.Kernels`` or its value "auto" / "torch" /
+"triton") picks the implementation: "auto" runs the Triton kernel on CUDA and the
+reference on CPU; "triton" on a CPU tensor needs ``TRITON_INTERPRET=1``. The Triton
+kernels match the references byte for byte.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ import contextlib
 import enum
 
 import torch
+
+from ._checks import Kernels, check_tensor
 
 D_LATENT = 512  # e4m3-quantized latent (NoPE) values per row
 D_ROPE = 64  # bf16 RoPE values per row
@@ -73,8 +76,7 @@ class RowFormat(enum.Enum):
 
 # ------------------------------------------------------------------ checks
 def _check_values(x: object, *, validate: bool) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    check_tensor("x", x)
     if x.dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"x must be bfloat16 or float32 [N, {D_ROW}], got dtype {x.dtype}")
     if x.dim() != 2 or x.shape[1] != D_ROW:
@@ -85,8 +87,7 @@ def _check_values(x: object, *, validate: bool) -> torch.Tensor:
 
 
 def _check_rows(rows: object) -> torch.Tensor:
-    if not isinstance(rows, torch.Tensor):
-        raise TypeError(f"rows must be a torch.Tensor, got {type(rows).__name__}")
+    check_tensor("rows", rows)
     if rows.dtype != torch.uint8:
         raise TypeError(f"rows must be uint8 [N, {FP8_ROW_BYTES}], got dtype {rows.dtype}")
     if rows.dim() != 2 or rows.shape[1] != FP8_ROW_BYTES:
@@ -100,12 +101,8 @@ def _check_out_dtype(out_dtype: object) -> torch.dtype:
     return out_dtype  # type: ignore[return-value]
 
 
-def _want_triton(device: torch.device, use_triton: bool | None) -> bool:
-    if use_triton is None:
-        return device.type == "cuda"
-    if not isinstance(use_triton, bool):
-        raise TypeError(f"use_triton must be None or a bool, got {use_triton!r}")
-    return use_triton
+def _want_triton(device: torch.device, kernels: Kernels | str) -> bool:
+    return Kernels.parse(kernels).pick(device) is Kernels.TRITON
 
 
 def _on_device(device: torch.device):
@@ -163,16 +160,19 @@ def dequantize_fp8_ds_mla_reference(rows: torch.Tensor, *,
 
 
 # -------------------------------------------------------------- public API
-def quantize_fp8_ds_mla(x: torch.Tensor, *, use_triton: bool | None = None,
+def quantize_fp8_ds_mla(x: torch.Tensor, *, kernels: Kernels | str = Kernels.AUTO,
                         validate: bool = True) -> torch.Tensor:
     """bf16/float32 [N, 576] -> uint8 [N, 656] fp8_ds_mla rows.
 
-    ``validate`` checks that x is finite (a host sync); with ``validate=False``
-    non-finite input gives unspecified (but in-bounds) bytes.
+    ``kernels``: see the module docstring. ``validate`` checks that x is finite (a host
+    sync); with ``validate=False`` non-finite input gives unspecified (but in-bounds)
+    bytes.
     """
     x = _check_values(x, validate=validate)
-    if not _want_triton(x.device, use_triton):
+    if not _want_triton(x.device, kernels):
         return quantize_fp8_ds_mla_reference(x)
+    # imported here, not at the top: Triton is a Linux-only dependency, and the formats
+    # (imported by ``import hisparse``) work without it through the torch references
     from .kernels.quant import quantize_fp8_ds_mla_kernel
 
     N = x.shape[0]
@@ -188,13 +188,15 @@ def quantize_fp8_ds_mla(x: torch.Tensor, *, use_triton: bool | None = None,
 
 
 def dequantize_fp8_ds_mla(rows: torch.Tensor, *, out_dtype: torch.dtype = torch.bfloat16,
-                          use_triton: bool | None = None) -> torch.Tensor:
-    """uint8 [N, 656] fp8_ds_mla rows -> ``out_dtype`` [N, 576] (bf16 default, or float32)."""
+                          kernels: Kernels | str = Kernels.AUTO) -> torch.Tensor:
+    """uint8 [N, 656] fp8_ds_mla rows -> ``out_dtype`` [N, 576] (bf16 default, or float32).
+
+    ``kernels``: see the module docstring."""
     rows = _check_rows(rows)
     out_dtype = _check_out_dtype(out_dtype)
-    if not _want_triton(rows.device, use_triton):
+    if not _want_triton(rows.device, kernels):
         return dequantize_fp8_ds_mla_reference(rows, out_dtype=out_dtype)
-    from .kernels.quant import dequantize_fp8_ds_mla_kernel
+    from .kernels.quant import dequantize_fp8_ds_mla_kernel  # Linux-only Triton: see above
 
     N = rows.shape[0]
     out = torch.empty((N, D_ROW), dtype=out_dtype, device=rows.device)
@@ -212,8 +214,7 @@ def bf16_rows_to_bytes(x: torch.Tensor) -> torch.Tensor:
 
     A pure reinterpretation needs no kernel: the reference is the implementation.
     """
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    check_tensor("x", x)
     if x.dtype != torch.bfloat16:
         raise TypeError(f"x must be bfloat16 [N, {D_ROW}], got dtype {x.dtype}")
     if x.dim() != 2 or x.shape[1] != D_ROW:
@@ -223,8 +224,7 @@ def bf16_rows_to_bytes(x: torch.Tensor) -> torch.Tensor:
 
 def bytes_to_bf16_rows(b: torch.Tensor) -> torch.Tensor:
     """uint8 [N, 1152] -> bf16 [N, 576] (the same bytes; a view when b is contiguous)."""
-    if not isinstance(b, torch.Tensor):
-        raise TypeError(f"b must be a torch.Tensor, got {type(b).__name__}")
+    check_tensor("b", b)
     if b.dtype != torch.uint8:
         raise TypeError(f"b must be uint8 [N, {BF16_ROW_BYTES}], got dtype {b.dtype}")
     if b.dim() != 2 or b.shape[1] != BF16_ROW_BYTES:

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 import torch
+import triton
 
 from hisparse.attention.reference import ReferenceBackend
 from hisparse.formats import quantize_fp8_ds_mla
@@ -106,8 +107,6 @@ def check_graph_capture(backend):
 def run_sm90_compile(script: str, *args: str, timeout: int = 600):
     """Run a compile script (ptxas from the Triton wheel, no GPU) in a fresh interpreter
     without TRITON_INTERPRET; returns the JSON its last stdout line holds."""
-    import triton
-
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     if not os.path.exists(ptxas):
         pytest.skip(f"no ptxas in the Triton wheel ({ptxas})")

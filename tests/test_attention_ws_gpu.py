@@ -13,7 +13,8 @@ import pytest
 import torch
 from attention_common import REF, SCALE, check, check_extreme_scales, check_graph_capture, make_problem
 
-from hisparse.attention.triton_backend import TritonBackend, TritonMLAConfig
+from hisparse.attention.triton_backend import TritonBackend, TritonMLAConfig, default_config
+from hisparse.kernels.gluon_support import gluon_ws_problem
 
 pytestmark = pytest.mark.gpu
 
@@ -32,13 +33,12 @@ def _problem(T, H, K, *, N=8192, pad=0.1, seed=0):
 _check = check
 
 
-@pytest.mark.parametrize("split_qk", [False, True])
 @pytest.mark.parametrize("H", [128, 100, 16])
 @pytest.mark.parametrize("T", [1, 64, 256])
-def test_ws_matches_reference(T, H, split_qk):
+def test_ws_matches_reference(T, H):
     _skip_unless_sm90()
     q, rows, idx, vc = _problem(T, H, 2048, seed=T + H)
-    be = TritonBackend(config=dataclasses.replace(WS, ws_split_qk=split_qk, ws_raw=2))
+    be = TritonBackend(config=dataclasses.replace(WS, ws_raw=2))
     for v in (None, vc):
         out, lse = be.decode(q, rows, idx, valid_counts=v, sm_scale=SCALE, row_format="fp8_ds_mla")
         ref = REF.decode(q, rows, idx, valid_counts=v, sm_scale=SCALE, row_format="fp8_ds_mla")
@@ -47,18 +47,17 @@ def test_ws_matches_reference(T, H, split_qk):
             assert out[1].abs().max().item() == 0.0 and torch.isneginf(lse[1]).all()
 
 
-@pytest.mark.parametrize("bn,stages,raw,preg,sq", [
-    (32, 2, 3, 56, False), (32, 2, 2, 40, False), (16, 4, 4, 56, False), (16, 3, 6, 72, False),
-    (16, 2, 8, 88, False), (32, 1, 3, 56, False), (32, 2, 2, 72, True), (32, 2, 2, 56, True),
-    (16, 4, 4, 72, True), (32, 1, 2, 40, True)])
+@pytest.mark.parametrize("bn,stages,raw,preg", [
+    (32, 2, 3, 56), (32, 2, 2, 40), (16, 4, 4, 56), (16, 3, 6, 72), (16, 2, 8, 88),
+    (32, 1, 3, 56), (32, 2, 2, 72), (32, 2, 2, 56), (16, 4, 4, 72), (32, 1, 2, 40)])
 @pytest.mark.parametrize("splits", [1, 3])
-def test_ws_ring_shapes(bn, stages, raw, preg, sq, splits):
+def test_ws_ring_shapes(bn, stages, raw, preg, splits):
     """Every ring shape: the slot / phase arithmetic wraps differently for each; K = 1000
     (not a multiple of block_n) with short valid counts."""
     _skip_unless_sm90()
-    q, rows, idx, vc = _problem(8, 128, 1000, seed=bn + stages + raw + sq)
+    q, rows, idx, vc = _problem(8, 128, 1000, seed=bn + stages + raw + preg)
     cfg = dataclasses.replace(WS, block_n=bn, num_stages=stages, ws_raw=raw,
-                              ws_producer_regs=preg, ws_split_qk=sq, num_splits=splits)
+                              ws_producer_regs=preg, num_splits=splits)
     out, lse = TritonBackend(config=cfg).decode(q, rows, idx, valid_counts=vc, sm_scale=SCALE,
                                                 row_format="fp8_ds_mla")
     _check(out, lse, *REF.decode(q, rows, idx, valid_counts=vc, sm_scale=SCALE,
@@ -116,3 +115,14 @@ def test_ws_rejects_misaligned_rows_and_bf16():
     with pytest.raises(ValueError, match="fp8_ds_mla rows only"):
         be.decode(q, torch.randn(1024, 576, device="cuda").bfloat16(), idx, sm_scale=SCALE,
                   row_format="bf16")
+
+
+def test_ws_is_the_default_on_sm90():
+    """With this Triton's Gluon able to build the kernel, the default fp8 config at
+    64-head blocks is the warp-specialised one (else ws_off_reason says why not)."""
+    _skip_unless_sm90()
+    cfg = default_config(64, 128, 2048, torch.device("cuda"), "fp8_ds_mla")
+    problem = gluon_ws_problem()
+    assert cfg.ws == (problem is None), cfg
+    if problem is not None:
+        assert problem in cfg.ws_off_reason

@@ -31,6 +31,7 @@ from hisparse.attention.flashmla import FlashMLABackend
 from hisparse.attention.reference import ReferenceBackend
 from hisparse.config import RowFormat
 from hisparse.formats import quantize_fp8_ds_mla
+from hisparse.tools.env import collect_env, format_env
 
 pytestmark = pytest.mark.gpu
 
@@ -193,9 +194,10 @@ def test_chooser_on_gpu(dev):
 
 
 def test_env_on_gpu():
-    from hisparse.tools.env import collect_env, format_env
-
     d = collect_env(flashmla_lib=_flashmla_lib())
     print(format_env(d))
     assert d["cuda_available"] and d["gpus"] and d["gpus"][0]["memory_gib"] > 1
     assert d["pinned"]["ok"] and d["pinned"]["is_pinned"] and d["pinned"]["registered"]
+    td = d["triton_decode"]
+    if torch.cuda.get_device_capability()[0] == 9:  # the H200: ws unless Gluon lacks something
+        assert (td["kernel"] == "ws") == (td["gluon_ws"] is None), td

@@ -14,13 +14,15 @@ The GPU tests (tests/test_backends_gpu.py) run the real kernels.
 
 from __future__ import annotations
 
+import json
 import math
-import os
 from importlib.util import find_spec
 
 import pytest
 import torch
 
+from hisparse import interpreter_fixes
+from hisparse._checks import interpreter_mode
 from hisparse.attention import chooser, flashinfer as fi_mod, flashmla as fm_mod
 from hisparse.attention.base import DecodeInputs, Phase, validate_decode_inputs
 from hisparse.attention.flashinfer import FlashInferBackend
@@ -28,6 +30,7 @@ from hisparse.attention.flashmla import FlashMLABackend
 from hisparse.attention.reference import ReferenceBackend, sparse_mla_reference
 from hisparse.config import RowFormat
 from hisparse.formats import quantize_fp8_ds_mla_reference
+from hisparse.kernels.gluon_support import gluon_ws_problem
 from hisparse.tools import env as env_mod
 
 FP8, BF16 = RowFormat.FP8_DS_MLA, RowFormat.BF16
@@ -59,7 +62,7 @@ def test_chooser_picks_reference_on_cpu():
 
 
 def test_chooser_triton_on_cpu_only_under_interpreter():
-    interp = os.environ.get("TRITON_INTERPRET") == "1"  # conftest sets it when there's no GPU
+    interp = interpreter_mode()  # conftest sets TRITON_INTERPRET=1 when there is no GPU
     want = "triton" if interp else "reference"
     be = chooser.choose_backend(device="cpu", row_format=FP8, num_heads=4, phase="decode",
                                 prefer="triton")
@@ -436,7 +439,8 @@ def test_collect_env_fields(monkeypatch):
     d = env_mod.collect_env(device="cpu")
     for key in ("python", "platform", "torch", "triton", "cupy", "numpy", "flashinfer",
                 "cuda_available", "torch_cuda", "driver", "nvcc", "gpus", "device", "pinned",
-                "flashmla_lib", "backends", "triton_interpret"):
+                "flashmla_lib", "backends", "triton_decode", "triton_interpret",
+                "interpreter_fixes"):
         assert key in d, key
     cuda = torch.cuda.is_available()
     assert d["torch"] == torch.__version__ and d["cuda_available"] is cuda
@@ -450,10 +454,16 @@ def test_collect_env_fields(monkeypatch):
     assert ref["prefill"] is None
     fm = d["backends"][names.index("flashmla")]
     assert "CUDA device" in fm["decode_fp8_ds_mla"] and "fp8_ds_mla rows only" in fm["decode_bf16"]
-    import json
-
     json.dumps(d)  # JSON-able
     text = env_mod.format_env(d)
     assert "backend" in text and "decode fp8" in text and "why not:" in text
     assert "flashmla (" in text and "pinned memory: ok" in text
+    # the Triton decode kernel chosen here, and why not the warp-specialised one
+    td = d["triton_decode"]
+    assert td["kernel"] == "wide" and "CUDA SM 9.x" in td["ws_off_reason"]
+    assert td["gluon_ws"] == gluon_ws_problem()
+    assert "triton decode, fp8_ds_mla, 128 heads: tl fused-tile kernel" in text
+    assert "Gluon (warp-specialised kernel): " in text
+    assert d["triton_interpret"] == interpreter_mode()
+    assert d["interpreter_fixes"] == interpreter_fixes.applied()
     assert env_mod.collect_env(read_env_var=False)["flashmla_lib"] is None

@@ -11,22 +11,24 @@ import pytest
 import torch
 
 from hisparse import formats as F
+from hisparse._checks import Kernels
 
 triton_ok = pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
+TORCH, TRITON = Kernels.TORCH, Kernels.TRITON
 # the Triton kernels run on CUDA when there is one, else in the CPU interpreter
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def quant(x: torch.Tensor, use_triton: bool) -> torch.Tensor:
     if not use_triton:
-        return F.quantize_fp8_ds_mla(x, use_triton=False)
-    return F.quantize_fp8_ds_mla(x.to(DEV), use_triton=True).cpu()
+        return F.quantize_fp8_ds_mla(x, kernels=TORCH)
+    return F.quantize_fp8_ds_mla(x.to(DEV), kernels=TRITON).cpu()
 
 
 def dequant(rows: torch.Tensor, use_triton: bool, out_dtype=torch.bfloat16) -> torch.Tensor:
     if not use_triton:
-        return F.dequantize_fp8_ds_mla(rows, out_dtype=out_dtype, use_triton=False)
-    return F.dequantize_fp8_ds_mla(rows.to(DEV), out_dtype=out_dtype, use_triton=True).cpu()
+        return F.dequantize_fp8_ds_mla(rows, out_dtype=out_dtype, kernels=TORCH)
+    return F.dequantize_fp8_ds_mla(rows.to(DEV), out_dtype=out_dtype, kernels="triton").cpu()
 
 
 def _f32_bytes(v: float) -> list[int]:
@@ -206,21 +208,22 @@ def test_triton_dequantize_matches_reference(out_dtype):
 # -------------------------------------------------------------- bad input
 @triton_ok
 def test_quantize_rejects_bad_input(use_triton):
+    k = TRITON if use_triton else TORCH
     with pytest.raises(TypeError, match="bfloat16 or float32"):
-        F.quantize_fp8_ds_mla(torch.zeros(2, 576, dtype=torch.float16), use_triton=use_triton)
+        F.quantize_fp8_ds_mla(torch.zeros(2, 576, dtype=torch.float16), kernels=k)
     with pytest.raises(ValueError, match=r"\[N, 576\]"):
-        F.quantize_fp8_ds_mla(torch.zeros(2, 512), use_triton=use_triton)
+        F.quantize_fp8_ds_mla(torch.zeros(2, 512), kernels=k)
     with pytest.raises(ValueError, match=r"\[N, 576\]"):
-        F.quantize_fp8_ds_mla(torch.zeros(576), use_triton=use_triton)
+        F.quantize_fp8_ds_mla(torch.zeros(576), kernels=k)
     bad = torch.zeros(2, 576)
     bad[1, 3] = float("nan")
     with pytest.raises(ValueError, match="finite"):
-        F.quantize_fp8_ds_mla(bad, use_triton=use_triton)
+        F.quantize_fp8_ds_mla(bad, kernels=k)
     bad[1, 3] = float("inf")
     with pytest.raises(ValueError, match="finite"):
-        F.quantize_fp8_ds_mla(bad, use_triton=use_triton)
+        F.quantize_fp8_ds_mla(bad, kernels=k)
     with pytest.raises(TypeError, match="torch.Tensor"):
-        F.quantize_fp8_ds_mla([[0.0] * 576], use_triton=use_triton)
+        F.quantize_fp8_ds_mla([[0.0] * 576], kernels=k)
 
 
 def test_dequantize_and_views_reject_bad_input():
@@ -230,8 +233,10 @@ def test_dequantize_and_views_reject_bad_input():
         F.dequantize_fp8_ds_mla(torch.zeros(2, 655, dtype=torch.uint8))
     with pytest.raises(TypeError, match="out_dtype"):
         F.dequantize_fp8_ds_mla(torch.zeros(2, 656, dtype=torch.uint8), out_dtype=torch.float16)
-    with pytest.raises(TypeError, match="use_triton"):
-        F.dequantize_fp8_ds_mla(torch.zeros(2, 656, dtype=torch.uint8), use_triton="yes")
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        F.dequantize_fp8_ds_mla(torch.zeros(2, 656, dtype=torch.uint8), kernels="yes")
+    with pytest.raises(TypeError, match="use_triton"):  # the old spelling is gone
+        F.quantize_fp8_ds_mla(torch.zeros(2, 576), use_triton=True)
     with pytest.raises(TypeError, match="bfloat16"):
         F.bf16_rows_to_bytes(torch.zeros(2, 576))
     with pytest.raises(ValueError, match=r"\[N, 1152\]"):

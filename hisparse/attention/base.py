@@ -31,13 +31,11 @@ import math
 
 import torch
 
-from ..config import RowFormat
+from .._checks import check_int, check_tensor
+from ..formats import BF16_ROW_BYTES, D_LATENT, D_ROW, FP8_ROW_BYTES, RowFormat
 
-D_QK = 576  # query/key dims: 512 latent + 64 RoPE
-D_V = 512  # value dims (the latent)
-D_ROPE = 64
-FP8_ROW_BYTES = 656
-BF16_ROW_BYTES = 1152
+D_QK = D_ROW  # query/key dims in the attention notation: 512 latent + 64 RoPE
+D_V = D_LATENT  # value dims (the latent)
 
 
 class Phase(enum.Enum):
@@ -127,15 +125,11 @@ class SparseMLABackend(abc.ABC):
 # ---------------------------------------------------------------- validation
 def heads_reason(num_heads: object) -> str | None:
     """The common first check of every ``supports``: None, or why the head count is bad."""
-    if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
-        return f"num_heads must be an int >= 1, got {num_heads!r}"
+    try:
+        check_int("num_heads", num_heads, 1)
+    except (TypeError, ValueError) as e:
+        return str(e)
     return None
-
-
-def _check_tensor(name: str, x: object) -> torch.Tensor:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    return x
 
 
 def _check_scale(sm_scale: object) -> float:
@@ -148,7 +142,7 @@ def _check_scale(sm_scale: object) -> float:
 
 
 def _check_q(q: object) -> torch.Tensor:
-    q = _check_tensor("q", q)
+    q = check_tensor("q", q)
     if q.dtype != torch.bfloat16:
         raise TypeError(f"q must be bfloat16 [T, H, {D_QK}], got dtype {q.dtype}")
     if q.dim() != 3 or q.shape[2] != D_QK or q.shape[1] < 1:
@@ -160,7 +154,7 @@ def _check_q(q: object) -> torch.Tensor:
 
 def _check_indices(indices: object, valid_counts: object, T: int,
                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    indices = _check_tensor("indices", indices)
+    indices = check_tensor("indices", indices)
     if indices.dtype != torch.int32:
         raise TypeError(f"indices must be int32 [T, K], got dtype {indices.dtype}")
     if indices.dim() != 2 or indices.shape[0] != T:
@@ -171,7 +165,7 @@ def _check_indices(indices: object, valid_counts: object, T: int,
         raise ValueError("indices must have a contiguous last dimension (stride(1) == 1)")
     if valid_counts is None:
         return indices, None
-    vc = _check_tensor("valid_counts", valid_counts)
+    vc = check_tensor("valid_counts", valid_counts)
     if vc.dtype != torch.int32:
         raise TypeError(f"valid_counts must be int32 [T], got dtype {vc.dtype}")
     if vc.dim() != 1 or vc.shape[0] != T:
@@ -203,7 +197,7 @@ def normalize_kv_rows(kv_rows: object, row_format: RowFormat | str) -> torch.Ten
     A uint8 [N, 1152] view of bf16 rows is reinterpreted (no copy) as bf16 [N, 576].
     """
     fmt = RowFormat.parse(row_format)
-    kv = _check_tensor("kv_rows", kv_rows)
+    kv = check_tensor("kv_rows", kv_rows)
     if kv.dim() != 2:
         raise ValueError(f"kv_rows must be 2-D [N, row], got shape {tuple(kv.shape)}")
     if kv.shape[0] > 0 and kv.stride(1) != 1:
@@ -254,7 +248,7 @@ def validate_prefill_inputs(q: object, workspace: object, indices: object, *,
                             check_ranges: bool = True) -> PrefillInputs:
     """Validate prefill inputs: ``workspace`` bf16 [W, 576]; otherwise as decode."""
     q = _check_q(q)
-    ws = _check_tensor("workspace", workspace)
+    ws = check_tensor("workspace", workspace)
     if ws.dtype != torch.bfloat16:
         raise TypeError(f"workspace must be bfloat16 [W, {D_QK}], got dtype {ws.dtype}")
     if ws.dim() != 2 or ws.shape[1] != D_QK:
@@ -278,7 +272,7 @@ def empty_result(T: int, H: int, device: torch.device) -> tuple[torch.Tensor, to
 
 
 __all__ = [
-    "D_QK", "D_V", "D_ROPE", "FP8_ROW_BYTES", "BF16_ROW_BYTES", "Phase", "DecodeInputs",
+    "D_QK", "D_V", "Phase", "DecodeInputs",
     "PrefillInputs", "SparseMLABackend", "normalize_kv_rows", "validate_decode_inputs",
     "validate_prefill_inputs", "empty_result", "heads_reason",
 ]

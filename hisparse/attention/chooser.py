@@ -8,7 +8,7 @@ Registry (name -> class), default order of preference:
   CUDA: triton (ours: every format, head count and row count), flashmla (fp8 decode
         and prefill; needs the row view in 64-row pages), flashinfer (bf16), reference
   (``prefer="flashmla"`` puts FlashMLA first where its library is available)
-  CPU:  reference (torch), triton (runs only under TRITON_INTERPRET; slow)
+  CPU:  reference (torch), triton (runs only under TRITON_INTERPRET=1; slow)
 Prefill always reads the staged bf16 workspace, so for ``Phase.PREFILL`` the backends
 are asked about bf16 whatever row format the cache holds.
 Backend objects are created once per (name, options) and reused: FlashInfer keeps a
@@ -23,7 +23,8 @@ from typing import Iterable, Sequence
 
 import torch
 
-from ..config import RowFormat
+from .._checks import check_int
+from ..formats import RowFormat
 from .base import Phase, SparseMLABackend
 
 # name -> (module, class); modules are imported only when the backend is asked for
@@ -118,10 +119,7 @@ def _parse(device: object, row_format: object, num_heads: object,
     if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
         dev = torch.device("cuda", torch.cuda.current_device())
     fmt = RowFormat.parse(row_format)  # type: ignore[arg-type]
-    if isinstance(num_heads, bool) or not isinstance(num_heads, int):
-        raise TypeError(f"num_heads must be an int, got {type(num_heads).__name__}")
-    if num_heads < 1:
-        raise ValueError(f"num_heads must be >= 1, got {num_heads}")
+    check_int("num_heads", num_heads, 1)
     if isinstance(phase, str):
         try:
             phase = Phase(phase)

@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from ..config import RowFormat
+from ..formats import D_LATENT, D_ROPE, RowFormat
 from .base import (
     D_V,
     DecodeInputs,
@@ -37,8 +37,8 @@ from .base import (
 )
 
 _WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace
-_D_CKV = 512
-_D_KPE = 64
+_D_CKV = D_LATENT  # FlashInfer's names: compressed KV (the latent) and the RoPE part
+_D_KPE = D_ROPE
 _LN2 = math.log(2.0)
 
 _IMPORT: dict[str, object] = {}
@@ -53,7 +53,7 @@ def flashinfer_import_reason() -> str | None:
                                  "offline: pip install --no-index --no-deps --target DIR "
                                  ".gpu-deps/flashinfer/*.whl and add DIR to PYTHONPATH)")
         else:
-            try:
+            try:  # flashinfer is an optional dependency (the [flashinfer] extra): imported here only
                 import flashinfer  # noqa: F401
                 from flashinfer.mla import BatchMLAPagedAttentionWrapper  # noqa: F401
 
@@ -139,6 +139,7 @@ class FlashInferBackend(SparseMLABackend):
     def _wrapper(self, device: torch.device):
         w = self._wrappers.get(device)
         if w is None:
+            # optional dependency: flashinfer_import_reason() (asked by supports) imported it
             from flashinfer.mla import BatchMLAPagedAttentionWrapper
 
             ws = torch.empty(_WORKSPACE_BYTES, dtype=torch.uint8, device=device)

@@ -40,15 +40,15 @@ only with 64-row pages, and N must be a multiple of 64 (else ValueError, before 
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 
 import torch
 
-from ..config import RowFormat
+from ..formats import FP8_ROW_BYTES, RowFormat
 from .base import (
     D_QK,
     D_V,
-    FP8_ROW_BYTES,
     DecodeInputs,
     Phase,
     SparseMLABackend,
@@ -134,8 +134,6 @@ def _ops_from_namespace(namespace: str, source: str) -> tuple[FlashMLAOps | None
 
 def _load(library_path: str | None) -> tuple[FlashMLAOps | None, str | None]:
     if library_path is not None:
-        import os
-
         if not os.path.isfile(library_path):
             return None, f"FlashMLA library {library_path!r} does not exist"
         if _namespace_op("_flashmla_C", "sparse_decode_fwd") is not None:
@@ -148,6 +146,8 @@ def _load(library_path: str | None) -> tuple[FlashMLAOps | None, str | None]:
             return None, f"loading FlashMLA library {library_path!r} failed: {e}"
         return _ops_from_namespace("_flashmla_C", f"library {library_path}")
     reasons = []
+    # vllm and sgl_kernel are optional dependencies, imported only here: each import
+    # registers its FlashMLA ops with torch (and pulls in a large CUDA library)
     try:
         import vllm._flashmla_C  # noqa: F401  (registers torch.ops._flashmla_C)
 
@@ -200,8 +200,10 @@ def _sm_reason(device: torch.device) -> str | None:
     return None
 
 
-def _pad_topk(indices: torch.Tensor) -> torch.Tensor:
-    """int32 [T, K] -> int32 [T, K'] with K' a multiple of 64, new entries -1."""
+def pad_topk(indices: torch.Tensor) -> torch.Tensor:
+    """Pad top-k indices to FlashMLA's top-k tile: int32 [T, K] -> int32 [T, K'] with K'
+    the next multiple of 64 (the SM90 kernels require it), the new entries -1 (padding).
+    Returns ``indices`` itself when K already is a multiple of 64."""
     K = indices.shape[1]
     pad = (-K) % _TOPK_TILE
     if pad == 0:
@@ -327,7 +329,7 @@ class FlashMLABackend(SparseMLABackend):
             k = torch.arange(idx.shape[1], device=idx.device, dtype=torch.int32)
             idx = torch.where(k[None, :] < vc[:, None], idx, torch.full_like(idx, -1))
             vc = None
-        idx3 = _pad_topk(idx).unsqueeze(1)  # int32 [T, 1, K']
+        idx3 = pad_topk(idx).unsqueeze(1)  # int32 [T, 1, K']
         kv4 = self._blocked_kv(kv)
         groups = list(_head_groups(H))
         direct = len(groups) == 1 and groups[0][1] == groups[0][2]  # H is 64 or 128
@@ -368,7 +370,7 @@ class FlashMLABackend(SparseMLABackend):
         if T == 0 or K == 0 or W == 0:
             return empty_result(T, H, q.device)
         idx, vc = self._sanitize(inp.indices, inp.valid_counts, W)
-        idx3 = _pad_topk(idx).unsqueeze(1)  # int32 [T, 1, K']
+        idx3 = pad_topk(idx).unsqueeze(1)  # int32 [T, 1, K']
         if vc is not None and not vc.is_contiguous():
             vc = vc.contiguous()
         kv3 = ws.unsqueeze(1)  # bf16 [W, 1, 576]
@@ -386,4 +388,4 @@ class FlashMLABackend(SparseMLABackend):
         return out, _fix_lonely(lse)
 
 
-__all__ = ["FlashMLABackend", "FlashMLAOps", "load_flashmla_ops"]
+__all__ = ["FlashMLABackend", "FlashMLAOps", "load_flashmla_ops", "pad_topk"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..config import RowFormat
+from ..formats import RowFormat
 from ..formats import dequantize_fp8_ds_mla_reference
 from .base import (D_QK, D_V, DecodeInputs, Phase, SparseMLABackend, heads_reason,
                    validate_decode_inputs, validate_prefill_inputs)

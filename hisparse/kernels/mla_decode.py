@@ -4,17 +4,16 @@ reuses the bf16 path over the staged workspace). Launcher: ``hisparse.attention.
 Notation: T query tokens, H heads, K selected entries per token, N rows, D_QK = 576
 (4 latent tiles of 128 + 64 RoPE), D_V = 512 (the 4 latent tiles).
 
-Grid of the main kernel: (T, cdiv(H, BLOCK_H) * DV_PARTS, NUM_SPLITS). Program
-(t, hb * DV_PARTS + v, sp) takes the head block hb of token t and the entries
-[sp * rows_per_split, (sp + 1) * rows_per_split) of its index row (split-KV, so small T
-still fills the GPU); PREFETCH > 0 asks L2 for the rows PREFETCH blocks ahead at the top
-of every iteration; with DV_PARTS = 2 it writes only output columns [256 v, 256 v +
-256). ISOLATE_QK puts each q . k^T dot in its own loop region (see the kernel body). Per
-iteration it gathers BLOCK_N rows *once* for all BLOCK_H heads, dequantizes them to
-bf16 in registers (fp8: e4m3 bytes bitcast to float8e4nv times the tile scale, exact
-since scales are powers of two; RoPE bf16 as stored), and runs an online softmax
-(base 2) with tl.dot for q . k^T and p . v. Invalid entries (index -1, index outside
-[0, N), or k >= valid_counts[t]) are masked and never dereferenced.
+Grid of the main kernel: (T, cdiv(H, BLOCK_H), NUM_SPLITS). Program (t, hb, sp) takes
+the head block hb of token t and the entries [sp * rows_per_split, (sp + 1) *
+rows_per_split) of its index row (split-KV, so small T still fills the GPU); PREFETCH > 0
+asks L2 for the rows PREFETCH blocks ahead at the top of every iteration. ISOLATE_QK
+puts each q . k^T dot in its own loop region (see the kernel body). Per iteration it
+gathers BLOCK_N rows *once* for all BLOCK_H heads, dequantizes them to bf16 in registers
+(fp8: e4m3 bytes bitcast to float8e4nv times the tile scale, exact since scales are
+powers of two; RoPE bf16 as stored), and runs an online softmax (base 2) with tl.dot for
+q . k^T and p . v. Invalid entries (index -1, index outside [0, N), or k >= valid_counts[t])
+are masked and never dereferenced.
 
 With one split the kernel writes ``out`` bf16 and ``lse`` (natural log) directly;
 otherwise each split writes a normalised float32 partial output and its base-2 lse,
@@ -31,17 +30,16 @@ LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def _load_block(kv_ptr, idx_row, start, hi, N, kv_stride, o0, o1, o2, o3,
-                BLOCK_N: tl.constexpr, IS_FP8: tl.constexpr):
+def _load_block(kv_ptr, idx_row, start, hi, N, kv_stride, BLOCK_N: tl.constexpr,
+                IS_FP8: tl.constexpr):
     """Issue the loads of the BLOCK_N entries [start, start + BLOCK_N) of an index row.
 
-    o0..o3: the latent columns where the four 128-wide tiles start, in the order the
-    program wants them (a permutation of 0, 128, 256, 384; see DV_PARTS).
     Returns (valid bool [BLOCK_N], c0..c3, s0..s3, kr): for fp8 rows c_i are the raw
-    e4m3 codes uint8 [BLOCK_N, 128] of the tile at o_i and s_i its float32 scales
-    [BLOCK_N]; for bf16 rows c_i are the bf16 tiles themselves and s_i unused zeros.
-    kr: bf16 [BLOCK_N, 64] RoPE part. Invalid entries (beyond ``hi``, index -1 or outside
-    [0, N)) are masked: their memory is never touched and they read as 0.
+    e4m3 codes uint8 [BLOCK_N, 128] of latent tile i (columns [128 i, 128 i + 128)) and
+    s_i its float32 scales [BLOCK_N]; for bf16 rows c_i are the bf16 tiles themselves and
+    s_i unused zeros. kr: bf16 [BLOCK_N, 64] RoPE part. Invalid entries (beyond ``hi``,
+    index -1 or outside [0, N)) are masked: their memory is never touched and they read
+    as 0.
     """
     kk = start + tl.arange(0, BLOCK_N)
     inr = kk < hi
@@ -53,22 +51,22 @@ def _load_block(kv_ptr, idx_row, start, hi, N, kv_stride, o0, o1, o2, o3,
     vm = valid[:, None]
     r = tl.arange(0, 64)
     if IS_FP8:
-        c0 = tl.load(ptrs + o0, mask=vm, other=0)
-        c1 = tl.load(ptrs + o1, mask=vm, other=0)
-        c2 = tl.load(ptrs + o2, mask=vm, other=0)
-        c3 = tl.load(ptrs + o3, mask=vm, other=0)
+        c0 = tl.load(ptrs, mask=vm, other=0)
+        c1 = tl.load(ptrs + 128, mask=vm, other=0)
+        c2 = tl.load(ptrs + 256, mask=vm, other=0)
+        c3 = tl.load(ptrs + 384, mask=vm, other=0)
         sptr = (kv_ptr + row_off + 512).to(tl.pointer_type(tl.float32))
-        s0 = tl.load(sptr + o0 // 128, mask=valid, other=0.0)
-        s1 = tl.load(sptr + o1 // 128, mask=valid, other=0.0)
-        s2 = tl.load(sptr + o2 // 128, mask=valid, other=0.0)
-        s3 = tl.load(sptr + o3 // 128, mask=valid, other=0.0)
+        s0 = tl.load(sptr, mask=valid, other=0.0)
+        s1 = tl.load(sptr + 1, mask=valid, other=0.0)
+        s2 = tl.load(sptr + 2, mask=valid, other=0.0)
+        s3 = tl.load(sptr + 3, mask=valid, other=0.0)
         rbase = (kv_ptr + row_off + 528).to(tl.pointer_type(tl.bfloat16))
         kr = tl.load(rbase[:, None] + r[None, :], mask=vm, other=0.0)
     else:
-        c0 = tl.load(ptrs + o0, mask=vm, other=0.0)
-        c1 = tl.load(ptrs + o1, mask=vm, other=0.0)
-        c2 = tl.load(ptrs + o2, mask=vm, other=0.0)
-        c3 = tl.load(ptrs + o3, mask=vm, other=0.0)
+        c0 = tl.load(ptrs, mask=vm, other=0.0)
+        c1 = tl.load(ptrs + 128, mask=vm, other=0.0)
+        c2 = tl.load(ptrs + 256, mask=vm, other=0.0)
+        c3 = tl.load(ptrs + 384, mask=vm, other=0.0)
         s0 = tl.zeros([BLOCK_N], dtype=tl.float32)
         s1 = s0
         s2 = s0
@@ -79,7 +77,7 @@ def _load_block(kv_ptr, idx_row, start, hi, N, kv_stride, o0, o1, o2, o3,
 
 @triton.jit
 def _prefetch_block(kv_ptr, idx_row, start, hi, N, kv_stride, BLOCK_N: tl.constexpr,
-                    IS_FP8: tl.constexpr, TO_L1: tl.constexpr = False):
+                    IS_FP8: tl.constexpr):
     """Ask L2 for the rows of the entries [start, start + BLOCK_N) of an index row
     (``prefetch.global.L2``, one per 128-byte line of each row; no registers held, no
     wait). Entries beyond ``hi`` or invalid prefetch row 0, which is always mapped.
@@ -89,26 +87,20 @@ def _prefetch_block(kv_ptr, idx_row, start, hi, N, kv_stride, BLOCK_N: tl.conste
     idx = tl.load(idx_row + kk, mask=inr, other=-1)
     valid = inr & (idx >= 0) & (idx < N)
     if IS_FP8:
-        _prefetch_rows(kv_ptr, tl.where(valid, idx, 0).to(tl.int64) * kv_stride, 656, 8, TO_L1)
+        _prefetch_rows(kv_ptr, tl.where(valid, idx, 0).to(tl.int64) * kv_stride, 656, 8)
     else:
-        _prefetch_rows(kv_ptr, tl.where(valid, idx, 0).to(tl.int64) * (kv_stride * 2), 1152, 16,
-                       TO_L1)
+        _prefetch_rows(kv_ptr, tl.where(valid, idx, 0).to(tl.int64) * (kv_stride * 2), 1152, 16)
 
 
 @triton.jit
-def _prefetch_rows(kv_ptr, row_byte, ROW_BYTES: tl.constexpr, LINES: tl.constexpr,
-                   TO_L1: tl.constexpr):
+def _prefetch_rows(kv_ptr, row_byte, ROW_BYTES: tl.constexpr, LINES: tl.constexpr):
     """row_byte: int64 [BLOCK_N] byte offsets of rows of ROW_BYTES bytes. The line
     offsets 0, 128, ... are clamped to the row's last byte: every 128-byte line a row
     touches holds one of these addresses, whatever the row's alignment."""
     off = tl.minimum(tl.arange(0, LINES) * 128, ROW_BYTES - 1)
     ptrs = kv_ptr.to(tl.pointer_type(tl.uint8)) + row_byte[:, None] + off[None, :]
-    if TO_L1:
-        tl.inline_asm_elementwise("prefetch.global.L1 [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs],
-                                  dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs],
-                                  dtype=tl.int32, is_pure=False, pack=1)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -173,29 +165,20 @@ def sparse_mla_decode_kernel(
     NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    DV_PARTS: tl.constexpr = 1,  # 1, or 2: a program owns half of the 512 output columns
     ISOLATE_QK: tl.constexpr = False,  # each q . k^T dot in its own one-trip loop (see below)
     PREFETCH: tl.constexpr = 0,  # L2-prefetch the rows PREFETCH blocks ahead (0 = off; GPU only)
-    PREFETCH_L1: tl.constexpr = False,  # prefetch into L1 instead of L2
 ):
     t = tl.program_id(0).to(tl.int64)
-    hb = tl.program_id(1) // DV_PARTS
-    vpart = tl.program_id(1) % DV_PARTS
+    hb = tl.program_id(1)
     sp = tl.program_id(2)
-    # Tile order: with DV_PARTS = 2 the program's own output half comes first (tiles 0, 1
-    # feed both q . k^T and p . v; tiles 2, 3 only q . k^T, whose sum is order-free).
-    o0 = vpart * 256
-    o1 = o0 + 128
-    o2 = (o0 + 256) % 512
-    o3 = o2 + 128
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
     d = tl.arange(0, 128)
     q_row = q_ptr + t * q_stride_t + heads.to(tl.int64)[:, None] * q_stride_h
-    q0 = tl.load(q_row + o0 + d[None, :], mask=hmask[:, None], other=0.0)
-    q1 = tl.load(q_row + o1 + d[None, :], mask=hmask[:, None], other=0.0)
-    q2 = tl.load(q_row + o2 + d[None, :], mask=hmask[:, None], other=0.0)
-    q3 = tl.load(q_row + o3 + d[None, :], mask=hmask[:, None], other=0.0)
+    q0 = tl.load(q_row + d[None, :], mask=hmask[:, None], other=0.0)
+    q1 = tl.load(q_row + 128 + d[None, :], mask=hmask[:, None], other=0.0)
+    q2 = tl.load(q_row + 256 + d[None, :], mask=hmask[:, None], other=0.0)
+    q3 = tl.load(q_row + 384 + d[None, :], mask=hmask[:, None], other=0.0)
     qr = tl.load(q_row + 512 + tl.arange(0, 64)[None, :], mask=hmask[:, None], other=0.0)
 
     lo, hi = _split_range(vc_ptr, t, sp, rows_per_split, K, HAS_VC)
@@ -204,24 +187,22 @@ def sparse_mla_decode_kernel(
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc0 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
     acc1 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
-    if DV_PARTS == 1:
-        acc2 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
-        acc3 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_H, 128], dtype=tl.float32)
     idx_row = idx_ptr + t * idx_stride
     # a runtime 1 for ISOLATE_QK's one-trip loops (lo >= 0 always; lo depends on the
     # program id, so the compiler cannot fold the loops away, whatever K is specialised to)
     one = (lo >= 0).to(tl.int32)
     for j in tl.static_range(1, PREFETCH):
-        _prefetch_block(kv_ptr, idx_row, lo + j * BLOCK_N, hi, N, kv_stride, BLOCK_N, IS_FP8,
-                        PREFETCH_L1)
+        _prefetch_block(kv_ptr, idx_row, lo + j * BLOCK_N, hi, N, kv_stride, BLOCK_N, IS_FP8)
     for start in range(lo, hi, BLOCK_N):
         if PREFETCH > 0:
             # the gathers below are not software-pipelined (see ISOLATE_QK): have L2
             # fetch a later block's rows while this one is dequantised and multiplied
             _prefetch_block(kv_ptr, idx_row, start + PREFETCH * BLOCK_N, hi, N, kv_stride,
-                            BLOCK_N, IS_FP8, PREFETCH_L1)
+                            BLOCK_N, IS_FP8)
         valid, c0, c1, c2, c3, s0, s1, s2, s3, kr = _load_block(
-            kv_ptr, idx_row, start, hi, N, kv_stride, o0, o1, o2, o3, BLOCK_N, IS_FP8)
+            kv_ptr, idx_row, start, hi, N, kv_stride, BLOCK_N, IS_FP8)
         k0 = _tile(c0, s0, IS_FP8)
         k1 = _tile(c1, s1, IS_FP8)
         k2 = _tile(c2, s2, IS_FP8)
@@ -253,32 +234,27 @@ def sparse_mla_decode_kernel(
         pb = p.to(tl.bfloat16)
         acc0 = tl.dot(pb, k0, acc0 * alpha[:, None])
         acc1 = tl.dot(pb, k1, acc1 * alpha[:, None])
-        if DV_PARTS == 1:
-            acc2 = tl.dot(pb, k2, acc2 * alpha[:, None])
-            acc3 = tl.dot(pb, k3, acc3 * alpha[:, None])
+        acc2 = tl.dot(pb, k2, acc2 * alpha[:, None])
+        acc3 = tl.dot(pb, k3, acc3 * alpha[:, None])
         m_i = m_new
 
     inv_l, lse2 = _finish(m_i, l_i)
     hm = hmask[:, None]
-    # every D_V part computes the same lse; part 0 writes it
-    lmask = hmask & (vpart == 0)
     if NUM_SPLITS == 1:
         o_row = out_ptr + (t * H + heads.to(tl.int64))[:, None] * 512 + d[None, :]
-        tl.store(o_row + o0, (acc0 * inv_l[:, None]).to(tl.bfloat16), mask=hm)
-        tl.store(o_row + o1, (acc1 * inv_l[:, None]).to(tl.bfloat16), mask=hm)
-        if DV_PARTS == 1:
-            tl.store(o_row + o2, (acc2 * inv_l[:, None]).to(tl.bfloat16), mask=hm)
-            tl.store(o_row + o3, (acc3 * inv_l[:, None]).to(tl.bfloat16), mask=hm)
-        tl.store(lse_ptr + t * H + heads, lse2 * LN2, mask=lmask)
+        tl.store(o_row, (acc0 * inv_l[:, None]).to(tl.bfloat16), mask=hm)
+        tl.store(o_row + 128, (acc1 * inv_l[:, None]).to(tl.bfloat16), mask=hm)
+        tl.store(o_row + 256, (acc2 * inv_l[:, None]).to(tl.bfloat16), mask=hm)
+        tl.store(o_row + 384, (acc3 * inv_l[:, None]).to(tl.bfloat16), mask=hm)
+        tl.store(lse_ptr + t * H + heads, lse2 * LN2, mask=hmask)
     else:
         base = (t * NUM_SPLITS + sp) * H + heads.to(tl.int64)
         o_row = part_out_ptr + base[:, None] * 512 + d[None, :]
-        tl.store(o_row + o0, acc0 * inv_l[:, None], mask=hm)
-        tl.store(o_row + o1, acc1 * inv_l[:, None], mask=hm)
-        if DV_PARTS == 1:
-            tl.store(o_row + o2, acc2 * inv_l[:, None], mask=hm)
-            tl.store(o_row + o3, acc3 * inv_l[:, None], mask=hm)
-        tl.store(part_lse_ptr + base, lse2, mask=lmask)
+        tl.store(o_row, acc0 * inv_l[:, None], mask=hm)
+        tl.store(o_row + 128, acc1 * inv_l[:, None], mask=hm)
+        tl.store(o_row + 256, acc2 * inv_l[:, None], mask=hm)
+        tl.store(o_row + 384, acc3 * inv_l[:, None], mask=hm)
+        tl.store(part_lse_ptr + base, lse2, mask=hmask)
 
 
 @triton.jit

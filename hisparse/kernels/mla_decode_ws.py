@@ -38,6 +38,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_
 
 BLOCK_H = 64
 LOG2_LN2 = gl.constexpr(0.6931471805599453)  # ln(2): base-2 lse -> natural log
+# Two Gluon builtins renamed after Triton 3.6, same operations: the CTA-wide barrier
+# (thread_barrier -> barrier) and the cp.async gather into shared memory
+# (async_copy_global_to_shared -> async_load; the old name raises from 3.9 on).
+_cta_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
+_cp_async = (async_copy.async_load if hasattr(async_copy, "async_load")
+             else async_copy.async_copy_global_to_shared)
 
 
 @gluon.jit
@@ -88,19 +94,19 @@ def _issue_raw(kv_ptr, idx_c, idx_s, idx_r, N, kv_stride, codes_slot, scales_slo
     ok_c = (idx_c >= 0) & (idx_c < N)
     off_c = gl.multiple_of(gl.where(ok_c, idx_c, 0).to(gl.int64) * kv_stride, 16)  # bytes
     cols = gl.arange(0, 512, layout=gl.SliceLayout(0, _LC))
-    async_copy.async_copy_global_to_shared(
+    _cp_async(
         codes_slot, kv_ptr + off_c[:, None] + cols[None, :], mask=ok_c[:, None])
     ok_s = (idx_s >= 0) & (idx_s < N)
     sbase = (kv_ptr + gl.where(ok_s, idx_s, 0).to(gl.int64) * kv_stride + 512).to(
         gl.pointer_type(gl.float32))
     tt = gl.arange(0, 4, layout=gl.SliceLayout(0, _LS))
-    async_copy.async_copy_global_to_shared(scales_slot, sbase[:, None] + tt[None, :],
+    _cp_async(scales_slot, sbase[:, None] + tt[None, :],
                                            mask=ok_s[:, None])
     ok_r = (idx_r >= 0) & (idx_r < N)
     off_r = gl.multiple_of(gl.where(ok_r, idx_r, 0).to(gl.int64) * kv_stride + 528, 16)
     rbase = (kv_ptr + off_r).to(gl.pointer_type(gl.bfloat16))
     rr = gl.arange(0, 64, layout=gl.SliceLayout(0, _LR))
-    async_copy.async_copy_global_to_shared(rope_slot, rbase[:, None] + rr[None, :],
+    _cp_async(rope_slot, rbase[:, None] + rr[None, :],
                                            mask=ok_r[:, None])
     bias_slot.store(gl.where(ok_c, 0.0, float("-inf")))
 
@@ -138,7 +144,7 @@ def _producer(kv_ptr, idx_ptr, vc_ptr, N, K, kv_stride, idx_stride, rows_per_spl
         async_copy.commit_group()
         n_c, n_s, n_r = _load_idx(idx_row, lo + (nxt + 1) * BLOCK_N, hi, BLOCK_N)
         async_copy.wait_group(RAW - 1)  # block j's copies (this thread's) have landed
-        gl.thread_barrier()  # ... and every producer thread's
+        _cta_barrier()  # ... and every producer thread's
         r = j % RAW
         s = j % STAGES
         mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
@@ -160,19 +166,11 @@ def _producer(kv_ptr, idx_ptr, vc_ptr, N, K, kv_stride, idx_stride, rows_per_spl
 
 
 @gluon.jit
-def _consume(q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, bias, ready, empty, xbuf, xready,
+def _consume(q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, bias, ready, empty,
              out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, vc_ptr, K, H, rows_per_split,
              qk_scale_log2, PART: gl.constexpr, HAS_VC: gl.constexpr,
-             NUM_SPLITS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-             SPLIT_QK: gl.constexpr):
-    """One consumer warpgroup: output columns [256 PART, 256 PART + 256).
-
-    SPLIT_QK: instead of both consumers computing all of q . k^T, consumer 0 computes the
-    latent columns [0, 256) and consumer 1 the columns [256, 512) plus RoPE; each stores
-    its partial scores float32 [64, BLOCK_N] to xbuf (slot PART * STAGES + stage),
-    signals xready, waits for the other's and adds them (a + b == b + a exactly, so both
-    hold bitwise the same scores). Half the q . k^T tensor-core work and shared-memory
-    reads of q, for one 8 KB exchange a block."""
+             NUM_SPLITS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """One consumer warpgroup: all of q . k^T, output columns [256 PART, 256 PART + 256)."""
     t = gl.program_id(0).to(gl.int64)
     hb = gl.program_id(1)
     sp = gl.program_id(2)
@@ -191,22 +189,10 @@ def _consume(q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, bias, ready, empty, xbuf, x
         mbarrier.wait(ready.index(s), (j // STAGES) & 1)
         kl = k_lo.index(s)
         kh = k_hi.index(s)
-        if SPLIT_QK:
-            if PART == 0:
-                sc = warpgroup_mma(q_lo, kl.permute((1, 0)), s0, use_acc=False, is_async=True)
-            else:
-                sc = warpgroup_mma(q_hi, kh.permute((1, 0)), s0, use_acc=False, is_async=True)
-                sc = warpgroup_mma(q_rope, k_rope.index(s).permute((1, 0)), sc, is_async=True)
-            sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
-            xbuf.index(PART * STAGES + s).store(sc)
-            mbarrier.arrive(xready.index(PART * STAGES + s), count=1)
-            mbarrier.wait(xready.index((1 - PART) * STAGES + s), (j // STAGES) & 1)
-            sc = sc + xbuf.index((1 - PART) * STAGES + s).load(s_l)
-        else:
-            sc = warpgroup_mma(q_lo, kl.permute((1, 0)), s0, use_acc=False, is_async=True)
-            sc = warpgroup_mma(q_hi, kh.permute((1, 0)), sc, is_async=True)
-            sc = warpgroup_mma(q_rope, k_rope.index(s).permute((1, 0)), sc, is_async=True)
-            sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
+        sc = warpgroup_mma(q_lo, kl.permute((1, 0)), s0, use_acc=False, is_async=True)
+        sc = warpgroup_mma(q_hi, kh.permute((1, 0)), sc, is_async=True)
+        sc = warpgroup_mma(q_rope, k_rope.index(s).permute((1, 0)), sc, is_async=True)
+        sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
         b = bias.index(s).load(gl.SliceLayout(0, s_l))
         x = sc * qk_scale_log2 + b[None, :]
         m_new = gl.maximum(m_i, gl.max(x, axis=1))
@@ -246,13 +232,13 @@ def _consume(q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, bias, ready, empty, xbuf, x
 
 
 @gluon.jit
-def _consumer1(q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, bias, ready, empty, xbuf, xready,
+def _consumer1(q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, bias, ready, empty,
                out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, vc_ptr, K, H, rows_per_split,
                qk_scale_log2, HAS_VC: gl.constexpr, NUM_SPLITS: gl.constexpr,
-               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT_QK: gl.constexpr):
-    _consume(q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, bias, ready, empty, xbuf, xready,
+               BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    _consume(q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, bias, ready, empty,
              out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, vc_ptr, K, H, rows_per_split,
-             qk_scale_log2, 1, HAS_VC, NUM_SPLITS, BLOCK_N, STAGES, SPLIT_QK)
+             qk_scale_log2, 1, HAS_VC, NUM_SPLITS, BLOCK_N, STAGES)
 
 
 @gluon.jit
@@ -278,7 +264,6 @@ def sparse_mla_decode_ws_kernel(
     RAW: gl.constexpr,  # raw (cp.async) ring slots: the producer gathers RAW - 1 blocks ahead
     PRODUCER_REGS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
-    SPLIT_QK: gl.constexpr = False,  # the consumers split q . k^T and exchange partial scores
 ):
     t = gl.program_id(0).to(gl.int64)
     hb = gl.program_id(1)
@@ -313,25 +298,18 @@ def sparse_mla_decode_ws_kernel(
     bias_raw = gl.allocate_shared_memory(gl.float32, [RAW, BLOCK_N], plain1)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    # partial-score exchange between the consumers (SPLIT_QK; a 1-element dummy otherwise)
-    XS: gl.constexpr = 2 * STAGES if SPLIT_QK else 1
-    xbuf = gl.allocate_shared_memory(gl.float32, [XS, 64, BLOCK_N if SPLIT_QK else 1], plain2)
-    xready = gl.allocate_shared_memory(gl.int64, [XS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both consumers release a slot
-    for i in gl.static_range(XS):
-        mbarrier.init(xready.index(i), count=1)
     fence_async_shared()  # q's stores and the barrier inits -> async proxy / other warps
 
     gl.warp_specialize([
-        (_consume, (q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, bias, ready, empty, xbuf, xready,
+        (_consume, (q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, bias, ready, empty,
                     out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, vc_ptr, K, H, rows_per_split,
-                    qk_scale_log2, 0, HAS_VC, NUM_SPLITS, BLOCK_N, STAGES, SPLIT_QK)),
-        (_consumer1, (q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, bias, ready, empty, xbuf, xready,
+                    qk_scale_log2, 0, HAS_VC, NUM_SPLITS, BLOCK_N, STAGES)),
+        (_consumer1, (q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, bias, ready, empty,
                       out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, vc_ptr, K, H,
-                      rows_per_split, qk_scale_log2, HAS_VC, NUM_SPLITS, BLOCK_N, STAGES,
-                      SPLIT_QK)),
+                      rows_per_split, qk_scale_log2, HAS_VC, NUM_SPLITS, BLOCK_N, STAGES)),
         (_producer, (kv_ptr, idx_ptr, vc_ptr, N, K, kv_stride, idx_stride, rows_per_split,
                      codes_raw, scales_raw, rope_raw, bias_raw, k_lo, k_hi, k_rope, bias,
                      ready, empty, HAS_VC, BLOCK_N, STAGES, RAW)),

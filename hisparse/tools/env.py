@@ -17,11 +17,20 @@ Fields of ``collect_env()``:
   flashmla_lib                          str | None (the library path that was tried)
   backends                              list of {name, decode_fp8_ds_mla, decode_bf16,
                                         prefill}: each None (runs) or the reason it can't
+  triton_decode                         {kernel, ws_off_reason, gluon_ws, config}: the Triton
+                                        decode kernel default_config picks on ``device`` for
+                                        fp8_ds_mla rows, 128 heads ("ws" warp-specialised,
+                                        "wide" fused-tile or "tiled"), why not ws (None: it
+                                        is ws), whether this Triton's Gluon can build the ws
+                                        kernel (None: yes, else what it lacks), the config
   triton_interpret                      bool (TRITON_INTERPRET=1, CPU interpreter mode)
+  interpreter_fixes                     list of str: the fixes hisparse applied to this
+                                        Triton's interpreter (empty outside interpreter mode)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 import platform
@@ -32,6 +41,7 @@ from typing import Any
 
 import torch
 
+from .. import interpreter_fixes
 from .._checks import interpreter_mode
 from ..config import RowFormat
 from ..device import PinnedBuffer
@@ -121,6 +131,21 @@ def backend_matrix(device: torch.device | str, *, flashmla_lib: str | None = Non
     return rows
 
 
+def triton_decode_choice(device: torch.device | str, *,
+                         num_heads: int = _HEADS_CHECKED) -> dict[str, Any]:
+    """The Triton decode kernel ``default_config`` picks on ``device`` for fp8_ds_mla rows
+    (T = 64, K = 2048) and, when it is not the warp-specialised one, why not."""
+    try:  # the Triton backend needs Triton, a Linux-only dependency
+        from ..attention import triton_backend as tb
+    except ImportError as e:
+        return {"kernel": None, "ws_off_reason": f"the Triton backend does not import: {e}",
+                "gluon_ws": None, "config": None}
+    cfg = tb.default_config(64, num_heads, 2048, torch.device(device), RowFormat.FP8_DS_MLA)
+    return {"kernel": "ws" if cfg.ws else "wide" if cfg.wide else "tiled",
+            "ws_off_reason": cfg.ws_off_reason, "gluon_ws": tb.gluon_ws_problem(),
+            "config": dataclasses.asdict(cfg)}
+
+
 def collect_env(*, device: str | None = None, flashmla_lib: str | None = None,
                 read_env_var: bool = True) -> dict[str, Any]:
     """Gather the environment report (see the module docstring for the fields).
@@ -151,7 +176,9 @@ def collect_env(*, device: str | None = None, flashmla_lib: str | None = None,
         "pinned": _pinned_check(),
         "flashmla_lib": flashmla_lib,
         "backends": backend_matrix(dev, flashmla_lib=flashmla_lib),
+        "triton_decode": triton_decode_choice(dev),
         "triton_interpret": interpreter_mode(),
+        "interpreter_fixes": interpreter_fixes.applied(),
     }
 
 
@@ -208,6 +235,19 @@ def format_env(d: dict[str, Any]) -> str:
             seen.add(key)
             hs = ", ".join(h2 for n2, h2, r2 in why if n2 == name and r2 == reason)
             lines.append(f"  {name} ({hs}): {reason}")
+    td = d.get("triton_decode") or {}
+    if td:
+        names = {"ws": "warp-specialised Gluon kernel", "wide": "tl fused-tile kernel",
+                 "tiled": "tl tiled kernel"}
+        lines.append("")
+        lines.append(f"triton decode, fp8_ds_mla, {_HEADS_CHECKED} heads: "
+                     f"{names.get(td.get('kernel'), 'none')}"
+                     + (f" ({td['ws_off_reason']})" if td.get("ws_off_reason") else ""))
+        gl = td.get("gluon_ws")
+        lines.append("Gluon (warp-specialised kernel): "
+                     + ("this Triton offers what it uses" if gl is None else f"not usable: {gl}"))
+    if d.get("interpreter_fixes"):
+        lines.append(f"Triton interpreter fixes applied: {', '.join(d['interpreter_fixes'])}")
     return "\n".join(lines)
 
 
