@@ -193,9 +193,8 @@ def main(argv=None) -> int:
         print("soak: no CUDA GPU; --preset tiny runs on the CPU", file=sys.stderr)
         return 2
     try:
-        base = StressOptions(steps=steps, optimal=False, progress=False, seed=a.seed, **p)
-        base.validate()
-    except ValueError as e:
+        base = StressOptions(steps=steps, optimal=False, progress=False, seed=a.seed, **p)  # checked here
+    except (TypeError, ValueError) as e:
         print(f"soak: {e}", file=sys.stderr)
         return 2
     dev = torch.device(base.device or "cuda")

@@ -4,13 +4,12 @@ Every request's MLA latent rows live in pinned host memory; a small per-request 
 hot buffer holds recently selected rows with exact LRU state on the GPU.
 """
 
-import os as _os
-
+from ._checks import interpreter_mode as _interpreter_mode
 from .config import HiSparseConfig, RowFormat
 from .errors import CapacityError, HiSparseError
 
-if _os.environ.get("TRITON_INTERPRET") == "1":  # CPU runs of the Triton kernels
-    from .interpreter_fixes import apply as _fix_interpreter
+if _interpreter_mode():  # CPU runs of the Triton kernels
+    from .interpreter_fixes import apply as _fix_interpreter  # only needed (and only safe) here
 
     _fix_interpreter()
 

@@ -148,11 +148,9 @@ def _attend(q_ptr, kv_ptr, slot_row, host_row, t, hb, lo, hi, N, NH, H, q_stride
         if PREFETCH > 0:
             nslot, nvalid = _entries(slot_row, host_row, kk + BLOCK_N, hi, N, NH, False)
             if IS_FP8:
-                _prefetch_rows(kv_ptr, tl.where(nvalid, nslot, 0).to(tl.int64) * kv_stride,
-                               656, 8, False)
+                _prefetch_rows(kv_ptr, tl.where(nvalid, nslot, 0).to(tl.int64) * kv_stride, 656, 8)
             else:
-                _prefetch_rows(kv_ptr, tl.where(nvalid, nslot, 0).to(tl.int64) * (kv_stride * 2),
-                               1152, 16, False)
+                _prefetch_rows(kv_ptr, tl.where(nvalid, nslot, 0).to(tl.int64) * (kv_stride * 2), 1152, 16)
         slot, valid = _entries(slot_row, host_row, kk, hi, N, NH, CHECK_HOST)
         k0, k1, k2, k3, kr = _load_rows(kv_ptr, slot, valid, kv_stride, IS_FP8)
         if ISOLATE_QK:
