@@ -102,7 +102,7 @@ def test_decode_layer_modes_match_serial(mode):
 def test_decode_layer_graph_replay_equals_eager(mode):
     c = make()
     ids = torch.arange(B, dtype=I32, device=DEV)
-    layer = DecodeLayer(c, TritonBackend(), overlap=mode)
+    layer = DecodeLayer(c, TritonBackend(validate=False), overlap=mode)  # no host sync in a capture
     tk = topk(random.Random(4), 0.9)
     q = (torch.randn((B, H, 576), generator=torch.Generator().manual_seed(5)) * 0.5).to(DEV, torch.bfloat16)
     saved = {n: getattr(c.state, n).clone() for n in STATE}

@@ -59,7 +59,9 @@ class DecodeLayer:
     """Decode attention of a cache's layers in one overlap mode, with one backend.
 
     ``backend`` attends over the hits (and, serially, over everything); ``kernels``
-    picks the miss-side implementation ("auto": Triton on CUDA, torch on CPU).
+    picks the miss-side implementation ("auto": Triton on CUDA, torch on CPU). To
+    capture a layer in a CUDA graph, give a backend that does not read the device to
+    check its inputs (``TritonBackend(validate=False)``, ``FlashMLABackend(check_ranges=False)``).
     """
 
     def __init__(self, cache: HiSparseCache, backend: SparseMLABackend, *,
