@@ -30,6 +30,7 @@ alone, and the largest output difference from resident (relative to its largest 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 
@@ -45,6 +46,7 @@ from hisparse.attention.flashmla import FlashMLABackend  # noqa: E402
 from hisparse.attention.triton_backend import TritonBackend  # noqa: E402
 from hisparse.attention.base import Phase  # noqa: E402
 from hisparse.cache.cache import HiSparseCache  # noqa: E402
+from hisparse.attention.miss import MissMode, default_miss_config  # noqa: E402
 from hisparse.decode import DecodeLayer, Overlap  # noqa: E402
 from hisparse.formats import RowFormat, quantize_fp8_ds_mla  # noqa: E402
 
@@ -64,6 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--slots", type=int, default=4096, help="LRU hot slots per request (S)")
     ap.add_argument("--heads", type=int, default=128)
     ap.add_argument("--overlap", type=float, default=0.8, help="adjacent-layer selection overlap (prefetch)")
+    ap.add_argument("--stage-programs", type=int, nargs="+", default=None,
+                    help="sweep: the staging kernel's and the fused kernel's grid sizes (default: theirs)")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--flashmla-lib", default=None)
@@ -214,6 +218,19 @@ def bench_case(s: Setup, be: SparseMLABackend, hit: float, a: argparse.Namespace
     hits = sp.hit_physical.clone()
     res["hit_attention_alone"], _ = timed(
         lambda: be.decode(q, c.hot_rows(0), hits, sm_scale=sm, row_format=fmt), s, a, restore=False)
+    for progs in a.stage_programs or []:  # grid-size sweep of the staging and fused kernels
+        c.stager.stage_programs = progs
+        fcfg = dataclasses.replace(default_miss_config(MissMode.FUSED, num_tokens=s.B, num_heads=H, device=dev),
+                                   programs=progs)
+        sweep = {m: DecodeLayer(c, be, overlap=Overlap.parse(m), miss_config=fcfg if m == "fused" else None)
+                 for m in ("serial", "split", "fused")}
+        row = {}
+        for m, dl in sweep.items():
+            row[m], _ = timed(lambda dl=dl: dl(0, s.req, tk0, q, sm_scale=sm), s, a, restore=True)
+            row[m]["ratio_vs_resident"] = row[m]["median_us"] / res["resident"]["median_us"]
+        row["staging_alone"], _ = timed(lambda: c.resolve(0, s.req, tk0, validate=False), s, a, restore=True)
+        res.setdefault("sweep", {})[str(progs)] = row
+        c.stager.stage_programs = None
     if "prefetch" in a.modes:
         res["resident_2layers"], ref2 = timed(lambda: resident(2), s, a, restore=False)
 
@@ -281,6 +298,10 @@ def main(argv=None) -> int:
                 line += (f" | staging {r['staging_alone']['median_us']:.1f} us, hit attn "
                          f"{r['hit_attention_alone']['median_us']:.1f} us")
                 print(line, flush=True)
+                for progs, row in r.get("sweep", {}).items():
+                    print(f"    programs {progs:>4s}: serial {row['serial']['ratio_vs_resident']:.2f}x split "
+                          f"{row['split']['ratio_vs_resident']:.2f}x fused {row['fused']['ratio_vs_resident']:.2f}x "
+                          f"staging alone {row['staging_alone']['median_us']:.1f} us", flush=True)
         del s
         if dev.type == "cuda":
             torch.cuda.empty_cache()

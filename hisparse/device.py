@@ -159,7 +159,8 @@ class Streams:
         self.device = device
         self.cuda = device.type == "cuda"
         if self.cuda:
-            self.stage = torch.cuda.Stream(device=device)
+            # staging runs beside attention: its kernels' blocks go first when SMs free up
+            self.stage = torch.cuda.Stream(device=device, priority=-1)
             self.backup = torch.cuda.Stream(device=device)
         else:
             self.stage = None

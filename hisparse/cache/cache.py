@@ -29,14 +29,22 @@ from . import validate as V
 from .apply_write import apply_write_plan_reference, apply_write_plan_triton
 from .host_pool import HostPool
 from .requests import RequestTable
-from .resolve_ref import copy_rows_reference, resolve_lookup_reference, resolve_reference
+from .resolve_ref import copy_rows_reference, copy_staged_reference, resolve_lookup_reference, resolve_reference
 from .resolve_triton import resolve_lookup_triton, resolve_triton
 from .results import ResolveResult, SplitResult
 from .stager import CacheStreams, Stager
 from .state import HotState, ResolveBuffers
 from .stats import cache_stats
-from .transfer import copy_rows
+from .transfer import copy_rows, copy_staged
 from .write import WriteBatch, Writer
+
+
+def _stage_reference(host_rows, out: ResolveBuffers, hot_rows, *, K: int, programs=None) -> None:
+    copy_staged_reference(host_rows, out.stage_src, hot_rows, out.stage_dst, out.stage_counts, K=K)
+
+
+def _stage_triton(host_rows, out: ResolveBuffers, hot_rows, *, K: int, programs=None) -> None:
+    copy_staged(host_rows, out.stage_src, hot_rows, out.stage_dst, out.stage_counts, K=K, programs=programs)
 
 
 def _kernel_set(kernels: Kernels) -> dict:
@@ -45,11 +53,11 @@ def _kernel_set(kernels: Kernels) -> dict:
         def mirror(rows, plan, host_l):
             copy_rows_reference(rows, plan.host_tok32, host_l, plan.host_h32)
         return dict(resolve_fn=resolve_reference, lookup_fn=resolve_lookup_reference,
-                    copy_fn=copy_rows_reference, apply_fn=apply_write_plan_reference, mirror_fn=mirror)
+                    copy_fn=_stage_reference, apply_fn=apply_write_plan_reference, mirror_fn=mirror)
 
     def mirror(rows, plan, host_l):  # device (or interpreter) -> pinned host over UVA
         copy_rows(rows, plan.host_tok32, host_l, plan.host_h32)
-    return dict(resolve_fn=resolve_triton, lookup_fn=resolve_lookup_triton, copy_fn=copy_rows,
+    return dict(resolve_fn=resolve_triton, lookup_fn=resolve_lookup_triton, copy_fn=_stage_triton,
                 apply_fn=apply_write_plan_triton, mirror_fn=mirror)
 
 

@@ -182,6 +182,7 @@ def resolve_reference(state: HotState, layer: int, req_ids: torch.Tensor, topk: 
     dev = topk.device
     out.stage_src[: T * K].fill_(-1)
     out.stage_dst[: T * K].fill_(-1)
+    out.stage_counts[:T] = 0
     if not stamped:
         out.undo_hit[: T * K].fill_(-2)
     if miss_lists is not None:
@@ -216,6 +217,7 @@ def resolve_reference(state: HotState, layer: int, req_ids: torch.Tensor, topk: 
         uniq = torch.unique(g_pos[g_ok & (lane_slot < 0)])  # the missed positions, ascending
         miss_rows = bt[uniq // B] * B + uniq % B
         m = uniq.numel()
+        out.stage_counts[t0] = m
         if prefetch:
             state.stats[layer, STAT_PREFETCH] += m
         else:
@@ -262,6 +264,19 @@ def resolve_reference(state: HotState, layer: int, req_ids: torch.Tensor, topk: 
         order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)
         phys = torch.gather(phys, 1, order)
     out.physical[:T, :K] = phys.to(torch.int32)
+
+
+def copy_staged_reference(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor,
+                          counts: torch.Tensor, *, K: int) -> int:
+    """``transfer.copy_staged``'s semantics: the first counts[t] entries of each group's
+    list, t * K on (a group of q tokens has up to q * K). Returns the number of rows copied."""
+    n = 0
+    T = counts.shape[0]
+    for t, m in enumerate(counts.tolist()):
+        m = max(0, min(int(m), (T - t) * K))
+        if m:
+            n += copy_rows_reference(src, src_idx[t * K:t * K + m], dst, dst_idx[t * K:t * K + m])
+    return n
 
 
 def copy_rows_reference(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor,

@@ -75,6 +75,9 @@ def _check_args(state: HotState, layer: int, req_ids: torch.Tensor, topk: torch.
         raise ValueError(f"out.physical {tuple(out.physical.shape)} is smaller than [T, K] = [{T}, {K}]")
     if out.valid_counts.shape[0] < T:
         raise ValueError(f"out.valid_counts has {out.valid_counts.shape[0]} entries, need {T}")
+    _check_vec("out.stage_counts", out.stage_counts, torch.int32, 1, dev)
+    if out.stage_counts.shape[0] < T:
+        raise ValueError(f"out.stage_counts has {out.stage_counts.shape[0]} entries, need {T}")
     for name, dtype in (("stage_src", torch.int32), ("stage_dst", torch.int32), ("undo_hit", torch.int64),
                         ("undo_vpos", torch.int32), ("undo_vstamp", torch.int64)):
         x = getattr(out, name)
@@ -143,7 +146,7 @@ def resolve_triton(state: HotState, layer: int, req_ids: torch.Tensor, topk: tor
             state.step[layer], state.stats[layer],
             out.physical, out.physical.stride(0), out.valid_counts,
             out.stage_src, out.stage_dst, out.undo_hit, out.undo_vpos, out.undo_vstamp,
-            mp, mh, mc,
+            mp, mh, mc, out.stage_counts,
             T, K, S, state.B,
             STAT_HITS=STAT_HITS, STAT_MISSES=STAT_MISSES, STAT_INVALID=STAT_INVALID,
             STAT_RESOLVES=STAT_RESOLVES, STAT_PREFETCH=STAT_PREFETCH, STAMPED=bool(stamped),

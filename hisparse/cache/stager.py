@@ -106,7 +106,9 @@ class Stager:
     """Resolve + miss staging of one cache on the stage stream.
 
     resolve_fn(state, layer, req_ids, topk, out, max_query_len=, compact=) updates the
-    LRU state and fills ``out``; copy_fn(src, src_idx, dst, dst_idx) copies rows. When
+    LRU state and fills ``out``; copy_fn(host_rows, out, hot_rows, K=, programs=) stages
+    its misses (``transfer.copy_staged``). ``stage_programs``: the staging kernel's grid
+    (None = a quarter of the SMs, so that it runs beside the attention). When
     the copy launch raises after the resolve launch ran, the resolve is rolled back
     (``cache.rollback``) before the error propagates, so the failed call changes nothing.
     """
@@ -119,6 +121,7 @@ class Stager:
         self.lookup_fn = lookup_fn
         self.copy_fn = copy_fn
         self.max_query_len = max_query_len
+        self.stage_programs: int | None = None
 
     def _undo(self, layer: int, req_ids, topk, out: ResolveBuffers, *, miss_phase_ran: bool,
               streams: tuple) -> None:
@@ -152,7 +155,7 @@ class Stager:
                             compact=compact)
             cs.resolved[layer].record(stage, cap)
             try:
-                self.copy_fn(host_rows, out.stage_src, hot_rows, out.stage_dst)
+                self.copy_fn(host_rows, out, hot_rows, K=topk.shape[1], programs=self.stage_programs)
             except BaseException:
                 if not cap:  # a failed capture is discarded by its owner; nothing ran
                     self._undo(layer, req_ids, topk, out, miss_phase_ran=True, streams=(stage,))
@@ -192,7 +195,7 @@ class Stager:
                 miss_ran = True
                 cs.resolved[layer].record(stage, cap)
                 if stage_with is None:
-                    self.copy_fn(host_rows, out.stage_src, hot_rows, out.stage_dst)
+                    self.copy_fn(host_rows, out, hot_rows, K=topk.shape[1], programs=self.stage_programs)
                 else:
                     stage_with(*miss_lists)
             except BaseException:
@@ -222,7 +225,7 @@ class Stager:
                             prefetch=True)
             cs.resolved[layer].record(stage, cap)
             try:
-                self.copy_fn(host_rows, out.stage_src, hot_rows, out.stage_dst)
+                self.copy_fn(host_rows, out, hot_rows, K=topk.shape[1], programs=self.stage_programs)
             except BaseException:
                 if not cap:
                     self._undo_prefetch(layer, req_ids, topk, out, stage)

@@ -97,7 +97,8 @@ class ResolveBuffers:
     valid_counts: int32 [T]      non-padding entries per query token
     stage_src:    int32 [T * K]  host row to stage (within the layer), -1 = nothing
     stage_dst:    int32 [T * K]  flat hot row it goes to, -1 = nothing
-    The misses of the request whose first token is t0 occupy stage_*[t0*K : t0*K + m].
+    stage_counts: int32 [T]      m at a group's first token t0, 0 elsewhere: the misses of
+                  that group occupy stage_*[t0*K : t0*K + m]
 
     Undo log (read only to roll a resolve back when a later launch of the same call
     fails; see ``cache.rollback``):
@@ -111,6 +112,7 @@ class ResolveBuffers:
     valid_counts: torch.Tensor
     stage_src: torch.Tensor
     stage_dst: torch.Tensor
+    stage_counts: torch.Tensor
     undo_hit: torch.Tensor
     undo_vpos: torch.Tensor
     undo_vstamp: torch.Tensor
@@ -131,6 +133,7 @@ class ResolveBuffers:
             valid_counts=torch.empty((T,), **i32),
             stage_src=torch.empty((T * K,), **i32),
             stage_dst=torch.empty((T * K,), **i32),
+            stage_counts=torch.empty((T,), **i32),
             undo_hit=undo[0], undo_vpos=undo[1], undo_vstamp=undo[2],
         )
 
@@ -139,5 +142,6 @@ class ResolveBuffers:
         n = T * K
         return ResolveBuffers(
             physical=self.physical.view(-1)[:n].view(T, K), valid_counts=self.valid_counts[:T],
-            stage_src=self.stage_src[:n], stage_dst=self.stage_dst[:n], undo_hit=self.undo_hit[:n],
+            stage_src=self.stage_src[:n], stage_dst=self.stage_dst[:n], stage_counts=self.stage_counts[:T],
+            undo_hit=self.undo_hit[:n],
             undo_vpos=self.undo_vpos[:n], undo_vstamp=self.undo_vstamp[:n])

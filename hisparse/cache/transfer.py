@@ -26,7 +26,7 @@ import triton
 
 from .._checks import check_int, check_tensor, interpreter_mode, sm_count
 from ..device import is_pinned_host
-from ..kernels.copy_rows import copy_rows_kernel
+from ..kernels.copy_rows import copy_rows_kernel, copy_staged_kernel
 
 # Defaults of the launch shape; the staging benchmark sweeps them on the H200.
 DEFAULT_ROWS_PER_PROGRAM = 4
@@ -121,4 +121,53 @@ def copy_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_i
         )
 
 
-__all__ = ["copy_rows", "DEFAULT_ROWS_PER_PROGRAM", "DEFAULT_NUM_WARPS", "DEFAULT_PROGRAMS_PER_SM"]
+def copy_staged(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor,
+                counts: torch.Tensor, *, K: int, programs: int | None = None, rows_per_program: int = 8,
+                num_warps: int = 4) -> None:
+    """A resolve's staging: for each group t, ``dst[dst_idx[t*K + j]] = src[src_idx[t*K + j]]``
+    for j < counts[t] (at most (T - t) * K; an entry with a -1 or out-of-range index is
+    skipped).
+
+    src: uint8 [Ns, W] (pinned host, or device); dst: uint8 [Nd, W]; src_idx / dst_idx:
+    int32 [T * K]; counts: int32 [T]. ``programs``: size of the persistent grid (default
+    a quarter of the SMs: the staging runs beside attention, which needs the rest).
+    No device value is read on the host; graph capturable.
+    """
+    _check_rows("src", src)
+    _check_rows("dst", dst)
+    _check_idx("src_idx", src_idx)
+    _check_idx("dst_idx", dst_idx)
+    _check_idx("counts", counts)
+    T = counts.shape[0]
+    check_int("K", K, 0)
+    if src_idx.shape[0] < T * K or dst_idx.shape[0] < T * K:
+        raise ValueError(f"index lists hold {src_idx.shape[0]} / {dst_idx.shape[0]} entries, need T*K = {T * K}")
+    if src.shape[1] != dst.shape[1]:
+        raise ValueError(f"row widths differ: src {src.shape[1]} bytes, dst {dst.shape[1]} bytes")
+    for name, v in (("rows_per_program", rows_per_program), ("num_warps", num_warps)):
+        if check_int(name, v, 1) & (v - 1):
+            raise ValueError(f"{name} must be a power of two >= 1, got {v!r}")
+    dev = next((t.device for t in (src, dst) if t.device.type == "cuda"), None)
+    if dev is None and not interpreter_mode():
+        raise ValueError("copy_staged on CPU tensors needs Triton's interpreter (TRITON_INTERPRET=1)")
+    if dev is not None:
+        capturing = torch.cuda.is_current_stream_capturing()
+        for name, t in (("src", src), ("dst", dst)):
+            if t.device.type == "cpu" and t.numel() and not capturing and not is_pinned_host(t):
+                raise ValueError(f"{name} is a CPU tensor that is not pinned; the kernel on {dev} "
+                                 "can only reach page-locked host memory (use PinnedBuffer)")
+    if T == 0 or K == 0 or src.shape[0] == 0 or dst.shape[0] == 0:
+        return
+    if programs is None:
+        programs = max(1, sm_count(dev) // 4) if dev is not None else 2
+    check_int("programs", programs, 1)
+    WW = src.shape[1] // 4
+    ctx = torch.cuda.device(dev) if dev is not None else contextlib.nullcontext()
+    with ctx:
+        copy_staged_kernel[(programs,)](
+            src.view(torch.int32), src_idx, src.shape[0], dst.view(torch.int32), dst_idx, dst.shape[0],
+            counts, T, K, programs, WW=WW, WB=triton.next_power_of_2(WW), ROWS=rows_per_program,
+            num_warps=num_warps)
+
+
+__all__ = ["copy_rows", "copy_staged", "DEFAULT_ROWS_PER_PROGRAM", "DEFAULT_NUM_WARPS", "DEFAULT_PROGRAMS_PER_SM"]

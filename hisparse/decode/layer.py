@@ -32,7 +32,7 @@ import torch
 
 from .._checks import check_bool, check_tensor
 from ..attention.base import SparseMLABackend
-from ..attention.miss import (MissMode, MissPlan, fused_miss_attention, merge_lse,
+from ..attention.miss import (MissConfig, MissMode, MissPlan, fused_miss_attention, merge_lse,
                               miss_attention_merge, plan_miss_attention)
 from ..cache.cache import HiSparseCache
 from ..formats import D_LATENT, RowFormat
@@ -66,7 +66,7 @@ class DecodeLayer:
 
     def __init__(self, cache: HiSparseCache, backend: SparseMLABackend, *,
                  overlap: Overlap | str = Overlap.SPLIT, validate: bool = False,
-                 kernels: str = "auto") -> None:
+                 kernels: str = "auto", miss_config: MissConfig | None = None) -> None:
         if not isinstance(cache, HiSparseCache):
             raise TypeError(f"cache must be a HiSparseCache, got {type(cache).__name__}")
         if not isinstance(backend, SparseMLABackend):
@@ -76,6 +76,7 @@ class DecodeLayer:
         self.overlap = Overlap.parse(overlap)
         self.validate = check_bool("validate", validate)
         self.kernels = kernels
+        self.miss_config = miss_config  # launch shape of the miss kernels (None: their default)
         self._plans: dict[tuple, MissPlan] = {}
         self._partials: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -84,7 +85,7 @@ class DecodeLayer:
         plan = self._plans.get(key)
         if plan is None or plan.max_tokens < T:
             plan = plan_miss_attention(mode=mode, max_tokens=max(T, self.cache.cfg.max_tokens), num_heads=H,
-                                       row_format=fmt, device=self.cache.device)
+                                       row_format=fmt, device=self.cache.device, config=self.miss_config)
             self._plans[key] = plan
         return plan
 

@@ -52,3 +52,46 @@ def copy_rows_kernel(
         x = tl.load(src_ptr + s_off, mask=m2, other=0)
         tl.store(dst_ptr + d_off, x, mask=m2)
         c += NPROG
+
+
+@triton.jit(do_not_specialize=["Ns", "Nd", "T", "K", "NPROG"])
+def copy_staged_kernel(
+    src_ptr,  # int32 [Ns, WW] (the layer's host rows viewed as words)
+    src_idx_ptr,  # int32 [T * K]: group t's staging list at [t * K, t * K + counts[t])
+    Ns,
+    dst_ptr,  # int32 [Nd, WW] (the layer's hot rows viewed as words)
+    dst_idx_ptr,  # int32 [T * K], parallel to src_idx
+    Nd,
+    counts_ptr,  # int32 [T] rows to stage of the group whose first token is t (0 = none)
+    T,
+    K,
+    NPROG,  # programs in the grid (the persistent loop's stride)
+    WW: tl.constexpr,
+    WB: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """A resolve's staging: only the first ``counts[t]`` entries (at most (T - t) * K: a
+    group of q tokens has q * K) of each group's list are
+    read, so a step with few misses costs each program T count loads and little else.
+    Chunk c of group t goes to program (t + c) mod NPROG, so small groups spread over
+    the programs too."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, WB)
+    cmask = cols < WW
+    lanes = tl.arange(0, ROWS)
+    t = pid * 0
+    while t < T:
+        m = tl.minimum(tl.maximum(tl.load(counts_ptr + t), 0), (T - t) * K)  # a group's list may span its q tokens
+        c = (pid - t % NPROG + NPROG) % NPROG
+        while c * ROWS < m:
+            j = c * ROWS + lanes
+            jm = j < m
+            ri = t.to(tl.int64) * K + j
+            si = tl.load(src_idx_ptr + ri, mask=jm, other=-1)
+            di = tl.load(dst_idx_ptr + ri, mask=jm, other=-1)
+            ok = jm & (si >= 0) & (si < Ns) & (di >= 0) & (di < Nd)
+            m2 = ok[:, None] & cmask[None, :]
+            x = tl.load(src_ptr + si.to(tl.int64)[:, None] * WW + cols[None, :], mask=m2, other=0)
+            tl.store(dst_ptr + di.to(tl.int64)[:, None] * WW + cols[None, :], x, mask=m2)
+            c += NPROG
+        t += 1

@@ -134,7 +134,7 @@ def _token_group(t, req_ids_ptr, id_to_slot_ptr, max_request_id, R, Q: tl.conste
     do_not_specialize_on_alignment=["slot_pos_ptr", "slot_stamp_ptr", "row_slot_ptr",
                                     "step_ptr", "stats_ptr", "id_to_slot_ptr", "seq_lens_ptr",
                                     "bt_ptr", "valid_ptr", "undo_hit_ptr", "undo_vpos_ptr",
-                                    "undo_vstamp_ptr", "miss_cnt_ptr"],
+                                    "undo_vstamp_ptr", "miss_cnt_ptr", "stage_cnt_ptr"],
 )
 def resolve_kernel(
     req_ids_ptr,  # int32 [T], request id per query token
@@ -164,6 +164,7 @@ def resolve_kernel(
     miss_phys_ptr,  # int32 [>= T, >= K] (row stride phys_stride), output when MISS_LISTS
     miss_host_ptr,  # int32 [>= T, >= K] (row stride phys_stride), output when MISS_LISTS
     miss_cnt_ptr,  # int32 [>= T], output when MISS_LISTS
+    stage_cnt_ptr,  # int32 [>= T], output: m at the group's first token, 0 at the others
     T,
     K,
     S,  # LRU slots per (layer, request); slot S is reserved
@@ -276,6 +277,7 @@ def resolve_kernel(
                 tl.store(stage_dst_ptr + base + goff, minus1_g, mask=gmask)
 
             tl.store(step_ptr + r, s_new)
+            tl.store(stage_cnt_ptr + t + jj, tl.where(jj == 0, m, 0), mask=jj < n)
             if PREFETCH:
                 tl.atomic_add(stats_ptr + STAT_PREFETCH, m.to(tl.int64))
             else:
@@ -379,6 +381,7 @@ def resolve_kernel(
         nbad = tl.sum((p != -1).to(tl.int32), axis=0)
         if not PREFETCH:
             tl.atomic_add(stats_ptr + STAT_INVALID, nbad.to(tl.int64))
+        tl.store(stage_cnt_ptr + t, 0)
         if MISS_LISTS:
             tl.store(miss_cnt_ptr + t, 0)
         tl.store(phys_ptr + t.to(tl.int64) * phys_stride + kk, minus1_k, mask=kmask)
