@@ -14,8 +14,9 @@ tracker's history does not grow the host memory being watched). Runs use seeds s
 seed + 1, ...
 
 Time: ``--budget-s`` bounds the whole call. A first short run (``--calibrate-steps``)
-measures steps/s (its steps count too); every later run gets ``--steps`` or as many as
-85% of the remaining budget holds at that rate, and no run starts that would get fewer
+measures steps/s (its steps count too; it includes compiling the kernels, so the run
+after it replaces its rate); every later run gets ``--steps`` or as many as 85% of the
+remaining budget holds at the slowest warm rate, and no run starts that would get fewer
 than ``--min-steps``. So one call fits the device tool's 10 minutes, and reaching a
 total means repeating the call with other seeds (the JSON lists each run).
 
@@ -216,7 +217,12 @@ def main(argv=None) -> int:
                 break
         r = one_run(dataclasses.replace(base, steps=n, seed=a.seed + i), dev)
         r["calibration"] = rate is None and n < steps
-        rate = r["steps_per_s"] if rate is None else min(rate, r["steps_per_s"])
+        # the calibration run includes the kernels' compile time: later runs plan with the
+        # slowest warm run's rate once there is one
+        if r["calibration"] or rate is None or result["runs"] and result["runs"][-1].get("calibration"):
+            rate = r["steps_per_s"]
+        else:
+            rate = min(rate, r["steps_per_s"])
         result["runs"].append(r)
         print(line(i, len(plan), a.preset, r), flush=True)
         if a.out:

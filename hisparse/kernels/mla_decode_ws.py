@@ -302,6 +302,7 @@ def sparse_mla_decode_ws_kernel(
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both consumers release a slot
     fence_async_shared()  # q's stores and the barrier inits -> async proxy / other warps
+    _cta_barrier()  # ... and every warp sees them before the partitions start
 
     gl.warp_specialize([
         (_consume, (q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, bias, ready, empty,
