@@ -10,8 +10,8 @@ import torch
 from hisparse import CapacityError, HiSparseCache
 from hisparse.tools import preflight
 from hisparse.tools.stress import StressOptions, StressRun, format_stress, row_content, run_stress
-from hisparse.tools.traces import (CorrelatedSource, IndexerSource, ReplaySource, TraceRecorder,
-                                   UniformSource, load_trace, sample_distinct)
+from hisparse.tools.sources import CorrelatedSource, IndexerSource, UniformSource, sample_distinct
+from hisparse.tools.traces import ReplaySource, TraceRecorder, load_trace
 
 TINY = dict(num_requests=3, context=300, num_layers=2, top_k=16, buffer_size=32, steps=10,
             churn=0.2, progress=False, device="cpu", block_size=16)

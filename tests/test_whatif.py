@@ -23,7 +23,8 @@ from hisparse.tools import whatif as W
 from hisparse.tools.belady import LayerTrace, Policy, hit_rate, simulate
 from hisparse.tools.cli import main
 from hisparse.tools.stress import StressOptions, run_stress
-from hisparse.tools.traces import TraceRecorder, TraceStep, WorkingSetSource, load_trace
+from hisparse.tools.sources import WorkingSetSource
+from hisparse.tools.traces import TraceRecorder, TraceStep, load_trace
 
 
 @pytest.fixture(autouse=True)

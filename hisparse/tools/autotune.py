@@ -65,7 +65,7 @@ from .plan import fmt_bytes
 from .preflight import check_memory, parse_device
 from .progress import Progress
 from .report import table
-from .traces import UniformSource
+from .sources import UniformSource
 
 RESULT_FORMAT = "hisparse-autotune"
 RESULT_VERSION = 1

@@ -57,8 +57,8 @@ from .plan import fmt_bytes
 from .preflight import check_memory, check_output_file, parse_device, require_kernels
 from .progress import Progress
 from .report import table
-from .traces import (SOURCES, CorrelatedSource, IndexerSource, ReplaySource, TraceRecorder,
-                     UniformSource)
+from .sources import CorrelatedSource, IndexerSource, UniformSource
+from .traces import SOURCES, ReplaySource, TraceRecorder
 
 _M32 = 0xFFFFFFFF
 _C1, _C2 = 0x2C1B3C6D, 0x297A2D39  # < 2**31: products with 32-bit values fit int64

@@ -53,8 +53,8 @@ from .plan import fmt_bytes, parse_tokens
 from .progress import Progress
 from .report import PlotUnavailable, require_matplotlib, table
 from .stress import StressOptions, Schedule
-from .traces import (CorrelatedSource, IndexerSource, TraceStep, UniformSource,
-                     WorkingSetSource, load_trace)
+from .sources import CorrelatedSource, IndexerSource, UniformSource, WorkingSetSource
+from .traces import TraceStep, load_trace
 
 EXIT_OK, EXIT_INPUT, EXIT_MISSING = 0, 2, 4
 PCIE_GBPS = 55.0  # H200 bulk pinned host -> device copy: the ceiling for staging (docs/PERF_NOTES.md)
