@@ -22,8 +22,6 @@ A recorded trace replays through ``hisparse.tools.traces.ReplaySource``.
 
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import torch
 
