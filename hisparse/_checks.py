@@ -125,6 +125,17 @@ def sm_count(device: torch.device | int) -> int:
     return _sm_count(index)
 
 
+def parse_enum(cls, value: object, name: str):
+    """A member of the enum ``cls`` from the member itself or its value (a string), or a
+    ValueError listing the valid values."""
+    if isinstance(value, cls):
+        return value
+    for member in cls:
+        if member.value == value:
+            return member
+    raise ValueError(f"{name} must be one of {[m.value for m in cls]}, got {value!r}")
+
+
 class Kernels(enum.Enum):
     """Which implementation runs a cache or format kernel (``kernels=`` everywhere).
 
@@ -139,12 +150,7 @@ class Kernels(enum.Enum):
 
     @classmethod
     def parse(cls, value: "Kernels | str", name: str = "kernels") -> "Kernels":
-        if isinstance(value, Kernels):
-            return value
-        for k in cls:
-            if k.value == value:
-                return k
-        raise ValueError(f"{name} must be one of {[k.value for k in cls]}, got {value!r}")
+        return parse_enum(cls, value, name)
 
     def pick(self, device: torch.device) -> "Kernels":
         """TORCH or TRITON for ``device``; a Triton choice that can't run raises here,
@@ -160,4 +166,4 @@ class Kernels(enum.Enum):
 
 
 __all__ = ["check_int", "check_bool", "check_ints", "check_tensor", "same_device",
-           "rows_layout_problem", "interpreter_mode", "sm_count", "Kernels"]
+           "rows_layout_problem", "interpreter_mode", "sm_count", "parse_enum", "Kernels"]

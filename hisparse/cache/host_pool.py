@@ -25,6 +25,23 @@ from ..errors import CapacityError
 _EMPTY: list[int] = []
 
 
+def block_segments(blocks, B: int, p0: int, p1: int) -> list[tuple[int, int, int]]:
+    """Positions ``[p0, p1)`` of a block list (``B`` tokens a block) as runs contiguous in
+    the pool: ``[(pos_start, pos_end, host_row_start), ...]``, consecutive blocks merged
+    (a fresh pool gives one run per request)."""
+    out: list[tuple[int, int, int]] = []
+    p = p0
+    while p < p1:
+        end = min(p1, (p // B + 1) * B)
+        row = blocks[p // B] * B + p % B
+        if out and out[-1][1] == p and out[-1][2] + (p - out[-1][0]) == row:
+            out[-1] = (out[-1][0], end, out[-1][2])
+        else:
+            out.append((p, end, row))
+        p = end
+    return out
+
+
 class BlockAllocator:
     """Free list of ``num_blocks`` host blocks plus the ordered block list of each owner.
 
@@ -139,26 +156,12 @@ class HostPool:
         return blocks[pos // self.B] * self.B + pos % self.B
 
     def segments(self, owner: Hashable, p0: int, p1: int) -> list[tuple[int, int, int]]:
-        """Positions ``[p0, p1)`` split into runs contiguous in the pool.
-
-        Returns ``[(pos_start, pos_end, host_row_start), ...]``; consecutive blocks are
-        merged into one run, so a fresh pool gives a single run per request.
-        """
+        """Positions ``[p0, p1)`` of ``owner`` split into runs contiguous in the pool:
+        ``[(pos_start, pos_end, host_row_start), ...]`` (see :func:`block_segments`)."""
         blocks = self.allocator.owned(owner)
-        B = self.B
-        if p1 > len(blocks) * B or p0 < 0:
+        if p1 > len(blocks) * self.B or p0 < 0:
             raise ValueError(f"positions [{p0}, {p1}) exceed the owner's {len(blocks)} blocks")
-        out: list[tuple[int, int, int]] = []
-        p = p0
-        while p < p1:
-            end = min(p1, (p // B + 1) * B)
-            row = blocks[p // B] * B + p % B
-            if out and out[-1][1] == p and out[-1][2] + (p - out[-1][0]) == row:
-                out[-1] = (out[-1][0], end, out[-1][2])
-            else:
-                out.append((p, end, row))
-            p = end
-        return out
+        return block_segments(blocks, self.B, p0, p1)
 
     def commit_append(self, layer: int, event=None) -> None:
         """An append to ``layer`` was enqueued (its host copy completes with ``event``)."""
@@ -171,4 +174,4 @@ class HostPool:
         self.buffer.release()
 
 
-__all__ = ["BlockAllocator", "HostPool"]
+__all__ = ["BlockAllocator", "HostPool", "block_segments"]

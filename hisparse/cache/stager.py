@@ -143,6 +143,13 @@ class Stager:
         Returns the layer's stage event (None on CPU); with ``wait`` the current stream
         already waits on it.
         """
+        return self._resolve_and_stage(layer, req_ids, topk, out, host_rows=host_rows, hot_rows=hot_rows,
+                                       wait=wait, compact=compact, prefetch=False)
+
+    def _resolve_and_stage(self, layer: int, req_ids, topk, out: ResolveBuffers, *, host_rows, hot_rows,
+                           wait: bool, compact: bool, prefetch: bool):
+        """One resolve launch and its staging copy on the stage stream (both undone when
+        the copy launch fails); records the layer's events."""
         cs = self.streams
         cur, cap = cs.current(), cs.capturing()
         stage = cs.streams.stage
@@ -152,13 +159,16 @@ class Stager:
         ev = cs.stage[layer]
         with cs.streams.on(stage):
             self.resolve_fn(self.state, layer, req_ids, topk, out, max_query_len=self.max_query_len,
-                            compact=compact)
+                            compact=compact, prefetch=prefetch)
             cs.resolved[layer].record(stage, cap)
             try:
                 self.copy_fn(host_rows, out, hot_rows, K=topk.shape[1], programs=self.stage_programs)
             except BaseException:
                 if not cap:  # a failed capture is discarded by its owner; nothing ran
-                    self._undo(layer, req_ids, topk, out, miss_phase_ran=True, streams=(stage,))
+                    if prefetch:
+                        self._undo_prefetch(layer, req_ids, topk, out, stage)
+                    else:
+                        self._undo(layer, req_ids, topk, out, miss_phase_ran=True, streams=(stage,))
                 raise
             ev.record(stage, cap)
         if stage is not None and not cap:
@@ -167,7 +177,6 @@ class Stager:
         if wait:
             ev.wait_by(cur, cap)
         return ev.event
-
 
     def run_split(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor, out: ResolveBuffers,
                   hit: torch.Tensor, miss_lists: tuple, *, host_rows: torch.Tensor,
@@ -213,28 +222,8 @@ class Stager:
         """Stage ``topk`` (a predicted selection) into ``layer``'s hot rows on the stage
         stream, as a resolve that counts only the rows it stages (STAT_PREFETCH).
         Returns the layer's stage event; the layer's next resolve waits on it."""
-        cs = self.streams
-        cur, cap = cs.current(), cs.capturing()
-        stage = cs.streams.stage
-        if stage is not None:
-            stage.wait_stream(cur)
-            cs.backup.wait_by(stage, cap)
-        ev = cs.stage[layer]
-        with cs.streams.on(stage):
-            self.resolve_fn(self.state, layer, req_ids, topk, out, max_query_len=self.max_query_len,
-                            prefetch=True)
-            cs.resolved[layer].record(stage, cap)
-            try:
-                self.copy_fn(host_rows, out, hot_rows, K=topk.shape[1], programs=self.stage_programs)
-            except BaseException:
-                if not cap:
-                    self._undo_prefetch(layer, req_ids, topk, out, stage)
-                raise
-            ev.record(stage, cap)
-        if stage is not None and not cap:
-            req_ids.record_stream(stage)
-            topk.record_stream(stage)
-        return ev.event
+        return self._resolve_and_stage(layer, req_ids, topk, out, host_rows=host_rows, hot_rows=hot_rows,
+                                       wait=False, compact=False, prefetch=True)
 
     def _undo_prefetch(self, layer: int, req_ids, topk, out: ResolveBuffers, stage) -> None:
         if stage is not None:

@@ -22,6 +22,8 @@ from typing import Mapping, Sequence
 
 import torch
 
+from .host_pool import block_segments
+
 # one unit of work: (request slot r, first position p0, end position p1, first token of
 # the request's rows in the batch, position in the reserved slot S before the write or -1)
 Work = tuple[int, int, int, int, int]
@@ -96,22 +98,6 @@ def build_write_plan(work: list[Work], *, owned: Mapping[int, Sequence[int]],
     return _runs_plan(work, owned=owned, new_blocks=new_blocks, B=B, S=S, device=device)
 
 
-def _segments(blocks: Sequence[int], B: int, p0: int, p1: int) -> list[tuple[int, int, int]]:
-    """Positions [p0, p1) of a block list as runs contiguous in the pool:
-    ``[(pos_start, pos_end, host_row_start), ...]`` (consecutive blocks merged)."""
-    out: list[tuple[int, int, int]] = []
-    p = p0
-    while p < p1:
-        end = min(p1, (p // B + 1) * B)
-        row = blocks[p // B] * B + p % B
-        if out and out[-1][1] == p and out[-1][2] + (p - out[-1][0]) == row:
-            out[-1] = (out[-1][0], end, out[-1][2])
-        else:
-            out.append((p, end, row))
-        p = end
-    return out
-
-
 def _runs_plan(work: list[Work], *, owned, new_blocks, B: int, S: int, device: torch.device) -> WritePlan:
     """The general ``build_write_plan``: runs per request, expanded in one go."""
     SP = S + 1
@@ -135,7 +121,7 @@ def _runs_plan(work: list[Work], *, owned, new_blocks, B: int, S: int, device: t
             put("sp_idx", r * SP + p0, n)
             put("sp_pos", p0, n)
             put("sp_r", r, n, 0)
-            for a, b, h in _segments(blocks, B, p0, fit_end):
+            for a, b, h in block_segments(blocks, B, p0, fit_end):
                 put("rs_h", h, b - a)
                 put("rs_v", a, b - a)
         last = p1 - 1
@@ -149,7 +135,7 @@ def _runs_plan(work: list[Work], *, owned, new_blocks, B: int, S: int, device: t
             put("sp_r", r)
             put("rs_h", blocks[last // B] * B + last % B)
             put("rs_v", S)
-        for a, b, h in _segments(blocks, B, p0, p1):  # host mirror of every row
+        for a, b, h in block_segments(blocks, B, p0, p1):  # host mirror of every row
             put("host_h", h, b - a)
             put("host_tok", t0 + a - p0, b - a)
         put("len_r", r)

@@ -30,7 +30,7 @@ import enum
 
 import torch
 
-from .._checks import check_bool, check_tensor
+from .._checks import check_bool, check_tensor, parse_enum
 from ..attention.base import SparseMLABackend
 from ..attention.miss import (MissConfig, MissMode, MissPlan, fused_miss_attention, merge_lse,
                               miss_attention_merge, plan_miss_attention)
@@ -47,12 +47,7 @@ class Overlap(enum.Enum):
 
     @classmethod
     def parse(cls, value: "Overlap | str") -> "Overlap":
-        if isinstance(value, Overlap):
-            return value
-        for o in cls:
-            if o.value == value:
-                return o
-        raise ValueError(f"overlap must be one of {[o.value for o in cls]}, got {value!r}")
+        return parse_enum(cls, value, "overlap")
 
 
 class DecodeLayer:

@@ -33,6 +33,7 @@ import dataclasses
 import torch
 
 from ...attention.base import SparseMLABackend
+from ...cache.write_plan import expand_runs
 from ...staging import BlockTable, convert_topk_to_physical
 from ...config import RowFormat, ceil_div
 from ...engine import HiSparseIndexGroup, SparseMLAMetadata
@@ -115,18 +116,6 @@ class KVStore:
         return {}
 
 
-def _expand(runs: list[tuple[int, int, int]]) -> torch.Tensor:
-    """int64 [sum n] CPU: each (start, n, step) run as start, start + step, ... (n values)."""
-    if not runs:
-        return torch.empty(0, dtype=torch.int64)
-    t = torch.tensor(runs, dtype=torch.int64)  # [m, 3]
-    n = t[:, 1]
-    run_of = torch.repeat_interleave(torch.arange(t.shape[0]), n)
-    start_of_run = torch.cumsum(n, 0) - n
-    within = torch.arange(int(n.sum())) - start_of_run[run_of]
-    return t[run_of, 0] + t[run_of, 2] * within
-
-
 class ResidentKV(KVStore):
     """An ordinary paged device KV cache holding every row (the baseline)."""
 
@@ -158,8 +147,8 @@ class ResidentKV(KVStore):
 
     def _rows_of(self, spans: list[tuple[Request, int, int]]) -> torch.Tensor:
         """int64 [n] device: global rows of positions [p0, p1) of each (request, p0, p1), concatenated."""
-        pos = _expand([(p0, p1 - p0, 1) for _, p0, p1 in spans])
-        slot = _expand([(r.slot, p1 - p0, 0) for r, p0, p1 in spans])
+        pos = expand_runs([(p0, p1 - p0, 1) for _, p0, p1 in spans])
+        slot = expand_runs([(r.slot, p1 - p0, 0) for r, p0, p1 in spans])
         both = torch.stack([pos, slot]).to(self.device)
         pos, slot = both[0], both[1]
         return self.block_table[slot, pos // self.bs].long() * self.bs + pos % self.bs
