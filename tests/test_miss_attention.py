@@ -546,7 +546,7 @@ def build(fn, sig, consts, **opts):
     mma = re.findall(r"nvidia_mma<\{[^}]*warpsPerCTA = \[(\d+), (\d+)\]", ttgir)
     stack = re.search(r"STACK:(\d+)", usage)
     return {"stack": int(stack.group(1)) if stack else None, "shared": k.metadata.shared,
-            "wgmma": ptx.count("wgmma.mma_async"), "barriers": ttgir.count("gpu.barrier"),
+            "wgmma": ptx.count("wgmma.mma_async"), "barriers": len(re.findall(r"\b(?:gpu\.barrier|ttg\.barrier)\b", ttgir)),
             "mma_warps": sorted({(int(a), int(b)) for a, b in mma}), "row_vec": vec}
 
 res = []
