@@ -138,7 +138,15 @@ class ResolveBuffers:
         )
 
     def view(self, T: int, K: int) -> "ResolveBuffers":
-        """The first [T, K] of these buffers (contiguous views, no copy)."""
+        """The first [T, K] of these buffers (contiguous views, no copy; made once per
+        shape: a decode step asks for the same one every layer)."""
+        cache = self.__dict__.setdefault("_views", {})
+        v = cache.get((T, K))
+        if v is None:
+            v = cache[(T, K)] = self._make_view(T, K)
+        return v
+
+    def _make_view(self, T: int, K: int) -> "ResolveBuffers":
         n = T * K
         return ResolveBuffers(
             physical=self.physical.view(-1)[:n].view(T, K), valid_counts=self.valid_counts[:T],
