@@ -19,41 +19,7 @@ from __future__ import annotations
 import torch
 
 from .resolve_ref import resolve_groups
-from .resolve_ref import group_offsets
 from .state import STAT_HITS, STAT_INVALID, STAT_MISSES, STAT_RESOLVES, HotState, ResolveBuffers
-
-
-def resolved_groups(req_ids: torch.Tensor, id_to_slot: torch.Tensor,
-                    max_query_len: int) -> list[tuple[int, int, int]]:
-    """(first token t0, request slot r, tokens n) of every group a resolve updated.
-
-    req_ids: int32 [T]; id_to_slot: int32 [max_request_id] (as the launch saw it).
-    Same grouping as ``resolve_reference``: runs of equal live ids, at most
-    ``max_query_len`` tokens, the first run of each id only.
-    """
-    ids = req_ids.long().cpu()
-    T = ids.numel()
-    if T == 0:
-        return []
-    table = id_to_slot.cpu()
-    off = group_offsets(ids, max_query_len).tolist()
-    ids_l = ids.tolist()
-    groups, seen = [], set()
-    for t, (rid, o) in enumerate(zip(ids_l, off)):
-        if o != 0:
-            continue
-        first_run = rid not in seen
-        seen.add(rid)
-        if not (0 <= rid < table.numel()) or not first_run:
-            continue
-        r = int(table[rid])
-        if r < 0:
-            continue
-        n = 1
-        while t + n < T and off[t + n] == n:
-            n += 1
-        groups.append((t, r, n))
-    return groups
 
 
 def rollback_resolve(state: HotState, layer: int, req_ids: torch.Tensor, topk: torch.Tensor,
@@ -77,7 +43,7 @@ def rollback_resolve(state: HotState, layer: int, req_ids: torch.Tensor, topk: t
     slot_pos = state.slot_pos[layer]
     slot_stamp = state.slot_stamp[layer]
     hits = misses = 0
-    groups = resolved_groups(req_ids, state.id_to_slot, max_query_len)
+    _rslot, _off, _ok, groups = resolve_groups(state, layer, req_ids, topk, max_query_len)
     for t0, r, n in groups:
         s_new = int(state.step[layer, r])
         base = t0 * K
@@ -133,4 +99,4 @@ def _rollback_hit_phase(state: HotState, layer: int, req_ids: torch.Tensor, topk
     state.stats[layer, STAT_INVALID] -= bad
 
 
-__all__ = ["resolved_groups", "rollback_resolve"]
+__all__ = ["rollback_resolve"]
