@@ -1,7 +1,10 @@
 """Host time of the engine façade's per-layer calls, outside any engine: a decode step
 of R requests over L layers (``prepare_for_batch``, then per layer ``write_new_rows`` and
 ``convert_decode_logical_to_physical_topk``), timed with perf_counter (no syncs added),
-then the same steps under cProfile to show where that time goes.
+then the same steps under cProfile to show where that time goes. ``--pad-to N``
+prepares each step padded to a bucket of N requests, as a graph-capturing engine's
+eager warm-up does. Prints min / median / p99 per call, the per-layer sum against the
+50 us target, and ``prepare_for_batch`` per step.
 
   python3 -m benchmarks.bench_host_calls [--requests 64] [--layers 8] [--context 4200] [--steps 20]
   python3 -m benchmarks.bench_host_calls --device cpu --kernels torch    # CPU: the torch paths
@@ -18,6 +21,7 @@ import time
 
 import torch
 
+from benchmarks import common
 from benchmarks.common import percentile
 from hisparse import HiSparseConfig
 from hisparse.engine import HiSparseIndexGroup, SparseMLAMetadata
@@ -33,7 +37,11 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--kernels", default="auto")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--pad-to", type=int, default=None, help="prepare each step padded to this bucket")
+    ap.add_argument("--out", help="write the figures as JSON here")
     a = ap.parse_args(argv)
+    if not common.out_ok(a.out, "bench_host_calls"):
+        return 2
     R, L, C, K = a.requests, a.layers, a.context, a.top_k
     dev = torch.device(a.device)
     cfg = HiSparseConfig(num_layers=L, row_bytes=656, top_k=K, device_buffer_size=2 * K,
@@ -60,13 +68,18 @@ def main(argv=None) -> int:
         seq += 1
         md = SparseMLAMetadata.build(request_ids=ids, query_lens=[1] * R, seq_lens=[seq] * R,
                                      num_decodes=R, device=dev)
-        g.prepare_for_batch(md)
-        rows = torch.randint(0, 120, (R, 656), dtype=torch.uint8, device=dev, generator=gen)
+        t0 = time.perf_counter()
+        g.prepare_for_batch(md, pad_to=a.pad_to)
+        times["prepare_for_batch"].append(time.perf_counter() - t0)
+        T = R if a.pad_to is None else a.pad_to
+        rows = torch.randint(0, 120, (T, 656), dtype=torch.uint8, device=dev, generator=gen)
         # 90% of the top-k in the last 4K positions (mostly hits), the rest anywhere
         recent = seq - 1 - torch.randint(0, min(seq, 2 * K), (R, K), device=dev, generator=gen)
         far = torch.randint(0, seq, (R, K), device=dev, generator=gen)
         pick = torch.rand((R, K), device=dev, generator=gen) < 0.9
         topk = torch.where(pick, recent, far).to(torch.int32)
+        if T > R:
+            topk = torch.cat([topk, torch.full((T - R, K), -1, dtype=torch.int32, device=dev)])
         for layer in range(L):
             t0 = time.perf_counter()
             g.write_new_rows(layer, rows, md)
@@ -75,24 +88,39 @@ def main(argv=None) -> int:
             t2 = time.perf_counter()
             times["write_new_rows"].append(t1 - t0)
             times["convert"].append(t2 - t1)
+            times["per_layer"].append(t2 - t0)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
 
-    warm = {"write_new_rows": [], "convert": []}
+    names = ("prepare_for_batch", "write_new_rows", "convert", "per_layer")
+
+    def fresh() -> dict:
+        return {k: [] for k in names}
+
     for _ in range(3):
-        step(warm)
-    times = {"write_new_rows": [], "convert": []}
+        step(fresh())
+    times = fresh()
     for _ in range(a.steps):
         step(times)
     print(f"host time per call, {R} requests, {L} layers, context {C}, kernels {g.hisparse_cache.kernels}, "
-          f"device {dev}:")
-    for k, v in times.items():
-        print(f"  {k:16s} min {min(v) * 1e6:7.1f} us  median {percentile(v, 50) * 1e6:7.1f} us  "
-              f"p90 {percentile(v, 90) * 1e6:7.1f} us")
+          f"device {dev}, pad_to {a.pad_to}:")
+    result = {"benchmark": "host_calls", "env": common.environment(dev),
+              "options": {"requests": R, "layers": L, "context": C, "steps": a.steps, "top_k": K,
+                          "pad_to": a.pad_to, "kernels": g.hisparse_cache.kernels}, "us": {}}
+    for k in names:
+        v = times[k]
+        st = {"min": min(v) * 1e6, "median": percentile(v, 50) * 1e6, "p99": percentile(v, 99) * 1e6}
+        result["us"][k] = st
+        print(f"  {k:18s} min {st['min']:7.1f} us  median {st['median']:7.1f} us  p99 {st['p99']:7.1f} us")
+    med = result["us"]["per_layer"]["median"]
+    print(f"  per layer (write + convert): median {med:.1f} us against the 50 us target "
+          f"({'met' if med <= 50 else 'not met'})")
+    if a.out:
+        common.write_json(a.out, result)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(a.steps):
-        step({"write_new_rows": [], "convert": []})
+        step(fresh())
     prof.disable()
     s = io.StringIO()
     pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(a.top)

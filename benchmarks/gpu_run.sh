@@ -115,6 +115,11 @@ for s in "${sections[@]}"; do
     miss) run miss 300 python3 -m benchmarks.bench_miss_attention --out "$RES/miss_attention.json" ${QUICK:+--quick} ${MISS_ARGS:-} ;;
     stress) run_to stress 420 "$RES/stress.json" python3 -m hisparse stress --preset gpu --json --plot "$RES"
             python3 -c "import json,sys; from hisparse.tools.stress import format_stress; print(format_stress(json.load(open(sys.argv[1]))))" "$RES/stress.json" >>"$LOG" 2>&1 ;;
+    host_calls) for pad in "" 64; do
+          run "host_calls${pad:+_pad$pad}" 240 python3 -m benchmarks.bench_host_calls --requests 64 --layers 8 \
+              --steps 30 ${pad:+--pad-to $pad} --out "$RES/host_calls${pad:+_pad$pad}.json" ${HOST_CALLS_ARGS:-}
+          grep -A6 "^host time per call" "$LOG" | tail -7 | tee -a "$SUM"
+        done ;;
     soak) left=$((END - SECONDS - 45))
           run soak 600 python3 -m benchmarks.soak --preset "${SOAK:-16k}" --seed "${SOAK_SEED:-0}" \
               --budget-s "$left" --out "$RES/soak_${SOAK:-16k}.json" ${SOAK_ARGS:-}

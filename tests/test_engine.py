@@ -359,6 +359,10 @@ class _PerRequestWrites:
     def __getattr__(self, name):
         return getattr(self.g, name)
 
+    def prepare_for_batch(self, md):
+        self.g.prepare_for_batch(md)
+        self.g.hisparse_cache.abandon_step(self.g._step)  # the appends below write the rows
+
     def write_new_rows(self, layer, rows, md):
         qsl = md.query_start_loc_cpu
         for row, rid in enumerate(md.request_ids_cpu):
@@ -400,9 +404,8 @@ def test_batched_write_capacity_error_changes_nothing():
     g.add_request(2)
     before = _state_snapshot(g)
     md = build([(2, 8, 8)], 0)  # needs 2 more blocks, 1 free
-    g.prepare_for_batch(md)
     with pytest.raises(CapacityError):
-        g.write_new_rows(0, batch_rows(0, md), md)
+        g.prepare_for_batch(md)  # the forward's blocks are allocated here
     after = _state_snapshot(g)
     for k in before:
         if isinstance(before[k], torch.Tensor):

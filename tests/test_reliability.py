@@ -155,10 +155,9 @@ def test_engine_capacity_error_mid_batch_changes_nothing_and_the_next_batch_work
         g.add_request(rid)
     c = g.hisparse_cache
     md = SparseMLAMetadata.build(request_ids=[1, 2], query_lens=[20, 40], seq_lens=[20, 40], num_decodes=0)
-    g.prepare_for_batch(md)
     before = full_state(c)
     with pytest.raises(CapacityError):
-        g.write_new_rows(0, rand_rows(60, 4), md)
+        g.prepare_for_batch(md)  # the forward's blocks are allocated when it is prepared
     assert_same(before, full_state(c))
     md2 = SparseMLAMetadata.build(request_ids=[1, 2], query_lens=[20, 10], seq_lens=[20, 10], num_decodes=0)
     g.prepare_for_batch(md2)  # the lengths are still 0: the next batch is accepted
@@ -359,6 +358,11 @@ def make_group(kernels: str) -> HiSparseIndexGroup:
 
 def group_state(g: HiSparseIndexGroup) -> dict:
     snap = full_state(g.hisparse_cache)
+    c = g.hisparse_cache
+    # host rows a call can read: up to the lengths the group reports (a layer still to
+    # be written in this forward does not count its rows yet)
+    snap["host"] = {(rid, l): c.read_host_rows(l, rid, list(range(g.request_length(rid, l))))
+                    for rid in c.live_requests() for l in range(c.cfg.num_layers)}
     snap["group"] = (sorted(g._written), sorted(g._converted), list(g.resolves_per_layer))
     return snap
 

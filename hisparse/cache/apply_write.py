@@ -27,19 +27,29 @@ def apply_write_plan_reference(state: HotState, hot: torch.Tensor, rows: torch.T
     """hot: uint8 [R * (S + 1) (+ padding), row_bytes], the layer's hot rows; rows: uint8
     [T, row_bytes], the new rows the plan's tokens index."""
     st = state
-    if plan.bt_r.numel():
-        st.block_table[plan.bt_r, plan.bt_k] = plan.bt_v
-    if plan.unmap.numel():
-        st.row_slot[layer].index_fill_(0, plan.unmap, -1)
-    if plan.hot_dst.numel():
-        hot.index_copy_(0, plan.hot_dst, rows.index_select(0, plan.hot_tok))
-        st.slot_pos[layer].view(-1).index_copy_(0, plan.sp_idx, plan.sp_pos)
-        st.slot_stamp[layer].view(-1).index_copy_(0, plan.sp_idx,
-                                                  st.step[layer].index_select(0, plan.sp_r))
-    if plan.rs_h.numel():
-        st.row_slot[layer].index_copy_(0, plan.rs_h, plan.rs_v)
-    st.seq_lens[layer].index_copy_(0, plan.len_r, plan.len_v)
-    st.stats[layer, STAT_D2H_ROWS] += plan.host_h.numel()
+
+    def valid(first: torch.Tensor, *rest: torch.Tensor) -> list[torch.Tensor]:
+        m = first >= 0  # -1 = padding (a step plan padded to a graph bucket)
+        return [first[m]] + [x[m] for x in rest]
+
+    bt_r, bt_k, bt_v = valid(plan.bt_r, plan.bt_k, plan.bt_v)
+    if bt_r.numel():
+        st.block_table[bt_r, bt_k] = bt_v
+    (unmap,) = valid(plan.unmap)
+    if unmap.numel():
+        st.row_slot[layer].index_fill_(0, unmap, -1)
+    hot_dst, hot_tok, sp_idx, sp_pos, sp_r = valid(plan.hot_dst, plan.hot_tok, plan.sp_idx, plan.sp_pos,
+                                                   plan.sp_r)
+    if hot_dst.numel():
+        hot.index_copy_(0, hot_dst, rows.index_select(0, hot_tok))
+        st.slot_pos[layer].view(-1).index_copy_(0, sp_idx, sp_pos)
+        st.slot_stamp[layer].view(-1).index_copy_(0, sp_idx, st.step[layer].index_select(0, sp_r))
+    rs_h, rs_v = valid(plan.rs_h, plan.rs_v)
+    if rs_h.numel():
+        st.row_slot[layer].index_copy_(0, rs_h, rs_v)
+    len_r, len_v = valid(plan.len_r, plan.len_v)
+    st.seq_lens[layer].index_copy_(0, len_r, len_v)
+    st.stats[layer, STAT_D2H_ROWS] += (plan.host_h >= 0).sum()
 
 
 def apply_write_plan_triton(state: HotState, hot: torch.Tensor, rows: torch.Tensor,

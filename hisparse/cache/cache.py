@@ -37,6 +37,7 @@ from .state import HotState, ResolveBuffers
 from .stats import cache_stats
 from .transfer import copy_rows, copy_staged
 from .write import WriteBatch, Writer
+from .write_step import StepCapacity, StepPlan
 
 
 def _stage_reference(host_rows, out: ResolveBuffers, hot_rows, *, K: int, programs=None) -> None:
@@ -210,6 +211,28 @@ class HiSparseCache:
         CapacityError (nothing changed) when the host pool can't supply the blocks."""
         V.check_layer(self.cfg, layer)
         return self.writer.write(layer, batch, rows)
+
+    def prepare_step(self, batch: WriteBatch, *, capacity: StepCapacity | None = None) -> StepPlan:
+        """Plan ``batch``'s append to every layer at once (a forward of an engine): the
+        host work, block allocation and every layer's bookkeeping happen here, and
+        :meth:`write_step` per layer only launches. Between the two, a layer's host
+        lengths already count the step's rows; a layer whose write never runs is put
+        back by :meth:`abandon_step`. ``capacity``: fixed-shape lists in persistent
+        buffers of that bucket, so that the per-layer writes can be captured in a CUDA
+        graph and replayed after each later ``prepare_step`` of the bucket."""
+        if capacity is not None and self.pool.shared:
+            raise ValueError("padded (graph) steps need a private host pool: a shared pool publishes "
+                             "every append from the host")
+        return self.writer.prepare_step(batch, capacity=capacity)
+
+    def write_step(self, layer: int, step: StepPlan, rows: torch.Tensor) -> None:
+        """Write ``layer``'s rows of a prepared step (uint8 [step.rows, row_bytes])."""
+        V.check_layer(self.cfg, layer)
+        self.writer.write_step(layer, step, rows)
+
+    def abandon_step(self, step: StepPlan) -> None:
+        """Put back every layer of ``step`` whose write did not run."""
+        self.writer.abandon_step(step)
 
     def append_rows_batch(self, layer: int, req_ids, rows: torch.Tensor, counts) -> list[int]:
         """Append ``counts[i]`` rows to request ``req_ids[i]`` of one layer, for every i

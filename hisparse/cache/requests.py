@@ -100,6 +100,15 @@ class RequestTable:
         if reserved >= 0:
             self._reserved[r][layer] = reserved
 
+    def reserved_list(self, r: int) -> list[int]:
+        """Reserved-slot occupant of each layer (the table's own list: read it only)."""
+        return self._reserved[r]
+
+    def restore(self, r: int, layer: int, end: int, reserved: int) -> None:
+        """Put back a length and reserved occupant recorded before a write (-1 = none)."""
+        self._lens[r][layer] = end
+        self._reserved[r][layer] = reserved
+
     def touch(self, layer: int) -> None:
         """Something in ``layer`` changed (epoch moves on)."""
         self.epochs[layer] += 1

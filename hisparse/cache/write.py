@@ -33,7 +33,8 @@ from .host_pool import HostPool
 from .requests import RequestTable
 from .stager import CacheStreams
 from .state import HotState
-from .write_plan import WritePlan, Work, build_write_plan
+from .write_plan import WritePlan, Work, _to_plan, build_write_plan, plan_lists
+from .write_step import StepBuffers, StepCapacity, StepPlan, pad_lists, split_block_entries
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +83,7 @@ class Writer:
         self.mirror_fn = mirror_fn
         self.device = device
         self._plan: tuple[tuple, WritePlan] | None = None  # last committed plan and its key
+        self.step_buffers = StepBuffers(device)
 
     # ---- checks ------------------------------------------------------------------
     def prepare(self, req_ids: Sequence[int], counts: Sequence[int]) -> WriteBatch:
@@ -154,6 +156,95 @@ class Writer:
         self.pool.commit_append(layer, ev)
         return firsts
 
+    # ---- a forward's write to every layer, planned once ------------------------------
+    def prepare_step(self, batch: WriteBatch, *, capacity: StepCapacity | None = None) -> StepPlan:
+        """Plan ``batch``'s append to every layer at once (``write_step`` per layer then
+        only launches). Allocates the step's blocks, writes their block-table entries
+        on the current stream and commits every layer's lengths and reserved-slot
+        occupants; layers whose ``write_step`` never runs are put back by
+        ``abandon_step``. ``capacity``: pad the lists into the bucket's persistent
+        buffers (fixed shapes and addresses, for CUDA graphs). Every layer must hold the
+        same rows of each request (ValueError otherwise). CapacityError / ValueError
+        change nothing."""
+        if not isinstance(batch, WriteBatch):
+            raise TypeError(f"batch must be a WriteBatch (Writer.prepare), got {type(batch).__name__}")
+        if batch.generation != self.requests.generation:
+            raise ValueError("the write batch is out of date: requests were added or freed since "
+                             "it was prepared; prepare it again")
+        if capacity is not None and (len(batch.req_ids) > capacity.requests or batch.total > capacity.tokens):
+            raise ValueError(f"the batch has {len(batch.req_ids)} requests and {batch.total} rows; the "
+                             f"bucket holds {capacity.requests} and {capacity.tokens}")
+        req = self.requests
+        L = self.cfg.num_layers
+        work, req_work = [], []
+        for r, n, t0 in zip(batch.slots, batch.counts, batch.offsets):
+            lens, res = req.lengths(r), req.reserved_list(r)
+            p0, old = lens[0], res[0]
+            if any(x != p0 for x in lens) or any(x != old for x in res):
+                raise ValueError(f"request slot {r} holds {list(lens)} rows per layer: a step writes the "
+                                 "same positions to every layer")
+            if n:
+                work.append((r, p0, p0 + n, t0, old))
+                req_work.append((r, p0, p0 + n, old))
+        new_blocks = self._new_blocks(work) if work else {}
+        alloc = self.pool.allocator
+        if work:
+            flat, sizes = plan_lists(work, owned={r: alloc.owned(r) for r, *_ in work}, new_blocks=new_blocks,
+                                     B=self.pool.B, S=self.cfg.device_buffer_size)
+        else:
+            flat, sizes = torch.empty(0, dtype=torch.int64), [0] * 15
+        bt, rest, sizes = split_block_entries(flat, sizes)
+        if capacity is not None:
+            lists = pad_lists(rest, sizes, capacity)
+            padded = self.step_buffers.get(capacity)
+            self.streams.join_backup()  # a mirror still reading the buffers of an eager step
+            padded.load(lists)
+            plan, rows = padded.plan, capacity.tokens
+        else:
+            plan, rows = _to_plan(rest, sizes, self.device), batch.total
+        if bt.numel():
+            btd = bt.pin_memory().to(self.device, non_blocking=True) if self.streams.cuda else bt
+            self.state.block_table[btd[0], btd[1]] = btd[2].to(torch.int32)
+        # ---- commit the host-side bookkeeping of every layer ----
+        self._allocate(new_blocks)
+        S = self.cfg.device_buffer_size
+        for r, _, p1, _ in req_work:
+            occ = p1 - 1 if p1 - 1 >= S else -1
+            for layer in range(L):
+                req.set_written(r, layer, p1, occ)
+        for layer in range(L):
+            req.touch(layer)
+        self._plan = None
+        return StepPlan(plan=plan, req_work=tuple(req_work), pending=set(range(L)) if req_work else set(),
+                        rows=rows, generation=batch.generation, padded=capacity is not None)
+
+    def write_step(self, layer: int, step: StepPlan, rows: torch.Tensor) -> None:
+        """Launch ``step``'s write of ``layer`` (rows uint8 [step.rows, row_bytes]; when
+        padded, rows past the batch's are not read). A launch that raises leaves the
+        layer pending (a retry runs it again)."""
+        if step.generation != self.requests.generation:
+            raise ValueError("the step is out of date: requests were added or freed since it was prepared")
+        if layer not in step.pending:
+            raise ValueError(f"layer {layer}: this step's rows were already written")
+        rows = self.check_rows(rows, step.rows)
+        self._launch(layer, step.plan, rows)
+        step.pending.discard(layer)
+        ev = self.streams.backup.event if (self.pool.is_writer and self.streams.cuda) else None
+        self.pool.commit_append(layer, ev)
+
+    def abandon_step(self, step: StepPlan) -> None:
+        """Put back the lengths and reserved-slot occupants of the layers whose write did
+        not run (their positions are free again; the step's blocks stay with their
+        requests, block-table entries included)."""
+        if not step.pending or step.generation != self.requests.generation:
+            return
+        req = self.requests
+        for layer in sorted(step.pending):
+            for r, p0, _, old in step.req_work:
+                req.restore(r, layer, p0, old)
+            req.touch(layer)
+        step.pending.clear()
+
     def _new_blocks(self, work: list[Work]) -> dict[int, list[int]]:
         """Blocks each request of ``work`` needs, as the allocator will hand them out
         (CapacityError, nothing changed, when they are not all free)."""
@@ -201,4 +292,4 @@ class Writer:
         self.apply_fn(self.state, self.hot[layer], rows, plan, layer)
 
 
-__all__ = ["WriteBatch", "Writer", "pack_rows"]
+__all__ = ["WriteBatch", "Writer", "pack_rows", "StepCapacity", "StepPlan"]

@@ -93,12 +93,20 @@ def build_write_plan(work: list[Work], *, owned: Mapping[int, Sequence[int]],
     if >= S, to the reserved slot S (unmapping the previous occupant); every position
     to its host row.
     """
+    flat, sizes = plan_lists(work, owned=owned, new_blocks=new_blocks, B=B, S=S)
+    return _to_plan(flat, sizes, device)
+
+
+def plan_lists(work: list[Work], *, owned: Mapping[int, Sequence[int]],
+               new_blocks: Mapping[int, Sequence[int]], B: int, S: int) -> tuple[torch.Tensor, list[int]]:
+    """The lists of ``build_write_plan`` on the host: int64 [sum(sizes)] CPU, back to
+    back in ``_NAMES`` order, and their lengths."""
     if all(p1 == p0 + 1 for _, p0, p1, _, _ in work):
-        return _single_row_plan(work, owned=owned, new_blocks=new_blocks, B=B, S=S, device=device)
-    return _runs_plan(work, owned=owned, new_blocks=new_blocks, B=B, S=S, device=device)
+        return _single_row_plan(work, owned=owned, new_blocks=new_blocks, B=B, S=S)
+    return _runs_plan(work, owned=owned, new_blocks=new_blocks, B=B, S=S)
 
 
-def _runs_plan(work: list[Work], *, owned, new_blocks, B: int, S: int, device: torch.device) -> WritePlan:
+def _runs_plan(work: list[Work], *, owned, new_blocks, B: int, S: int) -> tuple[torch.Tensor, list[int]]:
     """The general ``build_write_plan``: runs per request, expanded in one go."""
     SP = S + 1
     runs: dict[str, list[tuple[int, int, int]]] = {n: [] for n in _NAMES}
@@ -141,12 +149,10 @@ def _runs_plan(work: list[Work], *, owned, new_blocks, B: int, S: int, device: t
         put("len_r", r)
         put("len_v", p1)
     sizes = [sum(n for _, n, _ in runs[name]) for name in _NAMES]
-    flat = expand_runs([x for name in _NAMES for x in runs[name]])
-    return _to_plan(flat, sizes, device)
+    return expand_runs([x for name in _NAMES for x in runs[name]]), sizes
 
 
-def _single_row_plan(work: list[Work], *, owned, new_blocks, B: int, S: int,
-                     device: torch.device) -> WritePlan:
+def _single_row_plan(work: list[Work], *, owned, new_blocks, B: int, S: int) -> tuple[torch.Tensor, list[int]]:
     """``build_write_plan`` when every request writes one row (a decode step): the same
     lists in the same order, built directly (no runs, no segments)."""
     SP = S + 1
@@ -182,8 +188,7 @@ def _single_row_plan(work: list[Work], *, owned, new_blocks, B: int, S: int,
         lists["len_r"].append(r)
         lists["len_v"].append(p0 + 1)
     sizes = [len(lists[name]) for name in _NAMES]
-    flat = torch.tensor([v for name in _NAMES for v in lists[name]], dtype=torch.int64)
-    return _to_plan(flat, sizes, device)
+    return torch.tensor([v for name in _NAMES for v in lists[name]], dtype=torch.int64), sizes
 
 
 def _to_plan(flat: torch.Tensor, sizes: list[int], device: torch.device) -> WritePlan:

@@ -46,8 +46,9 @@ import dataclasses
 
 import torch
 
-from .._checks import check_int, check_tensor
+from .._checks import check_bool, check_int, check_tensor
 from ..cache.cache import HiSparseCache
+from ..cache.write_step import StepCapacity
 from ..config import HiSparseConfig
 from ..decode.layer import DecodeLayer
 from ..errors import CapacityError
@@ -55,6 +56,7 @@ from ..formats import D_ROW, RowFormat
 from ..staging.prefill import StageRequests, stage_prefill
 from .metadata import SparseMLAMetadata
 
+_REPLAYED = ("replayed",)  # the conversion key of layers a graph replay resolves
 _KV_DTYPES = {"fp8_ds_mla": RowFormat.FP8_DS_MLA, "bf16": RowFormat.BF16, "auto": RowFormat.BF16,
               "bfloat16": RowFormat.BF16}
 
@@ -125,7 +127,10 @@ class HiSparseIndexGroup:
         self._decode_ids = torch.empty(0, dtype=torch.int32, device=self.device)
         self._converted: dict[int, tuple[tuple, object]] = {}
         self._written: set[int] = set()
-        self._write_batch = None  # the forward's cache.WriteBatch (prepare_for_batch)
+        self._step = None  # the forward's cache StepPlan (prepare_for_batch)
+        self._tokens = 0  # tokens the per-layer calls take (the bucket's with pad_to)
+        self._decode_tokens = 0  # decode tokens they resolve (padded likewise)
+        self._ids_bufs: dict[int, torch.Tensor] = {}  # padded decode ids per bucket size
         self._decode_layers: dict[tuple, DecodeLayer] = {}  # (backend, overlap) -> DecodeLayer
         self.resolves_per_layer = [0] * config.num_layers  # lifetime count, for tests/metrics
         cuda = self.device.type == "cuda"
@@ -200,19 +205,43 @@ class HiSparseIndexGroup:
         return self._cache.requests.is_live(req_id)
 
     def request_length(self, req_id: int, layer_index: int) -> int:
-        """Rows stored for ``req_id`` in layer ``layer_index``."""
-        return self._cache.layer_len(self._layer(layer_index), req_id)
+        """Rows stored for ``req_id`` in layer ``layer_index`` (this forward's rows count
+        once the layer's ``write_new_rows`` ran)."""
+        i = self._layer(layer_index)
+        n = self._cache.layer_len(i, req_id)
+        step = self._step
+        if step is not None and i in step.pending:
+            r = self._cache.request_slot(req_id)
+            for slot, p0, _, _ in step.req_work:
+                if slot == r:
+                    return p0
+        return n
 
     def stats(self) -> dict:
         return self._cache.stats()
 
     # ------------------------------------------------------------ per batch
-    def prepare_for_batch(self, metadata: SparseMLAMetadata) -> None:
-        """Start a forward: check the batch against the cache and set up the per-step state.
+    def prepare_for_batch(self, metadata: SparseMLAMetadata, *, pad_to: int | None = None,
+                          replay: bool = False) -> None:
+        """Start a forward: check the batch and do the host work of every layer's write.
 
         Every request must be live and hold exactly ``seq_len - query_len`` rows in every
-        layer (its context before this forward). Launches one small gather (decode
-        tokens' request ids) and nothing else; no host sync.
+        layer (its context before this forward). The forward's blocks are allocated
+        here (CapacityError, nothing changed, when the pool can't supply them) and every
+        layer's lengths count the forward's rows from here on; a layer whose
+        ``write_new_rows`` does not run in this forward is put back when the next
+        forward is prepared. No host sync.
+
+        ``pad_to`` (CUDA graphs): a decode-only batch padded to ``pad_to`` decode
+        requests (a batch-size bucket). The per-layer calls then take ``pad_to *
+        decode_query_len`` tokens (rows and top-k past the batch's are padding: top-k
+        rows of -1, rows not read) and launch fixed shapes from persistent buffers of
+        the bucket, so a forward captured once per bucket (``torch.cuda.graph`` around
+        the per-layer calls, with unchecked backends and ``validate=False``) replays
+        any later batch of the bucket after its ``prepare_for_batch(md, pad_to=...,
+        replay=True)``. ``replay``: this forward's per-layer calls run as a replay of such
+        a graph, not from Python: the group counts every layer as written and resolved
+        (an eager per-layer call in the same forward is refused).
         """
         if not isinstance(metadata, SparseMLAMetadata):
             raise TypeError(f"metadata must be a SparseMLAMetadata, got {type(metadata).__name__}")
@@ -225,6 +254,22 @@ class HiSparseIndexGroup:
         q = metadata.decode_max_query_len
         if metadata.num_decodes and q > cfg.max_query_len:
             raise ValueError(f"decode query length {q} exceeds the config's max_query_len={cfg.max_query_len}")
+        td = metadata.num_decode_tokens
+        capacity = None
+        if check_bool("replay", replay) and pad_to is None:
+            raise ValueError("replay=True needs pad_to (a graph is captured per batch-size bucket)")
+        if pad_to is not None:
+            check_int("pad_to", pad_to, 1, cfg.max_num_reqs + 1)
+            if metadata.num_prefills:
+                raise ValueError("pad_to is for decode-only batches (graph replay); this batch has "
+                                 f"{metadata.num_prefills} prefill requests")
+            if pad_to < metadata.num_decodes:
+                raise ValueError(f"pad_to={pad_to} is smaller than the batch's {metadata.num_decodes} decodes")
+            q = max(q, 1)
+            capacity = StepCapacity(requests=pad_to, tokens=pad_to * q)
+        if self._step is not None:  # layers the last forward did not write
+            self._cache.abandon_step(self._step)
+            self._step = None
         cache = self._cache
         for row, rid in enumerate(metadata.request_ids_cpu):
             if not cache.requests.is_live(rid):
@@ -238,14 +283,41 @@ class HiSparseIndexGroup:
         qsl = metadata.query_start_loc_cpu
         counts = [qsl[row + 1] - qsl[row] for row in range(metadata.num_reqs)]
         write_batch = cache.plan_write(metadata.request_ids_cpu, counts)
-        td = metadata.num_decode_tokens
-        rows = metadata.req_id_per_token[:td].long()
-        # ---- nothing above changed anything; now the forward's state ----
-        self._decode_ids = metadata.request_ids[rows] if td else metadata.request_ids[:0]
+        if capacity is not None and self.device.type == "cuda":
+            # the persistent buffers are rewritten below: in-flight staging of the last
+            # forward (which reads the decode ids) finishes first
+            cache.streams.before_lifecycle()
+        step = cache.prepare_step(write_batch, capacity=capacity)  # changes state last
+        # ---- the forward's state ----
+        self._tokens = capacity.tokens if capacity is not None else metadata.num_tokens
+        ndt = capacity.tokens if capacity is not None else td
+        if ndt:
+            ids = [metadata.request_ids_cpu[row] for row in range(metadata.num_decodes)
+                   for _ in range(qsl[row + 1] - qsl[row])]
+            ids += [-1] * (ndt - len(ids))
+            host = torch.tensor(ids, dtype=torch.int32)
+            if capacity is not None:
+                buf = self._ids_bufs.get(ndt)
+                if buf is None:
+                    buf = self._ids_bufs[ndt] = torch.empty(ndt, dtype=torch.int32, device=self.device)
+                buf.copy_(host.pin_memory() if self.device.type == "cuda" else host, non_blocking=True)
+                self._decode_ids = buf
+            else:
+                self._decode_ids = (host.pin_memory().to(self.device, non_blocking=True)
+                                    if self.device.type == "cuda" else host)
+        else:
+            self._decode_ids = torch.empty(0, dtype=torch.int32, device=self.device)
+        self._decode_tokens = ndt
         self._batch = metadata
+        self._step = step
         self._converted = {}
         self._written = set()  # layers whose rows this forward wrote
-        self._write_batch = write_batch
+        if replay:  # the graph's replay runs every layer's write and resolve
+            step.pending.clear()
+            self._written = set(range(cfg.num_layers))
+            for i in range(cfg.num_layers):
+                self._converted[i] = (_REPLAYED, (None, None))
+                self.resolves_per_layer[i] += 1 if ndt else 0
 
     def _check_batch(self, metadata: object) -> SparseMLAMetadata:
         if self._batch is None or metadata is not self._batch:
@@ -257,21 +329,19 @@ class HiSparseIndexGroup:
         """Append this forward's KV rows of layer ``layer_index`` (every token, batch order).
 
         rows: uint8 [T, row_bytes] (a bf16 [T, 576] tensor is accepted for bf16 rows), on
-        the cache device. Token t's row becomes position ``context_start + offset`` of its
-        request. Call before attention of that layer (a token attends to itself).
+        the cache device; T = the batch's tokens, or the bucket's with ``pad_to`` (rows
+        past the batch's are not read). Token t's row becomes position
+        ``context_start + offset`` of its request. Call before attention of that layer
+        (a token attends to itself). Launches two kernels and nothing else.
         """
         i = self._layer(layer_index)
-        md = self._check_batch(metadata)
-        rows = self._as_row_bytes(rows, md.num_tokens, "rows")
-        # prepare_for_batch checked every layer's lengths against the batch, and only
-        # this method changes them: a layer not written yet in this forward is in order
+        self._check_batch(metadata)
+        rows = self._as_row_bytes(rows, self._tokens, "rows")
         if i in self._written:
-            raise ValueError(f"layer {i}: this forward's rows were already written")
-        firsts = self._cache.write(i, self._write_batch, rows)  # atomic: CapacityError changes nothing
-        for row, rid in enumerate(md.request_ids_cpu):
-            if firsts[row] != md.context_start(row):
-                raise RuntimeError(f"cache appended request {rid} layer {i} at position {firsts[row]}, "
-                                   f"the batch says its context is {md.context_start(row)}")
+            raise ValueError(f"layer {i}: this forward's rows were already written (or are, by a graph "
+                             "replay)")
+        if self._step.pending:
+            self._cache.write_step(i, self._step, rows)  # a launch that raises leaves it pending
         self._written.add(i)
 
     def _as_row_bytes(self, rows: object, n: int, name: str) -> torch.Tensor:
@@ -313,27 +383,29 @@ class HiSparseIndexGroup:
         if nd != md.num_decodes or (nd and q != md.decode_max_query_len):
             raise ValueError(f"num_decodes={nd}, decode_query_len={q} disagree with the batch "
                              f"({md.num_decodes} decodes of {md.decode_max_query_len} tokens)")
-        td = md.num_decode_tokens
+        td = self._decode_tokens
         check_tensor("topk_indices", topk_indices, dtype=torch.int32, ndim=2, device=self.device)
         if topk_indices.shape[0] != td:
-            raise ValueError(f"topk_indices must be [num_decode_tokens={td}, K], got {list(topk_indices.shape)}")
+            raise ValueError(f"topk_indices must be [num_decode_tokens={td}, K] (padded to the bucket with "
+                             f"pad_to), got {list(topk_indices.shape)}")
         if topk_indices.shape[1] > self.config.top_k:
             raise ValueError(f"topk_indices has K={topk_indices.shape[1]} > config top_k={self.config.top_k}")
         key = (topk_indices.data_ptr(), tuple(topk_indices.shape), tuple(topk_indices.stride()))
         done = self._converted.get(i)
         if done is not None:
+            if done[0] is _REPLAYED:
+                raise ValueError(f"layer {i} is resolved by the graph replay of this forward")
             if done[0] != key:
                 raise ValueError(f"layer {i} was already converted in this forward with another top-k "
                                  "tensor; each layer is resolved once per forward")
             phys, counts = done[1]
             if phys is None:
-                raise ValueError(f"layer {i} was resolved by decode_attention in this forward")
+                raise ValueError(f"layer {i} was resolved by decode_attention or a graph replay in this "
+                                 "forward")
         else:
             if nd and i not in self._written:  # this forward's rows of layer i are not in yet
-                rid = md.request_ids_cpu[0]
-                raise ValueError(f"layer {i}: write_new_rows must run before the conversion "
-                                 f"(request {rid} holds {self._cache.layer_len(i, rid)} of "
-                                 f"{md.seq_lens_cpu[0]} rows)")
+                raise ValueError(f"layer {i}: write_new_rows must run before the conversion (the "
+                                 "decode tokens attend to their own rows)")
             if td:
                 phys, counts = self._resolve_decode(i, topk_indices)
                 self.resolves_per_layer[i] += 1
@@ -367,12 +439,13 @@ class HiSparseIndexGroup:
         """
         i = self._layer(layer_index)
         md = self._check_batch(metadata)
-        td = md.num_decode_tokens
+        td = self._decode_tokens
         check_tensor("topk_indices", topk_indices, dtype=torch.int32, ndim=2, device=self.device)
         if topk_indices.shape[0] != td:
-            raise ValueError(f"topk_indices must be [num_decode_tokens={td}, K], got {list(topk_indices.shape)}")
+            raise ValueError(f"topk_indices must be [num_decode_tokens={td}, K] (padded to the bucket with "
+                             f"pad_to), got {list(topk_indices.shape)}")
         if i in self._converted:
-            raise ValueError(f"layer {i} was already resolved in this forward")
+            raise ValueError(f"layer {i} was already resolved in this forward (or by a graph replay)")
         if td and i not in self._written:
             raise ValueError(f"layer {i}: write_new_rows must run before decode attention")
         layer = self._decode_layers.get((id(backend), overlap))
@@ -391,27 +464,23 @@ class HiSparseIndexGroup:
         i = self._layer(layer_index)
         self._check_batch(metadata)
         check_tensor("topk_indices", topk_indices, dtype=torch.int32, ndim=2, device=self.device)
-        if topk_indices.shape[0] != metadata.num_decode_tokens:
-            raise ValueError(f"topk_indices must be [num_decode_tokens={metadata.num_decode_tokens}, K], "
-                             f"got {list(topk_indices.shape)}")
+        if topk_indices.shape[0] != self._decode_tokens:
+            raise ValueError(f"topk_indices must be [num_decode_tokens={self._decode_tokens}, K] (padded to "
+                             f"the bucket with pad_to), got {list(topk_indices.shape)}")
         if i in self._converted:
             raise ValueError(f"layer {i} was already resolved in this forward: prefetch it before")
-        if metadata.num_decode_tokens:
+        if self._decode_tokens:
             self._cache.prefetch(i, self._decode_ids, topk_indices)
 
     # ---------------------------------------------------------------- prefill
     def _prefill_rows(self, md: SparseMLAMetadata, start: int, count: int, layer: int) -> list[tuple[int, int]]:
         """(request id, rows to stage) of prefill requests start .. start+count-1."""
+        if md.num_tokens and layer not in self._written:
+            raise ValueError(f"layer {layer}: call write_new_rows before staging the prefill context")
         out = []
         for p in range(start, start + count):
             row = md.num_decodes + p
-            rid = md.request_ids_cpu[row]
-            n = md.seq_lens_cpu[row]
-            have = self._cache.layer_len(layer, rid)
-            if have != n:
-                raise ValueError(f"layer {layer}: prefill request {rid} holds {have} of "
-                                 f"{n} rows; call write_new_rows before staging its context")
-            out.append((rid, n))
+            out.append((md.request_ids_cpu[row], md.seq_lens_cpu[row]))
         return out
 
     def stage_prefill_rows(self, layer_index: int, kv_cache: torch.Tensor, metadata: SparseMLAMetadata):

@@ -13,8 +13,10 @@ each), rs_h, rs_v (n_rs), unmap (n_unmap), host_h, host_tok (n_host), len_r, len
   slot_pos[sp_idx] = sp_pos; slot_stamp[sp_idx] = step[sp_r]
   row_slot[rs_h] = rs_v
   seq_lens[len_r] = len_v
-  stats[STAT_D2H] += n_host                (program 0)
+  stats[STAT_D2H] += host rows mirrored    (the valid host_h entries, atomically)
 
+An entry of -1 is padding and skipped (a step plan padded to a CUDA-graph bucket's
+fixed lengths, ``hisparse.cache.write_step``): the first list of each group decides.
 Every list writes distinct targets, and no host row is both unmapped and mapped in one
 plan (an unmapped row is an older position than every row written), so the programs
 need no ordering among themselves.
@@ -54,17 +56,20 @@ def apply_write_plan_kernel(
     o_len = o_host + 2 * n_host
 
     m = i < n_bt
-    r = tl.load(flat_ptr + i, mask=m, other=0)
+    r = tl.load(flat_ptr + i, mask=m, other=-1)
+    m = m & (r >= 0)
     k = tl.load(flat_ptr + n_bt + i, mask=m, other=0)
     v = tl.load(flat_ptr + 2 * n_bt + i, mask=m, other=0)
     tl.store(bt_ptr + r * bt_stride + k, v.to(tl.int32), mask=m)
 
     m = i < n_unmap
-    h = tl.load(flat_ptr + o_un + i, mask=m, other=0)
+    h = tl.load(flat_ptr + o_un + i, mask=m, other=-1)
+    m = m & (h >= 0)
     tl.store(row_slot_ptr + h, tl.full([BLOCK], -1, tl.int32), mask=m)
 
     m = i < n_hot
-    dst = tl.load(flat_ptr + o_hot + i, mask=m, other=0)
+    dst = tl.load(flat_ptr + o_hot + i, mask=m, other=-1)
+    m = m & (dst >= 0)
     tok = tl.load(flat_ptr + o_hot + n_hot + i, mask=m, other=0)
     spi = tl.load(flat_ptr + o_hot + 2 * n_hot + i, mask=m, other=0)
     spp = tl.load(flat_ptr + o_hot + 3 * n_hot + i, mask=m, other=0)
@@ -78,14 +83,19 @@ def apply_write_plan_kernel(
     tl.store(slot_stamp_ptr + spi, stamp, mask=m)
 
     m = i < n_rs
-    h = tl.load(flat_ptr + o_rs + i, mask=m, other=0)
+    h = tl.load(flat_ptr + o_rs + i, mask=m, other=-1)
+    m = m & (h >= 0)
     v = tl.load(flat_ptr + o_rs + n_rs + i, mask=m, other=0)
     tl.store(row_slot_ptr + h, v.to(tl.int32), mask=m)
 
     m = i < n_len
-    r = tl.load(flat_ptr + o_len + i, mask=m, other=0)
+    r = tl.load(flat_ptr + o_len + i, mask=m, other=-1)
+    m = m & (r >= 0)
     v = tl.load(flat_ptr + o_len + n_len + i, mask=m, other=0)
     tl.store(seq_lens_ptr + r, v.to(tl.int32), mask=m)
 
-    if pid == 0:
-        tl.store(stats_ptr + STAT_D2H, tl.load(stats_ptr + STAT_D2H) + n_host)
+    m = i < n_host
+    h = tl.load(flat_ptr + o_host + i, mask=m, other=-1)
+    n_valid = tl.sum((m & (h >= 0)).to(tl.int64), axis=0)
+    if n_valid > 0:
+        tl.atomic_add(stats_ptr + STAT_D2H, n_valid, sem="relaxed")

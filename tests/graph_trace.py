@@ -1,0 +1,253 @@
+"""A multi-step decode trace with joins and leaves, run through the engine façade in
+three ways that must leave the same cache: ``eager`` (unpadded batches), ``padded``
+(``prepare_for_batch(md, pad_to=bucket)``, per-layer calls eager) and ``graph`` (the
+per-layer calls of a bucket captured once in a CUDA graph and replayed; CUDA only).
+
+Rows are real fp8_ds_mla rows derived from (layer, request, position), so hot rows,
+host rows and physical indices can be checked byte-exact against the truth.
+Used by tests/test_graph_step.py (CPU) and tests/test_graph_step_gpu.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import torch
+
+from hisparse import HiSparseConfig
+from hisparse.engine import HiSparseIndexGroup, SparseMLAMetadata
+from hisparse.formats import quantize_fp8_ds_mla_reference
+
+BUCKETS = (1, 2, 4, 6)
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceShape:
+    layers: int = 2
+    top_k: int = 8
+    slots: int = 16  # LRU slots per (layer, request)
+    block: int = 4
+    max_reqs: int = 6
+    max_len: int = 64
+    query_len: int = 1
+
+
+def make_group(shape: TraceShape, device: str, kernels: str) -> HiSparseIndexGroup:
+    cfg = HiSparseConfig(num_layers=shape.layers, row_bytes=656, top_k=shape.top_k,
+                         device_buffer_size=shape.slots, max_num_reqs=shape.max_reqs,
+                         host_block_size=shape.block, host_pool_tokens=shape.max_reqs * shape.max_len,
+                         max_query_len=shape.query_len, max_request_id=64, device=device)
+    g = HiSparseIndexGroup(cfg, validate=False, kernels=kernels)
+    for _ in range(shape.layers):
+        g.register_layer(kv_cache_dtype="fp8_ds_mla")
+    return g
+
+
+class Truth:
+    """The row of every (layer, request, position)."""
+
+    def __init__(self, shape: TraceShape) -> None:
+        self.shape = shape
+        self._rows: dict[tuple[int, int], torch.Tensor] = {}
+
+    def rows(self, layer: int, rid: int) -> torch.Tensor:
+        key = (layer, rid)
+        if key not in self._rows:
+            g = torch.Generator().manual_seed(7919 * layer + rid)
+            self._rows[key] = quantize_fp8_ds_mla_reference(torch.randn(self.shape.max_len, 576, generator=g))
+        return self._rows[key]
+
+
+def bucket_of(n: int) -> int:
+    return next(b for b in BUCKETS if b >= n)
+
+
+def plan_trace(shape: TraceShape, steps: int, seed: int) -> list[dict]:
+    """A list of events: {"join": rid, "prompt": n} | {"leave": rid} | {"decode": [rids],
+    "topk": {layer: int32 [T, K]}} with distinct positions below each token's length."""
+    rng = random.Random(seed)
+    live: dict[int, int] = {}
+    next_id, out = 0, []
+    q = shape.query_len
+    for _ in range(steps):
+        if live and (len(live) == shape.max_reqs or rng.random() < 0.2):
+            rid = rng.choice(sorted(live))
+            out.append({"leave": rid})
+            del live[rid]
+        if len(live) < shape.max_reqs and (not live or rng.random() < 0.35):
+            n = rng.randrange(3, shape.slots + 12)  # some fit the LRU slots, some do not
+            out.append({"join": next_id, "prompt": n})
+            live[next_id] = n
+            next_id += 1
+        rids = sorted(r for r in live if live[r] + q <= shape.max_len)
+        if not rids:
+            continue
+        topk = {}
+        for layer in range(shape.layers):
+            t = torch.full((len(rids) * q, shape.top_k), -1, dtype=torch.int32)
+            for i, rid in enumerate(rids):
+                for j in range(q):
+                    visible = live[rid] + j + 1
+                    k = min(shape.top_k, visible) if rng.random() > 0.1 else rng.randrange(1, shape.top_k)
+                    k = min(k, visible)
+                    pos = rng.sample(range(visible), k)
+                    t[i * q + j, :k] = torch.tensor(pos, dtype=torch.int32)
+            topk[layer] = t
+        out.append({"decode": rids, "topk": topk})
+        for rid in rids:
+            live[rid] += q
+    return out
+
+
+class Runner:
+    """Runs a planned trace through one group in one mode; records each decode step's
+    physical indices (the batch's rows only)."""
+
+    def __init__(self, shape: TraceShape, mode: str, device: str, kernels: str, truth: Truth, *,
+                 attention: tuple | None = None, heads: int = 16) -> None:
+        """attention: (backend, overlap) to run ``decode_attention`` per layer (its
+        outputs recorded) instead of the conversion (physical indices recorded)."""
+        self.shape, self.mode, self.device, self.truth = shape, mode, device, truth
+        self.attention, self.heads = attention, heads
+        self.step_no = 0
+        self.group = make_group(shape, device, kernels)
+        self.lens: dict[int, int] = {}
+        self.graphs: dict[int, tuple] = {}  # bucket -> (graph or None, rows, topk, phys)
+        self.seen: dict[int, int] = {}  # bucket -> steps run in it
+        self.phys: list[list[torch.Tensor]] = []
+
+    def _md(self, rids, qlens, num_decodes: int) -> SparseMLAMetadata:
+        return SparseMLAMetadata.build(request_ids=list(rids), query_lens=list(qlens),
+                                       seq_lens=[self.lens[r] + n for r, n in zip(rids, qlens)],
+                                       num_decodes=num_decodes, device=self.device)
+
+    def _rows(self, layer: int, rids, qlens, pad_tokens: int | None = None) -> torch.Tensor:
+        parts = [self.truth.rows(layer, r)[self.lens[r]:self.lens[r] + n] for r, n in zip(rids, qlens)]
+        rows = torch.cat(parts)
+        if pad_tokens is not None and pad_tokens > rows.shape[0]:  # padding rows: never read
+            rows = torch.cat([rows, torch.full((pad_tokens - rows.shape[0], 656), 0xAB, dtype=torch.uint8)])
+        return rows.to(self.device)
+
+    def _q(self, layer: int, T: int) -> torch.Tensor:
+        """bf16 [T, H, 576] queries of this step and layer (deterministic)."""
+        g = torch.Generator().manual_seed(104729 * self.step_no + layer)
+        return (torch.randn(T, self.heads, 576, generator=g) * 0.5).to(torch.bfloat16).to(self.device)
+
+    def _layer_call(self, layer: int, q, tk, md) -> torch.Tensor:
+        g = self.group
+        if self.attention is None:
+            return g.convert_decode_logical_to_physical_topk(layer, tk, md)
+        backend, overlap = self.attention
+        out, _ = g.decode_attention(layer, q, tk, md, backend=backend, sm_scale=576 ** -0.5, overlap=overlap)
+        return out
+
+    def event(self, ev: dict) -> None:
+        g = self.group
+        if "leave" in ev:
+            g.free_request(ev["leave"])
+            del self.lens[ev["leave"]]
+        elif "join" in ev:
+            rid, n = ev["join"], ev["prompt"]
+            g.add_request(rid)
+            self.lens[rid] = 0
+            md = self._md([rid], [n], 0)
+            g.prepare_for_batch(md)
+            for layer in range(self.shape.layers):
+                g.write_new_rows(layer, self._rows(layer, [rid], [n]), md)
+            self.lens[rid] = n
+        else:
+            self._decode(ev["decode"], ev["topk"])
+
+    def _decode(self, rids: list[int], topk: dict) -> None:
+        g, q, L = self.group, self.shape.query_len, self.shape.layers
+        md = self._md(rids, [q] * len(rids), len(rids))
+        td = len(rids) * q
+        self.step_no += 1
+        if self.mode == "eager":
+            g.prepare_for_batch(md)
+            phys = []
+            for layer in range(L):
+                g.write_new_rows(layer, self._rows(layer, rids, [q] * len(rids)), md)
+                tk = topk[layer].to(self.device)
+                phys.append(self._layer_call(layer, self._q(layer, td), tk, md).clone())
+        else:
+            n = bucket_of(len(rids))
+            T = n * q
+            rows = [self._rows(layer, rids, [q] * len(rids), T) for layer in range(L)]
+            qs = [self._q(layer, T) for layer in range(L)]
+            for x, layer in zip(qs, range(L)):
+                x[td:] = 0  # padding tokens' queries (their top-k rows are -1)
+                x[:td] = self._q(layer, td)
+            tks = []
+            for layer in range(L):
+                t = torch.full((T, self.shape.top_k), -1, dtype=torch.int32)
+                t[:td] = topk[layer]
+                tks.append(t.to(self.device))
+            seen = self.seen.get(n, 0)
+            self.seen[n] = seen + 1
+            if self.mode == "padded" or seen == 0:  # eager (the graph mode's warm-up of the bucket)
+                g.prepare_for_batch(md, pad_to=n)
+                phys = []
+                for layer in range(L):
+                    g.write_new_rows(layer, rows[layer], md)
+                    phys.append(self._layer_call(layer, qs[layer], tks[layer], md).clone())
+            else:
+                phys = self._graph_step(md, n, rows, tks, qs)
+            for p in phys:
+                if self.attention is None:
+                    assert torch.all(p[td:] == -1), "padding tokens resolved to rows"
+                else:
+                    assert torch.all(p[td:] == 0), "padding tokens attended to rows"
+            phys = [p[:td] for p in phys]
+        self.phys.append([p.cpu() for p in phys])
+        for rid in rids:
+            self.lens[rid] += q
+
+    def _graph_step(self, md, n: int, rows, tks, qs) -> list[torch.Tensor]:
+        g, L = self.group, self.shape.layers
+        got = self.graphs.get(n)
+        if got is None:  # capture this step's calls, then replay them once
+            s_rows = [r.clone() for r in rows]
+            s_tk = [t.clone() for t in tks]
+            s_q = [x.clone() for x in qs]
+            g.prepare_for_batch(md, pad_to=n)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                outs = []
+                for layer in range(L):
+                    g.write_new_rows(layer, s_rows[layer], md)
+                    outs.append(self._layer_call(layer, s_q[layer], s_tk[layer], md))
+            got = self.graphs[n] = (graph, s_rows, s_tk, s_q, outs)
+        else:
+            graph, s_rows, s_tk, s_q, outs = got
+            for layer in range(L):
+                s_rows[layer].copy_(rows[layer])
+                s_tk[layer].copy_(tks[layer])
+                s_q[layer].copy_(qs[layer])
+            g.prepare_for_batch(md, pad_to=n, replay=True)
+        graph.replay()
+        return [o.clone() for o in outs]
+
+    def check_rows(self) -> None:
+        """Every stored position of every live request: host row and (when hot) the hot
+        row byte-exact against the truth."""
+        c = self.group.hisparse_cache
+        for rid, n in self.lens.items():
+            for layer in range(self.shape.layers):
+                assert c.layer_len(layer, rid) == n, (rid, layer)
+                host = c.read_host_rows(layer, rid, list(range(n)))
+                assert torch.equal(host, self.truth.rows(layer, rid)[:n]), f"host rows of {rid} layer {layer}"
+
+
+def cache_state(g: HiSparseIndexGroup) -> dict:
+    c = g.hisparse_cache
+    st = c.state
+    snap = {k: getattr(st, k).cpu().clone() for k in ("id_to_slot", "seq_lens", "block_table", "slot_pos",
+                                                       "slot_stamp", "row_slot", "step", "stats")}
+    snap["hot"] = c.hot.cpu().clone()
+    return snap
+
+
+__all__ = ["TraceShape", "Truth", "Runner", "plan_trace", "cache_state", "bucket_of", "BUCKETS"]

@@ -1,0 +1,133 @@
+"""Padded (graph-bucket) forwards of the engine façade equal unpadded ones, on CPU.
+
+``prepare_for_batch(md, pad_to=N)`` pads a decode batch to a bucket: the per-layer calls
+take the bucket's tokens and launch from persistent buffers. Over a trace with joins,
+leaves, contexts crossing the LRU slots and block edges, the padded group must leave the
+same cache (every state tensor, hot rows, host rows) and return the same physical
+indices as an unpadded one, with padding tokens resolving to -1. The CUDA-graph replay
+of the same trace is tests/test_graph_step_gpu.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graph_trace import Runner, TraceShape, Truth, cache_state, make_group, plan_trace
+from hisparse.engine import SparseMLAMetadata
+
+
+@pytest.mark.parametrize("kernels,query_len,seed", [("torch", 1, 0), ("triton", 1, 1), ("torch", 2, 2),
+                                                     ("triton", 2, 3)])
+def test_padded_forwards_equal_unpadded(kernels, query_len, seed):
+    shape = TraceShape(query_len=query_len)
+    truth = Truth(shape)
+    trace = plan_trace(shape, steps=10 if kernels == "triton" else 22, seed=seed)
+    a = Runner(shape, "eager", "cpu", kernels, truth)
+    b = Runner(shape, "padded", "cpu", kernels, truth)
+    for i, ev in enumerate(trace):
+        a.event(ev)
+        b.event(ev)
+        if "decode" in ev:
+            for layer, (x, y) in enumerate(zip(a.phys[-1], b.phys[-1])):
+                assert torch.equal(x, y), f"event {i} layer {layer}: physical indices differ"
+            sa, sb = cache_state(a.group), cache_state(b.group)
+            for k in sa:
+                assert torch.equal(sa[k], sb[k]), f"event {i}: state {k} differs"
+    a.check_rows()
+    b.check_rows()
+    assert len(b.seen) >= 2, "the trace should use more than one bucket"
+    assert b.group.stats()["total"]["misses"] > 0
+
+
+def _decode_md(rids, lens):
+    return SparseMLAMetadata.build(request_ids=rids, query_lens=[1] * len(rids),
+                                   seq_lens=[lens[r] + 1 for r in rids], num_decodes=len(rids))
+
+
+def _join(g, rid, n, truth, lens):
+    g.add_request(rid)
+    md = SparseMLAMetadata.build(request_ids=[rid], query_lens=[n], seq_lens=[n], num_decodes=0)
+    g.prepare_for_batch(md)
+    for layer in range(g.config.num_layers):
+        g.write_new_rows(layer, truth.rows(layer, rid)[:n], md)
+    lens[rid] = n
+
+
+def test_pad_to_checks_and_replay_contract():
+    shape = TraceShape()
+    truth = Truth(shape)
+    g = make_group(shape, "cpu", "torch")
+    lens = {}
+    _join(g, 1, 5, truth, lens)
+    _join(g, 2, 20, truth, lens)
+    md = _decode_md([1, 2], lens)
+    for bad, match in ((1, "smaller"), (7, "pad_to"), (0, "pad_to")):
+        with pytest.raises(ValueError, match=match):
+            g.prepare_for_batch(md, pad_to=bad)
+    with pytest.raises(ValueError, match="needs pad_to"):
+        g.prepare_for_batch(md, replay=True)
+    mixed = SparseMLAMetadata.build(request_ids=[1, 2], query_lens=[1, 3], seq_lens=[6, 23], num_decodes=1)
+    with pytest.raises(ValueError, match="decode-only"):
+        g.prepare_for_batch(mixed, pad_to=4)
+    assert [g.request_length(r, 0) for r in (1, 2)] == [5, 20]  # nothing changed
+    g.prepare_for_batch(md, pad_to=4)
+    rows = torch.cat([truth.rows(0, 1)[5:6], truth.rows(0, 2)[20:21]])
+    with pytest.raises(ValueError, match="T=4"):
+        g.write_new_rows(0, rows, md)  # the bucket's 4 tokens, not the batch's 2
+    g.write_new_rows(0, torch.cat([rows, rows]), md)
+    with pytest.raises(ValueError, match="num_decode_tokens=4"):
+        g.convert_decode_logical_to_physical_topk(0, torch.zeros((2, 8), dtype=torch.int32), md)
+
+
+def test_abandoned_layers_are_put_back():
+    """A forward whose write_new_rows ran for no layer leaves its layers as they were
+    (its block stays with the request and serves the next forward); one that wrote some
+    layers leaves those (as an eager forward cut short would)."""
+    shape = TraceShape()
+    truth = Truth(shape)
+    g = make_group(shape, "cpu", "torch")
+    lens = {}
+    n = 16
+    _join(g, 1, n, truth, lens)  # the next row opens a new block (blocks of 4)
+    c = g.hisparse_cache
+    used = c.pool.allocator.num_used
+    md = _decode_md([1], lens)
+    g.prepare_for_batch(md, pad_to=2)
+    assert c.pool.allocator.num_used == used + 1  # the step's block
+    assert g.request_length(1, 0) == n  # not written yet
+    g.prepare_for_batch(md, pad_to=2)  # the same forward again: the last one was abandoned
+    assert c.pool.allocator.num_used == used + 1  # its block serves this one
+    for layer in range(2):
+        g.write_new_rows(layer, torch.cat([truth.rows(layer, 1)[n:n + 1]] * 2), md)
+    assert [g.request_length(1, i) for i in range(2)] == [n + 1, n + 1]
+    for layer in range(2):
+        assert torch.equal(c.read_host_rows(layer, 1, list(range(n + 1))), truth.rows(layer, 1)[:n + 1])
+    tk = torch.full((2, 8), -1, dtype=torch.int32)
+    tk[0, :3] = torch.tensor([n, 0, n - 1])
+    phys = g.convert_decode_logical_to_physical_topk(0, tk, md)
+    hot = c.hot_rows(0)[phys[0, :3].long()]
+    assert torch.equal(hot, truth.rows(0, 1)[[n, 0, n - 1]])
+    # a forward that writes layer 0 only: the next one sees differing lengths
+    lens[1] = n + 1
+    md3 = _decode_md([1], lens)
+    g.prepare_for_batch(md3)
+    g.write_new_rows(0, truth.rows(0, 1)[n + 1:n + 2], md3)
+    with pytest.raises(ValueError, match=rf"holds \[{n + 2}, {n + 1}\]"):
+        g.prepare_for_batch(_decode_md([1], {1: n + 2}))
+
+
+def test_replayed_forward_refuses_eager_calls():
+    shape = TraceShape()
+    truth = Truth(shape)
+    g = make_group(shape, "cpu", "torch")
+    lens = {}
+    _join(g, 1, 5, truth, lens)
+    md = _decode_md([1], lens)
+    g.prepare_for_batch(md, pad_to=2, replay=True)  # (no graph here: only the bookkeeping)
+    assert [g.request_length(1, i) for i in range(2)] == [6, 6]
+    with pytest.raises(ValueError, match="graph replay"):
+        g.write_new_rows(0, torch.zeros((2, 656), dtype=torch.uint8), md)
+    with pytest.raises(ValueError, match="graph replay"):
+        g.convert_decode_logical_to_physical_topk(0, torch.full((2, 8), -1, dtype=torch.int32), md)
+    assert g.resolves_per_layer == [1, 1]
