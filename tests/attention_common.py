@@ -106,13 +106,14 @@ def check_graph_capture(backend):
 
 def run_sm90_compile(script: str, *args: str, timeout: int = 600):
     """Run a compile script (ptxas from the Triton wheel, no GPU) in a fresh interpreter
-    without TRITON_INTERPRET; returns the JSON its last stdout line holds."""
+    without TRITON_INTERPRET, with the repository and tests/ (``ptx_checks``) on the path;
+    returns the JSON its last stdout line holds."""
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     if not os.path.exists(ptxas):
         pytest.skip(f"no ptxas in the Triton wheel ({ptxas})")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(tests), tests, env.get("PYTHONPATH", "")])
     r = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,
                        env=env, timeout=timeout)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -465,6 +465,7 @@ from hisparse.attention.triton_backend import DEFAULT_CONFIGS, isolate_problem
 from hisparse.formats import RowFormat
 from hisparse.kernels import mla_decode as M
 from hisparse.kernels import mla_decode_wide as MW
+from ptx_checks import ex2_args_from_fma
 
 def compile_decode(fp8, bh, splits):
     cfg = DEFAULT_CONFIGS[(RowFormat.FP8_DS_MLA if fp8 else RowFormat.BF16, bh)]
@@ -503,15 +504,16 @@ def compile_decode(fp8, bh, splits):
             "mma_warps": sorted({(int(a), int(b)) for a, b in mma}),
             "stack": int(stack.group(1)) if stack else None,
             "wgmma": k.asm["ptx"].count("wgmma.mma_async"), "prefetch": cfg.prefetch,
-            "l2_prefetches": k.asm["ptx"].count("prefetch.global.L2")}
+            "l2_prefetches": k.asm["ptx"].count("prefetch.global.L2"),
+            "ex2_from_fma": len(ex2_args_from_fma(k.asm["ptx"]))}
 
 res = [compile_decode(fp8, bh, splits) for fp8 in (True, False) for bh, splits in ((64, 1), (16, 4))]
 src = ASTSource(fn=M.sparse_mla_combine_kernel,
                 signature={"part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": "*bf16",
                            "lse_ptr": "*fp32", "H": "i32", "NUM_SPLITS": "constexpr",
                            "SPLITS_P2": "constexpr"}, constexprs={"NUM_SPLITS": 3, "SPLITS_P2": 4})
-triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-print(json.dumps(res))
+k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+print(json.dumps({"decode": res, "combine_ex2_from_fma": len(ex2_args_from_fma(k.asm["ptx"]))}))
 '''
 
 
@@ -523,8 +525,11 @@ def test_kernels_compile_for_sm90_without_spills():
     releases allocate registers differently (3.9: 8 bytes of stack in the fp8 fused-tile
     kernel at block_h 64); there the kernels must compile and any spill stay small.
     Under 3.7 / 3.8 the tiled body runs without isolate_qk at block_h 64
-    (``isolate_problem``), as ``default_config`` picks it there."""
-    stats = run_sm90_compile(_SM90_COMPILE, timeout=300)
+    (``isolate_problem``), as ``default_config`` picks it there. No exp2 argument comes
+    straight out of an fma, in these or the combine kernel (``ptx_checks``)."""
+    got = run_sm90_compile(_SM90_COMPILE, timeout=300)
+    stats = got["decode"]
+    assert got["combine_ex2_from_fma"] == 0 and all(s["ex2_from_fma"] == 0 for s in stats), got
     spill_limit = 0 if triton.__version__.startswith("3.6.") else 64
     for s in stats:
         assert s["stack"] <= spill_limit, f"register spills (Triton {triton.__version__}): {s}"

@@ -25,6 +25,7 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from hisparse.attention.triton_backend import WS_MAXNREG, ws_consumer_regs
 from hisparse.kernels.mla_decode_ws import sparse_mla_decode_ws_kernel
+from ptx_checks import ex2_args_from_fma
 
 out = []
 for bn, stages, raw, preg, splits in json.loads(sys.argv[1]):
@@ -50,6 +51,7 @@ for bn, stages, raw, preg, splits in json.loads(sys.argv[1]):
                 "setmaxnreg": sorted({int(v) for v in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
                 "wgmma": ptx.count("wgmma.mma_async"), "cp_async": ptx.count("cp.async.cg.shared.global"),
                 "mbarrier_wait": ptx.count("mbarrier.try_wait"),
+                "ex2_from_fma": len(ex2_args_from_fma(ptx)),
                 "consumer_regs": ws_consumer_regs(preg)})
 print(json.dumps(out))
 '''
@@ -75,6 +77,7 @@ def test_ws_kernel_compiles_for_sm90_within_budget():
         est = ws_shared_bytes(bn, stages, raw)
         assert est <= s["shared"] <= est + 2048 and s["shared"] <= WS_MAX_SHARED + 1024, (est, s)
         assert s["wgmma"] > 0 and s["cp_async"] > 0 and s["mbarrier_wait"] > 0, s
+        assert s["ex2_from_fma"] == 0, s  # exp2 of a contracted product - max (ptx_checks)
 
 
 def test_ws_config_validation():

@@ -21,6 +21,7 @@ import math
 import pytest
 import torch
 from attention_common import run_sm90_compile
+from ptx_checks import ex2_args_from_fma
 
 from benchmarks import bench_miss_attention  # noqa: E402
 from hisparse.attention.miss import (MissConfig, MissMode, fused_miss_attention,
@@ -158,6 +159,35 @@ def test_merge_lse_kernel_matches_reference(T, H, dtype):
     err = (out[m].float() - ref_out[m].float()).abs()
     assert (err <= 2 ** -7 * ref_out[m].float().abs() + 1e-6).all(), err.max()
     assert ((lse[m] - ref_lse[m]).abs() <= 1e-5 + 1e-6 * ref_lse[m].abs()).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_merge_lse_kernel_at_huge_lse(dtype):
+    """lses of ~3e13 (a x3e4 head over rows with tile scales 2^30), the second side a
+    few float32 ulps (2^21 there) from the first, equal, or far below / above: the
+    weights come from the difference alone, so the result is the reference's (the GPU
+    build of a max-then-subtract merge got inf or 0 here; the sm90 compile test checks
+    the PTX for that pattern)."""
+    T, H = 2, 16
+    g = torch.Generator().manual_seed(12)
+    out = torch.randn(T, H, 512, generator=g).bfloat16()
+    part = torch.randn(T, H, 512, generator=g).to(dtype)
+    lse = (3e13 * (1 + torch.rand(T, H, generator=g))).float()
+    lse[1] = -lse[1]
+    ulp = torch.nextafter(lse.abs(), torch.tensor(float("inf"))) - lse.abs()
+    step = torch.tensor([0, 0, 1, -1, 2, -2, 5, -5, 40, -40, 1e6, -1e6, 0, 0, 0, 0])
+    plse = lse + step * ulp
+    lse[:, 12] = NINF
+    plse[:, 13] = NINF
+    ref_out, ref_lse = out.clone(), lse.clone()
+    merge_lse_reference(ref_out, ref_lse, part, plse)
+    merge_lse(out, lse, part, plse, kernels="triton")
+    assert torch.isfinite(lse[:, :12]).all()
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    fin = torch.isfinite(ref_lse)
+    assert ((lse[fin] - ref_lse[fin]).abs() <= 1e-6 * ref_lse[fin].abs()).all()
+    err = (out.float() - ref_out.float()).abs()
+    assert (err <= 2 ** -7 * ref_out.float().abs() + 1e-6).all(), err.max()
 
 
 # ------------------------------------------------------------------ split mode
@@ -523,6 +553,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from hisparse.attention.miss import MERGE_BLOCK_H, gpu_config
 from hisparse.kernels import mla_miss as M
+from ptx_checks import ex2_args_from_fma
 
 STRIDES = ("H", "q_stride_t", "q_stride_h", "kv_stride", "idx_stride", "hidx_stride")
 
@@ -547,7 +578,8 @@ def build(fn, sig, consts, **opts):
     stack = re.search(r"STACK:(\d+)", usage)
     return {"stack": int(stack.group(1)) if stack else None, "shared": k.metadata.shared,
             "wgmma": ptx.count("wgmma.mma_async"), "barriers": len(re.findall(r"\b(?:gpu\.barrier|ttg\.barrier)\b", ttgir)),
-            "mma_warps": sorted({(int(a), int(b)) for a, b in mma}), "row_vec": vec}
+            "mma_warps": sorted({(int(a), int(b)) for a, b in mma}), "row_vec": vec,
+            "ex2_from_fma": len(ex2_args_from_fma(ptx))}
 
 res = []
 for fp8 in (True, False):
@@ -599,18 +631,47 @@ print(json.dumps(res))
 '''
 
 
+def test_ex2_args_from_fma_finds_a_contracted_scale_minus_max():
+    """The PTX check of the compile tests flags an exp2 argument that comes out of an fma
+    (directly or through selp / neg / mov), as the GPU build of ``exp2(a * c - max)``
+    produced, and nothing else."""
+    bad = """
+	mul.f32 	%r6, %r28, 0f3FB8AA3B;
+	max.f32 	%r56, %r51, %r6;
+	fma.rn.f32 	%r62, %r42, 0f3FB8AA3B, %r61;
+	ex2.approx.ftz.f32 	%r71, %r62;
+	fma.rn.f32 	%r63, %r43, 0f3FB8AA3B, %r61;
+	selp.f32 	%r64, %r63, 0f00000000, %p13;
+	neg.f32 	%r65, %r64;
+	ex2.approx.ftz.f32 	%r72, %r65;
+	@%p2 ex2.approx.f32 	%r73, %r6;
+"""
+    assert ex2_args_from_fma(bad) == ["%r62", "%r65"]
+    good = """
+	sub.f32 	%r60, %r55, %r56;
+	mul.f32 	%r65, %r60, 0f3FB8AA3B;
+	selp.f32 	%r70, %r65, 0f00000000, %p13;
+	ex2.approx.ftz.f32 	%r71, %r70;
+	ex2.approx.ftz.f32 	%r72, %r60;
+"""
+    assert ex2_args_from_fma(good) == []
+
+
 def test_kernels_compile_for_sm90_without_spills():
     """Compile every miss kernel at the shapes ``gpu_config`` picks (ptxas from the Triton
     wheel, no GPU needed) for sm90: no register spills; wgmma with both warpgroups
     splitting the rows at 64-head blocks (the one-trip loops survive even where a fused
     program's slice starts at the constant 0); exactly one CTA barrier, the fused
     kernel's, between its copy and its attention; the host-row copy laid out as 4 x int32
-    (16-byte) vectors per thread."""
+    (16-byte) vectors per thread; no exp2 argument straight out of an fma (a product
+    contracted into the subtraction of a max taken over the rounded products: inf or 0
+    at |lse| ~ 1e13, see ``ptx_checks``), which the interpreter cannot show."""
     stats = run_sm90_compile(_SM90_COMPILE, timeout=300)
     assert len(stats) == 20
     for s in stats:
         assert s["stack"] == 0, f"register spills: {s}"
         assert s["shared"] <= 227 * 1024, s
+        assert s["ex2_from_fma"] == 0, f"exp2 of an fma (product - max): {s}"
         if s["block_h"] == 64:
             assert s["wgmma"] > 0 and [8, 1] not in s["mma_warps"], s
         if s["kernel"] == "fused":

@@ -152,6 +152,31 @@ def test_merge_lse_matches_reference(dtype):
     assert ((lse[m] - ref[1][m]).abs() <= 1e-5 + 1e-6 * ref[1][m].abs()).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_merge_lse_at_huge_lse(dtype):
+    """lses of +-3e13 (what a x3e4 head over rows with tile scales 2^30 gives), the second
+    side 0..3 float32 ulps (2^21 there) from the first: every merged lse finite and at the
+    reference's (a merge that subtracts a max of rounded lse * log2(e) products from the
+    fma-contracted unrounded one got inf or 0 weights here)."""
+    T, H = 64, 128
+    g = torch.Generator(device=DEV).manual_seed(2)
+    out = torch.randn(T, H, 512, device=DEV, generator=g).bfloat16()
+    part = torch.randn(T, H, 512, device=DEV, generator=g).to(dtype)
+    lse = 3e13 * (1 + torch.rand(T, H, device=DEV, generator=g))
+    lse[T // 2:] *= -1
+    ulp = torch.nextafter(lse.abs(), torch.full_like(lse, float("inf"))) - lse.abs()
+    steps = torch.randint(-3, 4, (T, H), device=DEV, generator=g).float()
+    plse = lse + steps * ulp
+    ref = out.clone(), lse.clone()
+    merge_lse_reference(*ref, part, plse)
+    merge_lse(out, lse, part, plse)
+    torch.cuda.synchronize()
+    assert torch.isfinite(lse).all() and not torch.isnan(out.float()).any()
+    assert ((lse - ref[1]).abs() <= 1e-6 * ref[1].abs()).all()
+    err = (out.float() - ref[0].float()).abs()
+    assert (err <= 2 ** -7 * ref[0].float().abs() + 1e-6).all(), err.max()
+
+
 # ------------------------------------------------------------------ split mode
 @pytest.mark.parametrize("fmt", ["fp8_ds_mla", "bf16"])
 @pytest.mark.parametrize("T,miss_frac,planned", [(64, 0.1, False), (64, 0.1, True),

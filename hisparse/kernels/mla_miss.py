@@ -37,11 +37,15 @@ Kernels:
 - ``miss_combine_kernel``: merges the S float32 partials of a token (base-2 lse),
   either into the hit partial in place (HAS_BASE) or into a fresh miss partial.
 
-Merge math (base 2 inside, natural log at the interface): with a, b the two lses and
-m = max(a, b): w_a = 2^(a - m) / (2^(a - m) + 2^(b - m)), likewise w_b; out = w_a *
-out_a + w_b * out_b; lse = m + log2(2^(a - m) + 2^(b - m)). The weights are formed
-from differences of the inputs (never from the rounded merged lse), and a side with
-lse = -inf has weight 0 and its output is not read.
+Merge math (natural log at the interface and in the merge; base 2 inside the attention
+and across splits): with a, b the two lses and d = a - b, e = 2^(-|d| log2(e)) (in
+[0, 1]); the larger side gets the weight 1 / (1 + e), the other e / (1 + e); out = w_a
+out_a + w_b out_b; lse = max(a, b) + ln(1 + e). Everything exponentiated derives from
+the one difference d, never from a max of rounded values compared with an unrounded one:
+the compiled code contracts x * c - m into one fma, so a max taken over the rounded
+products x * c is subtracted from the exact product, and at |lse| ~ 1e13 (the x3e4 head
+over rows with tile scales 2^30) that rounding difference is ~2^21, which exp2 turns into
+inf or 0. A side with lse = -inf has weight 0 and its output is not read.
 """
 
 from __future__ import annotations
@@ -190,18 +194,18 @@ def _runtime_one(K):
 
 
 @triton.jit
-def _merge_weights(a2, b2):
-    """Weights of the two sides and the merged lse (all base 2) of lse a2, b2 float32
+def _merge_weights(a, b):
+    """Weights of the two sides and the merged lse (natural log) of lse a, b float32
     [BLOCK_H] (see the module docstring). Where both are -inf: weights 0, lse -inf."""
-    m = tl.maximum(a2, b2)
-    m_use = tl.where(m == float("-inf"), 0.0, m)
-    ea = tl.exp2(a2 - m_use)
-    eb = tl.exp2(b2 - m_use)
-    tot = ea + eb
-    has = tot > 0.0
-    inv = tl.where(has, 1.0 / tl.where(has, tot, 1.0), 0.0)
-    return ea * inv, eb * inv, tl.where(has, m_use + tl.log2(tl.where(has, tot, 1.0)),
-                                        float("-inf"))
+    has = tl.maximum(a, b) > float("-inf")
+    d = tl.where(has, a, 0.0) - tl.where(has, b, 0.0)  # not -inf - -inf = NaN
+    e = tl.exp2(-tl.abs(d) * LOG2E)  # a product only: nothing for an fma to absorb
+    big = 1.0 / (1.0 + e)
+    small = e * big
+    a_wins = d >= 0.0
+    wa = tl.where(has, tl.where(a_wins, big, small), 0.0)
+    wb = tl.where(has, tl.where(a_wins, small, big), 0.0)
+    return wa, wb, tl.where(has, tl.maximum(a, b) + tl.log2(1.0 + e) * LN2, float("-inf"))
 
 
 @triton.jit
@@ -219,17 +223,17 @@ def _merge_into(out_ptr, lse_ptr, t, heads, hmask, H, acc0, acc1, acc2, acc3, in
     heads whose b2 is -inf are neither read nor written."""
     lp = lse_ptr + t * H + heads
     has_b = hmask & (b2 > float("-inf"))
-    a2 = tl.load(lp, mask=has_b, other=float("-inf")) * LOG2E
-    wa, wb, lse2 = _merge_weights(a2, b2)
+    a = tl.load(lp, mask=has_b, other=float("-inf"))
+    wa, wb, lse = _merge_weights(a, b2 * LN2)
     wb = wb * inv_l
-    read_a = has_b & (a2 > float("-inf"))
+    read_a = has_b & (a > float("-inf"))
     d = tl.arange(0, 128)
     o_off = (t * H + heads.to(tl.int64))[:, None] * 512 + d[None, :]
     _merge_tile(out_ptr, o_off, wa, wb, acc0, read_a, has_b)
     _merge_tile(out_ptr, o_off + 128, wa, wb, acc1, read_a, has_b)
     _merge_tile(out_ptr, o_off + 256, wa, wb, acc2, read_a, has_b)
     _merge_tile(out_ptr, o_off + 384, wa, wb, acc3, read_a, has_b)
-    tl.store(lp, lse2 * LN2, mask=has_b)
+    tl.store(lp, lse, mask=has_b)
 
 
 @triton.jit
@@ -264,18 +268,18 @@ def miss_merge_kernel(
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
     base = t * H + heads
-    b2 = tl.load(part_lse_ptr + base, mask=hmask, other=float("-inf")) * LOG2E
-    has_b = hmask & (b2 > float("-inf"))
+    b = tl.load(part_lse_ptr + base, mask=hmask, other=float("-inf"))
+    has_b = hmask & (b > float("-inf"))
     if tl.max(has_b.to(tl.int32), axis=0) > 0:
-        a2 = tl.load(lse_ptr + base, mask=has_b, other=float("-inf")) * LOG2E
-        wa, wb, lse2 = _merge_weights(a2, b2)
-        read_a = has_b & (a2 > float("-inf"))
+        a = tl.load(lse_ptr + base, mask=has_b, other=float("-inf"))
+        wa, wb, lse = _merge_weights(a, b)
+        read_a = has_b & (a > float("-inf"))
         d = tl.arange(0, 512)
         off = base[:, None] * 512 + d[None, :]
         o = tl.load(out_ptr + off, mask=read_a[:, None], other=0.0).to(tl.float32)
         p = tl.load(part_out_ptr + off, mask=has_b[:, None], other=0.0).to(tl.float32)
         tl.store(out_ptr + off, o * wa[:, None] + p * wb[:, None], mask=has_b[:, None])
-        tl.store(lse_ptr + base, lse2 * LN2, mask=has_b)
+        tl.store(lse_ptr + base, lse, mask=has_b)
 
 
 @triton.jit(do_not_specialize=["N", "K"])
@@ -362,13 +366,13 @@ def miss_combine_kernel(
         b2 = tl.where(has_b, m + tl.log2(tl.where(has_b, tot, 1.0)), float("-inf"))
         off = (t * H + heads.to(tl.int64))[:, None] * 512 + d[None, :]
         if HAS_BASE:
-            a2 = tl.load(lp, mask=has_b, other=float("-inf")) * LOG2E
-            wa, wb, lse2 = _merge_weights(a2, b2)
-            read_a = has_b & (a2 > float("-inf"))
+            a = tl.load(lp, mask=has_b, other=float("-inf"))
+            wa, wb, lse = _merge_weights(a, b2 * LN2)
+            read_a = has_b & (a > float("-inf"))
             o = tl.load(out_ptr + off, mask=read_a[:, None], other=0.0).to(tl.float32)
             tl.store(out_ptr + off, o * wa[:, None] + acc * (wb * inv)[:, None],
                      mask=has_b[:, None])
-            tl.store(lp, lse2 * LN2, mask=has_b)
+            tl.store(lp, lse, mask=has_b)
         else:
             tl.store(out_ptr + off, acc * inv[:, None], mask=has_b[:, None])
             tl.store(lp, b2 * LN2, mask=hmask)
