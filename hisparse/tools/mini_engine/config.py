@@ -19,7 +19,7 @@ from ..._checks import Kernels, check_bool, check_int
 from ...config import HiSparseConfig, RowFormat, ceil_div
 from ...decode.layer import Overlap
 from ...formats import D_LATENT, D_ROW
-from ..autotune import gpu_bytes
+from ..sizing import gpu_bytes
 from .ffn import FFNKind, ffn_weight_bytes
 
 _DEVICE_RE = re.compile(r"cpu|cuda(:\d+)?")

@@ -42,6 +42,19 @@ import torch.nn.functional as F
 
 V32_EP8_SHARE = dict(hidden=7168, ffn="moe", ffn_intermediate=2048, ffn_experts=32, ffn_active=8,
                      ffn_shared=1)
+V32_HIDDEN = 7168
+
+
+def v32_share_at(hidden: int) -> dict:
+    """``V32_EP8_SHARE`` at a narrower residual width ``hidden``: the intermediate size
+    scaled by 7168 / hidden (rounded to a multiple of 8), so each expert's weights (3 x
+    hidden x I) and the FLOPs per token-expert pair stay those of the real layer. The
+    mini model's own attention projections (hidden x heads x (576 + 512)) are then
+    187 M parameters at hidden 1344 and 128 heads, about DeepSeek-V3.2's per-layer
+    attention weights (q_a, q_b, kv_a, the absorbed k/v up-projections and o_proj:
+    ~187 M), so a step reads about a real layer's weights."""
+    inter = max(8, round(2048 * V32_HIDDEN / hidden / 8) * 8)
+    return dict(V32_EP8_SHARE, hidden=hidden, ffn_intermediate=inter)
 
 
 class FFNKind(enum.Enum):
@@ -165,4 +178,4 @@ class FFN:
         return x + out
 
 
-__all__ = ["FFN", "FFNKind", "V32_EP8_SHARE", "ffn_weight_bytes", "grouped_mm", "grouped_mm_reference"]
+__all__ = ["FFN", "FFNKind", "V32_EP8_SHARE", "v32_share_at", "ffn_weight_bytes", "grouped_mm", "grouped_mm_reference"]

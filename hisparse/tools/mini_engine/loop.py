@@ -239,7 +239,8 @@ class MiniEngine:
 
 
 # ---------------------------------------------------------------------- compare
-def _pcts(xs: list[float]) -> dict:
+def step_stats(xs: list[float]) -> dict:
+    """n, min / median / p99 in ms of step times in seconds (nearest rank)."""
     if not xs:
         return {"n": 0}
     s = sorted(xs)
@@ -301,7 +302,7 @@ def run_engine(cfg: MiniEngineConfig, kind: str, *, progress: bool = False, deco
 def summarize(res: dict) -> dict:
     """The timings of a :func:`run_engine` result (no tensors)."""
     tps = res["tokens"] / res["time_s"] if res["time_s"] > 0 else 0.0
-    st_ms = _pcts(res["step_times"])
+    st_ms = step_stats(res["step_times"])
     med = st_ms.get("median_ms")
     slow = [t for t in res["step_times"] if med and t * 1e3 > 10 * med]
     out = {"tokens": res["tokens"], "steps": res["steps"], "time_s": res["time_s"],
@@ -309,9 +310,9 @@ def summarize(res: dict) -> dict:
            # steps over 10x the median (e.g. a kernel compiling for new shapes)
            # make tokens_per_s meaningless as a comparison: reported, not hidden
            "outlier_steps": len(slow), "outlier_s": sum(slow),
-           "decode_step": _pcts(res["decode_step_times"]), "fill_time_s": res["fill_time_s"],
+           "decode_step": step_stats(res["decode_step_times"]), "fill_time_s": res["fill_time_s"],
            # decode steps that replayed a captured graph (GRAPHS mode; no capture, no warm-up)
-           "replay_step": _pcts(res["replay_step_times"]),
+           "replay_step": step_stats(res["replay_step_times"]),
            "backend": res["backend"], "graphs": res["graphs"]}
     tot = res["stats"].get("total", {})
     if tot:
@@ -362,4 +363,4 @@ def run(cfg: MiniEngineConfig, *, progress: bool = False, record: str | None = N
     return out
 
 
-__all__ = ["MiniEngine", "compare", "run", "run_engine", "summarize", "preflight"]
+__all__ = ["MiniEngine", "compare", "run", "run_engine", "summarize", "preflight", "step_stats"]

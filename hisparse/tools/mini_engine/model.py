@@ -28,17 +28,18 @@ class Model:
     """Random-weight sparse-MLA stack; every tensor on ``device``."""
 
     def __init__(self, cfg: MiniEngineConfig, device: torch.device) -> None:
-        g = torch.Generator(device="cpu").manual_seed(cfg.seed + 1)
+        # drawn on the device: a wide model's weights would take seconds on the host
+        g = torch.Generator(device=device).manual_seed(cfg.seed + 1)
         D, H, L, di = cfg.hidden, cfg.num_heads, cfg.num_layers, cfg.indexer_dim
 
         def w(*shape: int, fan_in: int) -> torch.Tensor:
-            return (torch.randn(*shape, generator=g) / math.sqrt(fan_in)).to(device)
+            return torch.randn(*shape, generator=g, device=device) / math.sqrt(fan_in)
 
-        common = torch.randn(D, generator=g)
+        common = torch.randn(D, generator=g, device=device)
         common = common / common.norm() * math.sqrt(D)
-        own = torch.randn(cfg.vocab, D, generator=g)
+        own = torch.randn(cfg.vocab, D, generator=g, device=device)
         a = cfg.locality
-        self.embed = (a * common + math.sqrt(1 - a * a) * own).to(device)  # fp32 [V, D]
+        self.embed = a * common + math.sqrt(1 - a * a) * own  # fp32 [V, D]
         self.w_q = w(L, D, H * D_ROW, fan_in=D).to(torch.bfloat16)
         self.w_kv = w(L, D, D_ROW, fan_in=D).to(torch.bfloat16)
         self.w_iq = w(L, D, di, fan_in=D)
