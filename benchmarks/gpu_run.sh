@@ -7,6 +7,8 @@
 #                                             layer (bench_layer: one decode layer in a CUDA graph vs resident)
 #                                             miss (bench_miss_attention: the miss-attention kernels alone)
 #                                             soak (long verified stress runs, memory watched; takes the whole budget)
+#                                             capacity (bench_capacity: each tier's largest batch, tokens/s under graphs)
+#                                             mini_graphs (hisparse mini-engine --graphs, both KV stores, serial and split)
 #                                             (default: env tests sanitize staging decode prefill e2e stress autotune)
 #   sanitize: compute-sanitizer ${SANITIZE_TOOLS:-memcheck racecheck} over benchmarks.sanitize_trace (every
 #             kernel: writes, resolve, miss and prefill staging, decode attention); reports in $OUT/sanitize/
@@ -15,7 +17,7 @@
 #   vllm_resolve: vLLM 0.30's hisparse_resolve_residency vs our resolve_triton, all hits, same
 #                 process (benchmarks.bench_vllm_resolve); needs .gpu-deps/vllm/_C_stable_libtorch.abi3.so
 #                 or its .xz (decompressed into /tmp/hisparse-vllm by the script)
-# Extra arguments: TC_ARGS (triton_configs), PREFILL_ARGS, DECODE_ARGS, STAGING_ARGS, VLLM_RESOLVE_ARGS,
+# Extra arguments: CAPACITY_ARGS (capacity, e.g. "--contexts 128K --same-batch"), TC_ARGS (triton_configs), PREFILL_ARGS, DECODE_ARGS, STAGING_ARGS, VLLM_RESOLVE_ARGS,
 #                  PROFILE_HOST_ARGS (default --quick; " " for the full size), SOAK_ARGS (soak);
 #                  POOL_KINDS (pool_kinds).
 # Uses the machine's preinstalled torch/triton (no network there): PYTHONPATH=. , no install.
@@ -124,6 +126,13 @@ for s in "${sections[@]}"; do
           run soak 600 python3 -m benchmarks.soak --preset "${SOAK:-16k}" --seed "${SOAK_SEED:-0}" \
               --budget-s "$left" --out "$RES/soak_${SOAK:-16k}.json" ${SOAK_ARGS:-}
           grep "^\[soak\] " "$LOG" | grep -v "^\[soak\] rc=" | tail -n 8 | tee -a "$SUM" ;;
+    capacity) run capacity ${CAPACITY_TIMEOUT:-540} python3 -m benchmarks.bench_capacity --out "$RES/capacity.json" ${CAPACITY_ARGS:-} ;;
+    mini_graphs)
+      for ov in serial split; do
+        run "mini_graphs_$ov" 240 python3 -m hisparse mini-engine --preset h200 --graphs --unchecked --overlap "$ov" \
+            --num-layers 2 --num-requests 16 --min-prompt 7680 --max-prompt 8192 --synthetic-context 7168 \
+            --arrival-every 1 --backend triton --out "$RES/mini_graphs_$ov.json"
+      done ;;
     autotune) run autotune 420 python3 -m hisparse autotune --layers 61 --format fp8_ds_mla --top-k 2048 \
               --heads 128 --context 8192 --out "$RES/autotune.json" ;;
     *) echo "unknown section $s" | tee -a "$SUM" ;;

@@ -105,7 +105,7 @@ def test_memory_needed_counts_the_big_parts():
     host, device = me.memory_needed(cfg)
     assert device == {}  # CPU: everything is host memory
     assert host["host pool"] == cfg.cache_config().host_pool_bytes
-    assert host["indexer keys"] == 2 * 4 * cfg.max_context * 16 * 4
+    assert host["indexer keys"] == 2 * (4 + 1) * cfg.max_context * 16 * 4  # + the padding slot
     assert host["prefill workspace"] == 4 * cfg.max_context * 576 * 2
 
 

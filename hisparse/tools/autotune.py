@@ -18,14 +18,17 @@ the batch with the best tokens/s (optionally under a per-step latency limit).
    pool also fits the host budget (default: half the machine's RAM), is found by
    search (the total grows with R, quadratically through the block table).
 2. Timing: for candidate batches (powers of two up to the maximum, and the maximum),
-   build the cache, prefill R requests, warm up (compiles Triton kernels and plans
-   the attention backend at that batch), then time decode steps: per layer, resolve
-   a uniform top-k over the context (misses staged from host) and run sparse-MLA
-   decode with the chosen backend. The write of the new rows is not timed: engines
-   batch it (``hisparse.engine``), and per-request ``append_rows`` calls would time
-   Python, not the GPU.
-   tokens/s = R * q / median step time. The pick is the best tokens/s
-   whose median step time is within ``latency_ms`` (if given).
+   serve R requests of ``context`` tokens with the mini engine's hisparse store
+   (``hisparse.tools.capacity.measure``, the measurement ``benchmarks/bench_capacity``
+   makes at each tier's largest batch): synthetic context rows, a short prefilled
+   tail, then ``warmup + steps`` decode steps of all R requests, under CUDA graphs on a
+   GPU (two more steps: the bucket's padded warm-up and its capture). A step is the
+   whole decode forward over all layers: the new rows' writes (host mirror included),
+   the indexer, resolve + miss staging, sparse-MLA attention and the model's
+   projections. tokens/s = R * q / median step time of the last ``steps`` steps. The
+   pick is the best tokens/s whose median step time is within ``latency_ms`` (if
+   given). The run needs GPU memory beyond the cache (the mini model, its indexer keys,
+   the prefill workspace); the engine's memory check refuses a run that can't fit.
 3. The JSON result carries ``key`` (device name + torch/triton/hisparse versions):
    :func:`load_tuned_config` refuses a result tuned elsewhere.
 
@@ -35,8 +38,8 @@ max_num_reqs (the pick), max_fit_reqs (largest batch that fits), device_buffer_s
 backend, latency_limit_ms, budget {gpu_memory_bytes, host_memory_bytes, reserve_frac,
 max_fit_bound (gpu_memory | host_memory | max_reqs | max_request_id | int32_index_limits),
 host_pool_bytes_at_max_fit, at_max_fit / at_chosen: :func:`gpu_bytes` dicts}, workload {context, num_heads, steps, warmup},
-measurements [{num_reqs, step_ms_min, step_ms_p50, step_ms_p99, tokens_per_s,
-within_latency}], config (HiSparseConfig dict at the pick; what load_tuned_config returns).
+measurements [{num_reqs, step_ms_min, step_ms_p50, step_ms_p99, tokens_per_s, steps_timed,
+hit_rate, decode_mode, backend, within_latency}], config (HiSparseConfig dict at the pick; what load_tuned_config returns).
 
 On a machine without a GPU everything runs on CPU at the given (tiny) size; the
 result then says ``"timings_are": "CPU ..."`` and the numbers only exercise the path.
@@ -48,24 +51,22 @@ import dataclasses
 import json
 import math
 import os
-import time
 from typing import Any
 
 import torch
 import triton
 
-from .. import HiSparseCache, __version__
+from .. import __version__
 from .._checks import check_int
-from ..attention.base import Phase
-from ..attention.chooser import choose_backend
 from ..config import HiSparseConfig, RowFormat
 from ..errors import CapacityError
-from ..formats import D_LATENT, D_ROW, bf16_rows_to_bytes, quantize_fp8_ds_mla
+from .capacity import Budget, RunShape, engine_config, largest_fit, measure
+from .mini_engine.graphs import DecodeMode
 from .plan import fmt_bytes
 from .preflight import check_memory, parse_device
 from .progress import Progress
 from .report import table
-from .sources import UniformSource
+from .sizing import gpu_bytes  # noqa: F401  (re-exported: the budget arithmetic lives there)
 
 RESULT_FORMAT = "hisparse-autotune"
 RESULT_VERSION = 1
@@ -138,22 +139,6 @@ def _make_cfg(o: AutotuneOptions, R: int, device: str) -> HiSparseConfig:
                           max_request_id=max(o.max_request_id, R + 1), device=device)
 
 
-def gpu_bytes(cfg: HiSparseConfig, *, num_heads: int, reserve_frac: float = 0.0) -> dict[str, int]:
-    """GPU bytes of a cache with this config plus decode attention I/O (see module doc)."""
-    T = cfg.max_tokens
-    cache = cfg.device_bytes()
-    parts = {
-        "hot_rows": cache["hot_rows"],
-        "slot_state": cache["state"],
-        "resolve_buffers": cache["resolve_buffers"],
-        "attention_io": T * num_heads * (D_ROW * 2 + D_LATENT * 2 + 4),
-    }
-    raw = sum(parts.values())
-    parts["reserve"] = int(raw * reserve_frac)
-    parts["total"] = raw + parts["reserve"]
-    return parts
-
-
 def host_ram_bytes() -> int:
     """Physical RAM of this machine (bytes)."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -161,7 +146,8 @@ def host_ram_bytes() -> int:
 
 def max_fit(o: AutotuneOptions, budget: int, device: str, host_budget: int | None = None) -> int:
     """Largest R whose :func:`gpu_bytes` total fits ``budget`` and whose host pool fits
-    ``host_budget`` (None: unbounded), at most ``o.max_reqs`` / ``o.max_request_id``; 0 if none."""
+    ``host_budget`` (None: unbounded), at most ``o.max_reqs`` / ``o.max_request_id``; 0 if none
+    (``hisparse.tools.capacity.largest_fit``, the capacity benchmark's search)."""
     cap = min(o.max_reqs or o.max_request_id, o.max_request_id)
 
     def fits(R: int) -> bool:
@@ -173,18 +159,7 @@ def max_fit(o: AutotuneOptions, budget: int, device: str, host_budget: int | Non
             return False
         return gpu_bytes(cfg, num_heads=o.num_heads, reserve_frac=o.reserve_frac)["total"] <= budget
 
-    if not fits(1):
-        return 0
-    lo, hi = 1, 2
-    while hi < cap and fits(hi):
-        lo, hi = hi, hi * 2
-    hi = min(hi, cap)
-    if fits(hi):
-        return hi
-    while hi - lo > 1:  # fits(lo) and not fits(hi)
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
+    return largest_fit(fits, cap)
 
 
 def candidates(rmax: int, n: int) -> list[int]:
@@ -198,59 +173,27 @@ def candidates(rmax: int, n: int) -> list[int]:
     return [c[i] for i in idx]
 
 
-def _template_rows(fmt: RowFormat, n: int, device: torch.device, gen: torch.Generator) -> torch.Tensor:
-    """n valid rows of the format (uint8 [n, row_bytes]) from random latents."""
-    x = torch.randn((n, D_ROW), generator=gen, device=device).to(torch.bfloat16)
-    return quantize_fp8_ds_mla(x) if fmt is RowFormat.FP8_DS_MLA else bf16_rows_to_bytes(x)
-
-
-def time_batch(o: AutotuneOptions, R: int, device: torch.device, backend) -> dict[str, Any]:
-    """Build a cache for R requests, warm it, and time decode steps (see module doc)."""
-    cfg = _make_cfg(o, R, str(device))
-    fmt = RowFormat.parse(o.row_format)
+def time_batch(o: AutotuneOptions, R: int, device: torch.device) -> dict[str, Any]:
+    """Serve R requests of ``o.context`` tokens with the mini engine's hisparse store and
+    time its decode steps (``hisparse.tools.capacity.measure``, the capacity
+    benchmark's measurement; see the module doc)."""
     cuda = device.type == "cuda"
-    gen = torch.Generator(device=device)
-    gen.manual_seed(o.seed)
-    cache = HiSparseCache(cfg)
-    tmpl = _template_rows(fmt, 256, device, gen)
-    ctx = o.context
-    for rid in range(R):
-        cache.add_request(rid)
-        idx = torch.arange(ctx, device=device) % tmpl.shape[0]
-        rows = tmpl.index_select(0, idx)
-        for layer in range(cfg.num_layers):
-            cache.append_rows(layer, rid, rows)
-    src = UniformSource(top_k=o.top_k, device=device, seed=o.seed)
-    qlen = o.max_query_len
-    # q tokens per request, a request's tokens contiguous
-    ids = torch.arange(R, dtype=torch.int32, device=device).repeat_interleave(qlen)
-    q = (torch.randn((R * qlen, o.num_heads, D_ROW), generator=gen, device=device)
-         * 0.1).to(torch.bfloat16)
-    scale = 1.0 / math.sqrt(D_ROW)
-    times: list[float] = []  # resolve + staging + attention, all layers (ms)
-    lens = torch.full((R * qlen,), ctx, dtype=torch.int64, device=device)
-    for it in range(o.warmup + o.steps):
-        topks = [src.select(layer, ids.long(), lens, it) for layer in range(cfg.num_layers)]
-        if cuda:
-            torch.cuda.synchronize(device)
-        t1 = time.perf_counter()
-        for layer in range(cfg.num_layers):
-            res = cache.resolve(layer, ids, topks[layer], validate=False)
-            kv = cache.hot_rows(layer)
-            backend.decode(q, kv, res.physical, valid_counts=res.valid_counts, sm_scale=scale,
-                           row_format=fmt)
-        if cuda:
-            torch.cuda.synchronize(device)
-        if it >= o.warmup:
-            times.append((time.perf_counter() - t1) * 1e3)
-    del cache
-    if cuda:
-        torch.cuda.empty_cache()
-    times.sort()
-    p50 = times[len(times) // 2]
-    p99 = times[min(len(times) - 1, math.ceil(0.99 * len(times)) - 1)]
-    return {"num_reqs": R, "step_ms_min": times[0], "step_ms_p50": p50, "step_ms_p99": p99,
-            "tokens_per_s": R * o.max_query_len / (p50 / 1e3) if p50 > 0 else float("inf")}
+    mode = DecodeMode.GRAPHS if cuda else DecodeMode.EAGER
+    budget = Budget(num_layers=o.num_layers, row_format=o.row_format, top_k=o.top_k, hot_rows=o.buffer_size,
+                    block_size=o.block_size)
+    # GRAPHS: the first decode step of the bucket runs padded (compiling), the second captures
+    extra = 2 if cuda else 0
+    shape = RunShape(run_layers=o.num_layers, num_heads=o.num_heads, hidden=256 if cuda else 64, indexer_dim=16,
+                     decode_steps=o.warmup + o.steps + extra, tail=max(1, min(16, o.context // 4)),
+                     query_len=o.max_query_len, device=str(device), decode_mode=mode, backend=o.backend,
+                     flashmla_lib=o.flashmla_lib, seed=o.seed)
+    cfg = engine_config(budget, shape, context=o.context, batch=R)
+    s, _ = measure(cfg, "hisparse", decode_mode=mode, skip=o.warmup)
+    st = s["decode"]["step_ms"]
+    return {"num_reqs": R, "step_ms_min": st["min_ms"], "step_ms_p50": st["median_ms"],
+            "step_ms_p99": st["p99_ms"], "tokens_per_s": s["decode"]["tokens_per_s"] or float("inf"),
+            "steps_timed": st["n"], "hit_rate": s["cache"]["hit_rate"], "decode_mode": mode.value,
+            "backend": s["backend"]["decode"]}
 
 
 def run_autotune(o: AutotuneOptions) -> dict[str, Any]:
@@ -288,14 +231,11 @@ def run_autotune(o: AutotuneOptions) -> dict[str, Any]:
             bound = "host_memory" if gpu_fits and more.host_pool_bytes > host_budget else "gpu_memory"
         except ValueError:
             bound = "int32_index_limits"
-    fmt = RowFormat.parse(o.row_format)
-    backend = choose_backend(device=device, row_format=fmt, num_heads=o.num_heads,
-                             phase=Phase.DECODE, prefer=o.backend, flashmla_lib=o.flashmla_lib)
     cands = candidates(rmax, o.max_candidates)
     meas = []
     with Progress(len(cands), "autotune", enabled=o.progress) as bar:
         for R in cands:
-            m = time_batch(o, R, device, backend)
+            m = time_batch(o, R, device)
             m["within_latency"] = o.latency_ms is None or m["step_ms_p50"] <= o.latency_ms
             meas.append(m)
             bar.update(1, note=f"R={R} p50 {m['step_ms_p50']:.2f} ms")
@@ -314,7 +254,7 @@ def run_autotune(o: AutotuneOptions) -> dict[str, Any]:
         "max_num_reqs": best["num_reqs"],
         "max_fit_reqs": rmax,
         "device_buffer_size": cfg.device_buffer_size,
-        "backend": backend.name,
+        "backend": meas[0]["backend"],
         "latency_limit_ms": o.latency_ms,
         "budget": {"gpu_memory_bytes": budget, "host_memory_bytes": host_budget,
                    "reserve_frac": o.reserve_frac, "max_fit_bound": bound,
@@ -344,7 +284,8 @@ def format_autotune(r: dict[str, Any]) -> str:
              f"fit (GPU {fmt_bytes(r['budget']['at_max_fit']['total'])}, host pool "
              f"{fmt_bytes(r['budget']['host_pool_bytes_at_max_fit'])}; bound: "
              f"{r['budget']['max_fit_bound']})",
-             "step = resolve + staging + attention over all layers (new-row writes not timed)",
+             "step = one mini-engine decode step over all layers: row writes, indexer, resolve + "
+             "staging, attention (CUDA graphs on a GPU)",
              "", table(["requests", "min ms", "p50 ms", "p99 ms", "tokens/s", "within limit", ""], rows), "",
              f"chosen: max_num_reqs={r['max_num_reqs']} device_buffer_size={r['device_buffer_size']} "
              f"backend={r['backend']}"]

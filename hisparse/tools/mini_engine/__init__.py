@@ -17,6 +17,10 @@ by token within ``tolerance`` (the same rows are gathered, so they normally matc
 exactly); the report (:mod:`.report`) has tokens/s of both, their ratio, hisparse's hit
 rate and bytes moved. ``hisparse mini-engine`` (:mod:`.cli`) runs it from the shell.
 
+``graphs`` (:mod:`.graphs`): decode-only steps padded to batch-size buckets and replayed
+as CUDA graphs, for both stores. ``ffn`` (:mod:`.ffn`): a dense MLP or grouped-GEMM MoE
+stand-in for the rest of each layer, so a step is not all attention.
+
 ``synthetic_context`` (benchmarks): the first n positions of every prompt get random
 rows and indexer keys written straight into both caches instead of being prefilled,
 so a 32K context costs seconds, not minutes; the rest of the prompt is prefilled.
@@ -25,11 +29,14 @@ so a 32K context costs seconds, not minutes; the rest of the prompt is prefilled
 from .cli import build_parser, config_from_args, main, run_args
 from .config import PRESETS, MiniEngineConfig, Request, make_workload, memory_needed
 from .kv import KV_STORES, Attention, Batch, HiSparseKV, KVStore, ResidentKV
-from .loop import MiniEngine, compare, run
+from .ffn import FFN, V32_EP8_SHARE, FFNKind
+from .graphs import DecodeGraphs, DecodeMode, bucket_for, capture_sizes
+from .loop import MiniEngine, compare, preflight, run, run_engine, summarize
 from .model import Indexer, Model, synthetic_rows
 from .report import format_report
 
 __all__ = ["MiniEngineConfig", "Request", "make_workload", "memory_needed", "PRESETS", "Model",
            "synthetic_rows", "Indexer", "Batch", "Attention", "KVStore", "ResidentKV", "HiSparseKV",
-           "KV_STORES", "MiniEngine", "compare", "run", "format_report", "build_parser",
+           "KV_STORES", "MiniEngine", "compare", "run", "run_engine", "summarize", "preflight", "FFN", "FFNKind",
+           "V32_EP8_SHARE", "DecodeGraphs", "DecodeMode", "bucket_for", "capture_sizes", "format_report", "build_parser",
            "config_from_args", "run_args", "main"]

@@ -17,11 +17,12 @@ from ...decode.layer import Overlap
 from ..exit_codes import EXIT_FAILED, EXIT_OK, OneLineParser, run_command
 from ..preflight import check_output_file
 from .config import PRESETS, MiniEngineConfig
+from .ffn import FFNKind
 from .loop import run
 from .report import format_report
 
 _CHOICES = {"row_format": ["fp8_ds_mla", "bf16"], "cache_kernels": [k.value for k in Kernels],
-            "overlap": [o.value for o in Overlap]}
+            "overlap": [o.value for o in Overlap], "ffn": [k.value for k in FFNKind]}
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -35,6 +36,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         if name == "validate":
             p.add_argument("--unchecked", dest="validate", action="store_false", default=None,
                            help="skip host-syncing validation in the hot loop")
+            continue
+        if name == "graphs":
+            p.add_argument("--graphs", dest="graphs", action="store_true", default=None,
+                           help="run decode-only steps as CUDA graphs per batch-size bucket (CUDA; "
+                                "with --unchecked)")
             continue
         if name == "prefetch":
             p.add_argument("--prefetch", dest="prefetch", action="store_true", default=None,

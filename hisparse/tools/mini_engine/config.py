@@ -19,7 +19,8 @@ from ..._checks import Kernels, check_bool, check_int
 from ...config import HiSparseConfig, RowFormat, ceil_div
 from ...decode.layer import Overlap
 from ...formats import D_LATENT, D_ROW
-from ..autotune import gpu_bytes
+from ..sizing import gpu_bytes
+from .ffn import FFNKind, ffn_weight_bytes
 
 _DEVICE_RE = re.compile(r"cpu|cuda(:\d+)?")
 
@@ -58,13 +59,19 @@ class MiniEngineConfig:
     overlap: str = "serial"  # hisparse decode: serial | split | fused (hisparse.decode.Overlap)
     prefetch: bool = False  # hisparse decode: stage layer l+1's rows predicted from layer l's top-k
     tolerance: float = 2e-2  # max |x_resident - x_hisparse| allowed, relative to max |x|
+    graphs: bool = False  # decode-only steps as CUDA graphs per batch-size bucket (needs CUDA, unchecked)
+    ffn: str = "none"  # rest-of-layer stand-in after attention: none | mlp | moe (.ffn)
+    ffn_intermediate: int = 64  # MLP / per-expert intermediate size
+    ffn_experts: int = 4  # MoE: experts on this GPU
+    ffn_active: int = 2  # MoE: experts per token
+    ffn_shared: int = 1  # MoE: shared experts (each of ffn_intermediate) on every token
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_heads", "hidden", "indexer_dim", "vocab", "top_k", "num_requests",
                      "min_prompt", "max_prompt", "max_decode", "query_len", "chunk",
-                     "max_batch_tokens", "host_block_size"):
+                     "max_batch_tokens", "host_block_size", "ffn_intermediate", "ffn_experts", "ffn_active"):
             check_int(name, getattr(self, name), lo=1)
-        for name in ("arrival_every", "min_decode", "synthetic_context"):
+        for name in ("arrival_every", "min_decode", "synthetic_context", "ffn_shared"):
             check_int(name, getattr(self, name), lo=0)
         check_int("seed", self.seed)
         for name in ("device_buffer_size", "max_num_reqs"):
@@ -72,7 +79,23 @@ class MiniEngineConfig:
                 check_int(name, getattr(self, name), lo=1)
         check_bool("validate", self.validate)
         check_bool("prefetch", self.prefetch)
-        Overlap.parse(self.overlap)
+        check_bool("graphs", self.graphs)
+        overlap = Overlap.parse(self.overlap)
+        ffn = FFNKind.parse(self.ffn)
+        if ffn is FFNKind.MOE and self.ffn_active > self.ffn_experts:
+            raise ValueError(f"ffn_active={self.ffn_active} exceeds ffn_experts={self.ffn_experts}")
+        if ffn is not FFNKind.NONE and (self.hidden % 8 or self.ffn_intermediate % 8):
+            raise ValueError(f"the ffn stand-in needs hidden and ffn_intermediate multiples of 8, got "
+                             f"{self.hidden} and {self.ffn_intermediate}")
+        if self.graphs:
+            if not (isinstance(self.device, str) and self.device.startswith("cuda")):
+                raise ValueError(f"graphs (CUDA graphs) need a CUDA device, got device={self.device!r}")
+            if self.validate:
+                raise ValueError("graphs need unchecked mode (--unchecked): checked mode reads device "
+                                 "values on the host, which a captured step cannot do")
+            if self.prefetch or overlap not in (Overlap.SERIAL, Overlap.SPLIT):
+                raise ValueError(f"graphs support overlap serial or split without prefetch, got "
+                                 f"overlap={self.overlap!r} prefetch={self.prefetch}")
         if self.min_decode > self.max_decode:
             raise ValueError(f"need 0 <= min_decode <= max_decode, got {self.min_decode}, {self.max_decode}")
         if self.min_prompt > self.max_prompt:
@@ -123,12 +146,15 @@ def memory_needed(cfg: MiniEngineConfig) -> tuple[dict[str, int], dict[str, int]
     L, D, H, R, C = cfg.num_layers, cfg.hidden, cfg.num_heads, cfg.slots, cfg.max_context
     rb = RowFormat.parse(cfg.row_format).row_bytes
     cc = cfg.cache_config()
-    resident = L * R * ceil_div(C, cfg.host_block_size) * cfg.host_block_size * rb
+    resident = L * (R + 1) * ceil_div(C, cfg.host_block_size) * cfg.host_block_size * rb
     hisparse_dev = gpu_bytes(cc, num_heads=H)["total"]
     device = {
         "weights": L * D * (H * D_ROW + D_ROW + H * D_LATENT) * 2 + L * D * cfg.indexer_dim * 8
                    + (cfg.vocab + D) * D * 4,
-        "indexer keys": L * R * C * cfg.indexer_dim * 4,
+        "indexer keys": L * (R + 1) * C * cfg.indexer_dim * 4,  # + the padding slot
+        "ffn stand-in weights": ffn_weight_bytes(kind=cfg.ffn, num_layers=L, hidden=D,
+                                                 intermediate=cfg.ffn_intermediate, experts=cfg.ffn_experts,
+                                                 shared=cfg.ffn_shared),
         "prefill workspace": R * C * D_ROW * 2,
         "KV rows (resident or hot buffers)": max(resident, hisparse_dev),
         "outputs": cfg.num_requests * C * D * 4,

@@ -3,6 +3,10 @@
 :class:`KVStore` is what the engine loop calls, per forward and per layer:
 
   begin(batch)                          once per forward, before layer 0
+  prepare_padded(batch, n) / begin_padded(batch, static)
+                                        the same for a decode-only step padded to bucket
+                                        n (``.graphs``): host work outside a captured
+                                        graph, device work (static shapes) inside it
   write(layer, rows, batch)             the forward's new rows (every token) of a layer
   decode_attention(layer, q, topk, batch) -> bf16 [Td, H, D_LATENT]
                                         sparse attention of the decode tokens over their
@@ -15,8 +19,8 @@
 The attention calls take the query and the top-k and return the attention output, so
 a store decides how rows reach the kernel: the resident store reads its own paged rows;
 the hisparse store resolves the top-k into hot-buffer slots (staging misses) first. An
-overlap mode (resolving layer l+1 while layer l attends) or a CUDA-graph decode per
-batch-size bucket lives inside a store's ``decode_attention`` without the loop knowing.
+overlap mode (resolving layer l+1 while layer l attends) lives inside a store's
+``decode_attention`` without the loop knowing.
 Both stores share one :class:`Attention` (the backends, softmax scale, workspace).
 
 - :class:`ResidentKV`  an ordinary paged device KV cache holding every row (the
@@ -29,6 +33,8 @@ Both stores share one :class:`Attention` (the backends, softmax scale, workspace
 from __future__ import annotations
 
 import dataclasses
+import inspect
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -39,6 +45,9 @@ from ...config import RowFormat, ceil_div
 from ...engine import HiSparseIndexGroup, SparseMLAMetadata
 from ...formats import dequantize_fp8_ds_mla
 from .config import MiniEngineConfig, Request
+
+if TYPE_CHECKING:
+    from .graphs import StaticInputs
 
 
 @dataclasses.dataclass
@@ -80,6 +89,13 @@ class KVStore:
 
     def begin(self, batch: Batch) -> None:
         """Per-forward set-up, before the first layer."""
+
+    def prepare_padded(self, batch: Batch, n: int) -> None:
+        """Host work of a decode-only step padded to bucket ``n`` (outside a graph)."""
+
+    def begin_padded(self, batch: Batch, st: "StaticInputs") -> None:
+        """Device work before layer 0 of a padded decode step, from the bucket's static
+        inputs only (captured with the forward)."""
 
     def write(self, layer: int, rows: torch.Tensor, batch: Batch) -> None:
         """rows: uint8 [T, row_bytes], the forward's tokens in batch order."""
@@ -127,10 +143,13 @@ class ResidentKV(KVStore):
         self.max_blocks = ceil_div(cfg.max_context, self.bs)
         nblocks = slots * self.max_blocks
         self.fmt = RowFormat.parse(cfg.row_format)
-        self.rows = torch.zeros(cfg.num_layers, nblocks * self.bs, self.fmt.row_bytes, dtype=torch.uint8,
+        # one more block: the scratch slot's (row ``slots`` of the block table), which the
+        # padding tokens of a bucketed decode step write to and nothing reads
+        self.rows = torch.zeros(cfg.num_layers, (nblocks + 1) * self.bs, self.fmt.row_bytes, dtype=torch.uint8,
                                 device=device)
         self.free = list(range(nblocks - 1, -1, -1))
-        self.block_table = torch.full((slots, self.max_blocks), -1, dtype=torch.int32, device=device)
+        self.block_table = torch.full((slots + 1, self.max_blocks), -1, dtype=torch.int32, device=device)
+        self.block_table[slots, 0] = nblocks
         self.owned: dict[int, list[int]] = {}
         self.device = device
         self.validate = cfg.validate
@@ -157,6 +176,9 @@ class ResidentKV(KVStore):
         self._dst = self._rows_of([(r, r.done, r.done + n) for r, n in batch.items])
         pre = batch.items[batch.md.num_decodes:]
         self._ws_src = self._rows_of([(r, 0, r.done + n) for r, n in pre])
+
+    def begin_padded(self, batch: Batch, st: "StaticInputs") -> None:
+        self._dst = self.block_table[st.slot, st.pos // self.bs].long() * self.bs + st.pos % self.bs
 
     def write(self, layer: int, rows: torch.Tensor, batch: Batch) -> None:
         self.rows[layer].index_copy_(0, self._dst, rows)
@@ -216,6 +238,15 @@ class HiSparseKV(KVStore):
 
     def begin(self, batch: Batch) -> None:
         self.group.prepare_for_batch(batch.md)
+
+    def prepare_padded(self, batch: Batch, n: int) -> None:
+        """``prepare_for_batch(md, pad_to=n)``: the group's capturable decode contract (all
+        host work of the step here; the per-layer calls then launch bucket shapes)."""
+        if "pad_to" not in inspect.signature(self.group.prepare_for_batch).parameters:
+            raise RuntimeError("this hisparse's HiSparseIndexGroup.prepare_for_batch has no pad_to: its "
+                               "per-layer decode calls are not capturable, so the hisparse store cannot "
+                               "run padded / CUDA-graph decode steps")
+        self.group.prepare_for_batch(batch.md, pad_to=n)
 
     def write(self, layer: int, rows: torch.Tensor, batch: Batch) -> None:
         self.group.write_new_rows(layer, rows, batch.md)

@@ -31,6 +31,7 @@ from ...formats import D_LATENT, D_ROW
 from ..preflight import check_memory, check_output_file, parse_device, require_kernels
 from ..traces import TraceRecorder
 from .config import MiniEngineConfig, Request, make_workload, memory_needed
+from .graphs import DecodeGraphs, DecodeMode, StaticInputs
 from .kv import KV_STORES, Attention, Batch
 from .model import Indexer, Model, synthetic_rows
 
@@ -38,12 +39,15 @@ from .model import Indexer, Model, synthetic_rows
 class MiniEngine:
     """Runs the workload through one KV store; records the final hidden state of every token."""
 
-    def __init__(self, cfg: MiniEngineConfig, kv_kind: str) -> None:
+    def __init__(self, cfg: MiniEngineConfig, kv_kind: str, *, decode_mode: DecodeMode | None = None) -> None:
+        """``decode_mode``: how decode-only steps run (``.graphs``); default GRAPHS with
+        ``cfg.graphs``, else EAGER. PADDED runs the graphs' padded forward eagerly."""
         if kv_kind not in KV_STORES:
             raise ValueError(f"kv_kind must be one of {sorted(KV_STORES)}, got {kv_kind!r}")
         self.cfg = cfg
         self.device = resolve_device(cfg.device)
         self.slots = cfg.slots
+        self.scratch_slot = self.slots  # the padding tokens' slot (indexer keys, resident rows)
         self.model = Model(cfg, self.device)
         self.indexer = Indexer(cfg, self.slots, self.device)
         self.recorder: TraceRecorder | None = None  # decode steps' top-k go there (run(record=))
@@ -54,6 +58,10 @@ class MiniEngine:
         self.attn = Attention(decode=self.decode_backend, prefill=self.prefill_backend,
                               sm_scale=self.model.sm_scale, row_format=self.fmt, workspace=ws)
         self.kv = KV_STORES[kv_kind](cfg, self.slots, self.device, self.attn)
+        mode = decode_mode if decode_mode is not None else DecodeMode.GRAPHS if cfg.graphs else DecodeMode.EAGER
+        if not isinstance(mode, DecodeMode):
+            raise TypeError(f"decode_mode must be a DecodeMode, got {mode!r}")
+        self.graphs = DecodeGraphs(self, mode) if mode is not DecodeMode.EAGER else None
 
     def _pick(self, phase: Phase, row_format: RowFormat):
         cfg = self.cfg
@@ -134,6 +142,22 @@ class MiniEngine:
             x = self.model.post(layer, x, out)
         return x
 
+    def forward_padded(self, batch: Batch, st: StaticInputs) -> torch.Tensor:
+        """A decode-only forward over the bucket's static inputs (fixed shapes, what a CUDA
+        graph captures): fp32 [N * q, hidden], padding rows included. ``batch.dec_slots``
+        is the bucket's static int32 slots."""
+        cfg = self.cfg
+        flat = st.slot * cfg.max_context + st.pos
+        self.kv.begin_padded(batch, st)
+        x = self.model.embed[st.tok]
+        for layer in range(cfg.num_layers):
+            q, rows, iq, ik = self.model.pre(layer, x, False)
+            self.kv.write(layer, rows, batch)
+            self.indexer.write(layer, ik, flat)
+            topk = self.indexer.decode_topk_fixed(layer, iq, st.slot, st.sub, st.lim)
+            x = self.model.post(layer, x, self.kv.decode_attention(layer, q, topk, batch))
+        return x
+
     # ---- serving loop ---------------------------------------------------------
     def run(self, progress: Callable[[int, int, int], None] | None = None) -> dict:
         """Serve the whole workload; ``progress(step, running, pending)`` after each step."""
@@ -142,9 +166,10 @@ class MiniEngine:
         pending = sorted(reqs, key=lambda r: r.arrival)
         running: list[Request] = []
         free_slots = list(range(self.slots - 1, -1, -1))
-        outputs = {r.rid: torch.zeros(r.total, cfg.hidden, device=dev) for r in reqs}
-        argmax = {r.rid: torch.zeros(r.total, dtype=torch.int64, device=dev) for r in reqs}
-        step, tokens, step_times, decode_step_times = 0, 0, [], []
+        s0 = cfg.synthetic_context  # positions written synthetically have no output
+        outputs = {r.rid: torch.zeros(r.total - s0, cfg.hidden, device=dev) for r in reqs}
+        argmax: dict[int, torch.Tensor] = {}
+        step, tokens, step_times, decode_step_times, replay_step_times = 0, 0, [], [], []
         sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
         sync()
         t_start = time.perf_counter()
@@ -167,16 +192,23 @@ class MiniEngine:
             items = self._schedule(running)
             batch = self._batch(items)
             t0 = time.perf_counter()
-            x = self.forward(batch)
+            replay = False
+            if self.graphs is not None and batch.md.num_prefills == 0:
+                x = self.graphs.step(batch)
+                replay = self.graphs.last == "replay"
+            else:
+                x = self.forward(batch)
             t = 0
             for r, n in items:
-                outputs[r.rid][r.done:r.done + n] = x[t:t + n]
+                outputs[r.rid][r.done - s0:r.done - s0 + n] = x[t:t + n]
                 t += n
             sync()
             dt = time.perf_counter() - t0
             step_times.append(dt)
             if batch.md.num_prefills == 0:
                 decode_step_times.append(dt)
+            if replay:
+                replay_step_times.append(dt)
             tokens += x.shape[0]
             for r, n in items:
                 r.done += n
@@ -192,8 +224,10 @@ class MiniEngine:
         for r in reqs:
             argmax[r.rid] = self.model.logits(outputs[r.rid]).argmax(dim=-1)
         return {"outputs": outputs, "argmax": argmax, "tokens": tokens, "steps": step, "time_s": total,
-                "step_times": step_times, "decode_step_times": decode_step_times, "fill_time_s": fill_time,
-                "stats": self.kv.stats(), "synthetic": cfg.synthetic_context}
+                "step_times": step_times, "decode_step_times": decode_step_times,
+                "replay_step_times": replay_step_times, "fill_time_s": fill_time,
+                "stats": self.kv.stats(), "synthetic": cfg.synthetic_context,
+                "graphs": self.graphs.report() if self.graphs is not None else None}
 
     def _fill(self, r: Request) -> None:
         n = self.cfg.synthetic_context
@@ -206,7 +240,8 @@ class MiniEngine:
 
 
 # ---------------------------------------------------------------------- compare
-def _pcts(xs: list[float]) -> dict:
+def step_stats(xs: list[float]) -> dict:
+    """n, min / median / p99 in ms of step times in seconds (nearest rank)."""
     if not xs:
         return {"n": 0}
     s = sorted(xs)
@@ -217,12 +252,11 @@ def _pcts(xs: list[float]) -> dict:
 def compare(cfg: MiniEngineConfig, a: dict, b: dict) -> dict:
     """Token-by-token comparison of two runs' final hidden states and argmax tokens."""
     max_diff, scale, mismatched, n = 0.0, 0.0, 0, 0
-    s = cfg.synthetic_context
     for rid in a["outputs"]:
-        xa, xb = a["outputs"][rid][s:], b["outputs"][rid][s:]
+        xa, xb = a["outputs"][rid], b["outputs"][rid]  # positions synthetic_context onwards
         max_diff = max(max_diff, float((xa - xb).abs().max()) if xa.numel() else 0.0)
         scale = max(scale, float(xa.abs().max()) if xa.numel() else 0.0)
-        mismatched += int((a["argmax"][rid][s:] != b["argmax"][rid][s:]).sum())
+        mismatched += int((a["argmax"][rid] != b["argmax"][rid]).sum())
         n += xa.shape[0]
     rel = max_diff / scale if scale else 0.0
     return {"tokens_compared": n, "max_abs_diff": max_diff, "max_rel_diff": rel,
@@ -230,71 +264,92 @@ def compare(cfg: MiniEngineConfig, a: dict, b: dict) -> dict:
             "within_tolerance": rel <= cfg.tolerance}
 
 
-def run(cfg: MiniEngineConfig, *, progress: bool = False, record: str | None = None) -> dict:
-    """Run the workload resident then hisparse; return the comparison and timings (no tensors).
-
-    ``record``: write the decode steps' top-k (this model's real indexer) to a trace file
-    in the format of ``hisparse.tools.traces``, which ``hisparse stress --replay`` drives
-    the cache with. Needs query_len 1 (one trace entry per request and step).
-
-    Before anything runs: the device and cache kernels are checked (CUDA present, the
-    Triton interpreter on for triton kernels on CPU), the record path, and the memory
-    the run allocates (:func:`memory_needed`, a ``CapacityError`` when it can't fit).
-    """
+def preflight(cfg: MiniEngineConfig) -> None:
+    """Before anything runs: the device and cache kernels (CUDA present, the Triton
+    interpreter on for triton kernels on CPU) and the memory the run allocates
+    (:func:`memory_needed`, a ``CapacityError`` when it can't fit)."""
     dev = parse_device(cfg.device)
     require_kernels(cfg.cache_kernels, dev, flag="--cache-kernels")
     host, device = memory_needed(cfg)
     check_memory(host=host, device=device, on=dev, what="this mini-engine run",
                  hint="lower --num-requests, --max-prompt, --num-layers or --num-heads")
+
+
+def run_engine(cfg: MiniEngineConfig, kind: str, *, progress: bool = False, decode_mode: DecodeMode | None = None,
+               recorder: TraceRecorder | None = None) -> dict:
+    """Serve the workload with one KV store (``kind``); the raw result (outputs included).
+    The engine is freed (and the CUDA cache emptied) before it returns."""
+    # each engine starts from a collected heap, so the second run's host calls do not
+    # share the process with the first one's uncollected objects (GPU tensors included)
+    gc.collect()
+    eng = MiniEngine(cfg, kind, decode_mode=decode_mode)
+    eng.recorder = recorder
+    cb = None
+    if progress:
+        def cb(step, nrun, npend):
+            print(f"\r[{kind}] step {step} running {nrun} pending {npend}", end="", file=sys.stderr)
+    res = eng.run(cb)
+    if progress:
+        print(file=sys.stderr)
+    res["backend"] = {"decode": eng.decode_backend.name, "prefill": eng.prefill_backend.name}
+    del eng
+    gc.collect()
+    if cfg.device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return res
+
+
+def summarize(res: dict) -> dict:
+    """The timings of a :func:`run_engine` result (no tensors)."""
+    tps = res["tokens"] / res["time_s"] if res["time_s"] > 0 else 0.0
+    st_ms = step_stats(res["step_times"])
+    med = st_ms.get("median_ms")
+    slow = [t for t in res["step_times"] if med and t * 1e3 > 10 * med]
+    out = {"tokens": res["tokens"], "steps": res["steps"], "time_s": res["time_s"],
+           "tokens_per_s": tps, "step": st_ms,
+           # steps over 10x the median (e.g. a kernel compiling for new shapes)
+           # make tokens_per_s meaningless as a comparison: reported, not hidden
+           "outlier_steps": len(slow), "outlier_s": sum(slow),
+           "decode_step": step_stats(res["decode_step_times"]), "fill_time_s": res["fill_time_s"],
+           # decode steps that replayed a captured graph (GRAPHS mode; no capture, no warm-up)
+           "replay_step": step_stats(res["replay_step_times"]),
+           "backend": res["backend"], "graphs": res["graphs"]}
+    tot = res["stats"].get("total", {})
+    if tot:
+        out["cache"] = {k: tot.get(k) for k in ("hits", "misses", "hit_rate", "bytes_h2d", "bytes_d2h",
+                                                "invalid", "resolves")}
+    return out
+
+
+def run(cfg: MiniEngineConfig, *, progress: bool = False, record: str | None = None,
+        decode_mode: DecodeMode | None = None) -> dict:
+    """Run the workload resident then hisparse; return the comparison and timings (no tensors).
+
+    ``record``: write the decode steps' top-k (this model's real indexer) to a trace file
+    in the format of ``hisparse.tools.traces``, which ``hisparse stress --replay`` drives
+    the cache with. Needs query_len 1 (one trace entry per request and step).
+    ``decode_mode``: see :class:`MiniEngine`. :func:`preflight` runs first.
+    """
+    preflight(cfg)
     recorder = None
     if record is not None:
         if cfg.query_len != 1:
             raise ValueError(f"--record needs query_len 1 (one trace entry per request and step), "
                              f"got {cfg.query_len}")
+        if cfg.graphs or decode_mode not in (None, DecodeMode.EAGER):
+            raise ValueError("--record reads every decode step's top-k on the host; it cannot run with --graphs")
         check_output_file(record, flag="--record")
         recorder = TraceRecorder(num_layers=cfg.num_layers, top_k=cfg.top_k)
-    results = {}
-    for kind in ("resident", "hisparse"):
-        # each engine starts from a collected heap, so the second run's host calls do not
-        # share the process with the first one's uncollected objects (GPU tensors included)
-        gc.collect()
-        eng = MiniEngine(cfg, kind)
-        if kind == "resident":
-            eng.recorder = recorder  # the selections are the same in both runs
-        cb = None
-        if progress:
-            def cb(step, nrun, npend, kind=kind):
-                print(f"\r[{kind}] step {step} running {nrun} pending {npend}", end="", file=sys.stderr)
-        res = eng.run(cb)
-        if progress:
-            print(file=sys.stderr)
-        res["backend"] = {"decode": eng.decode_backend.name, "prefill": eng.prefill_backend.name}
-        results[kind] = res
-        del eng
-        gc.collect()
-        if cfg.device.startswith("cuda"):
-            torch.cuda.empty_cache()
+    results = {kind: run_engine(cfg, kind, progress=progress, decode_mode=decode_mode,
+                                recorder=recorder if kind == "resident" else None)  # same selections in both
+               for kind in ("resident", "hisparse")}
     cmp = compare(cfg, results["resident"], results["hisparse"])
     out = {"config": dataclasses.asdict(cfg), "compare": cmp}
     if recorder is not None:
         recorder.save(record)
         out["trace"] = {"path": str(record), "decode_steps": recorder.num_steps}
     for kind, res in results.items():
-        tps = res["tokens"] / res["time_s"] if res["time_s"] > 0 else 0.0
-        st_ms = _pcts(res["step_times"])
-        med = st_ms.get("median_ms")
-        slow = [t for t in res["step_times"] if med and t * 1e3 > 10 * med]
-        out[kind] = {"tokens": res["tokens"], "steps": res["steps"], "time_s": res["time_s"],
-                     "tokens_per_s": tps, "step": st_ms,
-                     # steps over 10x the median (e.g. a kernel compiling for new shapes)
-                     # make tokens_per_s meaningless as a comparison: reported, not hidden
-                     "outlier_steps": len(slow), "outlier_s": sum(slow),
-                     "decode_step": _pcts(res["decode_step_times"]), "fill_time_s": res["fill_time_s"],
-                     "backend": res["backend"]}
-    st = results["hisparse"]["stats"]
-    tot = st.get("total", {})
-    out["hisparse"]["cache"] = {k: tot.get(k) for k in ("hits", "misses", "hit_rate", "bytes_h2d",
-                                                         "bytes_d2h", "invalid", "resolves")}
+        out[kind] = summarize(res)
     r, h = out["resident"], out["hisparse"]
     out["ratio"] = {
         "tokens_per_s_hisparse_over_resident": h["tokens_per_s"] / r["tokens_per_s"] if r["tokens_per_s"] else None,
@@ -302,7 +357,10 @@ def run(cfg: MiniEngineConfig, *, progress: bool = False, record: str | None = N
             (h["decode_step"]["median_ms"] / r["decode_step"]["median_ms"])
             if r["decode_step"].get("n") and h["decode_step"].get("n") else None,
     }
+    if r["replay_step"].get("n") and h["replay_step"].get("n"):
+        out["ratio"]["replay_step_median_hisparse_over_resident"] = (h["replay_step"]["median_ms"]
+                                                                     / r["replay_step"]["median_ms"])
     return out
 
 
-__all__ = ["MiniEngine", "compare", "run"]
+__all__ = ["MiniEngine", "compare", "run", "run_engine", "summarize", "preflight", "step_stats"]

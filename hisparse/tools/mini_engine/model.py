@@ -21,23 +21,25 @@ import torch
 from ...config import RowFormat
 from ...formats import D_LATENT, D_ROW, quantize_fp8_ds_mla
 from .config import MiniEngineConfig
+from .ffn import FFN
 
 
 class Model:
     """Random-weight sparse-MLA stack; every tensor on ``device``."""
 
     def __init__(self, cfg: MiniEngineConfig, device: torch.device) -> None:
-        g = torch.Generator(device="cpu").manual_seed(cfg.seed + 1)
+        # drawn on the device: a wide model's weights would take seconds on the host
+        g = torch.Generator(device=device).manual_seed(cfg.seed + 1)
         D, H, L, di = cfg.hidden, cfg.num_heads, cfg.num_layers, cfg.indexer_dim
 
         def w(*shape: int, fan_in: int) -> torch.Tensor:
-            return (torch.randn(*shape, generator=g) / math.sqrt(fan_in)).to(device)
+            return torch.randn(*shape, generator=g, device=device) / math.sqrt(fan_in)
 
-        common = torch.randn(D, generator=g)
+        common = torch.randn(D, generator=g, device=device)
         common = common / common.norm() * math.sqrt(D)
-        own = torch.randn(cfg.vocab, D, generator=g)
+        own = torch.randn(cfg.vocab, D, generator=g, device=device)
         a = cfg.locality
-        self.embed = (a * common + math.sqrt(1 - a * a) * own).to(device)  # fp32 [V, D]
+        self.embed = a * common + math.sqrt(1 - a * a) * own  # fp32 [V, D]
         self.w_q = w(L, D, H * D_ROW, fan_in=D).to(torch.bfloat16)
         self.w_kv = w(L, D, D_ROW, fan_in=D).to(torch.bfloat16)
         self.w_iq = w(L, D, di, fan_in=D)
@@ -47,6 +49,9 @@ class Model:
         self.H = H
         self.fmt = RowFormat.parse(cfg.row_format)
         self.sm_scale = 1.0 / math.sqrt(D_ROW)
+        self.ffn = FFN(kind=cfg.ffn, num_layers=L, hidden=D, intermediate=cfg.ffn_intermediate,
+                       experts=cfg.ffn_experts, active=cfg.ffn_active, shared=cfg.ffn_shared, seed=cfg.seed,
+                       device=device)
 
     @staticmethod
     def _norm(x: torch.Tensor) -> torch.Tensor:
@@ -65,8 +70,9 @@ class Model:
         return q, rows, xn @ self.w_iq[layer], xn @ self.w_ik[layer]
 
     def post(self, layer: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """x fp32 [T, D] + attn bf16 [T, H, D_LATENT] projected back."""
-        return x + (attn.reshape(attn.shape[0], -1) @ self.w_o[layer]).float()
+        """x fp32 [T, D] + attn bf16 [T, H, D_LATENT] projected back, then the rest of
+        the layer (the ffn stand-in, :mod:`.ffn`)."""
+        return self.ffn(layer, x + (attn.reshape(attn.shape[0], -1) @ self.w_o[layer]).float())
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self._norm(x) @ self.w_out
@@ -83,10 +89,12 @@ def synthetic_rows(cfg: MiniEngineConfig, rid: int, layer: int, n: int, device: 
 
 
 class Indexer:
-    """Per-layer indexer keys on the device: fp32 [L, slots, max_context, d_idx]."""
+    """Per-layer indexer keys on the device: fp32 [L, slots + 1, max_context, d_idx]; the
+    last slot is the scratch slot padding tokens of a bucketed decode step write to."""
 
     def __init__(self, cfg: MiniEngineConfig, slots: int, device: torch.device) -> None:
-        self.keys = torch.zeros(cfg.num_layers, slots, cfg.max_context, cfg.indexer_dim, device=device)
+        self.keys = torch.zeros(cfg.num_layers, slots + 1, cfg.max_context, cfg.indexer_dim, device=device)
+        self.slots = slots
         self.K = cfg.top_k
         self.q = cfg.query_len
 
@@ -109,11 +117,23 @@ class Indexer:
     def decode_topk(self, layer: int, iq: torch.Tensor, slots: torch.Tensor, sub: torch.Tensor,
                     pos: torch.Tensor, ctx: int) -> torch.Tensor:
         """Decode tokens: iq fp32 [Td, di], their slots/sub-token index/positions int64 [Td]."""
-        keys = self.keys[layer, :, :ctx]  # [slots, C, di]
+        keys = self.keys[layer, :self.slots, :ctx]  # [slots, C, di]
         qs = iq.new_zeros(keys.shape[0], keys.shape[2], self.q)
         qs[slots, :, sub] = iq
         scores = torch.bmm(keys, qs)  # [slots, C, q]
         return self._select(scores[slots, :, sub], pos)
+
+    def decode_topk_fixed(self, layer: int, iq: torch.Tensor, slots: torch.Tensor, sub: torch.Tensor,
+                          lim: torch.Tensor) -> torch.Tensor:
+        """Decode top-k with shapes fixed by the token count (CUDA-graph capturable): iq fp32
+        [n, di]; slots / sub int64 [n]; lim int64 [n], the last position a token may
+        select (its own; -1 selects nothing: a padding token). Scores cover every slot's
+        whole max context, masked past ``lim`` -> int32 [n, K], -1 padded."""
+        keys = self.keys[layer]  # [slots + 1, C, di]
+        qs = iq.new_zeros(keys.shape[0], keys.shape[2], self.q)
+        qs[slots, :, sub] = iq
+        scores = torch.bmm(keys, qs)  # [slots + 1, C, q]
+        return self._select(scores[slots, :, sub], lim)
 
     def prefill_topk(self, layer: int, iq: torch.Tensor, slot: int, p0: int) -> torch.Tensor:
         """One prefill chunk: iq fp32 [n, di] at positions p0 .. p0+n-1 of ``slot``."""

@@ -1,0 +1,210 @@
+"""Capacity benchmark: each tier's largest decode batch on one GPU, and its tokens/s.
+
+For each context (default 32K, 64K, 128K): the largest batch of the resident tier (KV
+pages and indexer keys on the GPU) and of hisparse (hot buffers, slot state and indexer
+keys on the GPU, rows in the pinned host pool), sized for the full model
+(``hisparse.tools.capacity.tier_limits``: ``hisparse plan``'s formulas, the same
+numbers it prints) and saying where each limit came from (gpu / host / max_seqs). Then
+the mini engine serves each tier at its largest batch (synthetic contexts, a short
+prefilled tail, all requests decoding together) under CUDA graphs, with the MoE
+stand-in of one H200's share of a DeepSeek-V3.2 layer
+(``hisparse.tools.mini_engine.ffn.v32_share_at``), ``--run-layers`` layers standing for
+the model's ``--layers``: decode tokens/s as measured and scaled to the full depth,
+their ratio hisparse / resident, hisparse's hit rate, min / median / p99 of the
+replayed steps, and the outputs of the requests both runs serve compared (within the
+mini engine's tolerance). ``--same-batch`` also runs hisparse at the resident batch
+(the per-step overhead at equal batch).
+
+Exit status: 1 when outputs differ beyond tolerance or a run fails, 2 bad input, else 0.
+
+  python -m benchmarks.bench_capacity --out capacity.json [--contexts 131072] [--run-layers 4]
+  python -m benchmarks.bench_capacity --dry-run     # tiny shapes on CPU (interpreter), eager
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+import traceback
+
+import torch
+
+from benchmarks import common
+
+common.interpret_dry_run(with_gpu=True)  # a dry run is on the CPU; before hisparse loads
+
+from hisparse.tools.capacity import Budget, RunShape, engine_config, measure, tier_limits  # noqa: E402
+from hisparse.tools.mini_engine import compare  # noqa: E402
+from hisparse.tools.mini_engine.ffn import v32_share_at  # noqa: E402
+from hisparse.tools.mini_engine.graphs import DecodeMode  # noqa: E402
+from hisparse.tools.plan import fmt_bytes, parse_bytes, parse_tokens  # noqa: E402
+from hisparse.tools.report import table  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = Budget()
+    ap.add_argument("--contexts", nargs="+", type=parse_tokens, default=None, help="[32K 64K 128K]")
+    ap.add_argument("--layers", type=int, default=d.num_layers, help="model layers the sizing is for [61]")
+    ap.add_argument("--gpu-total", type=parse_bytes, default=d.gpu_total, help="GPU memory [141GB]")
+    ap.add_argument("--reserve", type=parse_bytes, default=d.reserve,
+                    help="weights + activations + slack [141GB - 80GiB: plan's default 80 GiB for KV]")
+    ap.add_argument("--host-memory", type=parse_bytes, default=d.host_memory, help="host pool budget [1TiB]")
+    ap.add_argument("--max-seqs", type=int, default=d.max_seqs)
+    ap.add_argument("--run-layers", type=int, default=4, help="layers the measured runs have [4]")
+    ap.add_argument("--heads", type=int, default=128)
+    ap.add_argument("--hidden", type=int, default=1344, help="mini model width (see v32_share_at) [1344]")
+    ap.add_argument("--ffn", choices=["none", "mlp", "moe"], default="moe")
+    ap.add_argument("--decode-steps", type=int, default=16)
+    ap.add_argument("--max-batch", type=int, default=None, help="cap the measured batches (not the search)")
+    ap.add_argument("--decode-mode", choices=[m.value for m in DecodeMode], default=None,
+                    help="graphs (default on CUDA) | padded | eager (default for --dry-run)")
+    ap.add_argument("--same-batch", action="store_true", help="also run hisparse at the resident batch")
+    ap.add_argument("--backend", default=None, help="attention backend (default triton)")
+    ap.add_argument("--flashmla-lib", default=None)
+    ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU; figures mean nothing")
+    ap.add_argument("--out", default=None)
+    return ap.parse_args(argv)
+
+
+def setup(a: argparse.Namespace) -> tuple[Budget, RunShape, list[int]]:
+    if a.dry_run:
+        # 2 layers, top-k 8, 16 hot rows: at 64 tokens resident fits 2 requests, hisparse 5 (host-bound)
+        budget = Budget(num_layers=2, gpu_total=300_000, reserve=50_000, host_memory=420_000, top_k=8,
+                        hot_rows=16, block_size=16, max_seqs=64)
+        ffn = dict(ffn=a.ffn, ffn_intermediate=16, ffn_experts=4, ffn_active=2, ffn_shared=1)
+        mode = DecodeMode(a.decode_mode or "eager")
+        shape = RunShape(run_layers=2, num_heads=2, hidden=32, indexer_dim=16, vocab=97, ffn=ffn, decode_steps=3,
+                         tail=8, locality=0.9, device="cpu", decode_mode=mode, cache_kernels="torch")
+        return budget, shape, a.contexts or [64, 96]
+    budget = Budget(num_layers=a.layers, gpu_total=a.gpu_total, reserve=a.reserve, host_memory=a.host_memory,
+                    max_seqs=a.max_seqs)
+    ffn = {k: v for k, v in v32_share_at(a.hidden).items() if k.startswith("ffn")}
+    ffn["ffn"] = a.ffn
+    shape = RunShape(run_layers=a.run_layers, num_heads=a.heads, hidden=a.hidden, ffn=ffn,
+                     decode_steps=a.decode_steps, device="cuda", decode_mode=DecodeMode(a.decode_mode or "graphs"),
+                     backend=a.backend or "triton", flashmla_lib=common.flashmla_lib(a.flashmla_lib))
+    return budget, shape, a.contexts or [32768, 65536, 131072]
+
+
+def run_context(budget: Budget, shape: RunShape, ctx: int, a: argparse.Namespace) -> dict:
+    lim = tier_limits(budget, ctx)
+    out = {"limits": lim, "runs": {}}
+    print(f"[capacity] context {ctx}: resident {lim['resident']['batch']} ({lim['resident']['bound']}), "
+          f"hisparse {lim['hisparse']['batch']} ({lim['hisparse']['bound']}; GPU allows "
+          f"{lim['hisparse']['gpu_limit']}, host {lim['hisparse']['host_limit']})", flush=True)
+    plan_runs = [("resident", "resident", lim["resident"]["batch"]), ("hisparse", "hisparse", lim["hisparse"]["batch"])]
+    if a.same_batch:
+        plan_runs.append(("hisparse_same_batch", "hisparse", lim["resident"]["batch"]))
+    raw = {}
+    for name, kind, batch in plan_runs:
+        if batch == 0:
+            out["runs"][name] = {"skipped": "not even one request fits"}
+            continue
+        b = min(batch, a.max_batch) if a.max_batch else batch
+        cfg = engine_config(budget, shape, context=ctx, batch=b)
+        t0 = time.perf_counter()
+        print(f"[capacity]   {name}: batch {b}{' (capped)' if b < batch else ''}, {shape.run_layers} layers ...",
+              flush=True)
+        s, res = measure(cfg, kind, decode_mode=shape.decode_mode, full_layers=budget.num_layers)
+        s["wall_s"] = time.perf_counter() - t0
+        s["config"] = dataclasses.asdict(cfg)
+        out["runs"][name] = s
+        raw[name] = (cfg, res)
+        dec = s["decode"]
+        print(f"[capacity]   {name}: {dec['tokens_per_s'] or 0:.1f} tok/s at {shape.run_layers} layers "
+              f"(median step {dec['step_ms']['median_ms'] or 0:.3f} ms over {dec['step_ms']['n']} "
+              f"{dec['steps_from']}), {s['wall_s']:.1f} s", flush=True)
+    if "resident" in raw and "hisparse" in raw:
+        r, h = out["runs"]["resident"]["decode"], out["runs"]["hisparse"]["decode"]
+        out["ratio_tokens_per_s"] = (h["tokens_per_s"] / r["tokens_per_s"]
+                                     if r["tokens_per_s"] and h["tokens_per_s"] else None)
+        # the requests both runs serve (ids 0 .. resident batch - 1) see the same inputs
+        out["compare"] = compare(raw["resident"][0], raw["resident"][1], raw["hisparse"][1])
+    if "hisparse_same_batch" in raw and "resident" in raw:
+        r, h = out["runs"]["resident"]["decode"], out["runs"]["hisparse_same_batch"]["decode"]
+        out["same_batch_step_ratio"] = (h["step_ms"]["median_ms"] / r["step_ms"]["median_ms"]
+                                        if r["step_ms"]["median_ms"] and h["step_ms"]["median_ms"] else None)
+        out["compare_same_batch"] = compare(raw["resident"][0], raw["resident"][1], raw["hisparse_same_batch"][1])
+    return out
+
+
+def format_table(result: dict) -> str:
+    rows = []
+    for ctx, c in result["contexts"].items():
+        for name, s in c["runs"].items():
+            if "skipped" in s:
+                rows.append([ctx, name, "-", "-", "-", "-", "-", "-", "-", s["skipped"]])
+                continue
+            tier = "hisparse" if name.startswith("hisparse") else "resident"
+            d, st = s["decode"], s["decode"]["step_ms"]
+            full = d.get("full_depth", {})
+            hit = s.get("cache", {}).get("hit_rate")
+            rows.append([ctx, name, d["batch"], c["limits"][tier]["bound"] if name == tier else "-",
+                         f"{st['min_ms']:.3f}/{st['median_ms']:.3f}/{st['p99_ms']:.3f}" if st["n"] else "-",
+                         f"{d['tokens_per_s']:.1f}" if d["tokens_per_s"] else "-",
+                         f"{full['tokens_per_s']:.1f}" if full else "-",
+                         "-" if hit is None else f"{hit:.4f}",
+                         f"{c['ratio_tokens_per_s']:.2f}" if name == "hisparse" and c.get("ratio_tokens_per_s")
+                         else "-", ""])
+    head = ["context", "run", "batch", "bound", "step min/med/p99 ms", "tok/s", "tok/s full depth", "hit rate",
+            "x resident", ""]
+    lines = [table(head, rows)]
+    for ctx, c in result["contexts"].items():
+        if "compare" in c:
+            k = c["compare"]
+            lines.append(f"context {ctx}: outputs of {k['tokens_compared']} tokens compared, max rel diff "
+                         f"{k['max_rel_diff']:.3e}, {'WITHIN' if k['within_tolerance'] else 'OUTSIDE'} tolerance")
+        if c.get("same_batch_step_ratio"):
+            lines.append(f"context {ctx}: same batch, hisparse / resident median step "
+                         f"{c['same_batch_step_ratio']:.3f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        a = parse_args(argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 2
+    if not common.out_ok(a.out, "bench_capacity"):
+        return 2
+    if not a.dry_run and not torch.cuda.is_available():
+        print("bench_capacity: no CUDA device; use --dry-run for the CPU check", file=sys.stderr)
+        return 2
+    try:
+        budget, shape, contexts = setup(a)
+    except (ValueError, TypeError) as e:
+        print(f"bench_capacity: {e}", file=sys.stderr)
+        return 2
+    result = {"bench": "capacity", "env": common.environment("cpu" if a.dry_run else None),
+              "dry_run": a.dry_run, "budget": dataclasses.asdict(budget) | {"kv_bytes": budget.kv_bytes},
+              "shape": dataclasses.asdict(shape) | {"decode_mode": shape.decode_mode.value}, "contexts": {}}
+    print(f"[capacity] {result['env']}")
+    print(f"[capacity] sizing for {budget.num_layers} layers: GPU {fmt_bytes(budget.gpu_total)} - reserve "
+          f"{fmt_bytes(budget.reserve)} = {fmt_bytes(budget.kv_bytes)} for KV, host pool "
+          f"{fmt_bytes(budget.host_memory)}; runs: {shape.run_layers} layers, {shape.num_heads} heads, "
+          f"hidden {shape.hidden}, ffn {shape.ffn}, decode {shape.decode_mode.value}", flush=True)
+    rc = 0
+    try:
+        for ctx in contexts:
+            c = result["contexts"][ctx] = run_context(budget, shape, ctx, a)
+            for key in ("compare", "compare_same_batch"):
+                if key in c and not c[key]["within_tolerance"]:
+                    print(f"[capacity] FAIL: context {ctx}: outputs differ beyond tolerance ({key})", file=sys.stderr)
+                    rc = 1
+        print(format_table(result))
+    except Exception as e:  # record the failure in the JSON, then fail loudly
+        result["error"] = f"{type(e).__name__}: {e}"
+        result["traceback"] = traceback.format_exc()
+        print(result["traceback"], file=sys.stderr)
+        rc = 1
+    if a.out:
+        common.write_json(a.out, result, indent=2)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,91 @@
+"""The capacity search against ``hisparse plan``, the shared search, and the benchmark's dry run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from benchmarks import bench_capacity
+from hisparse.tools.capacity import Budget, RunShape, engine_config, largest_fit, tier_limits
+from hisparse.tools.cli import main as hisparse_main
+from hisparse.tools.mini_engine.graphs import DecodeMode
+from hisparse.tools.plan import PlanInputs, plan
+
+
+def test_defaults_agree_with_hisparse_plan(capsys):
+    """One H200 (141 GB, plan's default 80 GiB for KV), 61 layers, 128K: the numbers
+    ``hisparse plan`` prints (13 resident, 68 hisparse, GPU-bound)."""
+    lim = tier_limits(Budget(), 131072)
+    assert lim["resident"] == {"batch": 13, "bound": "gpu", "gpu_bytes_per_request": 131072 * 61 * (656 + 132),
+                               "host_bytes_per_request": 0}
+    assert lim["hisparse"]["batch"] == 68 and lim["hisparse"]["bound"] == "gpu"
+    assert hisparse_main(["plan", "--json"]) == 0
+    p = json.loads(capsys.readouterr().out)
+    assert (p["concurrency"]["resident"], p["concurrency"]["hisparse"]) == (13, 68)
+    assert lim["hisparse"]["gpu_bytes_per_request"] == p["per_request_bytes"]["hisparse_gpu"]
+
+
+@pytest.mark.parametrize("context", [32768, 65536, 131072, 1000])
+@pytest.mark.parametrize("host", [1 << 40, 100 << 30, 8 << 30])
+def test_limits_are_plans_numbers(context, host):
+    b = Budget(host_memory=host)
+    lim = tier_limits(b, context)
+    p = plan(PlanInputs(num_layers=61, context_len=context, gpu_bytes=80 << 30, host_bytes=host, max_seqs=1024))
+    assert lim["resident"]["batch"] == p["concurrency"]["resident"]
+    assert lim["hisparse"]["batch"] == p["concurrency"]["hisparse"]
+    assert lim["hisparse"]["bound"] == p["binding"]
+    if lim["hisparse"]["bound"] == "host":  # the host pool of one more request would not fit
+        n = lim["hisparse"]["batch"]
+        assert (n + 1) * lim["hisparse"]["host_bytes_per_request"] > host >= n * lim["hisparse"]["host_bytes_per_request"]
+
+
+def test_bounds_gpu_host_and_max_seqs():
+    assert tier_limits(Budget(host_memory=100 << 30), 131072)["hisparse"]["bound"] == "host"
+    small = tier_limits(Budget(max_seqs=8), 32768)
+    assert small["resident"]["bound"] == "max_seqs" and small["hisparse"]["bound"] == "max_seqs"
+    with pytest.raises(ValueError, match="leaves nothing"):
+        Budget(reserve=Budget().gpu_total)
+
+
+def test_largest_fit():
+    for limit in (0, 1, 2, 3, 7, 64, 100):
+        assert largest_fit(lambda n: n <= limit, 1000) == limit
+    assert largest_fit(lambda n: True, 37) == 37
+    assert largest_fit(lambda n: True, 1) == 1
+
+
+def test_engine_config_of_a_tier():
+    b = Budget(num_layers=2, top_k=8, hot_rows=16, block_size=16, max_seqs=64)
+    s = RunShape(run_layers=2, num_heads=2, hidden=32, indexer_dim=16, decode_steps=3, tail=8, device="cpu",
+                 decode_mode=DecodeMode.EAGER)
+    cfg = engine_config(b, s, context=64, batch=5)
+    assert (cfg.num_requests, cfg.min_prompt, cfg.max_prompt, cfg.synthetic_context) == (5, 64, 64, 56)
+    assert cfg.min_decode == cfg.max_decode == 3 and cfg.arrival_every == 0 and not cfg.graphs
+    assert cfg.max_batch_tokens >= 5 * 8 and cfg.cache_config().device_buffer_size == 16
+    with pytest.raises(ValueError, match="CUDA device"):  # graphs (RunShape's default) on a CPU
+        engine_config(b, RunShape(device="cpu"), context=64, batch=5)
+
+
+def test_bench_capacity_dry_run(tmp_path, capsys):
+    out = tmp_path / "capacity.json"
+    assert bench_capacity.main(["--dry-run", "--contexts", "64", "--same-batch", "--out", str(out)]) == 0
+    d = json.loads(out.read_text())
+    c = d["contexts"]["64"]
+    assert c["limits"]["resident"]["batch"] == 2 and c["limits"]["hisparse"]["batch"] == 5
+    assert c["limits"]["hisparse"]["bound"] == "host"
+    assert c["compare"]["within_tolerance"] and c["compare"]["tokens_compared"] > 0
+    for name in ("resident", "hisparse", "hisparse_same_batch"):
+        dec = c["runs"][name]["decode"]
+        assert dec["step_ms"]["n"] == 3 and dec["tokens_per_s"] > 0 and dec["full_depth"]["layers"] == 2
+    assert c["runs"]["hisparse"]["cache"]["hit_rate"] is not None
+    assert c["ratio_tokens_per_s"] > 0 and c["same_batch_step_ratio"] > 0
+    assert d["env"]["torch"] and d["shape"]["decode_mode"] == "eager"
+    text = capsys.readouterr().out
+    assert "x resident" in text and "WITHIN tolerance" in text
+
+
+def test_bench_capacity_bad_input(tmp_path, capsys):
+    assert bench_capacity.main(["--dry-run", "--contexts", "12Q"]) == 2
+    assert bench_capacity.main(["--dry-run", "--out", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err

@@ -1,0 +1,209 @@
+"""The mini engine's bucketed decode (what CUDA graphs capture) and its ffn stand-in, on CPU.
+
+Capture and replay need CUDA (tests/test_mini_engine_graphs_gpu.py); here: the bucket
+sizes, the static inputs and their padding, the fixed-shape indexer against the eager
+one, the padded forward (run eagerly) against the ordinary one, and the MoE's grouped
+GEMMs against one matmul per expert. Tiny shapes (2 layers, hidden 64, top-k 8).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from hisparse.engine import HiSparseIndexGroup
+from hisparse.tools import mini_engine as me
+from hisparse.tools.mini_engine.ffn import FFN, ffn_weight_bytes, grouped_mm, grouped_mm_reference
+from hisparse.tools.mini_engine.graphs import StaticInputs
+
+HAS_PAD_TO = "pad_to" in inspect.signature(HiSparseIndexGroup.prepare_for_batch).parameters
+
+
+def test_capture_sizes_and_buckets():
+    assert me.capture_sizes(1) == [1]
+    assert me.capture_sizes(3) == [1, 2, 3]
+    assert me.capture_sizes(13) == [1, 2, 4, 8, 13]
+    assert me.capture_sizes(68) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 68]
+    assert me.capture_sizes(300) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 300]
+    sizes = me.capture_sizes(68)
+    assert [me.bucket_for(b, sizes) for b in (1, 3, 5, 9, 33, 64, 65, 68)] == [1, 4, 8, 16, 48, 64, 68, 68]
+    with pytest.raises(ValueError, match="exceeds the largest bucket"):
+        me.bucket_for(69, sizes)
+    with pytest.raises(ValueError):
+        me.bucket_for(0, sizes)
+
+
+def test_static_inputs_pad_with_the_scratch_slot():
+    cfg = me.MiniEngineConfig(query_len=2, device_buffer_size=16)
+    reqs = me.make_workload(cfg)[:2]
+    for i, r in enumerate(reqs):
+        r.slot, r.done = i, 5 + i
+    st = StaticInputs.make(4, 2, torch.device("cpu"))
+    st.fill([(r, 2) for r in reqs], scratch_slot=9)
+    assert st.pos.tolist() == [5, 6, 6, 7, 0, 0, 0, 0]
+    assert st.slot.tolist() == [0, 0, 1, 1, 9, 9, 9, 9]
+    assert st.sub.tolist() == [0, 1, 0, 1, 0, 1, 0, 1]
+    assert st.lim.tolist() == [5, 6, 6, 7, -1, -1, -1, -1]
+    assert st.tok.tolist()[:4] == reqs[0].tokens[5:7].tolist() + reqs[1].tokens[6:8].tolist()
+    assert st.tok.tolist()[4:] == [0] * 4
+    assert st.dec_slots.dtype == torch.int32 and st.dec_slots.tolist() == st.slot.tolist()
+    with pytest.raises(ValueError, match="do not fit bucket"):
+        StaticInputs.make(1, 2, torch.device("cpu")).fill([(r, 2) for r in reqs], scratch_slot=9)
+    with pytest.raises(ValueError, match="tokens in a decode step of 2"):
+        st.fill([(reqs[0], 1)], scratch_slot=9)
+
+
+@pytest.mark.parametrize("q", [1, 2])
+def test_fixed_shape_indexer_equals_the_eager_one(q):
+    cfg = me.MiniEngineConfig(query_len=q, top_k=8, device_buffer_size=16 * q, num_requests=3)
+    idx = me.Indexer(cfg, 3, torch.device("cpu"))
+    g = torch.Generator().manual_seed(1)
+    idx.keys.copy_(torch.randn(idx.keys.shape, generator=g))
+    lens = [30, 7, 41]  # own positions of the first token of each request
+    slot = torch.tensor([s for s in (2, 0, 1) for _ in range(q)])
+    sub = torch.arange(q).repeat(3)
+    pos = torch.tensor([lens[i] + j for i in range(3) for j in range(q)])
+    iq = torch.randn(3 * q, cfg.indexer_dim, generator=g)
+    eager = idx.decode_topk(1, iq, slot, sub, pos, int(pos.max()) + 1)
+    fixed = idx.decode_topk_fixed(1, iq, slot, sub, pos)
+    assert torch.equal(eager, fixed)
+    # padding tokens (scratch slot, limit -1) select nothing
+    pad_slot = torch.cat([slot, torch.full((2,), 3)])
+    pad = idx.decode_topk_fixed(1, torch.cat([iq, torch.randn(2, cfg.indexer_dim, generator=g)]), pad_slot,
+                                torch.cat([sub, torch.zeros(2, dtype=torch.long)]),
+                                torch.cat([pos, torch.full((2,), -1)]))
+    assert torch.equal(pad[:3 * q], fixed) and bool((pad[3 * q:] == -1).all())
+
+
+def test_padded_resident_decode_equals_eager():
+    """The padded forward (bucketed, scratch slot, fixed-shape indexer), run eagerly,
+    gives the ordinary forward's outputs: same rows, same selections."""
+    cfg = me.MiniEngineConfig(num_requests=3, arrival_every=0, min_prompt=20, max_prompt=30, min_decode=3,
+                              max_decode=6)
+    eager = me.run_engine(cfg, "resident")
+    padded = me.run_engine(cfg, "resident", decode_mode=me.DecodeMode.PADDED)
+    c = me.compare(cfg, eager, padded)
+    assert c["bitwise_equal"], c
+    gr = padded["graphs"]
+    assert gr["mode"] == "padded" and gr["padded_eager"] > 0 and gr["captures"] == 0
+    assert set(gr["buckets"]) <= {1, 2, 3}  # 3 slots: buckets 1, 2, 3
+
+
+def test_padded_mode_pads_to_a_larger_bucket():
+    """5 slots: buckets 1, 2, 4, 5; 3 requests decode in bucket 4 with one padding request."""
+    cfg = me.MiniEngineConfig(num_requests=3, max_num_reqs=5, arrival_every=0, min_prompt=20, max_prompt=24,
+                              min_decode=3, max_decode=3)
+    eager = me.run_engine(cfg, "resident")
+    padded = me.run_engine(cfg, "resident", decode_mode=me.DecodeMode.PADDED)
+    assert me.compare(cfg, eager, padded)["bitwise_equal"]
+    assert 4 in padded["graphs"]["buckets"] and padded["graphs"]["padding_requests"] >= 1
+
+
+@pytest.mark.skipif(not HAS_PAD_TO, reason="HiSparseIndexGroup.prepare_for_batch has no pad_to yet")
+@pytest.mark.parametrize("overlap", ["serial", "split"])
+def test_padded_hisparse_decode_equals_resident(overlap):
+    cfg = me.MiniEngineConfig(num_requests=3, max_num_reqs=5, arrival_every=0, min_prompt=20, max_prompt=30,
+                              min_decode=3, max_decode=6, overlap=overlap, validate=False)
+    res = me.run(cfg, decode_mode=me.DecodeMode.PADDED)
+    assert res["compare"]["within_tolerance"], res["compare"]
+    assert res["hisparse"]["cache"]["misses"] > 0 and res["hisparse"]["cache"]["invalid"] == 0
+
+
+@pytest.mark.skipif(HAS_PAD_TO, reason="the group has pad_to: the padded path runs")
+def test_padded_hisparse_without_pad_to_says_so():
+    cfg = me.MiniEngineConfig(num_requests=2, min_prompt=20, max_prompt=24, min_decode=2, max_decode=2)
+    with pytest.raises(RuntimeError, match="has no pad_to"):
+        me.run_engine(cfg, "hisparse", decode_mode=me.DecodeMode.PADDED)
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(graphs=True), "need a CUDA device"),
+    (dict(graphs=True, device="cuda", validate=True), "unchecked"),
+    (dict(graphs=True, device="cuda", validate=False, overlap="fused"), "serial or split"),
+    (dict(graphs=True, device="cuda", validate=False, prefetch=True), "without prefetch"),
+    (dict(ffn="moe", ffn_active=5, ffn_experts=4), "ffn_active"),
+    (dict(ffn="mlp", ffn_intermediate=60), "multiples of 8"),
+    (dict(ffn="dense"), "ffn must be one of"),
+])
+def test_bad_graph_and_ffn_config(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        me.MiniEngineConfig(**kw)
+
+
+def test_grouped_mm_matches_one_matmul_per_group():
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(11, 16, generator=g).to(torch.bfloat16)
+    b = torch.randn(4, 16, 24, generator=g).to(torch.bfloat16)
+    offs = torch.tensor([3, 3, 10, 11], dtype=torch.int32)  # an empty group included
+    out = grouped_mm(a, b, offs)
+    ref = grouped_mm_reference(a, b, offs)
+    assert out.shape == (11, 24) and torch.allclose(out.float(), ref.float(), rtol=1e-2, atol=1e-2)
+    assert torch.allclose(ref[3:10].float(), (a[3:10] @ b[2]).float())
+
+
+def _moe(**kw):
+    args = dict(kind="moe", num_layers=2, hidden=32, intermediate=16, experts=4, active=2, shared=1, seed=0,
+                device=torch.device("cpu"))
+    return FFN(**{**args, **kw})
+
+
+def test_moe_against_a_per_token_reference():
+    f = _moe()
+    x = torch.randn(7, 32, generator=torch.Generator().manual_seed(2))
+    y = f(1, x)
+    assert torch.allclose(y, f(1, x, reference=True), rtol=2e-2, atol=2e-2)
+    # per token, straight from the definition: the chosen experts' MLPs, softmax-weighted, + shared
+    p = f.layers[1]
+    xb = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
+    idx, wts = f.route(1, xb)
+    for t in range(7):
+        acc = f._mlp(xb[t:t + 1], p["shared_gate_up"], p["shared_down"]).float()
+        for j in range(2):
+            e = int(idx[t, j])
+            acc = acc + wts[t, j] * f._mlp(xb[t:t + 1], p["gate_up"][e], p["down"][e]).float()
+        assert torch.allclose(y[t], x[t] + acc[0], rtol=3e-2, atol=3e-2), t
+    assert f(0, x).shape == x.shape and not torch.equal(f(0, x), f(1, x))  # per-layer weights
+
+
+def test_moe_is_deterministic_and_mlp_and_none_work():
+    x = torch.randn(5, 32, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(_moe()(0, x), _moe()(0, x))  # same seed, same weights, no atomics
+    assert not torch.equal(_moe()(0, x), _moe(seed=1)(0, x))
+    mlp = FFN(kind="mlp", num_layers=1, hidden=32, intermediate=16, experts=1, active=1, shared=0, seed=0,
+              device=torch.device("cpu"))
+    assert mlp(0, x).shape == x.shape and not torch.equal(mlp(0, x), x)
+    none = FFN(kind="none", num_layers=1, hidden=32, intermediate=16, experts=1, active=1, shared=0, seed=0,
+               device=torch.device("cpu"))
+    assert none(0, x) is x
+
+
+def test_ffn_weight_bytes():
+    assert ffn_weight_bytes(kind="none", num_layers=3, hidden=8, intermediate=8, experts=2, shared=1) == 0
+    assert ffn_weight_bytes(kind="mlp", num_layers=3, hidden=8, intermediate=16, experts=2, shared=1) == 3 * 3 * 8 * 16 * 2
+    assert ffn_weight_bytes(kind="moe", num_layers=1, hidden=8, intermediate=16, experts=2, shared=1) == \
+        3 * 3 * 8 * 16 * 2 + 8 * 2 * 4
+    f = _moe()
+    got = sum(t.numel() * t.element_size() for p in f.layers for t in p.values())
+    assert got == ffn_weight_bytes(kind="moe", num_layers=2, hidden=32, intermediate=16, experts=4, shared=1)
+    # one H200's share of a DeepSeek-V3.2 MoE layer: 32 experts x 3 x 7168 x 2048 bf16 + shared + router
+    v = me.V32_EP8_SHARE
+    per_layer = ffn_weight_bytes(kind="moe", num_layers=1, hidden=v["hidden"], intermediate=v["ffn_intermediate"],
+                                 experts=v["ffn_experts"], shared=v["ffn_shared"])
+    assert 2.9e9 < per_layer < 3.0e9
+
+
+@pytest.mark.parametrize("ffn", ["mlp", "moe"])
+def test_engine_with_ffn_stand_in_matches(ffn):
+    cfg = me.MiniEngineConfig(num_requests=2, min_prompt=20, max_prompt=24, min_decode=2, max_decode=3, ffn=ffn,
+                              ffn_intermediate=32, ffn_experts=4, ffn_active=2)
+    res = me.run(cfg)
+    assert res["compare"]["bitwise_equal"], res["compare"]
+    host, _ = me.memory_needed(cfg)
+    assert host["ffn stand-in weights"] > 0
+
+
+def test_cli_graphs_flag_on_cpu_is_bad_input(capsys):
+    assert me.main(["--graphs", "--unchecked"]) == 2
+    assert "CUDA device" in capsys.readouterr().err

@@ -1,0 +1,86 @@
+"""The mini engine's decode steps captured and replayed as CUDA graphs (H200).
+
+Requests arrive one per step and leave at different steps, so the decode batch moves
+through several buckets (padding requests included); graph replays must give the
+eager outputs within the mini engine's tolerance, for the resident store and (with the
+group's capturable decode, ``prepare_for_batch(md, pad_to=N)``) for hisparse.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import pytest
+import torch
+
+from hisparse.engine import HiSparseIndexGroup
+from hisparse.tools import mini_engine as me
+from hisparse.tools.mini_engine.ffn import grouped_mm, grouped_mm_reference
+
+pytestmark = pytest.mark.gpu
+
+HAS_PAD_TO = "pad_to" in inspect.signature(HiSparseIndexGroup.prepare_for_batch).parameters
+needs_pad_to = pytest.mark.skipif(not HAS_PAD_TO, reason="HiSparseIndexGroup.prepare_for_batch has no pad_to")
+
+
+def _cfg(**kw):
+    base = dict(device="cuda", validate=False, num_layers=2, num_heads=16, hidden=128, top_k=64,
+                device_buffer_size=128, num_requests=7, max_num_reqs=10, arrival_every=1, min_prompt=300,
+                max_prompt=400, synthetic_context=256, min_decode=6, max_decode=14, chunk=64,
+                max_batch_tokens=1024, backend="triton")
+    return me.MiniEngineConfig(**{**base, **kw})
+
+
+def test_graphs_resident_equals_eager():
+    cfg = _cfg()
+    eager = me.run_engine(dataclasses.replace(cfg, graphs=False), "resident")
+    graphs = me.run_engine(dataclasses.replace(cfg, graphs=True), "resident")
+    c = me.compare(cfg, eager, graphs)
+    assert c["within_tolerance"], c
+    g = graphs["graphs"]
+    assert g["captures"] >= 2 and g["replays"] > g["captures"] and g["padding_requests"] > 0, g
+
+
+@needs_pad_to
+@pytest.mark.parametrize("overlap", ["serial", "split"])
+@pytest.mark.parametrize("ffn", ["none", "moe"])
+def test_graphs_hisparse_equals_resident(overlap, ffn):
+    cfg = _cfg(graphs=True, overlap=overlap, ffn=ffn, ffn_intermediate=64, ffn_experts=8, ffn_active=2)
+    res = me.run(cfg)
+    assert res["compare"]["within_tolerance"], res["compare"]
+    cache = res["hisparse"]["cache"]
+    assert cache["misses"] > 0 and cache["invalid"] == 0, cache
+    for kind in ("resident", "hisparse"):
+        assert res[kind]["graphs"]["replays"] > 0 and res[kind]["replay_step"]["n"] > 0
+
+
+@needs_pad_to
+def test_graphs_hisparse_equals_eager_hisparse():
+    cfg = _cfg()
+    eager = me.run_engine(cfg, "hisparse")
+    graphs = me.run_engine(dataclasses.replace(cfg, graphs=True), "hisparse")
+    assert me.compare(cfg, eager, graphs)["within_tolerance"]
+
+
+def test_grouped_mm_on_cuda_matches_the_per_expert_loop():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(96, 128, generator=g, device="cuda").to(torch.bfloat16)
+    b = torch.randn(8, 128, 64, generator=g, device="cuda").to(torch.bfloat16)
+    offs = torch.tensor([10, 10, 30, 31, 60, 60, 90, 96], dtype=torch.int32, device="cuda")
+    assert torch.allclose(grouped_mm(a, b, offs).float(), grouped_mm_reference(a, b, offs).float(),
+                          rtol=2e-2, atol=2e-1)
+
+
+def test_moe_captures():
+    f = me.FFN(kind="moe", num_layers=1, hidden=128, intermediate=64, experts=8, active=2, shared=1, seed=0,
+               device=torch.device("cuda"))
+    x = torch.randn(24, 128, device="cuda")
+    f(0, x)  # warm-up outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = f(0, x)
+    x.copy_(torch.randn(24, 128, device="cuda"))
+    want = f(0, x)
+    graph.replay()
+    assert torch.equal(y, want)
