@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything hisparse runs on the H200 test machine, in one command, results under $OUT.
 #
-#   bash benchmarks/gpu_run.sh [SECTION ...]  sections: env tests sanitize staging decode triton_configs profile
+#   bash benchmarks/gpu_run.sh [SECTION ...]  sections: env tests sanitize racecheck_controls staging decode triton_configs profile
 #                                             prefill e2e stress autotune tests_each pool_kinds vllm_resolve
 #                                             profile_host (cProfile + torch.profiler of bench_e2e --quick)
 #                                             layer (bench_layer: one decode layer in a CUDA graph vs resident)
@@ -12,6 +12,10 @@
 #                                             (default: env tests sanitize staging decode prefill e2e stress autotune)
 #   sanitize: compute-sanitizer ${SANITIZE_TOOLS:-memcheck racecheck} over benchmarks.sanitize_trace (every
 #             kernel: writes, resolve, miss and prefill staging, decode attention); reports in $OUT/sanitize/
+#   racecheck_controls: benchmarks.racecheck_controls (tiny Gluon kernels that show what racecheck does with
+#             warp_specialize, mbarrier-ordered and CTA-barrier-ordered shared-memory exchanges, and a real
+#             race) plain and under compute-sanitizer ${RC_TOOLS:-racecheck memcheck}; reports and the
+#             script's lines in $RES/sanitize/racecheck_controls_*.txt
 #   soak: python -m benchmarks.soak --preset ${SOAK:-16k} (16k: 32 requests x 16K x 2 layers; 128k: 16 x 128K x 2),
 #         runs sized to the time left; SOAK_SEED (first seed, default 0) to add runs in a later call
 #   vllm_resolve: vLLM 0.30's hisparse_resolve_residency vs our resolve_triton, all hits, same
@@ -103,6 +107,22 @@ for s in "${sections[@]}"; do
               --error-exitcode 9 --log-file "$OUT/sanitize/$tool.txt" python3 -m benchmarks.sanitize_trace
           tail -2 "$OUT/sanitize/$tool.txt" 2>/dev/null | tee -a "$SUM"
           cp "$OUT/sanitize/$tool.txt" "$RES/sanitize_$tool.txt" 2>/dev/null
+        done
+      fi ;;
+    racecheck_controls)  # rc=9 under a tool: it reported errors (expected for ctl_c_unsynced; read the report)
+      CS=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1)
+      mkdir -p "$RES/sanitize"
+      run_to rc_controls 120 "$RES/sanitize/racecheck_controls_plain.txt" python3 -m benchmarks.racecheck_controls
+      tee -a "$SUM" < "$RES/sanitize/racecheck_controls_plain.txt"
+      if [ -z "$CS" ]; then echo "[racecheck_controls] no compute-sanitizer on this machine" | tee -a "$SUM" "$LOG"
+      else
+        for tool in ${RC_TOOLS:-racecheck memcheck}; do
+          run_to "rc_controls_$tool" ${RC_TIMEOUT:-240} "$RES/sanitize/racecheck_controls_${tool}_stdout.txt" \
+              "$CS" --tool "$tool" --error-exitcode 9 --print-limit 10000 \
+              --log-file "$RES/sanitize/racecheck_controls_$tool.txt" python3 -m benchmarks.racecheck_controls
+          tail -1 "$RES/sanitize/racecheck_controls_$tool.txt" 2>/dev/null | tee -a "$SUM"
+          # report lines naming each control kernel (0 lines: clean for that control)
+          grep -o "ctl_[a-z_]*_kernel" "$RES/sanitize/racecheck_controls_$tool.txt" 2>/dev/null | sort | uniq -c | tee -a "$SUM"
         done
       fi ;;
     staging) run staging 300 python3 -m benchmarks.bench_staging --out "$RES/staging.json" ${QUICK:+--quick} ${STAGING_ARGS:-} ;;

@@ -134,9 +134,9 @@ def ws_consumer_regs(producer_regs: int) -> int:
 
 def ws_shared_bytes(block_n: int, stages: int, raw: int) -> int:
     """Dynamic shared memory of mla_decode_ws: q (64 x 576 bf16), the bf16 ring (latent +
-    RoPE + score bias per slot), the raw ring (656-byte rows + bias per slot), barriers."""
-    return (64 * BF16_ROW_BYTES + stages * block_n * (BF16_ROW_BYTES + 4)
-            + raw * block_n * (FP8_ROW_BYTES + 4) + 4 * stages * 8)
+    RoPE rows per slot), the raw ring (656-byte rows per slot), barriers."""
+    return (64 * BF16_ROW_BYTES + stages * block_n * BF16_ROW_BYTES
+            + raw * block_n * FP8_ROW_BYTES + 4 * stages * 8)
 
 
 # The tl kernels' defaults per (row format, head block): the fastest shapes of the H200

@@ -13,11 +13,14 @@ gathers. Here three partitions of four warps each run concurrently:
   ring of RAW raw slots (codes, scales, RoPE as stored; -1 / out-of-range entries
   zero-filled, never dereferenced), waits for block j's raw slot, dequantises it (code x
   tile scale, exact: scales are powers of two) into the bf16 ring slot j % STAGES
-  (latent columns [0, 256) and [256, 512) in two tiles, RoPE in a third, a 0 / -inf
-  score bias per entry) and signals ``ready``;
+  (latent columns [0, 256) and [256, 512) in two tiles, RoPE in a third) and signals
+  ``ready``;
 - consumer 0 (the default partition) and consumer 1 (worker 0): each waits for
   ``ready``, computes the same scores s = q . k^T [64, BLOCK_N] on the tensor cores
-  (wgmma, A = q from shared memory, B = the transposed bf16 tiles), the same online
+  (wgmma, A = q from shared memory, B = the transposed bf16 tiles), masks the invalid
+  entries with a 0 / -inf score bias it derives from the block's indices itself (read
+  from global memory in the scores' column layout, so nothing but the tiles that
+  wgmma reads and the mbarriers passes between the partitions), the same online
   softmax (base 2; each score row lives in one warp, so no cross-warp reduction), and
   p . v for its own half of the 512 output columns (accumulator [64, 256] float32:
   half the registers of a full row), then releases the slot (``empty``, two arrivals).
@@ -82,12 +85,21 @@ def _load_idx(idx_row, start, hi, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _issue_raw(kv_ptr, idx_c, idx_s, idx_r, N, kv_stride, codes_slot, scales_slot, rope_slot,
-               bias_slot):
+def _score_bias(idx_row, start, hi, N, layout: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Score bias of entries [start, start + BLOCK_N): float32 [BLOCK_N] in ``layout``, 0
+    for an index in [0, N), -inf for -1 / out-of-range entries and those past hi (the
+    entries ``_issue_raw`` zero-fills)."""
+    e = start + gl.arange(0, BLOCK_N, layout=layout)
+    i = gl.load(idx_row + e, mask=e < hi, other=-1)
+    return gl.where((i >= 0) & (i < N), 0.0, float("-inf"))
+
+
+@gluon.jit
+def _issue_raw(kv_ptr, idx_c, idx_s, idx_r, N, kv_stride, codes_slot, scales_slot, rope_slot):
     """cp.async the rows of one block (its indices in three layouts, ``_load_idx``; -1 /
     outside [0, N) = invalid) into one raw slot: codes uint8 [BLOCK_N, 512], scales
     float32 [BLOCK_N, 4], RoPE bf16 [BLOCK_N, 64]; invalid entries are zero-filled
-    without a read. Stores their score bias (0 or -inf) float32 [BLOCK_N] to bias_slot."""
+    without a read (the consumers mask them, ``_score_bias``)."""
     _LC: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
     _LS: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [4, 1], [1, 0])
     _LR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -108,12 +120,11 @@ def _issue_raw(kv_ptr, idx_c, idx_s, idx_r, N, kv_stride, codes_slot, scales_slo
     rr = gl.arange(0, 64, layout=gl.SliceLayout(0, _LR))
     _cp_async(rope_slot, rbase[:, None] + rr[None, :],
                                            mask=ok_r[:, None])
-    bias_slot.store(gl.where(ok_c, 0.0, float("-inf")))
 
 
 @gluon.jit
 def _producer(kv_ptr, idx_ptr, vc_ptr, N, K, kv_stride, idx_stride, rows_per_split,
-              codes_raw, scales_raw, rope_raw, bias_raw, k_lo, k_hi, k_rope, bias,
+              codes_raw, scales_raw, rope_raw, k_lo, k_hi, k_rope,
               ready, empty, HAS_VC: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, RAW: gl.constexpr):
     _LT: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
@@ -129,7 +140,7 @@ def _producer(kv_ptr, idx_ptr, vc_ptr, N, K, kv_stride, idx_stride, rows_per_spl
         if b < n_blocks:
             i_c, i_s, i_r = _load_idx(idx_row, lo + b * BLOCK_N, hi, BLOCK_N)
             _issue_raw(kv_ptr, i_c, i_s, i_r, N, kv_stride, codes_raw.index(b),
-                       scales_raw.index(b), rope_raw.index(b), bias_raw.index(b))
+                       scales_raw.index(b), rope_raw.index(b))
         async_copy.commit_group()
     # the indices of the next block to issue are loaded one iteration early, so their
     # latency hides behind a conversion
@@ -140,7 +151,7 @@ def _producer(kv_ptr, idx_ptr, vc_ptr, N, K, kv_stride, idx_stride, rows_per_spl
         if nxt < n_blocks:
             r = nxt % RAW
             _issue_raw(kv_ptr, n_c, n_s, n_r, N, kv_stride, codes_raw.index(r),
-                       scales_raw.index(r), rope_raw.index(r), bias_raw.index(r))
+                       scales_raw.index(r), rope_raw.index(r))
         async_copy.commit_group()
         n_c, n_s, n_r = _load_idx(idx_row, lo + (nxt + 1) * BLOCK_N, hi, BLOCK_N)
         async_copy.wait_group(RAW - 1)  # block j's copies (this thread's) have landed
@@ -159,22 +170,22 @@ def _producer(kv_ptr, idx_ptr, vc_ptr, N, K, kv_stride, idx_stride, rows_per_spl
             else:
                 k_hi.index(s).slice((tile - 2) * 128, 128, dim=1).store(v)
         k_rope.index(s).store(rope_raw.index(r).load(_LR))
-        bias.index(s).store(bias_raw.index(r).load(gl.SliceLayout(1, _LT)))
         fence_async_shared()  # generic-proxy stores -> the consumers' wgmma reads
         mbarrier.arrive(ready.index(s), count=1)
     async_copy.wait_group(0)
 
 
 @gluon.jit
-def _consume(q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, bias, ready, empty,
-             out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, vc_ptr, K, H, rows_per_split,
-             qk_scale_log2, PART: gl.constexpr, HAS_VC: gl.constexpr,
+def _consume(q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, ready, empty, idx_ptr,
+             out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, vc_ptr, N, K, H, idx_stride,
+             rows_per_split, qk_scale_log2, PART: gl.constexpr, HAS_VC: gl.constexpr,
              NUM_SPLITS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """One consumer warpgroup: all of q . k^T, output columns [256 PART, 256 PART + 256)."""
     t = gl.program_id(0).to(gl.int64)
     hb = gl.program_id(1)
     sp = gl.program_id(2)
     lo, hi, n_blocks = _ws_range(vc_ptr, t, sp, rows_per_split, K, HAS_VC, BLOCK_N)
+    idx_row = idx_ptr + t * idx_stride
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BLOCK_N, 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -192,8 +203,10 @@ def _consume(q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, bias, ready, empty,
         sc = warpgroup_mma(q_lo, kl.permute((1, 0)), s0, use_acc=False, is_async=True)
         sc = warpgroup_mma(q_hi, kh.permute((1, 0)), sc, is_async=True)
         sc = warpgroup_mma(q_rope, k_rope.index(s).permute((1, 0)), sc, is_async=True)
+        # loaded while the tensor cores run q . k^T (issued before the wait, fewer registers
+        # held across the ready wait than a load ahead of it)
+        b = _score_bias(idx_row, lo + j * BLOCK_N, hi, N, gl.SliceLayout(0, s_l), BLOCK_N)
         sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
-        b = bias.index(s).load(gl.SliceLayout(0, s_l))
         x = sc * qk_scale_log2 + b[None, :]
         m_new = gl.maximum(m_i, gl.max(x, axis=1))
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
@@ -232,13 +245,13 @@ def _consume(q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, bias, ready, empty,
 
 
 @gluon.jit
-def _consumer1(q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, bias, ready, empty,
-               out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, vc_ptr, K, H, rows_per_split,
-               qk_scale_log2, HAS_VC: gl.constexpr, NUM_SPLITS: gl.constexpr,
+def _consumer1(q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, ready, empty, idx_ptr,
+               out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, vc_ptr, N, K, H, idx_stride,
+               rows_per_split, qk_scale_log2, HAS_VC: gl.constexpr, NUM_SPLITS: gl.constexpr,
                BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    _consume(q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, bias, ready, empty,
-             out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, vc_ptr, K, H, rows_per_split,
-             qk_scale_log2, 1, HAS_VC, NUM_SPLITS, BLOCK_N, STAGES)
+    _consume(q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, ready, empty, idx_ptr,
+             out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, vc_ptr, N, K, H, idx_stride,
+             rows_per_split, qk_scale_log2, 1, HAS_VC, NUM_SPLITS, BLOCK_N, STAGES)
 
 
 @gluon.jit
@@ -287,15 +300,12 @@ def sparse_mla_decode_ws_kernel(
     kr_sl: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_N, 64], gl.bfloat16)
     # ring layouts describe one slot (rank of the slot)
     plain2: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    plain1: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     k_lo = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 256], k_sl)
     k_hi = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 256], k_sl)
     k_rope = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK_N, 64], kr_sl)
-    bias = gl.allocate_shared_memory(gl.float32, [STAGES, BLOCK_N], plain1)
     codes_raw = gl.allocate_shared_memory(gl.uint8, [RAW, BLOCK_N, 512], plain2)
     scales_raw = gl.allocate_shared_memory(gl.float32, [RAW, BLOCK_N, 4], plain2)
     rope_raw = gl.allocate_shared_memory(gl.bfloat16, [RAW, BLOCK_N, 64], plain2)
-    bias_raw = gl.allocate_shared_memory(gl.float32, [RAW, BLOCK_N], plain1)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
@@ -305,13 +315,14 @@ def sparse_mla_decode_ws_kernel(
     _cta_barrier()  # ... and every warp sees them before the partitions start
 
     gl.warp_specialize([
-        (_consume, (q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, bias, ready, empty,
-                    out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, vc_ptr, K, H, rows_per_split,
-                    qk_scale_log2, 0, HAS_VC, NUM_SPLITS, BLOCK_N, STAGES)),
-        (_consumer1, (q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, bias, ready, empty,
-                      out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, vc_ptr, K, H,
-                      rows_per_split, qk_scale_log2, HAS_VC, NUM_SPLITS, BLOCK_N, STAGES)),
+        (_consume, (q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, ready, empty, idx_ptr,
+                    out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, vc_ptr, N, K, H, idx_stride,
+                    rows_per_split, qk_scale_log2, 0, HAS_VC, NUM_SPLITS, BLOCK_N, STAGES)),
+        (_consumer1, (q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, ready, empty, idx_ptr,
+                      out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, vc_ptr, N, K, H,
+                      idx_stride, rows_per_split, qk_scale_log2, HAS_VC, NUM_SPLITS, BLOCK_N,
+                      STAGES)),
         (_producer, (kv_ptr, idx_ptr, vc_ptr, N, K, kv_stride, idx_stride, rows_per_split,
-                     codes_raw, scales_raw, rope_raw, bias_raw, k_lo, k_hi, k_rope, bias,
+                     codes_raw, scales_raw, rope_raw, k_lo, k_hi, k_rope,
                      ready, empty, HAS_VC, BLOCK_N, STAGES, RAW)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
