@@ -18,7 +18,7 @@ mini engine's tolerance). ``--same-batch`` also runs hisparse at the resident ba
 Exit status: 1 when outputs differ beyond tolerance or a run fails, 2 bad input, else 0.
 
   python -m benchmarks.bench_capacity --out capacity.json [--contexts 131072] [--run-layers 4]
-  python -m benchmarks.bench_capacity --dry-run     # tiny shapes on CPU (interpreter), eager
+  python -m benchmarks.bench_capacity --dry-run     # tiny shapes on CPU (interpreter), padded decode
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--max-batch", type=int, default=None, help="cap the measured batches (not the search)")
     ap.add_argument("--decode-mode", choices=[m.value for m in DecodeMode], default=None,
-                    help="graphs (default on CUDA) | padded | eager (default for --dry-run)")
+                    help="graphs (default on CUDA) | padded (default for --dry-run) | eager")
     ap.add_argument("--same-batch", action="store_true", help="also run hisparse at the resident batch")
     ap.add_argument("--backend", default=None, help="attention backend (default triton)")
     ap.add_argument("--flashmla-lib", default=None)
@@ -76,7 +76,7 @@ def setup(a: argparse.Namespace) -> tuple[Budget, RunShape, list[int]]:
         budget = Budget(num_layers=2, gpu_total=300_000, reserve=50_000, host_memory=420_000, top_k=8,
                         hot_rows=16, block_size=16, max_seqs=64)
         ffn = dict(ffn=a.ffn, ffn_intermediate=16, ffn_experts=4, ffn_active=2, ffn_shared=1)
-        mode = DecodeMode(a.decode_mode or "eager")
+        mode = DecodeMode(a.decode_mode or "padded")
         shape = RunShape(run_layers=2, num_heads=2, hidden=32, indexer_dim=16, vocab=97, ffn=ffn, decode_steps=3,
                          tail=8, locality=0.9, device="cpu", decode_mode=mode, cache_kernels="torch")
         return budget, shape, a.contexts or [64, 96]

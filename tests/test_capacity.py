@@ -80,7 +80,7 @@ def test_bench_capacity_dry_run(tmp_path, capsys):
         assert dec["step_ms"]["n"] == 3 and dec["tokens_per_s"] > 0 and dec["full_depth"]["layers"] == 2
     assert c["runs"]["hisparse"]["cache"]["hit_rate"] is not None
     assert c["ratio_tokens_per_s"] > 0 and c["same_batch_step_ratio"] > 0
-    assert d["env"]["torch"] and d["shape"]["decode_mode"] == "eager"
+    assert d["env"]["torch"] and d["shape"]["decode_mode"] == "padded"
     text = capsys.readouterr().out
     assert "x resident" in text and "WITHIN tolerance" in text
 

@@ -8,7 +8,6 @@ GEMMs against one matmul per expert. Tiny shapes (2 layers, hidden 64, top-k 8).
 
 from __future__ import annotations
 
-import inspect
 
 import pytest
 import torch
@@ -18,7 +17,6 @@ from hisparse.tools import mini_engine as me
 from hisparse.tools.mini_engine.ffn import FFN, ffn_weight_bytes, grouped_mm, grouped_mm_reference
 from hisparse.tools.mini_engine.graphs import StaticInputs
 
-HAS_PAD_TO = "pad_to" in inspect.signature(HiSparseIndexGroup.prepare_for_batch).parameters
 
 
 def test_capture_sizes_and_buckets():
@@ -101,7 +99,6 @@ def test_padded_mode_pads_to_a_larger_bucket():
     assert 4 in padded["graphs"]["buckets"] and padded["graphs"]["padding_requests"] >= 1
 
 
-@pytest.mark.skipif(not HAS_PAD_TO, reason="HiSparseIndexGroup.prepare_for_batch has no pad_to yet")
 @pytest.mark.parametrize("overlap", ["serial", "split"])
 def test_padded_hisparse_decode_equals_resident(overlap):
     cfg = me.MiniEngineConfig(num_requests=3, max_num_reqs=5, arrival_every=0, min_prompt=20, max_prompt=30,
@@ -109,13 +106,6 @@ def test_padded_hisparse_decode_equals_resident(overlap):
     res = me.run(cfg, decode_mode=me.DecodeMode.PADDED)
     assert res["compare"]["within_tolerance"], res["compare"]
     assert res["hisparse"]["cache"]["misses"] > 0 and res["hisparse"]["cache"]["invalid"] == 0
-
-
-@pytest.mark.skipif(HAS_PAD_TO, reason="the group has pad_to: the padded path runs")
-def test_padded_hisparse_without_pad_to_says_so():
-    cfg = me.MiniEngineConfig(num_requests=2, min_prompt=20, max_prompt=24, min_decode=2, max_decode=2)
-    with pytest.raises(RuntimeError, match="has no pad_to"):
-        me.run_engine(cfg, "hisparse", decode_mode=me.DecodeMode.PADDED)
 
 
 @pytest.mark.parametrize("kw, msg", [

@@ -9,7 +9,6 @@ group's capturable decode, ``prepare_for_batch(md, pad_to=N)``) for hisparse.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 
 import pytest
 import torch
@@ -20,8 +19,6 @@ from hisparse.tools.mini_engine.ffn import grouped_mm, grouped_mm_reference
 
 pytestmark = pytest.mark.gpu
 
-HAS_PAD_TO = "pad_to" in inspect.signature(HiSparseIndexGroup.prepare_for_batch).parameters
-needs_pad_to = pytest.mark.skipif(not HAS_PAD_TO, reason="HiSparseIndexGroup.prepare_for_batch has no pad_to")
 
 
 def _cfg(**kw):
@@ -42,7 +39,6 @@ def test_graphs_resident_equals_eager():
     assert g["captures"] >= 2 and g["replays"] > g["captures"] and g["padding_requests"] > 0, g
 
 
-@needs_pad_to
 @pytest.mark.parametrize("overlap", ["serial", "split"])
 @pytest.mark.parametrize("ffn", ["none", "moe"])
 def test_graphs_hisparse_equals_resident(overlap, ffn):
@@ -55,7 +51,6 @@ def test_graphs_hisparse_equals_resident(overlap, ffn):
         assert res[kind]["graphs"]["replays"] > 0 and res[kind]["replay_step"]["n"] > 0
 
 
-@needs_pad_to
 def test_graphs_hisparse_equals_eager_hisparse():
     cfg = _cfg()
     eager = me.run_engine(cfg, "hisparse")

@@ -14,7 +14,7 @@ dropped. Everything inside the padded forward has the bucket's shapes:
   indexer        ``Indexer.decode_topk_fixed``: scores over the whole max context of
                  every slot, masked past each token's own position, then top-k
   KV stores      ``KVStore.prepare_padded`` (host work, outside the graph: hisparse's
-                 ``prepare_for_batch(md, pad_to=N)``), ``begin_padded`` (device work
+                 ``prepare_for_batch(md, pad_to=N, replay=...)``), ``begin_padded`` (device work
                  inside: the resident store's write rows from the static positions)
 
 Modes (:class:`DecodeMode`): EAGER (the loop's own forward, no padding), PADDED (the
@@ -142,14 +142,14 @@ class DecodeGraphs:
             raise ValueError(f"bucket {n} was set up for q={st.q}, this step has q={q}")
         st.fill(batch.items, eng.scratch_slot)
         padded = dataclasses.replace(batch, dec_slots=st.dec_slots)
-        eng.kv.prepare_padded(padded, n)
+        g = self.graphs.get(n)
+        eng.kv.prepare_padded(padded, n, replay=g is not None)
         self.counts["padding_requests"] += n - B
         if self.mode is DecodeMode.PADDED or not st.warm:
             st.warm = True  # the next step of this bucket captures
             self.counts["padded_eager"] += 1
             self.last = "padded"
             return eng.forward_padded(padded, st)[:B * q]
-        g = self.graphs.get(n)
         if g is None:
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool):

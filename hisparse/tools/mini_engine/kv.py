@@ -3,7 +3,7 @@
 :class:`KVStore` is what the engine loop calls, per forward and per layer:
 
   begin(batch)                          once per forward, before layer 0
-  prepare_padded(batch, n) / begin_padded(batch, static)
+  prepare_padded(batch, n, replay=) / begin_padded(batch, static)
                                         the same for a decode-only step padded to bucket
                                         n (``.graphs``): host work outside a captured
                                         graph, device work (static shapes) inside it
@@ -33,7 +33,6 @@ Both stores share one :class:`Attention` (the backends, softmax scale, workspace
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from typing import TYPE_CHECKING
 
 import torch
@@ -90,8 +89,9 @@ class KVStore:
     def begin(self, batch: Batch) -> None:
         """Per-forward set-up, before the first layer."""
 
-    def prepare_padded(self, batch: Batch, n: int) -> None:
-        """Host work of a decode-only step padded to bucket ``n`` (outside a graph)."""
+    def prepare_padded(self, batch: Batch, n: int, *, replay: bool) -> None:
+        """Host work of a decode-only step padded to bucket ``n`` (outside a graph);
+        ``replay``: the step's forward runs as a replay of the bucket's graph."""
 
     def begin_padded(self, batch: Batch, st: "StaticInputs") -> None:
         """Device work before layer 0 of a padded decode step, from the bucket's static
@@ -239,14 +239,11 @@ class HiSparseKV(KVStore):
     def begin(self, batch: Batch) -> None:
         self.group.prepare_for_batch(batch.md)
 
-    def prepare_padded(self, batch: Batch, n: int) -> None:
-        """``prepare_for_batch(md, pad_to=n)``: the group's capturable decode contract (all
-        host work of the step here; the per-layer calls then launch bucket shapes)."""
-        if "pad_to" not in inspect.signature(self.group.prepare_for_batch).parameters:
-            raise RuntimeError("this hisparse's HiSparseIndexGroup.prepare_for_batch has no pad_to: its "
-                               "per-layer decode calls are not capturable, so the hisparse store cannot "
-                               "run padded / CUDA-graph decode steps")
-        self.group.prepare_for_batch(batch.md, pad_to=n)
+    def prepare_padded(self, batch: Batch, n: int, *, replay: bool) -> None:
+        """``prepare_for_batch(md, pad_to=n, replay=replay)``: the group's capturable
+        decode contract (all host work of the step here; the per-layer calls then launch
+        bucket shapes, or run as the replay of the bucket's graph)."""
+        self.group.prepare_for_batch(batch.md, pad_to=n, replay=replay)
 
     def write(self, layer: int, rows: torch.Tensor, batch: Batch) -> None:
         self.group.write_new_rows(layer, rows, batch.md)
