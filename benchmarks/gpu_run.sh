@@ -103,7 +103,9 @@ for s in "${sections[@]}"; do
         mkdir -p "$OUT/sanitize"
         for tool in ${SANITIZE_TOOLS:-memcheck racecheck}; do
           # no caching allocator: each tensor is its own allocation, so memcheck sees overruns
+          # SANITIZE_KERNEL: check only kernels whose name contains it (the others run uninstrumented)
           run "$tool" ${SANITIZE_TIMEOUT:-270} env PYTORCH_NO_CUDA_MEMORY_CACHING=1 "$CS" --tool "$tool" \
+              ${SANITIZE_KERNEL:+--kernel-name kns=$SANITIZE_KERNEL} \
               --error-exitcode 9 --log-file "$OUT/sanitize/$tool.txt" python3 -m benchmarks.sanitize_trace
           tail -2 "$OUT/sanitize/$tool.txt" 2>/dev/null | tee -a "$SUM"
           cp "$OUT/sanitize/$tool.txt" "$RES/sanitize_$tool.txt" 2>/dev/null

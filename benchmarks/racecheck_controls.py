@@ -16,6 +16,10 @@ Controls (one kernel each, so racecheck names the control in every report):
                      reported here comes from Triton's warp-specialize lowering itself.
   ctl_a_ws_inits     ctl_a_ws_bare plus the decode kernel's prologue before the fork: a
                      ring of mbarriers initialised, fence_async_shared, a CTA barrier.
+  ctl_a_ws_inits_nobar  the same prologue without the CTA barrier (inits + fence).
+  ctl_a_ws_bar       ctl_a_ws_bare plus only a CTA barrier before the fork (which the four
+                     default warps execute as bar.sync 0, 128: the workers are parked at
+                     the fork), no shared memory: whether that alone is reported.
   ctl_b_mbarrier     a producer partition stores tiles to a 2-slot shared ring with generic
                      st.shared; a consumer partition loads them (ld.shared, another layout)
                      after mbarrier.wait(ready) and releases the slot with
@@ -124,6 +128,28 @@ def ctl_a_ws_inits_kernel(out_ptr,  # int32 [CTAS, 3, 128]
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
     fence_async_shared()
+    _cta_barrier()
+    gl.warp_specialize([(_mark0, (out_ptr, 3)), (_mark1, (out_ptr, 3)), (_mark2, (out_ptr, 3))],
+                       [4, 4], [WORKER_REGS0, WORKER_REGS1])
+
+
+@gluon.jit
+def ctl_a_ws_inits_nobar_kernel(out_ptr,  # int32 [CTAS, 3, 128]
+                                WORKER_REGS0: gl.constexpr, WORKER_REGS1: gl.constexpr,
+                                SLOTS: gl.constexpr):
+    ready = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(SLOTS):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=2)
+    fence_async_shared()
+    gl.warp_specialize([(_mark0, (out_ptr, 3)), (_mark1, (out_ptr, 3)), (_mark2, (out_ptr, 3))],
+                       [4, 4], [WORKER_REGS0, WORKER_REGS1])
+
+
+@gluon.jit
+def ctl_a_ws_bar_kernel(out_ptr,  # int32 [CTAS, 3, 128]
+                        WORKER_REGS0: gl.constexpr, WORKER_REGS1: gl.constexpr):
     _cta_barrier()
     gl.warp_specialize([(_mark0, (out_ptr, 3)), (_mark1, (out_ptr, 3)), (_mark2, (out_ptr, 3))],
                        [4, 4], [WORKER_REGS0, WORKER_REGS1])
@@ -256,7 +282,9 @@ def run_controls(ctas: int, rounds: int, device: torch.device) -> list[tuple[str
     ws = dict(num_warps=4, maxnreg=WS_MAXNREG)
     rows = []
     for name, kern, extra in (("ctl_a_ws_bare", ctl_a_ws_bare_kernel, {}),
-                              ("ctl_a_ws_inits", ctl_a_ws_inits_kernel, dict(SLOTS=SLOTS))):
+                              ("ctl_a_ws_inits", ctl_a_ws_inits_kernel, dict(SLOTS=SLOTS)),
+                              ("ctl_a_ws_inits_nobar", ctl_a_ws_inits_nobar_kernel, dict(SLOTS=SLOTS)),
+                              ("ctl_a_ws_bar", ctl_a_ws_bar_kernel, {})):
         out = torch.zeros(ctas, 3, 128, dtype=torch.int32, device=device)
         kern[(ctas, )](out, WORKER_REGS0=r0, WORKER_REGS1=r1, **extra, **ws)
         torch.cuda.synchronize(device)
@@ -284,6 +312,8 @@ def run_controls(ctas: int, rounds: int, device: torch.device) -> list[tuple[str
 _COMPILE_SIGS = {
     "ctl_a_ws_bare": ({"out_ptr": "*i32"}, ("WORKER_REGS0", "WORKER_REGS1")),
     "ctl_a_ws_inits": ({"out_ptr": "*i32"}, ("WORKER_REGS0", "WORKER_REGS1", "SLOTS")),
+    "ctl_a_ws_inits_nobar": ({"out_ptr": "*i32"}, ("WORKER_REGS0", "WORKER_REGS1", "SLOTS")),
+    "ctl_a_ws_bar": ({"out_ptr": "*i32"}, ("WORKER_REGS0", "WORKER_REGS1")),
     "ctl_b_mbarrier": ({"out_ptr": "*i32", "n_rounds": "i32"},
                        ("WORKER_REGS0", "WORKER_REGS1", "ROWS", "COLS", "SLOTS")),
     "ctl_c_unsynced": ({"out_ptr": "*i32", "n_rounds": "i32"},
