@@ -63,6 +63,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--decode-mode", choices=[m.value for m in DecodeMode], default=None,
                     help="graphs (default on CUDA) | padded (default for --dry-run) | eager")
     ap.add_argument("--same-batch", action="store_true", help="also run hisparse at the resident batch")
+    ap.add_argument("--overlap", choices=["serial", "split"], default="serial",
+                    help="hisparse decode: miss staging before attention (serial) or hidden behind the hit "
+                         "attention (split)")
     ap.add_argument("--backend", default=None, help="attention backend (default triton)")
     ap.add_argument("--flashmla-lib", default=None)
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU; figures mean nothing")
@@ -78,7 +81,8 @@ def setup(a: argparse.Namespace) -> tuple[Budget, RunShape, list[int]]:
         ffn = dict(ffn=a.ffn, ffn_intermediate=16, ffn_experts=4, ffn_active=2, ffn_shared=1)
         mode = DecodeMode(a.decode_mode or "padded")
         shape = RunShape(run_layers=2, num_heads=2, hidden=32, indexer_dim=16, vocab=97, ffn=ffn, decode_steps=3,
-                         tail=8, locality=0.9, device="cpu", decode_mode=mode, cache_kernels="torch")
+                         tail=8, locality=0.9, device="cpu", decode_mode=mode, cache_kernels="torch",
+                         overlap=a.overlap)
         return budget, shape, a.contexts or [64, 96]
     budget = Budget(num_layers=a.layers, gpu_total=a.gpu_total, reserve=a.reserve, host_memory=a.host_memory,
                     max_seqs=a.max_seqs)
@@ -86,7 +90,8 @@ def setup(a: argparse.Namespace) -> tuple[Budget, RunShape, list[int]]:
     ffn["ffn"] = a.ffn
     shape = RunShape(run_layers=a.run_layers, num_heads=a.heads, hidden=a.hidden, ffn=ffn,
                      decode_steps=a.decode_steps, device="cuda", decode_mode=DecodeMode(a.decode_mode or "graphs"),
-                     backend=a.backend or "triton", flashmla_lib=common.flashmla_lib(a.flashmla_lib))
+                     backend=a.backend or "triton", flashmla_lib=common.flashmla_lib(a.flashmla_lib),
+                     overlap=a.overlap)
     return budget, shape, a.contexts or [32768, 65536, 131072]
 
 
@@ -195,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
                 if key in c and not c[key]["within_tolerance"]:
                     print(f"[capacity] FAIL: context {ctx}: outputs differ beyond tolerance ({key})", file=sys.stderr)
                     rc = 1
+            if a.out:  # after every context: a run cut short keeps what it measured
+                common.write_json(a.out, result, indent=2)
         print(format_table(result))
     except Exception as e:  # record the failure in the JSON, then fail loudly
         result["error"] = f"{type(e).__name__}: {e}"

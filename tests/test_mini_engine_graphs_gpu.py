@@ -42,7 +42,10 @@ def test_graphs_resident_equals_eager():
 @pytest.mark.parametrize("overlap", ["serial", "split"])
 @pytest.mark.parametrize("ffn", ["none", "moe"])
 def test_graphs_hisparse_equals_resident(overlap, ffn):
-    cfg = _cfg(graphs=True, overlap=overlap, ffn=ffn, ffn_intermediate=64, ffn_experts=8, ffn_active=2)
+    # split attends hits and misses apart and merges the partials by LSE: the hit partial
+    # is rounded to bf16 once more than in one attention over every row
+    cfg = _cfg(graphs=True, overlap=overlap, ffn=ffn, ffn_intermediate=64, ffn_experts=8, ffn_active=2,
+               tolerance=2e-2 if overlap == "serial" else 5e-2)
     res = me.run(cfg)
     assert res["compare"]["within_tolerance"], res["compare"]
     cache = res["hisparse"]["cache"]
@@ -51,11 +54,15 @@ def test_graphs_hisparse_equals_resident(overlap, ffn):
         assert res[kind]["graphs"]["replays"] > 0 and res[kind]["replay_step"]["n"] > 0
 
 
-def test_graphs_hisparse_equals_eager_hisparse():
-    cfg = _cfg()
+@pytest.mark.parametrize("overlap", ["serial", "split"])
+def test_graphs_hisparse_equals_eager_hisparse(overlap):
+    """The same kernels on the same rows: replays must match eager steps (the padded
+    batch changes no token's arithmetic)."""
+    cfg = _cfg(overlap=overlap, tolerance=1e-3)
     eager = me.run_engine(cfg, "hisparse")
     graphs = me.run_engine(dataclasses.replace(cfg, graphs=True), "hisparse")
-    assert me.compare(cfg, eager, graphs)["within_tolerance"]
+    c = me.compare(cfg, eager, graphs)
+    assert c["within_tolerance"] and c["argmax_mismatches"] == 0, c
 
 
 def test_grouped_mm_on_cuda_matches_the_per_expert_loop():

@@ -60,7 +60,14 @@ class _Event:
         stream.wait_event(self.event)
 
     def synchronize(self) -> None:
-        if self.event is not None and self.recorded:
+        """Host wait for the recorded work. An event recorded during capture marks a
+        graph node (it can't be waited on from the host): the device is synchronized
+        instead, which covers every replay enqueued so far."""
+        if self.event is None or not self.recorded:
+            return
+        if self.in_capture:
+            torch.cuda.synchronize()
+        else:
             self.event.synchronize()
 
 
