@@ -148,7 +148,11 @@ for s in "${sections[@]}"; do
           run soak 600 python3 -m benchmarks.soak --preset "${SOAK:-16k}" --seed "${SOAK_SEED:-0}" \
               --budget-s "$left" --out "$RES/soak_${SOAK:-16k}.json" ${SOAK_ARGS:-}
           grep "^\[soak\] " "$LOG" | grep -v "^\[soak\] rc=" | tail -n 8 | tee -a "$SUM" ;;
-    capacity) run capacity ${CAPACITY_TIMEOUT:-540} python3 -m benchmarks.bench_capacity --out "$RES/capacity.json" ${CAPACITY_ARGS:-} ;;
+    capacity) for ov in ${CAPACITY_OVERLAPS:-serial}; do  # CAPACITY_OVERLAPS="serial split": both decodes
+          run "capacity_$ov" ${CAPACITY_TIMEOUT:-540} python3 -m benchmarks.bench_capacity --overlap "$ov" \
+              --out "$RES/capacity_$ov.json" ${CAPACITY_ARGS:-}
+          grep "^context\|^ *[0-9]* *\(resident\|hisparse\)" "$LOG" | tail -n 12 | tee -a "$SUM"
+        done ;;
     mini_graphs)
       for ov in serial split; do
         run "mini_graphs_$ov" 240 python3 -m hisparse mini-engine --preset h200 --graphs --unchecked --overlap "$ov" \

@@ -36,7 +36,8 @@ class _Event:
 
     A wait is skipped when the event was recorded on the other side of a capture
     boundary: a captured stream may not wait on an event recorded outside the capture,
-    and an event recorded during capture marks nothing outside the graph. Graph replays
+    and an event recorded during capture marks nothing outside the graph (nor in another
+    capture: ``CacheStreams.capturing`` forgets such events when a new capture starts). Graph replays
     run on the compute stream, which every stream here already waits on, so the only
     case left to the caller is eager work before a replay: see
     :meth:`CacheStreams.join_backup`. On CPU every call is a no-op.
@@ -81,12 +82,27 @@ class CacheStreams:
         self.backup = _Event(self.cuda)
         self.stage = [_Event(self.cuda) for _ in range(num_layers)]  # staging of the layer done
         self.resolved = [_Event(self.cuda) for _ in range(num_layers)]  # its state updates done
+        self._was_capturing = False
+
+    def _events(self) -> list[_Event]:
+        return [self.backup, *self.stage, *self.resolved]
 
     def current(self):
         return self.streams.current()
 
     def capturing(self) -> bool:
-        return capturing(self.device)
+        """Whether the current stream is being captured. The first capturing call after
+        eager ones starts a new capture: events recorded in an earlier capture belong to
+        another graph (a wait on them would be invalid in this one) and are forgotten;
+        the replays they stand for run on the compute stream, which every stream here
+        waits on."""
+        cap = capturing(self.device)
+        if cap and not self._was_capturing:
+            for ev in self._events():
+                if ev.in_capture:
+                    ev.recorded = False
+        self._was_capturing = cap
+        return cap
 
     def before_write(self, layer: int) -> tuple[object, bool]:
         """The compute stream waits for the layer's in-flight resolve state updates;
