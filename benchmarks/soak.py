@@ -17,7 +17,8 @@ Time: ``--budget-s`` bounds the whole call. A first short run (``--calibrate-ste
 measures steps/s (its steps count too; it includes compiling the kernels, so the run
 after it replaces its rate); every later run gets ``--steps`` or as many as 85% of the
 remaining budget holds at the slowest warm rate, and no run starts that would get fewer
-than ``--min-steps``. So one call fits the device tool's 10 minutes, and reaching a
+than ``--min-steps``. ``--calibrate-steps 0``: no calibration; the first run gets
+``--steps`` whatever the budget (the caller knows it fits). So one call fits the device tool's 10 minutes, and reaching a
 total means repeating the call with other seeds (the JSON lists each run).
 
 Memory, per run: host RSS (``VmRSS`` of /proc/self/status) and
@@ -206,7 +207,7 @@ def main(argv=None) -> int:
           f"{base.churn}, verify {base.verify}; up to {runs} run(s) of {steps} steps within "
           f"{a.budget_s:.0f} s", flush=True)
     rate = None
-    plan = [min(cal, steps)] + [steps] * runs if cal < steps else [steps] * runs
+    plan = [cal] + [steps] * runs if 0 < cal < steps else [steps] * runs
     for i, n in enumerate(plan):
         left = a.budget_s - (time.perf_counter() - t_start)
         if rate is not None:
