@@ -27,7 +27,6 @@ import argparse
 import dataclasses
 import sys
 import time
-import traceback
 
 import torch
 
@@ -219,10 +218,7 @@ def main(argv: list[str] | None = None) -> int:
                 common.write_json(a.out, result, indent=2)
         print(format_table(result))
     except Exception as e:  # record the failure in the JSON, then fail loudly
-        result["error"] = f"{type(e).__name__}: {e}"
-        result["traceback"] = traceback.format_exc()
-        print(result["traceback"], file=sys.stderr)
-        rc = 1
+        rc = common.record_failure(result, e)
     if a.out:
         common.write_json(a.out, result, indent=2)
     return rc

@@ -31,7 +31,6 @@ import argparse
 import dataclasses
 import sys
 import time
-import traceback
 
 import torch
 
@@ -146,10 +145,7 @@ def main(argv: list[str] | None = None) -> int:
             print("[bench_e2e] FAIL: outputs differ beyond tolerance", file=sys.stderr)
             rc = 1
     except Exception as e:  # record the failure in the JSON, then fail loudly
-        result["error"] = f"{type(e).__name__}: {e}"
-        result["traceback"] = traceback.format_exc()
-        print(result["traceback"], file=sys.stderr)
-        rc = 1
+        rc = common.record_failure(result, e)
     if args.out:
         common.write_json(args.out, result, indent=2)
     return rc

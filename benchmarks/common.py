@@ -28,6 +28,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import traceback
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -184,6 +185,15 @@ def out_ok(path: str | None, prog: str) -> bool:
     if why is not None:
         print(f"{prog}: {why}", file=sys.stderr)
     return why is None
+
+
+def record_failure(result: dict, exc: BaseException) -> int:
+    """Put a benchmark's exception into its result (``error``, ``traceback``), print the
+    traceback on stderr and return exit status 1: a failed run still writes its JSON."""
+    result["error"] = f"{type(exc).__name__}: {exc}"
+    result["traceback"] = "".join(traceback.format_exception(exc))
+    print(result["traceback"], file=sys.stderr)
+    return 1
 
 
 def write_json(path: str | Path, obj: Any, *, indent: int = 1) -> None:

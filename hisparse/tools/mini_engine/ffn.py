@@ -40,6 +40,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..._checks import parse_enum
+
 V32_EP8_SHARE = dict(hidden=7168, ffn="moe", ffn_intermediate=2048, ffn_experts=32, ffn_active=8,
                      ffn_shared=1)
 V32_HIDDEN = 7168
@@ -64,12 +66,7 @@ class FFNKind(enum.Enum):
 
     @classmethod
     def parse(cls, v: "FFNKind | str") -> "FFNKind":
-        if isinstance(v, cls):
-            return v
-        for k in cls:
-            if k.value == v:
-                return k
-        raise ValueError(f"ffn must be one of {[k.value for k in cls]}, got {v!r}")
+        return parse_enum(cls, v, "ffn")
 
 
 def ffn_weight_bytes(*, kind: FFNKind | str, num_layers: int, hidden: int, intermediate: int, experts: int,
