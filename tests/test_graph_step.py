@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from graph_trace import Runner, TraceShape, Truth, cache_state, make_group, plan_trace
+from hisparse import CapacityError
 from hisparse.engine import SparseMLAMetadata
 
 
@@ -131,3 +132,39 @@ def test_replayed_forward_refuses_eager_calls():
     with pytest.raises(ValueError, match="graph replay"):
         g.convert_decode_logical_to_physical_topk(0, torch.full((2, 8), -1, dtype=torch.int32), md)
     assert g.resolves_per_layer == [1, 1]
+
+
+def test_abandoned_forward_is_put_back_after_requests_change():
+    """Requests freed between an unwritten forward and the next one: the live request's
+    layers are still put back; a failing prepare (pool full) changes nothing, the
+    abandoned forward included."""
+    shape = TraceShape()
+    truth = Truth(shape)
+    g = make_group(shape, "cpu", "torch")
+    c = g.hisparse_cache
+    lens = {}
+    _join(g, 1, 16, truth, lens)
+    _join(g, 2, 7, truth, lens)
+    g.prepare_for_batch(_decode_md([1, 2], lens), pad_to=2)  # written by no layer
+    g.free_request(2)  # the generation moves on
+    assert [g.request_length(1, i) for i in range(2)] == [16, 16]
+    before = cache_state(g)
+    used = c.pool.allocator.num_used
+    # a batch that can't get its blocks: the pool holds 6 * 64 rows
+    g.add_request(3)
+    n3 = c.pool.allocator.num_free * shape.block + 1
+    big = SparseMLAMetadata.build(request_ids=[3], query_lens=[n3], seq_lens=[n3], num_decodes=0)
+    with pytest.raises(CapacityError):
+        g.prepare_for_batch(big)
+    assert [c.layer_len(i, 1) for i in range(2)] == [17, 17]  # still the abandoned forward's
+    assert [g.request_length(1, i) for i in range(2)] == [16, 16]
+    assert c.pool.allocator.num_used == used
+    md = _decode_md([1], {1: 16})
+    g.prepare_for_batch(md)  # puts the abandoned forward back, then plans this one
+    assert [c.layer_len(i, 1) for i in range(2)] == [17, 17]
+    for layer in range(2):
+        g.write_new_rows(layer, truth.rows(layer, 1)[16:17], md)
+        assert torch.equal(c.read_host_rows(layer, 1, list(range(17))), truth.rows(layer, 1)[:17])
+    after = cache_state(g)
+    assert torch.equal(after["seq_lens"][:, c.request_slot(1)], torch.tensor([17, 17], dtype=torch.int32))
+    assert not torch.equal(before["hot"], after["hot"])

@@ -21,8 +21,7 @@ import torch
 
 from .._checks import Kernels
 from ..config import HiSparseConfig
-from ..device import check_host_bytes, resolve_device
-from ..errors import CapacityError
+from ..device import resolve_device
 from ..formats import RowFormat
 from ..staging.view import BlockTable, LayerView
 from . import validate as V
@@ -85,7 +84,7 @@ class HiSparseCache:
         if host_pool is not None and host_pool.cfg.to_dict() != cfg.to_dict():
             diff = [k for k, v in cfg.to_dict().items() if host_pool.cfg.to_dict().get(k) != v]
             raise ValueError(f"host_pool was built for another config (differs in {diff})")
-        self._check_device_memory()
+        V.check_device_memory(cfg, self.device)
         L = cfg.num_layers
         self.pool = host_pool if host_pool is not None else HostPool(cfg, pin=pin)
         self.state = HotState.allocate(cfg, self.device)
@@ -106,18 +105,6 @@ class HiSparseCache:
         self._bufs = [ResolveBuffers.allocate(T, K, self.device, undo_of=self._prefetch_out) for _ in range(L)]
         self._views: dict[int, LayerView] = {}
         self._split: dict[int, tuple] = {}  # layer -> (hit, miss lists), made on first use
-
-    def _check_device_memory(self) -> None:
-        """CapacityError before allocating when the device can't hold the cache."""
-        need = self.cfg.device_bytes()["total"]
-        if self.device.type == "cuda":
-            free = torch.cuda.mem_get_info(self.device)[0]
-            if need > free:
-                raise CapacityError(f"the cache needs {need / 2**30:.2f} GiB ({need} bytes) on {self.device} "
-                                    f"but {free / 2**30:.2f} GiB are free; use fewer requests, layers or "
-                                    "hot slots (device_buffer_size)")
-        else:
-            check_host_bytes(need, "the cache's hot rows and state (device='cpu')")
 
     # ---- small queries ----------------------------------------------------
     def live_requests(self) -> list[int]:
@@ -169,6 +156,11 @@ class HiSparseCache:
         rows appended in the same step from host."""
         self.streams.join_backup(stream)
 
+    def join_staging(self) -> None:
+        """The current stream waits for every layer's in-flight resolve and staging
+        (before buffers those read are rewritten)."""
+        self.streams.before_lifecycle()
+
     # ---- lifecycle --------------------------------------------------------
     def add_request(self, req_id: int) -> int:
         """Admit ``req_id``; returns its request slot. CapacityError when all are taken."""
@@ -212,23 +204,21 @@ class HiSparseCache:
         V.check_layer(self.cfg, layer)
         return self.writer.write(layer, batch, rows)
 
-    def prepare_step(self, batch: WriteBatch, *, capacity: StepCapacity | None = None) -> StepPlan:
-        """Plan ``batch``'s append to every layer at once (a forward of an engine): the
-        host work, block allocation and every layer's bookkeeping happen here, and
-        :meth:`write_step` per layer only launches. Between the two, a layer's host
-        lengths already count the step's rows; a layer whose write never runs is put
-        back by :meth:`abandon_step`. ``capacity``: fixed-shape lists in persistent
-        buffers of that bucket, so that the per-layer writes can be captured in a CUDA
-        graph and replayed after each later ``prepare_step`` of the bucket."""
-        if capacity is not None and self.pool.shared:
-            raise ValueError("padded (graph) steps need a private host pool: a shared pool publishes "
-                             "every append from the host")
-        return self.writer.prepare_step(batch, capacity=capacity)
+    def prepare_step(self, batch: WriteBatch, *, capacity: StepCapacity | None = None,
+                     replaces: StepPlan | None = None) -> StepPlan:
+        """Plan ``batch``'s append to every layer at once (an engine's forward); then
+        :meth:`write_step` per layer only launches. ``capacity``: fixed-shape lists in
+        a bucket's persistent buffers (CUDA graphs). See ``Writer.prepare_step``."""
+        return self.writer.prepare_step(batch, capacity=capacity, replaces=replaces)
 
     def write_step(self, layer: int, step: StepPlan, rows: torch.Tensor) -> None:
         """Write ``layer``'s rows of a prepared step (uint8 [step.rows, row_bytes])."""
         V.check_layer(self.cfg, layer)
         self.writer.write_step(layer, step, rows)
+
+    def lengths_before(self, req_id: int, step: StepPlan | None) -> list[int]:
+        """Rows per layer, a layer ``step`` has not written counted as before it."""
+        return self.writer.visible(step, req_id, self.request_slot(req_id))[0]
 
     def abandon_step(self, step: StepPlan) -> None:
         """Put back every layer of ``step`` whose write did not run."""

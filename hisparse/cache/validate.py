@@ -22,6 +22,22 @@ import torch
 
 from .._checks import check_int, check_ints, check_tensor
 from ..config import HiSparseConfig
+from ..device import check_host_bytes
+from ..errors import CapacityError
+
+
+def check_device_memory(cfg: HiSparseConfig, device: torch.device) -> None:
+    """CapacityError before allocating when ``device`` can't hold the cache's hot rows
+    and state."""
+    need = cfg.device_bytes()["total"]
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+        if need > free:
+            raise CapacityError(f"the cache needs {need / 2**30:.2f} GiB ({need} bytes) on {device} "
+                                f"but {free / 2**30:.2f} GiB are free; use fewer requests, layers or "
+                                "hot slots (device_buffer_size)")
+    else:
+        check_host_bytes(need, "the cache's hot rows and state (device='cpu')")
 
 
 def check_layer(cfg: HiSparseConfig, layer: object) -> int:

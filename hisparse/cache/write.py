@@ -157,35 +157,40 @@ class Writer:
         return firsts
 
     # ---- a forward's write to every layer, planned once ------------------------------
-    def prepare_step(self, batch: WriteBatch, *, capacity: StepCapacity | None = None) -> StepPlan:
+    def prepare_step(self, batch: WriteBatch, *, capacity: StepCapacity | None = None,
+                     replaces: StepPlan | None = None) -> StepPlan:
         """Plan ``batch``'s append to every layer at once (``write_step`` per layer then
         only launches). Allocates the step's blocks, writes their block-table entries
         on the current stream and commits every layer's lengths and reserved-slot
-        occupants; layers whose ``write_step`` never runs are put back by
-        ``abandon_step``. ``capacity``: pad the lists into the bucket's persistent
-        buffers (fixed shapes and addresses, for CUDA graphs). Every layer must hold the
-        same rows of each request (ValueError otherwise). CapacityError / ValueError
-        change nothing."""
+        occupants. ``replaces``: the previous step, whose layers that were not written
+        are put back first (``abandon_step``; the checks here see those layers as put
+        back). ``capacity``: pad the lists into the bucket's persistent buffers (fixed
+        shapes and addresses, for CUDA graphs). Every layer must hold the same rows of
+        each request (ValueError otherwise). A CapacityError or ValueError changes
+        nothing (``replaces`` included)."""
         if not isinstance(batch, WriteBatch):
             raise TypeError(f"batch must be a WriteBatch (Writer.prepare), got {type(batch).__name__}")
         if batch.generation != self.requests.generation:
             raise ValueError("the write batch is out of date: requests were added or freed since "
                              "it was prepared; prepare it again")
+        if capacity is not None and self.pool.shared:
+            raise ValueError("padded (graph) steps need a private host pool: a shared pool publishes "
+                             "every append from the host")
         if capacity is not None and (len(batch.req_ids) > capacity.requests or batch.total > capacity.tokens):
             raise ValueError(f"the batch has {len(batch.req_ids)} requests and {batch.total} rows; the "
                              f"bucket holds {capacity.requests} and {capacity.tokens}")
         req = self.requests
         L = self.cfg.num_layers
         work, req_work = [], []
-        for r, n, t0 in zip(batch.slots, batch.counts, batch.offsets):
-            lens, res = req.lengths(r), req.reserved_list(r)
+        for rid, r, n, t0 in zip(batch.req_ids, batch.slots, batch.counts, batch.offsets):
+            lens, res = self.visible(replaces, rid, r)
             p0, old = lens[0], res[0]
             if any(x != p0 for x in lens) or any(x != old for x in res):
-                raise ValueError(f"request slot {r} holds {list(lens)} rows per layer: a step writes the "
-                                 "same positions to every layer")
+                raise ValueError(f"request {rid} holds {lens} rows per layer: a step writes the same "
+                                 "positions to every layer")
             if n:
                 work.append((r, p0, p0 + n, t0, old))
-                req_work.append((r, p0, p0 + n, old))
+                req_work.append((rid, r, p0, p0 + n, old))
         new_blocks = self._new_blocks(work) if work else {}
         alloc = self.pool.allocator
         if work:
@@ -206,9 +211,11 @@ class Writer:
             btd = bt.pin_memory().to(self.device, non_blocking=True) if self.streams.cuda else bt
             self.state.block_table[btd[0], btd[1]] = btd[2].to(torch.int32)
         # ---- commit the host-side bookkeeping of every layer ----
+        if replaces is not None:
+            self.abandon_step(replaces)
         self._allocate(new_blocks)
         S = self.cfg.device_buffer_size
-        for r, _, p1, _ in req_work:
+        for _, r, _, p1, _ in req_work:
             occ = p1 - 1 if p1 - 1 >= S else -1
             for layer in range(L):
                 req.set_written(r, layer, p1, occ)
@@ -217,6 +224,18 @@ class Writer:
         self._plan = None
         return StepPlan(plan=plan, req_work=tuple(req_work), pending=set(range(L)) if req_work else set(),
                         rows=rows, generation=batch.generation, padded=capacity is not None)
+
+    def visible(self, step: StepPlan | None, rid: int, slot: int) -> tuple[list[int], list[int]]:
+        """(rows per layer, reserved occupant per layer) of live request ``rid`` in
+        ``slot``, counting a layer that ``step`` has not written yet as it was before
+        the step."""
+        req = self.requests
+        lens, res = list(req.lengths(slot)), list(req.reserved_list(slot))
+        prev = step.before(rid, slot) if step is not None and step.pending else None
+        if prev is not None:
+            for layer in step.pending:  # type: ignore[union-attr]
+                lens[layer], res[layer] = prev
+        return lens, res
 
     def write_step(self, layer: int, step: StepPlan, rows: torch.Tensor) -> None:
         """Launch ``step``'s write of ``layer`` (rows uint8 [step.rows, row_bytes]; when
@@ -234,14 +253,16 @@ class Writer:
 
     def abandon_step(self, step: StepPlan) -> None:
         """Put back the lengths and reserved-slot occupants of the layers whose write did
-        not run (their positions are free again; the step's blocks stay with their
-        requests, block-table entries included)."""
-        if not step.pending or step.generation != self.requests.generation:
+        not run, for every request of the step still live in its slot (their positions
+        are free again; the step's blocks stay with their requests, block-table entries
+        included). Requests freed since hold nothing to put back."""
+        if not step.pending:
             return
         req = self.requests
         for layer in sorted(step.pending):
-            for r, p0, _, old in step.req_work:
-                req.restore(r, layer, p0, old)
+            for rid, r, p0, _, old in step.req_work:
+                if req.slot_map().get(rid) == r:
+                    req.restore(r, layer, p0, old)
             req.touch(layer)
         step.pending.clear()
 

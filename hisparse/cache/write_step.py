@@ -52,18 +52,26 @@ class StepCapacity:
 class StepPlan:
     """The per-layer device lists of one prepared step (``Writer.prepare_step``).
 
-    plan: the lists (no block-table entries); req_work: (request slot, first position,
-    end position, reserved occupant before the step) per request written; pending:
-    layers whose write has not run yet; rows: how many rows a layer's write takes (the
-    bucket's tokens when padded, else the batch's total).
+    plan: the lists (no block-table entries); req_work: (request id, request slot,
+    first position, end position, reserved occupant before the step) per request
+    written; pending: layers whose write has not run yet; rows: how many rows a layer's
+    write takes (the bucket's tokens when padded, else the batch's total).
     """
 
     plan: WritePlan
-    req_work: tuple[tuple[int, int, int, int], ...]
+    req_work: tuple[tuple[int, int, int, int, int], ...]
     pending: set[int]
     rows: int
     generation: int
     padded: bool
+
+    def before(self, rid: int, slot: int) -> tuple[int, int] | None:
+        """(length, reserved occupant) request ``rid`` in ``slot`` had before this step,
+        when the step writes it (None otherwise)."""
+        for i, r, p0, _, old in self.req_work:
+            if i == rid and r == slot:
+                return p0, old
+        return None
 
 
 @dataclasses.dataclass(frozen=True)

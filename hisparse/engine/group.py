@@ -208,14 +208,13 @@ class HiSparseIndexGroup:
         """Rows stored for ``req_id`` in layer ``layer_index`` (this forward's rows count
         once the layer's ``write_new_rows`` ran)."""
         i = self._layer(layer_index)
-        n = self._cache.layer_len(i, req_id)
-        step = self._step
-        if step is not None and i in step.pending:
-            r = self._cache.request_slot(req_id)
-            for slot, p0, _, _ in step.req_work:
-                if slot == r:
-                    return p0
-        return n
+        self._cache.layer_len(i, req_id)  # checks the id
+        return self._visible_lengths(req_id)[i]
+
+    def _visible_lengths(self, req_id: int) -> list[int]:
+        """Rows per layer of a live request, a layer this forward has not written yet
+        counted as before the forward."""
+        return self._cache.lengths_before(req_id, self._step)
 
     def stats(self) -> dict:
         return self._cache.stats()
@@ -267,14 +266,11 @@ class HiSparseIndexGroup:
                 raise ValueError(f"pad_to={pad_to} is smaller than the batch's {metadata.num_decodes} decodes")
             q = max(q, 1)
             capacity = StepCapacity(requests=pad_to, tokens=pad_to * q)
-        if self._step is not None:  # layers the last forward did not write
-            self._cache.abandon_step(self._step)
-            self._step = None
         cache = self._cache
         for row, rid in enumerate(metadata.request_ids_cpu):
             if not cache.requests.is_live(rid):
                 raise ValueError(f"batch row {row}: request {rid} is not live (add_request first)")
-            lens = cache.lengths(rid)
+            lens = self._visible_lengths(rid)  # layers the last forward did not write: as before it
             start = metadata.context_start(row)
             if any(n != start for n in lens):
                 raise ValueError(f"batch row {row}: request {rid} holds {list(lens)} rows per layer but the "
@@ -286,8 +282,9 @@ class HiSparseIndexGroup:
         if capacity is not None and self.device.type == "cuda":
             # the persistent buffers are rewritten below: in-flight staging of the last
             # forward (which reads the decode ids) finishes first
-            cache.streams.before_lifecycle()
-        step = cache.prepare_step(write_batch, capacity=capacity)  # changes state last
+            cache.join_staging()
+        # changes state last; puts back the layers the last forward did not write
+        step = cache.prepare_step(write_batch, capacity=capacity, replaces=self._step)
         # ---- the forward's state ----
         self._tokens = capacity.tokens if capacity is not None else metadata.num_tokens
         ndt = capacity.tokens if capacity is not None else td
