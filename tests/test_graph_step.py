@@ -15,6 +15,7 @@ import torch
 
 from graph_trace import Runner, TraceShape, Truth, cache_state, make_group, plan_trace
 from hisparse import CapacityError
+from hisparse.cache.write_step import StepCapacity
 from hisparse.engine import SparseMLAMetadata
 
 
@@ -168,3 +169,67 @@ def test_abandoned_forward_is_put_back_after_requests_change():
     after = cache_state(g)
     assert torch.equal(after["seq_lens"][:, c.request_slot(1)], torch.tensor([17, 17], dtype=torch.int32))
     assert not torch.equal(before["hot"], after["hot"])
+
+
+def test_a_request_admitted_again_is_not_the_abandoned_forwards():
+    """Free and re-admit a request under the same id (it gets the same slot) after a
+    forward that wrote nothing: the put-back must not hand the new request the old one's
+    lengths."""
+    shape = TraceShape()
+    truth = Truth(shape)
+    g = make_group(shape, "cpu", "torch")
+    c = g.hisparse_cache
+    lens = {}
+    _join(g, 1, 10, truth, lens)
+    g.prepare_for_batch(_decode_md([1], lens), pad_to=2)  # written by no layer
+    slot = c.request_slot(1)
+    g.free_request(1)
+    g.add_request(1)
+    assert c.request_slot(1) == slot
+    assert [g.request_length(1, i) for i in range(2)] == [0, 0]
+    md = SparseMLAMetadata.build(request_ids=[1], query_lens=[4], seq_lens=[4], num_decodes=0)
+    g.prepare_for_batch(md)  # the new request's prefill is accepted
+    for layer in range(2):
+        g.write_new_rows(layer, truth.rows(layer, 1)[:4], md)
+    assert [c.layer_len(i, 1) for i in range(2)] == [4, 4]
+    assert c.state.seq_lens[:, slot].tolist() == [4, 4]
+
+
+def test_a_layers_write_makes_its_held_results_stale():
+    shape = TraceShape()
+    truth = Truth(shape)
+    g = make_group(shape, "cpu", "torch")
+    c = g.hisparse_cache
+    lens = {}
+    _join(g, 1, 20, truth, lens)
+    batch = c.plan_write([1], [1])
+    step = c.prepare_step(batch)
+    res = c.resolve(1, torch.tensor([1], dtype=torch.int32), torch.tensor([[0, 5, -1, -1, -1, -1, -1, -1]],
+                                                                           dtype=torch.int32))
+    assert not res.stale
+    c.write_step(1, step, truth.rows(1, 1)[20:21])
+    assert res.stale
+
+
+def test_abandon_forward_and_bucket_buffers_taken_over():
+    shape = TraceShape()
+    truth = Truth(shape)
+    g = make_group(shape, "cpu", "torch")
+    c = g.hisparse_cache
+    lens = {}
+    _join(g, 1, 10, truth, lens)
+    md = _decode_md([1], lens)
+    g.prepare_for_batch(md, pad_to=2)
+    g.write_new_rows(0, torch.cat([truth.rows(0, 1)[10:11]] * 2), md)
+    g.abandon_forward()  # (a capture that raised): every layer not run is put back
+    assert [c.layer_len(i, 1) for i in range(2)] == [11, 10]  # layer 0 ran eagerly
+    with pytest.raises(ValueError, match="prepare_for_batch"):
+        g.write_new_rows(1, torch.cat([truth.rows(1, 1)[10:11]] * 2), md)
+    # two padded steps of one bucket share its buffers: the older step can't write any more
+    _join(g, 2, 6, truth, lens)
+    first = c.prepare_step(c.plan_write([2], [1]), capacity=StepCapacity(requests=2, tokens=2))
+    second = c.prepare_step(c.plan_write([2], [1]), capacity=StepCapacity(requests=2, tokens=2),
+                            replaces=first)
+    with pytest.raises(ValueError, match="later step"):
+        c.write_step(0, first, torch.zeros((2, 656), dtype=torch.uint8))
+    c.write_step(0, second, torch.cat([truth.rows(0, 2)[6:7]] * 2))

@@ -156,6 +156,11 @@ class HiSparseCache:
         rows appended in the same step from host."""
         self.streams.join_backup(stream)
 
+    def note_replay(self) -> None:
+        """Call before replaying a graph captured over this cache's calls (host waits then
+        cover the replay)."""
+        self.streams.note_replay()
+
     def join_staging(self) -> None:
         """The current stream waits for every layer's in-flight resolve and staging
         (before buffers those read are rewritten)."""
@@ -220,9 +225,10 @@ class HiSparseCache:
         """Rows per layer, a layer ``step`` has not written counted as before it."""
         return self.writer.visible(step, req_id, self.request_slot(req_id))[0]
 
-    def abandon_step(self, step: StepPlan) -> None:
-        """Put back every layer of ``step`` whose write did not run."""
-        self.writer.abandon_step(step)
+    def abandon_step(self, step: StepPlan, *, captured: bool = False) -> None:
+        """Put back every layer of ``step`` whose write did not run (``captured``: and
+        those captured in a graph that failed)."""
+        self.writer.abandon_step(step, captured=captured)
 
     def append_rows_batch(self, layer: int, req_ids, rows: torch.Tensor, counts) -> list[int]:
         """Append ``counts[i]`` rows to request ``req_ids[i]`` of one layer, for every i

@@ -28,6 +28,7 @@ class RequestTable:
         self._free: list[int] = list(range(max_num_reqs - 1, -1, -1))  # pop() -> lowest
         self._lens: dict[int, list[int]] = {}  # slot -> rows appended per layer
         self._reserved: dict[int, list[int]] = {}  # slot -> position in slot S per layer, -1 = none
+        self._born: dict[int, int] = {}  # slot -> the generation its request was admitted at
         self.generation = 0  # moves on with every add / remove
         self.epochs = [0] * num_layers  # per layer: moves on with every change of the layer
 
@@ -80,12 +81,13 @@ class RequestTable:
         self._lens[r] = [0] * self.num_layers
         self._reserved[r] = [-1] * self.num_layers
         self.generation += 1
+        self._born[r] = self.generation
         return r
 
     def remove(self, req_id: int) -> int:
         """Release a live id (checked by the caller); returns its former slot."""
         r = self._slot_of.pop(req_id)
-        del self._lens[r], self._reserved[r]
+        del self._lens[r], self._reserved[r], self._born[r]
         self._free.append(r)
         self._free.sort(reverse=True)
         self.generation += 1
@@ -99,6 +101,11 @@ class RequestTable:
         self._lens[r][layer] = end
         if reserved >= 0:
             self._reserved[r][layer] = reserved
+
+    def incarnation(self, r: int) -> int:
+        """Which admission the request in slot r is (distinct for every add_request, so a
+        request freed and admitted again under the same id and slot is told apart)."""
+        return self._born[r]
 
     def reserved_list(self, r: int) -> list[int]:
         """Reserved-slot occupant of each layer (the table's own list: read it only)."""

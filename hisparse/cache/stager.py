@@ -90,6 +90,14 @@ class CacheStreams:
     def current(self):
         return self.streams.current()
 
+    def note_replay(self) -> None:
+        """A graph captured over this cache's calls is about to be replayed: the events'
+        latest work is the replay's, which a host wait can only cover by a device sync
+        (``_Event.synchronize``) and which every stream here is ordered after already."""
+        for ev in self._events():
+            if ev.event is not None:
+                ev.recorded, ev.in_capture = True, True
+
     def capturing(self) -> bool:
         """Whether the current stream is being captured. The first capturing call after
         eager ones starts a new capture: events recorded in an earlier capture belong to

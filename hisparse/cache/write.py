@@ -162,7 +162,9 @@ class Writer:
         """Plan ``batch``'s append to every layer at once (``write_step`` per layer then
         only launches). Allocates the step's blocks, writes their block-table entries
         on the current stream and commits every layer's lengths and reserved-slot
-        occupants. ``replaces``: the previous step, whose layers that were not written
+        occupants: between this and a layer's ``write_step``, that layer's host lengths
+        already count the step's rows (resolve a layer only after its write, as the
+        engine façade enforces). ``replaces``: the previous step, whose layers that were not written
         are put back first (``abandon_step``; the checks here see those layers as put
         back). ``capacity``: pad the lists into the bucket's persistent buffers (fixed
         shapes and addresses, for CUDA graphs). Every layer must hold the same rows of
@@ -190,7 +192,7 @@ class Writer:
                                  "positions to every layer")
             if n:
                 work.append((r, p0, p0 + n, t0, old))
-                req_work.append((rid, r, p0, p0 + n, old))
+                req_work.append((rid, r, req.incarnation(r), p0, p0 + n, old))
         new_blocks = self._new_blocks(work) if work else {}
         alloc = self.pool.allocator
         if work:
@@ -206,6 +208,7 @@ class Writer:
             padded.load(lists)
             plan, rows = padded.plan, capacity.tokens
         else:
+            padded = None
             plan, rows = _to_plan(rest, sizes, self.device), batch.total
         if bt.numel():
             btd = bt.pin_memory().to(self.device, non_blocking=True) if self.streams.cuda else bt
@@ -215,15 +218,18 @@ class Writer:
             self.abandon_step(replaces)
         self._allocate(new_blocks)
         S = self.cfg.device_buffer_size
-        for _, r, _, p1, _ in req_work:
+        for _, r, _, _, p1, _ in req_work:
             occ = p1 - 1 if p1 - 1 >= S else -1
             for layer in range(L):
                 req.set_written(r, layer, p1, occ)
         for layer in range(L):
             req.touch(layer)
         self._plan = None
-        return StepPlan(plan=plan, req_work=tuple(req_work), pending=set(range(L)) if req_work else set(),
-                        rows=rows, generation=batch.generation, padded=capacity is not None)
+        step = StepPlan(plan=plan, req_work=tuple(req_work), pending=set(range(L)) if req_work else set(),
+                        rows=rows, generation=batch.generation, buffers=padded)
+        if padded is not None:
+            padded.owner = step
+        return step
 
     def visible(self, step: StepPlan | None, rid: int, slot: int) -> tuple[list[int], list[int]]:
         """(rows per layer, reserved occupant per layer) of live request ``rid`` in
@@ -231,7 +237,7 @@ class Writer:
         the step."""
         req = self.requests
         lens, res = list(req.lengths(slot)), list(req.reserved_list(slot))
-        prev = step.before(rid, slot) if step is not None and step.pending else None
+        prev = step.before(rid, slot, req.incarnation(slot)) if step is not None and step.pending else None
         if prev is not None:
             for layer in step.pending:  # type: ignore[union-attr]
                 lens[layer], res[layer] = prev
@@ -243,28 +249,38 @@ class Writer:
         layer pending (a retry runs it again)."""
         if step.generation != self.requests.generation:
             raise ValueError("the step is out of date: requests were added or freed since it was prepared")
+        if step.buffers is not None and step.buffers.owner is not step:
+            raise ValueError("the step's bucket buffers hold a later step's lists: prepare it again")
         if layer not in step.pending:
             raise ValueError(f"layer {layer}: this step's rows were already written")
         rows = self.check_rows(rows, step.rows)
         self._launch(layer, step.plan, rows)
         step.pending.discard(layer)
+        if self.streams.capturing():
+            step.captured.add(layer)  # runs when the graph is replayed
+        self.requests.touch(layer)  # results held from before the write are stale
         ev = self.streams.backup.event if (self.pool.is_writer and self.streams.cuda) else None
         self.pool.commit_append(layer, ev)
 
-    def abandon_step(self, step: StepPlan) -> None:
+    def abandon_step(self, step: StepPlan, *, captured: bool = False) -> None:
         """Put back the lengths and reserved-slot occupants of the layers whose write did
-        not run, for every request of the step still live in its slot (their positions
-        are free again; the step's blocks stay with their requests, block-table entries
-        included). Requests freed since hold nothing to put back."""
-        if not step.pending:
+        not run (with ``captured``: also those captured in a graph, for a capture that
+        failed and will never replay), for every request of the step still live in the
+        same admission (their positions are free again; the step's blocks stay with
+        their requests, block-table entries included). Requests freed since hold
+        nothing to put back."""
+        layers = step.pending | (step.captured if captured else set())
+        if not layers:
             return
         req = self.requests
-        for layer in sorted(step.pending):
-            for rid, r, p0, _, old in step.req_work:
-                if req.slot_map().get(rid) == r:
+        for layer in sorted(layers):
+            for rid, r, inc, p0, _, old in step.req_work:
+                if req.slot_map().get(rid) == r and req.incarnation(r) == inc:
                     req.restore(r, layer, p0, old)
             req.touch(layer)
         step.pending.clear()
+        if captured:
+            step.captured.clear()
 
     def _new_blocks(self, work: list[Work]) -> dict[int, list[int]]:
         """Blocks each request of ``work`` needs, as the allocator will hand them out

@@ -52,38 +52,43 @@ class StepCapacity:
 class StepPlan:
     """The per-layer device lists of one prepared step (``Writer.prepare_step``).
 
-    plan: the lists (no block-table entries); req_work: (request id, request slot,
-    first position, end position, reserved occupant before the step) per request
-    written; pending: layers whose write has not run yet; rows: how many rows a layer's
-    write takes (the bucket's tokens when padded, else the batch's total).
+    plan: the lists (no block-table entries); req_work: (request id, request slot, its
+    incarnation, first position, end position, reserved occupant before the step) per
+    request written; pending: layers whose write has not run yet; captured: layers whose
+    write was captured in a CUDA graph (it runs when the graph is replayed); rows: how
+    many rows a layer's write takes (the bucket's tokens when padded, else the batch's
+    total); buffers: the bucket's persistent buffers (padded steps), which a later step
+    of the bucket takes over.
     """
 
     plan: WritePlan
-    req_work: tuple[tuple[int, int, int, int, int], ...]
+    req_work: tuple[tuple[int, int, int, int, int, int], ...]
     pending: set[int]
     rows: int
     generation: int
-    padded: bool
+    buffers: "PaddedPlan | None" = None
+    captured: set[int] = dataclasses.field(default_factory=set)
 
-    def before(self, rid: int, slot: int) -> tuple[int, int] | None:
-        """(length, reserved occupant) request ``rid`` in ``slot`` had before this step,
-        when the step writes it (None otherwise)."""
-        for i, r, p0, _, old in self.req_work:
-            if i == rid and r == slot:
+    def before(self, rid: int, slot: int, incarnation: int) -> tuple[int, int] | None:
+        """(length, reserved occupant) the request had before this step, when the step
+        writes it: the same id, slot and admission (None otherwise)."""
+        for i, r, inc, p0, _, old in self.req_work:
+            if i == rid and r == slot and inc == incarnation:
                 return p0, old
         return None
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class PaddedPlan:
     """The persistent device buffers of one capacity: ``flat`` int64 [sum of caps] holds
     every list back to back; ``plan`` is the WritePlan the kernels read (int64 views of
     ``flat``, int32 buffers for the int32 lists and the row-copy kernel's lists);
-    ``views`` the int64 view of every list."""
+    ``views`` the int64 view of every list; ``owner``: the step whose lists are loaded."""
 
     flat: torch.Tensor
     plan: WritePlan
     views: dict
+    owner: object = None
 
     def load(self, lists: torch.Tensor) -> None:
         """Copy a step's padded lists (int64 CPU, ``pad_lists``) in, on the current

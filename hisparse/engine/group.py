@@ -310,11 +310,22 @@ class HiSparseIndexGroup:
         self._converted = {}
         self._written = set()  # layers whose rows this forward wrote
         if replay:  # the graph's replay runs every layer's write and resolve
+            cache.note_replay()
             step.pending.clear()
             self._written = set(range(cfg.num_layers))
             for i in range(cfg.num_layers):
                 self._converted[i] = (_REPLAYED, (None, None))
                 self.resolves_per_layer[i] += 1 if ndt else 0
+
+    def abandon_forward(self) -> None:
+        """The forward prepared last will not run: put back every layer it did not write,
+        including those whose calls were captured in a graph (call it when a capture
+        raised; a captured forward that is replayed must not be abandoned)."""
+        if self._step is not None:
+            self._cache.abandon_step(self._step, captured=True)
+        self._batch = None
+        self._written = set()
+        self._converted = {}
 
     def _check_batch(self, metadata: object) -> SparseMLAMetadata:
         if self._batch is None or metadata is not self._batch:

@@ -152,8 +152,12 @@ class DecodeGraphs:
             return eng.forward_padded(padded, st)[:B * q]
         if g is None:
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
-                st.out = eng.forward_padded(padded, st)
+            try:
+                with torch.cuda.graph(g, pool=self.pool):
+                    st.out = eng.forward_padded(padded, st)
+            except BaseException:
+                eng.kv.abandon_forward()  # nothing captured ran: the store puts the step back
+                raise
             self.graphs[n] = g
             self.counts["captures"] += 1
             self.last = "capture"

@@ -97,6 +97,9 @@ class KVStore:
         """Device work before layer 0 of a padded decode step, from the bucket's static
         inputs only (captured with the forward)."""
 
+    def abandon_forward(self) -> None:
+        """The prepared forward's capture failed: undo its host bookkeeping."""
+
     def write(self, layer: int, rows: torch.Tensor, batch: Batch) -> None:
         """rows: uint8 [T, row_bytes], the forward's tokens in batch order."""
         raise NotImplementedError
@@ -244,6 +247,9 @@ class HiSparseKV(KVStore):
         decode contract (all host work of the step here; the per-layer calls then launch
         bucket shapes, or run as the replay of the bucket's graph)."""
         self.group.prepare_for_batch(batch.md, pad_to=n, replay=replay)
+
+    def abandon_forward(self) -> None:
+        self.group.abandon_forward()
 
     def write(self, layer: int, rows: torch.Tensor, batch: Batch) -> None:
         self.group.write_new_rows(layer, rows, batch.md)
