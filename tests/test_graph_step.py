@@ -56,11 +56,16 @@ def _join(g, rid, n, truth, lens):
     lens[rid] = n
 
 
-def test_pad_to_checks_and_replay_contract():
+def _small_group():
+    """(shape, truth, a torch-kernel group on CPU, an empty lengths map) of a default
+    TraceShape."""
     shape = TraceShape()
     truth = Truth(shape)
-    g = make_group(shape, "cpu", "torch")
-    lens = {}
+    return shape, truth, make_group(shape, "cpu", "torch"), {}
+
+
+def test_pad_to_checks_and_replay_contract():
+    shape, truth, g, lens = _small_group()
     _join(g, 1, 5, truth, lens)
     _join(g, 2, 20, truth, lens)
     md = _decode_md([1, 2], lens)
@@ -86,10 +91,7 @@ def test_abandoned_layers_are_put_back():
     """A forward whose write_new_rows ran for no layer leaves its layers as they were
     (its block stays with the request and serves the next forward); one that wrote some
     layers leaves those (as an eager forward cut short would)."""
-    shape = TraceShape()
-    truth = Truth(shape)
-    g = make_group(shape, "cpu", "torch")
-    lens = {}
+    shape, truth, g, lens = _small_group()
     n = 16
     _join(g, 1, n, truth, lens)  # the next row opens a new block (blocks of 4)
     c = g.hisparse_cache
@@ -120,10 +122,7 @@ def test_abandoned_layers_are_put_back():
 
 
 def test_replayed_forward_refuses_eager_calls():
-    shape = TraceShape()
-    truth = Truth(shape)
-    g = make_group(shape, "cpu", "torch")
-    lens = {}
+    shape, truth, g, lens = _small_group()
     _join(g, 1, 5, truth, lens)
     md = _decode_md([1], lens)
     g.prepare_for_batch(md, pad_to=2, replay=True)  # (no graph here: only the bookkeeping)
@@ -139,11 +138,8 @@ def test_abandoned_forward_is_put_back_after_requests_change():
     """Requests freed between an unwritten forward and the next one: the live request's
     layers are still put back; a failing prepare (pool full) changes nothing, the
     abandoned forward included."""
-    shape = TraceShape()
-    truth = Truth(shape)
-    g = make_group(shape, "cpu", "torch")
+    shape, truth, g, lens = _small_group()
     c = g.hisparse_cache
-    lens = {}
     _join(g, 1, 16, truth, lens)
     _join(g, 2, 7, truth, lens)
     g.prepare_for_batch(_decode_md([1, 2], lens), pad_to=2)  # written by no layer
@@ -175,11 +171,8 @@ def test_a_request_admitted_again_is_not_the_abandoned_forwards():
     """Free and re-admit a request under the same id (it gets the same slot) after a
     forward that wrote nothing: the put-back must not hand the new request the old one's
     lengths."""
-    shape = TraceShape()
-    truth = Truth(shape)
-    g = make_group(shape, "cpu", "torch")
+    shape, truth, g, lens = _small_group()
     c = g.hisparse_cache
-    lens = {}
     _join(g, 1, 10, truth, lens)
     g.prepare_for_batch(_decode_md([1], lens), pad_to=2)  # written by no layer
     slot = c.request_slot(1)
@@ -196,11 +189,8 @@ def test_a_request_admitted_again_is_not_the_abandoned_forwards():
 
 
 def test_a_layers_write_makes_its_held_results_stale():
-    shape = TraceShape()
-    truth = Truth(shape)
-    g = make_group(shape, "cpu", "torch")
+    shape, truth, g, lens = _small_group()
     c = g.hisparse_cache
-    lens = {}
     _join(g, 1, 20, truth, lens)
     batch = c.plan_write([1], [1])
     step = c.prepare_step(batch)
@@ -212,11 +202,8 @@ def test_a_layers_write_makes_its_held_results_stale():
 
 
 def test_abandon_forward_and_bucket_buffers_taken_over():
-    shape = TraceShape()
-    truth = Truth(shape)
-    g = make_group(shape, "cpu", "torch")
+    shape, truth, g, lens = _small_group()
     c = g.hisparse_cache
-    lens = {}
     _join(g, 1, 10, truth, lens)
     md = _decode_md([1], lens)
     g.prepare_for_batch(md, pad_to=2)
