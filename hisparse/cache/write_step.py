@@ -64,6 +64,7 @@ class StepPlan:
     rows: int
     generation: int
     padded: bool
+    plan_recorded: bool = False  # the plan's lists were recorded on the backup stream
 
 
 @dataclasses.dataclass(frozen=True)
