@@ -67,6 +67,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "attention (split)")
     ap.add_argument("--backend", default=None, help="attention backend (default triton)")
     ap.add_argument("--flashmla-lib", default=None)
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="the last N replayed steps of each run go under torch.profiler (not timed): "
+                         "GPU time per step and its top kernels [0: off]")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU; figures mean nothing")
     ap.add_argument("--out", default=None)
     return ap.parse_args(argv)
@@ -115,7 +118,10 @@ def run_context(budget: Budget, shape: RunShape, ctx: int, a: argparse.Namespace
         t0 = time.perf_counter()
         print(f"[capacity]   {name}: batch {b}{' (capped)' if b < batch else ''}, {shape.run_layers} layers ...",
               flush=True)
-        s, res = measure(cfg, kind, decode_mode=shape.decode_mode, full_layers=budget.num_layers)
+        prof = None
+        if a.profile:  # the replays after the timed ones (decode steps - 2: padded, capture)
+            prof = (max(shape.decode_steps - 2 - a.profile, 1), a.profile)
+        s, res = measure(cfg, kind, decode_mode=shape.decode_mode, full_layers=budget.num_layers, profile=prof)
         s["wall_s"] = time.perf_counter() - t0
         s["config"] = dataclasses.asdict(cfg)
         out["runs"][name] = s
@@ -124,6 +130,8 @@ def run_context(budget: Budget, shape: RunShape, ctx: int, a: argparse.Namespace
         print(f"[capacity]   {name}: {dec['tokens_per_s'] or 0:.1f} tok/s at {shape.run_layers} layers "
               f"(median step {dec['step_ms']['median_ms'] or 0:.3f} ms over {dec['step_ms']['n']} "
               f"{dec['steps_from']}), {s['wall_s']:.1f} s", flush=True)
+        if s.get("profile"):
+            print(format_profile(name, s["profile"]), flush=True)
     if "resident" in raw and "hisparse" in raw:
         r, h = out["runs"]["resident"]["decode"], out["runs"]["hisparse"]["decode"]
         out["ratio_tokens_per_s"] = (h["tokens_per_s"] / r["tokens_per_s"]
@@ -142,6 +150,16 @@ def run_context(budget: Budget, shape: RunShape, ctx: int, a: argparse.Namespace
         sm = raw["resident_smaller_batch"]
         out["compare_resident_batch_sizes"] = compare(sm[0], sm[1], raw["resident"][1])
     return out
+
+
+def format_profile(name: str, p: dict, top: int = 12) -> str:
+    """The top kernels of a run's profiled replays, per step."""
+    lines = [f"[capacity]   {name}: {p['steps']} profiled replays, {p['busy_us_per_step'] / 1e3:.3f} ms of "
+             f"{p['activity']} time per step (overlaps count twice); top:"]
+    for k in p["top"][:top]:
+        lines.append(f"[capacity]     {k['us_per_step'] / 1e3:8.3f} ms  {100 * (k['share'] or 0):5.1f}%  "
+                     f"x{k['calls_per_step']:g}  {k['name'][:110]}")
+    return "\n".join(lines)
 
 
 def format_table(result: dict) -> str:

@@ -4,7 +4,10 @@ of R requests over L layers (``prepare_for_batch``, then per layer ``write_new_r
 then the same steps under cProfile to show where that time goes. ``--pad-to N``
 prepares each step padded to a bucket of N requests, as a graph-capturing engine's
 eager warm-up does. Prints min / median / p99 per call, the per-layer sum against the
-50 us target, and ``prepare_for_batch`` per step.
+50 us target, and ``prepare_for_batch`` per step. On CUDA it also counts the Triton
+launches per layer (Triton's launch hook, in a separate pass) and times the launch of an
+empty Triton kernel with as many arguments as the resolve's: launches x that time is
+the part of the per-layer time Triton's launcher takes, whatever hisparse does.
 
   python3 -m benchmarks.bench_host_calls [--requests 64] [--layers 8] [--context 4200] [--steps 20]
   python3 -m benchmarks.bench_host_calls --device cpu --kernels torch    # CPU: the torch paths
@@ -20,11 +23,49 @@ import sys
 import time
 
 import torch
+import triton
+import triton.language as tl
 
 from benchmarks import common
 from benchmarks.common import percentile
 from hisparse import HiSparseConfig
 from hisparse.engine import HiSparseIndexGroup, SparseMLAMetadata
+
+
+@triton.jit
+def _empty_kernel(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15,
+                  n0, n1, n2, n3, C0: tl.constexpr, C1: tl.constexpr):
+    pass
+
+
+def launch_floor(dev: torch.device, n: int = 300) -> dict:
+    """Host time of one launch of an empty Triton kernel taking 16 tensors, 4 ints and
+    2 constexprs (the resolve's argument count): the launcher's own cost per launch."""
+    ts = [torch.zeros(16, dtype=torch.int32, device=dev) for _ in range(16)]
+    times = []
+    for i in range(n + 20):
+        t0 = time.perf_counter()
+        _empty_kernel[(1,)](*ts, 64, 2048, 4096, i, C0=8, C1=16)
+        if i >= 20:
+            times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize(dev)
+    return {"min": min(times) * 1e6, "median": percentile(times, 50) * 1e6, "p99": percentile(times, 99) * 1e6}
+
+
+def count_launches(step, times: dict, layers: int) -> float | None:
+    """Triton launches per layer of one step (prepare_for_batch's excluded: none)."""
+    from triton import knobs
+    n = [0]
+
+    def hook(*_a, **_k):
+        n[0] += 1
+    old = knobs.runtime.launch_enter_hook
+    knobs.runtime.launch_enter_hook = hook
+    try:
+        step(times)
+    finally:
+        knobs.runtime.launch_enter_hook = old
+    return n[0] / layers
 
 
 def main(argv=None) -> int:
@@ -115,6 +156,16 @@ def main(argv=None) -> int:
     med = result["us"]["per_layer"]["median"]
     print(f"  per layer (write + convert): median {med:.1f} us against the 50 us target "
           f"({'met' if med <= 50 else 'not met'})")
+    if dev.type == "cuda":
+        floor = launch_floor(dev)
+        per_layer = count_launches(step, fresh(), L)
+        result["empty_launch_us"] = floor
+        result["triton_launches_per_layer"] = per_layer
+        lf = floor["median"] * per_layer
+        result["launcher_us_per_layer"] = lf
+        print(f"  empty Triton launch: min {floor['min']:.1f} us  median {floor['median']:.1f} us  "
+              f"p99 {floor['p99']:.1f} us; {per_layer:g} launches per layer = {lf:.1f} us of the "
+              f"{med:.1f} us per layer ({100 * lf / med:.0f}%)")
     if a.out:
         common.write_json(a.out, result)
     prof = cProfile.Profile()

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import mmap
 import weakref
-from typing import Iterator
 
 import torch
 
@@ -167,18 +166,47 @@ class Streams:
             self.backup = None
 
     def current(self):
-        return torch.cuda.current_stream(self.device) if self.cuda else None
+        return torch.cuda.current_stream(self.device.index) if self.cuda else None
 
     def new_event(self):
         return torch.cuda.Event() if self.cuda else None
 
-    @contextlib.contextmanager
-    def on(self, stream) -> Iterator[None]:
+    def on(self, stream):
+        """A context in which ``stream`` is the current stream (nothing on CPU)."""
         if stream is None:
-            yield
-        else:
-            with torch.cuda.stream(stream):
-                yield
+            return _NO_CONTEXT
+        if stream.device_index == torch.cuda.current_device():
+            return _OnStream(stream)
+        return torch.cuda.stream(stream)  # also switches the current device, and back
+
+
+_NO_CONTEXT = contextlib.nullcontext()  # stateless: one instance serves every caller
+
+
+class _OnStream:
+    """``torch.cuda.stream(stream)`` for a stream of the current device, without its
+    per-use device lookups: makes ``stream`` current and restores the previous one."""
+
+    __slots__ = ("stream", "prev")
+
+    def __init__(self, stream) -> None:
+        self.stream = stream
+
+    def __enter__(self) -> None:
+        self.prev = torch.cuda.current_stream(self.stream.device_index)
+        torch.cuda.set_stream(self.stream)
+
+    def __exit__(self, *exc) -> None:
+        torch.cuda.set_stream(self.prev)
+
+
+def on_device(device: torch.device | None):
+    """A context in which ``device`` (a CUDA device with an index, or None for CPU) is
+    the current device: nothing to do when it already is (the common case; a launch
+    then needs no device switch)."""
+    if device is None or device.index == torch.cuda.current_device():
+        return _NO_CONTEXT
+    return torch.cuda.device(device)
 
 
 def wait_event(stream, event) -> None:
@@ -187,5 +215,5 @@ def wait_event(stream, event) -> None:
         stream.wait_event(event)
 
 
-__all__ = ["PinnedBuffer", "Streams", "available_host_bytes", "check_host_bytes", "is_cuda", "is_pinned_host",
+__all__ = ["PinnedBuffer", "Streams", "available_host_bytes", "check_host_bytes", "is_cuda", "is_pinned_host", "on_device",
            "pin_host_range", "resolve_device", "unpin_host_range", "wait_event"]

@@ -197,3 +197,31 @@ def test_engine_with_ffn_stand_in_matches(ffn):
 def test_cli_graphs_flag_on_cpu_is_bad_input(capsys):
     assert me.main(["--graphs", "--unchecked"]) == 2
     assert "CUDA device" in capsys.readouterr().err
+
+
+def test_replay_profile_picks_replays_after_the_timed_ones_and_ranks_ops():
+    from types import SimpleNamespace as NS
+
+    from hisparse.tools.mini_engine.loop import ReplayProfile
+    prof = ReplayProfile(torch.device("cpu"), after=2, n=1)
+    graphs = NS(sizes=[1, 2, 4], graphs={2: object()})
+    decode = NS(md=NS(num_prefills=0, num_decodes=2))
+    assert not prof.wants(None, decode)
+    assert not prof.wants(graphs, NS(md=NS(num_prefills=1, num_decodes=2)))  # a mixed step
+    assert not prof.wants(graphs, NS(md=NS(num_prefills=0, num_decodes=3)))  # bucket 4 not captured
+    assert not prof.wants(graphs, decode)  # no replay timed yet
+    prof.replays_seen = 2
+    assert prof.wants(graphs, decode)
+    prof.start()
+    a = torch.randn(64, 64)
+    for _ in range(3):
+        a = a @ a
+    prof.stop(True)
+    assert not prof.wants(graphs, decode)  # n reached
+    rep = prof.report()
+    assert rep["steps"] == 1 and rep["activity"] == "cpu"
+    mm = [k for k in rep["top"] if k["name"] == "aten::mm"]
+    assert mm and mm[0]["calls_per_step"] == 3 and mm[0]["us_per_step"] > 0
+    assert rep["busy_us_per_step"] >= mm[0]["us_per_step"]
+    with pytest.raises(ValueError, match="after >= 0 and n >= 1"):
+        ReplayProfile(torch.device("cpu"), after=0, n=0)

@@ -9,11 +9,12 @@ does this when the plan unmaps a reserved-slot occupant).
 
 from __future__ import annotations
 
-import contextlib
+import functools
 
 import torch
 import triton
 
+from ..device import on_device
 from ..kernels.apply_write import apply_write_plan_kernel
 
 from .state import STAT_D2H_ROWS, HotState
@@ -52,6 +53,12 @@ def apply_write_plan_reference(state: HotState, hot: torch.Tensor, rows: torch.T
     st.stats[layer, STAT_D2H_ROWS] += (plan.host_h >= 0).sum()
 
 
+@functools.lru_cache(maxsize=None)
+def _words(row_bytes: int) -> tuple[int, int]:
+    ww = row_bytes // 4
+    return ww, triton.next_power_of_2(ww)
+
+
 def apply_write_plan_triton(state: HotState, hot: torch.Tensor, rows: torch.Tensor,
                             plan: WritePlan, layer: int) -> None:
     """Same arguments and result as ``apply_write_plan_reference``, one launch on the
@@ -65,14 +72,14 @@ def apply_write_plan_triton(state: HotState, hot: torch.Tensor, rows: torch.Tens
         return
     st = state
     bt = st.block_table
-    ww = W // 4
-    grid = (triton.cdiv(longest, BLOCK),)
-    with (torch.cuda.device(hot.device) if hot.is_cuda else contextlib.nullcontext()):
+    ls = st.layer(layer)
+    ww, wb = _words(W)
+    grid = (-(-longest // BLOCK),)
+    with on_device(hot.device if hot.is_cuda else None):
         apply_write_plan_kernel[grid](
             plan.flat, rows.view(torch.int32), hot.view(torch.int32), bt, bt.stride(0),
-            st.row_slot[layer], st.slot_pos[layer], st.slot_stamp[layer], st.step[layer],
-            st.seq_lens[layer], st.stats[layer], *plan.counts,
-            STAT_D2H=STAT_D2H_ROWS, WW=ww, WB=triton.next_power_of_2(ww), BLOCK=BLOCK,
+            ls.row_slot, ls.slot_pos, ls.slot_stamp, ls.step, ls.seq_lens, ls.stats, *plan.counts,
+            STAT_D2H=STAT_D2H_ROWS, WW=ww, WB=wb, BLOCK=BLOCK,
             num_warps=4)
 
 

@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 
-from .._checks import Kernels
+from .._checks import Kernels, check_int
 from ..config import HiSparseConfig
-from ..device import resolve_device
+from ..device import is_pinned_host, resolve_device
 from ..formats import RowFormat
 from ..staging.view import BlockTable, LayerView
 from . import validate as V
@@ -29,12 +29,12 @@ from .apply_write import apply_write_plan_reference, apply_write_plan_triton
 from .host_pool import HostPool
 from .requests import RequestTable
 from .resolve_ref import copy_rows_reference, copy_staged_reference, resolve_lookup_reference, resolve_reference
-from .resolve_triton import resolve_lookup_triton, resolve_triton
+from .resolve_triton import _launch_resolve, check_state, resolve_lookup_triton
 from .results import ResolveResult, SplitResult
 from .stager import CacheStreams, Stager
 from .state import HotState, ResolveBuffers
 from .stats import cache_stats
-from .transfer import copy_rows, copy_staged
+from .transfer import _launch_copy_rows, _launch_copy_staged
 from .write import WriteBatch, Writer
 from .write_step import StepCapacity, StepPlan
 
@@ -43,21 +43,52 @@ def _stage_reference(host_rows, out: ResolveBuffers, hot_rows, *, K: int, progra
     copy_staged_reference(host_rows, out.stage_src, hot_rows, out.stage_dst, out.stage_counts, K=K)
 
 
-def _stage_triton(host_rows, out: ResolveBuffers, hot_rows, *, K: int, programs=None) -> None:
-    copy_staged(host_rows, out.stage_src, hot_rows, out.stage_dst, out.stage_counts, K=K, programs=programs)
+class _PinnedOnce:
+    """Whether the host pool's rows (uint8 [L, H, row_bytes], CPU), which the Triton
+    kernels reach over UVA, are page-locked: asked of the driver on the first launch
+    outside a graph capture and remembered once it said yes (the pool's memory never
+    changes); a pool that is not pinned is refused with a ValueError before each
+    launch. On the interpreter (dev None) there is nothing to ask."""
+
+    def __init__(self, rows: torch.Tensor, dev: torch.device | None) -> None:
+        self.rows = rows
+        self.dev = dev
+        self.ok = dev is None
+
+    def check(self, name: str) -> None:
+        if self.ok or torch.cuda.is_current_stream_capturing():
+            return  # a capture follows an eager warm-up call, which checked
+        if not is_pinned_host(self.rows):
+            raise ValueError(f"{name} is a CPU tensor that is not pinned; the kernel on {self.dev} "
+                             "can only reach page-locked host memory (use PinnedBuffer)")
+        self.ok = True
 
 
-def _kernel_set(kernels: Kernels) -> dict:
-    """The launch functions of a picked implementation."""
+def _kernel_set(kernels: Kernels, device: torch.device, host_rows: torch.Tensor) -> dict:
+    """The launch functions of a picked implementation. The Triton ones launch without
+    re-checking what the cache owns (its state, buffers, plans and pool; see
+    ``resolve_triton._launch_resolve``); the callers check the call's own arguments."""
     if kernels is Kernels.TORCH:
         def mirror(rows, plan, host_l):
             copy_rows_reference(rows, plan.host_tok32, host_l, plan.host_h32)
         return dict(resolve_fn=resolve_reference, lookup_fn=resolve_lookup_reference,
                     copy_fn=_stage_reference, apply_fn=apply_write_plan_reference, mirror_fn=mirror)
 
-    def mirror(rows, plan, host_l):  # device (or interpreter) -> pinned host over UVA
-        copy_rows(rows, plan.host_tok32, host_l, plan.host_h32)
-    return dict(resolve_fn=resolve_triton, lookup_fn=resolve_lookup_triton, copy_fn=_stage_triton,
+    dev = device if device.type == "cuda" else None
+    pinned = _PinnedOnce(host_rows, dev)
+
+    def mirror(rows, plan, host_l):  # packed rows (Writer.check_rows) -> pinned host over UVA
+        pinned.check("dst")
+        _launch_copy_rows(rows, plan.host_tok32, host_l, plan.host_h32, dev)
+
+    def stage(host_rows, out: ResolveBuffers, hot_rows, *, K: int, programs=None) -> None:
+        pinned.check("src")
+        if programs is not None:  # Stager.stage_programs, settable by its user
+            check_int("programs", programs, 1)
+        _launch_copy_staged(host_rows, out.stage_src, hot_rows, out.stage_dst, out.stage_counts, dev,
+                            K=K, programs=programs)
+
+    return dict(resolve_fn=_launch_resolve, lookup_fn=resolve_lookup_triton, copy_fn=stage,
                 apply_fn=apply_write_plan_triton, mirror_fn=mirror)
 
 
@@ -78,7 +109,6 @@ class HiSparseCache:
         self.device = resolve_device(cfg.device)
         choice = Kernels.parse(kernels).pick(self.device)
         self.kernels = choice.value
-        fns = _kernel_set(choice)
         if host_pool is not None and not isinstance(host_pool, HostPool):
             raise TypeError(f"host_pool must be a HostPool, got {type(host_pool).__name__}")
         if host_pool is not None and host_pool.cfg.to_dict() != cfg.to_dict():
@@ -88,6 +118,9 @@ class HiSparseCache:
         L = cfg.num_layers
         self.pool = host_pool if host_pool is not None else HostPool(cfg, pin=pin)
         self.state = HotState.allocate(cfg, self.device)
+        if choice is Kernels.TRITON:
+            check_state(self.state)  # once: the per-call launches rely on it
+        fns = _kernel_set(choice, self.device, self.pool.rows)
         # uint8 [L, R * (S + 1) (rounded up), row_bytes]; hot[l] is what physical indices index
         self.hot = torch.zeros((L, cfg.hot_rows_per_layer, cfg.row_bytes), dtype=torch.uint8,
                                device=self.device)
@@ -104,6 +137,8 @@ class HiSparseCache:
         self._prefetch_out = ResolveBuffers.allocate(T, K, self.device)  # its undo log serves all
         self._bufs = [ResolveBuffers.allocate(T, K, self.device, undo_of=self._prefetch_out) for _ in range(L)]
         self._views: dict[int, LayerView] = {}
+        self._hot_l = list(self.hot)  # uint8 [N, row_bytes] per layer (views, made once)
+        self._host_l = list(self.pool.rows)  # uint8 [H, row_bytes] per layer
         self._split: dict[int, tuple] = {}  # layer -> (hit, miss lists), made on first use
 
     # ---- small queries ----------------------------------------------------
@@ -266,8 +301,8 @@ class HiSparseCache:
         """
         T, K, req_ids = self._check_resolve(layer, req_ids, topk, validate)
         out = self._bufs[layer].view(T, K)
-        event = self.stager.run(layer, req_ids, topk, out, host_rows=self.pool.rows[layer],
-                                hot_rows=self.hot[layer], compact=compact, wait=wait)
+        event = self.stager.run(layer, req_ids, topk, out, host_rows=self._host_l[layer],
+                                hot_rows=self._hot_l[layer], compact=compact, wait=wait)
         self.requests.touch(layer)
         return ResolveResult(out, event, self.requests.epochs, layer)
 

@@ -18,12 +18,13 @@ by the test suite); without it a CPU call is a ValueError (the torch path is
 
 from __future__ import annotations
 
-import contextlib
+import functools
 
 import torch
 import triton
 
 from .._checks import check_int, check_tensor, interpreter_mode
+from ..device import on_device
 from ..kernels.resolve import resolve_kernel, resolve_lookup_kernel
 from .state import (NUM_STATS, STAT_HITS, STAT_INVALID, STAT_MISSES, STAT_PREFETCH, STAT_RESOLVES,
                     HotState, ResolveBuffers)
@@ -37,6 +38,25 @@ def _check_vec(name: str, x: object, dtype: torch.dtype, ndim: int, device: torc
     check_tensor(name, x, dtype=dtype, ndim=ndim, device=device)
     if ndim and x.stride(-1) != 1:  # type: ignore[union-attr]
         raise ValueError(f"{name} must be contiguous in its last dimension, got strides {x.stride()}")  # type: ignore[union-attr]
+
+
+def check_state(state: HotState) -> None:
+    """The layout the kernels assume of ``state``'s tensors (dtypes, one device,
+    contiguous, [L, R] counters). A cache checks its own state once, when it is built
+    (nothing replaces its tensors afterwards); the public launchers check per call."""
+    dev = state.slot_pos.device
+    for name, dtype in (("id_to_slot", torch.int32), ("seq_lens", torch.int32), ("block_table", torch.int32),
+                        ("slot_pos", torch.int32), ("slot_stamp", torch.int64), ("row_slot", torch.int32),
+                        ("step", torch.int64)):
+        x = getattr(state, name)
+        if x.dtype != dtype or x.device != dev or not x.is_contiguous():
+            raise ValueError(f"state.{name} must be a contiguous {dtype} tensor on {dev}")
+    if state.seq_lens.dim() != 2 or state.seq_lens.shape != state.step.shape:
+        raise ValueError(f"state.seq_lens must be int32 [L, R] like state.step {tuple(state.step.shape)}, "
+                         f"got {tuple(state.seq_lens.shape)}")
+    if (state.stats.dtype != torch.int64 or state.stats.dim() != 2 or state.stats.shape[1] != NUM_STATS
+            or state.stats.device != dev or not state.stats.is_contiguous()):
+        raise ValueError(f"state.stats must be a contiguous int64 [L, {NUM_STATS}] tensor on {dev}")
 
 
 def _check_args(state: HotState, layer: int, req_ids: torch.Tensor, topk: torch.Tensor,
@@ -57,18 +77,7 @@ def _check_args(state: HotState, layer: int, req_ids: torch.Tensor, topk: torch.
             f"max_query_len x K = {max_query_len} x {K} exceeds the S = {state.S} LRU slots "
             "per (layer, request); a group could run out of evictable slots"
         )
-    for name, dtype in (("id_to_slot", torch.int32), ("seq_lens", torch.int32), ("block_table", torch.int32),
-                        ("slot_pos", torch.int32), ("slot_stamp", torch.int64), ("row_slot", torch.int32),
-                        ("step", torch.int64)):
-        x = getattr(state, name)
-        if x.dtype != dtype or x.device != dev or not x.is_contiguous():
-            raise ValueError(f"state.{name} must be a contiguous {dtype} tensor on {dev}")
-    if state.seq_lens.dim() != 2 or state.seq_lens.shape != state.step.shape:
-        raise ValueError(f"state.seq_lens must be int32 [L, R] like state.step {tuple(state.step.shape)}, "
-                         f"got {tuple(state.seq_lens.shape)}")
-    if (state.stats.dtype != torch.int64 or state.stats.dim() != 2 or state.stats.shape[1] != NUM_STATS
-            or state.stats.device != dev or not state.stats.is_contiguous()):
-        raise ValueError(f"state.stats must be a contiguous int64 [L, {NUM_STATS}] tensor on {dev}")
+    check_state(state)
     _check_vec("out.physical", out.physical, torch.int32, 2, dev)
     _check_vec("out.valid_counts", out.valid_counts, torch.int32, 1, dev)
     if out.physical.shape[0] < T or out.physical.shape[1] < K:
@@ -98,6 +107,7 @@ def _check_miss_lists(miss_lists, T: int, K: int, phys_stride: int, dev: torch.d
         raise ValueError(f"miss_counts has {mc.shape[0]} entries, need {T}")
 
 
+@functools.lru_cache(maxsize=None)
 def _launch_sizes(S: int, K: int, max_query_len: int) -> tuple[int, int, int, int]:
     KB = triton.next_power_of_2(K)
     GQ = triton.next_power_of_2(max_query_len)
@@ -128,22 +138,39 @@ def resolve_triton(state: HotState, layer: int, req_ids: torch.Tensor, topk: tor
     T, K = topk.shape
     if miss_lists is not None:
         _check_miss_lists(miss_lists, T, K, out.physical.stride(0), state.slot_pos.device)
+    if topk.shape[0] == 0:
+        return
+    _require_device(topk.device, "resolve_triton")
+    _launch_resolve(state, layer, req_ids, topk, out, max_query_len=max_query_len, compact=compact,
+                    stamped=stamped, miss_lists=miss_lists, prefetch=prefetch)
+
+
+def _launch_resolve(state: HotState, layer: int, req_ids: torch.Tensor, topk: torch.Tensor,
+                    out: ResolveBuffers, *, max_query_len: int, compact: bool = False,
+                    stamped: bool = False, miss_lists: tuple | None = None,
+                    prefetch: bool = False) -> None:
+    """``resolve_triton`` without its checks, for a caller that made them (the cache:
+    its state was checked when it was built, its output buffers are its own views of
+    [T, K], and ``req_ids`` / ``topk`` / ``layer`` / K <= top_k were checked by the
+    call; ``config`` guarantees max_query_len * top_k <= S). T = 0 launches nothing."""
+    T, K = topk.shape
     if T == 0:
         return
     dev = topk.device
-    _require_device(dev, "resolve_triton")
     S = state.S
     KB, GQ, SB, num_warps = _launch_sizes(S, K, max_query_len)
     mp, mh, mc = miss_lists if miss_lists is not None else (out.physical, out.physical, out.valid_counts)
-    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+    ls = state.layer(layer)
+    bt = state.block_table
+    with on_device(dev if dev.type == "cuda" else None):
         resolve_kernel[(T,)](
             req_ids, topk, topk.stride(0),
             state.id_to_slot, state.id_to_slot.shape[0],
-            state.seq_lens[layer], state.seq_lens.shape[1],
-            state.block_table, state.block_table.stride(0), state.block_table.shape[1],
-            state.slot_pos[layer], state.slot_stamp[layer],
-            state.row_slot[layer], state.row_slot.shape[1],
-            state.step[layer], state.stats[layer],
+            ls.seq_lens, ls.seq_lens.shape[0],
+            bt, bt.stride(0), bt.shape[1],
+            ls.slot_pos, ls.slot_stamp,
+            ls.row_slot, ls.row_slot.shape[0],
+            ls.step, ls.stats,
             out.physical, out.physical.stride(0), out.valid_counts,
             out.stage_src, out.stage_dst, out.undo_hit, out.undo_vpos, out.undo_vstamp,
             mp, mh, mc, out.stage_counts,
@@ -181,7 +208,7 @@ def resolve_lookup_triton(state: HotState, layer: int, req_ids: torch.Tensor, to
         return
     _require_device(dev, "resolve_lookup_triton")
     chunk = min(_LOOKUP_CHUNK, triton.next_power_of_2(K))
-    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+    with on_device(dev if dev.type == "cuda" else None):
         resolve_lookup_kernel[(T, triton.cdiv(K, chunk))](
             req_ids, topk, topk.stride(0),
             state.id_to_slot, state.id_to_slot.shape[0],
@@ -195,4 +222,4 @@ def resolve_lookup_triton(state: HotState, layer: int, req_ids: torch.Tensor, to
         )
 
 
-__all__ = ["resolve_triton", "resolve_lookup_triton"]
+__all__ = ["resolve_triton", "resolve_lookup_triton", "check_state"]

@@ -83,6 +83,14 @@ class CacheStreams:
         self.stage = [_Event(self.cuda) for _ in range(num_layers)]  # staging of the layer done
         self.resolved = [_Event(self.cuda) for _ in range(num_layers)]  # its state updates done
         self._was_capturing = False
+        # ``follow``'s event: recorded and waited on back to back, so one serves every call
+        # (a wait binds to the record before it; ``Stream.wait_stream`` makes a new event each time)
+        self._fork = torch.cuda.Event() if self.cuda else None
+
+    def follow(self, stream, cur) -> None:
+        """``stream`` waits for the work enqueued on ``cur`` so far (CUDA streams)."""
+        self._fork.record(cur)
+        stream.wait_event(self._fork)
 
     def _events(self) -> list[_Event]:
         return [self.backup, *self.stage, *self.resolved]
@@ -185,7 +193,7 @@ class Stager:
         cur, cap = cs.current(), cs.capturing()
         stage = cs.streams.stage
         if stage is not None:
-            stage.wait_stream(cur)
+            cs.follow(stage, cur)
             cs.backup.wait_by(stage, cap)
         ev = cs.stage[layer]
         with cs.streams.on(stage):
@@ -224,7 +232,7 @@ class Stager:
                        max_query_len=self.max_query_len)
         stage = cs.streams.stage
         if stage is not None:
-            stage.wait_stream(cur)
+            cs.follow(stage, cur)
             cs.backup.wait_by(stage, cap)
         ev = cs.stage[layer]
         miss_ran = False

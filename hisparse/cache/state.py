@@ -30,6 +30,7 @@ ascending position, with the victims in ascending slot order.)
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
 
@@ -45,9 +46,21 @@ STAT_PREFETCH = 5  # rows staged by prefetch resolves (predicted selections)
 NUM_STATS = 6
 
 
-@dataclasses.dataclass
+class LayerState(NamedTuple):
+    """Views of one layer's rows of the per-layer ``HotState`` tensors."""
+
+    seq_lens: torch.Tensor  # int32 [R]
+    slot_pos: torch.Tensor  # int32 [R, S + 1]
+    slot_stamp: torch.Tensor  # int64 [R, S + 1]
+    row_slot: torch.Tensor  # int32 [H]
+    step: torch.Tensor  # int64 [R]
+    stats: torch.Tensor  # int64 [NUM_STATS]
+
+
+@dataclasses.dataclass(frozen=True)
 class HotState:
-    """All device tensors of the hot tier's bookkeeping. Created once, never resized."""
+    """All device tensors of the hot tier's bookkeeping. Created once, never resized,
+    never reassigned (frozen: the per-layer views of ``layer`` stay valid)."""
 
     id_to_slot: torch.Tensor  # int32 [max_request_id], request slot of a live id, -1 = none
     seq_lens: torch.Tensor  # int32 [L, R], rows appended to layer l for the request slot (0 = free)
@@ -77,6 +90,15 @@ class HotState:
             S=S,
             B=cfg.host_block_size,
         )
+
+    def layer(self, layer: int) -> LayerState:
+        """Layer ``layer``'s views (made once per layer: launchers ask every call)."""
+        views = self.__dict__.setdefault("_layer_views", {})
+        v = views.get(layer)
+        if v is None:
+            v = views[layer] = LayerState(self.seq_lens[layer], self.slot_pos[layer], self.slot_stamp[layer],
+                                          self.row_slot[layer], self.step[layer], self.stats[layer])
+        return v
 
     @property
     def slots_per_req(self) -> int:

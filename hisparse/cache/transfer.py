@@ -19,13 +19,13 @@ source or destination index is -1 or out of range is skipped.
 
 from __future__ import annotations
 
-import contextlib
+import functools
 
 import torch
 import triton
 
 from .._checks import check_int, check_tensor, interpreter_mode, sm_count
-from ..device import is_pinned_host
+from ..device import is_pinned_host, on_device
 from ..kernels.copy_rows import copy_rows_kernel, copy_staged_kernel
 
 # Defaults of the launch shape; the staging benchmark sweeps them on the H200.
@@ -105,19 +105,36 @@ def copy_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_i
         raise ValueError("copy_rows on CPU tensors needs Triton's interpreter (TRITON_INTERPRET=1); "
                          "use hisparse.cache.resolve_ref.copy_rows_reference on CPU")
 
-    W = src.shape[1]
-    WW = W // 4
-    chunks = triton.cdiv(N, rows)
+    _launch_copy_rows(src, src_idx, dst, dst_idx, dev, rows=rows, num_warps=warps, programs_per_sm=per_sm)
+
+
+@functools.lru_cache(maxsize=None)
+def _words(row_bytes: int) -> tuple[int, int]:
+    """(int32 words per row, the next power of two) of a row width."""
+    ww = row_bytes // 4
+    return ww, triton.next_power_of_2(ww)
+
+
+def _launch_copy_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor,
+                      dev: torch.device | None, *, rows: int = DEFAULT_ROWS_PER_PROGRAM,
+                      num_warps: int = DEFAULT_NUM_WARPS, programs_per_sm: int = DEFAULT_PROGRAMS_PER_SM) -> None:
+    """``copy_rows`` without its checks, for callers that made them already (or own
+    every argument: the cache's host mirror). ``dev``: the CUDA device the kernel runs
+    on, None in the interpreter. Empty lists or tables launch nothing."""
+    N = src_idx.shape[0]
+    if N == 0 or src.shape[0] == 0 or dst.shape[0] == 0:
+        return
+    WW, WB = _words(src.shape[1])
+    chunks = -(-N // rows)
     if dev is None:
         grid = min(chunks, 3)  # interpreter: a few programs, still exercising the loop
     else:
-        grid = min(chunks, per_sm * sm_count(dev))
-    ctx = torch.cuda.device(dev) if dev is not None else contextlib.nullcontext()
-    with ctx:
+        grid = min(chunks, programs_per_sm * sm_count(dev))
+    with on_device(dev):
         copy_rows_kernel[(grid,)](
             src.view(torch.int32), src_idx, src.shape[0],
             dst.view(torch.int32), dst_idx, dst.shape[0], N, grid, chunks,
-            WW=WW, WB=triton.next_power_of_2(WW), ROWS=rows, num_warps=warps,
+            WW=WW, WB=WB, ROWS=rows, num_warps=num_warps,
         )
 
 
@@ -156,18 +173,26 @@ def copy_staged(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst
             if t.device.type == "cpu" and t.numel() and not capturing and not is_pinned_host(t):
                 raise ValueError(f"{name} is a CPU tensor that is not pinned; the kernel on {dev} "
                                  "can only reach page-locked host memory (use PinnedBuffer)")
+    if programs is not None:
+        check_int("programs", programs, 1)
+    _launch_copy_staged(src, src_idx, dst, dst_idx, counts, dev, K=K, programs=programs,
+                        rows_per_program=rows_per_program, num_warps=num_warps)
+
+
+def _launch_copy_staged(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor,
+                        counts: torch.Tensor, dev: torch.device | None, *, K: int, programs: int | None = None,
+                        rows_per_program: int = 8, num_warps: int = 4) -> None:
+    """``copy_staged`` without its checks (see ``_launch_copy_rows``)."""
+    T = counts.shape[0]
     if T == 0 or K == 0 or src.shape[0] == 0 or dst.shape[0] == 0:
         return
     if programs is None:
         programs = max(1, sm_count(dev) // 4) if dev is not None else 2
-    check_int("programs", programs, 1)
-    WW = src.shape[1] // 4
-    ctx = torch.cuda.device(dev) if dev is not None else contextlib.nullcontext()
-    with ctx:
+    WW, WB = _words(src.shape[1])
+    with on_device(dev):
         copy_staged_kernel[(programs,)](
             src.view(torch.int32), src_idx, src.shape[0], dst.view(torch.int32), dst_idx, dst.shape[0],
-            counts, T, K, programs, WW=WW, WB=triton.next_power_of_2(WW), ROWS=rows_per_program,
-            num_warps=num_warps)
+            counts, T, K, programs, WW=WW, WB=WB, ROWS=rows_per_program, num_warps=num_warps)
 
 
 __all__ = ["copy_rows", "copy_staged", "DEFAULT_ROWS_PER_PROGRAM", "DEFAULT_NUM_WARPS", "DEFAULT_PROGRAMS_PER_SM"]

@@ -83,6 +83,8 @@ class Writer:
         self.mirror_fn = mirror_fn
         self.device = device
         self._plan: tuple[tuple, WritePlan] | None = None  # last committed plan and its key
+        self._hot_l = list(hot)  # uint8 [N, row_bytes] per layer (views, made once)
+        self._host_l = list(pool.rows)  # uint8 [H, row_bytes] per layer
         self.step_buffers = StepBuffers(device)
 
     # ---- checks ------------------------------------------------------------------
@@ -254,7 +256,11 @@ class Writer:
         if layer not in step.pending:
             raise ValueError(f"layer {layer}: this step's rows were already written")
         rows = self.check_rows(rows, step.rows)
-        self._launch(layer, step.plan, rows)
+        # a padded plan's buffers are persistent, an eager one's lists are read on the
+        # backup stream by every layer: recording its use once covers them all
+        record_plan = not (step.buffers is not None or step.plan_recorded)
+        if self._launch(layer, step.plan, rows, record_plan=record_plan) and record_plan:
+            step.plan_recorded = True
         step.pending.discard(layer)
         if self.streams.capturing():
             step.captured.add(layer)  # runs when the graph is replayed
@@ -309,8 +315,12 @@ class Writer:
                 raise RuntimeError(f"the allocator handed request slot {r} blocks {got}, the write "
                                    f"planned with {want}")
 
-    def _launch(self, layer: int, plan: WritePlan, rows: torch.Tensor) -> None:
-        """Host mirror on the backup stream, then the hot-tier update on the compute stream."""
+    def _launch(self, layer: int, plan: WritePlan, rows: torch.Tensor, *, record_plan: bool = True) -> bool:
+        """Host mirror on the backup stream, then the hot-tier update on the compute stream.
+
+        The caching allocator is told that ``rows`` (and with ``record_plan`` the plan's
+        row-copy lists) are read on the backup stream; returns whether it was (CUDA,
+        outside a graph capture)."""
         cs = self.streams
         cur, cap = cs.before_write(layer)
         if plan.unmap.numel():
@@ -318,15 +328,19 @@ class Writer:
             cs.backup.wait_by(cur, cap)
         backup = cs.streams.backup
         if backup is not None:
-            backup.wait_stream(cur)
+            cs.follow(backup, cur)
         with cs.streams.on(backup):
             if self.pool.is_writer:
-                self.mirror_fn(rows, plan, self.pool.rows[layer])
+                self.mirror_fn(rows, plan, self._host_l[layer])
             cs.backup.record(backup, cap)
-        if backup is not None and not cap:
-            for t in (rows, plan.host_tok32, plan.host_h32):  # read on the backup stream
-                t.record_stream(backup)
-        self.apply_fn(self.state, self.hot[layer], rows, plan, layer)
+        recorded = backup is not None and not cap
+        if recorded:  # read on the backup stream
+            rows.record_stream(backup)
+            if record_plan:
+                plan.host_tok32.record_stream(backup)
+                plan.host_h32.record_stream(backup)
+        self.apply_fn(self.state, self._hot_l[layer], rows, plan, layer)
+        return recorded
 
 
 __all__ = ["WriteBatch", "Writer", "pack_rows", "StepCapacity", "StepPlan"]

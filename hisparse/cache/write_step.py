@@ -68,6 +68,7 @@ class StepPlan:
     generation: int
     buffers: "PaddedPlan | None" = None
     captured: set[int] = dataclasses.field(default_factory=set)
+    plan_recorded: bool = False  # the plan's lists were recorded on the backup stream
 
     def before(self, rid: int, slot: int, incarnation: int) -> tuple[int, int] | None:
         """(length, reserved occupant) the request had before this step, when the step

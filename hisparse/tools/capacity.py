@@ -158,18 +158,21 @@ def engine_config(budget: Budget, shape: RunShape, *, context: int, batch: int) 
 
 
 def measure(cfg: MiniEngineConfig, kind: str, *, decode_mode: DecodeMode, full_layers: int | None = None,
-            skip: int = 0, progress: bool = False) -> tuple[dict, dict]:
+            skip: int = 0, progress: bool = False, profile: tuple[int, int] | None = None) -> tuple[dict, dict]:
     """Serve ``cfg`` with one KV store; returns (summary, raw result with the outputs).
 
     summary: :func:`summarize`'s fields plus ``decode`` {batch, step_ms {min, median,
     p99, n} over the replayed steps (graphs) or all decode-only steps, tokens_per_s =
     batch x q / median step, and the same scaled from ``cfg.num_layers`` to
     ``full_layers`` layers}. ``skip``: steps dropped from the front of those samples
-    (a warm-up beyond the graphs' own).
+    (a warm-up beyond the graphs' own). ``profile=(after, n)``: n replays after the
+    first ``after`` run under torch.profiler instead of being timed (summary ``profile``).
     """
     check_int("skip", skip, lo=0)
-    res = run_engine(cfg, kind, progress=progress, decode_mode=decode_mode)
+    res = run_engine(cfg, kind, progress=progress, decode_mode=decode_mode, profile=profile)
     s = summarize(res)
+    if res.get("profile") is not None:
+        s["profile"] = res["profile"]
     replays = bool(res["replay_step_times"])
     st = step_stats((res["replay_step_times"] if replays else res["decode_step_times"])[skip:])
     B, q = cfg.num_requests, cfg.query_len

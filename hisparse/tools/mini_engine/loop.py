@@ -19,6 +19,7 @@ import time
 from typing import Callable
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from ...attention.base import Phase
 from ...attention.chooser import choose_backend
@@ -31,7 +32,7 @@ from ...formats import D_LATENT, D_ROW
 from ..preflight import check_memory, check_output_file, parse_device, require_kernels
 from ..traces import TraceRecorder
 from .config import MiniEngineConfig, Request, make_workload, memory_needed
-from .graphs import DecodeGraphs, DecodeMode, StaticInputs
+from .graphs import DecodeGraphs, DecodeMode, StaticInputs, bucket_for
 from .kv import KV_STORES, Attention, Batch
 from .model import Indexer, Model, synthetic_rows
 
@@ -159,9 +160,15 @@ class MiniEngine:
         return x
 
     # ---- serving loop ---------------------------------------------------------
-    def run(self, progress: Callable[[int, int, int], None] | None = None) -> dict:
-        """Serve the whole workload; ``progress(step, running, pending)`` after each step."""
+    def run(self, progress: Callable[[int, int, int], None] | None = None,
+            profile: tuple[int, int] | None = None) -> dict:
+        """Serve the whole workload; ``progress(step, running, pending)`` after each step.
+
+        ``profile=(after, n)``: the n graph replays after the first ``after`` ones run
+        under torch.profiler (kernel times in the result's ``profile``, see
+        :class:`ReplayProfile`) and are left out of ``replay_step_times``."""
         cfg, dev = self.cfg, self.device
+        prof = ReplayProfile(dev, *profile) if profile is not None else None
         reqs = make_workload(cfg)
         pending = sorted(reqs, key=lambda r: r.arrival)
         running: list[Request] = []
@@ -191,6 +198,9 @@ class MiniEngine:
                 continue
             items = self._schedule(running)
             batch = self._batch(items)
+            profiled = prof is not None and prof.wants(self.graphs, batch)
+            if profiled:
+                prof.start()
             t0 = time.perf_counter()
             replay = False
             if self.graphs is not None and batch.md.num_prefills == 0:
@@ -204,11 +214,15 @@ class MiniEngine:
                 t += n
             sync()
             dt = time.perf_counter() - t0
+            if profiled:
+                prof.stop(replay)
             step_times.append(dt)
             if batch.md.num_prefills == 0:
                 decode_step_times.append(dt)
-            if replay:
+            if replay and not profiled:
                 replay_step_times.append(dt)
+                if prof is not None:
+                    prof.replays_seen += 1
             tokens += x.shape[0]
             for r, n in items:
                 r.done += n
@@ -227,6 +241,7 @@ class MiniEngine:
                 "step_times": step_times, "decode_step_times": decode_step_times,
                 "replay_step_times": replay_step_times, "fill_time_s": fill_time,
                 "stats": self.kv.stats(), "synthetic": cfg.synthetic_context,
+                "profile": prof.report() if prof is not None else None,
                 "graphs": self.graphs.report() if self.graphs is not None else None}
 
     def _fill(self, r: Request) -> None:
@@ -240,6 +255,57 @@ class MiniEngine:
 
 
 # ---------------------------------------------------------------------- compare
+class ReplayProfile:
+    """Kernel times of ``n`` graph-replayed decode steps after the first ``after``
+    replays, under torch.profiler (CUDA activity: the kernels a replay launches; on CPU
+    the ops). ``report()``: steps profiled, GPU time per step (the kernels' durations
+    summed: overlapping kernels count twice) and the top kernels by time per step."""
+
+    def __init__(self, device: torch.device, after: int, n: int, top: int = 20) -> None:
+        if after < 0 or n < 1:
+            raise ValueError(f"profile needs after >= 0 and n >= 1, got ({after}, {n})")
+        self.device, self.after, self.n, self.top = device, after, n, top
+        self.replays_seen = 0  # timed replays so far
+        self.steps = 0  # profiled replays
+        self._prof = None
+        self._kernels: dict[str, list[float]] = {}  # name -> [count, total us]
+
+    def wants(self, graphs, batch: Batch) -> bool:
+        """Whether this step should be profiled: a step that will replay a captured graph
+        once ``after`` replays have been timed, until ``n`` have been profiled."""
+        if graphs is None or batch.md.num_prefills or not batch.md.num_decodes:
+            return False
+        if self.replays_seen < self.after or self.steps >= self.n:
+            return False
+        return bucket_for(batch.md.num_decodes, graphs.sizes) in graphs.graphs
+
+    def start(self) -> None:
+        act = ProfilerActivity.CUDA if self.device.type == "cuda" else ProfilerActivity.CPU
+        self._prof = profile(activities=[act])
+        self._prof.__enter__()
+
+    def stop(self, replayed: bool) -> None:
+        self._prof.__exit__(None, None, None)
+        cuda = self.device.type == "cuda"
+        for e in self._prof.events():
+            if cuda and getattr(e.device_type, "name", "") != "CUDA":
+                continue
+            k = self._kernels.setdefault(e.name, [0, 0.0])
+            k[0] += 1
+            k[1] += e.time_range.elapsed_us()
+        self._prof = None
+        self.steps += int(replayed)
+
+    def report(self) -> dict:
+        n = max(self.steps, 1)
+        ranked = sorted(self._kernels.items(), key=lambda kv: -kv[1][1])
+        total = sum(v[1] for v in self._kernels.values()) / n
+        return {"steps": self.steps, "activity": "cuda" if self.device.type == "cuda" else "cpu",
+                "busy_us_per_step": total,
+                "top": [{"name": k, "calls_per_step": v[0] / n, "us_per_step": v[1] / n,
+                         "share": (v[1] / n) / total if total else None} for k, v in ranked[:self.top]]}
+
+
 def step_stats(xs: list[float]) -> dict:
     """n, min / median / p99 in ms of step times in seconds (nearest rank)."""
     if not xs:
@@ -276,7 +342,7 @@ def preflight(cfg: MiniEngineConfig) -> None:
 
 
 def run_engine(cfg: MiniEngineConfig, kind: str, *, progress: bool = False, decode_mode: DecodeMode | None = None,
-               recorder: TraceRecorder | None = None) -> dict:
+               recorder: TraceRecorder | None = None, profile: tuple[int, int] | None = None) -> dict:
     """Serve the workload with one KV store (``kind``); the raw result (outputs included).
     The engine is freed (and the CUDA cache emptied) before it returns."""
     # each engine starts from a collected heap, so the second run's host calls do not
@@ -288,7 +354,7 @@ def run_engine(cfg: MiniEngineConfig, kind: str, *, progress: bool = False, deco
     if progress:
         def cb(step, nrun, npend):
             print(f"\r[{kind}] step {step} running {nrun} pending {npend}", end="", file=sys.stderr)
-    res = eng.run(cb)
+    res = eng.run(cb, profile=profile)
     if progress:
         print(file=sys.stderr)
     res["backend"] = {"decode": eng.decode_backend.name, "prefill": eng.prefill_backend.name}
