@@ -32,7 +32,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/hisparse-out}
-RES=/tmp/hisparse-results
+RES=${RES:-/tmp/hisparse-results}  # two runs side by side (one per GPU) need their own RES and HS_TRITON_CACHE
 # a machine can come back with an earlier run's /tmp: ship only this run's results
 rm -rf "$RES"
 mkdir -p "$OUT" "$RES"
@@ -42,7 +42,7 @@ export PYTHONUNBUFFERED=1
 # $OUT/triton-cache.tgz): a fresh machine would otherwise recompile every kernel.
 # The directory itself starts empty: a warm machine keeps ignored files between calls, and
 # Triton's cache key misses changes to Gluon layouts held in module globals.
-export TRITON_CACHE_DIR=$PWD/.triton-cache
+export TRITON_CACHE_DIR=${HS_TRITON_CACHE:-$PWD/.triton-cache}
 rm -rf "$TRITON_CACHE_DIR"
 mkdir -p "$TRITON_CACHE_DIR"
 if [ -f .triton-cache.tgz ]; then tar -xzf .triton-cache.tgz -C "$TRITON_CACHE_DIR"; fi
@@ -142,7 +142,7 @@ for s in "${sections[@]}"; do
     host_calls) for pad in "" 64; do
           run "host_calls${pad:+_pad$pad}" 240 python3 -m benchmarks.bench_host_calls --requests 64 --layers 8 \
               --steps 30 ${pad:+--pad-to $pad} --out "$RES/host_calls${pad:+_pad$pad}.json" ${HOST_CALLS_ARGS:-}
-          grep -A6 "^host time per call" "$LOG" | tail -7 | tee -a "$SUM"
+          grep -A7 "^host time per call" "$LOG" | tail -8 | tee -a "$SUM"
         done ;;
     soak) left=$((END - SECONDS - 45))
           run soak 600 python3 -m benchmarks.soak --preset "${SOAK:-16k}" --seed "${SOAK_SEED:-0}" \

@@ -24,6 +24,10 @@ ones production shapes take.
    hot rows with 16 heads (the ``tl`` kernel) and 64 and 128 heads (on SM 9.x the
    warp-specialised Gluon kernel), each with its split combine, against the float32
    reference. Every staged or hot row is compared byte-exact with the row written.
+   Every other decode-only forward runs padded to a bucket one request larger
+   (``prepare_for_batch(pad_to=)``, as a graph-capturing engine's eager steps do): the
+   write kernel skips the -1 padding entries of its persistent plan buffers and the
+   resolve the padding tokens' all -1 rows.
 
 Not covered: ``convert_topk_to_physical`` (an engine's own paged-table conversion) and
 decode over bf16 rows.
@@ -163,6 +167,7 @@ class EngineTrace:
         self.heads = (16, 64, 128) if self.cuda else (16,)  # the interpreter is slow
         self.kernels_used: set[str] = set()
         self.attention_checks = 0
+        self.padded_forwards = 0
 
     def length(self, rid: int) -> int:
         t = self.rows.get((0, rid))
@@ -179,7 +184,9 @@ class EngineTrace:
         a, b = (g.stats()["layers"] for g in self.groups)
         if a != b:
             raise RuntimeError(f"cache counters differ between the kernels: {a} vs {b}")
-        print(f"OK: {len(TRACE)} forwards through the facade (writes, prefill staging, resolve "
+        if not self.padded_forwards:
+            raise RuntimeError("the trace ran no padded forward")
+        print(f"OK: {len(TRACE)} forwards ({self.padded_forwards} padded) through the facade (writes, prefill staging, resolve "
               f"+ miss staging) match the torch kernels and the rows written; "
               f"{self.attention_checks} decode attention checks ({', '.join(sorted(self.kernels_used))}) "
               f"within tolerance of the reference; stats {a}")
@@ -194,31 +201,37 @@ class EngineTrace:
         seqs = [self.length(r) + n for r, n in zip(ids, qlens)]
         md = SparseMLAMetadata.build(request_ids=ids, query_lens=qlens, seq_lens=seqs,
                                      num_decodes=len(dec), device=self.dev)
+        pad = min(len(dec) + 1, 4) if dec and not pre and step % 2 else None  # a bucket one request larger (max_num_reqs 4)
         for g in self.groups:
-            g.prepare_for_batch(md)
+            g.prepare_for_batch(md, pad_to=pad)
+        self.padded_forwards += pad is not None
         T = sum(qlens)
+        T_pad = T if pad is None else pad * q
         # query token t's context bound (the causal limit of a multi-token decode)
         bounds = [s - n + j + 1 for s, n in zip(seqs[:len(dec)], qlens) for j in range(n)]
         owners = [r for r, n in zip(dec, qlens) for _ in range(n)]
         for layer in range(self.L):
-            new = quantize_fp8_ds_mla(torch.randn(T, 576, generator=self.gen, device=self.dev))
-            for g in self.groups:
+            new = quantize_fp8_ds_mla(torch.randn(T_pad, 576, generator=self.gen, device=self.dev))
+            for g in self.groups:  # with padding: the rows past T are never read
                 g.write_new_rows(layer, new, md)
-            new_cpu, t0 = new.cpu(), 0
+            new_cpu, t0 = new[:T].cpu(), 0
             for rid, n in zip(ids, qlens):
                 old = self.rows.get((layer, rid), new_cpu[:0])
                 self.rows[(layer, rid)] = torch.cat([old, new_cpu[t0:t0 + n]])
                 t0 += n
             if dec:
-                self.decode(step, layer, md, owners, bounds)
+                self.decode(step, layer, md, owners, bounds + [0] * (T_pad - T))
             if pre:
                 self.prefill(step, layer, md, list(pre))
 
     def _topk(self, bounds: list[int]) -> torch.Tensor:
         """int32 [Td, K]: random positions below each token's bound, the newest first,
-        about 10% padding and some duplicates."""
+        about 10% padding and some duplicates; bound 0 (a padding token): all -1."""
         out = []
         for b in bounds:
+            if b == 0:
+                out.append(torch.full((self.K,), -1, dtype=torch.int32))
+                continue
             x = torch.randint(0, b, (self.K,), generator=self.cpu_gen, dtype=torch.int32)
             x[torch.rand(self.K, generator=self.cpu_gen) < 0.1] = -1
             x[0] = b - 1
@@ -230,6 +243,9 @@ class EngineTrace:
         phys = [g.convert_decode_logical_to_physical_topk(layer, topk, md) for g in self.groups]
         if not torch.equal(phys[0], phys[1]):
             raise RuntimeError(f"forward {step} layer {layer}: physical rows differ between kernels")
+        if not bool((phys[0][len(owners):] == -1).all()):
+            raise RuntimeError(f"forward {step} layer {layer}: a padding token got physical rows")
+        phys = [p[:len(owners)] for p in phys]
         topk_c = topk.cpu()
         for g, ph in zip(self.groups, phys):
             hot = g.physical_kv_cache(layer)

@@ -33,12 +33,12 @@ class TraceShape:
     query_len: int = 1
 
 
-def make_group(shape: TraceShape, device: str, kernels: str) -> HiSparseIndexGroup:
+def make_group(shape: TraceShape, device: str, kernels: str, *, validate: bool = False) -> HiSparseIndexGroup:
     cfg = HiSparseConfig(num_layers=shape.layers, row_bytes=656, top_k=shape.top_k,
                          device_buffer_size=shape.slots, max_num_reqs=shape.max_reqs,
                          host_block_size=shape.block, host_pool_tokens=shape.max_reqs * shape.max_len,
                          max_query_len=shape.query_len, max_request_id=64, device=device)
-    g = HiSparseIndexGroup(cfg, validate=False, kernels=kernels)
+    g = HiSparseIndexGroup(cfg, validate=validate, kernels=kernels)
     for _ in range(shape.layers):
         g.register_layer(kv_cache_dtype="fp8_ds_mla")
     return g

@@ -220,3 +220,41 @@ def test_abandon_forward_and_bucket_buffers_taken_over():
     with pytest.raises(ValueError, match="later step"):
         c.write_step(0, first, torch.zeros((2, 656), dtype=torch.uint8))
     c.write_step(0, second, torch.cat([truth.rows(0, 2)[6:7]] * 2))
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_checked_group_takes_padded_forwards_and_refuses_selections_of_padding(kernels):
+    """A checked group (validate=True) accepts a bucket's padding tokens (request id
+    -1, every entry -1) and returns what an unchecked group does; a padding token that
+    selects a position is refused before anything changes."""
+    shape = TraceShape()
+    truth = Truth(shape)
+    groups = [make_group(shape, "cpu", kernels, validate=v) for v in (True, False)]
+    lens: dict = {}
+    for g in groups:
+        _join(g, 1, 9, truth, dict(lens))
+        _join(g, 2, 14, truth, dict(lens))
+    lens = {1: 9, 2: 14}
+    md = _decode_md([1, 2], lens)
+    tk = torch.full((4, 8), -1, dtype=torch.int32)
+    tk[0, :3] = torch.tensor([9, 0, 4])
+    tk[1, :4] = torch.tensor([14, 13, 2, 2])
+    rows = torch.cat([truth.rows(0, 1)[9:10], truth.rows(0, 2)[14:15]] * 2)
+    out = []
+    for g in groups:
+        g.prepare_for_batch(md, pad_to=4)
+        for layer in range(shape.layers):
+            g.write_new_rows(layer, rows if layer == 0 else torch.cat(
+                [truth.rows(layer, 1)[9:10], truth.rows(layer, 2)[14:15]] * 2), md)
+        out.append(g.convert_decode_logical_to_physical_topk(0, tk, md))
+    assert torch.equal(out[0], out[1])
+    assert bool((out[0][2:] == -1).all())
+    checked = groups[0]
+    before = cache_state(checked)
+    bad = tk.clone()
+    bad[3, 0] = 0  # a padding token selecting position 0
+    with pytest.raises(ValueError, match=r"req_ids\[3\]=-1"):
+        checked.convert_decode_logical_to_physical_topk(1, bad, md)
+    after = cache_state(checked)
+    for k in before:
+        assert torch.equal(before[k], after[k]), k

@@ -86,7 +86,9 @@ def check_resolve_contents(cfg: HiSparseConfig, req_ids: torch.Tensor, topk: tor
     """Contents of a resolve call (one host sync). Call after :func:`check_resolve_meta`.
 
     slot_of: live request id -> request slot; seq_len_of(slot) -> positions readable in
-    the resolved layer (rows appended to it). Raises ValueError naming the first offending token.
+    the resolved layer (rows appended to it). A padding token (request id -1, every
+    entry -1: what a forward padded to a batch-size bucket passes) selects nothing and
+    is accepted. Raises ValueError naming the first offending token.
     """
     T, K = topk.shape
     if T == 0:
@@ -99,16 +101,21 @@ def check_resolve_contents(cfg: HiSparseConfig, req_ids: torch.Tensor, topk: tor
     else:
         packed = ids_dev.cpu()[None]
     ids = packed[0].tolist()
+    highs = packed[2].tolist() if K else [-1] * T
+    pad = [rid == -1 and highs[t] == -1 for t, rid in enumerate(ids)]
     seen: set[int] = set()
     run = 0
     for t, rid in enumerate(ids):
+        if pad[t]:
+            run = 0
+            continue
         if not 0 <= rid < cfg.max_request_id:
             raise ValueError(
                 f"req_ids[{t}]={rid} is out of range [0, {cfg.max_request_id})"
             )
         if rid not in slot_of:
             raise ValueError(f"req_ids[{t}]={rid} is not a live request (add_request it first)")
-        if t > 0 and ids[t - 1] == rid:
+        if t > 0 and ids[t - 1] == rid and not pad[t - 1]:
             run += 1
         else:
             if rid in seen:
@@ -125,8 +132,10 @@ def check_resolve_contents(cfg: HiSparseConfig, req_ids: torch.Tensor, topk: tor
             )
     if not K:
         return
-    lows, highs = packed[1].tolist(), packed[2].tolist()
+    lows = packed[1].tolist()
     for t, rid in enumerate(ids):
+        if pad[t]:
+            continue
         n = seq_len_of(slot_of[rid])
         if lows[t] < -1:
             raise ValueError(
