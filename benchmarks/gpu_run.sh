@@ -43,7 +43,8 @@ export PYTHONUNBUFFERED=1
 # The directory itself starts empty: a warm machine keeps ignored files between calls, and
 # Triton's cache key misses changes to Gluon layouts held in module globals.
 export TRITON_CACHE_DIR=${HS_TRITON_CACHE:-$PWD/.triton-cache}
-rm -rf "$TRITON_CACHE_DIR"
+# HS_KEEP_TRITON_CACHE=1: keep it (a later gpu_run.sh of the same command, same tree)
+[ -z "${HS_KEEP_TRITON_CACHE:-}" ] && rm -rf "$TRITON_CACHE_DIR"
 mkdir -p "$TRITON_CACHE_DIR"
 if [ -f .triton-cache.tgz ]; then tar -xzf .triton-cache.tgz -C "$TRITON_CACHE_DIR"; fi
 if [ -f .gpu-deps/vllm/_flashmla_C.abi3.so ]; then export HISPARSE_FLASHMLA_LIB=$PWD/.gpu-deps/vllm/_flashmla_C.abi3.so; fi

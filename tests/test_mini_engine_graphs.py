@@ -36,15 +36,18 @@ def test_capture_sizes_and_buckets():
 def test_static_inputs_pad_with_the_scratch_slot():
     cfg = me.MiniEngineConfig(query_len=2, device_buffer_size=16)
     reqs = me.make_workload(cfg)[:2]
-    for i, r in enumerate(reqs):
-        r.slot, r.done = i, 5 + i
+    for i, r in enumerate(reqs):  # decoding: past the prompt
+        r.slot, r.done = i, r.prompt_len + i
+    p0, p1 = reqs[0].done, reqs[1].done
     st = StaticInputs.make(4, 2, torch.device("cpu"))
     st.fill([(r, 2) for r in reqs], scratch_slot=9)
-    assert st.pos.tolist() == [5, 6, 6, 7, 0, 0, 0, 0]
+    assert st.pos.tolist() == [p0, p0 + 1, p1, p1 + 1, 0, 0, 0, 0]
     assert st.slot.tolist() == [0, 0, 1, 1, 9, 9, 9, 9]
     assert st.sub.tolist() == [0, 1, 0, 1, 0, 1, 0, 1]
-    assert st.lim.tolist() == [5, 6, 6, 7, -1, -1, -1, -1]
-    assert st.tok.tolist()[:4] == reqs[0].tokens[5:7].tolist() + reqs[1].tokens[6:8].tolist()
+    assert st.lim.tolist() == [p0, p0 + 1, p1, p1 + 1, -1, -1, -1, -1]
+    assert st.tok.tolist()[:4] == reqs[0].tokens[p0:p0 + 2].tolist() + reqs[1].tokens[p1:p1 + 2].tolist()
+    with pytest.raises(ValueError, match="outside the decode part"):
+        reqs[0].decode_tokens(reqs[0].prompt_len - 1, reqs[0].prompt_len)
     assert st.tok.tolist()[4:] == [0] * 4
     assert st.dec_slots.dtype == torch.int32 and st.dec_slots.tolist() == st.slot.tolist()
     with pytest.raises(ValueError, match="do not fit bucket"):
@@ -225,3 +228,21 @@ def test_replay_profile_picks_replays_after_the_timed_ones_and_ranks_ops():
     assert rep["busy_us_per_step"] >= mm[0]["us_per_step"]
     with pytest.raises(ValueError, match="after >= 0 and n >= 1"):
         ReplayProfile(torch.device("cpu"), after=0, n=0)
+
+
+@pytest.mark.parametrize("C,d", [(300, 24), (256, 32), (17, 16)])
+def test_indexer_scores_kernel_matches_the_reference(C, d):
+    from hisparse.tools.mini_engine.scores import indexer_scores_reference, indexer_scores_triton
+    g = torch.Generator().manual_seed(C + d)
+    keys_all = torch.randn(4, C + 5, d, generator=g)
+    keys = keys_all[:, :C]  # a view with the max context's stride, as decode_topk passes
+    slots = torch.tensor([0, 0, 2, 3, 3, 1], dtype=torch.int64)
+    sub = torch.tensor([0, 1, 0, 0, 1, 0], dtype=torch.int64)
+    lim = torch.tensor([C - 1, 5, -1, C + 10, 0, C // 2], dtype=torch.int64)
+    iq = torch.randn(6, d, generator=g)
+    ref = indexer_scores_reference(keys, iq, slots, sub, lim, 2)
+    got = indexer_scores_triton(keys, iq, slots, lim)
+    assert torch.equal(torch.isneginf(got), torch.isneginf(ref))
+    assert bool(torch.isneginf(got[2]).all()) and int((~torch.isneginf(got[4])).sum()) == 1
+    fin = torch.isfinite(ref)
+    torch.testing.assert_close(got[fin], ref[fin], rtol=1e-5, atol=1e-5)

@@ -176,10 +176,19 @@ class Request:
     tokens: torch.Tensor  # int64 [prompt_len + decode_len * q] teacher-forced inputs (CPU)
     done: int = 0  # positions processed
     slot: int = -1  # engine slot (indexer store, resident block table)
+    _decode_list: list | None = dataclasses.field(default=None, repr=False, compare=False)
 
     @property
     def total(self) -> int:
         return self.tokens.numel()
+
+    def decode_tokens(self, a: int, b: int) -> list[int]:
+        """tokens[a:b] as ints for prompt_len <= a <= b (the decode part, made a list once)."""
+        if not self.prompt_len <= a <= b:
+            raise ValueError(f"decode_tokens({a}, {b}) outside the decode part (from {self.prompt_len})")
+        if self._decode_list is None:
+            self._decode_list = self.tokens[self.prompt_len:].tolist()
+        return self._decode_list[a - self.prompt_len:b - self.prompt_len]
 
 
 def make_workload(cfg: MiniEngineConfig) -> list[Request]:

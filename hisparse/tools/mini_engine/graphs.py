@@ -88,23 +88,23 @@ class StaticInputs:
     lim = property(lambda self: self.buf[4])  # int64 [N * q] own position for the mask (padding -1)
 
     def fill(self, items: list, scratch_slot: int) -> None:
-        """Copy a decode step's (request, q) items into the buffers, padding the rest."""
+        """Copy a decode step's (request, q) items into the buffers, padding the rest
+        (Python lists, one host tensor, one copy: no per-request tensor ops)."""
         q, n = self.q, self.n
         if len(items) > n:
             raise ValueError(f"{len(items)} requests do not fit bucket {n}")
-        host = torch.zeros(5, n * q, dtype=torch.int64)
-        host[2].fill_(scratch_slot)
-        host[3] = torch.arange(q).repeat(n)
-        host[4].fill_(-1)
-        t = 0
+        tok: list[int] = []
+        pos: list[int] = []
+        slot: list[int] = []
         for r, k in items:
             if k != q:
                 raise ValueError(f"request {r.rid} has {k} tokens in a decode step of {q}")
-            host[0, t:t + q] = r.tokens[r.done:r.done + q]
-            host[1, t:t + q] = torch.arange(r.done, r.done + q)
-            host[2, t:t + q] = r.slot
-            host[4, t:t + q] = host[1, t:t + q]
-            t += q
+            tok += r.decode_tokens(r.done, r.done + q)
+            pos += range(r.done, r.done + q)
+            slot += [r.slot] * q
+        pad = n * q - len(tok)
+        host = torch.tensor([tok + [0] * pad, pos + [0] * pad, slot + [scratch_slot] * pad,
+                             list(range(q)) * n, pos + [-1] * pad], dtype=torch.int64)
         self.buf.copy_(host.pin_memory() if self.buf.is_cuda else host, non_blocking=self.buf.is_cuda)
         self.dec_slots.copy_(self.slot)
 

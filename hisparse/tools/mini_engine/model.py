@@ -22,6 +22,7 @@ from ...config import RowFormat
 from ...formats import D_LATENT, D_ROW, quantize_fp8_ds_mla
 from .config import MiniEngineConfig
 from .ffn import FFN
+from .scores import indexer_scores
 
 
 class Model:
@@ -102,11 +103,13 @@ class Indexer:
         """ik fp32 [T, di] to flat (slot * max_context + pos) rows ``dst`` int64 [T]."""
         self.keys[layer].view(-1, self.keys.shape[-1]).index_copy_(0, dst, ik)
 
-    def _select(self, scores: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """scores fp32 [n, C], pos int64 [n] (own position) -> top-k int32 [n, K], -1 padded."""
+    def _select(self, scores: torch.Tensor, pos: torch.Tensor | None) -> torch.Tensor:
+        """scores fp32 [n, C], pos int64 [n] (own position; None: scores already masked
+        past it) -> top-k int32 [n, K], -1 padded."""
         n, C = scores.shape
-        cols = torch.arange(C, device=scores.device)
-        scores = scores.masked_fill(cols[None, :] > pos[:, None], float("-inf"))
+        if pos is not None:
+            cols = torch.arange(C, device=scores.device)
+            scores = scores.masked_fill(cols[None, :] > pos[:, None], float("-inf"))
         k = min(self.K, C)
         vals, idx = torch.topk(scores, k, dim=1)
         idx = torch.where(torch.isinf(vals), torch.full_like(idx, -1), idx).to(torch.int32)
@@ -118,10 +121,7 @@ class Indexer:
                     pos: torch.Tensor, ctx: int) -> torch.Tensor:
         """Decode tokens: iq fp32 [Td, di], their slots/sub-token index/positions int64 [Td]."""
         keys = self.keys[layer, :self.slots, :ctx]  # [slots, C, di]
-        qs = iq.new_zeros(keys.shape[0], keys.shape[2], self.q)
-        qs[slots, :, sub] = iq
-        scores = torch.bmm(keys, qs)  # [slots, C, q]
-        return self._select(scores[slots, :, sub], pos)
+        return self._select(indexer_scores(keys, iq, slots, sub, pos, self.q), None)
 
     def decode_topk_fixed(self, layer: int, iq: torch.Tensor, slots: torch.Tensor, sub: torch.Tensor,
                           lim: torch.Tensor) -> torch.Tensor:
@@ -130,10 +130,7 @@ class Indexer:
         select (its own; -1 selects nothing: a padding token). Scores cover every slot's
         whole max context, masked past ``lim`` -> int32 [n, K], -1 padded."""
         keys = self.keys[layer]  # [slots + 1, C, di]
-        qs = iq.new_zeros(keys.shape[0], keys.shape[2], self.q)
-        qs[slots, :, sub] = iq
-        scores = torch.bmm(keys, qs)  # [slots + 1, C, q]
-        return self._select(scores[slots, :, sub], lim)
+        return self._select(indexer_scores(keys, iq, slots, sub, lim, self.q), None)
 
     def prefill_topk(self, layer: int, iq: torch.Tensor, slot: int, p0: int) -> torch.Tensor:
         """One prefill chunk: iq fp32 [n, di] at positions p0 .. p0+n-1 of ``slot``."""
