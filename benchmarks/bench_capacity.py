@@ -129,19 +129,25 @@ def run_context(budget: Budget, shape: RunShape, ctx: int, a: argparse.Namespace
         dec = s["decode"]
         print(f"[capacity]   {name}: {dec['tokens_per_s'] or 0:.1f} tok/s at {shape.run_layers} layers "
               f"(median step {dec['step_ms']['median_ms'] or 0:.3f} ms over {dec['step_ms']['n']} "
-              f"{dec['steps_from']}), {s['wall_s']:.1f} s", flush=True)
+              f"{dec['steps_from']}"
+              + (f"; GPU time {dec['gpu_step_ms']['median_ms']:.3f} ms" if dec.get("gpu_step_ms") else "")
+              + f"), {s['wall_s']:.1f} s", flush=True)
         if s.get("profile"):
             print(format_profile(name, s["profile"]), flush=True)
     if "resident" in raw and "hisparse" in raw:
         r, h = out["runs"]["resident"]["decode"], out["runs"]["hisparse"]["decode"]
         out["ratio_tokens_per_s"] = (h["tokens_per_s"] / r["tokens_per_s"]
                                      if r["tokens_per_s"] and h["tokens_per_s"] else None)
+        if r.get("tokens_per_s_gpu") and h.get("tokens_per_s_gpu"):  # the replays' GPU time alone
+            out["ratio_tokens_per_s_gpu"] = h["tokens_per_s_gpu"] / r["tokens_per_s_gpu"]
         # the requests both runs serve (ids 0 .. resident batch - 1) see the same inputs
         out["compare"] = compare(raw["resident"][0], raw["resident"][1], raw["hisparse"][1])
     if "hisparse_same_batch" in raw and "resident" in raw:
         r, h = out["runs"]["resident"]["decode"], out["runs"]["hisparse_same_batch"]["decode"]
         out["same_batch_step_ratio"] = (h["step_ms"]["median_ms"] / r["step_ms"]["median_ms"]
                                         if r["step_ms"]["median_ms"] and h["step_ms"]["median_ms"] else None)
+        if r.get("gpu_step_ms") and h.get("gpu_step_ms"):
+            out["same_batch_gpu_step_ratio"] = h["gpu_step_ms"]["median_ms"] / r["gpu_step_ms"]["median_ms"]
         out["compare_same_batch"] = compare(raw["resident"][0], raw["resident"][1], raw["hisparse_same_batch"][1])
     if "resident_smaller_batch" in raw and "resident" in raw:
         # resident at B - 1 vs resident at B, the same requests: batched GEMMs (projections,
@@ -167,7 +173,7 @@ def format_table(result: dict) -> str:
     for ctx, c in result["contexts"].items():
         for name, s in c["runs"].items():
             if "skipped" in s:
-                rows.append([ctx, name, "-", "-", "-", "-", "-", "-", "-", s["skipped"]])
+                rows.append([ctx, name, "-", "-", "-", "-", "-", "-", "-", "-", "-", s["skipped"]])
                 continue
             tier = "hisparse" if name.startswith("hisparse") else "resident"
             d, st = s["decode"], s["decode"]["step_ms"]
@@ -179,9 +185,12 @@ def format_table(result: dict) -> str:
                          f"{full['tokens_per_s']:.1f}" if full else "-",
                          "-" if hit is None else f"{hit:.4f}",
                          f"{c['ratio_tokens_per_s']:.2f}" if name == "hisparse" and c.get("ratio_tokens_per_s")
+                         else "-",
+                         f"{d['gpu_step_ms']['median_ms']:.3f}" if d.get("gpu_step_ms") else "-",
+                         f"{c['ratio_tokens_per_s_gpu']:.2f}" if name == "hisparse" and c.get("ratio_tokens_per_s_gpu")
                          else "-", ""])
     head = ["context", "run", "batch", "bound", "step min/med/p99 ms", "tok/s", "tok/s full depth", "hit rate",
-            "x resident", ""]
+            "x resident", "GPU ms/step", "x resident (GPU)", ""]
     lines = [table(head, rows)]
     for ctx, c in result["contexts"].items():
         for key, what in (("compare_same_batch", "hisparse vs resident, same batch"),
@@ -194,8 +203,9 @@ def format_table(result: dict) -> str:
                              f"{'bitwise equal' if k['bitwise_equal'] else 'WITHIN' if k['within_tolerance'] else 'OUTSIDE'}"
                              f"{'' if k['bitwise_equal'] else ' tolerance'}")
         if c.get("same_batch_step_ratio"):
+            gpu = c.get("same_batch_gpu_step_ratio")
             lines.append(f"context {ctx}: same batch, hisparse / resident median step "
-                         f"{c['same_batch_step_ratio']:.3f}")
+                         f"{c['same_batch_step_ratio']:.3f}" + (f", GPU time {gpu:.3f}" if gpu else ""))
     return "\n".join(lines)
 
 

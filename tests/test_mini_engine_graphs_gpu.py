@@ -37,6 +37,9 @@ def test_graphs_resident_equals_eager():
     assert c["within_tolerance"], c
     g = graphs["graphs"]
     assert g["captures"] >= 2 and g["replays"] > g["captures"] and g["padding_requests"] > 0, g
+    # every timed replay has its GPU time, which the step's wall time (host work, replay, sync) bounds
+    gpu, wall = graphs["replay_gpu_times"], graphs["replay_step_times"]
+    assert len(gpu) == len(wall) > 0 and all(0 < x <= w for x, w in zip(gpu, wall)), (gpu, wall)
 
 
 @pytest.mark.parametrize("overlap", ["serial", "split"])

@@ -164,7 +164,8 @@ def measure(cfg: MiniEngineConfig, kind: str, *, decode_mode: DecodeMode, full_l
     summary: :func:`summarize`'s fields plus ``decode`` {batch, step_ms {min, median,
     p99, n} over the replayed steps (graphs) or all decode-only steps, tokens_per_s =
     batch x q / median step, and the same scaled from ``cfg.num_layers`` to
-    ``full_layers`` layers}. ``skip``: steps dropped from the front of those samples
+    ``full_layers`` layers; with graphs also gpu_step_ms and tokens_per_s_gpu, from the
+    replays' GPU time alone (CUDA events around each replay)}. ``skip``: steps dropped from the front of those samples
     (a warm-up beyond the graphs' own). ``profile=(after, n)``: n replays after the
     first ``after`` run under torch.profiler instead of being timed (summary ``profile``).
     """
@@ -180,6 +181,10 @@ def measure(cfg: MiniEngineConfig, kind: str, *, decode_mode: DecodeMode, full_l
     dec = {"batch": B, "steps_from": "replays" if replays else "decode-only steps",
            "step_ms": {k: st.get(k) for k in ("min_ms", "median_ms", "p99_ms", "n")},
            "tokens_per_s": B * q / (med / 1e3) if med else None}
+    gpu = step_stats(res.get("replay_gpu_times", [])[skip:]) if replays else {}
+    if gpu.get("median_ms"):  # the replays' GPU time alone: what an engine that overlaps its host work sees
+        dec["gpu_step_ms"] = {k: gpu.get(k) for k in ("min_ms", "median_ms", "p99_ms", "n")}
+        dec["tokens_per_s_gpu"] = B * q / (gpu["median_ms"] / 1e3)
     if full_layers is not None and med:
         scale = full_layers / cfg.num_layers
         dec["full_depth"] = {"layers": full_layers, "step_ms": med * scale,

@@ -184,6 +184,7 @@ class MiniEngine:
         outputs = {r.rid: out_rows[base[r.rid]:base[r.rid] + r.total - s0] for r in reqs}
         argmax: dict[int, torch.Tensor] = {}
         step, tokens, step_times, decode_step_times, replay_step_times = 0, 0, [], [], []
+        replay_gpu_times: list[float] = []  # the replays' GPU time (CUDA events around each)
         sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
         sync()
         t_start = time.perf_counter()
@@ -230,6 +231,7 @@ class MiniEngine:
                 decode_step_times.append(dt)
             if replay and not profiled:
                 replay_step_times.append(dt)
+                replay_gpu_times.append(self.graphs.last_replay_gpu_s())
                 if prof is not None:
                     prof.replays_seen += 1
             tokens += x.shape[0]
@@ -248,7 +250,8 @@ class MiniEngine:
             argmax[r.rid] = self.model.logits(outputs[r.rid]).argmax(dim=-1)
         return {"outputs": outputs, "argmax": argmax, "tokens": tokens, "steps": step, "time_s": total,
                 "step_times": step_times, "decode_step_times": decode_step_times,
-                "replay_step_times": replay_step_times, "fill_time_s": fill_time,
+                "replay_step_times": replay_step_times, "replay_gpu_times": replay_gpu_times,
+                "fill_time_s": fill_time,
                 "stats": self.kv.stats(), "synthetic": cfg.synthetic_context,
                 "profile": prof.report() if prof is not None else None,
                 "graphs": self.graphs.report() if self.graphs is not None else None}
@@ -388,6 +391,8 @@ def summarize(res: dict) -> dict:
            "decode_step": step_stats(res["decode_step_times"]), "fill_time_s": res["fill_time_s"],
            # decode steps that replayed a captured graph (GRAPHS mode; no capture, no warm-up)
            "replay_step": step_stats(res["replay_step_times"]),
+           # the same replays' GPU time alone (events around the replay: no host work)
+           "replay_gpu": step_stats(res.get("replay_gpu_times", [])),
            "backend": res["backend"], "graphs": res["graphs"]}
     tot = res["stats"].get("total", {})
     if tot:
