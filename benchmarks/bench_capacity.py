@@ -42,6 +42,17 @@ from hisparse.tools.plan import fmt_bytes, parse_bytes, parse_tokens  # noqa: E4
 from hisparse.tools.report import table  # noqa: E402
 
 
+def _count(v: str) -> int:
+    """An int >= 0 (argparse type)."""
+    try:
+        n = int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{v!r} is not an integer") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"{n} is negative")
+    return n
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -67,7 +78,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "attention (split)")
     ap.add_argument("--backend", default=None, help="attention backend (default triton)")
     ap.add_argument("--flashmla-lib", default=None)
-    ap.add_argument("--profile", type=int, default=0, metavar="N",
+    ap.add_argument("--profile", type=_count, default=0, metavar="N",
                     help="the last N replayed steps of each run go under torch.profiler (not timed): "
                          "GPU time per step and its top kernels [0: off]")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU; figures mean nothing")

@@ -6,8 +6,9 @@ prepares each step padded to a bucket of N requests, as a graph-capturing engine
 eager warm-up does. Prints min / median / p99 per call, the per-layer sum against the
 50 us target, and ``prepare_for_batch`` per step. On CUDA it also counts the Triton
 launches per layer (Triton's launch hook, in a separate pass) and times the launch of an
-empty Triton kernel with as many arguments as the resolve's: launches x that time is
-the part of the per-layer time Triton's launcher takes, whatever hisparse does.
+empty Triton kernel of 20 arguments and 2 constexprs (fewer than any of those four
+takes: the resolve has 32 and 15): launches x that time is a lower bound of what
+Triton's launcher takes of the per-layer time, whatever hisparse does.
 
   python3 -m benchmarks.bench_host_calls [--requests 64] [--layers 8] [--context 4200] [--steps 20]
   python3 -m benchmarks.bench_host_calls --device cpu --kernels torch    # CPU: the torch paths
@@ -25,6 +26,7 @@ import time
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
 
 from benchmarks import common
 from benchmarks.common import percentile
@@ -40,7 +42,8 @@ def _empty_kernel(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a1
 
 def launch_floor(dev: torch.device, n: int = 300) -> dict:
     """Host time of one launch of an empty Triton kernel taking 16 tensors, 4 ints and
-    2 constexprs (the resolve's argument count): the launcher's own cost per launch."""
+    2 constexprs: the launcher's own cost per launch (a kernel with more arguments, as
+    hisparse's are, costs more)."""
     ts = [torch.zeros(16, dtype=torch.int32, device=dev) for _ in range(16)]
     times = []
     for i in range(n + 20):
@@ -52,9 +55,9 @@ def launch_floor(dev: torch.device, n: int = 300) -> dict:
     return {"min": min(times) * 1e6, "median": percentile(times, 50) * 1e6, "p99": percentile(times, 99) * 1e6}
 
 
-def count_launches(step, times: dict, layers: int) -> float | None:
-    """Triton launches per layer of one step (prepare_for_batch's excluded: none)."""
-    from triton import knobs
+def count_launches(step, times: dict, layers: int) -> float:
+    """Triton launches of one call of ``step`` (a whole decode step: prepare_for_batch
+    launches none) divided by ``layers``, counted with Triton's launch-enter hook."""
     n = [0]
 
     def hook(*_a, **_k):

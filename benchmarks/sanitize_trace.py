@@ -204,7 +204,7 @@ class EngineTrace:
         pad = min(len(dec) + 1, 4) if dec and not pre and step % 2 else None  # a bucket one request larger (max_num_reqs 4)
         for g in self.groups:
             g.prepare_for_batch(md, pad_to=pad)
-        self.padded_forwards += pad is not None
+        self.padded_forwards += pad is not None and pad > len(dec)  # forwards with padding tokens
         T = sum(qlens)
         T_pad = T if pad is None else pad * q
         # query token t's context bound (the causal limit of a multi-token decode)

@@ -50,6 +50,32 @@ def test_host_pool_is_pinned_and_exact_size():
     assert cache.stats()["host_pool"]["pinned"] is True
 
 
+def test_a_released_pool_is_refused_before_any_launch():
+    """The Triton kernels reach the pool over UVA: once it is released (unpinned), a
+    resolve and a write raise ValueError and change nothing."""
+    cfg = HiSparseConfig(device="cuda", **FP8ROWS)
+    cache = _build(cfg, [40, 7])
+    ids = torch.tensor([0, 1], dtype=torch.int32, device="cuda")
+    topk = torch.full((2, cfg.top_k), -1, dtype=torch.int32, device="cuda")
+    topk[0, :3] = torch.tensor([39, 0, 5])
+    topk[1, :2] = torch.tensor([6, 1])
+    cache.resolve(0, ids, topk)
+    torch.cuda.synchronize()
+    cache.pool.release()
+    before, lens = _state(cache), [cache.layer_len(0, r) for r in (0, 1)]
+    with pytest.raises(ValueError, match="not pinned"):
+        cache.resolve(0, ids, topk)
+    with pytest.raises(ValueError, match="not pinned"):
+        cache.resolve(1, ids, topk, validate=False)
+    with pytest.raises(ValueError, match="not pinned"):
+        cache.append_rows(0, 1, torch.zeros((1, cfg.row_bytes), dtype=torch.uint8, device="cuda"))
+    torch.cuda.synchronize()
+    after = _state(cache)
+    for k in before:
+        assert torch.equal(before[k], after[k]), k
+    assert [cache.layer_len(0, r) for r in (0, 1)] == lens
+
+
 def _build(cfg, lens, seed=0):
     """A cache with requests 0..len(lens)-1 holding ``lens[i]`` random rows per layer."""
     cache = HiSparseCache(cfg)

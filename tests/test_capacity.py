@@ -87,5 +87,6 @@ def test_bench_capacity_dry_run(tmp_path, capsys):
 
 def test_bench_capacity_bad_input(tmp_path, capsys):
     assert bench_capacity.main(["--dry-run", "--contexts", "12Q"]) == 2
+    assert bench_capacity.main(["--dry-run", "--profile", "-1"]) == 2
     assert bench_capacity.main(["--dry-run", "--out", str(tmp_path)]) == 2
     assert "is a directory" in capsys.readouterr().err

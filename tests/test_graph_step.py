@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from graph_trace import Runner, TraceShape, Truth, cache_state, make_group, plan_trace
-from hisparse import CapacityError
+from hisparse import CapacityError, HiSparseConfig
+from hisparse.cache.cache import HiSparseCache
 from hisparse.cache.write_step import StepCapacity
 from hisparse.engine import SparseMLAMetadata
 
@@ -251,10 +252,26 @@ def test_checked_group_takes_padded_forwards_and_refuses_selections_of_padding(k
     assert bool((out[0][2:] == -1).all())
     checked = groups[0]
     before = cache_state(checked)
-    bad = tk.clone()
-    bad[3, 0] = 0  # a padding token selecting position 0
-    with pytest.raises(ValueError, match=r"req_ids\[3\]=-1"):
-        checked.convert_decode_logical_to_physical_topk(1, bad, md)
+    for pos in (0, -5):  # a padding token selecting position 0, or holding an entry below -1
+        bad = tk.clone()
+        bad[3, 0] = pos
+        with pytest.raises(ValueError, match=r"req_ids\[3\]=-1"):
+            checked.convert_decode_logical_to_physical_topk(1, bad, md)
     after = cache_state(checked)
     for k in before:
         assert torch.equal(before[k], after[k]), k
+
+
+def test_checked_resolve_padding_tokens_do_not_split_a_request():
+    """A padding token between two tokens of one request does not make them one run:
+    the request's tokens must still be contiguous."""
+    cfg = HiSparseConfig(num_layers=1, host_pool_tokens=256, row_bytes=656, top_k=4, device_buffer_size=8,
+                         max_num_reqs=2, max_query_len=2, host_block_size=16, device="cpu")
+    c = HiSparseCache(cfg, kernels="torch")
+    c.add_request(0)
+    c.append_rows(0, 0, torch.zeros((3, 656), dtype=torch.uint8))
+    tk = torch.tensor([[0, -1, -1, -1], [-1, -1, -1, -1], [1, -1, -1, -1]], dtype=torch.int32)
+    with pytest.raises(ValueError, match="not contiguous"):
+        c.resolve(0, torch.tensor([0, -1, 0], dtype=torch.int32), tk)
+    res = c.resolve(0, torch.tensor([0, 0, -1], dtype=torch.int32), tk[[0, 2, 1]])
+    assert bool((res.physical[2] == -1).all()) and int(res.physical[0, 0]) >= 0

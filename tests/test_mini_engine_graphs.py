@@ -8,14 +8,16 @@ GEMMs against one matmul per expert. Tiny shapes (2 layers, hidden 64, top-k 8).
 
 from __future__ import annotations
 
+from types import SimpleNamespace as NS
 
 import pytest
 import torch
 
-from hisparse.engine import HiSparseIndexGroup
 from hisparse.tools import mini_engine as me
 from hisparse.tools.mini_engine.ffn import FFN, ffn_weight_bytes, grouped_mm, grouped_mm_reference
 from hisparse.tools.mini_engine.graphs import StaticInputs
+from hisparse.tools.mini_engine.loop import ReplayProfile
+from hisparse.tools.mini_engine.scores import indexer_scores_reference, indexer_scores_triton
 
 
 
@@ -203,9 +205,6 @@ def test_cli_graphs_flag_on_cpu_is_bad_input(capsys):
 
 
 def test_replay_profile_picks_replays_after_the_timed_ones_and_ranks_ops():
-    from types import SimpleNamespace as NS
-
-    from hisparse.tools.mini_engine.loop import ReplayProfile
     prof = ReplayProfile(torch.device("cpu"), after=2, n=1)
     graphs = NS(sizes=[1, 2, 4], graphs={2: object()})
     decode = NS(md=NS(num_prefills=0, num_decodes=2))
@@ -232,7 +231,6 @@ def test_replay_profile_picks_replays_after_the_timed_ones_and_ranks_ops():
 
 @pytest.mark.parametrize("C,d", [(300, 24), (256, 32), (17, 16)])
 def test_indexer_scores_kernel_matches_the_reference(C, d):
-    from hisparse.tools.mini_engine.scores import indexer_scores_reference, indexer_scores_triton
     g = torch.Generator().manual_seed(C + d)
     keys_all = torch.randn(4, C + 5, d, generator=g)
     keys = keys_all[:, :C]  # a view with the max context's stride, as decode_topk passes

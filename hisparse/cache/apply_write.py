@@ -9,15 +9,13 @@ does this when the plan unmaps a reserved-slot occupant).
 
 from __future__ import annotations
 
-import functools
-
 import torch
-import triton
 
 from ..device import on_device
 from ..kernels.apply_write import apply_write_plan_kernel
 
 from .state import STAT_D2H_ROWS, HotState
+from .transfer import row_words
 from .write_plan import WritePlan
 
 BLOCK = 16  # entries of each index list per program
@@ -53,12 +51,6 @@ def apply_write_plan_reference(state: HotState, hot: torch.Tensor, rows: torch.T
     st.stats[layer, STAT_D2H_ROWS] += (plan.host_h >= 0).sum()
 
 
-@functools.lru_cache(maxsize=None)
-def _words(row_bytes: int) -> tuple[int, int]:
-    ww = row_bytes // 4
-    return ww, triton.next_power_of_2(ww)
-
-
 def apply_write_plan_triton(state: HotState, hot: torch.Tensor, rows: torch.Tensor,
                             plan: WritePlan, layer: int) -> None:
     """Same arguments and result as ``apply_write_plan_reference``, one launch on the
@@ -73,7 +65,7 @@ def apply_write_plan_triton(state: HotState, hot: torch.Tensor, rows: torch.Tens
     st = state
     bt = st.block_table
     ls = st.layer(layer)
-    ww, wb = _words(W)
+    ww, wb = row_words(W)
     grid = (-(-longest // BLOCK),)
     with on_device(hot.device if hot.is_cuda else None):
         apply_write_plan_kernel[grid](

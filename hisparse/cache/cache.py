@@ -21,7 +21,7 @@ import torch
 
 from .._checks import Kernels, check_int
 from ..config import HiSparseConfig
-from ..device import is_pinned_host, resolve_device
+from ..device import resolve_device
 from ..formats import RowFormat
 from ..staging.view import BlockTable, LayerView
 from . import validate as V
@@ -43,28 +43,25 @@ def _stage_reference(host_rows, out: ResolveBuffers, hot_rows, *, K: int, progra
     copy_staged_reference(host_rows, out.stage_src, hot_rows, out.stage_dst, out.stage_counts, K=K)
 
 
-class _PinnedOnce:
+class _PinnedPool:
     """Whether the host pool's rows (uint8 [L, H, row_bytes], CPU), which the Triton
-    kernels reach over UVA, are page-locked: asked of the driver on the first launch
-    outside a graph capture and remembered once it said yes (the pool's memory never
-    changes); a pool that is not pinned is refused with a ValueError before each
-    launch. On the interpreter (dev None) there is nothing to ask."""
+    kernels reach over UVA, are page-locked now: the pool's own flag, which a release
+    or close clears (a flag read per launch, capture included); a pool that is not
+    pinned is refused with a ValueError before the launch. On the interpreter (dev
+    None) there is nothing to check."""
 
-    def __init__(self, rows: torch.Tensor, dev: torch.device | None) -> None:
-        self.rows = rows
+    def __init__(self, pool: HostPool, dev: torch.device | None) -> None:
+        self.pool = pool
         self.dev = dev
-        self.ok = dev is None
 
     def check(self, name: str) -> None:
-        if self.ok or torch.cuda.is_current_stream_capturing():
-            return  # a capture follows an eager warm-up call, which checked
-        if not is_pinned_host(self.rows):
-            raise ValueError(f"{name} is a CPU tensor that is not pinned; the kernel on {self.dev} "
-                             "can only reach page-locked host memory (use PinnedBuffer)")
-        self.ok = True
+        if self.dev is not None and not self.pool.pinned:
+            raise ValueError(f"{name} (the host pool's rows) is not pinned (a pool made with pin=False, "
+                             f"or released / closed); the kernel on {self.dev} can only reach page-locked "
+                             "host memory")
 
 
-def _kernel_set(kernels: Kernels, device: torch.device, host_rows: torch.Tensor) -> dict:
+def _kernel_set(kernels: Kernels, device: torch.device, pool: HostPool) -> dict:
     """The launch functions of a picked implementation. The Triton ones launch without
     re-checking what the cache owns (its state, buffers, plans and pool; see
     ``resolve_triton._launch_resolve``); the callers check the call's own arguments."""
@@ -72,10 +69,11 @@ def _kernel_set(kernels: Kernels, device: torch.device, host_rows: torch.Tensor)
         def mirror(rows, plan, host_l):
             copy_rows_reference(rows, plan.host_tok32, host_l, plan.host_h32)
         return dict(resolve_fn=resolve_reference, lookup_fn=resolve_lookup_reference,
-                    copy_fn=_stage_reference, apply_fn=apply_write_plan_reference, mirror_fn=mirror)
+                    copy_fn=_stage_reference, apply_fn=apply_write_plan_reference, mirror_fn=mirror,
+                    pinned_check=lambda name: None)
 
     dev = device if device.type == "cuda" else None
-    pinned = _PinnedOnce(host_rows, dev)
+    pinned = _PinnedPool(pool, dev)
 
     def mirror(rows, plan, host_l):  # packed rows (Writer.check_rows) -> pinned host over UVA
         pinned.check("dst")
@@ -89,7 +87,7 @@ def _kernel_set(kernels: Kernels, device: torch.device, host_rows: torch.Tensor)
                             K=K, programs=programs)
 
     return dict(resolve_fn=_launch_resolve, lookup_fn=resolve_lookup_triton, copy_fn=stage,
-                apply_fn=apply_write_plan_triton, mirror_fn=mirror)
+                apply_fn=apply_write_plan_triton, mirror_fn=mirror, pinned_check=pinned.check)
 
 
 class HiSparseCache:
@@ -120,7 +118,8 @@ class HiSparseCache:
         self.state = HotState.allocate(cfg, self.device)
         if choice is Kernels.TRITON:
             check_state(self.state)  # once: the per-call launches rely on it
-        fns = _kernel_set(choice, self.device, self.pool.rows)
+        fns = _kernel_set(choice, self.device, self.pool)
+        self._pinned_check = fns["pinned_check"]
         # uint8 [L, R * (S + 1) (rounded up), row_bytes]; hot[l] is what physical indices index
         self.hot = torch.zeros((L, cfg.hot_rows_per_layer, cfg.row_bytes), dtype=torch.uint8,
                                device=self.device)
@@ -323,7 +322,7 @@ class HiSparseCache:
         out = self._bufs[layer].view(T, K)
         hit, miss_lists = self._split_buffers(layer, T, K)
         event = self.stager.run_split(layer, req_ids, topk, out, hit, miss_lists,
-                                      host_rows=self.pool.rows[layer], hot_rows=self.hot[layer],
+                                      host_rows=self._host_l[layer], hot_rows=self._hot_l[layer],
                                       compact=compact, stage_with=stage_with)
         self.requests.touch(layer)
         return SplitResult(out, hit, miss_lists, event, self.requests.epochs, layer)
@@ -340,8 +339,8 @@ class HiSparseCache:
         if K > self.cfg.top_k:
             raise ValueError(f"topk has K={K} columns, more than top_k={self.cfg.top_k}")
         out = self._prefetch_out.view(T, K)
-        self.stager.run_prefetch(layer, req_ids, topk, out, host_rows=self.pool.rows[layer],
-                                 hot_rows=self.hot[layer])
+        self.stager.run_prefetch(layer, req_ids, topk, out, host_rows=self._host_l[layer],
+                                 hot_rows=self._hot_l[layer])
         self.requests.touch(layer)
 
     @property
@@ -360,6 +359,7 @@ class HiSparseCache:
         elif req_ids.dtype != torch.int32:
             raise TypeError("an unchecked resolve (validate=False) takes int32 req_ids: the hot path "
                             f"neither converts nor allocates; got {req_ids.dtype}")
+        self._pinned_check("the host pool")  # staging reads it over UVA: refused before any launch
         if self.pool.shared and not self.streams.capturing():
             self.pool.wait_visible(layer)  # rows of the writer rank must be on host
         return T, K, req_ids

@@ -109,7 +109,7 @@ def copy_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_i
 
 
 @functools.lru_cache(maxsize=None)
-def _words(row_bytes: int) -> tuple[int, int]:
+def row_words(row_bytes: int) -> tuple[int, int]:
     """(int32 words per row, the next power of two) of a row width."""
     ww = row_bytes // 4
     return ww, triton.next_power_of_2(ww)
@@ -124,7 +124,7 @@ def _launch_copy_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tenso
     N = src_idx.shape[0]
     if N == 0 or src.shape[0] == 0 or dst.shape[0] == 0:
         return
-    WW, WB = _words(src.shape[1])
+    WW, WB = row_words(src.shape[1])
     chunks = -(-N // rows)
     if dev is None:
         grid = min(chunks, 3)  # interpreter: a few programs, still exercising the loop
@@ -188,7 +188,7 @@ def _launch_copy_staged(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Ten
         return
     if programs is None:
         programs = max(1, sm_count(dev) // 4) if dev is not None else 2
-    WW, WB = _words(src.shape[1])
+    WW, WB = row_words(src.shape[1])
     with on_device(dev):
         copy_staged_kernel[(programs,)](
             src.view(torch.int32), src_idx, src.shape[0], dst.view(torch.int32), dst_idx, dst.shape[0],

@@ -101,8 +101,9 @@ def check_resolve_contents(cfg: HiSparseConfig, req_ids: torch.Tensor, topk: tor
     else:
         packed = ids_dev.cpu()[None]
     ids = packed[0].tolist()
+    lows = packed[1].tolist() if K else [-1] * T
     highs = packed[2].tolist() if K else [-1] * T
-    pad = [rid == -1 and highs[t] == -1 for t, rid in enumerate(ids)]
+    pad = [rid == -1 and lows[t] == -1 and highs[t] == -1 for t, rid in enumerate(ids)]
     seen: set[int] = set()
     run = 0
     for t, rid in enumerate(ids):
@@ -132,7 +133,6 @@ def check_resolve_contents(cfg: HiSparseConfig, req_ids: torch.Tensor, topk: tor
             )
     if not K:
         return
-    lows = packed[1].tolist()
     for t, rid in enumerate(ids):
         if pad[t]:
             continue

@@ -184,8 +184,9 @@ class Request:
 
     def decode_tokens(self, a: int, b: int) -> list[int]:
         """tokens[a:b] as ints for prompt_len <= a <= b (the decode part, made a list once)."""
-        if not self.prompt_len <= a <= b:
-            raise ValueError(f"decode_tokens({a}, {b}) outside the decode part (from {self.prompt_len})")
+        if not self.prompt_len <= a <= b <= self.total:
+            raise ValueError(f"decode_tokens({a}, {b}) outside the decode part "
+                             f"[{self.prompt_len}, {self.total}) of request {self.rid}")
         if self._decode_list is None:
             self._decode_list = self.tokens[self.prompt_len:].tolist()
         return self._decode_list[a - self.prompt_len:b - self.prompt_len]

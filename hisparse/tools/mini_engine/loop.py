@@ -166,7 +166,7 @@ class MiniEngine:
 
         ``profile=(after, n)``: the n graph replays after the first ``after`` ones run
         under torch.profiler (kernel times in the result's ``profile``, see
-        :class:`ReplayProfile`) and are left out of ``replay_step_times``."""
+        :class:`ReplayProfile`) and are left out of the step times (not of ``time_s``)."""
         cfg, dev = self.cfg, self.device
         prof = ReplayProfile(dev, *profile) if profile is not None else None
         reqs = make_workload(cfg)
@@ -224,11 +224,12 @@ class MiniEngine:
             out_rows.index_copy_(0, idx.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else idx, x)
             sync()
             dt = time.perf_counter() - t0
-            if profiled:
+            if profiled:  # a profiled step's time is the profiler's too: in no step list
                 prof.stop(replay)
-            step_times.append(dt)
-            if batch.md.num_prefills == 0:
-                decode_step_times.append(dt)
+            else:
+                step_times.append(dt)
+                if batch.md.num_prefills == 0:
+                    decode_step_times.append(dt)
             if replay and not profiled:
                 replay_step_times.append(dt)
                 replay_gpu_times.append(self.graphs.last_replay_gpu_s())
@@ -297,9 +298,11 @@ class ReplayProfile:
         self._prof.__enter__()
 
     def stop(self, replayed: bool) -> None:
+        """End the step's profile; its kernels count only when the step replayed."""
         self._prof.__exit__(None, None, None)
         cuda = self.device.type == "cuda"
-        for e in self._prof.events():
+        events = self._prof.events() if replayed else []
+        for e in events:
             if cuda and getattr(e.device_type, "name", "") != "CUDA":
                 continue
             k = self._kernels.setdefault(e.name, [0, 0.0])

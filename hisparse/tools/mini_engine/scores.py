@@ -16,13 +16,22 @@ import triton
 import triton.language as tl
 
 from ..._checks import interpreter_mode
+from ...device import on_device
 
 BLOCK_C = 256  # key positions per program
 
 
 @triton.jit
-def indexer_scores_kernel(keys, q, slots, lim, out, C, stride_s, stride_c, stride_o,
-                          D: tl.constexpr, DB: tl.constexpr, BLOCK: tl.constexpr):
+def indexer_scores_kernel(
+    keys,  # fp32 [S, >= C, D] (strides stride_s, stride_c, 1): each slot's indexer keys
+    q,  # fp32 [n, D] contiguous: the tokens' indexer queries
+    slots,  # int64 [n]: the token's row of keys
+    lim,  # int64 [n]: the last position the token may select (-1: none)
+    out,  # fp32 [n, C] (row stride stride_o): scores, -inf past lim
+    C, stride_s, stride_c, stride_o,
+    D: tl.constexpr, DB: tl.constexpr,  # the key width and its next power of two
+    BLOCK: tl.constexpr,  # positions per program; grid (n, cdiv(C, BLOCK))
+):
     t = tl.program_id(0)
     cb = tl.program_id(1)
     s = tl.load(slots + t)
@@ -64,8 +73,9 @@ def indexer_scores_triton(keys: torch.Tensor, iq: torch.Tensor, slots: torch.Ten
     if n == 0 or C == 0:
         return out
     grid = (n, triton.cdiv(C, BLOCK_C))
-    indexer_scores_kernel[grid](keys, iq, slots, lim, out, C, keys.stride(0), keys.stride(1), out.stride(0),
-                                D=d, DB=triton.next_power_of_2(d), BLOCK=BLOCK_C, num_warps=4)
+    with on_device(keys.device if keys.is_cuda else None):
+        indexer_scores_kernel[grid](keys, iq, slots, lim, out, C, keys.stride(0), keys.stride(1), out.stride(0),
+                                    D=d, DB=triton.next_power_of_2(d), BLOCK=BLOCK_C, num_warps=4)
     return out
 
 
