@@ -90,6 +90,30 @@ def _kernel_set(kernels: Kernels, device: torch.device, pool: HostPool) -> dict:
                 apply_fn=apply_write_plan_triton, mirror_fn=mirror, pinned_check=pinned.check)
 
 
+def _check_pool(host_pool: object, cfg: HiSparseConfig) -> None:
+    """A pool built elsewhere must be a HostPool of the same config."""
+    if host_pool is not None and not isinstance(host_pool, HostPool):
+        raise TypeError(f"host_pool must be a HostPool, got {type(host_pool).__name__}")
+    if host_pool is not None and host_pool.cfg.to_dict() != cfg.to_dict():
+        diff = [k for k, v in cfg.to_dict().items() if host_pool.cfg.to_dict().get(k) != v]
+        raise ValueError(f"host_pool was built for another config (differs in {diff})")
+
+
+def _split_buffers(memo: dict, cfg: HiSparseConfig, device: torch.device, layer: int, T: int,
+                   K: int) -> tuple[torch.Tensor, tuple]:
+    """int32 [T, K] hit rows and the (miss rows, miss host rows, counts) lists of a
+    layer's split resolves (allocated into ``memo`` on the layer's first split resolve)."""
+    bufs = memo.get(layer)
+    if bufs is None:
+        Tm, Km = cfg.max_tokens, cfg.top_k
+        i32 = dict(dtype=torch.int32, device=device)
+        bufs = memo[layer] = (torch.empty((Tm * Km,), **i32), torch.empty((Tm * Km,), **i32),
+                              torch.empty((Tm * Km,), **i32), torch.empty((Tm,), **i32))
+    hit, mp, mh, mc = bufs
+    n = T * K
+    return hit[:n].view(T, K), (mp[:n].view(T, K), mh[:n].view(T, K), mc[:T])
+
+
 class HiSparseCache:
     """Tiered KV cache: pinned host pool + per-(layer, request) GPU hot buffers.
 
@@ -107,11 +131,7 @@ class HiSparseCache:
         self.device = resolve_device(cfg.device)
         choice = Kernels.parse(kernels).pick(self.device)
         self.kernels = choice.value
-        if host_pool is not None and not isinstance(host_pool, HostPool):
-            raise TypeError(f"host_pool must be a HostPool, got {type(host_pool).__name__}")
-        if host_pool is not None and host_pool.cfg.to_dict() != cfg.to_dict():
-            diff = [k for k, v in cfg.to_dict().items() if host_pool.cfg.to_dict().get(k) != v]
-            raise ValueError(f"host_pool was built for another config (differs in {diff})")
+        _check_pool(host_pool, cfg)
         V.check_device_memory(cfg, self.device)
         L = cfg.num_layers
         self.pool = host_pool if host_pool is not None else HostPool(cfg, pin=pin)
@@ -119,7 +139,7 @@ class HiSparseCache:
         if choice is Kernels.TRITON:
             check_state(self.state)  # once: the per-call launches rely on it
         fns = _kernel_set(choice, self.device, self.pool)
-        self._pinned_check = fns["pinned_check"]
+        self._pinned_check = fns.pop("pinned_check")
         # uint8 [L, R * (S + 1) (rounded up), row_bytes]; hot[l] is what physical indices index
         self.hot = torch.zeros((L, cfg.hot_rows_per_layer, cfg.row_bytes), dtype=torch.uint8,
                                device=self.device)
@@ -320,7 +340,7 @@ class HiSparseCache:
         """
         T, K, req_ids = self._check_resolve(layer, req_ids, topk, validate)
         out = self._bufs[layer].view(T, K)
-        hit, miss_lists = self._split_buffers(layer, T, K)
+        hit, miss_lists = _split_buffers(self._split, self.cfg, self.device, layer, T, K)
         event = self.stager.run_split(layer, req_ids, topk, out, hit, miss_lists,
                                       host_rows=self._host_l[layer], hot_rows=self._hot_l[layer],
                                       compact=compact, stage_with=stage_with)
@@ -363,20 +383,6 @@ class HiSparseCache:
         if self.pool.shared and not self.streams.capturing():
             self.pool.wait_visible(layer)  # rows of the writer rank must be on host
         return T, K, req_ids
-
-    def _split_buffers(self, layer: int, T: int, K: int) -> tuple[torch.Tensor, tuple]:
-        """int32 [T, K] hit rows and the (miss rows, miss host rows, counts) lists of a
-        layer's split resolves (allocated on the layer's first split resolve)."""
-        bufs = self._split.get(layer)
-        if bufs is None:
-            Tm, Km = self.cfg.max_tokens, self.cfg.top_k
-            i32 = dict(dtype=torch.int32, device=self.device)
-            bufs = (torch.empty((Tm * Km,), **i32), torch.empty((Tm * Km,), **i32),
-                    torch.empty((Tm * Km,), **i32), torch.empty((Tm,), **i32))
-            self._split[layer] = bufs
-        hit, mp, mh, mc = bufs
-        n = T * K
-        return hit[:n].view(T, K), (mp[:n].view(T, K), mh[:n].view(T, K), mc[:T])
 
     # ---- reads and metrics ------------------------------------------------------
     def read_host_rows(self, layer: int, req_id: int, positions) -> torch.Tensor:

@@ -276,9 +276,7 @@ class HiSparseIndexGroup:
                 raise ValueError(f"batch row {row}: request {rid} holds {list(lens)} rows per layer but the "
                                  f"metadata says its context before this forward is {start} "
                                  f"(seq_len {metadata.seq_lens_cpu[row]} - query_len {metadata.query_len(row)})")
-        qsl = metadata.query_start_loc_cpu
-        counts = [qsl[row + 1] - qsl[row] for row in range(metadata.num_reqs)]
-        write_batch = cache.plan_write(metadata.request_ids_cpu, counts)
+        write_batch = cache.plan_write(metadata.request_ids_cpu, metadata.query_lens())
         if capacity is not None and self.device.type == "cuda":
             # the persistent buffers are rewritten below: in-flight staging of the last
             # forward (which reads the decode ids) finishes first
@@ -289,10 +287,7 @@ class HiSparseIndexGroup:
         self._tokens = capacity.tokens if capacity is not None else metadata.num_tokens
         ndt = capacity.tokens if capacity is not None else td
         if ndt:
-            ids = [metadata.request_ids_cpu[row] for row in range(metadata.num_decodes)
-                   for _ in range(qsl[row + 1] - qsl[row])]
-            ids += [-1] * (ndt - len(ids))
-            host = torch.tensor(ids, dtype=torch.int32)
+            host = torch.tensor(metadata.decode_token_request_ids(ndt), dtype=torch.int32)
             if capacity is not None:
                 buf = self._ids_bufs.get(ndt)
                 if buf is None:

@@ -86,6 +86,16 @@ class SparseMLAMetadata:
         """Position of the first query token of batch row ``row`` (tokens before it are context)."""
         return self.seq_lens_cpu[row] - self.query_len(row)
 
+    def query_lens(self) -> list[int]:
+        """Query tokens of every batch row."""
+        qsl = self.query_start_loc_cpu
+        return [qsl[row + 1] - qsl[row] for row in range(self.num_reqs)]
+
+    def decode_token_request_ids(self, tokens: int) -> list[int]:
+        """The request id of each decode token, padded with -1 to ``tokens`` entries."""
+        ids = [rid for rid, q in zip(self.request_ids_cpu[:self.num_decodes], self.query_lens()) for _ in range(q)]
+        return ids + [-1] * (tokens - len(ids))
+
     # ---- construction --------------------------------------------------
     @classmethod
     def build(cls, *, request_ids: list[int], query_lens: list[int], seq_lens: list[int],
