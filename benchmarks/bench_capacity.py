@@ -38,19 +38,8 @@ from hisparse.tools.capacity import Budget, RunShape, engine_config, measure, ti
 from hisparse.tools.mini_engine import compare  # noqa: E402
 from hisparse.tools.mini_engine.ffn import v32_share_at  # noqa: E402
 from hisparse.tools.mini_engine.graphs import DecodeMode  # noqa: E402
-from hisparse.tools.plan import fmt_bytes, parse_bytes, parse_tokens  # noqa: E402
+from hisparse.tools.plan import fmt_bytes, parse_bytes, parse_count, parse_tokens  # noqa: E402
 from hisparse.tools.report import table  # noqa: E402
-
-
-def _count(v: str) -> int:
-    """An int >= 0 (argparse type)."""
-    try:
-        n = int(v)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{v!r} is not an integer") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"{n} is negative")
-    return n
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -78,7 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "attention (split)")
     ap.add_argument("--backend", default=None, help="attention backend (default triton)")
     ap.add_argument("--flashmla-lib", default=None)
-    ap.add_argument("--profile", type=_count, default=0, metavar="N",
+    ap.add_argument("--profile", type=parse_count, default=0, metavar="N",
                     help="the last N replayed steps of each run go under torch.profiler (not timed): "
                          "GPU time per step and its top kernels [0: off]")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU; figures mean nothing")

@@ -80,7 +80,7 @@ def _kernel_set(kernels: Kernels, device: torch.device, pool: HostPool) -> dict:
         _launch_copy_rows(rows, plan.host_tok32, host_l, plan.host_h32, dev)
 
     def stage(host_rows, out: ResolveBuffers, hot_rows, *, K: int, programs=None) -> None:
-        pinned.check("src")
+        # the pool's pinned flag: checked by every resolve before it launches (_check_resolve)
         if programs is not None:  # Stager.stage_programs, settable by its user
             check_int("programs", programs, 1)
         _launch_copy_staged(host_rows, out.stage_src, hot_rows, out.stage_dst, out.stage_counts, dev,

@@ -32,7 +32,7 @@ from .autotune import AutotuneOptions, format_autotune, run_autotune, save_resul
 from .env import collect_env, format_env
 from .exit_codes import (EXIT_FAILED, EXIT_INPUT, EXIT_OK, MissingDependency, OneLineParser,
                          run_command)
-from .plan import FORMULAS, PlanInputs, fmt_bytes, format_plan, parse_bytes, parse_tokens, plan
+from .plan import FORMULAS, PlanInputs, fmt_bytes, format_plan, parse_bytes, parse_count, parse_tokens, plan
 from .preflight import check_output_dir, check_output_file, parse_device
 from .report import plot_stress, require_matplotlib
 from .stress import StressOptions, StressRun, format_stress
@@ -79,16 +79,6 @@ def _port(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
     if not 1 <= n <= 65535:
         raise argparse.ArgumentTypeError(f"a port must be in [1, 65535], got {n}")
-    return n
-
-
-def _count(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text!r}") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {n}")
     return n
 
 
@@ -158,7 +148,7 @@ def _add_stress(sub) -> None:
     a("--metrics-file", metavar="FILE",
       help="write the cache's stats() there in the Prometheus text format (docs/METRICS.md), "
            "at the end and every --metrics-every steps")
-    a("--metrics-every", type=_count, default=10, metavar="N",
+    a("--metrics-every", type=parse_count, default=10, metavar="N",
       help="steps between --metrics-file writes; 0: only at the end [10]")
     a("--metrics-port", type=_port, metavar="PORT",
       help="serve the metrics on http://ADDR:PORT/metrics while the run lasts (needs prometheus_client)")

@@ -39,6 +39,7 @@ target {requests, host_pool_bytes, gpu_bytes, fits_gpu, within_max_seqs} (with a
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import math
 import re
@@ -76,6 +77,17 @@ def _parse(text: str | int, units: dict[str, int], what: str) -> int:
 def parse_bytes(text: str | int) -> int:
     """'80GiB' / '80G' (binary) / '80GB' (decimal) / '1024' -> bytes."""
     return _parse(text, _MEM_UNITS, "memory size")
+
+
+def parse_count(text: str) -> int:
+    """An int >= 0 (an argparse type)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected an int >= 0, got {n}")
+    return n
 
 
 def parse_tokens(text: str | int) -> int:
