@@ -28,6 +28,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import traceback
 import time
 from pathlib import Path
@@ -175,6 +176,11 @@ def out_problem(path: str | None) -> str | None:
         parent = parent.parent
     if not parent.is_dir() or not os.access(parent, os.W_OK):
         return f"--out {path}: cannot create files under {parent}"
+    try:  # os.access says yes to root everywhere (/proc included): try it
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as e:
+        return f"--out {path}: cannot create files under {parent} ({e.strerror})"
     return None
 
 

@@ -6,6 +6,7 @@
 #                                             profile_host (cProfile + torch.profiler of bench_e2e --quick)
 #                                             layer (bench_layer: one decode layer in a CUDA graph vs resident)
 #                                             miss (bench_miss_attention: the miss-attention kernels alone)
+#                                             profile_layer (kernel timeline of one replayed decode layer per mode)
 #                                             soak (long verified stress runs, memory watched; takes the whole budget)
 #                                             capacity (bench_capacity: each tier's largest batch, tokens/s under graphs)
 #                                             mini_graphs (hisparse mini-engine --graphs, both KV stores, serial and split)
@@ -21,7 +22,7 @@
 #   vllm_resolve: vLLM 0.30's hisparse_resolve_residency vs our resolve_triton, all hits, same
 #                 process (benchmarks.bench_vllm_resolve); needs .gpu-deps/vllm/_C_stable_libtorch.abi3.so
 #                 or its .xz (decompressed into /tmp/hisparse-vllm by the script)
-# Extra arguments: CAPACITY_ARGS (capacity, e.g. "--contexts 128K --same-batch"), TC_ARGS (triton_configs), PREFILL_ARGS, DECODE_ARGS, STAGING_ARGS, VLLM_RESOLVE_ARGS,
+# Extra arguments: PROFILE_LAYER_ARGS (profile_layer, e.g. "--hits 95 --backends triton"), CAPACITY_ARGS (capacity, e.g. "--contexts 128K --same-batch"), TC_ARGS (triton_configs), PREFILL_ARGS, DECODE_ARGS, STAGING_ARGS, VLLM_RESOLVE_ARGS,
 #                  PROFILE_HOST_ARGS (default --quick; " " for the full size), SOAK_ARGS (soak);
 #                  POOL_KINDS (pool_kinds).
 # Uses the machine's preinstalled torch/triton (no network there): PYTHONPATH=. , no install.
@@ -137,6 +138,8 @@ for s in "${sections[@]}"; do
     vllm_resolve) run vllm_resolve 300 python3 -m benchmarks.bench_vllm_resolve --out "$RES/vllm_resolve.json" ${VLLM_RESOLVE_ARGS:-} ;;
     e2e) run e2e 300 python3 -m benchmarks.bench_e2e --out "$RES/e2e.json" ${QUICK:+--quick} ;;
     layer) run layer ${LAYER_TIMEOUT:-420} python3 -m benchmarks.bench_layer --out "$RES/layer.json" ${LAYER_ARGS:-} ;;
+    profile_layer) run_to profile_layer 300 "$RES/profile_layer.txt" python3 -m benchmarks.profile_layer \
+        --out "$RES/profile_layer.json" ${PROFILE_LAYER_ARGS:-} ;;
     miss) run miss 300 python3 -m benchmarks.bench_miss_attention --out "$RES/miss_attention.json" ${QUICK:+--quick} ${MISS_ARGS:-} ;;
     stress) run_to stress 420 "$RES/stress.json" python3 -m hisparse stress --preset gpu --json --plot "$RES"
             python3 -c "import json,sys; from hisparse.tools.stress import format_stress; print(format_stress(json.load(open(sys.argv[1]))))" "$RES/stress.json" >>"$LOG" 2>&1 ;;

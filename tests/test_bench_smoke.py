@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import (bench_decode, bench_host_calls, bench_prefill, bench_staging,
                         bench_vllm_resolve, profile_e2e_host, soak)
 
@@ -126,3 +128,29 @@ def test_bench_layer_dry_run_compares_every_mode(tmp_path, capsys):
         q = case["prefetch_quality"]
         assert 0.0 <= q["precision"] <= 1.0 and 0.0 <= q["recall"] <= 1.0
     assert rep["cases"][1]["prefetch_quality"]["rows_staged"] > 0
+
+
+def test_profile_layer_dry_run_lists_each_mode(tmp_path, capsys):
+    """The layer profiler on tiny shapes: one timeline per (hit rate, mode), each with
+    entries in start order and a span that covers them."""
+    from benchmarks import profile_layer
+
+    out = tmp_path / "profile.json"
+    assert profile_layer.main(["--dry-run", "--hits", "100", "50", "--out", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    cases = rep["cases"]
+    assert [(c["hit"], c["mode"]) for c in cases] == [
+        (h, m) for h in (1.0, 0.5) for m in ("resident", "serial", "split")]
+    for c in cases:
+        starts = [k["start_us"] for k in c["kernels"]]
+        assert starts and starts == sorted(starts) and starts[0] == 0
+        assert c["span_us"] >= max(k["start_us"] + k["dur_us"] for k in c["kernels"]) - 1e-6
+
+
+def test_profile_layer_refuses_bad_arguments(capsys):
+    from benchmarks import profile_layer
+
+    with pytest.raises(SystemExit) as e:
+        profile_layer.main(["--dry-run", "--hits", "120"])
+    assert e.value.code == 2
+    assert profile_layer.main(["--dry-run", "--out", "/proc/nope/x.json"]) == 2
