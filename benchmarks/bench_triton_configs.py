@@ -106,7 +106,8 @@ def run_case(fmt: str, T: int, H: int, K: int, args) -> dict:
         preg = shape[3] if len(shape) > 3 else 56
         auto = TritonMLAConfig(block_h=64, block_n=bn, num_warps=4, num_stages=ns, ws=True,
                                ws_raw=raw, ws_producer_regs=preg)
-        for sp in sorted({auto_splits(T, H, K, auto, q.device), 1}):
+        ws_splits = {auto_splits(T, H, K, auto, q.device), 1} | set(args.splits or ())
+        for sp in sorted(ws_splits):
             measure(f"ws_n{bn}s{ns}r{raw}p{preg}x{sp}", dataclasses.replace(auto, num_splits=sp))
     for shape in shapes:
         bh, bn, nw, ns = shape[:4]
@@ -117,8 +118,8 @@ def run_case(fmt: str, T: int, H: int, K: int, args) -> dict:
             continue
         auto = TritonMLAConfig(block_h=bh, block_n=bn, num_warps=nw, num_stages=ns,
                                isolate_qk=iso, prefetch=pf, wide=wide)
-        splits = sorted({auto_splits(T, H, K, auto, q.device), 1, 2} if not args.quick
-                        else {auto_splits(T, H, K, auto, q.device), 1})
+        splits = sorted(({auto_splits(T, H, K, auto, q.device), 1, 2} if not args.quick
+                         else {auto_splits(T, H, K, auto, q.device), 1}) | set(args.splits or ()))
         for sp in splits:
             cfg = dataclasses.replace(auto, num_splits=sp)
             name = (f"h{bh}n{bn}w{nw}s{ns}{'i' if iso else ''}{f'p{pf}' if pf else ''}"
@@ -165,9 +166,13 @@ def main(argv=None) -> int:
                          "(block_h, block_n, num_warps, num_stages, isolate_qk 0/1, "
                          "prefetch distance 0-3, wide 0/1; ws: block_n, bf16 ring slots, "
                          "raw slots, producer registers)")
+    ap.add_argument("--splits", nargs="+", type=int, metavar="N",
+                    help="KV splits to try for every shape, besides 1 and auto_splits' choice")
     ap.add_argument("--cases", nargs="+", metavar="FMT,T,H",
                     help="cases to run instead of the built-in list, e.g. fp8_ds_mla,64,128")
     args = ap.parse_args(argv)
+    if any(sp < 1 for sp in args.splits or ()):
+        ap.error(f"--splits takes counts >= 1, got {args.splits}")
     if not out_ok(args.out, "bench_triton_configs"):
         return 2
     if not torch.cuda.is_available():
