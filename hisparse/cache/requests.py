@@ -102,6 +102,14 @@ class RequestTable:
         if reserved >= 0:
             self._reserved[r][layer] = reserved
 
+    def set_written_all(self, r: int, end: int, reserved: int) -> None:
+        """``set_written`` for every layer at once (a step writes the same rows to each)."""
+        lens = self._lens[r]
+        lens[:] = [end] * len(lens)
+        if reserved >= 0:
+            res = self._reserved[r]
+            res[:] = [reserved] * len(res)
+
     def incarnation(self, r: int) -> int:
         """Which admission the request in slot r is (distinct for every add_request, so a
         request freed and admitted again under the same id and slot is told apart)."""

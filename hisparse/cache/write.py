@@ -189,7 +189,7 @@ class Writer:
         for rid, r, n, t0 in zip(batch.req_ids, batch.slots, batch.counts, batch.offsets):
             lens, res = self.visible(replaces, rid, r)
             p0, old = lens[0], res[0]
-            if any(x != p0 for x in lens) or any(x != old for x in res):
+            if lens.count(p0) != L or res.count(old) != L:
                 raise ValueError(f"request {rid} holds {lens} rows per layer: a step writes the same "
                                  "positions to every layer")
             if n:
@@ -221,9 +221,7 @@ class Writer:
         self._allocate(new_blocks)
         S = self.cfg.device_buffer_size
         for _, r, _, _, p1, _ in req_work:
-            occ = p1 - 1 if p1 - 1 >= S else -1
-            for layer in range(L):
-                req.set_written(r, layer, p1, occ)
+            req.set_written_all(r, p1, p1 - 1 if p1 - 1 >= S else -1)
         for layer in range(L):
             req.touch(layer)
         self._plan = None

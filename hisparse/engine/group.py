@@ -272,7 +272,7 @@ class HiSparseIndexGroup:
                 raise ValueError(f"batch row {row}: request {rid} is not live (add_request first)")
             lens = self._visible_lengths(rid)  # layers the last forward did not write: as before it
             start = metadata.context_start(row)
-            if any(n != start for n in lens):
+            if lens.count(start) != len(lens):
                 raise ValueError(f"batch row {row}: request {rid} holds {list(lens)} rows per layer but the "
                                  f"metadata says its context before this forward is {start} "
                                  f"(seq_len {metadata.seq_lens_cpu[row]} - query_len {metadata.query_len(row)})")
