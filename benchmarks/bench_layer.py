@@ -38,7 +38,7 @@ import torch
 
 from benchmarks import common
 
-common.interpret_dry_run()  # before hisparse loads
+common.interpret_dry_run(with_gpu=True)  # before hisparse loads (a dry run stays on CPU)
 
 from hisparse import HiSparseConfig  # noqa: E402
 from hisparse.attention.base import SparseMLABackend  # noqa: E402
@@ -77,6 +77,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     if a.dry_run:
         a.batch, a.context, a.context_256, a.top_k, a.slots, a.heads = [2], 96, 96, 8, 16, 16
         a.reps, a.warmup, a.backends = 1, 0, ["triton"]
+    # each token draws its misses among the positions past the hot slots
+    need = a.slots + a.top_k + 1
+    if min(a.context, a.context_256) < need:
+        ap.error(f"--context and --context-256 must be >= --slots + --top-k + 1 = {need}, got "
+                 f"{a.context} and {a.context_256}")
     return a
 
 
@@ -235,7 +240,7 @@ def bench_case(s: Setup, be: SparseMLABackend, hit: float, a: argparse.Namespace
         res["resident_2layers"], ref2 = timed(lambda: resident(2), s, a, restore=False)
 
         def two(prefetch: bool):
-            out = layers["split"](0, s.req, tk0, q, sm_scale=sm)
+            layers["split"](0, s.req, tk0, q, sm_scale=sm)
             if prefetch:
                 c.prefetch(1, s.req, tk0)
             return layers["split"](1, s.req, tk1, q, sm_scale=sm)

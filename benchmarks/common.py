@@ -180,7 +180,7 @@ def out_problem(path: str | None) -> str | None:
         with tempfile.TemporaryFile(dir=parent):
             pass
     except OSError as e:
-        return f"--out {path}: cannot create files under {parent} ({e.strerror})"
+        return f"--out {path}: cannot create files under {parent} ({e.strerror or e})"
     return None
 
 

@@ -26,7 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks import common
 
-common.interpret_dry_run()  # before hisparse loads
+common.interpret_dry_run(with_gpu=True)  # before hisparse loads (a dry run stays on CPU)
 
 from benchmarks import bench_layer as bl  # noqa: E402
 from hisparse.decode import DecodeLayer, Overlap  # noqa: E402
@@ -49,8 +49,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     for h in a.hits:
         if not 0 <= h <= 100:
             ap.error(f"--hits takes percentages in [0, 100], got {h}")
-    if a.batch < 1 or a.context < 1:
-        ap.error("--batch and --context must be >= 1")
+    if a.batch < 1:
+        ap.error(f"--batch must be >= 1, got {a.batch}")
+    defaults = bl.parse_args([])
+    need = defaults.slots + defaults.top_k + 1
+    if not a.dry_run and a.context < need:
+        ap.error(f"--context must be >= {need} (each token draws its misses among the positions "
+                 f"past the {defaults.slots} hot slots), got {a.context}")
     return a
 
 
@@ -106,8 +111,6 @@ def main(argv=None) -> int:
     cuda = torch.cuda.is_available() and not a.dry_run
     dev = torch.device("cuda" if cuda else "cpu")
     la = layer_args(a)
-    if a.dry_run:
-        la.backends = ["triton"]
     B, ctx = la.batch[0], la.context
     s = bl.Setup(B, ctx, la, dev)
     c = s.cache

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from benchmarks import (bench_decode, bench_host_calls, bench_prefill, bench_staging,
                         bench_vllm_resolve, profile_e2e_host, soak)
@@ -142,9 +143,11 @@ def test_profile_layer_dry_run_lists_each_mode(tmp_path, capsys):
     assert [(c["hit"], c["mode"]) for c in cases] == [
         (h, m) for h in (1.0, 0.5) for m in ("resident", "serial", "split")]
     for c in cases:
-        starts = [k["start_us"] for k in c["kernels"]]
-        assert starts and starts == sorted(starts) and starts[0] == 0
-        assert c["span_us"] >= max(k["start_us"] + k["dur_us"] for k in c["kernels"]) - 1e-6
+        assert c["kernels"] and all(k["dur_us"] >= 0 and k["name"] for k in c["kernels"])
+    ops = {(c["hit"], c["mode"]): len(c["kernels"]) for c in cases}
+    for h in (1.0, 0.5):  # the cache's modes do more than the resident attention alone
+        assert ops[(h, "serial")] > ops[(h, "resident")] and ops[(h, "split")] > ops[(h, "resident")]
+    assert rep["env"]["torch"] == torch.__version__
 
 
 def test_profile_layer_refuses_bad_arguments(capsys):
@@ -152,5 +155,8 @@ def test_profile_layer_refuses_bad_arguments(capsys):
 
     with pytest.raises(SystemExit) as e:
         profile_layer.main(["--dry-run", "--hits", "120"])
+    assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:
+        profile_layer.main(["--context", "100"])  # shorter than the hot slots + top-k
     assert e.value.code == 2
     assert profile_layer.main(["--dry-run", "--out", "/proc/nope/x.json"]) == 2

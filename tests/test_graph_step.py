@@ -275,3 +275,31 @@ def test_checked_resolve_padding_tokens_do_not_split_a_request():
         c.resolve(0, torch.tensor([0, -1, 0], dtype=torch.int32), tk)
     res = c.resolve(0, torch.tensor([0, 0, -1], dtype=torch.int32), tk[[0, 2, 1]])
     assert bool((res.physical[2] == -1).all()) and int(res.physical[0, 0]) >= 0
+
+
+def test_a_step_refuses_requests_whose_layers_differ_and_changes_nothing():
+    """Writer.prepare_step (below the façade's own check): a request whose layers hold
+    different row counts is refused before any block, length or table entry changes;
+    once every layer holds the same rows, the same step is planned for all of them."""
+    cfg = HiSparseConfig(num_layers=3, host_pool_tokens=256, row_bytes=656, top_k=8,
+                         device_buffer_size=16, max_num_reqs=2, host_block_size=4, device="cpu")
+    c = HiSparseCache(cfg, kernels="torch")
+    c.add_request(5)
+    c.add_request(6)
+    rows = torch.randint(0, 255, (7, 656), dtype=torch.uint8)
+    for layer in range(3):
+        c.append_rows(layer, 6, rows[:3])
+    for layer in (0, 2):  # layer 1 of request 5 is one row short
+        c.append_rows(layer, 5, rows)
+    c.append_rows(1, 5, rows[:6])
+    r5, r6 = c.request_slot(5), c.request_slot(6)
+    before = (list(c.requests.lengths(r5)), list(c.requests.lengths(r6)), c.pool.allocator.num_used,
+              c.state.block_table.clone(), list(c.requests.epochs))
+    with pytest.raises(ValueError, match=r"request 5 holds \[7, 6, 7\] rows per layer"):
+        c.prepare_step(c.plan_write([6, 5], [1, 1]))
+    after = (list(c.requests.lengths(r5)), list(c.requests.lengths(r6)), c.pool.allocator.num_used,
+             c.state.block_table, list(c.requests.epochs))
+    assert before[:3] == after[:3] and torch.equal(before[3], after[3]) and before[4] == after[4]
+    c.append_rows(1, 5, rows[6:7])
+    c.prepare_step(c.plan_write([6, 5], [1, 1]))
+    assert c.requests.lengths(r5) == [8, 8, 8] and c.requests.lengths(r6) == [4, 4, 4]
