@@ -160,7 +160,9 @@ def run_trace(cfg: HiSparseConfig, seq_by_id: dict[int, int], steps: int, seed: 
 
 
 def small_cfg(*, K: int, q: int, S: int, B: int = 3, L: int = 2, R: int = 8) -> HiSparseConfig:
-    return HiSparseConfig(num_layers=L, host_pool_tokens=B * 128, top_k=K, device_buffer_size=S,
+    """256 host blocks: room for 4 requests of up to 64 blocks each (the random traces
+    draw up to 3 requests of up to 59 tokens, at 1 token per block)."""
+    return HiSparseConfig(num_layers=L, host_pool_tokens=B * 256, top_k=K, device_buffer_size=S,
                           max_num_reqs=R, max_query_len=q, host_block_size=B, max_request_id=16,
                           device="cpu")
 
