@@ -88,16 +88,11 @@ def timeline(fn, before, cuda: bool) -> list[dict]:
 
 
 def graphed(fn, s: "bl.Setup", restore: bool):
-    """``fn`` captured in a CUDA graph (after one eager call), as a replay callable."""
+    """``fn`` captured in a CUDA graph (``bench_layer.capture``) and replayed warm, as a
+    replay callable and the state reset it needs before each replay."""
     before = s.restore if restore else s.flush.flush
-    before()
-    fn()
-    torch.cuda.synchronize()
-    before()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(3):  # warm replays
+    g, _ = bl.capture(fn, before)
+    for _ in range(2):  # two more warm replays
         before()
         g.replay()
     torch.cuda.synchronize()

@@ -156,8 +156,8 @@ class HiSparseCache:
         self._prefetch_out = ResolveBuffers.allocate(T, K, self.device)  # its undo log serves all
         self._bufs = [ResolveBuffers.allocate(T, K, self.device, undo_of=self._prefetch_out) for _ in range(L)]
         self._views: dict[int, LayerView] = {}
-        self._hot_l = list(self.hot)  # uint8 [N, row_bytes] per layer (views, made once)
-        self._host_l = list(self.pool.rows)  # uint8 [H, row_bytes] per layer
+        self._hot_l = self.writer.hot_layers  # uint8 [N, row_bytes] per layer (views, made once)
+        self._host_l = self.writer.host_layers  # uint8 [H, row_bytes] per layer
         self._split: dict[int, tuple] = {}  # layer -> (hit, miss lists), made on first use
 
     # ---- small queries ----------------------------------------------------

@@ -83,8 +83,8 @@ class Writer:
         self.mirror_fn = mirror_fn
         self.device = device
         self._plan: tuple[tuple, WritePlan] | None = None  # last committed plan and its key
-        self._hot_l = list(hot)  # uint8 [N, row_bytes] per layer (views, made once)
-        self._host_l = list(pool.rows)  # uint8 [H, row_bytes] per layer
+        self.hot_layers = list(hot)  # uint8 [N, row_bytes] per layer (views, made once)
+        self.host_layers = list(pool.rows)  # uint8 [H, row_bytes] per layer
         self.step_buffers = StepBuffers(device)
 
     # ---- checks ------------------------------------------------------------------
@@ -329,7 +329,7 @@ class Writer:
             cs.follow(backup, cur)
         with cs.streams.on(backup):
             if self.pool.is_writer:
-                self.mirror_fn(rows, plan, self._host_l[layer])
+                self.mirror_fn(rows, plan, self.host_layers[layer])
             cs.backup.record(backup, cap)
         recorded = backup is not None and not cap
         if recorded:  # read on the backup stream
@@ -337,7 +337,7 @@ class Writer:
             if record_plan:
                 plan.host_tok32.record_stream(backup)
                 plan.host_h32.record_stream(backup)
-        self.apply_fn(self.state, self._hot_l[layer], rows, plan, layer)
+        self.apply_fn(self.state, self.hot_layers[layer], rows, plan, layer)
         return recorded
 
 
