@@ -114,7 +114,7 @@ def _launch_sizes(S: int, K: int, max_query_len: int) -> tuple[int, int, int, in
     SB = triton.next_power_of_2(S)
     big = max(GQ * KB, SB)
     # 16 warps from 4096 lanes on: the miss phase is a chain of CTA-wide reductions and
-    # scans, each faster with fewer lanes per thread (BENCHMARKS.md, session 9)
+    # scans, each faster with fewer lanes per thread (BENCHMARKS.md)
     return KB, GQ, SB, (4 if big <= 1024 else (8 if big <= 2048 else 16))
 
 
