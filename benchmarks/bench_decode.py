@@ -87,17 +87,18 @@ class Timer:
 
 
 class TritonVariant(TritonBackend):
-    """The Triton backend at the ``tl`` kernels' default launch shape (never the
-    warp-specialised kernel) with some fields replaced (a same-run baseline for what the
-    default changed)."""
+    """The Triton backend at a default launch shape with some fields replaced (a same-run
+    baseline for what the default changed): the ``tl`` kernels' default unless
+    ``allow_ws`` (then the backend's own default, the warp-specialised kernel where it
+    runs)."""
 
-    def __init__(self, name: str, **overrides) -> None:
+    def __init__(self, name: str, allow_ws: bool = False, **overrides) -> None:
         super().__init__(validate=False, allow_interpreter=True)
-        self.name, self.overrides = name, overrides
+        self.name, self.overrides, self.allow_ws = name, overrides, allow_ws
 
     def decode(self, q, kv_rows, indices, *, valid_counts=None, sm_scale, row_format):
         cfg = default_config(q.shape[0], q.shape[1], indices.shape[1], q.device, row_format,
-                             allow_ws=False)
+                             allow_ws=self.allow_ws, kv_rows=kv_rows)
         self.config = dataclasses.replace(cfg, **self.overrides)
         return super().decode(q, kv_rows, indices, valid_counts=valid_counts, sm_scale=sm_scale,
                               row_format=row_format)
@@ -106,7 +107,9 @@ class TritonVariant(TritonBackend):
 # name -> the default launch shape's fields it replaces
 VARIANTS = {"triton_noprefetch": {"prefetch": 0},
             # the tl kernels' default (the fused-tile kernel for fp8 rows at 64-head blocks)
-            "triton_tl": {}}
+            "triton_tl": {},
+            # the default kernel in one launch, whatever the waves of SMs (no wave tail)
+            "triton_one_launch": {"allow_ws": True, "wave_tail": False}}
 
 
 def time_backend(backend, q, rows, idx, *, timer: Timer, valid_counts=None, sm_scale: float,
@@ -300,7 +303,9 @@ def main(argv=None) -> int:
                     help="triton_noprefetch: the tl kernels' default launch shape with the "
                          "L2 prefetch off (to measure it against the default in the same "
                          "run); triton_tl: the tl kernels' default (what runs where the "
-                         "warp-specialised kernel, the fp8 default on SM 9.x, can't)")
+                         "warp-specialised kernel, the fp8 default on SM 9.x, can't); "
+                         "triton_one_launch: the default without its wave tail (one launch "
+                         "however the programs fill the SMs' waves)")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--pad-frac", type=float, default=0.0, help="fraction of -1 indices")

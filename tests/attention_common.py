@@ -81,10 +81,10 @@ def check_extreme_scales(backend):
     assert (err <= bound + 1e-30).all(), f"worst err / max|ref| {(err / bound).max().item()}"
 
 
-def check_graph_capture(backend):
-    """Capture one fp8 decode (T=64, H=128) in a CUDA graph: the replay equals the eager
-    call bitwise, and replays on new q in the same buffers match the reference."""
-    q, rows, idx, vc = make_problem(64, 128, 2048, "fp8_ds_mla", seed=5)
+def check_graph_capture(backend, T: int = 64):
+    """Capture one fp8 decode (T tokens, H=128) in a CUDA graph: the replay equals the
+    eager call bitwise, and replays on new q in the same buffers match the reference."""
+    q, rows, idx, vc = make_problem(T, 128, 2048, "fp8_ds_mla", seed=5)
     eager = backend.decode(q, rows, idx, valid_counts=vc, sm_scale=SCALE, row_format="fp8_ds_mla")
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())

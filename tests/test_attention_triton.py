@@ -147,6 +147,47 @@ def test_triton_split_kv_combine(fmt, splits, block_n):
         _close(out, lse, *REF.decode(q, kv, idx, valid_counts=v, sm_scale=SCALE, row_format=fmt))
 
 
+def test_wave_tail_plan():
+    """Tokens past the last full wave of SMs get their own split launch only when that
+    wave would be at most half full; enough splits to fill the SMs, >= 2 blocks each."""
+    plan = TB.wave_tail_plan
+    assert plan(68, 2, 2048, 32, 132) == (2, 32)  # 136 programs: 4 past one wave
+    assert plan(67, 2, 2048, 32, 132) == (1, 32)
+    assert plan(64, 2, 2048, 32, 132) == (0, 1)  # fits one wave
+    assert plan(66, 2, 2048, 32, 132) == (0, 1)  # exactly one wave
+    assert plan(132, 2, 2048, 32, 132) == (0, 1)  # exactly two
+    assert plan(99, 2, 2048, 32, 132) == (33, 2)  # 66 past the wave: half full
+    assert plan(100, 2, 2048, 32, 132) == (0, 1)  # 68 past it: more than half
+    assert plan(133, 1, 2048, 32, 132) == (1, 32)  # capped at MAX_AUTO_SPLITS
+    assert plan(133, 1, 2048, 32, 132)[1] == TB.MAX_AUTO_SPLITS
+    assert plan(68, 2, 128, 32, 132) == (2, 2)  # each split keeps 2 blocks of rows
+    assert plan(68, 2, 64, 32, 132) == (0, 1)  # too few rows to split
+    assert plan(5, 2, 2048, 32, 4) == (1, 2)  # 10 programs on 4 SMs: 2 past two waves
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla"])
+def test_wave_tail_launch_matches_one_launch(fmt, monkeypatch):
+    """With a tail (forced here: the plan applies on CUDA only) the last tokens run as a
+    split launch into the same outputs; results match the reference, valid counts and
+    empty tokens included, and the head tokens equal the single launch's bit for bit."""
+    N, T, H, K = 50, 5, 5, 70
+    kv, _ = _rows(N, fmt, seed=17)
+    q, idx = _q(T, H, seed=18), _indices(T, K, N, seed=19)
+    vc = torch.tensor([K, 3, 20, 0, 41], dtype=torch.int32, device=DEV)
+    cfg = TritonMLAConfig(block_h=16, block_n=16, num_warps=4, num_splits=1)
+    be = TritonBackend(allow_interpreter=True, config=cfg)
+    one = [be.decode(q, kv, idx, valid_counts=v, sm_scale=SCALE, row_format=fmt) for v in (None, vc)]
+    calls = []
+    monkeypatch.setattr(TB, "_tail_plan", lambda T_, H_, K_, cfg_, s_, dev_: calls.append(T_) or (2, 3))
+    for v, (o1, l1) in zip((None, vc), one):
+        out, lse = be.decode(q, kv, idx, valid_counts=v, sm_scale=SCALE, row_format=fmt)
+        _close(out, lse, *REF.decode(q, kv, idx, valid_counts=v, sm_scale=SCALE, row_format=fmt))
+        assert torch.equal(out[:3], o1[:3]) and torch.equal(lse[:3], l1[:3])
+    assert calls == [T, T]
+    with pytest.raises(TypeError, match="wave_tail must be a bool"):
+        TritonMLAConfig(wave_tail=1)
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla"])
 @pytest.mark.parametrize("splits,isolate_qk", [(1, False), (3, False), (1, True), (3, True)])
 def test_triton_tiled_kernel_matches_reference(fmt, splits, isolate_qk):

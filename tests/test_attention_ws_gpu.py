@@ -13,7 +13,9 @@ import pytest
 import torch
 from attention_common import REF, SCALE, check, check_extreme_scales, check_graph_capture, make_problem
 
-from hisparse.attention.triton_backend import TritonBackend, TritonMLAConfig, default_config
+from hisparse._checks import sm_count
+from hisparse.attention.triton_backend import (TritonBackend, TritonMLAConfig, default_config,
+                                               wave_tail_plan)
 from hisparse.kernels.gluon_support import gluon_ws_problem
 
 pytestmark = pytest.mark.gpu
@@ -101,6 +103,30 @@ def test_ws_unchecked_out_of_range_is_masked():
 def test_ws_graph_capture_and_replay():
     _skip_unless_sm90()
     check_graph_capture(TritonBackend(config=WS, validate=False))
+
+
+@pytest.mark.parametrize("H", [128, 100])
+@pytest.mark.parametrize("extra", [1, 2, 10])
+def test_ws_wave_tail_matches_one_launch_and_reference(H, extra):
+    """Tokens just past one wave of SMs (``extra`` tokens of 2 head blocks over it) run as
+    a split second launch: every token matches the reference, the tokens of the first
+    launch equal the one-launch run's bit for bit, and a graph of it replays."""
+    _skip_unless_sm90()
+    sms = sm_count(torch.device("cuda"))
+    T = sms // 2 + extra
+    tail, splits = wave_tail_plan(T, 2, 2048, WS.block_n, sms)
+    assert tail >= 1 and splits >= 2, (T, tail, splits)
+    q, rows, idx, vc = _problem(T, H, 2048, seed=T + H)
+    tailed = TritonBackend(config=WS)
+    one = TritonBackend(config=dataclasses.replace(WS, wave_tail=False))
+    for v in (None, vc):
+        out, lse = tailed.decode(q, rows, idx, valid_counts=v, sm_scale=SCALE, row_format="fp8_ds_mla")
+        ref = REF.decode(q, rows, idx, valid_counts=v, sm_scale=SCALE, row_format="fp8_ds_mla")
+        _check(out, lse, *ref, what=f"T={T} H={H} tail={tail}x{splits} vc={v is not None}")
+        o1, l1 = one.decode(q, rows, idx, valid_counts=v, sm_scale=SCALE, row_format="fp8_ds_mla")
+        assert torch.equal(out[:T - tail], o1[:T - tail]) and torch.equal(lse[:T - tail], l1[:T - tail])
+    if H == 128 and extra == 2:
+        check_graph_capture(TritonBackend(config=WS, validate=False), T=T)
 
 
 def test_ws_rejects_misaligned_rows_and_bf16():

@@ -67,6 +67,11 @@ class TritonMLAConfig:
     ws_raw: with ``ws``, raw cp.async slots: the producer gathers ws_raw - 1 blocks ahead
     ws_producer_regs: with ``ws``, registers per producer thread (40, 56, 72 or 88); the
         consumers get the rest of the 168 x 12 warps' budget
+    wave_tail: when the launch has one KV split and its (token, head block) programs
+        overflow the last full wave of SMs by at most half a wave, the tokens past that
+        wave run as a second launch with KV splits (``wave_tail_plan``; CUDA only): at
+        68 tokens of 2 head blocks on 132 SMs the 4 overflowing programs would otherwise
+        take as long as the whole first wave
     ws_off_reason: set by ``default_config`` when it did not pick ``ws``: why not (None
         when it did, or for a config built by hand). Not part of the launch shape:
         ignored by ``==`` and ``hash``.
@@ -86,6 +91,7 @@ class TritonMLAConfig:
     ws: bool = False
     ws_raw: int = 3
     ws_producer_regs: int = 56
+    wave_tail: bool = True
     ws_off_reason: str | None = dataclasses.field(default=None, compare=False)
     isolate_off_reason: str | None = dataclasses.field(default=None, compare=False)
 
@@ -104,6 +110,7 @@ class TritonMLAConfig:
         check_int("prefetch", self.prefetch, 0, 4)  # 0 = off, else a distance in blocks
         check_bool("wide", self.wide)
         check_bool("ws", self.ws)
+        check_bool("wave_tail", self.wave_tail)
         for name in ("ws_off_reason", "isolate_off_reason"):
             v = getattr(self, name)
             if v is not None and not isinstance(v, str):
@@ -266,6 +273,39 @@ def _ws_kernel():
     return importlib.import_module("hisparse.kernels.mla_decode_ws").sparse_mla_decode_ws_kernel
 
 
+def wave_tail_plan(T: int, head_blocks: int, K: int, block_n: int, sms: int) -> tuple[int, int]:
+    """(tail tokens, their KV splits) for a one-split launch of T x head_blocks programs
+    on ``sms`` SMs; (0, 1) = a single launch.
+
+    Each program needs a whole SM, so programs past the last full wave run in a wave of
+    their own that takes as long as a full one. When that wave would be at most half
+    full, its tokens (the last ones) are split along the KV instead: enough splits to
+    fill the SMs, each split at least 2 iterations of ``block_n`` rows, at most
+    ``MAX_AUTO_SPLITS``; fewer than 2 splits = no tail.
+    """
+    units = T * head_blocks
+    rem = units % sms
+    if units <= sms or rem == 0 or 2 * rem > sms:
+        return 0, 1
+    tail = math.ceil(rem / head_blocks)
+    splits = min(sms // (tail * head_blocks), max(1, K // (2 * block_n)), MAX_AUTO_SPLITS)
+    return (tail, splits) if splits >= 2 else (0, 1)
+
+
+def _tail_plan(T: int, H: int, K: int, cfg: TritonMLAConfig, splits: int, dev: torch.device
+               ) -> tuple[int, int]:
+    """``wave_tail_plan`` for this launch where it applies (CUDA, one split, wave_tail)."""
+    if dev.type != "cuda" or splits != 1 or not cfg.wave_tail:
+        return 0, 1
+    return wave_tail_plan(T, math.ceil(H / cfg.block_h), K, cfg.block_n, sm_count(dev))
+
+
+def _rows_per_split(K: int, splits: int, block_n: int) -> tuple[int, int]:
+    """(rows per split, splits): a multiple of block_n; splits that would get no rows dropped."""
+    rows = math.ceil(math.ceil(K / splits) / block_n) * block_n
+    return rows, math.ceil(K / rows)
+
+
 def run_sparse_mla(inp: DecodeInputs, cfg: TritonMLAConfig | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the kernel(s) on validated inputs. Returns out bf16 [T, H, 512], lse f32 [T, H].
@@ -273,7 +313,7 @@ def run_sparse_mla(inp: DecodeInputs, cfg: TritonMLAConfig | None = None
     cfg None: ``default_config`` for these inputs (the ``tl`` kernels for rows the
     warp-specialised kernel can't read, e.g. a view that is not 16-byte aligned).
     """
-    q, kv, idx, vc = inp.q, inp.kv_rows, inp.indices, inp.valid_counts
+    q, kv, idx = inp.q, inp.kv_rows, inp.indices
     T, H, _ = q.shape
     K = idx.shape[1]
     dev = q.device
@@ -289,44 +329,60 @@ def run_sparse_mla(inp: DecodeInputs, cfg: TritonMLAConfig | None = None
         raise ValueError(f"TritonMLAConfig(isolate_qk=True) cannot run here: "
                          f"{isolate_problem(cfg, dev)}; use isolate_qk=False or wide=True")
     splits = cfg.num_splits if cfg.num_splits is not None else auto_splits(T, H, K, cfg, dev)
-    # rows per split: a multiple of block_n; drop splits that would get no rows
-    rows_per_split = math.ceil(math.ceil(K / splits) / cfg.block_n) * cfg.block_n
-    splits = math.ceil(K / rows_per_split)
+    splits = _rows_per_split(K, splits, cfg.block_n)[1]
+    tail, tail_splits = _tail_plan(T, H, K, cfg, splits, dev)
     out = torch.empty((T, H, D_V), dtype=torch.bfloat16, device=dev)
     lse = torch.empty((T, H), dtype=torch.float32, device=dev)
+    with _on_device(dev):
+        # the tail's programs come last (same stream), on the SMs the first launch frees
+        for lo, hi, s in ((0, T - tail, splits), (T - tail, T, tail_splits)):
+            if hi > lo:
+                _launch(inp, cfg, lo, hi, s, out, lse)
+    return out, lse
+
+
+def _launch(inp: DecodeInputs, cfg: TritonMLAConfig, lo: int, hi: int, splits: int,
+            out: torch.Tensor, lse: torch.Tensor) -> None:
+    """One decode launch (+ the split combine) for tokens [lo, hi) into out / lse rows
+    [lo, hi) (views: every kernel addresses its token rows from these bases)."""
+    q, kv, idx, vc = inp.q[lo:hi], inp.kv_rows, inp.indices[lo:hi], inp.valid_counts
+    vc = vc[lo:hi] if vc is not None else None
+    o, ls = out[lo:hi], lse[lo:hi]
+    T, H, _ = q.shape
+    K = idx.shape[1]
+    dev = q.device
+    rows_per_split, splits = _rows_per_split(K, splits, cfg.block_n)
     if splits > 1:
         part_out = torch.empty((T, splits, H, D_V), dtype=torch.float32, device=dev)
         part_lse = torch.empty((T, splits, H), dtype=torch.float32, device=dev)
     else:
-        part_out, part_lse = out, lse  # unused by the kernel
+        part_out, part_lse = o, ls  # unused by the kernel
     is_fp8 = inp.row_format is RowFormat.FP8_DS_MLA
     grid = (T, math.ceil(H / cfg.block_h), splits)
-    with _on_device(dev):
-        args = (q, kv, idx, vc if vc is not None else idx, out, lse, part_out, part_lse,
-                kv.shape[0], K, H, q.stride(0), q.stride(1), kv.stride(0), idx.stride(0),
-                rows_per_split, inp.sm_scale * 1.4426950408889634)
-        prefetch = cfg.prefetch if dev.type == "cuda" else 0  # a hint; no inline PTX on CPU
-        if cfg.ws:
-            _ws_kernel()[grid](
-                *args, HAS_VC=vc is not None, NUM_SPLITS=splits, BLOCK_N=cfg.block_n,
-                STAGES=cfg.num_stages, RAW=cfg.ws_raw, PRODUCER_REGS=cfg.ws_producer_regs,
-                CONSUMER_REGS=ws_consumer_regs(cfg.ws_producer_regs), num_warps=4,
-                maxnreg=WS_MAXNREG)
-        elif cfg.wide:
-            sparse_mla_decode_wide_kernel[grid](
-                *args, HAS_VC=vc is not None, IS_FP8=is_fp8, NUM_SPLITS=splits,
-                BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, PREFETCH=prefetch,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        else:
-            sparse_mla_decode_kernel[grid](
-                *args, HAS_VC=vc is not None, IS_FP8=is_fp8, NUM_SPLITS=splits,
-                BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, ISOLATE_QK=cfg.isolate_qk,
-                PREFETCH=prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        if splits > 1:
-            sparse_mla_combine_kernel[(T, H)](
-                part_out, part_lse, out, lse, H, NUM_SPLITS=splits,
-                SPLITS_P2=triton.next_power_of_2(splits), num_warps=4)
-    return out, lse
+    args = (q, kv, idx, vc if vc is not None else idx, o, ls, part_out, part_lse,
+            kv.shape[0], K, H, q.stride(0), q.stride(1), kv.stride(0), idx.stride(0),
+            rows_per_split, inp.sm_scale * 1.4426950408889634)
+    prefetch = cfg.prefetch if dev.type == "cuda" else 0  # a hint; no inline PTX on CPU
+    if cfg.ws:
+        _ws_kernel()[grid](
+            *args, HAS_VC=vc is not None, NUM_SPLITS=splits, BLOCK_N=cfg.block_n,
+            STAGES=cfg.num_stages, RAW=cfg.ws_raw, PRODUCER_REGS=cfg.ws_producer_regs,
+            CONSUMER_REGS=ws_consumer_regs(cfg.ws_producer_regs), num_warps=4,
+            maxnreg=WS_MAXNREG)
+    elif cfg.wide:
+        sparse_mla_decode_wide_kernel[grid](
+            *args, HAS_VC=vc is not None, IS_FP8=is_fp8, NUM_SPLITS=splits,
+            BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, PREFETCH=prefetch,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    else:
+        sparse_mla_decode_kernel[grid](
+            *args, HAS_VC=vc is not None, IS_FP8=is_fp8, NUM_SPLITS=splits,
+            BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, ISOLATE_QK=cfg.isolate_qk,
+            PREFETCH=prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if splits > 1:
+        sparse_mla_combine_kernel[(T, H)](
+            part_out, part_lse, o, ls, H, NUM_SPLITS=splits,
+            SPLITS_P2=triton.next_power_of_2(splits), num_warps=4)
 
 
 def _on_device(dev: torch.device):
@@ -405,6 +461,7 @@ class TritonBackend(SparseMLABackend):
 
 
 __all__ = ["TritonBackend", "TritonMLAConfig", "default_config", "auto_splits", "run_sparse_mla",
+           "wave_tail_plan",
            "DEFAULT_CONFIGS", "WS_DEFAULT", "isolate_problem", "ws_unsupported",
            "ws_device_problem",
            "ws_rows_problem", "ws_shared_bytes", "ws_consumer_regs"]
