@@ -68,6 +68,29 @@ def test_graphs_hisparse_equals_eager_hisparse(overlap):
     assert c["within_tolerance"] and c["argmax_mismatches"] == 0, c
 
 
+@pytest.mark.parametrize("top_k", [64, 2048])
+def test_fixed_shape_indexer_equals_the_eager_one_on_cuda(top_k):
+    """CUDA's unsorted top-k selects the same entries in the same order from the eager
+    scores (the context's width) and the fixed-shape ones (the whole max context, -inf
+    past each token), including tokens whose context is shorter than top_k."""
+    cfg = me.MiniEngineConfig(top_k=top_k, num_requests=4, min_prompt=6000, max_prompt=6000,
+                              device="cuda", validate=False)
+    idx = me.Indexer(cfg, 4, torch.device("cuda"))
+    g = torch.Generator(device="cuda").manual_seed(3)
+    idx.keys.copy_(torch.randn(idx.keys.shape, generator=g, device="cuda"))
+    slot = torch.tensor([2, 0, 1, 3], device="cuda")
+    sub = torch.zeros(4, dtype=torch.long, device="cuda")
+    pos = torch.tensor([5000, 1000, 37, 4100], device="cuda")  # 38 and 1001 < 2048 positions
+    iq = torch.randn(4, cfg.indexer_dim, generator=g, device="cuda")
+    eager = idx.decode_topk(0, iq, slot, sub, pos, int(pos.max()) + 1)
+    fixed = idx.decode_topk_fixed(0, iq, slot, sub, pos)
+    assert torch.equal(eager, fixed)
+    for t in range(4):  # every position up to the token's own, once, when the context is short
+        sel = eager[t][eager[t] >= 0]
+        assert sel.numel() == min(top_k, int(pos[t]) + 1) and sel.unique().numel() == sel.numel()
+        assert int(sel.max()) <= int(pos[t])
+
+
 def test_grouped_mm_on_cuda_matches_the_per_expert_loop():
     g = torch.Generator(device="cuda").manual_seed(0)
     a = torch.randn(96, 128, generator=g, device="cuda").to(torch.bfloat16)
