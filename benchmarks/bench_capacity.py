@@ -42,6 +42,17 @@ from hisparse.tools.plan import fmt_bytes, parse_bytes, parse_count, parse_token
 from hisparse.tools.report import table  # noqa: E402
 
 
+def parse_locality(text: str) -> float:
+    """argparse type: a float in [0, 1)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 <= v < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+    return v
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -58,6 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--hidden", type=int, default=1344, help="mini model width (see v32_share_at) [1344]")
     ap.add_argument("--ffn", choices=["none", "mlp", "moe"], default="moe")
     ap.add_argument("--decode-steps", type=int, default=16)
+    ap.add_argument("--locality", type=parse_locality, default=None,
+                    help="how alike consecutive indexer queries are, in [0, 1): higher means more "
+                         f"hot-row reuse, a higher hit rate [{RunShape.locality}; --dry-run 0.9]")
     ap.add_argument("--max-batch", type=int, default=None, help="cap the measured batches (not the search)")
     ap.add_argument("--decode-mode", choices=[m.value for m in DecodeMode], default=None,
                     help="graphs (default on CUDA) | padded (default for --dry-run) | eager")
@@ -83,7 +97,7 @@ def setup(a: argparse.Namespace) -> tuple[Budget, RunShape, list[int]]:
         ffn = dict(ffn=a.ffn, ffn_intermediate=16, ffn_experts=4, ffn_active=2, ffn_shared=1)
         mode = DecodeMode(a.decode_mode or "padded")
         shape = RunShape(run_layers=2, num_heads=2, hidden=32, indexer_dim=16, vocab=97, ffn=ffn, decode_steps=3,
-                         tail=8, locality=0.9, device="cpu", decode_mode=mode, cache_kernels="torch",
+                         tail=8, locality=0.9 if a.locality is None else a.locality, device="cpu", decode_mode=mode, cache_kernels="torch",
                          overlap=a.overlap)
         return budget, shape, a.contexts or [64, 96]
     budget = Budget(num_layers=a.layers, gpu_total=a.gpu_total, reserve=a.reserve, host_memory=a.host_memory,
@@ -93,7 +107,7 @@ def setup(a: argparse.Namespace) -> tuple[Budget, RunShape, list[int]]:
     shape = RunShape(run_layers=a.run_layers, num_heads=a.heads, hidden=a.hidden, ffn=ffn,
                      decode_steps=a.decode_steps, device="cuda", decode_mode=DecodeMode(a.decode_mode or "graphs"),
                      backend=a.backend or "triton", flashmla_lib=common.flashmla_lib(a.flashmla_lib),
-                     overlap=a.overlap)
+                     overlap=a.overlap, locality=RunShape.locality if a.locality is None else a.locality)
     return budget, shape, a.contexts or [32768, 65536, 131072]
 
 

@@ -69,8 +69,10 @@ def test_engine_config_of_a_tier():
 
 def test_bench_capacity_dry_run(tmp_path, capsys):
     out = tmp_path / "capacity.json"
-    assert bench_capacity.main(["--dry-run", "--contexts", "64", "--same-batch", "--out", str(out)]) == 0
+    assert bench_capacity.main(["--dry-run", "--contexts", "64", "--same-batch", "--locality", "0.8",
+                                "--out", str(out)]) == 0
     d = json.loads(out.read_text())
+    assert d["shape"]["locality"] == 0.8
     c = d["contexts"]["64"]
     assert c["limits"]["resident"]["batch"] == 2 and c["limits"]["hisparse"]["batch"] == 5
     assert c["limits"]["hisparse"]["bound"] == "host"
@@ -88,5 +90,7 @@ def test_bench_capacity_dry_run(tmp_path, capsys):
 def test_bench_capacity_bad_input(tmp_path, capsys):
     assert bench_capacity.main(["--dry-run", "--contexts", "12Q"]) == 2
     assert bench_capacity.main(["--dry-run", "--profile", "-1"]) == 2
+    for bad in ("1", "-0.1", "x"):
+        assert bench_capacity.main(["--dry-run", "--locality", bad]) == 2
     assert bench_capacity.main(["--dry-run", "--out", str(tmp_path)]) == 2
     assert "is a directory" in capsys.readouterr().err
