@@ -241,6 +241,7 @@ def _wrap_calls(eng, around) -> None:
         wrap(eng.indexer, name, f"indexer.{name}")
     wrap(eng.decode_backend, "decode", "attn.decode")
     wrap(eng.model, "pre", "model.pre")
+    wrap(eng.model, "q_proj", "model.q_proj")
     wrap(eng.model, "post", "model.post")
 
 

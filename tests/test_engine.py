@@ -264,6 +264,58 @@ def test_each_layer_resolved_once_per_forward():
     assert g.resolves_per_layer == [2, 1]
 
 
+def test_deferred_staging_wait():
+    """convert(wait=False) leaves the misses staging on the side stream until
+    wait_for_staging (or a waiting second conversion); the rows are then exact. The next
+    forward refuses to start while a layer was never waited for, and changes nothing."""
+    g = make_group()
+    lens = {1: 5, 2: 20, 3: 31}
+    for rid, n in lens.items():
+        fill(g, rid, n)
+
+    def step_md():
+        return build([(rid, 1, lens[rid] + 1) for rid in lens], 3)
+
+    for step in range(3):
+        md = step_md()
+        g.prepare_for_batch(md)
+        for layer in range(L):
+            g.write_new_rows(layer, batch_rows(layer, md), md)
+            topk = random_topk(md, seed=10 * step + layer)
+            phys, counts = g.convert_decode_logical_to_physical_topk(layer, topk, md, return_valid_counts=True,
+                                                                     wait=False)
+            if layer == 0:
+                g.wait_for_staging(layer)
+                g.wait_for_staging(layer)  # again: nothing left to wait for
+            else:
+                assert g.convert_decode_logical_to_physical_topk(layer, topk, md) is phys  # waits
+            check_physical(g, md, topk, phys, counts, layer)
+        for rid in lens:
+            lens[rid] += 1
+    assert g.stats()["total"]["misses"] > 0
+    md = step_md()
+    forward_writes(g, md)
+    with pytest.raises(TypeError, match="wait must be a bool"):
+        g.convert_decode_logical_to_physical_topk(1, random_topk(md, 5), md, wait=1)
+    with pytest.raises(ValueError, match="layer 1 was not converted in this forward"):
+        g.wait_for_staging(1)
+    g.convert_decode_logical_to_physical_topk(1, random_topk(md, 5), md, wait=False)
+    for rid in lens:
+        lens[rid] += 1
+    md2 = step_md()
+    before = _state_snapshot(g)
+    with pytest.raises(ValueError, match=r"layer\(s\) \[1\] of the last forward .* wait_for_staging\(\)"):
+        g.prepare_for_batch(md2)
+    after = _state_snapshot(g)
+    assert before.keys() == after.keys()
+    for k in before:
+        assert (before[k] == after[k]) if isinstance(before[k], dict) else torch.equal(before[k], after[k]), k
+    g.wait_for_staging(1)
+    forward_writes(g, md2)  # starts now
+    with pytest.raises(ValueError, match="layer 0 was not converted in this forward"):
+        g.wait_for_staging(0)
+
+
 def test_decode_needs_rows_written_first_and_checks_args():
     g = make_group()
     fill(g, 1, 20)

@@ -30,6 +30,10 @@ def test_decode_steps_byte_exact_cuda():
     te.test_decode_steps_byte_exact()
 
 
+def test_deferred_staging_wait_cuda():
+    te.test_deferred_staging_wait()
+
+
 def test_each_layer_resolved_once_cuda():
     te.test_each_layer_resolved_once_per_forward()
 

@@ -110,14 +110,19 @@ def test_memory_needed_counts_the_big_parts():
 
 
 def test_engine_calls_go_through_the_kv_interface(monkeypatch):
-    """The loop reaches rows only through KVStore.decode_attention / prefill_attention:
-    a store that answers those calls decides what attention sees."""
-    calls = {"decode": 0, "prefill": 0}
+    """The loop reaches rows only through KVStore.stage_decode + decode_attention /
+    prefill_attention: a store that answers those calls decides what attention sees."""
+    calls = {"stage": 0, "decode": 0, "prefill": 0}
+    orig_s = me.KVStore.stage_decode
     orig_d, orig_p = me.KVStore.decode_attention, me.KVStore.prefill_attention
 
-    def decode(self, layer, q, topk, batch):
+    def stage(self, layer, topk, batch):
+        calls["stage"] += 1
+        return orig_s(self, layer, topk, batch)
+
+    def decode(self, layer, q, topk, batch, staged):
         calls["decode"] += 1
-        out = orig_d(self, layer, q, topk, batch)
+        out = orig_d(self, layer, q, topk, batch, staged)
         assert out.shape == (q.shape[0], q.shape[1], 512) and out.dtype == torch.bfloat16
         return out
 
@@ -125,12 +130,14 @@ def test_engine_calls_go_through_the_kv_interface(monkeypatch):
         calls["prefill"] += 1
         return orig_p(self, layer, q, idx, batch)
 
+    monkeypatch.setattr(me.KVStore, "stage_decode", stage)
     monkeypatch.setattr(me.KVStore, "decode_attention", decode)
     monkeypatch.setattr(me.KVStore, "prefill_attention", prefill)
     cfg = me.MiniEngineConfig(num_requests=2, min_prompt=20, max_prompt=24, min_decode=2, max_decode=2)
     res = me.run(cfg)
     assert res["compare"]["bitwise_equal"]
     assert calls["decode"] > 0 and calls["prefill"] > 0
+    assert calls["stage"] == calls["decode"] // 2  # the resident store's calls; hisparse overrides them
 
 
 def test_presets_parse():

@@ -215,6 +215,11 @@ class HiSparseCache:
         cover the replay)."""
         self.streams.note_replay()
 
+    def wait_staging(self, layer: int, stream=None) -> None:
+        """``stream`` (default current) waits until the last staging of ``layer`` (a
+        ``resolve(..., wait=False)``) landed; inside a capture, for the one captured."""
+        self.streams.wait_stage(layer, stream)
+
     def join_staging(self) -> None:
         """The current stream waits for every layer's in-flight resolve and staging
         (before buffers those read are rewritten)."""

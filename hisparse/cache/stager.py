@@ -127,6 +127,11 @@ class CacheStreams:
         self.resolved[layer].wait_by(cur, cap)
         return cur, cap
 
+    def wait_stage(self, layer: int, stream=None) -> None:
+        """``stream`` (default current) waits for the layer's last staging."""
+        cap = self.capturing()
+        self.stage[layer].wait_by(stream if stream is not None else self.current(), cap)
+
     def before_lifecycle(self) -> None:
         """The compute stream waits for every layer's in-flight staging (add / free)."""
         cur, cap = self.current(), self.capturing()

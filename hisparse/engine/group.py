@@ -127,6 +127,7 @@ class HiSparseIndexGroup:
         self._decode_ids = torch.empty(0, dtype=torch.int32, device=self.device)
         self._converted: dict[int, tuple[tuple, object]] = {}
         self._written: set[int] = set()
+        self._unwaited: set[int] = set()  # layers converted with wait=False, not waited for yet
         self._step = None  # the forward's cache StepPlan (prepare_for_batch)
         self._tokens = 0  # tokens the per-layer calls take (the bucket's with pad_to)
         self._decode_tokens = 0  # decode tokens they resolve (padded likewise)
@@ -244,6 +245,11 @@ class HiSparseIndexGroup:
         """
         if not isinstance(metadata, SparseMLAMetadata):
             raise TypeError(f"metadata must be a SparseMLAMetadata, got {type(metadata).__name__}")
+        if self._unwaited:
+            raise ValueError(f"layer(s) {sorted(self._unwaited)} of the last forward were converted with "
+                             "wait=False and never passed to wait_for_staging(): their attention may have "
+                             "read rows before they landed. Call wait_for_staging(layer) on the stream "
+                             "that reads the rows, before it reads them")
         if len(self._layers) != self.config.num_layers:
             raise ValueError(f"{len(self._layers)} of {self.config.num_layers} layers registered; "
                              "register every layer before the first forward")
@@ -321,6 +327,7 @@ class HiSparseIndexGroup:
         self._batch = None
         self._written = set()
         self._converted = {}
+        self._unwaited = set()
 
     def _check_batch(self, metadata: object) -> SparseMLAMetadata:
         if self._batch is None or metadata is not self._batch:
@@ -371,14 +378,21 @@ class HiSparseIndexGroup:
         return_valid_counts: bool = False,
         num_decodes: int | None = None,
         decode_query_len: int | None = None,
+        wait: bool = True,
     ):
         """Resolve the decode tokens' logical top-k into rows of ``physical_kv_cache(i)``.
 
         Returns physical int32 [Td, K] (-1 kept for padding), plus valid counts int32
         [Td] when ``return_valid_counts``. Misses are staged from host before the
-        compute stream can run the next kernel. A second call for the same layer in
-        the same forward returns the first result (same top-k tensor required).
+        compute stream can run the next kernel, or with ``wait=False`` on the side
+        stream while the compute stream goes on (e.g. with the layer's q projection):
+        then call :meth:`wait_for_staging` before anything reads the rows or the
+        returned indices (the resolve writes those on the side stream too; the next
+        ``prepare_for_batch`` refuses to start while a layer was not waited for). A
+        second call for the same layer in the same forward returns the first result
+        (same top-k tensor required; with ``wait`` it waits).
         """
+        check_bool("wait", wait)
         i = self._layer(layer_index)
         md = self._check_batch(metadata)
         nd = md.num_decodes if num_decodes is None else num_decodes
@@ -410,15 +424,30 @@ class HiSparseIndexGroup:
                 raise ValueError(f"layer {i}: write_new_rows must run before the conversion (the "
                                  "decode tokens attend to their own rows)")
             if td:
-                phys, counts = self._resolve_decode(i, topk_indices)
+                phys, counts = self._resolve_decode(i, topk_indices, wait)
                 self.resolves_per_layer[i] += 1
+                if not wait:
+                    self._unwaited.add(i)
             else:
                 phys = torch.empty((0, topk_indices.shape[1]), dtype=torch.int32, device=self.device)
                 counts = torch.empty((0,), dtype=torch.int32, device=self.device)
             self._converted[i] = (key, (phys, counts))
+        if wait and i in self._unwaited:
+            self.wait_for_staging(i)
         return (phys, counts) if return_valid_counts else phys
 
-    def _resolve_decode(self, layer: int, topk: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def wait_for_staging(self, layer_index: int, stream=None) -> None:
+        """``stream`` (default: the current one) waits until the misses of the layer's
+        conversion with ``wait=False`` landed in its hot rows (an event wait, no host
+        sync; captured along inside a CUDA graph). A no-op after a waiting conversion."""
+        i = self._layer(layer_index)
+        if i not in self._converted:
+            raise ValueError(f"layer {i} was not converted in this forward: nothing to wait for")
+        if i in self._unwaited:
+            self._cache.wait_staging(i, stream)
+            self._unwaited.discard(i)
+
+    def _resolve_decode(self, layer: int, topk: torch.Tensor, wait: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Resolve decode top-k through the cache.
 
         Lengths are per layer in the cache, and ``write_new_rows`` of this layer ran
@@ -427,7 +456,7 @@ class HiSparseIndexGroup:
         == position, the newest row is hot in the reserved slot S, and new positions
         >= S other than the newest are staged from the host mirror.
         """
-        res = self._cache.resolve(layer, self._decode_ids, topk, validate=self.validate)
+        res = self._cache.resolve(layer, self._decode_ids, topk, validate=self.validate, wait=wait)
         return res.physical, res.valid_counts
 
     def decode_attention(self, layer_index: int, q: torch.Tensor, topk_indices: torch.Tensor,

@@ -8,9 +8,14 @@
                                         n (``.graphs``): host work outside a captured
                                         graph, device work (static shapes) inside it
   write(layer, rows, batch)             the forward's new rows (every token) of a layer
-  decode_attention(layer, q, topk, batch) -> bf16 [Td, H, D_LATENT]
+  stage_decode(layer, topk, batch) -> staged
+                                        start getting the decode tokens' top-k rows ready
+                                        (the lookup; hisparse, serial: the resolve, and the
+                                        misses copied on the side stream, not waited for),
+                                        before the loop computes the layer's query
+  decode_attention(layer, q, topk, batch, staged) -> bf16 [Td, H, D_LATENT]
                                         sparse attention of the decode tokens over their
-                                        top-k rows (lookup + attention)
+                                        top-k rows (after the staging landed)
   prefill_attention(layer, q, idx, batch) -> bf16 [Tp, H, D_LATENT]
                                         gather the prefill requests' rows into the bf16
                                         workspace, then attention over ``idx``
@@ -18,9 +23,11 @@
 
 The attention calls take the query and the top-k and return the attention output, so
 a store decides how rows reach the kernel: the resident store reads its own paged rows;
-the hisparse store resolves the top-k into hot-buffer slots (staging misses) first. An
-overlap mode (resolving layer l+1 while layer l attends) lives inside a store's
-``decode_attention`` without the loop knowing.
+the hisparse store resolves the top-k into hot-buffer slots (staging misses) first.
+Decode takes two calls, ``stage_decode`` as soon as the top-k exists and
+``decode_attention`` once the loop computed the query, so that a store's staging can
+overlap the query projection; the other overlap modes (split, fused, prefetch) live
+inside the store's calls without the loop knowing.
 Both stores share one :class:`Attention` (the backends, softmax scale, workspace).
 
 - :class:`ResidentKV`  an ordinary paged device KV cache holding every row (the
@@ -109,9 +116,16 @@ class KVStore:
         the decode kernel reads; physical int32 [Td, K], -1 = padding)."""
         raise NotImplementedError
 
-    def decode_attention(self, layer: int, q: torch.Tensor, topk: torch.Tensor, batch: Batch) -> torch.Tensor:
-        """q bf16 [Td, H, D_ROW], topk int32 [Td, K] -> bf16 [Td, H, D_LATENT]."""
-        rows, phys = self.decode_rows(layer, topk, batch)
+    def stage_decode(self, layer: int, topk: torch.Tensor, batch: Batch):
+        """topk int32 [Td, K] -> what :meth:`decode_attention` takes as ``staged``: here
+        ``decode_rows``' (rows, physical)."""
+        return self.decode_rows(layer, topk, batch)
+
+    def decode_attention(self, layer: int, q: torch.Tensor, topk: torch.Tensor, batch: Batch,
+                         staged) -> torch.Tensor:
+        """q bf16 [Td, H, D_ROW], topk int32 [Td, K], ``staged`` from :meth:`stage_decode`
+        (same layer and top-k) -> bf16 [Td, H, D_LATENT]."""
+        rows, phys = staged
         a = self.attn
         return a.decode.decode(q, rows, phys, sm_scale=a.sm_scale, row_format=a.row_format)[0]
 
@@ -219,12 +233,23 @@ class HiSparseKV(KVStore):
         self.prefetch = cfg.prefetch
         self.num_layers = cfg.num_layers
 
-    def decode_attention(self, layer: int, q: torch.Tensor, topk: torch.Tensor, batch: Batch) -> torch.Tensor:
-        """Serial: convert, then attend; split / fused: ``HiSparseIndexGroup.decode_attention``
-        (the hits attended while the misses stage). With prefetch, this layer's top-k
-        then predicts the next layer's selection."""
+    def stage_decode(self, layer: int, topk: torch.Tensor, batch: Batch):
+        """Serial: the conversion, its misses left staging on the side stream (the loop's
+        q projection runs meanwhile); split / fused: nothing yet (their decode attention
+        resolves and stages itself)."""
         if self.overlap == "serial":
-            out = super().decode_attention(layer, q, topk, batch)
+            return self.decode_rows(layer, topk, batch)
+        return None
+
+    def decode_attention(self, layer: int, q: torch.Tensor, topk: torch.Tensor, batch: Batch,
+                         staged) -> torch.Tensor:
+        """Serial: wait for the conversion's staging, then attend; split / fused:
+        ``HiSparseIndexGroup.decode_attention`` (the hits attended while the misses
+        stage). With prefetch, this layer's top-k then predicts the next layer's
+        selection."""
+        if self.overlap == "serial":
+            self.group.wait_for_staging(layer)
+            out = super().decode_attention(layer, q, topk, batch, staged)
         else:
             a = self.attn
             out = self.group.decode_attention(layer, q, topk, batch.md, backend=a.decode, sm_scale=a.sm_scale,
@@ -255,8 +280,9 @@ class HiSparseKV(KVStore):
         self.group.write_new_rows(layer, rows, batch.md)
 
     def decode_rows(self, layer: int, topk: torch.Tensor, batch: Batch):
+        """The conversion with ``wait=False``: ``decode_attention`` waits for its staging."""
         phys = self.group.convert_decode_logical_to_physical_topk(layer, topk, batch.md,
-                                                                  return_valid_counts=False)
+                                                                  return_valid_counts=False, wait=False)
         return self.group.physical_kv_cache(layer), phys
 
     def prefill_workspace(self, layer: int, batch: Batch) -> None:

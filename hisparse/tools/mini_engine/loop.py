@@ -120,10 +120,11 @@ class MiniEngine:
         x = self.model.embed[tok]
         T = x.shape[0]
         for layer in range(cfg.num_layers):
-            q, rows, iq, ik = self.model.pre(layer, x, cfg.validate)
+            xb, rows, iq, ik = self.model.pre(layer, x, cfg.validate)
             self.kv.write(layer, rows, batch)
             self.indexer.write(layer, ik, flat)
             out = torch.zeros(T, cfg.num_heads, D_LATENT, dtype=torch.bfloat16, device=dev)
+            staged = None
             if td:
                 topk = self.indexer.decode_topk(layer, iq[:td], slot_t[:td], sub_t[:td], pos_t[:td], ctx)
                 if self.recorder is not None:
@@ -131,7 +132,10 @@ class MiniEngine:
                         rids = [r.rid for r, n in batch.items[:nd] for _ in range(n)]
                         self.recorder.begin_step(rids, (pos_t[:td] + 1).tolist())
                     self.recorder.add_layer(layer, topk)
-                out[:td] = self.kv.decode_attention(layer, q[:td], topk, batch)
+                staged = self.kv.stage_decode(layer, topk, batch)  # before q: they overlap
+            q = self.model.q_proj(layer, xb)
+            if td:
+                out[:td] = self.kv.decode_attention(layer, q[:td], topk, batch, staged)
             if T > td:
                 parts, t = [], td
                 for j, (r, n) in enumerate(batch.items[nd:]):
@@ -152,11 +156,13 @@ class MiniEngine:
         self.kv.begin_padded(batch, st)
         x = self.model.embed[st.tok]
         for layer in range(cfg.num_layers):
-            q, rows, iq, ik = self.model.pre(layer, x, False)
+            xb, rows, iq, ik = self.model.pre(layer, x, False)
             self.kv.write(layer, rows, batch)
             self.indexer.write(layer, ik, flat)
             topk = self.indexer.decode_topk_fixed(layer, iq, st.slot, st.sub, st.lim)
-            x = self.model.post(layer, x, self.kv.decode_attention(layer, q, topk, batch))
+            staged = self.kv.stage_decode(layer, topk, batch)  # before q: they overlap
+            q = self.model.q_proj(layer, xb)
+            x = self.model.post(layer, x, self.kv.decode_attention(layer, q, topk, batch, staged))
         return x
 
     # ---- serving loop ---------------------------------------------------------

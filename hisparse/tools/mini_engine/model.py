@@ -59,16 +59,21 @@ class Model:
         return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + 1e-6)
 
     def pre(self, layer: int, x: torch.Tensor, validate: bool):
-        """x fp32 [T, D] -> q bf16 [T, H, D_ROW], rows uint8 [T, row_bytes], iq/ik fp32 [T, di]."""
+        """x fp32 [T, D] -> xb bf16 [T, D] (the normed input of :meth:`q_proj`), rows uint8
+        [T, row_bytes], iq/ik fp32 [T, di]. The query comes later (``q_proj``): the
+        indexer and the rows do not need it, so a cache can stage rows meanwhile."""
         xn = self._norm(x)
         xb = xn.to(torch.bfloat16)
-        q = (xb @ self.w_q[layer]).view(-1, self.H, D_ROW)
         kv = xb @ self.w_kv[layer]  # bf16 [T, D_ROW]
         if self.fmt is RowFormat.FP8_DS_MLA:
             rows = quantize_fp8_ds_mla(kv, validate=validate)
         else:
             rows = kv.contiguous().view(torch.uint8)
-        return q, rows, xn @ self.w_iq[layer], xn @ self.w_ik[layer]
+        return xb, rows, xn @ self.w_iq[layer], xn @ self.w_ik[layer]
+
+    def q_proj(self, layer: int, xb: torch.Tensor) -> torch.Tensor:
+        """xb bf16 [T, D] (from :meth:`pre`) -> q bf16 [T, H, D_ROW]."""
+        return (xb @ self.w_q[layer]).view(-1, self.H, D_ROW)
 
     def post(self, layer: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """x fp32 [T, D] + attn bf16 [T, H, D_LATENT] projected back, then the rest of
