@@ -69,18 +69,19 @@ def test_graphs_hisparse_equals_eager_hisparse(overlap):
 
 
 @pytest.mark.parametrize("top_k", [64, 2048])
-def test_fixed_shape_indexer_equals_the_eager_one_on_cuda(top_k):
-    """CUDA's unsorted top-k selects the same entries in the same order from the eager
-    scores (the context's width) and the fixed-shape ones (the whole max context, -inf
-    past each token), including tokens whose context is shorter than top_k."""
-    cfg = me.MiniEngineConfig(top_k=top_k, num_requests=4, min_prompt=6000, max_prompt=6000,
+@pytest.mark.parametrize("ctx", [6000, 140000])  # past 100K columns torch's CUDA top-k sorts
+def test_fixed_shape_indexer_equals_the_eager_one_on_cuda(top_k, ctx):
+    """The top-k selects the same entries in the same order from the eager scores (the
+    context's width) and the fixed-shape ones (the whole max context, -inf past each
+    token), including tokens whose context is shorter than top_k."""
+    cfg = me.MiniEngineConfig(top_k=top_k, num_requests=4, min_prompt=ctx, max_prompt=ctx,
                               device="cuda", validate=False)
     idx = me.Indexer(cfg, 4, torch.device("cuda"))
     g = torch.Generator(device="cuda").manual_seed(3)
     idx.keys.copy_(torch.randn(idx.keys.shape, generator=g, device="cuda"))
     slot = torch.tensor([2, 0, 1, 3], device="cuda")
     sub = torch.zeros(4, dtype=torch.long, device="cuda")
-    pos = torch.tensor([5000, 1000, 37, 4100], device="cuda")  # 38 and 1001 < 2048 positions
+    pos = torch.tensor([ctx - 1000, 1000, 37, ctx - 1900], device="cuda")  # 38 and 1001 < 2048 positions
     iq = torch.randn(4, cfg.indexer_dim, generator=g, device="cuda")
     eager = idx.decode_topk(0, iq, slot, sub, pos, int(pos.max()) + 1)
     fixed = idx.decode_topk_fixed(0, iq, slot, sub, pos)

@@ -116,12 +116,7 @@ class Indexer:
             cols = torch.arange(C, device=scores.device)
             scores = scores.masked_fill(cols[None, :] > pos[:, None], float("-inf"))
         k = min(self.K, C)
-        # unsorted on CUDA, as a production indexer's top-k (the order of the selection is
-        # not part of its meaning; -1 padding may then sit anywhere in a row). CUDA's
-        # unsorted selection follows the entries' index order, so the eager and the
-        # fixed-shape (wider, -inf padded) scores select alike, in the same order (tested
-        # on the GPU); the CPU's keeps no such order, so the CPU sorts.
-        vals, idx = torch.topk(scores, k, dim=1, sorted=not scores.is_cuda)
+        vals, idx = torch.topk(scores, k, dim=1)
         idx = torch.where(torch.isinf(vals), torch.full_like(idx, -1), idx).to(torch.int32)
         if k < self.K:
             idx = torch.cat([idx, idx.new_full((n, self.K - k), -1)], dim=1)
