@@ -177,13 +177,26 @@ def test_wave_tail_launch_matches_one_launch(fmt, monkeypatch):
     cfg = TritonMLAConfig(block_h=16, block_n=16, num_warps=4, num_splits=1)
     be = TritonBackend(allow_interpreter=True, config=cfg)
     one = [be.decode(q, kv, idx, valid_counts=v, sm_scale=SCALE, row_format=fmt) for v in (None, vc)]
-    calls = []
+    calls, launches = [], []
     monkeypatch.setattr(TB, "_tail_plan", lambda T_, H_, K_, cfg_, s_, dev_: calls.append(T_) or (2, 3))
+    real_launch = TB._launch
+    monkeypatch.setattr(TB, "_launch", lambda inp, cfg_, lo, hi, s_, out, lse:
+                        launches.append((lo, hi, s_)) or real_launch(inp, cfg_, lo, hi, s_, out, lse))
     for v, (o1, l1) in zip((None, vc), one):
         out, lse = be.decode(q, kv, idx, valid_counts=v, sm_scale=SCALE, row_format=fmt)
         _close(out, lse, *REF.decode(q, kv, idx, valid_counts=v, sm_scale=SCALE, row_format=fmt))
         assert torch.equal(out[:3], o1[:3]) and torch.equal(lse[:3], l1[:3])
-    assert calls == [T, T]
+    assert calls == [T, T] and launches == [(0, 3, 1), (3, 5, 3)] * 2
+    # where the plan applies: CUDA, the ws kernel, one split, wave_tail
+    cuda = torch.device("cuda")
+    monkeypatch.undo()  # the real _tail_plan and _launch
+    monkeypatch.setattr(TB, "sm_count", lambda device: 132)
+    ws = TritonMLAConfig(**TB.WS_DEFAULT)
+    assert TB._tail_plan(68, 128, 2048, ws, 1, cuda) == (2, 32)
+    assert TB._tail_plan(68, 128, 2048, ws, 1, torch.device("cpu")) == (0, 1)
+    assert TB._tail_plan(68, 128, 2048, ws, 2, cuda) == (0, 1)
+    assert TB._tail_plan(68, 128, 2048, dataclasses.replace(ws, wave_tail=False), 1, cuda) == (0, 1)
+    assert TB._tail_plan(68, 128, 2048, TB.DEFAULT_CONFIGS[(RowFormat.FP8_DS_MLA, 64)], 1, cuda) == (0, 1)
     with pytest.raises(TypeError, match="wave_tail must be a bool"):
         TritonMLAConfig(wave_tail=1)
 

@@ -14,6 +14,7 @@ import torch
 from attention_common import REF, SCALE, check, check_extreme_scales, check_graph_capture, make_problem
 
 from hisparse._checks import sm_count
+from hisparse.attention import triton_backend as TB
 from hisparse.attention.triton_backend import (TritonBackend, TritonMLAConfig, default_config,
                                                wave_tail_plan)
 from hisparse.kernels.gluon_support import gluon_ws_problem
@@ -107,7 +108,7 @@ def test_ws_graph_capture_and_replay():
 
 @pytest.mark.parametrize("H", [128, 100])
 @pytest.mark.parametrize("extra", [1, 2, 10])
-def test_ws_wave_tail_matches_one_launch_and_reference(H, extra):
+def test_ws_wave_tail_matches_one_launch_and_reference(H, extra, monkeypatch):
     """Tokens just past one wave of SMs (``extra`` tokens of 2 head blocks over it) run as
     a split second launch: every token matches the reference, the tokens of the first
     launch equal the one-launch run's bit for bit, and a graph of it replays."""
@@ -119,6 +120,13 @@ def test_ws_wave_tail_matches_one_launch_and_reference(H, extra):
     q, rows, idx, vc = _problem(T, H, 2048, seed=T + H)
     tailed = TritonBackend(config=WS)
     one = TritonBackend(config=dataclasses.replace(WS, wave_tail=False))
+    launches = []
+    real_launch = TB._launch
+    monkeypatch.setattr(TB, "_launch", lambda inp, cfg, lo, hi, s, out, lse:
+                        launches.append((lo, hi, s)) or real_launch(inp, cfg, lo, hi, s, out, lse))
+    tailed.decode(q, rows, idx, sm_scale=SCALE, row_format="fp8_ds_mla")
+    one.decode(q, rows, idx, sm_scale=SCALE, row_format="fp8_ds_mla")
+    assert launches == [(0, T - tail, 1), (T - tail, T, splits), (0, T, 1)]
     for v in (None, vc):
         out, lse = tailed.decode(q, rows, idx, valid_counts=v, sm_scale=SCALE, row_format="fp8_ds_mla")
         ref = REF.decode(q, rows, idx, valid_counts=v, sm_scale=SCALE, row_format="fp8_ds_mla")

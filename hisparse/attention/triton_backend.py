@@ -48,7 +48,8 @@ class TritonMLAConfig:
     block_n: rows gathered per iteration (power of two >= 16)
     num_warps, num_stages: Triton launch options (with ``ws``, num_stages is the number
         of bf16 ring slots)
-    num_splits: KV splits per (token, head block); None = choose from the GPU's SM count
+    num_splits: KV splits per (token, head block); None = choose from the GPU's SM count.
+        With 1 and ``wave_tail``, the tokens past the last full wave may still run split
     isolate_qk: compile each q . k^T dot of the tiled body in its own one-trip loop
         region, so that Triton does not lay it out over all warps along the heads (at
         block_h 64 with 8 warps that makes both warpgroups compute the same product);
@@ -67,11 +68,14 @@ class TritonMLAConfig:
     ws_raw: with ``ws``, raw cp.async slots: the producer gathers ws_raw - 1 blocks ahead
     ws_producer_regs: with ``ws``, registers per producer thread (40, 56, 72 or 88); the
         consumers get the rest of the 168 x 12 warps' budget
-    wave_tail: when the launch has one KV split and its (token, head block) programs
-        overflow the last full wave of SMs by at most half a wave, the tokens past that
-        wave run as a second launch with KV splits (``wave_tail_plan``; CUDA only): at
-        68 tokens of 2 head blocks on 132 SMs the 4 overflowing programs would otherwise
-        take as long as the whole first wave
+    wave_tail: with ``ws`` (whose programs each need a whole SM) on CUDA, when the
+        launch has one KV split and its (token, head block) programs overflow the last
+        full wave of SMs by at most half a wave, the tokens past that wave run as a
+        second launch with KV splits (``wave_tail_plan``): at 68 tokens of 2 head blocks
+        on 132 SMs the 4 overflowing programs would otherwise take as long as the whole
+        first wave. Those tokens' outputs then round like a split launch's: a token's
+        bits depend on its place in the batch, not only on the batch size (False: one
+        launch, as before)
     ws_off_reason: set by ``default_config`` when it did not pick ``ws``: why not (None
         when it did, or for a config built by hand). Not part of the launch shape:
         ignored by ``==`` and ``hash``.
@@ -294,8 +298,9 @@ def wave_tail_plan(T: int, head_blocks: int, K: int, block_n: int, sms: int) -> 
 
 def _tail_plan(T: int, H: int, K: int, cfg: TritonMLAConfig, splits: int, dev: torch.device
                ) -> tuple[int, int]:
-    """``wave_tail_plan`` for this launch where it applies (CUDA, one split, wave_tail)."""
-    if dev.type != "cuda" or splits != 1 or not cfg.wave_tail:
+    """``wave_tail_plan`` for this launch where it applies (CUDA, the ws kernel, one
+    split, wave_tail): the ``tl`` kernels were not measured with it."""
+    if dev.type != "cuda" or not cfg.ws or splits != 1 or not cfg.wave_tail:
         return 0, 1
     return wave_tail_plan(T, math.ceil(H / cfg.block_h), K, cfg.block_n, sm_count(dev))
 
@@ -334,7 +339,8 @@ def run_sparse_mla(inp: DecodeInputs, cfg: TritonMLAConfig | None = None
     out = torch.empty((T, H, D_V), dtype=torch.bfloat16, device=dev)
     lse = torch.empty((T, H), dtype=torch.float32, device=dev)
     with _on_device(dev):
-        # the tail's programs come last (same stream), on the SMs the first launch frees
+        # the tail launch runs after the first one (same stream), split so that its
+        # programs fill one wave of SMs
         for lo, hi, s in ((0, T - tail, splits), (T - tail, T, tail_splits)):
             if hi > lo:
                 _launch(inp, cfg, lo, hi, s, out, lse)
