@@ -314,6 +314,13 @@ def test_deferred_staging_wait():
     forward_writes(g, md2)  # starts now
     with pytest.raises(ValueError, match="layer 0 was not converted in this forward"):
         g.wait_for_staging(0)
+    # a wait across a capture boundary is refused (a stream can't wait on the other side)
+    g.convert_decode_logical_to_physical_topk(0, random_topk(md2, 6), md2, wait=False)
+    g._capturing = lambda: True
+    with pytest.raises(ValueError, match="converted outside a CUDA graph capture and is waited for inside"):
+        g.wait_for_staging(0)
+    del g._capturing
+    g.wait_for_staging(0)
 
 
 def test_decode_needs_rows_written_first_and_checks_args():

@@ -34,6 +34,34 @@ def test_deferred_staging_wait_cuda():
     te.test_deferred_staging_wait()
 
 
+def test_deferred_wait_is_what_orders_the_rows_cuda(monkeypatch):
+    """With the stage stream held up before its miss copy, the hot rows read on the
+    compute stream right after convert(wait=False) are not the staged ones yet; after
+    wait_for_staging they are, byte for byte: the wait is what orders them."""
+    g = te.make_group()
+    lens = {1: 5, 2: 20, 3: 31}
+    for rid, n in lens.items():
+        te.fill(g, rid, n)
+    stager = g.hisparse_cache.stager
+    real_copy = stager.copy_fn
+
+    def held_copy(*args, **kw):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of the stage stream before the copy
+        return real_copy(*args, **kw)
+
+    monkeypatch.setattr(stager, "copy_fn", held_copy)
+    md = te.build([(rid, 1, lens[rid] + 1) for rid in lens], 3)
+    te.forward_writes(g, md)
+    misses = g.stats()["total"]["misses"]
+    topk = te.random_topk(md, seed=3)
+    phys, counts = g.convert_decode_logical_to_physical_topk(0, topk, md, return_valid_counts=True, wait=False)
+    early = g.physical_kv_cache(0).clone()  # on the compute stream, not ordered after the copy
+    g.wait_for_staging(0)
+    te.check_physical(g, md, topk, phys, counts, 0)
+    assert g.stats()["total"]["misses"] > misses
+    assert not torch.equal(early, g.physical_kv_cache(0))  # the staged rows landed after it
+
+
 def test_each_layer_resolved_once_cuda():
     te.test_each_layer_resolved_once_per_forward()
 

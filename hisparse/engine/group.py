@@ -127,7 +127,9 @@ class HiSparseIndexGroup:
         self._decode_ids = torch.empty(0, dtype=torch.int32, device=self.device)
         self._converted: dict[int, tuple[tuple, object]] = {}
         self._written: set[int] = set()
-        self._unwaited: set[int] = set()  # layers converted with wait=False, not waited for yet
+        # layers converted with wait=False and not waited for yet -> whether that
+        # conversion ran inside a CUDA graph capture (its wait must run on the same side)
+        self._unwaited: dict[int, bool] = {}
         self._step = None  # the forward's cache StepPlan (prepare_for_batch)
         self._tokens = 0  # tokens the per-layer calls take (the bucket's with pad_to)
         self._decode_tokens = 0  # decode tokens they resolve (padded likewise)
@@ -327,7 +329,7 @@ class HiSparseIndexGroup:
         self._batch = None
         self._written = set()
         self._converted = {}
-        self._unwaited = set()
+        self._unwaited = {}
 
     def _check_batch(self, metadata: object) -> SparseMLAMetadata:
         if self._batch is None or metadata is not self._batch:
@@ -387,8 +389,9 @@ class HiSparseIndexGroup:
         compute stream can run the next kernel, or with ``wait=False`` on the side
         stream while the compute stream goes on (e.g. with the layer's q projection):
         then call :meth:`wait_for_staging` before anything reads the rows or the
-        returned indices (the resolve writes those on the side stream too; the next
-        ``prepare_for_batch`` refuses to start while a layer was not waited for). A
+        returned indices (the resolve writes those on the side stream too) and before
+        ``topk_indices`` is overwritten (the side stream reads it); the next
+        ``prepare_for_batch`` refuses to start while a layer was not waited for. A
         second call for the same layer in the same forward returns the first result
         (same top-k tensor required; with ``wait`` it waits).
         """
@@ -427,7 +430,7 @@ class HiSparseIndexGroup:
                 phys, counts = self._resolve_decode(i, topk_indices, wait)
                 self.resolves_per_layer[i] += 1
                 if not wait:
-                    self._unwaited.add(i)
+                    self._unwaited[i] = self._capturing()
             else:
                 phys = torch.empty((0, topk_indices.shape[1]), dtype=torch.int32, device=self.device)
                 counts = torch.empty((0,), dtype=torch.int32, device=self.device)
@@ -444,8 +447,16 @@ class HiSparseIndexGroup:
         if i not in self._converted:
             raise ValueError(f"layer {i} was not converted in this forward: nothing to wait for")
         if i in self._unwaited:
+            if self._unwaited[i] != self._capturing():
+                where = ("inside a CUDA graph capture", "outside it") if self._unwaited[i] else \
+                        ("outside a CUDA graph capture", "inside one")
+                raise ValueError(f"layer {i} was converted {where[0]} and is waited for {where[1]}: a "
+                                 "stream cannot wait across a capture boundary; wait on the same side")
             self._cache.wait_staging(i, stream)
-            self._unwaited.discard(i)
+            del self._unwaited[i]
+
+    def _capturing(self) -> bool:
+        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
     def _resolve_decode(self, layer: int, topk: torch.Tensor, wait: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Resolve decode top-k through the cache.

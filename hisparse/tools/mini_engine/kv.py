@@ -113,7 +113,9 @@ class KVStore:
 
     def decode_rows(self, layer: int, topk: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """topk: int32 [Td, K] logical, -1 = padding -> (rows uint8 [N, row_bytes], the rows
-        the decode kernel reads; physical int32 [Td, K], -1 = padding)."""
+        the decode kernel reads; physical int32 [Td, K], -1 = padding). The hisparse
+        store's result may still be staging (on CUDA): only ``decode_attention``, which
+        waits first, may read it."""
         raise NotImplementedError
 
     def stage_decode(self, layer: int, topk: torch.Tensor, batch: Batch):
