@@ -48,6 +48,7 @@ import torch
 
 from .._checks import check_bool, check_int, check_tensor
 from ..cache.cache import HiSparseCache
+from ..cache.stager import capturing
 from ..cache.write_step import StepCapacity
 from ..config import HiSparseConfig
 from ..decode.layer import DecodeLayer
@@ -456,7 +457,7 @@ class HiSparseIndexGroup:
             del self._unwaited[i]
 
     def _capturing(self) -> bool:
-        return self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        return capturing(self.device)
 
     def _resolve_decode(self, layer: int, topk: torch.Tensor, wait: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Resolve decode top-k through the cache.
