@@ -117,7 +117,6 @@ def test_padded_hisparse_decode_equals_resident(overlap):
     (dict(graphs=True), "need a CUDA device"),
     (dict(graphs=True, device="cuda", validate=True), "unchecked"),
     (dict(graphs=True, device="cuda", validate=False, overlap="fused"), "serial or split"),
-    (dict(graphs=True, device="cuda", validate=False, prefetch=True), "without prefetch"),
     (dict(ffn="moe", ffn_active=5, ffn_experts=4), "ffn_active"),
     (dict(ffn="mlp", ffn_intermediate=60), "multiples of 8"),
     (dict(ffn="dense"), "ffn must be one of"),

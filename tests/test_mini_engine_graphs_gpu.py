@@ -68,6 +68,29 @@ def test_graphs_hisparse_equals_eager_hisparse(overlap):
     assert c["within_tolerance"] and c["argmax_mismatches"] == 0, c
 
 
+@pytest.mark.parametrize("overlap", ["serial", "split"])
+def test_graphs_index_share_with_prefetch(overlap):
+    """Shared layers reuse the Full layer's top-k; the prefetch that stages their rows
+    during the layer before is captured with the rest: replays equal the resident engine
+    and eager hisparse, and the Shared layers' resolves find the rows hot."""
+    cfg = _cfg(graphs=True, num_layers=4, index_share=2, prefetch=True, overlap=overlap,
+               tolerance=2e-2 if overlap == "serial" else 5e-2)
+    res = me.run(cfg)
+    assert res["compare"]["within_tolerance"], res["compare"]
+    cache = res["hisparse"]["cache"]
+    assert cache["prefetch_rows"] > 0 and cache["invalid"] == 0, cache
+    hr = cache["layer_hit_rates"]
+    assert hr[1] > hr[0] and hr[3] > hr[2], hr
+    eager = me.run_engine(dataclasses.replace(cfg, graphs=False, tolerance=1e-3), "hisparse")
+    graphs = me.run_engine(dataclasses.replace(cfg, tolerance=1e-3), "hisparse")
+    c = me.compare(dataclasses.replace(cfg, tolerance=1e-3), eager, graphs)
+    assert c["within_tolerance"] and c["argmax_mismatches"] == 0, c
+    assert graphs["graphs"]["replays"] > 0
+    for i in (1, 3):  # at most the row its own write displaced from the reserved slot, per token
+        st = graphs["stats"]["layers"][i]
+        assert st["misses"] <= st["resolves"], st
+
+
 @pytest.mark.parametrize("top_k", [64, 2048])
 @pytest.mark.parametrize("ctx", [6000, 140000])  # past 100K columns torch's CUDA top-k sorts
 def test_fixed_shape_indexer_equals_the_eager_one_on_cuda(top_k, ctx):

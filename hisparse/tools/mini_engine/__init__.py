@@ -19,7 +19,10 @@ rate and bytes moved. ``hisparse mini-engine`` (:mod:`.cli`) runs it from the sh
 
 ``graphs`` (:mod:`.graphs`): decode-only steps padded to batch-size buckets and replayed
 as CUDA graphs, for both stores. ``ffn`` (:mod:`.ffn`): a dense MLP or grouped-GEMM MoE
-stand-in for the rest of each layer, so a step is not all attention.
+stand-in for the rest of each layer, so a step is not all attention. ``index_share``:
+only every n-th layer runs an indexer, the layers after it reuse its top-k (the
+Full / Shared layers of IndexCache, arXiv 2603.12201); with ``prefetch`` hisparse stages
+a Shared layer's rows while the layer before it computes.
 
 ``synthetic_context`` (benchmarks): the first n positions of every prompt get random
 rows and indexer keys written straight into both caches instead of being prefilled,

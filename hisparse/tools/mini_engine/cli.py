@@ -44,7 +44,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
             continue
         if name == "prefetch":
             p.add_argument("--prefetch", dest="prefetch", action="store_true", default=None,
-                           help="hisparse: stage layer l+1's rows predicted from layer l's top-k")
+                           help="hisparse: stage layer l+1's rows from layer l's top-k while layer l "
+                                "computes (with --index-share > 1: into Shared layers only, exactly)")
+            continue
+        if name == "index_share":
+            p.add_argument("--index-share", dest="index_share", type=int, default=None, metavar="N",
+                           help="layers per indexer: layer l runs one iff l %% N == 0, the next N - 1 "
+                                "reuse its top-k (IndexCache-style Full / Shared layers) (default 1)")
             continue
         ann = str(f.type)
         typ = float if "float" in ann else int if "int" in ann else str

@@ -58,6 +58,8 @@ class MiniEngineConfig:
     validate: bool = True  # checked mode for cache and attention calls
     overlap: str = "serial"  # hisparse decode: serial | split | fused (hisparse.decode.Overlap)
     prefetch: bool = False  # hisparse decode: stage layer l+1's rows predicted from layer l's top-k
+    index_share: int = 1  # layers per indexer: layer l computes a top-k iff l % index_share == 0 (a
+    #                      "Full" layer, IndexCache's terms); the layers after it reuse that top-k
     tolerance: float = 2e-2  # max |x_resident - x_hisparse| allowed, relative to max |x|
     graphs: bool = False  # decode-only steps as CUDA graphs per batch-size bucket (needs CUDA, unchecked)
     ffn: str = "none"  # rest-of-layer stand-in after attention: none | mlp | moe (.ffn)
@@ -69,7 +71,8 @@ class MiniEngineConfig:
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_heads", "hidden", "indexer_dim", "vocab", "top_k", "num_requests",
                      "min_prompt", "max_prompt", "max_decode", "query_len", "chunk",
-                     "max_batch_tokens", "host_block_size", "ffn_intermediate", "ffn_experts", "ffn_active"):
+                     "max_batch_tokens", "host_block_size", "ffn_intermediate", "ffn_experts", "ffn_active",
+                     "index_share"):
             check_int(name, getattr(self, name), lo=1)
         for name in ("arrival_every", "min_decode", "synthetic_context", "ffn_shared"):
             check_int(name, getattr(self, name), lo=0)
@@ -93,9 +96,8 @@ class MiniEngineConfig:
             if self.validate:
                 raise ValueError("graphs need unchecked mode (--unchecked): checked mode reads device "
                                  "values on the host, which a captured step cannot do")
-            if self.prefetch or overlap not in (Overlap.SERIAL, Overlap.SPLIT):
-                raise ValueError(f"graphs support overlap serial or split without prefetch, got "
-                                 f"overlap={self.overlap!r} prefetch={self.prefetch}")
+            if overlap not in (Overlap.SERIAL, Overlap.SPLIT):
+                raise ValueError(f"graphs support overlap serial or split, got overlap={self.overlap!r}")
         if self.min_decode > self.max_decode:
             raise ValueError(f"need 0 <= min_decode <= max_decode, got {self.min_decode}, {self.max_decode}")
         if self.min_prompt > self.max_prompt:
@@ -124,6 +126,16 @@ class MiniEngineConfig:
     def max_context(self) -> int:
         return self.max_prompt + self.max_decode * self.query_len
 
+    def full_layer(self, layer: int) -> bool:
+        """Whether ``layer`` runs its own indexer (else it reuses the top-k of the Full
+        layer ``layer - layer % index_share``)."""
+        return layer % self.index_share == 0
+
+    @property
+    def index_layers(self) -> int:
+        """Layers with an indexer (and indexer keys): ceil(num_layers / index_share)."""
+        return ceil_div(self.num_layers, self.index_share)
+
     @property
     def slots(self) -> int:
         """Requests served at once (engine slots)."""
@@ -144,20 +156,21 @@ def memory_needed(cfg: MiniEngineConfig) -> tuple[dict[str, int], dict[str, int]
     """(host parts, device parts) in bytes of one run (the two engines run one after the
     other: the larger KV store counts). On a CPU device everything is host memory."""
     L, D, H, R, C = cfg.num_layers, cfg.hidden, cfg.num_heads, cfg.slots, cfg.max_context
+    F = cfg.index_layers
     rb = RowFormat.parse(cfg.row_format).row_bytes
     cc = cfg.cache_config()
     resident = L * (R + 1) * ceil_div(C, cfg.host_block_size) * cfg.host_block_size * rb
     hisparse_dev = gpu_bytes(cc, num_heads=H)["total"]
     device = {
-        "weights": L * D * (H * D_ROW + D_ROW + H * D_LATENT) * 2 + L * D * cfg.indexer_dim * 8
+        "weights": L * D * (H * D_ROW + D_ROW + H * D_LATENT) * 2 + F * D * cfg.indexer_dim * 8
                    + (cfg.vocab + D) * D * 4,
-        "indexer keys": L * (R + 1) * C * cfg.indexer_dim * 4,  # + the padding slot
+        "indexer keys": F * (R + 1) * C * cfg.indexer_dim * 4,  # + the padding slot
         "ffn stand-in weights": ffn_weight_bytes(kind=cfg.ffn, num_layers=L, hidden=D,
                                                  intermediate=cfg.ffn_intermediate, experts=cfg.ffn_experts,
                                                  shared=cfg.ffn_shared),
         "prefill workspace": R * C * D_ROW * 2,
         "KV rows (resident or hot buffers)": max(resident, hisparse_dev),
-        "outputs": cfg.num_requests * C * D * 4,
+        "outputs": cfg.num_requests * (C - cfg.synthetic_context) * D * 4,  # synthetic rows have none
     }
     host = {"host pool": cc.host_pool_bytes}
     if not cfg.device.startswith("cuda"):

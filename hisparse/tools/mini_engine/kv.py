@@ -234,6 +234,7 @@ class HiSparseKV(KVStore):
         self.overlap = cfg.overlap
         self.prefetch = cfg.prefetch
         self.num_layers = cfg.num_layers
+        self.share = cfg.index_share
 
     def stage_decode(self, layer: int, topk: torch.Tensor, batch: Batch):
         """Serial: the conversion, its misses left staging on the side stream (the loop's
@@ -247,8 +248,8 @@ class HiSparseKV(KVStore):
                          staged) -> torch.Tensor:
         """Serial: wait for the conversion's staging, then attend; split / fused:
         ``HiSparseIndexGroup.decode_attention`` (the hits attended while the misses
-        stage). With prefetch, this layer's top-k then predicts the next layer's
-        selection."""
+        stage). With prefetch, this layer's top-k is then staged into the next layer
+        (:meth:`prefetch_targets`) while the rest of this layer computes."""
         if self.overlap == "serial":
             self.group.wait_for_staging(layer)
             out = super().decode_attention(layer, q, topk, batch, staged)
@@ -256,9 +257,17 @@ class HiSparseKV(KVStore):
             a = self.attn
             out = self.group.decode_attention(layer, q, topk, batch.md, backend=a.decode, sm_scale=a.sm_scale,
                                               overlap=self.overlap)[0]
-        if self.prefetch and layer + 1 < self.num_layers:
+        if self.prefetch_targets(layer):
             self.group.prefetch(layer + 1, topk, batch.md)
         return out
+
+    def prefetch_targets(self, layer: int) -> bool:
+        """Whether a prefetch stages ``layer``'s top-k into layer + 1: every next layer when
+        each layer has its own indexer (a prediction), else only a Shared next layer,
+        whose selection it is exactly (the mini engine's Full layers draw independent
+        indexers, so one predicts nothing of the next)."""
+        nxt = layer + 1
+        return self.prefetch and nxt < self.num_layers and (self.share == 1 or nxt % self.share != 0)
 
     def admit(self, req: Request) -> None:
         self.group.add_request(req.rid)

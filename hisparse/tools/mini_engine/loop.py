@@ -119,14 +119,18 @@ class MiniEngine:
         self.kv.begin(batch)
         x = self.model.embed[tok]
         T = x.shape[0]
+        topk, pre_idx = None, None  # the last Full layer's (a Shared layer reuses them)
         for layer in range(cfg.num_layers):
+            full = cfg.full_layer(layer)
             xb, rows, iq, ik = self.model.pre(layer, x, cfg.validate)
             self.kv.write(layer, rows, batch)
-            self.indexer.write(layer, ik, flat)
+            if full:
+                self.indexer.write(layer, ik, flat)
             out = torch.zeros(T, cfg.num_heads, D_LATENT, dtype=torch.bfloat16, device=dev)
             staged = None
             if td:
-                topk = self.indexer.decode_topk(layer, iq[:td], slot_t[:td], sub_t[:td], pos_t[:td], ctx)
+                if full:
+                    topk = self.indexer.decode_topk(layer, iq[:td], slot_t[:td], sub_t[:td], pos_t[:td], ctx)
                 if self.recorder is not None:
                     if layer == 0:  # one entry per decode token (q = 1): the request and its length
                         rids = [r.rid for r, n in batch.items[:nd] for _ in range(n)]
@@ -137,13 +141,15 @@ class MiniEngine:
             if td:
                 out[:td] = self.kv.decode_attention(layer, q[:td], topk, batch, staged)
             if T > td:
-                parts, t = [], td
-                for j, (r, n) in enumerate(batch.items[nd:]):
-                    tk = self.indexer.prefill_topk(layer, iq[t:t + n], r.slot, r.done)
-                    start = batch.ws_starts_cpu[j]
-                    parts.append(torch.where(tk >= 0, tk + start, tk))
-                    t += n
-                out[td:] = self.kv.prefill_attention(layer, q[td:], torch.cat(parts), batch)
+                if full:
+                    parts, t = [], td
+                    for j, (r, n) in enumerate(batch.items[nd:]):
+                        tk = self.indexer.prefill_topk(layer, iq[t:t + n], r.slot, r.done)
+                        start = batch.ws_starts_cpu[j]
+                        parts.append(torch.where(tk >= 0, tk + start, tk))
+                        t += n
+                    pre_idx = torch.cat(parts)
+                out[td:] = self.kv.prefill_attention(layer, q[td:], pre_idx, batch)
             x = self.model.post(layer, x, out)
         return x
 
@@ -155,11 +161,13 @@ class MiniEngine:
         flat = st.slot * cfg.max_context + st.pos
         self.kv.begin_padded(batch, st)
         x = self.model.embed[st.tok]
+        topk = None  # the last Full layer's (a Shared layer reuses it)
         for layer in range(cfg.num_layers):
             xb, rows, iq, ik = self.model.pre(layer, x, False)
             self.kv.write(layer, rows, batch)
-            self.indexer.write(layer, ik, flat)
-            topk = self.indexer.decode_topk_fixed(layer, iq, st.slot, st.sub, st.lim)
+            if cfg.full_layer(layer):
+                self.indexer.write(layer, ik, flat)
+                topk = self.indexer.decode_topk_fixed(layer, iq, st.slot, st.sub, st.lim)
             staged = self.kv.stage_decode(layer, topk, batch)  # before q: they overlap
             q = self.model.q_proj(layer, xb)
             x = self.model.post(layer, x, self.kv.decode_attention(layer, q, topk, batch, staged))
@@ -269,7 +277,8 @@ class MiniEngine:
         for layer in range(self.cfg.num_layers):
             rows, ik = synthetic_rows(self.cfg, r.rid, layer, n, self.device)
             self.kv.fill(r, layer, rows)
-            self.indexer.write(layer, ik, flat)
+            if self.cfg.full_layer(layer):
+                self.indexer.write(layer, ik, flat)
         r.done = n
 
 
@@ -405,8 +414,10 @@ def summarize(res: dict) -> dict:
            "backend": res["backend"], "graphs": res["graphs"]}
     tot = res["stats"].get("total", {})
     if tot:
-        out["cache"] = {k: tot.get(k) for k in ("hits", "misses", "hit_rate", "bytes_h2d", "bytes_d2h",
-                                                "invalid", "resolves")}
+        out["cache"] = {k: tot.get(k) for k in ("hits", "misses", "hit_rate", "prefetch_rows", "bytes_h2d",
+                                                "bytes_d2h", "invalid", "resolves")}
+        # a prefetched row a resolve then finds is a hit: per layer, so Shared layers show apart
+        out["cache"]["layer_hit_rates"] = [d["hit_rate"] for d in res["stats"].get("layers", [])]
     return out
 
 

@@ -6,6 +6,8 @@ Per layer l, from rmsnorm(x), x fp32 [T, D]:
   ik  = x W_ik[l]  -> indexer key fp32 [T, d_idx], kept on the device per request
   iq  = x W_iq[l]  -> indexer query; scores = iq . ik over positions <= own position,
                       top-k per query token (-1 padded when the context is shorter)
+  (ik, iq and the top-k only in Full layers, l % index_share == 0; a Shared layer reuses
+  the top-k of the Full layer before it, as IndexCache's models do, arXiv 2603.12201)
   x  += attn(q, rows[top-k]) [T, H * D_LATENT] W_o[l]
 logits = rmsnorm(x) W_out. Token embeddings share a common direction with weight
 ``locality`` (0..1): a high value makes consecutive indexer queries similar, as real
@@ -32,6 +34,7 @@ class Model:
         # drawn on the device: a wide model's weights would take seconds on the host
         g = torch.Generator(device=device).manual_seed(cfg.seed + 1)
         D, H, L, di = cfg.hidden, cfg.num_heads, cfg.num_layers, cfg.indexer_dim
+        F = cfg.index_layers
 
         def w(*shape: int, fan_in: int) -> torch.Tensor:
             return torch.randn(*shape, generator=g, device=device) / math.sqrt(fan_in)
@@ -43,8 +46,9 @@ class Model:
         self.embed = a * common + math.sqrt(1 - a * a) * own  # fp32 [V, D]
         self.w_q = w(L, D, H * D_ROW, fan_in=D).to(torch.bfloat16)
         self.w_kv = w(L, D, D_ROW, fan_in=D).to(torch.bfloat16)
-        self.w_iq = w(L, D, di, fan_in=D)
-        self.w_ik = w(L, D, di, fan_in=D)
+        self.w_iq = w(F, D, di, fan_in=D)  # Full layer l's at l // index_share
+        self.w_ik = w(F, D, di, fan_in=D)
+        self.share = cfg.index_share
         self.w_o = w(L, H * D_LATENT, D, fan_in=H * D_LATENT).to(torch.bfloat16)
         self.w_out = w(D, cfg.vocab, fan_in=D)
         self.H = H
@@ -60,8 +64,9 @@ class Model:
 
     def pre(self, layer: int, x: torch.Tensor, validate: bool):
         """x fp32 [T, D] -> xb bf16 [T, D] (the normed input of :meth:`q_proj`), rows uint8
-        [T, row_bytes], iq/ik fp32 [T, di]. The query comes later (``q_proj``): the
-        indexer and the rows do not need it, so a cache can stage rows meanwhile."""
+        [T, row_bytes], iq/ik fp32 [T, di] (None in a Shared layer). The query comes
+        later (``q_proj``): the indexer and the rows do not need it, so a cache can stage
+        rows meanwhile."""
         xn = self._norm(x)
         xb = xn.to(torch.bfloat16)
         kv = xb @ self.w_kv[layer]  # bf16 [T, D_ROW]
@@ -69,7 +74,10 @@ class Model:
             rows = quantize_fp8_ds_mla(kv, validate=validate)
         else:
             rows = kv.contiguous().view(torch.uint8)
-        return xb, rows, xn @ self.w_iq[layer], xn @ self.w_ik[layer]
+        if layer % self.share:
+            return xb, rows, None, None
+        f = layer // self.share
+        return xb, rows, xn @ self.w_iq[f], xn @ self.w_ik[f]
 
     def q_proj(self, layer: int, xb: torch.Tensor) -> torch.Tensor:
         """xb bf16 [T, D] (from :meth:`pre`) -> q bf16 [T, H, D_ROW]."""
@@ -85,7 +93,8 @@ class Model:
 
 
 def synthetic_rows(cfg: MiniEngineConfig, rid: int, layer: int, n: int, device: torch.device):
-    """Deterministic random context rows uint8 [n, row_bytes] and indexer keys fp32 [n, di]."""
+    """Deterministic random context rows uint8 [n, row_bytes] and indexer keys fp32 [n, di]
+    (drawn in every layer, so a row does not depend on ``index_share``)."""
     g = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + rid * 1009 + layer)
     kv = torch.randn(n, D_ROW, generator=g, device=device).to(torch.bfloat16)
     ik = torch.randn(n, cfg.indexer_dim, generator=g, device=device) / math.sqrt(cfg.indexer_dim)
@@ -95,18 +104,26 @@ def synthetic_rows(cfg: MiniEngineConfig, rid: int, layer: int, n: int, device: 
 
 
 class Indexer:
-    """Per-layer indexer keys on the device: fp32 [L, slots + 1, max_context, d_idx]; the
-    last slot is the scratch slot padding tokens of a bucketed decode step write to."""
+    """The Full layers' indexer keys on the device: fp32 [F, slots + 1, max_context, d_idx]
+    (F = ceil(L / index_share), Full layer l at l // index_share); the last slot is the
+    scratch slot padding tokens of a bucketed decode step write to. Every method takes
+    a Full layer's index and refuses a Shared one."""
 
     def __init__(self, cfg: MiniEngineConfig, slots: int, device: torch.device) -> None:
-        self.keys = torch.zeros(cfg.num_layers, slots + 1, cfg.max_context, cfg.indexer_dim, device=device)
+        self.keys = torch.zeros(cfg.index_layers, slots + 1, cfg.max_context, cfg.indexer_dim, device=device)
         self.slots = slots
         self.K = cfg.top_k
         self.q = cfg.query_len
+        self.share = cfg.index_share
+
+    def _keys(self, layer: int) -> torch.Tensor:
+        if layer % self.share:
+            raise ValueError(f"layer {layer} is a Shared layer (index_share={self.share}): it has no indexer")
+        return self.keys[layer // self.share]
 
     def write(self, layer: int, ik: torch.Tensor, dst: torch.Tensor) -> None:
         """ik fp32 [T, di] to flat (slot * max_context + pos) rows ``dst`` int64 [T]."""
-        self.keys[layer].view(-1, self.keys.shape[-1]).index_copy_(0, dst, ik)
+        self._keys(layer).view(-1, self.keys.shape[-1]).index_copy_(0, dst, ik)
 
     def _select(self, scores: torch.Tensor, pos: torch.Tensor | None) -> torch.Tensor:
         """scores fp32 [n, C], pos int64 [n] (own position; None: scores already masked
@@ -125,7 +142,7 @@ class Indexer:
     def decode_topk(self, layer: int, iq: torch.Tensor, slots: torch.Tensor, sub: torch.Tensor,
                     pos: torch.Tensor, ctx: int) -> torch.Tensor:
         """Decode tokens: iq fp32 [Td, di], their slots/sub-token index/positions int64 [Td]."""
-        keys = self.keys[layer, :self.slots, :ctx]  # [slots, C, di]
+        keys = self._keys(layer)[:self.slots, :ctx]  # [slots, C, di]
         return self._select(indexer_scores(keys, iq, slots, sub, pos, self.q), None)
 
     def decode_topk_fixed(self, layer: int, iq: torch.Tensor, slots: torch.Tensor, sub: torch.Tensor,
@@ -134,13 +151,13 @@ class Indexer:
         [n, di]; slots / sub int64 [n]; lim int64 [n], the last position a token may
         select (its own; -1 selects nothing: a padding token). Scores cover every slot's
         whole max context, masked past ``lim`` -> int32 [n, K], -1 padded."""
-        keys = self.keys[layer]  # [slots + 1, C, di]
+        keys = self._keys(layer)  # [slots + 1, C, di]
         return self._select(indexer_scores(keys, iq, slots, sub, lim, self.q), None)
 
     def prefill_topk(self, layer: int, iq: torch.Tensor, slot: int, p0: int) -> torch.Tensor:
         """One prefill chunk: iq fp32 [n, di] at positions p0 .. p0+n-1 of ``slot``."""
         n = iq.shape[0]
-        keys = self.keys[layer, slot, :p0 + n]  # [C, di]
+        keys = self._keys(layer)[slot, :p0 + n]  # [C, di]
         pos = torch.arange(p0, p0 + n, device=iq.device)
         return self._select(iq @ keys.T, pos)
 

@@ -28,7 +28,9 @@ def format_report(res: dict) -> str:
         f"ratio hisparse/resident: tokens/s {fmt(ratio['tokens_per_s_hisparse_over_resident'])}, "
         f"decode step median {fmt(ratio['decode_step_median_hisparse_over_resident'])}",
         f"hisparse cache: hit rate {cache['hit_rate']:.4f} (hits {cache['hits']}, misses {cache['misses']}), "
-        f"bytes h2d {cache['bytes_h2d']}, bytes d2h {cache['bytes_d2h']}, invalid {cache['invalid']}",
+        f"bytes h2d {cache['bytes_h2d']}, bytes d2h {cache['bytes_d2h']}, invalid {cache['invalid']}"
+        + (f", prefetched rows {cache['prefetch_rows']} (counted as hits when selected; per-layer hit "
+           f"rates {' '.join(f'{x:.3f}' for x in cache['layer_hit_rates'])})" if cache.get("prefetch_rows") else ""),
         f"outputs: {c['tokens_compared']} tokens compared, max |diff| {c['max_abs_diff']:.3e} "
         f"(relative {c['max_rel_diff']:.3e}), argmax mismatches {c['argmax_mismatches']}, "
         f"{'bitwise equal' if c['bitwise_equal'] else 'not bitwise equal'}, "

@@ -1,0 +1,109 @@
+"""IndexCache-style index sharing in the mini engine, and the prefetch it makes exact (CPU).
+
+With ``index_share=n`` only layers l % n == 0 (Full) run an indexer; the layers after
+one reuse its top-k (Shared). With ``prefetch`` hisparse stages a Shared layer's rows
+from that top-k while the layer before it computes, so its own resolve finds them hot.
+Tiny shapes (4-5 layers, hidden 64, top-k 8, 16 hot rows).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hisparse.tools import mini_engine as me
+from hisparse.tools.mini_engine.kv import KVStore
+
+
+def _cfg(**kw):
+    base = dict(num_layers=4, index_share=2, num_requests=3, arrival_every=1, min_prompt=20, max_prompt=30,
+                min_decode=4, max_decode=7)
+    return me.MiniEngineConfig(**{**base, **kw})
+
+
+def test_full_layers_and_indexer_keys():
+    cfg = _cfg(num_layers=5)
+    assert [cfg.full_layer(i) for i in range(5)] == [True, False, True, False, True]
+    assert cfg.index_layers == 3
+    ix = me.Indexer(cfg, cfg.slots, torch.device("cpu"))
+    assert ix.keys.shape[0] == 3
+    with pytest.raises(ValueError, match="Shared layer"):
+        ix.write(1, torch.zeros(1, cfg.indexer_dim), torch.zeros(1, dtype=torch.int64))
+    host, _ = me.memory_needed(cfg)
+    one, _ = me.memory_needed(_cfg(num_layers=5, index_share=1))
+    assert host["indexer keys"] * 5 == one["indexer keys"] * 3
+    m = me.Model(cfg, torch.device("cpu"))
+    x = torch.randn(2, cfg.hidden)
+    assert m.pre(1, x, True)[2:] == (None, None) and m.pre(2, x, True)[2].shape == (2, cfg.indexer_dim)
+
+
+def test_shared_layers_attend_over_the_full_layers_selection(monkeypatch):
+    seen: dict[int, list[torch.Tensor]] = {}
+    orig = KVStore.decode_attention
+
+    def spy(self, layer, q, topk, batch, staged):
+        if self.name == "resident":
+            seen.setdefault(layer, []).append(topk.clone())
+        return orig(self, layer, q, topk, batch, staged)
+
+    monkeypatch.setattr(KVStore, "decode_attention", spy)
+    res = me.run(_cfg())
+    assert res["compare"]["bitwise_equal"], res["compare"]
+    assert len(seen[0]) == len(seen[1]) > 0
+    for a, b in zip(seen[0], seen[1]):
+        assert torch.equal(a, b)
+    # the two Full layers draw different indexers: their selections differ somewhere
+    assert any(not torch.equal(a, b) for a, b in zip(seen[0], seen[2]))
+
+
+@pytest.mark.parametrize("mode", [None, me.DecodeMode.PADDED])
+@pytest.mark.parametrize("overlap", ["serial", "split"])
+def test_prefetch_into_shared_layers_matches_and_leaves_at_most_the_displaced_row(mode, overlap):
+    kw = dict(overlap=overlap, validate=mode is None)
+    plain = me.run(_cfg(**kw), decode_mode=mode)
+    pre = me.run(_cfg(prefetch=True, **kw), decode_mode=mode)
+    for res in (plain, pre):
+        assert res["compare"]["within_tolerance"] and res["hisparse"]["cache"]["invalid"] == 0, res["compare"]
+    eng = me.MiniEngine(_cfg(prefetch=True, **kw), "hisparse", decode_mode=mode)
+    stats = eng.run()["stats"]["layers"]
+    assert [s["prefetch_rows"] > 0 for s in stats] == [False, True, False, True]  # into Shared layers only
+    for i in (1, 3):
+        # the prefetch staged everything the layer's resolve would miss, except the row
+        # its own write then moved out of the reserved slot (the previous newest row):
+        # at most one miss per resolve of a decode token (q = 1)
+        assert stats[i]["misses"] <= stats[i]["resolves"], stats[i]
+        assert stats[i]["misses"] < stats[i - 1]["misses"], stats
+    cache_plain, cache_pre = plain["hisparse"]["cache"], pre["hisparse"]["cache"]
+    assert cache_pre["prefetch_rows"] > 0 and cache_plain["prefetch_rows"] == 0
+    assert cache_pre["misses"] < cache_plain["misses"]
+    assert cache_pre["layer_hit_rates"][1] > cache_plain["layer_hit_rates"][1]
+
+
+def test_prefetch_without_index_share_predicts_every_next_layer():
+    eng = me.MiniEngine(_cfg(index_share=1, prefetch=True), "hisparse")
+    res = eng.run()
+    assert [s["prefetch_rows"] > 0 for s in res["stats"]["layers"]] == [False, True, True, True]
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(index_share=0), "index_share"),
+    (dict(index_share=True), "index_share"),
+])
+def test_bad_index_share(kw, msg):
+    with pytest.raises((ValueError, TypeError), match=msg):
+        me.MiniEngineConfig(**kw)
+
+
+def test_graphs_with_prefetch_is_a_valid_config():
+    cfg = me.MiniEngineConfig(graphs=True, device="cuda", validate=False, prefetch=True, index_share=2,
+                              num_layers=4)
+    assert cfg.prefetch and cfg.graphs
+
+
+def test_cli_index_share(capsys):
+    assert me.main(["--index-share", "0"]) == 2
+    assert "index_share" in capsys.readouterr().err
+    assert me.main(["--index-share", "2", "--num-layers", "4", "--prefetch", "--num-requests", "2",
+                    "--max-decode", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "prefetched rows" in out and "bitwise equal" in out
