@@ -13,7 +13,10 @@ the model's ``--layers``: decode tokens/s as measured and scaled to the full dep
 their ratio hisparse / resident, hisparse's hit rate, min / median / p99 of the
 replayed steps, and the outputs of the requests both runs serve compared (within the
 mini engine's tolerance). ``--same-batch`` also runs hisparse at the resident batch
-(the per-step overhead at equal batch).
+(the per-step overhead at equal batch). ``--index-share N`` sizes and runs a model whose
+every N-th layer runs the indexer and the others reuse its top-k (IndexCache's Full /
+Shared layers: indexer keys only in the Full layers, for both tiers); ``--prefetch``
+has hisparse stage each Shared layer's rows while the layer before it computes.
 
 Exit status: 1 when outputs differ beyond tolerance or a run fails, 2 bad input, else 0.
 
@@ -76,6 +79,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--decode-mode", choices=[m.value for m in DecodeMode], default=None,
                     help="graphs (default on CUDA) | padded (default for --dry-run) | eager")
     ap.add_argument("--same-batch", action="store_true", help="also run hisparse at the resident batch")
+    ap.add_argument("--index-share", type=int, default=1, metavar="N",
+                    help="only every N-th layer runs an indexer; the next N - 1 reuse its top-k [1]")
+    ap.add_argument("--prefetch", action="store_true",
+                    help="hisparse: stage the next layer's rows from this layer's top-k while it computes "
+                         "(with --index-share > 1: into Shared layers only, exactly)")
     ap.add_argument("--overlap", choices=["serial", "split"], default="serial",
                     help="hisparse decode: miss staging before attention (serial) or hidden behind the hit "
                          "attention (split)")
@@ -93,21 +101,22 @@ def setup(a: argparse.Namespace) -> tuple[Budget, RunShape, list[int]]:
     if a.dry_run:
         # 2 layers, top-k 8, 16 hot rows: at 64 tokens resident fits 2 requests, hisparse 5 (host-bound)
         budget = Budget(num_layers=2, gpu_total=300_000, reserve=50_000, host_memory=420_000, top_k=8,
-                        hot_rows=16, block_size=16, max_seqs=64)
+                        hot_rows=16, block_size=16, max_seqs=64, index_share=a.index_share)
         ffn = dict(ffn=a.ffn, ffn_intermediate=16, ffn_experts=4, ffn_active=2, ffn_shared=1)
         mode = DecodeMode(a.decode_mode or "padded")
         shape = RunShape(run_layers=2, num_heads=2, hidden=32, indexer_dim=16, vocab=97, ffn=ffn, decode_steps=3,
                          tail=8, locality=0.9 if a.locality is None else a.locality, device="cpu", decode_mode=mode, cache_kernels="torch",
-                         overlap=a.overlap)
+                         overlap=a.overlap, prefetch=a.prefetch)
         return budget, shape, a.contexts or [64, 96]
     budget = Budget(num_layers=a.layers, gpu_total=a.gpu_total, reserve=a.reserve, host_memory=a.host_memory,
-                    max_seqs=a.max_seqs)
+                    max_seqs=a.max_seqs, index_share=a.index_share)
     ffn = {k: v for k, v in v32_share_at(a.hidden).items() if k.startswith("ffn")}
     ffn["ffn"] = a.ffn
     shape = RunShape(run_layers=a.run_layers, num_heads=a.heads, hidden=a.hidden, ffn=ffn,
                      decode_steps=a.decode_steps, device="cuda", decode_mode=DecodeMode(a.decode_mode or "graphs"),
                      backend=a.backend or "triton", flashmla_lib=common.flashmla_lib(a.flashmla_lib),
-                     overlap=a.overlap, locality=RunShape.locality if a.locality is None else a.locality)
+                     overlap=a.overlap, prefetch=a.prefetch,
+                     locality=RunShape.locality if a.locality is None else a.locality)
     return budget, shape, a.contexts or [32768, 65536, 131072]
 
 
@@ -187,7 +196,7 @@ def format_table(result: dict) -> str:
     for ctx, c in result["contexts"].items():
         for name, s in c["runs"].items():
             if "skipped" in s:
-                rows.append([ctx, name, "-", "-", "-", "-", "-", "-", "-", "-", "-", s["skipped"]])
+                rows.append([ctx, name, "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", s["skipped"]])
                 continue
             tier = "hisparse" if name.startswith("hisparse") else "resident"
             d, st = s["decode"], s["decode"]["step_ms"]
@@ -198,13 +207,14 @@ def format_table(result: dict) -> str:
                          f"{d['tokens_per_s']:.1f}" if d["tokens_per_s"] else "-",
                          f"{full['tokens_per_s']:.1f}" if full else "-",
                          "-" if hit is None else f"{hit:.4f}",
+                         s.get("cache", {}).get("prefetch_rows") or "-",
                          f"{c['ratio_tokens_per_s']:.2f}" if name == "hisparse" and c.get("ratio_tokens_per_s")
                          else "-",
                          f"{d['gpu_step_ms']['median_ms']:.3f}" if d.get("gpu_step_ms") else "-",
                          f"{c['ratio_tokens_per_s_gpu']:.2f}" if name == "hisparse" and c.get("ratio_tokens_per_s_gpu")
                          else "-", ""])
     head = ["context", "run", "batch", "bound", "step min/med/p99 ms", "tok/s", "tok/s full depth", "hit rate",
-            "x resident", "GPU ms/step", "x resident (GPU)", ""]
+            "prefetched rows", "x resident", "GPU ms/step", "x resident (GPU)", ""]
     lines = [table(head, rows)]
     for ctx, c in result["contexts"].items():
         for key, what in (("compare_same_batch", "hisparse vs resident, same batch"),

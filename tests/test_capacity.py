@@ -94,3 +94,33 @@ def test_bench_capacity_bad_input(tmp_path, capsys):
         assert bench_capacity.main(["--dry-run", "--locality", bad]) == 2
     assert bench_capacity.main(["--dry-run", "--out", str(tmp_path)]) == 2
     assert "is a directory" in capsys.readouterr().err
+
+
+def test_index_share_sizes_indexer_keys_of_full_layers_only():
+    """One indexer per 4 layers (16 of 61 keep keys): both tiers hold fewer key bytes."""
+    one, four = tier_limits(Budget(), 131072), tier_limits(Budget(index_share=4), 131072)
+    C, L, row, I = 131072, 61, 656, 132
+    assert four["resident"]["gpu_bytes_per_request"] == C * (L * row + 16 * I)
+    drop = one["hisparse"]["gpu_bytes_per_request"] - four["hisparse"]["gpu_bytes_per_request"]
+    assert drop == C * (L - 16) * I
+    assert four["resident"]["batch"] == 15 and four["hisparse"]["batch"] == 180
+    p = plan(PlanInputs(num_layers=61, context_len=C, gpu_bytes=80 << 30, host_bytes=1 << 40, max_seqs=1024,
+                        index_share=4))
+    assert (p["concurrency"]["resident"], p["concurrency"]["hisparse"]) == (15, 180)
+    with pytest.raises(ValueError, match="index_share"):
+        Budget(index_share=0)
+
+
+def test_bench_capacity_dry_run_index_share_prefetch(tmp_path, capsys):
+    out = tmp_path / "capacity.json"
+    assert bench_capacity.main(["--dry-run", "--contexts", "64", "--index-share", "2", "--prefetch",
+                                "--out", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert d["budget"]["index_share"] == 2 and d["shape"]["prefetch"] is True
+    c = d["contexts"]["64"]
+    assert c["compare"]["within_tolerance"], c["compare"]
+    hs = c["runs"]["hisparse"]
+    assert hs["config"]["index_share"] == 2 and hs["config"]["prefetch"] is True
+    assert hs["cache"]["prefetch_rows"] > 0 and c["runs"]["resident"].get("cache") is None
+    assert "prefetched rows" in capsys.readouterr().out
+    assert bench_capacity.main(["--dry-run", "--index-share", "0"]) == 2

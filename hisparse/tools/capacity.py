@@ -3,12 +3,13 @@
 1. Search (:func:`tier_limits`): the formulas of :mod:`hisparse.tools.plan` (the same
    numbers ``hisparse plan`` prints) for a full model of ``num_layers`` layers:
 
-     resident   KV pages and indexer keys on the GPU: floor(G / (C L (row + I)))
+     resident   KV pages and indexer keys on the GPU: floor(G / (C (L row + Li I)))
      hisparse   hot buffers, slot state, row->slot map and indexer keys on the GPU, every
                 row in the pinned host pool: min(GPU limit, host limit, max seqs, int32)
 
    G = ``gpu_total - reserve`` (the reserve stands for weights, activations and the
-   allocator's slack), the host budget is the pool of this GPU's requests. Each tier
+   allocator's slack), the host budget is the pool of this GPU's requests; Li =
+   ceil(L / index_share) layers keep indexer keys (the model's Full layers). Each tier
    says where its limit came from (``bound``: gpu | host | max_seqs | int32_indices).
 2. Measurement (:func:`measure`): the mini engine (:mod:`hisparse.tools.mini_engine`)
    serving ``batch`` requests of the context (synthetic rows, a short prefilled tail)
@@ -71,10 +72,11 @@ class Budget:
     hot_rows: int | None = None  # S, default 2 * top_k
     block_size: int = 64
     indexer_bytes: int = 132  # I: 128 fp8 values + a float32 scale per token and layer
+    index_share: int = 1  # layers per indexer (IndexCache-style Full / Shared layers; 1: DeepSeek-V3.2)
     max_seqs: int = 1024
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "gpu_total", "host_memory", "top_k", "block_size", "max_seqs"):
+        for name in ("num_layers", "gpu_total", "host_memory", "top_k", "block_size", "max_seqs", "index_share"):
             check_int(name, getattr(self, name), lo=1)
         check_int("reserve", self.reserve, lo=0)
         check_int("indexer_bytes", self.indexer_bytes, lo=0)
@@ -91,7 +93,8 @@ def tier_limits(budget: Budget, context: int) -> dict:
     check_int("context", context, lo=1)
     p = plan(PlanInputs(num_layers=budget.num_layers, context_len=context, gpu_bytes=budget.kv_bytes,
                         host_bytes=budget.host_memory, row_format=budget.row_format, top_k=budget.top_k,
-                        indexer_bytes=budget.indexer_bytes, hot_rows=budget.hot_rows,
+                        indexer_bytes=budget.indexer_bytes, index_share=budget.index_share,
+                        hot_rows=budget.hot_rows,
                         max_seqs=budget.max_seqs, block_size=budget.block_size))
     c, b = p["concurrency"], p["per_request_bytes"]
     res_bound = "max_seqs" if c["resident"] == budget.max_seqs else "gpu"
@@ -127,6 +130,7 @@ class RunShape:
     cache_kernels: str = "auto"
     seed: int = 0
     overlap: str = "serial"  # hisparse decode: serial | split (the miss staging hidden)
+    prefetch: bool = False  # hisparse decode: stage the next (Shared) layer's rows while a layer computes
 
     def __post_init__(self) -> None:
         for name in ("run_layers", "num_heads", "hidden", "indexer_dim", "vocab", "decode_steps", "tail",
@@ -152,7 +156,7 @@ def engine_config(budget: Budget, shape: RunShape, *, context: int, batch: int) 
         locality=shape.locality, synthetic_context=context - tail, backend=shape.backend,
         flashmla_lib=shape.flashmla_lib, cache_kernels=shape.cache_kernels,
         validate=shape.device == "cpu" and shape.decode_mode is DecodeMode.EAGER,
-        graphs=graphs, overlap=shape.overlap,
+        graphs=graphs, overlap=shape.overlap, prefetch=shape.prefetch, index_share=budget.index_share,
         tolerance=2e-2 if shape.overlap == "serial" else 5e-2,  # split: the hit partial rounds to bf16 once more
         **shape.ffn)
 

@@ -302,6 +302,9 @@ def _add_plan(sub) -> None:
     a("--format", dest="row_format", choices=["fp8_ds_mla", "bf16"], default="fp8_ds_mla")
     a("--top-k", type=int, default=2048, help="K (default 2048)")
     a("--indexer-bytes", type=int, default=132, help="indexer bytes per token per layer I (default 132)")
+    a("--index-share", type=int, default=1, metavar="N",
+      help="only every N-th layer runs an indexer (keeps keys); the others reuse its top-k, as "
+           "IndexCache-style models do (default 1: every layer)")
     a("--context", dest="context_len", type=_tokens, default=128 * 1024, help="context C (default 128K)")
     a("--gpu-memory", dest="gpu_bytes", type=_bytes, default=80 << 30, help="GPU bytes for KV G (default 80GiB)")
     a("--host-memory", dest="host_bytes", type=_bytes, default=1 << 40, help="host pool bytes Hm (default 1TiB)")
@@ -320,8 +323,8 @@ def _cmd_plan(args) -> int:
     r = plan(PlanInputs(num_layers=args.num_layers, context_len=args.context_len,
                         gpu_bytes=args.gpu_bytes, host_bytes=args.host_bytes,
                         row_format=args.row_format, top_k=args.top_k,
-                        indexer_bytes=args.indexer_bytes, hot_rows=args.hot_rows,
-                        max_seqs=args.max_seqs, block_size=args.block_size,
+                        indexer_bytes=args.indexer_bytes, index_share=args.index_share,
+                        hot_rows=args.hot_rows, max_seqs=args.max_seqs, block_size=args.block_size,
                         target_requests=args.target_requests, tp_ranks=args.tp_ranks,
                         tp_share=args.tp_share))
     c, b = r["concurrency"], r["per_request_bytes"]

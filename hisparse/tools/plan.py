@@ -10,12 +10,14 @@ Notation (all per request unless said otherwise):
   P   tensor-parallel ranks per node (each rank's GPU holds the same latent rows: MLA's
       latent KV is replicated across TP ranks); G is per rank, Hm per node
   X   host pool copies per node: 1 with a shared pool (--tp-share), else P
+  Li  layers with an indexer: ceil(L / n) when only every n-th layer runs one and the
+      layers after it reuse its top-k (IndexCache's Full / Shared layers; n = 1: all)
 
 Formulas (``FORMULAS`` below is printed by ``hisparse plan --help``):
 
-  resident (no hisparse), GPU bytes = C * L * (row + I)
+  resident (no hisparse), GPU bytes = C * (L * row + Li * I)
   hisparse, GPU bytes  = L * (S + 1) * (row + 8)     hot rows + slot position/stamp (int32 each)
-                       + C * L * I                   indexer keys stay on the GPU
+                       + C * Li * I                  indexer keys stay on the GPU
                        + Cb * L * 4                  row -> slot map (int32 per host row)
                        + 4 * (Cb / B) + 8 * L + 4    block table, LRU step, length
   hisparse, host bytes = Cb * L * row                 (one copy)
@@ -106,6 +108,7 @@ class PlanInputs:
     row_format: str = "fp8_ds_mla"
     top_k: int = 2048
     indexer_bytes: int = 132  # I
+    index_share: int = 1  # n: layers per indexer (Li = ceil(L / n))
     hot_rows: int | None = None  # S; default 2 * top_k
     max_seqs: int = 1 << 20  # M
     block_size: int = 64  # B
@@ -115,7 +118,7 @@ class PlanInputs:
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "context_len", "top_k", "max_seqs", "block_size", "tp_ranks",
-                     "gpu_bytes", "host_bytes"):
+                     "gpu_bytes", "host_bytes", "index_share"):
             check_int(name, getattr(self, name), lo=1)
         check_int("indexer_bytes", self.indexer_bytes, lo=0)
         check_bool("tp_share", self.tp_share)
@@ -144,9 +147,10 @@ def plan(inp: PlanInputs) -> dict:
     row = RowFormat.parse(inp.row_format).row_bytes
     nblocks = math.ceil(C / B)
     Cb = nblocks * B
-    resident_gpu = C * L * (row + I)
+    Li = math.ceil(L / inp.index_share)
+    resident_gpu = C * (L * row + Li * I)
     hot = L * (S + 1) * (row + 8)
-    indexer = C * L * I
+    indexer = C * Li * I
     row_map = Cb * L * 4
     small = 4 * nblocks + 8 * L + 4
     hs_gpu = hot + indexer + row_map + small
@@ -199,7 +203,9 @@ def format_plan(p: dict) -> str:
     """The readable table of a :func:`plan` result."""
     i, b, c = p["inputs"], p["per_request_bytes"], p["concurrency"]
     head = (f"L={i['num_layers']} {i['row_format']} ({i['row_bytes']} B/row) top_k={i['top_k']} "
-            f"S={i['hot_rows']} context={i['context_len']} indexer={i['indexer_bytes']} B/token/layer\n"
+            f"S={i['hot_rows']} context={i['context_len']} indexer={i['indexer_bytes']} B/token/layer"
+            + (f" in {math.ceil(i['num_layers'] / i['index_share'])} layers (one per {i['index_share']})"
+               if i["index_share"] > 1 else "") + "\n"
             f"GPU for KV {fmt_bytes(i['gpu_bytes'])}, host {fmt_bytes(i['host_bytes'])}, "
             f"max seqs {i['max_seqs']}")
     rows = [["resident (no hisparse)", fmt_bytes(b["resident_gpu"]), "-", c["resident"]],
