@@ -16,7 +16,13 @@ mini engine's tolerance). ``--same-batch`` also runs hisparse at the resident ba
 (the per-step overhead at equal batch). ``--index-share N`` sizes and runs a model whose
 every N-th layer runs the indexer and the others reuse its top-k (IndexCache's Full /
 Shared layers: indexer keys only in the Full layers, for both tiers); ``--prefetch``
-has hisparse stage each Shared layer's rows while the layer before it computes.
+has hisparse stage each Shared layer's rows while the layer before it computes (with
+``--index-correlation A`` > 0 the mini engine's Full layers select overlapping positions
+and the prefetch into them is a prediction). Each context reports the model's
+adjacent-layer top-k overlap (an eager probe of two requests); with ``--prefetch
+--same-batch`` hisparse also runs without prefetch at the resident batch, and the
+difference in misses gives the prefetch's precision, recall and wasted bytes on the
+same trace.
 
 Exit status: 1 when outputs differ beyond tolerance or a run fails, 2 bad input, else 0.
 
@@ -38,7 +44,7 @@ from benchmarks import common
 common.interpret_dry_run(with_gpu=True)  # a dry run is on the CPU; before hisparse loads
 
 from hisparse.tools.capacity import Budget, RunShape, engine_config, measure, tier_limits  # noqa: E402
-from hisparse.tools.mini_engine import compare  # noqa: E402
+from hisparse.tools.mini_engine import adjacent_layer_overlap, compare  # noqa: E402
 from hisparse.tools.mini_engine.ffn import v32_share_at  # noqa: E402
 from hisparse.tools.mini_engine.graphs import DecodeMode  # noqa: E402
 from hisparse.tools.plan import fmt_bytes, parse_bytes, parse_count, parse_tokens  # noqa: E402
@@ -81,6 +87,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--same-batch", action="store_true", help="also run hisparse at the resident batch")
     ap.add_argument("--index-share", type=int, default=1, metavar="N",
                     help="only every N-th layer runs an indexer; the next N - 1 reuse its top-k [1]")
+    ap.add_argument("--index-correlation", type=parse_locality, default=0.0, metavar="A",
+                    help="the Full layers' indexers share a common part with weight A in [0, 1), so adjacent "
+                         "layers select overlapping positions [0: independent]")
     ap.add_argument("--prefetch", action="store_true",
                     help="hisparse: stage the next layer's rows from this layer's top-k while it computes "
                          "(with --index-share > 1: into Shared layers only, exactly)")
@@ -106,7 +115,7 @@ def setup(a: argparse.Namespace) -> tuple[Budget, RunShape, list[int]]:
         mode = DecodeMode(a.decode_mode or "padded")
         shape = RunShape(run_layers=2, num_heads=2, hidden=32, indexer_dim=16, vocab=97, ffn=ffn, decode_steps=3,
                          tail=8, locality=0.9 if a.locality is None else a.locality, device="cpu", decode_mode=mode, cache_kernels="torch",
-                         overlap=a.overlap, prefetch=a.prefetch)
+                         overlap=a.overlap, prefetch=a.prefetch, index_correlation=a.index_correlation)
         return budget, shape, a.contexts or [64, 96]
     budget = Budget(num_layers=a.layers, gpu_total=a.gpu_total, reserve=a.reserve, host_memory=a.host_memory,
                     max_seqs=a.max_seqs, index_share=a.index_share)
@@ -115,7 +124,7 @@ def setup(a: argparse.Namespace) -> tuple[Budget, RunShape, list[int]]:
     shape = RunShape(run_layers=a.run_layers, num_heads=a.heads, hidden=a.hidden, ffn=ffn,
                      decode_steps=a.decode_steps, device="cuda", decode_mode=DecodeMode(a.decode_mode or "graphs"),
                      backend=a.backend or "triton", flashmla_lib=common.flashmla_lib(a.flashmla_lib),
-                     overlap=a.overlap, prefetch=a.prefetch,
+                     overlap=a.overlap, prefetch=a.prefetch, index_correlation=a.index_correlation,
                      locality=RunShape.locality if a.locality is None else a.locality)
     return budget, shape, a.contexts or [32768, 65536, 131072]
 
@@ -126,9 +135,15 @@ def run_context(budget: Budget, shape: RunShape, ctx: int, a: argparse.Namespace
     print(f"[capacity] context {ctx}: resident {lim['resident']['batch']} ({lim['resident']['bound']}), "
           f"hisparse {lim['hisparse']['batch']} ({lim['hisparse']['bound']}; GPU allows "
           f"{lim['hisparse']['gpu_limit']}, host {lim['hisparse']['host_limit']})", flush=True)
+    ov = adjacent_layer_overlap(engine_config(budget, shape, context=ctx, batch=max(lim["resident"]["batch"], 1)))
+    out["adjacent_layer_overlap"] = ov
+    print("[capacity]   adjacent-layer top-k overlap (layer l+1's entries layer l selected): "
+          + " ".join("-" if x is None else f"{x:.3f}" for x in ov), flush=True)
     plan_runs = [("resident", "resident", lim["resident"]["batch"]), ("hisparse", "hisparse", lim["hisparse"]["batch"])]
     if a.same_batch:
         plan_runs.append(("hisparse_same_batch", "hisparse", lim["resident"]["batch"]))
+        if shape.prefetch:  # the same trace without prefetch: what the prefetch saved and wasted
+            plan_runs.append(("hisparse_same_batch_no_prefetch", "hisparse", lim["resident"]["batch"]))
         if lim["resident"]["batch"] > 1:  # how much the batch size alone moves the outputs
             plan_runs.append(("resident_smaller_batch", "resident", lim["resident"]["batch"] - 1))
     raw = {}
@@ -137,7 +152,8 @@ def run_context(budget: Budget, shape: RunShape, ctx: int, a: argparse.Namespace
             out["runs"][name] = {"skipped": "not even one request fits"}
             continue
         b = min(batch, a.max_batch) if a.max_batch else batch
-        cfg = engine_config(budget, shape, context=ctx, batch=b)
+        run_shape = dataclasses.replace(shape, prefetch=False) if name.endswith("_no_prefetch") else shape
+        cfg = engine_config(budget, run_shape, context=ctx, batch=b)
         t0 = time.perf_counter()
         print(f"[capacity]   {name}: batch {b}{' (capped)' if b < batch else ''}, {shape.run_layers} layers ...",
               flush=True)
@@ -172,6 +188,10 @@ def run_context(budget: Budget, shape: RunShape, ctx: int, a: argparse.Namespace
         if r.get("gpu_step_ms") and h.get("gpu_step_ms"):
             out["same_batch_gpu_step_ratio"] = h["gpu_step_ms"]["median_ms"] / r["gpu_step_ms"]["median_ms"]
         out["compare_same_batch"] = compare(raw["resident"][0], raw["resident"][1], raw["hisparse_same_batch"][1])
+    if "hisparse_same_batch_no_prefetch" in raw:
+        out["prefetch_quality"] = prefetch_quality(out["runs"]["hisparse_same_batch"]["cache"],
+                                                   out["runs"]["hisparse_same_batch_no_prefetch"]["cache"],
+                                                   raw["hisparse_same_batch"][0].cache_config().row_bytes)
     if "resident_smaller_batch" in raw and "resident" in raw:
         # resident at B - 1 vs resident at B, the same requests: batched GEMMs (projections,
         # MoE) round differently at another batch size, so runs at different batches are
@@ -179,6 +199,28 @@ def run_context(budget: Budget, shape: RunShape, ctx: int, a: argparse.Namespace
         sm = raw["resident_smaller_batch"]
         out["compare_resident_batch_sizes"] = compare(sm[0], sm[1], raw["resident"][1])
     return out
+
+
+def prefetch_quality(with_pf: dict, without: dict, row_bytes: int) -> dict:
+    """Two runs of one trace, with and without prefetch (their summaries' ``cache``):
+    useful = misses the prefetch removed (net: a prefetched row that evicted a needed one
+    counts against it), precision = useful / rows prefetched, recall = useful / misses
+    without prefetch, wasted = (rows prefetched - useful) x row bytes; per prefetched
+    layer and in total."""
+    layers, tot = [], {"prefetched": 0, "useful": 0, "misses_without": 0}
+    for i, (pf, m1, m0) in enumerate(zip(with_pf["layer_prefetch_rows"], with_pf["layer_misses"],
+                                         without["layer_misses"])):
+        if not pf:
+            continue
+        useful = m0 - m1
+        layers.append({"layer": i, "prefetched": pf, "useful": useful, "precision": useful / pf,
+                       "recall": useful / m0 if m0 else None, "wasted_bytes": (pf - useful) * row_bytes})
+        tot["prefetched"] += pf
+        tot["useful"] += useful
+        tot["misses_without"] += m0
+    p, u, m = tot["prefetched"], tot["useful"], tot["misses_without"]
+    return {"layers": layers, "precision": u / p if p else None, "recall": u / m if m else None,
+            "wasted_bytes": (p - u) * row_bytes, "prefetched_bytes": p * row_bytes}
 
 
 def format_profile(name: str, p: dict, top: int = 12) -> str:
@@ -226,6 +268,12 @@ def format_table(result: dict) -> str:
                              f"{k['max_rel_diff']:.3e}, argmax mismatches {k['argmax_mismatches']}, "
                              f"{'bitwise equal' if k['bitwise_equal'] else 'WITHIN' if k['within_tolerance'] else 'OUTSIDE'}"
                              f"{'' if k['bitwise_equal'] else ' tolerance'}")
+        if c.get("prefetch_quality"):
+            q = c["prefetch_quality"]
+            fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
+            lines.append(f"context {ctx}: prefetch at the resident batch: precision {fmt(q['precision'])}, "
+                         f"recall {fmt(q['recall'])}, {fmt_bytes(q['prefetched_bytes'])} prefetched, "
+                         f"{fmt_bytes(q['wasted_bytes'])} wasted")
         if c.get("same_batch_step_ratio"):
             gpu = c.get("same_batch_gpu_step_ratio")
             lines.append(f"context {ctx}: same batch, hisparse / resident median step "

@@ -124,3 +124,25 @@ def test_bench_capacity_dry_run_index_share_prefetch(tmp_path, capsys):
     assert hs["cache"]["prefetch_rows"] > 0 and c["runs"]["resident"].get("cache") is None
     assert "prefetched rows" in capsys.readouterr().out
     assert bench_capacity.main(["--dry-run", "--index-share", "0"]) == 2
+
+
+def test_prefetch_quality_from_two_runs_of_one_trace():
+    with_pf = {"layer_prefetch_rows": [0, 100, 80], "layer_misses": [50, 10, 30]}
+    without = {"layer_misses": [50, 60, 40]}
+    q = bench_capacity.prefetch_quality(with_pf, without, 656)
+    assert [x["layer"] for x in q["layers"]] == [1, 2]
+    assert q["layers"][0] == {"layer": 1, "prefetched": 100, "useful": 50, "precision": 0.5, "recall": 50 / 60,
+                              "wasted_bytes": 50 * 656}
+    assert q["precision"] == 60 / 180 and q["recall"] == 60 / 100 and q["wasted_bytes"] == 120 * 656
+
+
+def test_bench_capacity_dry_run_prefetch_quality(tmp_path):
+    out = tmp_path / "capacity.json"
+    assert bench_capacity.main(["--dry-run", "--contexts", "64", "--index-correlation", "0.9", "--prefetch",
+                                "--same-batch", "--out", str(out)]) == 0
+    c = json.loads(out.read_text())["contexts"]["64"]
+    assert len(c["adjacent_layer_overlap"]) == 1 and c["adjacent_layer_overlap"][0] is not None
+    assert "hisparse_same_batch_no_prefetch" in c["runs"] and "prefetch_quality" in c
+    assert c["runs"]["hisparse_same_batch_no_prefetch"]["cache"]["prefetch_rows"] == 0
+    assert c["runs"]["hisparse_same_batch"]["config"]["index_correlation"] == 0.9
+    assert bench_capacity.main(["--dry-run", "--index-correlation", "1.5"]) == 2

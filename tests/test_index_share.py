@@ -107,3 +107,46 @@ def test_cli_index_share(capsys):
                     "--max-decode", "3"]) == 0
     out = capsys.readouterr().out
     assert "prefetched rows" in out and "bitwise equal" in out
+
+
+def test_index_correlation_mixes_only_the_indexers_and_makes_layers_overlap():
+    base = _cfg(index_share=1, num_layers=3, top_k=16, min_prompt=200, max_prompt=200, synthetic_context=180,
+                device_buffer_size=32, chunk=32, validate=False)
+    m0 = me.Model(base, torch.device("cpu"))
+    import dataclasses
+    corr = dataclasses.replace(base, index_correlation=0.99)
+    m1 = me.Model(corr, torch.device("cpu"))
+    for name in ("w_q", "w_kv", "w_o", "w_out", "embed"):
+        assert torch.equal(getattr(m0, name), getattr(m1, name)), name
+    assert not torch.equal(m0.w_iq, m1.w_iq)
+    r0, k0 = me.synthetic_rows(base, 1, 0, 50, torch.device("cpu"))
+    r1, k1 = me.synthetic_rows(corr, 1, 0, 50, torch.device("cpu"))
+    assert torch.equal(r0, r1) and not torch.equal(k0, k1)  # rows as before, keys mixed
+    ov0, ov1 = me.adjacent_layer_overlap(base), me.adjacent_layer_overlap(corr)
+    assert len(ov0) == len(ov1) == 2
+    assert min(ov1) > max(ov0) + 0.2, (ov0, ov1)
+    with pytest.raises(ValueError, match="index_correlation"):
+        dataclasses.replace(base, index_correlation=1.0)
+    with pytest.raises(ValueError, match="query_len must be 1"):
+        me.adjacent_layer_overlap(dataclasses.replace(base, query_len=2, max_batch_tokens=64))
+
+
+def test_prefetch_targets():
+    def targets(**kw):
+        kv = me.MiniEngine(_cfg(num_layers=6, prefetch=True, **kw), "hisparse").kv
+        return [kv.prefetch_targets(i) for i in range(6)]
+    assert targets(index_share=1) == [True] * 5 + [False]
+    assert targets(index_share=3) == [True, True, False, True, True, False]  # not into independent Full layers
+    assert targets(index_share=3, index_correlation=0.9) == [True] * 5 + [False]
+    kv = me.MiniEngine(_cfg(num_layers=6, index_share=3), "hisparse").kv
+    assert not any(kv.prefetch_targets(i) for i in range(6))
+
+
+def test_recorder_adjacent_overlap():
+    from hisparse.tools.traces import TraceRecorder
+    rec = TraceRecorder(num_layers=3, top_k=4)
+    rec.begin_step([0, 1], [10, 10])
+    rec.add_layer(0, torch.tensor([[1, 2, 3, 4], [5, 6, -1, -1]], dtype=torch.int32))
+    rec.add_layer(1, torch.tensor([[4, 3, 9, 8], [6, 7, 5, -1]], dtype=torch.int32))
+    rec.add_layer(2, torch.tensor([[-1, -1, -1, -1], [-1, -1, -1, -1]], dtype=torch.int32))
+    assert rec.adjacent_overlap() == [(2 + 2) / 7, None]

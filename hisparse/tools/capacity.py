@@ -123,6 +123,7 @@ class RunShape:
     tail: int = 16  # prompt tokens prefilled for real (the rest is synthetic)
     query_len: int = 1
     locality: float = 0.98
+    index_correlation: float = 0.0  # the mini engine's adjacent-layer indexer correlation (0: independent)
     device: str = "cuda"
     decode_mode: DecodeMode = DecodeMode.GRAPHS
     backend: str | None = None
@@ -153,7 +154,7 @@ def engine_config(budget: Budget, shape: RunShape, *, context: int, batch: int) 
         arrival_every=0, query_len=shape.query_len, chunk=tail,
         max_batch_tokens=batch * max(tail, shape.query_len), device_buffer_size=budget.hot_rows,
         host_block_size=budget.block_size, row_format=budget.row_format, device=shape.device, seed=shape.seed,
-        locality=shape.locality, synthetic_context=context - tail, backend=shape.backend,
+        locality=shape.locality, index_correlation=shape.index_correlation, synthetic_context=context - tail, backend=shape.backend,
         flashmla_lib=shape.flashmla_lib, cache_kernels=shape.cache_kernels,
         validate=shape.device == "cpu" and shape.decode_mode is DecodeMode.EAGER,
         graphs=graphs, overlap=shape.overlap, prefetch=shape.prefetch, index_share=budget.index_share,

@@ -96,6 +96,22 @@ class TraceRecorder:
                              f"{(r.size, self.top_k)}")
         layers[layer] = a
 
+    def adjacent_overlap(self) -> list[float | None]:
+        """Per layer pair (l, l + 1): the share of layer l + 1's valid entries that layer l
+        also selected for the same token, over every recorded token (None: no entries)."""
+        shared = [0] * max(self.num_layers - 1, 0)
+        total = [0] * len(shared)
+        for _, _, layers in self._steps:
+            for l in range(len(shared)):
+                a, b = layers[l], layers[l + 1]
+                if a is None or b is None:
+                    continue
+                for ra, rb in zip(a, b):
+                    vb = rb[rb >= 0]
+                    shared[l] += int(np.isin(vb, ra[ra >= 0]).sum())
+                    total[l] += vb.size
+        return [s / t if t else None for s, t in zip(shared, total)]
+
     def save(self, path: str | os.PathLike) -> None:
         """Write the trace file to ``path`` (exactly that name; no suffix is added)."""
         L, K = self.num_layers, self.top_k

@@ -34,12 +34,12 @@ from .config import PRESETS, MiniEngineConfig, Request, make_workload, memory_ne
 from .kv import KV_STORES, Attention, Batch, HiSparseKV, KVStore, ResidentKV
 from .ffn import FFN, V32_EP8_SHARE, FFNKind
 from .graphs import DecodeGraphs, DecodeMode, bucket_for, capture_sizes
-from .loop import MiniEngine, compare, preflight, run, run_engine, summarize
+from .loop import MiniEngine, adjacent_layer_overlap, compare, preflight, run, run_engine, summarize
 from .model import Indexer, Model, synthetic_rows
 from .report import format_report
 
 __all__ = ["MiniEngineConfig", "Request", "make_workload", "memory_needed", "PRESETS", "Model",
            "synthetic_rows", "Indexer", "Batch", "Attention", "KVStore", "ResidentKV", "HiSparseKV",
-           "KV_STORES", "MiniEngine", "compare", "run", "run_engine", "summarize", "preflight", "FFN", "FFNKind",
+           "KV_STORES", "MiniEngine", "adjacent_layer_overlap", "compare", "run", "run_engine", "summarize", "preflight", "FFN", "FFNKind",
            "V32_EP8_SHARE", "DecodeGraphs", "DecodeMode", "bucket_for", "capture_sizes", "format_report", "build_parser",
            "config_from_args", "run_args", "main"]

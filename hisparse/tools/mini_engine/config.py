@@ -60,6 +60,8 @@ class MiniEngineConfig:
     prefetch: bool = False  # hisparse decode: stage layer l+1's rows predicted from layer l's top-k
     index_share: int = 1  # layers per indexer: layer l computes a top-k iff l % index_share == 0 (a
     #                      "Full" layer, IndexCache's terms); the layers after it reuse that top-k
+    index_correlation: float = 0.0  # 0..1: the Full layers' indexers share a common part with this
+    #                      weight, so adjacent layers' selections overlap (0: independent layers)
     tolerance: float = 2e-2  # max |x_resident - x_hisparse| allowed, relative to max |x|
     graphs: bool = False  # decode-only steps as CUDA graphs per batch-size bucket (needs CUDA, unchecked)
     ffn: str = "none"  # rest-of-layer stand-in after attention: none | mlp | moe (.ffn)
@@ -105,12 +107,14 @@ class MiniEngineConfig:
         if not self.synthetic_context < self.min_prompt:
             raise ValueError(f"synthetic_context must be in [0, min_prompt={self.min_prompt}), "
                              f"got {self.synthetic_context}")
-        for name in ("locality", "tolerance"):
+        for name in ("locality", "tolerance", "index_correlation"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 raise TypeError(f"{name} must be a finite number, got {v!r}")
         if not 0.0 <= self.locality < 1.0:
             raise ValueError(f"locality must be in [0, 1), got {self.locality}")
+        if not 0.0 <= self.index_correlation < 1.0:
+            raise ValueError(f"index_correlation must be in [0, 1), got {self.index_correlation}")
         if self.tolerance < 0:
             raise ValueError(f"tolerance must be >= 0 (a relative difference), got {self.tolerance}")
         RowFormat.parse(self.row_format)

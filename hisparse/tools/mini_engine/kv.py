@@ -235,6 +235,7 @@ class HiSparseKV(KVStore):
         self.prefetch = cfg.prefetch
         self.num_layers = cfg.num_layers
         self.share = cfg.index_share
+        self.predict_full = cfg.index_share == 1 or cfg.index_correlation > 0
 
     def stage_decode(self, layer: int, topk: torch.Tensor, batch: Batch):
         """Serial: the conversion, its misses left staging on the side stream (the loop's
@@ -262,12 +263,14 @@ class HiSparseKV(KVStore):
         return out
 
     def prefetch_targets(self, layer: int) -> bool:
-        """Whether a prefetch stages ``layer``'s top-k into layer + 1: every next layer when
-        each layer has its own indexer (a prediction), else only a Shared next layer,
-        whose selection it is exactly (the mini engine's Full layers draw independent
-        indexers, so one predicts nothing of the next)."""
+        """Whether a prefetch stages ``layer``'s top-k into layer + 1: always into a Shared
+        layer (whose selection it is exactly); into a Full layer as a prediction when
+        every layer is Full or the indexers are correlated (``index_correlation``), not
+        when independent Full layers follow Shared ones (it would predict nothing)."""
         nxt = layer + 1
-        return self.prefetch and nxt < self.num_layers and (self.share == 1 or nxt % self.share != 0)
+        if not self.prefetch or nxt >= self.num_layers:
+            return False
+        return nxt % self.share != 0 or self.predict_full
 
     def admit(self, req: Request) -> None:
         self.group.add_request(req.rid)

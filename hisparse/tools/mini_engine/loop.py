@@ -29,6 +29,7 @@ from ...config import RowFormat
 from ...device import resolve_device
 from ...engine import SparseMLAMetadata
 from ...formats import D_LATENT, D_ROW
+from ..._checks import check_int
 from ..preflight import check_memory, check_output_file, parse_device, require_kernels
 from ..traces import TraceRecorder
 from .config import MiniEngineConfig, Request, make_workload, memory_needed
@@ -395,6 +396,21 @@ def run_engine(cfg: MiniEngineConfig, kind: str, *, progress: bool = False, deco
     return res
 
 
+def adjacent_layer_overlap(cfg: MiniEngineConfig, *, requests: int = 2) -> list[float | None]:
+    """Adjacent-layer top-k overlap of ``cfg``'s model (:meth:`TraceRecorder.adjacent_overlap`),
+    from an eager resident run of its first ``requests`` requests (they see the same
+    inputs as in a run of all of them). Needs query_len 1."""
+    check_int("requests", requests, lo=1)
+    if cfg.query_len != 1:
+        raise ValueError(f"the overlap probe records one entry per request and step: query_len must be 1, "
+                         f"got {cfg.query_len}")
+    small = dataclasses.replace(cfg, num_requests=min(requests, cfg.num_requests), max_num_reqs=None,
+                                graphs=False)
+    rec = TraceRecorder(num_layers=small.num_layers, top_k=small.top_k)
+    run_engine(small, "resident", decode_mode=DecodeMode.EAGER, recorder=rec)
+    return rec.adjacent_overlap()
+
+
 def summarize(res: dict) -> dict:
     """The timings of a :func:`run_engine` result (no tensors)."""
     tps = res["tokens"] / res["time_s"] if res["time_s"] > 0 else 0.0
@@ -417,7 +433,10 @@ def summarize(res: dict) -> dict:
         out["cache"] = {k: tot.get(k) for k in ("hits", "misses", "hit_rate", "prefetch_rows", "bytes_h2d",
                                                 "bytes_d2h", "invalid", "resolves")}
         # a prefetched row a resolve then finds is a hit: per layer, so Shared layers show apart
-        out["cache"]["layer_hit_rates"] = [d["hit_rate"] for d in res["stats"].get("layers", [])]
+        layers = res["stats"].get("layers", [])
+        out["cache"]["layer_hit_rates"] = [d["hit_rate"] for d in layers]
+        out["cache"]["layer_misses"] = [d["misses"] for d in layers]
+        out["cache"]["layer_prefetch_rows"] = [d["prefetch_rows"] for d in layers]
     return out
 
 

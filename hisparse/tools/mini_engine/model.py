@@ -11,7 +11,10 @@ Per layer l, from rmsnorm(x), x fp32 [T, D]:
   x  += attn(q, rows[top-k]) [T, H * D_LATENT] W_o[l]
 logits = rmsnorm(x) W_out. Token embeddings share a common direction with weight
 ``locality`` (0..1): a high value makes consecutive indexer queries similar, as real
-indexers' are, so hot rows get reused.
+indexers' are, so hot rows get reused. ``index_correlation`` a (0..1) does the same
+across layers: every Full layer's W_iq, W_ik and synthetic indexer keys are
+a * (a part common to all layers) + sqrt(1 - a^2) * (the layer's own), so adjacent
+layers select overlapping positions, as trained indexers do (IndexCache measured 70-100%).
 """
 
 from __future__ import annotations
@@ -51,6 +54,12 @@ class Model:
         self.share = cfg.index_share
         self.w_o = w(L, H * D_LATENT, D, fan_in=H * D_LATENT).to(torch.bfloat16)
         self.w_out = w(D, cfg.vocab, fan_in=D)
+        if cfg.index_correlation:  # its own generator: every other weight stays as without it
+            gc = torch.Generator(device=device).manual_seed(cfg.seed + 2)
+            a = cfg.index_correlation
+            b = math.sqrt(1 - a * a)
+            self.w_iq = a * torch.randn(D, di, generator=gc, device=device) / math.sqrt(D) + b * self.w_iq
+            self.w_ik = a * torch.randn(D, di, generator=gc, device=device) / math.sqrt(D) + b * self.w_ik
         self.H = H
         self.fmt = RowFormat.parse(cfg.row_format)
         self.sm_scale = 1.0 / math.sqrt(D_ROW)
@@ -98,6 +107,11 @@ def synthetic_rows(cfg: MiniEngineConfig, rid: int, layer: int, n: int, device: 
     g = torch.Generator(device=device).manual_seed(cfg.seed * 1_000_003 + rid * 1009 + layer)
     kv = torch.randn(n, D_ROW, generator=g, device=device).to(torch.bfloat16)
     ik = torch.randn(n, cfg.indexer_dim, generator=g, device=device) / math.sqrt(cfg.indexer_dim)
+    if cfg.index_correlation:  # the request's part common to all layers (index_correlation)
+        gc = torch.Generator(device=device).manual_seed((cfg.seed * 1_000_003 + rid * 1009) | (1 << 62))
+        a = cfg.index_correlation
+        common = torch.randn(n, cfg.indexer_dim, generator=gc, device=device) / math.sqrt(cfg.indexer_dim)
+        ik = a * common + math.sqrt(1 - a * a) * ik
     if RowFormat.parse(cfg.row_format) is RowFormat.FP8_DS_MLA:
         return quantize_fp8_ds_mla(kv, validate=False), ik
     return kv.view(torch.uint8), ik
