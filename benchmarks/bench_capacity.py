@@ -91,8 +91,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="the Full layers' indexers share a common part with weight A in [0, 1), so adjacent "
                          "layers select overlapping positions [0: independent]")
     ap.add_argument("--prefetch", action="store_true",
-                    help="hisparse: stage the next layer's rows from this layer's top-k while it computes "
-                         "(with --index-share > 1: into Shared layers only, exactly)")
+                    help="hisparse: stage a layer's top-k into the next layer while it computes: into Shared "
+                         "layers (exact), into Full layers as a prediction with --index-correlation > 0")
     ap.add_argument("--overlap", choices=["serial", "split"], default="serial",
                     help="hisparse decode: miss staging before attention (serial) or hidden behind the hit "
                          "attention (split)")
@@ -202,11 +202,16 @@ def run_context(budget: Budget, shape: RunShape, ctx: int, a: argparse.Namespace
 
 
 def prefetch_quality(with_pf: dict, without: dict, row_bytes: int) -> dict:
-    """Two runs of one trace, with and without prefetch (their summaries' ``cache``):
-    useful = misses the prefetch removed (net: a prefetched row that evicted a needed one
-    counts against it), precision = useful / rows prefetched, recall = useful / misses
-    without prefetch, wasted = (rows prefetched - useful) x row bytes; per prefetched
-    layer and in total."""
+    """Two runs of one trace, with and without prefetch (their summaries' ``cache``), per
+    layer that received prefetches and in total:
+
+      useful     misses the prefetch removed, net: a prefetched row that evicted a row
+                 the layer then needed counts against it (so precision can be < 0)
+      precision  useful / rows prefetched
+      recall     useful / misses without prefetch, over the layers that received
+                 prefetches (``recall``) and over all layers (``recall_all_layers``)
+      wasted     (rows prefetched - useful) x row bytes (extra bytes moved, net)
+    """
     layers, tot = [], {"prefetched": 0, "useful": 0, "misses_without": 0}
     for i, (pf, m1, m0) in enumerate(zip(with_pf["layer_prefetch_rows"], with_pf["layer_misses"],
                                          without["layer_misses"])):
@@ -219,7 +224,9 @@ def prefetch_quality(with_pf: dict, without: dict, row_bytes: int) -> dict:
         tot["useful"] += useful
         tot["misses_without"] += m0
     p, u, m = tot["prefetched"], tot["useful"], tot["misses_without"]
+    m_all = sum(without["layer_misses"])
     return {"layers": layers, "precision": u / p if p else None, "recall": u / m if m else None,
+            "recall_all_layers": u / m_all if m_all else None,
             "wasted_bytes": (p - u) * row_bytes, "prefetched_bytes": p * row_bytes}
 
 
@@ -238,25 +245,27 @@ def format_table(result: dict) -> str:
     for ctx, c in result["contexts"].items():
         for name, s in c["runs"].items():
             if "skipped" in s:
-                rows.append([ctx, name, "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", s["skipped"]])
+                rows.append([ctx, name, "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", "-", s["skipped"]])
                 continue
             tier = "hisparse" if name.startswith("hisparse") else "resident"
             d, st = s["decode"], s["decode"]["step_ms"]
             full = d.get("full_depth", {})
             hit = s.get("cache", {}).get("hit_rate")
+            l0 = s.get("cache", {}).get("layer_hit_rates")  # layer 0 gets no prefetch: the trace's LRU rate
             rows.append([ctx, name, d["batch"], c["limits"][tier]["bound"] if name == tier else "-",
                          f"{st['min_ms']:.3f}/{st['median_ms']:.3f}/{st['p99_ms']:.3f}" if st["n"] else "-",
                          f"{d['tokens_per_s']:.1f}" if d["tokens_per_s"] else "-",
                          f"{full['tokens_per_s']:.1f}" if full else "-",
                          "-" if hit is None else f"{hit:.4f}",
+                         f"{l0[0]:.4f}" if l0 else "-",
                          s.get("cache", {}).get("prefetch_rows") or "-",
                          f"{c['ratio_tokens_per_s']:.2f}" if name == "hisparse" and c.get("ratio_tokens_per_s")
                          else "-",
                          f"{d['gpu_step_ms']['median_ms']:.3f}" if d.get("gpu_step_ms") else "-",
                          f"{c['ratio_tokens_per_s_gpu']:.2f}" if name == "hisparse" and c.get("ratio_tokens_per_s_gpu")
                          else "-", ""])
-    head = ["context", "run", "batch", "bound", "step min/med/p99 ms", "tok/s", "tok/s full depth", "hit rate",
-            "prefetched rows", "x resident", "GPU ms/step", "x resident (GPU)", ""]
+    head = ["context", "run", "batch", "bound", "step min/med/p99 ms", "tok/s", "tok/s full depth",
+            "hits (prefetched count)", "layer-0 hits", "prefetched rows", "x resident", "GPU ms/step", "x resident (GPU)", ""]
     lines = [table(head, rows)]
     for ctx, c in result["contexts"].items():
         for key, what in (("compare_same_batch", "hisparse vs resident, same batch"),
@@ -272,8 +281,9 @@ def format_table(result: dict) -> str:
             q = c["prefetch_quality"]
             fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
             lines.append(f"context {ctx}: prefetch at the resident batch: precision {fmt(q['precision'])}, "
-                         f"recall {fmt(q['recall'])}, {fmt_bytes(q['prefetched_bytes'])} prefetched, "
-                         f"{fmt_bytes(q['wasted_bytes'])} wasted")
+                         f"recall {fmt(q['recall'])} in the layers it staged into "
+                         f"({fmt(q['recall_all_layers'])} of all layers' misses), "
+                         f"{fmt_bytes(q['prefetched_bytes'])} prefetched, {fmt_bytes(q['wasted_bytes'])} wasted")
         if c.get("same_batch_step_ratio"):
             gpu = c.get("same_batch_gpu_step_ratio")
             lines.append(f"context {ctx}: same batch, hisparse / resident median step "
@@ -293,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         budget, shape, contexts = setup(a)
+        engine_config(budget, shape, context=contexts[0], batch=1)  # the run's config is valid (no allocation)
     except (ValueError, TypeError) as e:
         print(f"bench_capacity: {e}", file=sys.stderr)
         return 2

@@ -134,6 +134,7 @@ def test_prefetch_quality_from_two_runs_of_one_trace():
     assert q["layers"][0] == {"layer": 1, "prefetched": 100, "useful": 50, "precision": 0.5, "recall": 50 / 60,
                               "wasted_bytes": 50 * 656}
     assert q["precision"] == 60 / 180 and q["recall"] == 60 / 100 and q["wasted_bytes"] == 120 * 656
+    assert q["recall_all_layers"] == 60 / 150
 
 
 def test_bench_capacity_dry_run_prefetch_quality(tmp_path):
@@ -146,3 +147,5 @@ def test_bench_capacity_dry_run_prefetch_quality(tmp_path):
     assert c["runs"]["hisparse_same_batch_no_prefetch"]["cache"]["prefetch_rows"] == 0
     assert c["runs"]["hisparse_same_batch"]["config"]["index_correlation"] == 0.9
     assert bench_capacity.main(["--dry-run", "--index-correlation", "1.5"]) == 2
+    assert bench_capacity.main(["--dry-run", "--prefetch"]) == 2  # it would stage into no layer
+    assert bench_capacity.main(["--dry-run", "--index-share", "3"]) == 2  # 2 run layers: not the model's share

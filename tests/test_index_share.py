@@ -49,9 +49,10 @@ def test_shared_layers_attend_over_the_full_layers_selection(monkeypatch):
     monkeypatch.setattr(KVStore, "decode_attention", spy)
     res = me.run(_cfg())
     assert res["compare"]["bitwise_equal"], res["compare"]
-    assert len(seen[0]) == len(seen[1]) > 0
-    for a, b in zip(seen[0], seen[1]):
-        assert torch.equal(a, b)
+    for full, shared in ((0, 1), (2, 3)):
+        assert len(seen[full]) == len(seen[shared]) > 0
+        for a, b in zip(seen[full], seen[shared]):
+            assert torch.equal(a, b)
     # the two Full layers draw different indexers: their selections differ somewhere
     assert any(not torch.equal(a, b) for a, b in zip(seen[0], seen[2]))
 
@@ -79,10 +80,53 @@ def test_prefetch_into_shared_layers_matches_and_leaves_at_most_the_displaced_ro
     assert cache_pre["layer_hit_rates"][1] > cache_plain["layer_hit_rates"][1]
 
 
-def test_prefetch_without_index_share_predicts_every_next_layer():
-    eng = me.MiniEngine(_cfg(index_share=1, prefetch=True), "hisparse")
+def test_prefetch_with_correlated_indexers_predicts_every_next_layer():
+    eng = me.MiniEngine(_cfg(index_share=1, index_correlation=0.9, prefetch=True), "hisparse")
     res = eng.run()
     assert [s["prefetch_rows"] > 0 for s in res["stats"]["layers"]] == [False, True, True, True]
+
+
+def test_prefetch_into_no_layer_is_refused():
+    with pytest.raises(ValueError, match="prefetch would stage into no layer"):
+        _cfg(index_share=1, prefetch=True)
+    with pytest.raises(ValueError, match="prefetch would stage into no layer"):
+        _cfg(num_layers=1, index_share=2, prefetch=True)
+
+
+@pytest.mark.parametrize("kw", [dict(num_layers=5, index_share=2), dict(num_layers=3, index_share=8),
+                                dict(num_layers=4, index_share=2, query_len=2, device_buffer_size=16,
+                                     max_batch_tokens=64)])
+def test_index_share_edge_layouts(kw):
+    """A last group shorter than index_share, one Full layer for all, two decode tokens
+    per request: the same outputs as resident, Shared layers prefetched into."""
+    cfg = _cfg(prefetch=True, **kw)
+    res = me.run(cfg)
+    assert res["compare"]["bitwise_equal"], res["compare"]
+    pf = res["hisparse"]["cache"]["layer_prefetch_rows"]
+    assert [p > 0 for p in pf] == [not cfg.full_layer(i) for i in range(cfg.num_layers)], pf
+
+
+def test_shared_layers_attend_prefill_over_the_full_layers_positions(monkeypatch):
+    """Prefill chunks of a Shared layer attend over the Full layer's workspace offsets, and
+    the workspace rows they read are the Shared layer's own (staged for that layer)."""
+    seen: dict[int, list] = {}
+    orig = KVStore.prefill_attention
+
+    def spy(self, layer, q, idx, batch):
+        out = orig(self, layer, q, idx, batch)
+        if self.name == "resident":
+            rows = self.attn.workspace[idx.clamp(min=0).long()].clone()
+            seen.setdefault(layer, []).append((idx.clone(), rows))
+        return out
+
+    monkeypatch.setattr(KVStore, "prefill_attention", spy)
+    res = me.run(_cfg())
+    assert res["compare"]["bitwise_equal"]
+    for full, shared in ((0, 1), (2, 3)):
+        assert len(seen[full]) == len(seen[shared]) > 0
+        for (ia, ra), (ib, rb) in zip(seen[full], seen[shared]):
+            assert torch.equal(ia, ib)
+            assert not torch.equal(ra, rb)  # another layer's rows at the same offsets
 
 
 @pytest.mark.parametrize("kw, msg", [
@@ -94,7 +138,7 @@ def test_bad_index_share(kw, msg):
         me.MiniEngineConfig(**kw)
 
 
-def test_graphs_with_prefetch_is_a_valid_config():
+def test_graphs_accept_prefetch():  # capture and replay: tests/test_mini_engine_graphs_gpu.py
     cfg = me.MiniEngineConfig(graphs=True, device="cuda", validate=False, prefetch=True, index_share=2,
                               num_layers=4)
     assert cfg.prefetch and cfg.graphs
@@ -135,7 +179,7 @@ def test_prefetch_targets():
     def targets(**kw):
         kv = me.MiniEngine(_cfg(num_layers=6, prefetch=True, **kw), "hisparse").kv
         return [kv.prefetch_targets(i) for i in range(6)]
-    assert targets(index_share=1) == [True] * 5 + [False]
+    assert targets(index_share=1, index_correlation=0.5) == [True] * 5 + [False]
     assert targets(index_share=3) == [True, True, False, True, True, False]  # not into independent Full layers
     assert targets(index_share=3, index_correlation=0.9) == [True] * 5 + [False]
     kv = me.MiniEngine(_cfg(num_layers=6, index_share=3), "hisparse").kv

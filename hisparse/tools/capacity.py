@@ -145,6 +145,9 @@ def engine_config(budget: Budget, shape: RunShape, *, context: int, batch: int) 
     """The mini engine at ``batch`` requests of ``context`` tokens (all arrive at step 0,
     the same prompt and decode lengths: the batch stays ``batch`` while decoding)."""
     check_int("batch", batch, lo=1)
+    if shape.run_layers % budget.index_share:
+        raise ValueError(f"run_layers={shape.run_layers} must be a multiple of index_share={budget.index_share}: "
+                         "the run stands for the whole model, so it needs the model's share of Full layers")
     tail = min(shape.tail, context)
     graphs = shape.decode_mode is DecodeMode.GRAPHS
     return MiniEngineConfig(

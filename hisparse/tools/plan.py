@@ -15,6 +15,7 @@ Notation (all per request unless said otherwise):
 
 Formulas (``FORMULAS`` below is printed by ``hisparse plan --help``):
 
+  Li = ceil(L / n): layers that keep indexer keys (--index-share n; n = 1: every layer)
   resident (no hisparse), GPU bytes = C * (L * row + Li * I)
   hisparse, GPU bytes  = L * (S + 1) * (row + 8)     hot rows + slot position/stamp (int32 each)
                        + C * Li * I                  indexer keys stay on the GPU

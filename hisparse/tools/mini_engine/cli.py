@@ -44,8 +44,15 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
             continue
         if name == "prefetch":
             p.add_argument("--prefetch", dest="prefetch", action="store_true", default=None,
-                           help="hisparse: stage layer l+1's rows from layer l's top-k while layer l "
-                                "computes (with --index-share > 1: into Shared layers only, exactly)")
+                           help="hisparse: stage layer l's top-k into layer l+1 while layer l computes: "
+                                "into Shared layers (exact, --index-share > 1), and into Full layers as a "
+                                "prediction when --index-correlation > 0")
+            continue
+        if name == "index_correlation":
+            p.add_argument("--index-correlation", dest="index_correlation", type=float, default=None,
+                           metavar="A", help="0 <= A < 1: the Full layers' indexers share a common part with "
+                                             "weight A, so adjacent layers select overlapping positions "
+                                             "(default 0: independent)")
             continue
         if name == "index_share":
             p.add_argument("--index-share", dest="index_share", type=int, default=None, metavar="N",

@@ -57,7 +57,7 @@ class MiniEngineConfig:
     cache_kernels: str = "auto"  # HiSparseCache kernels, a Kernels value (triton on CPU: interpreter)
     validate: bool = True  # checked mode for cache and attention calls
     overlap: str = "serial"  # hisparse decode: serial | split | fused (hisparse.decode.Overlap)
-    prefetch: bool = False  # hisparse decode: stage layer l+1's rows predicted from layer l's top-k
+    prefetch: bool = False  # hisparse decode: stage layer l's top-k into layer l+1 (prefetches_into)
     index_share: int = 1  # layers per indexer: layer l computes a top-k iff l % index_share == 0 (a
     #                      "Full" layer, IndexCache's terms); the layers after it reuse that top-k
     index_correlation: float = 0.0  # 0..1: the Full layers' indexers share a common part with this
@@ -100,6 +100,10 @@ class MiniEngineConfig:
                                  "values on the host, which a captured step cannot do")
             if overlap not in (Overlap.SERIAL, Overlap.SPLIT):
                 raise ValueError(f"graphs support overlap serial or split, got overlap={self.overlap!r}")
+        if self.prefetch and not any(self.prefetches_into(i) for i in range(self.num_layers)):
+            raise ValueError("prefetch would stage into no layer: with index_share=1 and index_correlation=0 "
+                             "every layer has its own independent indexer, so a layer's top-k predicts nothing "
+                             "of the next; use index_share > 1 (Shared layers) or index_correlation > 0")
         if self.min_decode > self.max_decode:
             raise ValueError(f"need 0 <= min_decode <= max_decode, got {self.min_decode}, {self.max_decode}")
         if self.min_prompt > self.max_prompt:
@@ -134,6 +138,15 @@ class MiniEngineConfig:
         """Whether ``layer`` runs its own indexer (else it reuses the top-k of the Full
         layer ``layer - layer % index_share``)."""
         return layer % self.index_share == 0
+
+    def prefetches_into(self, layer: int) -> bool:
+        """With ``prefetch``, whether layer - 1's top-k is staged into ``layer`` while layer
+        - 1 computes: into a Shared layer always (that top-k is its selection exactly),
+        into a Full layer only when the indexers are correlated (``index_correlation`` >
+        0: a prediction); independent Full layers would get rows they do not select."""
+        if not self.prefetch or layer < 1 or layer >= self.num_layers:
+            return False
+        return not self.full_layer(layer) or self.index_correlation > 0
 
     @property
     def index_layers(self) -> int:

@@ -234,8 +234,7 @@ class HiSparseKV(KVStore):
         self.overlap = cfg.overlap
         self.prefetch = cfg.prefetch
         self.num_layers = cfg.num_layers
-        self.share = cfg.index_share
-        self.predict_full = cfg.index_share == 1 or cfg.index_correlation > 0
+        self.cfg = cfg
 
     def stage_decode(self, layer: int, topk: torch.Tensor, batch: Batch):
         """Serial: the conversion, its misses left staging on the side stream (the loop's
@@ -263,14 +262,8 @@ class HiSparseKV(KVStore):
         return out
 
     def prefetch_targets(self, layer: int) -> bool:
-        """Whether a prefetch stages ``layer``'s top-k into layer + 1: always into a Shared
-        layer (whose selection it is exactly); into a Full layer as a prediction when
-        every layer is Full or the indexers are correlated (``index_correlation``), not
-        when independent Full layers follow Shared ones (it would predict nothing)."""
-        nxt = layer + 1
-        if not self.prefetch or nxt >= self.num_layers:
-            return False
-        return nxt % self.share != 0 or self.predict_full
+        """Whether this layer's top-k is staged into layer + 1 (``cfg.prefetches_into``)."""
+        return self.cfg.prefetches_into(layer + 1)
 
     def admit(self, req: Request) -> None:
         self.group.add_request(req.rid)

@@ -398,8 +398,10 @@ def run_engine(cfg: MiniEngineConfig, kind: str, *, progress: bool = False, deco
 
 def adjacent_layer_overlap(cfg: MiniEngineConfig, *, requests: int = 2) -> list[float | None]:
     """Adjacent-layer top-k overlap of ``cfg``'s model (:meth:`TraceRecorder.adjacent_overlap`),
-    from an eager resident run of its first ``requests`` requests (they see the same
-    inputs as in a run of all of them). Needs query_len 1."""
+    from an eager resident run of its first ``requests`` requests (the same inputs as in a
+    run of all of them; a batch of another size may round its GEMMs differently, which
+    can move a selection at a tie). A pair ending in a Shared layer is 1 by
+    construction, and so is one whose context is at most top_k. Needs query_len 1."""
     check_int("requests", requests, lo=1)
     if cfg.query_len != 1:
         raise ValueError(f"the overlap probe records one entry per request and step: query_len must be 1, "
