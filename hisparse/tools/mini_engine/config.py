@@ -143,7 +143,7 @@ class MiniEngineConfig:
         """With ``prefetch``, whether layer - 1's top-k is staged into ``layer`` while layer
         - 1 computes: into a Shared layer always (that top-k is its selection exactly),
         into a Full layer only when the indexers are correlated (``index_correlation`` >
-        0: a prediction); independent Full layers would get rows they do not select."""
+        0: a prediction); independent Full layers would get rows they mostly do not select."""
         if not self.prefetch or layer < 1 or layer >= self.num_layers:
             return False
         return not self.full_layer(layer) or self.index_correlation > 0

@@ -232,8 +232,6 @@ class HiSparseKV(KVStore):
             self.group.register_layer(kv_cache_dtype=cfg.row_format)
         self.device = device
         self.overlap = cfg.overlap
-        self.prefetch = cfg.prefetch
-        self.num_layers = cfg.num_layers
         self.cfg = cfg
 
     def stage_decode(self, layer: int, topk: torch.Tensor, batch: Batch):
