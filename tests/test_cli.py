@@ -93,6 +93,13 @@ def test_stress_json_fields(capsys):
     assert r["config"]["top_k"] == 8 and r["config"]["device_buffer_size"] == 16
 
 
+def test_stress_prefetch_flag(capsys):
+    r = _json(capsys, ["stress", "--json"] + STRESS_TINY + ["--prefetch", "--layers", "2"])
+    assert r["ok"] is True and r["prefetch"]["rows_staged"] > 0
+    assert set(r["prefetch"]) >= {"precision", "recall", "wasted_bytes", "per_layer"}
+    assert r["per_layer"][1]["prefetch_rows"] == r["prefetch"]["rows_staged"]
+
+
 def test_version(capsys):
     assert main(["--version"]) == 0
     assert capsys.readouterr().out.strip() == f"hisparse {hisparse.__version__}"

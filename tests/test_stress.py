@@ -361,3 +361,42 @@ def test_replay_of_the_mini_engine_indexer_reproduces_its_cache_counters(tmp_pat
     tot = r["overall"]
     assert (tot["hits"], tot["misses"]) == (engine["hits"], engine["misses"]), (tot, engine)
     assert engine["misses"] > 0  # the trace really overflows the hot buffer
+
+
+def _shared_trace(tmp_path):
+    """A recorded uniform trace rewritten so that layer 1 selects what layer 0 does."""
+    src = str(tmp_path / "uniform.npz")
+    assert run_stress(StressOptions(**{**TINY, "trace": "uniform", "record": src}))["ok"]
+    meta, steps = load_trace(src)
+    rec = TraceRecorder(num_layers=meta["num_layers"], top_k=meta["top_k"])
+    for st in steps:
+        rec.begin_step(st.req_ids, st.seq_lens)
+        for layer in range(meta["num_layers"]):
+            rec.add_layer(layer, st.topk[:, 0])
+    path = str(tmp_path / "shared.npz")
+    rec.save(path)
+    return path
+
+
+def test_prefetch_of_a_shared_selection_is_exact(tmp_path):
+    path = _shared_trace(tmp_path)
+    plain = run_stress(StressOptions(**{**TINY, "trace": "replay", "replay": path}))
+    r = run_stress(StressOptions(**{**TINY, "trace": "replay", "replay": path, "prefetch": True}))
+    assert plain["ok"] and r["ok"] and "prefetch" not in plain
+    q, l1 = r["prefetch"], r["per_layer"][1]
+    assert l1["misses"] == 0 and plain["per_layer"][1]["misses"] > 0  # appends ran before: nothing left
+    assert q["rows_staged"] == q["useful_rows"] == plain["per_layer"][1]["misses"] > 0
+    assert q["precision"] == q["recall"] == 1.0 and q["wasted_bytes"] == 0
+    rb = r["config"]["row_bytes"]
+    assert l1["bytes_h2d"] == q["rows_staged"] * rb and l1["prefetch_rows"] == q["rows_staged"]
+    assert r["overall"]["bytes_h2d"] == plain["overall"]["bytes_h2d"]  # the same rows, staged earlier
+    assert "precision 1.0000" in format_stress(r)
+
+
+def test_prefetch_of_an_independent_selection_is_mostly_wasted():
+    r = run_stress(StressOptions(**{**TINY, "trace": "uniform", "prefetch": True}))
+    q = r["prefetch"]
+    assert r["ok"] and q["rows_staged"] > 0 and q["precision"] < 0.5
+    assert q["wasted_bytes"] == (q["rows_staged"] - q["useful_rows"]) * r["config"]["row_bytes"] > 0
+    with pytest.raises(TypeError, match="prefetch"):
+        StressOptions(**{**TINY, "prefetch": 1})

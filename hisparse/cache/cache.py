@@ -352,13 +352,15 @@ class HiSparseCache:
         self.requests.touch(layer)
         return SplitResult(out, hit, miss_lists, event, self.requests.epochs, layer)
 
-    def prefetch(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor) -> None:
+    def prefetch(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor) -> ResolveBuffers:
         """Stage a *predicted* selection of ``layer`` (e.g. the previous layer's top-k)
         on the stage stream, ahead of the layer's real resolve, which waits on it.
 
         Predicted rows become hot like a resolve's; positions the layer does not hold
         yet are skipped; only the staged rows are counted (``prefetch_rows``). Unchecked
-        (``validate=False``) semantics: graph capturable.
+        (``validate=False``) semantics: graph capturable. Returns the prefetch's lists
+        (``ResolveBuffers``: the host rows it staged in ``stage_src``, ``stage_counts``
+        per group), written on the stage stream and valid until the next prefetch.
         """
         T, K, req_ids = self._check_resolve(layer, req_ids, topk, False)
         if K > self.cfg.top_k:
@@ -367,6 +369,7 @@ class HiSparseCache:
         self.stager.run_prefetch(layer, req_ids, topk, out, host_rows=self._host_l[layer],
                                  hot_rows=self._hot_l[layer])
         self.requests.touch(layer)
+        return out
 
     @property
     def stage_stream(self):

@@ -101,7 +101,7 @@ REPLAY_FIXED = {"num_requests": "--requests", "context": "--context", "context_m
                 "churn": "--churn", "drift": "--drift"}
 STRESS_FIELDS = ("num_requests", "context", "context_min", "num_layers", "top_k", "buffer_size",
                  "row_format", "steps", "churn", "trace", "drift", "replay", "record", "verify",
-                 "seed", "device", "block_size", "kernels", "optimal", "checked")
+                 "seed", "device", "block_size", "kernels", "optimal", "checked", "prefetch")
 
 
 def _add_stress(sub) -> None:
@@ -144,6 +144,10 @@ def _add_stress(sub) -> None:
       help="skip the Belady bound (saves host memory on huge runs)")
     a("--unchecked", dest="checked", action="store_false", default=None,
       help="resolve without the host-syncing input check (times the fast path)")
+    a("--prefetch", action="store_true", default=None,
+      help="after each layer's resolve, stage its selection into the next layer (exact for a replayed "
+           "trace of shared top-k, e.g. mini-engine --index-share 2 --record); reports precision, "
+           "recall and wasted bytes")
     a("--plot", metavar="DIR", help="write hit_rate.png and step_time.png there (needs matplotlib)")
     a("--metrics-file", metavar="FILE",
       help="write the cache's stats() there in the Prometheus text format (docs/METRICS.md), "

@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from .. import HiSparseCache
-from .._checks import Kernels, check_int
+from .._checks import Kernels, check_bool, check_int
 from ..config import HiSparseConfig, RowFormat
 from .autotune import gpu_bytes
 from .belady import OptimalTracker, hit_rate
@@ -121,6 +121,7 @@ class StressOptions:
     optimal: bool = True  # compute the Belady bound
     checked: bool = True  # checked resolve (host sync); False times the unchecked fast path
     prefill_chunk: int = 16384  # rows per append call when a request joins
+    prefetch: bool = False  # after layer l's resolve, stage its selection into layer l+1 (a prediction)
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -138,6 +139,7 @@ class StressOptions:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= float(v) <= 1.0:
                 raise ValueError(f"{name} must be a number in [0, 1], got {v!r}")
+        check_bool("prefetch", self.prefetch)
         RowFormat.parse(self.row_format)
         Kernels.parse(self.kernels)
         if self.trace not in SOURCES:
@@ -332,6 +334,7 @@ class StressRun:
         n_inst = 0
         step_ms: list[float] = []
         append_ms: list[float] = []  # decode appends of a step (all layers and requests)
+        pf = {"staged": np.zeros(L, np.int64), "useful": np.zeros(L, np.int64), "s": 0.0}
         step_hits = np.zeros((L, self.steps), np.int64)
         step_miss = np.zeros((L, self.steps), np.int64)
         resolve_s = np.zeros(L)
@@ -419,6 +422,14 @@ class StressRun:
                             inst = live[rid][0]
                             tracker.append(layer, inst, int(lens[t]))
                             tracker.resolve(layer, inst, s, tk_np[t])
+                    if o.prefetch and layer + 1 < L:  # untimed: a step's time is appends + resolves
+                        t0 = time.perf_counter()
+                        out = cache.prefetch(layer + 1, req_t, topks[layer])
+                        self._sync()
+                        pf["s"] += time.perf_counter() - t0
+                        staged, useful = prefetch_useful(cache, ids.tolist(), out, topks[layer + 1])
+                        pf["staged"][layer + 1] += staged
+                        pf["useful"][layer + 1] += useful
                 step_ms.append(t_step * 1e3)
                 stats = cache.stats()
                 cur = np.array([[d["hits"], d["misses"]] for d in stats["layers"]], np.int64)
@@ -433,9 +444,16 @@ class StressRun:
                     break
         if recorder:
             recorder.save(o.record)
-        return self._summary(stats, tracker, done, step_ms, append_ms, step_hits[:, :done],
-                             step_miss[:, :done], resolve_s, prefill_s, prefill_rows, verified,
-                             joined, left, failures)
+        res = self._summary(stats, tracker, done, step_ms, append_ms, step_hits[:, :done],
+                            step_miss[:, :done], resolve_s, prefill_s, prefill_rows, verified,
+                            joined, left, failures)
+        if o.prefetch:
+            res["prefetch"] = prefetch_report(pf, step_miss[:, :done], self.cfg.row_bytes)
+            for d, st, mb in zip(res["per_layer"], pf["staged"], step_miss[:, :done].sum(axis=1)):
+                d["prefetch_rows"] = int(st)
+                d["bytes_h2d"] = int(mb + st) * self.cfg.row_bytes
+            res["overall"]["bytes_h2d"] = sum(d["bytes_h2d"] for d in res["per_layer"])
+        return res
 
     def _summary(self, stats, tracker, done, step_ms, append_ms, hits, misses, resolve_s, prefill_s,
                  prefill_rows, verified, joined, left, failures) -> dict[str, Any]:
@@ -493,6 +511,41 @@ class StressRun:
         }
 
 
+def prefetch_useful(cache, req_ids: list[int], out, topk_next: torch.Tensor) -> tuple[int, int]:
+    """(rows a prefetch staged, how many of them the next layer selects): the staged host
+    rows of each request (``out.stage_src[t*K : t*K + stage_counts[t]]``, one token per
+    request) against the host rows of that request's next-layer selection (int32 [T, K])."""
+    K = topk_next.shape[1]
+    B = cache.cfg.host_block_size
+    counts = out.stage_counts[:len(req_ids)].cpu()
+    src = out.stage_src[:len(req_ids) * K].cpu().long()
+    tk = topk_next.cpu().long()
+    bt = cache.state.block_table.cpu().long()
+    staged = useful = 0
+    for t, rid in enumerate(req_ids):
+        m = int(counts[t])
+        if not m:
+            continue
+        pos = tk[t][tk[t] >= 0]
+        rows = bt[cache.request_slot(rid)][pos // B] * B + pos % B
+        staged += m
+        useful += int(torch.isin(src[t * K:t * K + m], rows).sum())
+    return staged, useful
+
+
+def prefetch_report(pf: dict, misses: np.ndarray, row_bytes: int) -> dict[str, Any]:
+    """Precision (useful / staged), recall (useful / (useful + misses left) in the
+    layers prefetched into) and wasted bytes ((staged - useful) x row bytes) of a run's
+    prefetches; ``misses`` int64 [L, steps] are the resolves' misses after them."""
+    st, us = int(pf["staged"].sum()), int(pf["useful"].sum())
+    left = int(misses[1:].sum())
+    return {"rows_staged": st, "useful_rows": us, "misses_left": left,
+            "precision": us / st if st else None, "recall": us / (us + left) if us + left else None,
+            "wasted_bytes": (st - us) * row_bytes, "bytes": st * row_bytes, "time_s": pf["s"],
+            "per_layer": [{"layer": i, "rows_staged": int(a), "useful_rows": int(b)}
+                          for i, (a, b) in enumerate(zip(pf["staged"], pf["useful"])) if i]}
+
+
 def run_stress(o: StressOptions) -> dict[str, Any]:
     """Run a stress workload; see the module docstring. ``result['ok']`` says pass/fail."""
     return StressRun(o).run()
@@ -520,6 +573,12 @@ def format_stress(r: dict[str, Any]) -> str:
     lines.append(f"memory: host pool {fmt_bytes(ov['host_pool_bytes'])}, hot buffers "
                  f"{fmt_bytes(ov['hot_buffer_bytes'])}, process RSS peak "
                  f"{fmt_bytes(ov['host_rss_peak_bytes'])}, GPU peak {gpu}")
+    if "prefetch" in r:
+        q = r["prefetch"]
+        lines.append(f"prefetch (layer l's selection into layer l+1): {q['rows_staged']} rows staged, "
+                     f"precision {opt(q['precision'])}, recall {opt(q['recall'])}, "
+                     f"{fmt_bytes(q['wasted_bytes'])} wasted; hit rates count a prefetched row "
+                     "that is then selected, the Belady bound has no prefetch")
     lines.append(f"verified {ov['rows_verified']} rows byte-exact (hot and host copies)")
     if r["ok"]:
         lines.append("RESULT: PASS")
