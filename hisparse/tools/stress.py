@@ -17,6 +17,11 @@ Timing: the step time covers the decode appends and the resolves (misses staged)
 synchronised on CUDA; top-k generation, verification and recording are outside it.
 Prefill of joining requests is timed separately.
 
+``prefetch``: after layer l's resolve, its top-k is prefetched into layer l + 1
+(``HiSparseCache.prefetch``, timed apart from the steps: ``prefetch.time_s``). A
+prefetched row that layer l + 1 then selects is one of its hits. The Belady bound has
+no prefetch, so the two are not comparable there.
+
 Result (``run_stress`` / ``hisparse stress --json``), a dict:
   ok                 bool, False when any verification failed (the run stops there)
   failures           list[str], what differed and where
@@ -34,6 +39,10 @@ Result (``run_stress`` / ``hisparse stress --json``), a dict:
   per_layer          list of {layer, hits, misses, hit_rate, optimal_hit_rate,
                      bytes_h2d, h2d_GBps}
   per_step           {hit_rate: [..], optimal_hit_rate: [..] | None, step_ms: [..]}
+  prefetch           (with prefetch) rows_staged, useful_rows (of them, selected by the
+                     layer they went to), misses_left (layers >= 1), precision, recall,
+                     wasted_bytes, bytes, time_s, per_layer; per_layer entries then
+                     also have prefetch_rows, and bytes_h2d counts those rows
   plots              (CLI with --plot) paths of the PNGs written
 """
 
@@ -577,8 +586,9 @@ def format_stress(r: dict[str, Any]) -> str:
         q = r["prefetch"]
         lines.append(f"prefetch (layer l's selection into layer l+1): {q['rows_staged']} rows staged, "
                      f"precision {opt(q['precision'])}, recall {opt(q['recall'])}, "
-                     f"{fmt_bytes(q['wasted_bytes'])} wasted; hit rates count a prefetched row "
-                     "that is then selected, the Belady bound has no prefetch")
+                     f"{fmt_bytes(q['wasted_bytes'])} wasted, {q['time_s']:.3f} s (not in the step "
+                     "times); hit rates count a prefetched row that is then selected, the Belady "
+                     "bound has no prefetch")
     lines.append(f"verified {ov['rows_verified']} rows byte-exact (hot and host copies)")
     if r["ok"]:
         lines.append("RESULT: PASS")
