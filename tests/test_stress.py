@@ -385,18 +385,25 @@ def test_prefetch_of_a_shared_selection_is_exact(tmp_path):
     assert plain["ok"] and r["ok"] and "prefetch" not in plain
     q, l1 = r["prefetch"], r["per_layer"][1]
     assert l1["misses"] == 0 and plain["per_layer"][1]["misses"] > 0  # appends ran before: nothing left
-    assert q["rows_staged"] == q["useful_rows"] == plain["per_layer"][1]["misses"] > 0
-    assert q["precision"] == q["recall"] == 1.0 and q["wasted_bytes"] == 0
+    assert q["rows_staged"] == q["useful_rows"] == q["net_rows_saved"] == plain["per_layer"][1]["misses"] > 0
+    assert q["precision"] == q["recall"] == 1.0 and q["wasted_bytes"] == 0 and q["misses_added"] == 0
     rb = r["config"]["row_bytes"]
     assert l1["bytes_h2d"] == q["rows_staged"] * rb and l1["prefetch_rows"] == q["rows_staged"]
     assert r["overall"]["bytes_h2d"] == plain["overall"]["bytes_h2d"]  # the same rows, staged earlier
-    assert "precision 1.0000" in format_stress(r)
+    assert r["overall"]["step_ms_p50_with_prefetch"] > 0
+    text = format_stress(r)
+    assert "precision 1.0000" in text and "prefetched rows" in text
 
 
 def test_prefetch_of_an_independent_selection_is_mostly_wasted():
-    r = run_stress(StressOptions(**{**TINY, "trace": "uniform", "prefetch": True}))
+    """Three layers of independent uniform selections: every layer after the first gets a
+    prefetch; few of its rows are selected, and some it evicts are then missed."""
+    r = run_stress(StressOptions(**{**TINY, "num_layers": 3, "trace": "uniform", "prefetch": True}))
     q = r["prefetch"]
-    assert r["ok"] and q["rows_staged"] > 0 and q["precision"] < 0.5
+    assert r["ok"] and q["rows_staged"] > 0 and q["precision"] < 0.2 and q["recall"] < 0.2
+    assert [d["layer"] for d in q["per_layer"]] == [1, 2] and all(d["rows_staged"] > 0 for d in q["per_layer"])
+    assert q["misses_added"] > 0 and q["net_rows_saved"] == q["useful_rows"] - q["misses_added"]
     assert q["wasted_bytes"] == (q["rows_staged"] - q["useful_rows"]) * r["config"]["row_bytes"] > 0
+    assert sum(d["prefetch_rows"] for d in r["per_layer"]) == q["rows_staged"]
     with pytest.raises(TypeError, match="prefetch"):
         StressOptions(**{**TINY, "prefetch": 1})

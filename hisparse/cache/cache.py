@@ -358,9 +358,11 @@ class HiSparseCache:
 
         Predicted rows become hot like a resolve's; positions the layer does not hold
         yet are skipped; only the staged rows are counted (``prefetch_rows``). Unchecked
-        (``validate=False``) semantics: graph capturable. Returns the prefetch's lists
-        (``ResolveBuffers``: the host rows it staged in ``stage_src``, ``stage_counts``
-        per group), written on the stage stream and valid until the next prefetch.
+        (``validate=False``) semantics: graph capturable. Returns the prefetch's
+        ``ResolveBuffers``: its staging lists (the host rows it staged in ``stage_src``,
+        their slots in ``stage_dst``, ``stage_counts`` per group) are written on the
+        stage stream and valid until the next prefetch; its undo log is shared with
+        every layer's resolves.
         """
         T, K, req_ids = self._check_resolve(layer, req_ids, topk, False)
         if K > self.cfg.top_k:

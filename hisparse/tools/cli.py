@@ -145,9 +145,9 @@ def _add_stress(sub) -> None:
     a("--unchecked", dest="checked", action="store_false", default=None,
       help="resolve without the host-syncing input check (times the fast path)")
     a("--prefetch", action="store_true", default=None,
-      help="after each layer's resolve, stage its selection into the next layer (exact for a replayed "
-           "trace of shared top-k, e.g. mini-engine --index-share 2 --record); reports precision, "
-           "recall and wasted bytes")
+      help="after each layer's resolve, stage its selection into the next layer (exact into a layer "
+           "that shares it, e.g. the Shared layers of a `mini-engine --index-share 2 --record` trace; "
+           "a prediction into the others); reports precision, recall, evicted rows and wasted bytes")
     a("--plot", metavar="DIR", help="write hit_rate.png and step_time.png there (needs matplotlib)")
     a("--metrics-file", metavar="FILE",
       help="write the cache's stats() there in the Prometheus text format (docs/METRICS.md), "

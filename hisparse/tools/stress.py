@@ -40,9 +40,11 @@ Result (``run_stress`` / ``hisparse stress --json``), a dict:
                      bytes_h2d, h2d_GBps}
   per_step           {hit_rate: [..], optimal_hit_rate: [..] | None, step_ms: [..]}
   prefetch           (with prefetch) rows_staged, useful_rows (of them, selected by the
-                     layer they went to), misses_left (layers >= 1), precision, recall,
-                     wasted_bytes, bytes, time_s, per_layer; per_layer entries then
-                     also have prefetch_rows, and bytes_h2d counts those rows
+                     layer they went to), misses_left (layers >= 1), misses_added (selected
+                     rows the prefetch evicted), net_rows_saved, precision, recall,
+                     wasted_bytes, bytes, time_s, per_layer; per_layer entries then also
+                     have prefetch_rows, bytes_h2d and h2d_GBps count those rows and their
+                     time, and overall has step_ms_p50_with_prefetch
   plots              (CLI with --plot) paths of the PNGs written
 """
 
@@ -67,6 +69,7 @@ from .preflight import check_memory, check_output_file, parse_device, require_ke
 from .progress import Progress
 from .report import table
 from .sources import CorrelatedSource, IndexerSource, UniformSource
+from .stress_prefetch import prefetch_report, prefetch_useful, selected_hot
 from .traces import SOURCES, ReplaySource, TraceRecorder
 
 _M32 = 0xFFFFFFFF
@@ -343,7 +346,8 @@ class StressRun:
         n_inst = 0
         step_ms: list[float] = []
         append_ms: list[float] = []  # decode appends of a step (all layers and requests)
-        pf = {"staged": np.zeros(L, np.int64), "useful": np.zeros(L, np.int64), "s": 0.0}
+        pf = {k: np.zeros(L, np.int64) for k in ("staged", "useful", "evicted")}
+        pf["s"], pf["step_ms"] = np.zeros(L), []  # prefetch time per layer; steps with it
         step_hits = np.zeros((L, self.steps), np.int64)
         step_miss = np.zeros((L, self.steps), np.int64)
         resolve_s = np.zeros(L)
@@ -412,6 +416,7 @@ class StressRun:
                 append_ms.append(t_step * 1e3)
                 for rid, n in zip(ids.tolist(), lens.tolist()):
                     live[rid] = (live[rid][0], n)
+                t_pf = 0.0
                 for layer in range(L):
                     t0 = time.perf_counter()
                     res = cache.resolve(layer, req_t, topks[layer], validate=o.checked)
@@ -431,15 +436,23 @@ class StressRun:
                             inst = live[rid][0]
                             tracker.append(layer, inst, int(lens[t]))
                             tracker.resolve(layer, inst, s, tk_np[t])
-                    if o.prefetch and layer + 1 < L:  # untimed: a step's time is appends + resolves
+                    if o.prefetch and layer + 1 < L:  # timed apart: a step's time is appends + resolves
+                        nxt = topks[layer + 1]
+                        hot0 = selected_hot(cache, layer + 1, ids.tolist(), nxt)
                         t0 = time.perf_counter()
                         out = cache.prefetch(layer + 1, req_t, topks[layer])
                         self._sync()
-                        pf["s"] += time.perf_counter() - t0
-                        staged, useful = prefetch_useful(cache, ids.tolist(), out, topks[layer + 1])
+                        dt = time.perf_counter() - t0
+                        t_pf += dt
+                        pf["s"][layer + 1] += dt
+                        staged, useful = prefetch_useful(cache, ids.tolist(), out, topks[layer].shape[1], nxt)
+                        hot1 = selected_hot(cache, layer + 1, ids.tolist(), nxt)
                         pf["staged"][layer + 1] += staged
                         pf["useful"][layer + 1] += useful
+                        pf["evicted"][layer + 1] += int((hot0 & ~hot1).sum())
                 step_ms.append(t_step * 1e3)
+                if o.prefetch:
+                    pf["step_ms"].append((t_step + t_pf) * 1e3)
                 stats = cache.stats()
                 cur = np.array([[d["hits"], d["misses"]] for d in stats["layers"]], np.int64)
                 step_hits[:, s], step_miss[:, s] = (cur - prev).T
@@ -457,11 +470,17 @@ class StressRun:
                             step_miss[:, :done], resolve_s, prefill_s, prefill_rows, verified,
                             joined, left, failures)
         if o.prefetch:
-            res["prefetch"] = prefetch_report(pf, step_miss[:, :done], self.cfg.row_bytes)
-            for d, st, mb in zip(res["per_layer"], pf["staged"], step_miss[:, :done].sum(axis=1)):
+            rb = self.cfg.row_bytes
+            res["prefetch"] = prefetch_report(pf, step_miss[:, :done], rb)
+            for d, st, mb, t_r, t_p in zip(res["per_layer"], pf["staged"], step_miss[:, :done].sum(axis=1),
+                                           resolve_s, pf["s"]):
                 d["prefetch_rows"] = int(st)
-                d["bytes_h2d"] = int(mb + st) * self.cfg.row_bytes
-            res["overall"]["bytes_h2d"] = sum(d["bytes_h2d"] for d in res["per_layer"])
+                d["bytes_h2d"] = int(mb + st) * rb
+                d["h2d_GBps"] = d["bytes_h2d"] / (t_r + t_p) / 1e9 if t_r + t_p > 0 else 0.0
+            ov, t_all = res["overall"], resolve_s.sum() + pf["s"].sum()
+            ov["bytes_h2d"] = sum(d["bytes_h2d"] for d in res["per_layer"])
+            ov["h2d_GBps"] = ov["bytes_h2d"] / t_all / 1e9 if t_all > 0 else 0.0
+            ov["step_ms_p50_with_prefetch"] = _pct(pf["step_ms"], 50)
         return res
 
     def _summary(self, stats, tracker, done, step_ms, append_ms, hits, misses, resolve_s, prefill_s,
@@ -520,41 +539,6 @@ class StressRun:
         }
 
 
-def prefetch_useful(cache, req_ids: list[int], out, topk_next: torch.Tensor) -> tuple[int, int]:
-    """(rows a prefetch staged, how many of them the next layer selects): the staged host
-    rows of each request (``out.stage_src[t*K : t*K + stage_counts[t]]``, one token per
-    request) against the host rows of that request's next-layer selection (int32 [T, K])."""
-    K = topk_next.shape[1]
-    B = cache.cfg.host_block_size
-    counts = out.stage_counts[:len(req_ids)].cpu()
-    src = out.stage_src[:len(req_ids) * K].cpu().long()
-    tk = topk_next.cpu().long()
-    bt = cache.state.block_table.cpu().long()
-    staged = useful = 0
-    for t, rid in enumerate(req_ids):
-        m = int(counts[t])
-        if not m:
-            continue
-        pos = tk[t][tk[t] >= 0]
-        rows = bt[cache.request_slot(rid)][pos // B] * B + pos % B
-        staged += m
-        useful += int(torch.isin(src[t * K:t * K + m], rows).sum())
-    return staged, useful
-
-
-def prefetch_report(pf: dict, misses: np.ndarray, row_bytes: int) -> dict[str, Any]:
-    """Precision (useful / staged), recall (useful / (useful + misses left) in the
-    layers prefetched into) and wasted bytes ((staged - useful) x row bytes) of a run's
-    prefetches; ``misses`` int64 [L, steps] are the resolves' misses after them."""
-    st, us = int(pf["staged"].sum()), int(pf["useful"].sum())
-    left = int(misses[1:].sum())
-    return {"rows_staged": st, "useful_rows": us, "misses_left": left,
-            "precision": us / st if st else None, "recall": us / (us + left) if us + left else None,
-            "wasted_bytes": (st - us) * row_bytes, "bytes": st * row_bytes, "time_s": pf["s"],
-            "per_layer": [{"layer": i, "rows_staged": int(a), "useful_rows": int(b)}
-                          for i, (a, b) in enumerate(zip(pf["staged"], pf["useful"])) if i]}
-
-
 def run_stress(o: StressOptions) -> dict[str, Any]:
     """Run a stress workload; see the module docstring. ``result['ok']`` says pass/fail."""
     return StressRun(o).run()
@@ -568,12 +552,15 @@ def format_stress(r: dict[str, Any]) -> str:
             f"L={c['num_layers']} row_bytes={c['row_bytes']} top_k={c['top_k']} "
             f"S={c['device_buffer_size']} max_reqs={c['max_num_reqs']} trace={w['trace']} "
             f"steps={w['steps_run']}/{w['steps_planned']} joined={w['joined']} left={w['left']}")
+    pf = "prefetch" in r
     rows = [[d["layer"], d["hits"], d["misses"], f"{d['hit_rate']:.4f}", opt(d["optimal_hit_rate"]),
-             fmt_bytes(d["bytes_h2d"]), f"{d['h2d_GBps']:.3f}"] for d in r["per_layer"]]
+             fmt_bytes(d["bytes_h2d"]), f"{d['h2d_GBps']:.3f}"] + ([d["prefetch_rows"]] if pf else [])
+            for d in r["per_layer"]]
     rows.append(["all", ov["hits"], ov["misses"], f"{ov['hit_rate']:.4f}", opt(ov["optimal_hit_rate"]),
-                 fmt_bytes(ov["bytes_h2d"]), f"{ov['h2d_GBps']:.3f}"])
-    lines = [head, "", table(["layer", "hits", "misses", "hit rate", "optimal (Belady)",
-                              "H2D bytes", "H2D GB/s"], rows), ""]
+                 fmt_bytes(ov["bytes_h2d"]), f"{ov['h2d_GBps']:.3f}"]
+                + ([r["prefetch"]["rows_staged"]] if pf else []))
+    lines = [head, "", table(["layer", "hits", "misses", "hit rate", "optimal (Belady)", "H2D bytes",
+                              "H2D GB/s"] + (["prefetched rows"] if pf else []), rows), ""]
     lines.append(f"step time: min {ov['step_ms_min']:.3f} ms, p50 {ov['step_ms_p50']:.3f} ms, "
                  f"p99 {ov['step_ms_p99']:.3f} ms (p50 split: appends {ov['append_ms_p50']:.3f} ms, "
                  f"resolves + staging {ov['resolve_ms_p50']:.3f} ms)\n"
@@ -586,9 +573,10 @@ def format_stress(r: dict[str, Any]) -> str:
         q = r["prefetch"]
         lines.append(f"prefetch (layer l's selection into layer l+1): {q['rows_staged']} rows staged, "
                      f"precision {opt(q['precision'])}, recall {opt(q['recall'])}, "
-                     f"{fmt_bytes(q['wasted_bytes'])} wasted, {q['time_s']:.3f} s (not in the step "
-                     "times); hit rates count a prefetched row that is then selected, the Belady "
-                     "bound has no prefetch")
+                     f"{fmt_bytes(q['wasted_bytes'])} wasted; it evicted {q['misses_added']} rows the next "
+                     f"layer then missed (net {q['net_rows_saved']} rows saved); {q['time_s']:.3f} s, "
+                     f"step p50 with it {ov['step_ms_p50_with_prefetch']:.3f} ms; hit rates count a "
+                     "prefetched row that is then selected, the Belady bound has no prefetch")
     lines.append(f"verified {ov['rows_verified']} rows byte-exact (hot and host copies)")
     if r["ok"]:
         lines.append("RESULT: PASS")

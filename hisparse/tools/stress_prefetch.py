@@ -1,0 +1,66 @@
+"""What ``hisparse stress --prefetch`` measures of each prefetch (CPU-side counting).
+
+After layer l's resolve the stress run prefetches layer l's top-k into layer l + 1
+(``HiSparseCache.prefetch``). Of the rows it staged (its lists, which the call returns),
+the useful ones are those layer l + 1 then selects; the ones it cost are rows layer
+l + 1 selects that were hot before the prefetch and that it evicted. One decode token per
+request; host rows follow the request's block table (row = block * B + pos % B).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def _selected_rows(cache, rid: int, topk_row: torch.Tensor) -> torch.Tensor:
+    """Host rows (int64, CPU) of one request's valid selected positions (int64 [K], CPU)."""
+    B = cache.cfg.host_block_size
+    pos = topk_row[topk_row >= 0]
+    return cache.state.block_table[cache.request_slot(rid)].cpu().long()[pos // B] * B + pos % B
+
+
+def selected_hot(cache, layer: int, req_ids: list[int], topk: torch.Tensor) -> torch.Tensor:
+    """Whether each valid entry of ``topk`` (int32 [T, K], one token per request) is hot in
+    ``layer`` now: bool [entries], request by request."""
+    row_slot = cache.state.row_slot[layer].cpu()
+    tk = topk.cpu().long()
+    parts = [row_slot[_selected_rows(cache, rid, tk[t])] >= 0 for t, rid in enumerate(req_ids)]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.bool)
+
+
+def prefetch_useful(cache, req_ids: list[int], out, K: int, topk_next: torch.Tensor) -> tuple[int, int]:
+    """(rows a prefetch of K columns staged, how many of them the next layer selects): the
+    staged host rows of each request (``out.stage_src[t*K : t*K + stage_counts[t]]``, one
+    token per request) against the host rows of its next-layer selection (int32 [T, K'])."""
+    counts = out.stage_counts[:len(req_ids)].cpu()
+    src = out.stage_src[:len(req_ids) * K].cpu().long()
+    tk = topk_next.cpu().long()
+    staged = useful = 0
+    for t, rid in enumerate(req_ids):
+        m = int(counts[t])
+        if m:
+            staged += m
+            useful += int(torch.isin(src[t * K:t * K + m], _selected_rows(cache, rid, tk[t])).sum())
+    return staged, useful
+
+
+def prefetch_report(pf: dict, misses: np.ndarray, row_bytes: int) -> dict[str, Any]:
+    """A run's prefetches: precision (useful / staged), recall (useful / (useful + misses
+    left), in the layers prefetched into), misses_added (rows the next layer selects that
+    were hot before the prefetch and were evicted by it), net_rows_saved (useful -
+    misses_added) and wasted bytes ((staged - useful) x row bytes); ``misses`` int64
+    [L, steps] are the resolves' misses after them."""
+    st, us, ev = int(pf["staged"].sum()), int(pf["useful"].sum()), int(pf["evicted"].sum())
+    left = int(misses[1:].sum())
+    return {"rows_staged": st, "useful_rows": us, "misses_left": left, "misses_added": ev,
+            "net_rows_saved": us - ev,
+            "precision": us / st if st else None, "recall": us / (us + left) if us + left else None,
+            "wasted_bytes": (st - us) * row_bytes, "bytes": st * row_bytes, "time_s": float(pf["s"].sum()),
+            "per_layer": [{"layer": i, "rows_staged": int(a), "useful_rows": int(b), "misses_added": int(c)}
+                          for i, (a, b, c) in enumerate(zip(pf["staged"], pf["useful"], pf["evicted"])) if i]}
+
+
+__all__ = ["selected_hot", "prefetch_useful", "prefetch_report"]
