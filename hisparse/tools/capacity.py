@@ -131,7 +131,7 @@ class RunShape:
     cache_kernels: str = "auto"
     seed: int = 0
     overlap: str = "serial"  # hisparse decode: serial | split (the miss staging hidden)
-    prefetch: bool = False  # hisparse decode: stage the next (Shared) layer's rows while a layer computes
+    prefetch: bool = False  # hisparse decode: stage the next layer's rows from this one's top-k (prefetches_into)
 
     def __post_init__(self) -> None:
         for name in ("run_layers", "num_heads", "hidden", "indexer_dim", "vocab", "decode_steps", "tail",

@@ -133,7 +133,7 @@ class StressOptions:
     optimal: bool = True  # compute the Belady bound
     checked: bool = True  # checked resolve (host sync); False times the unchecked fast path
     prefill_chunk: int = 16384  # rows per append call when a request joins
-    prefetch: bool = False  # after layer l's resolve, stage its selection into layer l+1 (a prediction)
+    prefetch: bool = False  # after layer l's resolve, stage its selection into layer l+1 (exact if shared)
     progress: bool = True
 
     def __post_init__(self) -> None:
