@@ -69,7 +69,7 @@ from .preflight import check_memory, check_output_file, parse_device, require_ke
 from .progress import Progress
 from .report import table
 from .sources import CorrelatedSource, IndexerSource, UniformSource
-from .stress_prefetch import prefetch_report, prefetch_useful, selected_hot
+from .stress_prefetch import prefetch_report, prefetch_useful, selected_hot, selected_rows
 from .traces import SOURCES, ReplaySource, TraceRecorder
 
 _M32 = 0xFFFFFFFF
@@ -437,16 +437,16 @@ class StressRun:
                             tracker.append(layer, inst, int(lens[t]))
                             tracker.resolve(layer, inst, s, tk_np[t])
                     if o.prefetch and layer + 1 < L:  # timed apart: a step's time is appends + resolves
-                        nxt = topks[layer + 1]
-                        hot0 = selected_hot(cache, layer + 1, ids.tolist(), nxt)
+                        rows = selected_rows(cache, ids.tolist(), topks[layer + 1])
+                        hot0 = selected_hot(cache, layer + 1, rows)
                         t0 = time.perf_counter()
                         out = cache.prefetch(layer + 1, req_t, topks[layer])
                         self._sync()
                         dt = time.perf_counter() - t0
                         t_pf += dt
                         pf["s"][layer + 1] += dt
-                        staged, useful = prefetch_useful(cache, ids.tolist(), out, topks[layer].shape[1], nxt)
-                        hot1 = selected_hot(cache, layer + 1, ids.tolist(), nxt)
+                        staged, useful = prefetch_useful(out, topks[layer].shape[1], rows)
+                        hot1 = selected_hot(cache, layer + 1, rows)
                         pf["staged"][layer + 1] += staged
                         pf["useful"][layer + 1] += useful
                         pf["evicted"][layer + 1] += int((hot0 & ~hot1).sum())

@@ -4,7 +4,7 @@ After layer l's resolve the stress run prefetches layer l's top-k into layer l +
 (``HiSparseCache.prefetch``). Of the rows it staged (its lists, which the call returns),
 the useful ones are those layer l + 1 then selects; the ones it cost are rows layer
 l + 1 selects that were hot before the prefetch and that it evicted. One decode token per
-request; host rows follow the request's block table (row = block * B + pos % B).
+request; host rows come from the pool's block lists (``HostPool.host_rows``).
 """
 
 from __future__ import annotations
@@ -15,35 +15,32 @@ import numpy as np
 import torch
 
 
-def _selected_rows(cache, rid: int, topk_row: torch.Tensor) -> torch.Tensor:
-    """Host rows (int64, CPU) of one request's valid selected positions (int64 [K], CPU)."""
-    B = cache.cfg.host_block_size
-    pos = topk_row[topk_row >= 0]
-    return cache.state.block_table[cache.request_slot(rid)].cpu().long()[pos // B] * B + pos % B
-
-
-def selected_hot(cache, layer: int, req_ids: list[int], topk: torch.Tensor) -> torch.Tensor:
-    """Whether each valid entry of ``topk`` (int32 [T, K], one token per request) is hot in
-    ``layer`` now: bool [entries], request by request."""
-    row_slot = cache.state.row_slot[layer].cpu()
+def selected_rows(cache, req_ids: list[int], topk: torch.Tensor) -> list[torch.Tensor]:
+    """Per request (one token each), the host rows of its valid selected positions:
+    int64 CPU tensors, from the pool's block lists (``HostPool.host_rows``)."""
     tk = topk.cpu().long()
-    parts = [row_slot[_selected_rows(cache, rid, tk[t])] >= 0 for t, rid in enumerate(req_ids)]
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.bool)
+    return [cache.pool.host_rows(cache.request_slot(rid), tk[t][tk[t] >= 0]) for t, rid in enumerate(req_ids)]
 
 
-def prefetch_useful(cache, req_ids: list[int], out, K: int, topk_next: torch.Tensor) -> tuple[int, int]:
+def selected_hot(cache, layer: int, rows: list[torch.Tensor]) -> torch.Tensor:
+    """Whether each of ``rows`` (:func:`selected_rows`) is hot in ``layer`` now: bool
+    [entries], request by request."""
+    row_slot = cache.state.row_slot[layer].cpu()
+    return torch.cat([row_slot[r] >= 0 for r in rows]) if rows else torch.zeros(0, dtype=torch.bool)
+
+
+def prefetch_useful(out, K: int, rows: list[torch.Tensor]) -> tuple[int, int]:
     """(rows a prefetch of K columns staged, how many of them the next layer selects): the
     staged host rows of each request (``out.stage_src[t*K : t*K + stage_counts[t]]``, one
-    token per request) against the host rows of its next-layer selection (int32 [T, K'])."""
-    counts = out.stage_counts[:len(req_ids)].cpu()
-    src = out.stage_src[:len(req_ids) * K].cpu().long()
-    tk = topk_next.cpu().long()
+    token per request) against the host rows of its next-layer selection (``rows``)."""
+    counts = out.stage_counts[:len(rows)].cpu()
+    src = out.stage_src[:len(rows) * K].cpu().long()
     staged = useful = 0
-    for t, rid in enumerate(req_ids):
+    for t, sel in enumerate(rows):
         m = int(counts[t])
         if m:
             staged += m
-            useful += int(torch.isin(src[t * K:t * K + m], _selected_rows(cache, rid, tk[t])).sum())
+            useful += int(torch.isin(src[t * K:t * K + m], sel).sum())
     return staged, useful
 
 
@@ -63,4 +60,4 @@ def prefetch_report(pf: dict, misses: np.ndarray, row_bytes: int) -> dict[str, A
                           for i, (a, b, c) in enumerate(zip(pf["staged"], pf["useful"], pf["evicted"])) if i]}
 
 
-__all__ = ["selected_hot", "prefetch_useful", "prefetch_report"]
+__all__ = ["selected_rows", "selected_hot", "prefetch_useful", "prefetch_report"]
