@@ -22,9 +22,7 @@ and the prefetch into them is a prediction). Each context reports the model's
 adjacent-layer top-k overlap (an eager probe of two requests); with ``--prefetch
 --same-batch`` hisparse also runs without prefetch at the resident batch, and the
 difference in misses gives the prefetch's precision, recall and wasted bytes on the
-same trace. ``--stage-groups G`` has hisparse compute each Full layer's top-k in G
-groups of requests and stage each group's rows (but the last's) while the next group's
-indexer runs: the model is unchanged, so it applies to DeepSeek-V3.2's layout too.
+same trace.
 
 Exit status: 1 when outputs differ beyond tolerance or a run fails, 2 bad input, else 0.
 
@@ -95,12 +93,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prefetch", action="store_true",
                     help="hisparse: stage a layer's top-k into the next layer while it computes: into Shared "
                          "layers (exact), into Full layers as a prediction with --index-correlation > 0")
-    ap.add_argument("--stage-groups", type=int, default=1, metavar="G",
-                    help="hisparse: a Full layer's decode top-k in G groups of requests, each group's rows "
-                         "but the last's staged while the next group's indexer runs [1]")
-    ap.add_argument("--no-graph-priorities", dest="graph_priorities", action="store_false",
-                    help="instantiate the decode graphs as torch does, every kernel at the launch stream's "
-                         "priority (default: each keeps its stream's, so staging keeps its priority)")
     ap.add_argument("--overlap", choices=["serial", "split"], default="serial",
                     help="hisparse decode: miss staging before attention (serial) or hidden behind the hit "
                          "attention (split)")
@@ -123,8 +115,7 @@ def setup(a: argparse.Namespace) -> tuple[Budget, RunShape, list[int]]:
         mode = DecodeMode(a.decode_mode or "padded")
         shape = RunShape(run_layers=2, num_heads=2, hidden=32, indexer_dim=16, vocab=97, ffn=ffn, decode_steps=3,
                          tail=8, locality=0.9 if a.locality is None else a.locality, device="cpu", decode_mode=mode, cache_kernels="torch",
-                         overlap=a.overlap, prefetch=a.prefetch, index_correlation=a.index_correlation,
-                         stage_groups=a.stage_groups)
+                         overlap=a.overlap, prefetch=a.prefetch, index_correlation=a.index_correlation)
         return budget, shape, a.contexts or [64, 96]
     budget = Budget(num_layers=a.layers, gpu_total=a.gpu_total, reserve=a.reserve, host_memory=a.host_memory,
                     max_seqs=a.max_seqs, index_share=a.index_share)
@@ -134,7 +125,7 @@ def setup(a: argparse.Namespace) -> tuple[Budget, RunShape, list[int]]:
                      decode_steps=a.decode_steps, device="cuda", decode_mode=DecodeMode(a.decode_mode or "graphs"),
                      backend=a.backend or "triton", flashmla_lib=common.flashmla_lib(a.flashmla_lib),
                      overlap=a.overlap, prefetch=a.prefetch, index_correlation=a.index_correlation,
-                     stage_groups=a.stage_groups, graph_priorities=a.graph_priorities, locality=RunShape.locality if a.locality is None else a.locality)
+                     locality=RunShape.locality if a.locality is None else a.locality)
     return budget, shape, a.contexts or [32768, 65536, 131072]
 
 
@@ -260,8 +251,7 @@ def format_table(result: dict) -> str:
             d, st = s["decode"], s["decode"]["step_ms"]
             full = d.get("full_depth", {})
             hit = s.get("cache", {}).get("hit_rate")
-            # layer 0's prefetches (stage groups only) are exact: less them, the trace's LRU rate
-            l0 = s.get("cache", {}).get("layer_hit_rates_unprefetched")
+            l0 = s.get("cache", {}).get("layer_hit_rates")  # layer 0 gets no prefetch: the trace's LRU rate
             rows.append([ctx, name, d["batch"], c["limits"][tier]["bound"] if name == tier else "-",
                          f"{st['min_ms']:.3f}/{st['median_ms']:.3f}/{st['p99_ms']:.3f}" if st["n"] else "-",
                          f"{d['tokens_per_s']:.1f}" if d["tokens_per_s"] else "-",
@@ -275,7 +265,7 @@ def format_table(result: dict) -> str:
                          f"{c['ratio_tokens_per_s_gpu']:.2f}" if name == "hisparse" and c.get("ratio_tokens_per_s_gpu")
                          else "-", ""])
     head = ["context", "run", "batch", "bound", "step min/med/p99 ms", "tok/s", "tok/s full depth",
-            "hits (prefetched count)", "layer-0 LRU hits", "prefetched rows", "x resident", "GPU ms/step", "x resident (GPU)", ""]
+            "hits (prefetched count)", "layer-0 hits", "prefetched rows", "x resident", "GPU ms/step", "x resident (GPU)", ""]
     lines = [table(head, rows)]
     for ctx, c in result["contexts"].items():
         for key, what in (("compare_same_batch", "hisparse vs resident, same batch"),

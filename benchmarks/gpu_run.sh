@@ -22,7 +22,7 @@
 #   vllm_resolve: vLLM 0.30's hisparse_resolve_residency vs our resolve_triton, all hits, same
 #                 process (benchmarks.bench_vllm_resolve); needs .gpu-deps/vllm/_C_stable_libtorch.abi3.so
 #                 or its .xz (decompressed into /tmp/hisparse-vllm by the script)
-# Extra arguments: PROFILE_LAYER_ARGS (profile_layer, e.g. "--hits 95 --backends triton"), CAPACITY_ARGS (capacity, e.g. "--contexts 128K --same-batch"; CAPACITY_GROUPS="1 2" runs each --stage-groups), TC_ARGS (triton_configs), PREFILL_ARGS, DECODE_ARGS, STAGING_ARGS, VLLM_RESOLVE_ARGS,
+# Extra arguments: PROFILE_LAYER_ARGS (profile_layer, e.g. "--hits 95 --backends triton"), CAPACITY_ARGS (capacity, e.g. "--contexts 128K --same-batch"), TC_ARGS (triton_configs), PREFILL_ARGS, DECODE_ARGS, STAGING_ARGS, VLLM_RESOLVE_ARGS,
 #                  PROFILE_HOST_ARGS (default --quick; " " for the full size), SOAK_ARGS (soak);
 #                  POOL_KINDS (pool_kinds).
 # Uses the machine's preinstalled torch/triton (no network there): PYTHONPATH=. , no install.
@@ -153,12 +153,10 @@ for s in "${sections[@]}"; do
               --budget-s "$left" --out "$RES/soak_${SOAK:-16k}.json" ${SOAK_ARGS:-}
           grep "^\[soak\] " "$LOG" | grep -v "^\[soak\] rc=" | tail -n 8 | tee -a "$SUM" ;;
     capacity) for ov in ${CAPACITY_OVERLAPS:-serial}; do  # CAPACITY_OVERLAPS="serial split": both decodes
-        for g in ${CAPACITY_GROUPS:-1}; do  # CAPACITY_GROUPS="1 2 3": --stage-groups of each run
-          name=capacity_$ov; [ -n "${CAPACITY_GROUPS:-}" ] && name=${name}_g$g
-          run "$name" ${CAPACITY_TIMEOUT:-540} python3 -m benchmarks.bench_capacity --overlap "$ov" \
-              --stage-groups "$g" --out "$RES/$name.json" ${CAPACITY_ARGS:-}
+          run "capacity_$ov" ${CAPACITY_TIMEOUT:-540} python3 -m benchmarks.bench_capacity --overlap "$ov" \
+              --out "$RES/capacity_$ov.json" ${CAPACITY_ARGS:-}
           grep "^context\|^ *[0-9]* *\(resident\|hisparse\)" "$LOG" | tail -n 12 | tee -a "$SUM"
-        done; done ;;
+        done ;;
     mini_graphs)
       for ov in serial split; do
         run "mini_graphs_$ov" 240 python3 -m hisparse mini-engine --preset h200 --graphs --unchecked --overlap "$ov" \

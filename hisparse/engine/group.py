@@ -126,7 +126,6 @@ class HiSparseIndexGroup:
         self._layers: list[LayerCache] = []
         self._batch: SparseMLAMetadata | None = None
         self._decode_ids = torch.empty(0, dtype=torch.int32, device=self.device)
-        self._decode_ids_host: list[int] = []  # the same ids on the host (-1 = padding)
         self._converted: dict[int, tuple[tuple, object]] = {}
         self._written: set[int] = set()
         # layers converted with wait=False and not waited for yet -> whether that
@@ -297,8 +296,7 @@ class HiSparseIndexGroup:
         self._tokens = capacity.tokens if capacity is not None else metadata.num_tokens
         ndt = capacity.tokens if capacity is not None else td
         if ndt:
-            self._decode_ids_host = metadata.decode_token_request_ids(ndt)
-            host = torch.tensor(self._decode_ids_host, dtype=torch.int32)
+            host = torch.tensor(metadata.decode_token_request_ids(ndt), dtype=torch.int32)
             if capacity is not None:
                 buf = self._ids_bufs.get(ndt)
                 if buf is None:
@@ -310,7 +308,6 @@ class HiSparseIndexGroup:
                                     if self.device.type == "cuda" else host)
         else:
             self._decode_ids = torch.empty(0, dtype=torch.int32, device=self.device)
-            self._decode_ids_host = []
         self._decode_tokens = ndt
         self._batch = metadata
         self._step = step
@@ -505,45 +502,19 @@ class HiSparseIndexGroup:
         self.resolves_per_layer[i] += 1
         return out
 
-    def prefetch(self, layer_index: int, topk_indices: torch.Tensor, metadata: SparseMLAMetadata, *,
-                 tokens: tuple[int, int] | None = None) -> None:
-        """Stage a selection of layer ``layer_index`` ahead of its resolve in this forward
-        (``HiSparseCache.prefetch``): a predicted one (e.g. the previous layer's top-k),
-        or the layer's own top-k of some requests, known before the other requests'.
-
-        topk_indices: int32 [Td, K] for every decode token, or int32 [b - a, K] for the
-        decode tokens a .. b - 1 with ``tokens=(a, b)``; a and b must fall on request
-        boundaries (or in the padding of a bucket).
-        """
+    def prefetch(self, layer_index: int, topk_indices: torch.Tensor, metadata: SparseMLAMetadata) -> None:
+        """Stage a predicted selection (int32 [Td, K], e.g. the previous layer's top-k) of
+        layer ``layer_index`` ahead of its resolve in this forward (``HiSparseCache.prefetch``)."""
         i = self._layer(layer_index)
         self._check_batch(metadata)
         check_tensor("topk_indices", topk_indices, dtype=torch.int32, ndim=2, device=self.device)
-        td = self._decode_tokens
-        a, b = (0, td) if tokens is None else self._token_range(tokens)
-        if topk_indices.shape[0] != b - a:
-            what = f"num_decode_tokens={td}" if tokens is None else f"tokens {a}..{b - 1}: {b - a}"
-            raise ValueError(f"topk_indices must be [{what}, K] (padded to the bucket with pad_to), got "
-                             f"{list(topk_indices.shape)}")
+        if topk_indices.shape[0] != self._decode_tokens:
+            raise ValueError(f"topk_indices must be [num_decode_tokens={self._decode_tokens}, K] (padded to "
+                             f"the bucket with pad_to), got {list(topk_indices.shape)}")
         if i in self._converted:
             raise ValueError(f"layer {i} was already resolved in this forward: prefetch it before")
-        if b > a:
-            ids = self._decode_ids if (a, b) == (0, td) else self._decode_ids[a:b]
-            self._cache.prefetch(i, ids, topk_indices)
-
-    def _token_range(self, tokens: object) -> tuple[int, int]:
-        """Check ``tokens`` = (a, b), 0 <= a <= b <= decode tokens, each on a request boundary."""
-        if not (isinstance(tokens, tuple) and len(tokens) == 2):
-            raise TypeError(f"tokens must be a tuple (a, b) of decode token indices, got {tokens!r}")
-        a, b = (check_int("tokens[0]", tokens[0], 0), check_int("tokens[1]", tokens[1], 0))
-        td = self._decode_tokens
-        if not a <= b <= td:
-            raise ValueError(f"tokens=({a}, {b}) must satisfy 0 <= a <= b <= {td} (the forward's decode tokens)")
-        ids = self._decode_ids_host
-        for e in (a, b):
-            if 0 < e < td and ids[e - 1] == ids[e] != -1:
-                raise ValueError(f"tokens=({a}, {b}): token {e} is inside request {ids[e]}'s decode tokens; "
-                                 "a range must start and end on a request boundary")
-        return a, b
+        if self._decode_tokens:
+            self._cache.prefetch(i, self._decode_ids, topk_indices)
 
     # ---------------------------------------------------------------- prefill
     def _prefill_rows(self, md: SparseMLAMetadata, start: int, count: int, layer: int) -> list[tuple[int, int]]:

@@ -132,12 +132,10 @@ class RunShape:
     seed: int = 0
     overlap: str = "serial"  # hisparse decode: serial | split (the miss staging hidden)
     prefetch: bool = False  # hisparse decode: stage the next layer's rows from this one's top-k (prefetches_into)
-    graph_priorities: bool = True  # graphs keep their streams' priorities (MiniEngineConfig)
-    stage_groups: int = 1  # hisparse decode: a Full layer's top-k in groups, each staged early (MiniEngineConfig)
 
     def __post_init__(self) -> None:
         for name in ("run_layers", "num_heads", "hidden", "indexer_dim", "vocab", "decode_steps", "tail",
-                     "query_len", "stage_groups"):
+                     "query_len"):
             check_int(name, getattr(self, name), lo=1)
         if not isinstance(self.decode_mode, DecodeMode):
             raise TypeError(f"decode_mode must be a DecodeMode, got {self.decode_mode!r}")
@@ -163,7 +161,6 @@ def engine_config(budget: Budget, shape: RunShape, *, context: int, batch: int) 
         flashmla_lib=shape.flashmla_lib, cache_kernels=shape.cache_kernels,
         validate=shape.device == "cpu" and shape.decode_mode is DecodeMode.EAGER,
         graphs=graphs, overlap=shape.overlap, prefetch=shape.prefetch, index_share=budget.index_share,
-        stage_groups=shape.stage_groups, graph_priorities=shape.graph_priorities,
         tolerance=2e-2 if shape.overlap == "serial" else 5e-2,  # split: the hit partial rounds to bf16 once more
         **shape.ffn)
 

@@ -59,17 +59,6 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                            help="layers per indexer: layer l runs one iff l %% N == 0, the next N - 1 "
                                 "reuse its top-k (IndexCache-style Full / Shared layers) (default 1)")
             continue
-        if name == "graph_priorities":
-            p.add_argument("--no-graph-priorities", dest="graph_priorities", action="store_false", default=None,
-                           help="--graphs: instantiate the graphs as torch does, every kernel at the launch "
-                                "stream's priority (default: each kernel keeps its stream's)")
-            continue
-        if name == "stage_groups":
-            p.add_argument("--stage-groups", dest="stage_groups", type=int, default=None, metavar="G",
-                           help="hisparse: compute a Full layer's decode top-k in G groups of requests and "
-                                "stage each group's rows (but the last's) while the next group's indexer "
-                                "runs (default 1: one top-k for the batch)")
-            continue
         ann = str(f.type)
         typ = float if "float" in ann else int if "int" in ann else str
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None,

@@ -62,10 +62,6 @@ class MiniEngineConfig:
     #                      "Full" layer, IndexCache's terms); the layers after it reuse that top-k
     index_correlation: float = 0.0  # 0..1: the Full layers' indexers share a common part with this
     #                      weight, so adjacent layers' selections overlap (0: independent layers)
-    stage_groups: int = 1  # hisparse decode: a Full layer's indexer and top-k run in this many groups
-    #                      of requests, each group's rows but the last's staged (an exact prefetch of
-    #                      the layer) while the next group's indexer runs (1: one top-k for the batch)
-    graph_priorities: bool = True  # graphs: kernels keep their streams' priorities (cuda_graphs)
     tolerance: float = 2e-2  # max |x_resident - x_hisparse| allowed, relative to max |x|
     graphs: bool = False  # decode-only steps as CUDA graphs per batch-size bucket (needs CUDA, unchecked)
     ffn: str = "none"  # rest-of-layer stand-in after attention: none | mlp | moe (.ffn)
@@ -78,7 +74,7 @@ class MiniEngineConfig:
         for name in ("num_layers", "num_heads", "hidden", "indexer_dim", "vocab", "top_k", "num_requests",
                      "min_prompt", "max_prompt", "max_decode", "query_len", "chunk",
                      "max_batch_tokens", "host_block_size", "ffn_intermediate", "ffn_experts", "ffn_active",
-                     "index_share", "stage_groups"):
+                     "index_share"):
             check_int(name, getattr(self, name), lo=1)
         for name in ("arrival_every", "min_decode", "synthetic_context", "ffn_shared"):
             check_int(name, getattr(self, name), lo=0)
@@ -89,7 +85,6 @@ class MiniEngineConfig:
         check_bool("validate", self.validate)
         check_bool("prefetch", self.prefetch)
         check_bool("graphs", self.graphs)
-        check_bool("graph_priorities", self.graph_priorities)
         overlap = Overlap.parse(self.overlap)
         ffn = FFNKind.parse(self.ffn)
         if ffn is FFNKind.MOE and self.ffn_active > self.ffn_experts:
@@ -152,19 +147,6 @@ class MiniEngineConfig:
         if not self.prefetch or layer < 1 or layer >= self.num_layers:
             return False
         return not self.full_layer(layer) or self.index_correlation > 0
-
-    def group_bounds(self, counts: list[int]) -> list[tuple[int, int]]:
-        """Token ranges (a, b) of the ``stage_groups`` groups of a decode step whose
-        requests have ``counts`` tokens each: contiguous groups of requests, their sizes
-        differing by at most one (no more groups than requests)."""
-        n = len(counts)
-        g = min(self.stage_groups, n)
-        out, t, r = [], 0, 0
-        for j in range(g):
-            r1 = (j + 1) * n // g
-            a, t, r = t, t + sum(counts[r:r1]), r1
-            out.append((a, t))
-        return out
 
     @property
     def index_layers(self) -> int:

@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..._checks import check_int
-from ...cuda_graphs import PriorityGraph
 
 if TYPE_CHECKING:  # the loop imports this module; only the type is needed here
     from .kv import Batch
@@ -123,7 +122,7 @@ class DecodeGraphs:
         self.mode = mode
         self.sizes = capture_sizes(engine.slots)
         self.static: dict[int, StaticInputs] = {}
-        self.graphs: dict[int, PriorityGraph | torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = torch.cuda.graph_pool_handle() if mode is DecodeMode.GRAPHS else None
         self.counts = {"padded_eager": 0, "captures": 0, "replays": 0, "padding_requests": 0}
         self.last = ""  # what the last step did: "padded" | "capture" | "replay"
@@ -155,13 +154,10 @@ class DecodeGraphs:
             self.last = "padded"
             return eng.forward_padded(padded, st)[:B * q]
         if g is None:
-            # the kernels keep their streams' priorities: the cache's staging stays ahead
-            g = PriorityGraph() if eng.cfg.graph_priorities else torch.cuda.CUDAGraph()
+            g = torch.cuda.CUDAGraph()
             try:
-                with torch.cuda.graph(g.graph if isinstance(g, PriorityGraph) else g, pool=self.pool):
+                with torch.cuda.graph(g, pool=self.pool):
                     st.out = eng.forward_padded(padded, st)
-                if isinstance(g, PriorityGraph):
-                    g.instantiate()
             except BaseException:
                 eng.kv.abandon_forward()  # nothing captured ran: the store puts the step back
                 raise

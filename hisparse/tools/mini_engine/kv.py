@@ -83,15 +83,9 @@ class KVStore:
     """The interface the engine loop calls (see the module docstring)."""
 
     name = "base"
-    stage_groups = 1  # groups a Full layer's decode top-k is computed in (see prefetch_tokens)
 
     def __init__(self, attn: Attention) -> None:
         self.attn = attn
-
-    def prefetch_tokens(self, layer: int, topk: torch.Tensor, tokens: tuple[int, int], batch: Batch) -> None:
-        """topk int32 [b - a, K]: layer ``layer``'s own top-k of decode tokens a .. b - 1
-        (``tokens``), known before the other tokens' (``stage_groups`` > 1): stage it now."""
-        raise NotImplementedError
 
     def admit(self, req: Request) -> None:
         raise NotImplementedError
@@ -238,7 +232,6 @@ class HiSparseKV(KVStore):
             self.group.register_layer(kv_cache_dtype=cfg.row_format)
         self.device = device
         self.overlap = cfg.overlap
-        self.stage_groups = cfg.stage_groups
         self.cfg = cfg
 
     def stage_decode(self, layer: int, topk: torch.Tensor, batch: Batch):
@@ -265,11 +258,6 @@ class HiSparseKV(KVStore):
         if self.prefetch_targets(layer):
             self.group.prefetch(layer + 1, topk, batch.md)
         return out
-
-    def prefetch_tokens(self, layer: int, topk: torch.Tensor, tokens: tuple[int, int], batch: Batch) -> None:
-        """An exact prefetch of these tokens' rows (``HiSparseIndexGroup.prefetch`` with
-        ``tokens``): they stage on the side stream while the next group's indexer runs."""
-        self.group.prefetch(layer, topk, batch.md, tokens=tokens)
 
     def prefetch_targets(self, layer: int) -> bool:
         """Whether this layer's top-k is staged into layer + 1 (``cfg.prefetches_into``)."""

@@ -131,8 +131,7 @@ class MiniEngine:
             staged = None
             if td:
                 if full:
-                    topk = self._decode_topk(layer, [n for _, n in batch.items[:nd]], batch, lambda a, b: (
-                        self.indexer.decode_topk(layer, iq[a:b], slot_t[a:b], sub_t[a:b], pos_t[a:b], ctx)))
+                    topk = self.indexer.decode_topk(layer, iq[:td], slot_t[:td], sub_t[:td], pos_t[:td], ctx)
                 if self.recorder is not None:
                     if layer == 0:  # one entry per decode token (q = 1): the request and its length
                         rids = [r.rid for r, n in batch.items[:nd] for _ in range(n)]
@@ -169,30 +168,11 @@ class MiniEngine:
             self.kv.write(layer, rows, batch)
             if cfg.full_layer(layer):
                 self.indexer.write(layer, ik, flat)
-                topk = self._decode_topk(layer, [st.q] * st.n, batch, lambda a, b: (
-                    self.indexer.decode_topk_fixed(layer, iq[a:b], st.slot[a:b], st.sub[a:b], st.lim[a:b])))
+                topk = self.indexer.decode_topk_fixed(layer, iq, st.slot, st.sub, st.lim)
             staged = self.kv.stage_decode(layer, topk, batch)  # before q: they overlap
             q = self.model.q_proj(layer, xb)
             x = self.model.post(layer, x, self.kv.decode_attention(layer, q, topk, batch, staged))
         return x
-
-    def _decode_topk(self, layer: int, counts: list[int], batch: Batch,
-                     topk_of: Callable[[int, int], torch.Tensor]) -> torch.Tensor:
-        """A Full layer's decode top-k, int32 [Td, K]; ``topk_of(a, b)`` is that of decode
-        tokens a .. b - 1 (requests with ``counts`` tokens each). With the store's
-        ``stage_groups`` > 1 it is computed group by group, and each group's but the
-        last's rows are staged as soon as they are known, while the next group's
-        indexer runs. The groups' rows live in one tensor: the one the layer's resolve
-        reads, alive (as today's top-k) until the layer's staging has been waited for."""
-        if self.kv.stage_groups == 1:
-            return topk_of(0, sum(counts))
-        bounds = self.cfg.group_bounds(counts)  # the store's groups are the config's
-        topk = torch.empty(bounds[-1][1], self.cfg.top_k, dtype=torch.int32, device=self.device)
-        for j, (a, b) in enumerate(bounds):
-            topk[a:b].copy_(topk_of(a, b))
-            if j + 1 < len(bounds):
-                self.kv.prefetch_tokens(layer, topk[a:b], (a, b), batch)
-        return topk
 
     # ---- serving loop ---------------------------------------------------------
     def run(self, progress: Callable[[int, int, int], None] | None = None,
@@ -459,10 +439,6 @@ def summarize(res: dict) -> dict:
         out["cache"]["layer_hit_rates"] = [d["hit_rate"] for d in layers]
         out["cache"]["layer_misses"] = [d["misses"] for d in layers]
         out["cache"]["layer_prefetch_rows"] = [d["prefetch_rows"] for d in layers]
-        # the rows found hot without a prefetch's help (where every prefetched row is then
-        # selected, as with stage groups and Shared layers, the cache's own LRU rate)
-        out["cache"]["layer_hit_rates_unprefetched"] = [
-            (d["hits"] - d["prefetch_rows"]) / max(d["hits"] + d["misses"], 1) for d in layers]
     return out
 
 
