@@ -7,10 +7,8 @@ eager warm-up does. Prints min / median / p99 per call, the per-layer sum agains
 50 us target, and ``prepare_for_batch`` per step. On CUDA it also counts the Triton
 launches per layer (Triton's launch hook, in a separate pass) and times the launch of an
 empty Triton kernel of 20 arguments and 2 constexprs (fewer than any of those four
-takes: the resolve has 32 and 15), through Triton's JIT launcher and through
-``hisparse.kernels.launch.FastLaunch``, which is how the cache launches its kernels:
-launches x the FastLaunch time is a lower bound of what launching takes of the
-per-layer time, whatever else hisparse does.
+takes: the resolve has 32 and 15): launches x that time is a lower bound of what
+Triton's launcher takes of the per-layer time, whatever hisparse does.
 
   python3 -m benchmarks.bench_host_calls [--requests 64] [--layers 8] [--context 4200] [--steps 20]
   python3 -m benchmarks.bench_host_calls --device cpu --kernels torch    # CPU: the torch paths
@@ -34,7 +32,6 @@ from benchmarks import common
 from benchmarks.common import percentile
 from hisparse import HiSparseConfig
 from hisparse.engine import HiSparseIndexGroup, SparseMLAMetadata
-from hisparse.kernels.launch import FastLaunch
 
 
 @triton.jit
@@ -43,17 +40,15 @@ def _empty_kernel(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a1
     pass
 
 
-def launch_floor(dev: torch.device, n: int = 300, *, fast: bool = False) -> dict:
+def launch_floor(dev: torch.device, n: int = 300) -> dict:
     """Host time of one launch of an empty Triton kernel taking 16 tensors, 4 ints and
     2 constexprs: the launcher's own cost per launch (a kernel with more arguments, as
-    hisparse's are, costs more). ``fast``: through ``FastLaunch``, as the cache launches
-    its kernels, instead of Triton's JIT launcher."""
+    hisparse's are, costs more)."""
     ts = [torch.zeros(16, dtype=torch.int32, device=dev) for _ in range(16)]
-    launch = FastLaunch(_empty_kernel) if fast else (lambda grid, *a, **kw: _empty_kernel[grid](*a, **kw))
     times = []
     for i in range(n + 20):
         t0 = time.perf_counter()
-        launch((1,), *ts, 64, 2048, 4096, 2 * i + 3, C0=8, C1=16)  # the last int odd: one specialisation
+        _empty_kernel[(1,)](*ts, 64, 2048, 4096, i, C0=8, C1=16)
         if i >= 20:
             times.append(time.perf_counter() - t0)
     torch.cuda.synchronize(dev)
@@ -166,18 +161,14 @@ def main(argv=None) -> int:
           f"({'met' if med <= 50 else 'not met'})")
     if dev.type == "cuda":
         floor = launch_floor(dev)
-        fast = launch_floor(dev, fast=True)
         per_layer = count_launches(step, fresh(), L)
         result["empty_launch_us"] = floor
-        result["empty_fast_launch_us"] = fast
         result["triton_launches_per_layer"] = per_layer
-        lf = fast["median"] * per_layer
+        lf = floor["median"] * per_layer
         result["launcher_us_per_layer"] = lf
-        print(f"  empty Triton launch through the JIT: min {floor['min']:.1f} us  median {floor['median']:.1f} us  "
-              f"p99 {floor['p99']:.1f} us")
-        print(f"  the same through FastLaunch (how the cache launches): min {fast['min']:.1f} us  median "
-              f"{fast['median']:.1f} us  p99 {fast['p99']:.1f} us; {per_layer:g} launches per layer = {lf:.1f} us "
-              f"of the {med:.1f} us per layer ({100 * lf / med:.0f}%)")
+        print(f"  empty Triton launch: min {floor['min']:.1f} us  median {floor['median']:.1f} us  "
+              f"p99 {floor['p99']:.1f} us; {per_layer:g} launches per layer = {lf:.1f} us of the "
+              f"{med:.1f} us per layer ({100 * lf / med:.0f}%)")
     if a.out:
         common.write_json(a.out, result)
     prof = cProfile.Profile()

@@ -13,7 +13,6 @@ import torch
 
 from ..device import on_device
 from ..kernels.apply_write import apply_write_plan_kernel
-from ..kernels.launch import FastLaunch
 
 from .state import STAT_D2H_ROWS, HotState
 from .transfer import row_words
@@ -52,9 +51,6 @@ def apply_write_plan_reference(state: HotState, hot: torch.Tensor, rows: torch.T
     st.stats[layer, STAT_D2H_ROWS] += (plan.host_h >= 0).sum()
 
 
-_APPLY = FastLaunch(apply_write_plan_kernel)
-
-
 def apply_write_plan_triton(state: HotState, hot: torch.Tensor, rows: torch.Tensor,
                             plan: WritePlan, layer: int) -> None:
     """Same arguments and result as ``apply_write_plan_reference``, one launch on the
@@ -72,7 +68,7 @@ def apply_write_plan_triton(state: HotState, hot: torch.Tensor, rows: torch.Tens
     ww, wb = row_words(W)
     grid = (-(-longest // BLOCK),)
     with on_device(hot.device if hot.is_cuda else None):
-        _APPLY(grid,
+        apply_write_plan_kernel[grid](
             plan.flat, rows.view(torch.int32), hot.view(torch.int32), bt, bt.stride(0),
             ls.row_slot, ls.slot_pos, ls.slot_stamp, ls.step, ls.seq_lens, ls.stats, *plan.counts,
             STAT_D2H=STAT_D2H_ROWS, WW=ww, WB=wb, BLOCK=BLOCK,

@@ -25,7 +25,6 @@ import triton
 
 from .._checks import check_int, check_tensor, interpreter_mode
 from ..device import on_device
-from ..kernels.launch import FastLaunch
 from ..kernels.resolve import resolve_kernel, resolve_lookup_kernel
 from .state import (NUM_STATS, STAT_HITS, STAT_INVALID, STAT_MISSES, STAT_PREFETCH, STAT_RESOLVES,
                     HotState, ResolveBuffers)
@@ -33,8 +32,6 @@ from .state import (NUM_STATS, STAT_HITS, STAT_INVALID, STAT_MISSES, STAT_PREFET
 
 _SCAN_CHUNK = 256  # req_ids scanned per step for an earlier run of the same request
 _SMALL_SORT = 256  # misses of a group sorted in a tile of this size when they fit
-_RESOLVE = FastLaunch(resolve_kernel)
-_LOOKUP = FastLaunch(resolve_lookup_kernel)
 
 
 def _check_vec(name: str, x: object, dtype: torch.dtype, ndim: int, device: torch.device) -> None:
@@ -168,7 +165,7 @@ def _launch_resolve(state: HotState, layer: int, req_ids: torch.Tensor, topk: to
     ls = state.layer(layer)
     bt = state.block_table
     with on_device(dev if dev.type == "cuda" else None):
-        _RESOLVE((T,),
+        resolve_kernel[(T,)](
             req_ids, topk, topk.stride(0),
             state.id_to_slot, state.id_to_slot.shape[0],
             ls.seq_lens, ls.seq_lens.shape[0],
@@ -214,7 +211,7 @@ def resolve_lookup_triton(state: HotState, layer: int, req_ids: torch.Tensor, to
     _require_device(dev, "resolve_lookup_triton")
     chunk = min(_LOOKUP_CHUNK, triton.next_power_of_2(K))
     with on_device(dev if dev.type == "cuda" else None):
-        _LOOKUP((T, triton.cdiv(K, chunk)),
+        resolve_lookup_kernel[(T, triton.cdiv(K, chunk))](
             req_ids, topk, topk.stride(0),
             state.id_to_slot, state.id_to_slot.shape[0],
             state.seq_lens[layer], state.seq_lens.shape[1],

@@ -27,7 +27,6 @@ import triton
 from .._checks import check_int, check_tensor, interpreter_mode, sm_count
 from ..device import is_pinned_host, on_device
 from ..kernels.copy_rows import copy_rows_kernel, copy_staged_kernel
-from ..kernels.launch import FastLaunch
 
 # Defaults of the launch shape; the staging benchmark sweeps them on the H200.
 DEFAULT_ROWS_PER_PROGRAM = 4
@@ -109,10 +108,6 @@ def copy_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_i
     _launch_copy_rows(src, src_idx, dst, dst_idx, dev, rows=rows, num_warps=warps, programs_per_sm=per_sm)
 
 
-_COPY_ROWS = FastLaunch(copy_rows_kernel)
-_COPY_STAGED = FastLaunch(copy_staged_kernel)
-
-
 @functools.lru_cache(maxsize=None)
 def row_words(row_bytes: int) -> tuple[int, int]:
     """(int32 words per row, the next power of two) of a row width."""
@@ -136,7 +131,7 @@ def _launch_copy_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tenso
     else:
         grid = min(chunks, programs_per_sm * sm_count(dev))
     with on_device(dev):
-        _COPY_ROWS((grid,),
+        copy_rows_kernel[(grid,)](
             src.view(torch.int32), src_idx, src.shape[0],
             dst.view(torch.int32), dst_idx, dst.shape[0], N, grid, chunks,
             WW=WW, WB=WB, ROWS=rows, num_warps=num_warps,
@@ -195,7 +190,7 @@ def _launch_copy_staged(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Ten
         programs = max(1, sm_count(dev) // 4) if dev is not None else 2
     WW, WB = row_words(src.shape[1])
     with on_device(dev):
-        _COPY_STAGED((programs,),
+        copy_staged_kernel[(programs,)](
             src.view(torch.int32), src_idx, src.shape[0], dst.view(torch.int32), dst_idx, dst.shape[0],
             counts, T, K, programs, WW=WW, WB=WB, ROWS=rows_per_program, num_warps=num_warps)
 
