@@ -93,6 +93,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--prefetch", action="store_true",
                     help="hisparse: stage a layer's top-k into the next layer while it computes: into Shared "
                          "layers (exact), into Full layers as a prediction with --index-correlation > 0")
+    ap.add_argument("--sync-steps", dest="async_steps", action="store_false",
+                    help="finish each step before the host prepares the next (default: the host works "
+                         "one step ahead, as an engine's async scheduler does)")
     ap.add_argument("--overlap", choices=["serial", "split"], default="serial",
                     help="hisparse decode: miss staging before attention (serial) or hidden behind the hit "
                          "attention (split)")
@@ -125,7 +128,7 @@ def setup(a: argparse.Namespace) -> tuple[Budget, RunShape, list[int]]:
                      decode_steps=a.decode_steps, device="cuda", decode_mode=DecodeMode(a.decode_mode or "graphs"),
                      backend=a.backend or "triton", flashmla_lib=common.flashmla_lib(a.flashmla_lib),
                      overlap=a.overlap, prefetch=a.prefetch, index_correlation=a.index_correlation,
-                     locality=RunShape.locality if a.locality is None else a.locality)
+                     async_steps=a.async_steps, locality=RunShape.locality if a.locality is None else a.locality)
     return budget, shape, a.contexts or [32768, 65536, 131072]
 
 

@@ -30,6 +30,16 @@ def _check_i32(name: str, x: object, shape: tuple[int, ...], device: torch.devic
     check_tensor(name, x, dtype=torch.int32, shape=shape, device=device)
 
 
+def device_ints(values: list[int], device: torch.device) -> torch.Tensor:
+    """int32 [len(values)] on ``device``. On CUDA through pinned memory with one
+    non-blocking copy: the host does not wait for the stream's earlier work (a copy
+    from pageable memory would), so a step can be prepared while the last one runs."""
+    host = torch.tensor(values, dtype=torch.int32)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 @dataclasses.dataclass(frozen=True)
 class SparseMLAMetadata:
     """One forward's batch description (validated on construction; never mutated).
@@ -122,12 +132,13 @@ class SparseMLAMetadata:
             qsl.append(qsl[-1] + q)
         q_dec = query_lens[0] if num_decodes else 0
         tokens = [row for row, q in enumerate(query_lens) for _ in range(q)]
-        i32 = dict(dtype=torch.int32, device=dev)
+        t, nq = len(tokens), len(qsl)
+        flat = device_ints(tokens + list(request_ids) + list(seq_lens) + qsl, dev)
         return cls(
-            req_id_per_token=torch.tensor(tokens, **i32),
-            request_ids=torch.tensor(list(request_ids), **i32),
-            seq_lens=torch.tensor(list(seq_lens), **i32),
-            query_start_loc=torch.tensor(qsl, **i32),
+            req_id_per_token=flat[:t],
+            request_ids=flat[t:t + n],
+            seq_lens=flat[t + n:t + 2 * n],
+            query_start_loc=flat[t + 2 * n:t + 2 * n + nq],
             block_table=block_table,
             request_ids_cpu=tuple(request_ids),
             seq_lens_cpu=tuple(seq_lens),

@@ -132,6 +132,7 @@ class RunShape:
     seed: int = 0
     overlap: str = "serial"  # hisparse decode: serial | split (the miss staging hidden)
     prefetch: bool = False  # hisparse decode: stage the next layer's rows from this one's top-k (prefetches_into)
+    async_steps: bool = True  # the host prepares step t + 1 while step t runs (MiniEngineConfig)
 
     def __post_init__(self) -> None:
         for name in ("run_layers", "num_heads", "hidden", "indexer_dim", "vocab", "decode_steps", "tail",
@@ -161,6 +162,7 @@ def engine_config(budget: Budget, shape: RunShape, *, context: int, batch: int) 
         flashmla_lib=shape.flashmla_lib, cache_kernels=shape.cache_kernels,
         validate=shape.device == "cpu" and shape.decode_mode is DecodeMode.EAGER,
         graphs=graphs, overlap=shape.overlap, prefetch=shape.prefetch, index_share=budget.index_share,
+        async_steps=shape.async_steps,
         tolerance=2e-2 if shape.overlap == "serial" else 5e-2,  # split: the hit partial rounds to bf16 once more
         **shape.ffn)
 

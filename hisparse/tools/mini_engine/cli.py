@@ -48,6 +48,11 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                                 "into Shared layers (exact, --index-share > 1), and into Full layers as a "
                                 "prediction when --index-correlation > 0")
             continue
+        if name == "async_steps":
+            p.add_argument("--sync-steps", dest="async_steps", action="store_false", default=None,
+                           help="CUDA: finish each step before preparing the next (default: the host "
+                                "prepares step t + 1 while step t runs, one step ahead)")
+            continue
         if name == "index_correlation":
             p.add_argument("--index-correlation", dest="index_correlation", type=float, default=None,
                            metavar="A", help="0 <= A < 1: the Full layers' indexers share a common part with "

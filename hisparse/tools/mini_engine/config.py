@@ -62,6 +62,7 @@ class MiniEngineConfig:
     #                      "Full" layer, IndexCache's terms); the layers after it reuse that top-k
     index_correlation: float = 0.0  # 0..1: the Full layers' indexers share a common part with this
     #                      weight, so adjacent layers' selections overlap (0: independent layers)
+    async_steps: bool = True  # CUDA: prepare step t + 1 on the host while step t runs (one step ahead)
     tolerance: float = 2e-2  # max |x_resident - x_hisparse| allowed, relative to max |x|
     graphs: bool = False  # decode-only steps as CUDA graphs per batch-size bucket (needs CUDA, unchecked)
     ffn: str = "none"  # rest-of-layer stand-in after attention: none | mlp | moe (.ffn)
@@ -85,6 +86,7 @@ class MiniEngineConfig:
         check_bool("validate", self.validate)
         check_bool("prefetch", self.prefetch)
         check_bool("graphs", self.graphs)
+        check_bool("async_steps", self.async_steps)
         overlap = Overlap.parse(self.overlap)
         ffn = FFNKind.parse(self.ffn)
         if ffn is FFNKind.MOE and self.ffn_active > self.ffn_experts:

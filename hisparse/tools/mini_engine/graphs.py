@@ -126,9 +126,8 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle() if mode is DecodeMode.GRAPHS else None
         self.counts = {"padded_eager": 0, "captures": 0, "replays": 0, "padding_requests": 0}
         self.last = ""  # what the last step did: "padded" | "capture" | "replay"
-        # CUDA events around the last replay (GRAPHS mode): its GPU time, read after a sync
-        self._marks = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) \
-            if mode is DecodeMode.GRAPHS else None
+        # CUDA events around the last replay (GRAPHS mode): its GPU time, read once it ran
+        self.last_marks: tuple | None = None
 
     def step(self, batch: "Batch") -> torch.Tensor:
         """One decode-only step -> fp32 [B * q, hidden], the real tokens' final hidden states."""
@@ -166,18 +165,19 @@ class DecodeGraphs:
             self.last = "capture"
         else:
             self.last = "replay"
-        self._marks[0].record()
+        marks = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+        marks[0].record()
         g.replay()
-        self._marks[1].record()
+        marks[1].record()
+        self.last_marks = marks  # new events each replay: the loop may launch the next one first
         self.counts["replays"] += 1
         return st.out[:B * q]
 
-    def last_replay_gpu_s(self) -> float:
-        """GPU time of the last replay in seconds (from its start to its end on the
-        stream, not the host work before it); call after the device synchronized."""
-        if self._marks is None or self.counts["replays"] == 0:
-            raise RuntimeError("no replay to time")
-        return self._marks[0].elapsed_time(self._marks[1]) / 1e3
+    @staticmethod
+    def replay_gpu_s(marks: tuple) -> float:
+        """GPU time in seconds of the replay whose ``last_marks`` these were (from its
+        start to its end on the stream, not the host work before it), once it ran."""
+        return marks[0].elapsed_time(marks[1]) / 1e3
 
     def report(self) -> dict:
         return {"mode": self.mode.value, "buckets": sorted(self.static), "captured": sorted(self.graphs),

@@ -28,6 +28,7 @@ from ...attention.triton_backend import TritonBackend
 from ...config import RowFormat
 from ...device import resolve_device
 from ...engine import SparseMLAMetadata
+from ...engine.metadata import device_ints
 from ...formats import D_LATENT, D_ROW
 from ..._checks import check_int
 from ..preflight import check_memory, check_output_file, parse_device, require_kernels
@@ -98,8 +99,8 @@ class MiniEngine:
         for r, n in items[nd:]:
             starts.append(acc)
             acc += r.done + n
-        i32 = dict(dtype=torch.int32, device=self.device)
-        return Batch(items, md, torch.tensor(dec_slots, **i32), torch.tensor(starts, **i32), starts, acc)
+        both = device_ints(dec_slots + starts, self.device)  # one non-blocking copy (metadata.device_ints)
+        return Batch(items, md, both[:len(dec_slots)], both[len(dec_slots):], starts, acc)
 
     # ---- one forward --------------------------------------------------------
     def forward(self, batch: Batch) -> torch.Tensor:
@@ -204,7 +205,39 @@ class MiniEngine:
         sync()
         t_start = time.perf_counter()
         fill_time = 0.0
+        # The step in flight (CUDA, async_steps): its GPU work was launched and the host
+        # went on to prepare the next step; it is finished (timed, its requests released)
+        # once the next step is launched, or before anything that must see it done.
+        inflight: dict | None = None
+        last_done = t_start
+
+        def finish(f: dict) -> None:
+            nonlocal last_done
+            f["event"].synchronize()
+            now = time.perf_counter()
+            # a pipelined step takes from the end of the one before (or its own start) to its end
+            dt = now - max(last_done, f["t0"]) if f["pipelined"] else now - f["t0"]
+            last_done = now
+            if f["profiled"]:  # a profiled step's time is the profiler's too: in no step list
+                prof.stop(f["replay"])
+            else:
+                step_times.append(dt)
+                if f["decode"]:
+                    decode_step_times.append(dt)
+            if f["replay"] and not f["profiled"]:
+                replay_step_times.append(dt)
+                replay_gpu_times.append(DecodeGraphs.replay_gpu_s(f["marks"]))
+                if prof is not None:
+                    prof.replays_seen += 1
+            for r in f["released"]:
+                self.kv.release(r)
+                free_slots.append(r.slot)
+
         while pending or running:
+            admits = pending and pending[0].arrival <= step and (free_slots or inflight is not None)
+            if inflight is not None and (admits or not running):
+                finish(inflight)  # its slots may be needed, and a fill syncs anyway
+                inflight = None
             while pending and pending[0].arrival <= step and free_slots:
                 r = pending.pop(0)
                 r.slot = free_slots.pop()
@@ -222,6 +255,9 @@ class MiniEngine:
             items = self._schedule(running)
             batch = self._batch(items)
             profiled = prof is not None and prof.wants(self.graphs, batch)
+            if profiled and inflight is not None:
+                finish(inflight)
+                inflight = None
             if profiled:
                 prof.start()
             t0 = time.perf_counter()
@@ -237,29 +273,31 @@ class MiniEngine:
                 dst += range(b, b + n)
             idx = torch.tensor(dst, dtype=torch.int64)
             out_rows.index_copy_(0, idx.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else idx, x)
-            sync()
-            dt = time.perf_counter() - t0
-            if profiled:  # a profiled step's time is the profiler's too: in no step list
-                prof.stop(replay)
-            else:
-                step_times.append(dt)
-                if batch.md.num_prefills == 0:
-                    decode_step_times.append(dt)
-            if replay and not profiled:
-                replay_step_times.append(dt)
-                replay_gpu_times.append(self.graphs.last_replay_gpu_s())
-                if prof is not None:
-                    prof.replays_seen += 1
+            ev = self._step_event()
             tokens += x.shape[0]
+            released = []
             for r, n in items:
                 r.done += n
                 if r.done >= r.total:
                     running.remove(r)
-                    self.kv.release(r)
-                    free_slots.append(r.slot)
+                    released.append(r)
+            this = {"event": ev, "t0": t0, "profiled": profiled, "replay": replay, "released": released,
+                    "decode": batch.md.num_prefills == 0, "pipelined": inflight is not None,
+                    "marks": self.graphs.last_marks if replay else None}
+            if inflight is not None:
+                finish(inflight)  # the step before: this one is already launched behind it
+            inflight = None
+            if ev is not None and cfg.async_steps and not profiled:
+                inflight = this
+            else:
+                if ev is None:  # CPU: every step ran already
+                    this["event"] = _DONE
+                finish(this)
             step += 1
             if progress is not None:
                 progress(step, len(running), len(pending))
+        if inflight is not None:
+            finish(inflight)
         sync()
         total = time.perf_counter() - t_start - fill_time
         for r in reqs:
@@ -272,6 +310,15 @@ class MiniEngine:
                 "profile": prof.report() if prof is not None else None,
                 "graphs": self.graphs.report() if self.graphs is not None else None}
 
+    def _step_event(self):
+        """A CUDA event recorded after a step's launches, which the loop waits on to
+        finish the step (None on CPU, where a step has run when its calls return)."""
+        if self.device.type != "cuda":
+            return None
+        ev = torch.cuda.Event()
+        ev.record()
+        return ev
+
     def _fill(self, r: Request) -> None:
         n = self.cfg.synthetic_context
         flat = r.slot * self.cfg.max_context + torch.arange(n, device=self.device)
@@ -281,6 +328,17 @@ class MiniEngine:
             if self.cfg.full_layer(layer):
                 self.indexer.write(layer, ik, flat)
         r.done = n
+
+
+class _Done:
+    """An event that has completed (CPU steps: nothing to wait for)."""
+
+    @staticmethod
+    def synchronize() -> None:
+        return None
+
+
+_DONE = _Done()
 
 
 # ---------------------------------------------------------------------- compare
