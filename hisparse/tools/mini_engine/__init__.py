@@ -24,6 +24,11 @@ only every n-th layer runs an indexer, the layers after it reuse its top-k (the
 Full / Shared layers of IndexCache, arXiv 2603.12201); with ``prefetch`` hisparse stages
 a Shared layer's rows while the layer before it computes.
 
+``async_steps`` (CUDA, the default): the loop prepares and launches step t + 1 before it
+waits for step t, as an engine's asynchronous scheduler does. A step's time is then
+the interval between the ends of consecutive steps. Requests finished by a step are
+released once it has run.
+
 ``synthetic_context`` (benchmarks): the first n positions of every prompt get random
 rows and indexer keys written straight into both caches instead of being prefilled,
 so a 32K context costs seconds, not minutes; the rest of the prompt is prefilled.
