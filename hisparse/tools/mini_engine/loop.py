@@ -213,7 +213,7 @@ class MiniEngine:
 
         def finish(f: dict) -> None:
             nonlocal last_done
-            f["event"].synchronize()
+            f["wait"]()
             now = time.perf_counter()
             # a pipelined step takes from the end of the one before (or its own start) to its end
             dt = now - max(last_done, f["t0"]) if f["pipelined"] else now - f["t0"]
@@ -281,17 +281,18 @@ class MiniEngine:
                 if r.done >= r.total:
                     running.remove(r)
                     released.append(r)
-            this = {"event": ev, "t0": t0, "profiled": profiled, "replay": replay, "released": released,
-                    "decode": batch.md.num_prefills == 0, "pipelined": inflight is not None,
-                    "marks": self.graphs.last_marks if replay else None}
+            ahead = ev is not None and cfg.async_steps and not profiled
+            # one step ahead, a step is done when the compute stream passed its end (its
+            # side streams' work is ordered by the cache's events); else the device idles
+            this = {"wait": ev.synchronize if ahead else sync, "t0": t0, "profiled": profiled,
+                    "replay": replay, "released": released, "decode": batch.md.num_prefills == 0,
+                    "pipelined": inflight is not None, "marks": self.graphs.last_marks if replay else None}
             if inflight is not None:
                 finish(inflight)  # the step before: this one is already launched behind it
             inflight = None
-            if ev is not None and cfg.async_steps and not profiled:
+            if ahead:
                 inflight = this
             else:
-                if ev is None:  # CPU: every step ran already
-                    this["event"] = _DONE
                 finish(this)
             step += 1
             if progress is not None:
@@ -328,17 +329,6 @@ class MiniEngine:
             if self.cfg.full_layer(layer):
                 self.indexer.write(layer, ik, flat)
         r.done = n
-
-
-class _Done:
-    """An event that has completed (CPU steps: nothing to wait for)."""
-
-    @staticmethod
-    def synchronize() -> None:
-        return None
-
-
-_DONE = _Done()
 
 
 # ---------------------------------------------------------------------- compare
