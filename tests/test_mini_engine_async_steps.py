@@ -1,9 +1,10 @@
 """The mini engine's one-step-ahead loop (``async_steps``): the host prepares and
 launches step t + 1 before it waits for step t. On CPU a step has run when its calls
-return, so these tests stand a never-pending event in for the CUDA one: what they check
-is the bookkeeping (requests released only once their last step is finished, slots
-reused, arrivals admitted), which must leave every output and counter as the
-step-by-step loop does."""
+return, so these tests stand a recording event in for the CUDA one: each step's event
+is "done" only once the loop has waited on it. They check the bookkeeping: a request
+is released only after the step that finished it was waited for, releases do come
+after the next step was launched (the loop did run ahead), arrivals are admitted, and
+every output and counter equals the step-by-step loop's."""
 
 from __future__ import annotations
 
@@ -11,11 +12,15 @@ import pytest
 import torch
 
 from hisparse.tools import mini_engine as me
+from hisparse.tools.mini_engine.kv import KV_STORES
 
 
 class _Event:
+    def __init__(self) -> None:
+        self.done = False
+
     def synchronize(self) -> None:
-        return None
+        self.done = True
 
 
 def _cfg(**kw):
@@ -29,27 +34,54 @@ def _cfg(**kw):
 def test_one_step_ahead_serves_what_step_by_step_serves(monkeypatch, kind, mode):
     cfg = _cfg(validate=mode is None)
     plain = me.run_engine(cfg, kind, decode_mode=mode)
-    order = []
-    monkeypatch.setattr(me.MiniEngine, "_step_event", lambda self: _Event())
-    from hisparse.tools.mini_engine.kv import KV_STORES
+
+    events: list[_Event] = []  # one per launched step, in order
+    finishing: list[set[int]] = []  # the requests each step finishes, same order
+    releases: list[tuple[int, int]] = []  # (request, steps launched when it was released)
+
+    def step_event(self):
+        events.append(_Event())
+        return events[-1]
+
+    orig_batch = me.MiniEngine._batch
+
+    def batch(self, items):
+        finishing.append({r.rid for r, n in items if r.done + n >= r.total})
+        return orig_batch(self, items)
+
     store = KV_STORES[kind]
-    rel, adm = store.release, store.admit
-    monkeypatch.setattr(store, "release", lambda self, r: (order.append(("release", r.rid)), rel(self, r))[1])
-    monkeypatch.setattr(store, "admit", lambda self, r: (order.append(("admit", r.rid)), adm(self, r))[1])
+    orig_release = store.release
+
+    def release(self, r):
+        step = next(i for i, s in enumerate(finishing) if r.rid in s)
+        assert events[step].done, f"request {r.rid} released before its last step {step} was waited for"
+        releases.append((r.rid, len(events)))
+        return orig_release(self, r)
+
+    monkeypatch.setattr(me.MiniEngine, "_step_event", step_event)
+    monkeypatch.setattr(me.MiniEngine, "_batch", batch)
+    monkeypatch.setattr(store, "release", release)
     ahead = me.run_engine(cfg, kind, decode_mode=mode)
+
     assert ahead["steps"] == plain["steps"] and ahead["tokens"] == plain["tokens"]
-    assert len(ahead["step_times"]) == len(plain["step_times"])
+    assert len(ahead["step_times"]) == len(plain["step_times"]) == len(events)
     for rid, out in plain["outputs"].items():
         assert torch.equal(out, ahead["outputs"][rid]), rid
     assert ahead["stats"] == plain["stats"]
-    # with 3 slots for 6 requests, later ones wait for a release: every request is
-    # admitted once and released once, never more than 3 live at a time
-    live, most = set(), 0
-    for what, rid in order:
-        (live.add if what == "admit" else live.remove)(rid)
-        most = max(most, len(live))
-    assert not live and most <= 3
-    assert sorted(r for w, r in order if w == "admit") == list(range(6))
+    assert sorted(r for r, _ in releases) == list(range(6))
+    # the loop ran ahead: some request was released after the step behind its last was launched
+    last = {rid: next(i for i, s in enumerate(finishing) if rid in s) for rid, _ in releases}
+    assert any(launched > last[rid] + 1 for rid, launched in releases), (releases, last)
+
+
+def test_step_by_step_releases_at_once(monkeypatch):
+    seen = []
+    store = KV_STORES["hisparse"]
+    orig = store.release
+    monkeypatch.setattr(me.MiniEngine, "_step_event", lambda self: _Event())
+    monkeypatch.setattr(store, "release", lambda self, r: (seen.append(r.rid), orig(self, r))[1])
+    res = me.run_engine(_cfg(async_steps=False), "hisparse")
+    assert sorted(seen) == list(range(6)) and res["steps"] > 0
 
 
 def test_sync_steps_option():

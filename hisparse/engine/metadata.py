@@ -32,11 +32,14 @@ def _check_i32(name: str, x: object, shape: tuple[int, ...], device: torch.devic
 
 def device_ints(values: list[int], device: torch.device) -> torch.Tensor:
     """int32 [len(values)] on ``device``. On CUDA through pinned memory with one
-    non-blocking copy: the host does not wait for the stream's earlier work (a copy
-    from pageable memory would), so a step can be prepared while the last one runs."""
+    non-blocking copy on the current stream: the host does not wait for the stream's
+    earlier work (a copy from pageable memory would), so a step can be prepared while the
+    last one runs; the values are there for work that stream runs after the copy."""
     host = torch.tensor(values, dtype=torch.int32)
-    if device.type != "cuda":
+    if device.type == "cpu":
         return host
+    if device.type != "cuda":
+        return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
 
 
@@ -52,6 +55,9 @@ class SparseMLAMetadata:
       query_start_loc   int32 [N + 1]      first token of each request; [-1] = T
       block_table       int32 [N, NB] | None  the engine's own paged block table, passed
                                            through untouched (hisparse keeps its own)
+    On CUDA, ``build`` copies them without waiting (``device_ints``): they are ready for
+    work on the stream that was current at ``build``, in order after it; another stream
+    must wait on that one before it reads them.
     Host copies (tuples of int): request_ids_cpu, seq_lens_cpu, query_start_loc_cpu.
     Scalars: num_decodes, num_decode_tokens, num_prefills, block_size (the engine's
     paged-cache block size; only passed through), decode_max_query_len.

@@ -25,9 +25,11 @@ Full / Shared layers of IndexCache, arXiv 2603.12201); with ``prefetch`` hispars
 a Shared layer's rows while the layer before it computes.
 
 ``async_steps`` (CUDA, the default): the loop prepares and launches step t + 1 before it
-waits for step t, as an engine's asynchronous scheduler does. A step's time is then
-the interval between the ends of consecutive steps. Requests finished by a step are
-released once it has run.
+waits for step t, as an engine's asynchronous scheduler does. A step launched behind
+another is timed from the end of that one to its own end (scheduling included). Requests
+finished by a step are released once it has run, and an admission waits for the step in
+flight. Only graph-replayed decode steps are prepared without waiting: eager steps still
+copy some inputs from pageable memory.
 
 ``synthetic_context`` (benchmarks): the first n positions of every prompt get random
 rows and indexer keys written straight into both caches instead of being prefilled,

@@ -215,8 +215,8 @@ class MiniEngine:
             nonlocal last_done
             f["wait"]()
             now = time.perf_counter()
-            # a pipelined step takes from the end of the one before (or its own start) to its end
-            dt = now - max(last_done, f["t0"]) if f["pipelined"] else now - f["t0"]
+            # a step launched behind another takes from the end of that one to its own end
+            dt = now - last_done if f["pipelined"] else now - f["t0"]
             last_done = now
             if f["profiled"]:  # a profiled step's time is the profiler's too: in no step list
                 prof.stop(f["replay"])
@@ -227,14 +227,14 @@ class MiniEngine:
             if f["replay"] and not f["profiled"]:
                 replay_step_times.append(dt)
                 replay_gpu_times.append(DecodeGraphs.replay_gpu_s(f["marks"]))
-                if prof is not None:
-                    prof.replays_seen += 1
             for r in f["released"]:
                 self.kv.release(r)
                 free_slots.append(r.slot)
 
         while pending or running:
-            admits = pending and pending[0].arrival <= step and (free_slots or inflight is not None)
+            # an admission (whose fill syncs) waits for the step in flight, or needs its slots
+            admits = pending and pending[0].arrival <= step and (
+                free_slots or (inflight is not None and inflight["released"]))
             if inflight is not None and (admits or not running):
                 finish(inflight)  # its slots may be needed, and a fill syncs anyway
                 inflight = None
@@ -274,6 +274,8 @@ class MiniEngine:
             idx = torch.tensor(dst, dtype=torch.int64)
             out_rows.index_copy_(0, idx.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else idx, x)
             ev = self._step_event()
+            if replay and not profiled and prof is not None:
+                prof.replays_seen += 1  # counted at launch: the next step asks prof.wants first
             tokens += x.shape[0]
             released = []
             for r, n in items:
