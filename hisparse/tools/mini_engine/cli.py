@@ -25,6 +25,20 @@ _CHOICES = {"row_format": ["fp8_ds_mla", "bf16"], "cache_kernels": [k.value for 
             "overlap": [o.value for o in Overlap], "ffn": [k.value for k in FFNKind]}
 
 
+# boolean fields as switches: field -> (flag, argparse action, help)
+_SWITCHES = {
+    "validate": ("--unchecked", "store_false", "skip host-syncing validation in the hot loop"),
+    "graphs": ("--graphs", "store_true",
+               "run decode-only steps as CUDA graphs per batch-size bucket (CUDA; with --unchecked)"),
+    "prefetch": ("--prefetch", "store_true",
+                 "hisparse: stage layer l's top-k into layer l+1 while layer l computes: into Shared layers "
+                 "(exact, --index-share > 1), and into Full layers as a prediction when --index-correlation > 0"),
+    "async_steps": ("--sync-steps", "store_false",
+                    "CUDA: finish each step before preparing the next (default: the host prepares step t + 1 "
+                    "while step t runs, one step ahead)"),
+}
+
+
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     p = parser or OneLineParser(
         prog="hisparse mini-engine",
@@ -33,25 +47,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu", help="base sizes (flags override)")
     for f in dataclasses.fields(MiniEngineConfig):
         name = f.name
-        if name == "validate":
-            p.add_argument("--unchecked", dest="validate", action="store_false", default=None,
-                           help="skip host-syncing validation in the hot loop")
-            continue
-        if name == "graphs":
-            p.add_argument("--graphs", dest="graphs", action="store_true", default=None,
-                           help="run decode-only steps as CUDA graphs per batch-size bucket (CUDA; "
-                                "with --unchecked)")
-            continue
-        if name == "prefetch":
-            p.add_argument("--prefetch", dest="prefetch", action="store_true", default=None,
-                           help="hisparse: stage layer l's top-k into layer l+1 while layer l computes: "
-                                "into Shared layers (exact, --index-share > 1), and into Full layers as a "
-                                "prediction when --index-correlation > 0")
-            continue
-        if name == "async_steps":
-            p.add_argument("--sync-steps", dest="async_steps", action="store_false", default=None,
-                           help="CUDA: finish each step before preparing the next (default: the host "
-                                "prepares step t + 1 while step t runs, one step ahead)")
+        if name in _SWITCHES:
+            flag, action, text = _SWITCHES[name]
+            p.add_argument(flag, dest=name, action=action, default=None, help=text)
             continue
         if name == "index_correlation":
             p.add_argument("--index-correlation", dest="index_correlation", type=float, default=None,
