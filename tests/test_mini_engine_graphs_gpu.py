@@ -13,7 +13,6 @@ import dataclasses
 import pytest
 import torch
 
-from hisparse.engine import HiSparseIndexGroup
 from hisparse.tools import mini_engine as me
 from hisparse.tools.mini_engine.ffn import grouped_mm, grouped_mm_reference
 

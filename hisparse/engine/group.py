@@ -482,7 +482,7 @@ class HiSparseIndexGroup:
         forward (a later conversion of the same layer is refused).
         """
         i = self._layer(layer_index)
-        md = self._check_batch(metadata)
+        self._check_batch(metadata)
         td = self._decode_tokens
         check_tensor("topk_indices", topk_indices, dtype=torch.int32, ndim=2, device=self.device)
         if topk_indices.shape[0] != td:

@@ -22,7 +22,6 @@ A recorded trace replays through ``hisparse.tools.traces.ReplaySource``.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from .._checks import check_int

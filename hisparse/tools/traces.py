@@ -48,7 +48,6 @@ import zipfile
 import numpy as np
 import torch
 
-from .._checks import check_int
 from .sources import TopkSource
 
 TRACE_FORMAT = "hisparse-trace"

@@ -426,7 +426,7 @@ def format_whatif(res: dict[str, Any]) -> str:
              f"measured overlap: adjacent layers {f(ov['adjacent_layer'])} (share of a layer's "
              f"selection the previous layer selected in the step), consecutive steps "
              f"{f(ov['consecutive_step'])}",
-             f"prefetch gain: share of lookups (layers >= 1) that are LRU misses the previous "
+             "prefetch gain: share of lookups (layers >= 1) that are LRU misses the previous "
              f"layer selected in the same step",
              f"total LRU staging per step over all {t['num_layers']} layers at the smallest buffer: "
              f"{fmt_bytes(res['results'][0]['lru_staging_bytes']['mean'] * t['num_layers'])} mean",

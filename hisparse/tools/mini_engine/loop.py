@@ -431,10 +431,9 @@ def run_engine(cfg: MiniEngineConfig, kind: str, *, progress: bool = False, deco
     gc.collect()
     eng = MiniEngine(cfg, kind, decode_mode=decode_mode)
     eng.recorder = recorder
-    cb = None
-    if progress:
-        def cb(step, nrun, npend):
-            print(f"\r[{kind}] step {step} running {nrun} pending {npend}", end="", file=sys.stderr)
+    def show(step, nrun, npend):
+        print(f"\r[{kind}] step {step} running {nrun} pending {npend}", end="", file=sys.stderr)
+    cb = show if progress else None
     res = eng.run(cb, profile=profile)
     if progress:
         print(file=sys.stderr)
