@@ -3,14 +3,17 @@ of R requests over L layers (``prepare_for_batch``, then per layer ``write_new_r
 ``convert_decode_logical_to_physical_topk``), timed with perf_counter (no syncs added),
 then the same steps under cProfile to show where that time goes. ``--pad-to N``
 prepares each step padded to a bucket of N requests, as a graph-capturing engine's
-eager warm-up does. Prints min / median / p99 per call, the per-layer sum against the
-50 us target, and ``prepare_for_batch`` per step. On CUDA it also counts the Triton
+eager warm-up does; ``--layer-graphs`` (with ``--pad-to``) has the group replay its
+per-layer CUDA graphs (``layer_graphs=True``). Prints min / median / p99 per call, the
+per-layer sum against the 50 us target, ``prepare_for_batch`` per step, and on CUDA the
+GPU time of the layers' calls per layer (to compare the modes' device cost too). On CUDA it also counts the Triton
 launches per layer (Triton's launch hook, in a separate pass) and times the launch of an
 empty Triton kernel of 20 arguments and 2 constexprs (fewer than any of those four
 takes: the resolve has 32 and 15): launches x that time is a lower bound of what
 Triton's launcher takes of the per-layer time, whatever hisparse does.
 
   python3 -m benchmarks.bench_host_calls [--requests 64] [--layers 8] [--context 4200] [--steps 20]
+  python3 -m benchmarks.bench_host_calls --pad-to 64 --layer-graphs      # per-layer graphs (CUDA)
   python3 -m benchmarks.bench_host_calls --device cpu --kernels torch    # CPU: the torch paths
 """
 
@@ -82,16 +85,25 @@ def main(argv=None) -> int:
     ap.add_argument("--kernels", default="auto")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--pad-to", type=int, default=None, help="prepare each step padded to this bucket")
+    ap.add_argument("--layer-graphs", action="store_true",
+                    help="the group's per-layer graphs (layer_graphs=True; needs --pad-to and CUDA)")
     ap.add_argument("--out", help="write the figures as JSON here")
     a = ap.parse_args(argv)
     if not common.out_ok(a.out, "bench_host_calls"):
+        return 2
+    if a.layer_graphs and a.pad_to is None:
+        print("bench_host_calls: --layer-graphs replays padded forwards; give --pad-to N too", file=sys.stderr)
         return 2
     R, L, C, K = a.requests, a.layers, a.context, a.top_k
     dev = torch.device(a.device)
     cfg = HiSparseConfig(num_layers=L, row_bytes=656, top_k=K, device_buffer_size=2 * K,
                          max_num_reqs=R, host_pool_tokens=R * (C + a.steps + 64) + 64 * R,
                          host_block_size=64, device=a.device, max_request_id=max(1000, R))
-    g = HiSparseIndexGroup(cfg, validate=False, kernels=a.kernels)
+    try:
+        g = HiSparseIndexGroup(cfg, validate=False, kernels=a.kernels, layer_graphs=a.layer_graphs)
+    except ValueError as e:
+        print(f"bench_host_calls: {e}", file=sys.stderr)
+        return 2
     for _ in range(L):
         g.register_layer(kv_cache_dtype="fp8_ds_mla")
     ids = list(range(R))
@@ -124,6 +136,10 @@ def main(argv=None) -> int:
         topk = torch.where(pick, recent, far).to(torch.int32)
         if T > R:
             topk = torch.cat([topk, torch.full((T - R, K), -1, dtype=torch.int32, device=dev)])
+        marks = None
+        if dev.type == "cuda":
+            marks = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            marks[0].record()
         for layer in range(L):
             t0 = time.perf_counter()
             g.write_new_rows(layer, rows, md)
@@ -133,10 +149,14 @@ def main(argv=None) -> int:
             times["write_new_rows"].append(t1 - t0)
             times["convert"].append(t2 - t1)
             times["per_layer"].append(t2 - t0)
-        if dev.type == "cuda":
+        if marks is not None:
+            marks[1].record()
             torch.cuda.synchronize(dev)
+            # GPU time of the layers' calls (the stream from the first write to the last
+            # conversion, which waits for its staging), per layer
+            times["gpu_per_layer"].append(marks[0].elapsed_time(marks[1]) / 1e3 / L)
 
-    names = ("prepare_for_batch", "write_new_rows", "convert", "per_layer")
+    names = ("prepare_for_batch", "write_new_rows", "convert", "per_layer", "gpu_per_layer")
 
     def fresh() -> dict:
         return {k: [] for k in names}
@@ -147,12 +167,15 @@ def main(argv=None) -> int:
     for _ in range(a.steps):
         step(times)
     print(f"host time per call, {R} requests, {L} layers, context {C}, kernels {g.hisparse_cache.kernels}, "
-          f"device {dev}, pad_to {a.pad_to}:")
+          f"device {dev}, pad_to {a.pad_to}, layer graphs {g.layer_graphs()}:")
     result = {"benchmark": "host_calls", "env": common.environment(dev),
               "options": {"requests": R, "layers": L, "context": C, "steps": a.steps, "top_k": K,
-                          "pad_to": a.pad_to, "kernels": g.hisparse_cache.kernels}, "us": {}}
+                          "pad_to": a.pad_to, "kernels": g.hisparse_cache.kernels,
+                          "layer_graphs": g.layer_graphs()}, "us": {}}
     for k in names:
         v = times[k]
+        if not v:  # gpu_per_layer on CPU
+            continue
         st = {"min": min(v) * 1e6, "median": percentile(v, 50) * 1e6, "p99": percentile(v, 99) * 1e6}
         result["us"][k] = st
         print(f"  {k:18s} min {st['min']:7.1f} us  median {st['median']:7.1f} us  p99 {st['p99']:7.1f} us")

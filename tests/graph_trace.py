@@ -33,12 +33,58 @@ class TraceShape:
     query_len: int = 1
 
 
-def make_group(shape: TraceShape, device: str, kernels: str, *, validate: bool = False) -> HiSparseIndexGroup:
+class RecordingGraphs:
+    """A CPU stand-in for ``hisparse.engine.layer_graphs.CudaGraphBackend``: a capture
+    records the calls of the cache's launch functions without running them; a replay
+    runs them again, in order, with the same arguments (what a CUDA graph's replay of
+    those launches does). ``fail_capture``: the next capture raises after its first
+    recorded launch (a capture that fails part way)."""
+
+    _FNS = (("writer", "apply_fn"), ("writer", "mirror_fn"), ("stager", "resolve_fn"),
+            ("stager", "copy_fn"), ("stager", "lookup_fn"))
+
+    def __init__(self, cache) -> None:
+        self.cache = cache
+        self.fail_capture = False
+
+    def capture(self, fn):
+        calls = []
+        saved = [(getattr(self.cache, o), n, getattr(getattr(self.cache, o), n)) for o, n in self._FNS]
+
+        def recorder(f):
+            def rec(*a, **k):
+                calls.append((f, a, k))
+                if self.fail_capture:
+                    self.fail_capture = False
+                    raise RuntimeError("capture failed (injected)")
+            return rec
+
+        for obj, name, f in saved:
+            setattr(obj, name, recorder(f))
+        try:
+            fn()
+        finally:
+            for obj, name, f in saved:
+                setattr(obj, name, f)
+        return calls
+
+    def replay(self, calls) -> None:
+        for f, a, k in calls:
+            f(*a, **k)
+
+
+def make_group(shape: TraceShape, device: str, kernels: str, *, validate: bool = False,
+               layer_graphs: str | None = None) -> HiSparseIndexGroup:
+    """``layer_graphs``: None, "cuda" (``layer_graphs=True``) or "recording" (the CPU
+    stand-in, ``RecordingGraphs``)."""
     cfg = HiSparseConfig(num_layers=shape.layers, row_bytes=656, top_k=shape.top_k,
                          device_buffer_size=shape.slots, max_num_reqs=shape.max_reqs,
                          host_block_size=shape.block, host_pool_tokens=shape.max_reqs * shape.max_len,
                          max_query_len=shape.query_len, max_request_id=64, device=device)
-    g = HiSparseIndexGroup(cfg, validate=validate, kernels=kernels)
+    g = HiSparseIndexGroup(cfg, validate=validate, kernels=kernels, layer_graphs=layer_graphs == "cuda")
+    if layer_graphs == "recording":
+        from hisparse.engine.layer_graphs import LayerGraphs
+        g._layer_graphs = LayerGraphs(g.hisparse_cache, RecordingGraphs(g.hisparse_cache))
     for _ in range(shape.layers):
         g.register_layer(kv_cache_dtype="fp8_ds_mla")
     return g
@@ -105,13 +151,14 @@ class Runner:
     physical indices (the batch's rows only)."""
 
     def __init__(self, shape: TraceShape, mode: str, device: str, kernels: str, truth: Truth, *,
-                 attention: tuple | None = None, heads: int = 16) -> None:
+                 attention: tuple | None = None, heads: int = 16, layer_graphs: str | None = None) -> None:
         """attention: (backend, overlap) to run ``decode_attention`` per layer (its
-        outputs recorded) instead of the conversion (physical indices recorded)."""
+        outputs recorded) instead of the conversion (physical indices recorded).
+        layer_graphs: ``make_group``'s."""
         self.shape, self.mode, self.device, self.truth = shape, mode, device, truth
         self.attention, self.heads = attention, heads
         self.step_no = 0
-        self.group = make_group(shape, device, kernels)
+        self.group = make_group(shape, device, kernels, layer_graphs=layer_graphs)
         self.lens: dict[int, int] = {}
         self.graphs: dict[int, tuple] = {}  # bucket -> (graph or None, rows, topk, phys)
         self.seen: dict[int, int] = {}  # bucket -> steps run in it
@@ -241,6 +288,63 @@ class Runner:
                 assert torch.equal(host, self.truth.rows(layer, rid)[:n]), f"host rows of {rid} layer {layer}"
 
 
+def mixed_decode(r: Runner, rids, topk) -> list[torch.Tensor]:
+    """A padded decode step of ``r`` whose layer 1 converts with ``wait=False`` and
+    whose layers >= 1 are prefetched from the layer before: eager calls between the
+    layer graphs' replays. Returns the batch's physical indices per layer."""
+    g, L, q = r.group, r.shape.layers, r.shape.query_len
+    md = r._md(rids, [q] * len(rids), len(rids))
+    n = bucket_of(len(rids))
+    T, td = n * q, len(rids) * q
+    g.prepare_for_batch(md, pad_to=n)
+    phys, tks = [], []
+    for layer in range(L):
+        t = torch.full((T, r.shape.top_k), -1, dtype=torch.int32)
+        t[:td] = topk[layer]
+        tks.append(t.to(r.device))
+    for layer in range(L):
+        g.write_new_rows(layer, r._rows(layer, rids, [q] * len(rids), T), md)
+        if layer:
+            g.prefetch(layer, tks[layer - 1], md)
+        wait = layer != 1
+        p = g.convert_decode_logical_to_physical_topk(layer, tks[layer], md, wait=wait)
+        if not wait:
+            g.wait_for_staging(layer)
+        phys.append(p[:td].clone())
+    for rid in rids:
+        r.lens[rid] += q
+    return phys
+
+
+def run_mixed(device: str, kernels: str, layer_graphs: str, *, steps: int, seed: int = 7) -> None:
+    """A padded group with per-layer graphs (``layer_graphs``: ``make_group``'s) and one
+    without run the same trace through ``mixed_decode``: both must leave the same cache
+    after every forward, and the graphs must have been replayed."""
+    shape = TraceShape(layers=3)
+    truth = Truth(shape)
+    trace = plan_trace(shape, steps=steps, seed=seed)
+    a = Runner(shape, "padded", device, kernels, truth)
+    b = Runner(shape, "padded", device, kernels, truth, layer_graphs=layer_graphs)
+    for i, ev in enumerate(trace):
+        if "decode" not in ev:
+            a.event(ev)
+            b.event(ev)
+            continue
+        pa = mixed_decode(a, ev["decode"], ev["topk"])
+        pb = mixed_decode(b, ev["decode"], ev["topk"])
+        if device == "cuda":
+            torch.cuda.synchronize()
+        for layer, (x, y) in enumerate(zip(pa, pb)):
+            assert torch.equal(x, y), f"event {i} layer {layer}: physical indices differ"
+        sa, sb = cache_state(a.group), cache_state(b.group)
+        for k in sa:
+            assert torch.equal(sa[k], sb[k]), f"event {i}: state {k} differs"
+        b.check_rows()
+    counts = b.group.layer_graphs()
+    assert counts["replays"] >= 2 * steps // 3, counts
+    assert b.group.stats()["total"]["prefetch_rows"] > 0
+
+
 def cache_state(g: HiSparseIndexGroup) -> dict:
     c = g.hisparse_cache
     st = c.state
@@ -250,4 +354,5 @@ def cache_state(g: HiSparseIndexGroup) -> dict:
     return snap
 
 
-__all__ = ["TraceShape", "Truth", "Runner", "plan_trace", "cache_state", "bucket_of", "BUCKETS"]
+__all__ = ["TraceShape", "Truth", "Runner", "RecordingGraphs", "plan_trace", "cache_state", "bucket_of",
+           "BUCKETS", "mixed_decode", "run_mixed"]

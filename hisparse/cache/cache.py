@@ -280,6 +280,23 @@ class HiSparseCache:
         V.check_layer(self.cfg, layer)
         self.writer.write_step(layer, step, rows)
 
+    def write_step_by(self, layer: int, step: StepPlan, launch) -> None:
+        """``write_step`` of a padded step whose launches ``launch()`` enqueues, e.g. the
+        replay of a graph captured over :meth:`launch_write_step` (``Writer.write_step_by``)."""
+        V.check_layer(self.cfg, layer)
+        self.writer.write_step_by(layer, step, launch)
+
+    def check_write_step(self, layer: int, step: StepPlan) -> None:
+        """The checks ``write_step`` makes of the step and layer (ValueError)."""
+        V.check_layer(self.cfg, layer)
+        self.writer.check_step(layer, step)
+
+    def launch_write_step(self, layer: int, step: StepPlan, rows: torch.Tensor) -> None:
+        """The launches of ``write_step`` alone, joined back into the current stream (for
+        a graph capture; rows uint8 [step.rows, row_bytes], packed)."""
+        V.check_layer(self.cfg, layer)
+        self.writer.launch_step(layer, step, rows)
+
     def lengths_before(self, req_id: int, step: StepPlan | None) -> list[int]:
         """Rows per layer, a layer ``step`` has not written counted as before it."""
         return self.writer.visible(step, req_id, self.request_slot(req_id))[0]
@@ -329,6 +346,27 @@ class HiSparseCache:
                                 hot_rows=self._hot_l[layer], compact=compact, wait=wait)
         self.requests.touch(layer)
         return ResolveResult(out, event, self.requests.epochs, layer)
+
+    def resolve_by(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor, launch) -> ResolveResult:
+        """An unchecked, waiting ``resolve`` whose launches ``launch()`` enqueues, e.g. the
+        replay of a graph captured over :meth:`launch_resolve` with the same arguments:
+        the same checks first, the same bookkeeping after."""
+        T, K, req_ids = self._check_resolve(layer, req_ids, topk, False)
+        out = self._bufs[layer].view(T, K)
+        launch()
+        self.requests.touch(layer)
+        return ResolveResult(out, self.streams.stage[layer].event, self.requests.epochs, layer)
+
+    def check_resolve(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor) -> None:
+        """The checks an unchecked ``resolve`` makes before it launches."""
+        self._check_resolve(layer, req_ids, topk, False)
+
+    def launch_resolve(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor) -> None:
+        """The launches of ``resolve(layer, req_ids, topk, validate=False, wait=True)``
+        alone (checked by the caller), for a graph capture: no bookkeeping."""
+        T, K = topk.shape
+        self.stager.run(layer, req_ids, topk, self._bufs[layer].view(T, K), host_rows=self._host_l[layer],
+                        hot_rows=self._hot_l[layer], compact=False, wait=True)
 
     def resolve_split(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor, *,
                       validate: bool = True, compact: bool = False, stage_with=None) -> SplitResult:

@@ -43,10 +43,12 @@ class _Event:
     :meth:`CacheStreams.join_backup`. On CPU every call is a no-op.
     """
 
-    def __init__(self, cuda: bool) -> None:
+    def __init__(self, cuda: bool, eager_records: list[int] | None = None) -> None:
         self.event = torch.cuda.Event() if cuda else None
         self.recorded = False
         self.in_capture = False
+        self.records = 0  # how many times it was recorded (``CacheStreams.recorded_since``)
+        self._eager_records = eager_records  # a counter shared by a group of events, or None
 
     def record(self, stream, in_capture: bool) -> None:
         if self.event is None:
@@ -54,6 +56,9 @@ class _Event:
         self.event.record(stream)
         self.recorded = True
         self.in_capture = in_capture
+        self.records += 1
+        if self._eager_records is not None and not in_capture:
+            self._eager_records[0] += 1
 
     def wait_by(self, stream, in_capture: bool) -> None:
         if self.event is None or not self.recorded or self.in_capture != in_capture:
@@ -80,7 +85,10 @@ class CacheStreams:
         self.streams = Streams(device)
         self.cuda = self.streams.cuda
         self.backup = _Event(self.cuda)
-        self.stage = [_Event(self.cuda) for _ in range(num_layers)]  # staging of the layer done
+        # eager records of any stage event: work on the stage stream a graph replay's own
+        # fork of it would not be ordered after (``hisparse.engine.layer_graphs``)
+        self.stage_eager_records = [0]
+        self.stage = [_Event(self.cuda, self.stage_eager_records) for _ in range(num_layers)]  # staging done
         self.resolved = [_Event(self.cuda) for _ in range(num_layers)]  # its state updates done
         self._was_capturing = False
         # ``follow``'s event: recorded and waited on back to back, so one serves every call
@@ -97,6 +105,27 @@ class CacheStreams:
 
     def current(self):
         return self.streams.current()
+
+    def flags(self) -> list[tuple[bool, bool, int]]:
+        """(recorded, in_capture, records) of every event, to put back with
+        :meth:`restore_flags` (around a capture whose graph replays later)."""
+        return [(ev.recorded, ev.in_capture, ev.records) for ev in self._events()]
+
+    def restore_flags(self, flags: list[tuple[bool, bool, int]]) -> None:
+        for ev, (rec, cap, n) in zip(self._events(), flags):
+            ev.recorded, ev.in_capture, ev.records = rec, cap, n
+
+    def recorded_since(self, flags: list[tuple[bool, bool, int]]) -> list[_Event]:
+        """The events recorded since ``flags`` were taken (e.g. by a capture)."""
+        return [ev for ev, (_, _, n) in zip(self._events(), flags) if ev.records != n]
+
+    def forget_captured(self) -> None:
+        """Forget every event last recorded by a capture or a replay (a new capture starts:
+        a wait on them inside it would be invalid; the work they mark is ordered before
+        anything the current stream enqueues)."""
+        for ev in self._events():
+            if ev.in_capture:
+                ev.recorded = False
 
     def note_replay(self) -> None:
         """A graph captured over this cache's calls is about to be replayed: the events'

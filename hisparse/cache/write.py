@@ -247,18 +247,44 @@ class Writer:
         """Launch ``step``'s write of ``layer`` (rows uint8 [step.rows, row_bytes]; when
         padded, rows past the batch's are not read). A launch that raises leaves the
         layer pending (a retry runs it again)."""
-        if step.generation != self.requests.generation:
-            raise ValueError("the step is out of date: requests were added or freed since it was prepared")
-        if step.buffers is not None and step.buffers.owner is not step:
-            raise ValueError("the step's bucket buffers hold a later step's lists: prepare it again")
-        if layer not in step.pending:
-            raise ValueError(f"layer {layer}: this step's rows were already written")
+        self.check_step(layer, step)
         rows = self.check_rows(rows, step.rows)
         # a padded plan's buffers are persistent, an eager one's lists are read on the
         # backup stream by every layer: recording its use once covers them all
         record_plan = not (step.buffers is not None or step.plan_recorded)
         if self._launch(layer, step.plan, rows, record_plan=record_plan) and record_plan:
             step.plan_recorded = True
+        self._finish_step(layer, step)
+
+    def write_step_by(self, layer: int, step: StepPlan, launch: Callable[[], None]) -> None:
+        """``write_step`` of a padded step whose launches ``launch()`` enqueues (a replay
+        of a graph captured over :meth:`launch_step`): the same checks first, the same
+        bookkeeping after. A ``launch`` that raises leaves the layer pending."""
+        self.check_step(layer, step)
+        if step.buffers is None:
+            raise ValueError("only a padded step's write (persistent lists) can be replayed")
+        launch()
+        self._finish_step(layer, step)
+
+    def launch_step(self, layer: int, step: StepPlan, rows: torch.Tensor) -> None:
+        """The launches of ``write_step`` alone (rows checked by the caller, packed), for
+        a graph capture: no bookkeeping. The current stream then waits for the host
+        mirror, so that a graph captured over this call joins every stream it used."""
+        self._launch(layer, step.plan, rows, record_plan=False)
+        self.streams.join_backup()
+
+    def check_step(self, layer: int, step: StepPlan) -> None:
+        """ValueError when ``layer`` of ``step`` can't be written now (stale step, bucket
+        buffers taken over by a later step, layer already written)."""
+        if step.generation != self.requests.generation:
+            raise ValueError("the step is out of date: requests were added or freed since it was prepared")
+        if step.buffers is not None and step.buffers.owner is not step:
+            raise ValueError("the step's bucket buffers hold a later step's lists: prepare it again")
+        if layer not in step.pending:
+            raise ValueError(f"layer {layer}: this step's rows were already written")
+
+    def _finish_step(self, layer: int, step: StepPlan) -> None:
+        """The host side of a layer's write, once its launches were enqueued."""
         step.pending.discard(layer)
         if self.streams.capturing():
             step.captured.add(layer)  # runs when the graph is replayed

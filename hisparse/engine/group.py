@@ -52,9 +52,11 @@ from ..cache.stager import capturing
 from ..cache.write_step import StepCapacity
 from ..config import HiSparseConfig
 from ..decode.layer import DecodeLayer
+from ..device import resolve_device
 from ..errors import CapacityError
 from ..formats import D_ROW, RowFormat
 from ..staging.prefill import StageRequests, stage_prefill
+from .layer_graphs import CudaGraphBackend, LayerGraphs
 from .metadata import SparseMLAMetadata
 
 _REPLAYED = ("replayed",)  # the conversion key of layers a graph replay resolves
@@ -113,16 +115,34 @@ class HiSparseIndexGroup:
 
     ``config.num_layers`` is the number of layers that will be registered. ``kernels``
     is passed to :class:`hisparse.HiSparseCache` ("auto" | "torch" | "triton").
+    ``layer_graphs`` (CUDA, Triton kernels, ``validate=False``): the per-layer calls of
+    padded forwards replay one small CUDA graph per call, layer and bucket, for engines
+    that run their decode forward eagerly (``hisparse.engine.layer_graphs``).
     """
 
-    def __init__(self, config: HiSparseConfig, *, validate: bool = True, kernels: str = "auto") -> None:
+    def __init__(self, config: HiSparseConfig, *, validate: bool = True, kernels: str = "auto",
+                 layer_graphs: bool = False) -> None:
         if not isinstance(config, HiSparseConfig):
             raise TypeError(f"config must be a HiSparseConfig, got {type(config).__name__}")
+        check_bool("layer_graphs", layer_graphs)
         self.config = config
         self.row_format = _row_format_of(config)
         self.validate = bool(validate)
+        if layer_graphs:
+            if self.validate:
+                raise ValueError("layer_graphs=True needs validate=False (a checked call syncs with the host, "
+                                 "which a graph can't hold)")
+            if resolve_device(config.device).type != "cuda":
+                raise ValueError(f"layer_graphs=True needs a CUDA device (CUDA graphs); config.device is "
+                                 f"{config.device!r}")
         self._cache = HiSparseCache(config, kernels=kernels)
         self.device = self._hot_rows(0).device
+        self._layer_graphs: LayerGraphs | None = None
+        if layer_graphs:
+            if self._cache.kernels != "triton":
+                raise ValueError(f"layer_graphs=True needs the Triton kernels (kernels='triton' or 'auto'); "
+                                 f"got {self._cache.kernels!r}")
+            self._layer_graphs = LayerGraphs(self._cache, CudaGraphBackend(self.device))
         self._layers: list[LayerCache] = []
         self._batch: SparseMLAMetadata | None = None
         self._decode_ids = torch.empty(0, dtype=torch.int32, device=self.device)
@@ -219,6 +239,11 @@ class HiSparseIndexGroup:
         """Rows per layer of a live request, a layer this forward has not written yet
         counted as before the forward."""
         return self._cache.lengths_before(req_id, self._step)
+
+    def layer_graphs(self) -> dict | None:
+        """With ``layer_graphs=True``: {graphs, eager, captures, replays}, the per-layer
+        calls that ran eagerly (a bucket's warm-up), captured and replayed; else None."""
+        return None if self._layer_graphs is None else self._layer_graphs.report()
 
     def stats(self) -> dict:
         return self._cache.stats()
@@ -354,7 +379,11 @@ class HiSparseIndexGroup:
             raise ValueError(f"layer {i}: this forward's rows were already written (or are, by a graph "
                              "replay)")
         if self._step.pending:
-            self._cache.write_step(i, self._step, rows)  # a launch that raises leaves it pending
+            lg = self._layer_graphs
+            if lg is not None and lg.applies(self._step):
+                lg.write(i, self._step, rows)
+            else:
+                self._cache.write_step(i, self._step, rows)  # a launch that raises leaves it pending
         self._written.add(i)
 
     def _as_row_bytes(self, rows: object, n: int, name: str) -> torch.Tensor:
@@ -428,7 +457,12 @@ class HiSparseIndexGroup:
                 raise ValueError(f"layer {i}: write_new_rows must run before the conversion (the "
                                  "decode tokens attend to their own rows)")
             if td:
-                phys, counts = self._resolve_decode(i, topk_indices, wait)
+                lg = self._layer_graphs
+                if lg is not None and wait and lg.applies(self._step):
+                    res = lg.convert(i, self._decode_ids, topk_indices)
+                    phys, counts = res.physical, res.valid_counts
+                else:
+                    phys, counts = self._resolve_decode(i, topk_indices, wait)
                 self.resolves_per_layer[i] += 1
                 if not wait:
                     self._unwaited[i] = self._capturing()

@@ -1,0 +1,193 @@
+"""Per-layer graphs of padded forwards (``hisparse.engine.layer_graphs``), on CPU.
+
+The CUDA backend is replaced by ``graph_trace.RecordingGraphs``: a capture records the
+cache's launch-function calls, a replay runs them again. What these tests pin is the
+part that is not CUDA: which calls capture and which replay, that the checks and the
+bookkeeping around a replay leave the same cache as eager calls (every state tensor,
+hot and host rows, physical indices, over a trace with joins, leaves and several
+buckets), and that a refused call or a failed capture changes nothing. The CUDA graphs
+themselves: tests/test_layer_graphs_gpu.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from graph_trace import Runner, TraceShape, Truth, cache_state, make_group, plan_trace, run_mixed
+from hisparse import HiSparseConfig
+from hisparse.engine import HiSparseIndexGroup, SparseMLAMetadata
+
+
+def _same_state(a, b, what: str) -> None:
+    sa, sb = cache_state(a.group), cache_state(b.group)
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), f"{what}: state {k} differs"
+
+
+@pytest.mark.parametrize("kernels,query_len,seed", [("torch", 1, 0), ("torch", 2, 1), ("triton", 1, 2)])
+def test_layer_graph_forwards_equal_eager(kernels, query_len, seed):
+    shape = TraceShape(query_len=query_len)
+    truth = Truth(shape)
+    trace = plan_trace(shape, steps=10 if kernels == "triton" else 24, seed=seed)
+    a = Runner(shape, "eager", "cpu", kernels, truth)
+    b = Runner(shape, "padded", "cpu", kernels, truth, layer_graphs="recording")
+    for i, ev in enumerate(trace):
+        a.event(ev)
+        b.event(ev)
+        if "decode" in ev:
+            for layer, (x, y) in enumerate(zip(a.phys[-1], b.phys[-1])):
+                assert torch.equal(x, y), f"event {i} layer {layer}: physical indices differ"
+            _same_state(a, b, f"event {i}")
+    a.check_rows()
+    b.check_rows()
+    counts = b.group.layer_graphs()
+    assert counts["replays"] > counts["captures"] > 0, counts  # the trace replays, not only warms up
+    assert b.group.stats()["total"]["misses"] > 0
+
+
+def _decode_md(rids, lens):
+    return SparseMLAMetadata.build(request_ids=rids, query_lens=[1] * len(rids),
+                                   seq_lens=[lens[r] + 1 for r in rids], num_decodes=len(rids))
+
+
+def _join(g, rid, n, truth, lens):
+    g.add_request(rid)
+    md = SparseMLAMetadata.build(request_ids=[rid], query_lens=[n], seq_lens=[n], num_decodes=0)
+    g.prepare_for_batch(md)
+    for layer in range(g.config.num_layers):
+        g.write_new_rows(layer, truth.rows(layer, rid)[:n], md)
+    lens[rid] = n
+
+
+def _step(g, truth, lens, rids, bucket, topk_of, *, fail_capture_at=()):
+    """One padded decode step of ``rids`` (bucket ``bucket``); ``fail_capture_at``:
+    the (call, layer) pairs whose capture fails once (then retried). Returns the physical
+    indices."""
+    md = _decode_md(rids, lens)
+    g.prepare_for_batch(md, pad_to=bucket)
+    out = []
+    for layer in range(g.config.num_layers):
+        rows = torch.cat([truth.rows(layer, r)[lens[r]:lens[r] + 1] for r in rids]
+                         + [torch.zeros((bucket - len(rids), 656), dtype=torch.uint8)])
+        tk = torch.full((bucket, g.config.top_k), -1, dtype=torch.int32)
+        tk[:len(rids)] = topk_of(layer)
+        for call in ("write", "convert"):
+            fn = (lambda: g.write_new_rows(layer, rows, md)) if call == "write" else \
+                 (lambda: out.append(g.convert_decode_logical_to_physical_topk(layer, tk, md).clone()))
+            if (call, layer) in fail_capture_at:
+                before = cache_state(g)
+                g._layer_graphs.backend.fail_capture = True
+                with pytest.raises(RuntimeError, match="injected"):
+                    fn()
+                after = cache_state(g)
+                for k in before:
+                    assert torch.equal(before[k], after[k]), f"a failed {call} capture changed {k}"
+            fn()
+    for r in rids:
+        lens[r] += 1
+    return out
+
+
+def test_capture_that_fails_changes_nothing_and_the_retry_matches():
+    shape = TraceShape(layers=2)
+    truth = Truth(shape)
+    runs = {}
+    for name, graphs in (("eager", None), ("graphs", "recording")):
+        g = make_group(shape, "cpu", "torch", layer_graphs=graphs)
+        lens: dict[int, int] = {}
+        _join(g, 1, 9, truth, lens)
+        _join(g, 2, 21, truth, lens)
+        phys = []
+        for step in range(4):
+            def topk_of(layer, step=step):
+                return torch.tensor([[p % (lens[r] + 1) for p in range(step + layer, step + layer + 8)]
+                                     for r in (1, 2)], dtype=torch.int32)
+            # the bucket's captures happen at its second step: fail one of each kind there
+            fail = (("write", 1), ("convert", 0)) if graphs and step == 1 else ()
+            phys.append(_step(g, truth, lens, [1, 2], 2, topk_of, fail_capture_at=fail))
+        runs[name] = (g, phys)
+    (ga, pa), (gb, pb) = runs["eager"], runs["graphs"]
+    for s, (x, y) in enumerate(zip(pa, pb)):
+        for layer, (u, v) in enumerate(zip(x, y)):
+            assert torch.equal(u, v), f"step {s} layer {layer}"
+    sa, sb = cache_state(ga), cache_state(gb)
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), k
+    assert gb.layer_graphs()["replays"] > 0
+
+
+def test_refused_calls_launch_nothing():
+    shape = TraceShape(layers=2)
+    truth = Truth(shape)
+    g = make_group(shape, "cpu", "torch", layer_graphs="recording")
+    lens: dict[int, int] = {}
+    _join(g, 1, 6, truth, lens)
+    for step in range(3):  # warm-up, capture, replay
+        md = _decode_md([1], lens)
+        g.prepare_for_batch(md, pad_to=2)
+        rows = torch.zeros((2, 656), dtype=torch.uint8)
+        rows[0] = truth.rows(0, 1)[lens[1]]
+        tk = torch.full((2, shape.top_k), -1, dtype=torch.int32)
+        tk[0, 0] = 0
+        g.write_new_rows(0, rows, md)
+        before = cache_state(g)
+        n = dict(g.layer_graphs())
+        with pytest.raises(ValueError, match="already written"):
+            g.write_new_rows(0, rows, md)
+        with pytest.raises(ValueError, match="write_new_rows must run before"):
+            g.convert_decode_logical_to_physical_topk(1, tk, md)
+        after = cache_state(g)
+        for k in before:
+            assert torch.equal(before[k], after[k]), k
+        assert g.layer_graphs() == n, "a refused call captured or replayed"
+        g.convert_decode_logical_to_physical_topk(0, tk, md)
+        g.write_new_rows(1, rows, md)
+        g.convert_decode_logical_to_physical_topk(1, tk, md)
+        lens[1] += 1
+    # step 1 eager, step 2 captures and replays, step 3 replays: 2 calls x 2 layers each
+    assert g.layer_graphs() == {"graphs": 4, "eager": 4, "captures": 4, "replays": 8}
+
+
+def test_unpadded_and_non_waiting_calls_stay_eager():
+    shape = TraceShape(layers=1)
+    truth = Truth(shape)
+    g = make_group(shape, "cpu", "torch", layer_graphs="recording")
+    lens: dict[int, int] = {}
+    _join(g, 1, 6, truth, lens)
+    for pad in (None, None, None):
+        md = _decode_md([1], lens)
+        g.prepare_for_batch(md, pad_to=pad)
+        g.write_new_rows(0, truth.rows(0, 1)[lens[1]:lens[1] + 1], md)
+        g.convert_decode_logical_to_physical_topk(0, torch.zeros((1, shape.top_k), dtype=torch.int32), md)
+        lens[1] += 1
+    assert g.layer_graphs() == {"graphs": 0, "eager": 0, "captures": 0, "replays": 0}
+    for _ in range(3):  # padded, but the conversion does not wait: eager every time
+        md = _decode_md([1], lens)
+        g.prepare_for_batch(md, pad_to=2)
+        rows = torch.zeros((2, 656), dtype=torch.uint8)
+        rows[0] = truth.rows(0, 1)[lens[1]]
+        g.write_new_rows(0, rows, md)
+        g.convert_decode_logical_to_physical_topk(0, torch.zeros((2, shape.top_k), dtype=torch.int32), md,
+                                                  wait=False)
+        g.wait_for_staging(0)
+        lens[1] += 1
+    c = g.layer_graphs()
+    assert (c["eager"], c["captures"], c["replays"]) == (1, 1, 2), c  # the writes only
+
+
+def test_layer_graphs_option_checks():
+    cfg = HiSparseConfig(num_layers=1, row_bytes=656, top_k=8, device_buffer_size=16, max_num_reqs=2,
+                         host_block_size=4, host_pool_tokens=64, device="cpu")
+    with pytest.raises(ValueError, match="validate=False"):
+        HiSparseIndexGroup(cfg, layer_graphs=True)
+    with pytest.raises(ValueError, match="CUDA device"):
+        HiSparseIndexGroup(cfg, validate=False, layer_graphs=True)
+    with pytest.raises(TypeError, match="bool"):
+        HiSparseIndexGroup(cfg, validate=False, layer_graphs=1)
+    assert HiSparseIndexGroup(cfg, validate=False).layer_graphs() is None
+
+
+@pytest.mark.parametrize("kernels,steps", [("torch", 30)])
+def test_layer_graphs_mixed_with_eager_prefetch_and_non_waiting_calls(kernels, steps):
+    run_mixed("cpu", kernels, "recording", steps=steps)
