@@ -299,6 +299,44 @@ def test_a_failing_launch_changes_nothing(kernels, site, call):
     assert torch.equal(c.hot, twin.hot)
 
 
+def _after(f):
+    """``f`` runs, then the call raises (an error reported after the launch ran)."""
+    def run(*a, **k):
+        f(*a, **k)
+        raise Boom("failure reported after the launch ran")
+    return run
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("call", ["resolve", "prefetch", "resolve_split"])
+def test_staging_that_ran_then_failed_changes_nothing(kernels, call):
+    """The staging copied the misses into their victims' slots, then the call failed:
+    the rollback puts back the victims' bytes too, not only their slot maps (else a
+    later hit on such a slot reads another position's row)."""
+    c, _ = warm_cache(kernels, seed=2)
+    twin, _ = warm_cache(kernels, seed=2)
+    ids = torch.tensor([1, 2, 4], dtype=I32)
+    tk = torch.tensor([[29, 3, 17, 9], [5, 0, 1, 2], [20, 19, 11, 4]], dtype=I32)
+    before = full_state(c)
+    good = c.stager.copy_fn
+    if call == "resolve_split":
+        def stage_with(miss_phys, miss_host, miss_counts):  # writes every miss row, then fails
+            c.stager.copy_fn(c._host_l[1], c._bufs[1].view(3, 4), c._hot_l[1], K=4)
+            raise Boom("failure after the rows were staged")
+        with pytest.raises(Boom):
+            c.resolve_split(1, ids, tk, validate=False, stage_with=stage_with)
+    else:
+        c.stager.copy_fn = _after(good)
+        with pytest.raises(Boom):
+            c.resolve(1, ids, tk, validate=False) if call == "resolve" else c.prefetch(1, ids, tk)
+        c.stager.copy_fn = good
+    assert_same(before, full_state(c))
+    check_cache(c)
+    a, b = c.resolve(1, ids, tk, validate=False), twin.resolve(1, ids, tk, validate=False)
+    assert torch.equal(a.physical, b.physical)
+    assert torch.equal(c.hot, twin.hot)
+
+
 @pytest.mark.parametrize("kernels", KERNELS)
 def test_staging_failure_rolls_back_multi_token_groups(kernels):
     """The undo of a resolve with multi-token groups, duplicate positions, padding and a

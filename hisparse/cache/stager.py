@@ -168,13 +168,14 @@ class Stager:
         self.stage_programs: int | None = None
 
     def _undo(self, layer: int, req_ids, topk, out: ResolveBuffers, *, miss_phase_ran: bool,
-              streams: tuple) -> None:
-        """A later launch of the call failed: wait for what ran, then roll it back."""
+              streams: tuple, rows: tuple) -> None:
+        """A later launch of the call failed: wait for what ran, then roll it back
+        (``rows``: the layer's (hot rows, host rows), to restore victims' bytes)."""
         for st in streams:
             if st is not None:
                 st.synchronize()
         rollback_resolve(self.state, layer, req_ids, topk, out, max_query_len=self.max_query_len,
-                         miss_phase_ran=miss_phase_ran)
+                         miss_phase_ran=miss_phase_ran, hot_rows=rows[0], host_rows=rows[1])
         for st in streams:
             if st is not None:
                 st.synchronize()
@@ -210,9 +211,10 @@ class Stager:
             except BaseException:
                 if not cap:  # a failed capture is discarded by its owner; nothing ran
                     if prefetch:
-                        self._undo_prefetch(layer, req_ids, topk, out, stage)
+                        self._undo_prefetch(layer, req_ids, topk, out, stage, (hot_rows, host_rows))
                     else:
-                        self._undo(layer, req_ids, topk, out, miss_phase_ran=True, streams=(stage,))
+                        self._undo(layer, req_ids, topk, out, miss_phase_ran=True, streams=(stage,),
+                                   rows=(hot_rows, host_rows))
                 raise
             ev.record(stage, cap)
         if stage is not None and not cap:
@@ -253,7 +255,8 @@ class Stager:
                     stage_with(*miss_lists)
             except BaseException:
                 if not cap:
-                    self._undo(layer, req_ids, topk, out, miss_phase_ran=miss_ran, streams=(cur, stage))
+                    self._undo(layer, req_ids, topk, out, miss_phase_ran=miss_ran, streams=(cur, stage),
+                               rows=(hot_rows, host_rows))
                 raise
             ev.record(stage, cap)
         if stage is not None and not cap:
@@ -269,11 +272,12 @@ class Stager:
         return self._resolve_and_stage(layer, req_ids, topk, out, host_rows=host_rows, hot_rows=hot_rows,
                                        wait=False, compact=False, prefetch=True)
 
-    def _undo_prefetch(self, layer: int, req_ids, topk, out: ResolveBuffers, stage) -> None:
+    def _undo_prefetch(self, layer: int, req_ids, topk, out: ResolveBuffers, stage, rows: tuple) -> None:
         if stage is not None:
             stage.synchronize()
         st = self.state.stats[layer].clone()
-        rollback_resolve(self.state, layer, req_ids, topk, out, max_query_len=self.max_query_len)
+        rollback_resolve(self.state, layer, req_ids, topk, out, max_query_len=self.max_query_len,
+                         hot_rows=rows[0], host_rows=rows[1])
         self.state.stats[layer] = st  # a prefetch counted only its staged rows
         self.state.stats[layer, STAT_PREFETCH] -= int((out.stage_dst[:topk.numel()] >= 0).sum())
 
