@@ -441,3 +441,32 @@ def test_engine_calls_change_nothing_when_a_launch_fails(kernels, site, monkeypa
         monkeypatch.undo()
         assert_same(before, group_state(g))
         call()  # and the retry completes
+
+
+@pytest.mark.parametrize("what", ["add_request", "free_request"])
+def test_requests_change_only_between_a_forwards_layers(what):
+    """add / free part-way through a forward's writes is refused (nothing changed), so
+    no request is left holding a row more in some layers than in others; once every
+    layer is written it goes through. Before any write it goes through and the prepared
+    forward is refused as out of date, with what to do; prepared again, it runs."""
+    g = make_group("torch")
+    md = SparseMLAMetadata.build(request_ids=[1], query_lens=[1], seq_lens=[21], num_decodes=1)
+    g.prepare_for_batch(md)
+    g.write_new_rows(0, rand_rows(1, 5), md)
+    before = group_state(g)
+    act = (lambda: g.add_request(3)) if what == "add_request" else (lambda: g.free_request(2))
+    with pytest.raises(ValueError, match="part-way through a forward"):
+        act()
+    assert_same(before, group_state(g))
+    g.write_new_rows(1, rand_rows(1, 6), md)
+    act()
+    md = SparseMLAMetadata.build(request_ids=[1], query_lens=[1], seq_lens=[22], num_decodes=1)
+    g.prepare_for_batch(md)
+    # before any write of the prepared forward (the other lifecycle call, for a free slot)
+    g.free_request(2) if what == "add_request" else g.add_request(6)
+    with pytest.raises(ValueError, match="prepare the forward again"):
+        g.write_new_rows(0, rand_rows(1, 7), md)
+    g.prepare_for_batch(md)
+    for layer in range(2):
+        g.write_new_rows(layer, rand_rows(1, 8 + layer), md)
+    assert [g.request_length(1, l) for l in range(2)] == [22, 22]

@@ -198,12 +198,27 @@ class HiSparseIndexGroup:
 
     # ------------------------------------------------------------- requests
     def add_request(self, req_id: int) -> None:
-        """Admit a request (CapacityError when every request slot is taken)."""
+        """Admit a request (CapacityError when every request slot is taken). Not while a
+        forward is part-way through its layers' writes (see :meth:`free_request`)."""
+        self._refuse_mid_forward("add_request")
         self._cache.add_request(req_id)
 
     def free_request(self, req_id: int) -> None:
-        """Release every block and slot of a finished or preempted request."""
+        """Release every block and slot of a finished or preempted request. Between
+        forwards, or after ``prepare_for_batch`` before any ``write_new_rows`` (the
+        prepared forward is then out of date: prepare it again); refused while a forward
+        has written some layers but not all (those it wrote would hold a row more than
+        the others, and the request could not be batched again)."""
+        self._refuse_mid_forward("free_request")
         self._cache.free_request(req_id)
+
+    def _refuse_mid_forward(self, what: str) -> None:
+        step = self._step
+        if step is not None and step.pending and self._written and \
+                step.generation == self._cache.requests.generation:
+            raise ValueError(f"{what} part-way through a forward: layers {sorted(self._written)} of it are "
+                             f"written and {sorted(step.pending)} are not; write the remaining layers "
+                             "first, then add or free requests between forwards")
 
     def has_request(self, req_id: int) -> bool:
         return self._cache.requests.is_live(req_id)
