@@ -191,6 +191,13 @@ def test_env_json(capsys):
     assert any(b["name"] == "reference" for b in r["backends"])
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="describes a machine without CUDA")
+def test_env_for_cuda_without_cuda_reports_it(capsys):
+    r = _json(capsys, ["env", "--json", "--device", "cuda"])
+    assert r["triton_decode"]["kernel"] is None
+    assert "no CUDA device" in r["triton_decode"]["ws_off_reason"]
+
+
 def test_python_dash_m():
     p = subprocess.run([sys.executable, "-m", "hisparse", "plan", "--json", "--quiet"],
                        capture_output=True, text=True, timeout=120)

@@ -11,6 +11,7 @@
   interface, plots and exit codes.
 """
 
+import dataclasses
 import json
 import os
 
@@ -171,6 +172,23 @@ def test_replay_equals_a_stress_run_and_its_belady_bound(tmp_path):
                                     top_k=16, steps=20, churn=0.2, drift=0.3, seed=0))
     for a, b in zip(rec, W.generate(r2, torch.device("cpu"))):
         np.testing.assert_array_equal(a.topk, b.topk)
+
+
+def test_stress_runs_the_workingset_generator_whatif_does(tmp_path):
+    path = str(tmp_path / "ws.npz")
+    o = StressOptions(num_requests=3, context=200, num_layers=2, top_k=80, buffer_size=100, steps=8,
+                      churn=0.2, trace="workingset", drift=0.03, record=path, verify="none",
+                      device="cpu", kernels="torch", block_size=16, progress=False)
+    assert run_stress(o)["ok"]
+    _, rec = load_trace(path)
+    r = W._resolve(W.WhatifOptions(trace="workingset", requests=3, context=200, context_min=100, layers=2,
+                                   top_k=80, steps=8, churn=0.2, drift=0.03, seed=0, warmup=0))
+    gen = list(W.generate(r, torch.device("cpu")))
+    assert len(rec) == len(gen) == 8
+    for a, b in zip(rec, gen):
+        np.testing.assert_array_equal(a.topk, b.topk)
+    with pytest.raises(ValueError, match="top_k > 68"):
+        run_stress(dataclasses.replace(o, top_k=64, record=None))
 
 
 def test_replay_of_the_mini_engine_equals_its_cache_counters(tmp_path):
