@@ -386,6 +386,27 @@ def test_cli_bad_input_exit_2_one_line(capsys, argv, msg):
     assert msg in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
+_TINY = ["--requests", "2", "--context", "4K", "--steps", "10", "--layers", "2", "--top-k", "128", "--warmup", "0"]
+
+
+@pytest.mark.parametrize("argv,code,msg", [
+    (["--buffers", "99999999999"], 2, "past the longest context"),
+    (["--pool", "nan"], 2, "pool must be"),
+    (["--pool", "1e9"], 3, "of host memory"),  # refused before allocating anything
+    (["--requests", "100000", "--context", "1M", "--trace", "uniform"], 3, "of host memory"),
+])
+def test_cli_sizes_refused_before_work(capsys, argv, code, msg):
+    assert main(["whatif", "--quiet"] + _TINY + argv) == code
+    err = capsys.readouterr().err
+    assert msg in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks for CUDA on a machine without it")
+def test_cli_cuda_without_cuda_is_a_missing_dependency(capsys):
+    assert main(["whatif", "--quiet", "--device", "cuda"] + _TINY) == 4
+    assert "no CUDA device" in capsys.readouterr().err
+
+
 def test_cli_malformed_trace_file_exit_2(tmp_path, capsys):
     bad = tmp_path / "bad.npz"
     bad.write_bytes(b"not a zip file")

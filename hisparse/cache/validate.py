@@ -68,7 +68,7 @@ def check_resolve_meta(cfg: HiSparseConfig, device: torch.device, req_ids: objec
         raise ValueError(f"req_ids must be contiguous, got stride {req_ids.stride(0)}")  # type: ignore[union-attr]
     if T and K == 0:
         raise ValueError("topk must have K >= 1 columns (use -1 entries for padding)")
-    if K > 1 and topk.stride(1) != 1:  # type: ignore[union-attr]
+    if T and K > 1 and topk.stride(1) != 1:  # type: ignore[union-attr]  (no rows: nothing is read)
         raise ValueError(f"topk must be contiguous in its last dimension, got strides "
                          f"{topk.stride()}")  # type: ignore[union-attr]
     if K > cfg.top_k:

@@ -140,7 +140,7 @@ class StressOptions:
         for name in ("num_requests", "context", "num_layers", "top_k", "steps", "block_size",
                      "prefill_chunk"):
             check_int(name, getattr(self, name), lo=1)
-        check_int("seed", self.seed)
+        check_int("seed", self.seed, 0, 2**62)  # the tools derive seed + 1, seed + 2, ... from it
         if self.buffer_size is not None:
             check_int("buffer_size", self.buffer_size, lo=1)
         cm = self.context_min if self.context_min is not None else max(1, self.context // 2)
@@ -226,6 +226,8 @@ class StressRun:
             if steps == 0:
                 raise ValueError(f"trace file {o.replay!r} has no steps")
             live_max = max(st.req_ids.size for st in self.replay.steps)
+            if live_max == 0:
+                raise ValueError(f"trace file {o.replay!r} has no request in any of its {steps} steps")
             max_len = max(int(st.seq_lens.max()) for st in self.replay.steps if st.seq_lens.size)
             max_id = max(int(st.req_ids.max()) for st in self.replay.steps if st.req_ids.size)
             self.source = self.replay
