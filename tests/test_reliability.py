@@ -470,3 +470,13 @@ def test_requests_change_only_between_a_forwards_layers(what):
     for layer in range(2):
         g.write_new_rows(layer, rand_rows(1, 8 + layer), md)
     assert [g.request_length(1, l) for l in range(2)] == [22, 22]
+
+
+def test_stage_programs_checked_when_set():
+    c, _ = warm_cache("torch", seed=3)
+    for bad in (0, -4, 2.5, True):
+        with pytest.raises((TypeError, ValueError), match="stage_programs"):
+            c.stager.stage_programs = bad
+    c.stager.stage_programs = 8
+    assert c.stager.stage_programs == 8
+    c.stager.stage_programs = None

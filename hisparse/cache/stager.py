@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from .._checks import check_int
 from ..device import Streams
 from .rollback import rollback_resolve
 from .state import STAT_PREFETCH, HotState, ResolveBuffers
@@ -165,7 +166,18 @@ class Stager:
         self.lookup_fn = lookup_fn
         self.copy_fn = copy_fn
         self.max_query_len = max_query_len
-        self.stage_programs: int | None = None
+        self._stage_programs: int | None = None
+
+    @property
+    def stage_programs(self) -> int | None:
+        """The staging kernel's grid (None = a quarter of the SMs)."""
+        return self._stage_programs
+
+    @stage_programs.setter
+    def stage_programs(self, programs: int | None) -> None:
+        if programs is not None:  # checked here, not part-way through a resolve
+            check_int("stage_programs", programs, 1)
+        self._stage_programs = programs
 
     def _undo(self, layer: int, req_ids, topk, out: ResolveBuffers, *, miss_phase_ran: bool,
               streams: tuple, rows: tuple) -> None:
