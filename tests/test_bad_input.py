@@ -152,7 +152,7 @@ def test_resolve_metadata_errors_in_both_modes(cache, validate, rid, tk, match, 
 # ---- resolve: contents (checked mode raises; unchecked counts) ------------------------------
 CONTENT_CASES = [
     # (req_ids, topk, message, invalid entries counted when unchecked)
-    ([-1], [[0, -1]], r"req_ids\[0\]=-1 is out of range", 1),
+    ([-1], [[0, -1]], r"req_ids\[0\] = -1 marks a padding token", 1),
     ([8], [[0, 1]], r"req_ids\[0\]=8 is out of range", 2),
     ([3], [[0, 1]], r"req_ids\[0\]=3 is not a live request", 2),
     # unchecked, the second run of request 1 is not resolved: its entry counts invalid

@@ -191,6 +191,24 @@ def test_env_json(capsys):
     assert any(b["name"] == "reference" for b in r["backends"])
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="describes a machine without CUDA")
+def test_env_for_cuda_without_cuda_reports_it(capsys):
+    r = _json(capsys, ["env", "--json", "--device", "cuda"])
+    assert r["triton_decode"]["kernel"] is None
+    assert "no CUDA device" in r["triton_decode"]["ws_off_reason"]
+
+
+@pytest.mark.parametrize("cmd", [["stress", "--steps", "2"], ["mini-engine"], ["whatif", "--quiet"]])
+def test_seed_out_of_range_is_named(capsys, cmd):
+    _fails(capsys, cmd + ["--seed", "99999999999999999999"], 2, "seed")
+
+
+def test_mini_engine_help_says_what_unset_defaults_mean(capsys):
+    assert main(["mini-engine", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "(default None)" not in out and "2 x top-k" in out
+
+
 def test_python_dash_m():
     p = subprocess.run([sys.executable, "-m", "hisparse", "plan", "--json", "--quiet"],
                        capture_output=True, text=True, timeout=120)

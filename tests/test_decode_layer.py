@@ -151,3 +151,35 @@ def test_engine_decode_attention(overlap):
         torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
         with pytest.raises(ValueError, match="already resolved"):
             g.decode_attention(layer, q, tk, md, backend=ReferenceBackend(), sm_scale=SM, overlap=overlap)
+
+
+class _Unsupported(ReferenceBackend):
+    name = "unsupported"
+
+    def supports(self, *, device, row_format, num_heads, phase):
+        return "this stand-in runs nothing"
+
+
+@pytest.mark.parametrize("overlap", ["serial", "split", "fused"])
+@pytest.mark.parametrize("bad", ["sm_scale", "q_width", "q_dtype", "backend"])
+def test_a_decode_the_backend_refuses_changes_nothing(overlap, bad):
+    """q, sm_scale and the backend's support are checked before the resolve: a refused
+    call leaves the LRU state, counters and hot rows as they were, and the retry equals
+    a cache that never saw the refused call."""
+    c, twin = make("torch", "fp8_ds_mla")[0], make("torch", "fp8_ds_mla")[0]
+    req = torch.tensor([1, 1, 2], dtype=I32)
+    topk = torch.tensor([[0, 5, 39, 12, -1, 7], [3, 3, 38, 20, 1, 2], [0, 8, 4, -1, -1, 6]], dtype=I32)
+    q = qs(3, seed=4)
+    args = {"sm_scale": (q, -1.0, ReferenceBackend()), "q_width": (q[..., :512].contiguous(), SM, ReferenceBackend()),
+            "q_dtype": (q.float(), SM, ReferenceBackend()), "backend": (q, SM, _Unsupported())}[bad]
+    before = ({n: getattr(c.state, n).clone() for n in STATE}, c.hot.clone())
+    with pytest.raises((ValueError, TypeError)):
+        DecodeLayer(c, args[2], overlap=overlap)(1, req, topk, args[0], sm_scale=args[1])
+    for n in STATE:
+        assert torch.equal(before[0][n], getattr(c.state, n)), f"a refused decode changed {n}"
+    assert torch.equal(before[1], c.hot)
+    outs = [DecodeLayer(x, ReferenceBackend(), overlap=overlap)(1, req, topk, q, sm_scale=SM) for x in (c, twin)]
+    assert torch.equal(outs[0][0], outs[1][0])
+    for n in STATE:
+        assert torch.equal(getattr(c.state, n), getattr(twin.state, n)), n
+    assert torch.equal(c.hot, twin.hot)

@@ -255,7 +255,7 @@ def test_checked_group_takes_padded_forwards_and_refuses_selections_of_padding(k
     for pos in (0, -5):  # a padding token selecting position 0, or holding an entry below -1
         bad = tk.clone()
         bad[3, 0] = pos
-        with pytest.raises(ValueError, match=r"req_ids\[3\]=-1"):
+        with pytest.raises(ValueError, match=r"req_ids\[3\] = -1 marks a padding token"):
             checked.convert_decode_logical_to_physical_topk(1, bad, md)
     after = cache_state(checked)
     for k in before:

@@ -299,6 +299,44 @@ def test_a_failing_launch_changes_nothing(kernels, site, call):
     assert torch.equal(c.hot, twin.hot)
 
 
+def _after(f):
+    """``f`` runs, then the call raises (an error reported after the launch ran)."""
+    def run(*a, **k):
+        f(*a, **k)
+        raise Boom("failure reported after the launch ran")
+    return run
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("call", ["resolve", "prefetch", "resolve_split"])
+def test_staging_that_ran_then_failed_changes_nothing(kernels, call):
+    """The staging copied the misses into their victims' slots, then the call failed:
+    the rollback puts back the victims' bytes too, not only their slot maps (else a
+    later hit on such a slot reads another position's row)."""
+    c, _ = warm_cache(kernels, seed=2)
+    twin, _ = warm_cache(kernels, seed=2)
+    ids = torch.tensor([1, 2, 4], dtype=I32)
+    tk = torch.tensor([[29, 3, 17, 9], [5, 0, 1, 2], [20, 19, 11, 4]], dtype=I32)
+    before = full_state(c)
+    good = c.stager.copy_fn
+    if call == "resolve_split":
+        def stage_with(miss_phys, miss_host, miss_counts):  # writes every miss row, then fails
+            c.stager.copy_fn(c._host_l[1], c._bufs[1].view(3, 4), c._hot_l[1], K=4)
+            raise Boom("failure after the rows were staged")
+        with pytest.raises(Boom):
+            c.resolve_split(1, ids, tk, validate=False, stage_with=stage_with)
+    else:
+        c.stager.copy_fn = _after(good)
+        with pytest.raises(Boom):
+            c.resolve(1, ids, tk, validate=False) if call == "resolve" else c.prefetch(1, ids, tk)
+        c.stager.copy_fn = good
+    assert_same(before, full_state(c))
+    check_cache(c)
+    a, b = c.resolve(1, ids, tk, validate=False), twin.resolve(1, ids, tk, validate=False)
+    assert torch.equal(a.physical, b.physical)
+    assert torch.equal(c.hot, twin.hot)
+
+
 @pytest.mark.parametrize("kernels", KERNELS)
 def test_staging_failure_rolls_back_multi_token_groups(kernels):
     """The undo of a resolve with multi-token groups, duplicate positions, padding and a
@@ -403,3 +441,42 @@ def test_engine_calls_change_nothing_when_a_launch_fails(kernels, site, monkeypa
         monkeypatch.undo()
         assert_same(before, group_state(g))
         call()  # and the retry completes
+
+
+@pytest.mark.parametrize("what", ["add_request", "free_request"])
+def test_requests_change_only_between_a_forwards_layers(what):
+    """add / free part-way through a forward's writes is refused (nothing changed), so
+    no request is left holding a row more in some layers than in others; once every
+    layer is written it goes through. Before any write it goes through and the prepared
+    forward is refused as out of date, with what to do; prepared again, it runs."""
+    g = make_group("torch")
+    md = SparseMLAMetadata.build(request_ids=[1], query_lens=[1], seq_lens=[21], num_decodes=1)
+    g.prepare_for_batch(md)
+    g.write_new_rows(0, rand_rows(1, 5), md)
+    before = group_state(g)
+    act = (lambda: g.add_request(3)) if what == "add_request" else (lambda: g.free_request(2))
+    with pytest.raises(ValueError, match="part-way through a forward"):
+        act()
+    assert_same(before, group_state(g))
+    g.write_new_rows(1, rand_rows(1, 6), md)
+    act()
+    md = SparseMLAMetadata.build(request_ids=[1], query_lens=[1], seq_lens=[22], num_decodes=1)
+    g.prepare_for_batch(md)
+    # before any write of the prepared forward (the other lifecycle call, for a free slot)
+    g.free_request(2) if what == "add_request" else g.add_request(6)
+    with pytest.raises(ValueError, match="prepare the forward again"):
+        g.write_new_rows(0, rand_rows(1, 7), md)
+    g.prepare_for_batch(md)
+    for layer in range(2):
+        g.write_new_rows(layer, rand_rows(1, 8 + layer), md)
+    assert [g.request_length(1, l) for l in range(2)] == [22, 22]
+
+
+def test_stage_programs_checked_when_set():
+    c, _ = warm_cache("torch", seed=3)
+    for bad in (0, -4, 2.5, True):
+        with pytest.raises((TypeError, ValueError), match="stage_programs"):
+            c.stager.stage_programs = bad
+    c.stager.stage_programs = 8
+    assert c.stager.stage_programs == 8
+    c.stager.stage_programs = None

@@ -79,6 +79,27 @@ def test_correlated_refills_padding_and_forgets_dropped():
     assert not s._prev
 
 
+def test_replay_of_traces_with_empty_steps(tmp_path):
+    """A recorder writes steps with no request (e.g. an engine's idle step): a replay
+    runs through them, and a trace with no request at all is refused by name."""
+    rec = TraceRecorder(num_layers=1, top_k=4)
+    rec.begin_step([], [])
+    rec.add_layer(0, np.zeros((0, 4), dtype=np.int32))
+    rec.begin_step([0], [30])
+    rec.add_layer(0, [[0, 1, 2, 29]])
+    p = tmp_path / "first_empty.npz"
+    rec.save(p)
+    r = run_stress(StressOptions(trace="replay", replay=str(p), device="cpu", kernels="torch", progress=False))
+    assert r["ok"] and r["overall"]["misses"] == 0  # a 30-row context fits the buffer
+    empty = TraceRecorder(num_layers=1, top_k=4)
+    empty.begin_step([], [])
+    empty.add_layer(0, np.zeros((0, 4), dtype=np.int32))
+    q = tmp_path / "empty.npz"
+    empty.save(q)
+    with pytest.raises(ValueError, match="no request in any"):
+        run_stress(StressOptions(trace="replay", replay=str(q), device="cpu", kernels="torch", progress=False))
+
+
 def test_trace_file_roundtrip_and_validation(tmp_path):
     rec = TraceRecorder(num_layers=2, top_k=3)
     rec.begin_step([4, 7], [5, 9])

@@ -11,6 +11,7 @@
   interface, plots and exit codes.
 """
 
+import dataclasses
 import json
 import os
 
@@ -171,6 +172,23 @@ def test_replay_equals_a_stress_run_and_its_belady_bound(tmp_path):
                                     top_k=16, steps=20, churn=0.2, drift=0.3, seed=0))
     for a, b in zip(rec, W.generate(r2, torch.device("cpu"))):
         np.testing.assert_array_equal(a.topk, b.topk)
+
+
+def test_stress_runs_the_workingset_generator_whatif_does(tmp_path):
+    path = str(tmp_path / "ws.npz")
+    o = StressOptions(num_requests=3, context=200, num_layers=2, top_k=80, buffer_size=100, steps=8,
+                      churn=0.2, trace="workingset", drift=0.03, record=path, verify="none",
+                      device="cpu", kernels="torch", block_size=16, progress=False)
+    assert run_stress(o)["ok"]
+    _, rec = load_trace(path)
+    r = W._resolve(W.WhatifOptions(trace="workingset", requests=3, context=200, context_min=100, layers=2,
+                                   top_k=80, steps=8, churn=0.2, drift=0.03, seed=0, warmup=0))
+    gen = list(W.generate(r, torch.device("cpu")))
+    assert len(rec) == len(gen) == 8
+    for a, b in zip(rec, gen):
+        np.testing.assert_array_equal(a.topk, b.topk)
+    with pytest.raises(ValueError, match="top_k > 68"):
+        run_stress(dataclasses.replace(o, top_k=64, record=None))
 
 
 def test_replay_of_the_mini_engine_equals_its_cache_counters(tmp_path):
@@ -366,6 +384,27 @@ def test_cli_bad_input_exit_2_one_line(capsys, argv, msg):
     assert main(["whatif", "--quiet"] + argv) == 2
     err = capsys.readouterr().err
     assert msg in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+_TINY = ["--requests", "2", "--context", "4K", "--steps", "10", "--layers", "2", "--top-k", "128", "--warmup", "0"]
+
+
+@pytest.mark.parametrize("argv,code,msg", [
+    (["--buffers", "99999999999"], 2, "past the longest context"),
+    (["--pool", "nan"], 2, "pool must be"),
+    (["--pool", "1e9"], 3, "of host memory"),  # refused before allocating anything
+    (["--requests", "100000", "--context", "1M", "--trace", "uniform"], 3, "of host memory"),
+])
+def test_cli_sizes_refused_before_work(capsys, argv, code, msg):
+    assert main(["whatif", "--quiet"] + _TINY + argv) == code
+    err = capsys.readouterr().err
+    assert msg in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks for CUDA on a machine without it")
+def test_cli_cuda_without_cuda_is_a_missing_dependency(capsys):
+    assert main(["whatif", "--quiet", "--device", "cuda"] + _TINY) == 4
+    assert "no CUDA device" in capsys.readouterr().err
 
 
 def test_cli_malformed_trace_file_exit_2(tmp_path, capsys):

@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from .._checks import check_int, check_tensor
+from .._checks import check_int, check_tensor, same_device
 from ..formats import BF16_ROW_BYTES, D_LATENT, D_ROW, FP8_ROW_BYTES, RowFormat
 
 D_QK = D_ROW  # query/key dims in the attention notation: 512 latent + 64 RoPE
@@ -191,6 +191,21 @@ def _check_ranges(indices: torch.Tensor, valid_counts: torch.Tensor | None, N: i
             raise ValueError(f"valid_counts must lie in [0, K={K}], got values in [{lo}, {hi}]")
 
 
+def check_decode_call(backend: "SparseMLABackend", q: object, sm_scale: object, *,
+                      device: torch.device, row_format: RowFormat) -> None:
+    """The checks of a decode call that need neither rows nor indices: ``q`` (bf16 [T,
+    H, 576] on ``device``), ``sm_scale`` and whether ``backend`` supports the call. For a
+    caller that resolves the indices first (``hisparse.decode``), so that a call the
+    backend would refuse is refused before the resolve changes the cache."""
+    q = _check_q(q)
+    if not same_device(q, device):
+        raise ValueError(f"q is on {q.device}, the cache on {device}; move it there first")
+    _check_scale(sm_scale)
+    reason = backend.supports(device=q.device, row_format=row_format, num_heads=q.shape[1], phase=Phase.DECODE)
+    if reason is not None:
+        raise ValueError(f"{backend.name} backend cannot run this decode: {reason}")
+
+
 def normalize_kv_rows(kv_rows: object, row_format: RowFormat | str) -> torch.Tensor:
     """Check ``kv_rows`` against ``row_format``; return uint8 [N, 656] or bf16 [N, 576].
 
@@ -274,5 +289,5 @@ def empty_result(T: int, H: int, device: torch.device) -> tuple[torch.Tensor, to
 __all__ = [
     "D_QK", "D_V", "Phase", "DecodeInputs",
     "PrefillInputs", "SparseMLABackend", "normalize_kv_rows", "validate_decode_inputs",
-    "validate_prefill_inputs", "empty_result", "heads_reason",
+    "validate_prefill_inputs", "empty_result", "heads_reason", "check_decode_call",
 ]

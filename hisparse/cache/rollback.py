@@ -9,9 +9,11 @@ the reference write it). It runs only on that failure path, so it may synchronis
 use plain torch ops.
 
 Order of the undo per resolved group (layer l, request slot r, new step s): the misses'
-rows are unmapped and each victim gets back its old position, stamp and row map; then
-every hit slot whose stamp this step changed gets its old stamp; then step[l, r] and
-the counters go back.
+rows are unmapped and each victim gets back its old position, stamp and row map, and,
+given the layer's rows, its old bytes (the staging may have overwritten the slot before
+the call failed; every hot row's bytes are on host, so they are copied back from there);
+then every hit slot whose stamp this step changed gets its old stamp; then step[l, r]
+and the counters go back.
 """
 
 from __future__ import annotations
@@ -23,13 +25,16 @@ from .state import STAT_HITS, STAT_INVALID, STAT_MISSES, STAT_RESOLVES, HotState
 
 
 def rollback_resolve(state: HotState, layer: int, req_ids: torch.Tensor, topk: torch.Tensor,
-                     out: ResolveBuffers, *, max_query_len: int, miss_phase_ran: bool = True) -> None:
+                     out: ResolveBuffers, *, max_query_len: int, miss_phase_ran: bool = True,
+                     hot_rows: torch.Tensor | None = None, host_rows: torch.Tensor | None = None) -> None:
     """Restore ``state`` of ``layer`` to what it was before the resolve that wrote ``out``.
 
     req_ids: int32 [T] and topk: int32 [T, K], the resolve's inputs; out: its buffers
     (views of capacity [T, K]). The resolve's launches must have completed (the caller
     synchronises first). ``miss_phase_ran=False``: only the hit phase of a split
     resolve ran (hits stamped with step + 1 and counted, nothing mapped).
+    hot_rows: uint8 [N, row_bytes] and host_rows: uint8 [H, row_bytes], the layer's:
+    victims' bytes are restored from host (needed once the staging may have run).
     """
     T, K = topk.shape
     if T == 0:
@@ -58,7 +63,11 @@ def rollback_resolve(state: HotState, layer: int, req_ids: torch.Tensor, topk: t
             slot_stamp[r, slots] = out.undo_vstamp[base:base + m]
             had = old_pos >= 0
             op = old_pos[had].long()
-            row_slot[bt[op // B] * B + op % B] = slots[had].to(torch.int32)
+            old_rows = bt[op // B] * B + op % B
+            row_slot[old_rows] = slots[had].to(torch.int32)
+            if hot_rows is not None and bool(had.any()):
+                back = host_rows[old_rows.to(host_rows.device)]
+                hot_rows[dst[:m][had].to(hot_rows.device)] = back.to(hot_rows.device)
         undo = out.undo_hit[base:base + n * K]
         lanes = (undo >= 0) & (undo != s_new)
         if bool(lanes.any()):

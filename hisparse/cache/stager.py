@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from .._checks import check_int
 from ..device import Streams
 from .rollback import rollback_resolve
 from .state import STAT_PREFETCH, HotState, ResolveBuffers
@@ -194,16 +195,28 @@ class Stager:
         self.lookup_fn = lookup_fn
         self.copy_fn = copy_fn
         self.max_query_len = max_query_len
-        self.stage_programs: int | None = None
+        self._stage_programs: int | None = None
+
+    @property
+    def stage_programs(self) -> int | None:
+        """The staging kernel's grid (None = a quarter of the SMs)."""
+        return self._stage_programs
+
+    @stage_programs.setter
+    def stage_programs(self, programs: int | None) -> None:
+        if programs is not None:  # checked here, not part-way through a resolve
+            check_int("stage_programs", programs, 1)
+        self._stage_programs = programs
 
     def _undo(self, layer: int, req_ids, topk, out: ResolveBuffers, *, miss_phase_ran: bool,
-              streams: tuple) -> None:
-        """A later launch of the call failed: wait for what ran, then roll it back."""
+              streams: tuple, rows: tuple) -> None:
+        """A later launch of the call failed: wait for what ran, then roll it back
+        (``rows``: the layer's (hot rows, host rows), to restore victims' bytes)."""
         for st in streams:
             if st is not None:
                 st.synchronize()
         rollback_resolve(self.state, layer, req_ids, topk, out, max_query_len=self.max_query_len,
-                         miss_phase_ran=miss_phase_ran)
+                         miss_phase_ran=miss_phase_ran, hot_rows=rows[0], host_rows=rows[1])
         for st in streams:
             if st is not None:
                 st.synchronize()
@@ -239,9 +252,10 @@ class Stager:
             except BaseException:
                 if not cap:  # a failed capture is discarded by its owner; nothing ran
                     if prefetch:
-                        self._undo_prefetch(layer, req_ids, topk, out, stage)
+                        self._undo_prefetch(layer, req_ids, topk, out, stage, (hot_rows, host_rows))
                     else:
-                        self._undo(layer, req_ids, topk, out, miss_phase_ran=True, streams=(stage,))
+                        self._undo(layer, req_ids, topk, out, miss_phase_ran=True, streams=(stage,),
+                                   rows=(hot_rows, host_rows))
                 raise
             ev.record(stage, cap)
         if stage is not None and not cap:
@@ -282,7 +296,8 @@ class Stager:
                     stage_with(*miss_lists)
             except BaseException:
                 if not cap:
-                    self._undo(layer, req_ids, topk, out, miss_phase_ran=miss_ran, streams=(cur, stage))
+                    self._undo(layer, req_ids, topk, out, miss_phase_ran=miss_ran, streams=(cur, stage),
+                               rows=(hot_rows, host_rows))
                 raise
             ev.record(stage, cap)
         if stage is not None and not cap:
@@ -298,11 +313,12 @@ class Stager:
         return self._resolve_and_stage(layer, req_ids, topk, out, host_rows=host_rows, hot_rows=hot_rows,
                                        wait=False, compact=False, prefetch=True)
 
-    def _undo_prefetch(self, layer: int, req_ids, topk, out: ResolveBuffers, stage) -> None:
+    def _undo_prefetch(self, layer: int, req_ids, topk, out: ResolveBuffers, stage, rows: tuple) -> None:
         if stage is not None:
             stage.synchronize()
         st = self.state.stats[layer].clone()
-        rollback_resolve(self.state, layer, req_ids, topk, out, max_query_len=self.max_query_len)
+        rollback_resolve(self.state, layer, req_ids, topk, out, max_query_len=self.max_query_len,
+                         hot_rows=rows[0], host_rows=rows[1])
         self.state.stats[layer] = st  # a prefetch counted only its staged rows
         self.state.stats[layer, STAT_PREFETCH] -= int((out.stage_dst[:topk.numel()] >= 0).sum())
 

@@ -68,7 +68,7 @@ def check_resolve_meta(cfg: HiSparseConfig, device: torch.device, req_ids: objec
         raise ValueError(f"req_ids must be contiguous, got stride {req_ids.stride(0)}")  # type: ignore[union-attr]
     if T and K == 0:
         raise ValueError("topk must have K >= 1 columns (use -1 entries for padding)")
-    if K > 1 and topk.stride(1) != 1:  # type: ignore[union-attr]
+    if T and K > 1 and topk.stride(1) != 1:  # type: ignore[union-attr]  (no rows: nothing is read)
         raise ValueError(f"topk must be contiguous in its last dimension, got strides "
                          f"{topk.stride()}")  # type: ignore[union-attr]
     if K > cfg.top_k:
@@ -110,6 +110,10 @@ def check_resolve_contents(cfg: HiSparseConfig, req_ids: torch.Tensor, topk: tor
         if pad[t]:
             run = 0
             continue
+        if rid == -1:
+            raise ValueError(f"req_ids[{t}] = -1 marks a padding token (e.g. past the batch with pad_to), but "
+                             f"its top-k row holds entries other than -1 (from {lows[t]} to {highs[t]}); a "
+                             "padding token's row must be all -1")
         if not 0 <= rid < cfg.max_request_id:
             raise ValueError(
                 f"req_ids[{t}]={rid} is out of range [0, {cfg.max_request_id})"

@@ -277,7 +277,8 @@ class Writer:
         """ValueError when ``layer`` of ``step`` can't be written now (stale step, bucket
         buffers taken over by a later step, layer already written)."""
         if step.generation != self.requests.generation:
-            raise ValueError("the step is out of date: requests were added or freed since it was prepared")
+            raise ValueError("the step is out of date: requests were added or freed since it was prepared; "
+                             "prepare the forward again (prepare_for_batch)")
         if step.buffers is not None and step.buffers.owner is not step:
             raise ValueError("the step's bucket buffers hold a later step's lists: prepare it again")
         if layer not in step.pending:

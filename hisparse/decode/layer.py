@@ -30,8 +30,8 @@ import enum
 
 import torch
 
-from .._checks import check_bool, check_tensor, parse_enum
-from ..attention.base import SparseMLABackend
+from .._checks import check_bool, parse_enum
+from ..attention.base import SparseMLABackend, check_decode_call
 from ..attention.miss import (MissConfig, MissMode, MissPlan, fused_miss_attention, merge_lse,
                               miss_attention_merge, plan_miss_attention)
 from ..cache.cache import HiSparseCache
@@ -102,9 +102,10 @@ class DecodeLayer:
         float32 [T, H] (natural log); the current stream may read them when it reaches
         them (every wait is enqueued)."""
         c = self.cache
-        check_tensor("q", q, dtype=torch.bfloat16, ndim=3, device=c.device)
         view = c.layer_view(layer)
         hot, fmt = view.hot_rows, view.row_format
+        # everything the backend would refuse, before the resolve changes the cache
+        check_decode_call(self.backend, q, sm_scale, device=c.device, row_format=fmt)
         T, H = q.shape[0], q.shape[1]
         if isinstance(topk, torch.Tensor) and topk.dim() == 2 and topk.shape[0] != T:
             raise ValueError(f"topk has {topk.shape[0]} rows but q has T={T} tokens")

@@ -55,9 +55,9 @@ from ..decode.layer import DecodeLayer
 from ..device import resolve_device
 from ..errors import CapacityError
 from ..formats import D_ROW, RowFormat
-from ..staging.prefill import StageRequests, stage_prefill
 from .layer_graphs import CudaGraphBackend, LayerGraphs
 from .metadata import SparseMLAMetadata
+from .prefill_calls import PrefillCalls
 
 _REPLAYED = ("replayed",)  # the conversion key of layers a graph replay resolves
 _KV_DTYPES = {"fp8_ds_mla": RowFormat.FP8_DS_MLA, "bf16": RowFormat.BF16, "auto": RowFormat.BF16,
@@ -110,7 +110,7 @@ def _row_format_of(config: HiSparseConfig) -> RowFormat:
                      f"(fp8_ds_mla) or 1152 (bf16), got {config.row_bytes}")
 
 
-class HiSparseIndexGroup:
+class HiSparseIndexGroup(PrefillCalls):
     """Per-layer hisparse caches behind the calls a sparse-MLA backend makes.
 
     ``config.num_layers`` is the number of layers that will be registered. ``kernels``
@@ -218,12 +218,27 @@ class HiSparseIndexGroup:
 
     # ------------------------------------------------------------- requests
     def add_request(self, req_id: int) -> None:
-        """Admit a request (CapacityError when every request slot is taken)."""
+        """Admit a request (CapacityError when every request slot is taken). Not while a
+        forward is part-way through its layers' writes (see :meth:`free_request`)."""
+        self._refuse_mid_forward("add_request")
         self._cache.add_request(req_id)
 
     def free_request(self, req_id: int) -> None:
-        """Release every block and slot of a finished or preempted request."""
+        """Release every block and slot of a finished or preempted request. Between
+        forwards, or after ``prepare_for_batch`` before any ``write_new_rows`` (the
+        prepared forward is then out of date: prepare it again); refused while a forward
+        has written some layers but not all (those it wrote would hold a row more than
+        the others, and the request could not be batched again)."""
+        self._refuse_mid_forward("free_request")
         self._cache.free_request(req_id)
+
+    def _refuse_mid_forward(self, what: str) -> None:
+        step = self._step
+        if step is not None and step.pending and self._written and \
+                step.generation == self._cache.requests.generation:
+            raise ValueError(f"{what} part-way through a forward: layers {sorted(self._written)} of it are "
+                             f"written and {sorted(step.pending)} are not; write the remaining layers "
+                             "first, then add or free requests between forwards")
 
     def has_request(self, req_id: int) -> bool:
         return self._cache.requests.is_live(req_id)
@@ -549,124 +564,6 @@ class HiSparseIndexGroup:
             raise ValueError(f"layer {i} was already resolved in this forward: prefetch it before")
         if self._decode_tokens:
             self._cache.prefetch(i, self._decode_ids, topk_indices)
-
-    # ---------------------------------------------------------------- prefill
-    def _prefill_rows(self, md: SparseMLAMetadata, start: int, count: int, layer: int) -> list[tuple[int, int]]:
-        """(request id, rows to stage) of prefill requests start .. start+count-1."""
-        if md.num_tokens and layer not in self._written:
-            raise ValueError(f"layer {layer}: call write_new_rows before staging the prefill context")
-        out = []
-        for p in range(start, start + count):
-            row = md.num_decodes + p
-            out.append((md.request_ids_cpu[row], md.seq_lens_cpu[row]))
-        return out
-
-    def stage_prefill_rows(self, layer_index: int, kv_cache: torch.Tensor, metadata: SparseMLAMetadata):
-        """Stage every prefill request's context rows, in the stored row format, into ``kv_cache``.
-
-        kv_cache: uint8 [num_blocks, block_size, row_bytes] or [N, row_bytes], an
-        engine-owned staging area (contents overwritten). Prefill request p (p-th
-        prefill of the batch) gets rows [0, seq_len) at consecutive blocks.
-        Returns ``(staged, block_table, req_id_per_token)``: staged = ``kv_cache`` as a
-        flat uint8 [N, row_bytes] view; block_table int32 [P, max_blocks] (-1 = unused);
-        req_id_per_token int32 [num_prefill_tokens], the prefill index of each prefill
-        token -- what the engine's own conversion needs to turn logical top-k into rows
-        of ``staged``. The compute stream waits for the staging inside this call.
-        """
-        i = self._layer(layer_index)
-        md = self._check_batch(metadata)
-        flat, block_size = self._staging_view(kv_cache)
-        reqs = self._prefill_rows(md, 0, md.num_prefills, i)
-        blocks = [-(-n // block_size) for _, n in reqs]
-        if sum(blocks) * block_size > flat.shape[0]:
-            raise ValueError(f"kv_cache holds {flat.shape[0]} rows but the {len(reqs)} prefill requests need "
-                             f"{sum(blocks)} blocks of {block_size} rows; chunk the prefill")
-        starts, acc = [], 0
-        max_b = max(blocks, default=0)
-        table = [[-1] * max_b for _ in reqs]
-        for p, nb in enumerate(blocks):
-            starts.append(acc * block_size)
-            table[p][:nb] = range(acc, acc + nb)
-            acc += nb
-        ev = self._stage(i, reqs, starts, flat)
-        if ev is not None:
-            torch.cuda.current_stream(self.device).wait_event(ev)
-        bt = torch.tensor(table, dtype=torch.int32, device=self.device).view(len(reqs), max_b)
-        td = md.num_decode_tokens
-        req_ids = md.req_id_per_token[td:] - md.num_decodes
-        return flat, bt, req_ids
-
-    def _staging_view(self, kv_cache: object) -> tuple[torch.Tensor, int]:
-        rb = self.config.row_bytes
-        check_tensor("kv_cache", kv_cache, dtype=torch.uint8, device=self.device)
-        if kv_cache.dim() == 3 and kv_cache.shape[2] == rb and kv_cache.is_contiguous():
-            return kv_cache.view(-1, rb), kv_cache.shape[1]
-        if kv_cache.dim() == 2 and kv_cache.shape[1] == rb and kv_cache.is_contiguous():
-            return kv_cache, 1
-        raise ValueError(f"kv_cache must be a contiguous uint8 [num_blocks, block_size, {rb}] or "
-                         f"[N, {rb}] tensor, got {tuple(kv_cache.shape)}")
-
-    def gather_fp8_prefill(self, layer_index: int, kv_cache: torch.Tensor | None, workspace: torch.Tensor,
-                           block_table: torch.Tensor | None, workspace_starts: torch.Tensor, num_reqs: int,
-                           metadata: SparseMLAMetadata, req_start_idx: int):
-        """Gather prefill requests' context rows into a bf16 workspace (fp8 dequantised).
-
-        Prefill requests ``req_start_idx .. req_start_idx + num_reqs - 1`` (indices among
-        the batch's prefills) have rows [0, seq_len) written to ``workspace`` bf16 [W, 576]
-        at ``workspace_starts`` int32 [num_reqs] (device; must equal the exclusive prefix
-        sum of those seq_lens, which is how engines lay out the workspace). ``kv_cache``
-        and ``block_table`` are the engine's own paged cache arguments of its non-hisparse
-        path; hisparse reads its own tiers and ignores them (None is fine).
-        Returns the event (None on CPU) the compute stream must wait on before reading
-        ``workspace``; the staging runs on ``prefill_stream``.
-        """
-        i = self._layer(layer_index)
-        md = self._check_batch(metadata)
-        check_int("num_reqs", num_reqs, 0)
-        check_int("req_start_idx", req_start_idx, 0)
-        if req_start_idx + num_reqs > md.num_prefills:
-            raise ValueError(f"prefill requests {req_start_idx}..{req_start_idx + num_reqs - 1} are outside the "
-                             f"batch's {md.num_prefills} prefills")
-        for name, t in (("kv_cache", kv_cache), ("block_table", block_table)):
-            if t is not None:
-                check_tensor(name, t)
-        check_tensor("workspace", workspace, dtype=torch.bfloat16, shape=(None, D_ROW), device=self.device,
-                     contiguous=True)
-        check_tensor("workspace_starts", workspace_starts, dtype=torch.int32, shape=(num_reqs,),
-                     device=self.device)
-        reqs = self._prefill_rows(md, req_start_idx, num_reqs, i)
-        starts, acc = [], 0
-        for _, n in reqs:
-            starts.append(acc)
-            acc += n
-        if acc > workspace.shape[0]:
-            raise ValueError(f"the {num_reqs} prefill requests need {acc} workspace rows, the workspace "
-                             f"has {workspace.shape[0]}; chunk the prefill")
-        if self.validate and num_reqs:
-            got = workspace_starts.tolist()
-            if got != starts:
-                raise ValueError(f"workspace_starts {got} differ from the prefix sums of the requests' "
-                                 f"seq_lens {starts}")
-        return self._stage(i, reqs, starts, workspace)
-
-    def _stage(self, layer: int, reqs: list[tuple[int, int]], starts: list[int], dst: torch.Tensor):
-        """Stage rows [0, n) of each (req id, n) at row ``starts[j]`` of ``dst``; returns the event.
-
-        Runs ``hisparse.staging.stage_prefill`` over the cache's layer view on the
-        prefill stream, after it waits on the compute stream and on the cache's host
-        mirror copies (rows written by ``write_new_rows`` this forward are on host
-        before they are read from there).
-        """
-        c = self._cache
-        i32 = dict(dtype=torch.int32, device=self.device)
-        requests = StageRequests(
-            req_slots=torch.tensor([c.request_slot(rid) for rid, _ in reqs], **i32),
-            seq_lens=torch.tensor([n for _, n in reqs], **i32), starts=torch.tensor(starts, **i32),
-            max_rows=max((n for _, n in reqs), default=0))
-        if self.prefill_stream is not None:
-            c.join_backup(self.prefill_stream)
-        return stage_prefill(c.layer_view(layer), requests, dst, stream=self.prefill_stream,
-                             validate=self.validate, kernels=c.kernels)
 
 
 __all__ = ["HiSparseIndexGroup", "SparseMLAMetadata", "LayerCache", "LayerRuntime", "HotView",

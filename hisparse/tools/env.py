@@ -140,7 +140,10 @@ def triton_decode_choice(device: torch.device | str, *,
     except ImportError as e:
         return {"kernel": None, "ws_off_reason": f"the Triton backend does not import: {e}",
                 "gluon_ws": None, "config": None}
-    cfg = tb.default_config(64, num_heads, 2048, torch.device(device), RowFormat.FP8_DS_MLA)
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        return {"kernel": None, "ws_off_reason": "no CUDA device is available", "gluon_ws": None, "config": None}
+    cfg = tb.default_config(64, num_heads, 2048, dev, RowFormat.FP8_DS_MLA)
     return {"kernel": "ws" if cfg.ws else "wide" if cfg.wide else "tiled",
             "ws_off_reason": cfg.ws_off_reason, "gluon_ws": tb.gluon_ws_problem(),
             "config": dataclasses.asdict(cfg)}

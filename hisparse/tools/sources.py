@@ -22,6 +22,8 @@ A recorded trace replays through ``hisparse.tools.traces.ReplaySource``.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .._checks import check_int
@@ -255,7 +257,8 @@ class WorkingSetSource(TopkSource):
                 raise ValueError(f"{name} must be a number in [{lo}, {hi}], got {v!r}")
         if persistence >= 1.0:
             raise ValueError(f"persistence must be < 1 (1 freezes the scores), got {persistence!r}")
-        if isinstance(pool, bool) or not isinstance(pool, (int, float)) or float(pool) < 1.0:
+        if isinstance(pool, bool) or not isinstance(pool, (int, float)) or not float(pool) >= 1.0 \
+                or not math.isfinite(float(pool)):
             raise ValueError(f"pool must be a number >= 1 (candidates per free place), got {pool!r}")
         self.sinks, self.recent = sinks, recent
         self.free = top_k - sinks - recent  # K'

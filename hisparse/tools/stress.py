@@ -68,7 +68,7 @@ from .plan import fmt_bytes
 from .preflight import check_memory, check_output_file, parse_device, require_kernels
 from .progress import Progress
 from .report import table
-from .sources import CorrelatedSource, IndexerSource, UniformSource
+from .sources import CorrelatedSource, IndexerSource, UniformSource, WorkingSetSource
 from .stress_prefetch import prefetch_report, prefetch_useful, selected_hot, selected_rows
 from .traces import SOURCES, ReplaySource, TraceRecorder
 
@@ -140,7 +140,7 @@ class StressOptions:
         for name in ("num_requests", "context", "num_layers", "top_k", "steps", "block_size",
                      "prefill_chunk"):
             check_int(name, getattr(self, name), lo=1)
-        check_int("seed", self.seed)
+        check_int("seed", self.seed, 0, 2**62)  # the tools derive seed + 1, seed + 2, ... from it
         if self.buffer_size is not None:
             check_int("buffer_size", self.buffer_size, lo=1)
         cm = self.context_min if self.context_min is not None else max(1, self.context // 2)
@@ -156,6 +156,9 @@ class StressOptions:
         Kernels.parse(self.kernels)
         if self.trace not in SOURCES:
             raise ValueError(f"trace must be one of {list(SOURCES)}, got {self.trace!r}")
+        if self.trace == "workingset" and self.top_k <= 68:
+            raise ValueError(f"trace='workingset' always selects 4 sink and the 64 newest tokens, so it needs "
+                             f"top_k > 68 (got {self.top_k}); give a larger --top-k or another --trace")
         if self.trace == "replay" and not self.replay:
             raise ValueError("trace='replay' needs a trace file (--replay FILE)")
         if self.replay and self.trace != "replay":
@@ -223,6 +226,8 @@ class StressRun:
             if steps == 0:
                 raise ValueError(f"trace file {o.replay!r} has no steps")
             live_max = max(st.req_ids.size for st in self.replay.steps)
+            if live_max == 0:
+                raise ValueError(f"trace file {o.replay!r} has no request in any of its {steps} steps")
             max_len = max(int(st.seq_lens.max()) for st in self.replay.steps if st.seq_lens.size)
             max_id = max(int(st.req_ids.max()) for st in self.replay.steps if st.req_ids.size)
             self.source = self.replay
@@ -234,6 +239,8 @@ class StressRun:
             elif o.trace == "indexer":
                 self.source = IndexerSource(top_k=K, max_context=max_len, drift=o.drift,
                                             device=self.dev, seed=o.seed)
+            elif o.trace == "workingset":  # the generator's other knobs at their defaults (as whatif's)
+                self.source = WorkingSetSource(top_k=K, drift=o.drift, device=self.dev, seed=o.seed)
             else:
                 self.source = CorrelatedSource(top_k=K, drift=o.drift, device=self.dev, seed=o.seed)
         self.L, self.K, self.steps = L, K, steps

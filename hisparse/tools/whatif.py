@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 import tempfile
@@ -47,9 +48,11 @@ import torch
 
 from .._checks import check_int
 from ..formats import RowFormat
+from .exit_codes import MissingDependency, classify, one_line
 from .belady import (LayerTrace, Policy, hit_rate, make_plan, next_uses, row_membership,
                      simulate)
 from .plan import fmt_bytes, parse_tokens
+from .preflight import check_memory
 from .progress import Progress
 from .report import PlotUnavailable, require_matplotlib, table
 from .stress import StressOptions, Schedule
@@ -173,7 +176,7 @@ def _resolve(o: WhatifOptions) -> _Resolved:
     knobs = {k: given.get(k, base.get(k)) for k in KNOB_KEYS[source]}
     knobs = {k: v for k, v in knobs.items() if v is not None}
     for k in ("requests", "context", "layers", "top_k", "steps", "seed"):
-        check_int(k, workload[k], 0 if k == "seed" else 1)
+        check_int(k, workload[k], 0 if k == "seed" else 1, 2**62 if k == "seed" else None)
     check_int("context_min", workload["context_min"], 1, workload["context"] + 1)
     if not 0.0 <= float(workload["churn"]) <= 1.0:
         raise ValueError(f"churn must be in [0, 1], got {workload['churn']!r}")
@@ -263,7 +266,7 @@ def _run(o: WhatifOptions) -> dict[str, Any]:
         raise ValueError(f"device must be 'cpu' or 'cuda', got {o.device!r}")
     dev = torch.device(o.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: no CUDA device is available")
+        raise MissingDependency("--device cuda: no CUDA device is available here; use --device cpu")
     if r.source == "replay":
         meta, steps = load_trace(o.replay)
         if not steps:
@@ -280,6 +283,22 @@ def _run(o: WhatifOptions) -> dict[str, Any]:
             raise ValueError(f"every buffer size must be >= top_k={K} (a resolve needs up to "
                              f"top_k free slots), got {b}")
     buffers = sorted(set(buffers))
+    if r.source == "replay":
+        live = max(st.req_ids.size for st in steps)
+        if live == 0:
+            raise ValueError(f"trace file {o.replay!r} has no request in any of its {len(steps)} steps")
+        max_len = max(int(st.seq_lens.max()) for st in steps if st.seq_lens.size)
+        n_steps = len(steps)
+    else:
+        live, n_steps = r.workload["requests"], r.workload["steps"]
+        max_len = r.workload["context"] + n_steps
+    if o.buffers and buffers[-1] > max_len + K:
+        raise ValueError(f"--buffers {buffers[-1]} is far past the longest context ({max_len} tokens), where "
+                         f"nothing misses any more; give sizes up to {max_len}")
+    host = _memory_needed(r, K=K, L=L, S=buffers[-1], live=live, max_len=max_len, steps=n_steps)
+    check_memory(host=host, device={}, on=torch.device("cpu"), what="this whatif run",
+                 hint="lower --requests, --context, --steps, --top-k or --buffers"
+                 + (" (or the working set's --pool)" if r.source == "workingset" else ""))
     n_gen = r.workload["steps"] if r.source != "replay" else 0
     n_sim = 2 * L * len(buffers) * (r.workload["steps"] if r.source != "replay" else len(steps))
     with Progress(n_gen + n_sim, "whatif", enabled=o.progress) as bar:
@@ -319,6 +338,23 @@ def _run(o: WhatifOptions) -> dict[str, Any]:
                             "miss_rate_by_buffer_over_topk": {str(k): v for k, v in r.preset.reference.items()}}
     res["elapsed_s"] = time.perf_counter() - t_start
     return res
+
+
+def _memory_needed(r: _Resolved, *, K: int, L: int, S: int, live: int, max_len: int, steps: int) -> dict[str, int]:
+    """Bytes of host memory a run holds at its peak, by part (an estimate from the
+    shapes: every step's top-k, the exact simulation's per-lane tables at the largest
+    buffer and its next-use lists, and the working-set generator's state)."""
+    out = {"traces": steps * live * L * K * 4,
+           "next uses": 2 * steps * live * K * 8,
+           "simulation": live * ((S + 1) * 16 + (max_len + 2) * 4)}
+    if r.source == "workingset":
+        kn = r.knobs
+        free = max(K - kn.get("sinks", 0) - kn.get("recent", 0), 1)
+        pool = float(kn.get("pool", 1.0))
+        pool = pool if math.isfinite(pool) and pool >= 1.0 else 1.0  # the generator refuses it, by name
+        width = max(free, int(round(pool * free)))
+        out["generator"] = L * live * (width * 13 + max_len * 4)
+    return out
 
 
 def _simulate_all(steps, insts, L, K, buffers, r: _Resolved, dev, bar) -> dict[str, Any]:
@@ -427,7 +463,7 @@ def format_whatif(res: dict[str, Any]) -> str:
              f"selection the previous layer selected in the step), consecutive steps "
              f"{f(ov['consecutive_step'])}",
              "prefetch gain: share of lookups (layers >= 1) that are LRU misses the previous "
-             f"layer selected in the same step",
+             "layer selected in the same step",
              f"total LRU staging per step over all {t['num_layers']} layers at the smallest buffer: "
              f"{fmt_bytes(res['results'][0]['lru_staging_bytes']['mean'] * t['num_layers'])} mean",
              f"time: generate {res['timings']['generate_s']:.1f} s, simulate "
@@ -567,12 +603,15 @@ def run_args(args) -> int:
         res = run_whatif(o)
         if args.plot:
             res["plots"] = plot_whatif(args.plot, res)
-    except (ValueError, TypeError) as e:
-        print(f"hisparse whatif: error: {e}", file=sys.stderr)
-        return EXIT_INPUT
     except PlotUnavailable as e:
         print(f"hisparse whatif: {e}", file=sys.stderr)
         return EXIT_MISSING
+    except Exception as e:  # a user's mistake, a capacity limit or a missing part: one line
+        got = classify(e)
+        if got is None:
+            raise  # a bug in hisparse: keep the traceback
+        print(f"hisparse whatif: {got[1]}: {one_line(e)}", file=sys.stderr)
+        return got[0]
     if args.json:
         print(json.dumps(res, indent=2, sort_keys=True))
     else:

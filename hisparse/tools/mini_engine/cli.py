@@ -39,6 +39,12 @@ _SWITCHES = {
 }
 
 
+# what a field's None default stands for, in the help text
+_NONE_MEANS = {"device_buffer_size": "2 x top-k", "max_num_reqs": "num-requests",
+               "backend": "the attention chooser's pick for the device",
+               "flashmla_lib": "FlashMLA from an installed vllm or sgl_kernel"}
+
+
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     p = parser or OneLineParser(
         prog="hisparse mini-engine",
@@ -65,7 +71,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         ann = str(f.type)
         typ = float if "float" in ann else int if "int" in ann else str
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None,
-                       choices=_CHOICES.get(name), help=f"(default {f.default})")
+                       choices=_CHOICES.get(name), help=f"(default {_NONE_MEANS.get(name, f.default)})")
     p.add_argument("--json", action="store_true", help="print the result as JSON instead of the table")
     p.add_argument("--out", default=None, metavar="FILE", help="also write the JSON result to this file")
     p.add_argument("--progress", action="store_true", help="print progress on stderr")

@@ -79,7 +79,7 @@ class MiniEngineConfig:
             check_int(name, getattr(self, name), lo=1)
         for name in ("arrival_every", "min_decode", "synthetic_context", "ffn_shared"):
             check_int(name, getattr(self, name), lo=0)
-        check_int("seed", self.seed)
+        check_int("seed", self.seed, 0, 2**62)  # the tools derive seed + 1, seed + 2, ... from it
         for name in ("device_buffer_size", "max_num_reqs"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), lo=1)
