@@ -264,7 +264,7 @@ class Writer:
         if step.buffers is None:
             raise ValueError("only a padded step's write (persistent lists) can be replayed")
         launch()
-        self._finish_step(layer, step)
+        self._finish_step(layer, step, capturing=False)
 
     def launch_step(self, layer: int, step: StepPlan, rows: torch.Tensor) -> None:
         """The launches of ``write_step`` alone (rows checked by the caller, packed), for
@@ -284,10 +284,11 @@ class Writer:
         if layer not in step.pending:
             raise ValueError(f"layer {layer}: this step's rows were already written")
 
-    def _finish_step(self, layer: int, step: StepPlan) -> None:
-        """The host side of a layer's write, once its launches were enqueued."""
+    def _finish_step(self, layer: int, step: StepPlan, capturing: bool | None = None) -> None:
+        """The host side of a layer's write, once its launches were enqueued
+        (``capturing``: whether they were captured, when the caller knows)."""
         step.pending.discard(layer)
-        if self.streams.capturing():
+        if capturing if capturing is not None else self.streams.capturing():
             step.captured.add(layer)  # runs when the graph is replayed
         self.requests.touch(layer)  # results held from before the write are stale
         ev = self.streams.backup.event if (self.pool.is_writer and self.streams.cuda) else None

@@ -128,9 +128,7 @@ class LayerGraphs:
                 key, lambda: cache.launch_write_step(layer, step, static))
             static.copy_(rows)
             cs = cache.streams
-            cur = cs.current()
-            for ev in (cs.resolved[layer], cs.backup):
-                ev.wait_by(cur, False)
+            self._wait_eager((cs.resolved[layer], cs.backup))
             self._replay(g)
 
         cache.write_step_by(layer, step, launch)
@@ -160,16 +158,24 @@ class LayerGraphs:
                 key, lambda: cache.launch_resolve(layer, req_ids, static))
             static.copy_(topk)
             cs = cache.streams
-            cur = cs.current()
             if cs.stage_eager_records[0] != self._stage_seen and cs.streams.stage is not None:
-                cur.wait_stream(cs.streams.stage)  # eager staging in flight: the graph's fork is not after it
-            for ev in (cs.resolved[layer], cs.backup):
-                ev.wait_by(cur, False)
+                # eager staging in flight: the graph's own fork of the stage stream is not after it
+                cs.current().wait_stream(cs.streams.stage)
+            self._wait_eager((cs.resolved[layer], cs.backup))
             self._replay(g)
 
         res = cache.resolve_by(layer, req_ids, static, launch)
         self._stage_seen = cache.streams.stage_eager_records[0]
         return res
+
+    def _wait_eager(self, events) -> None:
+        """The current stream waits on those of ``events`` last recorded eagerly (one a
+        replay recorded is ordered already); the stream is looked up only when one is."""
+        eager = [ev for ev in events if ev.event is not None and ev.recorded and not ev.in_capture]
+        if eager:
+            cur = self.cache.streams.current()
+            for ev in eager:
+                ev.wait_by(cur, False)
 
     # ------------------------------------------------------------------ capture / replay
     def _capture(self, key: tuple, fn: Callable[[], None]) -> _Graph:
