@@ -17,15 +17,29 @@ import argparse
 import bisect
 import gzip
 import json
+import os
 import statistics
 import sys
 from collections import defaultdict
 
+from benchmarks.common import out_ok, write_json
+
 
 def load(path: str) -> list[dict]:
+    """The events of a Chrome trace (``.json`` or ``.json.gz``); ``ValueError`` saying
+    what is wrong with a file that isn't one."""
     opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
-        return json.load(f)["traceEvents"]
+    try:
+        with opener(path, "rt") as f:
+            d = json.load(f)
+    except (OSError, UnicodeDecodeError, EOFError) as e:
+        raise ValueError(f"{path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not JSON ({e})") from None
+    if not isinstance(d, dict) or not isinstance(d.get("traceEvents"), list):
+        raise ValueError(f"{path}: no traceEvents list; expected a trace of "
+                         "`profile_e2e_host --torch-profiler --chrome-trace DIR`")
+    return d["traceEvents"]
 
 
 def union(intervals: list[tuple[float, float]]) -> float:
@@ -87,9 +101,22 @@ def main(argv=None) -> int:
     ap.add_argument("traces", nargs="+")
     ap.add_argument("--json", help="write the per-step numbers here")
     a = ap.parse_args(argv)
+    if not out_ok(a.json, "analyse_e2e_trace", flag="--json"):
+        return 2
+    for path in a.traces:  # every input exists before the first is parsed
+        if not os.path.isfile(path):
+            why = "not a file" if os.path.exists(path) else "no such file"
+            print(f"analyse_e2e_trace: {path}: {why}; give the .json.gz traces of "
+                  "`profile_e2e_host --chrome-trace DIR`", file=sys.stderr)
+            return 2
     out = {}
     for path in a.traces:
-        steps = analyse(load(path))
+        try:
+            events = load(path)
+        except ValueError as e:
+            print(f"analyse_e2e_trace: {e}", file=sys.stderr)
+            return 2
+        steps = analyse(events)
         out[path] = steps
         print(f"== {path}: {len(steps)} forwards")
         names = sorted({k for s in steps for k in s["calls_us"]})
@@ -114,8 +141,7 @@ def main(argv=None) -> int:
             for v, k in meds[:25]:
                 print(f"   {v / 1e3:8.3f}  {k}")
     if a.json:
-        with open(a.json, "w") as f:
-            json.dump(out, f, indent=1)
+        write_json(a.json, out)  # creates the folders out_ok found missing
     return 0
 
 

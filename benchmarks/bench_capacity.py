@@ -81,7 +81,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--locality", type=parse_locality, default=None,
                     help="how alike consecutive indexer queries are, in [0, 1): higher means more "
                          f"hot-row reuse, a higher hit rate [{RunShape.locality}; --dry-run 0.9]")
-    ap.add_argument("--max-batch", type=int, default=None, help="cap the measured batches (not the search)")
+    ap.add_argument("--max-batch", type=common.positive_int, default=None,
+                    help="cap the measured batches (not the search), >= 1 [no cap]")
     ap.add_argument("--decode-mode", choices=[m.value for m in DecodeMode], default=None,
                     help="graphs (default on CUDA) | padded (default for --dry-run) | eager")
     ap.add_argument("--same-batch", action="store_true", help="also run hisparse at the resident batch")

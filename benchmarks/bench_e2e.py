@@ -38,9 +38,22 @@ from benchmarks import common
 
 common.interpret_dry_run(with_gpu=True)  # a dry run is on the CPU; before hisparse loads
 
+from hisparse.attention.chooser import backend_names  # noqa: E402
 from hisparse.tools import mini_engine as me  # noqa: E402
 
 TARGET_RATIO = 1.3
+TAIL = 512  # prompt tokens prefilled for real: --context must exceed it
+
+
+def parse_locality(text: str) -> float:
+    """argparse type: a float in [0, 1)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 <= v < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+    return v
 
 
 def sizes(args: argparse.Namespace) -> me.MiniEngineConfig:
@@ -62,7 +75,7 @@ def sizes(args: argparse.Namespace) -> me.MiniEngineConfig:
         if v is not None:
             kw[name] = v
     if args.context is not None:
-        kw.update(max_prompt=args.context, min_prompt=args.context - 512,
+        kw.update(max_prompt=args.context, min_prompt=args.context - TAIL,
                   synthetic_context=max(0, args.context - 768))
     if kw.get("backend") is None and not args.dry_run:
         kw["backend"] = "triton"
@@ -97,17 +110,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--out", default=None, help="write the JSON result here")
     ap.add_argument("--quick", action="store_true", help="smaller run (4 layers, 16 requests, 8K contexts)")
     ap.add_argument("--dry-run", action="store_true", help="tiny CPU run that only checks the script")
-    ap.add_argument("--layers", type=int, default=None)
-    ap.add_argument("--heads", type=int, default=None)
-    ap.add_argument("--requests", type=int, default=None)
-    ap.add_argument("--context", type=int, default=None, help="longest prompt (tokens)")
-    ap.add_argument("--top-k", dest="top_k", type=int, default=None)
-    ap.add_argument("--backend", default=None, help="attention backend (default triton; flashmla needs its library)")
+    pos = common.positive_int
+    ap.add_argument("--layers", type=pos, default=None)
+    ap.add_argument("--heads", type=pos, default=None)
+    ap.add_argument("--requests", type=pos, default=None)
+    ap.add_argument("--context", type=pos, default=None, help=f"longest prompt (tokens, > {TAIL})")
+    ap.add_argument("--top-k", dest="top_k", type=pos, default=None)
+    ap.add_argument("--backend", default=None, choices=backend_names(),
+                    help="attention backend (default triton; flashmla needs its library)")
     ap.add_argument("--flashmla-lib", dest="flashmla_lib", default=None)
-    ap.add_argument("--locality", type=float, default=None, help="indexer locality knob in [0, 1)")
+    ap.add_argument("--locality", type=parse_locality, default=None, help="indexer locality knob in [0, 1)")
     ap.add_argument("--row-format", dest="row_format", default=None, choices=["fp8_ds_mla", "bf16"])
     ap.add_argument("--no-warmup", action="store_true")
-    return ap.parse_args(argv)
+    a = ap.parse_args(argv)
+    if a.context is not None and a.context <= TAIL:
+        ap.error(f"--context {a.context}: the last {TAIL} prompt tokens are prefilled for real, so "
+                 f"--context must be > {TAIL}")
+    return a
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,7 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.dry_run and not torch.cuda.is_available():
         print("bench_e2e: no CUDA device; use --dry-run for the CPU check", file=sys.stderr)
         return 2
-    cfg = sizes(args)
+    try:
+        cfg = sizes(args)  # the run's config is valid before any work
+    except (ValueError, TypeError) as e:
+        print(f"bench_e2e: {e}", file=sys.stderr)
+        return 2
     result: dict = {"bench": "e2e", "env": env_info(), "quick": args.quick, "dry_run": args.dry_run,
                     "target_ratio": TARGET_RATIO}
     print(f"[bench_e2e] {result['env']}")

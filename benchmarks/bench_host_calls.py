@@ -33,8 +33,10 @@ from triton import knobs
 
 from benchmarks import common
 from benchmarks.common import percentile
-from hisparse import HiSparseConfig
+from hisparse import CapacityError, HiSparseConfig
 from hisparse.engine import HiSparseIndexGroup, SparseMLAMetadata
+from hisparse.tools.exit_codes import MissingDependency
+from hisparse.tools.preflight import parse_device, require_kernels
 
 
 @triton.jit
@@ -76,32 +78,38 @@ def count_launches(step, times: dict, layers: int) -> float:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--requests", type=int, default=64)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--context", type=int, default=4200, help="rows per request before the steps")
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--top-k", type=int, default=2048)
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--kernels", default="auto")
-    ap.add_argument("--top", type=int, default=25)
-    ap.add_argument("--pad-to", type=int, default=None, help="prepare each step padded to this bucket")
+    pos = common.positive_int
+    ap.add_argument("--requests", type=pos, default=64, help="decode requests per step [%(default)s]")
+    ap.add_argument("--layers", type=pos, default=8, help="[%(default)s]")
+    ap.add_argument("--context", type=pos, default=4200, help="rows per request before the steps [%(default)s]")
+    ap.add_argument("--steps", type=pos, default=20, help="timed decode steps [%(default)s]")
+    ap.add_argument("--top-k", type=pos, default=2048, help="[%(default)s]")
+    ap.add_argument("--device", default="cuda", help="cpu, cuda or cuda:N [%(default)s]")
+    ap.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton"], help="[%(default)s]")
+    ap.add_argument("--top", type=pos, default=25, help="functions listed in the profile [%(default)s]")
+    ap.add_argument("--pad-to", type=pos, default=None,
+                    help="prepare each step padded to this bucket, >= --requests [no padding]")
     ap.add_argument("--layer-graphs", action="store_true",
                     help="the group's per-layer graphs (layer_graphs=True; needs --pad-to and CUDA)")
     ap.add_argument("--out", help="write the figures as JSON here")
     a = ap.parse_args(argv)
+    if a.pad_to is not None and a.pad_to < a.requests:
+        ap.error(f"--pad-to {a.pad_to} is smaller than --requests {a.requests}: a bucket holds the "
+                 "whole batch; give --pad-to >= --requests or leave it out")
     if not common.out_ok(a.out, "bench_host_calls"):
         return 2
     if a.layer_graphs and a.pad_to is None:
         print("bench_host_calls: --layer-graphs replays padded forwards; give --pad-to N too", file=sys.stderr)
         return 2
     R, L, C, K = a.requests, a.layers, a.context, a.top_k
-    dev = torch.device(a.device)
-    cfg = HiSparseConfig(num_layers=L, row_bytes=656, top_k=K, device_buffer_size=2 * K,
-                         max_num_reqs=R, host_pool_tokens=R * (C + a.steps + 64) + 64 * R,
-                         host_block_size=64, device=a.device, max_request_id=max(1000, R))
     try:
+        dev = parse_device(a.device)  # "--device cuda needs a CUDA GPU ...: use --device cpu"
+        require_kernels(a.kernels, dev)
+        cfg = HiSparseConfig(num_layers=L, row_bytes=656, top_k=K, device_buffer_size=2 * K,
+                             max_num_reqs=max(R, a.pad_to or R), host_pool_tokens=R * (C + a.steps + 64) + 64 * R,
+                             host_block_size=64, device=a.device, max_request_id=max(1000, R))
         g = HiSparseIndexGroup(cfg, validate=False, kernels=a.kernels, layer_graphs=a.layer_graphs)
-    except ValueError as e:
+    except (ValueError, TypeError, CapacityError, MissingDependency) as e:
         print(f"bench_host_calls: {e}", file=sys.stderr)
         return 2
     for _ in range(L):

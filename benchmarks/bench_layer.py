@@ -53,22 +53,47 @@ from hisparse.formats import RowFormat, quantize_fp8_ds_mla  # noqa: E402
 STATE = ("slot_pos", "slot_stamp", "row_slot", "step", "stats", "seq_lens")
 
 
+def parse_percent(text: str) -> int:
+    """argparse type: an int in [0, 100]."""
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int percentage, got {text!r}") from None
+    if not 0 <= v <= 100:
+        raise argparse.ArgumentTypeError(f"must be in [0, 100], got {v}")
+    return v
+
+
+def parse_fraction(text: str) -> float:
+    """argparse type: a float in [0, 1]."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 <= v <= 1.0:  # nan fails too
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return v
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batch", type=int, nargs="+", default=[16, 64, 256])
-    ap.add_argument("--hits", type=int, nargs="+", default=[100, 95, 90, 80], help="hit rates in percent")
+    pos = common.positive_int
+    ap.add_argument("--batch", type=pos, nargs="+", default=[16, 64, 256])
+    ap.add_argument("--hits", type=parse_percent, nargs="+", default=[100, 95, 90, 80],
+                    help="hit rates in percent, each in [0, 100]")
     ap.add_argument("--backends", nargs="+", default=["triton", "flashmla"], choices=["triton", "flashmla"])
     ap.add_argument("--modes", nargs="+", default=["serial", "split", "fused", "prefetch"],
                     choices=["serial", "split", "fused", "prefetch"])
-    ap.add_argument("--context", type=int, default=65536, help="tokens per request (B <= 64)")
-    ap.add_argument("--context-256", type=int, default=32768, help="tokens per request at B > 64")
-    ap.add_argument("--top-k", type=int, default=2048)
-    ap.add_argument("--slots", type=int, default=4096, help="LRU hot slots per request (S)")
-    ap.add_argument("--heads", type=int, default=128)
-    ap.add_argument("--overlap", type=float, default=0.8, help="adjacent-layer selection overlap (prefetch)")
-    ap.add_argument("--stage-programs", type=int, nargs="+", default=None,
+    ap.add_argument("--context", type=pos, default=65536, help="tokens per request (B <= 64)")
+    ap.add_argument("--context-256", type=pos, default=32768, help="tokens per request at B > 64")
+    ap.add_argument("--top-k", type=pos, default=2048)
+    ap.add_argument("--slots", type=pos, default=4096, help="LRU hot slots per request (S)")
+    ap.add_argument("--heads", type=pos, default=128)
+    ap.add_argument("--overlap", type=parse_fraction, default=0.8,
+                    help="adjacent-layer selection overlap (prefetch), in [0, 1]")
+    ap.add_argument("--stage-programs", type=pos, nargs="+", default=None,
                     help="sweep: the staging kernel's and the fused kernel's grid sizes (default: theirs)")
-    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--reps", type=pos, default=30)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--flashmla-lib", default=None)
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU; figures mean nothing")
@@ -77,6 +102,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if a.dry_run:
         a.batch, a.context, a.context_256, a.top_k, a.slots, a.heads = [2], 96, 96, 8, 16, 16
         a.reps, a.warmup, a.backends = 1, 0, ["triton"]
+    if a.slots < a.top_k:  # the cache's rule: one token's selection fits its hot buffer
+        ap.error(f"--slots must be >= --top-k, got {a.slots} and {a.top_k}")
     # each token draws its misses among the positions past the hot slots
     need = a.slots + a.top_k + 1
     if min(a.context, a.context_256) < need:

@@ -48,6 +48,7 @@ def _register(t: torch.Tensor) -> None:
 
 MAP_HUGETLB = 0x40000  # linux/mman.h (x86_64 and arm64)
 MAP_HUGE_SHIFT = 26
+KINDS = ("register", "thp", "hostalloc", "hugetlb2m", "hugetlb1g", "vmm_host", "managed")
 HUGE = {"hugetlb2m": (2 << 20, "/proc/sys/vm/nr_hugepages", 21),
         "hugetlb1g": (1 << 30, "/sys/kernel/mm/hugepages/hugepages-1048576kB/nr_hugepages", 30)}
 
@@ -214,18 +215,26 @@ def time_us(fn, reps: int = 20) -> dict:
     return common.stats(common.time_calls(fn, reps=reps, warmup=1, cuda=True))
 
 
-def main() -> int:
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--pool-gib", type=float, default=32.0)
-    ap.add_argument("--rows", type=int, nargs="+", default=[16384, 131072])
-    ap.add_argument("--kinds", nargs="+", default=["register", "thp", "hostalloc"])
+    ap.add_argument("--pool-gib", type=common.positive_float, default=32.0, help="pool size [32]")
+    ap.add_argument("--rows", type=common.positive_int, nargs="+", default=[16384, 131072],
+                    help="rows per gather, multiples of 64 (the blocks64 order reads whole 64-row blocks)")
+    ap.add_argument("--kinds", nargs="+", default=["register", "thp", "hostalloc"], choices=KINDS)
     ap.add_argument("--out")
-    a = ap.parse_args()
-    if not common.out_ok(a.out, "bench_pool_kinds"):
-        return 2
+    a = ap.parse_args(argv)
     W = 656
     nbytes = int(a.pool_gib * 2**30) // W * W
     H = nbytes // W
+    bad = [n for n in a.rows if n % 64 or n > H // 64 * 64]
+    if bad:
+        ap.error(f"--rows {bad}: each must be a multiple of 64 and at most the pool's {H // 64 * 64} rows "
+                 f"(--pool-gib {a.pool_gib:g} of {W}-byte rows)")
+    if not common.out_ok(a.out, "bench_pool_kinds"):
+        return 2
+    if not torch.cuda.is_available():
+        print("bench_pool_kinds: no CUDA device; it times GPU gathers from host memory", file=sys.stderr)
+        return 2
     try:
         thp = open("/sys/kernel/mm/transparent_hugepage/enabled").read().strip()
     except OSError as e:
@@ -278,6 +287,11 @@ def main() -> int:
         rel()
     if a.out:
         common.write_json(a.out, res)
+    if all("error" in c for c in res["cases"]):
+        print(f"bench_pool_kinds: nothing measured: no pool of {nbytes / 2**30:.1f} GiB could be "
+              f"allocated as {' / '.join(a.kinds)} (errors above); try a smaller --pool-gib or "
+              "other --kinds", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -222,11 +222,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="write JSON results here")
     ap.add_argument("--quick", action="store_true", help="8K and 64K rows, fewer reps")
     ap.add_argument("--dry-run", action="store_true", help="tiny sizes; runs on CPU (Triton interpreter)")
-    ap.add_argument("--rows", type=int, nargs="*", help="staged row counts (default 8192 65536 524288)")
+    ap.add_argument("--rows", type=common.positive_int, nargs="*", help="staged row counts (default 8192 65536 524288)")
     ap.add_argument("--profile-host", action="store_true",
                     help="print a cProfile of the host side of one staging call (fp8 -> bf16, smallest size)")
-    ap.add_argument("--reps", type=int, help="timed samples (default 30, quick 10)")
-    ap.add_argument("--inner", type=int, default=None, help="back-to-back calls per sample (default 5, dry run 1)")
+    ap.add_argument("--reps", type=common.positive_int, help="timed samples (default 30, quick 10)")
+    ap.add_argument("--inner", type=common.positive_int, default=None, help="back-to-back calls per sample (default 5, dry run 1)")
     args = ap.parse_args(argv)
     if not common.out_ok(args.out, "bench_prefill"):
         return 2

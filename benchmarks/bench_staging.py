@@ -42,8 +42,9 @@ def parse_args(argv=None):
     p.add_argument("--out", help="write results as JSON to this file")
     p.add_argument("--quick", action="store_true", help="2 GiB pool, fewer reps and sweep points")
     p.add_argument("--dry-run", action="store_true", help="tiny shapes; runs on CPU (interpreter)")
-    p.add_argument("--pool-gib", type=float, default=None, help="pinned pool size (default 32, --quick 2)")
-    p.add_argument("--reps", type=int, default=None, help="timed repetitions per case (default 30)")
+    p.add_argument("--pool-gib", type=common.positive_float, default=None,
+                   help="pinned pool size (default 32, --quick 2)")
+    p.add_argument("--reps", type=common.positive_int, default=None, help="timed repetitions per case (default 30)")
     p.add_argument("--no-sweep", action="store_true", help="skip the launch-shape sweep")
     p.add_argument("--no-resolve", action="store_true", help="skip the resolve + copy part")
     return p.parse_args(argv)

@@ -10,6 +10,7 @@ record, JSON output and the defaults of a few arguments.
 - ``environment(device)``: python / torch / triton / CUDA / driver versions, the GPU,
   and the hisparse version and git commit the figures belong to.
 - ``out_ok(path, prog)`` before the work, ``write_json(path, obj)`` after it.
+- ``positive_int`` / ``positive_float``: argparse types for counts and sizes (> 0).
 - ``flashmla_lib(cli)``: the FlashMLA library path (flag, env var, ``.gpu-deps``).
 - ``interpret_dry_run()``: ``--dry-run`` runs the Triton kernels in the CPU interpreter.
 
@@ -20,6 +21,7 @@ importing this module (``interpret_dry_run``).
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -164,30 +166,53 @@ def environment(device: torch.device | str | None = None) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ arguments and output
-def out_problem(path: str | None) -> str | None:
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {n}")
+    return n
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
+    if not (math.isfinite(v) and v > 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text}")
+    return v
+
+
+def out_problem(path: str | None, flag: str = "--out") -> str | None:
     """Why results could not be written to ``path`` (None: they can, or no path)."""
     if path is None:
         return None
     p = Path(path)
     if p.is_dir():
-        return f"--out {path} is a directory; give a file name"
+        return f"{flag} {path} is a directory; give a file name"
     parent = p.parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
     if not parent.is_dir() or not os.access(parent, os.W_OK):
-        return f"--out {path}: cannot create files under {parent}"
+        return f"{flag} {path}: cannot create files under {parent}"
     try:  # os.access says yes to root everywhere (/proc included): try it
         with tempfile.TemporaryFile(dir=parent):
             pass
     except OSError as e:
-        return f"--out {path}: cannot create files under {parent} ({e.strerror or e})"
+        return f"{flag} {path}: cannot create files under {parent} ({e.strerror or e})"
     return None
 
 
-def out_ok(path: str | None, prog: str) -> bool:
+def out_ok(path: str | None, prog: str, flag: str = "--out") -> bool:
     """False (after saying why on stderr) when results could not be written to
-    ``path``. Benchmarks call it before the work, so a typo costs no GPU time."""
-    why = out_problem(path)
+    ``path`` (given as ``flag``). Benchmarks call it before the work, so a typo costs
+    no GPU time."""
+    why = out_problem(path, flag)
     if why is not None:
         print(f"{prog}: {why}", file=sys.stderr)
     return why is None

@@ -36,6 +36,7 @@ common.interpret_dry_run(with_gpu=True)  # a dry run is on the CPU; before hispa
 
 from benchmarks import bench_e2e  # noqa: E402
 from hisparse.tools import mini_engine as me  # noqa: E402
+from hisparse.tools.preflight import check_output_dir  # noqa: E402
 
 
 def _median_ms(seconds: list[float]) -> float:
@@ -69,6 +70,14 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if not common.out_ok(a.out, "profile_e2e_host"):
         return 2
+    if a.chrome_trace and not a.torch_profiler:
+        ap.error("--chrome-trace writes torch.profiler's traces: add --torch-profiler")
+    if a.chrome_trace:  # a folder the traces go in: written after the runs, checked now
+        try:
+            check_output_dir(a.chrome_trace, flag="--chrome-trace")
+        except ValueError as e:
+            print(f"profile_e2e_host: {e}", file=sys.stderr)
+            return 2
     cfg = bench_e2e.sizes(bench_e2e.parse_args(["--dry-run"] * a.dry_run + ["--quick"] * a.quick))
     if not a.dry_run and not torch.cuda.is_available():
         print("profile_e2e_host: no CUDA device; use --dry-run", file=sys.stderr)

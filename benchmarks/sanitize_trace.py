@@ -37,6 +37,7 @@ Prints "OK" per part and exits 0 on success; any mismatch raises.
 
 from __future__ import annotations
 
+import argparse
 import math
 import random
 import sys
@@ -348,8 +349,12 @@ def overlap_trace(dev: torch.device) -> None:
     print("part 3 (split / fused decode layers, prefetch): OK", flush=True)
 
 
-def main() -> int:
-    if "--cpu" in sys.argv:  # check the script itself on a machine without a GPU
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cpu", action="store_true",
+                    help="check the script itself on a machine without a GPU (with TRITON_INTERPRET=1)")
+    a = ap.parse_args(argv)
+    if a.cpu:  # check the script itself on a machine without a GPU
         dev = torch.device("cpu")
     elif not torch.cuda.is_available():
         print("sanitize_trace: needs a CUDA GPU (or --cpu with TRITON_INTERPRET=1)", file=sys.stderr)

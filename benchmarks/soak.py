@@ -45,7 +45,9 @@ import time
 import torch
 
 from benchmarks import common
-from hisparse.tools.stress import StressOptions, run_stress
+from hisparse import CapacityError
+from hisparse.tools.exit_codes import MissingDependency
+from hisparse.tools.stress import StressOptions, StressRun, run_stress
 
 PRESETS = {
     "16k": dict(num_requests=32, context=16384, context_min=12288, num_layers=2, steps=5000,
@@ -164,11 +166,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--preset", choices=sorted(PRESETS), default="16k")
     for flag, typ in (("--requests", int), ("--context", int), ("--context-min", int),
                       ("--layers", int), ("--top-k", int), ("--buffer", int), ("--steps", int),
-                      ("--runs", int), ("--churn", float), ("--verify", int),
+                      ("--runs", common.positive_int), ("--churn", float), ("--verify", int),
                       ("--calibrate-steps", int), ("--min-steps", int)):
         ap.add_argument(flag, type=typ, default=None, help="overrides the preset")
     ap.add_argument("--seed", type=int, default=0, help="seed of the first run (then +1 per run)")
-    ap.add_argument("--budget-s", type=float, default=540.0,
+    ap.add_argument("--budget-s", type=common.positive_float, default=540.0,
                     help="wall-clock seconds the whole call may take [540]")
     ap.add_argument("--out", help="write the runs as JSON here (rewritten after every run)")
     return ap.parse_args(argv)
@@ -188,15 +190,13 @@ def main(argv=None) -> int:
         if getattr(a, flag) is not None:
             p[key] = getattr(a, flag)
     runs, steps, cal, min_steps = p.pop("runs"), p.pop("steps"), p.pop("calibrate_steps"), p.pop("min_steps")
-    if a.budget_s <= 0:
-        print(f"soak: --budget-s must be > 0, got {a.budget_s}", file=sys.stderr)
-        return 2
     if p["device"] is None and not torch.cuda.is_available():
         print("soak: no CUDA GPU; --preset tiny runs on the CPU", file=sys.stderr)
         return 2
     try:
         base = StressOptions(steps=steps, optimal=False, progress=False, seed=a.seed, **p)  # checked here
-    except (TypeError, ValueError) as e:
+        StressRun(base)  # and the cache config, device, kernels and memory (allocates nothing)
+    except (TypeError, ValueError, CapacityError, MissingDependency) as e:
         print(f"soak: {e}", file=sys.stderr)
         return 2
     dev = torch.device(base.device or "cuda")
