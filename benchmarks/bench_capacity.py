@@ -51,17 +51,6 @@ from hisparse.tools.plan import fmt_bytes, parse_bytes, parse_count, parse_token
 from hisparse.tools.report import table  # noqa: E402
 
 
-def parse_locality(text: str) -> float:
-    """argparse type: a float in [0, 1)."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0.0 <= v < 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
-    return v
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -78,7 +67,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--hidden", type=int, default=1344, help="mini model width (see v32_share_at) [1344]")
     ap.add_argument("--ffn", choices=["none", "mlp", "moe"], default="moe")
     ap.add_argument("--decode-steps", type=int, default=16)
-    ap.add_argument("--locality", type=parse_locality, default=None,
+    ap.add_argument("--locality", type=common.locality, default=None,
                     help="how alike consecutive indexer queries are, in [0, 1): higher means more "
                          f"hot-row reuse, a higher hit rate [{RunShape.locality}; --dry-run 0.9]")
     ap.add_argument("--max-batch", type=common.positive_int, default=None,
@@ -88,7 +77,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--same-batch", action="store_true", help="also run hisparse at the resident batch")
     ap.add_argument("--index-share", type=int, default=1, metavar="N",
                     help="only every N-th layer runs an indexer; the next N - 1 reuse its top-k [1]")
-    ap.add_argument("--index-correlation", type=parse_locality, default=0.0, metavar="A",
+    ap.add_argument("--index-correlation", type=common.locality, default=0.0, metavar="A",
                     help="the Full layers' indexers share a common part with weight A in [0, 1), so adjacent "
                          "layers select overlapping positions [0: independent]")
     ap.add_argument("--prefetch", action="store_true",

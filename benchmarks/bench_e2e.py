@@ -45,17 +45,6 @@ TARGET_RATIO = 1.3
 TAIL = 512  # prompt tokens prefilled for real: --context must exceed it
 
 
-def parse_locality(text: str) -> float:
-    """argparse type: a float in [0, 1)."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0.0 <= v < 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
-    return v
-
-
 def sizes(args: argparse.Namespace) -> me.MiniEngineConfig:
     if args.dry_run:
         kw = dict(device="cpu", num_requests=3, min_prompt=24, max_prompt=32, synthetic_context=16,
@@ -119,7 +108,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--backend", default=None, choices=backend_names(),
                     help="attention backend (default triton; flashmla needs its library)")
     ap.add_argument("--flashmla-lib", dest="flashmla_lib", default=None)
-    ap.add_argument("--locality", type=parse_locality, default=None, help="indexer locality knob in [0, 1)")
+    ap.add_argument("--locality", type=common.locality, default=None, help="indexer locality knob in [0, 1)")
     ap.add_argument("--row-format", dest="row_format", default=None, choices=["fp8_ds_mla", "bf16"])
     ap.add_argument("--no-warmup", action="store_true")
     a = ap.parse_args(argv)

@@ -53,33 +53,11 @@ from hisparse.formats import RowFormat, quantize_fp8_ds_mla  # noqa: E402
 STATE = ("slot_pos", "slot_stamp", "row_slot", "step", "stats", "seq_lens")
 
 
-def parse_percent(text: str) -> int:
-    """argparse type: an int in [0, 100]."""
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int percentage, got {text!r}") from None
-    if not 0 <= v <= 100:
-        raise argparse.ArgumentTypeError(f"must be in [0, 100], got {v}")
-    return v
-
-
-def parse_fraction(text: str) -> float:
-    """argparse type: a float in [0, 1]."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0.0 <= v <= 1.0:  # nan fails too
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
-    return v
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     pos = common.positive_int
     ap.add_argument("--batch", type=pos, nargs="+", default=[16, 64, 256])
-    ap.add_argument("--hits", type=parse_percent, nargs="+", default=[100, 95, 90, 80],
+    ap.add_argument("--hits", type=common.percent, nargs="+", default=[100, 95, 90, 80],
                     help="hit rates in percent, each in [0, 100]")
     ap.add_argument("--backends", nargs="+", default=["triton", "flashmla"], choices=["triton", "flashmla"])
     ap.add_argument("--modes", nargs="+", default=["serial", "split", "fused", "prefetch"],
@@ -89,7 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--top-k", type=pos, default=2048)
     ap.add_argument("--slots", type=pos, default=4096, help="LRU hot slots per request (S)")
     ap.add_argument("--heads", type=pos, default=128)
-    ap.add_argument("--overlap", type=parse_fraction, default=0.8,
+    ap.add_argument("--overlap", type=common.fraction, default=0.8,
                     help="adjacent-layer selection overlap (prefetch), in [0, 1]")
     ap.add_argument("--stage-programs", type=pos, nargs="+", default=None,
                     help="sweep: the staging kernel's and the fused kernel's grid sizes (default: theirs)")

@@ -10,7 +10,8 @@ record, JSON output and the defaults of a few arguments.
 - ``environment(device)``: python / torch / triton / CUDA / driver versions, the GPU,
   and the hisparse version and git commit the figures belong to.
 - ``out_ok(path, prog)`` before the work, ``write_json(path, obj)`` after it.
-- ``positive_int`` / ``positive_float``: argparse types for counts and sizes (> 0).
+- ``number_in(kind, lo, hi)``: argparse types for numbers in a range (``positive_int``,
+  ``positive_float``, ``fraction``, ``locality``, ``percent`` made with it).
 - ``flashmla_lib(cli)``: the FlashMLA library path (flag, env var, ``.gpu-deps``).
 - ``interpret_dry_run()``: ``--dry-run`` runs the Triton kernels in the CPU interpreter.
 
@@ -166,26 +167,36 @@ def environment(device: torch.device | str | None = None) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------ arguments and output
-def positive_int(text: str) -> int:
-    """argparse type: an int >= 1."""
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {n}")
-    return n
+def number_in(kind: type, lo: float | None = None, hi: float | None = None, *,
+              lo_open: bool = False, hi_open: bool = False):
+    """An argparse type: ``kind`` (int or float) within [lo, hi] (an open end with
+    ``lo_open`` / ``hi_open``; None: unbounded). NaN and infinities are refused."""
+    noun = "an int" if kind is int else "a number"
+    if hi is None:
+        want = f"{noun} {'>' if lo_open else '>='} {lo}" if lo is not None else noun
+    elif lo is None:
+        want = f"{noun} {'<' if hi_open else '<='} {hi}"
+    else:
+        want = f"{noun} in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+
+    def parse(text: str):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {want}, got {text!r}") from None
+        ok = math.isfinite(v) and (lo is None or (v > lo if lo_open else v >= lo)) \
+            and (hi is None or (v < hi if hi_open else v <= hi))
+        if not ok:
+            raise argparse.ArgumentTypeError(f"expected {want}, got {text}")
+        return v
+    return parse
 
 
-def positive_float(text: str) -> float:
-    """argparse type: a finite number > 0."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}") from None
-    if not (math.isfinite(v) and v > 0):
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text}")
-    return v
+positive_int = number_in(int, 1)  # counts and sizes
+positive_float = number_in(float, 0, lo_open=True)
+fraction = number_in(float, 0, 1)  # [0, 1]
+locality = number_in(float, 0, 1, hi_open=True)  # [0, 1): 1 would select one block forever
+percent = number_in(int, 0, 100)
 
 
 def out_problem(path: str | None, flag: str = "--out") -> str | None:

@@ -472,6 +472,24 @@ def test_requests_change_only_between_a_forwards_layers(what):
     assert [g.request_length(1, l) for l in range(2)] == [22, 22]
 
 
+def test_a_forward_cut_short_is_abandoned_then_its_requests_freed():
+    g = make_group("torch")
+    md = SparseMLAMetadata.build(request_ids=[1, 2], query_lens=[1, 1], seq_lens=[21, 13], num_decodes=2)
+    g.prepare_for_batch(md)
+    g.write_new_rows(0, rand_rows(2, 5), md)  # then an error: layer 1 never written
+    with pytest.raises(ValueError, match="abandon_forward"):
+        g.free_request(1)
+    g.abandon_forward()
+    g.free_request(1)
+    g.free_request(2)
+    g.add_request(1)
+    md = SparseMLAMetadata.build(request_ids=[1], query_lens=[4], seq_lens=[4], num_decodes=0)
+    g.prepare_for_batch(md)
+    for layer in range(2):
+        g.write_new_rows(layer, rand_rows(4, 9 + layer), md)
+    assert [g.request_length(1, l) for l in range(2)] == [4, 4]
+
+
 def test_stage_programs_checked_when_set():
     c, _ = warm_cache("torch", seed=3)
     for bad in (0, -4, 2.5, True):

@@ -177,12 +177,13 @@ def test_replay_equals_a_stress_run_and_its_belady_bound(tmp_path):
 def test_stress_runs_the_workingset_generator_whatif_does(tmp_path):
     path = str(tmp_path / "ws.npz")
     o = StressOptions(num_requests=3, context=200, num_layers=2, top_k=80, buffer_size=100, steps=8,
-                      churn=0.2, trace="workingset", drift=0.03, record=path, verify="none",
+                      churn=0.2, trace="workingset", record=path, verify="none",
                       device="cpu", kernels="torch", block_size=16, progress=False)
-    assert run_stress(o)["ok"]
+    r0 = run_stress(o)
+    assert r0["ok"] and r0["workload"]["drift"] == 0.03  # the generator's default, as whatif's
     _, rec = load_trace(path)
     r = W._resolve(W.WhatifOptions(trace="workingset", requests=3, context=200, context_min=100, layers=2,
-                                   top_k=80, steps=8, churn=0.2, drift=0.03, seed=0, warmup=0))
+                                   top_k=80, steps=8, churn=0.2, seed=0, warmup=0))
     gen = list(W.generate(r, torch.device("cpu")))
     assert len(rec) == len(gen) == 8
     for a, b in zip(rec, gen):
@@ -390,10 +391,10 @@ _TINY = ["--requests", "2", "--context", "4K", "--steps", "10", "--layers", "2",
 
 
 @pytest.mark.parametrize("argv,code,msg", [
-    (["--buffers", "99999999999"], 2, "past the longest context"),
+    (["--buffers", "99999999999"], 3, "of host memory"),  # refused before allocating anything
     (["--pool", "nan"], 2, "pool must be"),
-    (["--pool", "1e9"], 3, "of host memory"),  # refused before allocating anything
-    (["--requests", "100000", "--context", "1M", "--trace", "uniform"], 3, "of host memory"),
+    (["--pool", "1e12"], 3, "of host memory"),
+    (["--requests", "10000000", "--context", "1M", "--trace", "uniform"], 3, "of host memory"),
 ])
 def test_cli_sizes_refused_before_work(capsys, argv, code, msg):
     assert main(["whatif", "--quiet"] + _TINY + argv) == code

@@ -192,18 +192,25 @@ def _check_ranges(indices: torch.Tensor, valid_counts: torch.Tensor | None, N: i
 
 
 def check_decode_call(backend: "SparseMLABackend", q: object, sm_scale: object, *,
-                      device: torch.device, row_format: RowFormat) -> None:
+                      device: torch.device, row_format: RowFormat, supported: set | None = None) -> None:
     """The checks of a decode call that need neither rows nor indices: ``q`` (bf16 [T,
     H, 576] on ``device``), ``sm_scale`` and whether ``backend`` supports the call. For a
     caller that resolves the indices first (``hisparse.decode``), so that a call the
-    backend would refuse is refused before the resolve changes the cache."""
+    backend would refuse is refused before the resolve changes the cache. ``supported``:
+    (device, row format, heads) combinations the backend already accepted, which are
+    not asked again (the caller's set; accepted ones are added)."""
     q = _check_q(q)
     if not same_device(q, device):
         raise ValueError(f"q is on {q.device}, the cache on {device}; move it there first")
     _check_scale(sm_scale)
+    key = (q.device, row_format, q.shape[1])
+    if supported is not None and key in supported:
+        return
     reason = backend.supports(device=q.device, row_format=row_format, num_heads=q.shape[1], phase=Phase.DECODE)
     if reason is not None:
         raise ValueError(f"{backend.name} backend cannot run this decode: {reason}")
+    if supported is not None:
+        supported.add(key)
 
 
 def normalize_kv_rows(kv_rows: object, row_format: RowFormat | str) -> torch.Tensor:

@@ -112,8 +112,8 @@ def check_resolve_contents(cfg: HiSparseConfig, req_ids: torch.Tensor, topk: tor
             continue
         if rid == -1:
             raise ValueError(f"req_ids[{t}] = -1 marks a padding token (e.g. past the batch with pad_to), but "
-                             f"its top-k row holds entries other than -1 (from {lows[t]} to {highs[t]}); a "
-                             "padding token's row must be all -1")
+                             f"its top-k row holds entries other than -1 (smallest {lows[t]}, largest "
+                             f"{highs[t]}); a padding token's row must be all -1")
         if not 0 <= rid < cfg.max_request_id:
             raise ValueError(
                 f"req_ids[{t}]={rid} is out of range [0, {cfg.max_request_id})"

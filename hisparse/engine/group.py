@@ -228,7 +228,8 @@ class HiSparseIndexGroup(PrefillCalls):
         forwards, or after ``prepare_for_batch`` before any ``write_new_rows`` (the
         prepared forward is then out of date: prepare it again); refused while a forward
         has written some layers but not all (those it wrote would hold a row more than
-        the others, and the request could not be batched again)."""
+        the others, and the request could not be batched again). After a forward cut
+        short, ``abandon_forward()`` first, then free the batch's requests."""
         self._refuse_mid_forward("free_request")
         self._cache.free_request(req_id)
 
@@ -238,7 +239,8 @@ class HiSparseIndexGroup(PrefillCalls):
                 step.generation == self._cache.requests.generation:
             raise ValueError(f"{what} part-way through a forward: layers {sorted(self._written)} of it are "
                              f"written and {sorted(step.pending)} are not; write the remaining layers "
-                             "first, then add or free requests between forwards")
+                             "first, or call abandon_forward() if the forward was cut short (then free "
+                             "its requests: their written layers hold a row more than the others)")
 
     def has_request(self, req_id: int) -> bool:
         return self._cache.requests.is_live(req_id)
@@ -362,9 +364,12 @@ class HiSparseIndexGroup(PrefillCalls):
                 self.resolves_per_layer[i] += 1 if ndt else 0
 
     def abandon_forward(self) -> None:
-        """The forward prepared last will not run: put back every layer it did not write,
-        including those whose calls were captured in a graph (call it when a capture
-        raised; a captured forward that is replayed must not be abandoned)."""
+        """The forward prepared last will not run to its end: put back every layer it did
+        not write, including those whose calls were captured in a graph. Call it when a
+        capture raised (a captured forward that is replayed must not be abandoned), or
+        when an error cut the forward short; in the latter case the requests whose rows
+        it wrote in some layers hold a row more there than in the others, and can only
+        be freed."""
         if self._step is not None:
             self._cache.abandon_step(self._step, captured=True)
         self._batch = None

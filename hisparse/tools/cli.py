@@ -129,7 +129,8 @@ def _add_stress(sub) -> None:
     a("--steps", type=int, help=f"decode steps [{d.steps}]")
     a("--churn", type=float, help=f"per step and request: probability it leaves [{d.churn}]")
     a("--trace", choices=list(SOURCES), help=f"top-k source [{d.trace}]")
-    a("--drift", type=float, help=f"correlated: fraction replaced per step; indexer: query drift [{d.drift}]")
+    a("--drift", type=float, help="correlated: fraction replaced per step; indexer: query drift; workingset: "
+                                  "candidates replaced per step [0.1; workingset 0.03]")
     a("--replay", metavar="FILE",
       help="replay a recorded .npz trace (implies --trace replay; the trace fixes layers, top-k, "
            "steps and the request schedule, so those flags are refused next to it)")

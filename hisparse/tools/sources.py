@@ -198,6 +198,9 @@ class IndexerSource(TopkSource):
                 del d[key]
 
 
+WORKINGSET_DRIFT = 0.03  # the working-set generator's default per-step replacement rate
+
+
 class WorkingSetSource(TopkSource):
     """A drifting working set with attention sinks, a recent window and layer overlap.
 
@@ -244,7 +247,7 @@ class WorkingSetSource(TopkSource):
     name = "workingset"
 
     def __init__(self, *, top_k: int, sinks: int = 4, recent: int = 64, pool: float = 2.5,
-                 persistence: float = 0.72, drift: float = 0.03, layer_overlap: float = 0.8,
+                 persistence: float = 0.72, drift: float = WORKINGSET_DRIFT, layer_overlap: float = 0.8,
                  device="cpu", seed: int = 0) -> None:
         super().__init__(top_k=top_k, device=device, seed=seed)
         check_int("sinks", sinks, 0)
@@ -421,5 +424,5 @@ class WorkingSetSource(TopkSource):
         return torch.where((n > K)[:, None], out, every).to(torch.int32)
 
 
-__all__ = ["TopkSource", "UniformSource", "CorrelatedSource", "IndexerSource", "WorkingSetSource",
+__all__ = ["TopkSource", "UniformSource", "CorrelatedSource", "IndexerSource", "WorkingSetSource", "WORKINGSET_DRIFT",
            "sample_distinct"]

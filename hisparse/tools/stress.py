@@ -68,7 +68,7 @@ from .plan import fmt_bytes
 from .preflight import check_memory, check_output_file, parse_device, require_kernels
 from .progress import Progress
 from .report import table
-from .sources import CorrelatedSource, IndexerSource, UniformSource, WorkingSetSource
+from .sources import WORKINGSET_DRIFT, CorrelatedSource, IndexerSource, UniformSource, WorkingSetSource
 from .stress_prefetch import prefetch_report, prefetch_useful, selected_hot, selected_rows
 from .traces import SOURCES, ReplaySource, TraceRecorder
 
@@ -122,7 +122,7 @@ class StressOptions:
     steps: int = 40
     churn: float = 0.05  # per step and request: probability it leaves (a new one joins)
     trace: str = "correlated"  # uniform | correlated | replay | indexer
-    drift: float = 0.1  # correlated / indexer: fraction of the selection replaced per step
+    drift: float | None = None  # correlated / indexer / workingset: per step replacement (None: the trace's default)
     replay: str | None = None  # trace file for trace="replay"
     record: str | None = None  # write the trace used to this .npz
     verify: int | str = 64  # rows checked per layer and step, "all" or "none"
@@ -135,6 +135,14 @@ class StressOptions:
     prefill_chunk: int = 16384  # rows per append call when a request joins
     prefetch: bool = False  # after layer l's resolve, stage its selection into layer l+1 (exact if shared)
     progress: bool = True
+
+    @property
+    def drift_used(self) -> float:
+        """``drift``, or the trace's default: the working-set generator's own
+        (``WORKINGSET_DRIFT``, as whatif's preset), 0.1 for the others."""
+        if self.drift is not None:
+            return float(self.drift)
+        return WORKINGSET_DRIFT if self.trace == "workingset" else 0.1
 
     def __post_init__(self) -> None:
         for name in ("num_requests", "context", "num_layers", "top_k", "steps", "block_size",
@@ -149,6 +157,8 @@ class StressOptions:
             raise ValueError(f"context_min must be in [1, context={self.context}], got {cm}")
         for name in ("churn", "drift"):
             v = getattr(self, name)
+            if v is None and name == "drift":
+                continue
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= float(v) <= 1.0:
                 raise ValueError(f"{name} must be a number in [0, 1], got {v!r}")
         check_bool("prefetch", self.prefetch)
@@ -237,12 +247,12 @@ class StressRun:
             if o.trace == "uniform":
                 self.source = UniformSource(top_k=K, device=self.dev, seed=o.seed)
             elif o.trace == "indexer":
-                self.source = IndexerSource(top_k=K, max_context=max_len, drift=o.drift,
+                self.source = IndexerSource(top_k=K, max_context=max_len, drift=o.drift_used,
                                             device=self.dev, seed=o.seed)
-            elif o.trace == "workingset":  # the generator's other knobs at their defaults (as whatif's)
-                self.source = WorkingSetSource(top_k=K, drift=o.drift, device=self.dev, seed=o.seed)
+            elif o.trace == "workingset":  # the knobs stress has no flags for at their defaults, as whatif's
+                self.source = WorkingSetSource(top_k=K, drift=o.drift_used, device=self.dev, seed=o.seed)
             else:
-                self.source = CorrelatedSource(top_k=K, drift=o.drift, device=self.dev, seed=o.seed)
+                self.source = CorrelatedSource(top_k=K, drift=o.drift_used, device=self.dev, seed=o.seed)
         self.L, self.K, self.steps = L, K, steps
         self.live_max, self.max_len = live_max, max_len
         B = o.block_size
@@ -518,7 +528,8 @@ class StressRun:
                             "CPU (Triton interpreter)" if stats["kernels"] == "triton" else
                             "CPU (torch reference path)"),
             "config": self.cfg.to_dict(),
-            "workload": {"trace": o.trace, "drift": o.drift if o.trace in ("correlated", "indexer") else None,
+            "workload": {"trace": o.trace,
+                         "drift": o.drift_used if o.trace in ("correlated", "indexer", "workingset") else None,
                          "replay": o.replay, "steps_run": done, "steps_planned": self.steps,
                          "requests": o.num_requests if self.replay is None else None,
                          "context": o.context if self.replay is None else None,

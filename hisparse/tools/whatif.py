@@ -27,8 +27,9 @@ the previous layer selected in the same step) and ``consecutive_step`` (share a
 request's selection shares with its previous step in the same layer).
 
 ``--warmup N``: each request's first N decode steps are simulated but not counted
-(steady-state figures; the preset uses it). Exit status: 0 ok, 2 bad input, 4 missing
-dependency (matplotlib for ``--plot``, checked before any work).
+(steady-state figures; the preset uses it). Exit status: 0 ok, 2 bad input, 3 a run
+whose tables would not fit host memory (refused before any work), 4 missing dependency
+(matplotlib for ``--plot``, CUDA for ``--device cuda``; checked before any work).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ import torch
 
 from .._checks import check_int
 from ..formats import RowFormat
-from .exit_codes import MissingDependency, classify, one_line
+from .exit_codes import MissingDependency
 from .belady import (LayerTrace, Policy, hit_rate, make_plan, next_uses, row_membership,
                      simulate)
 from .plan import fmt_bytes, parse_tokens
@@ -292,9 +293,6 @@ def _run(o: WhatifOptions) -> dict[str, Any]:
     else:
         live, n_steps = r.workload["requests"], r.workload["steps"]
         max_len = r.workload["context"] + n_steps
-    if o.buffers and buffers[-1] > max_len + K:
-        raise ValueError(f"--buffers {buffers[-1]} is far past the longest context ({max_len} tokens), where "
-                         f"nothing misses any more; give sizes up to {max_len}")
     host = _memory_needed(r, K=K, L=L, S=buffers[-1], live=live, max_len=max_len, steps=n_steps)
     check_memory(host=host, device={}, on=torch.device("cpu"), what="this whatif run",
                  hint="lower --requests, --context, --steps, --top-k or --buffers"
@@ -603,15 +601,12 @@ def run_args(args) -> int:
         res = run_whatif(o)
         if args.plot:
             res["plots"] = plot_whatif(args.plot, res)
+    except (ValueError, TypeError) as e:
+        print(f"hisparse whatif: error: {e}", file=sys.stderr)
+        return EXIT_INPUT
     except PlotUnavailable as e:
         print(f"hisparse whatif: {e}", file=sys.stderr)
         return EXIT_MISSING
-    except Exception as e:  # a user's mistake, a capacity limit or a missing part: one line
-        got = classify(e)
-        if got is None:
-            raise  # a bug in hisparse: keep the traceback
-        print(f"hisparse whatif: {got[1]}: {one_line(e)}", file=sys.stderr)
-        return got[0]
     if args.json:
         print(json.dumps(res, indent=2, sort_keys=True))
     else:
