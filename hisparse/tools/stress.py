@@ -277,6 +277,8 @@ class StressRun:
         device = {"hot buffers and slot state": gpu_bytes(cfg, num_heads=0)["total"]}
         if isinstance(self.source, IndexerSource):
             device["indexer keys"] = L * self.live_max * self.source.max_context * self.source.dim * 4
+        if isinstance(self.source, WorkingSetSource):  # candidates, scores, mirror mask; position owners
+            device["working-set state"] = L * self.live_max * (self.source.width * 13 + self.max_len * 4)
         host = {"host pool": cfg.host_pool_bytes, "per-step counters": 2 * L * steps * 8}
         if self.o.optimal:
             host["Belady bound events"] = steps * L * self.live_max * min(self.K, self.max_len) * 8
