@@ -31,7 +31,7 @@ import math
 
 import torch
 
-from .._checks import check_int, check_tensor, same_device
+from .._checks import check_int, check_tensor
 from ..formats import BF16_ROW_BYTES, D_LATENT, D_ROW, FP8_ROW_BYTES, RowFormat
 
 D_QK = D_ROW  # query/key dims in the attention notation: 512 latent + 64 RoPE
@@ -194,14 +194,15 @@ def _check_ranges(indices: torch.Tensor, valid_counts: torch.Tensor | None, N: i
 def check_decode_call(backend: "SparseMLABackend", q: object, sm_scale: object, *,
                       device: torch.device, row_format: RowFormat, supported: set | None = None) -> None:
     """The checks of a decode call that need neither rows nor indices: ``q`` (bf16 [T,
-    H, 576] on ``device``), ``sm_scale`` and whether ``backend`` supports the call. For a
+    H, 576] on ``device``, the rows' device, index included), ``sm_scale`` and whether
+    ``backend`` supports the call. For a
     caller that resolves the indices first (``hisparse.decode``), so that a call the
     backend would refuse is refused before the resolve changes the cache. ``supported``:
     (device, row format, heads) combinations the backend already accepted, which are
     not asked again (the caller's set; accepted ones are added)."""
     q = _check_q(q)
-    if not same_device(q, device):
-        raise ValueError(f"q is on {q.device}, the cache on {device}; move it there first")
+    if q.device != device:
+        raise ValueError(f"q is on {q.device}, the cache's rows on {device}; move it there first")
     _check_scale(sm_scale)
     key = (q.device, row_format, q.shape[1])
     if supported is not None and key in supported:

@@ -106,7 +106,7 @@ class DecodeLayer:
         view = c.layer_view(layer)
         hot, fmt = view.hot_rows, view.row_format
         # everything the backend would refuse, before the resolve changes the cache
-        check_decode_call(self.backend, q, sm_scale, device=c.device, row_format=fmt, supported=self._supported)
+        check_decode_call(self.backend, q, sm_scale, device=hot.device, row_format=fmt, supported=self._supported)
         T, H = q.shape[0], q.shape[1]
         if isinstance(topk, torch.Tensor) and topk.dim() == 2 and topk.shape[0] != T:
             raise ValueError(f"topk has {topk.shape[0]} rows but q has T={T} tokens")
