@@ -56,7 +56,7 @@ from ..device import resolve_device
 from ..errors import CapacityError
 from ..formats import D_ROW, RowFormat
 from .layer_graphs import CudaGraphBackend, LayerGraphs
-from .metadata import SparseMLAMetadata
+from .metadata import SparseMLAMetadata, device_ints
 from .prefill_calls import PrefillCalls
 
 _REPLAYED = ("replayed",)  # the conversion key of layers a graph replay resolves
@@ -338,16 +338,16 @@ class HiSparseIndexGroup(PrefillCalls):
         self._tokens = capacity.tokens if capacity is not None else metadata.num_tokens
         ndt = capacity.tokens if capacity is not None else td
         if ndt:
-            host = torch.tensor(metadata.decode_token_request_ids(ndt), dtype=torch.int32)
-            if capacity is not None:
+            ids = metadata.decode_token_request_ids(ndt)
+            if capacity is not None:  # into the bucket's persistent buffer (a captured graph reads it)
+                host = torch.tensor(ids, dtype=torch.int32)
                 buf = self._ids_bufs.get(ndt)
                 if buf is None:
                     buf = self._ids_bufs[ndt] = torch.empty(ndt, dtype=torch.int32, device=self.device)
                 buf.copy_(host.pin_memory() if self.device.type == "cuda" else host, non_blocking=True)
                 self._decode_ids = buf
             else:
-                self._decode_ids = (host.pin_memory().to(self.device, non_blocking=True)
-                                    if self.device.type == "cuda" else host)
+                self._decode_ids = device_ints(ids, self.device)
         else:
             self._decode_ids = torch.empty(0, dtype=torch.int32, device=self.device)
         self._decode_tokens = ndt

@@ -198,7 +198,27 @@ class IndexerSource(TopkSource):
                 del d[key]
 
 
-WORKINGSET_DRIFT = 0.03  # the working-set generator's default per-step replacement rate
+# the working-set generator's defaults: sink and recent tokens always selected, candidates
+# per free place, per-step replacement rate
+WORKINGSET_SINKS, WORKINGSET_RECENT, WORKINGSET_POOL, WORKINGSET_DRIFT = 4, 64, 2.5, 0.03
+
+
+def workingset_width(top_k: int, sinks: int = WORKINGSET_SINKS, recent: int = WORKINGSET_RECENT,
+                     pool: float = WORKINGSET_POOL) -> int:
+    """W, the candidates a (layer, request) of the working-set generator keeps."""
+    free = top_k - sinks - recent
+    return max(free, int(round(float(pool) * free)))
+
+
+def workingset_state_bytes(top_k: int, max_context: int, **knobs) -> int:
+    """Bytes of the working-set generator's state per (layer, request) at contexts up to
+    ``max_context``: candidates int64, scores float32 and the mirror mask per candidate,
+    and the position owner map (``knobs``: sinks / recent / pool; a pool the generator
+    would refuse counts as 1: the estimate is made before the generator checks them)."""
+    pool = float(knobs.get("pool", WORKINGSET_POOL))
+    pool = pool if math.isfinite(pool) and pool >= 1.0 else 1.0
+    w = workingset_width(top_k, knobs.get("sinks", WORKINGSET_SINKS), knobs.get("recent", WORKINGSET_RECENT), pool)
+    return max(w, 1) * 13 + max_context * 4
 
 
 class WorkingSetSource(TopkSource):
@@ -246,7 +266,8 @@ class WorkingSetSource(TopkSource):
 
     name = "workingset"
 
-    def __init__(self, *, top_k: int, sinks: int = 4, recent: int = 64, pool: float = 2.5,
+    def __init__(self, *, top_k: int, sinks: int = WORKINGSET_SINKS, recent: int = WORKINGSET_RECENT,
+                 pool: float = WORKINGSET_POOL,
                  persistence: float = 0.72, drift: float = WORKINGSET_DRIFT, layer_overlap: float = 0.8,
                  device="cpu", seed: int = 0) -> None:
         super().__init__(top_k=top_k, device=device, seed=seed)
@@ -265,7 +286,7 @@ class WorkingSetSource(TopkSource):
             raise ValueError(f"pool must be a number >= 1 (candidates per free place), got {pool!r}")
         self.sinks, self.recent = sinks, recent
         self.free = top_k - sinks - recent  # K'
-        self.width = max(self.free, int(round(float(pool) * self.free)))  # W
+        self.width = workingset_width(top_k, sinks, recent, pool)  # W
         self.persistence, self.drift = float(persistence), float(drift)
         self.layer_overlap = float(layer_overlap)
         self._lane: dict[int, int] = {}  # request id -> lane (row of the state tensors)
@@ -425,4 +446,5 @@ class WorkingSetSource(TopkSource):
 
 
 __all__ = ["TopkSource", "UniformSource", "CorrelatedSource", "IndexerSource", "WorkingSetSource", "WORKINGSET_DRIFT",
+           "WORKINGSET_SINKS", "WORKINGSET_RECENT", "WORKINGSET_POOL", "workingset_width", "workingset_state_bytes",
            "sample_distinct"]

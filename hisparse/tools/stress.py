@@ -68,7 +68,8 @@ from .plan import fmt_bytes
 from .preflight import check_memory, check_output_file, parse_device, require_kernels
 from .progress import Progress
 from .report import table
-from .sources import WORKINGSET_DRIFT, CorrelatedSource, IndexerSource, UniformSource, WorkingSetSource
+from .sources import (WORKINGSET_DRIFT, WORKINGSET_RECENT, WORKINGSET_SINKS, CorrelatedSource, IndexerSource,
+                      UniformSource, WorkingSetSource, workingset_state_bytes)
 from .stress_prefetch import prefetch_report, prefetch_useful, selected_hot, selected_rows
 from .traces import SOURCES, ReplaySource, TraceRecorder
 
@@ -166,9 +167,11 @@ class StressOptions:
         Kernels.parse(self.kernels)
         if self.trace not in SOURCES:
             raise ValueError(f"trace must be one of {list(SOURCES)}, got {self.trace!r}")
-        if self.trace == "workingset" and self.top_k <= 68:
-            raise ValueError(f"trace='workingset' always selects 4 sink and the 64 newest tokens, so it needs "
-                             f"top_k > 68 (got {self.top_k}); give a larger --top-k or another --trace")
+        fixed = WORKINGSET_SINKS + WORKINGSET_RECENT
+        if self.trace == "workingset" and self.top_k <= fixed:
+            raise ValueError(f"trace='workingset' always selects {WORKINGSET_SINKS} sink and the "
+                             f"{WORKINGSET_RECENT} newest tokens, so it needs top_k > {fixed} (got {self.top_k}); "
+                             "give a larger --top-k or another --trace")
         if self.trace == "replay" and not self.replay:
             raise ValueError("trace='replay' needs a trace file (--replay FILE)")
         if self.replay and self.trace != "replay":
@@ -278,7 +281,7 @@ class StressRun:
         if isinstance(self.source, IndexerSource):
             device["indexer keys"] = L * self.live_max * self.source.max_context * self.source.dim * 4
         if isinstance(self.source, WorkingSetSource):  # candidates, scores, mirror mask; position owners
-            device["working-set state"] = L * self.live_max * (self.source.width * 13 + self.max_len * 4)
+            device["working-set state"] = L * self.live_max * workingset_state_bytes(self.K, self.max_len)
         host = {"host pool": cfg.host_pool_bytes, "per-step counters": 2 * L * steps * 8}
         if self.o.optimal:
             host["Belady bound events"] = steps * L * self.live_max * min(self.K, self.max_len) * 8

@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import sys
 import tempfile
@@ -57,7 +56,7 @@ from .preflight import check_memory
 from .progress import Progress
 from .report import PlotUnavailable, require_matplotlib, table
 from .stress import StressOptions, Schedule
-from .sources import CorrelatedSource, IndexerSource, UniformSource, WorkingSetSource
+from .sources import CorrelatedSource, IndexerSource, UniformSource, WorkingSetSource, workingset_state_bytes
 from .traces import TraceStep, load_trace
 
 EXIT_OK, EXIT_INPUT, EXIT_MISSING = 0, 2, 4
@@ -346,12 +345,8 @@ def _memory_needed(r: _Resolved, *, K: int, L: int, S: int, live: int, max_len: 
            "next uses": 2 * steps * live * K * 8,
            "simulation": live * ((S + 1) * 16 + (max_len + 2) * 4)}
     if r.source == "workingset":
-        kn = r.knobs
-        free = max(K - kn.get("sinks", 0) - kn.get("recent", 0), 1)
-        pool = float(kn.get("pool", 1.0))
-        pool = pool if math.isfinite(pool) and pool >= 1.0 else 1.0  # the generator refuses it, by name
-        width = max(free, int(round(pool * free)))
-        out["generator"] = L * live * (width * 13 + max_len * 4)
+        kn = {k: r.knobs[k] for k in ("sinks", "recent", "pool") if k in r.knobs}
+        out["generator"] = L * live * workingset_state_bytes(K, max_len, **kn)
     return out
 
 
