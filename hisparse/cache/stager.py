@@ -120,6 +120,25 @@ class CacheStreams:
         """The events recorded since ``flags`` were taken (e.g. by a capture)."""
         return [ev for ev, (_, _, n) in zip(self._events(), flags) if ev.records != n]
 
+    def lend_events(self) -> list:
+        """Give every event a fresh CUDA event for a capture whose graph replays later, and
+        return the real ones for :meth:`return_events`. A CUDA event recorded during capture
+        can no longer be waited on outside it, so the capture records stand-ins and the real
+        events keep their last eager record."""
+        real = [ev.event for ev in self._events()]
+        if self.cuda:
+            for ev in self._events():
+                ev.event = torch.cuda.Event()
+        return real
+
+    def return_events(self, real: list) -> list:
+        """Put back the events :meth:`lend_events` returned; returns the stand-ins (a graph
+        keeps those it was captured with)."""
+        lent = [ev.event for ev in self._events()]
+        for ev, e in zip(self._events(), real):
+            ev.event = e
+        return lent
+
     def forget_captured(self) -> None:
         """Forget every event last recorded by a capture or a replay (a new capture starts:
         a wait on them inside it would be invalid; the work they mark is ordered before

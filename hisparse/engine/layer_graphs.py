@@ -23,7 +23,9 @@ replay the current stream waits on each event the eager call would wait on whose
 record was eager (one recorded by a replay is ordered already), and on the stage stream
 when eager staging ran since the last replay (the graph forks a stream of its own). After
 a replay, the events the graph recorded count as recorded by a replay, as
-``note_replay`` does for a whole captured forward. A capture changes no event's state.
+``note_replay`` does for a whole captured forward. A capture changes no event's state: it
+records stand-in CUDA events (``CacheStreams.lend_events``), since an event recorded during
+capture can no longer be waited on outside it.
 
 The eager path runs instead for conversions with ``wait=False``, ``decode_attention``,
 ``prefetch``, unpadded forwards, and every call made while the current stream is being
@@ -74,11 +76,12 @@ class CudaGraphBackend:
 class _Graph:
     """A captured call: the backend's graph and the cache events it records."""
 
-    __slots__ = ("graph", "events")
+    __slots__ = ("graph", "events", "lent")
 
-    def __init__(self, graph: object, events: list) -> None:
+    def __init__(self, graph: object, events: list, lent: list) -> None:
         self.graph = graph
-        self.events = events
+        self.events = events  # the cache's ``_Event``s the graph records (flags set on replay)
+        self.lent = lent  # the stand-in CUDA events it was captured with, kept alive with it
 
 
 class LayerGraphs:
@@ -181,13 +184,15 @@ class LayerGraphs:
     def _capture(self, key: tuple, fn: Callable[[], None]) -> _Graph:
         cs = self.cache.streams
         before = cs.flags()
+        real = cs.lend_events()  # the capture records stand-ins: the real events stay waitable
         try:
             cs.forget_captured()  # events a replay recorded can't be waited on inside a capture
             graph = self.backend.capture(fn)
             events = cs.recorded_since(before)
         finally:
             cs.restore_flags(before)  # what a capture records runs only when it is replayed
-        got = self.graphs[key] = _Graph(graph, events)
+            lent = cs.return_events(real)
+        got = self.graphs[key] = _Graph(graph, events, lent)
         self.counts["captures"] += 1
         return got
 
