@@ -14,6 +14,7 @@ Triton's launcher takes of the per-layer time, whatever hisparse does.
 
   python3 -m benchmarks.bench_host_calls [--requests 64] [--layers 8] [--context 4200] [--steps 20]
   python3 -m benchmarks.bench_host_calls --pad-to 64 --layer-graphs      # per-layer graphs (CUDA)
+  python3 -m benchmarks.bench_host_calls --pad-to 64 --layer-graphs --inputs-in-place  # and no input copies
   python3 -m benchmarks.bench_host_calls --device cpu --kernels torch    # CPU: the torch paths
 """
 
@@ -91,6 +92,10 @@ def main(argv=None) -> int:
                     help="prepare each step padded to this bucket, >= --requests [no padding]")
     ap.add_argument("--layer-graphs", action="store_true",
                     help="the group's per-layer graphs (layer_graphs=True; needs --pad-to and CUDA)")
+    ap.add_argument("--inputs-in-place", action="store_true",
+                    help="with --layer-graphs: write each step's rows and top-k into the group's "
+                         "layer_input_buffers() (untimed, as an engine producing into them) and pass those, "
+                         "so the calls copy nothing")
     ap.add_argument("--out", help="write the figures as JSON here")
     a = ap.parse_args(argv)
     if a.pad_to is not None and a.pad_to < a.requests:
@@ -100,6 +105,10 @@ def main(argv=None) -> int:
         return 2
     if a.layer_graphs and a.pad_to is None:
         print("bench_host_calls: --layer-graphs replays padded forwards; give --pad-to N too", file=sys.stderr)
+        return 2
+    if a.inputs_in_place and not a.layer_graphs:
+        print("bench_host_calls: --inputs-in-place writes into the per-layer graphs' buffers; give "
+              "--layer-graphs too", file=sys.stderr)
         return 2
     R, L, C, K = a.requests, a.layers, a.context, a.top_k
     try:
@@ -144,6 +153,10 @@ def main(argv=None) -> int:
         topk = torch.where(pick, recent, far).to(torch.int32)
         if T > R:
             topk = torch.cat([topk, torch.full((T - R, K), -1, dtype=torch.int32, device=dev)])
+        if a.inputs_in_place:
+            rows_in, topk_in = g.layer_input_buffers(md)
+            rows = rows_in.copy_(rows)
+            topk = topk_in.copy_(topk)
         marks = None
         if dev.type == "cuda":
             marks = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
@@ -175,10 +188,12 @@ def main(argv=None) -> int:
     for _ in range(a.steps):
         step(times)
     print(f"host time per call, {R} requests, {L} layers, context {C}, kernels {g.hisparse_cache.kernels}, "
-          f"device {dev}, pad_to {a.pad_to}, layer graphs {g.layer_graphs()}:")
+          f"device {dev}, pad_to {a.pad_to}, layer graphs {g.layer_graphs()}"
+          f"{', inputs in place' if a.inputs_in_place else ''}:")
     result = {"benchmark": "host_calls", "env": common.environment(dev),
               "options": {"requests": R, "layers": L, "context": C, "steps": a.steps, "top_k": K,
                           "pad_to": a.pad_to, "kernels": g.hisparse_cache.kernels,
+                              "inputs_in_place": a.inputs_in_place,
                           "layer_graphs": g.layer_graphs()}, "us": {}}
     for k in names:
         v = times[k]

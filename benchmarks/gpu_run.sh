@@ -148,9 +148,12 @@ for s in "${sections[@]}"; do
               --steps 30 ${pad:+--pad-to $pad} --out "$RES/host_calls${pad:+_pad$pad}.json" ${HOST_CALLS_ARGS:-}
           grep -A7 "^host time per call" "$LOG" | tail -8 | tee -a "$SUM"
         done
-        run host_calls_pad64_layer_graphs 240 python3 -m benchmarks.bench_host_calls --requests 64 --layers 8 \
-            --steps 30 --pad-to 64 --layer-graphs --out "$RES/host_calls_pad64_layer_graphs.json" ${HOST_CALLS_ARGS:-}
-        grep -A8 "^host time per call" "$LOG" | tail -9 | tee -a "$SUM" ;;
+        for inp in "" in_place; do  # the per-layer graphs, inputs copied in / written into their buffers
+          run "host_calls_pad64_layer_graphs${inp:+_$inp}" 240 python3 -m benchmarks.bench_host_calls --requests 64 \
+              --layers 8 --steps 30 --pad-to 64 --layer-graphs ${inp:+--inputs-in-place} \
+              --out "$RES/host_calls_pad64_layer_graphs${inp:+_$inp}.json" ${HOST_CALLS_ARGS:-}
+          grep -A8 "^host time per call" "$LOG" | tail -9 | tee -a "$SUM"
+        done ;;
     soak) left=$((END - SECONDS - 45))
           run soak 600 python3 -m benchmarks.soak --preset "${SOAK:-16k}" --seed "${SOAK_SEED:-0}" \
               --budget-s "$left" --out "$RES/soak_${SOAK:-16k}.json" ${SOAK_ARGS:-}

@@ -151,12 +151,15 @@ class Runner:
     physical indices (the batch's rows only)."""
 
     def __init__(self, shape: TraceShape, mode: str, device: str, kernels: str, truth: Truth, *,
-                 attention: tuple | None = None, heads: int = 16, layer_graphs: str | None = None) -> None:
+                 attention: tuple | None = None, heads: int = 16, layer_graphs: str | None = None,
+                 in_place: bool = False) -> None:
         """attention: (backend, overlap) to run ``decode_attention`` per layer (its
         outputs recorded) instead of the conversion (physical indices recorded).
-        layer_graphs: ``make_group``'s."""
+        layer_graphs: ``make_group``'s. in_place: padded forwards write each layer's rows
+        and top-k into ``layer_input_buffers`` and pass those."""
         self.shape, self.mode, self.device, self.truth = shape, mode, device, truth
         self.attention, self.heads = attention, heads
+        self.in_place = in_place
         self.step_no = 0
         self.group = make_group(shape, device, kernels, layer_graphs=layer_graphs)
         self.lens: dict[int, int] = {}
@@ -237,8 +240,13 @@ class Runner:
                 g.prepare_for_batch(md, pad_to=n)
                 phys = []
                 for layer in range(L):
-                    g.write_new_rows(layer, rows[layer], md)
-                    phys.append(self._layer_call(layer, qs[layer], tks[layer], md).clone())
+                    r, tk = rows[layer], tks[layer]
+                    if self.in_place and self.mode == "padded":
+                        r, tk = g.layer_input_buffers(md)
+                        r.copy_(rows[layer])
+                        tk.copy_(tks[layer])
+                    g.write_new_rows(layer, r, md)
+                    phys.append(self._layer_call(layer, qs[layer], tk, md).clone())
             else:
                 phys = self._graph_step(md, n, rows, tks, qs)
             for p in phys:

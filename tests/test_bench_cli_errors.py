@@ -56,6 +56,8 @@ def test_common_types():
     (["--device", "cpu", "--kernels", "bogus"], "--kernels"),
     (["--device", "cpu", "--steps", "0"], "--steps"),
     (["--device", "cpu", "--requests", "4", "--pad-to", "2"], "--pad-to"),
+    (["--device", "cpu", "--requests", "4", "--layer-graphs"], "--pad-to"),
+    (["--device", "cpu", "--pad-to", "64", "--inputs-in-place"], "--layer-graphs"),
 ])
 def test_bench_host_calls_refuses(argv, flag, capsys, no_gpu):
     refused(bench_host_calls.main, argv, capsys, flag)

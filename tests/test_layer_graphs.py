@@ -25,13 +25,14 @@ def _same_state(a, b, what: str) -> None:
         assert torch.equal(sa[k], sb[k]), f"{what}: state {k} differs"
 
 
-@pytest.mark.parametrize("kernels,query_len,seed", [("torch", 1, 0), ("torch", 2, 1), ("triton", 1, 2)])
-def test_layer_graph_forwards_equal_eager(kernels, query_len, seed):
+@pytest.mark.parametrize("kernels,query_len,seed,in_place", [("torch", 1, 0, False), ("torch", 2, 1, False),
+                                                              ("triton", 1, 2, False), ("torch", 2, 3, True)])
+def test_layer_graph_forwards_equal_eager(kernels, query_len, seed, in_place):
     shape = TraceShape(query_len=query_len)
     truth = Truth(shape)
     trace = plan_trace(shape, steps=10 if kernels == "triton" else 24, seed=seed)
     a = Runner(shape, "eager", "cpu", kernels, truth)
-    b = Runner(shape, "padded", "cpu", kernels, truth, layer_graphs="recording")
+    b = Runner(shape, "padded", "cpu", kernels, truth, layer_graphs="recording", in_place=in_place)
     for i, ev in enumerate(trace):
         a.event(ev)
         b.event(ev)
@@ -191,3 +192,58 @@ def test_layer_graphs_option_checks():
 @pytest.mark.parametrize("kernels,steps", [("torch", 30)])
 def test_layer_graphs_mixed_with_eager_prefetch_and_non_waiting_calls(kernels, steps):
     run_mixed("cpu", kernels, "recording", steps=steps)
+
+
+def test_layer_input_buffers_are_read_in_place(monkeypatch):
+    """Rows and top-k written into ``layer_input_buffers`` are not copied again by the
+    calls (eager warm-up, capture or replays); the buffers are refused outside padded
+    layer-graph forwards."""
+    shape = TraceShape()
+    truth = Truth(shape)
+    g = make_group(shape, "cpu", "torch", layer_graphs="recording")
+    lens = {0: 5, 1: 6}
+    for rid, n in lens.items():
+        g.add_request(rid)
+        md = SparseMLAMetadata.build(request_ids=[rid], query_lens=[n], seq_lens=[n], num_decodes=0)
+        g.prepare_for_batch(md)
+        with pytest.raises(ValueError, match="pad_to"):
+            g.layer_input_buffers(md)
+        for layer in range(shape.layers):
+            g.write_new_rows(layer, truth.rows(layer, rid)[:n], md)
+    copies = []
+    real_copy = torch.Tensor.copy_
+
+    def counting_copy(self, src, *a, **k):
+        copies.append(self.data_ptr())
+        return real_copy(self, src, *a, **k)
+    monkeypatch.setattr(torch.Tensor, "copy_", counting_copy)
+    first = None
+    for step in range(4):  # warm-up, capture, replays
+        md = _decode_md([0, 1], lens)
+        g.prepare_for_batch(md, pad_to=2)
+        for layer in range(shape.layers):
+            rows, topk = g.layer_input_buffers(md)
+            first = first or (rows, topk)
+            assert rows is first[0] and topk is first[1]  # one pair per bucket, every layer
+            assert rows.shape == (2, 656) and rows.dtype == torch.uint8
+            assert topk.shape == (2, shape.top_k) and topk.dtype == torch.int32
+            real_copy(rows, torch.stack([truth.rows(layer, r)[lens[r]] for r in (0, 1)]))
+            tk = torch.full((2, shape.top_k), -1, dtype=torch.int32)
+            tk[0, :3], tk[1, :2] = torch.arange(3), torch.tensor([5, 0])
+            real_copy(topk, tk)
+            before = len(copies)
+            g.write_new_rows(layer, rows, md)
+            phys = g.convert_decode_logical_to_physical_topk(layer, topk, md)
+            assert rows.data_ptr() not in copies[before:] and topk.data_ptr() not in copies[before:], step
+            assert torch.all(phys[:, :2] >= 0) and torch.all(phys[0, 3:] == -1)
+        for r in lens:
+            lens[r] += 1
+    monkeypatch.undo()
+    c = g.layer_graphs()
+    assert c["replays"] > c["captures"] > 0, c
+    g2 = make_group(shape, "cpu", "torch")
+    g2.add_request(0)
+    md = SparseMLAMetadata.build(request_ids=[0], query_lens=[1], seq_lens=[1], num_decodes=1)
+    g2.prepare_for_batch(md, pad_to=2)
+    with pytest.raises(ValueError, match="layer_graphs=True"):
+        g2.layer_input_buffers(md)

@@ -3,9 +3,10 @@
 Over a trace with joins, leaves and several buckets, a group whose padded per-layer calls
 replay per-layer graphs must equal an eager unpadded group after every forward: physical
 indices, every cache state tensor, hot rows byte for byte, and every host-pool row
-against the truth (rows written by a replayed write graph reach the pinned pool). Then
-the same with eager work mixed in: a prefetch of the next layer and ``wait=False``
-conversions between replays (their events order the replays, and the replays them).
+against the truth (rows written by a replayed write graph reach the pinned pool), also
+with the inputs written into ``layer_input_buffers``. Then the same with eager work mixed
+in: a prefetch of the next layer and ``wait=False`` conversions between replays (their
+events order the replays, and the replays them).
 """
 
 from __future__ import annotations
@@ -19,13 +20,13 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-@pytest.mark.parametrize("query_len,seed", [(1, 0), (2, 1)])
-def test_layer_graph_forwards_equal_eager(query_len, seed):
+@pytest.mark.parametrize("query_len,seed,in_place", [(1, 0, False), (2, 1, False), (2, 2, True)])
+def test_layer_graph_forwards_equal_eager(query_len, seed, in_place):
     shape = TraceShape(query_len=query_len)
     truth = Truth(shape)
     trace = plan_trace(shape, steps=60, seed=seed)
     a = Runner(shape, "eager", "cuda", "triton", truth)
-    b = Runner(shape, "padded", "cuda", "triton", truth, layer_graphs="cuda")
+    b = Runner(shape, "padded", "cuda", "triton", truth, layer_graphs="cuda", in_place=in_place)
     for i, ev in enumerate(trace):
         a.event(ev)
         b.event(ev)

@@ -357,6 +357,19 @@ class HiSparseCache:
         self.requests.touch(layer)
         return ResolveResult(out, self.streams.stage[layer].event, self.requests.epochs, layer)
 
+    def resolve_replay(self, layer: int, T: int, K: int, launch) -> ResolveResult:
+        """``resolve_by`` of arguments that passed its checks in an earlier call (the
+        same static req_ids int32 [T] and top-k int32 [T, K] tensors): only the checks
+        whose outcome can change since (the host pool's pinning, a shared pool's
+        visibility wait), then ``launch()`` and the same bookkeeping."""
+        self._pinned_check("the host pool")
+        if self.pool.shared and not self.streams.capturing():
+            self.pool.wait_visible(layer)
+        out = self._bufs[layer].view(T, K)
+        launch()
+        self.requests.touch(layer)
+        return ResolveResult(out, self.streams.stage[layer].event, self.requests.epochs, layer)
+
     def check_resolve(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor) -> None:
         """The checks an unchecked ``resolve`` makes before it launches."""
         self._check_resolve(layer, req_ids, topk, False)

@@ -262,6 +262,30 @@ class HiSparseIndexGroup(PrefillCalls):
         calls that ran eagerly (a bucket's warm-up), captured and replayed; else None."""
         return None if self._layer_graphs is None else self._layer_graphs.report()
 
+    def layer_input_buffers(self, metadata: SparseMLAMetadata, top_k: int | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The bucket's static inputs of the per-layer graphs (``layer_graphs=True``, a
+        forward prepared with ``pad_to``): rows uint8 [tokens, row_bytes] and top-k
+        int32 [decode tokens, top_k] (the config's top_k unless given).
+
+        The graphs read their inputs from these buffers; ``write_new_rows`` and the
+        conversion copy a tensor they are given into them first. An engine that writes
+        a layer's rows and top-k into these very tensors (on the current stream, before
+        the layer's call) and passes them saves both copies. The buffers are the same
+        for every layer and forward of the bucket: a call's graph has read them before
+        anything the current stream runs after the call.
+        """
+        md = self._check_batch(metadata)
+        lg = self._layer_graphs
+        if lg is None or not lg.applies(self._step):
+            why = ("layer_graphs=True was not given" if lg is None else
+                   "this forward was not prepared with pad_to (or the current stream is being captured)")
+            raise ValueError(f"layer_input_buffers: {why}; the buffers are the per-layer graphs' inputs")
+        k = self.config.top_k if top_k is None else check_int("top_k", top_k, 1, self.config.top_k + 1)
+        rows = lg.rows_buffer(self._tokens)
+        topk = lg.topk_buffer(self._decode_tokens, k) if md.num_decodes else None
+        return rows, topk
+
     def stats(self) -> dict:
         return self._cache.stats()
 
@@ -410,11 +434,12 @@ class HiSparseIndexGroup(PrefillCalls):
         """uint8 [n, row_bytes] (bf16 [n, 576] accepted for bf16 rows; any strides)."""
         rb = self.config.row_bytes
         check_tensor(name, rows, ndim=2, device=self.device)
-        if rows.dtype == torch.bfloat16 and self.row_format is RowFormat.BF16:  # type: ignore[union-attr]
-            if rows.shape[1] != D_ROW:  # type: ignore[union-attr]
-                raise ValueError(f"{name} as bf16 must be [T, {D_ROW}], got {tuple(rows.shape)}")  # type: ignore[union-attr]
-            rows = rows.contiguous().view(torch.uint8)  # type: ignore[union-attr]
-        check_tensor(name, rows, dtype=torch.uint8)
+        if rows.dtype != torch.uint8:  # type: ignore[union-attr]
+            if rows.dtype == torch.bfloat16 and self.row_format is RowFormat.BF16:  # type: ignore[union-attr]
+                if rows.shape[1] != D_ROW:  # type: ignore[union-attr]
+                    raise ValueError(f"{name} as bf16 must be [T, {D_ROW}], got {tuple(rows.shape)}")  # type: ignore[union-attr]
+                rows = rows.contiguous().view(torch.uint8)  # type: ignore[union-attr]
+            check_tensor(name, rows, dtype=torch.uint8)
         if tuple(rows.shape) != (n, rb):  # type: ignore[union-attr]
             raise ValueError(f"{name} must be [T={n}, {rb}] (one row per token of the batch), got "
                              f"{list(rows.shape)}")  # type: ignore[union-attr]

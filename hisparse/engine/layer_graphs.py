@@ -106,6 +106,25 @@ class LayerGraphs:
         """Whether this forward's calls replay graphs: a padded step, outside a capture."""
         return step.buffers is not None and not capturing(self.cache.device)
 
+    # ------------------------------------------------------------------ the inputs
+    def rows_buffer(self, tokens: int) -> torch.Tensor:
+        """The static rows buffer of a bucket: uint8 [tokens, row_bytes]. A write given
+        this very tensor reads it in place (no copy)."""
+        static = self._rows.get(tokens)
+        if static is None:
+            static = torch.empty((tokens, self.cache.cfg.row_bytes), dtype=torch.uint8, device=self.cache.device)
+            self._rows[tokens] = static
+        return static
+
+    def topk_buffer(self, tokens: int, k: int) -> torch.Tensor:
+        """The static top-k buffer of a bucket: int32 [tokens, k]. A conversion given
+        this very tensor reads it in place (no copy)."""
+        static = self._topk.get((tokens, k))
+        if static is None:
+            static = torch.empty((tokens, k), dtype=torch.int32, device=self.cache.device)
+            self._topk[(tokens, k)] = static
+        return static
+
     # ------------------------------------------------------------------ the calls
     def write(self, layer: int, step: StepPlan, rows: torch.Tensor) -> None:
         """``cache.write_step(layer, step, rows)`` (rows uint8 [step.rows, row_bytes],
@@ -113,13 +132,13 @@ class LayerGraphs:
         cache = self.cache
         static = self._rows.get(step.rows)
         if static is None:
-            static = torch.empty((step.rows, cache.cfg.row_bytes), dtype=torch.uint8, device=cache.device)
-            self._rows[step.rows] = static
+            static = self.rows_buffer(step.rows)
         key = ("write", layer, id(step.buffers))
         got = self.graphs.get(key)
         if got is None and key not in self.warm:
             cache.check_write_step(layer, step)  # before the copy: a refused call launches nothing
-            static.copy_(rows)
+            if rows is not static:
+                static.copy_(rows)
             cache.write_step(layer, step, static)
             cache.join_backup()  # the host mirror read ``static``: the next copy into it waits
             self.warm.add(key)
@@ -129,7 +148,8 @@ class LayerGraphs:
         def launch() -> None:
             g = got if got is not None else self._capture(
                 key, lambda: cache.launch_write_step(layer, step, static))
-            static.copy_(rows)
+            if rows is not static:
+                static.copy_(rows)
             cs = cache.streams
             self._wait_eager((cs.resolved[layer], cs.backup))
             self._replay(g)
@@ -144,13 +164,13 @@ class LayerGraphs:
         T, K = topk.shape
         static = self._topk.get((T, K))
         if static is None:
-            static = torch.empty((T, K), dtype=torch.int32, device=cache.device)
-            self._topk[(T, K)] = static
+            static = self.topk_buffer(T, K)
         key = ("convert", layer, req_ids.data_ptr(), T, K)
         got = self.graphs.get(key)
         if got is None and key not in self.warm:
             cache.check_resolve(layer, req_ids, topk)  # before the copy
-            static.copy_(topk)
+            if topk is not static:
+                static.copy_(topk)
             res = cache.resolve(layer, req_ids, static, validate=False, wait=True)
             self.warm.add(key)
             self.counts["eager"] += 1
@@ -159,7 +179,8 @@ class LayerGraphs:
         def launch() -> None:
             g = got if got is not None else self._capture(
                 key, lambda: cache.launch_resolve(layer, req_ids, static))
-            static.copy_(topk)
+            if topk is not static:
+                static.copy_(topk)
             cs = cache.streams
             if cs.stage_eager_records[0] != self._stage_seen and cs.streams.stage is not None:
                 # eager staging in flight: the graph's own fork of the stage stream is not after it
@@ -167,7 +188,10 @@ class LayerGraphs:
             self._wait_eager((cs.resolved[layer], cs.backup))
             self._replay(g)
 
-        res = cache.resolve_by(layer, req_ids, static, launch)
+        if got is None:  # the capture's call: every check again
+            res = cache.resolve_by(layer, req_ids, static, launch)
+        else:  # this key's arguments passed those checks when it was warmed up
+            res = cache.resolve_replay(layer, T, K, launch)
         self._stage_seen = cache.streams.stage_eager_records[0]
         return res
 
