@@ -20,6 +20,7 @@ Exit status: 1 when the outputs differ beyond tolerance (a correctness failure),
 
 Usage:
   python -m benchmarks.bench_e2e --out e2e.json [--quick] [--backend triton|flashmla]
+  python -m benchmarks.bench_e2e --layer-graphs     # an eager engine with hisparse's per-layer graphs
   python -m benchmarks.bench_e2e --dry-run          # tiny CPU run (checks the script)
 Full size (default): 8 layers, 128 heads, 64 requests, ~32K contexts, top-k 2048.
 --quick: 4 layers, 16 requests, ~8K contexts.
@@ -66,6 +67,8 @@ def sizes(args: argparse.Namespace) -> me.MiniEngineConfig:
     if args.context is not None:
         kw.update(max_prompt=args.context, min_prompt=args.context - TAIL,
                   synthetic_context=max(0, args.context - 768))
+    if args.layer_graphs:
+        kw["layer_graphs"] = True
     if kw.get("backend") is None and not args.dry_run:
         kw["backend"] = "triton"
     kw["flashmla_lib"] = common.flashmla_lib(kw.get("flashmla_lib"))
@@ -110,8 +113,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--flashmla-lib", dest="flashmla_lib", default=None)
     ap.add_argument("--locality", type=common.locality, default=None, help="indexer locality knob in [0, 1)")
     ap.add_argument("--row-format", dest="row_format", default=None, choices=["fp8_ds_mla", "bf16"])
+    ap.add_argument("--layer-graphs", action="store_true",
+                    help="decode-only steps padded to buckets, hisparse's per-layer calls replaying graphs "
+                         "of their own (mini-engine --layer-graphs; both engines run the padded forward)")
     ap.add_argument("--no-warmup", action="store_true")
     a = ap.parse_args(argv)
+    if a.layer_graphs and a.dry_run:
+        ap.error("--layer-graphs replays CUDA graphs; a --dry-run is on the CPU")
     if a.context is not None and a.context <= TAIL:
         ap.error(f"--context {a.context}: the last {TAIL} prompt tokens are prefilled for real, so "
                  f"--context must be > {TAIL}")
@@ -136,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[bench_e2e] layers={cfg.num_layers} heads={cfg.num_heads} requests={cfg.num_requests} "
           f"prompts {cfg.min_prompt}-{cfg.max_prompt} (synthetic {cfg.synthetic_context}) top_k={cfg.top_k} "
           f"hot slots={cfg.device_buffer_size or 2 * cfg.top_k} decode {cfg.min_decode}-{cfg.max_decode} steps "
-          f"rows={cfg.row_format} backend={cfg.backend or 'auto'}", flush=True)
+          f"rows={cfg.row_format} backend={cfg.backend or 'auto'} layer_graphs={cfg.layer_graphs}", flush=True)
     rc = 0
     try:
         if not args.no_warmup:

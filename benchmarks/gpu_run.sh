@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu_run.sh [SECTION ...]  sections: env tests sanitize racecheck_controls staging decode triton_configs profile
 #                                             prefill e2e stress autotune tests_each pool_kinds vllm_resolve
 #                                             profile_host (cProfile + torch.profiler of bench_e2e --quick)
+#                                             e2e_layer_graphs (bench_e2e eager, then with --layer-graphs)
 #                                             layer (bench_layer: one decode layer in a CUDA graph vs resident)
 #                                             miss (bench_miss_attention: the miss-attention kernels alone)
 #                                             profile_layer (kernel timeline of one replayed decode layer per mode)
@@ -137,6 +138,12 @@ for s in "${sections[@]}"; do
                   python3 -m benchmarks.analyse_e2e_trace "$RES"/traces/*.json.gz --json "$RES/e2e_trace_steps.json" >"$RES/e2e_trace_steps.txt" 2>>"$LOG" ;;
     vllm_resolve) run vllm_resolve 300 python3 -m benchmarks.bench_vllm_resolve --out "$RES/vllm_resolve.json" ${VLLM_RESOLVE_ARGS:-} ;;
     e2e) run e2e 300 python3 -m benchmarks.bench_e2e --out "$RES/e2e.json" ${QUICK:+--quick} ;;
+    e2e_layer_graphs)  # the eager engines, then the same with hisparse's per-layer graphs (padded decode steps)
+      for lg in "" layer_graphs; do
+        run "e2e${lg:+_$lg}" 300 python3 -m benchmarks.bench_e2e ${QUICK:+--quick} ${lg:+--layer-graphs} \
+            --out "$RES/e2e${lg:+_$lg}.json"
+        grep "^\[bench_e2e\] \(ratio\|decode\|hisparse\|resident\|target\)" "$LOG" | tail -n 6 | tee -a "$SUM"
+      done ;;
     layer) run layer ${LAYER_TIMEOUT:-420} python3 -m benchmarks.bench_layer --out "$RES/layer.json" ${LAYER_ARGS:-} ;;
     profile_layer) run_to profile_layer 300 "$RES/profile_layer.txt" python3 -m benchmarks.profile_layer \
         --out "$RES/profile_layer.json" ${PROFILE_LAYER_ARGS:-} ;;

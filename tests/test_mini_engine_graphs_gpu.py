@@ -67,6 +67,27 @@ def test_graphs_hisparse_equals_eager_hisparse(overlap):
     assert c["within_tolerance"] and c["argmax_mismatches"] == 0, c
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_layer_graphs_hisparse_equals_eager_and_resident(prefetch):
+    """An eager engine whose hisparse per-layer calls replay graphs of their own
+    (``layer_graphs``): the same outputs as eager hisparse (same kernels on the same rows)
+    and as the resident engine, with the per-layer graphs replayed, not only warmed up.
+    With prefetch (eager, between the replays) over Shared layers."""
+    kw = dict(num_layers=4, index_share=2, prefetch=True) if prefetch else {}
+    cfg = _cfg(tolerance=1e-3, **kw)
+    eager = me.run_engine(cfg, "hisparse")
+    lg = me.run_engine(dataclasses.replace(cfg, layer_graphs=True), "hisparse")
+    c = me.compare(cfg, eager, lg)
+    assert c["within_tolerance"] and c["argmax_mismatches"] == 0, c
+    counts = lg["layer_graphs"]
+    assert counts["replays"] > counts["captures"] >= 2 * cfg.num_layers, counts
+    assert lg["graphs"]["padded_eager"] > 0 and lg["graphs"]["replays"] == 0, lg["graphs"]
+    res = me.run(dataclasses.replace(cfg, layer_graphs=True, tolerance=2e-2))
+    assert res["compare"]["within_tolerance"], res["compare"]
+    assert res["hisparse"]["cache"]["misses"] > 0 and res["hisparse"]["cache"]["invalid"] == 0
+    assert res["resident"]["layer_graphs"] is None and res["hisparse"]["layer_graphs"]["replays"] > 0
+
+
 @pytest.mark.parametrize("overlap", ["serial", "split"])
 def test_graphs_index_share_with_prefetch(overlap):
     """Shared layers reuse the Full layer's top-k; the prefetch that stages their rows

@@ -30,6 +30,9 @@ _SWITCHES = {
     "validate": ("--unchecked", "store_false", "skip host-syncing validation in the hot loop"),
     "graphs": ("--graphs", "store_true",
                "run decode-only steps as CUDA graphs per batch-size bucket (CUDA; with --unchecked)"),
+    "layer_graphs": ("--layer-graphs", "store_true",
+                     "run decode-only steps eagerly, padded to batch-size buckets, each of hisparse's per-layer "
+                     "calls replaying a small CUDA graph (an eager engine's host cost; CUDA, --unchecked, serial)"),
     "prefetch": ("--prefetch", "store_true",
                  "hisparse: stage layer l's top-k into layer l+1 while layer l computes: into Shared layers "
                  "(exact, --index-share > 1), and into Full layers as a prediction when --index-correlation > 0"),

@@ -65,6 +65,8 @@ class MiniEngineConfig:
     async_steps: bool = True  # CUDA: prepare step t + 1 on the host while step t runs (one step ahead)
     tolerance: float = 2e-2  # max |x_resident - x_hisparse| allowed, relative to max |x|
     graphs: bool = False  # decode-only steps as CUDA graphs per batch-size bucket (needs CUDA, unchecked)
+    layer_graphs: bool = False  # decode-only steps padded to buckets and run eagerly, hisparse's per-layer
+    #                      calls replaying graphs of their own (HiSparseIndexGroup layer_graphs=True)
     ffn: str = "none"  # rest-of-layer stand-in after attention: none | mlp | moe (.ffn)
     ffn_intermediate: int = 64  # MLP / per-expert intermediate size
     ffn_experts: int = 4  # MoE: experts on this GPU
@@ -86,6 +88,7 @@ class MiniEngineConfig:
         check_bool("validate", self.validate)
         check_bool("prefetch", self.prefetch)
         check_bool("graphs", self.graphs)
+        check_bool("layer_graphs", self.layer_graphs)
         check_bool("async_steps", self.async_steps)
         overlap = Overlap.parse(self.overlap)
         ffn = FFNKind.parse(self.ffn)
@@ -102,6 +105,21 @@ class MiniEngineConfig:
                                  "values on the host, which a captured step cannot do")
             if overlap not in (Overlap.SERIAL, Overlap.SPLIT):
                 raise ValueError(f"graphs support overlap serial or split, got overlap={self.overlap!r}")
+        if self.layer_graphs:
+            if not (isinstance(self.device, str) and self.device.startswith("cuda")):
+                raise ValueError(f"layer_graphs (CUDA graphs) need a CUDA device, got device={self.device!r}")
+            if self.validate:
+                raise ValueError("layer_graphs need unchecked mode (--unchecked): a checked call reads device "
+                                 "values on the host")
+            if self.graphs:
+                raise ValueError("layer_graphs are for a forward that runs eagerly; with graphs the whole decode "
+                                 "forward is captured already: give one of the two")
+            if overlap is not Overlap.SERIAL:
+                raise ValueError(f"layer_graphs replay the serial conversion; overlap={self.overlap!r} runs "
+                                 "decode_attention, which stays eager: use overlap serial")
+            if self.cache_kernels not in ("auto", "triton"):
+                raise ValueError(f"layer_graphs need the Triton cache kernels, got cache_kernels="
+                                 f"{self.cache_kernels!r}")
         if self.prefetch and not any(self.prefetches_into(i) for i in range(self.num_layers)):
             raise ValueError("prefetch would stage into no layer: with index_share=1 and index_correlation=0 "
                              "every layer has its own independent indexer, so a layer's top-k predicts nothing "

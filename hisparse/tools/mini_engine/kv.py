@@ -20,6 +20,7 @@
                                         gather the prefill requests' rows into the bf16
                                         workspace, then attention over ``idx``
   admit / release / fill / stats        request lifecycle, synthetic context, counters
+  layer_graphs()                        hisparse with layer_graphs: the per-layer graphs' counts
 
 The attention calls take the query and the top-k and return the attention output, so
 a store decides how rows reach the kernel: the resident store reads its own paged rows;
@@ -150,6 +151,10 @@ class KVStore:
     def stats(self) -> dict:
         return {}
 
+    def layer_graphs(self) -> dict | None:
+        """The per-layer graphs' counts (``HiSparseIndexGroup.layer_graphs``), or None."""
+        return None
+
 
 class ResidentKV(KVStore):
     """An ordinary paged device KV cache holding every row (the baseline)."""
@@ -227,7 +232,8 @@ class HiSparseKV(KVStore):
 
     def __init__(self, cfg: MiniEngineConfig, slots: int, device: torch.device, attn: Attention) -> None:
         super().__init__(attn)
-        self.group = HiSparseIndexGroup(cfg.cache_config(), validate=cfg.validate, kernels=cfg.cache_kernels)
+        self.group = HiSparseIndexGroup(cfg.cache_config(), validate=cfg.validate, kernels=cfg.cache_kernels,
+                                        layer_graphs=cfg.layer_graphs)
         for _ in range(cfg.num_layers):
             self.group.register_layer(kv_cache_dtype=cfg.row_format)
         self.device = device
@@ -285,9 +291,10 @@ class HiSparseKV(KVStore):
         self.group.write_new_rows(layer, rows, batch.md)
 
     def decode_rows(self, layer: int, topk: torch.Tensor, batch: Batch):
-        """The conversion with ``wait=False``: ``decode_attention`` waits for its staging."""
-        phys = self.group.convert_decode_logical_to_physical_topk(layer, topk, batch.md,
-                                                                  return_valid_counts=False, wait=False)
+        """The conversion with ``wait=False``: ``decode_attention`` waits for its staging.
+        With layer graphs a waiting one, which replays the layer's graph."""
+        phys = self.group.convert_decode_logical_to_physical_topk(layer, topk, batch.md, return_valid_counts=False,
+                                                                  wait=not self.cfg.layer_graphs)
         return self.group.physical_kv_cache(layer), phys
 
     def prefill_workspace(self, layer: int, batch: Batch) -> None:
@@ -308,6 +315,9 @@ class HiSparseKV(KVStore):
 
     def stats(self) -> dict:
         return self.group.stats()
+
+    def layer_graphs(self) -> dict | None:
+        return self.group.layer_graphs()
 
 
 KV_STORES = {"resident": ResidentKV, "hisparse": HiSparseKV}

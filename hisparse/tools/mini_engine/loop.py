@@ -44,7 +44,8 @@ class MiniEngine:
 
     def __init__(self, cfg: MiniEngineConfig, kv_kind: str, *, decode_mode: DecodeMode | None = None) -> None:
         """``decode_mode``: how decode-only steps run (``.graphs``); default GRAPHS with
-        ``cfg.graphs``, else EAGER. PADDED runs the graphs' padded forward eagerly."""
+        ``cfg.graphs``, PADDED with ``cfg.layer_graphs``, else EAGER. PADDED runs the
+        graphs' padded forward eagerly."""
         if kv_kind not in KV_STORES:
             raise ValueError(f"kv_kind must be one of {sorted(KV_STORES)}, got {kv_kind!r}")
         self.cfg = cfg
@@ -61,7 +62,10 @@ class MiniEngine:
         self.attn = Attention(decode=self.decode_backend, prefill=self.prefill_backend,
                               sm_scale=self.model.sm_scale, row_format=self.fmt, workspace=ws)
         self.kv = KV_STORES[kv_kind](cfg, self.slots, self.device, self.attn)
-        mode = decode_mode if decode_mode is not None else DecodeMode.GRAPHS if cfg.graphs else DecodeMode.EAGER
+        if decode_mode is not None:
+            mode = decode_mode
+        else:
+            mode = DecodeMode.GRAPHS if cfg.graphs else DecodeMode.PADDED if cfg.layer_graphs else DecodeMode.EAGER
         if not isinstance(mode, DecodeMode):
             raise TypeError(f"decode_mode must be a DecodeMode, got {mode!r}")
         self.graphs = DecodeGraphs(self, mode) if mode is not DecodeMode.EAGER else None
@@ -311,7 +315,8 @@ class MiniEngine:
                 "fill_time_s": fill_time,
                 "stats": self.kv.stats(), "synthetic": cfg.synthetic_context,
                 "profile": prof.report() if prof is not None else None,
-                "graphs": self.graphs.report() if self.graphs is not None else None}
+                "graphs": self.graphs.report() if self.graphs is not None else None,
+                "layer_graphs": self.kv.layer_graphs()}
 
     def _step_event(self):
         """A CUDA event recorded after a step's launches, which the loop waits on to
@@ -478,7 +483,7 @@ def summarize(res: dict) -> dict:
            "replay_step": step_stats(res["replay_step_times"]),
            # the same replays' GPU time alone (events around the replay: no host work)
            "replay_gpu": step_stats(res.get("replay_gpu_times", [])),
-           "backend": res["backend"], "graphs": res["graphs"]}
+           "backend": res["backend"], "graphs": res["graphs"], "layer_graphs": res.get("layer_graphs")}
     tot = res["stats"].get("total", {})
     if tot:
         out["cache"] = {k: tot.get(k) for k in ("hits", "misses", "hit_rate", "prefetch_rows", "bytes_h2d",
@@ -506,8 +511,9 @@ def run(cfg: MiniEngineConfig, *, progress: bool = False, record: str | None = N
         if cfg.query_len != 1:
             raise ValueError(f"--record needs query_len 1 (one trace entry per request and step), "
                              f"got {cfg.query_len}")
-        if cfg.graphs or decode_mode not in (None, DecodeMode.EAGER):
-            raise ValueError("--record reads every decode step's top-k on the host; it cannot run with --graphs")
+        if cfg.graphs or cfg.layer_graphs or decode_mode not in (None, DecodeMode.EAGER):
+            raise ValueError("--record reads every decode step's top-k on the host; it cannot run with --graphs "
+                             "or --layer-graphs (their decode steps run the padded forward)")
         check_output_file(record, flag="--record")
         recorder = TraceRecorder(num_layers=cfg.num_layers, top_k=cfg.top_k)
     results = {kind: run_engine(cfg, kind, progress=progress, decode_mode=decode_mode,
