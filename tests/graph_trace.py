@@ -342,15 +342,57 @@ def run_mixed(device: str, kernels: str, layer_graphs: str, *, steps: int, seed:
         pb = mixed_decode(b, ev["decode"], ev["topk"])
         if device == "cuda":
             torch.cuda.synchronize()
-        for layer, (x, y) in enumerate(zip(pa, pb)):
-            assert torch.equal(x, y), f"event {i} layer {layer}: physical indices differ"
-        sa, sb = cache_state(a.group), cache_state(b.group)
-        for k in sa:
-            assert torch.equal(sa[k], sb[k]), f"event {i}: state {k} differs"
+        same_after_step(i, pa, pb, a.group, b.group)
         b.check_rows()
     counts = b.group.layer_graphs()
     assert counts["replays"] >= 2 * steps // 3, counts
     assert b.group.stats()["total"]["prefetch_rows"] > 0
+
+
+def same_after_step(i: int, pa, pb, a_group, b_group, *, atol: float | None = None) -> None:
+    """Event ``i``'s per-layer outputs ``pa`` / ``pb`` (physical indices, or attention
+    outputs within ``atol``) and every cache state tensor of the two groups agree."""
+    for layer, (x, y) in enumerate(zip(pa, pb)):
+        if atol is None:
+            assert torch.equal(x, y), f"event {i} layer {layer}: physical indices differ"
+        else:
+            torch.testing.assert_close(y.float(), x.float(), atol=atol, rtol=0.02, msg=f"event {i} layer {layer}")
+    sa, sb = cache_state(a_group), cache_state(b_group)
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), f"event {i}: state {k} differs"
+
+
+def run_pair(trace: list[dict], a: "Runner", b: "Runner", *, atol: float | None = None,
+             check_rows: bool = False) -> None:
+    """Run ``trace`` through both runners; after every decode event their outputs and
+    cache states must agree (``same_after_step``), and with ``check_rows`` every row of
+    ``b``'s host pool must equal the truth."""
+    for i, ev in enumerate(trace):
+        a.event(ev)
+        b.event(ev)
+        if "decode" not in ev:
+            continue
+        if a.device == "cuda":
+            torch.cuda.synchronize()
+        same_after_step(i, a.phys[-1], b.phys[-1], a.group, b.group, atol=atol)
+        if check_rows:
+            b.check_rows()
+
+
+def decode_md(rids, lens) -> SparseMLAMetadata:
+    """A one-token decode of ``rids`` whose contexts are ``lens[rid]`` rows."""
+    return SparseMLAMetadata.build(request_ids=rids, query_lens=[1] * len(rids),
+                                   seq_lens=[lens[r] + 1 for r in rids], num_decodes=len(rids))
+
+
+def join(g: HiSparseIndexGroup, rid: int, n: int, truth: Truth, lens: dict) -> None:
+    """Admit ``rid`` and write its first ``n`` rows of every layer (one unpadded forward)."""
+    g.add_request(rid)
+    md = SparseMLAMetadata.build(request_ids=[rid], query_lens=[n], seq_lens=[n], num_decodes=0)
+    g.prepare_for_batch(md)
+    for layer in range(g.config.num_layers):
+        g.write_new_rows(layer, truth.rows(layer, rid)[:n], md)
+    lens[rid] = n
 
 
 def cache_state(g: HiSparseIndexGroup) -> dict:

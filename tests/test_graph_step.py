@@ -13,7 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graph_trace import Runner, TraceShape, Truth, cache_state, make_group, plan_trace
+from graph_trace import (Runner, TraceShape, Truth, cache_state,
+                         decode_md, join, make_group, plan_trace, run_pair)
 from hisparse import CapacityError, HiSparseConfig
 from hisparse.cache.cache import HiSparseCache
 from hisparse.cache.write_step import StepCapacity
@@ -28,33 +29,13 @@ def test_padded_forwards_equal_unpadded(kernels, query_len, seed):
     trace = plan_trace(shape, steps=10 if kernels == "triton" else 22, seed=seed)
     a = Runner(shape, "eager", "cpu", kernels, truth)
     b = Runner(shape, "padded", "cpu", kernels, truth)
-    for i, ev in enumerate(trace):
-        a.event(ev)
-        b.event(ev)
-        if "decode" in ev:
-            for layer, (x, y) in enumerate(zip(a.phys[-1], b.phys[-1])):
-                assert torch.equal(x, y), f"event {i} layer {layer}: physical indices differ"
-            sa, sb = cache_state(a.group), cache_state(b.group)
-            for k in sa:
-                assert torch.equal(sa[k], sb[k]), f"event {i}: state {k} differs"
+    run_pair(trace, a, b)
     a.check_rows()
     b.check_rows()
     assert len(b.seen) >= 2, "the trace should use more than one bucket"
     assert b.group.stats()["total"]["misses"] > 0
 
 
-def _decode_md(rids, lens):
-    return SparseMLAMetadata.build(request_ids=rids, query_lens=[1] * len(rids),
-                                   seq_lens=[lens[r] + 1 for r in rids], num_decodes=len(rids))
-
-
-def _join(g, rid, n, truth, lens):
-    g.add_request(rid)
-    md = SparseMLAMetadata.build(request_ids=[rid], query_lens=[n], seq_lens=[n], num_decodes=0)
-    g.prepare_for_batch(md)
-    for layer in range(g.config.num_layers):
-        g.write_new_rows(layer, truth.rows(layer, rid)[:n], md)
-    lens[rid] = n
 
 
 def _small_group():
@@ -67,9 +48,9 @@ def _small_group():
 
 def test_pad_to_checks_and_replay_contract():
     shape, truth, g, lens = _small_group()
-    _join(g, 1, 5, truth, lens)
-    _join(g, 2, 20, truth, lens)
-    md = _decode_md([1, 2], lens)
+    join(g, 1, 5, truth, lens)
+    join(g, 2, 20, truth, lens)
+    md = decode_md([1, 2], lens)
     for bad, match in ((1, "smaller"), (7, "pad_to"), (0, "pad_to")):
         with pytest.raises(ValueError, match=match):
             g.prepare_for_batch(md, pad_to=bad)
@@ -94,10 +75,10 @@ def test_abandoned_layers_are_put_back():
     layers leaves those (as an eager forward cut short would)."""
     shape, truth, g, lens = _small_group()
     n = 16
-    _join(g, 1, n, truth, lens)  # the next row opens a new block (blocks of 4)
+    join(g, 1, n, truth, lens)  # the next row opens a new block (blocks of 4)
     c = g.hisparse_cache
     used = c.pool.allocator.num_used
-    md = _decode_md([1], lens)
+    md = decode_md([1], lens)
     g.prepare_for_batch(md, pad_to=2)
     assert c.pool.allocator.num_used == used + 1  # the step's block
     assert g.request_length(1, 0) == n  # not written yet
@@ -115,17 +96,17 @@ def test_abandoned_layers_are_put_back():
     assert torch.equal(hot, truth.rows(0, 1)[[n, 0, n - 1]])
     # a forward that writes layer 0 only: the next one sees differing lengths
     lens[1] = n + 1
-    md3 = _decode_md([1], lens)
+    md3 = decode_md([1], lens)
     g.prepare_for_batch(md3)
     g.write_new_rows(0, truth.rows(0, 1)[n + 1:n + 2], md3)
     with pytest.raises(ValueError, match=rf"holds \[{n + 2}, {n + 1}\]"):
-        g.prepare_for_batch(_decode_md([1], {1: n + 2}))
+        g.prepare_for_batch(decode_md([1], {1: n + 2}))
 
 
 def test_replayed_forward_refuses_eager_calls():
     shape, truth, g, lens = _small_group()
-    _join(g, 1, 5, truth, lens)
-    md = _decode_md([1], lens)
+    join(g, 1, 5, truth, lens)
+    md = decode_md([1], lens)
     g.prepare_for_batch(md, pad_to=2, replay=True)  # (no graph here: only the bookkeeping)
     assert [g.request_length(1, i) for i in range(2)] == [6, 6]
     with pytest.raises(ValueError, match="graph replay"):
@@ -141,9 +122,9 @@ def test_abandoned_forward_is_put_back_after_requests_change():
     abandoned forward included."""
     shape, truth, g, lens = _small_group()
     c = g.hisparse_cache
-    _join(g, 1, 16, truth, lens)
-    _join(g, 2, 7, truth, lens)
-    g.prepare_for_batch(_decode_md([1, 2], lens), pad_to=2)  # written by no layer
+    join(g, 1, 16, truth, lens)
+    join(g, 2, 7, truth, lens)
+    g.prepare_for_batch(decode_md([1, 2], lens), pad_to=2)  # written by no layer
     g.free_request(2)  # the generation moves on
     assert [g.request_length(1, i) for i in range(2)] == [16, 16]
     before = cache_state(g)
@@ -157,7 +138,7 @@ def test_abandoned_forward_is_put_back_after_requests_change():
     assert [c.layer_len(i, 1) for i in range(2)] == [17, 17]  # still the abandoned forward's
     assert [g.request_length(1, i) for i in range(2)] == [16, 16]
     assert c.pool.allocator.num_used == used
-    md = _decode_md([1], {1: 16})
+    md = decode_md([1], {1: 16})
     g.prepare_for_batch(md)  # puts the abandoned forward back, then plans this one
     assert [c.layer_len(i, 1) for i in range(2)] == [17, 17]
     for layer in range(2):
@@ -174,8 +155,8 @@ def test_a_request_admitted_again_is_not_the_abandoned_forwards():
     lengths."""
     shape, truth, g, lens = _small_group()
     c = g.hisparse_cache
-    _join(g, 1, 10, truth, lens)
-    g.prepare_for_batch(_decode_md([1], lens), pad_to=2)  # written by no layer
+    join(g, 1, 10, truth, lens)
+    g.prepare_for_batch(decode_md([1], lens), pad_to=2)  # written by no layer
     slot = c.request_slot(1)
     g.free_request(1)
     g.add_request(1)
@@ -192,7 +173,7 @@ def test_a_request_admitted_again_is_not_the_abandoned_forwards():
 def test_a_layers_write_makes_its_held_results_stale():
     shape, truth, g, lens = _small_group()
     c = g.hisparse_cache
-    _join(g, 1, 20, truth, lens)
+    join(g, 1, 20, truth, lens)
     batch = c.plan_write([1], [1])
     step = c.prepare_step(batch)
     res = c.resolve(1, torch.tensor([1], dtype=torch.int32), torch.tensor([[0, 5, -1, -1, -1, -1, -1, -1]],
@@ -205,8 +186,8 @@ def test_a_layers_write_makes_its_held_results_stale():
 def test_abandon_forward_and_bucket_buffers_taken_over():
     shape, truth, g, lens = _small_group()
     c = g.hisparse_cache
-    _join(g, 1, 10, truth, lens)
-    md = _decode_md([1], lens)
+    join(g, 1, 10, truth, lens)
+    md = decode_md([1], lens)
     g.prepare_for_batch(md, pad_to=2)
     g.write_new_rows(0, torch.cat([truth.rows(0, 1)[10:11]] * 2), md)
     g.abandon_forward()  # (a capture that raised): every layer not run is put back
@@ -214,7 +195,7 @@ def test_abandon_forward_and_bucket_buffers_taken_over():
     with pytest.raises(ValueError, match="prepare_for_batch"):
         g.write_new_rows(1, torch.cat([truth.rows(1, 1)[10:11]] * 2), md)
     # two padded steps of one bucket share its buffers: the older step can't write any more
-    _join(g, 2, 6, truth, lens)
+    join(g, 2, 6, truth, lens)
     first = c.prepare_step(c.plan_write([2], [1]), capacity=StepCapacity(requests=2, tokens=2))
     second = c.prepare_step(c.plan_write([2], [1]), capacity=StepCapacity(requests=2, tokens=2),
                             replaces=first)
@@ -233,10 +214,10 @@ def test_checked_group_takes_padded_forwards_and_refuses_selections_of_padding(k
     groups = [make_group(shape, "cpu", kernels, validate=v) for v in (True, False)]
     lens: dict = {}
     for g in groups:
-        _join(g, 1, 9, truth, dict(lens))
-        _join(g, 2, 14, truth, dict(lens))
+        join(g, 1, 9, truth, dict(lens))
+        join(g, 2, 14, truth, dict(lens))
     lens = {1: 9, 2: 14}
-    md = _decode_md([1, 2], lens)
+    md = decode_md([1, 2], lens)
     tk = torch.full((4, 8), -1, dtype=torch.int32)
     tk[0, :3] = torch.tensor([9, 0, 4])
     tk[1, :4] = torch.tensor([14, 13, 2, 2])

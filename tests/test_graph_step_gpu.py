@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graph_trace import Runner, TraceShape, Truth, cache_state, plan_trace
+from graph_trace import Runner, TraceShape, Truth, plan_trace, run_pair
 from hisparse.attention.triton_backend import TritonBackend
 
 pytestmark = [pytest.mark.gpu,
@@ -25,24 +25,8 @@ def _run_pair(shape, steps, seed, attention=None, atol=None):
     trace = plan_trace(shape, steps=steps, seed=seed)
     a = Runner(shape, "eager", "cuda", "triton", truth, attention=attention)
     b = Runner(shape, "graph", "cuda", "triton", truth, attention=attention)
-    replays = 0
-    for i, ev in enumerate(trace):
-        a.event(ev)
-        b.event(ev)
-        if "decode" not in ev:
-            continue
-        torch.cuda.synchronize()
-        for layer, (x, y) in enumerate(zip(a.phys[-1], b.phys[-1])):
-            if atol is None:
-                assert torch.equal(x, y), f"event {i} layer {layer}: physical indices differ"
-            else:
-                torch.testing.assert_close(y.float(), x.float(), atol=atol, rtol=0.02,
-                                           msg=f"event {i} layer {layer}")
-        sa, sb = cache_state(a.group), cache_state(b.group)
-        for k in sa:
-            assert torch.equal(sa[k], sb[k]), f"event {i}: state {k} differs"
-        b.check_rows()  # host mirror of rows written inside replays, byte-exact
-        replays = sum(max(0, v - 1) for v in b.seen.values())
+    run_pair(trace, a, b, atol=atol, check_rows=True)  # host mirror of rows written inside replays
+    replays = sum(max(0, v - 1) for v in b.seen.values())
     a.check_rows()
     assert len(b.graphs) >= 2 and replays >= 10, (b.seen, replays)
     return a, b

@@ -14,15 +14,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graph_trace import Runner, TraceShape, Truth, cache_state, make_group, plan_trace, run_mixed
+from graph_trace import (Runner, TraceShape, Truth, cache_state, decode_md,
+                         join, make_group, plan_trace, run_mixed, run_pair)
 from hisparse import HiSparseConfig
 from hisparse.engine import HiSparseIndexGroup, SparseMLAMetadata
-
-
-def _same_state(a, b, what: str) -> None:
-    sa, sb = cache_state(a.group), cache_state(b.group)
-    for k in sa:
-        assert torch.equal(sa[k], sb[k]), f"{what}: state {k} differs"
 
 
 @pytest.mark.parametrize("kernels,query_len,seed,in_place", [("torch", 1, 0, False), ("torch", 2, 1, False),
@@ -33,13 +28,7 @@ def test_layer_graph_forwards_equal_eager(kernels, query_len, seed, in_place):
     trace = plan_trace(shape, steps=10 if kernels == "triton" else 24, seed=seed)
     a = Runner(shape, "eager", "cpu", kernels, truth)
     b = Runner(shape, "padded", "cpu", kernels, truth, layer_graphs="recording", in_place=in_place)
-    for i, ev in enumerate(trace):
-        a.event(ev)
-        b.event(ev)
-        if "decode" in ev:
-            for layer, (x, y) in enumerate(zip(a.phys[-1], b.phys[-1])):
-                assert torch.equal(x, y), f"event {i} layer {layer}: physical indices differ"
-            _same_state(a, b, f"event {i}")
+    run_pair(trace, a, b)
     a.check_rows()
     b.check_rows()
     counts = b.group.layer_graphs()
@@ -47,25 +36,13 @@ def test_layer_graph_forwards_equal_eager(kernels, query_len, seed, in_place):
     assert b.group.stats()["total"]["misses"] > 0
 
 
-def _decode_md(rids, lens):
-    return SparseMLAMetadata.build(request_ids=rids, query_lens=[1] * len(rids),
-                                   seq_lens=[lens[r] + 1 for r in rids], num_decodes=len(rids))
-
-
-def _join(g, rid, n, truth, lens):
-    g.add_request(rid)
-    md = SparseMLAMetadata.build(request_ids=[rid], query_lens=[n], seq_lens=[n], num_decodes=0)
-    g.prepare_for_batch(md)
-    for layer in range(g.config.num_layers):
-        g.write_new_rows(layer, truth.rows(layer, rid)[:n], md)
-    lens[rid] = n
 
 
 def _step(g, truth, lens, rids, bucket, topk_of, *, fail_capture_at=()):
     """One padded decode step of ``rids`` (bucket ``bucket``); ``fail_capture_at``:
     the (call, layer) pairs whose capture fails once (then retried). Returns the physical
     indices."""
-    md = _decode_md(rids, lens)
+    md = decode_md(rids, lens)
     g.prepare_for_batch(md, pad_to=bucket)
     out = []
     for layer in range(g.config.num_layers):
@@ -97,8 +74,8 @@ def test_capture_that_fails_changes_nothing_and_the_retry_matches():
     for name, graphs in (("eager", None), ("graphs", "recording")):
         g = make_group(shape, "cpu", "torch", layer_graphs=graphs)
         lens: dict[int, int] = {}
-        _join(g, 1, 9, truth, lens)
-        _join(g, 2, 21, truth, lens)
+        join(g, 1, 9, truth, lens)
+        join(g, 2, 21, truth, lens)
         phys = []
         for step in range(4):
             def topk_of(layer, step=step):
@@ -123,9 +100,9 @@ def test_refused_calls_launch_nothing():
     truth = Truth(shape)
     g = make_group(shape, "cpu", "torch", layer_graphs="recording")
     lens: dict[int, int] = {}
-    _join(g, 1, 6, truth, lens)
+    join(g, 1, 6, truth, lens)
     for step in range(3):  # warm-up, capture, replay
-        md = _decode_md([1], lens)
+        md = decode_md([1], lens)
         g.prepare_for_batch(md, pad_to=2)
         rows = torch.zeros((2, 656), dtype=torch.uint8)
         rows[0] = truth.rows(0, 1)[lens[1]]
@@ -155,16 +132,16 @@ def test_unpadded_and_non_waiting_calls_stay_eager():
     truth = Truth(shape)
     g = make_group(shape, "cpu", "torch", layer_graphs="recording")
     lens: dict[int, int] = {}
-    _join(g, 1, 6, truth, lens)
+    join(g, 1, 6, truth, lens)
     for pad in (None, None, None):
-        md = _decode_md([1], lens)
+        md = decode_md([1], lens)
         g.prepare_for_batch(md, pad_to=pad)
         g.write_new_rows(0, truth.rows(0, 1)[lens[1]:lens[1] + 1], md)
         g.convert_decode_logical_to_physical_topk(0, torch.zeros((1, shape.top_k), dtype=torch.int32), md)
         lens[1] += 1
     assert g.layer_graphs() == {"graphs": 0, "eager": 0, "captures": 0, "replays": 0}
     for _ in range(3):  # padded, but the conversion does not wait: eager every time
-        md = _decode_md([1], lens)
+        md = decode_md([1], lens)
         g.prepare_for_batch(md, pad_to=2)
         rows = torch.zeros((2, 656), dtype=torch.uint8)
         rows[0] = truth.rows(0, 1)[lens[1]]
@@ -219,7 +196,7 @@ def test_layer_input_buffers_are_read_in_place(monkeypatch):
     monkeypatch.setattr(torch.Tensor, "copy_", counting_copy)
     first = None
     for step in range(4):  # warm-up, capture, replays
-        md = _decode_md([0, 1], lens)
+        md = decode_md([0, 1], lens)
         g.prepare_for_batch(md, pad_to=2)
         for layer in range(shape.layers):
             rows, topk = g.layer_input_buffers(md)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graph_trace import Runner, TraceShape, Truth, cache_state, plan_trace, run_mixed
+from graph_trace import Runner, TraceShape, Truth, plan_trace, run_mixed, run_pair
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -27,18 +27,7 @@ def test_layer_graph_forwards_equal_eager(query_len, seed, in_place):
     trace = plan_trace(shape, steps=60, seed=seed)
     a = Runner(shape, "eager", "cuda", "triton", truth)
     b = Runner(shape, "padded", "cuda", "triton", truth, layer_graphs="cuda", in_place=in_place)
-    for i, ev in enumerate(trace):
-        a.event(ev)
-        b.event(ev)
-        if "decode" not in ev:
-            continue
-        torch.cuda.synchronize()
-        for layer, (x, y) in enumerate(zip(a.phys[-1], b.phys[-1])):
-            assert torch.equal(x, y), f"event {i} layer {layer}: physical indices differ"
-        sa, sb = cache_state(a.group), cache_state(b.group)
-        for k in sa:
-            assert torch.equal(sa[k], sb[k]), f"event {i}: state {k} differs"
-        b.check_rows()
+    run_pair(trace, a, b, check_rows=True)
     a.check_rows()
     counts = b.group.layer_graphs()
     assert counts["replays"] >= 40 and counts["captures"] >= 4, counts
