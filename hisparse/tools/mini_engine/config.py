@@ -97,20 +97,17 @@ class MiniEngineConfig:
         if ffn is not FFNKind.NONE and (self.hidden % 8 or self.ffn_intermediate % 8):
             raise ValueError(f"the ffn stand-in needs hidden and ffn_intermediate multiples of 8, got "
                              f"{self.hidden} and {self.ffn_intermediate}")
-        if self.graphs:
+        for flag in ("graphs", "layer_graphs"):
+            if not getattr(self, flag):
+                continue
             if not (isinstance(self.device, str) and self.device.startswith("cuda")):
-                raise ValueError(f"graphs (CUDA graphs) need a CUDA device, got device={self.device!r}")
+                raise ValueError(f"{flag} (CUDA graphs) need a CUDA device, got device={self.device!r}")
             if self.validate:
-                raise ValueError("graphs need unchecked mode (--unchecked): checked mode reads device "
-                                 "values on the host, which a captured step cannot do")
-            if overlap not in (Overlap.SERIAL, Overlap.SPLIT):
-                raise ValueError(f"graphs support overlap serial or split, got overlap={self.overlap!r}")
+                raise ValueError(f"{flag} need unchecked mode (--unchecked): checked mode reads device "
+                                 "values on the host, which a captured call cannot do")
+        if self.graphs and overlap not in (Overlap.SERIAL, Overlap.SPLIT):
+            raise ValueError(f"graphs support overlap serial or split, got overlap={self.overlap!r}")
         if self.layer_graphs:
-            if not (isinstance(self.device, str) and self.device.startswith("cuda")):
-                raise ValueError(f"layer_graphs (CUDA graphs) need a CUDA device, got device={self.device!r}")
-            if self.validate:
-                raise ValueError("layer_graphs need unchecked mode (--unchecked): a checked call reads device "
-                                 "values on the host")
             if self.graphs:
                 raise ValueError("layer_graphs are for a forward that runs eagerly; with graphs the whole decode "
                                  "forward is captured already: give one of the two")
