@@ -263,10 +263,11 @@ class HiSparseIndexGroup(PrefillCalls):
         return None if self._layer_graphs is None else self._layer_graphs.report()
 
     def layer_input_buffers(self, metadata: SparseMLAMetadata, top_k: int | None = None
-                            ) -> tuple[torch.Tensor, torch.Tensor]:
+                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The bucket's static inputs of the per-layer graphs (``layer_graphs=True``, a
         forward prepared with ``pad_to``): rows uint8 [tokens, row_bytes] and top-k
-        int32 [decode tokens, top_k] (the config's top_k unless given).
+        int32 [decode tokens, top_k] (the config's top_k unless given; None for an empty
+        batch).
 
         The graphs read their inputs from these buffers; ``write_new_rows`` and the
         conversion copy a tensor they are given into them first. An engine that writes
