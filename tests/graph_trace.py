@@ -73,18 +73,48 @@ class RecordingGraphs:
             f(*a, **k)
 
 
+class KernelGraphs:
+    """A stricter CPU stand-in (Triton kernels only): a capture records the kernel
+    launchers alone (the write, resolve and lookup launches and the two copy kernels),
+    below the Python wrappers around them, so a replay re-runs no host-side check or
+    decision of those wrappers, as a CUDA graph's replay does not."""
+
+    def __init__(self, cache) -> None:
+        import hisparse.cache.cache as cache_module
+        self.cache = cache
+        self._targets = ((cache.writer, "apply_fn"), (cache.stager, "resolve_fn"), (cache.stager, "lookup_fn"),
+                         (cache_module, "_launch_copy_rows"), (cache_module, "_launch_copy_staged"))
+
+    def capture(self, fn):
+        calls = []
+        saved = [(o, n, getattr(o, n)) for o, n in self._targets]
+        for obj, name, f in saved:
+            setattr(obj, name, lambda *a, _f=f, **k: calls.append((_f, a, k)))
+        try:
+            fn()
+        finally:
+            for obj, name, f in saved:
+                setattr(obj, name, f)
+        return calls
+
+    def replay(self, calls) -> None:
+        for f, a, k in calls:
+            f(*a, **k)
+
+
 def make_group(shape: TraceShape, device: str, kernels: str, *, validate: bool = False,
                layer_graphs: str | None = None) -> HiSparseIndexGroup:
-    """``layer_graphs``: None, "cuda" (``layer_graphs=True``) or "recording" (the CPU
-    stand-in, ``RecordingGraphs``)."""
+    """``layer_graphs``: None, "cuda" (``layer_graphs=True``), "recording" or "kernels"
+    (the CPU stand-ins ``RecordingGraphs`` and ``KernelGraphs``)."""
     cfg = HiSparseConfig(num_layers=shape.layers, row_bytes=656, top_k=shape.top_k,
                          device_buffer_size=shape.slots, max_num_reqs=shape.max_reqs,
                          host_block_size=shape.block, host_pool_tokens=shape.max_reqs * shape.max_len,
                          max_query_len=shape.query_len, max_request_id=64, device=device)
     g = HiSparseIndexGroup(cfg, validate=validate, kernels=kernels, layer_graphs=layer_graphs == "cuda")
-    if layer_graphs == "recording":
+    if layer_graphs in ("recording", "kernels"):
         from hisparse.engine.layer_graphs import LayerGraphs
-        g._layer_graphs = LayerGraphs(g.hisparse_cache, RecordingGraphs(g.hisparse_cache))
+        backend = RecordingGraphs if layer_graphs == "recording" else KernelGraphs
+        g._layer_graphs = LayerGraphs(g.hisparse_cache, backend(g.hisparse_cache))
     for _ in range(shape.layers):
         g.register_layer(kv_cache_dtype="fp8_ds_mla")
     return g
@@ -296,10 +326,21 @@ class Runner:
                 assert torch.equal(host, self.truth.rows(layer, rid)[:n]), f"host rows of {rid} layer {layer}"
 
 
-def mixed_decode(r: Runner, rids, topk) -> list[torch.Tensor]:
+def _stall_stage(r: Runner, cycles: int) -> None:
+    """On CUDA, hold the cache's stage stream for ``cycles`` GPU clocks before the next
+    eager staging, so that a replay not ordered after that staging runs first and
+    leaves another cache (instead of only sometimes)."""
+    stage = r.group.hisparse_cache.stage_stream
+    if cycles and stage is not None:
+        with torch.cuda.stream(stage):
+            torch.cuda._sleep(cycles)
+
+
+def mixed_decode(r: Runner, rids, topk, stall: int = 0) -> list[torch.Tensor]:
     """A padded decode step of ``r`` whose layer 1 converts with ``wait=False`` and
     whose layers >= 1 are prefetched from the layer before: eager calls between the
-    layer graphs' replays. Returns the batch's physical indices per layer."""
+    layer graphs' replays. Returns the batch's physical indices per layer. ``stall``:
+    GPU clocks the stage stream idles before each of those eager calls."""
     g, L, q = r.group, r.shape.layers, r.shape.query_len
     md = r._md(rids, [q] * len(rids), len(rids))
     n = bucket_of(len(rids))
@@ -313,8 +354,11 @@ def mixed_decode(r: Runner, rids, topk) -> list[torch.Tensor]:
     for layer in range(L):
         g.write_new_rows(layer, r._rows(layer, rids, [q] * len(rids), T), md)
         if layer:
+            _stall_stage(r, stall)
             g.prefetch(layer, tks[layer - 1], md)
         wait = layer != 1
+        if not wait:
+            _stall_stage(r, stall)
         p = g.convert_decode_logical_to_physical_topk(layer, tks[layer], md, wait=wait)
         if not wait:
             g.wait_for_staging(layer)
@@ -324,10 +368,12 @@ def mixed_decode(r: Runner, rids, topk) -> list[torch.Tensor]:
     return phys
 
 
-def run_mixed(device: str, kernels: str, layer_graphs: str, *, steps: int, seed: int = 7) -> None:
+def run_mixed(device: str, kernels: str, layer_graphs: str, *, steps: int, seed: int = 7,
+              stall: int = 0) -> None:
     """A padded group with per-layer graphs (``layer_graphs``: ``make_group``'s) and one
-    without run the same trace through ``mixed_decode``: both must leave the same cache
-    after every forward, and the graphs must have been replayed."""
+    without run the same trace through ``mixed_decode`` (``stall``: its stage-stream
+    stall before each eager call): both must leave the same cache after every forward,
+    and the graphs must have been replayed."""
     shape = TraceShape(layers=3)
     truth = Truth(shape)
     trace = plan_trace(shape, steps=steps, seed=seed)
@@ -338,8 +384,8 @@ def run_mixed(device: str, kernels: str, layer_graphs: str, *, steps: int, seed:
             a.event(ev)
             b.event(ev)
             continue
-        pa = mixed_decode(a, ev["decode"], ev["topk"])
-        pb = mixed_decode(b, ev["decode"], ev["topk"])
+        pa = mixed_decode(a, ev["decode"], ev["topk"], stall)
+        pb = mixed_decode(b, ev["decode"], ev["topk"], stall)
         if device == "cuda":
             torch.cuda.synchronize()
         same_after_step(i, pa, pb, a.group, b.group)

@@ -20,14 +20,15 @@ from hisparse import HiSparseConfig
 from hisparse.engine import HiSparseIndexGroup, SparseMLAMetadata
 
 
-@pytest.mark.parametrize("kernels,query_len,seed,in_place", [("torch", 1, 0, False), ("torch", 2, 1, False),
-                                                              ("triton", 1, 2, False), ("torch", 2, 3, True)])
-def test_layer_graph_forwards_equal_eager(kernels, query_len, seed, in_place):
+@pytest.mark.parametrize("kernels,query_len,seed,in_place,stand_in", [
+    ("torch", 1, 0, False, "recording"), ("torch", 2, 1, False, "recording"), ("triton", 1, 2, False, "kernels"),
+    ("torch", 2, 3, True, "recording"), ("triton", 2, 4, True, "kernels")])
+def test_layer_graph_forwards_equal_eager(kernels, query_len, seed, in_place, stand_in):
     shape = TraceShape(query_len=query_len)
     truth = Truth(shape)
     trace = plan_trace(shape, steps=10 if kernels == "triton" else 24, seed=seed)
     a = Runner(shape, "eager", "cpu", kernels, truth)
-    b = Runner(shape, "padded", "cpu", kernels, truth, layer_graphs="recording", in_place=in_place)
+    b = Runner(shape, "padded", "cpu", kernels, truth, layer_graphs=stand_in, in_place=in_place)
     run_pair(trace, a, b)
     a.check_rows()
     b.check_rows()
@@ -209,7 +210,7 @@ def test_layer_input_buffers_are_read_in_place(monkeypatch):
             tk[0, :3], tk[1, :2] = torch.arange(3), torch.tensor([5, 0])
             real_copy(topk, tk)
             before = len(copies)
-            g.write_new_rows(layer, rows, md)
+            g.write_new_rows(layer, rows if step % 2 else rows[:], md)  # a same-layout view: no copy either
             phys = g.convert_decode_logical_to_physical_topk(layer, topk, md)
             assert rows.data_ptr() not in copies[before:] and topk.data_ptr() not in copies[before:], step
             assert torch.all(phys[:, :2] >= 0) and torch.all(phys[0, 3:] == -1)
@@ -224,3 +225,90 @@ def test_layer_input_buffers_are_read_in_place(monkeypatch):
     g2.prepare_for_batch(md, pad_to=2)
     with pytest.raises(ValueError, match="layer_graphs=True"):
         g2.layer_input_buffers(md)
+
+
+def _warm_capture_replay(g, truth, lens, steps=3, layers=None):
+    """Decode forwards of request 1 padded to 2 (warm-up, capture, replays)."""
+    for _ in range(steps):
+        md = decode_md([1], lens)
+        g.prepare_for_batch(md, pad_to=2)
+        for layer in range(layers if layers is not None else g.config.num_layers):
+            rows = torch.zeros((2, 656), dtype=torch.uint8)
+            rows[0] = truth.rows(layer, 1)[lens[1]]
+            tk = torch.full((2, g.config.top_k), -1, dtype=torch.int32)
+            tk[0, :2] = torch.tensor([0, lens[1]])
+            g.write_new_rows(layer, rows, md)
+            g.convert_decode_logical_to_physical_topk(layer, tk, md)
+        lens[1] += 1
+
+
+def test_a_replayed_write_refuses_a_released_pool():
+    """The host mirror writes the pool over UVA; in a graph its launcher's pinning check
+    ran only at capture, so a replayed write checks the pool itself (refused before any
+    launch, the layer left pending). ``KernelGraphs`` replays the kernels alone."""
+    shape = TraceShape(layers=1)
+    truth = Truth(shape)
+    g = make_group(shape, "cpu", "triton", layer_graphs="kernels")
+    lens: dict[int, int] = {}
+    join(g, 1, 6, truth, lens)
+    _warm_capture_replay(g, truth, lens)
+    assert g.layer_graphs()["replays"] == 4
+    c = g.hisparse_cache
+    c._pinned_check.__self__.dev = torch.device("cuda", 0)  # as on a GPU: the pool must be pinned
+    c.pool.buffer.pinned = False  # what release() / close() leave
+    md = decode_md([1], lens)
+    g.prepare_for_batch(md, pad_to=2)
+    before, n = cache_state(g), dict(g.layer_graphs())
+    with pytest.raises(ValueError, match="not pinned"):
+        g.write_new_rows(0, torch.zeros((2, 656), dtype=torch.uint8), md)
+    after = cache_state(g)
+    for k in before:
+        assert torch.equal(before[k], after[k]), k
+    assert g.layer_graphs() == n and 0 in g._step.pending
+
+
+def test_eager_side_stream_calls_refuse_the_input_buffers():
+    """prefetch and wait=False conversions read their top-k on the staging stream after
+    they return; the engine overwrites ``layer_input_buffers``' top-k for the next layer
+    meanwhile, so those calls refuse it (a view of it too), before launching anything."""
+    shape = TraceShape(layers=2)
+    truth = Truth(shape)
+    g = make_group(shape, "cpu", "torch", layer_graphs="recording")
+    lens: dict[int, int] = {}
+    join(g, 1, 6, truth, lens)
+    md = decode_md([1], lens)
+    g.prepare_for_batch(md, pad_to=2)
+    rows, topk = g.layer_input_buffers(md)
+    topk.fill_(-1)
+    topk[0, 0] = 0
+    rows.zero_()
+    g.write_new_rows(0, rows, md)
+    before = cache_state(g)
+    with pytest.raises(ValueError, match="staging stream"):
+        g.prefetch(1, topk, md)
+    with pytest.raises(ValueError, match="staging stream"):
+        g.convert_decode_logical_to_physical_topk(0, topk[:], md, wait=False)
+    after = cache_state(g)
+    for k in before:
+        assert torch.equal(before[k], after[k]), k
+    g.prefetch(1, topk.clone(), md)  # a tensor of the engine's own goes through
+    g.convert_decode_logical_to_physical_topk(0, topk.clone(), md, wait=False)
+    g.wait_for_staging(0)
+
+
+def test_a_new_staging_launch_shape_captures_again():
+    """The staging copy's grid is part of a captured graph: setting ``stage_programs``
+    after a capture warms up and captures the conversions again instead of replaying
+    the old launch shape."""
+    shape = TraceShape(layers=1)
+    truth = Truth(shape)
+    g = make_group(shape, "cpu", "torch", layer_graphs="recording")
+    lens: dict[int, int] = {}
+    join(g, 1, 6, truth, lens)
+    _warm_capture_replay(g, truth, lens)
+    c0 = dict(g.layer_graphs())
+    g.hisparse_cache.stager.stage_programs = 3
+    _warm_capture_replay(g, truth, lens, steps=2)
+    c1 = g.layer_graphs()
+    assert c1["eager"] == c0["eager"] + 1 and c1["captures"] == c0["captures"] + 1, (c0, c1)
+    assert c1["graphs"] == c0["graphs"] + 1

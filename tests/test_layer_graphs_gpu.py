@@ -35,5 +35,9 @@ def test_layer_graph_forwards_equal_eager(query_len, seed, in_place):
 
 
 
-def test_layer_graphs_mixed_with_eager_prefetch_and_non_waiting_calls():
-    run_mixed("cuda", "triton", "cuda", steps=50)
+@pytest.mark.parametrize("stall", [0, 2_000_000])
+def test_layer_graphs_mixed_with_eager_prefetch_and_non_waiting_calls(stall):
+    """With ``stall`` the stage stream idles about a millisecond before each eager
+    prefetch and non-waiting conversion: a replay that did not wait for that staging
+    would run before it and leave another cache, every time."""
+    run_mixed("cuda", "triton", "cuda", steps=50, stall=stall)

@@ -282,8 +282,12 @@ class HiSparseCache:
 
     def write_step_by(self, layer: int, step: StepPlan, launch) -> None:
         """``write_step`` of a padded step whose launches ``launch()`` enqueues, e.g. the
-        replay of a graph captured over :meth:`launch_write_step` (``Writer.write_step_by``)."""
+        replay of a graph captured over :meth:`launch_write_step` (``Writer.write_step_by``).
+        The host pool's pinning is checked here: in a graph the mirror's own check ran
+        only when it was captured."""
         V.check_layer(self.cfg, layer)
+        if self.pool.is_writer:
+            self._pinned_check("the host pool")  # the mirror writes it over UVA
         self.writer.write_step_by(layer, step, launch)
 
     def check_write_step(self, layer: int, step: StepPlan) -> None:
@@ -350,12 +354,14 @@ class HiSparseCache:
     def resolve_by(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor, launch) -> ResolveResult:
         """An unchecked, waiting ``resolve`` whose launches ``launch()`` enqueues, e.g. the
         replay of a graph captured over :meth:`launch_resolve` with the same arguments:
-        the same checks first, the same bookkeeping after."""
+        the same checks first, the same bookkeeping after. The result's ``event`` is None:
+        the staging is part of what ``launch()`` enqueued on the current stream (a graph
+        joins the streams it forks), so another stream waits on that one instead."""
         T, K, req_ids = self._check_resolve(layer, req_ids, topk, False)
         out = self._bufs[layer].view(T, K)
         launch()
         self.requests.touch(layer)
-        return ResolveResult(out, self.streams.stage[layer].event, self.requests.epochs, layer)
+        return ResolveResult(out, None, self.requests.epochs, layer)
 
     def resolve_replay(self, layer: int, T: int, K: int, launch) -> ResolveResult:
         """``resolve_by`` of arguments that passed its checks in an earlier call (the
@@ -368,7 +374,7 @@ class HiSparseCache:
         out = self._bufs[layer].view(T, K)
         launch()
         self.requests.touch(layer)
-        return ResolveResult(out, self.streams.stage[layer].event, self.requests.epochs, layer)
+        return ResolveResult(out, None, self.requests.epochs, layer)
 
     def check_resolve(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor) -> None:
         """The checks an unchecked ``resolve`` makes before it launches."""

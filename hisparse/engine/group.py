@@ -55,7 +55,7 @@ from ..decode.layer import DecodeLayer
 from ..device import resolve_device
 from ..errors import CapacityError
 from ..formats import D_ROW, RowFormat
-from .layer_graphs import CudaGraphBackend, LayerGraphs
+from .layer_graphs import CudaGraphBackend, LayerGraphCalls, LayerGraphs
 from .metadata import SparseMLAMetadata, device_ints
 from .prefill_calls import PrefillCalls
 
@@ -110,7 +110,7 @@ def _row_format_of(config: HiSparseConfig) -> RowFormat:
                      f"(fp8_ds_mla) or 1152 (bf16), got {config.row_bytes}")
 
 
-class HiSparseIndexGroup(PrefillCalls):
+class HiSparseIndexGroup(PrefillCalls, LayerGraphCalls):
     """Per-layer hisparse caches behind the calls a sparse-MLA backend makes.
 
     ``config.num_layers`` is the number of layers that will be registered. ``kernels``
@@ -135,6 +135,9 @@ class HiSparseIndexGroup(PrefillCalls):
             if resolve_device(config.device).type != "cuda":
                 raise ValueError(f"layer_graphs=True needs a CUDA device (CUDA graphs); config.device is "
                                  f"{config.device!r}")
+            if kernels not in ("auto", "triton"):  # refused before the pool is allocated and pinned
+                raise ValueError(f"layer_graphs=True needs the Triton kernels (kernels='triton' or 'auto'); "
+                                 f"got {kernels!r}")
         self._cache = HiSparseCache(config, kernels=kernels)
         self.device = self._hot_rows(0).device
         self._layer_graphs: LayerGraphs | None = None
@@ -256,36 +259,6 @@ class HiSparseIndexGroup(PrefillCalls):
         """Rows per layer of a live request, a layer this forward has not written yet
         counted as before the forward."""
         return self._cache.lengths_before(req_id, self._step)
-
-    def layer_graphs(self) -> dict | None:
-        """With ``layer_graphs=True``: {graphs, eager, captures, replays}, the per-layer
-        calls that ran eagerly (a bucket's warm-up), captured and replayed; else None."""
-        return None if self._layer_graphs is None else self._layer_graphs.report()
-
-    def layer_input_buffers(self, metadata: SparseMLAMetadata, top_k: int | None = None
-                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The bucket's static inputs of the per-layer graphs (``layer_graphs=True``, a
-        forward prepared with ``pad_to``): rows uint8 [tokens, row_bytes] and top-k
-        int32 [decode tokens, top_k] (the config's top_k unless given; None for an empty
-        batch).
-
-        The graphs read their inputs from these buffers; ``write_new_rows`` and the
-        conversion copy a tensor they are given into them first. An engine that writes
-        a layer's rows and top-k into these very tensors (on the current stream, before
-        the layer's call) and passes them saves both copies. The buffers are the same
-        for every layer and forward of the bucket: a call's graph has read them before
-        anything the current stream runs after the call.
-        """
-        md = self._check_batch(metadata)
-        lg = self._layer_graphs
-        if lg is None or not lg.applies(self._step):
-            why = ("layer_graphs=True was not given" if lg is None else
-                   "this forward was not prepared with pad_to (or the current stream is being captured)")
-            raise ValueError(f"layer_input_buffers: {why}; the buffers are the per-layer graphs' inputs")
-        k = self.config.top_k if top_k is None else check_int("top_k", top_k, 1, self.config.top_k + 1)
-        rows = lg.rows_buffer(self._tokens)
-        topk = lg.topk_buffer(self._decode_tokens, k) if md.num_decodes else None
-        return rows, topk
 
     def stats(self) -> dict:
         return self._cache.stats()
@@ -508,6 +481,8 @@ class HiSparseIndexGroup(PrefillCalls):
                     res = lg.convert(i, self._decode_ids, topk_indices)
                     phys, counts = res.physical, res.valid_counts
                 else:
+                    if not wait:
+                        self._refuse_input_buffer(topk_indices, "a conversion with wait=False")
                     phys, counts = self._resolve_decode(i, topk_indices, wait)
                 self.resolves_per_layer[i] += 1
                 if not wait:
@@ -593,6 +568,7 @@ class HiSparseIndexGroup(PrefillCalls):
                              f"the bucket with pad_to), got {list(topk_indices.shape)}")
         if i in self._converted:
             raise ValueError(f"layer {i} was already resolved in this forward: prefetch it before")
+        self._refuse_input_buffer(topk_indices, "prefetch")
         if self._decode_tokens:
             self._cache.prefetch(i, self._decode_ids, topk_indices)
 

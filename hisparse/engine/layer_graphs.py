@@ -14,9 +14,12 @@ pad_to=N)``) replay one small graph per (call, layer, bucket) instead:
 - a graph joins every stream it forks (the host mirror's, the staging's) before it ends,
   so work after a replay on the current stream, or on a stream that follows it, is
   ordered after all of the graph's work;
-- the checks and the host-side bookkeeping are the eager call's, run around the replay
-  (``Writer.write_step_by``, ``HiSparseCache.resolve_by``): a call that fails a check
-  launches nothing and changes nothing.
+- the checks and the host-side bookkeeping run around the replay (``Writer.write_step_by``,
+  ``HiSparseCache.resolve_by``): the eager call's on the call that captures; on later
+  replays of a key, the checks whose outcome can change since it was captured (the
+  group's checks of the call, the step's, the host pool's pinning:
+  ``HiSparseCache.resolve_replay``). A call that fails a check launches nothing and
+  changes nothing.
 
 Events: the cache orders its streams with events (``hisparse.cache.stager``). Before a
 replay the current stream waits on each event the eager call would wait on whose last
@@ -38,11 +41,13 @@ from typing import Callable
 
 import torch
 
+from .._checks import check_int
 from ..cache.cache import HiSparseCache
 from ..cache.stager import capturing
 from ..cache.write_step import StepPlan
+from .metadata import SparseMLAMetadata
 
-__all__ = ["CudaGraphBackend", "LayerGraphs"]
+__all__ = ["CudaGraphBackend", "LayerGraphCalls", "LayerGraphs"]
 
 
 class CudaGraphBackend:
@@ -57,7 +62,9 @@ class CudaGraphBackend:
     def capture(self, fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
         g = torch.cuda.CUDAGraph()
         with torch.cuda.stream(self.stream):
-            g.capture_begin()
+            # thread_local: another thread's CUDA calls (an engine's allocations, syncs) stay
+            # legal while a layer is captured mid-serving; the captured calls make none
+            g.capture_begin(capture_error_mode="thread_local")
             try:
                 fn()
             except BaseException:
@@ -71,6 +78,12 @@ class CudaGraphBackend:
 
     def replay(self, g: torch.cuda.CUDAGraph) -> None:
         g.replay()
+
+
+def _same(t: torch.Tensor, static: torch.Tensor) -> bool:
+    """Whether ``t`` (of ``static``'s shape and dtype, checked by the caller) is the static
+    buffer itself, or a view of it with its layout: then nothing needs copying."""
+    return t is static or (t.data_ptr() == static.data_ptr() and t.stride() == static.stride())
 
 
 class _Graph:
@@ -137,7 +150,7 @@ class LayerGraphs:
         got = self.graphs.get(key)
         if got is None and key not in self.warm:
             cache.check_write_step(layer, step)  # before the copy: a refused call launches nothing
-            if rows is not static:
+            if not _same(rows, static):
                 static.copy_(rows)
             cache.write_step(layer, step, static)
             cache.join_backup()  # the host mirror read ``static``: the next copy into it waits
@@ -148,10 +161,10 @@ class LayerGraphs:
         def launch() -> None:
             g = got if got is not None else self._capture(
                 key, lambda: cache.launch_write_step(layer, step, static))
-            if rows is not static:
-                static.copy_(rows)
             cs = cache.streams
-            self._wait_eager((cs.resolved[layer], cs.backup))
+            self._wait_eager((cs.resolved[layer], cs.backup))  # eager mirrors read ``static`` too
+            if not _same(rows, static):
+                static.copy_(rows)
             self._replay(g)
 
         cache.write_step_by(layer, step, launch)
@@ -165,11 +178,12 @@ class LayerGraphs:
         static = self._topk.get((T, K))
         if static is None:
             static = self.topk_buffer(T, K)
-        key = ("convert", layer, req_ids.data_ptr(), T, K)
+        # the staging copy's launch shape is part of the graph: a new one captures again
+        key = ("convert", layer, req_ids.data_ptr(), T, K, cache.stager.stage_programs)
         got = self.graphs.get(key)
         if got is None and key not in self.warm:
             cache.check_resolve(layer, req_ids, topk)  # before the copy
-            if topk is not static:
+            if not _same(topk, static):
                 static.copy_(topk)
             res = cache.resolve(layer, req_ids, static, validate=False, wait=True)
             self.warm.add(key)
@@ -179,13 +193,13 @@ class LayerGraphs:
         def launch() -> None:
             g = got if got is not None else self._capture(
                 key, lambda: cache.launch_resolve(layer, req_ids, static))
-            if topk is not static:
-                static.copy_(topk)
             cs = cache.streams
             if cs.stage_eager_records[0] != self._stage_seen and cs.streams.stage is not None:
                 # eager staging in flight: the graph's own fork of the stage stream is not after it
                 cs.current().wait_stream(cs.streams.stage)
             self._wait_eager((cs.resolved[layer], cs.backup))
+            if not _same(topk, static):  # after the waits: eager staging may read ``static``
+                static.copy_(topk)
             self._replay(g)
 
         if got is None:  # the capture's call: every check again
@@ -216,6 +230,7 @@ class LayerGraphs:
         finally:
             cs.restore_flags(before)  # what a capture records runs only when it is replayed
             lent = cs.return_events(real)
+            cs.capturing()  # not capturing any more: an engine's own capture later starts afresh
         got = self.graphs[key] = _Graph(graph, events, lent)
         self.counts["captures"] += 1
         return got
@@ -226,6 +241,57 @@ class LayerGraphs:
             ev.recorded, ev.in_capture = True, True
         self.counts["replays"] += 1
 
+    def is_input_buffer(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is (a view of) one of the static input buffers."""
+        ptr = t.untyped_storage().data_ptr()
+        return any(b.untyped_storage().data_ptr() == ptr for b in (*self._rows.values(), *self._topk.values()))
+
     def report(self) -> dict:
         return {"graphs": len(self.graphs), **self.counts}
 
+
+class LayerGraphCalls:
+    """The per-layer graphs' calls of ``HiSparseIndexGroup`` (which provides ``config``,
+    ``_layer_graphs``, ``_step``, ``_tokens``, ``_decode_tokens`` and ``_check_batch``)."""
+
+    def layer_graphs(self) -> dict | None:
+        """With ``layer_graphs=True``: {graphs, eager, captures, replays}, the per-layer
+        calls that ran eagerly (a bucket's warm-up), captured and replayed; else None."""
+        return None if self._layer_graphs is None else self._layer_graphs.report()
+
+    def layer_input_buffers(self, metadata: SparseMLAMetadata, top_k: int | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The bucket's static inputs of the per-layer graphs (``layer_graphs=True``, a
+        forward prepared with ``pad_to``): rows uint8 [tokens, row_bytes] and top-k
+        int32 [decode tokens, top_k] (the config's top_k unless given; None when the
+        forward has no decode tokens).
+
+        The graphs read their inputs from these buffers; ``write_new_rows`` and the
+        conversion copy a tensor they are given into them first. An engine that writes
+        a layer's rows and top-k into these very tensors (on the current stream, before
+        the layer's call) and passes them saves both copies. The buffers are the same
+        for every layer and forward of the bucket: a call's graph has read them before
+        anything the current stream runs after the call. ``prefetch`` and conversions with
+        ``wait=False`` refuse the top-k buffer: they read it on the staging stream after
+        they return, while the engine writes the next layer's top-k into it.
+        """
+        self._check_batch(metadata)
+        lg = self._layer_graphs
+        if lg is None or not lg.applies(self._step):
+            why = ("layer_graphs=True was not given" if lg is None else
+                   "this forward was not prepared with pad_to (or the current stream is being captured)")
+            raise ValueError(f"layer_input_buffers: {why}; the buffers are the per-layer graphs' inputs")
+        k = self.config.top_k if top_k is None else check_int("top_k", top_k, 1, self.config.top_k + 1)
+        rows = lg.rows_buffer(self._tokens)
+        topk = lg.topk_buffer(self._decode_tokens, k) if self._decode_tokens else None
+        return rows, topk
+
+    def _refuse_input_buffer(self, topk: torch.Tensor, call: str) -> None:
+        """The eager calls that read their top-k on the side stream after they return
+        refuse ``layer_input_buffers``' tensor, which the engine overwrites for the next
+        layer while that read may still be running."""
+        lg = self._layer_graphs
+        if lg is not None and lg.is_input_buffer(topk):
+            raise ValueError(f"{call} reads its top-k on the staging stream after it returns, and "
+                             "layer_input_buffers()' top-k is overwritten for the next layer meanwhile: "
+                             "pass a tensor of your own (e.g. a copy)")
