@@ -45,7 +45,6 @@ from .._checks import check_int
 from ..cache.cache import HiSparseCache
 from ..cache.stager import capturing
 from ..cache.write_step import StepPlan
-from ..device_copy import DriverCopy
 from .metadata import SparseMLAMetadata
 
 __all__ = ["CudaGraphBackend", "LayerGraphCalls", "LayerGraphs"]
@@ -59,7 +58,6 @@ class CudaGraphBackend:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device)
-        self.copy = DriverCopy(device)  # a call's input into its static buffer
 
     def capture(self, fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
         g = torch.cuda.CUDAGraph()
@@ -116,8 +114,6 @@ class LayerGraphs:
         self._topk: dict[tuple[int, int], torch.Tensor] = {}  # (tokens, K) -> int32 [tokens, K]
         self._stage_seen = cache.streams.stage_eager_records[0]
         self.counts = {"eager": 0, "captures": 0, "replays": 0}
-        # copy(dst, src): the backend's, if it has one (CUDA: through the driver), else copy_
-        self._copy = getattr(backend, "copy", None) or (lambda dst, src: dst.copy_(src))
 
     def applies(self, step: StepPlan) -> bool:
         """Whether this forward's calls replay graphs: a padded step, outside a capture."""
@@ -155,7 +151,7 @@ class LayerGraphs:
         if got is None and key not in self.warm:
             cache.check_write_step(layer, step)  # before the copy: a refused call launches nothing
             if not _same(rows, static):
-                self._copy(static, rows)
+                static.copy_(rows)
             cache.write_step(layer, step, static)
             cache.join_backup()  # the host mirror read ``static``: the next copy into it waits
             self.warm.add(key)
@@ -168,7 +164,7 @@ class LayerGraphs:
             cs = cache.streams
             self._wait_eager((cs.resolved[layer], cs.backup))  # eager mirrors read ``static`` too
             if not _same(rows, static):
-                self._copy(static, rows)
+                static.copy_(rows)
             self._replay(g)
 
         cache.write_step_by(layer, step, launch)
@@ -188,7 +184,7 @@ class LayerGraphs:
         if got is None and key not in self.warm:
             cache.check_resolve(layer, req_ids, topk)  # before the copy
             if not _same(topk, static):
-                self._copy(static, topk)
+                static.copy_(topk)
             res = cache.resolve(layer, req_ids, static, validate=False, wait=True)
             self.warm.add(key)
             self.counts["eager"] += 1
@@ -203,7 +199,7 @@ class LayerGraphs:
                 cs.current().wait_stream(cs.streams.stage)
             self._wait_eager((cs.resolved[layer], cs.backup))
             if not _same(topk, static):  # after the waits: eager staging may read ``static``
-                self._copy(static, topk)
+                static.copy_(topk)
             self._replay(g)
 
         if got is None:  # the capture's call: every check again
