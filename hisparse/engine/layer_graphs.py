@@ -101,8 +101,8 @@ class LayerGraphs:
     """The per-layer graphs of one group's cache (see the module docstring).
 
     backend: ``CudaGraphBackend`` on CUDA; anything with ``capture(fn) -> graph`` and
-    ``replay(graph)`` (the CPU tests use a stand-in that records the cache's launch
-    functions and calls them again).
+    ``replay(graph)`` (the CPU tests use stand-ins that record the cache's launch
+    functions, or its kernel launchers alone, and call them again: ``tests/graph_trace``).
     """
 
     def __init__(self, cache: HiSparseCache, backend) -> None:
