@@ -16,12 +16,19 @@ Triton's launcher takes of the per-layer time, whatever hisparse does.
   python3 -m benchmarks.bench_host_calls --pad-to 64 --layer-graphs      # per-layer graphs (CUDA)
   python3 -m benchmarks.bench_host_calls --pad-to 64 --layer-graphs --inputs-in-place  # and no input copies
   python3 -m benchmarks.bench_host_calls --device cpu --kernels torch    # CPU: the torch paths
+  python3 -m benchmarks.bench_host_calls --compare [--pad-to 64]          # every mode, steps interleaved
+
+``--compare`` builds one group per mode (eager, padded, and on CUDA the per-layer graphs
+with the inputs copied and in place) and runs their steps in turn, one step of each mode
+after the other, so that a drift in the host's speed reaches every mode alike; it prints
+each mode's medians and their ratio to the eager calls, measured in the same run.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import dataclasses
 import io
 import pstats
 import sys
@@ -77,50 +84,37 @@ def count_launches(step, times: dict, layers: int) -> float:
     return n[0] / layers
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    pos = common.positive_int
-    ap.add_argument("--requests", type=pos, default=64, help="decode requests per step [%(default)s]")
-    ap.add_argument("--layers", type=pos, default=8, help="[%(default)s]")
-    ap.add_argument("--context", type=pos, default=4200, help="rows per request before the steps [%(default)s]")
-    ap.add_argument("--steps", type=pos, default=20, help="timed decode steps [%(default)s]")
-    ap.add_argument("--top-k", type=pos, default=2048, help="[%(default)s]")
-    ap.add_argument("--device", default="cuda", help="cpu, cuda or cuda:N [%(default)s]")
-    ap.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton"], help="[%(default)s]")
-    ap.add_argument("--top", type=pos, default=25, help="functions listed in the profile [%(default)s]")
-    ap.add_argument("--pad-to", type=pos, default=None,
-                    help="prepare each step padded to this bucket, >= --requests [no padding]")
-    ap.add_argument("--layer-graphs", action="store_true",
-                    help="the group's per-layer graphs (layer_graphs=True; needs --pad-to and CUDA)")
-    ap.add_argument("--inputs-in-place", action="store_true",
-                    help="with --layer-graphs: write each step's rows and top-k into the group's "
-                         "layer_input_buffers() (untimed, as an engine producing into them) and pass those, "
-                         "so the calls copy nothing")
-    ap.add_argument("--out", help="write the figures as JSON here")
-    a = ap.parse_args(argv)
-    if a.pad_to is not None and a.pad_to < a.requests:
-        ap.error(f"--pad-to {a.pad_to} is smaller than --requests {a.requests}: a bucket holds the "
-                 "whole batch; give --pad-to >= --requests or leave it out")
-    if not common.out_ok(a.out, "bench_host_calls"):
-        return 2
-    if a.layer_graphs and a.pad_to is None:
-        print("bench_host_calls: --layer-graphs replays padded forwards; give --pad-to N too", file=sys.stderr)
-        return 2
-    if a.inputs_in_place and not a.layer_graphs:
-        print("bench_host_calls: --inputs-in-place writes into the per-layer graphs' buffers; give "
-              "--layer-graphs too", file=sys.stderr)
-        return 2
+NAMES = ("prepare_for_batch", "write_new_rows", "convert", "per_layer", "gpu_per_layer")
+
+
+def fresh() -> dict:
+    return {k: [] for k in NAMES}
+
+
+def stats_us(v: list[float]) -> dict:
+    return {"min": min(v) * 1e6, "median": percentile(v, 50) * 1e6, "p99": percentile(v, 99) * 1e6}
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """One way of making the per-layer calls: ``pad_to`` (None: unpadded), the group's
+    ``layer_graphs``, and ``in_place``: the inputs written into ``layer_input_buffers``."""
+
+    name: str
+    pad_to: int | None = None
+    layer_graphs: bool = False
+    in_place: bool = False
+
+
+def make_case(a: argparse.Namespace, dev: torch.device, mode: Mode):
+    """A group of ``a.requests`` requests with ``a.context`` rows in every layer, and
+    ``step(times)``: one decode step of it in ``mode``, its host times appended to
+    ``times`` (and on CUDA the GPU time of its layers' calls)."""
     R, L, C, K = a.requests, a.layers, a.context, a.top_k
-    try:
-        dev = parse_device(a.device)  # "--device cuda needs a CUDA GPU ...: use --device cpu"
-        require_kernels(a.kernels, dev)
-        cfg = HiSparseConfig(num_layers=L, row_bytes=656, top_k=K, device_buffer_size=2 * K,
-                             max_num_reqs=max(R, a.pad_to or R), host_pool_tokens=R * (C + a.steps + 64) + 64 * R,
-                             host_block_size=64, device=a.device, max_request_id=max(1000, R))
-        g = HiSparseIndexGroup(cfg, validate=False, kernels=a.kernels, layer_graphs=a.layer_graphs)
-    except (ValueError, TypeError, CapacityError, MissingDependency) as e:
-        print(f"bench_host_calls: {e}", file=sys.stderr)
-        return 2
+    cfg = HiSparseConfig(num_layers=L, row_bytes=656, top_k=K, device_buffer_size=2 * K,
+                         max_num_reqs=max(R, mode.pad_to or R), host_pool_tokens=R * (C + 2 * a.steps + 64) + 64 * R,
+                         host_block_size=64, device=a.device, max_request_id=max(1000, R))
+    g = HiSparseIndexGroup(cfg, validate=False, kernels=a.kernels, layer_graphs=mode.layer_graphs)
     for _ in range(L):
         g.register_layer(kv_cache_dtype="fp8_ds_mla")
     ids = list(range(R))
@@ -142,9 +136,9 @@ def main(argv=None) -> int:
         md = SparseMLAMetadata.build(request_ids=ids, query_lens=[1] * R, seq_lens=[seq] * R,
                                      num_decodes=R, device=dev)
         t0 = time.perf_counter()
-        g.prepare_for_batch(md, pad_to=a.pad_to)
+        g.prepare_for_batch(md, pad_to=mode.pad_to)
         times["prepare_for_batch"].append(time.perf_counter() - t0)
-        T = R if a.pad_to is None else a.pad_to
+        T = R if mode.pad_to is None else mode.pad_to
         rows = torch.randint(0, 120, (T, 656), dtype=torch.uint8, device=dev, generator=gen)
         # 90% of the top-k in the last 4K positions (mostly hits), the rest anywhere
         recent = seq - 1 - torch.randint(0, min(seq, 2 * K), (R, K), device=dev, generator=gen)
@@ -153,7 +147,7 @@ def main(argv=None) -> int:
         topk = torch.where(pick, recent, far).to(torch.int32)
         if T > R:
             topk = torch.cat([topk, torch.full((T - R, K), -1, dtype=torch.int32, device=dev)])
-        if a.inputs_in_place:
+        if mode.in_place:
             rows_in, topk_in = g.layer_input_buffers(md)
             rows = rows_in.copy_(rows)
             topk = topk_in.copy_(topk)
@@ -177,11 +171,104 @@ def main(argv=None) -> int:
             # conversion, which waits for its staging), per layer
             times["gpu_per_layer"].append(marks[0].elapsed_time(marks[1]) / 1e3 / L)
 
-    names = ("prepare_for_batch", "write_new_rows", "convert", "per_layer", "gpu_per_layer")
+    return g, step
 
-    def fresh() -> dict:
-        return {k: [] for k in names}
 
+def compare(a: argparse.Namespace, dev: torch.device, modes: list[Mode], cases: list) -> int:
+    """``--compare``: the modes' steps in turn (3 warm-up steps each first), then one line
+    per mode and its ratio to the first (eager)."""
+    for _, step in cases:
+        for _ in range(3):
+            step(fresh())
+    times = [fresh() for _ in modes]
+    for _ in range(a.steps):
+        for (_, step), t in zip(cases, times):
+            step(t)
+    R, L, C = a.requests, a.layers, a.context
+    print(f"host time per layer, {R} requests, {L} layers, context {C}, kernels {cases[0][0].hisparse_cache.kernels}, "
+          f"device {dev}, {a.steps} steps per mode, interleaved:")
+    print(f"  {'mode':22s} {'write us':>9s} {'convert us':>11s} {'per layer min/median/p99 us':>29s} "
+          f"{'x eager':>8s} {'GPU us/layer':>13s}")
+    result = {"benchmark": "host_calls", "compare": True, "env": common.environment(dev),
+              "options": {"requests": R, "layers": L, "context": C, "steps": a.steps, "top_k": a.top_k,
+                          "pad_to": a.pad_to or R, "kernels": cases[0][0].hisparse_cache.kernels},
+              "modes": {}}
+    base = None
+    for m, (g, _), t in zip(modes, cases, times):
+        us = {k: stats_us(t[k]) for k in NAMES if t[k]}
+        med = us["per_layer"]["median"]
+        base = base if base is not None else med
+        result["modes"][m.name] = {"mode": dataclasses.asdict(m), "us": us, "x_eager": med / base,
+                                   "layer_graphs": g.layer_graphs()}
+        pl = us["per_layer"]
+        gpu = f"{us['gpu_per_layer']['median']:13.1f}" if "gpu_per_layer" in us else f"{'-':>13s}"
+        print(f"  {m.name:22s} {us['write_new_rows']['median']:9.1f} {us['convert']['median']:11.1f} "
+              f"{pl['min']:9.1f} /{pl['median']:7.1f} /{pl['p99']:7.1f}   {med / base:8.3f} {gpu}")
+    print("  the 50 us target per layer: " + ", ".join(
+        f"{name} {'met' if d['us']['per_layer']['median'] <= 50 else 'not met'}" for name, d in result["modes"].items()))
+    if a.out:
+        common.write_json(a.out, result)
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    pos = common.positive_int
+    ap.add_argument("--requests", type=pos, default=64, help="decode requests per step [%(default)s]")
+    ap.add_argument("--layers", type=pos, default=8, help="[%(default)s]")
+    ap.add_argument("--context", type=pos, default=4200, help="rows per request before the steps [%(default)s]")
+    ap.add_argument("--steps", type=pos, default=20, help="timed decode steps [%(default)s]")
+    ap.add_argument("--top-k", type=pos, default=2048, help="[%(default)s]")
+    ap.add_argument("--device", default="cuda", help="cpu, cuda or cuda:N [%(default)s]")
+    ap.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton"], help="[%(default)s]")
+    ap.add_argument("--top", type=pos, default=25, help="functions listed in the profile [%(default)s]")
+    ap.add_argument("--pad-to", type=pos, default=None,
+                    help="prepare each step padded to this bucket, >= --requests [no padding]")
+    ap.add_argument("--layer-graphs", action="store_true",
+                    help="the group's per-layer graphs (layer_graphs=True; needs --pad-to and CUDA)")
+    ap.add_argument("--inputs-in-place", action="store_true",
+                    help="with --layer-graphs: write each step's rows and top-k into the group's "
+                         "layer_input_buffers() (untimed, as an engine producing into them) and pass those, "
+                         "so the calls copy nothing")
+    ap.add_argument("--compare", action="store_true",
+                    help="every mode side by side, steps interleaved (bucket: --pad-to, else --requests)")
+    ap.add_argument("--out", help="write the figures as JSON here")
+    a = ap.parse_args(argv)
+    if a.pad_to is not None and a.pad_to < a.requests:
+        ap.error(f"--pad-to {a.pad_to} is smaller than --requests {a.requests}: a bucket holds the "
+                 "whole batch; give --pad-to >= --requests or leave it out")
+    if not common.out_ok(a.out, "bench_host_calls"):
+        return 2
+    if a.compare and (a.layer_graphs or a.inputs_in_place):
+        print("bench_host_calls: --compare runs every mode; leave out --layer-graphs and --inputs-in-place",
+              file=sys.stderr)
+        return 2
+    if a.layer_graphs and a.pad_to is None:
+        print("bench_host_calls: --layer-graphs replays padded forwards; give --pad-to N too", file=sys.stderr)
+        return 2
+    if a.inputs_in_place and not a.layer_graphs:
+        print("bench_host_calls: --inputs-in-place writes into the per-layer graphs' buffers; give "
+              "--layer-graphs too", file=sys.stderr)
+        return 2
+    if a.compare:
+        bucket = a.pad_to or a.requests
+        modes = [Mode("eager"), Mode("padded", pad_to=bucket)]
+        if a.device.startswith("cuda"):
+            modes += [Mode("layer_graphs", pad_to=bucket, layer_graphs=True),
+                      Mode("layer_graphs_in_place", pad_to=bucket, layer_graphs=True, in_place=True)]
+    else:
+        modes = [Mode("run", pad_to=a.pad_to, layer_graphs=a.layer_graphs, in_place=a.inputs_in_place)]
+    try:
+        dev = parse_device(a.device)  # "--device cuda needs a CUDA GPU ...: use --device cpu"
+        require_kernels(a.kernels, dev)
+        cases = [make_case(a, dev, m) for m in modes]
+    except (ValueError, TypeError, CapacityError, MissingDependency) as e:
+        print(f"bench_host_calls: {e}", file=sys.stderr)
+        return 2
+    if a.compare:
+        return compare(a, dev, modes, cases)
+    g, step = cases[0]
+    R, L, C, K = a.requests, a.layers, a.context, a.top_k
     for _ in range(3):
         step(fresh())
     times = fresh()
@@ -193,13 +280,13 @@ def main(argv=None) -> int:
     result = {"benchmark": "host_calls", "env": common.environment(dev),
               "options": {"requests": R, "layers": L, "context": C, "steps": a.steps, "top_k": K,
                           "pad_to": a.pad_to, "kernels": g.hisparse_cache.kernels,
-                              "inputs_in_place": a.inputs_in_place,
+                          "inputs_in_place": a.inputs_in_place,
                           "layer_graphs": g.layer_graphs()}, "us": {}}
-    for k in names:
+    for k in NAMES:
         v = times[k]
         if not v:  # gpu_per_layer on CPU
             continue
-        st = {"min": min(v) * 1e6, "median": percentile(v, 50) * 1e6, "p99": percentile(v, 99) * 1e6}
+        st = stats_us(v)
         result["us"][k] = st
         print(f"  {k:18s} min {st['min']:7.1f} us  median {st['median']:7.1f} us  p99 {st['p99']:7.1f} us")
     med = result["us"]["per_layer"]["median"]

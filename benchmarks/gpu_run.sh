@@ -5,6 +5,8 @@
 #                                             prefill e2e stress autotune tests_each pool_kinds vllm_resolve
 #                                             profile_host (cProfile + torch.profiler of bench_e2e --quick)
 #                                             e2e_layer_graphs (bench_e2e eager, then with --layer-graphs)
+#                                             host_calls (bench_host_calls, one run per mode), host_calls_compare
+#                                             (every mode in one process, steps interleaved)
 #                                             layer (bench_layer: one decode layer in a CUDA graph vs resident)
 #                                             miss (bench_miss_attention: the miss-attention kernels alone)
 #                                             profile_layer (kernel timeline of one replayed decode layer per mode)
@@ -161,6 +163,10 @@ for s in "${sections[@]}"; do
               --out "$RES/host_calls_pad64_layer_graphs${inp:+_$inp}.json" ${HOST_CALLS_ARGS:-}
           grep -A8 "^host time per call" "$LOG" | tail -9 | tee -a "$SUM"
         done ;;
+    host_calls_compare)  # every mode in one process, steps interleaved: ratios from the same run
+      run host_calls_compare 300 python3 -m benchmarks.bench_host_calls --requests 64 --layers 8 --steps 30 \
+          --pad-to 64 --compare --out "$RES/host_calls_compare.json" ${HOST_CALLS_ARGS:-}
+      grep -A7 "^host time per layer" "$LOG" | tail -8 | tee -a "$SUM" ;;
     soak) left=$((END - SECONDS - 45))
           run soak 600 python3 -m benchmarks.soak --preset "${SOAK:-16k}" --seed "${SOAK_SEED:-0}" \
               --budget-s "$left" --out "$RES/soak_${SOAK:-16k}.json" ${SOAK_ARGS:-}

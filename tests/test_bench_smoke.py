@@ -70,6 +70,22 @@ def test_bench_host_calls_cpu_smoke(capsys):
     assert "write_new_rows" in out and "convert" in out and "kernels torch" in out
 
 
+def test_bench_host_calls_compare_cpu_smoke(capsys, tmp_path):
+    """--compare on CPU: the eager and padded modes interleaved, each mode's medians and
+    its ratio to eager in the table and the JSON."""
+    out_file = tmp_path / "cmp.json"
+    argv = ["--device", "cpu", "--kernels", "torch", "--requests", "3", "--layers", "2", "--context", "40",
+            "--top-k", "8", "--steps", "2", "--pad-to", "4", "--compare", "--out", str(out_file)]
+    assert bench_host_calls.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "interleaved" in out and "eager" in out and "padded" in out
+    res = json.loads(out_file.read_text())
+    assert set(res["modes"]) == {"eager", "padded"} and res["modes"]["eager"]["x_eager"] == 1.0
+    for d in res["modes"].values():
+        assert len(d["us"]["per_layer"]) == 3 and d["us"]["per_layer"]["median"] > 0
+    assert res["modes"]["padded"]["mode"]["pad_to"] == 4
+
+
 def test_profile_e2e_host_timers_dry_run(tmp_path, capsys):
     """The host-timer pass runs both engines (collected between) and reports the calls."""
     out = tmp_path / "timers.txt"
