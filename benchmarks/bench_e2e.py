@@ -20,7 +20,7 @@ Exit status: 1 when the outputs differ beyond tolerance (a correctness failure),
 
 Usage:
   python -m benchmarks.bench_e2e --out e2e.json [--quick] [--backend triton|flashmla]
-  python -m benchmarks.bench_e2e --layer-graphs     # an eager engine with hisparse's per-layer graphs
+  python -m benchmarks.bench_e2e --layer-graphs --decode-steps 128   # an eager engine, hisparse's per-layer graphs
   python -m benchmarks.bench_e2e --dry-run          # tiny CPU run (checks the script)
 Full size (default): 8 layers, 128 heads, 64 requests, ~32K contexts, top-k 2048.
 --quick: 4 layers, 16 requests, ~8K contexts.
@@ -69,6 +69,8 @@ def sizes(args: argparse.Namespace) -> me.MiniEngineConfig:
                   synthetic_context=max(0, args.context - 768))
     if args.layer_graphs:
         kw["layer_graphs"] = True
+    if args.decode_steps is not None:
+        kw.update(min_decode=args.decode_steps, max_decode=args.decode_steps)
     if kw.get("backend") is None and not args.dry_run:
         kw["backend"] = "triton"
     kw["flashmla_lib"] = common.flashmla_lib(kw.get("flashmla_lib"))
@@ -113,6 +115,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--flashmla-lib", dest="flashmla_lib", default=None)
     ap.add_argument("--locality", type=common.locality, default=None, help="indexer locality knob in [0, 1)")
     ap.add_argument("--row-format", dest="row_format", default=None, choices=["fp8_ds_mla", "bf16"])
+    ap.add_argument("--decode-steps", type=pos, default=None,
+                    help="every request decodes this many tokens (default: 24-32, 16-24 with --quick); "
+                         "the per-layer graphs need many steps per bucket to pay back their captures")
     ap.add_argument("--layer-graphs", action="store_true",
                     help="decode-only steps padded to buckets, hisparse's per-layer calls replaying graphs "
                          "of their own (mini-engine --layer-graphs; both engines run the padded forward)")

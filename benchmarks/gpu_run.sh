@@ -4,7 +4,8 @@
 #   bash benchmarks/gpu_run.sh [SECTION ...]  sections: env tests sanitize racecheck_controls staging decode triton_configs profile
 #                                             prefill e2e stress autotune tests_each pool_kinds vllm_resolve
 #                                             profile_host (cProfile + torch.profiler of bench_e2e --quick)
-#                                             e2e_layer_graphs (bench_e2e eager, then with --layer-graphs)
+#                                             e2e_layer_graphs (bench_e2e eager, then with --layer-graphs;
+#                                             E2E_DECODE_STEPS decode steps per request, default 128)
 #                                             host_calls (bench_host_calls, one run per mode), host_calls_compare
 #                                             (every mode in one process, steps interleaved)
 #                                             layer (bench_layer: one decode layer in a CUDA graph vs resident)
@@ -143,7 +144,7 @@ for s in "${sections[@]}"; do
     e2e_layer_graphs)  # the eager engines, then the same with hisparse's per-layer graphs (padded decode steps)
       for lg in "" layer_graphs; do
         run "e2e${lg:+_$lg}" 300 python3 -m benchmarks.bench_e2e ${QUICK:+--quick} ${lg:+--layer-graphs} \
-            --out "$RES/e2e${lg:+_$lg}.json"
+            --decode-steps ${E2E_DECODE_STEPS:-128} --out "$RES/e2e${lg:+_$lg}.json"
         grep "^\[bench_e2e\] \(ratio\|decode\|hisparse\|resident\|target\)" "$LOG" | tail -n 6 | tee -a "$SUM"
       done ;;
     layer) run layer ${LAYER_TIMEOUT:-420} python3 -m benchmarks.bench_layer --out "$RES/layer.json" ${LAYER_ARGS:-} ;;
