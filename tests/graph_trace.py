@@ -40,16 +40,19 @@ class RecordingGraphs:
     those launches does). ``fail_capture``: the next capture raises after its first
     recorded launch (a capture that fails part way)."""
 
-    _FNS = (("writer", "apply_fn"), ("writer", "mirror_fn"), ("stager", "resolve_fn"),
-            ("stager", "copy_fn"), ("stager", "lookup_fn"))
-
     def __init__(self, cache) -> None:
         self.cache = cache
         self.fail_capture = False
 
+    def targets(self) -> list[tuple[object, str]]:
+        """(object, attribute) of each function a capture records."""
+        c = self.cache
+        return [(c.writer, "apply_fn"), (c.writer, "mirror_fn"), (c.stager, "resolve_fn"), (c.stager, "copy_fn"),
+                (c.stager, "lookup_fn")]
+
     def capture(self, fn):
         calls = []
-        saved = [(getattr(self.cache, o), n, getattr(getattr(self.cache, o), n)) for o, n in self._FNS]
+        saved = [(o, n, getattr(o, n)) for o, n in self.targets()]
 
         def recorder(f):
             def rec(*a, **k):
@@ -73,33 +76,17 @@ class RecordingGraphs:
             f(*a, **k)
 
 
-class KernelGraphs:
+class KernelGraphs(RecordingGraphs):
     """A stricter CPU stand-in (Triton kernels only): a capture records the kernel
     launchers alone (the write, resolve and lookup launches and the two copy kernels),
     below the Python wrappers around them, so a replay re-runs no host-side check or
     decision of those wrappers, as a CUDA graph's replay does not."""
 
-    def __init__(self, cache) -> None:
+    def targets(self) -> list[tuple[object, str]]:
         import hisparse.cache.cache as cache_module
-        self.cache = cache
-        self._targets = ((cache.writer, "apply_fn"), (cache.stager, "resolve_fn"), (cache.stager, "lookup_fn"),
-                         (cache_module, "_launch_copy_rows"), (cache_module, "_launch_copy_staged"))
-
-    def capture(self, fn):
-        calls = []
-        saved = [(o, n, getattr(o, n)) for o, n in self._targets]
-        for obj, name, f in saved:
-            setattr(obj, name, lambda *a, _f=f, **k: calls.append((_f, a, k)))
-        try:
-            fn()
-        finally:
-            for obj, name, f in saved:
-                setattr(obj, name, f)
-        return calls
-
-    def replay(self, calls) -> None:
-        for f, a, k in calls:
-            f(*a, **k)
+        c = self.cache
+        return [(c.writer, "apply_fn"), (c.stager, "resolve_fn"), (c.stager, "lookup_fn"),
+                (cache_module, "_launch_copy_rows"), (cache_module, "_launch_copy_staged")]
 
 
 def make_group(shape: TraceShape, device: str, kernels: str, *, validate: bool = False,
