@@ -390,9 +390,7 @@ def same_after_step(i: int, pa, pb, a_group, b_group, *, atol: float | None = No
             assert torch.equal(x, y), f"event {i} layer {layer}: physical indices differ"
         else:
             torch.testing.assert_close(y.float(), x.float(), atol=atol, rtol=0.02, msg=f"event {i} layer {layer}")
-    sa, sb = cache_state(a_group), cache_state(b_group)
-    for k in sa:
-        assert torch.equal(sa[k], sb[k]), f"event {i}: state {k} differs"
+    assert_same_state(cache_state(a_group), cache_state(b_group), f"event {i}: state {{}} differs")
 
 
 def run_pair(trace: list[dict], a: "Runner", b: "Runner", *, atol: float | None = None,
@@ -428,6 +426,13 @@ def join(g: HiSparseIndexGroup, rid: int, n: int, truth: Truth, lens: dict) -> N
     lens[rid] = n
 
 
+def assert_same_state(a: dict, b: dict, what: str = "{}") -> None:
+    """Two ``cache_state`` snapshots hold equal tensors (``what``: the message, ``{}``
+    the differing key)."""
+    for k in a:
+        assert torch.equal(a[k], b[k]), what.format(k)
+
+
 def cache_state(g: HiSparseIndexGroup) -> dict:
     c = g.hisparse_cache
     st = c.state
@@ -437,5 +442,6 @@ def cache_state(g: HiSparseIndexGroup) -> dict:
     return snap
 
 
-__all__ = ["TraceShape", "Truth", "Runner", "RecordingGraphs", "plan_trace", "cache_state", "bucket_of",
+__all__ = ["TraceShape", "Truth", "Runner", "RecordingGraphs", "plan_trace", "cache_state", "assert_same_state",
+           "bucket_of",
            "BUCKETS", "mixed_decode", "run_mixed"]

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graph_trace import (Runner, TraceShape, Truth, cache_state,
+from graph_trace import (Runner, TraceShape, Truth, assert_same_state, cache_state,
                          decode_md, join, make_group, plan_trace, run_pair)
 from hisparse import CapacityError, HiSparseConfig
 from hisparse.cache.cache import HiSparseCache
@@ -238,9 +238,7 @@ def test_checked_group_takes_padded_forwards_and_refuses_selections_of_padding(k
         bad[3, 0] = pos
         with pytest.raises(ValueError, match=r"req_ids\[3\] = -1 marks a padding token"):
             checked.convert_decode_logical_to_physical_topk(1, bad, md)
-    after = cache_state(checked)
-    for k in before:
-        assert torch.equal(before[k], after[k]), k
+    assert_same_state(before, cache_state(checked))
 
 
 def test_checked_resolve_padding_tokens_do_not_split_a_request():

@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from graph_trace import (Runner, TraceShape, Truth, cache_state, decode_md,
-                         join, make_group, plan_trace, run_mixed, run_pair)
+from graph_trace import (Runner, TraceShape, Truth, assert_same_state, cache_state,
+                         decode_md, join, make_group, plan_trace, run_mixed, run_pair)
 from hisparse import HiSparseConfig
 from hisparse.engine import HiSparseIndexGroup, SparseMLAMetadata
 
@@ -59,9 +59,7 @@ def _step(g, truth, lens, rids, bucket, topk_of, *, fail_capture_at=()):
                 g._layer_graphs.backend.fail_capture = True
                 with pytest.raises(RuntimeError, match="injected"):
                     fn()
-                after = cache_state(g)
-                for k in before:
-                    assert torch.equal(before[k], after[k]), f"a failed {call} capture changed {k}"
+                assert_same_state(before, cache_state(g), f"a failed {call} capture changed {{}}")
             fn()
     for r in rids:
         lens[r] += 1
@@ -90,9 +88,7 @@ def test_capture_that_fails_changes_nothing_and_the_retry_matches():
     for s, (x, y) in enumerate(zip(pa, pb)):
         for layer, (u, v) in enumerate(zip(x, y)):
             assert torch.equal(u, v), f"step {s} layer {layer}"
-    sa, sb = cache_state(ga), cache_state(gb)
-    for k in sa:
-        assert torch.equal(sa[k], sb[k]), k
+    assert_same_state(cache_state(ga), cache_state(gb))
     assert gb.layer_graphs()["replays"] > 0
 
 
@@ -116,9 +112,7 @@ def test_refused_calls_launch_nothing():
             g.write_new_rows(0, rows, md)
         with pytest.raises(ValueError, match="write_new_rows must run before"):
             g.convert_decode_logical_to_physical_topk(1, tk, md)
-        after = cache_state(g)
-        for k in before:
-            assert torch.equal(before[k], after[k]), k
+        assert_same_state(before, cache_state(g))
         assert g.layer_graphs() == n, "a refused call captured or replayed"
         g.convert_decode_logical_to_physical_topk(0, tk, md)
         g.write_new_rows(1, rows, md)
@@ -261,9 +255,7 @@ def test_a_replayed_write_refuses_a_released_pool():
     before, n = cache_state(g), dict(g.layer_graphs())
     with pytest.raises(ValueError, match="not pinned"):
         g.write_new_rows(0, torch.zeros((2, 656), dtype=torch.uint8), md)
-    after = cache_state(g)
-    for k in before:
-        assert torch.equal(before[k], after[k]), k
+    assert_same_state(before, cache_state(g))
     assert g.layer_graphs() == n and 0 in g._step.pending
 
 
@@ -288,9 +280,7 @@ def test_eager_side_stream_calls_refuse_the_input_buffers():
         g.prefetch(1, topk, md)
     with pytest.raises(ValueError, match="staging stream"):
         g.convert_decode_logical_to_physical_topk(0, topk[:], md, wait=False)
-    after = cache_state(g)
-    for k in before:
-        assert torch.equal(before[k], after[k]), k
+    assert_same_state(before, cache_state(g))
     g.prefetch(1, topk.clone(), md)  # a tensor of the engine's own goes through
     g.convert_decode_logical_to_physical_topk(0, topk.clone(), md, wait=False)
     g.wait_for_staging(0)

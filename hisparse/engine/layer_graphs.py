@@ -143,9 +143,7 @@ class LayerGraphs:
         """``cache.write_step(layer, step, rows)`` (rows uint8 [step.rows, row_bytes],
         checked by the caller) through the layer's write graph of the bucket."""
         cache = self.cache
-        static = self._rows.get(step.rows)
-        if static is None:
-            static = self.rows_buffer(step.rows)
+        static = self.rows_buffer(step.rows)
         key = ("write", layer, id(step.buffers))
         got = self.graphs.get(key)
         if got is None and key not in self.warm:
@@ -175,9 +173,7 @@ class LayerGraphs:
         the layer's resolve graph; returns its ``ResolveResult``."""
         cache = self.cache
         T, K = topk.shape
-        static = self._topk.get((T, K))
-        if static is None:
-            static = self.topk_buffer(T, K)
+        static = self.topk_buffer(T, K)
         # the staging copy's launch shape is part of the graph: a new one captures again
         key = ("convert", layer, req_ids.data_ptr(), T, K, cache.stager.stage_programs)
         got = self.graphs.get(key)
