@@ -4,7 +4,11 @@ of R requests over L layers (``prepare_for_batch``, then per layer ``write_new_r
 then the same steps under cProfile to show where that time goes. ``--pad-to N``
 prepares each step padded to a bucket of N requests, as a graph-capturing engine's
 eager warm-up does; ``--layer-graphs`` (with ``--pad-to``) has the group replay its
-per-layer CUDA graphs (``layer_graphs=True``). Prints min / median / p99 per call, the
+per-layer CUDA graphs (``layer_graphs=True``); ``--inputs`` says what the calls are given:
+``allocated`` (default) new tensors each step from the caching allocator, as an eager
+engine's are (their addresses repeat from step to step, so the graphs read them in
+place), ``moving`` a ring of three buffers (a new address every step: every call copies
+its input), ``in-place`` the group's ``layer_input_buffers``. Prints min / median / p99 per call, the
 per-layer sum against the 50 us target, ``prepare_for_batch`` per step, and on CUDA the
 GPU time of the layers' calls per layer (to compare the modes' device cost too). On CUDA it also counts the Triton
 launches per layer (Triton's launch hook, in a separate pass) and times the launch of an
@@ -14,12 +18,13 @@ Triton's launcher takes of the per-layer time, whatever hisparse does.
 
   python3 -m benchmarks.bench_host_calls [--requests 64] [--layers 8] [--context 4200] [--steps 20]
   python3 -m benchmarks.bench_host_calls --pad-to 64 --layer-graphs      # per-layer graphs (CUDA)
-  python3 -m benchmarks.bench_host_calls --pad-to 64 --layer-graphs --inputs-in-place  # and no input copies
+  python3 -m benchmarks.bench_host_calls --pad-to 64 --layer-graphs --inputs in-place  # the group's buffers
+  python3 -m benchmarks.bench_host_calls --pad-to 64 --layer-graphs --inputs moving    # every input copied
   python3 -m benchmarks.bench_host_calls --device cpu --kernels torch    # CPU: the torch paths
   python3 -m benchmarks.bench_host_calls --compare [--pad-to 64]          # every mode, steps interleaved
 
 ``--compare`` builds one group per mode (eager, padded, and on CUDA the per-layer graphs
-with the inputs copied and in place) and runs their steps in turn, one step of each mode
+with each kind of input) and runs their steps in turn, one step of each mode
 after the other, so that a drift in the host's speed reaches every mode alike; it prints
 each mode's medians and their ratio to the eager calls, measured in the same run.
 """
@@ -84,6 +89,7 @@ def count_launches(step, times: dict, layers: int) -> float:
     return n[0] / layers
 
 
+INPUTS = ("allocated", "moving", "in-place")
 NAMES = ("prepare_for_batch", "write_new_rows", "convert", "per_layer", "gpu_per_layer")
 
 
@@ -98,12 +104,13 @@ def stats_us(v: list[float]) -> dict:
 @dataclasses.dataclass(frozen=True)
 class Mode:
     """One way of making the per-layer calls: ``pad_to`` (None: unpadded), the group's
-    ``layer_graphs``, and ``in_place``: the inputs written into ``layer_input_buffers``."""
+    ``layer_graphs``, and ``inputs``: "allocated", "moving" or "in-place" (the module
+    docstring)."""
 
     name: str
     pad_to: int | None = None
     layer_graphs: bool = False
-    in_place: bool = False
+    inputs: str = "allocated"
 
 
 def make_case(a: argparse.Namespace, dev: torch.device, mode: Mode):
@@ -129,6 +136,9 @@ def make_case(a: argparse.Namespace, dev: torch.device, mode: Mode):
     del fill
     gen = torch.Generator(device=dev).manual_seed(0)
     seq = C
+    T = R if mode.pad_to is None else mode.pad_to
+    ring = [(torch.empty((T, 656), dtype=torch.uint8, device=dev), torch.empty((T, K), dtype=torch.int32, device=dev))
+            for _ in range(3)] if mode.inputs == "moving" else []
 
     def step(times):
         nonlocal seq
@@ -138,7 +148,6 @@ def make_case(a: argparse.Namespace, dev: torch.device, mode: Mode):
         t0 = time.perf_counter()
         g.prepare_for_batch(md, pad_to=mode.pad_to)
         times["prepare_for_batch"].append(time.perf_counter() - t0)
-        T = R if mode.pad_to is None else mode.pad_to
         rows = torch.randint(0, 120, (T, 656), dtype=torch.uint8, device=dev, generator=gen)
         # 90% of the top-k in the last 4K positions (mostly hits), the rest anywhere
         recent = seq - 1 - torch.randint(0, min(seq, 2 * K), (R, K), device=dev, generator=gen)
@@ -147,8 +156,11 @@ def make_case(a: argparse.Namespace, dev: torch.device, mode: Mode):
         topk = torch.where(pick, recent, far).to(torch.int32)
         if T > R:
             topk = torch.cat([topk, torch.full((T - R, K), -1, dtype=torch.int32, device=dev)])
-        if mode.in_place:
+        if mode.inputs == "in-place":
             rows_in, topk_in = g.layer_input_buffers(md)
+        elif mode.inputs == "moving":
+            rows_in, topk_in = ring[seq % len(ring)]
+        if mode.inputs != "allocated":
             rows = rows_in.copy_(rows)
             topk = topk_in.copy_(topk)
         marks = None
@@ -187,8 +199,8 @@ def compare(a: argparse.Namespace, dev: torch.device, modes: list[Mode], cases: 
     R, L, C = a.requests, a.layers, a.context
     print(f"host time per layer, {R} requests, {L} layers, context {C}, kernels {cases[0][0].hisparse_cache.kernels}, "
           f"device {dev}, {a.steps} steps per mode, interleaved:")
-    print(f"  {'mode':22s} {'write us':>9s} {'convert us':>11s} {'per layer min/median/p99 us':>29s} "
-          f"{'x eager':>8s} {'GPU us/layer':>13s}")
+    print(f"  {'mode':26s} {'write us':>9s} {'convert us':>11s} {'per layer min/median/p99 us':>29s} "
+          f"{'x eager':>8s} {'GPU us/layer':>13s} {'copied':>7s}")
     result = {"benchmark": "host_calls", "compare": True, "env": common.environment(dev),
               "options": {"requests": R, "layers": L, "context": C, "steps": a.steps, "top_k": a.top_k,
                           "pad_to": a.pad_to or R, "kernels": cases[0][0].hisparse_cache.kernels},
@@ -202,8 +214,10 @@ def compare(a: argparse.Namespace, dev: torch.device, modes: list[Mode], cases: 
                                    "layer_graphs": g.layer_graphs()}
         pl = us["per_layer"]
         gpu = f"{us['gpu_per_layer']['median']:13.1f}" if "gpu_per_layer" in us else f"{'-':>13s}"
-        print(f"  {m.name:22s} {us['write_new_rows']['median']:9.1f} {us['convert']['median']:11.1f} "
-              f"{pl['min']:9.1f} /{pl['median']:7.1f} /{pl['p99']:7.1f}   {med / base:8.3f} {gpu}")
+        lg = g.layer_graphs()  # the share of replayed calls that copied their input
+        copied = f"{lg['copies'] / lg['replays']:7.2f}" if lg and lg["replays"] else f"{'-':>7s}"
+        print(f"  {m.name:26s} {us['write_new_rows']['median']:9.1f} {us['convert']['median']:11.1f} "
+              f"{pl['min']:9.1f} /{pl['median']:7.1f} /{pl['p99']:7.1f}   {med / base:8.3f} {gpu} {copied}")
     print("  the 50 us target per layer: " + ", ".join(
         f"{name} {'met' if d['us']['per_layer']['median'] <= 50 else 'not met'}" for name, d in result["modes"].items()))
     if a.out:
@@ -226,10 +240,11 @@ def main(argv=None) -> int:
                     help="prepare each step padded to this bucket, >= --requests [no padding]")
     ap.add_argument("--layer-graphs", action="store_true",
                     help="the group's per-layer graphs (layer_graphs=True; needs --pad-to and CUDA)")
-    ap.add_argument("--inputs-in-place", action="store_true",
-                    help="with --layer-graphs: write each step's rows and top-k into the group's "
-                         "layer_input_buffers() (untimed, as an engine producing into them) and pass those, "
-                         "so the calls copy nothing")
+    ap.add_argument("--inputs", choices=INPUTS, default="allocated",
+                    help="with --layer-graphs, what the calls are given: new tensors from the caching allocator "
+                         "each step (their addresses repeat: read in place by graphs of their own), a ring of "
+                         "three buffers (a new address each step: copied), or the group's layer_input_buffers() "
+                         "(written untimed, as an engine producing into them) [%(default)s]")
     ap.add_argument("--compare", action="store_true",
                     help="every mode side by side, steps interleaved (bucket: --pad-to, else --requests)")
     ap.add_argument("--out", help="write the figures as JSON here")
@@ -239,25 +254,25 @@ def main(argv=None) -> int:
                  "whole batch; give --pad-to >= --requests or leave it out")
     if not common.out_ok(a.out, "bench_host_calls"):
         return 2
-    if a.compare and (a.layer_graphs or a.inputs_in_place):
-        print("bench_host_calls: --compare runs every mode; leave out --layer-graphs and --inputs-in-place",
+    if a.compare and (a.layer_graphs or a.inputs != "allocated"):
+        print("bench_host_calls: --compare runs every mode; leave out --layer-graphs and --inputs",
               file=sys.stderr)
         return 2
     if a.layer_graphs and a.pad_to is None:
         print("bench_host_calls: --layer-graphs replays padded forwards; give --pad-to N too", file=sys.stderr)
         return 2
-    if a.inputs_in_place and not a.layer_graphs:
-        print("bench_host_calls: --inputs-in-place writes into the per-layer graphs' buffers; give "
+    if a.inputs != "allocated" and not a.layer_graphs:
+        print(f"bench_host_calls: --inputs {a.inputs} is about the per-layer graphs' inputs; give "
               "--layer-graphs too", file=sys.stderr)
         return 2
     if a.compare:
         bucket = a.pad_to or a.requests
         modes = [Mode("eager"), Mode("padded", pad_to=bucket)]
         if a.device.startswith("cuda"):
-            modes += [Mode("layer_graphs", pad_to=bucket, layer_graphs=True),
-                      Mode("layer_graphs_in_place", pad_to=bucket, layer_graphs=True, in_place=True)]
+            modes += [Mode(f"layer_graphs_{i.replace('-', '_')}", pad_to=bucket, layer_graphs=True, inputs=i)
+                      for i in INPUTS]
     else:
-        modes = [Mode("run", pad_to=a.pad_to, layer_graphs=a.layer_graphs, in_place=a.inputs_in_place)]
+        modes = [Mode("run", pad_to=a.pad_to, layer_graphs=a.layer_graphs, inputs=a.inputs)]
     try:
         dev = parse_device(a.device)  # "--device cuda needs a CUDA GPU ...: use --device cpu"
         require_kernels(a.kernels, dev)
@@ -276,11 +291,11 @@ def main(argv=None) -> int:
         step(times)
     print(f"host time per call, {R} requests, {L} layers, context {C}, kernels {g.hisparse_cache.kernels}, "
           f"device {dev}, pad_to {a.pad_to}, layer graphs {g.layer_graphs()}"
-          f"{', inputs in place' if a.inputs_in_place else ''}:")
+          f"{f', inputs {a.inputs}' if a.layer_graphs else ''}:")
     result = {"benchmark": "host_calls", "env": common.environment(dev),
               "options": {"requests": R, "layers": L, "context": C, "steps": a.steps, "top_k": K,
                           "pad_to": a.pad_to, "kernels": g.hisparse_cache.kernels,
-                          "inputs_in_place": a.inputs_in_place,
+                          "inputs": a.inputs,
                           "layer_graphs": g.layer_graphs()}, "us": {}}
     for k in NAMES:
         v = times[k]

@@ -158,10 +158,10 @@ for s in "${sections[@]}"; do
               --steps 30 ${pad:+--pad-to $pad} --out "$RES/host_calls${pad:+_pad$pad}.json" ${HOST_CALLS_ARGS:-}
           grep -A7 "^host time per call" "$LOG" | tail -8 | tee -a "$SUM"
         done
-        for inp in "" in_place; do  # the per-layer graphs, inputs copied in / written into their buffers
-          run "host_calls_pad64_layer_graphs${inp:+_$inp}" 240 python3 -m benchmarks.bench_host_calls --requests 64 \
-              --layers 8 --steps 30 --pad-to 64 --layer-graphs ${inp:+--inputs-in-place} \
-              --out "$RES/host_calls_pad64_layer_graphs${inp:+_$inp}.json" ${HOST_CALLS_ARGS:-}
+        for inp in allocated moving in-place; do  # the per-layer graphs and what they are given
+          run "host_calls_pad64_layer_graphs_${inp/-/_}" 240 python3 -m benchmarks.bench_host_calls --requests 64 \
+              --layers 8 --steps 30 --pad-to 64 --layer-graphs --inputs "$inp" \
+              --out "$RES/host_calls_pad64_layer_graphs_${inp/-/_}.json" ${HOST_CALLS_ARGS:-}
           grep -A8 "^host time per call" "$LOG" | tail -9 | tee -a "$SUM"
         done ;;
     host_calls_compare)  # every mode in one process, steps interleaved: ratios from the same run

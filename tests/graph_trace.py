@@ -169,14 +169,17 @@ class Runner:
 
     def __init__(self, shape: TraceShape, mode: str, device: str, kernels: str, truth: Truth, *,
                  attention: tuple | None = None, heads: int = 16, layer_graphs: str | None = None,
-                 in_place: bool = False) -> None:
+                 in_place: bool = False, own_buffers: bool = False) -> None:
         """attention: (backend, overlap) to run ``decode_attention`` per layer (its
         outputs recorded) instead of the conversion (physical indices recorded).
         layer_graphs: ``make_group``'s. in_place: padded forwards write each layer's rows
-        and top-k into ``layer_input_buffers`` and pass those."""
+        and top-k into ``layer_input_buffers`` and pass those. own_buffers: padded
+        forwards write them into buffers of the runner's own, one pair per (layer,
+        bucket), and pass those (tensors at a steady address, not the group's)."""
         self.shape, self.mode, self.device, self.truth = shape, mode, device, truth
         self.attention, self.heads = attention, heads
-        self.in_place = in_place
+        self.in_place, self.own_buffers = in_place, own_buffers
+        self.own: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self.step_no = 0
         self.group = make_group(shape, device, kernels, layer_graphs=layer_graphs)
         self.lens: dict[int, int] = {}
@@ -262,6 +265,10 @@ class Runner:
                         r, tk = g.layer_input_buffers(md)
                         r.copy_(rows[layer])
                         tk.copy_(tks[layer])
+                    elif self.own_buffers and self.mode == "padded":
+                        if (layer, n) not in self.own:
+                            self.own[(layer, n)] = (torch.empty_like(r), torch.empty_like(tk))
+                        r, tk = (o.copy_(x) for o, x in zip(self.own[(layer, n)], (r, tk)))
                     g.write_new_rows(layer, r, md)
                     phys.append(self._layer_call(layer, qs[layer], tk, md).clone())
             else:

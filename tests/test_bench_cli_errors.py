@@ -57,7 +57,7 @@ def test_common_types():
     (["--device", "cpu", "--steps", "0"], "--steps"),
     (["--device", "cpu", "--requests", "4", "--pad-to", "2"], "--pad-to"),
     (["--device", "cpu", "--requests", "4", "--layer-graphs"], "--pad-to"),
-    (["--device", "cpu", "--pad-to", "64", "--inputs-in-place"], "--layer-graphs"),
+    (["--device", "cpu", "--pad-to", "64", "--inputs", "in-place"], "--layer-graphs"),
     (["--device", "cpu", "--pad-to", "64", "--compare", "--layer-graphs"], "--compare"),
 ])
 def test_bench_host_calls_refuses(argv, flag, capsys, no_gpu):

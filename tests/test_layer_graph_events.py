@@ -100,7 +100,8 @@ def test_a_capture_records_stand_ins_and_a_replay_flags_its_events(monkeypatch):
     cur.waited.clear()
     lg._wait_eager((cs.resolved[0], cs.backup))  # the replay's record is ordered already
     assert cur.waited == [cs.backup.event]
-    assert lg.report() == {"graphs": 1, "eager": 0, "captures": 1, "replays": 1}
+    assert lg.report() == {"graphs": 1, "eager": 0, "captures": 1, "replays": 1, "copies": 0,
+                           "in_place_graphs": 0}
 
 
 def test_without_stand_ins_the_wait_before_the_first_replay_is_invalid(monkeypatch):

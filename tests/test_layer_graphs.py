@@ -20,21 +20,31 @@ from hisparse import HiSparseConfig
 from hisparse.engine import HiSparseIndexGroup, SparseMLAMetadata
 
 
-@pytest.mark.parametrize("kernels,query_len,seed,in_place,stand_in", [
-    ("torch", 1, 0, False, "recording"), ("torch", 2, 1, False, "recording"), ("triton", 1, 2, False, "kernels"),
-    ("torch", 2, 3, True, "recording"), ("triton", 2, 4, True, "kernels")])
-def test_layer_graph_forwards_equal_eager(kernels, query_len, seed, in_place, stand_in):
+@pytest.mark.parametrize("kernels,query_len,seed,inputs,stand_in", [
+    ("torch", 1, 0, "new", "recording"), ("torch", 2, 1, "new", "recording"), ("triton", 1, 2, "new", "kernels"),
+    ("torch", 2, 3, "in_place", "recording"), ("triton", 2, 4, "in_place", "kernels"),
+    ("torch", 1, 5, "own", "recording"), ("triton", 2, 6, "own", "kernels")])
+def test_layer_graph_forwards_equal_eager(kernels, query_len, seed, inputs, stand_in):
+    """inputs: new tensors every call (copied into the static buffers), the group's
+    ``layer_input_buffers``, or the engine's own buffers (steady addresses: read in place
+    by graphs of their own)."""
     shape = TraceShape(query_len=query_len)
     truth = Truth(shape)
     trace = plan_trace(shape, steps=10 if kernels == "triton" else 24, seed=seed)
     a = Runner(shape, "eager", "cpu", kernels, truth)
-    b = Runner(shape, "padded", "cpu", kernels, truth, layer_graphs=stand_in, in_place=in_place)
+    b = Runner(shape, "padded", "cpu", kernels, truth, layer_graphs=stand_in, in_place=inputs == "in_place",
+               own_buffers=inputs == "own")
     run_pair(trace, a, b)
     a.check_rows()
     b.check_rows()
     counts = b.group.layer_graphs()
     assert counts["replays"] > counts["captures"] > 0, counts  # the trace replays, not only warms up
     assert b.group.stats()["total"]["misses"] > 0
+    if inputs == "own":  # each static graph's capture copied once; a graph of their own after that
+        assert counts["in_place_graphs"] > 0, counts
+        assert counts["copies"] == counts["captures"] - counts["in_place_graphs"], counts
+    elif inputs == "in_place":
+        assert counts["copies"] == counts["in_place_graphs"] == 0, counts
 
 
 
@@ -118,8 +128,10 @@ def test_refused_calls_launch_nothing():
         g.write_new_rows(1, rows, md)
         g.convert_decode_logical_to_physical_topk(1, tk, md)
         lens[1] += 1
-    # step 1 eager, step 2 captures and replays, step 3 replays: 2 calls x 2 layers each
-    assert g.layer_graphs() == {"graphs": 4, "eager": 4, "captures": 4, "replays": 8}
+    # step 1 eager, step 2 captures and replays, step 3 replays: 2 calls x 2 layers each;
+    # the inputs are new tensors each step: every replay copies them
+    assert g.layer_graphs() == {"graphs": 4, "eager": 4, "captures": 4, "replays": 8, "copies": 8,
+                                "in_place_graphs": 0}
 
 
 def test_unpadded_and_non_waiting_calls_stay_eager():
@@ -134,7 +146,8 @@ def test_unpadded_and_non_waiting_calls_stay_eager():
         g.write_new_rows(0, truth.rows(0, 1)[lens[1]:lens[1] + 1], md)
         g.convert_decode_logical_to_physical_topk(0, torch.zeros((1, shape.top_k), dtype=torch.int32), md)
         lens[1] += 1
-    assert g.layer_graphs() == {"graphs": 0, "eager": 0, "captures": 0, "replays": 0}
+    assert g.layer_graphs() == {"graphs": 0, "eager": 0, "captures": 0, "replays": 0, "copies": 0,
+                                "in_place_graphs": 0}
     for _ in range(3):  # padded, but the conversion does not wait: eager every time
         md = decode_md([1], lens)
         g.prepare_for_batch(md, pad_to=2)
@@ -222,7 +235,10 @@ def test_layer_input_buffers_are_read_in_place(monkeypatch):
 
 
 def _warm_capture_replay(g, truth, lens, steps=3, layers=None):
-    """Decode forwards of request 1 padded to 2 (warm-up, capture, replays)."""
+    """Decode forwards of request 1 padded to 2 (warm-up, capture, replays). The inputs
+    are new tensors, all kept alive, so no two calls pass a tensor at the same address:
+    every replay copies its input (no graph of a tensor's own)."""
+    alive = []
     for _ in range(steps):
         md = decode_md([1], lens)
         g.prepare_for_batch(md, pad_to=2)
@@ -231,6 +247,7 @@ def _warm_capture_replay(g, truth, lens, steps=3, layers=None):
             rows[0] = truth.rows(layer, 1)[lens[1]]
             tk = torch.full((2, g.config.top_k), -1, dtype=torch.int32)
             tk[0, :2] = torch.tensor([0, lens[1]])
+            alive += [rows, tk]
             g.write_new_rows(layer, rows, md)
             g.convert_decode_logical_to_physical_topk(layer, tk, md)
         lens[1] += 1
@@ -302,3 +319,55 @@ def test_a_new_staging_launch_shape_captures_again():
     c1 = g.layer_graphs()
     assert c1["eager"] == c0["eager"] + 1 and c1["captures"] == c0["captures"] + 1, (c0, c1)
     assert c1["graphs"] == c0["graphs"] + 1
+
+
+def _steps_with_buffers(g, truth, lens, schedule):
+    """Decode forwards of request 1 padded to 2, layer 0 only, one per entry of
+    ``schedule``: (rows, top-k) tensors of the caller's own that the step fills and passes.
+    Returns each step's physical indices."""
+    out = []
+    for rows, tk in schedule:
+        md = decode_md([1], lens)
+        g.prepare_for_batch(md, pad_to=2)
+        rows.zero_()
+        rows[0] = truth.rows(0, 1)[lens[1]]
+        tk.fill_(-1)
+        tk[0, :2] = torch.tensor([0, lens[1]])
+        g.write_new_rows(0, rows, md)
+        out.append(g.convert_decode_logical_to_physical_topk(0, tk, md).clone())
+        lens[1] += 1
+    return out
+
+
+def test_graphs_of_engine_tensors_are_bounded_and_need_a_repeated_address():
+    """A tensor of the caller's gets a graph of its own only when it comes at the address
+    of the call before (and once the static buffer's graph exists), at most
+    IN_PLACE_GRAPHS per (call, layer, bucket); a tensor with other strides never; every
+    other call copies. The physical indices and the cache equal an eager run's."""
+    from hisparse.engine.layer_graphs import IN_PLACE_GRAPHS
+    shape = TraceShape(layers=1)
+    truth = Truth(shape)
+    pairs = [(torch.empty((2, 656), dtype=torch.uint8), torch.empty((2, shape.top_k), dtype=torch.int32))
+             for _ in range(IN_PLACE_GRAPHS + 1)]
+    wide = torch.empty((2, 2 * shape.top_k), dtype=torch.int32)
+    strided = (pairs[0][0], wide[:, :shape.top_k])  # the top-k with strides (2K, 1)
+    a, b, c = pairs[:3]
+    # warm-up, static capture (copies), then a, a (own graph), b, b (own graph), c, c (past
+    # the bound: copies), a (replays its graph), the strided top-k twice (copies)
+    schedule = [a, a, a, b, b] + [c, c, a] + [strided, strided]
+    runs = {}
+    for name, graphs in (("eager", None), ("graphs", "recording")):
+        g = make_group(shape, "cpu", "torch", layer_graphs=graphs)
+        lens: dict[int, int] = {}
+        join(g, 1, 6, truth, lens)
+        runs[name] = (g, _steps_with_buffers(g, truth, lens, schedule))
+    (ga, pa), (gb, pb) = runs["eager"], runs["graphs"]
+    for s, (x, y) in enumerate(zip(pa, pb)):
+        assert torch.equal(x, y), f"step {s}"
+    assert_same_state(cache_state(ga), cache_state(gb))
+    c = gb.layer_graphs()
+    assert c["eager"] == 2 and c["in_place_graphs"] == 2 * IN_PLACE_GRAPHS, c
+    # copies: the static capture's two calls, b's first two, c's four, and the strided
+    # top-k's two conversions (their rows are a's buffer, whose write graph replays)
+    assert c["copies"] == 2 + 2 + 4 + 2, c
+    assert c["replays"] == 2 * (len(schedule) - 1), c

@@ -4,7 +4,8 @@ Over a trace with joins, leaves and several buckets, a group whose padded per-la
 replay per-layer graphs must equal an eager unpadded group after every forward: physical
 indices, every cache state tensor, hot rows byte for byte, and every host-pool row
 against the truth (rows written by a replayed write graph reach the pinned pool), also
-with the inputs written into ``layer_input_buffers``. Then the same with eager work mixed
+with the inputs written into ``layer_input_buffers`` or into the engine's own buffers
+(read in place by graphs of their own). Then the same with eager work mixed
 in: a prefetch of the next layer and ``wait=False`` conversions between replays (their
 events order the replays, and the replays them).
 """
@@ -20,18 +21,26 @@ pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-@pytest.mark.parametrize("query_len,seed,in_place", [(1, 0, False), (2, 1, False), (2, 2, True)])
-def test_layer_graph_forwards_equal_eager(query_len, seed, in_place):
+@pytest.mark.parametrize("query_len,seed,inputs", [(1, 0, "new"), (2, 1, "new"), (2, 2, "in_place"),
+                                                   (1, 3, "own"), (2, 4, "own")])
+def test_layer_graph_forwards_equal_eager(query_len, seed, inputs):
+    """inputs: new tensors every forward (from the caching allocator, whose addresses
+    repeat: some get graphs of their own that read a later tensor at the same address),
+    the group's ``layer_input_buffers``, or the runner's own buffers (steady addresses)."""
     shape = TraceShape(query_len=query_len)
     truth = Truth(shape)
     trace = plan_trace(shape, steps=60, seed=seed)
     a = Runner(shape, "eager", "cuda", "triton", truth)
-    b = Runner(shape, "padded", "cuda", "triton", truth, layer_graphs="cuda", in_place=in_place)
+    b = Runner(shape, "padded", "cuda", "triton", truth, layer_graphs="cuda", in_place=inputs == "in_place",
+               own_buffers=inputs == "own")
     run_pair(trace, a, b, check_rows=True)
     a.check_rows()
     counts = b.group.layer_graphs()
+    print(inputs, counts)
     assert counts["replays"] >= 40 and counts["captures"] >= 4, counts
     assert b.group.stats()["total"]["misses"] > 0
+    if inputs == "own":
+        assert counts["in_place_graphs"] > 0, counts
 
 
 

@@ -7,7 +7,13 @@ layer_graphs=True)``, those calls of a padded forward (``prepare_for_batch(md,
 pad_to=N)``) replay one small graph per (call, layer, bucket) instead:
 
 - the call's input (rows, or the top-k) is copied into a static buffer of the bucket on
-  the current stream; the graph reads it there;
+  the current stream; the graph reads it there. A tensor of the engine's own that
+  comes at the address (and strides) it had in the previous call of that (call, layer,
+  bucket) -- an engine's persistent buffers, or a caching allocator's steady state --
+  gets a graph of its own that reads it where it is, once the static buffer's graph
+  exists: at most ``IN_PLACE_GRAPHS`` such graphs per (call, layer, bucket), copies past
+  them. A graph reads whatever is at the addresses it was captured with, so a later
+  tensor at the same address, strides, shape and dtype is read correctly;
 - the first call of a (call, layer, bucket) runs eagerly over the static buffer, which
   compiles the kernels for those pointers; the second captures the same launches on a
   side stream and replays the graph; later calls replay it;
@@ -47,7 +53,11 @@ from ..cache.stager import capturing
 from ..cache.write_step import StepPlan
 from .metadata import SparseMLAMetadata
 
-__all__ = ["CudaGraphBackend", "LayerGraphCalls", "LayerGraphs"]
+__all__ = ["CudaGraphBackend", "IN_PLACE_GRAPHS", "LayerGraphCalls", "LayerGraphs"]
+
+# graphs per (call, layer, bucket) that read an engine's tensor where it is (see above);
+# a bound on captures and graph memory when an engine's addresses drift
+IN_PLACE_GRAPHS = 2
 
 
 class CudaGraphBackend:
@@ -113,7 +123,11 @@ class LayerGraphs:
         self._rows: dict[int, torch.Tensor] = {}  # tokens -> uint8 [tokens, row_bytes]
         self._topk: dict[tuple[int, int], torch.Tensor] = {}  # (tokens, K) -> int32 [tokens, K]
         self._stage_seen = cache.streams.stage_eager_records[0]
-        self.counts = {"eager": 0, "captures": 0, "replays": 0}
+        self._last_input: dict[tuple, tuple] = {}  # key -> (data_ptr, strides) of its last input
+        self._in_place: dict[tuple, int] = {}  # key -> graphs of it reading an engine's tensor
+        # copies: replayed calls that copied their input into the static buffer;
+        # in_place_graphs: graphs captured to read an engine's tensor where it is
+        self.counts = {"eager": 0, "captures": 0, "replays": 0, "copies": 0, "in_place_graphs": 0}
 
     def applies(self, step: StepPlan) -> bool:
         """Whether this forward's calls replay graphs: a padded step, outside a capture."""
@@ -156,13 +170,15 @@ class LayerGraphs:
             self.counts["eager"] += 1
             return
 
+        gkey, src, copy = self._source(key, rows, static)
+
         def launch() -> None:
-            g = got if got is not None else self._capture(
-                key, lambda: cache.launch_write_step(layer, step, static))
+            g = self._graph(key, gkey, lambda: cache.launch_write_step(layer, step, src))
             cs = cache.streams
             self._wait_eager((cs.resolved[layer], cs.backup))  # eager mirrors read ``static`` too
-            if not _same(rows, static):
+            if copy:
                 static.copy_(rows)
+                self.counts["copies"] += 1
             self._replay(g)
 
         cache.write_step_by(layer, step, launch)
@@ -186,16 +202,18 @@ class LayerGraphs:
             self.counts["eager"] += 1
             return res
 
+        gkey, src, copy = self._source(key, topk, static)
+
         def launch() -> None:
-            g = got if got is not None else self._capture(
-                key, lambda: cache.launch_resolve(layer, req_ids, static))
+            g = self._graph(key, gkey, lambda: cache.launch_resolve(layer, req_ids, src))
             cs = cache.streams
             if cs.stage_eager_records[0] != self._stage_seen and cs.streams.stage is not None:
                 # eager staging in flight: the graph's own fork of the stage stream is not after it
                 cs.current().wait_stream(cs.streams.stage)
             self._wait_eager((cs.resolved[layer], cs.backup))
-            if not _same(topk, static):  # after the waits: eager staging may read ``static``
+            if copy:  # after the waits: eager staging may read ``static``
                 static.copy_(topk)
+                self.counts["copies"] += 1
             self._replay(g)
 
         if got is None:  # the capture's call: every check again
@@ -204,6 +222,37 @@ class LayerGraphs:
             res = cache.resolve_replay(layer, T, K, launch)
         self._stage_seen = cache.streams.stage_eager_records[0]
         return res
+
+    def _source(self, key: tuple, t: torch.Tensor, static: torch.Tensor) -> tuple[tuple, torch.Tensor, bool]:
+        """(the key of the graph to replay, the tensor it reads, whether the caller copies
+        ``t`` into ``static`` first) for a call of ``key`` given ``t`` (of ``static``'s
+        shape and dtype, checked by the caller): ``static``'s graph under ``key``, read
+        in place when ``t`` is the static buffer, else after a copy, unless ``t`` gets a
+        graph of its own (the module docstring)."""
+        if _same(t, static):
+            return key, static, False
+        addr = (t.data_ptr(), t.stride())
+        own = key + (addr,)
+        if own in self.graphs:
+            return own, t, False
+        last, self._last_input[key] = self._last_input.get(key), addr
+        if (last == addr and key in self.graphs and self._in_place.get(key, 0) < IN_PLACE_GRAPHS
+                and addr[1] == static.stride() and addr[0] % 16 == 0):
+            # the static buffer's graph compiled the kernels; 16-byte alignment and the same
+            # strides give the same specialisation, so this capture compiles nothing
+            return own, t, False
+        return key, static, True
+
+    def _graph(self, key: tuple, gkey: tuple, fn: Callable[[], None]) -> _Graph:
+        """The graph under ``gkey`` (a static buffer's ``key``, or an engine tensor's
+        graph of it), captured over ``fn`` if it is not yet."""
+        got = self.graphs.get(gkey)
+        if got is None:
+            got = self._capture(gkey, fn)
+            if gkey is not key:
+                self._in_place[key] = self._in_place.get(key, 0) + 1
+                self.counts["in_place_graphs"] += 1
+        return got
 
     def _wait_eager(self, events) -> None:
         """The current stream waits on those of ``events`` last recorded eagerly (one a
@@ -251,8 +300,10 @@ class LayerGraphCalls:
     ``_layer_graphs``, ``_step``, ``_tokens``, ``_decode_tokens`` and ``_check_batch``)."""
 
     def layer_graphs(self) -> dict | None:
-        """With ``layer_graphs=True``: {graphs, eager, captures, replays}, the per-layer
-        calls that ran eagerly (a bucket's warm-up), captured and replayed; else None."""
+        """With ``layer_graphs=True``: {graphs, eager, captures, replays, copies,
+        in_place_graphs}, the per-layer calls that ran eagerly (a bucket's warm-up),
+        captured and replayed, the replayed calls that copied their input into a static
+        buffer, and the graphs captured to read an engine's tensor where it is; else None."""
         return None if self._layer_graphs is None else self._layer_graphs.report()
 
     def layer_input_buffers(self, metadata: SparseMLAMetadata, top_k: int | None = None
