@@ -93,7 +93,7 @@ def test_a_capture_records_stand_ins_and_a_replay_flags_its_events(monkeypatch):
     assert len(recorded) == 2 and all(e.captured for e in recorded), "the capture recorded the stand-ins"
     lg._wait_eager((cs.resolved[0], cs.backup))  # both last recorded eagerly: waited on
     assert cur.waited == [cs.resolved[0].event, cs.backup.event]
-    lg._replay(got)
+    lg._replay(got, "convert")
     assert (cs.stage[0].recorded, cs.stage[0].in_capture) == (True, True)
     assert (cs.resolved[0].recorded, cs.resolved[0].in_capture) == (True, True)
     assert (cs.backup.recorded, cs.backup.in_capture) == (True, False)
@@ -101,7 +101,7 @@ def test_a_capture_records_stand_ins_and_a_replay_flags_its_events(monkeypatch):
     lg._wait_eager((cs.resolved[0], cs.backup))  # the replay's record is ordered already
     assert cur.waited == [cs.backup.event]
     assert lg.report() == {"graphs": 1, "eager": 0, "captures": 1, "replays": 1, "copies": 0,
-                           "in_place_graphs": 0}
+                           "in_place_graphs": 0, "write_replays": 0, "convert_replays": 1}
 
 
 def test_without_stand_ins_the_wait_before_the_first_replay_is_invalid(monkeypatch):

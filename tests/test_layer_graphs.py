@@ -131,7 +131,7 @@ def test_refused_calls_launch_nothing():
     # step 1 eager, step 2 captures and replays, step 3 replays: 2 calls x 2 layers each;
     # the inputs are new tensors each step: every replay copies them
     assert g.layer_graphs() == {"graphs": 4, "eager": 4, "captures": 4, "replays": 8, "copies": 8,
-                                "in_place_graphs": 0}
+                                "in_place_graphs": 0, "write_replays": 4, "convert_replays": 4}
 
 
 def test_unpadded_and_non_waiting_calls_stay_eager():
@@ -147,7 +147,7 @@ def test_unpadded_and_non_waiting_calls_stay_eager():
         g.convert_decode_logical_to_physical_topk(0, torch.zeros((1, shape.top_k), dtype=torch.int32), md)
         lens[1] += 1
     assert g.layer_graphs() == {"graphs": 0, "eager": 0, "captures": 0, "replays": 0, "copies": 0,
-                                "in_place_graphs": 0}
+                                "in_place_graphs": 0, "write_replays": 0, "convert_replays": 0}
     for _ in range(3):  # padded, but the conversion does not wait: eager every time
         md = decode_md([1], lens)
         g.prepare_for_batch(md, pad_to=2)
@@ -236,9 +236,9 @@ def test_layer_input_buffers_are_read_in_place(monkeypatch):
 
 def _warm_capture_replay(g, truth, lens, steps=3, layers=None):
     """Decode forwards of request 1 padded to 2 (warm-up, capture, replays). The inputs
-    are new tensors, all kept alive, so no two calls pass a tensor at the same address:
-    every replay copies its input (no graph of a tensor's own)."""
-    alive = []
+    are new tensors, all kept alive as long as the group, so no two calls pass a tensor
+    at the same address: every replay copies its input (no graph of a tensor's own)."""
+    alive = g.__dict__.setdefault("_test_inputs_alive", [])
     for _ in range(steps):
         md = decode_md([1], lens)
         g.prepare_for_batch(md, pad_to=2)
@@ -339,22 +339,31 @@ def _steps_with_buffers(g, truth, lens, schedule):
     return out
 
 
-def test_graphs_of_engine_tensors_are_bounded_and_need_a_repeated_address():
-    """A tensor of the caller's gets a graph of its own only when it comes at the address
-    of the call before (and once the static buffer's graph exists), at most
-    IN_PLACE_GRAPHS per (call, layer, bucket); a tensor with other strides never; every
-    other call copies. The physical indices and the cache equal an eager run's."""
-    from hisparse.engine.layer_graphs import IN_PLACE_GRAPHS
+@pytest.mark.parametrize("case", ["bounded", "alternating"])
+def test_graphs_of_engine_tensors_need_a_recurring_address_and_are_bounded(case):
+    """A tensor of the caller's gets a graph of its own only when its address recurs among
+    the key's last RECENT_INPUTS inputs (and once the static buffer's graph exists), at
+    most IN_PLACE_GRAPHS per (call, layer, bucket); a tensor with other strides never;
+    every other call copies. The physical indices and the cache equal an eager run's."""
+    from hisparse.engine.layer_graphs import IN_PLACE_GRAPHS, RECENT_INPUTS
+    assert IN_PLACE_GRAPHS == 2 and RECENT_INPUTS >= 2  # the schedules below count on these
     shape = TraceShape(layers=1)
     truth = Truth(shape)
-    pairs = [(torch.empty((2, 656), dtype=torch.uint8), torch.empty((2, shape.top_k), dtype=torch.int32))
-             for _ in range(IN_PLACE_GRAPHS + 1)]
+    a, b, c = [(torch.empty((2, 656), dtype=torch.uint8), torch.empty((2, shape.top_k), dtype=torch.int32))
+               for _ in range(3)]
     wide = torch.empty((2, 2 * shape.top_k), dtype=torch.int32)
-    strided = (pairs[0][0], wide[:, :shape.top_k])  # the top-k with strides (2K, 1)
-    a, b, c = pairs[:3]
-    # warm-up, static capture (copies), then a, a (own graph), b, b (own graph), c, c (past
-    # the bound: copies), a (replays its graph), the strided top-k twice (copies)
-    schedule = [a, a, a, b, b] + [c, c, a] + [strided, strided]
+    strided = (a[0], wide[:, :shape.top_k])  # a's rows, a top-k with strides (2K, 1)
+    if case == "bounded":
+        # warm-up, static capture (both calls copy), a again (own graphs), b (copies), b
+        # (own graphs), c twice (past the bound: copies), a (its graphs), the strided top-k
+        # twice (its conversions copy; the write replays a's graph)
+        schedule = [a, a, a, b, b, c, c, a, strided, strided]
+        copies, own = 2 + 2 + 4 + 2, 2 * IN_PLACE_GRAPHS
+    else:
+        # a caching allocator's two addresses in turn: warm-up (a), static capture (b copies),
+        # a (copies), then b and a recur (own graphs), b (its graphs)
+        schedule = [a, b, a, b, a, b]
+        copies, own = 2 + 2, 4
     runs = {}
     for name, graphs in (("eager", None), ("graphs", "recording")):
         g = make_group(shape, "cpu", "torch", layer_graphs=graphs)
@@ -365,9 +374,6 @@ def test_graphs_of_engine_tensors_are_bounded_and_need_a_repeated_address():
     for s, (x, y) in enumerate(zip(pa, pb)):
         assert torch.equal(x, y), f"step {s}"
     assert_same_state(cache_state(ga), cache_state(gb))
-    c = gb.layer_graphs()
-    assert c["eager"] == 2 and c["in_place_graphs"] == 2 * IN_PLACE_GRAPHS, c
-    # copies: the static capture's two calls, b's first two, c's four, and the strided
-    # top-k's two conversions (their rows are a's buffer, whose write graph replays)
-    assert c["copies"] == 2 + 2 + 4 + 2, c
-    assert c["replays"] == 2 * (len(schedule) - 1), c
+    n = gb.layer_graphs()
+    assert n["eager"] == 2 and n["in_place_graphs"] == own and n["copies"] == copies, n
+    assert n["replays"] == 2 * (len(schedule) - 1), n

@@ -113,6 +113,50 @@ def test_padded_hisparse_decode_equals_resident(overlap):
     assert res["hisparse"]["cache"]["misses"] > 0 and res["hisparse"]["cache"]["invalid"] == 0
 
 
+def test_layer_graphs_decode_replays_both_calls_and_eager_conversions_do_not_wait(monkeypatch):
+    """``--layer-graphs`` on the CPU: the per-layer graphs' recording stand-in
+    (tests/graph_trace) in the hisparse store's group, and the store told it runs layer
+    graphs, as the CUDA configuration does. Both per-layer calls of a decode step must
+    replay (a conversion with ``wait=False`` would run eagerly instead), and the outputs
+    equal eager hisparse's. The eager engine's conversions leave their staging running
+    (``wait=False``) while the q projection computes."""
+    import copy
+
+    from graph_trace import RecordingGraphs
+    from hisparse.engine import HiSparseIndexGroup
+    from hisparse.engine.layer_graphs import LayerGraphs
+    from hisparse.tools.mini_engine import loop
+
+    waits = []
+    convert = HiSparseIndexGroup.convert_decode_logical_to_physical_topk
+
+    def spy(self, layer, topk, md, **kw):
+        waits.append(kw.get("wait", True))
+        return convert(self, layer, topk, md, **kw)
+    monkeypatch.setattr(HiSparseIndexGroup, "convert_decode_logical_to_physical_topk", spy)
+    cfg = me.MiniEngineConfig(num_requests=3, arrival_every=0, min_prompt=20, max_prompt=30, min_decode=5,
+                              max_decode=7, validate=False, cache_kernels="torch")
+    eager = me.run_engine(cfg, "hisparse")
+    assert waits and not any(waits), "an eager engine's conversion waited for its staging"
+    waits.clear()
+    init = loop.MiniEngine.__init__
+
+    def with_stand_in(self, *a, **kw):
+        init(self, *a, **kw)
+        g = self.kv.group
+        g._layer_graphs = LayerGraphs(g.hisparse_cache, RecordingGraphs(g.hisparse_cache))
+        kcfg = copy.copy(self.kv.cfg)  # what the store reads (the config refuses layer_graphs on CPU)
+        object.__setattr__(kcfg, "layer_graphs", True)
+        self.kv.cfg = kcfg
+    monkeypatch.setattr(loop.MiniEngine, "__init__", with_stand_in)
+    lg = me.run_engine(cfg, "hisparse", decode_mode=me.DecodeMode.PADDED)
+    assert waits and all(waits), "a layer-graphs conversion did not wait (it ran eagerly)"
+    c = lg["layer_graphs"]
+    assert c["write_replays"] > 0 and c["convert_replays"] == c["write_replays"], c
+    cmp = me.compare(cfg, eager, lg)
+    assert cmp["bitwise_equal"], cmp
+
+
 @pytest.mark.parametrize("kw, msg", [
     (dict(graphs=True), "need a CUDA device"),
     (dict(graphs=True, device="cuda", validate=True), "unchecked"),

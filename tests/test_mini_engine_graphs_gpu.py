@@ -81,6 +81,7 @@ def test_layer_graphs_hisparse_equals_eager_and_resident(prefetch):
     assert c["within_tolerance"] and c["argmax_mismatches"] == 0, c
     counts = lg["layer_graphs"]
     assert counts["replays"] > counts["captures"] >= 2 * cfg.num_layers, counts
+    assert counts["write_replays"] > 0 and counts["convert_replays"] == counts["write_replays"], counts
     assert lg["graphs"]["padded_eager"] > 0 and lg["graphs"]["replays"] == 0, lg["graphs"]
     res = me.run(dataclasses.replace(cfg, layer_graphs=True, tolerance=2e-2))
     assert res["compare"]["within_tolerance"], res["compare"]

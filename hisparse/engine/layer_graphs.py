@@ -7,12 +7,12 @@ layer_graphs=True)``, those calls of a padded forward (``prepare_for_batch(md,
 pad_to=N)``) replay one small graph per (call, layer, bucket) instead:
 
 - the call's input (rows, or the top-k) is copied into a static buffer of the bucket on
-  the current stream; the graph reads it there. A tensor of the engine's own that
-  comes at the address (and strides) it had in the previous call of that (call, layer,
-  bucket) -- an engine's persistent buffers, or a caching allocator's steady state --
-  gets a graph of its own that reads it where it is, once the static buffer's graph
-  exists: at most ``IN_PLACE_GRAPHS`` such graphs per (call, layer, bucket), copies past
-  them. A graph reads whatever is at the addresses it was captured with, so a later
+  the current stream; the graph reads it there. A tensor of the engine's own whose
+  address (and strides) recurs among the last ``RECENT_INPUTS`` calls of that (call,
+  layer, bucket) -- an engine's persistent buffers, or a caching allocator's steady
+  state -- gets a graph of its own that reads it where it is, once the static buffer's
+  graph exists: at most ``IN_PLACE_GRAPHS`` such graphs per (call, layer, bucket),
+  copies past them. A graph reads whatever is at the addresses it was captured with, so a later
   tensor at the same address, strides, shape and dtype is read correctly;
 - the first call of a (call, layer, bucket) runs eagerly over the static buffer, which
   compiles the kernels for those pointers; the second captures the same launches on a
@@ -58,6 +58,9 @@ __all__ = ["CudaGraphBackend", "IN_PLACE_GRAPHS", "LayerGraphCalls", "LayerGraph
 # graphs per (call, layer, bucket) that read an engine's tensor where it is (see above);
 # a bound on captures and graph memory when an engine's addresses drift
 IN_PLACE_GRAPHS = 2
+# an address gets such a graph when it recurs among the key's last RECENT_INPUTS inputs
+# (a caching allocator may hand a layer's tensor two addresses in turn)
+RECENT_INPUTS = 4
 
 
 class CudaGraphBackend:
@@ -123,11 +126,12 @@ class LayerGraphs:
         self._rows: dict[int, torch.Tensor] = {}  # tokens -> uint8 [tokens, row_bytes]
         self._topk: dict[tuple[int, int], torch.Tensor] = {}  # (tokens, K) -> int32 [tokens, K]
         self._stage_seen = cache.streams.stage_eager_records[0]
-        self._last_input: dict[tuple, tuple] = {}  # key -> (data_ptr, strides) of its last input
+        self._recent_inputs: dict[tuple, list] = {}  # key -> (data_ptr, strides) of its last inputs
         self._in_place: dict[tuple, int] = {}  # key -> graphs of it reading an engine's tensor
         # copies: replayed calls that copied their input into the static buffer;
         # in_place_graphs: graphs captured to read an engine's tensor where it is
         self.counts = {"eager": 0, "captures": 0, "replays": 0, "copies": 0, "in_place_graphs": 0}
+        self.replays_by_call = {"write": 0, "convert": 0}
 
     def applies(self, step: StepPlan) -> bool:
         """Whether this forward's calls replay graphs: a padded step, outside a capture."""
@@ -179,7 +183,7 @@ class LayerGraphs:
             if copy:
                 static.copy_(rows)
                 self.counts["copies"] += 1
-            self._replay(g)
+            self._replay(g, "write")
 
         cache.write_step_by(layer, step, launch)
 
@@ -214,7 +218,7 @@ class LayerGraphs:
             if copy:  # after the waits: eager staging may read ``static``
                 static.copy_(topk)
                 self.counts["copies"] += 1
-            self._replay(g)
+            self._replay(g, "convert")
 
         if got is None:  # the capture's call: every check again
             res = cache.resolve_by(layer, req_ids, static, launch)
@@ -235,8 +239,13 @@ class LayerGraphs:
         own = key + (addr,)
         if own in self.graphs:
             return own, t, False
-        last, self._last_input[key] = self._last_input.get(key), addr
-        if (last == addr and key in self.graphs and self._in_place.get(key, 0) < IN_PLACE_GRAPHS
+        recent = self._recent_inputs.setdefault(key, [])
+        seen = addr in recent
+        if seen:
+            recent.remove(addr)
+        recent.append(addr)
+        del recent[:-RECENT_INPUTS]
+        if (seen and key in self.graphs and self._in_place.get(key, 0) < IN_PLACE_GRAPHS
                 and addr[1] == static.stride() and addr[0] % 16 == 0):
             # the static buffer's graph compiled the kernels; 16-byte alignment and the same
             # strides give the same specialisation, so this capture compiles nothing
@@ -280,11 +289,12 @@ class LayerGraphs:
         self.counts["captures"] += 1
         return got
 
-    def _replay(self, g: _Graph) -> None:
+    def _replay(self, g: _Graph, call: str) -> None:
         self.backend.replay(g.graph)
         for ev in g.events:
             ev.recorded, ev.in_capture = True, True
         self.counts["replays"] += 1
+        self.replays_by_call[call] += 1
 
     def is_input_buffer(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is (a view of) one of the static input buffers."""
@@ -292,7 +302,8 @@ class LayerGraphs:
         return any(b.untyped_storage().data_ptr() == ptr for b in (*self._rows.values(), *self._topk.values()))
 
     def report(self) -> dict:
-        return {"graphs": len(self.graphs), **self.counts}
+        return {"graphs": len(self.graphs), **self.counts,
+                **{f"{call}_replays": n for call, n in self.replays_by_call.items()}}
 
 
 class LayerGraphCalls:
@@ -301,9 +312,10 @@ class LayerGraphCalls:
 
     def layer_graphs(self) -> dict | None:
         """With ``layer_graphs=True``: {graphs, eager, captures, replays, copies,
-        in_place_graphs}, the per-layer calls that ran eagerly (a bucket's warm-up),
-        captured and replayed, the replayed calls that copied their input into a static
-        buffer, and the graphs captured to read an engine's tensor where it is; else None."""
+        in_place_graphs, write_replays, convert_replays}, the per-layer calls that ran
+        eagerly (a bucket's warm-up), captured and replayed, the replayed calls that
+        copied their input into a static buffer, the graphs captured to read an engine's
+        tensor where it is, and the replays of each call; else None."""
         return None if self._layer_graphs is None else self._layer_graphs.report()
 
     def layer_input_buffers(self, metadata: SparseMLAMetadata, top_k: int | None = None

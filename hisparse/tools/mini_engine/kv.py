@@ -294,7 +294,7 @@ class HiSparseKV(KVStore):
         """The conversion with ``wait=False``: ``decode_attention`` waits for its staging.
         With layer graphs a waiting one, which replays the layer's graph."""
         phys = self.group.convert_decode_logical_to_physical_topk(layer, topk, batch.md, return_valid_counts=False,
-                                                                  wait=not self.cfg.layer_graphs)
+                                                                  wait=self.cfg.layer_graphs)
         return self.group.physical_kv_cache(layer), phys
 
     def prefill_workspace(self, layer: int, batch: Batch) -> None:
