@@ -7,8 +7,9 @@ eager warm-up does; ``--layer-graphs`` (with ``--pad-to``) has the group replay 
 per-layer CUDA graphs (``layer_graphs=True``); ``--inputs`` says what the calls are given:
 ``allocated`` (default) new tensors each step from the caching allocator, as an eager
 engine's are (their addresses repeat from step to step, so the graphs read them in
-place), ``moving`` a ring of three buffers (a new address every step: every call copies
-its input), ``in-place`` the group's ``layer_input_buffers``. Prints min / median / p99 per call, the
+place), ``moving`` a ring of buffers longer than the graphs' window of recent inputs
+(``RECENT_INPUTS``): an address they have not seen lately every step, so every call
+copies its input, ``in-place`` the group's ``layer_input_buffers``. Prints min / median / p99 per call, the
 per-layer sum against the 50 us target, ``prepare_for_batch`` per step, and on CUDA the
 GPU time of the layers' calls per layer (to compare the modes' device cost too). On CUDA it also counts the Triton
 launches per layer (Triton's launch hook, in a separate pass) and times the launch of an
@@ -48,6 +49,7 @@ from benchmarks import common
 from benchmarks.common import percentile
 from hisparse import CapacityError, HiSparseConfig
 from hisparse.engine import HiSparseIndexGroup, SparseMLAMetadata
+from hisparse.engine.layer_graphs import RECENT_INPUTS
 from hisparse.tools.exit_codes import MissingDependency
 from hisparse.tools.preflight import parse_device, require_kernels
 
@@ -138,7 +140,7 @@ def make_case(a: argparse.Namespace, dev: torch.device, mode: Mode):
     seq = C
     T = R if mode.pad_to is None else mode.pad_to
     ring = [(torch.empty((T, 656), dtype=torch.uint8, device=dev), torch.empty((T, K), dtype=torch.int32, device=dev))
-            for _ in range(3)] if mode.inputs == "moving" else []
+            for _ in range(RECENT_INPUTS + 2)] if mode.inputs == "moving" else []
 
     def step(times):
         nonlocal seq
@@ -243,7 +245,7 @@ def main(argv=None) -> int:
     ap.add_argument("--inputs", choices=INPUTS, default="allocated",
                     help="with --layer-graphs, what the calls are given: new tensors from the caching allocator "
                          "each step (their addresses repeat: read in place by graphs of their own), a ring of "
-                         "three buffers (a new address each step: copied), or the group's layer_input_buffers() "
+                         "buffers (an address not seen lately each step: copied), or the group's layer_input_buffers() "
                          "(written untimed, as an engine producing into them) [%(default)s]")
     ap.add_argument("--compare", action="store_true",
                     help="every mode side by side, steps interleaved (bucket: --pad-to, else --requests)")

@@ -142,7 +142,7 @@ class MiniEngine:
                         rids = [r.rid for r, n in batch.items[:nd] for _ in range(n)]
                         self.recorder.begin_step(rids, (pos_t[:td] + 1).tolist())
                     self.recorder.add_layer(layer, topk)
-                staged = self.kv.stage_decode(layer, topk, batch)  # before q: they overlap
+                staged = self.kv.stage_decode(layer, topk, batch)
             q = self.model.q_proj(layer, xb)
             if td:
                 out[:td] = self.kv.decode_attention(layer, q[:td], topk, batch, staged)
@@ -174,7 +174,7 @@ class MiniEngine:
             if cfg.full_layer(layer):
                 self.indexer.write(layer, ik, flat)
                 topk = self.indexer.decode_topk_fixed(layer, iq, st.slot, st.sub, st.lim)
-            staged = self.kv.stage_decode(layer, topk, batch)  # before q: they overlap
+            staged = self.kv.stage_decode(layer, topk, batch)
             q = self.model.q_proj(layer, xb)
             x = self.model.post(layer, x, self.kv.decode_attention(layer, q, topk, batch, staged))
         return x
