@@ -118,7 +118,8 @@ def test_layer_graphs_decode_replays_both_calls(monkeypatch):
     (tests/graph_trace) in the hisparse store's group, and the store told it runs layer
     graphs, as the CUDA configuration does. Both per-layer calls of a decode step must
     replay (a conversion with ``wait=False`` would run eagerly instead), and the outputs
-    equal eager hisparse's. Every conversion waits, eager or not."""
+    equal eager hisparse's. Eager conversions wait too (only a captured forward defers
+    the wait, tests/test_mini_engine_graphs_gpu.py)."""
     import copy
 
     from graph_trace import RecordingGraphs

@@ -26,8 +26,9 @@ The attention calls take the query and the top-k and return the attention output
 a store decides how rows reach the kernel: the resident store reads its own paged rows;
 the hisparse store resolves the top-k into hot-buffer slots (staging misses) first.
 Decode takes two calls, ``stage_decode`` as soon as the top-k exists and
-``decode_attention`` once the loop computed the query; the overlap modes (split, fused,
-prefetch) live inside the store's calls without the loop knowing.
+``decode_attention`` once the loop computed the query, so that a store's staging can
+overlap the query projection (in captured forwards); the other overlap modes (split,
+fused, prefetch) live inside the store's calls without the loop knowing.
 Both stores share one :class:`Attention` (the backends, softmax scale, workspace).
 
 - :class:`ResidentKV`  an ordinary paged device KV cache holding every row (the
@@ -113,8 +114,9 @@ class KVStore:
 
     def decode_rows(self, layer: int, topk: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """topk: int32 [Td, K] logical, -1 = padding -> (rows uint8 [N, row_bytes], the rows
-        the decode kernel reads; physical int32 [Td, K], -1 = padding), ready for the
-        current stream's next kernel."""
+        the decode kernel reads; physical int32 [Td, K], -1 = padding). The hisparse
+        store's result may still be staging inside a captured forward: only
+        ``decode_attention``, which waits first, may read it."""
         raise NotImplementedError
 
     def stage_decode(self, layer: int, topk: torch.Tensor, batch: Batch):
@@ -239,20 +241,22 @@ class HiSparseKV(KVStore):
         self.cfg = cfg
 
     def stage_decode(self, layer: int, topk: torch.Tensor, batch: Batch):
-        """Serial: the conversion (its misses staged before the current stream's next
-        kernel); split / fused: nothing yet (their decode attention resolves and stages
-        itself)."""
+        """Serial: the conversion (in a captured forward its misses stage while the
+        loop computes q); split / fused: nothing yet (their decode attention resolves
+        and stages itself)."""
         if self.overlap == "serial":
             return self.decode_rows(layer, topk, batch)
         return None
 
     def decode_attention(self, layer: int, q: torch.Tensor, topk: torch.Tensor, batch: Batch,
                          staged) -> torch.Tensor:
-        """Serial: attend over the conversion's rows; split / fused:
+        """Serial: wait for the conversion's staging if it was deferred, then attend;
+        split / fused:
         ``HiSparseIndexGroup.decode_attention`` (the hits attended while the misses
         stage). With prefetch, this layer's top-k is then staged into the next layer
         (:meth:`prefetch_targets`) while the rest of this layer computes."""
         if self.overlap == "serial":
+            self.group.wait_for_staging(layer)  # a no-op after a waiting conversion
             out = super().decode_attention(layer, q, topk, batch, staged)
         else:
             a = self.attn
@@ -288,11 +292,15 @@ class HiSparseKV(KVStore):
         self.group.write_new_rows(layer, rows, batch.md)
 
     def decode_rows(self, layer: int, topk: torch.Tensor, batch: Batch):
-        """The conversion, waiting for its staging (on the stream, not the host). With
-        layer graphs it replays the layer's graph. A conversion with ``wait=False``
-        that overlapped the staging with the q projection was measured no faster under
-        CUDA graphs and slower in eager steps (BENCHMARKS.md, "Options removed")."""
-        phys = self.group.convert_decode_logical_to_physical_topk(layer, topk, batch.md, return_valid_counts=False)
+        """The conversion. Inside a captured forward (``--graphs``) with ``wait=False``:
+        the misses stage while the loop computes the query, and ``decode_attention``
+        waits for them. Otherwise it waits (on the stream, not the host): eager steps are
+        bound by host time, and there the deferred wait's extra calls measured slower
+        (BENCHMARKS.md, "Session 15"); with layer graphs a waiting conversion is the one
+        that replays the layer's graph."""
+        deferred = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        phys = self.group.convert_decode_logical_to_physical_topk(layer, topk, batch.md, return_valid_counts=False,
+                                                                  wait=not deferred)
         return self.group.physical_kv_cache(layer), phys
 
     def prefill_workspace(self, layer: int, batch: Batch) -> None:

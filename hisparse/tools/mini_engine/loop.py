@@ -174,7 +174,7 @@ class MiniEngine:
             if cfg.full_layer(layer):
                 self.indexer.write(layer, ik, flat)
                 topk = self.indexer.decode_topk_fixed(layer, iq, st.slot, st.sub, st.lim)
-            staged = self.kv.stage_decode(layer, topk, batch)
+            staged = self.kv.stage_decode(layer, topk, batch)  # before q: captured, they overlap
             q = self.model.q_proj(layer, xb)
             x = self.model.post(layer, x, self.kv.decode_attention(layer, q, topk, batch, staged))
         return x
