@@ -339,7 +339,7 @@ def _steps_with_buffers(g, truth, lens, schedule):
     return out
 
 
-@pytest.mark.parametrize("case", ["bounded", "alternating"])
+@pytest.mark.parametrize("case", ["bounded", "alternating", "layouts"])
 def test_graphs_of_engine_tensors_need_a_recurring_address_and_are_bounded(case):
     """A tensor of the caller's gets a graph of its own only when its address recurs among
     the key's last RECENT_INPUTS inputs (and once the static buffer's graph exists), at
@@ -359,11 +359,23 @@ def test_graphs_of_engine_tensors_need_a_recurring_address_and_are_bounded(case)
         # twice (its conversions copy; the write replays a's graph)
         schedule = [a, a, a, b, b, c, c, a, strided, strided]
         copies, own = 2 + 2 + 4 + 2, 2 * IN_PLACE_GRAPHS
-    else:
+    elif case == "alternating":
         # a caching allocator's two addresses in turn: warm-up (a), static capture (b copies),
         # a (copies), then b and a recur (own graphs), b (its graphs)
         schedule = [a, b, a, b, a, b]
         copies, own = 2 + 2, 4
+    else:
+        # rows 4 bytes past an aligned address (always copied), and two top-k tensors at
+        # one address with other strides: the packed one gets a graph, the strided one
+        # does not (nor may it replay the packed one's)
+        buf = torch.empty(2 * 656 + 16, dtype=torch.uint8)
+        rows_off = buf[4:4 + 2 * 656].view(2, 656)
+        assert rows_off.data_ptr() % 16
+        base = torch.empty((2, 2 * shape.top_k), dtype=torch.int32)
+        packed = base.view(-1)[:2 * shape.top_k].view(2, shape.top_k)
+        assert packed.data_ptr() == base[:, :shape.top_k].data_ptr()
+        schedule = [(rows_off, packed)] * 4 + [(rows_off, base[:, :shape.top_k])] * 2
+        copies, own = 2 + 4 + 2, 1
     runs = {}
     for name, graphs in (("eager", None), ("graphs", "recording")):
         g = make_group(shape, "cpu", "torch", layer_graphs=graphs)

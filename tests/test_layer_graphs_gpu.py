@@ -36,10 +36,9 @@ def test_layer_graph_forwards_equal_eager(query_len, seed, inputs):
     run_pair(trace, a, b, check_rows=True)
     a.check_rows()
     counts = b.group.layer_graphs()
-    print(inputs, counts)
     assert counts["replays"] >= 40 and counts["captures"] >= 4, counts
     assert b.group.stats()["total"]["misses"] > 0
-    if inputs == "own":
+    if inputs != "in_place":  # the allocator's addresses recur too: a later tensor read by address
         assert counts["in_place_graphs"] > 0, counts
 
 

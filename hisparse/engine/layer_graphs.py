@@ -8,11 +8,12 @@ pad_to=N)``) replay one small graph per (call, layer, bucket) instead:
 
 - the call's input (rows, or the top-k) is copied into a static buffer of the bucket on
   the current stream; the graph reads it there. A tensor of the engine's own whose
-  address (and strides) recurs among the last ``RECENT_INPUTS`` calls of that (call,
-  layer, bucket) -- an engine's persistent buffers, or a caching allocator's steady
-  state -- gets a graph of its own that reads it where it is, once the static buffer's
-  graph exists: at most ``IN_PLACE_GRAPHS`` such graphs per (call, layer, bucket),
-  copies past them. A graph reads whatever is at the addresses it was captured with, so a later
+  address (and strides) recurs -- is among the last ``RECENT_INPUTS`` distinct
+  addresses that replayed calls of that (call, layer, bucket) copied: an engine's
+  persistent buffers, or a caching allocator's steady state -- gets a graph of its own
+  that reads it where it is, once the static buffer's graph exists, if it has the
+  static buffer's strides and a 16-byte aligned address: at most ``IN_PLACE_GRAPHS``
+  such graphs per (call, layer, bucket), never freed; copies past them. A graph reads whatever is at the addresses it was captured with, so a later
   tensor at the same address, strides, shape and dtype is read correctly;
 - the first call of a (call, layer, bucket) runs eagerly over the static buffer, which
   compiles the kernels for those pointers; the second captures the same launches on a
@@ -53,13 +54,14 @@ from ..cache.stager import capturing
 from ..cache.write_step import StepPlan
 from .metadata import SparseMLAMetadata
 
-__all__ = ["CudaGraphBackend", "IN_PLACE_GRAPHS", "LayerGraphCalls", "LayerGraphs"]
+__all__ = ["CudaGraphBackend", "IN_PLACE_GRAPHS", "LayerGraphCalls", "LayerGraphs", "RECENT_INPUTS"]
 
 # graphs per (call, layer, bucket) that read an engine's tensor where it is (see above);
 # a bound on captures and graph memory when an engine's addresses drift
 IN_PLACE_GRAPHS = 2
-# an address gets such a graph when it recurs among the key's last RECENT_INPUTS inputs
-# (a caching allocator may hand a layer's tensor two addresses in turn)
+# an address gets such a graph when it is among the RECENT_INPUTS distinct addresses the
+# key's replayed calls copied last (a caching allocator may hand a layer's tensor two
+# addresses in turn)
 RECENT_INPUTS = 4
 
 
@@ -174,16 +176,15 @@ class LayerGraphs:
             self.counts["eager"] += 1
             return
 
-        gkey, src, copy = self._source(key, rows, static)
-
-        def launch() -> None:
+        def launch() -> None:  # after the checks: a refused call notes nothing
+            gkey, src, copy, addr = self._source(key, rows, static)
             g = self._graph(key, gkey, lambda: cache.launch_write_step(layer, step, src))
             cs = cache.streams
             self._wait_eager((cs.resolved[layer], cs.backup))  # eager mirrors read ``static`` too
             if copy:
                 static.copy_(rows)
-                self.counts["copies"] += 1
             self._replay(g, "write")
+            self._note_input(key, addr, copy)
 
         cache.write_step_by(layer, step, launch)
 
@@ -206,9 +207,8 @@ class LayerGraphs:
             self.counts["eager"] += 1
             return res
 
-        gkey, src, copy = self._source(key, topk, static)
-
-        def launch() -> None:
+        def launch() -> None:  # after the checks: a refused call notes nothing
+            gkey, src, copy, addr = self._source(key, topk, static)
             g = self._graph(key, gkey, lambda: cache.launch_resolve(layer, req_ids, src))
             cs = cache.streams
             if cs.stage_eager_records[0] != self._stage_seen and cs.streams.stage is not None:
@@ -217,8 +217,8 @@ class LayerGraphs:
             self._wait_eager((cs.resolved[layer], cs.backup))
             if copy:  # after the waits: eager staging may read ``static``
                 static.copy_(topk)
-                self.counts["copies"] += 1
             self._replay(g, "convert")
+            self._note_input(key, addr, copy)
 
         if got is None:  # the capture's call: every check again
             res = cache.resolve_by(layer, req_ids, static, launch)
@@ -227,38 +227,48 @@ class LayerGraphs:
         self._stage_seen = cache.streams.stage_eager_records[0]
         return res
 
-    def _source(self, key: tuple, t: torch.Tensor, static: torch.Tensor) -> tuple[tuple, torch.Tensor, bool]:
+    def _source(self, key: tuple, t: torch.Tensor, static: torch.Tensor
+                ) -> tuple[tuple, torch.Tensor, bool, tuple | None]:
         """(the key of the graph to replay, the tensor it reads, whether the caller copies
-        ``t`` into ``static`` first) for a call of ``key`` given ``t`` (of ``static``'s
-        shape and dtype, checked by the caller): ``static``'s graph under ``key``, read
-        in place when ``t`` is the static buffer, else after a copy, unless ``t`` gets a
-        graph of its own (the module docstring)."""
+        ``t`` into ``static`` first, ``t``'s (data_ptr, strides) to note once the call
+        ran, or None) for a call of ``key`` given ``t`` (of ``static``'s shape and dtype,
+        checked by the caller): ``static``'s graph under ``key``, read in place when
+        ``t`` is the static buffer, else after a copy, unless ``t`` gets a graph of its
+        own (the module docstring). Changes nothing."""
         if _same(t, static):
-            return key, static, False
+            return key, static, False, None
         addr = (t.data_ptr(), t.stride())
         own = key + (addr,)
         if own in self.graphs:
-            return own, t, False
-        recent = self._recent_inputs.setdefault(key, [])
-        seen = addr in recent
-        if seen:
-            recent.remove(addr)
-        recent.append(addr)
-        del recent[:-RECENT_INPUTS]
-        if (seen and key in self.graphs and self._in_place.get(key, 0) < IN_PLACE_GRAPHS
+            return own, t, False, None
+        if (addr in self._recent_inputs.get(key, ()) and key in self.graphs
+                and self._in_place.get(key, 0) < IN_PLACE_GRAPHS
                 and addr[1] == static.stride() and addr[0] % 16 == 0):
             # the static buffer's graph compiled the kernels; 16-byte alignment and the same
             # strides give the same specialisation, so this capture compiles nothing
-            return own, t, False
-        return key, static, True
+            return own, t, False, None
+        return key, static, True, addr
+
+    def _note_input(self, key: tuple, addr: tuple | None, copied: bool) -> None:
+        """After a replayed call of ``key``: count a copy, and note the address of an
+        input that was copied among the key's recent ones (newest last)."""
+        if copied:
+            self.counts["copies"] += 1
+        if addr is not None:
+            recent = self._recent_inputs.setdefault(key, [])
+            if addr in recent:
+                recent.remove(addr)
+            recent.append(addr)
+            del recent[:-RECENT_INPUTS]
 
     def _graph(self, key: tuple, gkey: tuple, fn: Callable[[], None]) -> _Graph:
-        """The graph under ``gkey`` (a static buffer's ``key``, or an engine tensor's
-        graph of it), captured over ``fn`` if it is not yet."""
+        """The graph under ``gkey`` (the static buffer's ``key``, or ``key`` plus an
+        engine tensor's address: a graph reading it in place), captured over ``fn`` if
+        it is not yet."""
         got = self.graphs.get(gkey)
         if got is None:
             got = self._capture(gkey, fn)
-            if gkey is not key:
+            if len(gkey) != len(key):  # an engine tensor's graph
                 self._in_place[key] = self._in_place.get(key, 0) + 1
                 self.counts["in_place_graphs"] += 1
         return got

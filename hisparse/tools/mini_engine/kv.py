@@ -10,9 +10,9 @@
   write(layer, rows, batch)             the forward's new rows (every token) of a layer
   stage_decode(layer, topk, batch) -> staged
                                         start getting the decode tokens' top-k rows ready
-                                        (the lookup; hisparse, serial: the resolve, and the
-                                        misses copied on the side stream, not waited for),
-                                        before the loop computes the layer's query
+                                        (the lookup; hisparse, serial: the resolve and the
+                                        misses' copy, which a captured forward leaves on the
+                                        side stream), before the loop computes the query
   decode_attention(layer, q, topk, batch, staged) -> bf16 [Td, H, D_LATENT]
                                         sparse attention of the decode tokens over their
                                         top-k rows (after the staging landed)
@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ...attention.base import SparseMLABackend
+from ...cache.stager import capturing
 from ...cache.write_plan import expand_runs
 from ...staging import BlockTable, convert_topk_to_physical
 from ...config import RowFormat, ceil_div
@@ -294,11 +295,10 @@ class HiSparseKV(KVStore):
     def decode_rows(self, layer: int, topk: torch.Tensor, batch: Batch):
         """The conversion. Inside a captured forward (``--graphs``) with ``wait=False``:
         the misses stage while the loop computes the query, and ``decode_attention``
-        waits for them. Otherwise it waits (on the stream, not the host): eager steps are
-        bound by host time, and there the deferred wait's extra calls measured slower
-        (BENCHMARKS.md, "Session 15"); with layer graphs a waiting conversion is the one
-        that replays the layer's graph."""
-        deferred = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        waits for them. Otherwise it waits (on the stream, not the host): eager steps
+        measured slower with the deferred wait (BENCHMARKS.md, "Session 15"), and with
+        layer graphs a waiting conversion is the one that replays the layer's graph."""
+        deferred = capturing(self.device)
         phys = self.group.convert_decode_logical_to_physical_topk(layer, topk, batch.md, return_valid_counts=False,
                                                                   wait=not deferred)
         return self.group.physical_kv_cache(layer), phys
