@@ -9,7 +9,8 @@ per-layer CUDA graphs (``layer_graphs=True``); ``--inputs`` says what the calls 
 engine's are (their addresses repeat from step to step, so the graphs read them in
 place), ``moving`` a ring of buffers longer than the graphs' window of recent inputs
 (``RECENT_INPUTS``): an address they have not seen lately every step, so every call
-copies its input, ``in-place`` the group's ``layer_input_buffers``. Prints min / median / p99 per call, the
+copies its input, ``in-place`` the group's ``layer_input_buffers``. Prints min /
+median / p99 per call, the
 per-layer sum against the 50 us target, ``prepare_for_batch`` per step, and on CUDA the
 GPU time of the layers' calls per layer (to compare the modes' device cost too). On CUDA it also counts the Triton
 launches per layer (Triton's launch hook, in a separate pass) and times the launch of an

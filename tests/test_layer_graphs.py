@@ -341,10 +341,10 @@ def _steps_with_buffers(g, truth, lens, schedule):
 
 @pytest.mark.parametrize("case", ["bounded", "alternating", "layouts"])
 def test_graphs_of_engine_tensors_need_a_recurring_address_and_are_bounded(case):
-    """A tensor of the caller's gets a graph of its own only when its address recurs among
-    the key's last RECENT_INPUTS inputs (and once the static buffer's graph exists), at
-    most IN_PLACE_GRAPHS per (call, layer, bucket); a tensor with other strides never;
-    every other call copies. The physical indices and the cache equal an eager run's."""
+    """A tensor of the caller's gets a graph of its own only when its address is among the
+    last RECENT_INPUTS distinct addresses the key copied (and once the static buffer's
+    graph exists), at most IN_PLACE_GRAPHS per (call, layer, bucket); a tensor with
+    other strides or a misaligned address never; every other call copies. The physical indices and the cache equal an eager run's."""
     from hisparse.engine.layer_graphs import IN_PLACE_GRAPHS, RECENT_INPUTS
     assert IN_PLACE_GRAPHS == 2 and RECENT_INPUTS >= 2  # the schedules below count on these
     shape = TraceShape(layers=1)

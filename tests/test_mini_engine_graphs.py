@@ -115,13 +115,11 @@ def test_padded_hisparse_decode_equals_resident(overlap):
 
 def test_layer_graphs_decode_replays_both_calls(monkeypatch):
     """``--layer-graphs`` on the CPU: the per-layer graphs' recording stand-in
-    (tests/graph_trace) in the hisparse store's group, and the store told it runs layer
-    graphs, as the CUDA configuration does. Both per-layer calls of a decode step must
+    (tests/graph_trace) in the hisparse store's group (the configuration refuses
+    layer_graphs off CUDA), padded decode steps. Both per-layer calls of a decode step must
     replay (a conversion with ``wait=False`` would run eagerly instead), and the outputs
     equal eager hisparse's. Eager conversions wait too (only a captured forward defers
     the wait, tests/test_mini_engine_graphs_gpu.py)."""
-    import copy
-
     from graph_trace import RecordingGraphs
     from hisparse.engine import HiSparseIndexGroup
     from hisparse.engine.layer_graphs import LayerGraphs
@@ -145,9 +143,6 @@ def test_layer_graphs_decode_replays_both_calls(monkeypatch):
         init(self, *a, **kw)
         g = self.kv.group
         g._layer_graphs = LayerGraphs(g.hisparse_cache, RecordingGraphs(g.hisparse_cache))
-        kcfg = copy.copy(self.kv.cfg)  # what the store reads (the config refuses layer_graphs on CPU)
-        object.__setattr__(kcfg, "layer_graphs", True)
-        self.kv.cfg = kcfg
     monkeypatch.setattr(loop.MiniEngine, "__init__", with_stand_in)
     lg = me.run_engine(cfg, "hisparse", decode_mode=me.DecodeMode.PADDED)
     assert waits and all(waits), "a layer-graphs conversion did not wait (it ran eagerly)"

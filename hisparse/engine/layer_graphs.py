@@ -13,8 +13,9 @@ pad_to=N)``) replay one small graph per (call, layer, bucket) instead:
   persistent buffers, or a caching allocator's steady state -- gets a graph of its own
   that reads it where it is, once the static buffer's graph exists, if it has the
   static buffer's strides and a 16-byte aligned address: at most ``IN_PLACE_GRAPHS``
-  such graphs per (call, layer, bucket), never freed; copies past them. A graph reads whatever is at the addresses it was captured with, so a later
-  tensor at the same address, strides, shape and dtype is read correctly;
+  such graphs per (call, layer, bucket), never freed; copies past them. A graph reads
+  whatever is at the addresses it was captured with, so a later tensor at the same
+  address, strides, shape and dtype is read correctly;
 - the first call of a (call, layer, bucket) runs eagerly over the static buffer, which
   compiles the kernels for those pointers; the second captures the same launches on a
   side stream and replays the graph; later calls replay it;
@@ -128,7 +129,7 @@ class LayerGraphs:
         self._rows: dict[int, torch.Tensor] = {}  # tokens -> uint8 [tokens, row_bytes]
         self._topk: dict[tuple[int, int], torch.Tensor] = {}  # (tokens, K) -> int32 [tokens, K]
         self._stage_seen = cache.streams.stage_eager_records[0]
-        self._recent_inputs: dict[tuple, list] = {}  # key -> (data_ptr, strides) of its last inputs
+        self._recent_inputs: dict[tuple, list] = {}  # key -> (data_ptr, strides) it copied last
         self._in_place: dict[tuple, int] = {}  # key -> graphs of it reading an engine's tensor
         # copies: replayed calls that copied their input into the static buffer;
         # in_place_graphs: graphs captured to read an engine's tensor where it is
