@@ -102,12 +102,19 @@ def test_capture_that_fails_changes_nothing_and_the_retry_matches():
     assert gb.layer_graphs()["replays"] > 0
 
 
-def test_refused_calls_launch_nothing():
-    shape = TraceShape(layers=2)
+def _one_request(shape: TraceShape, kernels: str = "torch", stand_in: str = "recording"):
+    """A group with a per-layer graphs stand-in and request 1 joined with 6 rows:
+    (group, truth, lengths)."""
     truth = Truth(shape)
-    g = make_group(shape, "cpu", "torch", layer_graphs="recording")
+    g = make_group(shape, "cpu", kernels, layer_graphs=stand_in)
     lens: dict[int, int] = {}
     join(g, 1, 6, truth, lens)
+    return g, truth, lens
+
+
+def test_refused_calls_launch_nothing():
+    shape = TraceShape(layers=2)
+    g, truth, lens = _one_request(shape)
     for step in range(3):  # warm-up, capture, replay
         md = decode_md([1], lens)
         g.prepare_for_batch(md, pad_to=2)
@@ -136,10 +143,7 @@ def test_refused_calls_launch_nothing():
 
 def test_unpadded_and_non_waiting_calls_stay_eager():
     shape = TraceShape(layers=1)
-    truth = Truth(shape)
-    g = make_group(shape, "cpu", "torch", layer_graphs="recording")
-    lens: dict[int, int] = {}
-    join(g, 1, 6, truth, lens)
+    g, truth, lens = _one_request(shape)
     for pad in (None, None, None):
         md = decode_md([1], lens)
         g.prepare_for_batch(md, pad_to=pad)
@@ -258,10 +262,7 @@ def test_a_replayed_write_refuses_a_released_pool():
     ran only at capture, so a replayed write checks the pool itself (refused before any
     launch, the layer left pending). ``KernelGraphs`` replays the kernels alone."""
     shape = TraceShape(layers=1)
-    truth = Truth(shape)
-    g = make_group(shape, "cpu", "triton", layer_graphs="kernels")
-    lens: dict[int, int] = {}
-    join(g, 1, 6, truth, lens)
+    g, truth, lens = _one_request(shape, "triton", "kernels")
     _warm_capture_replay(g, truth, lens)
     assert g.layer_graphs()["replays"] == 4
     c = g.hisparse_cache
@@ -281,10 +282,7 @@ def test_eager_side_stream_calls_refuse_the_input_buffers():
     they return; the engine overwrites ``layer_input_buffers``' top-k for the next layer
     meanwhile, so those calls refuse it (a view of it too), before launching anything."""
     shape = TraceShape(layers=2)
-    truth = Truth(shape)
-    g = make_group(shape, "cpu", "torch", layer_graphs="recording")
-    lens: dict[int, int] = {}
-    join(g, 1, 6, truth, lens)
+    g, truth, lens = _one_request(shape)
     md = decode_md([1], lens)
     g.prepare_for_batch(md, pad_to=2)
     rows, topk = g.layer_input_buffers(md)
@@ -308,10 +306,7 @@ def test_a_new_staging_launch_shape_captures_again():
     after a capture warms up and captures the conversions again instead of replaying
     the old launch shape."""
     shape = TraceShape(layers=1)
-    truth = Truth(shape)
-    g = make_group(shape, "cpu", "torch", layer_graphs="recording")
-    lens: dict[int, int] = {}
-    join(g, 1, 6, truth, lens)
+    g, truth, lens = _one_request(shape)
     _warm_capture_replay(g, truth, lens)
     c0 = dict(g.layer_graphs())
     g.hisparse_cache.stager.stage_programs = 3

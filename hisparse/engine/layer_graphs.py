@@ -236,9 +236,11 @@ class LayerGraphs:
         checked by the caller): ``static``'s graph under ``key``, read in place when
         ``t`` is the static buffer, else after a copy, unless ``t`` gets a graph of its
         own (the module docstring). Changes nothing."""
-        if _same(t, static):
+        if t is static:
             return key, static, False, None
-        addr = (t.data_ptr(), t.stride())
+        addr = (t.data_ptr(), t.stride())  # read once: ``_same``'s test, and the graph's key
+        if addr == (static.data_ptr(), static.stride()):
+            return key, static, False, None
         own = key + (addr,)
         if own in self.graphs:
             return own, t, False, None
