@@ -1,6 +1,7 @@
 """Checks shared by every public call, and the few facts about the runtime read once.
 
-- Argument checks: ``check_int``, ``check_bool``, ``check_tensor``, ``same_device``.
+- Argument checks: ``check_int``, ``check_bool``, ``check_tensor``, ``same_device``
+  (``device_type``: a device's type, memoised).
   Caller mistakes raise ``TypeError`` (wrong kind of thing) or ``ValueError`` (right
   kind, wrong value), naming what was expected and what came. They look at Python
   values and tensor metadata only: no host sync, no allocation.
@@ -54,11 +55,27 @@ def check_ints(name: str, values: object, lo: int | None = None, hi: int | None 
 
 
 # ----------------------------------------------------------------- tensors
+_DEVICE_TYPES: dict[torch.device, str] = {}
+
+
+def device_type(device: torch.device) -> str:
+    """``device.type``, memoised per device: torch builds that string anew on each access,
+    which costs more than the rest of a per-layer call's argument checks."""
+    got = _DEVICE_TYPES.get(device)
+    if got is None:
+        got = _DEVICE_TYPES[device] = device.type
+    return got
+
+
 def same_device(t: torch.Tensor, device: torch.device) -> bool:
     """Whether ``t`` lives on ``device`` (a CUDA device without index matches any index)."""
-    if t.device.type != device.type:
+    td = t.device
+    if td == device:
+        return True
+    kind = device_type(device)
+    if device_type(td) != kind:
         return False
-    return device.type != "cuda" or device.index is None or t.device.index == device.index
+    return kind != "cuda" or device.index is None or td.index == device.index
 
 
 def check_tensor(name: str, t: object, *, dtype: torch.dtype | Iterable[torch.dtype] | None = None,
@@ -68,7 +85,7 @@ def check_tensor(name: str, t: object, *, dtype: torch.dtype | Iterable[torch.dt
     of a tensor argument, from metadata only. Returns ``t``."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if dtype is not None:
+    if dtype is not None and t.dtype is not dtype:  # dtypes are singletons
         dtypes = (dtype,) if isinstance(dtype, torch.dtype) else tuple(dtype)
         if t.dtype not in dtypes:
             want = " or ".join(str(d).replace("torch.", "") for d in dtypes)
@@ -165,5 +182,5 @@ class Kernels(enum.Enum):
         return Kernels.TRITON
 
 
-__all__ = ["check_int", "check_bool", "check_ints", "check_tensor", "same_device",
+__all__ = ["check_int", "check_bool", "check_ints", "check_tensor", "device_type", "same_device",
            "rows_layout_problem", "interpreter_mode", "sm_count", "parse_enum", "Kernels"]

@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from .._checks import check_int
+from .._checks import check_int, device_type
 from ..device import Streams
 from .rollback import rollback_resolve
 from .state import STAT_PREFETCH, HotState, ResolveBuffers
@@ -29,7 +29,7 @@ from .state import STAT_PREFETCH, HotState, ResolveBuffers
 
 def capturing(device: torch.device) -> bool:
     """Whether the current CUDA stream is being captured into a graph."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    return device_type(device) == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 class _Event:

@@ -454,12 +454,13 @@ class HiSparseIndexGroup(PrefillCalls, LayerGraphCalls):
                              f"({md.num_decodes} decodes of {md.decode_max_query_len} tokens)")
         td = self._decode_tokens
         check_tensor("topk_indices", topk_indices, dtype=torch.int32, ndim=2, device=self.device)
-        if topk_indices.shape[0] != td:
+        shape = tuple(topk_indices.shape)
+        if shape[0] != td:
             raise ValueError(f"topk_indices must be [num_decode_tokens={td}, K] (padded to the bucket with "
-                             f"pad_to), got {list(topk_indices.shape)}")
-        if topk_indices.shape[1] > self.config.top_k:
-            raise ValueError(f"topk_indices has K={topk_indices.shape[1]} > config top_k={self.config.top_k}")
-        key = (topk_indices.data_ptr(), tuple(topk_indices.shape), tuple(topk_indices.stride()))
+                             f"pad_to), got {list(shape)}")
+        if shape[1] > self.config.top_k:
+            raise ValueError(f"topk_indices has K={shape[1]} > config top_k={self.config.top_k}")
+        key = (topk_indices.data_ptr(), shape, topk_indices.stride())
         done = self._converted.get(i)
         if done is not None:
             if done[0] is _REPLAYED:

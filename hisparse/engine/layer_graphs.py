@@ -131,6 +131,7 @@ class LayerGraphs:
         self._stage_seen = cache.streams.stage_eager_records[0]
         self._recent_inputs: dict[tuple, list] = {}  # key -> (data_ptr, strides) it copied last
         self._in_place: dict[tuple, int] = {}  # key -> graphs of it reading an engine's tensor
+        self._static_addr: dict[int, tuple] = {}  # id(static buffer) -> its (data_ptr, strides)
         # copies: replayed calls that copied their input into the static buffer;
         # in_place_graphs: graphs captured to read an engine's tensor where it is
         self.counts = {"eager": 0, "captures": 0, "replays": 0, "copies": 0, "in_place_graphs": 0}
@@ -148,6 +149,7 @@ class LayerGraphs:
         if static is None:
             static = torch.empty((tokens, self.cache.cfg.row_bytes), dtype=torch.uint8, device=self.cache.device)
             self._rows[tokens] = static
+            self._static_addr[id(static)] = (static.data_ptr(), static.stride())
         return static
 
     def topk_buffer(self, tokens: int, k: int) -> torch.Tensor:
@@ -157,6 +159,7 @@ class LayerGraphs:
         if static is None:
             static = torch.empty((tokens, k), dtype=torch.int32, device=self.cache.device)
             self._topk[(tokens, k)] = static
+            self._static_addr[id(static)] = (static.data_ptr(), static.stride())
         return static
 
     # ------------------------------------------------------------------ the calls
@@ -178,8 +181,9 @@ class LayerGraphs:
             return
 
         def launch() -> None:  # after the checks: a refused call notes nothing
-            gkey, src, copy, addr = self._source(key, rows, static)
-            g = self._graph(key, gkey, lambda: cache.launch_write_step(layer, step, src))
+            gkey, g, src, copy, addr = self._source(key, rows, static)
+            if g is None:
+                g = self._graph(key, gkey, lambda: cache.launch_write_step(layer, step, src))
             cs = cache.streams
             self._wait_eager((cs.resolved[layer], cs.backup))  # eager mirrors read ``static`` too
             if copy:
@@ -209,8 +213,9 @@ class LayerGraphs:
             return res
 
         def launch() -> None:  # after the checks: a refused call notes nothing
-            gkey, src, copy, addr = self._source(key, topk, static)
-            g = self._graph(key, gkey, lambda: cache.launch_resolve(layer, req_ids, src))
+            gkey, g, src, copy, addr = self._source(key, topk, static)
+            if g is None:
+                g = self._graph(key, gkey, lambda: cache.launch_resolve(layer, req_ids, src))
             cs = cache.streams
             if cs.stage_eager_records[0] != self._stage_seen and cs.streams.stage is not None:
                 # eager staging in flight: the graph's own fork of the stage stream is not after it
@@ -229,28 +234,31 @@ class LayerGraphs:
         return res
 
     def _source(self, key: tuple, t: torch.Tensor, static: torch.Tensor
-                ) -> tuple[tuple, torch.Tensor, bool, tuple | None]:
-        """(the key of the graph to replay, the tensor it reads, whether the caller copies
-        ``t`` into ``static`` first, ``t``'s (data_ptr, strides) to note once the call
-        ran, or None) for a call of ``key`` given ``t`` (of ``static``'s shape and dtype,
-        checked by the caller): ``static``'s graph under ``key``, read in place when
-        ``t`` is the static buffer, else after a copy, unless ``t`` gets a graph of its
-        own (the module docstring). Changes nothing."""
+                ) -> tuple[tuple, _Graph | None, torch.Tensor, bool, tuple | None]:
+        """(the key of the graph to replay, that graph or None when it is not captured
+        yet, the tensor it reads, whether the caller copies ``t`` into ``static`` first,
+        ``t``'s (data_ptr, strides) to note once the call ran, or None) for a call of
+        ``key`` given ``t`` (of ``static``'s shape and dtype, checked by the caller):
+        ``static``'s graph under ``key``, read in place when ``t`` is the static buffer,
+        else after a copy, unless ``t`` gets a graph of its own (the module docstring).
+        Changes nothing."""
         if t is static:
-            return key, static, False, None
+            return key, self.graphs.get(key), static, False, None
         addr = (t.data_ptr(), t.stride())  # read once: ``_same``'s test, and the graph's key
-        if addr == (static.data_ptr(), static.stride()):
-            return key, static, False, None
+        fixed = self._static_addr[id(static)]
+        if addr == fixed:
+            return key, self.graphs.get(key), static, False, None
         own = key + (addr,)
-        if own in self.graphs:
-            return own, t, False, None
+        got = self.graphs.get(own)
+        if got is not None:
+            return own, got, t, False, None
         if (addr in self._recent_inputs.get(key, ()) and key in self.graphs
                 and self._in_place.get(key, 0) < IN_PLACE_GRAPHS
-                and addr[1] == static.stride() and addr[0] % 16 == 0):
+                and addr[1] == fixed[1] and addr[0] % 16 == 0):
             # the static buffer's graph compiled the kernels; 16-byte alignment and the same
             # strides give the same specialisation, so this capture compiles nothing
-            return own, t, False, None
-        return key, static, True, addr
+            return own, None, t, False, None
+        return key, self.graphs.get(key), static, True, addr
 
     def _note_input(self, key: tuple, addr: tuple | None, copied: bool) -> None:
         """After a replayed call of ``key``: count a copy, and note the address of an
@@ -279,10 +287,11 @@ class LayerGraphs:
     def _wait_eager(self, events) -> None:
         """The current stream waits on those of ``events`` last recorded eagerly (one a
         replay recorded is ordered already); the stream is looked up only when one is."""
-        eager = [ev for ev in events if ev.event is not None and ev.recorded and not ev.in_capture]
-        if eager:
-            cur = self.cache.streams.current()
-            for ev in eager:
+        cur = None
+        for ev in events:
+            if ev.event is not None and ev.recorded and not ev.in_capture:
+                if cur is None:
+                    cur = self.cache.streams.current()
                 ev.wait_by(cur, False)
 
     # ------------------------------------------------------------------ capture / replay
