@@ -9,7 +9,8 @@ import torch
 
 from hisparse import CapacityError, HiSparseCache
 from hisparse.tools import preflight
-from hisparse.tools.stress import StressOptions, StressRun, format_stress, row_content, run_stress
+from hisparse.tools.stress import StressOptions, StressRun, row_content, run_stress
+from hisparse.tools.stress_report import format_stress
 from hisparse.tools.sources import CorrelatedSource, IndexerSource, UniformSource, sample_distinct
 from hisparse.tools.traces import ReplaySource, TraceRecorder, load_trace
 

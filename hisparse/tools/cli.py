@@ -35,7 +35,8 @@ from .exit_codes import (EXIT_FAILED, EXIT_INPUT, EXIT_OK, MissingDependency, On
 from .plan import FORMULAS, PlanInputs, fmt_bytes, format_plan, parse_bytes, parse_count, parse_tokens, plan
 from .preflight import check_output_dir, check_output_file, parse_device
 from .report import plot_stress, require_matplotlib
-from .stress import StressOptions, StressRun, format_stress
+from .stress import StressOptions, StressRun
+from .stress_report import format_stress
 from .traces import SOURCES
 
 EXIT_TABLE = ("exit status: 0 ok, 1 run failed, 2 bad input, 3 capacity, "
