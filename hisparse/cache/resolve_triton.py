@@ -23,7 +23,7 @@ import functools
 import torch
 import triton
 
-from .._checks import check_int, check_tensor, interpreter_mode
+from .._checks import check_int, check_tensor, device_type, interpreter_mode
 from ..device import on_device
 from ..kernels.resolve import resolve_kernel, resolve_lookup_kernel
 from .state import (NUM_STATS, STAT_HITS, STAT_INVALID, STAT_MISSES, STAT_PREFETCH, STAT_RESOLVES,
@@ -119,7 +119,7 @@ def _launch_sizes(S: int, K: int, max_query_len: int) -> tuple[int, int, int, in
 
 
 def _require_device(dev: torch.device, what: str) -> None:
-    if dev.type != "cuda" and not interpreter_mode():
+    if device_type(dev) != "cuda" and not interpreter_mode():
         raise ValueError(f"{what} on CPU tensors needs Triton's interpreter (TRITON_INTERPRET=1); "
                          "use the torch references of hisparse.cache.resolve_ref on CPU")
 
@@ -164,7 +164,7 @@ def _launch_resolve(state: HotState, layer: int, req_ids: torch.Tensor, topk: to
     mp, mh, mc = miss_lists if miss_lists is not None else (out.physical, out.physical, out.valid_counts)
     ls = state.layer(layer)
     bt = state.block_table
-    with on_device(dev if dev.type == "cuda" else None):
+    with on_device(dev if device_type(dev) == "cuda" else None):
         resolve_kernel[(T,)](
             req_ids, topk, topk.stride(0),
             state.id_to_slot, state.id_to_slot.shape[0],
@@ -210,7 +210,7 @@ def resolve_lookup_triton(state: HotState, layer: int, req_ids: torch.Tensor, to
         return
     _require_device(dev, "resolve_lookup_triton")
     chunk = min(_LOOKUP_CHUNK, triton.next_power_of_2(K))
-    with on_device(dev if dev.type == "cuda" else None):
+    with on_device(dev if device_type(dev) == "cuda" else None):
         resolve_lookup_kernel[(T, triton.cdiv(K, chunk))](
             req_ids, topk, topk.stride(0),
             state.id_to_slot, state.id_to_slot.shape[0],

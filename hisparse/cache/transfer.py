@@ -24,7 +24,7 @@ import functools
 import torch
 import triton
 
-from .._checks import check_int, check_tensor, interpreter_mode, sm_count
+from .._checks import check_int, check_tensor, device_type, interpreter_mode, sm_count
 from ..device import is_pinned_host, on_device
 from ..kernels.copy_rows import copy_rows_kernel, copy_staged_kernel
 
@@ -77,7 +77,7 @@ def copy_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_i
             raise ValueError(f"{name} must be a power of two >= 1, got {v!r}")
     check_int("programs_per_sm", per_sm, 1)
 
-    cuda_devs = {t.device for t in (src, dst) if t.device.type == "cuda"}
+    cuda_devs = {t.device for t in (src, dst) if device_type(t.device) == "cuda"}
     if len(cuda_devs) > 1:
         raise ValueError(f"src and dst are on different CUDA devices: {sorted(map(str, cuda_devs))}")
     if cuda_devs:
@@ -86,7 +86,7 @@ def copy_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_i
         # captured (the eager warm-up call before capture has checked the same buffers)
         capturing = torch.cuda.is_current_stream_capturing()
         for name, t in (("src", src), ("dst", dst)):
-            if t.device.type == "cpu" and t.numel() and not capturing and not is_pinned_host(t):
+            if device_type(t.device) == "cpu" and t.numel() and not capturing and not is_pinned_host(t):
                 raise ValueError(f"{name} is a CPU tensor that is not pinned; the kernel on {dev} "
                                  "can only reach page-locked host memory (use PinnedBuffer)")
         for name, t in (("src_idx", src_idx), ("dst_idx", dst_idx)):
@@ -95,7 +95,7 @@ def copy_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_i
     else:
         dev = None
         for name, t in (("src_idx", src_idx), ("dst_idx", dst_idx)):
-            if t.device.type != "cpu":
+            if device_type(t.device) != "cpu":
                 raise ValueError(f"{name} is on {t.device} but src and dst are on the CPU")
 
     N = src_idx.shape[0]
@@ -164,13 +164,13 @@ def copy_staged(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst
     for name, v in (("rows_per_program", rows_per_program), ("num_warps", num_warps)):
         if check_int(name, v, 1) & (v - 1):
             raise ValueError(f"{name} must be a power of two >= 1, got {v!r}")
-    dev = next((t.device for t in (src, dst) if t.device.type == "cuda"), None)
+    dev = next((t.device for t in (src, dst) if device_type(t.device) == "cuda"), None)
     if dev is None and not interpreter_mode():
         raise ValueError("copy_staged on CPU tensors needs Triton's interpreter (TRITON_INTERPRET=1)")
     if dev is not None:
         capturing = torch.cuda.is_current_stream_capturing()
         for name, t in (("src", src), ("dst", dst)):
-            if t.device.type == "cpu" and t.numel() and not capturing and not is_pinned_host(t):
+            if device_type(t.device) == "cpu" and t.numel() and not capturing and not is_pinned_host(t):
                 raise ValueError(f"{name} is a CPU tensor that is not pinned; the kernel on {dev} "
                                  "can only reach page-locked host memory (use PinnedBuffer)")
     if programs is not None:

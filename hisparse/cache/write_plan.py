@@ -22,6 +22,7 @@ from typing import Mapping, Sequence
 
 import torch
 
+from .._checks import device_type
 from .host_pool import block_segments
 
 # one unit of work: (request slot r, first position p0, end position p1, first token of
@@ -193,7 +194,7 @@ def _single_row_plan(work: list[Work], *, owned, new_blocks, B: int, S: int) -> 
 
 def _to_plan(flat: torch.Tensor, sizes: list[int], device: torch.device) -> WritePlan:
     """flat: int64 [sum(sizes)] CPU, the lists of ``_NAMES`` back to back -> the device plan."""
-    if device.type == "cuda":
+    if device_type(device) == "cuda":
         flat = flat.pin_memory().to(device, non_blocking=True)
     else:
         flat = flat.to(device)

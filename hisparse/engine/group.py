@@ -46,7 +46,7 @@ import dataclasses
 
 import torch
 
-from .._checks import check_bool, check_int, check_tensor
+from .._checks import check_bool, check_int, check_tensor, device_type
 from ..cache.cache import HiSparseCache
 from ..cache.stager import capturing
 from ..cache.write_step import StepCapacity
@@ -160,7 +160,7 @@ class HiSparseIndexGroup(PrefillCalls, LayerGraphCalls):
         self._ids_bufs: dict[int, torch.Tensor] = {}  # padded decode ids per bucket size
         self._decode_layers: dict[tuple, DecodeLayer] = {}  # (backend, overlap) -> DecodeLayer
         self.resolves_per_layer = [0] * config.num_layers  # lifetime count, for tests/metrics
-        cuda = self.device.type == "cuda"
+        cuda = device_type(self.device) == "cuda"
         self.prefill_stream = torch.cuda.Stream(device=self.device) if cuda else None
 
     # ------------------------------------------------------------------ set-up
@@ -326,7 +326,7 @@ class HiSparseIndexGroup(PrefillCalls, LayerGraphCalls):
                                  f"metadata says its context before this forward is {start} "
                                  f"(seq_len {metadata.seq_lens_cpu[row]} - query_len {metadata.query_len(row)})")
         write_batch = cache.plan_write(metadata.request_ids_cpu, metadata.query_lens())
-        if capacity is not None and self.device.type == "cuda":
+        if capacity is not None and device_type(self.device) == "cuda":
             # the persistent buffers are rewritten below: in-flight staging of the last
             # forward (which reads the decode ids) finishes first
             cache.join_staging()
@@ -342,7 +342,7 @@ class HiSparseIndexGroup(PrefillCalls, LayerGraphCalls):
                 buf = self._ids_bufs.get(ndt)
                 if buf is None:
                     buf = self._ids_bufs[ndt] = torch.empty(ndt, dtype=torch.int32, device=self.device)
-                buf.copy_(host.pin_memory() if self.device.type == "cuda" else host, non_blocking=True)
+                buf.copy_(host.pin_memory() if device_type(self.device) == "cuda" else host, non_blocking=True)
                 self._decode_ids = buf
             else:
                 self._decode_ids = device_ints(ids, self.device)

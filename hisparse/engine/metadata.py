@@ -23,7 +23,7 @@ import dataclasses
 
 import torch
 
-from .._checks import check_int, check_ints, check_tensor
+from .._checks import check_int, check_ints, check_tensor, device_type
 
 
 def _check_i32(name: str, x: object, shape: tuple[int, ...], device: torch.device | None) -> None:
@@ -36,9 +36,9 @@ def device_ints(values: list[int], device: torch.device) -> torch.Tensor:
     earlier work (a copy from pageable memory would), so a step can be prepared while the
     last one runs; the values are there for work that stream runs after the copy."""
     host = torch.tensor(values, dtype=torch.int32)
-    if device.type == "cpu":
+    if device_type(device) == "cpu":
         return host
-    if device.type != "cuda":
+    if device_type(device) != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
 
