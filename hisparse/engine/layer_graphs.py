@@ -131,7 +131,8 @@ class LayerGraphs:
         self._stage_seen = cache.streams.stage_eager_records[0]
         self._recent_inputs: dict[tuple, list] = {}  # key -> (data_ptr, strides) it copied last
         self._in_place: dict[tuple, int] = {}  # key -> graphs of it reading an engine's tensor
-        self._static_addr: dict[int, tuple] = {}  # id(static buffer) -> its (data_ptr, strides)
+        # id(static buffer) -> its (data_ptr, strides); the buffers live as long as this object
+        self._static_addr: dict[int, tuple] = {}
         # copies: replayed calls that copied their input into the static buffer;
         # in_place_graphs: graphs captured to read an engine's tensor where it is
         self.counts = {"eager": 0, "captures": 0, "replays": 0, "copies": 0, "in_place_graphs": 0}
