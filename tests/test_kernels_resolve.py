@@ -589,7 +589,8 @@ def test_all_hit_step_with_duplicates_padding_and_invalid(compact):
 
 def test_resolve_launch_warps_follow_the_widest_tile():
     """The resolve's warps grow with its widest tile (the S slots or the Q x K group):
-    4 up to 1024 lanes, 8 up to 2048, 16 beyond (the default S = 4096 takes 16)."""
+    4 up to 1024 lanes, 8 up to 2048, 16 beyond (the default S = 4096 takes 16), and 32
+    beyond for the miss phase of a split resolve."""
     from hisparse.cache.resolve_triton import _launch_sizes
 
     assert _launch_sizes(4096, 2048, 1) == (2048, 1, 4096, 16)
@@ -597,3 +598,7 @@ def test_resolve_launch_warps_follow_the_widest_tile():
     assert _launch_sizes(1024, 512, 2) == (512, 2, 1024, 4)
     assert _launch_sizes(1000, 2048, 2)[3] == 16  # a 2 x 2048 group tile over 1024 slots
     assert _launch_sizes(3000, 100, 1) == (128, 1, 4096, 16)
+    # the miss phase of a split resolve doubles that widest case only
+    assert _launch_sizes(4096, 2048, 1, miss_phase=True) == (2048, 1, 4096, 32)
+    assert _launch_sizes(2048, 2048, 1, miss_phase=True)[3] == 8
+    assert _launch_sizes(1024, 512, 2, miss_phase=True)[3] == 4

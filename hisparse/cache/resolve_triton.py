@@ -108,14 +108,18 @@ def _check_miss_lists(miss_lists, T: int, K: int, phys_stride: int, dev: torch.d
 
 
 @functools.lru_cache(maxsize=None)
-def _launch_sizes(S: int, K: int, max_query_len: int) -> tuple[int, int, int, int]:
+def _launch_sizes(S: int, K: int, max_query_len: int, *,
+                  miss_phase: bool = False) -> tuple[int, int, int, int]:
     KB = triton.next_power_of_2(K)
     GQ = triton.next_power_of_2(max_query_len)
     SB = triton.next_power_of_2(S)
     big = max(GQ * KB, SB)
     # 16 warps from 4096 lanes on: the miss phase is a chain of CTA-wide reductions and
-    # scans, each faster with fewer lanes per thread (BENCHMARKS.md)
-    return KB, GQ, SB, (4 if big <= 1024 else (8 if big <= 2048 else 16))
+    # scans, each faster with fewer lanes per thread. The miss phase of a split resolve
+    # (``miss_phase``) takes 32 there: it runs beside the hit attention, whose blocks
+    # wait for the SMs it holds, so its length is what counts; the whole resolve
+    # measured no faster at 32 (BENCHMARKS.md)
+    return KB, GQ, SB, (4 if big <= 1024 else (8 if big <= 2048 else (32 if miss_phase else 16)))
 
 
 def _require_device(dev: torch.device, what: str) -> None:
@@ -160,7 +164,7 @@ def _launch_resolve(state: HotState, layer: int, req_ids: torch.Tensor, topk: to
         return
     dev = topk.device
     S = state.S
-    KB, GQ, SB, num_warps = _launch_sizes(S, K, max_query_len)
+    KB, GQ, SB, num_warps = _launch_sizes(S, K, max_query_len, miss_phase=miss_lists is not None)
     mp, mh, mc = miss_lists if miss_lists is not None else (out.physical, out.physical, out.valid_counts)
     ls = state.layer(layer)
     bt = state.block_table
