@@ -53,7 +53,7 @@ import math
 import torch
 import triton
 
-from .._checks import (Kernels, check_bool, check_int, check_tensor, rows_layout_problem,
+from .._checks import (Kernels, check_bool, check_int, check_tensor, device_type, rows_layout_problem,
                        same_device, sm_count)
 from ..device import is_pinned_host
 from ..formats import D_LATENT, RowFormat
@@ -153,7 +153,7 @@ def default_miss_config(mode: MissMode | str, *, num_tokens: int, num_heads: int
     mode = MissMode(mode)
     T = check_int("num_tokens", num_tokens, 0)
     H = check_int("num_heads", num_heads, 1)
-    if device.type != "cuda":
+    if device_type(device) != "cuda":
         return MissConfig(block_h=min(64, max(16, triton.next_power_of_2(H))), block_n=16,
                           num_warps=4, isolate_qk=False, copy_rows=8)
     sms = sm_count(device)
@@ -196,7 +196,7 @@ def plan_miss_attention(*, mode: MissMode | str, max_tokens: int, num_heads: int
     H = check_int("num_heads", num_heads, 1)
     fmt = RowFormat.parse(row_format)
     dev = torch.device(device)
-    if dev.type == "cuda" and dev.index is None:
+    if device_type(dev) == "cuda" and dev.index is None:
         dev = torch.device("cuda", torch.cuda.current_device())
     if config is None:
         config = default_miss_config(mode, num_tokens=T, num_heads=H, device=dev)
@@ -264,7 +264,7 @@ def _check_plan(plan: object, mode: MissMode, inp: DecodeInputs) -> MissConfig:
 
 
 def _on_device(dev: torch.device):
-    return torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
+    return torch.cuda.device(dev) if device_type(dev) == "cuda" else contextlib.nullcontext()
 
 
 # ------------------------------------------------------------------ merge
@@ -374,7 +374,7 @@ def miss_attention_merge(
             q, kv, miss_idx, miss_counts, out, lse, part_out, part_lse, N, K, H,
             q.stride(0), q.stride(1), kv.stride(0), miss_idx.stride(0), inp.sm_scale * LOG2E,
             IS_FP8=is_fp8, NUM_SPLITS=S, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
-            ISOLATE_QK=cfg.isolate_qk, PREFETCH=int(cfg.prefetch and dev.type == "cuda"),
+            ISOLATE_QK=cfg.isolate_qk, PREFETCH=int(cfg.prefetch and device_type(dev) == "cuda"),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         if S > 1:
             miss_combine_kernel[(T, triton.cdiv(H, MERGE_BLOCK_H))](
@@ -402,7 +402,7 @@ def _validate_fused(q, host_rows, miss_host, kv_rows, miss_idx, miss_counts, par
     if host_rows.shape[1] != rb:
         raise ValueError(f"host_rows must be uint8 [NH, {rb}] ({fmt.value} rows), got shape "
                          f"{list(host_rows.shape)}")
-    if host_rows.device.type != "cpu" and not same_device(host_rows, dev):
+    if device_type(host_rows.device) != "cpu" and not same_device(host_rows, dev):
         raise ValueError(f"host_rows is on {host_rows.device}: it must be a (pinned) CPU tensor "
                          f"or on {dev}, where the kernel runs")
     kv = inp.kv_rows
@@ -412,7 +412,7 @@ def _validate_fused(q, host_rows, miss_host, kv_rows, miss_idx, miss_counts, par
         if problem is not None:
             raise ValueError(f"{name} must be packed rows of {rb} bytes, 16-byte aligned (the "
                              f"kernel copies them as 16-byte vectors): {problem}")
-    if (need_pinned and host_rows.device.type == "cpu" and host_rows.numel()
+    if (need_pinned and device_type(host_rows.device) == "cpu" and host_rows.numel()
             and not torch.cuda.is_current_stream_capturing() and not is_pinned_host(host_rows)):
         # is_pinned asks the driver; skipped while capturing (the eager warm-up checked it)
         raise ValueError(f"host_rows is a CPU tensor that is not pinned; the kernel on {dev} can "
@@ -473,7 +473,7 @@ def fused_miss_attention(
     impl = Kernels.parse(kernels)
     dev = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
     f = _validate_fused(q, host_rows, miss_host, kv_rows, miss_idx, miss_counts, part_out,
-                        part_lse, sm_scale, row_format, need_pinned=dev.type == "cuda")
+                        part_lse, sm_scale, row_format, need_pinned=device_type(dev) == "cuda")
     inp = f.inp
     cfg = _check_plan(plan, MissMode.FUSED, inp)
     impl = impl.pick(dev)

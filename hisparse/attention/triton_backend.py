@@ -21,7 +21,7 @@ import math
 import torch
 import triton
 
-from .._checks import check_bool, check_int, interpreter_mode, sm_count
+from .._checks import check_bool, check_int, device_type, interpreter_mode, sm_count
 from ..formats import BF16_ROW_BYTES, FP8_ROW_BYTES, RowFormat
 from ..kernels.gluon_support import gluon_ws_problem
 from ..kernels.mla_decode import sparse_mla_combine_kernel, sparse_mla_decode_kernel
@@ -189,7 +189,7 @@ _ISOLATE_CRASHES_PTXAS = ((3, 7), (3, 8))
 def isolate_problem(cfg: TritonMLAConfig, device: torch.device) -> str | None:
     """Why the installed Triton can't compile ``cfg``'s isolated dots for ``device``, or
     None (the interpreter runs them under every release)."""
-    if (device.type == "cuda" and cfg.isolate_qk and not cfg.wide and not cfg.ws
+    if (device_type(device) == "cuda" and cfg.isolate_qk and not cfg.wide and not cfg.ws
             and cfg.block_h == 64 and _TRITON_MINOR in _ISOLATE_CRASHES_PTXAS):
         return (f"ptxas crashes on Triton {triton.__version__}'s code for the tiled body with "
                 "isolate_qk at 64-head blocks (Triton 3.6 and 3.9 compile it)")
@@ -198,7 +198,7 @@ def isolate_problem(cfg: TritonMLAConfig, device: torch.device) -> str | None:
 
 def ws_device_problem(device: torch.device) -> str | None:
     """Why ``device`` can't run the warp-specialised kernel, or None."""
-    if device.type != "cuda":
+    if device_type(device) != "cuda":
         return "it is a Gluon kernel for CUDA SM 9.x (Gluon has no interpreter)"
     major, _ = torch.cuda.get_device_capability(device)
     if major != 9:
@@ -263,7 +263,7 @@ def auto_splits(T: int, H: int, K: int, cfg: TritonMLAConfig, device: torch.devi
     1 when T x head blocks already fills the SMs (or on CPU); each split keeps at least
     2 iterations of ``block_n`` rows; at most ``MAX_AUTO_SPLITS``.
     """
-    if device.type != "cuda":
+    if device_type(device) != "cuda":
         return 1
     programs = max(1, T * math.ceil(H / cfg.block_h))
     max_useful = max(1, K // (2 * cfg.block_n))
@@ -300,7 +300,7 @@ def _tail_plan(T: int, H: int, K: int, cfg: TritonMLAConfig, splits: int, dev: t
                ) -> tuple[int, int]:
     """``wave_tail_plan`` for this launch where it applies (CUDA, the ws kernel, one
     split, wave_tail): the ``tl`` kernels were not measured with it."""
-    if dev.type != "cuda" or not cfg.ws or splits != 1 or not cfg.wave_tail:
+    if device_type(dev) != "cuda" or not cfg.ws or splits != 1 or not cfg.wave_tail:
         return 0, 1
     return wave_tail_plan(T, math.ceil(H / cfg.block_h), K, cfg.block_n, sm_count(dev))
 
@@ -368,7 +368,7 @@ def _launch(inp: DecodeInputs, cfg: TritonMLAConfig, lo: int, hi: int, splits: i
     args = (q, kv, idx, vc if vc is not None else idx, o, ls, part_out, part_lse,
             kv.shape[0], K, H, q.stride(0), q.stride(1), kv.stride(0), idx.stride(0),
             rows_per_split, inp.sm_scale * 1.4426950408889634)
-    prefetch = cfg.prefetch if dev.type == "cuda" else 0  # a hint; no inline PTX on CPU
+    prefetch = cfg.prefetch if device_type(dev) == "cuda" else 0  # a hint; no inline PTX on CPU
     if cfg.ws:
         _ws_kernel()[grid](
             *args, HAS_VC=vc is not None, NUM_SPLITS=splits, BLOCK_N=cfg.block_n,
@@ -393,7 +393,7 @@ def _launch(inp: DecodeInputs, cfg: TritonMLAConfig, lo: int, hi: int, splits: i
 
 def _on_device(dev: torch.device):
     """Triton launches on the current CUDA device: make it ``dev`` for the launch."""
-    return torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
+    return torch.cuda.device(dev) if device_type(dev) == "cuda" else contextlib.nullcontext()
 
 
 class TritonBackend(SparseMLABackend):
@@ -429,13 +429,13 @@ class TritonBackend(SparseMLABackend):
                    else ws_device_problem(device) or gluon_ws_problem())
             if why is not None:
                 return f"config has ws=True, but the warp-specialised kernel can't run: {why}"
-        if device.type == "cpu":
+        if device_type(device) == "cpu":
             if not self.allow_interpreter:
                 return "Triton needs a CUDA device (CPU only through the interpreter, for tests)"
             if not interpreter_mode():
                 return "CPU tensors need TRITON_INTERPRET=1 set before triton is imported"
             return None
-        if device.type != "cuda":
+        if device_type(device) != "cuda":
             return f"unsupported device type {device.type!r}"
         if not torch.cuda.is_available():
             return "CUDA is not available"

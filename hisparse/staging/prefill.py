@@ -46,7 +46,7 @@ from typing import Sequence
 import torch
 import triton
 
-from .._checks import Kernels, check_int, check_ints, check_tensor
+from .._checks import Kernels, check_int, check_ints, check_tensor, device_type
 from ..errors import CapacityError
 from ..formats import D_ROW, RowFormat, dequantize_fp8_ds_mla_reference
 from ..kernels.stage_prefill import stage_copy_kernel, stage_dequant_kernel
@@ -380,7 +380,7 @@ def stage_prefill(
     if validate:
         _validate_values(view, requests, workspace)
     dev = workspace.device
-    cuda = dev.type == "cuda"
+    cuda = device_type(dev) == "cuda"
     if stream is not None and not cuda:
         raise ValueError("stream is only meaningful for a CUDA workspace")
     if stream is not None and not isinstance(stream, torch.cuda.Stream):

@@ -18,7 +18,7 @@ import dataclasses
 
 import torch
 
-from .._checks import check_int, check_tensor
+from .._checks import check_int, check_tensor, device_type
 from ..device import is_pinned_host
 from ..formats import RowFormat
 
@@ -88,11 +88,11 @@ class LayerView:
         check_tensor("host_rows", self.host_rows, dtype=torch.uint8, shape=(None, fmt.row_bytes),
                      contiguous=True)
         dev = self.blocks.device
-        if self.host_rows.device != dev and not (self.host_rows.device.type == "cpu"
-                                                 and dev.type == "cuda"):
+        if self.host_rows.device != dev and not (device_type(self.host_rows.device) == "cpu"
+                                                 and device_type(dev) == "cuda"):
             raise ValueError(f"host_rows is on {self.host_rows.device}, the block table on {dev}: the "
                              "rows must be on the table's device or in pinned host memory")
-        if (self.host_rows.device.type == "cpu" and dev.type == "cuda" and self.host_rows.numel()
+        if (device_type(self.host_rows.device) == "cpu" and device_type(dev) == "cuda" and self.host_rows.numel()
                 and not is_pinned_host(self.host_rows)):
             raise ValueError("host_rows is a CPU tensor that is not pinned: GPU kernels read it over "
                              "UVA, which needs page-locked memory (hisparse.device.PinnedBuffer)")
