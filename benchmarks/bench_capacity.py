@@ -86,9 +86,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--sync-steps", dest="async_steps", action="store_false",
                     help="finish each step before the host prepares the next (default: the host works "
                          "one step ahead, as an engine's async scheduler does)")
-    ap.add_argument("--overlap", choices=["serial", "split", "land"], default="serial",
+    ap.add_argument("--overlap", choices=["serial", "split"], default="serial",
                     help="hisparse decode: miss staging before attention (serial) or hidden behind the hit "
-                         "attention (split; land: the missed rows copied before their slots are chosen)")
+                         "attention (split)")
     ap.add_argument("--backend", default=None, help="attention backend (default triton)")
     ap.add_argument("--flashmla-lib", default=None)
     ap.add_argument("--profile", type=parse_count, default=0, metavar="N",

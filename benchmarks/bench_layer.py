@@ -11,9 +11,7 @@ restored (the same misses every time) and the L2 is flushed; the resident replay
 the same flush.
 
 Modes: serial (resolve + copy, then attention), split (attention over the hits while
-the misses stage, then the misses, LSE-merged), land (as split, but the missed rows are
-copied into landing rows from the start, before the miss phase chose their slots;
-``--land-launch`` sweeps that copy's launch shape), fused (the misses read from host,
+the misses stage, then the misses, LSE-merged), fused (the misses read from host,
 written and attended in one kernel beside the hit attention), and ``prefetch``: two
 layers (split), the second layer's selection prefetched from the first's while the
 first computes, against two resident layers; the two selections share ``--overlap``
@@ -49,7 +47,6 @@ from hisparse.attention.triton_backend import TritonBackend  # noqa: E402
 from hisparse.attention.base import Phase  # noqa: E402
 from hisparse.cache.cache import HiSparseCache  # noqa: E402
 from hisparse.attention.miss import MissMode, default_miss_config  # noqa: E402
-from hisparse.cache.stager import LAND_LAUNCH  # noqa: E402
 from hisparse.decode import DecodeLayer, Overlap  # noqa: E402
 from hisparse.formats import RowFormat, quantize_fp8_ds_mla  # noqa: E402
 
@@ -63,8 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--hits", type=common.percent, nargs="+", default=[100, 95, 90, 80],
                     help="hit rates in percent, each in [0, 100]")
     ap.add_argument("--backends", nargs="+", default=["triton", "flashmla"], choices=["triton", "flashmla"])
-    ap.add_argument("--modes", nargs="+", default=["serial", "split", "land", "fused", "prefetch"],
-                    choices=["serial", "split", "land", "fused", "prefetch"])
+    ap.add_argument("--modes", nargs="+", default=["serial", "split", "fused", "prefetch"],
+                    choices=["serial", "split", "fused", "prefetch"])
     ap.add_argument("--context", type=pos, default=65536, help="tokens per request (B <= 64)")
     ap.add_argument("--context-256", type=pos, default=32768, help="tokens per request at B > 64")
     ap.add_argument("--top-k", type=pos, default=2048)
@@ -74,16 +71,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="adjacent-layer selection overlap (prefetch), in [0, 1]")
     ap.add_argument("--stage-programs", type=pos, nargs="+", default=None,
                     help="sweep: the staging kernel's and the fused kernel's grid sizes (default: theirs)")
-    ap.add_argument("--land-launch", nargs="+", default=None, metavar="P,R,W",
-                    help="sweep (land mode): the landing copy's programs, rows per program and warps "
-                         "(Stager.land_launch)")
     ap.add_argument("--reps", type=pos, default=30)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--flashmla-lib", default=None)
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU; figures mean nothing")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
-    a.land_launch = [_land_spec(ap, x) for x in a.land_launch or []]
     if a.dry_run:
         a.batch, a.context, a.context_256, a.top_k, a.slots, a.heads = [2], 96, 96, 8, 16, 16
         a.reps, a.warmup, a.backends = 1, 0, ["triton"]
@@ -95,16 +88,6 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--context and --context-256 must be >= --slots + --top-k + 1 = {need}, got "
                  f"{a.context} and {a.context_256}")
     return a
-
-
-def _land_spec(ap: argparse.ArgumentParser, text: str) -> tuple[int, int, int]:
-    try:
-        p, r, w = (int(x) for x in text.split(","))
-    except ValueError:
-        ap.error(f"--land-launch takes PROGRAMS,ROWS,WARPS (e.g. 4,64,16), got {text!r}")
-    if p < 1 or r < 1 or w < 1 or r & (r - 1) or w & (w - 1):
-        ap.error(f"--land-launch {text!r}: programs >= 1, rows and warps powers of two")
-    return p, r, w
 
 
 def fp8_rows(n: int, seed: int, device: torch.device) -> torch.Tensor:
@@ -240,17 +223,12 @@ def bench_case(s: Setup, be: SparseMLABackend, hit: float, a: argparse.Namespace
         return outs[-1]
 
     res["resident"], ref = timed(resident, s, a, restore=False)
-    layers = {m: DecodeLayer(c, be, overlap=Overlap.parse(m)) for m in ("serial", "split", "land", "fused")}
-    for m in ("serial", "split", "land", "fused"):
+    layers = {m: DecodeLayer(c, be, overlap=Overlap.parse(m)) for m in ("serial", "split", "fused")}
+    for m in ("serial", "split", "fused"):
         if m not in a.modes:
             continue
         res[m], out = timed(lambda m=m: layers[m](0, s.req, tk0, q, sm_scale=sm), s, a, restore=True)
         res[m]["max_rel_diff"] = max_diff(out, ref)
-    for spec in a.land_launch or []:  # launch-shape sweep of the landing copy
-        c.stager.land_launch = spec
-        row, _ = timed(lambda: layers["land"](0, s.req, tk0, q, sm_scale=sm), s, a, restore=True)
-        res.setdefault("land_sweep", {})[",".join(map(str, spec))] = row
-        c.stager.land_launch = LAND_LAUNCH
     # staging alone and hit attention alone
     res["staging_alone"], _ = timed(lambda: c.resolve(0, s.req, tk0, validate=False), s, a, restore=True)
     s.restore()
@@ -296,12 +274,11 @@ def bench_case(s: Setup, be: SparseMLABackend, hit: float, a: argparse.Namespace
                                    "wasted_bytes": (staged - sel) * 656}
     r0 = res["resident"]["median_us"]
     ser = res.get("serial", {}).get("median_us")
-    for m in ("serial", "split", "land", "fused", *[f"land_sweep/{k}" for k in res.get("land_sweep", {})]):
-        row = res["land_sweep"][m.split("/", 1)[1]] if m.startswith("land_sweep/") else res.get(m)
-        if row is not None:
-            row["ratio_vs_resident"] = row["median_us"] / r0
+    for m in ("serial", "split", "fused"):
+        if m in res:
+            res[m]["ratio_vs_resident"] = res[m]["median_us"] / r0
             if ser is not None and ser > r0:
-                row["staging_hidden"] = (ser - row["median_us"]) / (ser - r0)
+                res[m]["staging_hidden"] = (ser - res[m]["median_us"]) / (ser - r0)
     if "prefetch_2layers" in res:
         r2 = res["resident_2layers"]["median_us"]
         res["prefetch_2layers"]["ratio_vs_resident"] = res["prefetch_2layers"]["median_us"] / r2
@@ -329,7 +306,7 @@ def main(argv=None) -> int:
                 r.update(backend=name, B=B, context=ctx)
                 report["cases"].append(r)
                 line = f"{name:8s} B={B:4d} hit={h:3d}%  resident {r['resident']['median_us']:8.1f} us"
-                for m in ("serial", "split", "land", "fused"):
+                for m in ("serial", "split", "fused"):
                     if m in r:
                         hid = r[m].get("staging_hidden")
                         line += f" | {m} {r[m]['ratio_vs_resident']:.2f}x" + (f" hid {hid:.0%}" if hid is not None else "")
@@ -339,9 +316,6 @@ def main(argv=None) -> int:
                 line += (f" | staging {r['staging_alone']['median_us']:.1f} us, hit attn "
                          f"{r['hit_attention_alone']['median_us']:.1f} us")
                 print(line, flush=True)
-                for spec, row in r.get("land_sweep", {}).items():
-                    print(f"    land launch {spec:>10s}: land {row['ratio_vs_resident']:.2f}x "
-                          f"({row['median_us']:.1f} us)", flush=True)
                 for progs, row in r.get("sweep", {}).items():
                     print(f"    programs {progs:>4s}: serial {row['serial']['ratio_vs_resident']:.2f}x split "
                           f"{row['split']['ratio_vs_resident']:.2f}x fused {row['fused']['ratio_vs_resident']:.2f}x "

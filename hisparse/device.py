@@ -152,7 +152,6 @@ class Streams:
 
     - ``stage``: resolve + miss staging (host -> hot buffer)
     - ``backup``: mirroring newly written rows device -> host pool
-    - ``miss``: the miss phase of a landing split resolve, beside its copy on ``stage``
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -162,11 +161,9 @@ class Streams:
             # staging runs beside attention: its kernels' blocks go first when SMs free up
             self.stage = torch.cuda.Stream(device=device, priority=-1)
             self.backup = torch.cuda.Stream(device=device)
-            self.miss = torch.cuda.Stream(device=device, priority=-1)
         else:
             self.stage = None
             self.backup = None
-            self.miss = None
 
     def current(self):
         return torch.cuda.current_stream(self.device.index) if self.cuda else None

@@ -72,7 +72,7 @@ def test_modes_agree(kernels, fmt, case):
         results[mode] = layer(0, ids, tk, q, sm_scale=SM)
         states[mode] = ({n: getattr(c.state, n).clone() for n in STATE}, c.hot.clone())
     out0, lse0 = results[Overlap.SERIAL]
-    for mode in (Overlap.SPLIT, Overlap.LAND, Overlap.FUSED):
+    for mode in (Overlap.SPLIT, Overlap.FUSED):
         out, lse = results[mode]
         assert torch.equal(torch.isinf(lse), torch.isinf(lse0)), mode
         fin = torch.isfinite(lse0)
@@ -101,55 +101,10 @@ def test_random_steps_modes_agree(kernels):
         ids, tk = torch.tensor(ids, dtype=I32), torch.tensor(rows, dtype=I32)
         q = qs(len(rows), step)
         outs = {m: layers[m](step % 2, ids, tk, q, sm_scale=SM) for m in Overlap}
-        for m in (Overlap.SPLIT, Overlap.LAND, Overlap.FUSED):
+        for m in (Overlap.SPLIT, Overlap.FUSED):
             torch.testing.assert_close(outs[m][0].float(), outs[Overlap.SERIAL][0].float(), atol=2e-2, rtol=2e-2)
             for n in STATE:
                 assert torch.equal(getattr(caches[m].state, n), getattr(caches[Overlap.SERIAL].state, n)), (step, n)
-
-
-@pytest.mark.parametrize("kernels", ["torch", "triton"])
-def test_split_lands_as_it_stages_direct(kernels):
-    """The split layer with and without landing the misses first: the same outputs
-    (the same rows in the same order) and the same cache, bit for bit."""
-    rng = random.Random(11)
-    (a, _), (b, _) = make(kernels, "fp8_ds_mla"), make(kernels, "fp8_ds_mla")
-    la = DecodeLayer(a, ReferenceBackend(), overlap="land", kernels=kernels)
-    lb = DecodeLayer(b, ReferenceBackend(), overlap="split", kernels=kernels)
-    for step in range(5):
-        ids, rows = [], []
-        for rid, n in {1: 40, 2: 9, 5: 30}.items():
-            for _ in range(rng.choice([1, 2])):
-                ids.append(rid)
-                rows.append([rng.randrange(-1, n) for _ in range(6)])
-        ids, tk = torch.tensor(ids, dtype=I32), torch.tensor(rows, dtype=I32)
-        q = qs(len(rows), step)
-        (oa, sa), (ob, sb) = la(step % 2, ids, tk, q, sm_scale=SM), lb(step % 2, ids, tk, q, sm_scale=SM)
-        assert torch.equal(oa, ob) and torch.equal(sa, sb), step
-        for n in STATE:
-            assert torch.equal(getattr(a.state, n), getattr(b.state, n)), (step, n)
-        assert torch.equal(a.hot, b.hot), step
-
-
-class _FailingBackend(ReferenceBackend):
-    """Accepts the call's checks, then fails in the launch (after the resolve ran)."""
-
-    def decode(self, *args, **kwargs):
-        raise RuntimeError("injected launch failure")
-
-
-@pytest.mark.parametrize("kernels", ["torch", "triton"])
-def test_a_hit_attention_that_fails_after_a_landing_split_changes_nothing(kernels):
-    c, _ = make(kernels, "fp8_ds_mla")
-    ids, tk = CASES["mixed"]
-    ids, tk = torch.tensor(ids, dtype=I32), torch.tensor(tk, dtype=I32)
-    before = ({n: getattr(c.state, n).clone() for n in STATE}, c.hot.clone())
-    with pytest.raises(RuntimeError, match="injected"):
-        DecodeLayer(c, _FailingBackend(), overlap="land", kernels=kernels)(0, ids, tk, qs(4, 1), sm_scale=SM)
-    for n in STATE:
-        assert torch.equal(getattr(c.state, n), before[0][n]), n
-    assert torch.equal(c.hot, before[1])
-    out = DecodeLayer(c, ReferenceBackend(), overlap="land", kernels=kernels)(0, ids, tk, qs(4, 1), sm_scale=SM)
-    assert out[0].shape == (4, H, 512)
 
 
 def test_prefetch_then_decode_reads_the_right_rows():
@@ -170,7 +125,7 @@ def test_prefetch_then_decode_reads_the_right_rows():
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("overlap", ["serial", "split", "land", "fused"])
+@pytest.mark.parametrize("overlap", ["serial", "split", "fused"])
 def test_engine_decode_attention(overlap):
     cfg = HiSparseConfig(num_layers=2, host_pool_tokens=256, row_bytes=656, top_k=4, device_buffer_size=8,
                          max_num_reqs=2, host_block_size=8, max_request_id=8, device="cpu")
@@ -205,7 +160,7 @@ class _Unsupported(ReferenceBackend):
         return "this stand-in runs nothing"
 
 
-@pytest.mark.parametrize("overlap", ["serial", "split", "land", "fused"])
+@pytest.mark.parametrize("overlap", ["serial", "split", "fused"])
 @pytest.mark.parametrize("bad", ["sm_scale", "q_width", "q_dtype", "backend"])
 def test_a_decode_the_backend_refuses_changes_nothing(overlap, bad):
     """q, sm_scale and the backend's support are checked before the resolve: a refused

@@ -58,19 +58,13 @@ def topk(rng: random.Random, hot_share: float) -> torch.Tensor:
     return torch.tensor(rows, dtype=I32, device=DEV)
 
 
-@pytest.mark.parametrize("land", [False, True])
-def test_split_resolve_equals_serial(land):
+def test_split_resolve_equals_serial():
     a, b = make(), make()
     ids = torch.arange(B, dtype=I32, device=DEV)
     rng = random.Random(1)
     for step in range(6):
         tk = topk(rng, 0.5 + 0.1 * (step % 4))
-        res = a.resolve_split(step % 2, ids, tk, validate=False, land=land)
-        if land:
-            res.wait_landed()
-            rows, idx, counts = res.landed()
-            landed = [rows[idx[t, :int(counts[t])].long()].clone() for t in range(B)]
-            a.finish_split(res)
+        res = a.resolve_split(step % 2, ids, tk, validate=False)
         res.wait()
         want = b.resolve(step % 2, ids, tk, validate=False)
         torch.cuda.synchronize()
@@ -81,34 +75,9 @@ def test_split_resolve_equals_serial(land):
         hit = res.hit_physical
         assert torch.equal(hit[hit >= 0], want.physical[hit >= 0])
         assert int(res.miss_counts.sum()) + int((hit >= 0).sum()) == int((want.physical >= 0).sum())
-        if land:  # the landed rows are the miss rows, in the order of the miss lists
-            assert torch.equal(counts, res.miss_counts)
-            for t in range(B):
-                assert torch.equal(landed[t], a.hot_rows(step % 2)[res.miss_physical[t, :int(counts[t])].long()])
 
 
-def test_landing_split_layer_equals_the_direct_one():
-    """Split with and without landing: the same outputs bit for bit (same rows, same
-    order, same kernels) and the same cache, over random steps."""
-    a, b = make(), make()
-    ids = torch.arange(B, dtype=I32, device=DEV)
-    be = TritonBackend()
-    la, lb = DecodeLayer(a, be, overlap="land"), DecodeLayer(b, be, overlap="split")
-    rng = random.Random(7)
-    g = torch.Generator(device="cpu").manual_seed(8)
-    for step in range(5):
-        tk = topk(rng, 0.85)
-        q = (torch.randn((B, H, 576), generator=g) * 0.5).to(DEV, torch.bfloat16)
-        oa, sa = la(step % 2, ids, tk, q, sm_scale=SM)
-        ob, sb = lb(step % 2, ids, tk, q, sm_scale=SM)
-        torch.cuda.synchronize()
-        assert torch.equal(oa, ob) and torch.equal(sa, sb), step
-        for n in STATE:
-            assert torch.equal(getattr(a.state, n), getattr(b.state, n)), (step, n)
-        assert torch.equal(a.hot, b.hot)
-
-
-@pytest.mark.parametrize("mode", [Overlap.SPLIT, Overlap.LAND, Overlap.FUSED])
+@pytest.mark.parametrize("mode", [Overlap.SPLIT, Overlap.FUSED])
 def test_decode_layer_modes_match_serial(mode):
     a, b = make(), make()
     ids = torch.arange(B, dtype=I32, device=DEV)

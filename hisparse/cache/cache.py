@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .._checks import Kernels, check_int, sm_count
+from .._checks import Kernels, check_int
 from ..config import HiSparseConfig
 from ..device import resolve_device
 from ..formats import RowFormat
@@ -30,16 +30,13 @@ from .host_pool import HostPool
 from .requests import RequestTable
 from .resolve_ref import copy_rows_reference, copy_staged_reference, resolve_lookup_reference, resolve_reference
 from .resolve_triton import _launch_resolve, check_state, resolve_lookup_triton
-from .results import Landing, ResolveResult, SplitResult
-from .stager import CacheStreams, Stager, _Event
+from .results import ResolveResult, SplitResult
+from .stager import CacheStreams, Stager
 from .state import HotState, ResolveBuffers
 from .stats import cache_stats
 from .transfer import _launch_copy_rows, _launch_copy_staged
 from .write import WriteBatch, Writer
 from .write_step import StepCapacity, StepPlan
-
-
-SCATTER_PROGRAMS_PER_SM = 4  # a landing split's device-to-device copy into the slots (BENCHMARKS.md)
 
 
 def _stage_reference(host_rows, out: ResolveBuffers, hot_rows, *, K: int, programs=None) -> None:
@@ -71,13 +68,9 @@ def _kernel_set(kernels: Kernels, device: torch.device, pool: HostPool) -> dict:
     if kernels is Kernels.TORCH:
         def mirror(rows, plan, host_l):
             copy_rows_reference(rows, plan.host_tok32, host_l, plan.host_h32)
-        def staged(src, src_idx, dst, dst_idx, counts, *, K: int, programs=None, rows_per_program=8,
-                   num_warps=4) -> None:
-            copy_staged_reference(src, src_idx, dst, dst_idx, counts, K=K)
-
         return dict(resolve_fn=resolve_reference, lookup_fn=resolve_lookup_reference,
-                    copy_fn=_stage_reference, staged_fn=staged, apply_fn=apply_write_plan_reference,
-                    mirror_fn=mirror, pinned_check=lambda name: None)
+                    copy_fn=_stage_reference, apply_fn=apply_write_plan_reference, mirror_fn=mirror,
+                    pinned_check=lambda name: None)
 
     dev = device if device.type == "cuda" else None
     pinned = _PinnedPool(pool, dev)
@@ -93,12 +86,7 @@ def _kernel_set(kernels: Kernels, device: torch.device, pool: HostPool) -> dict:
         _launch_copy_staged(host_rows, out.stage_src, hot_rows, out.stage_dst, out.stage_counts, dev,
                             K=K, programs=programs)
 
-    def staged(src, src_idx, dst, dst_idx, counts, *, K: int, programs=None, rows_per_program=8,
-               num_warps=4) -> None:  # a landing split's copies (host -> landing rows -> hot rows)
-        _launch_copy_staged(src, src_idx, dst, dst_idx, counts, dev, K=K, programs=programs,
-                            rows_per_program=rows_per_program, num_warps=num_warps)
-
-    return dict(resolve_fn=_launch_resolve, lookup_fn=resolve_lookup_triton, copy_fn=stage, staged_fn=staged,
+    return dict(resolve_fn=_launch_resolve, lookup_fn=resolve_lookup_triton, copy_fn=stage,
                 apply_fn=apply_write_plan_triton, mirror_fn=mirror, pinned_check=pinned.check)
 
 
@@ -163,9 +151,7 @@ class HiSparseCache:
                              streams=self.streams, apply_fn=fns["apply_fn"], mirror_fn=fns["mirror_fn"],
                              device=self.device)
         self.stager = Stager(self.streams, self.state, resolve_fn=fns["resolve_fn"], lookup_fn=fns["lookup_fn"],
-                             copy_fn=fns["copy_fn"], staged_fn=fns["staged_fn"], max_query_len=cfg.max_query_len)
-        if self.cuda and choice is Kernels.TRITON:
-            self.stager.scatter_programs = SCATTER_PROGRAMS_PER_SM * sm_count(self.device)
+                             copy_fn=fns["copy_fn"], max_query_len=cfg.max_query_len)
         T, K = cfg.max_tokens, cfg.top_k
         self._prefetch_out = ResolveBuffers.allocate(T, K, self.device)  # its undo log serves all
         self._bufs = [ResolveBuffers.allocate(T, K, self.device, undo_of=self._prefetch_out) for _ in range(L)]
@@ -173,9 +159,6 @@ class HiSparseCache:
         self._hot_l = self.writer.hot_layers  # uint8 [N, row_bytes] per layer (views, made once)
         self._host_l = self.writer.host_layers  # uint8 [H, row_bytes] per layer
         self._split: dict[int, tuple] = {}  # layer -> (hit, miss lists), made on first use
-        self._landing: Landing | None = None  # landing rows, made on the first landing split resolve
-        self._pending: SplitResult | None = None  # a landing split resolve awaiting finish_split
-        self._pending_args: tuple = ()  # its (req_ids, topk, compact)
 
     # ---- small queries ----------------------------------------------------
     def live_requests(self) -> list[int]:
@@ -245,7 +228,6 @@ class HiSparseCache:
     # ---- lifecycle --------------------------------------------------------
     def add_request(self, req_id: int) -> int:
         """Admit ``req_id``; returns its request slot. CapacityError when all are taken."""
-        self._require_settled("add_request")
         self.streams.before_lifecycle()
         r = self.requests.add(req_id)
         self.state.id_to_slot[req_id] = r
@@ -253,7 +235,6 @@ class HiSparseCache:
 
     def free_request(self, req_id: int) -> None:
         """Return every block, clear every slot mapping of every layer, release the id."""
-        self._require_settled("free_request")
         r = self.requests.slot(req_id)
         self.streams.before_lifecycle()
         st, B = self.state, self.pool.B
@@ -284,7 +265,6 @@ class HiSparseCache:
         """Append ``batch``'s rows (uint8 [batch.total, row_bytes], cache device; any
         strides) to ``layer``; returns the first position written per request.
         CapacityError (nothing changed) when the host pool can't supply the blocks."""
-        self._require_settled("write")
         V.check_layer(self.cfg, layer)
         return self.writer.write(layer, batch, rows)
 
@@ -297,7 +277,6 @@ class HiSparseCache:
 
     def write_step(self, layer: int, step: StepPlan, rows: torch.Tensor) -> None:
         """Write ``layer``'s rows of a prepared step (uint8 [step.rows, row_bytes])."""
-        self._require_settled("write_step")
         V.check_layer(self.cfg, layer)
         self.writer.write_step(layer, step, rows)
 
@@ -306,7 +285,6 @@ class HiSparseCache:
         replay of a graph captured over :meth:`launch_write_step` (``Writer.write_step_by``).
         The host pool's pinning is checked here: in a graph the mirror's own check ran
         only when it was captured."""
-        self._require_settled("write_step_by")
         V.check_layer(self.cfg, layer)
         if self.pool.is_writer:
             self._pinned_check("the host pool")  # the mirror writes it over UVA
@@ -320,7 +298,6 @@ class HiSparseCache:
     def launch_write_step(self, layer: int, step: StepPlan, rows: torch.Tensor) -> None:
         """The launches of ``write_step`` alone, joined back into the current stream (for
         a graph capture; rows uint8 [step.rows, row_bytes], packed)."""
-        self._require_settled("launch_write_step")
         V.check_layer(self.cfg, layer)
         self.writer.launch_step(layer, step, rows)
 
@@ -337,7 +314,6 @@ class HiSparseCache:
         """Append ``counts[i]`` rows to request ``req_ids[i]`` of one layer, for every i
         (rows of request i = ``rows[sum(counts[:i]) : sum(counts[:i+1])]``), in a fixed
         number of launches. Returns each request's first position written."""
-        self._require_settled("append_rows")
         V.check_layer(self.cfg, layer)
         return self.writer.write(layer, self.writer.prepare(req_ids, counts), rows)
 
@@ -392,7 +368,6 @@ class HiSparseCache:
         same static req_ids int32 [T] and top-k int32 [T, K] tensors): only the checks
         whose outcome can change since (the host pool's pinning, a shared pool's
         visibility wait), then ``launch()`` and the same bookkeeping."""
-        self._require_settled("resolve_replay")
         self._pinned_check("the host pool")
         if self.pool.shared and not self.streams.capturing():
             self.pool.wait_visible(layer)
@@ -413,8 +388,7 @@ class HiSparseCache:
                         hot_rows=self._hot_l[layer], compact=False, wait=True)
 
     def resolve_split(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor, *,
-                      validate: bool = True, compact: bool = False, stage_with=None,
-                      land: bool = False) -> SplitResult:
+                      validate: bool = True, compact: bool = False, stage_with=None) -> SplitResult:
         """``resolve`` in two phases, so that attention over the hits need not wait for
         the misses: returns once the hit phase is enqueued on the current stream
         (``result.hit_physical`` may be attended right away); the miss phase and the
@@ -425,83 +399,15 @@ class HiSparseCache:
         after the miss phase instead of the copy kernel; it must write every miss row
         (host row ``miss_host[t, j]``) into its slot ``miss_physical[t, j]``, as
         ``hisparse.attention.miss.fused_miss_attention`` does while attending. The state after the call equals ``resolve``'s bit for bit.
-
-        ``land``: the stage stream copies the misses into the cache's landing rows right
-        after the hit phase (``result.landed()``, ready once ``result.wait_landed()``),
-        and the miss phase waits: the call returns with ``result.pending``, the caller
-        enqueues the hit attention, then :meth:`finish_split` enqueues the miss phase and
-        the copy of the landed rows into their slots on the stage stream, after the work
-        the current stream holds by then (so that it does not take SMs the hit attention
-        is waiting for), or :meth:`abort_split` undoes the hit phase. Until one of the
-        two, every other call of the cache that launches is refused. The state after
-        ``finish_split`` equals ``resolve``'s bit for bit.
         """
-        if land and stage_with is not None:
-            raise ValueError("resolve_split: land=True stages through the landing rows; it takes no stage_with")
         T, K, req_ids = self._check_resolve(layer, req_ids, topk, validate)
         out = self._bufs[layer].view(T, K)
         hit, miss_lists = _split_buffers(self._split, self.cfg, self.device, layer, T, K)
-        if land:
-            whole = self._landing_rows()
-            whole.generation += 1
-            view = whole.view(T, K)
-            self.stager.run_split_land(layer, req_ids, topk, out, hit, view, host_rows=self._host_l[layer])
-            sp = SplitResult(out, hit, miss_lists, None, self.requests.epochs, layer, land=view, whole=whole)
-            self._pending = sp
-            self._pending_args = (req_ids, topk, compact)
-            return sp
         event = self.stager.run_split(layer, req_ids, topk, out, hit, miss_lists,
                                       host_rows=self._host_l[layer], hot_rows=self._hot_l[layer],
                                       compact=compact, stage_with=stage_with)
         self.requests.touch(layer)
         return SplitResult(out, hit, miss_lists, event, self.requests.epochs, layer)
-
-    def finish_split(self, result: SplitResult) -> None:
-        """Enqueue the miss phase of a pending landing split resolve (``resolve_split(...,
-        land=True)``) and the copy of its landed rows into their slots on the stage stream,
-        after everything the current stream holds now; sets ``result.event``. A launch that
-        raises is undone (the hit phase too) before the error propagates."""
-        self._take_pending(result, "finish_split")
-        req_ids, topk, compact = self._pending_args
-        layer = result._layer
-        T, K = topk.shape
-        out = self._bufs[layer].view(T, K)
-        miss_lists = (result.miss_physical, result.miss_host, result.miss_counts)
-        result.event = self.stager.finish_split_land(layer, req_ids, topk, out, miss_lists, result._land,
-                                                     host_rows=self._host_l[layer], hot_rows=self._hot_l[layer],
-                                                     compact=compact)
-        self.requests.touch(layer)
-
-    def abort_split(self, result: SplitResult) -> None:
-        """Undo the hit phase of a pending landing split resolve (its caller's hit attention
-        failed): waits for the launches enqueued so far (a host sync), then leaves the
-        state as it was before ``resolve_split``."""
-        self._take_pending(result, "abort_split")
-        req_ids, topk, _compact = self._pending_args
-        layer = result._layer
-        T, K = topk.shape
-        cs = self.streams
-        self.stager._undo(layer, req_ids, topk, self._bufs[layer].view(T, K), miss_phase_ran=False,
-                          streams=(cs.current(), cs.streams.stage), rows=(None, None))
-
-    def _take_pending(self, result: SplitResult, call: str) -> None:
-        if not isinstance(result, SplitResult) or not result.pending or result is not self._pending:
-            raise ValueError(f"{call} takes the pending result of this cache's resolve_split(..., land=True)")
-        result.pending = False
-        self._pending = None
-
-    def _require_settled(self, call: str) -> None:
-        """A pending landing split resolve refuses every other launching call."""
-        if self._pending is not None:
-            raise ValueError(f"{call}: a split resolve of layer {self._pending._layer} is pending; call "
-                             "finish_split (or abort_split) with its result first")
-
-    def _landing_rows(self) -> Landing:
-        if self._landing is None:
-            cfg = self.cfg
-            rows = torch.empty((cfg.max_tokens * cfg.top_k, cfg.row_bytes), dtype=torch.uint8, device=self.device)
-            self._landing = Landing(rows, _Event(self.cuda))
-        return self._landing
 
     def prefetch(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor) -> ResolveBuffers:
         """Stage a *predicted* selection of ``layer`` (e.g. the previous layer's top-k)
@@ -530,7 +436,6 @@ class HiSparseCache:
         return self.streams.streams.stage
 
     def _check_resolve(self, layer: int, req_ids, topk, validate: bool):
-        self._require_settled("resolve")
         V.check_layer(self.cfg, layer)
         T, K = V.check_resolve_meta(self.cfg, self.device, req_ids, topk, self.cfg.max_tokens)
         if validate:

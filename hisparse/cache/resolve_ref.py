@@ -139,22 +139,16 @@ def _stamp_hits(state: HotState, layer: int, r: int, s_new: int, g_pos: torch.Te
 
 
 def resolve_lookup_reference(state: HotState, layer: int, req_ids: torch.Tensor, topk: torch.Tensor,
-                             hit: torch.Tensor, undo_hit: torch.Tensor, *, max_query_len: int,
-                             land: tuple | None = None) -> None:
+                             hit: torch.Tensor, undo_hit: torch.Tensor, *, max_query_len: int) -> None:
     """The hit phase of a split resolve (``kernels.resolve.resolve_lookup_kernel``).
 
     hit: int32 [>= T, >= K] output (flat hot row of each hit entry, -1 otherwise);
     undo_hit: int64 [>= T * K]. Stamps the hits with step + 1 and counts unique hits and
     the invalid entries of resolved tokens; changes no mapping and no step.
-    land: (land_src int32 [>= T * K], land_cnt int32 [>= T]) outputs: the host rows of
-    each resolved token's miss entries in entry order (duplicates included) at t * K on,
-    and their number (0 for the other tokens).
     """
     T, K = topk.shape
     SP = state.S + 1
     hit[:T, :K] = -1
-    if land is not None:
-        land[1][:T] = 0
     if T == 0:
         return
     rslot, _off, ok, groups = resolve_groups(state, layer, req_ids, topk, max_query_len)
@@ -167,13 +161,6 @@ def resolve_lookup_reference(state: HotState, layer: int, req_ids: torch.Tensor,
                                       undo_hit[t0 * K:(t0 + n) * K])
         state.stats[layer, STAT_HITS] += nhit
         hit[t0:t0 + n, :K] = torch.where(lane_slot >= 0, r * SP + lane_slot, torch.full_like(lane_slot, -1)).to(torch.int32)
-        if land is not None:
-            g_pos, g_miss = pos[t0:t0 + n], ok[t0:t0 + n] & (lane_slot < 0)
-            bt = state.block_table[r].long()
-            for j in range(n):
-                p = g_pos[j][g_miss[j]]
-                land[0][(t0 + j) * K:(t0 + j) * K + p.numel()] = (bt[p // state.B] * state.B + p % state.B).to(torch.int32)
-                land[1][t0 + j] = p.numel()
 
 
 def resolve_reference(state: HotState, layer: int, req_ids: torch.Tensor, topk: torch.Tensor,

@@ -193,14 +193,11 @@ _LOOKUP_CHUNK = 256  # entries per program of the hit phase
 
 
 def resolve_lookup_triton(state: HotState, layer: int, req_ids: torch.Tensor, topk: torch.Tensor,
-                          hit: torch.Tensor, undo_hit: torch.Tensor, *, max_query_len: int,
-                          land: tuple | None = None) -> None:
+                          hit: torch.Tensor, undo_hit: torch.Tensor, *, max_query_len: int) -> None:
     """The hit phase of a split resolve (see ``resolve_lookup_reference``), one launch of
-    ``resolve_lookup_kernel`` over (T, cdiv(K, 256)) programs on the current stream, or
-    (T, 1) with ``land``.
+    ``resolve_lookup_kernel`` over (T, cdiv(K, 256)) programs on the current stream.
 
-    hit: int32 [>= T, >= K] (output); undo_hit: int64 [>= T * K]; land: (land_src int32
-    [>= T * K], land_cnt int32 [>= T]) outputs: each token's miss host rows, compacted.
+    hit: int32 [>= T, >= K] (output); undo_hit: int64 [>= T * K].
     """
     T, K = topk.shape
     dev = state.slot_pos.device
@@ -213,18 +210,10 @@ def resolve_lookup_triton(state: HotState, layer: int, req_ids: torch.Tensor, to
     if req_ids.shape[0] != T or hit.shape[0] < T or hit.shape[1] < K or undo_hit.shape[0] < T * K:
         raise ValueError(f"resolve_lookup: req_ids {tuple(req_ids.shape)}, hit {tuple(hit.shape)} and "
                          f"undo_hit {tuple(undo_hit.shape)} do not fit topk [{T}, {K}]")
-    if land is not None:
-        ls_, lc_ = land
-        _check_vec("land_src", ls_, torch.int32, 1, dev)
-        _check_vec("land_cnt", lc_, torch.int32, 1, dev)
-        if ls_.shape[0] < T * K or lc_.shape[0] < T:
-            raise ValueError(f"resolve_lookup: land_src {tuple(ls_.shape)} / land_cnt {tuple(lc_.shape)} do not "
-                             f"fit topk [{T}, {K}]")
     if T == 0 or K == 0:
         return
     _require_device(dev, "resolve_lookup_triton")
-    chunk, warps = _lookup_sizes(K, land is not None)
-    land_src, land_cnt = land if land is not None else (hit, hit)  # unread without LAND
+    chunk = min(_LOOKUP_CHUNK, triton.next_power_of_2(K))
     with on_device(dev if device_type(dev) == "cuda" else None):
         resolve_lookup_kernel[(T, triton.cdiv(K, chunk))](
             req_ids, topk, topk.stride(0),
@@ -232,21 +221,11 @@ def resolve_lookup_triton(state: HotState, layer: int, req_ids: torch.Tensor, to
             state.seq_lens[layer], state.seq_lens.shape[1],
             state.block_table, state.block_table.stride(0), state.block_table.shape[1],
             state.slot_stamp[layer], state.row_slot[layer], state.row_slot.shape[1],
-            state.step[layer], state.stats[layer], hit, hit.stride(0), undo_hit, land_src, land_cnt,
+            state.step[layer], state.stats[layer], hit, hit.stride(0), undo_hit,
             T, K, state.S, state.B,
             STAT_HITS=STAT_HITS, STAT_INVALID=STAT_INVALID, Q=max_query_len, CHUNK=chunk,
-            CH=_SCAN_CHUNK, LAND=land is not None, num_warps=warps,
+            CH=_SCAN_CHUNK, num_warps=4,
         )
-
-
-@functools.lru_cache(maxsize=None)
-def _lookup_sizes(K: int, land: bool) -> tuple[int, int]:
-    """(entries per program, warps) of the hit phase: 256-entry chunks, or with ``land``
-    one program per token (its misses are compacted in entry order), 4 to 16 warps."""
-    if not land:
-        return min(_LOOKUP_CHUNK, triton.next_power_of_2(K)), 4
-    KB = triton.next_power_of_2(K)
-    return KB, (4 if KB <= 512 else (8 if KB <= 1024 else 16))
 
 
 __all__ = ["resolve_triton", "resolve_lookup_triton", "check_state"]

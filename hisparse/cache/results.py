@@ -52,40 +52,6 @@ class ResolveResult:
         stream.wait_event(self.event)
 
 
-class Landing:
-    """A cache's landing rows: where a landing split resolve copies its misses from the
-    host pool right after the hit phase, before the miss phase chose their slots
-    (``HiSparseCache.resolve_split(..., land=True)``). One set per cache, shared by its
-    layers: valid from one landing split resolve to the next (``generation``).
-
-    rows:   uint8 [max_tokens * top_k, row_bytes] (device): entry t * K + j = token t's miss j
-    index:  int32 [max_tokens * top_k] = arange: the landing row of each entry
-    src:    int32 [max_tokens * top_k] host row of each entry (the hit phase writes it)
-    counts: int32 [max_tokens] misses per token
-    event:  the stage stream's record after the copy into ``rows``
-    """
-
-    __slots__ = ("rows", "index", "src", "counts", "event", "generation")
-
-    def __init__(self, rows: torch.Tensor, event) -> None:
-        n = rows.shape[0]
-        dev = rows.device
-        self.rows = rows
-        self.index = torch.arange(n, dtype=torch.int32, device=dev)
-        self.src = torch.empty(n, dtype=torch.int32, device=dev)
-        self.counts = torch.empty(max(1, n), dtype=torch.int32, device=dev)
-        self.event = event
-        self.generation = 0
-
-    def view(self, T: int, K: int) -> "Landing":
-        """The same buffers cut to a [T, K] call (shares ``event`` and ``generation``
-        with the whole: a view is made per call, the whole is the cache's)."""
-        v = object.__new__(Landing)
-        v.rows, v.index, v.src, v.counts = self.rows, self.index[:T * K], self.src[:T * K], self.counts[:T]
-        v.event, v.generation = self.event, self.generation
-        return v
-
-
 class SplitResult(ResolveResult):
     """Output of :meth:`HiSparseCache.resolve_split`: a resolve whose hits can be
     attended before its misses landed.
@@ -100,42 +66,13 @@ class SplitResult(ResolveResult):
     hits and misses; ``event`` marks the staging done, on the stage stream)
     """
 
-    __slots__ = ("hit_physical", "miss_physical", "miss_host", "miss_counts", "_land", "_whole", "pending")
+    __slots__ = ("hit_physical", "miss_physical", "miss_host", "miss_counts")
 
     def __init__(self, out: ResolveBuffers, hit: torch.Tensor, miss_lists: tuple, event,
-                 epochs: list[int], layer: int, *, land: Landing | None = None,
-                 whole: Landing | None = None) -> None:
+                 epochs: list[int], layer: int) -> None:
         super().__init__(out, event, epochs, layer)
         self.hit_physical = hit
         self.miss_physical, self.miss_host, self.miss_counts = miss_lists
-        self._land, self._whole = land, whole
-        # a landing split whose miss phase waits for HiSparseCache.finish_split
-        self.pending = land is not None
-
-    def landed(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A landing split's misses as (rows uint8 [N, row_bytes], index int32 [T, K],
-        counts int32 [T]): token t's miss j is row ``index[t, j]`` for j < counts[t], in
-        the order of ``miss_physical``. Read them on a stream that waited on
-        :meth:`wait_landed`; ValueError once a later landing split resolve reused them."""
-        if self._land is None:
-            raise ValueError("this split resolve did not land its misses (resolve_split(..., land=True))")
-        if self._whole.generation != self._land.generation:
-            raise ValueError("the landing rows were reused by a later landing split resolve; "
-                             "attend a split's misses before the next one")
-        T, K = self.hit_physical.shape
-        return self._land.rows, self._land.index.view(T, K), self._land.counts
-
-    def wait_landed(self, stream=None) -> None:
-        """Make ``stream`` (default: the current stream) wait until the misses are in
-        the landing rows (their slots may still be filling: :meth:`wait` for that)."""
-        if self._land is None:
-            raise ValueError("this split resolve did not land its misses (resolve_split(..., land=True))")
-        ev = self._land.event.event
-        if ev is None:
-            return
-        if stream is None:
-            stream = torch.cuda.current_stream(self.hit_physical.device)
-        stream.wait_event(ev)
 
 
-__all__ = ["Landing", "ResolveResult", "SplitResult"]
+__all__ = ["ResolveResult", "SplitResult"]

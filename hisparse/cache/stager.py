@@ -27,9 +27,6 @@ from .rollback import rollback_resolve
 from .state import STAT_PREFETCH, HotState, ResolveBuffers
 
 
-LAND_LAUNCH = (4, 64, 16)  # Stager.land_launch's default (BENCHMARKS.md)
-
-
 def capturing(device: torch.device) -> bool:
     """Whether the current CUDA stream is being captured into a graph."""
     return device_type(device) == "cuda" and torch.cuda.is_current_stream_capturing()
@@ -210,21 +207,14 @@ class Stager:
     """
 
     def __init__(self, streams: CacheStreams, state: HotState, *, resolve_fn: Callable,
-                 lookup_fn: Callable, copy_fn: Callable, staged_fn: Callable, max_query_len: int) -> None:
+                 lookup_fn: Callable, copy_fn: Callable, max_query_len: int) -> None:
         self.streams = streams
         self.state = state
         self.resolve_fn = resolve_fn
         self.lookup_fn = lookup_fn
         self.copy_fn = copy_fn
-        self.staged_fn = staged_fn  # transfer.copy_staged's launch, on any pair of row tables
         self.max_query_len = max_query_len
         self._stage_programs: int | None = None
-        # (programs, rows per program, warps) of a landing split's host -> landing-rows copy:
-        # few programs of many rows, so that it leaves the SMs to the hit attention beside it
-        self.land_launch: tuple[int, int, int] = LAND_LAUNCH
-        # programs of the landed rows' copy into their slots (device to device: many
-        # programs keep enough rows in flight); None = transfer.copy_staged's default
-        self.scatter_programs: int | None = None
 
     @property
     def stage_programs(self) -> int | None:
@@ -332,74 +322,6 @@ class Stager:
         if stage is not None and not cap:
             req_ids.record_stream(stage)
             topk.record_stream(stage)
-        return ev.event
-
-    def run_split_land(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor, out: ResolveBuffers,
-                       hit: torch.Tensor, land, *, host_rows: torch.Tensor):
-        """The first half of a landing split resolve: the hit phase on the current stream,
-        listing each token's misses (``land.src`` / ``land.counts``), then on the stage
-        stream the copy of those host rows into ``land.rows`` (entry t * K + j: token t's
-        miss j), which records ``land.event``. The miss phase waits for
-        :meth:`finish_split_land`. A launch that raises is undone before the error propagates."""
-        cs = self.streams
-        cur, cap = cs.current(), cs.capturing()
-        cs.stage[layer].wait_by(cur, cap)  # earlier work of this layer (a prefetch) first
-        self.lookup_fn(self.state, layer, req_ids, topk, hit, out.undo_hit, max_query_len=self.max_query_len,
-                       land=(land.src, land.counts))
-        stage = cs.streams.stage
-        if stage is not None:
-            cs.follow(stage, cur)
-            cs.backup.wait_by(stage, cap)
-        with cs.streams.on(stage):
-            try:
-                p, r, w = self.land_launch
-                self.staged_fn(host_rows, land.src, land.rows, land.index, land.counts, K=topk.shape[1],
-                               programs=p, rows_per_program=r, num_warps=w)
-            except BaseException:
-                if not cap:
-                    self._undo(layer, req_ids, topk, out, miss_phase_ran=False, streams=(cur, stage),
-                               rows=(None, None))
-                raise
-            land.event.record(stage, cap)
-
-    def finish_split_land(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor, out: ResolveBuffers,
-                          miss_lists: tuple, land, *, host_rows: torch.Tensor, hot_rows: torch.Tensor,
-                          compact: bool):
-        """The second half: on the miss stream, after the work enqueued on the current
-        stream so far (the hit attention) and beside the landing copy still running on
-        the stage stream, the miss phase; then on the stage stream, after both, the copy
-        of the landed rows into the slots it chose (miss j of token t:
-        ``land.rows[t * K + j]`` -> ``miss_lists[0][t, j]``, a device-to-device copy over
-        ``scatter_programs`` programs). Records the layer's events; returns its stage event."""
-        cs = self.streams
-        cur, cap = cs.current(), cs.capturing()
-        stage, miss = cs.streams.stage, cs.streams.miss
-        if miss is not None:
-            cs.follow(miss, cur)
-        ev = cs.stage[layer]
-        miss_ran = False
-        try:
-            with cs.streams.on(miss):
-                self.resolve_fn(self.state, layer, req_ids, topk, out, max_query_len=self.max_query_len,
-                                compact=compact, stamped=True, miss_lists=miss_lists)
-                miss_ran = True
-                cs.resolved[layer].record(miss, cap)
-            if stage is not None:
-                cs.follow(stage, miss)
-            with cs.streams.on(stage):
-                mp, _mh, mc = miss_lists
-                self.staged_fn(land.rows, land.index, hot_rows, mp.view(-1), mc, K=topk.shape[1],
-                               programs=self.scatter_programs, rows_per_program=8, num_warps=4)
-                ev.record(stage, cap)
-        except BaseException:
-            if not cap:
-                self._undo(layer, req_ids, topk, out, miss_phase_ran=miss_ran, streams=(cur, miss, stage),
-                           rows=(hot_rows, host_rows))
-            raise
-        if stage is not None and not cap:
-            for st in (stage, miss):
-                req_ids.record_stream(st)
-                topk.record_stream(st)
         return ev.event
 
     def run_prefetch(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor, out: ResolveBuffers, *,

@@ -8,19 +8,12 @@ Modes (``Overlap``):
   split   the hit phase of the resolve, then attention over the hits *while* the miss
           phase and the staging copy run on the stage stream; then attention over the
           misses, merged into the hit result by LSE (``attention.miss``)
-  land    the hit phase, which also lists each token's misses; attention over the hits
-          *while* the stage stream copies the missed rows from host into landing rows
-          (the copy starts before any victim is chosen); then attention over the landed
-          rows, LSE-merged. The miss phase (victims, LRU state) runs on its own stream
-          once the hit attention is done (its programs would hold SMs the hit
-          attention's blocks wait for), beside the landing copy; the landed rows are
-          then copied into their slots
   fused   as split, but no copy: one kernel on the stage stream reads the missed rows
           from pinned host memory, writes them into their hot slots and attends over
           them, concurrently with the hit attention; then an LSE merge
 
-All four leave the cache in the same state, bit for bit, and return the same
-attention (split, land and fused within the rounding of one merge of bf16 partials). The
+All three leave the cache in the same state, bit for bit, and return the same
+attention (split and fused within the rounding of one merge of bf16 partials). The
 hit attention runs on any backend (``attention.base.SparseMLABackend``: Triton,
 FlashMLA, FlashInfer, the reference); the miss side runs our Triton kernels (their
 torch references on CPU). Graph capturable with ``validate=False``: fixed shapes, no
@@ -51,7 +44,6 @@ class Overlap(enum.Enum):
     SERIAL = "serial"
     SPLIT = "split"
     FUSED = "fused"
-    LAND = "land"
 
     @classmethod
     def parse(cls, value: "Overlap | str") -> "Overlap":
@@ -128,21 +120,6 @@ class DecodeLayer:
             sp.wait()
             miss_attention_merge(q, hot, sp.miss_physical, sp.miss_counts, out, lse, sm_scale=sm_scale,
                                  row_format=fmt, plan=plan, kernels=self.kernels)
-            return out, lse
-        if self.overlap is Overlap.LAND:
-            plan = self._plan(MissMode.SPLIT, T, H, fmt)
-            sp = c.resolve_split(layer, req_ids, topk, validate=self.validate, land=True)
-            try:
-                out, lse = self.backend.decode(q, hot, sp.hit_physical, sm_scale=sm_scale, row_format=fmt)
-            except BaseException:
-                c.abort_split(sp)
-                raise
-            c.finish_split(sp)  # the miss phase after the hit attention, beside the miss attention
-            rows, idx, counts = sp.landed()
-            sp.wait_landed()
-            miss_attention_merge(q, rows, idx, counts, out, lse, sm_scale=sm_scale, row_format=fmt, plan=plan,
-                                 kernels=self.kernels)
-            sp.wait()
             return out, lse
         plan = self._plan(MissMode.FUSED, T, H, fmt)
         part_out, part_lse = self._partial(T, H)

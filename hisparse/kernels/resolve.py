@@ -394,8 +394,7 @@ def resolve_kernel(
     do_not_specialize=["topk_stride", "max_request_id", "R", "bt_stride", "NB", "H",
                        "hit_stride", "T", "K", "S", "B"],
     do_not_specialize_on_alignment=["slot_stamp_ptr", "row_slot_ptr", "step_ptr", "stats_ptr",
-                                    "id_to_slot_ptr", "seq_lens_ptr", "bt_ptr", "undo_hit_ptr",
-                                    "land_src_ptr", "land_cnt_ptr"],
+                                    "id_to_slot_ptr", "seq_lens_ptr", "bt_ptr", "undo_hit_ptr"],
 )
 def resolve_lookup_kernel(
     req_ids_ptr,  # int32 [T], request id per query token
@@ -416,8 +415,6 @@ def resolve_lookup_kernel(
     hit_ptr,  # int32 [>= T, >= K] (row stride hit_stride), output: hot row of a hit, else -1
     hit_stride,
     undo_hit_ptr,  # int64 [>= T * K], output: a hit lane's stamp before this step, -2 = no hit
-    land_src_ptr,  # int32 [>= T * K], output when LAND: token t's miss host rows at t * K on, compacted
-    land_cnt_ptr,  # int32 [>= T], output when LAND: token t's misses
     T,
     K,
     S,
@@ -425,9 +422,8 @@ def resolve_lookup_kernel(
     STAT_HITS: tl.constexpr,
     STAT_INVALID: tl.constexpr,
     Q: tl.constexpr,  # max_query_len
-    CHUNK: tl.constexpr,  # entries per program (power of two; >= K when LAND)
+    CHUNK: tl.constexpr,  # entries per program (power of two)
     CH: tl.constexpr,  # req_ids scanned per step (see _token_group)
-    LAND: tl.constexpr,  # also list each token's misses (the rows to land before the miss phase)
 ):
     """The hit phase of a split resolve: grid (T, cdiv(K, CHUNK)).
 
@@ -438,12 +434,6 @@ def resolve_lookup_kernel(
     counts unique hits and invalid entries. It changes no slot mapping, so the hot
     rows of the hits can be read as soon as it finished, while the miss phase
     (``resolve_kernel`` with STAMPED) maps and stages the misses on another stream.
-
-    LAND (grid (T, 1), one program per token): also writes the host rows of the
-    token's miss entries, in entry order, duplicates included, to land_src[t * K:] and
-    their number to land_cnt[t] -- the very entries, in the very order, of the miss
-    phase's miss lists (``resolve_kernel`` with MISS_LISTS), so the rows can be copied
-    before the miss phase has chosen their slots.
     """
     t = tl.program_id(0)
     c = tl.program_id(1)
@@ -469,12 +459,5 @@ def resolve_lookup_kernel(
         tl.store(hit_ptr + out_off, tl.where(hit, r * SP + slot, -1), mask=kmask)
         tl.atomic_add(stats_ptr + STAT_HITS, nhit.to(tl.int64))
         tl.atomic_add(stats_ptr + STAT_INVALID, nbad.to(tl.int64))
-        if LAND:
-            miss = good & (hit == 0)
-            mi = miss.to(tl.int32)
-            tl.store(land_src_ptr + t.to(tl.int64) * K + tl.cumsum(mi, 0) - mi, row.to(tl.int32), mask=miss)
-            tl.store(land_cnt_ptr + t, tl.sum(mi, axis=0))
     else:
         tl.store(hit_ptr + out_off, tl.full([CHUNK], -1, tl.int32), mask=kmask)
-        if LAND:
-            tl.store(land_cnt_ptr + t, 0)

@@ -130,7 +130,7 @@ class RunShape:
     flashmla_lib: str | None = None
     cache_kernels: str = "auto"
     seed: int = 0
-    overlap: str = "serial"  # hisparse decode: serial | split | land (the miss staging hidden)
+    overlap: str = "serial"  # hisparse decode: serial | split (the miss staging hidden)
     prefetch: bool = False  # hisparse decode: stage the next layer's rows from this one's top-k (prefetches_into)
     async_steps: bool = True  # the host prepares step t + 1 while step t runs (MiniEngineConfig)
 
