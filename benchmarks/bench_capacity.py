@@ -22,7 +22,10 @@ and the prefetch into them is a prediction). Each context reports the model's
 adjacent-layer top-k overlap (an eager probe of two requests); with ``--prefetch
 --same-batch`` hisparse also runs without prefetch at the resident batch, and the
 difference in misses gives the prefetch's precision, recall and wasted bytes on the
-same trace.
+same trace. ``--buffer S`` sizes and runs hisparse with S hot slots per (layer, request)
+(default 2 x top-k): more slots mean fewer misses and fewer requests; the buffer fills
+over the first decode steps, so compare buffer sizes with ``--decode-steps`` long enough
+for the timed steps to be past that.
 
 Exit status: 1 when outputs differ beyond tolerance or a run fails, 2 bad input, else 0.
 
@@ -62,6 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="weights + activations + slack [141GB - 80GiB: plan's default 80 GiB for KV]")
     ap.add_argument("--host-memory", type=parse_bytes, default=d.host_memory, help="host pool budget [1TiB]")
     ap.add_argument("--max-seqs", type=int, default=d.max_seqs)
+    ap.add_argument("--buffer", dest="hot_rows", type=common.positive_int, default=None, metavar="S",
+                    help="hisparse's hot LRU slots per (layer, request) [2 x top-k]: fewer misses, fewer requests")
     ap.add_argument("--run-layers", type=int, default=4, help="layers the measured runs have [4]")
     ap.add_argument("--heads", type=int, default=128)
     ap.add_argument("--hidden", type=int, default=1344, help="mini model width (see v32_share_at) [1344]")
@@ -103,7 +108,7 @@ def setup(a: argparse.Namespace) -> tuple[Budget, RunShape, list[int]]:
     if a.dry_run:
         # 2 layers, top-k 8, 16 hot rows: at 64 tokens resident fits 2 requests, hisparse 5 (host-bound)
         budget = Budget(num_layers=2, gpu_total=300_000, reserve=50_000, host_memory=420_000, top_k=8,
-                        hot_rows=16, block_size=16, max_seqs=64, index_share=a.index_share)
+                        hot_rows=a.hot_rows or 16, block_size=16, max_seqs=64, index_share=a.index_share)
         ffn = dict(ffn=a.ffn, ffn_intermediate=16, ffn_experts=4, ffn_active=2, ffn_shared=1)
         mode = DecodeMode(a.decode_mode or "padded")
         shape = RunShape(run_layers=2, num_heads=2, hidden=32, indexer_dim=16, vocab=97, ffn=ffn, decode_steps=3,
@@ -111,7 +116,7 @@ def setup(a: argparse.Namespace) -> tuple[Budget, RunShape, list[int]]:
                          overlap=a.overlap, prefetch=a.prefetch, index_correlation=a.index_correlation)
         return budget, shape, a.contexts or [64, 96]
     budget = Budget(num_layers=a.layers, gpu_total=a.gpu_total, reserve=a.reserve, host_memory=a.host_memory,
-                    max_seqs=a.max_seqs, index_share=a.index_share)
+                    max_seqs=a.max_seqs, index_share=a.index_share, hot_rows=a.hot_rows)
     ffn = {k: v for k, v in v32_share_at(a.hidden).items() if k.startswith("ffn")}
     ffn["ffn"] = a.ffn
     shape = RunShape(run_layers=a.run_layers, num_heads=a.heads, hidden=a.hidden, ffn=ffn,
@@ -120,6 +125,13 @@ def setup(a: argparse.Namespace) -> tuple[Budget, RunShape, list[int]]:
                      overlap=a.overlap, prefetch=a.prefetch, index_correlation=a.index_correlation,
                      async_steps=a.async_steps, locality=RunShape.locality if a.locality is None else a.locality)
     return budget, shape, a.contexts or [32768, 65536, 131072]
+
+
+def check_buffer(budget: Budget) -> None:
+    """--buffer S: every hisparse step may select top-k distinct rows, so S >= top-k."""
+    if budget.hot_rows is not None and budget.hot_rows < budget.top_k:
+        raise ValueError(f"--buffer {budget.hot_rows} is below top-k ({budget.top_k}): one step may select "
+                         f"top-k distinct rows; give at least {budget.top_k}")
 
 
 def run_context(budget: Budget, shape: RunShape, ctx: int, a: argparse.Namespace) -> dict:
@@ -296,6 +308,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         budget, shape, contexts = setup(a)
+        check_buffer(budget)
+        tier_limits(budget, contexts[0])  # the sizing's inputs are valid
         engine_config(budget, shape, context=contexts[0], batch=1)  # the run's config is valid (no allocation)
     except (ValueError, TypeError) as e:
         print(f"bench_capacity: {e}", file=sys.stderr)

@@ -86,6 +86,11 @@ def test_bench_capacity_max_batch(value, capsys):
     refused(bench_capacity.main, ["--dry-run", "--max-batch", value], capsys, "--max-batch")
 
 
+@pytest.mark.parametrize("value", ["0", "4", "x"])
+def test_bench_capacity_buffer(value, capsys):
+    refused(bench_capacity.main, ["--dry-run", "--buffer", value], capsys, "--buffer")  # 4 < the dry run's top-k
+
+
 @pytest.mark.parametrize("argv, words", [
     (["--buffer", "1"], ["device_buffer_size=1"]),  # the cache's own rule, checked before the runs
     (["--runs", "0"], ["--runs"]), (["--budget-s", "nan"], ["--budget-s"]),

@@ -87,6 +87,17 @@ def test_bench_capacity_dry_run(tmp_path, capsys):
     assert "x resident" in text and "hisparse vs resident, same batch" in text
 
 
+def test_bench_capacity_buffer_sizes_hisparse(tmp_path):
+    """--buffer S: hisparse's hot buffers (and so its GPU limit) grow with S; the run uses S."""
+    out = tmp_path / "capacity.json"
+    assert bench_capacity.main(["--dry-run", "--contexts", "64", "--buffer", "24", "--out", str(out)]) == 0
+    c = json.loads(out.read_text())["contexts"]["64"]
+    assert c["runs"]["hisparse"]["config"]["device_buffer_size"] == 24
+    lim = c["limits"]["hisparse"]
+    assert lim["bound"] == "gpu" and lim["batch"] == lim["gpu_limit"] == 4  # 5 with the dry run's 16 slots
+    assert c["limits"]["resident"]["batch"] == 2  # the resident tier has no hot buffer
+
+
 def test_bench_capacity_bad_input(tmp_path, capsys):
     assert bench_capacity.main(["--dry-run", "--contexts", "12Q"]) == 2
     assert bench_capacity.main(["--dry-run", "--profile", "-1"]) == 2
