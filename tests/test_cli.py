@@ -432,3 +432,16 @@ def test_gpu_preset_runs(capsys):
           f"{ov['resolve_ms_p50']:.2f}), H2D {ov['h2d_GBps']:.2f} GB/s, GPU peak {ov['gpu_peak_bytes']}")
     assert main(["stress", "--device", "cuda", "--unchecked", "--requests", "8", "--context", "16K",
                  "--top-k", "512", "--steps", "5", "--quiet"]) == 0
+
+
+def test_an_output_that_cannot_be_written_is_one_line_and_exit_1(capsys):
+    """A write that fails after the up-front path checks (disk full, an I/O error) ends
+    the command with one line and exit 1 (the run failed), not a traceback."""
+    from hisparse.tools.exit_codes import EXIT_FAILED, run_command
+
+    def body():
+        raise OSError(28, "No space left on device", "/tmp/out.json")
+
+    assert run_command("stress", body) == EXIT_FAILED
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("hisparse stress: I/O error:") and "No space left" in err[0]

@@ -54,6 +54,8 @@ def classify(exc: BaseException) -> tuple[int, str] | None:
         return EXIT_INPUT, "error"
     if isinstance(exc, KeyboardInterrupt):
         return EXIT_INTERRUPTED, "interrupted"
+    if isinstance(exc, OSError):  # an output the checks admitted could not be written (disk full, ...)
+        return EXIT_FAILED, "I/O error"
     return None
 
 
