@@ -341,6 +341,7 @@ def test_indexer_and_bf16_run():
     (dict(churn=2.0), "churn"),
     (dict(context_min=500), "context_min"),
     (dict(row_format="fp4"), "row format"),
+    (dict(trace="uniform", drift=0.2), "drift does not apply"),  # not silently ignored
 ])
 def test_bad_options(kw, msg):
     with pytest.raises(ValueError, match=msg):

@@ -379,6 +379,7 @@ def test_cli_replay_of_a_recorded_file(tmp_path, capsys):
     (["--persistence", "1.5"], "persistence"),
     (["--row-bytes", "0"], "row_bytes"),
     (["--threads", "0"], "threads"),
+    (["--threads", "100000"], "threads=100000 is out of range"),  # torch would crash the process
     (["--steps", "20"], "nothing to count"),  # the preset's 20 warm-up steps
 ])
 def test_cli_bad_input_exit_2_one_line(capsys, argv, msg):

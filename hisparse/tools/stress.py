@@ -170,6 +170,9 @@ class StressOptions:
             raise ValueError(f"trace='workingset' always selects {WORKINGSET_SINKS} sink and the "
                              f"{WORKINGSET_RECENT} newest tokens, so it needs top_k > {fixed} (got {self.top_k}); "
                              "give a larger --top-k or another --trace")
+        if self.drift is not None and self.trace in ("uniform", "replay"):
+            raise ValueError(f"drift does not apply to trace={self.trace!r} (only correlated, indexer "
+                             "and workingset drift); leave --drift out or pick one of those traces")
         if self.trace == "replay" and not self.replay:
             raise ValueError("trace='replay' needs a trace file (--replay FILE)")
         if self.replay and self.trace != "replay":

@@ -60,6 +60,7 @@ from .whatif_report import check_plot_dir, format_whatif, plot_whatif
 
 EXIT_OK, EXIT_INPUT, EXIT_MISSING = 0, 2, 4
 PCIE_GBPS = 55.0  # H200 bulk pinned host -> device copy: the ceiling for staging (docs/PERF_NOTES.md)
+MAX_THREADS = 1024  # --threads bound: torch.set_num_threads crashes the process on absurd counts
 GENERATORS = ("workingset", "correlated", "uniform", "indexer")
 WORKLOAD_KEYS = ("requests", "context", "context_min", "layers", "top_k", "steps", "churn", "seed")
 KNOB_KEYS = {"workingset": ("sinks", "recent", "pool", "persistence", "drift", "layer_overlap"),
@@ -124,7 +125,7 @@ class WhatifOptions:
     row_bytes: int | None = None
     pcie_gbps: float = PCIE_GBPS
     device: str = "cpu"
-    threads: int = 1  # torch CPU threads while it runs (restored after)
+    threads: int = 1  # torch CPU threads while it runs (restored after), 1..MAX_THREADS
     progress: bool = True
 
 
@@ -249,7 +250,7 @@ def run_whatif(o: WhatifOptions) -> dict[str, Any]:
     and on a shared 2-core machine a second OpenMP thread mostly waits) and restores the
     caller's setting afterwards.
     """
-    check_int("threads", o.threads, 1)
+    check_int("threads", o.threads, 1, MAX_THREADS + 1)
     before = torch.get_num_threads()
     torch.set_num_threads(o.threads)
     try:
@@ -464,7 +465,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
       help=f"host->device GB/s for the time projection [{PCIE_GBPS:g}: the H200's bulk copy ceiling]")
     a("--device", default="cpu", choices=["cpu", "cuda"], help="device the simulation runs on [cpu]")
     a("--threads", type=int, default=1,
-      help="torch CPU threads [1: the per-step tensors are small, and more threads only "
+      help=f"torch CPU threads, 1..{MAX_THREADS} [1: the per-step tensors are small, and more threads only "
            "add waiting on a shared machine]")
     a("--plot", metavar="DIR", help="write whatif.png there (needs matplotlib)")
     a("--json", action="store_true", help="print the result as JSON on stdout")
