@@ -40,9 +40,10 @@ def _dev() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def _setup(q: int, n_req: int, seed: int, *, L: int = 2, max_seq: int | None = None):
+def _setup(q: int, n_req: int, seed: int, *, L: int = 2, max_seq: int | None = None,
+           S: int | None = None):
     """Config + consistent state on the GPU for n_req requests (ids 0..n_req-1)."""
-    S = max(S_MIN, q * K)
+    S = S or max(S_MIN, q * K)
     rng = random.Random(seed)
     max_seq = max_seq or 5 * S
     seqs = {}
@@ -80,10 +81,11 @@ def _batch(seqs: dict[int, int], q: int, gen: torch.Generator, *, pad: float = 0
             torch.stack(rows).to(torch.int32).to(dev))
 
 
-@pytest.mark.parametrize("q,T,compact", [(1, 64, False), (1, 256, False), (2, 256, True),
-                                         (4, 256, False)])
-def test_resolve_matches_reference_production(q, T, compact):
-    cfg, seqs, ref, rng = _setup(q, T // q, seed=T + q)
+# S = max(4096, q x K) unless given: 5120 and 6144 (2.5 and 3 x top-k) fill 8192-lane tiles
+@pytest.mark.parametrize("q,T,compact,S", [(1, 64, False, None), (1, 256, False, None), (2, 256, True, None),
+                                           (4, 256, False, None), (1, 64, False, 5120), (1, 64, True, 6144)])
+def test_resolve_matches_reference_production(q, T, compact, S):
+    cfg, seqs, ref, rng = _setup(q, T // q, seed=T + q, S=S)
     tri = ref.clone()
     gen = torch.Generator().manual_seed(q * 1000 + T)
     for step in range(3):
@@ -92,7 +94,7 @@ def test_resolve_matches_reference_production(q, T, compact):
         resolve_reference(ref, 1, req, topk, oa, max_query_len=q, compact=compact)
         resolve_triton(tri, 1, req, topk, ob, max_query_len=q, compact=compact)
         torch.cuda.synchronize()
-        assert_same(ref, tri, oa, ob, msg=f"q={q} T={T} step {step}")
+        assert_same(ref, tri, oa, ob, msg=f"q={q} T={T} S={S} step {step}")
     stats = tri.stats[1].tolist()
     print(f"q={q} T={T}: hits/misses/invalid/resolves = {stats}")
     assert stats[STAT_MISSES] > 0

@@ -38,10 +38,13 @@ with ``.cg`` loads (L2, not a possibly stale L1 line). The only sort is of the m
       (stamp, position), selected by bisecting for the threshold stamp and then for
       the threshold position inside that stamp (each probe one masked count over the
       S slots).
-  P4  the victims, in ascending slot order, are ranked; the victim of rank i reads
-      the miss parked in entry i, logs its old position and stamp, unmaps its old row, maps the miss (slot_pos,
-      slot_stamp, row_slot, overwriting the marker) and writes its flat hot row to
-      stage_dst[t0*K + i].
+  P4  the victims, in ascending slot order, are ranked and listed (victim i's slot
+      at entry i of a scratch list in the group's own rows of ``physical``, which P5
+      overwrites); then, over m lanes instead of S, victim i reads the miss parked in
+      entry i, logs its old position and stamp, unmaps its old row, maps the miss
+      (slot_pos, slot_stamp, row_slot, overwriting the marker) and writes its flat hot
+      row to stage_dst[t0*K + i]. (Done over the S slot lanes, every gathered value
+      took S lanes of registers, which spilled from S = 4096 on.)
   P5  per token of the group, from the tile: physical = r * (S + 1) + slot (the miss
       lanes re-read their final slot), -1 for padding/invalid; valid count; optional
       stable compaction.
@@ -90,6 +93,45 @@ def _sort_parked(stage_src_ptr, stage_dst_ptr, base, m, bt_r, NB, B, H, TILE: tl
     row, _good = _host_row(pos, im, bt_r, NB, B, H)
     tl.store(stage_src_ptr + base + i, row.to(tl.int32), mask=im)
     tl.store(stage_dst_ptr + base + i, -2 - pos, mask=im)
+
+
+@triton.jit
+def _list_victims(vic, si, m, scratch_ptr, K, phys_stride):
+    """P4, first half: rank the victims ``vic`` (bool [SB]) of the slots ``si`` in
+    ascending slot order and write the slot of victim i < m to entry i of the group's
+    scratch list (entry i: row i // K, column i % K of the group's rows of
+    ``physical``, which P5 overwrites). Returns the number of victims."""
+    vi = vic.to(tl.int32)
+    vrank = tl.cumsum(vi, 0) - vi
+    keep = vic & (vrank < m)
+    tl.store(scratch_ptr + (vrank // K).to(tl.int64) * phys_stride + vrank % K, si, mask=keep)
+    return tl.sum(vi, axis=0)
+
+
+@triton.jit
+def _pair_listed(nv, m, s_new, rbase, base, scratch_ptr, K, phys_stride, S, slot_pos_r, slot_stamp_r,
+                 row_slot_ptr, stage_src_ptr, stage_dst_ptr, undo_vpos_ptr, undo_vstamp_ptr, bt_r, NB,
+                 B, H, N: tl.constexpr):
+    """P4, second half, over N >= m lanes (not over the S slots): victim i < min(nv, m)
+    takes the miss parked at entry i. It logs the victim's old position and stamp,
+    unmaps its old row and maps the miss. Returns the number of victims paired."""
+    i = tl.arange(0, N)
+    im = i < tl.minimum(nv, m)
+    vs = tl.load(scratch_ptr + (i // K).to(tl.int64) * phys_stride + i % K, mask=im, other=-1)
+    mrow = tl.load(stage_src_ptr + base + i, mask=im, other=-1)
+    menc = tl.load(stage_dst_ptr + base + i, mask=im, other=-1)
+    okv = im & (vs >= 0) & (vs < S) & (menc <= -2) & (mrow >= 0) & (mrow < H)
+    spo = tl.load(slot_pos_r + vs, mask=okv, other=-1)
+    st = tl.load(slot_stamp_r + vs, mask=okv, other=-1, cache_modifier=".cg")
+    orow, ogood = _host_row(spo, okv & (spo >= 0), bt_r, NB, B, H)
+    tl.store(row_slot_ptr + orow, tl.full([N], -1, tl.int32), mask=ogood)
+    tl.store(undo_vpos_ptr + base + i, spo, mask=okv)
+    tl.store(undo_vstamp_ptr + base + i, st, mask=okv)
+    tl.store(slot_pos_r + vs, -2 - menc, mask=okv)
+    tl.store(slot_stamp_r + vs, tl.zeros([N], tl.int64) + s_new, mask=okv)
+    tl.store(row_slot_ptr + mrow, vs, mask=okv)
+    tl.store(stage_dst_ptr + base + i, rbase + vs, mask=okv)
+    return tl.sum(okv.to(tl.int32), axis=0)
 
 
 @triton.jit
@@ -211,6 +253,7 @@ def resolve_kernel(
             bt_r = bt_ptr + r.to(tl.int64) * bt_stride
             seq = tl.load(seq_lens_ptr + r)
             s_new = tl.load(step_ptr + r) + 1
+            scratch_ptr = phys_ptr + t.to(tl.int64) * phys_stride  # the victim list of P4
 
             # the group tile [GQ, KB]: entry k of the group's token j
             jj = tl.arange(0, GQ)
@@ -324,22 +367,13 @@ def resolve_kernel(
                         plo = tl.where(ge, plo, mid + 1)
                     vic = vic | below | (eq & (spo <= plo))
                 # P4: victims in ascending slot order; the one of rank i takes miss i
-                vi = vic.to(tl.int32)
-                vrank = tl.cumsum(vi, 0) - vi
-                vic = vic & (vrank < m)
-                vr = tl.where(vic, vrank, 0)
-                mrow = tl.load(stage_src_ptr + base + vr, mask=vic, other=-1)
-                menc = tl.load(stage_dst_ptr + base + vr, mask=vic, other=-1)
-                okv = vic & (menc <= -2) & (mrow >= 0) & (mrow < H)
-                orow, ogood = _host_row(spo, okv & (spo >= 0), bt_r, NB, B, H)
-                tl.store(row_slot_ptr + orow, tl.full([SB], -1, tl.int32), mask=ogood)
-                tl.store(undo_vpos_ptr + base + vr, spo, mask=okv)
-                tl.store(undo_vstamp_ptr + base + vr, st, mask=okv)
-                tl.store(slot_pos_r + si, -2 - menc, mask=okv)
-                tl.store(slot_stamp_r + si, tl.zeros([SB], tl.int64) + s_new, mask=okv)
-                tl.store(row_slot_ptr + mrow, si, mask=okv)
-                tl.store(stage_dst_ptr + base + vr, rbase + si, mask=okv)
-                if tl.sum(okv.to(tl.int32), axis=0) != m:
+                nv = _list_victims(vic, si, m, scratch_ptr, K, phys_stride)
+                tl.debug_barrier()  # the victim list is written before it is read
+                npaired = _pair_listed(nv, m, s_new, rbase, base, scratch_ptr, K, phys_stride, S,
+                                       slot_pos_r, slot_stamp_r, row_slot_ptr, stage_src_ptr,
+                                       stage_dst_ptr, undo_vpos_ptr, undo_vstamp_ptr, bt_r, NB, B, H,
+                                       GQ * KB)
+                if npaired != m:
                     # only with a corrupt state: unmark and drop the unpaired misses
                     tl.debug_barrier()
                     d = tl.load(stage_dst_ptr + base + goff, mask=gmask, other=-1)
