@@ -445,3 +445,20 @@ def test_an_output_that_cannot_be_written_is_one_line_and_exit_1(capsys):
     assert run_command("stress", body) == EXIT_FAILED
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("hisparse stress: I/O error:") and "No space left" in err[0]
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["stress", "--record", ""], "--record"),
+    (["stress", "--out", " "], None),  # stress has no --out: an unknown flag, still exit 2
+    (["stress", "--metrics-file", ""], "--metrics-file"),
+    (["stress", "--plot", ""], "--plot"),
+    (["stress", "--replay", ""], "--replay"),
+    (["autotune", "--out", ""], "--out"),
+    (["mini-engine", "--out", ""], "--out"),
+    (["mini-engine", "--record", ""], "--record"),
+    (["whatif", "--plot", ""], "--plot"),
+    (["whatif", "--replay", ""], "--replay"),
+])
+def test_empty_path_is_refused_not_ignored(capsys, argv, flag):
+    """An empty path read as "not given" would run the whole job and write nothing."""
+    _fails(capsys, argv, 2, *([f"argument {flag}: empty path"] if flag else []))

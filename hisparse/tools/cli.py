@@ -33,7 +33,7 @@ from .env import collect_env, format_env
 from .exit_codes import (EXIT_FAILED, EXIT_INPUT, EXIT_OK, MissingDependency, OneLineParser,
                          run_command)
 from .plan import FORMULAS, PlanInputs, fmt_bytes, format_plan, parse_bytes, parse_count, parse_tokens, plan
-from .preflight import check_output_dir, check_output_file, parse_device
+from .preflight import check_output_dir, check_output_file, parse_device, path_arg
 from .report import plot_stress, require_matplotlib
 from .stress import StressOptions, StressRun
 from .stress_report import format_stress
@@ -132,10 +132,10 @@ def _add_stress(sub) -> None:
     a("--trace", choices=list(SOURCES), help=f"top-k source [{d.trace}]")
     a("--drift", type=float, help="correlated: fraction replaced per step; indexer: query drift; workingset: "
                                   "candidates replaced per step [0.1; workingset 0.03]")
-    a("--replay", metavar="FILE",
+    a("--replay", type=path_arg, metavar="FILE",
       help="replay a recorded .npz trace (implies --trace replay; the trace fixes layers, top-k, "
            "steps and the request schedule, so those flags are refused next to it)")
-    a("--record", metavar="FILE", help="write the trace used to this .npz (format: hisparse.tools.traces)")
+    a("--record", type=path_arg, metavar="FILE", help="write the trace used to this .npz (format: hisparse.tools.traces)")
     a("--verify", type=_verify_arg, help=f"rows checked per layer and step, 'all' or 'none' [{d.verify}]")
     a("--seed", type=int, help=f"seed [{d.seed}]")
     a("--device", help="cpu, cuda or cuda:N [cuda if available]")
@@ -150,8 +150,8 @@ def _add_stress(sub) -> None:
       help="after each layer's resolve, stage its selection into the next layer (exact into a layer "
            "that shares it, e.g. the Shared layers of a `mini-engine --index-share 2 --record` trace; "
            "a prediction into the others); reports precision, recall, evicted rows and wasted bytes")
-    a("--plot", metavar="DIR", help="write hit_rate.png and step_time.png there (needs matplotlib)")
-    a("--metrics-file", metavar="FILE",
+    a("--plot", type=path_arg, metavar="DIR", help="write hit_rate.png and step_time.png there (needs matplotlib)")
+    a("--metrics-file", type=path_arg, metavar="FILE",
       help="write the cache's stats() there in the Prometheus text format (docs/METRICS.md), "
            "at the end and every --metrics-every steps")
     a("--metrics-every", type=parse_count, default=10, metavar="N",
@@ -270,7 +270,7 @@ def _add_autotune(sub) -> None:
     a("--device", default=None, help="cpu, cuda or cuda:N [cuda if available]")
     a("--backend", default=None, help="preferred attention backend name")
     a("--flashmla-lib", default=None, help="FlashMLA library path [$HISPARSE_FLASHMLA_LIB]")
-    a("--out", metavar="FILE", help="write the JSON result here")
+    a("--out", type=path_arg, metavar="FILE", help="write the JSON result here")
     p.set_defaults(func=_cmd_autotune)
 
 

@@ -13,6 +13,8 @@ is allocated or computed:
 - :func:`check_output_file` / :func:`check_output_dir`: the path can be written
   (probed with a temporary file that is removed again; an existing file is opened
   for appending and left unchanged).
+- :func:`path_arg`: the argparse type of every path flag; an empty string (``--out ""``,
+  which the tools would otherwise read as "not given") is an error, exit 2.
 - :func:`check_memory`: the bytes a run will allocate, part by part, against
   ``MemAvailable`` of ``/proc/meminfo`` (host) and ``torch.cuda.mem_get_info`` (GPU);
   too much is a :class:`~hisparse.CapacityError` naming the bytes asked for. Where
@@ -21,6 +23,7 @@ is allocated or computed:
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import os
 import re
@@ -86,6 +89,13 @@ def _probe_dir(directory: str, flag: str, path: str) -> None:
     except OSError as e:
         raise ValueError(f"{flag} {path!r}: cannot write in {directory!r} "
                          f"({e.strerror or e})") from None
+
+
+def path_arg(value: str) -> str:
+    """argparse ``type=`` of a path flag: refuses an empty or blank path."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError("empty path; give a file or directory name, or leave the flag out")
+    return value
 
 
 def check_output_file(path: str | os.PathLike, *, flag: str) -> str:

@@ -50,7 +50,7 @@ from .exit_codes import MissingDependency
 from .belady import (LayerTrace, Policy, hit_rate, make_plan, next_uses, row_membership,
                      simulate)
 from .plan import parse_tokens
-from .preflight import check_memory
+from .preflight import check_memory, path_arg
 from .progress import Progress
 from .report import PlotUnavailable, require_matplotlib
 from .stress import StressOptions, Schedule
@@ -439,7 +439,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
             "project staging bytes and time per layer-step. Generated traces use stress's "
             "schedule (--requests/--context/--churn/...) and sources. See docs/WHATIF.md."))
     a = p.add_argument
-    a("--replay", metavar="FILE", help="a recorded .npz trace (stress/mini-engine --record)")
+    a("--replay", type=path_arg, metavar="FILE", help="a recorded .npz trace (stress/mini-engine --record)")
     a("--preset", choices=sorted(PRESETS), help="generated workload [glm51 unless --replay]")
     a("--trace", choices=GENERATORS, help="generator (overrides the preset's)")
     for k, typ, h in (("requests", int, "live requests"),
@@ -467,7 +467,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     a("--threads", type=int, default=1,
       help=f"torch CPU threads, 1..{MAX_THREADS} [1: the per-step tensors are small, and more threads only "
            "add waiting on a shared machine]")
-    a("--plot", metavar="DIR", help="write whatif.png there (needs matplotlib)")
+    a("--plot", type=path_arg, metavar="DIR", help="write whatif.png there (needs matplotlib)")
     a("--json", action="store_true", help="print the result as JSON on stdout")
     a("--quiet", action="store_true", help="no progress output on stderr")
     p.set_defaults(func=run_args)

@@ -15,7 +15,7 @@ import sys
 from ..._checks import Kernels
 from ...decode.layer import Overlap
 from ..exit_codes import EXIT_FAILED, EXIT_OK, OneLineParser, run_command
-from ..preflight import check_output_file
+from ..preflight import check_output_file, path_arg
 from .config import PRESETS, MiniEngineConfig
 from .ffn import FFNKind
 from .loop import run
@@ -76,9 +76,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None,
                        choices=_CHOICES.get(name), help=f"(default {_NONE_MEANS.get(name, f.default)})")
     p.add_argument("--json", action="store_true", help="print the result as JSON instead of the table")
-    p.add_argument("--out", default=None, metavar="FILE", help="also write the JSON result to this file")
+    p.add_argument("--out", default=None, type=path_arg, metavar="FILE", help="also write the JSON result to this file")
     p.add_argument("--progress", action="store_true", help="print progress on stderr")
-    p.add_argument("--record", default=None, metavar="FILE",
+    p.add_argument("--record", default=None, type=path_arg, metavar="FILE",
                    help="write the decode steps' top-k (the real indexer's) to a .npz trace; "
                         "replay it with `hisparse stress --replay FILE` (needs --query-len 1)")
     return p
