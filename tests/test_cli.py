@@ -7,6 +7,7 @@ checked before any work: those tests replace the work itself with a function tha
 fails the test if it is reached.
 """
 
+import argparse
 import json
 import os
 import subprocess
@@ -462,3 +463,17 @@ def test_an_output_that_cannot_be_written_is_one_line_and_exit_1(capsys):
 def test_empty_path_is_refused_not_ignored(capsys, argv, flag):
     """An empty path read as "not given" would run the whole job and write nothing."""
     _fails(capsys, argv, 2, *([f"argument {flag}: empty path"] if flag else []))
+
+
+def test_every_option_says_what_it_is_and_every_command_its_exit_status(capsys):
+    """No option's help is only its default, and every command's help ends with the exit
+    statuses."""
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, sp in sub.choices.items():
+        assert sp.epilog and "exit status" in sp.epilog, name
+        for act in sp._actions:
+            if act.help == argparse.SUPPRESS or not act.option_strings:
+                continue
+            text = (act.help or "").strip()
+            assert text and not text.startswith(("(default", "[")), (name, act.option_strings, text)

@@ -250,8 +250,9 @@ def _add_autotune(sub) -> None:
         epilog=EXIT_TABLE)
     a = p.add_argument
     a("--layers", dest="num_layers", type=int, default=d.num_layers, help=f"layers [{d.num_layers}]")
-    a("--format", dest="row_format", choices=["fp8_ds_mla", "bf16"], default=d.row_format)
-    a("--top-k", type=int, default=d.top_k, help=f"[{d.top_k}]")
+    a("--format", dest="row_format", choices=["fp8_ds_mla", "bf16"], default=d.row_format,
+      help=f"KV row format [{d.row_format}]")
+    a("--top-k", type=int, default=d.top_k, help=f"indexer top-k K [{d.top_k}]")
     a("--buffer", dest="buffer_size", type=int, default=None, help="hot LRU slots S [2*K]")
     a("--context", type=_tokens, default=d.context, help=f"context per request while timing [{d.context}]")
     a("--query-len", dest="max_query_len", type=int, default=1, help="decode tokens per request per step")
@@ -266,7 +267,7 @@ def _add_autotune(sub) -> None:
     a("--warmup", type=int, default=d.warmup, help=f"warm-up steps per batch [{d.warmup}]")
     a("--candidates", dest="max_candidates", type=int, default=d.max_candidates,
       help=f"batches to time [{d.max_candidates}]")
-    a("--block-size", type=int, default=d.block_size)
+    a("--block-size", type=int, default=d.block_size, help=f"host block size [{d.block_size}]")
     a("--device", default=None, help="cpu, cuda or cuda:N [cuda if available]")
     a("--backend", default=None, help="preferred attention backend name")
     a("--flashmla-lib", default=None, help="FlashMLA library path [$HISPARSE_FLASHMLA_LIB]")
@@ -305,7 +306,8 @@ def _add_plan(sub) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXIT_TABLE)
     a = p.add_argument
     a("--layers", dest="num_layers", type=int, default=61, help="layers L (default 61)")
-    a("--format", dest="row_format", choices=["fp8_ds_mla", "bf16"], default="fp8_ds_mla")
+    a("--format", dest="row_format", choices=["fp8_ds_mla", "bf16"], default="fp8_ds_mla",
+      help="KV row format (default fp8_ds_mla)")
     a("--top-k", type=int, default=2048, help="K (default 2048)")
     a("--indexer-bytes", type=int, default=132, help="indexer bytes per token per layer I (default 132)")
     a("--index-share", type=int, default=1, metavar="N",
@@ -397,7 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_mini_engine(sub)
     from . import whatif  # registers itself; its run function returns the exit status
 
-    whatif.add_parser(sub)
+    whatif.add_parser(sub).epilog = EXIT_TABLE
     return parser
 
 

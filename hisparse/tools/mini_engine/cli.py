@@ -42,6 +42,29 @@ _SWITCHES = {
 }
 
 
+# what each sized field means, in the help text
+_HELP = {
+    "num_layers": "decoder layers", "num_heads": "attention heads", "hidden": "model width",
+    "indexer_dim": "indexer query/key width", "vocab": "vocabulary size", "top_k": "indexer top-k K",
+    "num_requests": "requests in the workload", "min_prompt": "shortest prompt, tokens",
+    "max_prompt": "longest prompt, tokens", "min_decode": "fewest decode tokens per request",
+    "max_decode": "most decode tokens per request", "arrival_every": "request i arrives at step i x this",
+    "query_len": "decode tokens per request and step (MTP > 1)", "chunk": "prefill chunk per request and step",
+    "max_batch_tokens": "tokens per step, prefill and decode together",
+    "device_buffer_size": "hisparse hot LRU slots S per (layer, request)",
+    "host_block_size": "tokens per host block", "max_num_reqs": "request slots of both caches",
+    "row_format": "KV row format", "device": "cpu, cuda or cuda:N", "seed": "seed of weights and workload",
+    "locality": "0..1: how alike consecutive indexer queries are (higher: more hot-row reuse)",
+    "synthetic_context": "the first N positions of every prompt are written as random rows instead of "
+                         "prefilled (long contexts in seconds)",
+    "backend": "attention backend name", "flashmla_lib": "path of FlashMLA's _flashmla_C library",
+    "cache_kernels": "hisparse cache kernels (triton on CPU needs TRITON_INTERPRET=1)",
+    "overlap": "hisparse decode: miss copy before attention, or beside the hit attention",
+    "tolerance": "max |resident - hisparse| output difference, relative to max |output|",
+    "ffn": "rest-of-layer stand-in after attention", "ffn_intermediate": "MLP / per-expert intermediate size",
+    "ffn_experts": "MoE: experts", "ffn_active": "MoE: experts per token", "ffn_shared": "MoE: shared experts",
+}
+
 # what a field's None default stands for, in the help text
 _NONE_MEANS = {"device_buffer_size": "2 x top-k", "max_num_reqs": "num-requests",
                "backend": "the attention chooser's pick for the device",
@@ -74,7 +97,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         ann = str(f.type)
         typ = float if "float" in ann else int if "int" in ann else str
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None,
-                       choices=_CHOICES.get(name), help=f"(default {_NONE_MEANS.get(name, f.default)})")
+                       choices=_CHOICES.get(name),
+                       help=f"{_HELP.get(name, '')} (default {_NONE_MEANS.get(name, f.default)})".strip())
     p.add_argument("--json", action="store_true", help="print the result as JSON instead of the table")
     p.add_argument("--out", default=None, type=path_arg, metavar="FILE", help="also write the JSON result to this file")
     p.add_argument("--progress", action="store_true", help="print progress on stderr")
