@@ -248,9 +248,15 @@ def prometheus_text(stats: Mapping[str, Any], *, labels: Mapping[str, str] | Non
 
 def write_metrics_file(path: str | os.PathLike, stats: Mapping[str, Any], *,
                        labels: Mapping[str, str] | None = None) -> None:
-    """Write :func:`prometheus_text` to ``path`` atomically (a reader never sees half)."""
+    """Write :func:`prometheus_text` to ``path`` atomically (a reader never sees half).
+
+    A symlink at ``path`` is followed: its target is replaced and the link kept. A
+    path that exists and is not a regular file (a device, a FIFO) is a ValueError."""
     text = prometheus_text(stats, labels=labels)
-    p = os.path.abspath(os.fspath(path))
+    p = os.path.realpath(os.fspath(path))
+    if os.path.exists(p) and not os.path.isfile(p):
+        raise ValueError(f"metrics file {os.fspath(path)!r} exists and is not a regular file; the "
+                         "atomic write would replace it")
     fd, tmp = tempfile.mkstemp(prefix=".hisparse-metrics-", dir=os.path.dirname(p))
     try:
         with os.fdopen(fd, "w") as f:

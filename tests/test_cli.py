@@ -477,3 +477,19 @@ def test_every_option_says_what_it_is_and_every_command_its_exit_status(capsys):
                 continue
             text = (act.help or "").strip()
             assert text and not text.startswith(("(default", "[")), (name, act.option_strings, text)
+
+
+def test_output_path_that_is_a_fifo_is_refused_up_front(capsys, tmp_path, monkeypatch):
+    """Opening a FIFO to probe it would block until a reader came."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    monkeypatch.setattr(cli, "StressRun", _never)
+    for flag in ("--record", "--metrics-file"):
+        _fails(capsys, ["stress", flag, str(fifo)] + STRESS_TINY, 2, "is not a regular file")
+
+
+@pytest.mark.parametrize("argv, name", [(["stress", "--steps", "2", "--quiet"], "hit_rate.png"),
+                                        (["whatif", "--quiet"], "whatif.png")])
+def test_plot_dir_holding_a_directory_named_like_a_plot_is_refused_up_front(capsys, tmp_path, argv, name):
+    (tmp_path / name).mkdir()
+    _fails(capsys, argv + ["--plot", str(tmp_path)], 2, f"{name} exists there and is not a regular file")

@@ -146,6 +146,20 @@ def test_write_metrics_file_atomic(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["hisparse.prom"]  # no temporary file left
 
 
+def test_write_metrics_file_keeps_a_symlink_and_refuses_a_fifo(tmp_path):
+    target = tmp_path / "real.prom"
+    target.write_text("old")
+    link = tmp_path / "link.prom"
+    link.symlink_to(target)
+    M.write_metrics_file(link, STATS)
+    assert link.is_symlink() and target.read_text() == M.prometheus_text(STATS)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="not a regular file"):
+        M.write_metrics_file(fifo, STATS)
+    assert sorted(os.listdir(tmp_path)) == ["fifo", "link.prom", "real.prom"]
+
+
 def test_server_needs_prometheus_client(monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "prometheus_client", None)
     assert not M.prometheus_client_available()

@@ -421,7 +421,7 @@ def test_cli_plot_checks_before_work(tmp_path, capsys, monkeypatch):
     blocker = tmp_path / "file"
     blocker.write_text("x")
     assert main(["whatif", "--plot", str(blocker / "sub")] + SMALL) == 2
-    assert "not writable" in capsys.readouterr().err
+    assert "is not a directory" in capsys.readouterr().err
 
     def missing():
         raise W.PlotUnavailable("--plot needs matplotlib")

@@ -190,7 +190,7 @@ def _cmd_stress(args) -> int:
     if args.record:
         check_output_file(args.record, flag="--record")
     if args.plot:
-        check_output_dir(args.plot, flag="--plot")
+        check_output_dir(args.plot, flag="--plot", files=("hit_rate.png", "step_time.png"))
         require_matplotlib()
     if args.metrics_file:
         check_output_file(args.metrics_file, flag="--metrics-file")

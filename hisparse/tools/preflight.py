@@ -106,6 +106,9 @@ def check_output_file(path: str | os.PathLike, *, flag: str) -> str:
     parent = os.path.dirname(p)
     if not os.path.isdir(parent):
         raise ValueError(f"{flag} {str(path)!r}: directory {parent!r} does not exist")
+    if os.path.exists(p) and not os.path.isfile(p):
+        # a FIFO would block the probe below, and a device or socket is no result file
+        raise ValueError(f"{flag} {str(path)!r} exists and is not a regular file; give a file path")
     if os.path.exists(p):
         try:
             with open(p, "ab"):
@@ -117,11 +120,18 @@ def check_output_file(path: str | os.PathLike, *, flag: str) -> str:
     return os.fspath(path)
 
 
-def check_output_dir(path: str | os.PathLike, *, flag: str) -> str:
-    """``path`` is a directory that exists and can be written, or can be created."""
+def check_output_dir(path: str | os.PathLike, *, flag: str, files: tuple[str, ...] = ()) -> str:
+    """``path`` is a directory that exists and can be written, or can be created; each of
+    ``files`` that already exists in it is a regular file that can be written."""
     p = os.path.abspath(os.fspath(path))
     if os.path.exists(p) and not os.path.isdir(p):
         raise ValueError(f"{flag} {str(path)!r} exists and is not a directory")
+    for name in files:
+        f = os.path.join(p, name)
+        if os.path.exists(f) and not os.path.isfile(f):
+            raise ValueError(f"{flag} {str(path)!r}: {name} exists there and is not a regular file")
+        if os.path.isfile(f) and not os.access(f, os.W_OK):
+            raise ValueError(f"{flag} {str(path)!r}: {name} exists there and cannot be written")
     probe = p
     while not os.path.exists(probe):
         probe = os.path.dirname(probe)

@@ -50,13 +50,13 @@ from .exit_codes import MissingDependency
 from .belady import (LayerTrace, Policy, hit_rate, make_plan, next_uses, row_membership,
                      simulate)
 from .plan import parse_tokens
-from .preflight import check_memory, path_arg
+from .preflight import check_memory, check_output_dir, path_arg
 from .progress import Progress
 from .report import PlotUnavailable, require_matplotlib
 from .stress import StressOptions, Schedule
 from .sources import CorrelatedSource, IndexerSource, UniformSource, WorkingSetSource, workingset_state_bytes
 from .traces import TraceStep, load_trace
-from .whatif_report import check_plot_dir, format_whatif, plot_whatif
+from .whatif_report import format_whatif, plot_whatif
 
 EXIT_OK, EXIT_INPUT, EXIT_MISSING = 0, 2, 4
 PCIE_GBPS = 55.0  # H200 bulk pinned host -> device copy: the ceiling for staging (docs/PERF_NOTES.md)
@@ -479,7 +479,7 @@ def run_args(args) -> int:
     try:
         if args.plot:
             require_matplotlib()  # before any work
-            check_plot_dir(args.plot)
+            check_output_dir(args.plot, flag="--plot", files=("whatif.png",))
         o = WhatifOptions(
             replay=args.replay, preset=args.preset, trace=args.trace, requests=args.requests,
             context=args.context, context_min=args.context_min, layers=args.layers,

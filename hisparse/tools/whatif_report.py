@@ -1,10 +1,9 @@
 """The output of ``hisparse whatif``: its table (:func:`format_whatif`) and its plot
-(:func:`plot_whatif`, into a directory :func:`check_plot_dir` checked before any work)."""
+(:func:`plot_whatif`, into a directory the command checked before any work)."""
 
 from __future__ import annotations
 
 import os
-import tempfile
 from typing import Any
 
 from .plan import fmt_bytes
@@ -59,20 +58,11 @@ def format_whatif(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def check_plot_dir(directory: str) -> None:
-    """ValueError unless ``directory`` exists (or can be made) and is writable."""
-    try:
-        os.makedirs(directory, exist_ok=True)
-        with tempfile.TemporaryFile(dir=directory):
-            pass
-    except OSError as e:
-        raise ValueError(f"--plot directory {directory!r} is not writable: {e.strerror or e}") from None
-
-
 def plot_whatif(directory: str, res: dict[str, Any]) -> list[str]:
     """whatif.png: miss rate against buffer / top-k (LRU, Belady, published reference)
     and LRU staging per layer-step over the decode steps, per buffer size. Returns the paths."""
     plt = require_matplotlib()
+    os.makedirs(directory, exist_ok=True)
     K = res["trace"]["top_k"]
     x = [e["buffer_over_topk"] for e in res["results"]]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
@@ -113,4 +103,4 @@ def plot_whatif(directory: str, res: dict[str, Any]) -> list[str]:
     return [p]
 
 
-__all__ = ["check_plot_dir", "format_whatif", "plot_whatif"]
+__all__ = ["format_whatif", "plot_whatif"]
