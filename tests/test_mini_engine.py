@@ -82,6 +82,14 @@ def test_cli_main_json(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["compare"]["within_tolerance"]
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="FlashMLA is refused for want of CUDA")
+def test_named_decode_backend_that_cannot_run_is_an_error_not_a_fallback(capsys):
+    rc = me.main(["--num-requests", "2", "--max-prompt", "24", "--max-decode", "3", "--backend", "flashmla"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "backend 'flashmla' cannot run the decode here" in err and "Traceback" not in err
+    assert "needs a CUDA device" in err  # FlashMLA's own reason
+
+
 @pytest.mark.parametrize("kw, msg", [
     (dict(num_layers=0), "num_layers"), (dict(min_prompt=10, max_prompt=5), "min_prompt"),
     (dict(locality=1.0), "locality"), (dict(row_format="int4"), "row format"),

@@ -22,7 +22,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from ...attention.base import Phase
-from ...attention.chooser import choose_backend
+from ...attention.chooser import choose_backend, get_backend
 from ...attention.flashmla import FlashMLABackend
 from ...attention.triton_backend import TritonBackend
 from ...config import RowFormat
@@ -74,6 +74,13 @@ class MiniEngine:
         cfg = self.cfg
         be = choose_backend(device=self.device, row_format=row_format, num_heads=cfg.num_heads, phase=phase,
                             prefer=cfg.backend, flashmla_lib=cfg.flashmla_lib)
+        if phase is Phase.DECODE and cfg.backend is not None and be.name != cfg.backend:
+            # a backend asked for by name runs the decode or the run stops (prefill may fall
+            # back: it reads the staged bf16 workspace, which not every backend attends over)
+            why = get_backend(cfg.backend, flashmla_lib=cfg.flashmla_lib).supports(
+                device=self.device, row_format=row_format, num_heads=cfg.num_heads, phase=phase)
+            raise ValueError(f"backend {cfg.backend!r} cannot run the decode here ({why}); pick another "
+                             f"or leave it out for the chooser's pick ({be.name})")
         if not cfg.validate and be.name == "triton":  # skip the host-syncing range check
             be = TritonBackend(validate=False)
         elif not cfg.validate and be.name == "flashmla":
