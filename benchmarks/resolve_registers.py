@@ -7,13 +7,13 @@ Compiles ``hisparse.kernels.resolve.resolve_kernel`` with ``triton.compile`` for
 CUDA target (compute capability 9.0 by default) exactly as ``resolve_triton`` would
 launch it for K top-k entries, S slots and query length q, the serial decode variant
 (no miss lists, no compaction; ``--miss-lists`` / ``--compact`` for the others). The
-PTX then goes through the ptxas bundled with Triton (``-v``). Reported per case:
+PTX then goes through the ptxas Triton uses for that target (``-v``). Reported per case:
 registers per thread, spill stores / loads in bytes and the stack frame. This runs
 on a CPU-only machine: no driver is needed to compile, only to launch.
 
 The figures are the compiler's, not timings: a kernel that spills is not necessarily
 slower (BENCHMARKS.md, session 20, has cases of both). Exit status 2 when the options
-are bad or Triton has no ptxas for the target.
+are bad or Triton has no ptxas for the target, 1 when a case fails to compile.
 """
 
 from __future__ import annotations
@@ -51,10 +51,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     return a
 
 
-def ptxas_path() -> str:
+def ptxas_path(sm: int = 90) -> str:
+    """The ptxas Triton itself assembles sm_``sm`` code with (releases after 3.6 pick a
+    newer one than ``bin/ptxas`` for the PTX they emit)."""
     import triton
-    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-    if not os.path.exists(path):
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+        path = get_ptxas(sm).path
+    except (ImportError, AttributeError, TypeError, RuntimeError):
+        path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    if not path or not os.path.exists(path):
         raise FileNotFoundError(f"no ptxas in this Triton install ({path}); install a triton wheel "
                                 "with the NVIDIA backend")
     return path
@@ -95,7 +101,7 @@ def compile_case(S: int, K: int, q: int, warps: int | None, sm: int, *, miss_lis
         ptx = os.path.join(d, "k.ptx")
         with open(ptx, "w") as f:
             f.write(k.asm["ptx"])
-        r = subprocess.run([ptxas_path(), "-v", f"--gpu-name=sm_{sm}a" if sm >= 90 else f"--gpu-name=sm_{sm}",
+        r = subprocess.run([ptxas_path(sm), "-v", f"--gpu-name=sm_{sm}a" if sm >= 90 else f"--gpu-name=sm_{sm}",
                             ptx, "-o", os.path.join(d, "k.cubin")], capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"ptxas failed: {r.stderr.strip()[-400:]}")
@@ -117,14 +123,19 @@ def main(argv=None) -> int:
               "instead of compiling it; unset it and rerun", file=sys.stderr)
         return 2
     try:
-        ptxas_path()
+        ptxas_path(a.sm)
     except FileNotFoundError as e:
         print(f"resolve_registers: {e}", file=sys.stderr)
         return 2
     cases = []
     for S in a.slots:
         for w in (a.warps or [None]):
-            c = compile_case(S, a.top_k, a.query_len, w, a.sm, miss_lists=a.miss_lists, compact=a.compact)
+            try:
+                c = compile_case(S, a.top_k, a.query_len, w, a.sm, miss_lists=a.miss_lists,
+                                 compact=a.compact)
+            except RuntimeError as e:  # ptxas or the compiler refused the case
+                print(f"resolve_registers: S={S}: {e}", file=sys.stderr)
+                return 1
             cases.append(c)
             if not a.json:
                 print(f"S={c['S']:6d} (tile {c['SB']:5d})  warps {c['warps']:2d}  registers {c['registers']}  "
