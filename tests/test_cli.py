@@ -486,6 +486,9 @@ def test_output_path_that_is_a_fifo_is_refused_up_front(capsys, tmp_path, monkey
     monkeypatch.setattr(cli, "StressRun", _never)
     for flag in ("--record", "--metrics-file"):
         _fails(capsys, ["stress", flag, str(fifo)] + STRESS_TINY, 2, "is not a regular file")
+    # a device is fine for a file written in place, not for one replaced atomically
+    assert preflight.check_output_file(os.devnull, flag="--out") == os.devnull
+    _fails(capsys, ["stress", "--metrics-file", os.devnull] + STRESS_TINY, 2, "is not a regular file")
 
 
 @pytest.mark.parametrize("argv, name", [(["stress", "--steps", "2", "--quiet"], "hit_rate.png"),

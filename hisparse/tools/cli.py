@@ -193,7 +193,7 @@ def _cmd_stress(args) -> int:
         check_output_dir(args.plot, flag="--plot", files=("hit_rate.png", "step_time.png"))
         require_matplotlib()
     if args.metrics_file:
-        check_output_file(args.metrics_file, flag="--metrics-file")
+        check_output_file(args.metrics_file, flag="--metrics-file", regular=True)
     if args.metrics_port is not None and not prom.prometheus_client_available():
         raise MissingDependency("--metrics-port needs prometheus_client, which is not installed "
                                 "(`pip install prometheus_client`); or use --metrics-file")

@@ -27,6 +27,7 @@ import argparse
 import importlib.util
 import os
 import re
+import stat
 import tempfile
 from typing import Mapping
 
@@ -98,8 +99,12 @@ def path_arg(value: str) -> str:
     return value
 
 
-def check_output_file(path: str | os.PathLike, *, flag: str) -> str:
-    """``path`` (a file to be written at the end of a run) can be written; returns it."""
+def check_output_file(path: str | os.PathLike, *, flag: str, regular: bool = False) -> str:
+    """``path`` (a file to be written at the end of a run) can be written; returns it.
+
+    A FIFO or socket there is refused (the probe would block on a FIFO); a device such
+    as /dev/null is accepted unless ``regular`` (a file replaced atomically, which
+    would put a regular file in the device's place)."""
     p = os.path.abspath(os.fspath(path))
     if os.path.isdir(p):
         raise ValueError(f"{flag} {str(path)!r} is a directory; give a file path")
@@ -107,8 +112,9 @@ def check_output_file(path: str | os.PathLike, *, flag: str) -> str:
     if not os.path.isdir(parent):
         raise ValueError(f"{flag} {str(path)!r}: directory {parent!r} does not exist")
     if os.path.exists(p) and not os.path.isfile(p):
-        # a FIFO would block the probe below, and a device or socket is no result file
-        raise ValueError(f"{flag} {str(path)!r} exists and is not a regular file; give a file path")
+        mode = os.stat(p).st_mode
+        if regular or stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+            raise ValueError(f"{flag} {str(path)!r} exists and is not a regular file; give a file path")
     if os.path.exists(p):
         try:
             with open(p, "ab"):
