@@ -11,7 +11,9 @@ PTX then goes through the ptxas Triton uses for that target (``-v``). Reported p
 registers per thread, spill stores / loads in bytes and the stack frame. This runs
 on a CPU-only machine: no driver is needed to compile, only to launch.
 
-The figures are the compiler's, not timings: a kernel that spills is not necessarily
+The launch's alignment specialisation of pointers and strides is not applied, so
+the counts can differ a little from the launched kernel's. The figures are the
+compiler's, not timings: a kernel that spills is not necessarily
 slower (BENCHMARKS.md, session 20, has cases of both). Exit status 2 when the options
 are bad or Triton has no ptxas for the target, 1 when a case fails to compile.
 """
@@ -133,7 +135,7 @@ def main(argv=None) -> int:
             try:
                 c = compile_case(S, a.top_k, a.query_len, w, a.sm, miss_lists=a.miss_lists,
                                  compact=a.compact)
-            except RuntimeError as e:  # ptxas or the compiler refused the case
+            except Exception as e:  # ptxas or the compiler (its CompilationError too) refused the case
                 print(f"resolve_registers: S={S}: {e}", file=sys.stderr)
                 return 1
             cases.append(c)

@@ -484,11 +484,30 @@ def test_output_path_that_is_a_fifo_is_refused_up_front(capsys, tmp_path, monkey
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     monkeypatch.setattr(cli, "StressRun", _never)
-    for flag in ("--record", "--metrics-file"):
-        _fails(capsys, ["stress", flag, str(fifo)] + STRESS_TINY, 2, "is not a regular file")
+    _fails(capsys, ["stress", "--record", str(fifo)] + STRESS_TINY, 2, "FIFO that cannot be written")
+    _fails(capsys, ["stress", "--metrics-file", str(fifo)] + STRESS_TINY, 2, "is not a regular file")
     # a device is fine for a file written in place, not for one replaced atomically
     assert preflight.check_output_file(os.devnull, flag="--out") == os.devnull
     _fails(capsys, ["stress", "--metrics-file", os.devnull] + STRESS_TINY, 2, "is not a regular file")
+
+
+def test_pipe_with_a_reader_is_accepted_and_a_fifo_without_one_is_not(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(ValueError, match="FIFO that cannot be written"):  # no reader: refused, no hang
+        preflight.check_output_file(fifo, flag="--out")
+    rfd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # `--out /dev/stdout | jq`: a reader waits
+    try:
+        assert preflight.check_output_file(fifo, flag="--out") == str(fifo)
+    finally:
+        os.close(rfd)
+
+
+def test_metrics_file_symlink_is_checked_at_its_target(capsys, tmp_path, monkeypatch):
+    link = tmp_path / "link.prom"
+    link.symlink_to(tmp_path / "missing" / "real.prom")  # the target's directory does not exist
+    monkeypatch.setattr(cli, "StressRun", _never)
+    _fails(capsys, ["stress", "--metrics-file", str(link)] + STRESS_TINY, 2, "(of its target) does not exist")
 
 
 @pytest.mark.parametrize("argv, name", [(["stress", "--steps", "2", "--quiet"], "hit_rate.png"),

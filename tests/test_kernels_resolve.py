@@ -508,6 +508,7 @@ def _args():
     ("layer", ValueError), ("layer_type", TypeError), ("mql0", ValueError),
     ("S_small", ValueError), ("phys_small", ValueError), ("stage_small", ValueError),
     ("topk_1d", ValueError), ("topk_strided", ValueError), ("valid_small", ValueError),
+    ("phys_overlap", ValueError),
 ])
 def test_bad_arguments_raise_before_launch(case, exc):
     state, req, topk, out = _args()
@@ -530,6 +531,8 @@ def test_bad_arguments_raise_before_launch(case, exc):
         kw["max_query_len"] = 3  # 3 x 3 > S = 7
     elif case == "phys_small":
         out.physical = out.physical[:1]
+    elif case == "phys_overlap":  # rows sharing memory: a group's victim list lives in its rows
+        out.physical = out.physical[0].expand(out.physical.shape[0], -1)
     elif case == "stage_small":
         out.stage_dst = out.stage_dst[:5]
     elif case == "topk_1d":

@@ -82,6 +82,10 @@ def _check_args(state: HotState, layer: int, req_ids: torch.Tensor, topk: torch.
     _check_vec("out.valid_counts", out.valid_counts, torch.int32, 1, dev)
     if out.physical.shape[0] < T or out.physical.shape[1] < K:
         raise ValueError(f"out.physical {tuple(out.physical.shape)} is smaller than [T, K] = [{T}, {K}]")
+    if T > 1 and out.physical.stride(0) < K:
+        # overlapping rows: the resolve keeps each group's victim list in its own rows
+        raise ValueError(f"out.physical rows overlap (row stride {out.physical.stride(0)} < K = {K}); "
+                         "give a tensor whose rows are apart, e.g. a contiguous one")
     if out.valid_counts.shape[0] < T:
         raise ValueError(f"out.valid_counts has {out.valid_counts.shape[0]} entries, need {T}")
     _check_vec("out.stage_counts", out.stage_counts, torch.int32, 1, dev)

@@ -40,7 +40,8 @@ with ``.cg`` loads (L2, not a possibly stale L1 line). The only sort is of the m
       S slots).
   P4  the victims, in ascending slot order, are ranked and listed (victim i's slot
       at entry i of a scratch list in the group's own rows of ``physical``, which P5
-      overwrites); then, over m lanes instead of S, victim i reads the miss parked in
+      overwrites); then, over the group tile's lanes (GQ x KB, masked to the m victims)
+      instead of the S slot lanes, victim i reads the miss parked in
       entry i, logs its old position and stamp, unmaps its old row, maps the miss
       (slot_pos, slot_stamp, row_slot, overwriting the marker) and writes its flat hot
       row to stage_dst[t0*K + i]. (Done over the S slot lanes, every gathered value
@@ -112,7 +113,7 @@ def _list_victims(vic, si, m, scratch_ptr, K, phys_stride):
 def _pair_listed(nv, m, s_new, rbase, base, scratch_ptr, K, phys_stride, S, slot_pos_r, slot_stamp_r,
                  row_slot_ptr, stage_src_ptr, stage_dst_ptr, undo_vpos_ptr, undo_vstamp_ptr, bt_r, NB,
                  B, H, N: tl.constexpr):
-    """P4, second half, over N >= m lanes (not over the S slots): victim i < min(nv, m)
+    """P4, second half, over N >= m lanes (the group tile's, not the S slots'): victim i < min(nv, m)
     takes the miss parked at entry i. It logs the victim's old position and stamp,
     unmaps its old row and maps the miss. Returns the number of victims paired."""
     i = tl.arange(0, N)

@@ -102,19 +102,34 @@ def path_arg(value: str) -> str:
 def check_output_file(path: str | os.PathLike, *, flag: str, regular: bool = False) -> str:
     """``path`` (a file to be written at the end of a run) can be written; returns it.
 
-    A FIFO or socket there is refused (the probe would block on a FIFO); a device such
-    as /dev/null is accepted unless ``regular`` (a file replaced atomically, which
-    would put a regular file in the device's place)."""
+    A socket there is refused, and a FIFO unless it has a reader (opening one without
+    would block); a device such as /dev/null is accepted. With ``regular`` (a file
+    replaced atomically, next to a symlink's target) only a regular file or none is."""
     p = os.path.abspath(os.fspath(path))
     if os.path.isdir(p):
         raise ValueError(f"{flag} {str(path)!r} is a directory; give a file path")
     parent = os.path.dirname(p)
     if not os.path.isdir(parent):
         raise ValueError(f"{flag} {str(path)!r}: directory {parent!r} does not exist")
+    if regular:  # replaced atomically: the file is made next to a symlink's target
+        p = os.path.realpath(p)
+        parent = os.path.dirname(p)
+        if not os.path.isdir(parent):
+            raise ValueError(f"{flag} {str(path)!r}: directory {parent!r} (of its target) does not exist")
     if os.path.exists(p) and not os.path.isfile(p):
         mode = os.stat(p).st_mode
-        if regular or stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+        if regular or stat.S_ISSOCK(mode):
             raise ValueError(f"{flag} {str(path)!r} exists and is not a regular file; give a file path")
+        if stat.S_ISFIFO(mode):  # a pipe with a reader (`--out /dev/stdout | jq`) is fine
+            try:
+                os.close(os.open(p, os.O_WRONLY | os.O_NONBLOCK))
+            except OSError as e:
+                raise ValueError(f"{flag} {str(path)!r} is a FIFO that cannot be written now "
+                                 f"({e.strerror or e}: no reader?); give a file path") from None
+            return os.fspath(path)
+    if regular:  # the rename needs the directory writable, not the file
+        _probe_dir(parent, flag, str(path))
+        return os.fspath(path)
     if os.path.exists(p):
         try:
             with open(p, "ab"):
