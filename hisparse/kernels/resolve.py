@@ -44,8 +44,8 @@ with ``.cg`` loads (L2, not a possibly stale L1 line). The only sort is of the m
       instead of the S slot lanes, victim i reads the miss parked in
       entry i, logs its old position and stamp, unmaps its old row, maps the miss
       (slot_pos, slot_stamp, row_slot, overwriting the marker) and writes its flat hot
-      row to stage_dst[t0*K + i]. (Done over the S slot lanes, every gathered value
-      took S lanes of registers, which spilled from S = 4096 on.)
+      row to stage_dst[t0*K + i]. The gathers run over the group tile's lanes, so their
+      registers do not grow with S.
   P5  per token of the group, from the tile: physical = r * (S + 1) + slot (the miss
       lanes re-read their final slot), -1 for padding/invalid; valid count; optional
       stable compaction.

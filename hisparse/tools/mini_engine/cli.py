@@ -57,7 +57,8 @@ _HELP = {
     "locality": "0..1: how alike consecutive indexer queries are (higher: more hot-row reuse)",
     "synthetic_context": "the first N positions of every prompt are written as random rows instead of "
                          "prefilled (long contexts in seconds)",
-    "backend": "attention backend for the decode (refused, not replaced, when it can't run here)", "flashmla_lib": "path of FlashMLA's _flashmla_C library",
+    "backend": "attention backend for the decode (refused, not replaced, when it can't run here)",
+    "flashmla_lib": "path of FlashMLA's _flashmla_C library",
     "cache_kernels": "hisparse cache kernels (triton on CPU needs TRITON_INTERPRET=1)",
     "overlap": "hisparse decode: miss copy before attention, or beside the hit attention",
     "tolerance": "max |resident - hisparse| output difference, relative to max |output|",
