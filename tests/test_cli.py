@@ -515,3 +515,21 @@ def test_metrics_file_symlink_is_checked_at_its_target(capsys, tmp_path, monkeyp
 def test_plot_dir_holding_a_directory_named_like_a_plot_is_refused_up_front(capsys, tmp_path, argv, name):
     (tmp_path / name).mkdir()
     _fails(capsys, argv + ["--plot", str(tmp_path)], 2, f"{name} exists there and is not a regular file")
+
+
+@pytest.mark.parametrize("argv,who", [
+    (["stress", "--bogus", "1"], "hisparse stress"),
+    (["plan", "--bogus"], "hisparse plan"),
+    (["autotune", "--nope"], "hisparse autotune"),
+    (["env", "stray"], "hisparse env"),
+    (["mini-engine", "--x"], "hisparse mini-engine"),
+    (["whatif", "--nope"], "hisparse whatif"),
+    (["--bogus"], "hisparse"),
+])
+def test_unknown_argument_is_blamed_on_its_command(capsys, argv, who, monkeypatch):
+    """An unknown flag after a command points at that command's --help (which lists what it
+    takes), before any work starts."""
+    for name in ("_cmd_stress", "_cmd_plan", "_cmd_autotune", "_cmd_env"):
+        monkeypatch.setattr(cli, name, _never)
+    err = _fails(capsys, argv, 2, "unrecognized arguments", f"see `{who} --help`")
+    assert err.startswith(f"{who}: error:"), err

@@ -403,11 +403,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _command_parser(parser: argparse.ArgumentParser, command: str | None) -> argparse.ArgumentParser:
+    """The parser of ``command`` (the top-level one when there is none)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            return action.choices[command]
+    return parser
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hisparse`` command; returns the exit status."""
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, extra = parser.parse_known_args(argv)
+        if extra:  # blamed on the command they follow, whose --help lists what it takes
+            _command_parser(parser, getattr(args, "command", None)).error(
+                f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as e:  # --help / --version (0) or a usage error (2)
         return e.code if isinstance(e.code, int) else (EXIT_INPUT if e.code else EXIT_OK)
     if not getattr(args, "command", None):
