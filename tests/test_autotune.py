@@ -176,3 +176,22 @@ def test_gpu_autotune_small_budget(tmp_path):
     assert r["max_fit_reqs"] >= 1
     save_result(r, tmp_path / "t.json")
     assert load_tuned_config(tmp_path / "t.json").max_num_reqs == r["max_num_reqs"]
+
+
+def test_progress_names_the_batch_being_timed_before_it_finishes(monkeypatch, capsys):
+    """The first candidate can take minutes on a CPU: the progress line names it before
+    its timing starts, not only once it is done."""
+    import hisparse.tools.autotune as at
+
+    seen = []
+    real = at.time_batch
+
+    def spy(o, R, device):
+        seen.append(capsys.readouterr().err)  # what stderr showed when the timing began
+        return real(o, R, device)
+
+    monkeypatch.setattr(at, "time_batch", spy)
+    o = AutotuneOptions(**TINY)
+    budget = gpu_bytes(_make_cfg(o, 5, "cpu"), num_heads=2, reserve_frac=o.reserve_frac)["total"]
+    run_autotune(AutotuneOptions(**{**TINY, "gpu_memory": budget, "progress": True}))
+    assert "timing R=1 (1 of 3)" in seen[0], seen

@@ -234,7 +234,8 @@ def run_autotune(o: AutotuneOptions) -> dict[str, Any]:
     cands = candidates(rmax, o.max_candidates)
     meas = []
     with Progress(len(cands), "autotune", enabled=o.progress) as bar:
-        for R in cands:
+        for i, R in enumerate(cands):
+            bar.status(f"timing R={R} ({i + 1} of {len(cands)}) ...")
             m = time_batch(o, R, device)
             m["within_latency"] = o.latency_ms is None or m["step_ms_p50"] <= o.latency_ms
             meas.append(m)

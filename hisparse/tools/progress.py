@@ -62,6 +62,20 @@ class Progress:
                 self.stream.write(f"{self.desc}: {self.done}/{self.total} ({el:.1f} s) {note}\n")
                 self.stream.flush()
 
+    def status(self, note: str) -> None:
+        """Say what is being worked on now, without advancing (a long first item then
+        shows something). Off a terminal only the first item's status is printed."""
+        if not self.enabled:
+            return
+        if self._rich is not None:
+            self._rich.update(self._task, note=note)
+        elif self._tty:
+            self.stream.write(f"\r{self.desc} {self.done}/{self.total} {note}   ")
+            self.stream.flush()
+        elif self.done == 0:
+            self.stream.write(f"{self.desc}: 0/{self.total} {note}\n")
+            self.stream.flush()
+
     def __exit__(self, *exc) -> None:
         if not self.enabled:
             return
