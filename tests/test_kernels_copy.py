@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hisparse.cache.resolve_ref import copy_rows_reference
-from hisparse.cache.transfer import copy_rows
+from hisparse.cache.transfer import copy_rows, copy_staged
 
 
 def _case(Ns: int, Nd: int, W: int, N: int, seed: int, *, skip: float = 0.3):
@@ -124,4 +124,57 @@ def test_bad_arguments_raise_before_launch(case, exc):
     before = dst.clone() if isinstance(dst, torch.Tensor) else None
     with pytest.raises(exc):
         copy_rows(src, si, dst, di, **kw)
+    assert torch.equal(dst, before)
+
+
+def _staged_case(T: int, K: int, seed: int, *, W: int = 48, Ns: int = 23, Nd: int = 0):
+    """Per-group staging lists as a resolve leaves them: group t's list at [t*K, t*K +
+    counts[t]) (a group of q tokens may list up to q*K entries, so a list can run into
+    the next tokens' slices, whose counts are then 0), with -1 and out-of-range entries,
+    and garbage past each count that must not be copied. Destinations are distinct."""
+    g = torch.Generator().manual_seed(seed)
+    Nd = Nd or T * K + 5
+    src = torch.randint(0, 256, (Ns, W), dtype=torch.uint8, generator=g)
+    dst = torch.randint(0, 256, (Nd, W), dtype=torch.uint8, generator=g)
+    si = torch.randint(-1, Ns + 2, (T * K,), dtype=torch.int32, generator=g)
+    di = (torch.randperm(Nd + 2, generator=g)[:T * K] - 1).to(torch.int32)  # some -1 / >= Nd
+    counts = torch.zeros(T, dtype=torch.int32)
+    t = 0
+    while t < T:
+        q = int(torch.randint(1, 4, (1,), generator=g))  # a group of q tokens
+        q = min(q, T - t)
+        kind = int(torch.randint(0, 5, (1,), generator=g))
+        counts[t] = [0, 1, K, q * K, int(torch.randint(0, q * K + 1, (1,), generator=g))][kind]
+        t += q
+    counts[torch.rand(T, generator=g) < 0.1] = -3  # negative counts stage nothing
+    return src, si, dst, di, counts
+
+
+def _staged_expected(src, si, dst, di, counts, K):
+    T = counts.numel()
+    exp = dst.clone()
+    for t in range(T):
+        m = max(0, min(int(counts[t]), (T - t) * K))
+        for j in range(t * K, t * K + m):
+            s, d = int(si[j]), int(di[j])
+            if 0 <= s < src.shape[0] and 0 <= d < dst.shape[0]:
+                exp[d] = src[s]
+    return exp
+
+
+@pytest.mark.parametrize("T,K", [(1, 4), (5, 3), (9, 1), (130, 2), (257, 1)])
+@pytest.mark.parametrize("programs,rows", [(1, 1), (3, 2), (7, 8)])
+def test_copy_staged_matches_reference(T, K, programs, rows):
+    """Only the first counts[t] entries of each group's list are copied, however the
+    chunks fall over the programs and over blocks of the count vector (T > 128)."""
+    src, si, dst, di, counts = _staged_case(T, K, seed=T * 31 + K * 7 + programs + rows)
+    exp = _staged_expected(src, si, dst, di, counts, K)
+    copy_staged(src, si, dst, di, counts, K=K, programs=programs, rows_per_program=rows)
+    assert torch.equal(dst, exp)
+
+
+def test_copy_staged_nothing_to_stage():
+    src, si, dst, di, counts = _staged_case(6, 4, seed=5)
+    before = dst.clone()
+    copy_staged(src, si, dst, di, torch.zeros_like(counts), K=4, programs=3)
     assert torch.equal(dst, before)

@@ -387,13 +387,14 @@ def scramble_lru(state: HotState, rng: random.Random, *, spread: int) -> None:
 def test_scrambled_lru_states_pick_the_reference_victims(seed):
     """Victim selection by bisection (threshold stamp, then position) against the
     reference's key sort, from states with slots holding arbitrary positions, empty
-    slots, tied stamps and stamps up to ~10^6 apart (many bisection steps)."""
+    slots, tied stamps and stamps up to ~10^6 or 2^33 apart (many bisection steps, and
+    stamp gaps past the int32 range)."""
     rng = random.Random(seed)
     S, K, B = rng.choice([(9, 4, 2), (23, 7, 3), (37, 9, 4)])
     cfg = small_cfg(K=K, q=1, S=S, B=B)
     seq_by_id = {rid: rng.randint(S + 2, 60) for rid in rng.sample(range(1, 16), 3)}
     ref = make_state(cfg, seq_by_id, CPU, rng, holes=rng.choice([0.0, 0.3]))
-    scramble_lru(ref, rng, spread=rng.choice([3, 1000, 10**6]))
+    scramble_lru(ref, rng, spread=[3, 1000, 10**6, 2**33][seed % 4])
     tri = ref.clone()
     for i in range(3):
         req, topk = random_batch(seq_by_id, K, 1, rng, bad=False)

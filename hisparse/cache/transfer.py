@@ -179,6 +179,9 @@ def copy_staged(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst
                         rows_per_program=rows_per_program, num_warps=num_warps)
 
 
+_COUNT_BLOCK = 128  # groups whose counts copy_staged_kernel reads as one vector
+
+
 def _launch_copy_staged(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor,
                         counts: torch.Tensor, dev: torch.device | None, *, K: int, programs: int | None = None,
                         rows_per_program: int = 8, num_warps: int = 4) -> None:
@@ -192,7 +195,8 @@ def _launch_copy_staged(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Ten
     with on_device(dev):
         copy_staged_kernel[(programs,)](
             src.view(torch.int32), src_idx, src.shape[0], dst.view(torch.int32), dst_idx, dst.shape[0],
-            counts, T, K, programs, WW=WW, WB=WB, ROWS=rows_per_program, num_warps=num_warps)
+            counts, T, K, programs, WW=WW, WB=WB, ROWS=rows_per_program, TB=_COUNT_BLOCK,
+            num_warps=num_warps)
 
 
 __all__ = ["copy_rows", "copy_staged", "DEFAULT_ROWS_PER_PROGRAM", "DEFAULT_NUM_WARPS", "DEFAULT_PROGRAMS_PER_SM"]

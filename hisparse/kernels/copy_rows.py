@@ -69,29 +69,40 @@ def copy_staged_kernel(
     WW: tl.constexpr,
     WB: tl.constexpr,
     ROWS: tl.constexpr,
+    TB: tl.constexpr,  # groups whose counts are read at once (power of two)
 ):
     """A resolve's staging: only the first ``counts[t]`` entries (at most (T - t) * K: a
-    group of q tokens has q * K) of each group's list are
-    read, so a step with few misses costs each program T count loads and little else.
-    Chunk c of group t goes to program (t + c) mod NPROG, so small groups spread over
-    the programs too."""
+    group of q tokens has q * K) of each group's list are read.
+
+    The counts are read TB groups at a time as one vector, and a block of groups with
+    nothing to stage is skipped whole: a step without misses costs each program one
+    load and one sum per block. In a block with misses, each group's count is read
+    again (a scalar load, one dependent round trip per group), and chunk c of group t
+    goes to program (t + c) mod NPROG, so small groups spread over the programs too."""
     pid = tl.program_id(0)
     cols = tl.arange(0, WB)
     cmask = cols < WW
     lanes = tl.arange(0, ROWS)
-    t = pid * 0
-    while t < T:
-        m = tl.minimum(tl.maximum(tl.load(counts_ptr + t), 0), (T - t) * K)  # a group's list may span its q tokens
-        c = (pid - t % NPROG + NPROG) % NPROG
-        while c * ROWS < m:
-            j = c * ROWS + lanes
-            jm = j < m
-            ri = t.to(tl.int64) * K + j
-            si = tl.load(src_idx_ptr + ri, mask=jm, other=-1)
-            di = tl.load(dst_idx_ptr + ri, mask=jm, other=-1)
-            ok = jm & (si >= 0) & (si < Ns) & (di >= 0) & (di < Nd)
-            m2 = ok[:, None] & cmask[None, :]
-            x = tl.load(src_ptr + si.to(tl.int64)[:, None] * WW + cols[None, :], mask=m2, other=0)
-            tl.store(dst_ptr + di.to(tl.int64)[:, None] * WW + cols[None, :], x, mask=m2)
-            c += NPROG
-        t += 1
+    tb = tl.arange(0, TB)
+    t0 = pid * 0
+    while t0 < T:
+        cv = tl.load(counts_ptr + t0 + tb, mask=t0 + tb < T, other=0)
+        if tl.sum((cv > 0).to(tl.int32), axis=0) > 0:
+            t = t0
+            t_end = tl.minimum(t0 + TB, T)
+            while t < t_end:
+                m = tl.maximum(tl.minimum(tl.load(counts_ptr + t), (T - t) * K), 0)  # may span q tokens
+                c = (pid - t % NPROG + NPROG) % NPROG
+                while c * ROWS < m:
+                    j = c * ROWS + lanes
+                    jm = j < m
+                    ri = t.to(tl.int64) * K + j
+                    si = tl.load(src_idx_ptr + ri, mask=jm, other=-1)
+                    di = tl.load(dst_idx_ptr + ri, mask=jm, other=-1)
+                    ok = jm & (si >= 0) & (si < Ns) & (di >= 0) & (di < Nd)
+                    m2 = ok[:, None] & cmask[None, :]
+                    x = tl.load(src_ptr + si.to(tl.int64)[:, None] * WW + cols[None, :], mask=m2, other=0)
+                    tl.store(dst_ptr + di.to(tl.int64)[:, None] * WW + cols[None, :], x, mask=m2)
+                    c += NPROG
+                t += 1
+        t0 += TB
