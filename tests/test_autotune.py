@@ -195,3 +195,23 @@ def test_progress_names_the_batch_being_timed_before_it_finishes(monkeypatch, ca
     budget = gpu_bytes(_make_cfg(o, 5, "cpu"), num_heads=2, reserve_frac=o.reserve_frac)["total"]
     run_autotune(AutotuneOptions(**{**TINY, "gpu_memory": budget, "progress": True}))
     assert "timing R=1 (1 of 3)" in seen[0], seen
+
+
+def test_status_on_a_terminal_clears_the_longer_line_it_replaces():
+    """The plain bar redraws in place: a status line shorter than the bar before it must
+    not leave the bar's tail on screen."""
+    import io
+
+    from hisparse.tools.progress import Progress
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    out = Tty()
+    p = Progress(3, "autotune", stream=out)
+    p._rich = None  # the plain bar, whether or not rich is installed
+    p.update(1, note="R=1 p50 12.34 ms")
+    p.status("timing R=2")
+    last = out.getvalue().split("\r")[-1]
+    assert last.startswith("autotune 1/3 timing R=2") and last.endswith("\x1b[K"), repr(last)

@@ -525,6 +525,7 @@ def test_plot_dir_holding_a_directory_named_like_a_plot_is_refused_up_front(caps
     (["mini-engine", "--x"], "hisparse mini-engine"),
     (["whatif", "--nope"], "hisparse whatif"),
     (["--bogus"], "hisparse"),
+    (["--bogus", "stress"], "hisparse"),
 ])
 def test_unknown_argument_is_blamed_on_its_command(capsys, argv, who, monkeypatch):
     """An unknown flag after a command points at that command's --help (which lists what it

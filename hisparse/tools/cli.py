@@ -411,13 +411,22 @@ def _command_parser(parser: argparse.ArgumentParser, command: str | None) -> arg
     return parser
 
 
+def _command_before(argv: Sequence[str] | None, extra: list[str], command: str | None) -> str | None:
+    """``command`` when the first unrecognized argument comes after it, else None."""
+    words = list(sys.argv[1:] if argv is None else argv)
+    if command not in words:
+        return command
+    i = words.index(command)
+    return None if extra[0] in words[:i] else command
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hisparse`` command; returns the exit status."""
     parser = build_parser()
     try:
         args, extra = parser.parse_known_args(argv)
         if extra:  # blamed on the command they follow, whose --help lists what it takes
-            _command_parser(parser, getattr(args, "command", None)).error(
+            _command_parser(parser, _command_before(argv, extra, getattr(args, "command", None))).error(
                 f"unrecognized arguments: {' '.join(extra)}")
     except SystemExit as e:  # --help / --version (0) or a usage error (2)
         return e.code if isinstance(e.code, int) else (EXIT_INPUT if e.code else EXIT_OK)

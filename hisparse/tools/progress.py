@@ -70,7 +70,7 @@ class Progress:
         if self._rich is not None:
             self._rich.update(self._task, note=note)
         elif self._tty:
-            self.stream.write(f"\r{self.desc} {self.done}/{self.total} {note}   ")
+            self.stream.write(f"\r{self.desc} {self.done}/{self.total} {note}\x1b[K")  # clears the bar's tail
             self.stream.flush()
         elif self.done == 0:
             self.stream.write(f"{self.desc}: 0/{self.total} {note}\n")
