@@ -382,13 +382,24 @@ def _top_help(prog: str) -> argparse.HelpFormatter:
     return argparse.HelpFormatter(prog, max_help_position=20, width=100)
 
 
+class _CommandParser(OneLineParser):
+    """A command's parser: an argument after the command that it does not know is its
+    error (its --help lists what it takes), not the top-level parser's."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        ns, extra = super().parse_known_args(args, namespace)
+        if extra:
+            self.error(f"unrecognized arguments: {' '.join(extra)}")
+        return ns, extra
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineParser(
         prog="hisparse", description="hisparse: tiered KV cache for sparse-MLA attention "
                                      "(`hisparse COMMAND --help` for each command).",
         epilog=EXIT_TABLE, formatter_class=_top_help)
     parser.add_argument("--version", action="version", version=f"hisparse {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_CommandParser)
     adders: list[Callable] = [_add_stress, _add_autotune, _add_plan, _add_env]
     for add in adders:
         add(sub)
@@ -403,31 +414,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _command_parser(parser: argparse.ArgumentParser, command: str | None) -> argparse.ArgumentParser:
-    """The parser of ``command`` (the top-level one when there is none)."""
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
-            return action.choices[command]
-    return parser
-
-
-def _command_before(argv: Sequence[str] | None, extra: list[str], command: str | None) -> str | None:
-    """``command`` when the first unrecognized argument comes after it, else None."""
-    words = list(sys.argv[1:] if argv is None else argv)
-    if command not in words:
-        return command
-    i = words.index(command)
-    return None if extra[0] in words[:i] else command
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``hisparse`` command; returns the exit status."""
     parser = build_parser()
     try:
-        args, extra = parser.parse_known_args(argv)
-        if extra:  # blamed on the command they follow, whose --help lists what it takes
-            _command_parser(parser, _command_before(argv, extra, getattr(args, "command", None))).error(
-                f"unrecognized arguments: {' '.join(extra)}")
+        args = parser.parse_args(argv)
     except SystemExit as e:  # --help / --version (0) or a usage error (2)
         return e.code if isinstance(e.code, int) else (EXIT_INPUT if e.code else EXIT_OK)
     if not getattr(args, "command", None):
