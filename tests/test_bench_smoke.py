@@ -176,14 +176,3 @@ def test_profile_layer_refuses_bad_arguments(capsys):
         profile_layer.main(["--context", "100"])  # shorter than the hot slots + top-k
     assert e.value.code == 2
     assert profile_layer.main(["--dry-run", "--out", "/proc/nope/x.json"]) == 2
-
-
-def test_bench_topk_dry_run(tmp_path, capsys):
-    from benchmarks import bench_topk
-    out = tmp_path / "topk.json"
-    assert bench_topk.main(["--dry-run", "--out", str(out)]) == 0
-    d = json.loads(out.read_text())
-    (case,) = d["cases"]
-    assert case["rows"] == 2 and case["torch_equals_reference_as_set"]
-    (k,) = case["kernel"]
-    assert k["equals_reference"] and sum(k["paths"].values()) == 2 and k["median_us"] > 0

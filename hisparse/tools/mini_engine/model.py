@@ -5,8 +5,7 @@ Per layer l, from rmsnorm(x), x fp32 [T, D]:
   kv  = x W_kv[l]  -> one D_ROW-value row per token, stored as fp8_ds_mla (or bf16)
   ik  = x W_ik[l]  -> indexer key fp32 [T, d_idx], kept on the device per request
   iq  = x W_iq[l]  -> indexer query; scores = iq . ik over positions <= own position,
-                      top-k per query token, in position order (-1 padded when the
-                      context is shorter)
+                      top-k per query token (-1 padded when the context is shorter)
   (ik, iq and the top-k only in Full layers, l % index_share == 0; a Shared layer reuses
   the top-k of the Full layer before it, as IndexCache's models do, arXiv 2603.12201)
   x  += attn(q, rows[top-k]) [T, H * D_LATENT] W_o[l]
@@ -29,7 +28,6 @@ from ...formats import D_LATENT, D_ROW, quantize_fp8_ds_mla
 from .config import MiniEngineConfig
 from .ffn import FFN
 from .scores import indexer_scores
-from .topk import topk_rows
 
 
 class Model:
@@ -143,12 +141,17 @@ class Indexer:
 
     def _select(self, scores: torch.Tensor, pos: torch.Tensor | None) -> torch.Tensor:
         """scores fp32 [n, C], pos int64 [n] (own position; None: scores already masked
-        past it) -> top-k int32 [n, K] in ascending position order, -1 padded
-        (:mod:`.topk`: one program per row on CUDA, its torch reference on the CPU)."""
+        past it) -> top-k int32 [n, K], -1 padded."""
+        n, C = scores.shape
         if pos is not None:
-            cols = torch.arange(scores.shape[1], device=scores.device)
+            cols = torch.arange(C, device=scores.device)
             scores = scores.masked_fill(cols[None, :] > pos[:, None], float("-inf"))
-        return topk_rows(scores.contiguous(), self.K)
+        k = min(self.K, C)
+        vals, idx = torch.topk(scores, k, dim=1)
+        idx = torch.where(torch.isinf(vals), torch.full_like(idx, -1), idx).to(torch.int32)
+        if k < self.K:
+            idx = torch.cat([idx, idx.new_full((n, self.K - k), -1)], dim=1)
+        return idx
 
     def decode_topk(self, layer: int, iq: torch.Tensor, slots: torch.Tensor, sub: torch.Tensor,
                     pos: torch.Tensor, ctx: int) -> torch.Tensor:
