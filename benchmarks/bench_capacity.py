@@ -13,8 +13,11 @@ the model's ``--layers``: decode tokens/s as measured and scaled to the full dep
 their ratio hisparse / resident, hisparse's hit rate, min / median / p99 of the
 replayed steps, and the outputs of the requests both runs serve compared (within the
 mini engine's tolerance). ``--same-batch`` also runs hisparse at the resident batch
-(the per-step overhead at equal batch). ``--index-share N`` sizes and runs a model whose
-every N-th layer runs the indexer and the others reuse its top-k (IndexCache's Full /
+(the per-step overhead at equal batch) and compares its outputs with the resident's
+(the like-for-like check, which sets the exit status) and with hisparse's own at its
+largest batch (what the batch size alone changes: batched GEMMs pick other kernels).
+``--index-share N`` sizes and runs a model whose every N-th layer runs the indexer and
+the others reuse its top-k (IndexCache's Full /
 Shared layers: indexer keys only in the Full layers, for both tiers); ``--prefetch``
 has hisparse stage each Shared layer's rows while the layer before it computes (with
 ``--index-correlation A`` > 0 the mini engine's Full layers select overlapping positions
@@ -193,6 +196,12 @@ def run_context(budget: Budget, shape: RunShape, ctx: int, a: argparse.Namespace
         if r.get("gpu_step_ms") and h.get("gpu_step_ms"):
             out["same_batch_gpu_step_ratio"] = h["gpu_step_ms"]["median_ms"] / r["gpu_step_ms"]["median_ms"]
         out["compare_same_batch"] = compare(raw["resident"][0], raw["resident"][1], raw["hisparse_same_batch"][1])
+    if "hisparse_same_batch" in raw and "hisparse" in raw:
+        # hisparse at the resident's batch vs at its own, the same requests and cache code:
+        # what the batch size alone does to the outputs between the two batches compared
+        # above (when the same-batch run is bitwise the resident's, the same figures)
+        out["compare_hisparse_batch_sizes"] = compare(raw["hisparse_same_batch"][0], raw["hisparse_same_batch"][1],
+                                                      raw["hisparse"][1])
     if "hisparse_same_batch_no_prefetch" in raw:
         out["prefetch_quality"] = prefetch_quality(out["runs"]["hisparse_same_batch"]["cache"],
                                                    out["runs"]["hisparse_same_batch_no_prefetch"]["cache"],
@@ -275,6 +284,8 @@ def format_table(result: dict) -> str:
     for ctx, c in result["contexts"].items():
         for key, what in (("compare_same_batch", "hisparse vs resident, same batch"),
                           ("compare", "hisparse vs resident, each at its largest batch"),
+                          ("compare_hisparse_batch_sizes",
+                           "hisparse at the resident's batch vs at its own (the batch size alone, these two sizes)"),
                           ("compare_resident_batch_sizes", "resident at B - 1 vs B (the batch size alone)")):
             if key in c:
                 k = c[key]

@@ -85,6 +85,12 @@ def test_bench_capacity_dry_run(tmp_path, capsys):
     assert d["env"]["torch"] and d["shape"]["decode_mode"] == "padded"
     text = capsys.readouterr().out
     assert "x resident" in text and "hisparse vs resident, same batch" in text
+    # the batch size alone, between the two batches the largest-batch comparison spans
+    hb = c["compare_hisparse_batch_sizes"]
+    assert hb["tokens_compared"] == c["compare"]["tokens_compared"]
+    if c["compare_same_batch"]["bitwise_equal"]:  # then both compare the same outputs
+        assert hb["max_abs_diff"] == c["compare"]["max_abs_diff"]
+    assert "hisparse at the resident's batch vs at its own" in text
 
 
 def test_bench_capacity_buffer_sizes_hisparse(tmp_path):
