@@ -188,7 +188,7 @@ def run_context(budget: Budget, shape: RunShape, ctx: int, a: argparse.Namespace
         if r.get("tokens_per_s_gpu") and h.get("tokens_per_s_gpu"):  # the replays' GPU time alone
             out["ratio_tokens_per_s_gpu"] = h["tokens_per_s_gpu"] / r["tokens_per_s_gpu"]
         # the requests both runs serve (ids 0 .. resident batch - 1) see the same inputs
-        out["compare"] = compare(raw["resident"][0], raw["resident"][1], raw["hisparse"][1])
+        out["compare"] = compare_served(raw["resident"][0], raw["resident"][1], raw["hisparse"][1])
     if "hisparse_same_batch" in raw and "resident" in raw:
         r, h = out["runs"]["resident"]["decode"], out["runs"]["hisparse_same_batch"]["decode"]
         out["same_batch_step_ratio"] = (h["step_ms"]["median_ms"] / r["step_ms"]["median_ms"]
@@ -200,8 +200,8 @@ def run_context(budget: Budget, shape: RunShape, ctx: int, a: argparse.Namespace
         # hisparse at the resident's batch vs at its own, the same requests and cache code:
         # what the batch size alone does to the outputs between the two batches compared
         # above (when the same-batch run is bitwise the resident's, the same figures)
-        out["compare_hisparse_batch_sizes"] = compare(raw["hisparse_same_batch"][0], raw["hisparse_same_batch"][1],
-                                                      raw["hisparse"][1])
+        out["compare_hisparse_batch_sizes"] = compare_served(raw["hisparse_same_batch"][0],
+                                                             raw["hisparse_same_batch"][1], raw["hisparse"][1])
     if "hisparse_same_batch_no_prefetch" in raw:
         out["prefetch_quality"] = prefetch_quality(out["runs"]["hisparse_same_batch"]["cache"],
                                                    out["runs"]["hisparse_same_batch_no_prefetch"]["cache"],
@@ -213,6 +213,15 @@ def run_context(budget: Budget, shape: RunShape, ctx: int, a: argparse.Namespace
         sm = raw["resident_smaller_batch"]
         out["compare_resident_batch_sizes"] = compare(sm[0], sm[1], raw["resident"][1])
     return out
+
+
+def compare_served(cfg, a: dict, b: dict) -> dict:
+    """``compare`` over the requests both runs served: request ids 0 .. n - 1 of the run
+    with fewer (hisparse's largest batch can be the smaller one, with a large --buffer
+    at a short context)."""
+    if not set(a["outputs"]) <= set(b["outputs"]):
+        a, b = b, a
+    return compare(cfg, a, b)
 
 
 def prefetch_quality(with_pf: dict, without: dict, row_bytes: int) -> dict:

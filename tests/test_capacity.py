@@ -93,6 +93,19 @@ def test_bench_capacity_dry_run(tmp_path, capsys):
     assert "hisparse at the resident's batch vs at its own" in text
 
 
+def test_bench_capacity_hisparse_batch_below_the_residents(tmp_path, capsys):
+    """A buffer large for the context leaves hisparse fewer requests than the resident:
+    the runs are compared over the requests both served, not failed."""
+    out = tmp_path / "capacity.json"
+    assert bench_capacity.main(["--dry-run", "--contexts", "64", "--buffer", "128", "--same-batch",
+                                "--out", str(out)]) == 0
+    c = json.loads(out.read_text())["contexts"]["64"]
+    assert c["limits"]["hisparse"]["batch"] < c["limits"]["resident"]["batch"]
+    one = c["compare_hisparse_batch_sizes"]["tokens_compared"]  # hisparse's own batch's tokens
+    assert 0 < one == c["compare"]["tokens_compared"] < c["compare_same_batch"]["tokens_compared"]
+    assert c["compare"]["within_tolerance"]
+
+
 def test_bench_capacity_buffer_sizes_hisparse(tmp_path):
     """--buffer S: hisparse's hot buffers (and so its GPU limit) grow with S; the run uses S."""
     out = tmp_path / "capacity.json"
