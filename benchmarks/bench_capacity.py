@@ -187,7 +187,7 @@ def run_context(budget: Budget, shape: RunShape, ctx: int, a: argparse.Namespace
                                      if r["tokens_per_s"] and h["tokens_per_s"] else None)
         if r.get("tokens_per_s_gpu") and h.get("tokens_per_s_gpu"):  # the replays' GPU time alone
             out["ratio_tokens_per_s_gpu"] = h["tokens_per_s_gpu"] / r["tokens_per_s_gpu"]
-        # the requests both runs serve (ids 0 .. resident batch - 1) see the same inputs
+        # the requests both runs serve (ids 0 .. the smaller batch - 1) see the same inputs
         out["compare"] = compare_served(raw["resident"][0], raw["resident"][1], raw["hisparse"][1])
     if "hisparse_same_batch" in raw and "resident" in raw:
         r, h = out["runs"]["resident"]["decode"], out["runs"]["hisparse_same_batch"]["decode"]
