@@ -12,9 +12,7 @@ the same flush.
 
 Modes: serial (resolve + copy, then attention), split (attention over the hits while
 the misses stage, then the misses, LSE-merged), fused (the misses read from host,
-written and attended in one kernel beside the hit attention), inline (the resolve, then
-one attention that reads the misses from host itself and writes them into their slots;
-backends that can, ``host_misses_problem``), and ``prefetch``: two
+written and attended in one kernel beside the hit attention), and ``prefetch``: two
 layers (split), the second layer's selection prefetched from the first's while the
 first computes, against two resident layers; the two selections share ``--overlap``
 of their entries.
@@ -25,7 +23,7 @@ to resident, and the fraction of the staging time hidden, (serial - mode) /
 alone, and the largest output difference from resident (relative to its largest |value|).
 
   python -m benchmarks.bench_layer [--batch 16 64 256] [--hits 100 95 90 80]
-      [--backends triton flashmla] [--modes serial split fused inline prefetch] [--out FILE]
+      [--backends triton flashmla] [--modes serial split fused prefetch] [--out FILE]
   python -m benchmarks.bench_layer --dry-run      # tiny shapes on CPU (interpreter)
 """
 
@@ -53,7 +51,6 @@ from hisparse.decode import DecodeLayer, Overlap  # noqa: E402
 from hisparse.formats import RowFormat, quantize_fp8_ds_mla  # noqa: E402
 
 STATE = ("slot_pos", "slot_stamp", "row_slot", "step", "stats", "seq_lens")
-MODES = ("serial", "split", "fused", "inline")  # single-layer modes, in report order
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -63,8 +60,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--hits", type=common.percent, nargs="+", default=[100, 95, 90, 80],
                     help="hit rates in percent, each in [0, 100]")
     ap.add_argument("--backends", nargs="+", default=["triton", "flashmla"], choices=["triton", "flashmla"])
-    ap.add_argument("--modes", nargs="+", default=["serial", "split", "fused", "inline", "prefetch"],
-                    choices=["serial", "split", "fused", "inline", "prefetch"])
+    ap.add_argument("--modes", nargs="+", default=["serial", "split", "fused", "prefetch"],
+                    choices=["serial", "split", "fused", "prefetch"])
     ap.add_argument("--context", type=pos, default=65536, help="tokens per request (B <= 64)")
     ap.add_argument("--context-256", type=pos, default=32768, help="tokens per request at B > 64")
     ap.add_argument("--top-k", type=pos, default=2048)
@@ -226,15 +223,10 @@ def bench_case(s: Setup, be: SparseMLABackend, hit: float, a: argparse.Namespace
         return outs[-1]
 
     res["resident"], ref = timed(resident, s, a, restore=False)
-    layers = {m: DecodeLayer(c, be, overlap=Overlap.parse(m)) for m in MODES}
-    for m in MODES:
+    layers = {m: DecodeLayer(c, be, overlap=Overlap.parse(m)) for m in ("serial", "split", "fused")}
+    for m in ("serial", "split", "fused"):
         if m not in a.modes:
             continue
-        if m == "inline":
-            why = be.host_misses_problem(device=dev, row_format=fmt, num_heads=H)
-            if why is not None:
-                res["inline_skipped"] = why
-                continue
         res[m], out = timed(lambda m=m: layers[m](0, s.req, tk0, q, sm_scale=sm), s, a, restore=True)
         res[m]["max_rel_diff"] = max_diff(out, ref)
     # staging alone and hit attention alone
@@ -282,7 +274,7 @@ def bench_case(s: Setup, be: SparseMLABackend, hit: float, a: argparse.Namespace
                                    "wasted_bytes": (staged - sel) * 656}
     r0 = res["resident"]["median_us"]
     ser = res.get("serial", {}).get("median_us")
-    for m in MODES:
+    for m in ("serial", "split", "fused"):
         if m in res:
             res[m]["ratio_vs_resident"] = res[m]["median_us"] / r0
             if ser is not None and ser > r0:
@@ -314,7 +306,7 @@ def main(argv=None) -> int:
                 r.update(backend=name, B=B, context=ctx)
                 report["cases"].append(r)
                 line = f"{name:8s} B={B:4d} hit={h:3d}%  resident {r['resident']['median_us']:8.1f} us"
-                for m in MODES:
+                for m in ("serial", "split", "fused"):
                     if m in r:
                         hid = r[m].get("staging_hidden")
                         line += f" | {m} {r[m]['ratio_vs_resident']:.2f}x" + (f" hid {hid:.0%}" if hid is not None else "")

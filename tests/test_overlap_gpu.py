@@ -2,8 +2,7 @@
 
 - The split resolve's Triton kernels leave the state of a serial resolve, bit for bit,
   over random steps with misses, and return the same rows.
-- ``DecodeLayer`` in split and fused mode matches serial within tolerance (inline: bit
-  for bit) with the
+- ``DecodeLayer`` in split and fused mode matches serial within tolerance with the
   Triton backend (fp8_ds_mla, 128 heads, the warp-specialised kernel on SM 9.x), the
   state identical; captured in a CUDA graph, a replay from the same state equals the
   eager call (cache bytes exactly, outputs within tolerance).
@@ -78,7 +77,7 @@ def test_split_resolve_equals_serial():
         assert int(res.miss_counts.sum()) + int((hit >= 0).sum()) == int((want.physical >= 0).sum())
 
 
-@pytest.mark.parametrize("mode", [Overlap.SPLIT, Overlap.FUSED, Overlap.INLINE])
+@pytest.mark.parametrize("mode", [Overlap.SPLIT, Overlap.FUSED])
 def test_decode_layer_modes_match_serial(mode):
     a, b = make(), make()
     ids = torch.arange(B, dtype=I32, device=DEV)
@@ -92,8 +91,6 @@ def test_decode_layer_modes_match_serial(mode):
         out, lse = la(step % 2, ids, tk, q, sm_scale=SM)
         ref, ref_lse = lb(step % 2, ids, tk, q, sm_scale=SM)
         torch.cuda.synchronize()
-        if mode is Overlap.INLINE:  # the same kernel over the same bytes: bit for bit
-            assert torch.equal(out, ref) and torch.equal(lse, ref_lse), step
         torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
         for n in STATE:

@@ -118,21 +118,6 @@ class SparseMLABackend(abc.ABC):
                 sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Sparse prefill attention over a staged bf16 workspace [W, 576]; as decode."""
 
-    def host_misses_problem(self, *, device: torch.device, row_format: RowFormat,
-                            num_heads: int) -> str | None:
-        """None if ``decode_host_misses`` can run this combination, else why not."""
-        return f"the {self.name} backend's decode cannot read rows from the host pool"
-
-    def decode_host_misses(self, q: torch.Tensor, kv_rows: torch.Tensor, indices: torch.Tensor,
-                           host_rows: torch.Tensor, miss_rows: torch.Tensor, *, sm_scale: float,
-                           row_format: RowFormat | str) -> tuple[torch.Tensor, torch.Tensor]:
-        """``decode`` with the missed rows read from the host pool and written into their
-        hot rows (``hisparse.attention.host_misses``): host_rows uint8 [NH, W] pinned,
-        miss_rows int32 [T, K] (host row of a missed entry, -1 = hot). Ask
-        ``host_misses_problem`` first; this default raises its reason."""
-        raise ValueError(f"{self.name} backend cannot run decode_host_misses: "
-                         f"{self.host_misses_problem(device=q.device, row_format=row_format, num_heads=q.shape[1])}")
-
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
 

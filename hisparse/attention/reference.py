@@ -15,7 +15,6 @@ from ..formats import RowFormat
 from ..formats import dequantize_fp8_ds_mla_reference
 from .base import (D_QK, D_V, DecodeInputs, Phase, SparseMLABackend, heads_reason,
                    validate_decode_inputs, validate_prefill_inputs)
-from .host_misses import stage_host_misses_reference, validate_host_misses
 
 
 def sparse_mla_reference(inp: DecodeInputs, *, chunk_bytes: int = 1 << 28,
@@ -89,16 +88,6 @@ class ReferenceBackend(SparseMLABackend):
         inp = validate_prefill_inputs(q, workspace, indices, valid_counts=valid_counts,
                                       sm_scale=sm_scale)
         return sparse_mla_reference(inp.as_decode())
-
-    def host_misses_problem(self, *, device, row_format, num_heads) -> str | None:
-        return self.supports(device=device, row_format=row_format, num_heads=num_heads, phase=Phase.DECODE)
-
-    def decode_host_misses(self, q, kv_rows, indices, host_rows, miss_rows, *, sm_scale, row_format):
-        """The oracle: the misses copied into their hot rows, then ``decode``."""
-        inp = validate_decode_inputs(q, kv_rows, indices, sm_scale=sm_scale, row_format=row_format)
-        hm = validate_host_misses(inp, host_rows, miss_rows)
-        stage_host_misses_reference(kv_rows, inp.indices, hm)
-        return sparse_mla_reference(inp)
 
 
 __all__ = ["ReferenceBackend", "sparse_mla_reference"]

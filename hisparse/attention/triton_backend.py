@@ -28,7 +28,6 @@ from ..kernels.mla_decode import sparse_mla_combine_kernel, sparse_mla_decode_ke
 from ..kernels.mla_decode_wide import sparse_mla_decode_wide_kernel
 from .base import (D_V, DecodeInputs, Phase, SparseMLABackend, empty_result, heads_reason,
                    validate_decode_inputs, validate_prefill_inputs)
-from .host_misses import HostMisses, stage_host_misses_reference, validate_host_misses
 
 MAX_SPLITS = 64
 MAX_AUTO_SPLITS = 32  # partial outputs cost T * splits * H * 2 KiB of traffic
@@ -312,14 +311,12 @@ def _rows_per_split(K: int, splits: int, block_n: int) -> tuple[int, int]:
     return rows, math.ceil(K / rows)
 
 
-def run_sparse_mla(inp: DecodeInputs, cfg: TritonMLAConfig | None = None,
-                   host: HostMisses | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def run_sparse_mla(inp: DecodeInputs, cfg: TritonMLAConfig | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the kernel(s) on validated inputs. Returns out bf16 [T, H, 512], lse f32 [T, H].
 
     cfg None: ``default_config`` for these inputs (the ``tl`` kernels for rows the
     warp-specialised kernel can't read, e.g. a view that is not 16-byte aligned).
-    host: the missed rows to read from the host pool (``attention.host_misses``); the
-    caller made sure ``cfg`` is a ws config (the only kernel that reads them).
     """
     q, kv, idx = inp.q, inp.kv_rows, inp.indices
     T, H, _ = q.shape
@@ -346,12 +343,12 @@ def run_sparse_mla(inp: DecodeInputs, cfg: TritonMLAConfig | None = None,
         # programs fill one wave of SMs
         for lo, hi, s in ((0, T - tail, splits), (T - tail, T, tail_splits)):
             if hi > lo:
-                _launch(inp, cfg, lo, hi, s, out, lse, host)
+                _launch(inp, cfg, lo, hi, s, out, lse)
     return out, lse
 
 
 def _launch(inp: DecodeInputs, cfg: TritonMLAConfig, lo: int, hi: int, splits: int,
-            out: torch.Tensor, lse: torch.Tensor, host: HostMisses | None = None) -> None:
+            out: torch.Tensor, lse: torch.Tensor) -> None:
     """One decode launch (+ the split combine) for tokens [lo, hi) into out / lse rows
     [lo, hi) (views: every kernel addresses its token rows from these bases)."""
     q, kv, idx, vc = inp.q[lo:hi], inp.kv_rows, inp.indices[lo:hi], inp.valid_counts
@@ -373,13 +370,11 @@ def _launch(inp: DecodeInputs, cfg: TritonMLAConfig, lo: int, hi: int, splits: i
             rows_per_split, inp.sm_scale * 1.4426950408889634)
     prefetch = cfg.prefetch if device_type(dev) == "cuda" else 0  # a hint; no inline PTX on CPU
     if cfg.ws:
-        hargs = ((host.miss_rows[lo:hi], host.host_rows, host.host_rows.shape[0], host.host_rows.stride(0))
-                 if host is not None else (idx, kv, 0, kv.stride(0)))  # unread without HOST_MISSES
         _ws_kernel()[grid](
-            *args, *hargs, HAS_VC=vc is not None, NUM_SPLITS=splits, BLOCK_N=cfg.block_n,
+            *args, HAS_VC=vc is not None, NUM_SPLITS=splits, BLOCK_N=cfg.block_n,
             STAGES=cfg.num_stages, RAW=cfg.ws_raw, PRODUCER_REGS=cfg.ws_producer_regs,
-            CONSUMER_REGS=ws_consumer_regs(cfg.ws_producer_regs), HOST_MISSES=host is not None,
-            HOST_PREFETCH=_HOST_PREFETCH[0] if host is not None else 0, num_warps=4, maxnreg=WS_MAXNREG)
+            CONSUMER_REGS=ws_consumer_regs(cfg.ws_producer_regs), num_warps=4,
+            maxnreg=WS_MAXNREG)
     elif cfg.wide:
         sparse_mla_decode_wide_kernel[grid](
             *args, HAS_VC=vc is not None, IS_FP8=is_fp8, NUM_SPLITS=splits,
@@ -394,9 +389,6 @@ def _launch(inp: DecodeInputs, cfg: TritonMLAConfig, lo: int, hi: int, splits: i
         sparse_mla_combine_kernel[(T, H)](
             part_out, part_lse, o, ls, H, NUM_SPLITS=splits,
             SPLITS_P2=triton.next_power_of_2(splits), num_warps=4)
-
-
-_HOST_PREFETCH = [0]  # scratch knob for the experiment
 
 
 def _on_device(dev: torch.device):
@@ -466,50 +458,6 @@ class TritonBackend(SparseMLABackend):
                                      check_ranges=self.validate)
         self._check_supported(inp.q.device, inp.row_format, inp.num_heads, Phase.DECODE)
         return run_sparse_mla(inp, self.config)
-
-    def host_misses_problem(self, *, device, row_format, num_heads) -> str | None:
-        device = torch.device(device)
-        reason = self.supports(device=device, row_format=row_format, num_heads=num_heads, phase=Phase.DECODE)
-        if reason is not None or device_type(device) == "cpu":
-            return reason  # CPU: the misses are staged by the torch reference, then decoded
-        fmt = RowFormat.parse(row_format)
-        if self.config is not None and not self.config.ws:
-            return ("its config runs the tl kernels; only the warp-specialised kernel (ws=True) reads "
-                    "rows from the host pool")
-        why = ("it reads fp8_ds_mla rows only" if fmt is not RowFormat.FP8_DS_MLA
-               else ws_device_problem(device) or gluon_ws_problem())
-        if why is not None:
-            return f"only the warp-specialised kernel reads rows from the host pool, and it can't run here: {why}"
-        return None
-
-    def decode_host_misses(self, q, kv_rows, indices, host_rows, miss_rows, *, sm_scale, row_format):
-        inp = validate_decode_inputs(q, kv_rows, indices, sm_scale=sm_scale, row_format=row_format,
-                                     check_ranges=self.validate)
-        hm = validate_host_misses(inp, host_rows, miss_rows, check_ranges=self.validate)
-        dev = inp.q.device
-        reason = self.host_misses_problem(device=dev, row_format=inp.row_format, num_heads=inp.num_heads)
-        if reason is not None:
-            raise ValueError(f"triton backend cannot run decode_host_misses: {reason}")
-        if device_type(dev) == "cpu":
-            stage_host_misses_reference(inp.kv_rows, inp.indices, hm)
-            return run_sparse_mla(inp, self.config)
-        cfg = self.config
-        if cfg is None:
-            T, H, K = inp.num_tokens, inp.num_heads, inp.indices.shape[1]
-            # the warp-specialised kernel also runs fewer than 64 heads (masked in its
-            # 64-head block); it is the one that reads host rows, so it runs them here
-            cfg = default_config(T, max(H, 64), K, dev, inp.row_format, kv_rows=inp.kv_rows)
-            if not cfg.ws:
-                raise ValueError(f"triton backend cannot run decode_host_misses: the warp-specialised "
-                                 f"kernel is off for these rows ({cfg.ws_off_reason})")
-        else:
-            why = ws_rows_problem(inp.kv_rows)
-            if why is not None:
-                raise ValueError(f"triton backend cannot run decode_host_misses: {why}")
-        if hm.host_rows.data_ptr() % 16 or hm.host_rows.stride(0) % 16:
-            raise ValueError("host_rows must be 16-byte aligned (data_ptr and row stride): the kernel "
-                             "gathers them with cp.async")
-        return run_sparse_mla(inp, cfg, host=hm)
 
     def prefill(self, q, workspace, indices, *, valid_counts=None, sm_scale):
         inp = validate_prefill_inputs(q, workspace, indices, valid_counts=valid_counts,

@@ -159,7 +159,6 @@ class HiSparseCache:
         self._hot_l = self.writer.hot_layers  # uint8 [N, row_bytes] per layer (views, made once)
         self._host_l = self.writer.host_layers  # uint8 [H, row_bytes] per layer
         self._split: dict[int, tuple] = {}  # layer -> (hit, miss lists), made on first use
-        self._miss_rows: torch.Tensor | None = None  # int32 [max_tokens * top_k] of inline resolves
 
     # ---- small queries ----------------------------------------------------
     def live_requests(self) -> list[int]:
@@ -409,26 +408,6 @@ class HiSparseCache:
                                       compact=compact, stage_with=stage_with)
         self.requests.touch(layer)
         return SplitResult(out, hit, miss_lists, event, self.requests.epochs, layer)
-
-    def resolve_inline(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor, attend, *,
-                       validate: bool = True) -> tuple[ResolveResult, Any]:
-        """``resolve`` without the staging copy: the misses are staged by ``attend(physical,
-        miss_rows)`` (physical int32 [T, K] as ``resolve``'s; miss_rows int32 [T, K], the
-        host row of each entry that missed, -1 elsewhere), which runs right after the
-        resolve on the current stream and must write every missed row into its slot, as
-        ``SparseMLABackend.decode_host_misses`` does while attending. Returns the result
-        and what ``attend`` returned. The state after the call equals ``resolve``'s bit for
-        bit; a launch that raises is undone. CUDA graphs: as ``resolve``."""
-        T, K, req_ids = self._check_resolve(layer, req_ids, topk, validate)
-        out = self._bufs[layer].view(T, K)
-        if self._miss_rows is None:
-            self._miss_rows = torch.empty((self.cfg.max_tokens * self.cfg.top_k,), dtype=torch.int32,
-                                          device=self.device)
-        miss_rows = self._miss_rows[:T * K].view(T, K)
-        ret = self.stager.run_inline(layer, req_ids, topk, out, miss_rows, host_rows=self._host_l[layer],
-                                     hot_rows=self._hot_l[layer], attend=attend)
-        self.requests.touch(layer)
-        return ResolveResult(out, None, self.requests.epochs, layer), ret
 
     def prefetch(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor) -> ResolveBuffers:
         """Stage a *predicted* selection of ``layer`` (e.g. the previous layer's top-k)

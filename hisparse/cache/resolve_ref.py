@@ -166,7 +166,7 @@ def resolve_lookup_reference(state: HotState, layer: int, req_ids: torch.Tensor,
 def resolve_reference(state: HotState, layer: int, req_ids: torch.Tensor, topk: torch.Tensor,
                       out: ResolveBuffers, *, max_query_len: int, compact: bool = False,
                       stamped: bool = False, miss_lists: tuple | None = None,
-                      prefetch: bool = False, miss_rows: torch.Tensor | None = None) -> None:
+                      prefetch: bool = False) -> None:
     """Resolve logical top-k into physical hot rows, updating ``state`` in place.
 
     req_ids: int32 [T]; topk: int32 [T, K] (-1 = padding); ``out`` buffers of
@@ -175,8 +175,6 @@ def resolve_reference(state: HotState, layer: int, req_ids: torch.Tensor, topk: 
     resolve, after ``resolve_lookup_reference``). ``miss_lists``: (miss_phys int32
     [T, K], miss_host int32 [T, K], miss_counts int32 [T]) receive each token's miss
     entries, compacted. ``prefetch``: only the misses are counted, as STAT_PREFETCH.
-    ``miss_rows`` (int32 [T, K]) receives the host row of every entry that missed
-    (duplicates included), -1 elsewhere, in the order of ``physical`` (compacted with it).
     """
     T, K = topk.shape
     S, B = state.S, state.B
@@ -200,7 +198,6 @@ def resolve_reference(state: HotState, layer: int, req_ids: torch.Tensor, topk: 
 
     row_slot = state.row_slot[layer]  # int32 [H]
     phys = torch.full((T, K), -1, dtype=torch.int64, device=dev)
-    mrow = torch.full((T, K), -1, dtype=torch.int64, device=dev)
     miss_lane = torch.zeros((T, K), dtype=torch.bool, device=dev)
     for t0, r, n in groups:
         g_pos, g_ok = pos[t0:t0 + n], ok[t0:t0 + n]
@@ -218,7 +215,7 @@ def resolve_reference(state: HotState, layer: int, req_ids: torch.Tensor, topk: 
         miss_lane[t0:t0 + n] = g_ok & (lane_slot < 0)
         state.step[layer, r] = s_new
         uniq = torch.unique(g_pos[g_ok & (lane_slot < 0)])  # the missed positions, ascending
-        m_rows = bt[uniq // B] * B + uniq % B
+        miss_rows = bt[uniq // B] * B + uniq % B
         m = uniq.numel()
         out.stage_counts[t0] = m
         if prefetch:
@@ -243,15 +240,14 @@ def resolve_reference(state: HotState, layer: int, req_ids: torch.Tensor, topk: 
             row_slot[bt[old[had] // B] * B + old[had] % B] = -1
             spos[victims] = uniq.to(torch.int32)
             stamp[victims] = s_new
-            row_slot[m_rows] = victims.to(torch.int32)
-            out.stage_src[base:base + m] = m_rows.to(torch.int32)
+            row_slot[miss_rows] = victims.to(torch.int32)
+            out.stage_src[base:base + m] = miss_rows.to(torch.int32)
             out.stage_dst[base:base + m] = (r * SP + victims).to(torch.int32)
 
         safe = torch.where(g_ok, g_pos, torch.zeros_like(g_pos))
         g_rows = bt[safe // B] * B + safe % B
         g_phys = r * SP + row_slot[g_rows].long()
         phys[t0:t0 + n] = torch.where(g_ok, g_phys, torch.full_like(g_phys, -1))
-        mrow[t0:t0 + n] = torch.where(miss_lane[t0:t0 + n], g_rows, torch.full_like(g_rows, -1))
         if miss_lists is not None:
             mp, mh, mc = miss_lists
             for j in range(n):
@@ -267,10 +263,7 @@ def resolve_reference(state: HotState, layer: int, req_ids: torch.Tensor, topk: 
         # stable: valid entries first, in their original order
         order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)
         phys = torch.gather(phys, 1, order)
-        mrow = torch.gather(mrow, 1, order)
     out.physical[:T, :K] = phys.to(torch.int32)
-    if miss_rows is not None:
-        miss_rows[:T, :K] = mrow.to(torch.int32)
 
 
 def copy_staged_reference(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor,

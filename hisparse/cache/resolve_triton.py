@@ -111,13 +111,6 @@ def _check_miss_lists(miss_lists, T: int, K: int, phys_stride: int, dev: torch.d
         raise ValueError(f"miss_counts has {mc.shape[0]} entries, need {T}")
 
 
-def _check_miss_rows(miss_rows, T: int, K: int, phys_stride: int, dev: torch.device) -> None:
-    _check_vec("miss_rows", miss_rows, torch.int32, 2, dev)
-    if miss_rows.shape[0] < T or miss_rows.shape[1] < K or miss_rows.stride(0) != phys_stride:
-        raise ValueError(f"miss_rows must be int32 [>= {T}, >= {K}] with row stride {phys_stride} "
-                         f"(that of out.physical), got {tuple(miss_rows.shape)} strides {miss_rows.stride()}")
-
-
 @functools.lru_cache(maxsize=None)
 def _launch_sizes(S: int, K: int, max_query_len: int, *,
                   miss_phase: bool = False) -> tuple[int, int, int, int]:
@@ -142,32 +135,30 @@ def _require_device(dev: torch.device, what: str) -> None:
 def resolve_triton(state: HotState, layer: int, req_ids: torch.Tensor, topk: torch.Tensor,
                    out: ResolveBuffers, *, max_query_len: int, compact: bool = False,
                    stamped: bool = False, miss_lists: tuple | None = None,
-                   prefetch: bool = False, miss_rows: torch.Tensor | None = None) -> None:
+                   prefetch: bool = False) -> None:
     """Resolve logical top-k into physical hot rows with the Triton kernel.
 
     state: the hot tier's bookkeeping (updated in place); req_ids: int32 [T];
     topk: int32 [T, K] (-1 = padding); out: buffers of capacity >= [T, K]. ``stamped``,
-    ``miss_lists`` (int32 [T, K], int32 [T, K], int32 [T]), ``prefetch`` and
-    ``miss_rows`` (int32 [T, K]) as in ``resolve_reference``. Launches on the current
-    stream; no host synchronisation, no allocation.
+    ``miss_lists`` (int32 [T, K], int32 [T, K], int32 [T]) and ``prefetch`` as in
+    ``resolve_reference``. Launches on the current stream; no host synchronisation,
+    no allocation.
     """
     _check_args(state, layer, req_ids, topk, out, max_query_len)
     T, K = topk.shape
     if miss_lists is not None:
         _check_miss_lists(miss_lists, T, K, out.physical.stride(0), state.slot_pos.device)
-    if miss_rows is not None:
-        _check_miss_rows(miss_rows, T, K, out.physical.stride(0), state.slot_pos.device)
     if topk.shape[0] == 0:
         return
     _require_device(topk.device, "resolve_triton")
     _launch_resolve(state, layer, req_ids, topk, out, max_query_len=max_query_len, compact=compact,
-                    stamped=stamped, miss_lists=miss_lists, prefetch=prefetch, miss_rows=miss_rows)
+                    stamped=stamped, miss_lists=miss_lists, prefetch=prefetch)
 
 
 def _launch_resolve(state: HotState, layer: int, req_ids: torch.Tensor, topk: torch.Tensor,
                     out: ResolveBuffers, *, max_query_len: int, compact: bool = False,
                     stamped: bool = False, miss_lists: tuple | None = None,
-                    prefetch: bool = False, miss_rows: torch.Tensor | None = None) -> None:
+                    prefetch: bool = False) -> None:
     """``resolve_triton`` without its checks, for a caller that made them (the cache:
     its state was checked when it was built, its output buffers are its own views of
     [T, K], and ``req_ids`` / ``topk`` / ``layer`` / K <= top_k were checked by the
@@ -192,12 +183,11 @@ def _launch_resolve(state: HotState, layer: int, req_ids: torch.Tensor, topk: to
             ls.step, ls.stats,
             out.physical, out.physical.stride(0), out.valid_counts,
             out.stage_src, out.stage_dst, out.undo_hit, out.undo_vpos, out.undo_vstamp,
-            mp, mh, mc, out.stage_counts, miss_rows if miss_rows is not None else out.physical,
+            mp, mh, mc, out.stage_counts,
             T, K, S, state.B,
             STAT_HITS=STAT_HITS, STAT_MISSES=STAT_MISSES, STAT_INVALID=STAT_INVALID,
             STAT_RESOLVES=STAT_RESOLVES, STAT_PREFETCH=STAT_PREFETCH, STAMPED=bool(stamped),
-            MISS_LISTS=miss_lists is not None, MISS_ROWS=miss_rows is not None,
-            PREFETCH=bool(prefetch),
+            MISS_LISTS=miss_lists is not None, PREFETCH=bool(prefetch),
             Q=max_query_len, KB=KB, GQ=GQ, SB=SB, SMALL_SORT=min(_SMALL_SORT, GQ * KB),
             COMPACT=bool(compact), CH=_SCAN_CHUNK, num_warps=num_warps,
         )

@@ -324,34 +324,6 @@ class Stager:
             topk.record_stream(stage)
         return ev.event
 
-    def run_inline(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor, out: ResolveBuffers,
-                   miss_rows: torch.Tensor, *, host_rows: torch.Tensor, hot_rows: torch.Tensor,
-                   attend: Callable):
-        """A resolve whose misses the attention stages, all on the current (compute) stream:
-        the resolve (each missed entry's host row into ``miss_rows``, int32 [T, K]), then
-        ``attend(physical, miss_rows)``, which must read every missed row from host and write
-        it into its slot (``SparseMLABackend.decode_host_misses``). The layer's resolved and
-        stage events are recorded on the current stream. Returns what ``attend`` returned;
-        a launch that raises is undone before the error propagates."""
-        cs = self.streams
-        cur, cap = cs.current(), cs.capturing()
-        cs.stage[layer].wait_by(cur, cap)  # the layer's earlier staging (a prefetch) first
-        cs.backup.wait_by(cur, cap)  # no slot is refilled before the row it held is on host
-        ran = False
-        try:
-            self.resolve_fn(self.state, layer, req_ids, topk, out, max_query_len=self.max_query_len,
-                            compact=False, miss_rows=miss_rows)
-            ran = True
-            cs.resolved[layer].record(cur, cap)
-            result = attend(out.physical, miss_rows)
-        except BaseException:
-            if ran and not cap:
-                self._undo(layer, req_ids, topk, out, miss_phase_ran=True, streams=(cur,),
-                           rows=(hot_rows, host_rows))
-            raise
-        cs.stage[layer].record(cur, cap)
-        return result
-
     def run_prefetch(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor, out: ResolveBuffers, *,
                      host_rows: torch.Tensor, hot_rows: torch.Tensor):
         """Stage ``topk`` (a predicted selection) into ``layer``'s hot rows on the stage

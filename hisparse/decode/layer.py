@@ -11,18 +11,12 @@ Modes (``Overlap``):
   fused   as split, but no copy: one kernel on the stage stream reads the missed rows
           from pinned host memory, writes them into their hot slots and attends over
           them, concurrently with the hit attention; then an LSE merge
-  inline  the whole resolve, then one attention over every entry that reads the missed
-          rows from pinned host memory itself and writes them into their hot slots
-          (``backend.decode_host_misses``): no staging copy, no second attention, no
-          merge; all on the compute stream
 
-All four leave the cache in the same state, bit for bit, and return the same
-attention (serial and inline bit for bit; split and fused within the rounding of one
-merge of bf16 partials). The hit attention of split and fused runs on any backend
-(``attention.base.SparseMLABackend``: Triton, FlashMLA, FlashInfer, the reference);
-their miss side runs our Triton kernels (their torch references on CPU). Inline needs
-a backend that reads host rows (``host_misses_problem``: the Triton backend's
-warp-specialised kernel on SM 9.x, its CPU path, the reference). Graph capturable with ``validate=False``: fixed shapes, no
+All three leave the cache in the same state, bit for bit, and return the same
+attention (split and fused within the rounding of one merge of bf16 partials). The
+hit attention runs on any backend (``attention.base.SparseMLABackend``: Triton,
+FlashMLA, FlashInfer, the reference); the miss side runs our Triton kernels (their
+torch references on CPU). Graph capturable with ``validate=False``: fixed shapes, no
 host sync; plans (scratch buffers) are made once per (mode, T, H).
 
 Prefetch: ``DecodeLayer.prefetch(layer, req_ids, topk)`` stages a layer's predicted
@@ -50,7 +44,6 @@ class Overlap(enum.Enum):
     SERIAL = "serial"
     SPLIT = "split"
     FUSED = "fused"
-    INLINE = "inline"
 
     @classmethod
     def parse(cls, value: "Overlap | str") -> "Overlap":
@@ -120,21 +113,6 @@ class DecodeLayer:
         if self.overlap is Overlap.SERIAL:
             res = c.resolve(layer, req_ids, topk, validate=self.validate)
             return self.backend.decode(q, hot, res.physical, sm_scale=sm_scale, row_format=fmt)
-        if self.overlap is Overlap.INLINE:
-            key = ("inline", hot.device, fmt, H)
-            if key not in self._supported:
-                why = self.backend.host_misses_problem(device=hot.device, row_format=fmt, num_heads=H)
-                if why is not None:
-                    raise ValueError(f"overlap 'inline' needs a backend that reads rows from the host pool: "
-                                     f"{why}; use overlap 'serial' or 'split'")
-                self._supported.add(key)
-            host = view.host_rows
-
-            def attend(physical, miss_rows):  # right after the resolve, on this stream
-                return self.backend.decode_host_misses(q, hot, physical, host, miss_rows, sm_scale=sm_scale,
-                                                       row_format=fmt)
-
-            return c.resolve_inline(layer, req_ids, topk, attend, validate=self.validate)[1]
         if self.overlap is Overlap.SPLIT:
             plan = self._plan(MissMode.SPLIT, T, H, fmt)
             sp = c.resolve_split(layer, req_ids, topk, validate=self.validate)

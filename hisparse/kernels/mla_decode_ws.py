@@ -25,15 +25,6 @@ gathers. Here three partitions of four warps each run concurrently:
   p . v for its own half of the 512 output columns (accumulator [64, 256] float32:
   half the registers of a full row), then releases the slot (``empty``, two arrivals).
 
-Host misses (HOST_MISSES): an entry may name a row still in pinned host memory (the
-resolve's ``miss_rows``: host row h >= 0 for an entry that missed, -1 elsewhere). The
-producer then gathers that row from the host pool over UVA (its ``idx`` entry is the
-hot slot the resolve gave it) instead of the hot buffer, and the programs of head block 0
-write its raw bytes, as gathered, into that hot slot from the same registers the
-dequantisation reads: the misses cross PCIe once per program that reads them and need no
-separate staging copy, and the slot holds the row when the kernel ends. Nothing in the
-launch reads a slot being written (a miss's slot is a victim no entry of the step hits).
-
 The two consumers duplicate q . k^T (1.5x the tensor-core work of one pass) so that
 neither waits for the other; the softmax results are bitwise identical (same inputs,
 same operations). A head block is 64 heads (wgmma's M); heads >= H read q as 0 and are
@@ -94,19 +85,6 @@ def _load_idx(idx_row, start, hi, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _row_src(base_ptr, idx, hrow, N, NH, kv_stride, host_ptr, host_stride, HOST: gl.constexpr):
-    """(ok, pointer) of the rows to read: ok = idx in [0, N); the hot row idx, or with
-    HOST the host row hrow where hrow is in [0, NH) (16-byte aligned row starts)."""
-    ok = (idx >= 0) & (idx < N)
-    src = base_ptr + gl.multiple_of(gl.where(ok, idx, 0).to(gl.int64) * kv_stride, 16)
-    if HOST:
-        hok = ok & (hrow >= 0) & (hrow < NH)
-        hsrc = host_ptr + gl.multiple_of(gl.where(hok, hrow, 0).to(gl.int64) * host_stride, 16)
-        src = gl.where(hok, hsrc, src)
-    return ok, src
-
-
-@gluon.jit
 def _score_bias(idx_row, start, hi, N, layout: gl.constexpr, BLOCK_N: gl.constexpr):
     """Score bias of entries [start, start + BLOCK_N): float32 [BLOCK_N] in ``layout``, 0
     for an index in [0, N), -inf for -1 / out-of-range entries and those past hi (the
@@ -117,76 +95,38 @@ def _score_bias(idx_row, start, hi, N, layout: gl.constexpr, BLOCK_N: gl.constex
 
 
 @gluon.jit
-def _issue_raw(kv_ptr, idx_c, idx_s, idx_r, h_c, h_s, h_r, N, NH, kv_stride, host_ptr, host_stride,
-               codes_slot, scales_slot, rope_slot, HOST: gl.constexpr):
+def _issue_raw(kv_ptr, idx_c, idx_s, idx_r, N, kv_stride, codes_slot, scales_slot, rope_slot):
     """cp.async the rows of one block (its indices in three layouts, ``_load_idx``; -1 /
-    outside [0, N) = invalid; with HOST the host rows ``h_*`` of the misses, read from
-    the host pool instead) into one raw slot: codes uint8 [BLOCK_N, 512], scales
+    outside [0, N) = invalid) into one raw slot: codes uint8 [BLOCK_N, 512], scales
     float32 [BLOCK_N, 4], RoPE bf16 [BLOCK_N, 64]; invalid entries are zero-filled
     without a read (the consumers mask them, ``_score_bias``)."""
     _LC: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
     _LS: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [4, 1], [1, 0])
     _LR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    ok_c, src_c = _row_src(kv_ptr, idx_c, h_c, N, NH, kv_stride, host_ptr, host_stride, HOST)
+    ok_c = (idx_c >= 0) & (idx_c < N)
+    off_c = gl.multiple_of(gl.where(ok_c, idx_c, 0).to(gl.int64) * kv_stride, 16)  # bytes
     cols = gl.arange(0, 512, layout=gl.SliceLayout(0, _LC))
-    _cp_async(codes_slot, src_c[:, None] + cols[None, :], mask=ok_c[:, None])
-    ok_s, src_s = _row_src(kv_ptr, idx_s, h_s, N, NH, kv_stride, host_ptr, host_stride, HOST)
-    sbase = (src_s + 512).to(gl.pointer_type(gl.float32))
+    _cp_async(
+        codes_slot, kv_ptr + off_c[:, None] + cols[None, :], mask=ok_c[:, None])
+    ok_s = (idx_s >= 0) & (idx_s < N)
+    sbase = (kv_ptr + gl.where(ok_s, idx_s, 0).to(gl.int64) * kv_stride + 512).to(
+        gl.pointer_type(gl.float32))
     tt = gl.arange(0, 4, layout=gl.SliceLayout(0, _LS))
-    _cp_async(scales_slot, sbase[:, None] + tt[None, :], mask=ok_s[:, None])
-    ok_r, src_r = _row_src(kv_ptr, idx_r, h_r, N, NH, kv_stride, host_ptr, host_stride, HOST)
-    rbase = (src_r + 528).to(gl.pointer_type(gl.bfloat16))
+    _cp_async(scales_slot, sbase[:, None] + tt[None, :],
+                                           mask=ok_s[:, None])
+    ok_r = (idx_r >= 0) & (idx_r < N)
+    off_r = gl.multiple_of(gl.where(ok_r, idx_r, 0).to(gl.int64) * kv_stride + 528, 16)
+    rbase = (kv_ptr + off_r).to(gl.pointer_type(gl.bfloat16))
     rr = gl.arange(0, 64, layout=gl.SliceLayout(0, _LR))
-    _cp_async(rope_slot, rbase[:, None] + rr[None, :], mask=ok_r[:, None])
-
-
-@gluon.jit
-def _block_rows(idx_row, start, hi, layout: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Entries [start, start + BLOCK_N) of one index row (-1 past hi) in ``layout``."""
-    e = start + gl.arange(0, BLOCK_N, layout=layout)
-    return gl.load(idx_row + e, mask=e < hi, other=-1)
-
-
-@gluon.jit
-def _write_back(idx_row, hidx_row, start, hi, N, NH, layout: gl.constexpr, BLOCK_N: gl.constexpr):
-    """(mask, hot row) of the entries of a block whose row was read from host (the
-    miss rows head block 0 writes into their slots), in ``layout``'s row slice."""
-    i = _block_rows(idx_row, start, hi, layout, BLOCK_N)
-    h = _block_rows(hidx_row, start, hi, layout, BLOCK_N)
-    ok = (i >= 0) & (i < N) & (h >= 0) & (h < NH)
-    return ok, gl.where(ok, i, 0).to(gl.int64)
-
-
-@gluon.jit
-def _prefetch_misses(idx_row, hidx_row, lo, hi, N, NH, host_ptr, host_stride, EVICT_LAST: gl.constexpr):
-    """Ask L2 for every 128-byte line of the host rows of entries [lo, hi) that missed
-    (one entry a thread, eight line addresses each, clamped to the row's last byte);
-    fire and forget: nothing waits, no register or shared memory is held."""
-    _LP: gl.constexpr = gl.BlockedLayout([1, 8], [32, 1], [4, 1], [1, 0])
-    off = gl.minimum(gl.arange(0, 8, layout=gl.SliceLayout(0, _LP)) * 128, 655)
-    for e0 in range(lo, hi, 128):
-        e = e0 + gl.arange(0, 128, layout=gl.SliceLayout(1, _LP))
-        i = gl.load(idx_row + e, mask=e < hi, other=-1)
-        h = gl.load(hidx_row + e, mask=e < hi, other=-1)
-        ok = (i >= 0) & (i < N) & (h >= 0) & (h < NH)
-        ptrs = host_ptr + gl.where(ok, h, 0).to(gl.int64)[:, None] * host_stride + off[None, :]
-        pred = gl.where(ok[:, None], 1, 0) + off[None, :] * 0
-        if EVICT_LAST:
-            gl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0; }",
-                "=r,l,r", [ptrs, pred], dtype=gl.int32, is_pure=False, pack=1)
-        else:
-            gl.inline_asm_elementwise(
-                "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
-                "=r,l,r", [ptrs, pred], dtype=gl.int32, is_pure=False, pack=1)
+    _cp_async(rope_slot, rbase[:, None] + rr[None, :],
+                                           mask=ok_r[:, None])
 
 
 @gluon.jit
 def _producer(kv_ptr, idx_ptr, vc_ptr, N, K, kv_stride, idx_stride, rows_per_split,
               codes_raw, scales_raw, rope_raw, k_lo, k_hi, k_rope,
-              ready, empty, hidx_ptr, host_ptr, NH, host_stride, HAS_VC: gl.constexpr,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, RAW: gl.constexpr,
-              HOST: gl.constexpr, HOST_PREFETCH: gl.constexpr):
+              ready, empty, HAS_VC: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr, RAW: gl.constexpr):
     _LT: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
     _LTS: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
     _LR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -194,76 +134,42 @@ def _producer(kv_ptr, idx_ptr, vc_ptr, N, K, kv_stride, idx_stride, rows_per_spl
     sp = gl.program_id(2)
     lo, hi, n_blocks = _ws_range(vc_ptr, t, sp, rows_per_split, K, HAS_VC, BLOCK_N)
     idx_row = idx_ptr + t * idx_stride
-    hidx_row = hidx_ptr + t * idx_stride
-    # head block 0 writes the rows it read from host into their hot slots (HOST)
-    hi_wb = gl.where(gl.program_id(1) == 0, hi, lo)
-    if HOST_PREFETCH > 0:  # head block 0 asks L2 for all of its misses' host lines up front
-        _prefetch_misses(idx_row, hidx_row, lo, hi_wb, N, NH, host_ptr, host_stride, HOST_PREFETCH == 2)
     # fill the first RAW - 1 raw slots; one commit group per block (empty groups too, so
     # that wait_group(RAW - 1) below always means "block j has landed")
     for b in gl.static_range(RAW - 1):
         if b < n_blocks:
             i_c, i_s, i_r = _load_idx(idx_row, lo + b * BLOCK_N, hi, BLOCK_N)
-            h_c, h_s, h_r = i_c, i_s, i_r
-            if HOST:
-                h_c, h_s, h_r = _load_idx(hidx_row, lo + b * BLOCK_N, hi, BLOCK_N)
-            _issue_raw(kv_ptr, i_c, i_s, i_r, h_c, h_s, h_r, N, NH, kv_stride, host_ptr,
-                       host_stride, codes_raw.index(b), scales_raw.index(b), rope_raw.index(b),
-                       HOST)
+            _issue_raw(kv_ptr, i_c, i_s, i_r, N, kv_stride, codes_raw.index(b),
+                       scales_raw.index(b), rope_raw.index(b))
         async_copy.commit_group()
     # the indices of the next block to issue are loaded one iteration early, so their
     # latency hides behind a conversion
     n_c, n_s, n_r = _load_idx(idx_row, lo + (RAW - 1) * BLOCK_N, hi, BLOCK_N)
-    g_c, g_s, g_r = n_c, n_s, n_r
-    if HOST:
-        g_c, g_s, g_r = _load_idx(hidx_row, lo + (RAW - 1) * BLOCK_N, hi, BLOCK_N)
     tcol = gl.arange(0, 4, layout=gl.SliceLayout(0, _LTS))
-    ccol = gl.arange(0, 128, layout=gl.SliceLayout(0, _LT))
-    rcol = gl.arange(0, 64, layout=gl.SliceLayout(0, _LR))
     for j in range(n_blocks):
         nxt = j + RAW - 1
         if nxt < n_blocks:
             r = nxt % RAW
-            _issue_raw(kv_ptr, n_c, n_s, n_r, g_c, g_s, g_r, N, NH, kv_stride, host_ptr,
-                       host_stride, codes_raw.index(r), scales_raw.index(r), rope_raw.index(r),
-                       HOST)
+            _issue_raw(kv_ptr, n_c, n_s, n_r, N, kv_stride, codes_raw.index(r),
+                       scales_raw.index(r), rope_raw.index(r))
         async_copy.commit_group()
         n_c, n_s, n_r = _load_idx(idx_row, lo + (nxt + 1) * BLOCK_N, hi, BLOCK_N)
-        if HOST:
-            g_c, g_s, g_r = _load_idx(hidx_row, lo + (nxt + 1) * BLOCK_N, hi, BLOCK_N)
         async_copy.wait_group(RAW - 1)  # block j's copies (this thread's) have landed
         _cta_barrier()  # ... and every producer thread's
         r = j % RAW
         s = j % STAGES
         mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
         sc = scales_raw.index(r).load(_LTS)  # float32 [BLOCK_N, 4], a row's 4 in one thread
-        if HOST:
-            wok, wrow = _write_back(idx_row, hidx_row, lo + j * BLOCK_N, hi_wb, N, NH,
-                                    gl.SliceLayout(1, _LTS), BLOCK_N)
-            sdst = (kv_ptr + wrow * kv_stride + 512).to(gl.pointer_type(gl.float32))
-            gl.store(sdst[:, None] + tcol[None, :], sc, mask=wok[:, None])
-            wok, wrow = _write_back(idx_row, hidx_row, lo + j * BLOCK_N, hi_wb, N, NH,
-                                    gl.SliceLayout(1, _LT), BLOCK_N)
-            cdst = kv_ptr + gl.multiple_of(wrow * kv_stride, 16)
         for tile in gl.static_range(4):
             st = gl.convert_layout(gl.sum(gl.where(tcol[None, :] == tile, sc, 0.0), axis=1),
                                    gl.SliceLayout(1, _LT))
             c = codes_raw.index(r).slice(tile * 128, 128, dim=1).load(_LT)  # uint8 [BN, 128]
-            if HOST:
-                gl.store(cdst[:, None] + tile * 128 + ccol[None, :], c, mask=wok[:, None])
             v = (c.to(gl.float8e4nv, bitcast=True).to(gl.float32) * st[:, None]).to(gl.bfloat16)
             if tile < 2:
                 k_lo.index(s).slice(tile * 128, 128, dim=1).store(v)
             else:
                 k_hi.index(s).slice((tile - 2) * 128, 128, dim=1).store(v)
-        rope = rope_raw.index(r).load(_LR)
-        if HOST:
-            wok, wrow = _write_back(idx_row, hidx_row, lo + j * BLOCK_N, hi_wb, N, NH,
-                                    gl.SliceLayout(1, _LR), BLOCK_N)
-            rdst = (kv_ptr + gl.multiple_of(wrow * kv_stride + 528, 16)).to(
-                gl.pointer_type(gl.bfloat16))
-            gl.store(rdst[:, None] + rcol[None, :], rope, mask=wok[:, None])
-        k_rope.index(s).store(rope)
+        k_rope.index(s).store(rope_raw.index(r).load(_LR))
         fence_async_shared()  # generic-proxy stores -> the consumers' wgmma reads
         mbarrier.arrive(ready.index(s), count=1)
     async_copy.wait_group(0)
@@ -364,10 +270,6 @@ def sparse_mla_decode_ws_kernel(
     idx_stride,  # elements between index rows
     rows_per_split,  # entries per split (a multiple of BLOCK_N)
     qk_scale_log2,  # sm_scale * log2(e)
-    hidx_ptr,  # int32 [T, K] (row stride idx_stride): host row of a miss, -1 = hot (read when HOST_MISSES)
-    host_ptr,  # uint8 [NH, 656] pinned host rows, read over UVA (read when HOST_MISSES)
-    NH,  # host rows
-    host_stride,  # bytes between host rows (a multiple of 16)
     HAS_VC: gl.constexpr,
     NUM_SPLITS: gl.constexpr,
     BLOCK_N: gl.constexpr,
@@ -375,8 +277,6 @@ def sparse_mla_decode_ws_kernel(
     RAW: gl.constexpr,  # raw (cp.async) ring slots: the producer gathers RAW - 1 blocks ahead
     PRODUCER_REGS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
-    HOST_MISSES: gl.constexpr,  # entries with a host row read it from host_ptr (module docstring)
-    HOST_PREFETCH: gl.constexpr = 0,
 ):
     t = gl.program_id(0).to(gl.int64)
     hb = gl.program_id(1)
@@ -424,6 +324,5 @@ def sparse_mla_decode_ws_kernel(
                       STAGES)),
         (_producer, (kv_ptr, idx_ptr, vc_ptr, N, K, kv_stride, idx_stride, rows_per_split,
                      codes_raw, scales_raw, rope_raw, k_lo, k_hi, k_rope,
-                     ready, empty, hidx_ptr, host_ptr, NH, host_stride, HAS_VC, BLOCK_N, STAGES,
-                     RAW, HOST_MISSES, HOST_PREFETCH)),
+                     ready, empty, HAS_VC, BLOCK_N, STAGES, RAW)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])

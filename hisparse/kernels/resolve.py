@@ -48,8 +48,7 @@ with ``.cg`` loads (L2, not a possibly stale L1 line). The only sort is of the m
       registers do not grow with S.
   P5  per token of the group, from the tile: physical = r * (S + 1) + slot (the miss
       lanes re-read their final slot), -1 for padding/invalid; valid count; optional
-      stable compaction; optionally (MISS_ROWS) the host row of each entry that missed,
-      in the same order, -1 elsewhere.
+      stable compaction.
 
 Robustness with validation off: every load and store index is range checked
 (request id, request slot, block, host row, slot), so a corrupt input or state costs
@@ -209,7 +208,6 @@ def resolve_kernel(
     miss_host_ptr,  # int32 [>= T, >= K] (row stride phys_stride), output when MISS_LISTS
     miss_cnt_ptr,  # int32 [>= T], output when MISS_LISTS
     stage_cnt_ptr,  # int32 [>= T], output: m at the group's first token, 0 at the others
-    miss_rows_ptr,  # int32 [>= T, >= K] (row stride phys_stride), output when MISS_ROWS
     T,
     K,
     S,  # LRU slots per (layer, request); slot S is reserved
@@ -221,7 +219,6 @@ def resolve_kernel(
     STAT_PREFETCH: tl.constexpr,  # rows staged by prefetch resolves
     STAMPED: tl.constexpr,  # the hits were stamped (and counted) by resolve_lookup_kernel
     MISS_LISTS: tl.constexpr,  # write each token's miss entries, compacted (split decode)
-    MISS_ROWS: tl.constexpr,  # write each entry's host row where it missed, -1 elsewhere
     PREFETCH: tl.constexpr,  # a prefetch: only misses are counted, as STAT_PREFETCH
     Q: tl.constexpr,  # max_query_len
     KB: tl.constexpr,  # next power of two >= K
@@ -414,12 +411,6 @@ def resolve_kernel(
                 tl.store(miss_phys_ptr + mrow_off, ph, mask=mv)
                 tl.store(miss_host_ptr + mrow_off, grow.to(tl.int32), mask=mv)
                 tl.store(miss_cnt_ptr + t + jj, tl.sum(mi, axis=1), mask=jj < n)
-            if MISS_ROWS:
-                # the host row of every entry that missed (duplicates included), in the
-                # order of ``physical``: an attention that reads those rows from host and
-                # writes them into their slots (``mla_decode_ws`` with HOST_MISSES)
-                tl.store(miss_rows_ptr + (t + gj).to(tl.int64) * phys_stride + dest,
-                         tl.where(gmiss & v, grow, -1).to(tl.int32), mask=gmask)
     else:
         p = tl.load(topk_ptr + t.to(tl.int64) * topk_stride + kk, mask=kmask, other=-1)
         nbad = tl.sum((p != -1).to(tl.int32), axis=0)
@@ -428,8 +419,6 @@ def resolve_kernel(
         tl.store(stage_cnt_ptr + t, 0)
         if MISS_LISTS:
             tl.store(miss_cnt_ptr + t, 0)
-        if MISS_ROWS:
-            tl.store(miss_rows_ptr + t.to(tl.int64) * phys_stride + kk, minus1_k, mask=kmask)
         tl.store(phys_ptr + t.to(tl.int64) * phys_stride + kk, minus1_k, mask=kmask)
         tl.store(valid_ptr + t, 0)
         tl.store(stage_src_ptr + base + kk, minus1_k, mask=kmask)
