@@ -35,10 +35,18 @@ with ``.cg`` loads (L2, not a possibly stale L1 line). The only sort is of the m
       group tile), so miss i is the i-th smallest missed position.
   P3  victims = the m smallest eviction keys among slots 0..S-1 with a stamp older
       than the new step: the empty slots first (by slot), then the occupied ones by
-      (stamp, position), selected by bisecting for the threshold stamp and then for
-      the threshold position inside that stamp (each probe one masked count over the
-      S slots).
-  P4  the victims, in ascending slot order, are ranked and listed (victim i's slot
+      (stamp, position). One pass (a reduction of four values) counts the empty and
+      the occupied candidates and finds their oldest and newest stamp; the first m
+      empty slots are picked by a cumsum only when there are more than m. The
+      threshold stamp tau, the smallest with at least m2 = m - #empty occupied
+      candidates at or below it, is found by masked counts over the S slots that
+      gallop up from the oldest stamp (oldest, +1, +3, +7: the victims are the oldest
+      slots, so tau is nearly always there) and then bisect the rest of the range.
+      The probes' counts also give the slots below tau and in its tier, so the r2
+      victims the tier owes cost no pass. Unless the whole tier goes, the threshold
+      position (the r2-th smallest in the tier) is found by bisection.
+  P4  the victims (min(m, candidates) of them: m unless the state is corrupt, known
+      from P3's counts), in ascending slot order, are ranked and listed (victim i's slot
       at entry i of a scratch list in the group's own rows of ``physical``, which P5
       overwrites); then, over the group tile's lanes (GQ x KB, masked to the m victims)
       instead of the S slot lanes, victim i reads the miss parked in
@@ -64,6 +72,8 @@ import triton.language as tl
 
 _I32_MAX = tl.constexpr(2147483647)
 _I64_MAX = tl.constexpr(9223372036854775807)
+_I64_MIN = tl.constexpr(-9223372036854775808)
+_GALLOP = tl.constexpr(4)  # probes of the stamp search's gallop: min, min + 1, min + 3, min + 7
 
 
 @triton.jit
@@ -97,16 +107,54 @@ def _sort_parked(stage_src_ptr, stage_dst_ptr, base, m, bt_r, NB, B, H, TILE: tl
 
 
 @triton.jit
+def _count_range(n0, n1, lo0, hi0, m0, m1, lo1, hi1):
+    """Combine of P3's first pass: two counts, a minimum and a maximum."""
+    return n0 + m0, n1 + m1, tl.minimum(lo0, lo1), tl.maximum(hi0, hi1)
+
+
+@triton.jit
+def _stamp_threshold(st, occ, m2, lo, hi, n_occ):
+    """The threshold stamp of P3: the smallest tau with #(occ, stamp <= tau) >= m2.
+
+    st: int64 [SB] stamps; occ: bool [SB] occupied candidates; lo / hi: int64, the
+    smallest / largest stamp of occ; n_occ: int32 = #occ > m2 >= 1. Returns (tau,
+    #(occ, stamp < tau), #(occ, stamp <= tau)); both counts are the probes' own, so
+    they cost no pass. The victims are the oldest, so tau is nearly always within a few
+    steps of lo: the probes gallop from lo (lo, lo + 1, lo + 3, ..., _GALLOP of them),
+    then bisect [lo, hi]. Each probe is one masked count; [lo, hi] shrinks at every
+    probe (mid in [lo, hi - 1], computed without int64 overflow), so the loop ends
+    after at most _GALLOP + 64 probes whatever the stamps are.
+    """
+    lo0 = lo
+    cb = n_occ * 0  # #(occ, stamp <= lo - 1)
+    ch = n_occ  # #(occ, stamp <= hi)
+    span = lo * 0 + 1  # the next gallop probe is lo0 + span - 1
+    k = n_occ * 0  # probes made while galloping (_GALLOP once one succeeded)
+    while lo < hi:
+        gal = tl.maximum(tl.minimum(lo0 + (span - 1), hi - 1), lo)
+        bis = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2)
+        mid = tl.where(k < _GALLOP, gal, bis)
+        c = tl.sum((occ & (st <= mid)).to(tl.int32), axis=0)
+        ge = c >= m2
+        hi = tl.where(ge, mid, hi)
+        ch = tl.where(ge, c, ch)
+        lo = tl.where(ge, lo, mid + 1)
+        cb = tl.where(ge, cb, c)
+        span = tl.where(k < _GALLOP, span * 2, span)
+        k = tl.where(ge, _GALLOP, k + 1)
+    return lo, cb, ch
+
+
+@triton.jit
 def _list_victims(vic, si, m, scratch_ptr, K, phys_stride):
     """P4, first half: rank the victims ``vic`` (bool [SB]) of the slots ``si`` in
     ascending slot order and write the slot of victim i < m to entry i of the group's
     scratch list (entry i: row i // K, column i % K of the group's rows of
-    ``physical``, which P5 overwrites). Returns the number of victims."""
+    ``physical``, which P5 overwrites)."""
     vi = vic.to(tl.int32)
     vrank = tl.cumsum(vi, 0) - vi
     keep = vic & (vrank < m)
     tl.store(scratch_ptr + (vrank // K).to(tl.int64) * phys_stride + vrank % K, si, mask=keep)
-    return tl.sum(vi, axis=0)
 
 
 @triton.jit
@@ -335,40 +383,46 @@ def resolve_kernel(
                 tl.debug_barrier()
                 # P3: victims = the m smallest keys among slots 0..S-1 whose stamp is
                 # < s_new: first the empty slots (by slot), then the occupied ones by
-                # (stamp, position), found by two bisections (threshold stamp, then
-                # threshold position within it) instead of a sort
+                # (stamp, position), found by searching for the threshold stamp and then
+                # the threshold position within it (masked counts) instead of a sort
                 si = tl.arange(0, SB)
                 smask = si < S
                 st = tl.load(slot_stamp_r + si, mask=smask, other=_I64_MAX, cache_modifier=".cg")
                 spo = tl.load(slot_pos_r + si, mask=smask, other=-1)
                 cand = smask & (st < s_new)
-                emp = (cand & (spo < 0)).to(tl.int32)
+                emp = cand & (spo < 0)
                 occ = cand & (spo >= 0)
-                vic = (emp != 0) & (tl.cumsum(emp, 0) - emp < m)
-                m2 = m - tl.sum(emp, axis=0)
+                # one pass: the empty and occupied candidates, the oldest and newest stamp
+                n_emp, n_occ, lo, hi = tl.reduce(
+                    (emp.to(tl.int32), occ.to(tl.int32), tl.where(occ, st, _I64_MAX),
+                     tl.where(occ, st, _I64_MIN)), 0, _count_range)
+                vic = emp
+                if n_emp > m:  # more empty slots than misses: the first m by slot
+                    ei = emp.to(tl.int32)
+                    vic = emp & (tl.cumsum(ei, 0) - ei < m)
+                m2 = m - n_emp
                 if m2 > 0:
-                    lo = tl.min(tl.where(occ, st, _I64_MAX), axis=0)
-                    hi = tl.max(tl.where(occ, st, -1), axis=0)
-                    while lo < hi:  # smallest stamp tau with #(occ, stamp <= tau) >= m2
-                        mid = lo + (hi - lo) // 2
-                        ge = tl.sum((occ & (st <= mid)).to(tl.int32), axis=0) >= m2
-                        hi = tl.where(ge, mid, hi)
-                        lo = tl.where(ge, lo, mid + 1)
-                    below = occ & (st < lo)
-                    eq = occ & (st == lo)
-                    r2 = m2 - tl.sum(below.to(tl.int32), axis=0)
-                    plo = tl.min(tl.where(eq, spo, _I32_MAX), axis=0)
-                    phi = tl.max(tl.where(eq, spo, -1), axis=0)
-                    if tl.sum(eq.to(tl.int32), axis=0) <= r2:
-                        plo = phi  # the whole tier goes
-                    while plo < phi:  # smallest position with #(eq, position <= p) >= r2
-                        mid = plo + (phi - plo) // 2
-                        ge = tl.sum((eq & (spo <= mid)).to(tl.int32), axis=0) >= r2
-                        phi = tl.where(ge, mid, phi)
-                        plo = tl.where(ge, plo, mid + 1)
-                    vic = vic | below | (eq & (spo <= plo))
-                # P4: victims in ascending slot order; the one of rank i takes miss i
-                nv = _list_victims(vic, si, m, scratch_ptr, K, phys_stride)
+                    if n_occ <= m2:  # every candidate goes (fewer than m only if corrupt)
+                        vic = vic | occ
+                    else:
+                        tau, nbelow, nle = _stamp_threshold(st, occ, m2, lo, hi, n_occ)
+                        vic = vic | (occ & (st < tau))
+                        eq = occ & (st == tau)
+                        r2 = m2 - nbelow  # victims within the tier of tau, 1 <= r2 <= #eq
+                        if r2 < nle - nbelow:  # else the whole tier goes
+                            plo = tl.min(tl.where(eq, spo, _I32_MAX), axis=0)
+                            phi = tl.max(tl.where(eq, spo, -1), axis=0)
+                            while plo < phi:  # smallest position with #(eq, position <= p) >= r2
+                                mid = plo + (phi - plo) // 2
+                                ge = tl.sum((eq & (spo <= mid)).to(tl.int32), axis=0) >= r2
+                                phi = tl.where(ge, mid, phi)
+                                plo = tl.where(ge, plo, mid + 1)
+                            eq = eq & (spo <= plo)
+                        vic = vic | eq
+                # P4: victims in ascending slot order; the one of rank i takes miss i.
+                # There are min(m, candidates) of them (m whenever the state is sound)
+                nv = tl.minimum(m, n_emp + n_occ)
+                _list_victims(vic, si, m, scratch_ptr, K, phys_stride)
                 tl.debug_barrier()  # the victim list is written before it is read
                 npaired = _pair_listed(nv, m, s_new, rbase, base, scratch_ptr, K, phys_stride, S,
                                        slot_pos_r, slot_stamp_r, row_slot_ptr, stage_src_ptr,
