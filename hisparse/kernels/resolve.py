@@ -36,15 +36,15 @@ with ``.cg`` loads (L2, not a possibly stale L1 line). The only sort is of the m
   P3  victims = the m smallest eviction keys among slots 0..S-1 with a stamp older
       than the new step: the empty slots first (by slot), then the occupied ones by
       (stamp, position). One pass (a reduction of four values) counts the empty and
-      the occupied candidates and finds their oldest and newest stamp; the first m
-      empty slots are picked by a cumsum only when there are more than m. The
-      threshold stamp tau, the smallest with at least m2 = m - #empty occupied
-      candidates at or below it, is found by masked counts over the S slots that
-      gallop up from the oldest stamp (oldest, +1, +3, +7: the victims are the oldest
-      slots, so tau is nearly always there) and then bisect the rest of the range.
-      The probes' counts also give the slots below tau and in its tier, so the r2
-      victims the tier owes cost no pass. Unless the whole tier goes, the threshold
-      position (the r2-th smallest in the tier) is found by bisection.
+      the occupied candidates and finds their oldest and newest stamp (with more
+      than m empty slots, P4's listing keeps the first m). The threshold stamp tau,
+      the smallest with at least m2 = m - #empty occupied candidates at or below it,
+      is found by masked counts over the S slots that gallop up from the oldest stamp
+      (oldest, +1, +3, +7: the victims are the oldest slots, so tau is nearly always
+      there) and then bisect the rest of the range. The probes' counts also give the
+      slots below tau and in its tier, so the r2 victims the tier owes cost no pass.
+      Unless the whole tier goes, the threshold position (the r2-th smallest in the
+      tier) is found by bisection.
   P4  the victims (min(m, candidates) of them: m unless the state is corrupt, known
       from P3's counts), in ascending slot order, are ranked and listed (victim i's slot
       at entry i of a scratch list in the group's own rows of ``physical``, which P5
@@ -396,10 +396,7 @@ def resolve_kernel(
                 n_emp, n_occ, lo, hi = tl.reduce(
                     (emp.to(tl.int32), occ.to(tl.int32), tl.where(occ, st, _I64_MAX),
                      tl.where(occ, st, _I64_MIN)), 0, _count_range)
-                vic = emp
-                if n_emp > m:  # more empty slots than misses: the first m by slot
-                    ei = emp.to(tl.int32)
-                    vic = emp & (tl.cumsum(ei, 0) - ei < m)
+                vic = emp  # with more than m empty slots, P4 lists the first m (by slot)
                 m2 = m - n_emp
                 if m2 > 0:
                     if n_occ <= m2:  # every candidate goes (fewer than m only if corrupt)
