@@ -43,8 +43,15 @@ with ``.cg`` loads (L2, not a possibly stale L1 line). The only sort is of the m
       (oldest, +1, +3, +7: the victims are the oldest slots, so tau is nearly always
       there) and then bisect the rest of the range. The probes' counts also give the
       slots below tau and in its tier, so the r2 victims the tier owes cost no pass.
-      Unless the whole tier goes, the threshold position (the r2-th smallest in the
-      tier) is found by bisection.
+      Unless the whole tier goes, the threshold position is the r2-th smallest in the
+      tier. A tier of at most RANK_TILE slots (and at most n * K, the group's scratch
+      entries) is ranked directly: its positions are compacted by a cumsum into the
+      scratch list of P4 (free until then) and compared pairwise (RANK_TILE x
+      RANK_TILE comparisons). A larger tier is first narrowed by bisecting its
+      positions (masked counts) until the window holds that few. In steady decode
+      the tier holds about as many slots as there are misses, so a few counts, one
+      cumsum and the ranking replace the 17 or so probes of a bisection over
+      positions up to 128K.
   P4  the victims (min(m, candidates) of them: m unless the state is corrupt, known
       from P3's counts), in ascending slot order, are ranked and listed (victim i's slot
       at entry i of a scratch list in the group's own rows of ``physical``, which P5
@@ -74,6 +81,7 @@ _I32_MAX = tl.constexpr(2147483647)
 _I64_MAX = tl.constexpr(9223372036854775807)
 _I64_MIN = tl.constexpr(-9223372036854775808)
 _GALLOP = tl.constexpr(4)  # probes of the stamp search's gallop: min, min + 1, min + 3, min + 7
+_RANK_CHUNK = tl.constexpr(32)  # columns of the rank tile compared at a time (RANK_TILE >= 32)
 
 
 @triton.jit
@@ -113,6 +121,11 @@ def _count_range(n0, n1, lo0, hi0, m0, m1, lo1, hi1):
 
 
 @triton.jit
+def _min_max(lo0, hi0, lo1, hi1):
+    return tl.minimum(lo0, lo1), tl.maximum(hi0, hi1)
+
+
+@triton.jit
 def _stamp_threshold(st, occ, m2, lo, hi, n_occ):
     """The threshold stamp of P3: the smallest tau with #(occ, stamp <= tau) >= m2.
 
@@ -143,6 +156,68 @@ def _stamp_threshold(st, occ, m2, lo, hi, n_occ):
         span = tl.where(k < _GALLOP, span * 2, span)
         k = tl.where(ge, _GALLOP, k + 1)
     return lo, cb, ch
+
+
+@triton.jit
+def _position_threshold(key, r, E, cap, scratch_ptr, K, phys_stride, TILE: tl.constexpr):
+    """The threshold position of P3: the r-th smallest position p of the threshold tier.
+
+    key: int32 [SB], the slot's position for the E members of the tier (E > r >= 1),
+    -1 for the slots already chosen as victims, _I32_MAX for the others (one tensor
+    instead of three masks: fewer registers live across the ranking); cap = min(TILE,
+    the group's n * K scratch entries). Returns p (int32): the victims are then the
+    slots with key <= p; #(tier, position <= p) >= r, = r when positions are distinct.
+
+    A tier of at most cap members is ranked directly: its positions are compacted (in
+    slot order, through a cumsum) into entries 0..E-1 of the scratch list (the group's
+    rows of ``physical``, free until P4 lists its victims there), and p is the largest
+    of them with fewer than r smaller ones: TILE x TILE comparisons, _RANK_CHUNK columns
+    at a time (a few per thread, not whole rows), then one reduction. A larger tier is
+    first narrowed by bisection over its [min, max] position, each probe a masked
+    count, until the window [plo, phi] holds at most cap members (or one position,
+    which is then p); that window is ranked the same way.
+    """
+    cl = r * 0  # #(tier, position < plo)
+    cw = E  # #(tier, position <= phi)
+    plo = r * 0
+    phi = plo + 1  # plo < phi: the window's members are ranked
+    win = (key >= 0) & (key < _I32_MAX)
+    if E > cap:
+        plo, phi = tl.reduce((tl.where(key >= 0, key, _I32_MAX), tl.where(key < _I32_MAX, key, -1)), 0,
+                             _min_max)
+        if r == 1:
+            phi = plo
+        while (cw - cl > cap) & (plo < phi):
+            mid = plo + (phi - plo) // 2
+            c = tl.sum(((key >= 0) & (key <= mid)).to(tl.int32), axis=0)
+            ge = c >= r
+            phi = tl.where(ge, mid, phi)
+            cw = tl.where(ge, c, cw)
+            plo = tl.where(ge, plo, mid + 1)
+            cl = tl.where(ge, cl, c)
+        win = (key >= plo) & (key <= phi)
+    p = plo
+    if plo < phi:
+        wi = win.to(tl.int32)
+        wrank = tl.cumsum(wi, 0) - wi
+        tl.store(scratch_ptr + (wrank // K).to(tl.int64) * phys_stride + wrank % K, key,
+                 mask=win & (wrank < cap))
+        tl.debug_barrier()  # the window's positions are written before they are read
+        w = cw - cl  # members in the window, <= cap
+        ii = tl.arange(0, TILE)
+        xi = tl.load(scratch_ptr + (ii // K).to(tl.int64) * phys_stride + ii % K, mask=ii < w,
+                     other=_I32_MAX, cache_modifier=".cg")
+        acc = tl.zeros([TILE, _RANK_CHUNK], tl.int32)
+        for c in tl.static_range(0, TILE, _RANK_CHUNK):  # [TILE, _RANK_CHUNK] at a time
+            jj = c + tl.arange(0, _RANK_CHUNK)
+            xj = tl.load(scratch_ptr + (jj // K).to(tl.int64) * phys_stride + jj % K, mask=jj < w,
+                         other=_I32_MAX, cache_modifier=".cg")
+            acc += (xj[None, :] < xi[:, None]).to(tl.int32)
+        less = tl.sum(acc, axis=1)  # members below each one (the padding never is)
+        p = tl.max(tl.where((ii < w) & (less < r - cl), xi, -1), axis=0)
+        p = tl.minimum(p, _I32_MAX - 1)  # never the key of a slot that is no candidate
+        tl.debug_barrier()  # the window is read before P4 writes its victim list there
+    return p
 
 
 @triton.jit
@@ -273,6 +348,7 @@ def resolve_kernel(
     GQ: tl.constexpr,  # next power of two >= Q (rows of the group tile)
     SMALL_SORT: tl.constexpr,  # tile of the miss sort when m <= SMALL_SORT (power of two)
     SB: tl.constexpr,  # next power of two >= S
+    RANK_TILE: tl.constexpr,  # P3 ranks a threshold tier of at most this many slots (power of two)
     COMPACT: tl.constexpr,
     CH: tl.constexpr,  # chunk of req_ids scanned per step when looking for an earlier run
 ):
@@ -406,16 +482,14 @@ def resolve_kernel(
                         vic = vic | (occ & (st < tau))
                         eq = occ & (st == tau)
                         r2 = m2 - nbelow  # victims within the tier of tau, 1 <= r2 <= #eq
-                        if r2 < nle - nbelow:  # else the whole tier goes
-                            plo = tl.min(tl.where(eq, spo, _I32_MAX), axis=0)
-                            phi = tl.max(tl.where(eq, spo, -1), axis=0)
-                            while plo < phi:  # smallest position with #(eq, position <= p) >= r2
-                                mid = plo + (phi - plo) // 2
-                                ge = tl.sum((eq & (spo <= mid)).to(tl.int32), axis=0) >= r2
-                                phi = tl.where(ge, mid, phi)
-                                plo = tl.where(ge, plo, mid + 1)
-                            eq = eq & (spo <= plo)
-                        vic = vic | eq
+                        if r2 < nle - nbelow:
+                            key = tl.where(vic, -1, tl.where(eq, spo, _I32_MAX))
+                            p = _position_threshold(key, r2, nle - nbelow,
+                                                    tl.minimum(n * K, RANK_TILE), scratch_ptr, K,
+                                                    phys_stride, RANK_TILE)
+                            vic = key <= p
+                        else:  # the whole tier goes
+                            vic = vic | eq
                 # P4: victims in ascending slot order; the one of rank i takes miss i.
                 # There are min(m, candidates) of them (m whenever the state is sound)
                 nv = tl.minimum(m, n_emp + n_occ)
