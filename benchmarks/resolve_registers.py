@@ -84,8 +84,7 @@ def compile_case(S: int, K: int, q: int, warps: int | None, sm: int, *, miss_lis
     consts = dict(STAT_HITS=STAT_HITS, STAT_MISSES=STAT_MISSES, STAT_INVALID=STAT_INVALID,
                   STAT_RESOLVES=STAT_RESOLVES, STAT_PREFETCH=STAT_PREFETCH, STAMPED=miss_lists,
                   MISS_LISTS=miss_lists, PREFETCH=False, Q=q, KB=KB, GQ=GQ,
-                  SMALL_SORT=min(rt._SMALL_SORT, GQ * KB), SB=SB, RANK_TILE=rt._rank_tile(SB),
-                  COMPACT=compact, CH=rt._SCAN_CHUNK)
+                  SMALL_SORT=min(rt._SMALL_SORT, GQ * KB), SB=SB, COMPACT=compact, CH=rt._SCAN_CHUNK)
     int64_ptrs = {"slot_stamp_ptr", "undo_hit_ptr", "undo_vstamp_ptr", "step_ptr", "stats_ptr"}
     sig = {}
     for name in resolve_kernel.arg_names:

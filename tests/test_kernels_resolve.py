@@ -385,10 +385,10 @@ def scramble_lru(state: HotState, rng: random.Random, *, spread: int) -> None:
 
 @pytest.mark.parametrize("seed", range(8))
 def test_scrambled_lru_states_pick_the_reference_victims(seed):
-    """Victim selection (threshold stamp, then position) against the reference's key
-    sort, from states with slots holding arbitrary positions, empty slots, tied stamps
-    and stamps up to ~10^6 or 2^33 apart (the stamp search past its gallop, stamp gaps
-    past the int32 range; K <= 9, so larger tiers are narrowed to the group's scratch)."""
+    """Victim selection by bisection (threshold stamp, then position) against the
+    reference's key sort, from states with slots holding arbitrary positions, empty
+    slots, tied stamps and stamps up to ~10^6 or 2^33 apart (many bisection steps, and
+    stamp gaps past the int32 range)."""
     rng = random.Random(seed)
     S, K, B = rng.choice([(9, 4, 2), (23, 7, 3), (37, 9, 4)])
     cfg = small_cfg(K=K, q=1, S=S, B=B)
@@ -682,20 +682,17 @@ def tiered_case(*, S: int, K: int, q: int, tiers: list[tuple[int, int]], n_empty
     return state, torch.tensor([3] * q, dtype=torch.int32), steps
 
 
-def check_tiered(monkeypatch, rank_tile: int | None, **case) -> dict:
+def check_tiered(**case) -> dict:
     """Resolve both steps of ``tiered_case(**case)`` with the kernel and the reference
     (the second step evicts among what the first left); every state tensor and output
     must be equal. Returns the first step's ``threshold_tier``."""
-    import hisparse.cache.resolve_triton as rt
-    if rank_tile is not None:
-        monkeypatch.setattr(rt, "_RANK_TILE", rank_tile)
     ref, req, steps = tiered_case(**case)
     info = threshold_tier(ref, 0, int(ref.id_to_slot[3]), case["misses"])
     tri = ref.clone()
     K, q = case["K"], case["q"]
     for i, topk in enumerate(steps):
         oa, ob = new_buffers(q, K, CPU), new_buffers(q, K, CPU)
-        oa.physical.zero_()  # the kernel's scratch: stale entries would read as position 0
+        oa.physical.zero_()  # the kernel's victim list: stale entries would read as slot 0
         ob.physical.zero_()
         resolve_reference(ref, 0, req, topk, oa, max_query_len=q)
         resolve_triton(tri, 0, req, topk, ob, max_query_len=q)
@@ -704,16 +701,15 @@ def check_tiered(monkeypatch, rank_tile: int | None, **case) -> dict:
     return info
 
 
-# S = 40 slots in a 64-lane tile; with _RANK_TILE = 32 a tier of more than 32 slots is
-# narrowed by bisection before it is ranked, one of at most 32 is ranked directly
+# S = 40 slots in a 64-lane tile (24 lanes off)
 @pytest.mark.parametrize("name,case,want", [
-    ("tier_ranked", dict(tiers=[(7, 6), (8, 20), (12, 14)], n_empty=0, misses=15),
+    ("tier_middle", dict(tiers=[(7, 6), (8, 20), (12, 14)], n_empty=0, misses=15),
      lambda i: i["tau"] == 8 and i["E"] == 20 and i["r2"] == 9),
-    ("tier_narrowed", dict(tiers=[(3, 36), (4, 4)], n_empty=0, misses=10),
+    ("big_tier_middle", dict(tiers=[(3, 36), (4, 4)], n_empty=0, misses=10),
      lambda i: i["E"] == 36 and i["r2"] == 10),
-    ("tier_narrowed_first", dict(tiers=[(3, 36), (4, 4)], n_empty=0, misses=1),
+    ("big_tier_first", dict(tiers=[(3, 36), (4, 4)], n_empty=0, misses=1),
      lambda i: i["E"] == 36 and i["r2"] == 1),
-    ("tier_narrowed_last", dict(tiers=[(3, 36), (4, 4)], n_empty=0, misses=31),
+    ("big_tier_last", dict(tiers=[(3, 36), (4, 4)], n_empty=0, misses=31),
      lambda i: i["E"] == 36 and i["r2"] == 31),
     ("whole_tier", dict(tiers=[(5, 10), (6, 10), (9, 20)], n_empty=0, misses=20),
      lambda i: i["tau"] == 6 and i["r2"] == i["E"] == 10),
@@ -723,41 +719,41 @@ def check_tiered(monkeypatch, rank_tile: int | None, **case) -> dict:
     ("empties_exactly", dict(tiers=[(2, 34)], n_empty=6, misses=6), lambda i: i["m2"] == 0),
     ("far_tier", dict(tiers=[(0, 5), (2**33, 10), (2**33 + 1, 5), (2**62, 20)], n_empty=0, misses=30),
      lambda i: i["tau"] == 2**62 and i["r2"] == 10),
-    ("gallop_misses", dict(tiers=[(0, 3), (9, 4), (2**33, 25), (2**33 + 5, 8)], n_empty=0, misses=20),
+    ("far_threshold", dict(tiers=[(0, 3), (9, 4), (2**33, 25), (2**33 + 5, 8)], n_empty=0, misses=20),
      lambda i: i["tau"] == 2**33 and i["r2"] == 13),
-    ("gallop_third", dict(tiers=[(100, 4), (101, 4), (102, 4), (104, 20), (107, 8)], n_empty=0, misses=16),
+    ("near_threshold", dict(tiers=[(100, 4), (101, 4), (102, 4), (104, 20), (107, 8)], n_empty=0, misses=16),
      lambda i: i["tau"] == 104 and i["r2"] == 4),
 ])
-def test_victim_search_tiers(monkeypatch, name, case, want):
-    """P3 against the reference on hand-made tier layouts: the threshold tier ranked
-    directly or narrowed first, a tier that goes whole, empty slots fewer than, as many
-    as and more than the misses, and a threshold stamp past the gallop or 2^33..2^62
-    above the oldest (S = 40: a 64-lane tile with 24 lanes off)."""
-    info = check_tiered(monkeypatch, 32, S=40, K=32, q=1, seed=7, **case)
+def test_victim_search_tiers(name, case, want):
+    """P3 against the reference on hand-made tier layouts: the threshold at the first,
+    a middle and the last position of its tier, a tier that goes whole, empty slots
+    fewer than, as many as and more than the misses, and threshold stamps a few steps
+    or 2^33..2^62 above the oldest (S = 40: a 64-lane tile with 24 lanes off)."""
+    info = check_tiered(S=40, K=32, q=1, seed=7, **case)
     assert want(info), info
 
 
 @pytest.mark.parametrize("seed", range(3))
-def test_victim_search_multitoken_group(monkeypatch, seed):
-    """A q = 2 group (16 entries each, misses repeated across the tokens) whose
-    threshold tier is larger than the rank tile: narrowed, then ranked."""
-    info = check_tiered(monkeypatch, 32, S=40, K=16, q=2, seed=seed, tiers=[(4, 3), (6, 34), (8, 3)],
+def test_victim_search_multitoken_group(seed):
+    """A q = 2 group (16 entries each, misses repeated across the tokens) with a
+    34-slot threshold tier."""
+    info = check_tiered(S=40, K=16, q=2, seed=seed, tiers=[(4, 3), (6, 34), (8, 3)],
                         n_empty=0, misses=12)
     assert info["E"] == 34 and info["r2"] == 9
 
 
-def test_victim_search_scratch_smaller_than_tile():
-    """K = 4: the group's scratch list (n * K = 4 entries) caps the tier that is ranked
-    at 4 slots, below the rank tile; a 20-slot tier is narrowed to 4 first."""
-    info = check_tiered(None, None, S=40, K=4, q=1, seed=5, tiers=[(1, 2), (2, 20), (3, 18)],
+def test_victim_search_victim_list_wider_than_k():
+    """K = 4: the victim list (4 misses) fills the group's one row of ``physical``
+    exactly; the threshold falls inside a 20-slot tier."""
+    info = check_tiered(S=40, K=4, q=1, seed=5, tiers=[(1, 2), (2, 20), (3, 18)],
                         n_empty=0, misses=4)
     assert info["E"] == 20 and info["r2"] == 2
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_victim_search_random_tiers(monkeypatch, seed):
+def test_victim_search_random_tiers(seed):
     """Random tier layouts (1..6 tiers, stamp gaps from 1 to 2^40, some empty slots)
-    and miss counts, at S = 40 and 23, with the rank tile patched to 32 and not."""
+    and miss counts, at S = 40 and 23."""
     rng = random.Random(1000 + seed)
     S = rng.choice([40, 23])
     K = 16 if S == 40 else 8
@@ -770,17 +766,15 @@ def test_victim_search_random_tiers(monkeypatch, seed):
         tiers.append((stamp, c))
         stamp += rng.choice([1, 1, 2, 5, 2**20, 2**40])
     misses = rng.randint(1, min(q * K, S))
-    check_tiered(monkeypatch, rng.choice([32, None]), S=S, K=K, q=q, seed=seed, tiers=tiers,
+    check_tiered(S=S, K=K, q=q, seed=seed, tiers=tiers,
                  n_empty=n_empty, misses=misses, step_gap=rng.choice([1, 3]))
 
 
 @pytest.mark.parametrize("q,K,misses", [(1, 8, 7), (2, 8, 13), (2, 8, 16), (2, 16, 25), (2, 16, 32),
                                         (1, 32, 30)])
-def test_victim_search_narrowing_keeps_count_below_window(q, K, misses):
-    """A 38-slot threshold tier larger than the group's n * K scratch entries: the
-    bisection narrows it to a window of at most n * K positions, and most of these
-    threshold ranks lie in its upper half (probes that fail move the window's lower end
-    and count the members below it)."""
-    info = check_tiered(None, None, S=40, K=K, q=q, seed=misses, tiers=[(4, 38), (6, 2)], n_empty=0,
+def test_victim_search_large_tier(q, K, misses):
+    """A 38-slot threshold tier larger than the group's n * K entries, with threshold
+    ranks over most of it (one or two tokens)."""
+    info = check_tiered(S=40, K=K, q=q, seed=misses, tiers=[(4, 38), (6, 2)], n_empty=0,
                         misses=misses)
     assert info["E"] == 38 and info["r2"] == misses

@@ -32,17 +32,6 @@ from .state import (NUM_STATS, STAT_HITS, STAT_INVALID, STAT_MISSES, STAT_PREFET
 
 _SCAN_CHUNK = 256  # req_ids scanned per step for an earlier run of the same request
 _SMALL_SORT = 256  # misses of a group sorted in a tile of this size when they fit
-# P3 finds the threshold position of a tier of at most this many slots (or of a window
-# narrowed to that many) by ranking it: _RANK_TILE x _RANK_TILE comparisons, 128 per
-# thread at 16 warps. In steady-state decode the threshold tier holds about as many
-# slots as the step has misses (a few hundred at 2048 top-k)
-_RANK_TILE = 256
-
-
-def _rank_tile(SB: int) -> int:
-    """RANK_TILE of the resolve kernel: _RANK_TILE, but no wider than the slot tile
-    (a tier has at most S slots) and at least 32 (its comparison chunk)."""
-    return max(32, min(_RANK_TILE, SB))
 
 
 def _check_vec(name: str, x: object, dtype: torch.dtype, ndim: int, device: torch.device) -> None:
@@ -200,7 +189,6 @@ def _launch_resolve(state: HotState, layer: int, req_ids: torch.Tensor, topk: to
             STAT_RESOLVES=STAT_RESOLVES, STAT_PREFETCH=STAT_PREFETCH, STAMPED=bool(stamped),
             MISS_LISTS=miss_lists is not None, PREFETCH=bool(prefetch),
             Q=max_query_len, KB=KB, GQ=GQ, SB=SB, SMALL_SORT=min(_SMALL_SORT, GQ * KB),
-            RANK_TILE=_rank_tile(SB),
             COMPACT=bool(compact), CH=_SCAN_CHUNK, num_warps=num_warps,
         )
 

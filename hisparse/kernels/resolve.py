@@ -35,25 +35,10 @@ with ``.cg`` loads (L2, not a possibly stale L1 line). The only sort is of the m
       group tile), so miss i is the i-th smallest missed position.
   P3  victims = the m smallest eviction keys among slots 0..S-1 with a stamp older
       than the new step: the empty slots first (by slot), then the occupied ones by
-      (stamp, position). One pass (a reduction of four values) counts the empty and
-      the occupied candidates and finds their oldest and newest stamp (with more
-      than m empty slots, P4's listing keeps the first m). The threshold stamp tau,
-      the smallest with at least m2 = m - #empty occupied candidates at or below it,
-      is found by masked counts over the S slots that gallop up from the oldest stamp
-      (oldest, +1, +3, +7: the victims are the oldest slots, so tau is nearly always
-      there) and then bisect the rest of the range. The probes' counts also give the
-      slots below tau and in its tier, so the r2 victims the tier owes cost no pass.
-      Unless the whole tier goes, the threshold position is the r2-th smallest in the
-      tier. A tier of at most RANK_TILE slots (and at most n * K, the group's scratch
-      entries) is ranked directly: its positions are compacted by a cumsum into the
-      scratch list of P4 (free until then) and compared pairwise (RANK_TILE x
-      RANK_TILE comparisons). A larger tier is first narrowed by bisecting its
-      positions (masked counts) until the window holds that few. In steady decode
-      the tier holds about as many slots as there are misses, so a few counts, one
-      cumsum and the ranking replace the 17 or so probes of a bisection over
-      positions up to 128K.
-  P4  the victims (min(m, candidates) of them: m unless the state is corrupt, known
-      from P3's counts), in ascending slot order, are ranked and listed (victim i's slot
+      (stamp, position), selected by bisecting for the threshold stamp and then for
+      the threshold position inside that stamp (each probe one masked count over the
+      S slots).
+  P4  the victims, in ascending slot order, are ranked and listed (victim i's slot
       at entry i of a scratch list in the group's own rows of ``physical``, which P5
       overwrites); then, over the group tile's lanes (GQ x KB, masked to the m victims)
       instead of the S slot lanes, victim i reads the miss parked in
@@ -79,9 +64,6 @@ import triton.language as tl
 
 _I32_MAX = tl.constexpr(2147483647)
 _I64_MAX = tl.constexpr(9223372036854775807)
-_I64_MIN = tl.constexpr(-9223372036854775808)
-_GALLOP = tl.constexpr(4)  # probes of the stamp search's gallop: min, min + 1, min + 3, min + 7
-_RANK_CHUNK = tl.constexpr(32)  # columns of the rank tile compared at a time (RANK_TILE >= 32)
 
 
 @triton.jit
@@ -115,121 +97,16 @@ def _sort_parked(stage_src_ptr, stage_dst_ptr, base, m, bt_r, NB, B, H, TILE: tl
 
 
 @triton.jit
-def _count_range(n0, n1, lo0, hi0, m0, m1, lo1, hi1):
-    """Combine of P3's first pass: two counts, a minimum and a maximum."""
-    return n0 + m0, n1 + m1, tl.minimum(lo0, lo1), tl.maximum(hi0, hi1)
-
-
-@triton.jit
-def _min_max(lo0, hi0, lo1, hi1):
-    return tl.minimum(lo0, lo1), tl.maximum(hi0, hi1)
-
-
-@triton.jit
-def _stamp_threshold(st, occ, m2, lo, hi, n_occ):
-    """The threshold stamp of P3: the smallest tau with #(occ, stamp <= tau) >= m2.
-
-    st: int64 [SB] stamps; occ: bool [SB] occupied candidates; lo / hi: int64, the
-    smallest / largest stamp of occ; n_occ: int32 = #occ > m2 >= 1. Returns (tau,
-    #(occ, stamp < tau), #(occ, stamp <= tau)); both counts are the probes' own, so
-    they cost no pass. The victims are the oldest, so tau is nearly always within a few
-    steps of lo: the probes gallop from lo (lo, lo + 1, lo + 3, ..., _GALLOP of them),
-    then bisect [lo, hi]. Each probe is one masked count; [lo, hi] shrinks at every
-    probe (mid in [lo, hi - 1], computed without int64 overflow), so the loop ends
-    after at most _GALLOP + 64 probes whatever the stamps are.
-    """
-    lo0 = lo
-    cb = n_occ * 0  # #(occ, stamp <= lo - 1)
-    ch = n_occ  # #(occ, stamp <= hi)
-    span = lo * 0 + 1  # the next gallop probe is lo0 + span - 1
-    k = n_occ * 0  # probes made while galloping (_GALLOP once one succeeded)
-    while lo < hi:
-        gal = tl.maximum(tl.minimum(lo0 + (span - 1), hi - 1), lo)
-        bis = (lo >> 1) + (hi >> 1) + (lo & hi & 1)  # floor((lo + hi) / 2)
-        mid = tl.where(k < _GALLOP, gal, bis)
-        c = tl.sum((occ & (st <= mid)).to(tl.int32), axis=0)
-        ge = c >= m2
-        hi = tl.where(ge, mid, hi)
-        ch = tl.where(ge, c, ch)
-        lo = tl.where(ge, lo, mid + 1)
-        cb = tl.where(ge, cb, c)
-        span = tl.where(k < _GALLOP, span * 2, span)
-        k = tl.where(ge, _GALLOP, k + 1)
-    return lo, cb, ch
-
-
-@triton.jit
-def _position_threshold(key, r, E, cap, scratch_ptr, K, phys_stride, TILE: tl.constexpr):
-    """The threshold position of P3: the r-th smallest position p of the threshold tier.
-
-    key: int32 [SB], the slot's position for the E members of the tier (E > r >= 1),
-    -1 for the slots already chosen as victims, _I32_MAX for the others (one tensor
-    instead of three masks: fewer registers live across the ranking); cap = min(TILE,
-    the group's n * K scratch entries). Returns p (int32): the victims are then the
-    slots with key <= p; #(tier, position <= p) >= r, = r when positions are distinct.
-
-    A tier of at most cap members is ranked directly: its positions are compacted (in
-    slot order, through a cumsum) into entries 0..E-1 of the scratch list (the group's
-    rows of ``physical``, free until P4 lists its victims there), and p is the largest
-    of them with fewer than r smaller ones: TILE x TILE comparisons, _RANK_CHUNK columns
-    at a time (a few per thread, not whole rows), then one reduction. A larger tier is
-    first narrowed by bisection over its [min, max] position, each probe a masked
-    count, until the window [plo, phi] holds at most cap members (or one position,
-    which is then p); that window is ranked the same way.
-    """
-    cl = r * 0  # #(tier, position < plo)
-    cw = E  # #(tier, position <= phi)
-    plo = r * 0
-    phi = plo + 1  # plo < phi: the window's members are ranked
-    win = (key >= 0) & (key < _I32_MAX)
-    if E > cap:
-        plo, phi = tl.reduce((tl.where(key >= 0, key, _I32_MAX), tl.where(key < _I32_MAX, key, -1)), 0,
-                             _min_max)
-        if r == 1:
-            phi = plo
-        while (cw - cl > cap) & (plo < phi):
-            mid = plo + (phi - plo) // 2
-            c = tl.sum(((key >= 0) & (key <= mid)).to(tl.int32), axis=0)
-            ge = c >= r
-            phi = tl.where(ge, mid, phi)
-            cw = tl.where(ge, c, cw)
-            plo = tl.where(ge, plo, mid + 1)
-            cl = tl.where(ge, cl, c)
-        win = (key >= plo) & (key <= phi)
-    p = plo
-    if plo < phi:
-        wi = win.to(tl.int32)
-        wrank = tl.cumsum(wi, 0) - wi
-        tl.store(scratch_ptr + (wrank // K).to(tl.int64) * phys_stride + wrank % K, key,
-                 mask=win & (wrank < cap))
-        tl.debug_barrier()  # the window's positions are written before they are read
-        w = cw - cl  # members in the window, <= cap
-        ii = tl.arange(0, TILE)
-        xi = tl.load(scratch_ptr + (ii // K).to(tl.int64) * phys_stride + ii % K, mask=ii < w,
-                     other=_I32_MAX, cache_modifier=".cg")
-        acc = tl.zeros([TILE, _RANK_CHUNK], tl.int32)
-        for c in tl.static_range(0, TILE, _RANK_CHUNK):  # [TILE, _RANK_CHUNK] at a time
-            jj = c + tl.arange(0, _RANK_CHUNK)
-            xj = tl.load(scratch_ptr + (jj // K).to(tl.int64) * phys_stride + jj % K, mask=jj < w,
-                         other=_I32_MAX, cache_modifier=".cg")
-            acc += (xj[None, :] < xi[:, None]).to(tl.int32)
-        less = tl.sum(acc, axis=1)  # members below each one (the padding never is)
-        p = tl.max(tl.where((ii < w) & (less < r - cl), xi, -1), axis=0)
-        p = tl.minimum(p, _I32_MAX - 1)  # never the key of a slot that is no candidate
-        tl.debug_barrier()  # the window is read before P4 writes its victim list there
-    return p
-
-
-@triton.jit
 def _list_victims(vic, si, m, scratch_ptr, K, phys_stride):
     """P4, first half: rank the victims ``vic`` (bool [SB]) of the slots ``si`` in
     ascending slot order and write the slot of victim i < m to entry i of the group's
     scratch list (entry i: row i // K, column i % K of the group's rows of
-    ``physical``, which P5 overwrites)."""
+    ``physical``, which P5 overwrites). Returns the number of victims."""
     vi = vic.to(tl.int32)
     vrank = tl.cumsum(vi, 0) - vi
     keep = vic & (vrank < m)
     tl.store(scratch_ptr + (vrank // K).to(tl.int64) * phys_stride + vrank % K, si, mask=keep)
+    return tl.sum(vi, axis=0)
 
 
 @triton.jit
@@ -348,7 +225,6 @@ def resolve_kernel(
     GQ: tl.constexpr,  # next power of two >= Q (rows of the group tile)
     SMALL_SORT: tl.constexpr,  # tile of the miss sort when m <= SMALL_SORT (power of two)
     SB: tl.constexpr,  # next power of two >= S
-    RANK_TILE: tl.constexpr,  # P3 ranks a threshold tier of at most this many slots (power of two)
     COMPACT: tl.constexpr,
     CH: tl.constexpr,  # chunk of req_ids scanned per step when looking for an earlier run
 ):
@@ -459,41 +335,40 @@ def resolve_kernel(
                 tl.debug_barrier()
                 # P3: victims = the m smallest keys among slots 0..S-1 whose stamp is
                 # < s_new: first the empty slots (by slot), then the occupied ones by
-                # (stamp, position), found by searching for the threshold stamp and then
-                # the threshold position within it (masked counts) instead of a sort
+                # (stamp, position), found by two bisections (threshold stamp, then
+                # threshold position within it) instead of a sort
                 si = tl.arange(0, SB)
                 smask = si < S
                 st = tl.load(slot_stamp_r + si, mask=smask, other=_I64_MAX, cache_modifier=".cg")
                 spo = tl.load(slot_pos_r + si, mask=smask, other=-1)
                 cand = smask & (st < s_new)
-                emp = cand & (spo < 0)
+                emp = (cand & (spo < 0)).to(tl.int32)
                 occ = cand & (spo >= 0)
-                # one pass: the empty and occupied candidates, the oldest and newest stamp
-                n_emp, n_occ, lo, hi = tl.reduce(
-                    (emp.to(tl.int32), occ.to(tl.int32), tl.where(occ, st, _I64_MAX),
-                     tl.where(occ, st, _I64_MIN)), 0, _count_range)
-                vic = emp  # with more than m empty slots, P4 lists the first m (by slot)
-                m2 = m - n_emp
+                vic = (emp != 0) & (tl.cumsum(emp, 0) - emp < m)
+                m2 = m - tl.sum(emp, axis=0)
                 if m2 > 0:
-                    if n_occ <= m2:  # every candidate goes (fewer than m only if corrupt)
-                        vic = vic | occ
-                    else:
-                        tau, nbelow, nle = _stamp_threshold(st, occ, m2, lo, hi, n_occ)
-                        vic = vic | (occ & (st < tau))
-                        eq = occ & (st == tau)
-                        r2 = m2 - nbelow  # victims within the tier of tau, 1 <= r2 <= #eq
-                        if r2 < nle - nbelow:
-                            key = tl.where(vic, -1, tl.where(eq, spo, _I32_MAX))
-                            p = _position_threshold(key, r2, nle - nbelow,
-                                                    tl.minimum(n * K, RANK_TILE), scratch_ptr, K,
-                                                    phys_stride, RANK_TILE)
-                            vic = key <= p
-                        else:  # the whole tier goes
-                            vic = vic | eq
-                # P4: victims in ascending slot order; the one of rank i takes miss i.
-                # There are min(m, candidates) of them (m whenever the state is sound)
-                nv = tl.minimum(m, n_emp + n_occ)
-                _list_victims(vic, si, m, scratch_ptr, K, phys_stride)
+                    lo = tl.min(tl.where(occ, st, _I64_MAX), axis=0)
+                    hi = tl.max(tl.where(occ, st, -1), axis=0)
+                    while lo < hi:  # smallest stamp tau with #(occ, stamp <= tau) >= m2
+                        mid = lo + (hi - lo) // 2
+                        ge = tl.sum((occ & (st <= mid)).to(tl.int32), axis=0) >= m2
+                        hi = tl.where(ge, mid, hi)
+                        lo = tl.where(ge, lo, mid + 1)
+                    below = occ & (st < lo)
+                    eq = occ & (st == lo)
+                    r2 = m2 - tl.sum(below.to(tl.int32), axis=0)
+                    plo = tl.min(tl.where(eq, spo, _I32_MAX), axis=0)
+                    phi = tl.max(tl.where(eq, spo, -1), axis=0)
+                    if tl.sum(eq.to(tl.int32), axis=0) <= r2:
+                        plo = phi  # the whole tier goes
+                    while plo < phi:  # smallest position with #(eq, position <= p) >= r2
+                        mid = plo + (phi - plo) // 2
+                        ge = tl.sum((eq & (spo <= mid)).to(tl.int32), axis=0) >= r2
+                        phi = tl.where(ge, mid, phi)
+                        plo = tl.where(ge, plo, mid + 1)
+                    vic = vic | below | (eq & (spo <= plo))
+                # P4: victims in ascending slot order; the one of rank i takes miss i
+                nv = _list_victims(vic, si, m, scratch_ptr, K, phys_stride)
                 tl.debug_barrier()  # the victim list is written before it is read
                 npaired = _pair_listed(nv, m, s_new, rbase, base, scratch_ptr, K, phys_stride, S,
                                        slot_pos_r, slot_stamp_r, row_slot_ptr, stage_src_ptr,
