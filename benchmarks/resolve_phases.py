@@ -269,29 +269,11 @@ def standalone(a: argparse.Namespace, kernel) -> list[dict]:
     return cases
 
 
-def _resolve_first() -> None:
-    """The mini engine's serial hisparse decode with the query projection after the
-    resolve (the compute stream waits for the layer's resolve in a captured forward),
-    instead of beside it."""
-    from hisparse.cache.stager import capturing
-    from hisparse.tools.mini_engine import kv
-    orig = kv.HiSparseKV.stage_decode
-
-    def stage_decode(self, layer, topk, batch):
-        staged = orig(self, layer, topk, batch)
-        if self.overlap == "serial" and capturing(self.device):
-            self.group.hisparse_cache.streams.before_write(layer)
-        return staged
-    kv.HiSparseKV.stage_decode = stage_decode
-
-
-def capacity(argv: list[str], kernel, resolve_first: bool) -> tuple[int, dict]:
+def capacity(argv: list[str], kernel) -> tuple[int, dict]:
     import torch
 
     import hisparse.cache.resolve_triton as rt
     from benchmarks import bench_capacity
-    if resolve_first:
-        _resolve_first()
     clk = torch.zeros((4096, CLK_COLS), dtype=torch.int64, device="cuda")
     rt.resolve_kernel = _Launch(kernel, clk)
     try:
@@ -325,8 +307,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hit", type=common.fraction, default=0.936, help="hit fraction of the trace [0.936]")
     ap.add_argument("--warm", type=pos, default=24, help="resolves before the measured one [24]")
     ap.add_argument("--reps", type=pos, default=12)
-    ap.add_argument("--resolve-first", action="store_true",
-                    help="capacity: the query projection waits for the resolve instead of running beside it")
     ap.add_argument("--dry-run", action="store_true", help="CPU: build the instrumented kernel, launch nothing")
     ap.add_argument("--out", default=None)
     try:
@@ -361,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.where == "standalone":
         result["cases"] = standalone(a, kernel)
     else:
-        rc, result["last_resolve"] = capacity(rest, kernel, a.resolve_first)
+        rc, result["last_resolve"] = capacity(rest, kernel)
         result["capacity_rc"] = rc
     if a.out:
         common.write_json(a.out, result)
