@@ -14,6 +14,8 @@
 #                                             soak (long verified stress runs, memory watched; takes the whole budget)
 #                                             capacity (bench_capacity: each tier's largest batch, tokens/s under graphs)
 #                                             mini_graphs (hisparse mini-engine --graphs, both KV stores, serial and split)
+#                                             resolve_phases (benchmarks.resolve_phases: %globaltimer per phase of the
+#                                             resolve program, standalone and inside the 128K capacity step)
 #                                             (default: env tests sanitize staging decode prefill e2e stress autotune)
 #   sanitize: compute-sanitizer ${SANITIZE_TOOLS:-memcheck racecheck} over benchmarks.sanitize_trace (every
 #             kernel: writes, resolve, miss and prefill staging, decode attention); reports in $OUT/sanitize/
@@ -26,7 +28,7 @@
 #   vllm_resolve: vLLM 0.30's hisparse_resolve_residency vs our resolve_triton, all hits, same
 #                 process (benchmarks.bench_vllm_resolve); needs .gpu-deps/vllm/_C_stable_libtorch.abi3.so
 #                 or its .xz (decompressed into /tmp/hisparse-vllm by the script)
-# Extra arguments: PROFILE_LAYER_ARGS (profile_layer, e.g. "--hits 95 --backends triton"), CAPACITY_ARGS (capacity, e.g. "--contexts 128K --same-batch"), TC_ARGS (triton_configs), PREFILL_ARGS, DECODE_ARGS, STAGING_ARGS, VLLM_RESOLVE_ARGS,
+# Extra arguments: PROFILE_LAYER_ARGS (profile_layer, e.g. "--hits 95 --backends triton"), CAPACITY_ARGS (capacity, e.g. "--contexts 128K --same-batch"), RESOLVE_PHASES_ARGS (resolve_phases standalone), TC_ARGS (triton_configs), PREFILL_ARGS, DECODE_ARGS, STAGING_ARGS, VLLM_RESOLVE_ARGS,
 #                  PROFILE_HOST_ARGS (default --quick; " " for the full size), SOAK_ARGS (soak);
 #                  POOL_KINDS (pool_kinds).
 # Uses the machine's preinstalled torch/triton (no network there): PYTHONPATH=. , no install.
@@ -177,6 +179,13 @@ for s in "${sections[@]}"; do
               --out "$RES/capacity_$ov.json" ${CAPACITY_ARGS:-}
           grep "^context\|^ *[0-9]* *\(resident\|hisparse\)" "$LOG" | tail -n 12 | tee -a "$SUM"
         done ;;
+    resolve_phases)  # the resolve program's phase times: standalone, then inside the capacity step
+      run resolve_phases 240 python3 -m benchmarks.resolve_phases standalone --out "$RES/phases_standalone.json" \
+          ${RESOLVE_PHASES_ARGS:-}
+      run resolve_phases_capacity 300 python3 -m benchmarks.resolve_phases capacity \
+          --out "$RES/phases_capacity.json" -- --contexts 128K --buffer 5120 --decode-steps 64 --profile 2 \
+          --out "$RES/phases_capacity_run.json"
+      grep "^{\"slots\|^\[phases\]" "$LOG" | tail -n 3 | tee -a "$SUM" ;;
     mini_graphs)
       for ov in serial split; do
         run "mini_graphs_$ov" 240 python3 -m hisparse mini-engine --preset h200 --graphs --unchecked --overlap "$ov" \
