@@ -31,8 +31,10 @@ Two places to measure:
 
 The ticks add a barrier and a store per phase, so the instrumented program is a little
 slower than the real one; compare its span with the uninstrumented kernel's time.
-Exit status: 0, 2 for bad options or no GPU, 1 when the instrumented kernel cannot be
-built from the current source (a phase anchor moved: update ``TICKS``).
+Exit status: 2 for bad options or no GPU; 1 when the instrumented kernel cannot be
+built from the current source (a phase anchor moved: update ``TICKS``); otherwise 0
+(standalone) or bench_capacity's own status (capacity: 1 when its output comparison
+fails, e.g. at different batches without ``--same-batch``, as in the H200 runs).
 """
 
 from __future__ import annotations
