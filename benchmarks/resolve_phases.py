@@ -34,12 +34,13 @@ slower than the real one; compare its span with the uninstrumented kernel's time
 Exit status: 2 for bad options or no GPU; 1 when the instrumented kernel cannot be
 built from the current source (a phase anchor moved: update ``TICKS``); otherwise 0
 (standalone) or bench_capacity's own status (capacity: 1 when its output comparison
-fails, e.g. at different batches without ``--same-batch``, as in the H200 runs).
+fails, e.g. at different batches without ``--same-batch``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import math
@@ -156,6 +157,18 @@ class _Launch:
         return launch
 
 
+@contextlib.contextmanager
+def _swapped(launcher):
+    """The resolve launcher calls ``launcher`` instead of ``resolve_kernel`` inside the block."""
+    import hisparse.cache.resolve_triton as rt
+    orig = rt.resolve_kernel
+    rt.resolve_kernel = launcher
+    try:
+        yield
+    finally:
+        rt.resolve_kernel = orig
+
+
 def summarize(clk) -> dict:
     """Mean phase times (us) over the programs that reached the last tick."""
     import torch
@@ -237,7 +250,6 @@ def standalone(a: argparse.Namespace, kernel) -> list[dict]:
                         getattr(cache.state, n).copy_(saved[n])
                     if cold:
                         flush.flush()
-                rt.resolve_kernel = rt_kernel = _ORIG
                 before()
                 launch()  # compiles
                 before()
@@ -248,16 +260,14 @@ def standalone(a: argparse.Namespace, kernel) -> list[dict]:
                 us = common.time_calls(graph.replay, reps=a.reps, warmup=2, cuda=True, before=before,
                                        gpu_sleep=True)
                 clk = torch.zeros((B, CLK_COLS), dtype=torch.int64, device="cuda")
-                rt.resolve_kernel = _Launch(kernel, clk)
                 runs = []
-                for i in range(a.reps + 2):
-                    before()
-                    clk.zero_()
-                    launch()
-                    torch.cuda.synchronize()
-                    if i >= 2:
-                        runs.append(summarize(clk))
-                rt.resolve_kernel = rt_kernel
+                with _swapped(_Launch(kernel, clk)):
+                    for i in range(a.reps + 2):
+                        before()
+                        launch()
+                        torch.cuda.synchronize()
+                        if i >= 2:
+                            runs.append(summarize(clk))
                 s = runs[-1]
                 s["span_us"] = statistics.median(r["span_us"] for r in runs)
                 s["phases_us"] = {k: statistics.median(r["phases_us"][k] for r in runs) for k in s["phases_us"]}
@@ -274,25 +284,17 @@ def standalone(a: argparse.Namespace, kernel) -> list[dict]:
 def capacity(argv: list[str], kernel) -> tuple[int, dict]:
     import torch
 
-    import hisparse.cache.resolve_triton as rt
     from benchmarks import bench_capacity
     clk = torch.zeros((4096, CLK_COLS), dtype=torch.int64, device="cuda")
-    rt.resolve_kernel = _Launch(kernel, clk)
-    try:
+    with _swapped(_Launch(kernel, clk)):
         rc = bench_capacity.main(argv)
-    finally:
-        rt.resolve_kernel = _ORIG
     torch.cuda.synchronize()
     s = summarize(clk)
     print(f"[phases] capacity, the last resolve: {json.dumps(s)}", flush=True)
     return rc, s
 
 
-_ORIG = None
-
-
 def main(argv: list[str] | None = None) -> int:
-    global _ORIG
     argv = sys.argv[1:] if argv is None else argv
     rest: list[str] = []
     if "--" in argv:
@@ -336,8 +338,6 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("resolve_phases: no CUDA device; --dry-run checks the instrumented kernel on CPU", file=sys.stderr)
         return 2
-    import hisparse.cache.resolve_triton as rt
-    _ORIG = rt.resolve_kernel
     result = {"bench": "resolve_phases", "where": a.where, "env": common.environment(), "args": vars(a) | {"capacity_args": rest}}
     rc = 0
     if a.where == "standalone":
