@@ -178,7 +178,7 @@ def test_wave_tail_launch_matches_one_launch(fmt, monkeypatch):
     be = TritonBackend(allow_interpreter=True, config=cfg)
     one = [be.decode(q, kv, idx, valid_counts=v, sm_scale=SCALE, row_format=fmt) for v in (None, vc)]
     calls, launches = [], []
-    monkeypatch.setattr(TB, "_tail_plan", lambda T_, H_, K_, cfg_, s_, dev_: calls.append(T_) or (2, 3))
+    monkeypatch.setattr(TB, "_tail_plan", lambda T_, H_, K_, cfg_, s_, dev_, sms_: calls.append(T_) or (2, 3))
     real_launch = TB._launch
     monkeypatch.setattr(TB, "_launch", lambda inp, cfg_, lo, hi, s_, out, lse:
                         launches.append((lo, hi, s_)) or real_launch(inp, cfg_, lo, hi, s_, out, lse))
@@ -192,11 +192,19 @@ def test_wave_tail_launch_matches_one_launch(fmt, monkeypatch):
     monkeypatch.undo()  # the real _tail_plan and _launch
     monkeypatch.setattr(TB, "sm_count", lambda device: 132)
     ws = TritonMLAConfig(**TB.WS_DEFAULT)
-    assert TB._tail_plan(68, 128, 2048, ws, 1, cuda) == (2, 32)
-    assert TB._tail_plan(68, 128, 2048, ws, 1, torch.device("cpu")) == (0, 1)
-    assert TB._tail_plan(68, 128, 2048, ws, 2, cuda) == (0, 1)
-    assert TB._tail_plan(68, 128, 2048, dataclasses.replace(ws, wave_tail=False), 1, cuda) == (0, 1)
-    assert TB._tail_plan(68, 128, 2048, TB.DEFAULT_CONFIGS[(RowFormat.FP8_DS_MLA, 64)], 1, cuda) == (0, 1)
+    assert TB._tail_plan(68, 128, 2048, ws, 1, cuda, None) == (2, 32)
+    assert TB._tail_plan(68, 128, 2048, ws, 1, torch.device("cpu"), None) == (0, 1)
+    assert TB._tail_plan(68, 128, 2048, ws, 2, cuda, None) == (0, 1)
+    assert TB._tail_plan(68, 128, 2048, dataclasses.replace(ws, wave_tail=False), 1, cuda, None) == (0, 1)
+    assert TB._tail_plan(68, 128, 2048, TB.DEFAULT_CONFIGS[(RowFormat.FP8_DS_MLA, 64)], 1, cuda, None) == (0, 1)
+    # an SM budget (a split layer's hit attention beside its staging copy): 66 tokens
+    # fill 132 SMs in one wave, but on 124 their last 4 tokens run split
+    assert TB._tail_plan(66, 128, 2048, ws, 1, cuda, None) == (0, 1)
+    assert TB._tail_plan(66, 128, 2048, ws, 1, cuda, 124) == (4, 15)
+    assert TB.auto_splits(8, 128, 2048, ws, cuda) == 8 and TB.auto_splits(8, 128, 2048, ws, cuda, sms=64) == 4
+    for bad in (0, 133):
+        with pytest.raises(ValueError, match="sms"):
+            TB.check_sms(bad, cuda)
     with pytest.raises(TypeError, match="wave_tail must be a bool"):
         TritonMLAConfig(wave_tail=1)
 
@@ -595,3 +603,29 @@ def test_kernels_compile_for_sm90_without_spills():
     # (which would make both warpgroups compute the same q . k^T)
     assert all([8, 1] not in s["mma_warps"] for s in stats if s["block_h"] == 64
                and s["isolated"]), stats
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla"])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_float32_out_is_the_unrounded_result(fmt, splits):
+    """out_dtype float32 (a split layer's hit partial) returns the result before its
+    bf16 rounding: rounded, it equals the bf16 launch bit for bit, one split or several
+    (the combine writes it too); lse is the same; bad out_dtype / sms are refused."""
+    N, T, H, K = 40, 3, 5, 50
+    kv, _ = _rows(N, fmt, seed=21)
+    q, idx = _q(T, H, seed=22), _indices(T, K, N, seed=23)
+    be = TritonBackend(allow_interpreter=True, config=TritonMLAConfig(block_h=16, block_n=16, num_warps=4,
+                                                                       num_splits=splits))
+    o16, l16 = be.decode(q, kv, idx, sm_scale=SCALE, row_format=fmt)
+    o32, l32 = be.decode(q, kv, idx, sm_scale=SCALE, row_format=fmt, out_dtype=torch.float32)
+    assert o16.dtype == torch.bfloat16 and o32.dtype == torch.float32
+    # the kernels' own bf16 conversion: round to nearest even on a GPU; the interpreter
+    # truncates (drops the low 16 bits)
+    trunc = (o32.view(torch.int32) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)
+    assert torch.equal(o32.to(torch.bfloat16), o16) or torch.equal(trunc, o16)
+    assert torch.equal(l32, l16)
+    assert not torch.equal(o32, o16.float())  # really unrounded
+    with pytest.raises(ValueError, match="out_dtype"):
+        be.decode(q, kv, idx, sm_scale=SCALE, row_format=fmt, out_dtype=torch.float16)
+    with pytest.raises(ValueError, match="sms"):
+        be.decode(q, kv, idx, sm_scale=SCALE, row_format=fmt, sms=0)

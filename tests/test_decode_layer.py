@@ -183,3 +183,110 @@ def test_a_decode_the_backend_refuses_changes_nothing(overlap, bad):
     for n in STATE:
         assert torch.equal(getattr(c.state, n), getattr(twin.state, n)), n
     assert torch.equal(c.hot, twin.hot)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_split_merges_a_float32_hit_partial(case):
+    """A backend that returns float32 partials (the reference, Triton) gives the split
+    layer an unrounded hit partial: the merged result is rounded to bf16 once, as the
+    serial layer's is, so the two differ by at most one bf16 step (float32 sums in
+    another order), not by a second rounding. (The torch miss side, so that the
+    comparison sees the partial's rounding alone: the Triton miss kernel's bf16 dots
+    differ from the float32 reference by more.)"""
+    kernels = "torch"
+    ids, tk = CASES[case]
+    ids, tk = torch.tensor(ids, dtype=I32), torch.tensor(tk, dtype=I32)
+    q = qs(len(ids), 5)
+    outs = {}
+    for mode in (Overlap.SERIAL, Overlap.SPLIT):
+        c, _ = make(kernels, "fp8_ds_mla")
+        outs[mode] = DecodeLayer(c, ReferenceBackend(), overlap=mode, kernels=kernels)(0, ids, tk, q, sm_scale=SM)
+    a, b = outs[Overlap.SERIAL][0].float(), outs[Overlap.SPLIT][0].float()
+    assert outs[Overlap.SPLIT][0].dtype == torch.bfloat16
+    step = 2.0 ** -7 * a.abs()  # one bf16 step (8 significant bits) at a's magnitude, and a margin
+    assert ((a - b).abs() <= step + 1e-6).all(), (a - b).abs().max()
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_begin_then_finish_equals_one_call(kernels):
+    """DecodeLayer.begin + finish (the resolve launched before the query exists) gives
+    the same bits and leaves the same state as one split call; misuse is refused."""
+    ids, tk = CASES["mixed"]
+    ids, tk = torch.tensor(ids, dtype=I32), torch.tensor(tk, dtype=I32)
+    q = qs(len(ids), 6)
+    c1, _ = make(kernels, "fp8_ds_mla")
+    c2, _ = make(kernels, "fp8_ds_mla")
+    one = DecodeLayer(c1, ReferenceBackend(), overlap="split", kernels=kernels)(1, ids, tk, q, sm_scale=SM)
+    layer = DecodeLayer(c2, ReferenceBackend(), overlap="split", kernels=kernels)
+    sp = layer.begin(1, ids, tk, num_heads=H)
+    with pytest.raises(ValueError, match="tokens"):
+        layer.finish(sp, q[:2], sm_scale=SM)
+    with pytest.raises(ValueError, match="heads"):
+        layer.finish(sp, q[:, :2].contiguous(), sm_scale=SM)
+    with pytest.raises(ValueError):
+        layer.finish(sp, q, sm_scale=-1.0)
+    two = layer.finish(sp, q, sm_scale=SM)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
+    for n in STATE:
+        assert torch.equal(getattr(c1.state, n), getattr(c2.state, n)), n
+    assert torch.equal(c1.hot, c2.hot)
+    layer(1, ids, tk, q, sm_scale=SM)  # a later resolve of the layer
+    with pytest.raises(ValueError, match="begin"):
+        layer.finish(sp, q, sm_scale=SM)
+    with pytest.raises(TypeError, match="SplitLaunch"):
+        layer.finish(object(), q, sm_scale=SM)
+    with pytest.raises(ValueError, match="split"):
+        DecodeLayer(c2, ReferenceBackend(), overlap="serial").begin(1, ids, tk, num_heads=H)
+
+
+def _engine(top_k: int = 4):
+    cfg = HiSparseConfig(num_layers=2, host_pool_tokens=256, row_bytes=656, top_k=top_k, device_buffer_size=8,
+                         max_num_reqs=2, host_block_size=8, max_request_id=8, device="cpu")
+    g = HiSparseIndexGroup(cfg, kernels="torch")
+    for _ in range(2):
+        g.register_layer()
+    g.add_request(1)
+    rows = quantize_fp8_ds_mla(torch.randn((21, 576), generator=torch.Generator().manual_seed(3)))
+    md = SparseMLAMetadata.build(request_ids=[1], query_lens=[20], seq_lens=[20], num_decodes=0)
+    g.prepare_for_batch(md)
+    for layer in range(2):
+        g.write_new_rows(layer, rows[:20], md)
+    md = SparseMLAMetadata.build(request_ids=[1], query_lens=[1], seq_lens=[21], num_decodes=1)
+    g.prepare_for_batch(md)
+    for layer in range(2):
+        g.write_new_rows(layer, rows[20:], md)
+    return g, md
+
+
+def test_engine_begin_decode_attention():
+    """begin_decode_attention then decode_attention (split) equals decode_attention alone;
+    it counts as the layer's resolve; another top-k tensor, mode or backend is refused and
+    leaves the begun layer to be finished."""
+    q, be = qs(1, 2), ReferenceBackend()
+    tk = torch.tensor([[20, 15, 3, 9]], dtype=I32)
+    g1, md1 = _engine()
+    ref = g1.decode_attention(0, q, tk, md1, backend=be, sm_scale=SM, overlap="split")
+    g2, md2 = _engine()
+    g2.begin_decode_attention(0, tk, md2, backend=be, num_heads=H)
+    with pytest.raises(ValueError, match="already resolved"):
+        g2.begin_decode_attention(0, tk, md2, backend=be, num_heads=H)
+    for kw in (dict(topk=tk.clone()), dict(overlap="fused"), dict(backend=ReferenceBackend())):
+        args = dict(topk=tk, overlap="split", backend=be) | kw
+        with pytest.raises(ValueError, match="begin_decode_attention"):
+            g2.decode_attention(0, q, args["topk"], md2, backend=args["backend"], sm_scale=SM, overlap=args["overlap"])
+    out = g2.decode_attention(0, q, tk, md2, backend=be, sm_scale=SM, overlap="split")
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+    assert g2.resolves_per_layer == g1.resolves_per_layer == [1, 0]
+    with pytest.raises(ValueError, match="already resolved"):
+        g2.decode_attention(0, q, tk, md2, backend=be, sm_scale=SM, overlap="split")
+
+
+def test_split_fills_sms():
+    """The split layer's few-program copy and SM plan apply to a hit attention that would
+    leave the copy fewer than SPLIT_FREE_SMS SMs of its one wave."""
+    from hisparse.decode.layer import SPLIT_FREE_SMS, split_fills_sms
+    assert SPLIT_FREE_SMS == 4
+    assert [split_fills_sms(p, 132) for p in (None, 1, 128, 129, 132, 133, 264)] == \
+        [False, False, False, True, True, False, False]
+    layer = DecodeLayer(make("torch", "fp8_ds_mla")[0], ReferenceBackend(), overlap="split")
+    assert layer._launch_plan(66, 128, 2048, "fp8_ds_mla") == (None, None)  # CPU / a backend without a plan

@@ -33,12 +33,12 @@ B, CTX, K, S, H = 8, 3000, 256, 512, 128
 SM = 576 ** -0.5
 
 
-def make(seed: int = 0) -> HiSparseCache:
-    cfg = HiSparseConfig(num_layers=2, host_pool_tokens=B * 3072, row_bytes=656, top_k=K, device_buffer_size=S,
-                         max_num_reqs=B, host_block_size=64, max_request_id=16, device="cuda")
+def make(seed: int = 0, b: int = B) -> HiSparseCache:
+    cfg = HiSparseConfig(num_layers=2, host_pool_tokens=b * 3072, row_bytes=656, top_k=K, device_buffer_size=S,
+                         max_num_reqs=b, host_block_size=64, max_request_id=max(16, b), device="cuda")
     c = HiSparseCache(cfg)
     g = torch.Generator(device="cpu").manual_seed(seed)
-    for r in range(B):
+    for r in range(b):
         c.add_request(r)
         for layer in range(2):
             x = torch.randn((CTX, 576), generator=g).to(DEV, torch.bfloat16)
@@ -48,9 +48,9 @@ def make(seed: int = 0) -> HiSparseCache:
     return c
 
 
-def topk(rng: random.Random, hot_share: float) -> torch.Tensor:
+def topk(rng: random.Random, hot_share: float, b: int = B) -> torch.Tensor:
     rows = []
-    for _ in range(B):
+    for _ in range(b):
         nh = int(hot_share * K)
         hot = rng.sample(range(S), nh)
         cold = rng.sample(range(S, CTX - 1), K - nh)
@@ -141,3 +141,57 @@ def test_prefetch_makes_the_next_layer_hit():
     c.resolve(1, ids, tk)
     after = c.stats()["layers"][1]
     assert after["misses"] == mid["misses"]  # everything was prefetched
+
+
+def test_split_layer_that_fills_the_sms_leaves_the_copy_its_own():
+    """A batch whose hit attention fills every SM in one wave (2 head blocks a token):
+    the split layer stages with SPLIT_COPY's few programs and plans the attention for
+    the other SMs; a batch that leaves SMs free keeps the defaults. Either way the
+    outputs match serial and the state is serial's, bit for bit; a replay of begin +
+    finish leaves the eager call's state."""
+    from hisparse._checks import sm_count
+    from hisparse.decode.layer import SPLIT_COPY
+    sms = sm_count(DEV)
+    be = TritonBackend(validate=False)
+    assert DecodeLayer(make(b=1), be, overlap="split")._launch_plan(sms // 2 - 2, H, K, "fp8_ds_mla") == (None, None)
+    T = sms // 2
+    a, b = make(b=T), make(b=T)
+    la, lb = DecodeLayer(a, be, overlap=Overlap.SPLIT), DecodeLayer(b, be, overlap=Overlap.SERIAL)
+    assert la._launch_plan(T, H, K, "fp8_ds_mla") == (SPLIT_COPY, sms - SPLIT_COPY.programs)
+    ids = torch.arange(T, dtype=I32, device=DEV)
+    rng, g = random.Random(6), torch.Generator(device="cpu").manual_seed(7)
+    for step in range(3):
+        tk = topk(rng, 0.9, b=T)
+        q = (torch.randn((T, H, 576), generator=g) * 0.5).to(DEV, torch.bfloat16)
+        launch = la.begin(step % 2, ids, tk, num_heads=H)
+        assert launch.sms == sms - SPLIT_COPY.programs
+        out, lse = la.finish(launch, q, sm_scale=SM)
+        ref, ref_lse = lb(step % 2, ids, tk, q, sm_scale=SM)
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
+        for n in STATE:
+            assert torch.equal(getattr(a.state, n), getattr(b.state, n)), (step, n)
+        assert torch.equal(a.hot, b.hot)
+    # captured: begin + finish in one graph, replayed from the same state
+    tk = topk(rng, 0.9, b=T)
+    q = (torch.randn((T, H, 576), generator=g) * 0.5).to(DEV, torch.bfloat16)
+    saved = ({n: getattr(a.state, n).clone() for n in STATE}, a.hot.clone())
+    eager = [t.clone() for t in la.finish(la.begin(1, ids, tk, num_heads=H), q, sm_scale=SM)]
+    torch.cuda.synchronize()
+    after = ({n: getattr(a.state, n).clone() for n in STATE}, a.hot.clone())
+    for n in STATE:
+        getattr(a.state, n).copy_(saved[0][n])
+    a.hot.copy_(saved[1])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gout = la.finish(la.begin(1, ids, tk, num_heads=H), q, sm_scale=SM)
+    for n in STATE:
+        getattr(a.state, n).copy_(saved[0][n])
+    a.hot.copy_(saved[1])
+    graph.replay()
+    torch.cuda.synchronize()
+    for n in STATE:
+        assert torch.equal(getattr(a.state, n), after[0][n]), n
+    assert torch.equal(a.hot, after[1])
+    torch.testing.assert_close(gout[0].float(), eager[0].float(), atol=1e-2, rtol=1e-2)

@@ -94,6 +94,11 @@ class SparseMLABackend(abc.ABC):
     """
 
     name: str = "abstract"
+    # dtypes ``decode(..., out_dtype=)`` can return (bf16 only: the keyword is not taken);
+    # float32 lets a split decode layer merge an unrounded hit partial
+    partial_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)
+    # whether ``decode(..., sms=)`` plans its grid for fewer SMs than the device has
+    plans_sms: bool = False
 
     @abc.abstractmethod
     def supports(self, *, device: torch.device, row_format: RowFormat, num_heads: int,
@@ -117,6 +122,13 @@ class SparseMLABackend(abc.ABC):
                 valid_counts: torch.Tensor | None = None,
                 sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Sparse prefill attention over a staged bf16 workspace [W, 576]; as decode."""
+
+    def decode_programs(self, T: int, H: int, K: int, *, device: torch.device,
+                        row_format: RowFormat | str) -> int | None:
+        """Programs a ``decode`` of T tokens, H heads and K entries would launch, each
+        taking a whole SM (None: not known, e.g. a persistent grid over every SM). A
+        split decode layer asks it to size its staging copy beside the attention."""
+        return None
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"

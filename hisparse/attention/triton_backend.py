@@ -223,13 +223,15 @@ def ws_unsupported(inp: DecodeInputs, dev: torch.device) -> str | None:
 def default_config(T: int, H: int, K: int, device: torch.device,
                    row_format: RowFormat | str = RowFormat.FP8_DS_MLA, *,
                    allow_ws: bool = True,
-                   kv_rows: torch.Tensor | None = None) -> TritonMLAConfig:
+                   kv_rows: torch.Tensor | None = None,
+                   sms: int | None = None) -> TritonMLAConfig:
     """Heuristic launch shape: head blocks of up to 64, enough KV splits to fill the SMs.
 
     fp8_ds_mla rows with 64-head blocks on an SM 9.x GPU get the warp-specialised kernel
     (``ws``) when the installed Triton can build it and, with ``kv_rows`` (uint8 [N, 656])
     given, those rows are 16-byte aligned; ``allow_ws=False`` asks for the ``tl``
-    kernels. Otherwise the config's ``ws_off_reason`` says why not.
+    kernels. Otherwise the config's ``ws_off_reason`` says why not. ``sms``: the SMs the
+    launch may plan for (``auto_splits``).
     """
     check_int("T", T, 0)
     check_int("H", H, 1)
@@ -254,20 +256,36 @@ def default_config(T: int, H: int, K: int, device: torch.device,
         cfg = dataclasses.replace(cfg, **WS_DEFAULT)
     else:
         cfg = dataclasses.replace(cfg, ws_off_reason=f"warp-specialised kernel off: {why}")
-    return dataclasses.replace(cfg, num_splits=auto_splits(T, H, K, cfg, device))
+    return dataclasses.replace(cfg, num_splits=auto_splits(T, H, K, cfg, device, sms=sms))
 
 
-def auto_splits(T: int, H: int, K: int, cfg: TritonMLAConfig, device: torch.device) -> int:
+def auto_splits(T: int, H: int, K: int, cfg: TritonMLAConfig, device: torch.device, *,
+                sms: int | None = None) -> int:
     """KV splits so that T x head blocks x splits is about one wave of SMs.
 
     1 when T x head blocks already fills the SMs (or on CPU); each split keeps at least
-    2 iterations of ``block_n`` rows; at most ``MAX_AUTO_SPLITS``.
+    2 iterations of ``block_n`` rows; at most ``MAX_AUTO_SPLITS``. ``sms``: the SMs the
+    launch may plan for (None: the device's; ``check_sms``).
     """
     if device_type(device) != "cuda":
         return 1
     programs = max(1, T * math.ceil(H / cfg.block_h))
     max_useful = max(1, K // (2 * cfg.block_n))
-    return max(1, min(sm_count(device) // programs, max_useful, MAX_AUTO_SPLITS))
+    return max(1, min(check_sms(sms, device) // programs, max_useful, MAX_AUTO_SPLITS))
+
+
+def check_sms(sms: int | None, device: torch.device) -> int:
+    """The SMs a launch may plan for: ``sms`` (1 .. the device's count), or the device's
+    count for None. A launch given fewer sizes its waves for them, so that work running
+    beside it on the other SMs (a split decode layer's staging copy) does not push its
+    last programs into a wave of their own."""
+    total = sm_count(device) if device_type(device) == "cuda" else None
+    if sms is None:
+        if total is None:
+            raise ValueError("check_sms needs sms on a device without an SM count")
+        return total
+    check_int("sms", sms, 1, None if total is None else total + 1)
+    return sms
 
 
 def _ws_kernel():
@@ -296,13 +314,13 @@ def wave_tail_plan(T: int, head_blocks: int, K: int, block_n: int, sms: int) -> 
     return (tail, splits) if splits >= 2 else (0, 1)
 
 
-def _tail_plan(T: int, H: int, K: int, cfg: TritonMLAConfig, splits: int, dev: torch.device
-               ) -> tuple[int, int]:
+def _tail_plan(T: int, H: int, K: int, cfg: TritonMLAConfig, splits: int, dev: torch.device,
+               sms: int | None) -> tuple[int, int]:
     """``wave_tail_plan`` for this launch where it applies (CUDA, the ws kernel, one
     split, wave_tail): the ``tl`` kernels were not measured with it."""
     if device_type(dev) != "cuda" or not cfg.ws or splits != 1 or not cfg.wave_tail:
         return 0, 1
-    return wave_tail_plan(T, math.ceil(H / cfg.block_h), K, cfg.block_n, sm_count(dev))
+    return wave_tail_plan(T, math.ceil(H / cfg.block_h), K, cfg.block_n, check_sms(sms, dev))
 
 
 def _rows_per_split(K: int, splits: int, block_n: int) -> tuple[int, int]:
@@ -311,21 +329,42 @@ def _rows_per_split(K: int, splits: int, block_n: int) -> tuple[int, int]:
     return rows, math.ceil(K / rows)
 
 
-def run_sparse_mla(inp: DecodeInputs, cfg: TritonMLAConfig | None = None
+OUT_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def check_out_dtype(out_dtype: object) -> torch.dtype:
+    """``out_dtype`` of a decode: bf16 (the result) or float32 (a partial to be merged,
+    e.g. a split layer's hit attention, without rounding it to bf16 first)."""
+    if out_dtype not in OUT_DTYPES:
+        raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype!r}")
+    return out_dtype  # type: ignore[return-value]
+
+
+def run_sparse_mla(inp: DecodeInputs, cfg: TritonMLAConfig | None = None, *,
+                   out_dtype: torch.dtype = torch.bfloat16, sms: int | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the kernel(s) on validated inputs. Returns out bf16 [T, H, 512], lse f32 [T, H].
+    """Launch the kernel(s) on validated inputs. Returns out ``out_dtype`` (bf16 or
+    float32) [T, H, 512], lse f32 [T, H].
 
     cfg None: ``default_config`` for these inputs (the ``tl`` kernels for rows the
     warp-specialised kernel can't read, e.g. a view that is not 16-byte aligned).
+    sms: the SMs the launch plans its KV splits and wave tail for (``check_sms``; None:
+    all of the device's). Ignored on CPU.
     """
     q, kv, idx = inp.q, inp.kv_rows, inp.indices
     T, H, _ = q.shape
     K = idx.shape[1]
     dev = q.device
+    check_out_dtype(out_dtype)
+    if device_type(dev) != "cuda":
+        sms = None
+    elif sms is not None:
+        check_sms(sms, dev)
     if T == 0 or K == 0:
-        return empty_result(T, H, dev)
+        out, lse = empty_result(T, H, dev)
+        return out.to(out_dtype), lse
     if cfg is None:
-        cfg = default_config(T, H, K, dev, inp.row_format, kv_rows=kv)
+        cfg = default_config(T, H, K, dev, inp.row_format, kv_rows=kv, sms=sms)
     elif cfg.ws:
         reason = ws_unsupported(inp, dev)
         if reason is not None:
@@ -333,10 +372,10 @@ def run_sparse_mla(inp: DecodeInputs, cfg: TritonMLAConfig | None = None
     elif isolate_problem(cfg, dev) is not None:
         raise ValueError(f"TritonMLAConfig(isolate_qk=True) cannot run here: "
                          f"{isolate_problem(cfg, dev)}; use isolate_qk=False or wide=True")
-    splits = cfg.num_splits if cfg.num_splits is not None else auto_splits(T, H, K, cfg, dev)
+    splits = cfg.num_splits if cfg.num_splits is not None else auto_splits(T, H, K, cfg, dev, sms=sms)
     splits = _rows_per_split(K, splits, cfg.block_n)[1]
-    tail, tail_splits = _tail_plan(T, H, K, cfg, splits, dev)
-    out = torch.empty((T, H, D_V), dtype=torch.bfloat16, device=dev)
+    tail, tail_splits = _tail_plan(T, H, K, cfg, splits, dev, sms)
+    out = torch.empty((T, H, D_V), dtype=out_dtype, device=dev)
     lse = torch.empty((T, H), dtype=torch.float32, device=dev)
     with _on_device(dev):
         # the tail launch runs after the first one (same stream), split so that its
@@ -452,12 +491,36 @@ class TritonBackend(SparseMLABackend):
         if reason is not None:
             raise ValueError(f"triton backend cannot run this {phase.value}: {reason}")
 
-    def decode(self, q, kv_rows, indices, *, valid_counts=None, sm_scale, row_format):
+    partial_dtypes = OUT_DTYPES
+    plans_sms = True
+
+    def decode(self, q, kv_rows, indices, *, valid_counts=None, sm_scale, row_format,
+               out_dtype=torch.bfloat16, sms=None):
+        """As ``SparseMLABackend.decode``; out_dtype float32 returns an unrounded partial,
+        ``sms`` plans the launch for that many SMs (``run_sparse_mla``)."""
         inp = validate_decode_inputs(q, kv_rows, indices, valid_counts=valid_counts,
                                      sm_scale=sm_scale, row_format=row_format,
                                      check_ranges=self.validate)
         self._check_supported(inp.q.device, inp.row_format, inp.num_heads, Phase.DECODE)
-        return run_sparse_mla(inp, self.config)
+        check_out_dtype(out_dtype)
+        if sms is not None:
+            check_int("sms", sms, 1)
+            if device_type(inp.q.device) == "cuda":
+                check_sms(sms, inp.q.device)
+        return run_sparse_mla(inp, self.config, out_dtype=out_dtype, sms=sms)
+
+    def decode_programs(self, T, H, K, *, device, row_format):
+        """The programs of the (first) launch of a ws-kernel decode, whose programs each
+        need a whole SM: T x head blocks x KV splits; None for the ``tl`` kernels, whose
+        programs share SMs, and off CUDA."""
+        device = torch.device(device)
+        if device_type(device) != "cuda" or T == 0 or K == 0:
+            return None
+        cfg = self.config or default_config(T, H, K, device, row_format)
+        if not cfg.ws:
+            return None
+        splits = cfg.num_splits if cfg.num_splits is not None else auto_splits(T, H, K, cfg, device)
+        return T * math.ceil(H / cfg.block_h) * _rows_per_split(K, splits, cfg.block_n)[1]
 
     def prefill(self, q, workspace, indices, *, valid_counts=None, sm_scale):
         inp = validate_prefill_inputs(q, workspace, indices, valid_counts=valid_counts,
@@ -467,6 +530,7 @@ class TritonBackend(SparseMLABackend):
 
 
 __all__ = ["TritonBackend", "TritonMLAConfig", "default_config", "auto_splits", "run_sparse_mla",
+           "check_sms", "check_out_dtype", "OUT_DTYPES",
            "wave_tail_plan",
            "DEFAULT_CONFIGS", "WS_DEFAULT", "isolate_problem", "ws_unsupported",
            "ws_device_problem",

@@ -31,7 +31,7 @@ from .requests import RequestTable
 from .resolve_ref import copy_rows_reference, copy_staged_reference, resolve_lookup_reference, resolve_reference
 from .resolve_triton import _launch_resolve, check_state, resolve_lookup_triton
 from .results import ResolveResult, SplitResult
-from .stager import CacheStreams, Stager
+from .stager import CacheStreams, CopyShape, Stager
 from .state import HotState, ResolveBuffers
 from .stats import cache_stats
 from .transfer import _launch_copy_rows, _launch_copy_staged
@@ -39,7 +39,8 @@ from .write import WriteBatch, Writer
 from .write_step import StepCapacity, StepPlan
 
 
-def _stage_reference(host_rows, out: ResolveBuffers, hot_rows, *, K: int, programs=None) -> None:
+def _stage_reference(host_rows, out: ResolveBuffers, hot_rows, *, K: int, programs=None,
+                     shape=None) -> None:
     copy_staged_reference(host_rows, out.stage_src, hot_rows, out.stage_dst, out.stage_counts, K=K)
 
 
@@ -79,12 +80,13 @@ def _kernel_set(kernels: Kernels, device: torch.device, pool: HostPool) -> dict:
         pinned.check("dst")
         _launch_copy_rows(rows, plan.host_tok32, host_l, plan.host_h32, dev)
 
-    def stage(host_rows, out: ResolveBuffers, hot_rows, *, K: int, programs=None) -> None:
+    def stage(host_rows, out: ResolveBuffers, hot_rows, *, K: int, programs=None, shape=None) -> None:
         # the pool's pinned flag: checked by every resolve before it launches (_check_resolve)
         if programs is not None:  # Stager.stage_programs, settable by its user
             check_int("programs", programs, 1)
+        rows, warps = shape if shape is not None else (8, 4)  # (rows per iteration, warps)
         _launch_copy_staged(host_rows, out.stage_src, hot_rows, out.stage_dst, out.stage_counts, dev,
-                            K=K, programs=programs)
+                            K=K, programs=programs, rows_per_program=rows, num_warps=warps)
 
     return dict(resolve_fn=_launch_resolve, lookup_fn=resolve_lookup_triton, copy_fn=stage,
                 apply_fn=apply_write_plan_triton, mirror_fn=mirror, pinned_check=pinned.check)
@@ -388,7 +390,8 @@ class HiSparseCache:
                         hot_rows=self._hot_l[layer], compact=False, wait=True)
 
     def resolve_split(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor, *,
-                      validate: bool = True, compact: bool = False, stage_with=None) -> SplitResult:
+                      validate: bool = True, compact: bool = False, stage_with=None,
+                      copy_shape: CopyShape | None = None) -> SplitResult:
         """``resolve`` in two phases, so that attention over the hits need not wait for
         the misses: returns once the hit phase is enqueued on the current stream
         (``result.hit_physical`` may be attended right away); the miss phase and the
@@ -399,13 +402,15 @@ class HiSparseCache:
         after the miss phase instead of the copy kernel; it must write every miss row
         (host row ``miss_host[t, j]``) into its slot ``miss_physical[t, j]``, as
         ``hisparse.attention.miss.fused_miss_attention`` does while attending. The state after the call equals ``resolve``'s bit for bit.
+        ``copy_shape``: the staging kernel's grid (``stager.CopyShape``; None: a quarter of
+        the SMs, 8 rows a program; ``stager.stage_programs`` overrides its programs).
         """
         T, K, req_ids = self._check_resolve(layer, req_ids, topk, validate)
         out = self._bufs[layer].view(T, K)
         hit, miss_lists = _split_buffers(self._split, self.cfg, self.device, layer, T, K)
         event = self.stager.run_split(layer, req_ids, topk, out, hit, miss_lists,
                                       host_rows=self._host_l[layer], hot_rows=self._hot_l[layer],
-                                      compact=compact, stage_with=stage_with)
+                                      compact=compact, stage_with=stage_with, copy_shape=copy_shape)
         self.requests.touch(layer)
         return SplitResult(out, hit, miss_lists, event, self.requests.epochs, layer)
 

@@ -38,6 +38,11 @@ class ResolveResult:
         self._epochs, self._layer, self._epoch = epochs, layer, epochs[layer]
 
     @property
+    def layer(self) -> int:
+        """The layer this resolve was for."""
+        return self._layer
+
+    @property
     def stale(self) -> bool:
         """True once an append, resolve or free of the layer may have changed what
         these indices point at."""

@@ -17,6 +17,7 @@ Ordering rules (each one an event wait, never a host sync):
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import torch
@@ -195,6 +196,26 @@ class CacheStreams:
         self.backup.wait_by(stream, self.capturing())
 
 
+@dataclasses.dataclass(frozen=True)
+class CopyShape:
+    """Launch shape of the staging copy (``transfer.copy_staged``): ``programs`` in its
+    persistent grid, ``rows`` moved by a program per iteration, ``warps`` per program.
+    The scattered rows' reads are bound by how many are in flight, so few programs of
+    many rows move them as fast as a quarter of the SMs does, and leave the SMs to work
+    running beside the copy (a split layer's hit attention)."""
+
+    programs: int
+    rows: int
+    warps: int
+
+    def __post_init__(self) -> None:
+        check_int("programs", self.programs, 1)
+        for name in ("rows", "warps"):
+            v = check_int(name, getattr(self, name), 1)
+            if v & (v - 1):
+                raise ValueError(f"{name} must be a power of two, got {v}")
+
+
 class Stager:
     """Resolve + miss staging of one cache on the stage stream.
 
@@ -286,12 +307,17 @@ class Stager:
 
     def run_split(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor, out: ResolveBuffers,
                   hit: torch.Tensor, miss_lists: tuple, *, host_rows: torch.Tensor,
-                  hot_rows: torch.Tensor, compact: bool, stage_with: Callable | None):
+                  hot_rows: torch.Tensor, compact: bool, stage_with: Callable | None,
+                  copy_shape: CopyShape | None = None):
         """A split resolve: the hit phase on the current (compute) stream, then on the
         stage stream the miss phase and the staging -- the copy kernel, or
         ``stage_with(miss_physical, miss_host, miss_counts)`` when given (it must write
-        every miss row into its slot, e.g. a fused miss attention). Returns the layer's stage event (None on CPU). Any launch
+        every miss row into its slot, e.g. a fused miss attention). ``copy_shape``: the
+        copy kernel's launch shape (None: its default; ``stage_programs``, when set,
+        overrides the programs). Returns the layer's stage event (None on CPU). Any launch
         that raises is undone before the error propagates."""
+        if copy_shape is not None and not isinstance(copy_shape, CopyShape):
+            raise TypeError(f"copy_shape must be a CopyShape or None, got {type(copy_shape).__name__}")
         cs = self.streams
         cur, cap = cs.current(), cs.capturing()
         cs.stage[layer].wait_by(cur, cap)  # earlier work of this layer (a prefetch) first
@@ -310,7 +336,11 @@ class Stager:
                 miss_ran = True
                 cs.resolved[layer].record(stage, cap)
                 if stage_with is None:
-                    self.copy_fn(host_rows, out, hot_rows, K=topk.shape[1], programs=self.stage_programs)
+                    programs = self.stage_programs
+                    if programs is None and copy_shape is not None:
+                        programs = copy_shape.programs
+                    shape = None if copy_shape is None else (copy_shape.rows, copy_shape.warps)
+                    self.copy_fn(host_rows, out, hot_rows, K=topk.shape[1], programs=programs, shape=shape)
                 else:
                     stage_with(*miss_lists)
             except BaseException:
@@ -342,4 +372,4 @@ class Stager:
         self.state.stats[layer, STAT_PREFETCH] -= int((out.stage_dst[:topk.numel()] >= 0).sum())
 
 
-__all__ = ["CacheStreams", "Stager", "capturing"]
+__all__ = ["CacheStreams", "CopyShape", "Stager", "capturing"]

@@ -26,16 +26,47 @@ resolve finds those rows hot.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 
 import torch
 
-from .._checks import check_bool, parse_enum
+from .._checks import check_bool, check_int, parse_enum, sm_count
 from ..attention.base import SparseMLABackend, check_decode_call
 from ..attention.miss import (MissConfig, MissMode, MissPlan, fused_miss_attention, merge_lse,
                               miss_attention_merge, plan_miss_attention)
 from ..cache.cache import HiSparseCache
+from ..cache.results import SplitResult
+from ..cache.stager import CopyShape
 from ..formats import D_LATENT, RowFormat
+
+
+# A split layer's staging copy when the hit attention would fill every SM: 8 programs
+# of 32 rows (8 warps) keep as many rows in flight as the default's quarter of the SMs
+# at 8 rows each, so they stage as fast, and the hit attention plans its waves for the
+# other SMs (BENCHMARKS.md, session 25).
+SPLIT_COPY = CopyShape(programs=8, rows=32, warps=8)
+SPLIT_FREE_SMS = 4  # an attention leaving at least this many SMs free leaves the copy room
+# The hit partial's dtype where the backend returns it (else bf16): float32 merges it
+# unrounded, so that the result is rounded once, as a serial layer's
+SPLIT_PARTIAL_DTYPE = torch.float32
+
+
+def split_fills_sms(programs: int | None, sms: int) -> bool:
+    """Whether a hit attention of ``programs`` programs, each needing a whole SM, leaves
+    fewer than ``SPLIT_FREE_SMS`` of ``sms`` SMs to the staging copy in its last wave
+    while fitting in one (None: a backend that does not say, e.g. a persistent grid)."""
+    return programs is not None and sms - SPLIT_FREE_SMS < programs <= sms
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitLaunch:
+    """What ``DecodeLayer.begin`` launched: the split resolve, the heads its query has,
+    and the SMs its hit attention plans for (None: all)."""
+
+    result: SplitResult
+    num_heads: int
+    sms: int | None
 
 
 class Overlap(enum.Enum):
@@ -114,13 +145,7 @@ class DecodeLayer:
             res = c.resolve(layer, req_ids, topk, validate=self.validate)
             return self.backend.decode(q, hot, res.physical, sm_scale=sm_scale, row_format=fmt)
         if self.overlap is Overlap.SPLIT:
-            plan = self._plan(MissMode.SPLIT, T, H, fmt)
-            sp = c.resolve_split(layer, req_ids, topk, validate=self.validate)
-            out, lse = self.backend.decode(q, hot, sp.hit_physical, sm_scale=sm_scale, row_format=fmt)
-            sp.wait()
-            miss_attention_merge(q, hot, sp.miss_physical, sp.miss_counts, out, lse, sm_scale=sm_scale,
-                                 row_format=fmt, plan=plan, kernels=self.kernels)
-            return out, lse
+            return self._finish_split(self._begin_split(layer, req_ids, topk, H), q, sm_scale)
         plan = self._plan(MissMode.FUSED, T, H, fmt)
         part_out, part_lse = self._partial(T, H)
         host = view.host_rows
@@ -137,10 +162,79 @@ class DecodeLayer:
         merge_lse(out, lse, part_out, part_lse, kernels=self.kernels)
         return out, lse
 
+    def begin(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor, *, num_heads: int) -> SplitLaunch:
+        """The first half of a split layer, for an engine that has the top-k before the
+        query: resolve ``topk`` (int32 [T, K]) of ``layer`` for ``req_ids`` (int32 [T])
+        now -- the hit phase on the current stream, the miss phase and the staging on the
+        stage stream -- so that they run beside the query projection. ``finish`` attends
+        a query of ``num_heads`` heads. Split mode only."""
+        if self.overlap is not Overlap.SPLIT:
+            raise ValueError(f"begin/finish are the two halves of a split layer; this layer is {self.overlap.value}")
+        check_int("num_heads", num_heads, 1)
+        if not isinstance(topk, torch.Tensor) or topk.dim() != 2:
+            raise ValueError("topk must be an int32 [T, K] tensor")  # the resolve checks the rest
+        return self._begin_split(layer, req_ids, topk, num_heads)
+
+    def finish(self, launch: SplitLaunch, q: torch.Tensor, *, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """The second half: attend ``q`` (bf16 [T, H, 576]) over the hits while the misses
+        stage, then over the misses, merged. Returns what ``__call__`` does. ``q`` is
+        checked before anything is launched."""
+        if not isinstance(launch, SplitLaunch):
+            raise TypeError(f"launch must be the SplitLaunch of begin(), got {type(launch).__name__}")
+        sp = launch.result
+        if sp.stale:
+            raise ValueError(f"layer {sp.layer} was appended to, resolved or freed since begin(): its "
+                             "indices may point at other rows now; begin() again")
+        view = self.cache.layer_view(sp.layer)
+        check_decode_call(self.backend, q, sm_scale, device=view.hot_rows.device, row_format=view.row_format,
+                          supported=self._supported)
+        if tuple(q.shape[:2]) != (sp.hit_physical.shape[0], launch.num_heads):
+            raise ValueError(f"q is [T={q.shape[0]}, H={q.shape[1]}, ...] but begin() resolved "
+                             f"{sp.hit_physical.shape[0]} tokens for {launch.num_heads} heads")
+        return self._finish_split(launch, q, sm_scale)
+
+    def _launch_plan(self, T: int, H: int, K: int, fmt: RowFormat) -> tuple[CopyShape | None, int | None]:
+        """(the staging copy's shape, the SMs the hit attention plans for) of a split
+        layer: when the hit attention's programs would fill the last SMs
+        (``split_fills_sms``), a copy of few programs (``SPLIT_COPY``, or
+        ``stage_programs`` of them) and an attention planned for the other SMs; else the
+        copy's default, beside an attention that leaves it SMs, and no plan."""
+        c = self.cache
+        if not (self.backend.plans_sms and c.cuda):
+            return None, None
+        sms = sm_count(c.device)
+        programs = self.backend.decode_programs(T, H, K, device=c.device, row_format=fmt)
+        if not split_fills_sms(programs, sms):
+            return None, None
+        return SPLIT_COPY, max(1, sms - (c.stager.stage_programs or SPLIT_COPY.programs))
+
+    def _begin_split(self, layer: int, req_ids, topk, H: int) -> SplitLaunch:
+        T, K = (topk.shape[0], topk.shape[1]) if isinstance(topk, torch.Tensor) and topk.dim() == 2 else (0, 0)
+        copy, sms = self._launch_plan(T, H, K, self.cache.layer_view(layer).row_format)
+        sp = self.cache.resolve_split(layer, req_ids, topk, validate=self.validate, copy_shape=copy)
+        return SplitLaunch(sp, H, sms)
+
+    def _finish_split(self, launch: SplitLaunch, q: torch.Tensor, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Hit attention (planned for ``launch.sms`` SMs where set; a
+        ``SPLIT_PARTIAL_DTYPE`` partial where the backend returns one), the wait, the miss
+        attention merged into it, the result in bf16."""
+        sp = launch.result
+        view = self.cache.layer_view(sp.layer)
+        hot, fmt = view.hot_rows, view.row_format
+        plan = self._plan(MissMode.SPLIT, q.shape[0], q.shape[1], fmt)
+        kw: dict = {} if launch.sms is None else {"sms": launch.sms}
+        if SPLIT_PARTIAL_DTYPE in self.backend.partial_dtypes:
+            kw["out_dtype"] = SPLIT_PARTIAL_DTYPE
+        out, lse = self.backend.decode(q, hot, sp.hit_physical, sm_scale=sm_scale, row_format=fmt, **kw)
+        sp.wait()
+        miss_attention_merge(q, hot, sp.miss_physical, sp.miss_counts, out, lse, sm_scale=sm_scale,
+                             row_format=fmt, plan=plan, kernels=self.kernels)
+        return (out if out.dtype == torch.bfloat16 else out.to(torch.bfloat16)), lse
+
     def prefetch(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor) -> None:
         """Stage ``topk`` (int32 [T, K], a predicted selection) into ``layer`` ahead of
         its resolve (``HiSparseCache.prefetch``)."""
         self.cache.prefetch(layer, req_ids, topk)
 
 
-__all__ = ["DecodeLayer", "Overlap"]
+__all__ = ["DecodeLayer", "Overlap", "SPLIT_COPY", "SplitLaunch", "split_fills_sms"]

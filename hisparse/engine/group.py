@@ -60,6 +60,11 @@ from .metadata import SparseMLAMetadata, device_ints
 from .prefill_calls import PrefillCalls
 
 _REPLAYED = ("replayed",)  # the conversion key of layers a graph replay resolves
+
+
+def _key(t: torch.Tensor) -> tuple:
+    """What identifies a top-k tensor between a layer's calls: its memory and layout."""
+    return (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
 _KV_DTYPES = {"fp8_ds_mla": RowFormat.FP8_DS_MLA, "bf16": RowFormat.BF16, "auto": RowFormat.BF16,
               "bfloat16": RowFormat.BF16}
 
@@ -150,6 +155,7 @@ class HiSparseIndexGroup(PrefillCalls, LayerGraphCalls):
         self._batch: SparseMLAMetadata | None = None
         self._decode_ids = torch.empty(0, dtype=torch.int32, device=self.device)
         self._converted: dict[int, tuple[tuple, object]] = {}
+        self._begun: dict[int, tuple] = {}  # layer -> (DecodeLayer, SplitLaunch) of begin_decode_attention
         self._written: set[int] = set()
         # layers converted with wait=False and not waited for yet -> whether that
         # conversion ran inside a CUDA graph capture (its wait must run on the same side)
@@ -352,6 +358,7 @@ class HiSparseIndexGroup(PrefillCalls, LayerGraphCalls):
         self._batch = metadata
         self._step = step
         self._converted = {}
+        self._begun = {}
         self._written = set()  # layers whose rows this forward wrote
         if replay:  # the graph's replay runs every layer's write and resolve
             cache.note_replay()
@@ -373,6 +380,7 @@ class HiSparseIndexGroup(PrefillCalls, LayerGraphCalls):
         self._batch = None
         self._written = set()
         self._converted = {}
+        self._begun = {}
         self._unwaited = {}
 
     def _check_batch(self, metadata: object) -> SparseMLAMetadata:
@@ -539,6 +547,38 @@ class HiSparseIndexGroup(PrefillCalls, LayerGraphCalls):
         """
         i = self._layer(layer_index)
         self._check_batch(metadata)
+        begun = self._begun.get(i)
+        if begun is not None:  # begin_decode_attention resolved it: attend
+            layer, sp = begun
+            if overlap != "split" or layer.backend is not backend or self._converted[i][0] != _key(topk_indices):
+                raise ValueError(f"layer {i} was begun with begin_decode_attention: finish it with overlap "
+                                 "'split', the same backend and the same topk_indices tensor")
+            out = layer.finish(sp, q, sm_scale=sm_scale)
+            del self._begun[i]
+            return out
+        layer = self._split_layer(i, topk_indices, backend, overlap)
+        out = layer(i, self._decode_ids, topk_indices, q, sm_scale=sm_scale)
+        self._converted[i] = (_key(topk_indices), (None, None))
+        self.resolves_per_layer[i] += 1
+        return out
+
+    def begin_decode_attention(self, layer_index: int, topk_indices: torch.Tensor,
+                               metadata: SparseMLAMetadata, *, backend, num_heads: int) -> None:
+        """The resolve of a split ``decode_attention`` (``DecodeLayer.begin``), launched
+        as soon as the top-k (int32 [Td, K]) exists, so that it runs beside the query
+        projection; ``decode_attention(..., overlap="split")`` of the layer, with the
+        same backend, ``topk_indices`` tensor and a query of ``num_heads`` heads, then
+        attends. Counts as the layer's resolve of the forward."""
+        i = self._layer(layer_index)
+        self._check_batch(metadata)
+        layer = self._split_layer(i, topk_indices, backend, "split")
+        launch = layer.begin(i, self._decode_ids, topk_indices, num_heads=num_heads)
+        self._converted[i] = (_key(topk_indices), (None, None))
+        self._begun[i] = (layer, launch)
+        self.resolves_per_layer[i] += 1
+
+    def _split_layer(self, i: int, topk_indices, backend, overlap: str) -> DecodeLayer:
+        """Checks of a decode attention of layer i; its DecodeLayer (made once)."""
         td = self._decode_tokens
         check_tensor("topk_indices", topk_indices, dtype=torch.int32, ndim=2, device=self.device)
         if topk_indices.shape[0] != td:
@@ -552,11 +592,7 @@ class HiSparseIndexGroup(PrefillCalls, LayerGraphCalls):
         if layer is None:
             layer = DecodeLayer(self._cache, backend, overlap=overlap, validate=self.validate)
             self._decode_layers[(id(backend), overlap)] = layer
-        out = layer(i, self._decode_ids, topk_indices, q, sm_scale=sm_scale)
-        self._converted[i] = ((topk_indices.data_ptr(), tuple(topk_indices.shape), tuple(topk_indices.stride())),
-                              (None, None))
-        self.resolves_per_layer[i] += 1
-        return out
+        return layer
 
     def prefetch(self, layer_index: int, topk_indices: torch.Tensor, metadata: SparseMLAMetadata) -> None:
         """Stage a predicted selection (int32 [Td, K], e.g. the previous layer's top-k) of

@@ -27,8 +27,9 @@ a store decides how rows reach the kernel: the resident store reads its own page
 the hisparse store resolves the top-k into hot-buffer slots (staging misses) first.
 Decode takes two calls, ``stage_decode`` as soon as the top-k exists and
 ``decode_attention`` once the loop computed the query, so that a store's staging can
-overlap the query projection (in captured forwards); the other overlap modes (split,
-fused, prefetch) live inside the store's calls without the loop knowing.
+overlap the query projection (in captured forwards: the serial conversion, or a split
+layer's resolve); the rest of the overlap modes (split's hit attention beside the copy,
+fused, prefetch) lives inside the store's calls without the loop knowing.
 Both stores share one :class:`Attention` (the backends, softmax scale, workspace).
 
 - :class:`ResidentKV`  an ordinary paged device KV cache holding every row (the
@@ -242,11 +243,14 @@ class HiSparseKV(KVStore):
         self.cfg = cfg
 
     def stage_decode(self, layer: int, topk: torch.Tensor, batch: Batch):
-        """Serial: the conversion (in a captured forward its misses stage while the
-        loop computes q); split / fused: nothing yet (their decode attention resolves
-        and stages itself)."""
+        """Serial: the conversion; split: the split layer's resolve
+        (``begin_decode_attention``). Either way the misses stage while the loop
+        computes q. Fused: nothing yet (its decode attention resolves and stages)."""
         if self.overlap == "serial":
             return self.decode_rows(layer, topk, batch)
+        if self.overlap == "split":
+            self.group.begin_decode_attention(layer, topk, batch.md, backend=self.attn.decode,
+                                              num_heads=self.cfg.num_heads)
         return None
 
     def decode_attention(self, layer: int, q: torch.Tensor, topk: torch.Tensor, batch: Batch,
