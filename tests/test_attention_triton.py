@@ -603,29 +603,3 @@ def test_kernels_compile_for_sm90_without_spills():
     # (which would make both warpgroups compute the same q . k^T)
     assert all([8, 1] not in s["mma_warps"] for s in stats if s["block_h"] == 64
                and s["isolated"]), stats
-
-
-@pytest.mark.parametrize("fmt", ["bf16", "fp8_ds_mla"])
-@pytest.mark.parametrize("splits", [1, 3])
-def test_float32_out_is_the_unrounded_result(fmt, splits):
-    """out_dtype float32 (a split layer's hit partial) returns the result before its
-    bf16 rounding: rounded, it equals the bf16 launch bit for bit, one split or several
-    (the combine writes it too); lse is the same; bad out_dtype / sms are refused."""
-    N, T, H, K = 40, 3, 5, 50
-    kv, _ = _rows(N, fmt, seed=21)
-    q, idx = _q(T, H, seed=22), _indices(T, K, N, seed=23)
-    be = TritonBackend(allow_interpreter=True, config=TritonMLAConfig(block_h=16, block_n=16, num_warps=4,
-                                                                       num_splits=splits))
-    o16, l16 = be.decode(q, kv, idx, sm_scale=SCALE, row_format=fmt)
-    o32, l32 = be.decode(q, kv, idx, sm_scale=SCALE, row_format=fmt, out_dtype=torch.float32)
-    assert o16.dtype == torch.bfloat16 and o32.dtype == torch.float32
-    # the kernels' own bf16 conversion: round to nearest even on a GPU; the interpreter
-    # truncates (drops the low 16 bits)
-    trunc = (o32.view(torch.int32) & ~0xFFFF).view(torch.float32).to(torch.bfloat16)
-    assert torch.equal(o32.to(torch.bfloat16), o16) or torch.equal(trunc, o16)
-    assert torch.equal(l32, l16)
-    assert not torch.equal(o32, o16.float())  # really unrounded
-    with pytest.raises(ValueError, match="out_dtype"):
-        be.decode(q, kv, idx, sm_scale=SCALE, row_format=fmt, out_dtype=torch.float16)
-    with pytest.raises(ValueError, match="sms"):
-        be.decode(q, kv, idx, sm_scale=SCALE, row_format=fmt, sms=0)

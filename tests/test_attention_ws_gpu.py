@@ -162,21 +162,6 @@ def test_ws_is_the_default_on_sm90():
         assert problem in cfg.ws_off_reason
 
 
-@pytest.mark.parametrize("splits", [1, 3])
-def test_ws_float32_out_rounds_to_the_bf16_launch(splits):
-    """out_dtype float32 (a split layer's hit partial): the unrounded result, which
-    rounds (to nearest even) to the bf16 launch's bits; the same lse."""
-    _skip_unless_sm90()
-    q, rows, idx, vc = _problem(64, 128, 2048, seed=5)
-    be = TritonBackend(config=dataclasses.replace(WS, num_splits=splits))
-    for v in (None, vc):
-        o16, l16 = be.decode(q, rows, idx, valid_counts=v, sm_scale=SCALE, row_format="fp8_ds_mla")
-        o32, l32 = be.decode(q, rows, idx, valid_counts=v, sm_scale=SCALE, row_format="fp8_ds_mla",
-                             out_dtype=torch.float32)
-        assert o32.dtype == torch.float32 and torch.equal(o32.to(torch.bfloat16), o16)
-        assert torch.equal(l32, l16) and not torch.equal(o32, o16.float())
-
-
 def test_ws_sm_budget_plans_the_wave_tail_for_fewer_sms(monkeypatch):
     """sms = the device's less the SMs a staging copy keeps: a batch that fills every SM
     in one wave runs its last tokens as a split tail instead, and still matches the

@@ -477,7 +477,7 @@ def _split_args(T=2, H=3, K=5, N=8):
     (dict(miss_idx=torch.zeros(2, 5, dtype=torch.int64)), TypeError, "miss_idx"),
     (dict(miss_idx=torch.zeros(3, 5, dtype=torch.int32)), ValueError, "miss_idx must be"),
     (dict(miss_counts=torch.zeros(3, dtype=torch.int32)), ValueError, "miss_counts"),
-    (dict(out=torch.zeros(2, 3, 512, dtype=torch.float16)), TypeError, "out must have dtype"),
+    (dict(out=torch.zeros(2, 3, 512)), TypeError, "out must have dtype bfloat16"),
     (dict(lse=torch.zeros(2, 4)), ValueError, "lse must have shape"),
     (dict(kv_rows=torch.zeros(8, 576, dtype=torch.uint8)), ValueError, "656"),
 ])

@@ -94,9 +94,6 @@ class SparseMLABackend(abc.ABC):
     """
 
     name: str = "abstract"
-    # dtypes ``decode(..., out_dtype=)`` can return (bf16 only: the keyword is not taken);
-    # float32 lets a split decode layer merge an unrounded hit partial
-    partial_dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)
     # whether ``decode(..., sms=)`` plans its grid for fewer SMs than the device has
     plans_sms: bool = False
 

@@ -327,7 +327,7 @@ def merge_lse(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor,
 def _validate_split(q, kv_rows, miss_idx, miss_counts, out, lse, sm_scale, row_format):
     inp = _check_common(q, kv_rows, miss_idx, miss_counts, sm_scale, row_format)
     _check_partial("out", out, "lse", lse, inp.num_tokens, inp.num_heads, inp.q.device,
-                   (torch.bfloat16, torch.float32))
+                   (torch.bfloat16,))
     return inp
 
 
@@ -346,7 +346,7 @@ def miss_attention_merge(
     kv_rows: torch.Tensor,  # uint8 [N, 656] fp8_ds_mla, or bf16 [N, 576] / uint8 [N, 1152]
     miss_idx: torch.Tensor,  # int32 [T, K] hot rows of the miss entries, -1 = padding
     miss_counts: torch.Tensor,  # int32 [T] entries j < count are used (clamped to [0, K])
-    out: torch.Tensor,  # bf16 or float32 [T, H, 512] contiguous: hit partial in, merged result out
+    out: torch.Tensor,  # bf16 [T, H, 512] contiguous: hit partial in, merged result out
     lse: torch.Tensor,  # float32 [T, H] natural log, -inf = no hit entry: in and out
     *, sm_scale: float, row_format: RowFormat | str, plan: MissPlan | None = None,
     kernels: Kernels | str = Kernels.AUTO,

@@ -79,16 +79,10 @@ class ReferenceBackend(SparseMLABackend):
             return reason
         return None
 
-    partial_dtypes = (torch.bfloat16, torch.float32)
-
-    def decode(self, q, kv_rows, indices, *, valid_counts=None, sm_scale, row_format,
-               out_dtype=torch.bfloat16):
-        """As ``SparseMLABackend.decode``; out_dtype float32 returns an unrounded partial."""
-        if out_dtype not in self.partial_dtypes:
-            raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype!r}")
+    def decode(self, q, kv_rows, indices, *, valid_counts=None, sm_scale, row_format):
         inp = validate_decode_inputs(q, kv_rows, indices, valid_counts=valid_counts,
                                      sm_scale=sm_scale, row_format=row_format)
-        return sparse_mla_reference(inp, out_dtype=out_dtype)
+        return sparse_mla_reference(inp)
 
     def prefill(self, q, workspace, indices, *, valid_counts=None, sm_scale):
         inp = validate_prefill_inputs(q, workspace, indices, valid_counts=valid_counts,

@@ -329,22 +329,9 @@ def _rows_per_split(K: int, splits: int, block_n: int) -> tuple[int, int]:
     return rows, math.ceil(K / rows)
 
 
-OUT_DTYPES = (torch.bfloat16, torch.float32)
-
-
-def check_out_dtype(out_dtype: object) -> torch.dtype:
-    """``out_dtype`` of a decode: bf16 (the result) or float32 (a partial to be merged,
-    e.g. a split layer's hit attention, without rounding it to bf16 first)."""
-    if out_dtype not in OUT_DTYPES:
-        raise ValueError(f"out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype!r}")
-    return out_dtype  # type: ignore[return-value]
-
-
 def run_sparse_mla(inp: DecodeInputs, cfg: TritonMLAConfig | None = None, *,
-                   out_dtype: torch.dtype = torch.bfloat16, sms: int | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the kernel(s) on validated inputs. Returns out ``out_dtype`` (bf16 or
-    float32) [T, H, 512], lse f32 [T, H].
+                   sms: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the kernel(s) on validated inputs. Returns out bf16 [T, H, 512], lse f32 [T, H].
 
     cfg None: ``default_config`` for these inputs (the ``tl`` kernels for rows the
     warp-specialised kernel can't read, e.g. a view that is not 16-byte aligned).
@@ -355,14 +342,12 @@ def run_sparse_mla(inp: DecodeInputs, cfg: TritonMLAConfig | None = None, *,
     T, H, _ = q.shape
     K = idx.shape[1]
     dev = q.device
-    check_out_dtype(out_dtype)
     if device_type(dev) != "cuda":
         sms = None
     elif sms is not None:
         check_sms(sms, dev)
     if T == 0 or K == 0:
-        out, lse = empty_result(T, H, dev)
-        return out.to(out_dtype), lse
+        return empty_result(T, H, dev)
     if cfg is None:
         cfg = default_config(T, H, K, dev, inp.row_format, kv_rows=kv, sms=sms)
     elif cfg.ws:
@@ -375,7 +360,7 @@ def run_sparse_mla(inp: DecodeInputs, cfg: TritonMLAConfig | None = None, *,
     splits = cfg.num_splits if cfg.num_splits is not None else auto_splits(T, H, K, cfg, dev, sms=sms)
     splits = _rows_per_split(K, splits, cfg.block_n)[1]
     tail, tail_splits = _tail_plan(T, H, K, cfg, splits, dev, sms)
-    out = torch.empty((T, H, D_V), dtype=out_dtype, device=dev)
+    out = torch.empty((T, H, D_V), dtype=torch.bfloat16, device=dev)
     lse = torch.empty((T, H), dtype=torch.float32, device=dev)
     with _on_device(dev):
         # the tail launch runs after the first one (same stream), split so that its
@@ -491,23 +476,20 @@ class TritonBackend(SparseMLABackend):
         if reason is not None:
             raise ValueError(f"triton backend cannot run this {phase.value}: {reason}")
 
-    partial_dtypes = OUT_DTYPES
     plans_sms = True
 
-    def decode(self, q, kv_rows, indices, *, valid_counts=None, sm_scale, row_format,
-               out_dtype=torch.bfloat16, sms=None):
-        """As ``SparseMLABackend.decode``; out_dtype float32 returns an unrounded partial,
-        ``sms`` plans the launch for that many SMs (``run_sparse_mla``)."""
+    def decode(self, q, kv_rows, indices, *, valid_counts=None, sm_scale, row_format, sms=None):
+        """As ``SparseMLABackend.decode``; ``sms`` plans the launch for that many SMs
+        (``run_sparse_mla``)."""
         inp = validate_decode_inputs(q, kv_rows, indices, valid_counts=valid_counts,
                                      sm_scale=sm_scale, row_format=row_format,
                                      check_ranges=self.validate)
         self._check_supported(inp.q.device, inp.row_format, inp.num_heads, Phase.DECODE)
-        check_out_dtype(out_dtype)
         if sms is not None:
             check_int("sms", sms, 1)
             if device_type(inp.q.device) == "cuda":
                 check_sms(sms, inp.q.device)
-        return run_sparse_mla(inp, self.config, out_dtype=out_dtype, sms=sms)
+        return run_sparse_mla(inp, self.config, sms=sms)
 
     def decode_programs(self, T, H, K, *, device, row_format):
         """The programs of the (first) launch of a ws-kernel decode, whose programs each
@@ -530,7 +512,7 @@ class TritonBackend(SparseMLABackend):
 
 
 __all__ = ["TritonBackend", "TritonMLAConfig", "default_config", "auto_splits", "run_sparse_mla",
-           "check_sms", "check_out_dtype", "OUT_DTYPES",
+           "check_sms",
            "wave_tail_plan",
            "DEFAULT_CONFIGS", "WS_DEFAULT", "isolate_problem", "ws_unsupported",
            "ws_device_problem",

@@ -47,9 +47,7 @@ from ..formats import D_LATENT, RowFormat
 # other SMs (BENCHMARKS.md, session 25).
 SPLIT_COPY = CopyShape(programs=8, rows=32, warps=8)
 SPLIT_FREE_SMS = 4  # an attention leaving at least this many SMs free leaves the copy room
-# The hit partial's dtype where the backend returns it (else bf16): float32 merges it
-# unrounded, so that the result is rounded once, as a serial layer's
-SPLIT_PARTIAL_DTYPE = torch.float32
+
 
 
 def split_fills_sms(programs: int | None, sms: int) -> bool:
@@ -215,21 +213,18 @@ class DecodeLayer:
         return SplitLaunch(sp, H, sms)
 
     def _finish_split(self, launch: SplitLaunch, q: torch.Tensor, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Hit attention (planned for ``launch.sms`` SMs where set; a
-        ``SPLIT_PARTIAL_DTYPE`` partial where the backend returns one), the wait, the miss
-        attention merged into it, the result in bf16."""
+        """Hit attention (planned for ``launch.sms`` SMs where set), the wait, the miss
+        attention merged into it."""
         sp = launch.result
         view = self.cache.layer_view(sp.layer)
         hot, fmt = view.hot_rows, view.row_format
         plan = self._plan(MissMode.SPLIT, q.shape[0], q.shape[1], fmt)
-        kw: dict = {} if launch.sms is None else {"sms": launch.sms}
-        if SPLIT_PARTIAL_DTYPE in self.backend.partial_dtypes:
-            kw["out_dtype"] = SPLIT_PARTIAL_DTYPE
+        kw = {} if launch.sms is None else {"sms": launch.sms}
         out, lse = self.backend.decode(q, hot, sp.hit_physical, sm_scale=sm_scale, row_format=fmt, **kw)
         sp.wait()
         miss_attention_merge(q, hot, sp.miss_physical, sp.miss_counts, out, lse, sm_scale=sm_scale,
                              row_format=fmt, plan=plan, kernels=self.kernels)
-        return (out if out.dtype == torch.bfloat16 else out.to(torch.bfloat16)), lse
+        return out, lse
 
     def prefetch(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor) -> None:
         """Stage ``topk`` (int32 [T, K], a predicted selection) into ``layer`` ahead of

@@ -150,7 +150,7 @@ def sparse_mla_decode_kernel(
     kv_ptr,  # uint8 [N, 656] (IS_FP8) or bf16 [N, 576]; last-dim stride 1
     idx_ptr,  # int32 [T, K], -1 = padding
     vc_ptr,  # int32 [T] valid counts (read only when HAS_VC)
-    out_ptr,  # bf16 or float32 [T, H, 512] contiguous (written when NUM_SPLITS == 1)
+    out_ptr,  # bf16 [T, H, 512] contiguous (written when NUM_SPLITS == 1)
     lse_ptr,  # float32 [T, H] natural log (written when NUM_SPLITS == 1)
     part_out_ptr,  # float32 [T, NUM_SPLITS, H, 512] (written when NUM_SPLITS > 1)
     part_lse_ptr,  # float32 [T, NUM_SPLITS, H] base-2 lse (written when NUM_SPLITS > 1)
@@ -242,10 +242,10 @@ def sparse_mla_decode_kernel(
     hm = hmask[:, None]
     if NUM_SPLITS == 1:
         o_row = out_ptr + (t * H + heads.to(tl.int64))[:, None] * 512 + d[None, :]
-        tl.store(o_row, (acc0 * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=hm)
-        tl.store(o_row + 128, (acc1 * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=hm)
-        tl.store(o_row + 256, (acc2 * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=hm)
-        tl.store(o_row + 384, (acc3 * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=hm)
+        tl.store(o_row, (acc0 * inv_l[:, None]).to(tl.bfloat16), mask=hm)
+        tl.store(o_row + 128, (acc1 * inv_l[:, None]).to(tl.bfloat16), mask=hm)
+        tl.store(o_row + 256, (acc2 * inv_l[:, None]).to(tl.bfloat16), mask=hm)
+        tl.store(o_row + 384, (acc3 * inv_l[:, None]).to(tl.bfloat16), mask=hm)
         tl.store(lse_ptr + t * H + heads, lse2 * LN2, mask=hmask)
     else:
         base = (t * NUM_SPLITS + sp) * H + heads.to(tl.int64)
@@ -261,7 +261,7 @@ def sparse_mla_decode_kernel(
 def sparse_mla_combine_kernel(
     part_out_ptr,  # float32 [T, NUM_SPLITS, H, 512]
     part_lse_ptr,  # float32 [T, NUM_SPLITS, H] base-2 lse, -inf = empty split
-    out_ptr,  # bf16 or float32 [T, H, 512] contiguous
+    out_ptr,  # bf16 [T, H, 512] contiguous
     lse_ptr,  # float32 [T, H] natural log
     H,
     NUM_SPLITS: tl.constexpr,
@@ -284,6 +284,6 @@ def sparse_mla_combine_kernel(
     parts = tl.load(part_out_ptr + base[:, None] * 512 + d[None, :],
                     mask=smask[:, None] & (w[:, None] > 0.0), other=0.0)
     o = tl.sum(parts * w[:, None], axis=0)
-    tl.store(out_ptr + (t * H + h) * 512 + d, o.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + (t * H + h) * 512 + d, o.to(tl.bfloat16))
     lse = tl.where(has, (m_use + tl.log2(tl.where(has, tot, 1.0))) * LN2, float("-inf"))
     tl.store(lse_ptr + t * H + h, lse)

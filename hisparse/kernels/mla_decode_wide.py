@@ -57,7 +57,7 @@ def sparse_mla_decode_wide_kernel(
     kv_ptr,  # uint8 [N, 656] (IS_FP8) or bf16 [N, 576]; last-dim stride 1
     idx_ptr,  # int32 [T, K], -1 = padding
     vc_ptr,  # int32 [T] valid counts (read only when HAS_VC)
-    out_ptr,  # bf16 or float32 [T, H, 512] contiguous (written when NUM_SPLITS == 1)
+    out_ptr,  # bf16 [T, H, 512] contiguous (written when NUM_SPLITS == 1)
     lse_ptr,  # float32 [T, H] natural log (written when NUM_SPLITS == 1)
     part_out_ptr,  # float32 [T, NUM_SPLITS, H, 512] (written when NUM_SPLITS > 1)
     part_lse_ptr,  # float32 [T, NUM_SPLITS, H] base-2 lse (written when NUM_SPLITS > 1)
@@ -118,7 +118,7 @@ def sparse_mla_decode_wide_kernel(
     hm = hmask[:, None]
     if NUM_SPLITS == 1:
         o_row = out_ptr + (t * H + heads.to(tl.int64))[:, None] * 512 + dl[None, :]
-        tl.store(o_row, (acc * inv_l[:, None]).to(out_ptr.dtype.element_ty), mask=hm)
+        tl.store(o_row, (acc * inv_l[:, None]).to(tl.bfloat16), mask=hm)
         tl.store(lse_ptr + t * H + heads, lse2 * LN2, mask=hmask)
     else:
         base = (t * NUM_SPLITS + sp) * H + heads.to(tl.int64)

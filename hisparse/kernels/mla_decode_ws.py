@@ -233,7 +233,7 @@ def _consume(q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, ready, empty, idx_ptr,
     lheads = hb * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, s_l))
     if NUM_SPLITS == 1:
         o_row = out_ptr + (t * H + heads.to(gl.int64))[:, None] * 512 + cols[None, :]
-        gl.store(o_row, o.to(out_ptr.dtype.element_ty), mask=hm)
+        gl.store(o_row, o.to(gl.bfloat16), mask=hm)
         if PART == 0:
             gl.store(lse_ptr + t * H + lheads, lse2 * LOG2_LN2, mask=lheads < H)
     else:
@@ -260,7 +260,7 @@ def sparse_mla_decode_ws_kernel(
     kv_ptr,  # uint8 [N, 656] fp8_ds_mla rows, 16-byte aligned rows
     idx_ptr,  # int32 [T, K], -1 = padding
     vc_ptr,  # int32 [T] valid counts (read only when HAS_VC)
-    out_ptr,  # bf16 or float32 [T, H, 512] contiguous (written when NUM_SPLITS == 1)
+    out_ptr,  # bf16 [T, H, 512] contiguous (written when NUM_SPLITS == 1)
     lse_ptr,  # float32 [T, H] natural log (written when NUM_SPLITS == 1)
     part_out_ptr,  # float32 [T, NUM_SPLITS, H, 512] (written when NUM_SPLITS > 1)
     part_lse_ptr,  # float32 [T, NUM_SPLITS, H] base-2 lse (written when NUM_SPLITS > 1)
