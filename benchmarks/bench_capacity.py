@@ -74,6 +74,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--heads", type=int, default=128)
     ap.add_argument("--hidden", type=int, default=1344, help="mini model width (see v32_share_at) [1344]")
     ap.add_argument("--ffn", choices=["none", "mlp", "moe"], default="moe")
+    ap.add_argument("--ffn-routing", choices=["content", "token"], default="content",
+                    help="MoE: experts chosen from the hidden state, or from the input token's embedding "
+                         "(token: rounding-level differences, e.g. a split layer's, can't reroute a token, so "
+                         "the output comparison sees the attention's numerics alone) [content]")
     ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--locality", type=common.locality, default=None,
                     help="how alike consecutive indexer queries are, in [0, 1): higher means more "
@@ -112,7 +116,8 @@ def setup(a: argparse.Namespace) -> tuple[Budget, RunShape, list[int]]:
         # 2 layers, top-k 8, 16 hot rows: at 64 tokens resident fits 2 requests, hisparse 5 (host-bound)
         budget = Budget(num_layers=2, gpu_total=300_000, reserve=50_000, host_memory=420_000, top_k=8,
                         hot_rows=a.hot_rows or 16, block_size=16, max_seqs=64, index_share=a.index_share)
-        ffn = dict(ffn=a.ffn, ffn_intermediate=16, ffn_experts=4, ffn_active=2, ffn_shared=1)
+        ffn = dict(ffn=a.ffn, ffn_intermediate=16, ffn_experts=4, ffn_active=2, ffn_shared=1,
+                   ffn_routing=a.ffn_routing)
         mode = DecodeMode(a.decode_mode or "padded")
         shape = RunShape(run_layers=2, num_heads=2, hidden=32, indexer_dim=16, vocab=97, ffn=ffn, decode_steps=3,
                          tail=8, locality=0.9 if a.locality is None else a.locality, device="cpu", decode_mode=mode, cache_kernels="torch",
@@ -122,6 +127,7 @@ def setup(a: argparse.Namespace) -> tuple[Budget, RunShape, list[int]]:
                     max_seqs=a.max_seqs, index_share=a.index_share, hot_rows=a.hot_rows)
     ffn = {k: v for k, v in v32_share_at(a.hidden).items() if k.startswith("ffn")}
     ffn["ffn"] = a.ffn
+    ffn["ffn_routing"] = a.ffn_routing
     shape = RunShape(run_layers=a.run_layers, num_heads=a.heads, hidden=a.hidden, ffn=ffn,
                      decode_steps=a.decode_steps, device="cuda", decode_mode=DecodeMode(a.decode_mode or "graphs"),
                      backend=a.backend or "triton", flashmla_lib=common.flashmla_lib(a.flashmla_lib),

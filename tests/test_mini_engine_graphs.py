@@ -164,6 +164,7 @@ def test_layer_graphs_decode_replays_both_calls(monkeypatch):
     (dict(ffn="moe", ffn_active=5, ffn_experts=4), "ffn_active"),
     (dict(ffn="mlp", ffn_intermediate=60), "multiples of 8"),
     (dict(ffn="dense"), "ffn must be one of"),
+    (dict(ffn="moe", ffn_routing="hash"), "ffn_routing must be one of"),
 ])
 def test_bad_graph_and_ffn_config(kw, msg):
     with pytest.raises(ValueError, match=msg):
@@ -215,6 +216,34 @@ def test_moe_is_deterministic_and_mlp_and_none_work():
     none = FFN(kind="none", num_layers=1, hidden=32, intermediate=16, experts=1, active=1, shared=0, seed=0,
                device=torch.device("cpu"))
     assert none(0, x) is x
+
+
+def test_moe_token_routing_routes_by_the_input_embedding():
+    """"token" routing chooses each token's experts from route_x (its input embedding):
+    a perturbation of the hidden state that reroutes tokens under "content" routing
+    reroutes none under "token"; the experts' MLPs still read the hidden state."""
+    g = torch.Generator().manual_seed(4)
+    x, x0 = torch.randn(64, 32, generator=g), torch.randn(64, 32, generator=g)
+    xp = x + 0.3 * torch.randn(64, 32, generator=g)
+    content, token = _moe(), _moe(routing="token")
+    norm = FFN._normed
+    assert not torch.equal(content.route(1, norm(x))[0], content.route(1, norm(xp))[0])  # some token rerouted
+    ref = _moe()
+    y = token(1, x, route_x=x0)
+    # the same weights routed by x0: each token's chosen experts, applied to x
+    idx, wts = ref.route(1, norm(x0))
+    p, xb = ref.layers[1], norm(x)
+    for t in (0, 17, 63):
+        acc = ref._mlp(xb[t:t + 1], p["shared_gate_up"], p["shared_down"]).float()
+        for j in range(2):
+            e = int(idx[t, j])
+            acc = acc + wts[t, j] * ref._mlp(xb[t:t + 1], p["gate_up"][e], p["down"][e]).float()
+        assert torch.allclose(y[t], x[t] + acc[0], rtol=3e-2, atol=3e-2), t
+    assert not torch.equal(y, content(1, x))
+    with pytest.raises(ValueError, match="route_x"):
+        token(1, x)
+    with pytest.raises(ValueError, match="routing"):
+        _moe(routing="hash")
 
 
 def test_ffn_weight_bytes():

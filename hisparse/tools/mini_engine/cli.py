@@ -17,12 +17,13 @@ from ...decode.layer import Overlap
 from ..exit_codes import EXIT_FAILED, EXIT_OK, OneLineParser, run_command
 from ..preflight import check_output_file, path_arg
 from .config import PRESETS, MiniEngineConfig
-from .ffn import FFNKind
+from .ffn import FFN_ROUTINGS, FFNKind
 from .loop import run
 from .report import format_report
 
 _CHOICES = {"row_format": ["fp8_ds_mla", "bf16"], "cache_kernels": [k.value for k in Kernels],
-            "overlap": [o.value for o in Overlap], "ffn": [k.value for k in FFNKind]}
+            "overlap": [o.value for o in Overlap], "ffn": [k.value for k in FFNKind],
+            "ffn_routing": list(FFN_ROUTINGS)}
 
 
 # boolean fields as switches: field -> (flag, argparse action, help)
@@ -64,6 +65,8 @@ _HELP = {
     "tolerance": "max |resident - hisparse| output difference, relative to max |output|",
     "ffn": "rest-of-layer stand-in after attention", "ffn_intermediate": "MLP / per-expert intermediate size",
     "ffn_experts": "MoE: experts", "ffn_active": "MoE: experts per token", "ffn_shared": "MoE: shared experts",
+    "ffn_routing": "MoE: choose a token's experts from its hidden state (content) or its input embedding "
+                   "(token: rounding-level differences can't reroute it, for output comparisons)",
 }
 
 # what a field's None default stands for, in the help text

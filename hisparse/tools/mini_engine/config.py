@@ -20,7 +20,7 @@ from ...config import HiSparseConfig, RowFormat, ceil_div
 from ...decode.layer import Overlap
 from ...formats import D_LATENT, D_ROW
 from ..sizing import gpu_bytes
-from .ffn import FFNKind, ffn_weight_bytes
+from .ffn import FFNKind, FFN_ROUTINGS, ffn_weight_bytes
 
 _DEVICE_RE = re.compile(r"cpu|cuda(:\d+)?")
 
@@ -72,6 +72,8 @@ class MiniEngineConfig:
     ffn_experts: int = 4  # MoE: experts on this GPU
     ffn_active: int = 2  # MoE: experts per token
     ffn_shared: int = 1  # MoE: shared experts (each of ffn_intermediate) on every token
+    ffn_routing: str = "content"  # MoE: experts chosen from the hidden state ("content") or from the
+    #                      input token's embedding ("token"; .ffn)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_heads", "hidden", "indexer_dim", "vocab", "top_k", "num_requests",
@@ -92,6 +94,8 @@ class MiniEngineConfig:
         check_bool("async_steps", self.async_steps)
         overlap = Overlap.parse(self.overlap)
         ffn = FFNKind.parse(self.ffn)
+        if self.ffn_routing not in FFN_ROUTINGS:
+            raise ValueError(f"ffn_routing must be one of {FFN_ROUTINGS}, got {self.ffn_routing!r}")
         if ffn is FFNKind.MOE and self.ffn_active > self.ffn_experts:
             raise ValueError(f"ffn_active={self.ffn_active} exceeds ffn_experts={self.ffn_experts}")
         if ffn is not FFNKind.NONE and (self.hidden % 8 or self.ffn_intermediate % 8):

@@ -13,7 +13,14 @@ the device), applied after attention on the residual stream of width ``hidden``:
          expert; plus ``ffn_shared`` shared experts (one gated MLP of intermediate
          ``ffn_shared * I``) on every token
 
-xn = rmsnorm(x) in bf16. Every shape is fixed by the token count (T tokens give
+xn = rmsnorm(x) in bf16. Routing "content" (the default) chooses a token's experts from
+xn, as a real router does; "token" chooses them from the normed embedding of the
+token's input (the same logits and top-k, another input), so that differences at the
+rounding level in the hidden state can't send a token to other experts. Under
+"content", two runs whose attention rounds differently (a split decode layer against a
+serial one, or two batch sizes' GEMMs) see some tokens routed differently, and those
+tokens' outputs differ by far more than the rounding; "token" keeps the step's cost
+and lets an output comparison see the rest. Every shape is fixed by the token count (T tokens give
 T * active pairs; expert boundaries are a device cumsum), no host sync, so the MoE is
 CUDA-graph capturable; the combine is a gather + weighted sum (deterministic, unlike an
 atomic index_add).
@@ -41,6 +48,8 @@ import torch
 import torch.nn.functional as F
 
 from ..._checks import parse_enum
+
+FFN_ROUTINGS = ("content", "token")
 
 V32_EP8_SHARE = dict(hidden=7168, ffn="moe", ffn_intermediate=2048, ffn_experts=32, ffn_active=8,
                      ffn_shared=1)
@@ -102,8 +111,11 @@ class FFN:
     """The stand-in of one model: per-layer weights on ``device`` (see the module docstring)."""
 
     def __init__(self, *, kind: FFNKind | str, num_layers: int, hidden: int, intermediate: int, experts: int,
-                 active: int, shared: int, seed: int, device: torch.device) -> None:
+                 active: int, shared: int, seed: int, device: torch.device, routing: str = "content") -> None:
         self.kind = FFNKind.parse(kind)
+        if routing not in FFN_ROUTINGS:
+            raise ValueError(f"routing must be one of {FFN_ROUTINGS}, got {routing!r}")
+        self.routing = routing
         if self.kind is FFNKind.MOE:
             if not 1 <= active <= experts:
                 raise ValueError(f"ffn_active must be in [1, ffn_experts={experts}], got {active}")
@@ -147,17 +159,30 @@ class FFN:
         val, idx = torch.topk(logits, self.A, dim=1)
         return idx, torch.softmax(val, dim=1)
 
-    def __call__(self, layer: int, x: torch.Tensor, *, reference: bool = False) -> torch.Tensor:
-        """x fp32 [T, D] -> x + ffn(rmsnorm(x)), fp32 [T, D]. ``reference``: the MoE's
-        grouped GEMMs as one matmul per expert (a host loop; for tests)."""
+    @staticmethod
+    def _normed(x: torch.Tensor) -> torch.Tensor:
+        return (x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
+
+    def __call__(self, layer: int, x: torch.Tensor, *, route_x: torch.Tensor | None = None,
+                 reference: bool = False) -> torch.Tensor:
+        """x fp32 [T, D] -> x + ffn(rmsnorm(x)), fp32 [T, D]. ``route_x`` fp32 [T, D]: the
+        tokens' input embeddings, which "token" routing chooses the experts from (needed
+        then). ``reference``: the MoE's grouped GEMMs as one matmul per expert (a host
+        loop; for tests)."""
         if self.kind is FFNKind.NONE:
             return x
         p = self.layers[layer]
-        xb = (x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
+        xb = self._normed(x)
         if self.kind is FFNKind.MLP:
             return x + self._mlp(xb, p["gate_up"], p["down"]).float()
         T = xb.shape[0]
-        idx, wts = self.route(layer, xb)
+        if self.routing == "token":
+            if route_x is None or route_x.shape != x.shape:
+                raise ValueError(f"token routing needs route_x of x's shape {list(x.shape)}, got "
+                                 f"{None if route_x is None else list(route_x.shape)}")
+            idx, wts = self.route(layer, self._normed(route_x))
+        else:
+            idx, wts = self.route(layer, xb)
         flat = idx.reshape(-1)  # [T * A], pair j = (token j // A, choice j % A)
         order = torch.argsort(flat, stable=True)  # pairs sorted by expert
         counts = torch.zeros(self.E, dtype=torch.int32, device=x.device)
@@ -175,4 +200,4 @@ class FFN:
         return x + out
 
 
-__all__ = ["FFN", "FFNKind", "V32_EP8_SHARE", "v32_share_at", "ffn_weight_bytes", "grouped_mm", "grouped_mm_reference"]
+__all__ = ["FFN", "FFNKind", "FFN_ROUTINGS", "V32_EP8_SHARE", "v32_share_at", "ffn_weight_bytes", "grouped_mm", "grouped_mm_reference"]

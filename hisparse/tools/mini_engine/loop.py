@@ -130,7 +130,7 @@ class MiniEngine:
         td, nd = md.num_decode_tokens, md.num_decodes
         ctx = max((r.done + n for r, n in batch.items[:nd]), default=0)
         self.kv.begin(batch)
-        x = self.model.embed[tok]
+        x = x0 = self.model.embed[tok]
         T = x.shape[0]
         topk, pre_idx = None, None  # the last Full layer's (a Shared layer reuses them)
         for layer in range(cfg.num_layers):
@@ -163,7 +163,7 @@ class MiniEngine:
                         t += n
                     pre_idx = torch.cat(parts)
                 out[td:] = self.kv.prefill_attention(layer, q[td:], pre_idx, batch)
-            x = self.model.post(layer, x, out)
+            x = self.model.post(layer, x, out, x0)
         return x
 
     def forward_padded(self, batch: Batch, st: StaticInputs) -> torch.Tensor:
@@ -173,7 +173,7 @@ class MiniEngine:
         cfg = self.cfg
         flat = st.slot * cfg.max_context + st.pos
         self.kv.begin_padded(batch, st)
-        x = self.model.embed[st.tok]
+        x = x0 = self.model.embed[st.tok]
         topk = None  # the last Full layer's (a Shared layer reuses it)
         for layer in range(cfg.num_layers):
             xb, rows, iq, ik = self.model.pre(layer, x, False)
@@ -183,7 +183,7 @@ class MiniEngine:
                 topk = self.indexer.decode_topk_fixed(layer, iq, st.slot, st.sub, st.lim)
             staged = self.kv.stage_decode(layer, topk, batch)  # before q: captured, they overlap
             q = self.model.q_proj(layer, xb)
-            x = self.model.post(layer, x, self.kv.decode_attention(layer, q, topk, batch, staged))
+            x = self.model.post(layer, x, self.kv.decode_attention(layer, q, topk, batch, staged), x0)
         return x
 
     # ---- serving loop ---------------------------------------------------------

@@ -65,7 +65,7 @@ class Model:
         self.sm_scale = 1.0 / math.sqrt(D_ROW)
         self.ffn = FFN(kind=cfg.ffn, num_layers=L, hidden=D, intermediate=cfg.ffn_intermediate,
                        experts=cfg.ffn_experts, active=cfg.ffn_active, shared=cfg.ffn_shared, seed=cfg.seed,
-                       device=device)
+                       device=device, routing=cfg.ffn_routing)
 
     @staticmethod
     def _norm(x: torch.Tensor) -> torch.Tensor:
@@ -92,10 +92,11 @@ class Model:
         """xb bf16 [T, D] (from :meth:`pre`) -> q bf16 [T, H, D_ROW]."""
         return (xb @ self.w_q[layer]).view(-1, self.H, D_ROW)
 
-    def post(self, layer: int, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+    def post(self, layer: int, x: torch.Tensor, attn: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
         """x fp32 [T, D] + attn bf16 [T, H, D_LATENT] projected back, then the rest of
-        the layer (the ffn stand-in, :mod:`.ffn`)."""
-        return self.ffn(layer, x + (attn.reshape(attn.shape[0], -1) @ self.w_o[layer]).float())
+        the layer (the ffn stand-in, :mod:`.ffn`); x0 fp32 [T, D]: the tokens' input
+        embeddings (what "token" routing routes by)."""
+        return self.ffn(layer, x + (attn.reshape(attn.shape[0], -1) @ self.w_o[layer]).float(), route_x=x0)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self._norm(x) @ self.w_out
