@@ -125,21 +125,30 @@ def test_prefetch_then_decode_reads_the_right_rows():
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 
-@pytest.mark.parametrize("overlap", ["serial", "split", "fused"])
-def test_engine_decode_attention(overlap):
+def _engine(*, write_decode: bool = True):
+    """A group of 2 layers holding request 1's 20 prefilled rows, prepared for one decode
+    token (its row written in both layers unless write_decode=False); its rows and md."""
     cfg = HiSparseConfig(num_layers=2, host_pool_tokens=256, row_bytes=656, top_k=4, device_buffer_size=8,
                          max_num_reqs=2, host_block_size=8, max_request_id=8, device="cpu")
     g = HiSparseIndexGroup(cfg, kernels="torch")
     for _ in range(2):
         g.register_layer()
     g.add_request(1)
-    rows = quantize_fp8_ds_mla(torch.randn(21, 576))
+    rows = quantize_fp8_ds_mla(torch.randn((21, 576), generator=torch.Generator().manual_seed(3)))
     md = SparseMLAMetadata.build(request_ids=[1], query_lens=[20], seq_lens=[20], num_decodes=0)
     g.prepare_for_batch(md)
     for layer in range(2):
         g.write_new_rows(layer, rows[:20], md)
     md = SparseMLAMetadata.build(request_ids=[1], query_lens=[1], seq_lens=[21], num_decodes=1)
     g.prepare_for_batch(md)
+    for layer in range(2 if write_decode else 0):
+        g.write_new_rows(layer, rows[20:], md)
+    return g, md, rows
+
+
+@pytest.mark.parametrize("overlap", ["serial", "split", "fused"])
+def test_engine_decode_attention(overlap):
+    g, md, rows = _engine(write_decode=False)
     q = qs(1, 1)
     tk = torch.tensor([[20, 15, 3, 9]], dtype=I32)
     for layer in range(2):
@@ -217,34 +226,15 @@ def test_begin_then_finish_equals_one_call(kernels):
         DecodeLayer(c2, ReferenceBackend(), overlap="serial").begin(1, ids, tk, num_heads=H)
 
 
-def _engine(top_k: int = 4):
-    cfg = HiSparseConfig(num_layers=2, host_pool_tokens=256, row_bytes=656, top_k=top_k, device_buffer_size=8,
-                         max_num_reqs=2, host_block_size=8, max_request_id=8, device="cpu")
-    g = HiSparseIndexGroup(cfg, kernels="torch")
-    for _ in range(2):
-        g.register_layer()
-    g.add_request(1)
-    rows = quantize_fp8_ds_mla(torch.randn((21, 576), generator=torch.Generator().manual_seed(3)))
-    md = SparseMLAMetadata.build(request_ids=[1], query_lens=[20], seq_lens=[20], num_decodes=0)
-    g.prepare_for_batch(md)
-    for layer in range(2):
-        g.write_new_rows(layer, rows[:20], md)
-    md = SparseMLAMetadata.build(request_ids=[1], query_lens=[1], seq_lens=[21], num_decodes=1)
-    g.prepare_for_batch(md)
-    for layer in range(2):
-        g.write_new_rows(layer, rows[20:], md)
-    return g, md
-
-
 def test_engine_begin_decode_attention():
     """begin_decode_attention then decode_attention (split) equals decode_attention alone;
     it counts as the layer's resolve; another top-k tensor, mode or backend is refused and
     leaves the begun layer to be finished."""
     q, be = qs(1, 2), ReferenceBackend()
     tk = torch.tensor([[20, 15, 3, 9]], dtype=I32)
-    g1, md1 = _engine()
+    g1, md1, _ = _engine()
     ref = g1.decode_attention(0, q, tk, md1, backend=be, sm_scale=SM, overlap="split")
-    g2, md2 = _engine()
+    g2, md2, _ = _engine()
     g2.begin_decode_attention(0, tk, md2, backend=be, num_heads=H)
     with pytest.raises(ValueError, match="already resolved"):
         g2.begin_decode_attention(0, tk, md2, backend=be, num_heads=H)

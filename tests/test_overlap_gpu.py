@@ -77,6 +77,17 @@ def test_split_resolve_equals_serial():
         assert int(res.miss_counts.sum()) + int((hit >= 0).sum()) == int((want.physical >= 0).sum())
 
 
+def _same_as_serial(got, ref, a: HiSparseCache, b: HiSparseCache, step: int) -> None:
+    """An overlapped layer's (out, lse) against the serial layer's within tolerance, and
+    its cache ``a`` in the serial cache ``b``'s state, bit for bit."""
+    torch.cuda.synchronize()
+    torch.testing.assert_close(got[0].float(), ref[0].float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got[1], ref[1], atol=1e-3, rtol=1e-3)
+    for n in STATE:
+        assert torch.equal(getattr(a.state, n), getattr(b.state, n)), (step, n)
+    assert torch.equal(a.hot, b.hot)
+
+
 @pytest.mark.parametrize("mode", [Overlap.SPLIT, Overlap.FUSED])
 def test_decode_layer_modes_match_serial(mode):
     a, b = make(), make()
@@ -88,14 +99,34 @@ def test_decode_layer_modes_match_serial(mode):
     for step in range(5):
         tk = topk(rng, 0.9)
         q = (torch.randn((B, H, 576), generator=g) * 0.5).to(DEV, torch.bfloat16)
-        out, lse = la(step % 2, ids, tk, q, sm_scale=SM)
-        ref, ref_lse = lb(step % 2, ids, tk, q, sm_scale=SM)
-        torch.cuda.synchronize()
-        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
-        torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
+        _same_as_serial(la(step % 2, ids, tk, q, sm_scale=SM), lb(step % 2, ids, tk, q, sm_scale=SM), a, b, step)
+
+
+def _replay_equals_eager(c: HiSparseCache, run) -> None:
+    """``run()`` -> (out, lse) on cache ``c``, eagerly and captured in a CUDA graph that is
+    replayed from the same state: the replay leaves the eager call's state, bit for bit,
+    and its outputs within tolerance."""
+    saved = ({n: getattr(c.state, n).clone() for n in STATE}, c.hot.clone())
+
+    def restore():
         for n in STATE:
-            assert torch.equal(getattr(a.state, n), getattr(b.state, n)), (step, n)
-        assert torch.equal(a.hot, b.hot)
+            getattr(c.state, n).copy_(saved[0][n])
+        c.hot.copy_(saved[1])
+
+    eager = [t.clone() for t in run()]
+    torch.cuda.synchronize()
+    after = ({n: getattr(c.state, n).clone() for n in STATE}, c.hot.clone())
+    restore()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gout = run()
+    restore()
+    graph.replay()
+    torch.cuda.synchronize()
+    for n in STATE:
+        assert torch.equal(getattr(c.state, n), after[0][n]), n
+    assert torch.equal(c.hot, after[1])
+    torch.testing.assert_close(gout[0].float(), eager[0].float(), atol=1e-2, rtol=1e-2)
 
 
 @pytest.mark.parametrize("mode", list(Overlap))
@@ -105,28 +136,7 @@ def test_decode_layer_graph_replay_equals_eager(mode):
     layer = DecodeLayer(c, TritonBackend(validate=False), overlap=mode)  # no host sync in a capture
     tk = topk(random.Random(4), 0.9)
     q = (torch.randn((B, H, 576), generator=torch.Generator().manual_seed(5)) * 0.5).to(DEV, torch.bfloat16)
-    saved = {n: getattr(c.state, n).clone() for n in STATE}
-    saved_hot = c.hot.clone()
-
-    def restore():
-        for n in STATE:
-            getattr(c.state, n).copy_(saved[n])
-        c.hot.copy_(saved_hot)
-
-    eager = [t.clone() for t in layer(0, ids, tk, q, sm_scale=SM)]
-    torch.cuda.synchronize()
-    after = ({n: getattr(c.state, n).clone() for n in STATE}, c.hot.clone())
-    restore()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        gout = layer(0, ids, tk, q, sm_scale=SM)
-    restore()
-    graph.replay()
-    torch.cuda.synchronize()
-    for n in STATE:
-        assert torch.equal(getattr(c.state, n), after[0][n]), n
-    assert torch.equal(c.hot, after[1])
-    torch.testing.assert_close(gout[0].float(), eager[0].float(), atol=1e-2, rtol=1e-2)
+    _replay_equals_eager(c, lambda: layer(0, ids, tk, q, sm_scale=SM))
 
 
 def test_prefetch_makes_the_next_layer_hit():
@@ -146,9 +156,9 @@ def test_prefetch_makes_the_next_layer_hit():
 def test_split_layer_that_fills_the_sms_leaves_the_copy_its_own():
     """A batch whose hit attention fills every SM in one wave (2 head blocks a token):
     the split layer stages with SPLIT_COPY's few programs and plans the attention for
-    the other SMs; a batch that leaves SMs free keeps the defaults. Either way the
-    outputs match serial and the state is serial's, bit for bit; a replay of begin +
-    finish leaves the eager call's state."""
+    the other SMs (a batch that leaves 4 SMs free keeps the defaults). Its outputs
+    match serial and its state is serial's, bit for bit; a replay of begin + finish
+    leaves the eager call's state."""
     from hisparse._checks import sm_count
     from hisparse.decode.layer import SPLIT_COPY
     sms = sm_count(DEV)
@@ -165,33 +175,8 @@ def test_split_layer_that_fills_the_sms_leaves_the_copy_its_own():
         q = (torch.randn((T, H, 576), generator=g) * 0.5).to(DEV, torch.bfloat16)
         launch = la.begin(step % 2, ids, tk, num_heads=H)
         assert launch.sms == sms - SPLIT_COPY.programs
-        out, lse = la.finish(launch, q, sm_scale=SM)
-        ref, ref_lse = lb(step % 2, ids, tk, q, sm_scale=SM)
-        torch.cuda.synchronize()
-        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
-        torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
-        for n in STATE:
-            assert torch.equal(getattr(a.state, n), getattr(b.state, n)), (step, n)
-        assert torch.equal(a.hot, b.hot)
+        _same_as_serial(la.finish(launch, q, sm_scale=SM), lb(step % 2, ids, tk, q, sm_scale=SM), a, b, step)
     # captured: begin + finish in one graph, replayed from the same state
     tk = topk(rng, 0.9, b=T)
     q = (torch.randn((T, H, 576), generator=g) * 0.5).to(DEV, torch.bfloat16)
-    saved = ({n: getattr(a.state, n).clone() for n in STATE}, a.hot.clone())
-    eager = [t.clone() for t in la.finish(la.begin(1, ids, tk, num_heads=H), q, sm_scale=SM)]
-    torch.cuda.synchronize()
-    after = ({n: getattr(a.state, n).clone() for n in STATE}, a.hot.clone())
-    for n in STATE:
-        getattr(a.state, n).copy_(saved[0][n])
-    a.hot.copy_(saved[1])
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        gout = la.finish(la.begin(1, ids, tk, num_heads=H), q, sm_scale=SM)
-    for n in STATE:
-        getattr(a.state, n).copy_(saved[0][n])
-    a.hot.copy_(saved[1])
-    graph.replay()
-    torch.cuda.synchronize()
-    for n in STATE:
-        assert torch.equal(getattr(a.state, n), after[0][n]), n
-    assert torch.equal(a.hot, after[1])
-    torch.testing.assert_close(gout[0].float(), eager[0].float(), atol=1e-2, rtol=1e-2)
+    _replay_equals_eager(a, lambda: la.finish(la.begin(1, ids, tk, num_heads=H), q, sm_scale=SM))
