@@ -49,7 +49,6 @@ SPLIT_COPY = CopyShape(programs=8, rows=32, warps=8)
 SPLIT_FREE_SMS = 4  # an attention leaving at least this many SMs free leaves the copy room
 
 
-
 def split_fills_sms(programs: int | None, sms: int) -> bool:
     """Whether a hit attention of ``programs`` programs, each needing a whole SM, leaves
     fewer than ``SPLIT_FREE_SMS`` of ``sms`` SMs to the staging copy in its last wave
