@@ -336,16 +336,15 @@ def run_sparse_mla(inp: DecodeInputs, cfg: TritonMLAConfig | None = None, *,
     cfg None: ``default_config`` for these inputs (the ``tl`` kernels for rows the
     warp-specialised kernel can't read, e.g. a view that is not 16-byte aligned).
     sms: the SMs the launch plans its KV splits and wave tail for (``check_sms``; None:
-    all of the device's). Ignored on CPU.
+    all of the device's). Checked, then ignored, on CPU.
     """
     q, kv, idx = inp.q, inp.kv_rows, inp.indices
     T, H, _ = q.shape
     K = idx.shape[1]
     dev = q.device
-    if device_type(dev) != "cuda":
-        sms = None
-    elif sms is not None:
-        check_sms(sms, dev)
+    if sms is not None:
+        check_int("sms", sms, 1)
+        sms = check_sms(sms, dev) if device_type(dev) == "cuda" else None
     if T == 0 or K == 0:
         return empty_result(T, H, dev)
     if cfg is None:
@@ -485,10 +484,6 @@ class TritonBackend(SparseMLABackend):
                                      sm_scale=sm_scale, row_format=row_format,
                                      check_ranges=self.validate)
         self._check_supported(inp.q.device, inp.row_format, inp.num_heads, Phase.DECODE)
-        if sms is not None:
-            check_int("sms", sms, 1)
-            if device_type(inp.q.device) == "cuda":
-                check_sms(sms, inp.q.device)
         return run_sparse_mla(inp, self.config, sms=sms)
 
     def decode_programs(self, T, H, K, *, device, row_format):

@@ -468,7 +468,7 @@ class HiSparseIndexGroup(PrefillCalls, LayerGraphCalls):
                              f"pad_to), got {list(shape)}")
         if shape[1] > self.config.top_k:
             raise ValueError(f"topk_indices has K={shape[1]} > config top_k={self.config.top_k}")
-        key = (topk_indices.data_ptr(), shape, topk_indices.stride())
+        key = _key(topk_indices)
         done = self._converted.get(i)
         if done is not None:
             if done[0] is _REPLAYED:
