@@ -180,3 +180,42 @@ def test_split_layer_that_fills_the_sms_leaves_the_copy_its_own():
     tk = topk(rng, 0.9, b=T)
     q = (torch.randn((T, H, 576), generator=g) * 0.5).to(DEV, torch.bfloat16)
     _replay_equals_eager(a, lambda: la.finish(la.begin(1, ids, tk, num_heads=H), q, sm_scale=SM))
+
+
+@pytest.mark.parametrize("hot_share", [0.9, 1.0, 0.0])
+def test_split_layer_with_the_misses_as_its_tail(hot_share):
+    """A batch whose hit attention leaves SPLIT_FREE_SMS SMs free (64 tokens x 2 head
+    blocks on 132 SMs): the split layer's hit attention waits for the copy's signal and
+    attends the misses itself (``launch.tail``); with ``miss_tail=False`` the same layer
+    runs the separate miss attention + merge. Both match serial within tolerance, with
+    serial's state bit for bit; the copy's counter ends at its target; a captured
+    begin + finish replays like the eager call."""
+    from hisparse._checks import sm_count
+    from hisparse.decode.layer import SPLIT_FREE_SMS
+    sms = sm_count(DEV)
+    T = (sms - SPLIT_FREE_SMS) // 2
+    be = TritonBackend(validate=False)
+    assert be.miss_tail_fits(T, H, K, device=DEV, row_format="fp8_ds_mla", free_sms=SPLIT_FREE_SMS)
+    assert not be.miss_tail_fits(T + 1, H, K, device=DEV, row_format="fp8_ds_mla", free_sms=SPLIT_FREE_SMS)
+    a, b, m = make(b=T), make(b=T), make(b=T)
+    la, lb = DecodeLayer(a, be, overlap=Overlap.SPLIT), DecodeLayer(b, be, overlap=Overlap.SERIAL)
+    lm = DecodeLayer(m, be, overlap=Overlap.SPLIT, miss_tail=False)
+    ids = torch.arange(T, dtype=I32, device=DEV)
+    rng, g = random.Random(8), torch.Generator(device="cpu").manual_seed(9)
+    for step in range(3):
+        tk = topk(rng, hot_share, b=T)
+        q = (torch.randn((T, H, 576), generator=g) * 0.5).to(DEV, torch.bfloat16)
+        launch = la.begin(step % 2, ids, tk, num_heads=H)
+        assert launch.tail and launch.result.copy_target > 0
+        got = la.finish(launch, q, sm_scale=SM)
+        ref = lb(step % 2, ids, tk, q, sm_scale=SM)
+        mlaunch = lm.begin(step % 2, ids, tk, num_heads=H)
+        assert not mlaunch.tail and mlaunch.result.copy_done is None
+        merged = lm.finish(mlaunch, q, sm_scale=SM)
+        torch.cuda.synchronize()
+        assert int(a._copy_done[step % 2]) == launch.result.copy_target
+        _same_as_serial(got, ref, a, b, step)
+        _same_as_serial(merged, ref, m, b, step)
+    tk = topk(rng, hot_share, b=T)
+    q = (torch.randn((T, H, 576), generator=g) * 0.5).to(DEV, torch.bfloat16)
+    _replay_equals_eager(a, lambda: la.finish(la.begin(1, ids, tk, num_heads=H), q, sm_scale=SM))
