@@ -81,29 +81,36 @@ def _ws_range(vc_ptr, t, sp, rows_per_split, K, HAS_VC: gl.constexpr, BLOCK_N: g
 
 
 @gluon.jit
-def _load_idx(idx_row, start, hi, BLOCK_N: gl.constexpr, CM: gl.constexpr):
+def _load_idx(idx_row, start, hi, BLOCK_N: gl.constexpr, CG: gl.constexpr):
     """Index entries [start, start + BLOCK_N) (-1 past hi), int32 [BLOCK_N] in the row
     layouts of the codes, scales and RoPE copies (three small loads, no conversion;
-    ``CM``: their cache modifier, ".cg" for lists another kernel wrote during this one)."""
+    ``CG``: from L2, not L1: lists another kernel wrote while this one ran)."""
     _LC: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
     _LS: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [4, 1], [1, 0])
     _LR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     rc = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, _LC))
     rs = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, _LS))
     rr = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, _LR))
-    return (gl.load(idx_row + rc, mask=rc < hi, other=-1, cache_modifier=CM),
-            gl.load(idx_row + rs, mask=rs < hi, other=-1, cache_modifier=CM),
-            gl.load(idx_row + rr, mask=rr < hi, other=-1, cache_modifier=CM))
+    if CG:
+        return (gl.load(idx_row + rc, mask=rc < hi, other=-1, cache_modifier=".cg"),
+                gl.load(idx_row + rs, mask=rs < hi, other=-1, cache_modifier=".cg"),
+                gl.load(idx_row + rr, mask=rr < hi, other=-1, cache_modifier=".cg"))
+    return (gl.load(idx_row + rc, mask=rc < hi, other=-1),
+            gl.load(idx_row + rs, mask=rs < hi, other=-1),
+            gl.load(idx_row + rr, mask=rr < hi, other=-1))
 
 
 @gluon.jit
 def _score_bias(idx_row, start, hi, N, layout: gl.constexpr, BLOCK_N: gl.constexpr,
-                CM: gl.constexpr):
+                CG: gl.constexpr):
     """Score bias of entries [start, start + BLOCK_N): float32 [BLOCK_N] in ``layout``, 0
     for an index in [0, N), -inf for -1 / out-of-range entries and those past hi (the
     entries ``_issue_raw`` zero-fills)."""
     e = start + gl.arange(0, BLOCK_N, layout=layout)
-    i = gl.load(idx_row + e, mask=e < hi, other=-1, cache_modifier=CM)
+    if CG:
+        i = gl.load(idx_row + e, mask=e < hi, other=-1, cache_modifier=".cg")
+    else:
+        i = gl.load(idx_row + e, mask=e < hi, other=-1)
     return gl.where((i >= 0) & (i < N), 0.0, float("-inf"))
 
 
@@ -136,42 +143,112 @@ def _issue_raw(kv_ptr, idx_c, idx_s, idx_r, N, kv_stride, codes_slot, scales_slo
 
 
 @gluon.jit
-def _produce_pass(kv_ptr, idx_row, lo, hi, n_blocks, g0, N, kv_stride,
-                  codes_raw, scales_raw, rope_raw, k_lo, k_hi, k_rope, ready, empty,
-                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, RAW: gl.constexpr,
-                  CM: gl.constexpr):
-    """Gather, dequantise and hand over the ``n_blocks`` blocks of entries [lo, hi) of
-    ``idx_row``; they are blocks g0, g0 + 1, ... of the bf16 ring (its slot and phase).
-    The raw ring starts empty and is empty again on return."""
+def _wait_landed(done_ptr, done_target, mcnt_ptr, t, K, tail):
+    """Miss tail, producer side: poll ``*done_ptr`` (relaxed, uncached) until it reaches
+    ``done_target``, then a gpu-scope fence: together an acquire of the copy threads'
+    release adds, so what they (and the miss phase before them) wrote is visible to the
+    reads after this. About 2^22 polls without the count reached (seconds: the copy
+    cannot run) traps. Then the producer's threads meet, the consumers are told
+    (``tail``), and token t's miss count (clamped to [0, K]) is returned."""
+    v = gl.load(done_ptr, volatile=True)
+    polls = 0
+    while (v < done_target) & (polls < 4194304):
+        gl.inline_asm_elementwise("nanosleep.u32 128; mov.b32 $0, $1;", "=r,r", [v],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+        v = gl.load(done_ptr, volatile=True)
+        polls += 1
+    if v < done_target:
+        gl.inline_asm_elementwise("trap; mov.b32 $0, $1;", "=r,r", [v], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+    gl.inline_asm_elementwise("fence.acq_rel.gpu; mov.b32 $0, $1;", "=r,r", [v],
+                              dtype=gl.int32, is_pure=False, pack=1)
+    _cta_barrier()  # every producer thread has fenced before the consumers are told
+    mbarrier.arrive(tail, count=1)
+    return gl.minimum(gl.maximum(gl.load(mcnt_ptr + t, volatile=True), 0), K)
+
+
+@gluon.jit
+def _tail_count(tail, mcnt_ptr, t, K):
+    """Miss tail, consumer side: wait until the producer saw the misses land; token t's
+    miss count (clamped to [0, K])."""
+    mbarrier.wait(tail, 0)
+    return gl.minimum(gl.maximum(gl.load(mcnt_ptr + t, volatile=True), 0), K)
+
+
+@gluon.jit
+def _block_src(b, n_hit, idx_row, lo, hi, miss_row, mc, BLOCK_N: gl.constexpr,
+               MISS_TAIL: gl.constexpr):
+    """(index row, first entry, end) of block b: the hit entries [lo, hi) of idx_row in
+    blocks [0, n_hit), then (miss tail) the miss entries [0, mc) of miss_row."""
+    row = idx_row
+    start = lo + b * BLOCK_N
+    end = hi
+    if MISS_TAIL:
+        if b >= n_hit:
+            row = miss_row
+            start = (b - n_hit) * BLOCK_N
+            end = mc
+    return row, start, end
+
+
+@gluon.jit
+def _producer(kv_ptr, idx_ptr, vc_ptr, miss_ptr, mcnt_ptr, done_ptr, N, K, kv_stride,
+              idx_stride, miss_stride, rows_per_split, done_target,
+              codes_raw, scales_raw, rope_raw, k_lo, k_hi, k_rope,
+              ready, empty, tail, HAS_VC: gl.constexpr, MISS_TAIL: gl.constexpr,
+              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, RAW: gl.constexpr):
     _LT: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
     _LTS: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
     _LR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    t = gl.program_id(0).to(gl.int64)
+    sp = gl.program_id(2)
+    lo, hi, n_hit = _ws_range(vc_ptr, t, sp, rows_per_split, K, HAS_VC, BLOCK_N)
+    idx_row = idx_ptr + t * idx_stride
+    miss_row = miss_ptr + t * miss_stride
+    # blocks [0, n_hit) are hits; with the miss tail, the misses follow once they landed
+    # (the wait runs when block n_hit is about to be issued; mc, n_total grow then)
+    n_total = n_hit
+    mc = 0
     # fill the first RAW - 1 raw slots; one commit group per block (empty groups too, so
     # that wait_group(RAW - 1) below always means "block j has landed")
     for b in gl.static_range(RAW - 1):
-        if b < n_blocks:
-            i_c, i_s, i_r = _load_idx(idx_row, lo + b * BLOCK_N, hi, BLOCK_N, CM)
+        if MISS_TAIL:
+            if b == n_hit:
+                mc = _wait_landed(done_ptr, done_target, mcnt_ptr, t, K, tail)
+                n_total = n_hit + (mc + BLOCK_N - 1) // BLOCK_N
+        if b < n_total:
+            row, start, end = _block_src(b, n_hit, idx_row, lo, hi, miss_row, mc, BLOCK_N, MISS_TAIL)
+            i_c, i_s, i_r = _load_idx(row, start, end, BLOCK_N, MISS_TAIL)
             _issue_raw(kv_ptr, i_c, i_s, i_r, N, kv_stride, codes_raw.index(b),
                        scales_raw.index(b), rope_raw.index(b))
         async_copy.commit_group()
     # the indices of the next block to issue are loaded one iteration early, so their
-    # latency hides behind a conversion
-    n_c, n_s, n_r = _load_idx(idx_row, lo + (RAW - 1) * BLOCK_N, hi, BLOCK_N, CM)
+    # latency hides behind a conversion (a first miss block's are loaded again after
+    # the wait: before it, its count is 0 and the load masked)
+    row, start, end = _block_src(RAW - 1, n_hit, idx_row, lo, hi, miss_row, mc, BLOCK_N, MISS_TAIL)
+    n_c, n_s, n_r = _load_idx(row, start, end, BLOCK_N, MISS_TAIL)
     tcol = gl.arange(0, 4, layout=gl.SliceLayout(0, _LTS))
-    for j in range(n_blocks):
+    j = 0
+    while j < n_total:
         nxt = j + RAW - 1
-        if nxt < n_blocks:
+        if MISS_TAIL:
+            if nxt == n_hit:
+                mc = _wait_landed(done_ptr, done_target, mcnt_ptr, t, K, tail)
+                n_total = n_hit + (mc + BLOCK_N - 1) // BLOCK_N
+                n_c, n_s, n_r = _load_idx(miss_row, 0, mc, BLOCK_N, MISS_TAIL)
+        if nxt < n_total:
             r = nxt % RAW
             _issue_raw(kv_ptr, n_c, n_s, n_r, N, kv_stride, codes_raw.index(r),
                        scales_raw.index(r), rope_raw.index(r))
         async_copy.commit_group()
-        n_c, n_s, n_r = _load_idx(idx_row, lo + (nxt + 1) * BLOCK_N, hi, BLOCK_N, CM)
+        row, start, end = _block_src(nxt + 1, n_hit, idx_row, lo, hi, miss_row, mc, BLOCK_N,
+                                     MISS_TAIL)
+        n_c, n_s, n_r = _load_idx(row, start, end, BLOCK_N, MISS_TAIL)
         async_copy.wait_group(RAW - 1)  # block j's copies (this thread's) have landed
         _cta_barrier()  # ... and every producer thread's
         r = j % RAW
-        g = g0 + j
-        s = g % STAGES
-        mbarrier.wait(empty.index(s), ((g // STAGES) & 1) ^ 1)
+        s = j % STAGES
+        mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
         sc = scales_raw.index(r).load(_LTS)  # float32 [BLOCK_N, 4], a row's 4 in one thread
         for tile in gl.static_range(4):
             st = gl.convert_layout(gl.sum(gl.where(tcol[None, :] == tile, sc, 0.0), axis=1),
@@ -185,67 +262,42 @@ def _produce_pass(kv_ptr, idx_row, lo, hi, n_blocks, g0, N, kv_stride,
         k_rope.index(s).store(rope_raw.index(r).load(_LR))
         fence_async_shared()  # generic-proxy stores -> the consumers' wgmma reads
         mbarrier.arrive(ready.index(s), count=1)
+        j += 1
     async_copy.wait_group(0)
 
 
 @gluon.jit
-def _wait_landed(done_ptr, done_target):
-    """Poll ``*done_ptr`` (relaxed, uncached) until it reaches ``done_target``, then a
-    gpu-scope fence: together an acquire of the copy programs' release adds, so what
-    they (and the miss phase before them) wrote is visible to the reads after this.
-    About 2^22 polls without the count reached (seconds: the copy cannot run) traps."""
-    v = gl.load(done_ptr, volatile=True)
-    polls = 0
-    while (v < done_target) & (polls < 4194304):
-        gl.inline_asm_elementwise("nanosleep.u32 128; mov.b32 $0, $1;", "=r,r", [v],
-                                  dtype=gl.int32, is_pure=False, pack=1)
-        v = gl.load(done_ptr, volatile=True)
-        polls += 1
-    if v < done_target:
-        gl.inline_asm_elementwise("trap; mov.b32 $0, $1;", "=r,r", [v], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-    gl.inline_asm_elementwise("fence.acq_rel.gpu; mov.b32 $0, $1;", "=r,r", [v],
-                              dtype=gl.int32, is_pure=False, pack=1)
-
-
-@gluon.jit
-def _producer(kv_ptr, idx_ptr, vc_ptr, miss_ptr, mcnt_ptr, done_ptr, N, K, kv_stride,
-              idx_stride, miss_stride, rows_per_split, done_target,
-              codes_raw, scales_raw, rope_raw, k_lo, k_hi, k_rope,
-              ready, empty, tail, HAS_VC: gl.constexpr, MISS_TAIL: gl.constexpr,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, RAW: gl.constexpr):
+def _consume(q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, ready, empty, tail, idx_ptr, miss_ptr,
+             mcnt_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, vc_ptr, N, K, H,
+             idx_stride, miss_stride, rows_per_split, qk_scale_log2, PART: gl.constexpr,
+             HAS_VC: gl.constexpr, MISS_TAIL: gl.constexpr, NUM_SPLITS: gl.constexpr,
+             BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """One consumer warpgroup: all of q . k^T, output columns [256 PART, 256 PART + 256)."""
     t = gl.program_id(0).to(gl.int64)
+    hb = gl.program_id(1)
     sp = gl.program_id(2)
-    lo, hi, n_blocks = _ws_range(vc_ptr, t, sp, rows_per_split, K, HAS_VC, BLOCK_N)
-    _produce_pass(kv_ptr, idx_ptr + t * idx_stride, lo, hi, n_blocks, 0, N, kv_stride,
-                  codes_raw, scales_raw, rope_raw, k_lo, k_hi, k_rope, ready, empty,
-                  BLOCK_N, STAGES, RAW, "")
-    if MISS_TAIL:
-        _wait_landed(done_ptr, done_target)
-        _cta_barrier()  # the last conversions' raw-slot reads, before the new gathers
-        mbarrier.arrive(tail, count=1)
-        mc = gl.minimum(gl.maximum(gl.load(mcnt_ptr + t, volatile=True), 0), K)
-        _produce_pass(kv_ptr, miss_ptr + t * miss_stride, 0, mc, (mc + BLOCK_N - 1) // BLOCK_N,
-                      n_blocks, N, kv_stride, codes_raw, scales_raw, rope_raw, k_lo, k_hi,
-                      k_rope, ready, empty, BLOCK_N, STAGES, RAW, ".cg")
-
-
-@gluon.jit
-def _consume_pass(q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, ready, empty, idx_row, lo, hi,
-                  n_blocks, g0, N, qk_scale_log2, m_i, l_i, acc, PART: gl.constexpr,
-                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, CM: gl.constexpr):
-    """The online softmax over the ``n_blocks`` blocks of entries [lo, hi) of
-    ``idx_row``, bf16 ring blocks g0, g0 + 1, ...; returns (m_i, l_i, acc) updated."""
+    lo, hi, n_hit = _ws_range(vc_ptr, t, sp, rows_per_split, K, HAS_VC, BLOCK_N)
+    idx_row = idx_ptr + t * idx_stride
+    miss_row = miss_ptr + t * miss_stride
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BLOCK_N, 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, 256, 16])
     p_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_l, k_width=2)
+    m_i = gl.full([64], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_l))
+    l_i = gl.zeros([64], gl.float32, layout=gl.SliceLayout(1, s_l))
+    acc = gl.zeros([64, 256], gl.float32, layout=o_l)
     s0 = gl.zeros([64, BLOCK_N], gl.float32, layout=s_l)
-    for j in range(n_blocks):
-        g = g0 + j
-        s = g % STAGES
-        mbarrier.wait(ready.index(s), (g // STAGES) & 1)
+    n_total = n_hit
+    mc = 0
+    if MISS_TAIL:
+        if n_hit == 0:  # no hit block: the misses are all there is
+            mc = _tail_count(tail, mcnt_ptr, t, K)
+            n_total = (mc + BLOCK_N - 1) // BLOCK_N
+    j = 0
+    while j < n_total:
+        s = j % STAGES
+        mbarrier.wait(ready.index(s), (j // STAGES) & 1)
         kl = k_lo.index(s)
         kh = k_hi.index(s)
         sc = warpgroup_mma(q_lo, kl.permute((1, 0)), s0, use_acc=False, is_async=True)
@@ -253,7 +305,8 @@ def _consume_pass(q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, ready, empty, idx_row,
         sc = warpgroup_mma(q_rope, k_rope.index(s).permute((1, 0)), sc, is_async=True)
         # loaded while the tensor cores run q . k^T (issued before the wait, fewer registers
         # held across the ready wait than a load ahead of it)
-        b = _score_bias(idx_row, lo + j * BLOCK_N, hi, N, gl.SliceLayout(0, s_l), BLOCK_N, CM)
+        row, start, end = _block_src(j, n_hit, idx_row, lo, hi, miss_row, mc, BLOCK_N, MISS_TAIL)
+        b = _score_bias(row, start, end, N, gl.SliceLayout(0, s_l), BLOCK_N, MISS_TAIL)
         sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
         x = sc * qk_scale_log2 + b[None, :]
         m_new = gl.maximum(m_i, gl.max(x, axis=1))
@@ -270,38 +323,11 @@ def _consume_pass(q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, ready, empty, idx_row,
             acc = warpgroup_mma(pa, kh, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(empty.index(s), count=1)
-    return m_i, l_i, acc
-
-
-@gluon.jit
-def _consume(q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, ready, empty, tail, idx_ptr, miss_ptr,
-             mcnt_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, vc_ptr, N, K, H,
-             idx_stride, miss_stride, rows_per_split, qk_scale_log2, PART: gl.constexpr,
-             HAS_VC: gl.constexpr, MISS_TAIL: gl.constexpr, NUM_SPLITS: gl.constexpr,
-             BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """One consumer warpgroup: all of q . k^T, output columns [256 PART, 256 PART + 256)."""
-    t = gl.program_id(0).to(gl.int64)
-    hb = gl.program_id(1)
-    sp = gl.program_id(2)
-    lo, hi, n_blocks = _ws_range(vc_ptr, t, sp, rows_per_split, K, HAS_VC, BLOCK_N)
-    s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, BLOCK_N, 16])
-    o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                  instr_shape=[16, 256, 16])
-    m_i = gl.full([64], float("-inf"), gl.float32, layout=gl.SliceLayout(1, s_l))
-    l_i = gl.zeros([64], gl.float32, layout=gl.SliceLayout(1, s_l))
-    acc = gl.zeros([64, 256], gl.float32, layout=o_l)
-    m_i, l_i, acc = _consume_pass(q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, ready, empty,
-                                  idx_ptr + t * idx_stride, lo, hi, n_blocks, 0, N,
-                                  qk_scale_log2, m_i, l_i, acc, PART, BLOCK_N, STAGES, "")
-    if MISS_TAIL:
-        mbarrier.wait(tail, 0)  # the producer saw the copy done (and fenced)
-        mc = gl.minimum(gl.maximum(gl.load(mcnt_ptr + t, volatile=True), 0), K)
-        m_i, l_i, acc = _consume_pass(q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, ready, empty,
-                                      miss_ptr + t * miss_stride, 0, mc,
-                                      (mc + BLOCK_N - 1) // BLOCK_N, n_blocks, N,
-                                      qk_scale_log2, m_i, l_i, acc, PART, BLOCK_N, STAGES,
-                                      ".cg")
+        if MISS_TAIL:
+            if j + 1 == n_hit:  # the last hit block: the misses follow once they landed
+                mc = _tail_count(tail, mcnt_ptr, t, K)
+                n_total = n_hit + (mc + BLOCK_N - 1) // BLOCK_N
+        j += 1
 
     has = l_i > 0.0
     inv_l = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
