@@ -11,9 +11,7 @@ restored (the same misses every time) and the L2 is flushed; the resident replay
 the same flush.
 
 Modes: serial (resolve + copy, then attention), split (attention over the hits while
-the misses stage, then the misses: as the hit attention's tail where the backend can,
-else LSE-merged), split-merge (split with the separate miss attention + merge
-everywhere, ``DecodeLayer(miss_tail=False)``: an A/B against split), fused (the misses read from host,
+the misses stage, then the misses, LSE-merged), fused (the misses read from host,
 written and attended in one kernel beside the hit attention), and ``prefetch``: two
 layers (split), the second layer's selection prefetched from the first's while the
 first computes, against two resident layers; the two selections share ``--overlap``
@@ -53,7 +51,6 @@ from hisparse.decode import DecodeLayer, Overlap  # noqa: E402
 from hisparse.formats import RowFormat, quantize_fp8_ds_mla  # noqa: E402
 
 STATE = ("slot_pos", "slot_stamp", "row_slot", "step", "stats", "seq_lens")
-LAYER_MODES = ("serial", "split", "split-merge", "fused")  # the one-layer modes, in print order
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -64,7 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="hit rates in percent, each in [0, 100]")
     ap.add_argument("--backends", nargs="+", default=["triton", "flashmla"], choices=["triton", "flashmla"])
     ap.add_argument("--modes", nargs="+", default=["serial", "split", "fused", "prefetch"],
-                    choices=["serial", "split", "split-merge", "fused", "prefetch"])
+                    choices=["serial", "split", "fused", "prefetch"])
     ap.add_argument("--context", type=pos, default=65536, help="tokens per request (B <= 64)")
     ap.add_argument("--context-256", type=pos, default=32768, help="tokens per request at B > 64")
     ap.add_argument("--top-k", type=pos, default=2048)
@@ -227,8 +224,7 @@ def bench_case(s: Setup, be: SparseMLABackend, hit: float, a: argparse.Namespace
 
     res["resident"], ref = timed(resident, s, a, restore=False)
     layers = {m: DecodeLayer(c, be, overlap=Overlap.parse(m)) for m in ("serial", "split", "fused")}
-    layers["split-merge"] = DecodeLayer(c, be, overlap=Overlap.SPLIT, miss_tail=False)
-    for m in LAYER_MODES:
+    for m in ("serial", "split", "fused"):
         if m not in a.modes:
             continue
         res[m], out = timed(lambda m=m: layers[m](0, s.req, tk0, q, sm_scale=sm), s, a, restore=True)
@@ -278,7 +274,7 @@ def bench_case(s: Setup, be: SparseMLABackend, hit: float, a: argparse.Namespace
                                    "wasted_bytes": (staged - sel) * 656}
     r0 = res["resident"]["median_us"]
     ser = res.get("serial", {}).get("median_us")
-    for m in LAYER_MODES:
+    for m in ("serial", "split", "fused"):
         if m in res:
             res[m]["ratio_vs_resident"] = res[m]["median_us"] / r0
             if ser is not None and ser > r0:
@@ -310,7 +306,7 @@ def main(argv=None) -> int:
                 r.update(backend=name, B=B, context=ctx)
                 report["cases"].append(r)
                 line = f"{name:8s} B={B:4d} hit={h:3d}%  resident {r['resident']['median_us']:8.1f} us"
-                for m in LAYER_MODES:
+                for m in ("serial", "split", "fused"):
                     if m in r:
                         hid = r[m].get("staging_hidden")
                         line += f" | {m} {r[m]['ratio_vs_resident']:.2f}x" + (f" hid {hid:.0%}" if hid is not None else "")

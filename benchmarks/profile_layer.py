@@ -32,7 +32,7 @@ from benchmarks import bench_layer as bl  # noqa: E402
 from hisparse.decode import DecodeLayer, Overlap  # noqa: E402
 from hisparse.formats import RowFormat  # noqa: E402
 
-MODES = ("resident", "serial", "split", "split-merge", "fused")
+MODES = ("resident", "serial", "split", "fused")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -127,8 +127,7 @@ def main(argv=None) -> int:
                     idx = s.resident_idx(tk)
                     fn = lambda idx=idx: be.decode(q, s.resident[0], idx, sm_scale=sm, row_format=fmt)  # noqa: E731
                 else:
-                    dl = (DecodeLayer(c, be, overlap=Overlap.SPLIT, miss_tail=False) if mode == "split-merge"
-                          else DecodeLayer(c, be, overlap=Overlap.parse(mode)))
+                    dl = DecodeLayer(c, be, overlap=Overlap.parse(mode))
                     fn = lambda dl=dl: dl(0, s.req, tk, q, sm_scale=sm)  # noqa: E731
                 restore = mode != "resident"
                 if cuda:

@@ -180,8 +180,8 @@ def test_wave_tail_launch_matches_one_launch(fmt, monkeypatch):
     calls, launches = [], []
     monkeypatch.setattr(TB, "_tail_plan", lambda T_, H_, K_, cfg_, s_, dev_, sms_: calls.append(T_) or (2, 3))
     real_launch = TB._launch
-    monkeypatch.setattr(TB, "_launch", lambda inp, cfg_, lo, hi, s_, out, lse, tail=None:
-                        launches.append((lo, hi, s_)) or real_launch(inp, cfg_, lo, hi, s_, out, lse, tail))
+    monkeypatch.setattr(TB, "_launch", lambda inp, cfg_, lo, hi, s_, out, lse:
+                        launches.append((lo, hi, s_)) or real_launch(inp, cfg_, lo, hi, s_, out, lse))
     for v, (o1, l1) in zip((None, vc), one):
         out, lse = be.decode(q, kv, idx, valid_counts=v, sm_scale=SCALE, row_format=fmt)
         _close(out, lse, *REF.decode(q, kv, idx, valid_counts=v, sm_scale=SCALE, row_format=fmt))

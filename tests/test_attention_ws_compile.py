@@ -28,44 +28,38 @@ from hisparse.kernels.mla_decode_ws import sparse_mla_decode_ws_kernel
 from ptx_checks import ex2_args_from_fma
 
 out = []
-for bn, stages, raw, preg, splits, tail in json.loads(sys.argv[1]):
+for bn, stages, raw, preg, splits in json.loads(sys.argv[1]):
     sig = {"q_ptr": "*bf16", "kv_ptr": "*u8", "idx_ptr": "*i32", "vc_ptr": "*i32",
            "out_ptr": "*bf16", "lse_ptr": "*fp32", "part_out_ptr": "*fp32",
-           "part_lse_ptr": "*fp32", "miss_ptr": "*i32", "mcnt_ptr": "*i32", "done_ptr": "*i32",
-           "N": "i32", "K": "i32", "H": "i32", "q_stride_t": "i32",
-           "q_stride_h": "i32", "kv_stride": "i32", "idx_stride": "i32", "miss_stride": "i32",
-           "rows_per_split": "i32", "done_target": "i32", "qk_scale_log2": "fp32"}
-    consts = dict(HAS_VC=True, MISS_TAIL=bool(tail), NUM_SPLITS=splits, BLOCK_N=bn,
-                  STAGES=stages, RAW=raw, PRODUCER_REGS=preg,
-                  CONSUMER_REGS=ws_consumer_regs(preg))
+           "part_lse_ptr": "*fp32", "N": "i32", "K": "i32", "H": "i32", "q_stride_t": "i32",
+           "q_stride_h": "i32", "kv_stride": "i32", "idx_stride": "i32",
+           "rows_per_split": "i32", "qk_scale_log2": "fp32"}
+    consts = dict(HAS_VC=True, NUM_SPLITS=splits, BLOCK_N=bn, STAGES=stages, RAW=raw,
+                  PRODUCER_REGS=preg, CONSUMER_REGS=ws_consumer_regs(preg))
     sig.update({k: "constexpr" for k in consts})
     names = list(sig)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if sig[n].startswith("*") or n in ("K", "q_stride_t", "q_stride_h", "kv_stride",
-                                                "idx_stride", "miss_stride", "rows_per_split")}
+                                                "idx_stride", "rows_per_split")}
     k = triton.compile(GluonASTSource(fn=sparse_mla_decode_ws_kernel, signature=sig,
                                       constexprs=consts, attrs=attrs),
                        target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=4, maxnreg=WS_MAXNREG))
     ptx = k.asm["ptx"]
-    out.append({"cfg": [bn, stages, raw, preg, splits, tail], "shared": k.metadata.shared,
+    out.append({"cfg": [bn, stages, raw, preg, splits], "shared": k.metadata.shared,
                 "warps": k.metadata.num_warps,
                 "setmaxnreg": sorted({int(v) for v in re.findall(r"setmaxnreg\.\w+\.sync\.aligned\.u32\s+(\d+)", ptx)}),
                 "wgmma": ptx.count("wgmma.mma_async"), "cp_async": ptx.count("cp.async.cg.shared.global"),
                 "mbarrier_wait": ptx.count("mbarrier.try_wait"),
                 "ex2_from_fma": len(ex2_args_from_fma(ptx)),
-                "volatile": ptx.count("ld.volatile.global"),
-                "fence": ptx.count("fence.acq_rel.gpu"), "trap": ptx.count("trap;"),
                 "consumer_regs": ws_consumer_regs(preg)})
 print(json.dumps(out))
 '''
 
-# (block_n, stages, raw, producer regs, splits, miss tail): the default with and without
-# the miss tail, and some of the GPU tests' rings
-_DEF = (WS_DEFAULT["block_n"], WS_DEFAULT["num_stages"], WS_DEFAULT["ws_raw"],
-        WS_DEFAULT["ws_producer_regs"], 1)
-RINGS = [(*_DEF, 0), (*_DEF, 1),
-         (32, 2, 3, 56, 3, 0), (16, 4, 4, 56, 1, 1), (32, 2, 2, 72, 3, 0), (16, 2, 8, 88, 1, 0)]
+# (block_n, stages, raw, producer regs, splits): the default and some of the GPU tests' rings
+RINGS = [(WS_DEFAULT["block_n"], WS_DEFAULT["num_stages"], WS_DEFAULT["ws_raw"],
+          WS_DEFAULT["ws_producer_regs"], 1),
+         (32, 2, 3, 56, 3), (16, 4, 4, 56, 1), (32, 2, 2, 72, 3), (16, 2, 8, 88, 1)]
 
 
 def test_ws_kernel_compiles_for_sm90_within_budget():
@@ -75,7 +69,7 @@ def test_ws_kernel_compiles_for_sm90_within_budget():
     stats = run_sm90_compile(_COMPILE, json.dumps(RINGS))
     assert len(stats) == len(RINGS)
     for s in stats:
-        bn, stages, raw, preg, _, tail = s["cfg"]
+        bn, stages, raw, preg, _ = s["cfg"]
         assert s["warps"] == 12, s  # 4 (consumer 0) + 4 (consumer 1) + 4 (producer)
         # the partitions really get the registers the launcher asks for
         assert preg in s["setmaxnreg"] and s["consumer_regs"] in s["setmaxnreg"], s
@@ -84,12 +78,6 @@ def test_ws_kernel_compiles_for_sm90_within_budget():
         assert est <= s["shared"] <= est + 2048 and s["shared"] <= WS_MAX_SHARED + 1024, (est, s)
         assert s["wgmma"] > 0 and s["cp_async"] > 0 and s["mbarrier_wait"] > 0, s
         assert s["ex2_from_fma"] == 0, s  # exp2 of a contracted product - max (ptx_checks)
-        # the miss tail's wait: uncached polls, then the acquire fence; the trap after the cap
-        # (inlined once per call site: the raw-ring fill and the loop)
-        if tail:
-            assert s["volatile"] > 0 and s["fence"] > 0 and s["trap"] == s["fence"], s
-        else:
-            assert s["volatile"] == s["fence"] == s["trap"] == 0, s
 
 
 def test_ws_config_validation():

@@ -122,8 +122,8 @@ def test_ws_wave_tail_matches_one_launch_and_reference(H, extra, monkeypatch):
     one = TritonBackend(config=dataclasses.replace(WS, wave_tail=False))
     launches = []
     real_launch = TB._launch
-    monkeypatch.setattr(TB, "_launch", lambda inp, cfg, lo, hi, s, out, lse, tail=None:
-                        launches.append((lo, hi, s)) or real_launch(inp, cfg, lo, hi, s, out, lse, tail=tail))
+    monkeypatch.setattr(TB, "_launch", lambda inp, cfg, lo, hi, s, out, lse:
+                        launches.append((lo, hi, s)) or real_launch(inp, cfg, lo, hi, s, out, lse))
     tailed.decode(q, rows, idx, sm_scale=SCALE, row_format="fp8_ds_mla")
     one.decode(q, rows, idx, sm_scale=SCALE, row_format="fp8_ds_mla")
     assert launches == [(0, T - tail, 1), (T - tail, T, splits), (0, T, 1)]
@@ -173,8 +173,8 @@ def test_ws_sm_budget_plans_the_wave_tail_for_fewer_sms(monkeypatch):
     be = TritonBackend(config=WS)
     launches = []
     real_launch = TB._launch
-    monkeypatch.setattr(TB, "_launch", lambda inp, cfg, lo, hi, s, out, lse, tail=None:
-                        launches.append((lo, hi, s)) or real_launch(inp, cfg, lo, hi, s, out, lse, tail=tail))
+    monkeypatch.setattr(TB, "_launch", lambda inp, cfg, lo, hi, s, out, lse:
+                        launches.append((lo, hi, s)) or real_launch(inp, cfg, lo, hi, s, out, lse))
     o_all, l_all = be.decode(q, rows, idx, sm_scale=SCALE, row_format="fp8_ds_mla")
     o_b, l_b = be.decode(q, rows, idx, sm_scale=SCALE, row_format="fp8_ds_mla", sms=sms - 8)
     tail, splits = wave_tail_plan(T, 2, 2048, WS.block_n, sms - 8)

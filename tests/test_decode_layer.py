@@ -258,35 +258,3 @@ def test_split_fills_sms():
         [False, False, False, True, True, False, False]
     layer = DecodeLayer(make("torch", "fp8_ds_mla")[0], ReferenceBackend(), overlap="split")
     assert layer._launch_plan(66, 128, 2048, "fp8_ds_mla") == (None, None)  # CPU / a backend without a plan
-
-
-def test_miss_tail_is_gpu_only_and_refused_where_it_cannot_run():
-    """The misses as the hit attention's tail need the Triton ws kernel on CUDA: on CPU
-    no backend says it fits (the layer keeps the merge path, ``launch.tail`` False), the
-    base backend has no tail, a tail given to a launch that can't take it is refused
-    before anything runs, and the layer's flag must be a bool."""
-    from hisparse.attention.base import validate_decode_inputs
-    from hisparse.attention.triton_backend import MissTail, TritonBackend, run_sparse_mla
-    c, _ = make("torch", "fp8_ds_mla", q=1)
-    for be in (ReferenceBackend(), TritonBackend(allow_interpreter=True)):
-        assert not be.miss_tail_fits(2, H, 6, device="cpu", row_format="fp8_ds_mla", free_sms=4)
-    with pytest.raises(NotImplementedError, match="no miss tail"):
-        ReferenceBackend().decode_with_miss_tail(None, None, None, None, sm_scale=SM, row_format="bf16")
-    layer = DecodeLayer(c, ReferenceBackend(), overlap="split")
-    ids, tk = torch.tensor([1, 5], dtype=I32), torch.tensor(CASES["mixed"][1][:2], dtype=I32)
-    launch = layer.begin(0, ids, tk, num_heads=H)
-    assert not launch.tail and launch.result.copy_done is None
-    layer.finish(launch, qs(2, 1), sm_scale=SM)
-    with pytest.raises(TypeError, match="miss_tail"):
-        DecodeLayer(c, ReferenceBackend(), miss_tail="yes")
-    q = qs(2, 2)
-    inp = validate_decode_inputs(q, c.hot_rows(0), tk, sm_scale=SM, row_format="fp8_ds_mla")
-    good = MissTail(tk.clone(), torch.zeros(2, dtype=I32), torch.zeros(1, dtype=I32), 0)
-    with pytest.raises(ValueError, match="ws kernel"):
-        run_sparse_mla(inp, tail=good)
-    with pytest.raises(TypeError, match="MissTail"):
-        run_sparse_mla(inp, tail=(tk, tk))
-    with pytest.raises(ValueError, match="miss_indices"):
-        run_sparse_mla(inp, tail=MissTail(tk[:, :3].clone(), good.miss_counts, good.done, 0))
-    with pytest.raises(ValueError):
-        run_sparse_mla(inp, tail=MissTail(tk.clone(), good.miss_counts, torch.zeros(2, dtype=I32), 0))

@@ -178,28 +178,3 @@ def test_copy_staged_nothing_to_stage():
     before = dst.clone()
     copy_staged(src, si, dst, di, torch.zeros_like(counts), K=4, programs=3)
     assert torch.equal(dst, before)
-
-
-@pytest.mark.parametrize("programs,warps", [(1, 1), (3, 2)])
-def test_copy_staged_signals_every_thread_once(programs, warps):
-    """With ``done``, each thread of the grid adds 1 after its rows: the count the call
-    returns, on top of what ``done`` held; the rows are what they are without it."""
-    src, si, dst, di, counts = _staged_case(9, 3, seed=11)
-    exp = _staged_expected(src, si, dst, di, counts, 3)
-    done = torch.full((1,), 5, dtype=torch.int32)
-    n = copy_staged(src, si, dst, di, counts, K=3, programs=programs, num_warps=warps, done=done)
-    assert n == programs * 32 * warps and int(done) == 5 + n
-    assert torch.equal(dst, exp)
-    # nothing launched (no groups): nothing to wait for
-    assert copy_staged(src, si, dst, di, counts[:0], K=3, done=done) == 0 and int(done) == 5 + n
-    assert copy_staged(src, si, dst, di, counts, K=3) == 0  # no done: nobody counts
-
-
-def test_copy_staged_refuses_a_bad_done():
-    src, si, dst, di, counts = _staged_case(4, 2, seed=12)
-    before = dst.clone()
-    for bad, err in ((torch.zeros(2, dtype=torch.int32), ValueError), (torch.zeros(1, dtype=torch.int64), TypeError),
-                     ([0], TypeError)):
-        with pytest.raises(err):
-            copy_staged(src, si, dst, di, counts, K=2, done=bad)
-    assert torch.equal(dst, before)

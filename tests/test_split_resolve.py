@@ -213,37 +213,3 @@ def test_prefetch_makes_the_next_resolve_hit(kernels):
         assert torch.equal(c.hot_rows(1)[res.physical[t].long()], truth[(rid, 1)][topk[t].long()])
     assert after["bytes_h2d"] - before["bytes_h2d"] == 9 * c.cfg.row_bytes
     check_cache(c)
-
-
-@pytest.mark.parametrize("kernels", KERNELS)
-def test_signal_counts_the_copy(kernels):
-    """``signal=True``: the copy counts its threads into ``copy_done`` from zero on every
-    call (so the count says this call's rows landed) and the state is a plain split's;
-    refused with ``stage_with`` or a non-bool before anything changes."""
-    rng = random.Random(4)
-    lens = {1: 40, 3: 9, 6: 27}
-    a, b = make(kernels), make(kernels)
-    fill(a, lens)
-    fill(b, lens)
-    for step in range(4):
-        ids, topk = random_step(rng, lens, 2, 5)
-        res = a.resolve_split(step % 2, ids, topk, validate=False, signal=True)
-        want = b.resolve_split(step % 2, ids, topk, validate=False)
-        assert want.copy_done is None and want.copy_target == 0
-        assert res.copy_target == (1 if kernels == "torch" else 2 * 32 * 4)  # the interpreter's 2 programs
-        assert int(res.copy_done) == res.copy_target
-        assert torch.equal(res.miss_counts, want.miss_counts)
-        for t in range(topk.shape[0]):  # entries past a token's count are not written
-            m = int(res.miss_counts[t])
-            assert torch.equal(res.miss_physical[t, :m], want.miss_physical[t, :m])
-        for n in STATE:
-            assert torch.equal(getattr(a.state, n), getattr(b.state, n)), (step, n)
-        assert torch.equal(a.hot, b.hot)
-    ids, topk = random_step(rng, lens, 2, 5)
-    before = {n: getattr(a.state, n).clone() for n in STATE}
-    with pytest.raises(ValueError, match="stage_with"):
-        a.resolve_split(0, ids, topk, signal=True, stage_with=lambda *x: None)
-    with pytest.raises(TypeError):
-        a.resolve_split(0, ids, topk, signal=1)
-    for n in STATE:
-        assert torch.equal(getattr(a.state, n), before[n]), n

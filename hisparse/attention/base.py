@@ -127,20 +127,6 @@ class SparseMLABackend(abc.ABC):
         split decode layer asks it to size its staging copy beside the attention."""
         return None
 
-    def miss_tail_fits(self, T: int, H: int, K: int, *, device: torch.device,
-                       row_format: RowFormat | str, free_sms: int) -> bool:
-        """Whether ``decode_with_miss_tail`` can run a decode of T tokens, H heads and K
-        entries in one launch of programs that each hold an SM, leaving at least
-        ``free_sms`` SMs to the kernels it waits for. False unless a backend has one."""
-        return False
-
-    def decode_with_miss_tail(self, q: torch.Tensor, kv_rows: torch.Tensor, indices: torch.Tensor,
-                              tail: object, *, sm_scale: float,
-                              row_format: RowFormat | str) -> tuple[torch.Tensor, torch.Tensor]:
-        """``decode`` over the hits, then over ``tail``'s misses once they landed, in the
-        same launch (only where ``miss_tail_fits``; the Triton backend has it)."""
-        raise NotImplementedError(f"the {self.name} backend has no miss tail (miss_tail_fits is False)")
-
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r}>"
 

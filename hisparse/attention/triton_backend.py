@@ -17,12 +17,11 @@ import contextlib
 import dataclasses
 import importlib
 import math
-import os
 
 import torch
 import triton
 
-from .._checks import check_bool, check_int, check_tensor, device_type, interpreter_mode, sm_count
+from .._checks import check_bool, check_int, device_type, interpreter_mode, sm_count
 from ..formats import BF16_ROW_BYTES, FP8_ROW_BYTES, RowFormat
 from ..kernels.gluon_support import gluon_ws_problem
 from ..kernels.mla_decode import sparse_mla_combine_kernel, sparse_mla_decode_kernel
@@ -330,48 +329,14 @@ def _rows_per_split(K: int, splits: int, block_n: int) -> tuple[int, int]:
     return rows, math.ceil(K / rows)
 
 
-@dataclasses.dataclass(frozen=True)
-class MissTail:
-    """The misses a split decode layer's hit attention also attends once they land
-    (``TritonBackend.decode_with_miss_tail``; ``mla_decode_ws``'s ``MISS_TAIL``).
-
-    miss_indices: int32 [T, >= K], row t's first ``miss_counts[t]`` entries are rows of
-        kv_rows (compacted; written by a kernel that may still be running at launch)
-    miss_counts:  int32 [T]
-    done:         int32 [1], counted up by the staging copy's threads
-                  (``HiSparseCache.resolve_split(signal=True)``)
-    target:       the count ``done`` reaches once every miss row has landed
-    """
-
-    miss_indices: torch.Tensor
-    miss_counts: torch.Tensor
-    done: torch.Tensor
-    target: int
-
-
-def _check_tail(tail: MissTail, T: int, K: int, dev: torch.device) -> None:
-    if not isinstance(tail, MissTail):
-        raise TypeError(f"tail must be a MissTail, got {type(tail).__name__}")
-    check_tensor("miss_indices", tail.miss_indices, dtype=torch.int32, ndim=2, device=dev)
-    check_tensor("miss_counts", tail.miss_counts, dtype=torch.int32, shape=(T,), device=dev)
-    check_tensor("done", tail.done, dtype=torch.int32, shape=(1,), device=dev)
-    check_int("target", tail.target, 0)
-    mi = tail.miss_indices
-    if mi.shape[0] != T or mi.shape[1] < K or (T > 1 and mi.stride(1) != 1):
-        raise ValueError(f"miss_indices must be [T={T}, >= K={K}] with unit column stride, got "
-                         f"{tuple(mi.shape)} strides {mi.stride()}")
-
-
 def run_sparse_mla(inp: DecodeInputs, cfg: TritonMLAConfig | None = None, *,
-                   sms: int | None = None, tail: MissTail | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   sms: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the kernel(s) on validated inputs. Returns out bf16 [T, H, 512], lse f32 [T, H].
 
     cfg None: ``default_config`` for these inputs (the ``tl`` kernels for rows the
     warp-specialised kernel can't read, e.g. a view that is not 16-byte aligned).
     sms: the SMs the launch plans its KV splits and wave tail for (``check_sms``; None:
     all of the device's). Checked, then ignored, on CPU.
-    tail: the misses to attend after the hits, in the same programs, once they landed
-    (``MissTail``): the ws kernel in one launch of one split only (``miss_tail_plan``).
     """
     q, kv, idx = inp.q, inp.kv_rows, inp.indices
     T, H, _ = q.shape
@@ -380,8 +345,6 @@ def run_sparse_mla(inp: DecodeInputs, cfg: TritonMLAConfig | None = None, *,
     if sms is not None:
         check_int("sms", sms, 1)
         sms = check_sms(sms, dev) if device_type(dev) == "cuda" else None
-    if tail is not None:
-        _check_tail(tail, T, K, dev)
     if T == 0 or K == 0:
         return empty_result(T, H, dev)
     if cfg is None:
@@ -395,27 +358,22 @@ def run_sparse_mla(inp: DecodeInputs, cfg: TritonMLAConfig | None = None, *,
                          f"{isolate_problem(cfg, dev)}; use isolate_qk=False or wide=True")
     splits = cfg.num_splits if cfg.num_splits is not None else auto_splits(T, H, K, cfg, dev, sms=sms)
     splits = _rows_per_split(K, splits, cfg.block_n)[1]
-    wave_tail, tail_splits = _tail_plan(T, H, K, cfg, splits, dev, sms)
-    if tail is not None and not (cfg.ws and splits == 1 and wave_tail == 0):
-        raise ValueError(f"a miss tail needs the ws kernel in one launch of one split; this decode "
-                         f"runs {'ws' if cfg.ws else 'tl'} with {splits} split(s)"
-                         + (f" and a wave tail of {wave_tail} tokens" if wave_tail else ""))
+    tail, tail_splits = _tail_plan(T, H, K, cfg, splits, dev, sms)
     out = torch.empty((T, H, D_V), dtype=torch.bfloat16, device=dev)
     lse = torch.empty((T, H), dtype=torch.float32, device=dev)
     with _on_device(dev):
-        # the wave-tail launch runs after the first one (same stream), split so that its
+        # the tail launch runs after the first one (same stream), split so that its
         # programs fill one wave of SMs
-        for lo, hi, s in ((0, T - wave_tail, splits), (T - wave_tail, T, tail_splits)):
+        for lo, hi, s in ((0, T - tail, splits), (T - tail, T, tail_splits)):
             if hi > lo:
-                _launch(inp, cfg, lo, hi, s, out, lse, tail=tail)
+                _launch(inp, cfg, lo, hi, s, out, lse)
     return out, lse
 
 
 def _launch(inp: DecodeInputs, cfg: TritonMLAConfig, lo: int, hi: int, splits: int,
-            out: torch.Tensor, lse: torch.Tensor, tail: MissTail | None = None) -> None:
+            out: torch.Tensor, lse: torch.Tensor) -> None:
     """One decode launch (+ the split combine) for tokens [lo, hi) into out / lse rows
-    [lo, hi) (views: every kernel addresses its token rows from these bases); ``tail``:
-    the whole launch's misses (ws kernel, one launch)."""
+    [lo, hi) (views: every kernel addresses its token rows from these bases)."""
     q, kv, idx, vc = inp.q[lo:hi], inp.kv_rows, inp.indices[lo:hi], inp.valid_counts
     vc = vc[lo:hi] if vc is not None else None
     o, ls = out[lo:hi], lse[lo:hi]
@@ -435,14 +393,8 @@ def _launch(inp: DecodeInputs, cfg: TritonMLAConfig, lo: int, hi: int, splits: i
             rows_per_split, inp.sm_scale * 1.4426950408889634)
     prefetch = cfg.prefetch if device_type(dev) == "cuda" else 0  # a hint; no inline PTX on CPU
     if cfg.ws:
-        mi, mc, dn = (tail.miss_indices, tail.miss_counts, tail.done) if tail is not None else (idx, idx, idx)
-        ws_args = (q, kv, idx, vc if vc is not None else idx, o, ls, part_out, part_lse, mi, mc, dn,
-                   kv.shape[0], K, H, q.stride(0), q.stride(1), kv.stride(0), idx.stride(0), mi.stride(0),
-                   rows_per_split, tail.target if tail is not None else 0,
-                   inp.sm_scale * 1.4426950408889634)
         _ws_kernel()[grid](
-            *ws_args, HAS_VC=vc is not None, MISS_TAIL=tail is not None, NUM_SPLITS=splits,
-            BLOCK_N=cfg.block_n,
+            *args, HAS_VC=vc is not None, NUM_SPLITS=splits, BLOCK_N=cfg.block_n,
             STAGES=cfg.num_stages, RAW=cfg.ws_raw, PRODUCER_REGS=cfg.ws_producer_regs,
             CONSUMER_REGS=ws_consumer_regs(cfg.ws_producer_regs), num_warps=4,
             maxnreg=WS_MAXNREG)
@@ -547,33 +499,6 @@ class TritonBackend(SparseMLABackend):
         splits = cfg.num_splits if cfg.num_splits is not None else auto_splits(T, H, K, cfg, device)
         return T * math.ceil(H / cfg.block_h) * _rows_per_split(K, splits, cfg.block_n)[1]
 
-    def miss_tail_fits(self, T, H, K, *, device, row_format, free_sms):
-        """A one-split, one-launch ws decode of at most (SMs - ``free_sms``) programs:
-        each waiting program holds its SM, so the miss phase and the copy it waits for
-        keep ``free_sms`` SMs at least. False off CUDA, for the ``tl`` kernels and under
-        CUDA_LAUNCH_BLOCKING (which runs the copy and the attention one after the other)."""
-        device = torch.device(device)
-        if device_type(device) != "cuda" or T == 0 or K == 0 or os.environ.get("CUDA_LAUNCH_BLOCKING") == "1":
-            return False
-        cfg = self.config or default_config(T, H, K, device, row_format)
-        if not cfg.ws:
-            return False
-        splits = cfg.num_splits if cfg.num_splits is not None else auto_splits(T, H, K, cfg, device)
-        if _rows_per_split(K, splits, cfg.block_n)[1] != 1:
-            return False
-        return T * math.ceil(H / cfg.block_h) <= sm_count(device) - check_int("free_sms", free_sms, 1)
-
-    def decode_with_miss_tail(self, q, kv_rows, indices, tail: MissTail, *, sm_scale, row_format):
-        """``decode`` over ``indices`` (int32 [T, K], the hits), then, in the same
-        programs and the same softmax, over ``tail``'s misses once the staging copy has
-        counted ``tail.done`` up to ``tail.target``. Only where ``miss_tail_fits`` said
-        so (the ``free_sms`` it was given must stay free of waiting work); the copy must
-        be enqueued before this call. Returns out bf16 [T, H, 512], lse float32 [T, H]."""
-        inp = validate_decode_inputs(q, kv_rows, indices, valid_counts=None, sm_scale=sm_scale,
-                                     row_format=row_format, check_ranges=self.validate)
-        self._check_supported(inp.q.device, inp.row_format, inp.num_heads, Phase.DECODE)
-        return run_sparse_mla(inp, self.config, tail=tail)
-
     def prefill(self, q, workspace, indices, *, valid_counts=None, sm_scale):
         inp = validate_prefill_inputs(q, workspace, indices, valid_counts=valid_counts,
                                       sm_scale=sm_scale, check_ranges=self.validate)
@@ -581,7 +506,7 @@ class TritonBackend(SparseMLABackend):
         return run_sparse_mla(inp.as_decode(), self.config)
 
 
-__all__ = ["TritonBackend", "TritonMLAConfig", "MissTail", "default_config", "auto_splits", "run_sparse_mla",
+__all__ = ["TritonBackend", "TritonMLAConfig", "default_config", "auto_splits", "run_sparse_mla",
            "check_sms",
            "wave_tail_plan",
            "DEFAULT_CONFIGS", "WS_DEFAULT", "isolate_problem", "ws_unsupported",

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from .._checks import Kernels, check_bool, check_int
+from .._checks import Kernels, check_int
 from ..config import HiSparseConfig
 from ..device import resolve_device
 from ..formats import RowFormat
@@ -40,12 +40,8 @@ from .write_step import StepCapacity, StepPlan
 
 
 def _stage_reference(host_rows, out: ResolveBuffers, hot_rows, *, K: int, programs=None,
-                     shape=None, done=None) -> int:
+                     shape=None) -> None:
     copy_staged_reference(host_rows, out.stage_src, hot_rows, out.stage_dst, out.stage_counts, K=K)
-    if done is None:
-        return 0
-    done += 1  # one "thread", done when the rows are
-    return 1
 
 
 class _PinnedPool:
@@ -84,15 +80,13 @@ def _kernel_set(kernels: Kernels, device: torch.device, pool: HostPool) -> dict:
         pinned.check("dst")
         _launch_copy_rows(rows, plan.host_tok32, host_l, plan.host_h32, dev)
 
-    def stage(host_rows, out: ResolveBuffers, hot_rows, *, K: int, programs=None, shape=None,
-              done=None) -> int:
+    def stage(host_rows, out: ResolveBuffers, hot_rows, *, K: int, programs=None, shape=None) -> None:
         # the pool's pinned flag: checked by every resolve before it launches (_check_resolve)
         if programs is not None:  # Stager.stage_programs, settable by its user
             check_int("programs", programs, 1)
         rows, warps = shape if shape is not None else (8, 4)  # (rows per iteration, warps)
-        return _launch_copy_staged(host_rows, out.stage_src, hot_rows, out.stage_dst, out.stage_counts,
-                                   dev, K=K, programs=programs, rows_per_program=rows, num_warps=warps,
-                                   done=done)
+        _launch_copy_staged(host_rows, out.stage_src, hot_rows, out.stage_dst, out.stage_counts, dev,
+                            K=K, programs=programs, rows_per_program=rows, num_warps=warps)
 
     return dict(resolve_fn=_launch_resolve, lookup_fn=resolve_lookup_triton, copy_fn=stage,
                 apply_fn=apply_write_plan_triton, mirror_fn=mirror, pinned_check=pinned.check)
@@ -167,9 +161,6 @@ class HiSparseCache:
         self._hot_l = self.writer.hot_layers  # uint8 [N, row_bytes] per layer (views, made once)
         self._host_l = self.writer.host_layers  # uint8 [H, row_bytes] per layer
         self._split: dict[int, tuple] = {}  # layer -> (hit, miss lists), made on first use
-        # int32 [L]: each layer's split-resolve copy counts its finished threads here
-        # (``resolve_split(signal=True)``)
-        self._copy_done = torch.zeros((L,), dtype=torch.int32, device=self.device)
 
     # ---- small queries ----------------------------------------------------
     def live_requests(self) -> list[int]:
@@ -400,7 +391,7 @@ class HiSparseCache:
 
     def resolve_split(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor, *,
                       validate: bool = True, compact: bool = False, stage_with=None,
-                      copy_shape: CopyShape | None = None, signal: bool = False) -> SplitResult:
+                      copy_shape: CopyShape | None = None) -> SplitResult:
         """``resolve`` in two phases, so that attention over the hits need not wait for
         the misses: returns once the hit phase is enqueued on the current stream
         (``result.hit_physical`` may be attended right away); the miss phase and the
@@ -413,26 +404,15 @@ class HiSparseCache:
         ``hisparse.attention.miss.fused_miss_attention`` does while attending. The state after the call equals ``resolve``'s bit for bit.
         ``copy_shape``: the staging kernel's grid (``stager.CopyShape``; None: a quarter of
         the SMs, 8 rows a program; ``stager.stage_programs`` overrides its programs).
-        ``signal``: the copy kernel counts its finished threads into ``result.copy_done``
-        (int32 [1], zeroed on the current stream first), which reaches
-        ``result.copy_target`` once every miss row has landed (release / acquire, gpu
-        scope), so that a kernel running beside the copy may wait for the rows itself
-        (the Triton backend's miss tail). Not with ``stage_with``.
         """
-        check_bool("signal", signal)
-        if signal and stage_with is not None:
-            raise ValueError("signal counts the copy kernel's threads; stage_with replaces that kernel")
         T, K, req_ids = self._check_resolve(layer, req_ids, topk, validate)
         out = self._bufs[layer].view(T, K)
         hit, miss_lists = _split_buffers(self._split, self.cfg, self.device, layer, T, K)
-        done = self._copy_done[layer:layer + 1] if signal else None
-        event, target = self.stager.run_split(layer, req_ids, topk, out, hit, miss_lists,
-                                              host_rows=self._host_l[layer], hot_rows=self._hot_l[layer],
-                                              compact=compact, stage_with=stage_with, copy_shape=copy_shape,
-                                              done=done)
+        event = self.stager.run_split(layer, req_ids, topk, out, hit, miss_lists,
+                                      host_rows=self._host_l[layer], hot_rows=self._hot_l[layer],
+                                      compact=compact, stage_with=stage_with, copy_shape=copy_shape)
         self.requests.touch(layer)
-        return SplitResult(out, hit, miss_lists, event, self.requests.epochs, layer,
-                           copy_done=done, copy_target=target)
+        return SplitResult(out, hit, miss_lists, event, self.requests.epochs, layer)
 
     def prefetch(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor) -> ResolveBuffers:
         """Stage a *predicted* selection of ``layer`` (e.g. the previous layer's top-k)

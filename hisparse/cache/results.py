@@ -67,22 +67,17 @@ class SplitResult(ResolveResult):
                    miss_counts[t]): the hot rows they are staged into
     miss_host:     int32 [T, K]  the host rows of those entries (same order)
     miss_counts:   int32 [T]
-    copy_done:     int32 [1] or None  (``signal=True``) the copy's finished threads
-    copy_target:   int                what ``copy_done`` reaches once every miss landed
     physical, valid_counts, stage_src, stage_dst, event: as ResolveResult (the union of
     hits and misses; ``event`` marks the staging done, on the stage stream)
     """
 
-    __slots__ = ("hit_physical", "miss_physical", "miss_host", "miss_counts", "copy_done", "copy_target")
+    __slots__ = ("hit_physical", "miss_physical", "miss_host", "miss_counts")
 
     def __init__(self, out: ResolveBuffers, hit: torch.Tensor, miss_lists: tuple, event,
-                 epochs: list[int], layer: int, *, copy_done: torch.Tensor | None = None,
-                 copy_target: int = 0) -> None:
+                 epochs: list[int], layer: int) -> None:
         super().__init__(out, event, epochs, layer)
         self.hit_physical = hit
         self.miss_physical, self.miss_host, self.miss_counts = miss_lists
-        self.copy_done = copy_done
-        self.copy_target = copy_target
 
 
 __all__ = ["ResolveResult", "SplitResult"]

@@ -220,9 +220,8 @@ class Stager:
     """Resolve + miss staging of one cache on the stage stream.
 
     resolve_fn(state, layer, req_ids, topk, out, max_query_len=, compact=) updates the
-    LRU state and fills ``out``; copy_fn(host_rows, out, hot_rows, K=, programs=, shape=,
-    done=) stages its misses (``transfer.copy_staged``) and returns how many threads add
-    to ``done``. ``stage_programs``: the staging kernel's grid
+    LRU state and fills ``out``; copy_fn(host_rows, out, hot_rows, K=, programs=) stages
+    its misses (``transfer.copy_staged``). ``stage_programs``: the staging kernel's grid
     (None = a quarter of the SMs, so that it runs beside the attention). When
     the copy launch raises after the resolve launch ran, the resolve is rolled back
     (``cache.rollback``) before the error propagates, so the failed call changes nothing.
@@ -309,26 +308,19 @@ class Stager:
     def run_split(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor, out: ResolveBuffers,
                   hit: torch.Tensor, miss_lists: tuple, *, host_rows: torch.Tensor,
                   hot_rows: torch.Tensor, compact: bool, stage_with: Callable | None,
-                  copy_shape: CopyShape | None = None, done: torch.Tensor | None = None):
+                  copy_shape: CopyShape | None = None):
         """A split resolve: the hit phase on the current (compute) stream, then on the
         stage stream the miss phase and the staging -- the copy kernel, or
         ``stage_with(miss_physical, miss_host, miss_counts)`` when given (it must write
         every miss row into its slot, e.g. a fused miss attention). ``copy_shape``: the
         copy kernel's launch shape (None: its default; ``stage_programs``, when set,
-        overrides the programs). ``done`` (int32 [1], copy kernel only): zeroed on the
-        current stream before the hit phase, then counted up by the copy's threads as
-        they finish (``transfer.copy_staged``). Returns (the layer's stage event (None on
-        CPU), the count ``done`` reaches once every miss has landed (0 without it)). Any
-        launch that raises is undone before the error propagates."""
+        overrides the programs). Returns the layer's stage event (None on CPU). Any launch
+        that raises is undone before the error propagates."""
         if copy_shape is not None and not isinstance(copy_shape, CopyShape):
             raise TypeError(f"copy_shape must be a CopyShape or None, got {type(copy_shape).__name__}")
-        if done is not None and stage_with is not None:
-            raise ValueError("done counts the copy kernel's threads; stage_with replaces that kernel")
         cs = self.streams
         cur, cap = cs.current(), cs.capturing()
         cs.stage[layer].wait_by(cur, cap)  # earlier work of this layer (a prefetch) first
-        if done is not None:
-            done.zero_()  # ordered after this layer's last reader of it (the compute stream)
         self.lookup_fn(self.state, layer, req_ids, topk, hit, out.undo_hit,
                        max_query_len=self.max_query_len)
         stage = cs.streams.stage
@@ -337,7 +329,6 @@ class Stager:
             cs.backup.wait_by(stage, cap)
         ev = cs.stage[layer]
         miss_ran = False
-        target = 0
         with cs.streams.on(stage):
             try:
                 self.resolve_fn(self.state, layer, req_ids, topk, out, max_query_len=self.max_query_len,
@@ -349,8 +340,7 @@ class Stager:
                     if programs is None and copy_shape is not None:
                         programs = copy_shape.programs
                     shape = None if copy_shape is None else (copy_shape.rows, copy_shape.warps)
-                    target = self.copy_fn(host_rows, out, hot_rows, K=topk.shape[1], programs=programs,
-                                          shape=shape, done=done)
+                    self.copy_fn(host_rows, out, hot_rows, K=topk.shape[1], programs=programs, shape=shape)
                 else:
                     stage_with(*miss_lists)
             except BaseException:
@@ -362,7 +352,7 @@ class Stager:
         if stage is not None and not cap:
             req_ids.record_stream(stage)
             topk.record_stream(stage)
-        return ev.event, target
+        return ev.event
 
     def run_prefetch(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor, out: ResolveBuffers, *,
                      host_rows: torch.Tensor, hot_rows: torch.Tensor):

@@ -140,7 +140,7 @@ def _launch_copy_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tenso
 
 def copy_staged(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor,
                 counts: torch.Tensor, *, K: int, programs: int | None = None, rows_per_program: int = 8,
-                num_warps: int = 4, done: torch.Tensor | None = None) -> int:
+                num_warps: int = 4) -> None:
     """A resolve's staging: for each group t, ``dst[dst_idx[t*K + j]] = src[src_idx[t*K + j]]``
     for j < counts[t] (at most (T - t) * K; an entry with a -1 or out-of-range index is
     skipped).
@@ -148,11 +148,7 @@ def copy_staged(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst
     src: uint8 [Ns, W] (pinned host, or device); dst: uint8 [Nd, W]; src_idx / dst_idx:
     int32 [T * K]; counts: int32 [T]. ``programs``: size of the persistent grid (default
     a quarter of the SMs: the staging runs beside attention, which needs the rest).
-    ``done``: int32 [1] on the kernel's device, or None: every thread of the grid adds 1
-    to it with release semantics once its rows are written, so a kernel running
-    concurrently may wait (acquire) for ``done`` to grow by the returned count.
-    No device value is read on the host; graph capturable. Returns how many threads
-    signal ``done`` (0 without it, or when nothing is launched).
+    No device value is read on the host; graph capturable.
     """
     _check_rows("src", src)
     _check_rows("dst", dst)
@@ -179,12 +175,8 @@ def copy_staged(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst
                                  "can only reach page-locked host memory (use PinnedBuffer)")
     if programs is not None:
         check_int("programs", programs, 1)
-    if done is not None:
-        check_tensor("done", done, dtype=torch.int32, shape=(1,))
-        if done.device != (dev if dev is not None else torch.device("cpu")):
-            raise ValueError(f"done is on {done.device}; the copy kernel runs on {dev or 'cpu'}")
-    return _launch_copy_staged(src, src_idx, dst, dst_idx, counts, dev, K=K, programs=programs,
-                               rows_per_program=rows_per_program, num_warps=num_warps, done=done)
+    _launch_copy_staged(src, src_idx, dst, dst_idx, counts, dev, K=K, programs=programs,
+                        rows_per_program=rows_per_program, num_warps=num_warps)
 
 
 _COUNT_BLOCK = 128  # groups whose counts copy_staged_kernel reads as one vector
@@ -192,24 +184,19 @@ _COUNT_BLOCK = 128  # groups whose counts copy_staged_kernel reads as one vector
 
 def _launch_copy_staged(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor,
                         counts: torch.Tensor, dev: torch.device | None, *, K: int, programs: int | None = None,
-                        rows_per_program: int = 8, num_warps: int = 4,
-                        done: torch.Tensor | None = None) -> int:
-    """``copy_staged`` without its checks (see ``_launch_copy_rows``); returns the
-    threads that signal ``done``."""
+                        rows_per_program: int = 8, num_warps: int = 4) -> None:
+    """``copy_staged`` without its checks (see ``_launch_copy_rows``)."""
     T = counts.shape[0]
     if T == 0 or K == 0 or src.shape[0] == 0 or dst.shape[0] == 0:
-        return 0
+        return
     if programs is None:
         programs = max(1, sm_count(dev) // 4) if dev is not None else 2
     WW, WB = row_words(src.shape[1])
-    threads = 32 * num_warps
     with on_device(dev):
         copy_staged_kernel[(programs,)](
             src.view(torch.int32), src_idx, src.shape[0], dst.view(torch.int32), dst_idx, dst.shape[0],
-            counts, done if done is not None else counts, T, K, programs, WW=WW, WB=WB,
-            ROWS=rows_per_program, TB=_COUNT_BLOCK, SIGNAL=done is not None, THREADS=threads,
+            counts, T, K, programs, WW=WW, WB=WB, ROWS=rows_per_program, TB=_COUNT_BLOCK,
             num_warps=num_warps)
-    return programs * threads if done is not None else 0
 
 
 __all__ = ["copy_rows", "copy_staged", "DEFAULT_ROWS_PER_PROGRAM", "DEFAULT_NUM_WARPS", "DEFAULT_PROGRAMS_PER_SM"]

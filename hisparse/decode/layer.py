@@ -7,11 +7,7 @@ Modes (``Overlap``):
           stream waits for the staging first)
   split   the hit phase of the resolve, then attention over the hits *while* the miss
           phase and the staging copy run on the stage stream; then attention over the
-          misses, merged into the hit result by LSE (``attention.miss``). Where the
-          backend can (``miss_tail_fits``: the Triton ws kernel in one launch that leaves
-          ``SPLIT_FREE_SMS`` SMs free), the hit attention's own programs attend the misses
-          once the copy signals that they landed, in the same softmax: no second launch,
-          no merge (``TritonBackend.decode_with_miss_tail``)
+          misses, merged into the hit result by LSE (``attention.miss``)
   fused   as split, but no copy: one kernel on the stage stream reads the missed rows
           from pinned host memory, writes them into their hot slots and attends over
           them, concurrently with the hit attention; then an LSE merge
@@ -37,7 +33,6 @@ import torch
 
 from .._checks import check_bool, check_int, parse_enum, sm_count
 from ..attention.base import SparseMLABackend, check_decode_call
-from ..attention.triton_backend import MissTail
 from ..attention.miss import (MissConfig, MissMode, MissPlan, fused_miss_attention, merge_lse,
                               miss_attention_merge, plan_miss_attention)
 from ..cache.cache import HiSparseCache
@@ -64,13 +59,11 @@ def split_fills_sms(programs: int | None, sms: int) -> bool:
 @dataclasses.dataclass(frozen=True)
 class SplitLaunch:
     """What ``DecodeLayer.begin`` launched: the split resolve, the heads its query has,
-    the SMs its hit attention plans for (None: all), and whether that attention takes
-    the misses as its tail (the resolve's copy then signals ``result.copy_done``)."""
+    and the SMs its hit attention plans for (None: all)."""
 
     result: SplitResult
     num_heads: int
     sms: int | None
-    tail: bool = False
 
 
 class Overlap(enum.Enum):
@@ -89,17 +82,14 @@ class DecodeLayer:
     """Decode attention of a cache's layers in one overlap mode, with one backend.
 
     ``backend`` attends over the hits (and, serially, over everything); ``kernels``
-    picks the miss-side implementation ("auto": Triton on CUDA, torch on CPU);
-    ``miss_tail=False`` keeps split layers on the separate miss attention + merge even
-    where the backend could attend the misses as its tail. To
+    picks the miss-side implementation ("auto": Triton on CUDA, torch on CPU). To
     capture a layer in a CUDA graph, give a backend that does not read the device to
     check its inputs (``TritonBackend(validate=False)``, ``FlashMLABackend(check_ranges=False)``).
     """
 
     def __init__(self, cache: HiSparseCache, backend: SparseMLABackend, *,
                  overlap: Overlap | str = Overlap.SPLIT, validate: bool = False,
-                 kernels: str = "auto", miss_config: MissConfig | None = None,
-                 miss_tail: bool = True) -> None:
+                 kernels: str = "auto", miss_config: MissConfig | None = None) -> None:
         if not isinstance(cache, HiSparseCache):
             raise TypeError(f"cache must be a HiSparseCache, got {type(cache).__name__}")
         if not isinstance(backend, SparseMLABackend):
@@ -110,7 +100,6 @@ class DecodeLayer:
         self.validate = check_bool("validate", validate)
         self.kernels = kernels
         self.miss_config = miss_config  # launch shape of the miss kernels (None: their default)
-        self.miss_tail = check_bool("miss_tail", miss_tail)  # split: the misses as the hit attention's tail where it fits
         self._plans: dict[tuple, MissPlan] = {}
         self._partials: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._supported: set = set()  # (device, row format, heads) the backend accepted
@@ -216,19 +205,9 @@ class DecodeLayer:
             return None, None
         return SPLIT_COPY, max(1, sms - (c.stager.stage_programs or SPLIT_COPY.programs))
 
-    def _tail_fits(self, T: int, H: int, K: int, fmt: RowFormat) -> bool:
-        c = self.cache
-        return (self.miss_tail and c.cuda and T > 0 and K > 0
-                and self.backend.miss_tail_fits(T, H, K, device=c.device, row_format=fmt,
-                                                free_sms=SPLIT_FREE_SMS))
-
     def _begin_split(self, layer: int, req_ids, topk, H: int) -> SplitLaunch:
         T, K = (topk.shape[0], topk.shape[1]) if isinstance(topk, torch.Tensor) and topk.dim() == 2 else (0, 0)
-        fmt = self.cache.layer_view(layer).row_format
-        if self._tail_fits(T, H, K, fmt):
-            sp = self.cache.resolve_split(layer, req_ids, topk, validate=self.validate, signal=True)
-            return SplitLaunch(sp, H, None, tail=True)
-        copy, sms = self._launch_plan(T, H, K, fmt)
+        copy, sms = self._launch_plan(T, H, K, self.cache.layer_view(layer).row_format)
         sp = self.cache.resolve_split(layer, req_ids, topk, validate=self.validate, copy_shape=copy)
         return SplitLaunch(sp, H, sms)
 
@@ -238,12 +217,6 @@ class DecodeLayer:
         sp = launch.result
         view = self.cache.layer_view(sp.layer)
         hot, fmt = view.hot_rows, view.row_format
-        if launch.tail:
-            tail = MissTail(sp.miss_physical, sp.miss_counts, sp.copy_done, sp.copy_target)
-            out, lse = self.backend.decode_with_miss_tail(q, hot, sp.hit_physical, tail, sm_scale=sm_scale,
-                                                          row_format=fmt)
-            sp.wait()  # later work of the stage stream's, ordered as after a merge
-            return out, lse
         plan = self._plan(MissMode.SPLIT, q.shape[0], q.shape[1], fmt)
         kw = {} if launch.sms is None else {"sms": launch.sms}
         out, lse = self.backend.decode(q, hot, sp.hit_physical, sm_scale=sm_scale, row_format=fmt, **kw)

@@ -63,7 +63,6 @@ def copy_staged_kernel(
     dst_idx_ptr,  # int32 [T * K], parallel to src_idx
     Nd,
     counts_ptr,  # int32 [T] rows to stage of the group whose first token is t (0 = none)
-    done_ptr,  # int32 [1] (SIGNAL) threads that have finished, summed over the programs
     T,
     K,
     NPROG,  # programs in the grid (the persistent loop's stride)
@@ -71,8 +70,6 @@ def copy_staged_kernel(
     WB: tl.constexpr,
     ROWS: tl.constexpr,
     TB: tl.constexpr,  # groups whose counts are read at once (power of two)
-    SIGNAL: tl.constexpr,  # count this program's threads into done_ptr at the end
-    THREADS: tl.constexpr,  # 32 x num_warps (SIGNAL)
 ):
     """A resolve's staging: only the first ``counts[t]`` entries (at most (T - t) * K: a
     group of q tokens has q * K) of each group's list are read.
@@ -81,12 +78,7 @@ def copy_staged_kernel(
     nothing to stage is skipped whole: a step without misses costs each program one
     load and one sum per block. In a block with misses, each group's count is read
     again (a scalar load, one dependent round trip per group), and chunk c of group t
-    goes to program (t + c) mod NPROG, so small groups spread over the programs too.
-
-    With SIGNAL, each thread adds 1 to ``*done_ptr`` with release semantics (gpu scope)
-    once its stores are issued, so a kernel running beside this one that reads
-    ``*done_ptr == NPROG x THREADS`` (with acquire semantics) sees every staged row
-    (``mla_decode_ws``'s miss tail)."""
+    goes to program (t + c) mod NPROG, so small groups spread over the programs too."""
     pid = tl.program_id(0)
     cols = tl.arange(0, WB)
     cmask = cols < WW
@@ -114,6 +106,3 @@ def copy_staged_kernel(
                     c += NPROG
                 t += 1
         t0 += TB
-    if SIGNAL:  # one element per thread: every thread releases its own stores
-        th = tl.arange(0, THREADS)
-        tl.atomic_add(done_ptr + th * 0, (th >= 0).to(tl.int32), sem="release", scope="gpu")

@@ -29,17 +29,6 @@ The two consumers duplicate q . k^T (1.5x the tensor-core work of one pass) so t
 neither waits for the other; the softmax results are bitwise identical (same inputs,
 same operations). A head block is 64 heads (wgmma's M); heads >= H read q as 0 and are
 not written.
-
-Miss tail (``MISS_TAIL``, one split only): a split decode layer's hit attention also
-attends over the token's missed rows once they have landed, in the same online softmax
-(no partial result, no merge). After its hit blocks the producer waits until the staging
-copy's programs have all signalled (``done_ptr`` reaches ``done_target``: each program
-adds 1 with release semantics after its rows are written, ``copy_rows.copy_staged_kernel``),
-tells the consumers through an mbarrier, and runs a second pass over the token's
-``mcnt[t]`` entries of ``miss_ptr``; the consumers follow. Only a launch whose every
-program holds an SM while SMs are left for the resolve's miss phase and the copy may
-wait like this (``DecodeLayer`` checks): a waiting program never yields its SM. A wait
-that lasts about 2^22 polls (seconds) traps, which fails the launch instead of hanging.
 """
 
 from __future__ import annotations
@@ -81,36 +70,27 @@ def _ws_range(vc_ptr, t, sp, rows_per_split, K, HAS_VC: gl.constexpr, BLOCK_N: g
 
 
 @gluon.jit
-def _load_idx(idx_row, start, hi, BLOCK_N: gl.constexpr, CG: gl.constexpr):
+def _load_idx(idx_row, start, hi, BLOCK_N: gl.constexpr):
     """Index entries [start, start + BLOCK_N) (-1 past hi), int32 [BLOCK_N] in the row
-    layouts of the codes, scales and RoPE copies (three small loads, no conversion;
-    ``CG``: from L2, not L1: lists another kernel wrote while this one ran)."""
+    layouts of the codes, scales and RoPE copies (three small loads, no conversion)."""
     _LC: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
     _LS: gl.constexpr = gl.BlockedLayout([1, 1], [8, 4], [4, 1], [1, 0])
     _LR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     rc = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, _LC))
     rs = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, _LS))
     rr = start + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, _LR))
-    if CG:
-        return (gl.load(idx_row + rc, mask=rc < hi, other=-1, cache_modifier=".cg"),
-                gl.load(idx_row + rs, mask=rs < hi, other=-1, cache_modifier=".cg"),
-                gl.load(idx_row + rr, mask=rr < hi, other=-1, cache_modifier=".cg"))
     return (gl.load(idx_row + rc, mask=rc < hi, other=-1),
             gl.load(idx_row + rs, mask=rs < hi, other=-1),
             gl.load(idx_row + rr, mask=rr < hi, other=-1))
 
 
 @gluon.jit
-def _score_bias(idx_row, start, hi, N, layout: gl.constexpr, BLOCK_N: gl.constexpr,
-                CG: gl.constexpr):
+def _score_bias(idx_row, start, hi, N, layout: gl.constexpr, BLOCK_N: gl.constexpr):
     """Score bias of entries [start, start + BLOCK_N): float32 [BLOCK_N] in ``layout``, 0
     for an index in [0, N), -inf for -1 / out-of-range entries and those past hi (the
     entries ``_issue_raw`` zero-fills)."""
     e = start + gl.arange(0, BLOCK_N, layout=layout)
-    if CG:
-        i = gl.load(idx_row + e, mask=e < hi, other=-1, cache_modifier=".cg")
-    else:
-        i = gl.load(idx_row + e, mask=e < hi, other=-1)
+    i = gl.load(idx_row + e, mask=e < hi, other=-1)
     return gl.where((i >= 0) & (i < N), 0.0, float("-inf"))
 
 
@@ -143,107 +123,37 @@ def _issue_raw(kv_ptr, idx_c, idx_s, idx_r, N, kv_stride, codes_slot, scales_slo
 
 
 @gluon.jit
-def _wait_landed(done_ptr, done_target, mcnt_ptr, t, K, tail):
-    """Miss tail, producer side: poll ``*done_ptr`` (relaxed, uncached) until it reaches
-    ``done_target``, then a gpu-scope fence: together an acquire of the copy threads'
-    release adds, so what they (and the miss phase before them) wrote is visible to the
-    reads after this. About 2^22 polls without the count reached (seconds: the copy
-    cannot run) traps. Then the producer's threads meet, the consumers are told
-    (``tail``), and token t's miss count (clamped to [0, K]) is returned."""
-    v = gl.load(done_ptr, volatile=True)
-    polls = 0
-    while (v < done_target) & (polls < 4194304):
-        gl.inline_asm_elementwise("nanosleep.u32 128; mov.b32 $0, $1;", "=r,r", [v],
-                                  dtype=gl.int32, is_pure=False, pack=1)
-        v = gl.load(done_ptr, volatile=True)
-        polls += 1
-    if v < done_target:
-        gl.inline_asm_elementwise("trap; mov.b32 $0, $1;", "=r,r", [v], dtype=gl.int32,
-                                  is_pure=False, pack=1)
-    gl.inline_asm_elementwise("fence.acq_rel.gpu; mov.b32 $0, $1;", "=r,r", [v],
-                              dtype=gl.int32, is_pure=False, pack=1)
-    _cta_barrier()  # every producer thread has fenced before the consumers are told
-    mbarrier.arrive(tail, count=1)
-    return gl.minimum(gl.maximum(gl.load(mcnt_ptr + t, volatile=True), 0), K)
-
-
-@gluon.jit
-def _tail_count(tail, mcnt_ptr, t, K):
-    """Miss tail, consumer side: wait until the producer saw the misses land; token t's
-    miss count (clamped to [0, K])."""
-    mbarrier.wait(tail, 0)
-    return gl.minimum(gl.maximum(gl.load(mcnt_ptr + t, volatile=True), 0), K)
-
-
-@gluon.jit
-def _block_src(b, n_hit, idx_row, lo, hi, miss_row, mc, BLOCK_N: gl.constexpr,
-               MISS_TAIL: gl.constexpr):
-    """(index row, first entry, end) of block b: the hit entries [lo, hi) of idx_row in
-    blocks [0, n_hit), then (miss tail) the miss entries [0, mc) of miss_row."""
-    row = idx_row
-    start = lo + b * BLOCK_N
-    end = hi
-    if MISS_TAIL:
-        if b >= n_hit:
-            row = miss_row
-            start = (b - n_hit) * BLOCK_N
-            end = mc
-    return row, start, end
-
-
-@gluon.jit
-def _producer(kv_ptr, idx_ptr, vc_ptr, miss_ptr, mcnt_ptr, done_ptr, N, K, kv_stride,
-              idx_stride, miss_stride, rows_per_split, done_target,
+def _producer(kv_ptr, idx_ptr, vc_ptr, N, K, kv_stride, idx_stride, rows_per_split,
               codes_raw, scales_raw, rope_raw, k_lo, k_hi, k_rope,
-              ready, empty, tail, HAS_VC: gl.constexpr, MISS_TAIL: gl.constexpr,
-              BLOCK_N: gl.constexpr, STAGES: gl.constexpr, RAW: gl.constexpr):
+              ready, empty, HAS_VC: gl.constexpr, BLOCK_N: gl.constexpr,
+              STAGES: gl.constexpr, RAW: gl.constexpr):
     _LT: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
     _LTS: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
     _LR: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     t = gl.program_id(0).to(gl.int64)
     sp = gl.program_id(2)
-    lo, hi, n_hit = _ws_range(vc_ptr, t, sp, rows_per_split, K, HAS_VC, BLOCK_N)
+    lo, hi, n_blocks = _ws_range(vc_ptr, t, sp, rows_per_split, K, HAS_VC, BLOCK_N)
     idx_row = idx_ptr + t * idx_stride
-    miss_row = miss_ptr + t * miss_stride
-    # blocks [0, n_hit) are hits; with the miss tail, the misses follow once they landed
-    # (the wait runs when block n_hit is about to be issued; mc, n_total grow then)
-    n_total = n_hit
-    mc = 0
     # fill the first RAW - 1 raw slots; one commit group per block (empty groups too, so
     # that wait_group(RAW - 1) below always means "block j has landed")
     for b in gl.static_range(RAW - 1):
-        if MISS_TAIL:
-            if b == n_hit:
-                mc = _wait_landed(done_ptr, done_target, mcnt_ptr, t, K, tail)
-                n_total = n_hit + (mc + BLOCK_N - 1) // BLOCK_N
-        if b < n_total:
-            row, start, end = _block_src(b, n_hit, idx_row, lo, hi, miss_row, mc, BLOCK_N, MISS_TAIL)
-            i_c, i_s, i_r = _load_idx(row, start, end, BLOCK_N, MISS_TAIL)
+        if b < n_blocks:
+            i_c, i_s, i_r = _load_idx(idx_row, lo + b * BLOCK_N, hi, BLOCK_N)
             _issue_raw(kv_ptr, i_c, i_s, i_r, N, kv_stride, codes_raw.index(b),
                        scales_raw.index(b), rope_raw.index(b))
         async_copy.commit_group()
     # the indices of the next block to issue are loaded one iteration early, so their
-    # latency hides behind a conversion (a first miss block's are loaded again after
-    # the wait: before it, its count is 0 and the load masked)
-    row, start, end = _block_src(RAW - 1, n_hit, idx_row, lo, hi, miss_row, mc, BLOCK_N, MISS_TAIL)
-    n_c, n_s, n_r = _load_idx(row, start, end, BLOCK_N, MISS_TAIL)
+    # latency hides behind a conversion
+    n_c, n_s, n_r = _load_idx(idx_row, lo + (RAW - 1) * BLOCK_N, hi, BLOCK_N)
     tcol = gl.arange(0, 4, layout=gl.SliceLayout(0, _LTS))
-    j = 0
-    while j < n_total:
+    for j in range(n_blocks):
         nxt = j + RAW - 1
-        if MISS_TAIL:
-            if nxt == n_hit:
-                mc = _wait_landed(done_ptr, done_target, mcnt_ptr, t, K, tail)
-                n_total = n_hit + (mc + BLOCK_N - 1) // BLOCK_N
-                n_c, n_s, n_r = _load_idx(miss_row, 0, mc, BLOCK_N, MISS_TAIL)
-        if nxt < n_total:
+        if nxt < n_blocks:
             r = nxt % RAW
             _issue_raw(kv_ptr, n_c, n_s, n_r, N, kv_stride, codes_raw.index(r),
                        scales_raw.index(r), rope_raw.index(r))
         async_copy.commit_group()
-        row, start, end = _block_src(nxt + 1, n_hit, idx_row, lo, hi, miss_row, mc, BLOCK_N,
-                                     MISS_TAIL)
-        n_c, n_s, n_r = _load_idx(row, start, end, BLOCK_N, MISS_TAIL)
+        n_c, n_s, n_r = _load_idx(idx_row, lo + (nxt + 1) * BLOCK_N, hi, BLOCK_N)
         async_copy.wait_group(RAW - 1)  # block j's copies (this thread's) have landed
         _cta_barrier()  # ... and every producer thread's
         r = j % RAW
@@ -262,23 +172,20 @@ def _producer(kv_ptr, idx_ptr, vc_ptr, miss_ptr, mcnt_ptr, done_ptr, N, K, kv_st
         k_rope.index(s).store(rope_raw.index(r).load(_LR))
         fence_async_shared()  # generic-proxy stores -> the consumers' wgmma reads
         mbarrier.arrive(ready.index(s), count=1)
-        j += 1
     async_copy.wait_group(0)
 
 
 @gluon.jit
-def _consume(q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, ready, empty, tail, idx_ptr, miss_ptr,
-             mcnt_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, vc_ptr, N, K, H,
-             idx_stride, miss_stride, rows_per_split, qk_scale_log2, PART: gl.constexpr,
-             HAS_VC: gl.constexpr, MISS_TAIL: gl.constexpr, NUM_SPLITS: gl.constexpr,
-             BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+def _consume(q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, ready, empty, idx_ptr,
+             out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, vc_ptr, N, K, H, idx_stride,
+             rows_per_split, qk_scale_log2, PART: gl.constexpr, HAS_VC: gl.constexpr,
+             NUM_SPLITS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """One consumer warpgroup: all of q . k^T, output columns [256 PART, 256 PART + 256)."""
     t = gl.program_id(0).to(gl.int64)
     hb = gl.program_id(1)
     sp = gl.program_id(2)
-    lo, hi, n_hit = _ws_range(vc_ptr, t, sp, rows_per_split, K, HAS_VC, BLOCK_N)
+    lo, hi, n_blocks = _ws_range(vc_ptr, t, sp, rows_per_split, K, HAS_VC, BLOCK_N)
     idx_row = idx_ptr + t * idx_stride
-    miss_row = miss_ptr + t * miss_stride
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BLOCK_N, 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -288,14 +195,7 @@ def _consume(q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, ready, empty, tail, idx_ptr
     l_i = gl.zeros([64], gl.float32, layout=gl.SliceLayout(1, s_l))
     acc = gl.zeros([64, 256], gl.float32, layout=o_l)
     s0 = gl.zeros([64, BLOCK_N], gl.float32, layout=s_l)
-    n_total = n_hit
-    mc = 0
-    if MISS_TAIL:
-        if n_hit == 0:  # no hit block: the misses are all there is
-            mc = _tail_count(tail, mcnt_ptr, t, K)
-            n_total = (mc + BLOCK_N - 1) // BLOCK_N
-    j = 0
-    while j < n_total:
+    for j in range(n_blocks):
         s = j % STAGES
         mbarrier.wait(ready.index(s), (j // STAGES) & 1)
         kl = k_lo.index(s)
@@ -305,8 +205,7 @@ def _consume(q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, ready, empty, tail, idx_ptr
         sc = warpgroup_mma(q_rope, k_rope.index(s).permute((1, 0)), sc, is_async=True)
         # loaded while the tensor cores run q . k^T (issued before the wait, fewer registers
         # held across the ready wait than a load ahead of it)
-        row, start, end = _block_src(j, n_hit, idx_row, lo, hi, miss_row, mc, BLOCK_N, MISS_TAIL)
-        b = _score_bias(row, start, end, N, gl.SliceLayout(0, s_l), BLOCK_N, MISS_TAIL)
+        b = _score_bias(idx_row, lo + j * BLOCK_N, hi, N, gl.SliceLayout(0, s_l), BLOCK_N)
         sc = warpgroup_mma_wait(num_outstanding=0, deps=(sc, ))
         x = sc * qk_scale_log2 + b[None, :]
         m_new = gl.maximum(m_i, gl.max(x, axis=1))
@@ -323,11 +222,6 @@ def _consume(q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, ready, empty, tail, idx_ptr
             acc = warpgroup_mma(pa, kh, acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         mbarrier.arrive(empty.index(s), count=1)
-        if MISS_TAIL:
-            if j + 1 == n_hit:  # the last hit block: the misses follow once they landed
-                mc = _tail_count(tail, mcnt_ptr, t, K)
-                n_total = n_hit + (mc + BLOCK_N - 1) // BLOCK_N
-        j += 1
 
     has = l_i > 0.0
     inv_l = gl.where(has, 1.0 / gl.where(has, l_i, 1.0), 0.0)
@@ -351,15 +245,13 @@ def _consume(q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, ready, empty, tail, idx_ptr
 
 
 @gluon.jit
-def _consumer1(q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, ready, empty, tail, idx_ptr, miss_ptr,
-               mcnt_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, vc_ptr, N, K, H,
-               idx_stride, miss_stride, rows_per_split, qk_scale_log2, HAS_VC: gl.constexpr,
-               MISS_TAIL: gl.constexpr, NUM_SPLITS: gl.constexpr, BLOCK_N: gl.constexpr,
-               STAGES: gl.constexpr):
-    _consume(q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, ready, empty, tail, idx_ptr, miss_ptr,
-             mcnt_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, vc_ptr, N, K, H,
-             idx_stride, miss_stride, rows_per_split, qk_scale_log2, 1, HAS_VC, MISS_TAIL,
-             NUM_SPLITS, BLOCK_N, STAGES)
+def _consumer1(q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, ready, empty, idx_ptr,
+               out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, vc_ptr, N, K, H, idx_stride,
+               rows_per_split, qk_scale_log2, HAS_VC: gl.constexpr, NUM_SPLITS: gl.constexpr,
+               BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    _consume(q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, ready, empty, idx_ptr,
+             out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, vc_ptr, N, K, H, idx_stride,
+             rows_per_split, qk_scale_log2, 1, HAS_VC, NUM_SPLITS, BLOCK_N, STAGES)
 
 
 @gluon.jit
@@ -372,19 +264,13 @@ def sparse_mla_decode_ws_kernel(
     lse_ptr,  # float32 [T, H] natural log (written when NUM_SPLITS == 1)
     part_out_ptr,  # float32 [T, NUM_SPLITS, H, 512] (written when NUM_SPLITS > 1)
     part_lse_ptr,  # float32 [T, NUM_SPLITS, H] base-2 lse (written when NUM_SPLITS > 1)
-    miss_ptr,  # int32 [T, >= K] (MISS_TAIL) each token's missed rows, compacted
-    mcnt_ptr,  # int32 [T] (MISS_TAIL) entries of miss_ptr's row to attend
-    done_ptr,  # int32 [1] (MISS_TAIL) the staging copy's programs that have finished
     N, K, H,  # rows, entries per token, heads
     q_stride_t, q_stride_h,  # elements
     kv_stride,  # bytes between rows (a multiple of 16)
     idx_stride,  # elements between index rows
-    miss_stride,  # elements between miss_ptr rows
     rows_per_split,  # entries per split (a multiple of BLOCK_N)
-    done_target,  # (MISS_TAIL) *done_ptr once the misses have landed
     qk_scale_log2,  # sm_scale * log2(e)
     HAS_VC: gl.constexpr,
-    MISS_TAIL: gl.constexpr,
     NUM_SPLITS: gl.constexpr,
     BLOCK_N: gl.constexpr,
     STAGES: gl.constexpr,  # bf16 ring slots shared by producer and consumers
@@ -392,7 +278,6 @@ def sparse_mla_decode_ws_kernel(
     PRODUCER_REGS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
 ):
-    gl.static_assert(not MISS_TAIL or NUM_SPLITS == 1, "the miss tail needs one split")
     t = gl.program_id(0).to(gl.int64)
     hb = gl.program_id(1)
     # q of this head block into shared memory (default partition's 4 warps, before the fork)
@@ -423,25 +308,21 @@ def sparse_mla_decode_ws_kernel(
     rope_raw = gl.allocate_shared_memory(gl.bfloat16, [RAW, BLOCK_N, 64], plain2)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    tail = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both consumers release a slot
-    mbarrier.init(tail.index(0), count=1)  # the producer: the misses have landed
     fence_async_shared()  # q's stores and the barrier inits -> async proxy / other warps
     _cta_barrier()  # ... and every warp sees them before the partitions start
 
     gl.warp_specialize([
-        (_consume, (q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, ready, empty, tail.index(0),
-                    idx_ptr, miss_ptr, mcnt_ptr, out_ptr, lse_ptr, part_out_ptr, part_lse_ptr,
-                    vc_ptr, N, K, H, idx_stride, miss_stride, rows_per_split, qk_scale_log2,
-                    0, HAS_VC, MISS_TAIL, NUM_SPLITS, BLOCK_N, STAGES)),
-        (_consumer1, (q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, ready, empty, tail.index(0),
-                      idx_ptr, miss_ptr, mcnt_ptr, out_ptr, lse_ptr, part_out_ptr,
-                      part_lse_ptr, vc_ptr, N, K, H, idx_stride, miss_stride, rows_per_split,
-                      qk_scale_log2, HAS_VC, MISS_TAIL, NUM_SPLITS, BLOCK_N, STAGES)),
-        (_producer, (kv_ptr, idx_ptr, vc_ptr, miss_ptr, mcnt_ptr, done_ptr, N, K, kv_stride,
-                     idx_stride, miss_stride, rows_per_split, done_target,
+        (_consume, (q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, ready, empty, idx_ptr,
+                    out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, vc_ptr, N, K, H, idx_stride,
+                    rows_per_split, qk_scale_log2, 0, HAS_VC, NUM_SPLITS, BLOCK_N, STAGES)),
+        (_consumer1, (q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, ready, empty, idx_ptr,
+                      out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, vc_ptr, N, K, H,
+                      idx_stride, rows_per_split, qk_scale_log2, HAS_VC, NUM_SPLITS, BLOCK_N,
+                      STAGES)),
+        (_producer, (kv_ptr, idx_ptr, vc_ptr, N, K, kv_stride, idx_stride, rows_per_split,
                      codes_raw, scales_raw, rope_raw, k_lo, k_hi, k_rope,
-                     ready, empty, tail.index(0), HAS_VC, MISS_TAIL, BLOCK_N, STAGES, RAW)),
+                     ready, empty, HAS_VC, BLOCK_N, STAGES, RAW)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])
