@@ -102,3 +102,6 @@ class DecodeAttentionCalls:
         self._refuse_input_buffer(topk_indices, "prefetch")
         if self._decode_tokens:
             self._cache.prefetch(i, self._decode_ids, topk_indices)
+
+
+__all__ = ["DecodeAttentionCalls", "topk_key"]
