@@ -29,6 +29,14 @@ class DecodeAttentionCalls:
     ``_decode_tokens``, ``_converted``, ``_written``, ``_begun``, ``_decode_layers``,
     ``resolves_per_layer`` and ``_refuse_input_buffer``)."""
 
+    def _check_decode_topk(self, topk_indices: object) -> None:
+        """A decode top-k of this forward: int32 [num_decode_tokens, K] on the group's device."""
+        td = self._decode_tokens
+        check_tensor("topk_indices", topk_indices, dtype=torch.int32, ndim=2, device=self.device)
+        if topk_indices.shape[0] != td:
+            raise ValueError(f"topk_indices must be [num_decode_tokens={td}, K] (padded to the bucket with "
+                             f"pad_to), got {list(topk_indices.shape)}")
+
     def decode_attention(self, layer_index: int, q: torch.Tensor, topk_indices: torch.Tensor,
                          metadata: SparseMLAMetadata, *, backend, sm_scale: float,
                          overlap: str = "split") -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,14 +81,10 @@ class DecodeAttentionCalls:
 
     def _split_layer(self, i: int, topk_indices, backend, overlap: str) -> DecodeLayer:
         """Checks of a decode attention of layer i; its DecodeLayer (made once)."""
-        td = self._decode_tokens
-        check_tensor("topk_indices", topk_indices, dtype=torch.int32, ndim=2, device=self.device)
-        if topk_indices.shape[0] != td:
-            raise ValueError(f"topk_indices must be [num_decode_tokens={td}, K] (padded to the bucket with "
-                             f"pad_to), got {list(topk_indices.shape)}")
+        self._check_decode_topk(topk_indices)
         if i in self._converted:
             raise ValueError(f"layer {i} was already resolved in this forward (or by a graph replay)")
-        if td and i not in self._written:
+        if self._decode_tokens and i not in self._written:
             raise ValueError(f"layer {i}: write_new_rows must run before decode attention")
         layer = self._decode_layers.get((id(backend), overlap))
         if layer is None:
@@ -93,10 +97,7 @@ class DecodeAttentionCalls:
         layer ``layer_index`` ahead of its resolve in this forward (``HiSparseCache.prefetch``)."""
         i = self._layer(layer_index)
         self._check_batch(metadata)
-        check_tensor("topk_indices", topk_indices, dtype=torch.int32, ndim=2, device=self.device)
-        if topk_indices.shape[0] != self._decode_tokens:
-            raise ValueError(f"topk_indices must be [num_decode_tokens={self._decode_tokens}, K] (padded to "
-                             f"the bucket with pad_to), got {list(topk_indices.shape)}")
+        self._check_decode_topk(topk_indices)
         if i in self._converted:
             raise ValueError(f"layer {i} was already resolved in this forward: prefetch it before")
         self._refuse_input_buffer(topk_indices, "prefetch")

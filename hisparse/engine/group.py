@@ -459,11 +459,8 @@ class HiSparseIndexGroup(PrefillCalls, LayerGraphCalls, DecodeAttentionCalls):
             raise ValueError(f"num_decodes={nd}, decode_query_len={q} disagree with the batch "
                              f"({md.num_decodes} decodes of {md.decode_max_query_len} tokens)")
         td = self._decode_tokens
-        check_tensor("topk_indices", topk_indices, dtype=torch.int32, ndim=2, device=self.device)
+        self._check_decode_topk(topk_indices)
         shape = tuple(topk_indices.shape)
-        if shape[0] != td:
-            raise ValueError(f"topk_indices must be [num_decode_tokens={td}, K] (padded to the bucket with "
-                             f"pad_to), got {list(shape)}")
         if shape[1] > self.config.top_k:
             raise ValueError(f"topk_indices has K={shape[1]} > config top_k={self.config.top_k}")
         key = topk_key(topk_indices)
