@@ -8,6 +8,13 @@ compiled code, the *unrounded* product minus the rounded max: at |x * c| ~ 2^45 
 difference is up to 2^21, and exp2 makes it inf or 0 where the interpreter gets
 exp2(0) = 1. An exponent argument that comes straight out of an fma is that pattern;
 none of the kernels needs one (they exponentiate a plain difference or a product).
+
+Why ``cp_async_after_shared_read``: a ``cp.async`` that refills a shared-memory slot
+which other threads of the partition have read must follow a barrier those threads
+passed after their reads. The warp-specialised decode kernel's producer relies on the
+barriers Triton's shared-memory analysis inserts for that (no barrier in its source
+between the conversion of a raw slot and its refill). The check is on the text order
+of the PTX: a cp.async whose nearest preceding barrier-or-shared-read is a read.
 """
 
 import re
@@ -15,6 +22,9 @@ import re
 _INSTR = re.compile(r"^\s*(?:@!?%p\w+\s+)?([a-z][\w.]*)\s+(%\w+)\s*,\s*([^;]*);", re.M)
 _EX2 = re.compile(r"^\s*(?:@!?%p\w+\s+)?ex2\.approx[\w.]*\s+%\w+\s*,\s*(%\w+)\s*;", re.M)
 _PASS_THROUGH = ("mov.", "neg.", "abs.", "selp.")  # the value is (one of) its operands
+_CP_ASYNC = re.compile(r"^\s*(?:@!?%p\w+\s+)?cp\.async\.c[ag]\.shared")
+_BARRIER = re.compile(r"^\s*(?:@!?%p\w+\s+)?(?:bar|barrier)\.sync\b")
+_SHARED_READ = re.compile(r"^\s*(?:@!?%p\w+\s+)?(?:ld\.shared|ldmatrix)\b")
 
 
 def ex2_args_from_fma(ptx: str) -> list[str]:
@@ -38,3 +48,18 @@ def ex2_args_from_fma(ptx: str) -> list[str]:
         return False
 
     return [r for r in _EX2.findall(ptx) if from_fma(r, set())]
+
+
+def cp_async_after_shared_read(ptx: str) -> list[int]:
+    """The 1-based line numbers of the ``cp.async`` (into shared memory) in ``ptx`` whose
+    nearest preceding barrier or shared-memory read, in text order, is a read; [] when
+    every one follows a barrier (or nothing)."""
+    bad, last = [], None  # last: "barrier" / "read" / None
+    for n, line in enumerate(ptx.splitlines(), 1):
+        if _BARRIER.match(line):
+            last = "barrier"
+        elif _SHARED_READ.match(line):
+            last = "read"
+        elif _CP_ASYNC.match(line) and last == "read":
+            bad.append(n)
+    return bad

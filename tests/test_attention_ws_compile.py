@@ -17,6 +17,7 @@ from hisparse._checks import interpreter_mode
 from hisparse.attention.triton_backend import (WS_DEFAULT, WS_MAX_SHARED, TritonBackend,
                                                TritonMLAConfig, default_config, ws_shared_bytes)
 from hisparse.kernels.gluon_support import gluon_ws_problem
+from ptx_checks import cp_async_after_shared_read
 
 _COMPILE = r'''
 import json, os, re, subprocess, sys, tempfile
@@ -25,7 +26,7 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from hisparse.attention.triton_backend import WS_MAXNREG, ws_consumer_regs
 from hisparse.kernels.mla_decode_ws import sparse_mla_decode_ws_kernel
-from ptx_checks import ex2_args_from_fma
+from ptx_checks import cp_async_after_shared_read, ex2_args_from_fma
 
 out = []
 for bn, stages, raw, preg, splits in json.loads(sys.argv[1]):
@@ -52,6 +53,7 @@ for bn, stages, raw, preg, splits in json.loads(sys.argv[1]):
                 "wgmma": ptx.count("wgmma.mma_async"), "cp_async": ptx.count("cp.async.cg.shared.global"),
                 "mbarrier_wait": ptx.count("mbarrier.try_wait"),
                 "ex2_from_fma": len(ex2_args_from_fma(ptx)),
+                "cp_async_after_read": cp_async_after_shared_read(ptx),
                 "consumer_regs": ws_consumer_regs(preg)})
 print(json.dumps(out))
 '''
@@ -78,6 +80,9 @@ def test_ws_kernel_compiles_for_sm90_within_budget():
         assert est <= s["shared"] <= est + 2048 and s["shared"] <= WS_MAX_SHARED + 1024, (est, s)
         assert s["wgmma"] > 0 and s["cp_async"] > 0 and s["mbarrier_wait"] > 0, s
         assert s["ex2_from_fma"] == 0, s  # exp2 of a contracted product - max (ptx_checks)
+        # every raw-slot refill follows a producer barrier (ptx_checks): the scales of a
+        # slot are read by other warps than those that gather them
+        assert s["cp_async_after_read"] == [], s
 
 
 def test_ws_config_validation():
@@ -108,3 +113,17 @@ def test_ws_on_cpu_is_a_clear_error():
         pytest.skip("the CPU path needs TRITON_INTERPRET=1 (set by the test runner)")
     with pytest.raises(ValueError, match="ws=True.*CUDA SM 9.x"):
         be.decode(q, rows, idx, sm_scale=0.1, row_format="fp8_ds_mla")
+
+
+def test_cp_async_after_shared_read_finds_a_refill_without_a_barrier():
+    ok = """
+	cp.async.cg.shared.global [ %r1 + 0 ], [ %rd1 + 0 ], 0x10, %r2;
+	ld.shared.v4.b32 	{%r3, %r4, %r5, %r6}, [%r7+16];
+	bar.sync 	3, 128;
+	@%p1 cp.async.ca.shared.global [ %r8 + 0 ], [ %rd2 + 0 ], 0x4, %r9;
+"""
+    assert cp_async_after_shared_read(ok) == []
+    bad = ok.replace("\tbar.sync \t3, 128;\n", "\tadd.s32 \t%r10, %r10, 1;\n")
+    assert cp_async_after_shared_read(bad) == [5]
+    read_after_barrier = ok.replace("\tbar.sync \t3, 128;\n", "\tbarrier.sync \t1;\n\tldmatrix.sync.aligned.m8n8.x4.shared.b16 {%r1, %r2, %r3, %r4}, [%r5];\n")
+    assert cp_async_after_shared_read(read_after_barrier) == [6]

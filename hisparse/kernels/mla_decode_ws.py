@@ -149,12 +149,12 @@ def _producer(kv_ptr, idx_ptr, vc_ptr, N, K, kv_stride, idx_stride, rows_per_spl
     for j in range(n_blocks):
         nxt = j + RAW - 1
         if nxt < n_blocks:
-            # raw slot nxt % RAW held block j - 1, converted in the previous iteration
-            # with no producer barrier since. Its codes and RoPE were read by the
-            # threads that gathered them; its scales were not (gathered as _LS, read as
-            # _LTS): their refill assumes every producer warp read block j - 1's scales
-            # (first thing after the empty wait) before another warp, a whole
-            # conversion later, gets here. Not enforced by a barrier.
+            # raw slot nxt % RAW held block j - 1, converted in the previous iteration.
+            # Its scales were read there by other warps than the ones that refill them
+            # (gathered as _LS, read as _LTS). What orders those reads before this
+            # refill is a producer barrier in the compiled kernel: the one before the
+            # conversion's ``ready`` arrive, and one that Triton's shared-memory barrier
+            # analysis inserts before these cp.async (the compile test checks the PTX).
             r = nxt % RAW
             _issue_raw(kv_ptr, n_c, n_s, n_r, N, kv_stride, codes_raw.index(r),
                        scales_raw.index(r), rope_raw.index(r))
