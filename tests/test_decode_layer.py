@@ -257,4 +257,13 @@ def test_split_fills_sms():
     assert [split_fills_sms(p, 132) for p in (None, 1, 128, 129, 132, 133, 264)] == \
         [False, False, False, True, True, False, False]
     layer = DecodeLayer(make("torch", "fp8_ds_mla")[0], ReferenceBackend(), overlap="split")
-    assert layer._launch_plan(66, 128, 2048, "fp8_ds_mla") == (None, None)  # CPU / a backend without a plan
+    assert layer._launch_plan(66, 128, 2048, "fp8_ds_mla") == (None, None, False)  # CPU: no plan
+    assert layer._launch_plan(256, 128, 2048, "fp8_ds_mla") == (None, None, False)
+
+
+def test_split_waits_for_misses_past_one_wave():
+    """A split layer's hit attention starts after the miss phase only when its programs
+    exceed one wave of SMs."""
+    from hisparse.decode.layer import split_waits_for_misses
+    assert [split_waits_for_misses(p, 132) for p in (1, 128, 132, 133, 136, 512)] == \
+        [False, False, False, True, True, True]

@@ -163,11 +163,11 @@ def test_split_layer_that_fills_the_sms_leaves_the_copy_its_own():
     from hisparse.decode.layer import SPLIT_COPY
     sms = sm_count(DEV)
     be = TritonBackend(validate=False)
-    assert DecodeLayer(make(b=1), be, overlap="split")._launch_plan(sms // 2 - 2, H, K, "fp8_ds_mla") == (None, None)
+    assert DecodeLayer(make(b=1), be, overlap="split")._launch_plan(sms // 2 - 2, H, K, "fp8_ds_mla") == (None, None, False)
     T = sms // 2
     a, b = make(b=T), make(b=T)
     la, lb = DecodeLayer(a, be, overlap=Overlap.SPLIT), DecodeLayer(b, be, overlap=Overlap.SERIAL)
-    assert la._launch_plan(T, H, K, "fp8_ds_mla") == (SPLIT_COPY, sms - SPLIT_COPY.programs)
+    assert la._launch_plan(T, H, K, "fp8_ds_mla") == (SPLIT_COPY, sms - SPLIT_COPY.programs, False)
     ids = torch.arange(T, dtype=I32, device=DEV)
     rng, g = random.Random(6), torch.Generator(device="cpu").manual_seed(7)
     for step in range(3):
@@ -180,3 +180,70 @@ def test_split_layer_that_fills_the_sms_leaves_the_copy_its_own():
     tk = topk(rng, 0.9, b=T)
     q = (torch.randn((T, H, 576), generator=g) * 0.5).to(DEV, torch.bfloat16)
     _replay_equals_eager(a, lambda: la.finish(la.begin(1, ids, tk, num_heads=H), q, sm_scale=SM))
+
+
+def test_split_layer_past_one_wave_attends_after_the_miss_phase():
+    """A batch whose hit attention needs more than one wave of SMs: the split layer's
+    hit attention starts after the miss phase (so the copy is launched first). Its
+    outputs match serial and its state is serial's, bit for bit, eager and replayed."""
+    from hisparse._checks import sm_count
+    sms = sm_count(DEV)
+    T = sms // 2 + 4  # 2 head blocks a token: 8 programs past one wave
+    be = TritonBackend(validate=False)
+    a, b = make(b=T), make(b=T)
+    la, lb = DecodeLayer(a, be, overlap=Overlap.SPLIT), DecodeLayer(b, be, overlap=Overlap.SERIAL)
+    from hisparse.decode.layer import SPLIT_COPY
+    assert la._launch_plan(T, H, K, "fp8_ds_mla") == (SPLIT_COPY, sms - SPLIT_COPY.programs, True)
+    ids = torch.arange(T, dtype=I32, device=DEV)
+    rng, g = random.Random(8), torch.Generator(device="cpu").manual_seed(9)
+    for step in range(3):
+        tk = topk(rng, 0.8, b=T)
+        q = (torch.randn((T, H, 576), generator=g) * 0.5).to(DEV, torch.bfloat16)
+        launch = la.begin(step % 2, ids, tk, num_heads=H)
+        assert launch.after_miss_phase
+        _same_as_serial(la.finish(launch, q, sm_scale=SM), lb(step % 2, ids, tk, q, sm_scale=SM), a, b, step)
+    tk = topk(rng, 0.8, b=T)
+    q = (torch.randn((T, H, 576), generator=g) * 0.5).to(DEV, torch.bfloat16)
+    _replay_equals_eager(a, lambda: la(0, ids, tk, q, sm_scale=SM))
+
+
+def _hit_attention_end_ms(T: int, stall_cycles: int) -> float:
+    """Milliseconds from a split layer call's start to the end of its hit attention, with
+    the miss phase held back by a ``stall_cycles`` spin on the stage stream."""
+    c = make(b=T)
+    be = TritonBackend(validate=False)
+    layer = DecodeLayer(c, be, overlap=Overlap.SPLIT)
+    ids = torch.arange(T, dtype=I32, device=DEV)
+    rng, g = random.Random(10), torch.Generator(device="cpu").manual_seed(11)
+    q = (torch.randn((T, H, 576), generator=g) * 0.5).to(DEV, torch.bfloat16)
+    layer(0, ids, topk(rng, 0.8, b=T), q, sm_scale=SM)  # compiles everything
+    torch.cuda.synchronize()
+    marks, decode, resolve = [], be.decode, c.stager.resolve_fn
+
+    def timed_decode(*a, **k):
+        out = decode(*a, **k)
+        marks.append(torch.cuda.Event(enable_timing=True))
+        marks[-1].record()
+        return out
+
+    def stalled_resolve(*a, **k):  # runs on the stage stream
+        torch.cuda._sleep(stall_cycles)
+        return resolve(*a, **k)
+
+    be.decode, c.stager.resolve_fn = timed_decode, stalled_resolve
+    start = torch.cuda.Event(enable_timing=True)
+    start.record()
+    layer(1, ids, topk(rng, 0.8, b=T), q, sm_scale=SM)
+    torch.cuda.synchronize()
+    return start.elapsed_time(marks[0])
+
+
+def test_split_hit_attention_waits_for_the_miss_phase_only_past_one_wave():
+    """Held back by a spin on the stage stream, the miss phase delays the hit attention
+    of a batch past one wave of SMs, and not that of a batch within one."""
+    from hisparse._checks import sm_count
+    cycles = 40_000_000
+    stall_ms = cycles / 2.0e6  # the least the spin takes at up to 2 GHz: 20 ms, a layer is < 1 ms
+    past = _hit_attention_end_ms(sm_count(DEV) // 2 + 4, cycles)
+    within = _hit_attention_end_ms(8, cycles)
+    assert past > stall_ms and within < stall_ms / 2, (past, within)

@@ -222,6 +222,12 @@ class HiSparseCache:
         ``resolve(..., wait=False)``) landed; inside a capture, for the one captured."""
         self.streams.wait_stage(layer, stream)
 
+    def wait_resolved(self, layer: int, stream=None) -> None:
+        """``stream`` (default current) waits until the last resolve of ``layer`` updated
+        the LRU state and chose its slots (a split resolve's miss phase), but not for its
+        staging; inside a capture, for the one captured."""
+        self.streams.wait_resolved(layer, stream)
+
     def join_staging(self) -> None:
         """The current stream waits for every layer's in-flight resolve and staging
         (before buffers those read are rewritten)."""

@@ -177,6 +177,12 @@ class CacheStreams:
         self.resolved[layer].wait_by(cur, cap)
         return cur, cap
 
+    def wait_resolved(self, layer: int, stream=None) -> None:
+        """``stream`` (default current) waits for the layer's last resolve state updates
+        (a split resolve's miss phase), not for its staging."""
+        cap = self.capturing()
+        self.resolved[layer].wait_by(stream if stream is not None else self.current(), cap)
+
     def wait_stage(self, layer: int, stream=None) -> None:
         """``stream`` (default current) waits for the layer's last staging."""
         cap = self.capturing()

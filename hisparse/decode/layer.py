@@ -7,7 +7,9 @@ Modes (``Overlap``):
           stream waits for the staging first)
   split   the hit phase of the resolve, then attention over the hits *while* the miss
           phase and the staging copy run on the stage stream; then attention over the
-          misses, merged into the hit result by LSE (``attention.miss``)
+          misses, merged into the hit result by LSE (``attention.miss``). When the hit
+          attention has more programs than one wave of SMs, it starts after the miss
+          phase instead (``split_waits_for_misses``), beside the copy
   fused   as split, but no copy: one kernel on the stage stream reads the missed rows
           from pinned host memory, writes them into their hot slots and attends over
           them, concurrently with the hit attention; then an LSE merge
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 
 import torch
 
@@ -41,12 +44,13 @@ from ..cache.stager import CopyShape
 from ..formats import D_LATENT, RowFormat
 
 
-# A split layer's staging copy when the hit attention would fill every SM: 8 programs
-# of 32 rows (8 warps) keep as many rows in flight as the default's quarter of the SMs
-# at 8 rows each, so they stage as fast, and the hit attention plans its waves for the
-# other SMs (BENCHMARKS.md, session 25).
+# A split layer's staging copy when the hit attention would fill every SM (its one wave,
+# or more than one): 8 programs of 32 rows (8 warps) keep as many rows in flight as the
+# default's quarter of the SMs at 8 rows each, so they stage as fast, and the hit
+# attention plans its waves for the other SMs (BENCHMARKS.md, sessions 25 and 27).
 SPLIT_COPY = CopyShape(programs=8, rows=32, warps=8)
 SPLIT_FREE_SMS = 4  # an attention leaving at least this many SMs free leaves the copy room
+HEADS_PER_PROGRAM = 64  # the head block of the ws kernel and of FlashMLA's tiles
 
 
 def split_fills_sms(programs: int | None, sms: int) -> bool:
@@ -56,14 +60,26 @@ def split_fills_sms(programs: int | None, sms: int) -> bool:
     return programs is not None and sms - SPLIT_FREE_SMS < programs <= sms
 
 
+def split_waits_for_misses(programs: int, sms: int) -> bool:
+    """Whether a split layer's hit attention of ``programs`` programs, each needing a
+    whole SM, should start only once the miss phase is done, after the staging copy's
+    launch. Past one wave it should: its programs queued behind the first wave would
+    take every SM that frees up before the copy, launched after the miss phase, got
+    one, so the copy ran mostly after the attention, and slower than alone
+    (BENCHMARKS.md, session 27)."""
+    return programs > sms
+
+
 @dataclasses.dataclass(frozen=True)
 class SplitLaunch:
     """What ``DecodeLayer.begin`` launched: the split resolve, the heads its query has,
-    and the SMs its hit attention plans for (None: all)."""
+    the SMs its hit attention plans for (None: all) and whether that attention waits
+    for the miss phase (``split_waits_for_misses``)."""
 
     result: SplitResult
     num_heads: int
     sms: int | None
+    after_miss_phase: bool = False
 
 
 class Overlap(enum.Enum):
@@ -190,35 +206,52 @@ class DecodeLayer:
                              f"{sp.hit_physical.shape[0]} tokens for {launch.num_heads} heads")
         return self._finish_split(launch, q, sm_scale)
 
-    def _launch_plan(self, T: int, H: int, K: int, fmt: RowFormat) -> tuple[CopyShape | None, int | None]:
-        """(the staging copy's shape, the SMs the hit attention plans for) of a split
-        layer: when the hit attention's programs would fill the last SMs
-        (``split_fills_sms``), a copy of few programs (``SPLIT_COPY``, or
-        ``stage_programs`` of them) and an attention planned for the other SMs; else the
-        copy's default, beside an attention that leaves it SMs, and no plan."""
+    def _launch_plan(self, T: int, H: int, K: int, fmt: RowFormat) -> tuple[CopyShape | None, int | None, bool]:
+        """(the staging copy's shape, the SMs the hit attention plans for, whether it
+        waits for the miss phase) of a split layer on CUDA:
+        - hit attention programs that fill the last SMs of one wave
+          (``split_fills_sms``, a backend that plans for given SMs): a copy of few
+          programs (``SPLIT_COPY``, or ``stage_programs`` of them) and an attention
+          planned for the other SMs;
+        - more programs than one wave (``split_waits_for_misses``; for a backend that
+          does not say, e.g. a persistent grid, a program per token and head block of
+          ``HEADS_PER_PROGRAM``): the same few-program copy, launched first, and an
+          attention that starts after the miss phase (planned for the other SMs where
+          the backend plans);
+        - else the copy's default, beside an attention that leaves it SMs, and no plan.
+        Off CUDA: no plan."""
         c = self.cache
-        if not (self.backend.plans_sms and c.cuda):
-            return None, None
+        if not c.cuda:
+            return None, None, False
         sms = sm_count(c.device)
         programs = self.backend.decode_programs(T, H, K, device=c.device, row_format=fmt)
-        if not split_fills_sms(programs, sms):
-            return None, None
-        return SPLIT_COPY, max(1, sms - (c.stager.stage_programs or SPLIT_COPY.programs))
+        planned = None  # the SMs left to the attention, for a backend that counted its programs and plans
+        if programs is None:
+            programs = T * math.ceil(H / HEADS_PER_PROGRAM)
+        elif self.backend.plans_sms:
+            planned = max(1, sms - (c.stager.stage_programs or SPLIT_COPY.programs))
+        if split_waits_for_misses(programs, sms):
+            return SPLIT_COPY, planned, True
+        if planned is not None and split_fills_sms(programs, sms):
+            return SPLIT_COPY, planned, False
+        return None, None, False
 
     def _begin_split(self, layer: int, req_ids, topk, H: int) -> SplitLaunch:
         T, K = (topk.shape[0], topk.shape[1]) if isinstance(topk, torch.Tensor) and topk.dim() == 2 else (0, 0)
-        copy, sms = self._launch_plan(T, H, K, self.cache.layer_view(layer).row_format)
+        copy, sms, after = self._launch_plan(T, H, K, self.cache.layer_view(layer).row_format)
         sp = self.cache.resolve_split(layer, req_ids, topk, validate=self.validate, copy_shape=copy)
-        return SplitLaunch(sp, H, sms)
+        return SplitLaunch(sp, H, sms, after)
 
     def _finish_split(self, launch: SplitLaunch, q: torch.Tensor, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Hit attention (planned for ``launch.sms`` SMs where set), the wait, the miss
-        attention merged into it."""
+        """Hit attention (planned for ``launch.sms`` SMs where set; after the miss phase
+        where ``launch.after_miss_phase``), the wait, the miss attention merged into it."""
         sp = launch.result
         view = self.cache.layer_view(sp.layer)
         hot, fmt = view.hot_rows, view.row_format
         plan = self._plan(MissMode.SPLIT, q.shape[0], q.shape[1], fmt)
         kw = {} if launch.sms is None else {"sms": launch.sms}
+        if launch.after_miss_phase:
+            self.cache.wait_resolved(sp.layer)
         out, lse = self.backend.decode(q, hot, sp.hit_physical, sm_scale=sm_scale, row_format=fmt, **kw)
         sp.wait()
         miss_attention_merge(q, hot, sp.miss_physical, sp.miss_counts, out, lse, sm_scale=sm_scale,
@@ -231,4 +264,5 @@ class DecodeLayer:
         self.cache.prefetch(layer, req_ids, topk)
 
 
-__all__ = ["DecodeLayer", "Overlap", "SPLIT_COPY", "SplitLaunch", "split_fills_sms"]
+__all__ = ["DecodeLayer", "HEADS_PER_PROGRAM", "Overlap", "SPLIT_COPY", "SplitLaunch", "split_fills_sms",
+           "split_waits_for_misses"]
