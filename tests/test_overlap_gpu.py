@@ -7,6 +7,9 @@
   state identical; captured in a CUDA graph, a replay from the same state equals the
   eager call (cache bytes exactly, outputs within tolerance).
 - A prefetch makes the next layer's resolve hit.
+- A split layer whose hit attention fills every SM, or needs more than one wave, stages
+  with a few-program copy; past one wave its hit attention starts after the miss phase
+  (a spin that holds the miss phase back delays it), within one wave it does not.
 """
 
 from __future__ import annotations
@@ -153,58 +156,35 @@ def test_prefetch_makes_the_next_layer_hit():
     assert after["misses"] == mid["misses"]  # everything was prefetched
 
 
-def test_split_layer_that_fills_the_sms_leaves_the_copy_its_own():
-    """A batch whose hit attention fills every SM in one wave (2 head blocks a token):
-    the split layer stages with SPLIT_COPY's few programs and plans the attention for
-    the other SMs (a batch that leaves 4 SMs free keeps the defaults). Its outputs
-    match serial and its state is serial's, bit for bit; a replay of begin + finish
-    leaves the eager call's state."""
+@pytest.mark.parametrize("extra", [0, 4])
+def test_split_layer_that_fills_the_sms_leaves_the_copy_its_own(extra):
+    """A batch whose hit attention fills every SM in one wave (2 head blocks a token,
+    extra = 0), or needs more than one (extra = 4: 8 programs past it): the split layer
+    stages with SPLIT_COPY's few programs and plans the attention for the other SMs
+    (a batch that leaves 4 SMs free keeps the defaults); past one wave, the hit
+    attention also starts after the miss phase. Its outputs match serial and its state
+    is serial's, bit for bit; a replay of begin + finish leaves the eager call's state."""
     from hisparse._checks import sm_count
     from hisparse.decode.layer import SPLIT_COPY
     sms = sm_count(DEV)
     be = TritonBackend(validate=False)
     assert DecodeLayer(make(b=1), be, overlap="split")._launch_plan(sms // 2 - 2, H, K, "fp8_ds_mla") == (None, None, False)
-    T = sms // 2
+    T, waits, planned = sms // 2 + extra, extra > 0, sms - SPLIT_COPY.programs
     a, b = make(b=T), make(b=T)
     la, lb = DecodeLayer(a, be, overlap=Overlap.SPLIT), DecodeLayer(b, be, overlap=Overlap.SERIAL)
-    assert la._launch_plan(T, H, K, "fp8_ds_mla") == (SPLIT_COPY, sms - SPLIT_COPY.programs, False)
+    assert la._launch_plan(T, H, K, "fp8_ds_mla") == (SPLIT_COPY, planned, waits)
     ids = torch.arange(T, dtype=I32, device=DEV)
-    rng, g = random.Random(6), torch.Generator(device="cpu").manual_seed(7)
+    rng, g = random.Random(6 + extra), torch.Generator(device="cpu").manual_seed(7 + extra)
     for step in range(3):
-        tk = topk(rng, 0.9, b=T)
+        tk = topk(rng, 0.9 - 0.025 * extra, b=T)
         q = (torch.randn((T, H, 576), generator=g) * 0.5).to(DEV, torch.bfloat16)
         launch = la.begin(step % 2, ids, tk, num_heads=H)
-        assert launch.sms == sms - SPLIT_COPY.programs
+        assert (launch.sms, launch.after_miss_phase) == (planned, waits)
         _same_as_serial(la.finish(launch, q, sm_scale=SM), lb(step % 2, ids, tk, q, sm_scale=SM), a, b, step)
     # captured: begin + finish in one graph, replayed from the same state
     tk = topk(rng, 0.9, b=T)
     q = (torch.randn((T, H, 576), generator=g) * 0.5).to(DEV, torch.bfloat16)
     _replay_equals_eager(a, lambda: la.finish(la.begin(1, ids, tk, num_heads=H), q, sm_scale=SM))
-
-
-def test_split_layer_past_one_wave_attends_after_the_miss_phase():
-    """A batch whose hit attention needs more than one wave of SMs: the split layer's
-    hit attention starts after the miss phase (so the copy is launched first). Its
-    outputs match serial and its state is serial's, bit for bit, eager and replayed."""
-    from hisparse._checks import sm_count
-    sms = sm_count(DEV)
-    T = sms // 2 + 4  # 2 head blocks a token: 8 programs past one wave
-    be = TritonBackend(validate=False)
-    a, b = make(b=T), make(b=T)
-    la, lb = DecodeLayer(a, be, overlap=Overlap.SPLIT), DecodeLayer(b, be, overlap=Overlap.SERIAL)
-    from hisparse.decode.layer import SPLIT_COPY
-    assert la._launch_plan(T, H, K, "fp8_ds_mla") == (SPLIT_COPY, sms - SPLIT_COPY.programs, True)
-    ids = torch.arange(T, dtype=I32, device=DEV)
-    rng, g = random.Random(8), torch.Generator(device="cpu").manual_seed(9)
-    for step in range(3):
-        tk = topk(rng, 0.8, b=T)
-        q = (torch.randn((T, H, 576), generator=g) * 0.5).to(DEV, torch.bfloat16)
-        launch = la.begin(step % 2, ids, tk, num_heads=H)
-        assert launch.after_miss_phase
-        _same_as_serial(la.finish(launch, q, sm_scale=SM), lb(step % 2, ids, tk, q, sm_scale=SM), a, b, step)
-    tk = topk(rng, 0.8, b=T)
-    q = (torch.randn((T, H, 576), generator=g) * 0.5).to(DEV, torch.bfloat16)
-    _replay_equals_eager(a, lambda: la(0, ids, tk, q, sm_scale=SM))
 
 
 def _hit_attention_end_ms(T: int, stall_cycles: int) -> float:
