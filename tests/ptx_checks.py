@@ -13,8 +13,9 @@ Why ``cp_async_after_shared_read``: a ``cp.async`` that refills a shared-memory 
 which other threads of the partition have read must follow a barrier those threads
 passed after their reads. The warp-specialised decode kernel's producer relies on the
 barriers Triton's shared-memory analysis inserts for that (no barrier in its source
-between the conversion of a raw slot and its refill). The check is on the text order
-of the PTX: a cp.async whose nearest preceding barrier-or-shared-read is a read.
+between the conversion of a raw slot and its refill). The check follows the PTX's
+control flow backwards from each cp.async (fall-through and branches, loops included)
+and reports one that some path reaches from a shared-memory read without a barrier.
 """
 
 import re
@@ -22,9 +23,13 @@ import re
 _INSTR = re.compile(r"^\s*(?:@!?%p\w+\s+)?([a-z][\w.]*)\s+(%\w+)\s*,\s*([^;]*);", re.M)
 _EX2 = re.compile(r"^\s*(?:@!?%p\w+\s+)?ex2\.approx[\w.]*\s+%\w+\s*,\s*(%\w+)\s*;", re.M)
 _PASS_THROUGH = ("mov.", "neg.", "abs.", "selp.")  # the value is (one of) its operands
-_CP_ASYNC = re.compile(r"^\s*(?:@!?%p\w+\s+)?cp\.async\.c[ag]\.shared")
-_BARRIER = re.compile(r"^\s*(?:@!?%p\w+\s+)?(?:bar|barrier)\.sync\b")
-_SHARED_READ = re.compile(r"^\s*(?:@!?%p\w+\s+)?(?:ld\.shared|ldmatrix)\b")
+_PRED = r"^\s*(?:@!?%p\w+\s+)?"
+_CP_ASYNC = re.compile(_PRED + r"cp\.async\.c[ag]\.shared")
+_BARRIER = re.compile(_PRED + r"(?:bar|barrier)\.sync\b")
+_SHARED_READ = re.compile(_PRED + r"(?:ld(?:\.\w+)*\.shared|ldmatrix)\b")
+_LABEL = re.compile(r"^(\$\w+):")
+_BRANCH = re.compile(_PRED + r"bra(?:\.uni)?\s+(\$\w+)\s*;")
+_NO_FALL_THROUGH = re.compile(r"^\s*(?:bra(?:\.uni)?\s|ret\b|exit\b)")  # unpredicated
 
 
 def ex2_args_from_fma(ptx: str) -> list[str]:
@@ -51,15 +56,37 @@ def ex2_args_from_fma(ptx: str) -> list[str]:
 
 
 def cp_async_after_shared_read(ptx: str) -> list[int]:
-    """The 1-based line numbers of the ``cp.async`` (into shared memory) in ``ptx`` whose
-    nearest preceding barrier or shared-memory read, in text order, is a read; [] when
-    every one follows a barrier (or nothing)."""
-    bad, last = [], None  # last: "barrier" / "read" / None
-    for n, line in enumerate(ptx.splitlines(), 1):
-        if _BARRIER.match(line):
-            last = "barrier"
-        elif _SHARED_READ.match(line):
-            last = "read"
-        elif _CP_ASYNC.match(line) and last == "read":
-            bad.append(n)
-    return bad
+    """The 1-based line numbers of the ``cp.async`` (into shared memory) in ``ptx`` that
+    some control-flow path reaches from a shared-memory read (``ld...shared``,
+    ``ldmatrix``) with no ``bar.sync`` / ``barrier.sync`` in between; [] when none.
+    Paths are followed backwards through fall-through and through every branch to a
+    label (so a loop's refill is checked against the reads at the loop's end)."""
+    lines = ptx.splitlines()
+    labels = {m.group(1): n for n, line in enumerate(lines) if (m := _LABEL.match(line))}
+    into: dict[int, list[int]] = {}  # label line -> the branch lines that jump to it
+    for n, line in enumerate(lines):
+        m = _BRANCH.match(line)
+        if m and m.group(1) in labels:
+            into.setdefault(labels[m.group(1)], []).append(n)
+
+    def preds(n: int) -> list[int]:
+        out = into.get(n, []).copy()
+        if n > 0 and not _NO_FALL_THROUGH.match(lines[n - 1]):
+            out.append(n - 1)
+        return out
+
+    def reached_from_read(start: int) -> bool:
+        seen, todo = set(), preds(start)
+        while todo:
+            n = todo.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            if _BARRIER.match(lines[n]):
+                continue
+            if _SHARED_READ.match(lines[n]):
+                return True
+            todo.extend(preds(n))
+        return False
+
+    return [n + 1 for n, line in enumerate(lines) if _CP_ASYNC.match(line) and reached_from_read(n)]

@@ -117,13 +117,33 @@ def test_ws_on_cpu_is_a_clear_error():
 
 def test_cp_async_after_shared_read_finds_a_refill_without_a_barrier():
     ok = """
-	cp.async.cg.shared.global [ %r1 + 0 ], [ %rd1 + 0 ], 0x10, %r2;
-	ld.shared.v4.b32 	{%r3, %r4, %r5, %r6}, [%r7+16];
-	bar.sync 	3, 128;
-	@%p1 cp.async.ca.shared.global [ %r8 + 0 ], [ %rd2 + 0 ], 0x4, %r9;
+\tcp.async.cg.shared.global [ %r1 + 0 ], [ %rd1 + 0 ], 0x10, %r2;
+\tld.shared.v4.b32 \t{%r3, %r4, %r5, %r6}, [%r7+16];
+\tbar.sync \t3, 128;
+\t@%p1 cp.async.ca.shared.global [ %r8 + 0 ], [ %rd2 + 0 ], 0x4, %r9;
 """
     assert cp_async_after_shared_read(ok) == []
     bad = ok.replace("\tbar.sync \t3, 128;\n", "\tadd.s32 \t%r10, %r10, 1;\n")
     assert cp_async_after_shared_read(bad) == [5]
     read_after_barrier = ok.replace("\tbar.sync \t3, 128;\n", "\tbarrier.sync \t1;\n\tldmatrix.sync.aligned.m8n8.x4.shared.b16 {%r1, %r2, %r3, %r4}, [%r5];\n")
     assert cp_async_after_shared_read(read_after_barrier) == [6]
+    assert cp_async_after_shared_read(bad.replace("ld.shared", "ld.volatile.shared")) == [5]
+    # a loop: the refill at its head follows the reads at its end
+    loop = """$L__BB0_1:
+\tcp.async.cg.shared.global [ %r1 + 0 ], [ %rd1 + 0 ], 0x10, %r2;
+\tbar.sync \t3, 128;
+\tld.shared.v4.b32 \t{%r4, %r5, %r6, %r7}, [%r8+16];
+\t@%p1 bra \t$L__BB0_1;
+\tret;
+"""
+    assert cp_async_after_shared_read(loop) == [2]
+    assert cp_async_after_shared_read(loop.replace("\t@%p1 bra", "\tbar.sync \t3, 128;\n\t@%p1 bra")) == []
+    # a branch over the barrier
+    skip = """\tld.shared.u32 \t%r1, [%r2];
+\t@%p1 bra \t$L__BB0_2;
+\tbar.sync \t3, 128;
+$L__BB0_2:
+\tcp.async.cg.shared.global [ %r1 + 0 ], [ %rd1 + 0 ], 0x10, %r2;
+"""
+    assert cp_async_after_shared_read(skip) == [5]
+    assert cp_async_after_shared_read(skip.replace("\t@%p1 bra", "\tbar.sync \t3, 128;\n\t@%p1 bra")) == []

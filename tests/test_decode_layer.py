@@ -17,6 +17,7 @@ import torch
 from hisparse import HiSparseConfig
 from hisparse.attention.reference import ReferenceBackend
 from hisparse.cache.cache import HiSparseCache
+from hisparse.cache.results import SplitResult
 from hisparse.decode import DecodeLayer, Overlap
 from hisparse.engine import HiSparseIndexGroup, SparseMLAMetadata
 from hisparse.formats import quantize_fp8_ds_mla
@@ -267,3 +268,69 @@ def test_split_waits_for_misses_past_one_wave():
     from hisparse.decode.layer import split_waits_for_misses
     assert [split_waits_for_misses(p, 132) for p in (1, 128, 132, 133, 136, 512)] == \
         [False, False, False, True, True, True]
+
+
+class _Counted(ReferenceBackend):
+    """A backend whose decode launches ``programs`` programs that each hold an SM."""
+
+    def __init__(self, programs: int, *, plans: bool = True) -> None:
+        super().__init__()
+        self.programs, self.plans_sms = programs, plans
+
+    def decode_programs(self, T, H, K, *, device, row_format):
+        return self.programs
+
+
+class _Persistent(ReferenceBackend):
+    persistent_grid = True
+
+
+def test_split_launch_plan_on_a_cuda_cache(monkeypatch):
+    """Every branch of the split layer's plan, on a cache that says it is on CUDA with 132
+    SMs: the copy's shape, the SMs the attention plans for, whether it waits for the
+    miss phase."""
+    import hisparse.decode.layer as L
+    from hisparse.decode.layer import SPLIT_COPY
+    c = make("torch", "fp8_ds_mla")[0]
+    monkeypatch.setattr(L, "sm_count", lambda device: 132)
+    monkeypatch.setattr(c, "cuda", True)
+
+    def plan(backend, T, H=128):
+        return DecodeLayer(c, backend, overlap="split")._launch_plan(T, H, 2048, "fp8_ds_mla")
+
+    assert plan(_Counted(128), 64) == (None, None, False)  # 4 SMs left to the copy
+    assert plan(_Counted(132), 66) == (SPLIT_COPY, 124, False)  # fills the one wave
+    assert plan(_Counted(136), 68) == (SPLIT_COPY, 124, True)  # past it
+    assert plan(_Counted(512), 256) == (SPLIT_COPY, 124, True)
+    assert plan(_Counted(132, plans=False), 66) == (None, None, False)
+    assert plan(_Counted(136, plans=False), 68) == (SPLIT_COPY, None, True)
+    assert plan(ReferenceBackend(), 256) == (None, None, False)  # programs not counted, grid not persistent
+    assert [plan(_Persistent(), T, H) for T, H in ((66, 128), (67, 128), (132, 64), (133, 64), (256, 16))] == \
+        [(None, None, False), (SPLIT_COPY, None, True), (None, None, False), (SPLIT_COPY, None, True),
+         (SPLIT_COPY, None, True)]
+    c.stager.stage_programs = 16
+    assert plan(_Counted(136), 68) == (SPLIT_COPY, 116, True)
+
+
+@pytest.mark.parametrize("waits", [False, True])
+def test_split_hit_attention_waits_for_the_miss_phase_when_planned(monkeypatch, waits):
+    """A split layer whose plan says so makes the current stream wait for the layer's
+    miss phase before its hit attention, and only then; the wait for the staging comes
+    after the hit attention either way; the result is the same."""
+    ids, tk = CASES["mixed"]
+    ids, tk = torch.tensor(ids, dtype=I32), torch.tensor(tk, dtype=I32)
+    q = qs(len(ids), 3)
+    ref = DecodeLayer(make("torch", "fp8_ds_mla")[0], ReferenceBackend(), overlap="split")(0, ids, tk, q, sm_scale=SM)
+    c = make("torch", "fp8_ds_mla")[0]
+    be = ReferenceBackend()
+    layer = DecodeLayer(c, be, overlap="split")
+    monkeypatch.setattr(layer, "_launch_plan", lambda T, H, K, fmt: (None, None, waits))
+    events, decode, wait = [], be.decode, c.wait_resolved
+    monkeypatch.setattr(c, "wait_resolved", lambda lay, stream=None: (events.append(("wait", lay)), wait(lay, stream)))
+    monkeypatch.setattr(be, "decode", lambda *a, **k: (events.append(("decode",)), decode(*a, **k))[1])
+    staged = SplitResult.wait
+    monkeypatch.setattr(SplitResult, "wait", lambda self, stream=None: (events.append(("staged",)),
+                                                                         staged(self, stream))[1])
+    out = layer(0, ids, tk, q, sm_scale=SM)
+    assert events == ([("wait", 0)] if waits else []) + [("decode",), ("staged",)]
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])

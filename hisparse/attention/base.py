@@ -96,6 +96,9 @@ class SparseMLABackend(abc.ABC):
     name: str = "abstract"
     # whether ``decode(..., sms=)`` plans its grid for fewer SMs than the device has
     plans_sms: bool = False
+    # whether ``decode`` runs a persistent grid that holds every SM until its last piece
+    # of work is done (its programs are not counted by ``decode_programs``)
+    persistent_grid: bool = False
 
     @abc.abstractmethod
     def supports(self, *, device: torch.device, row_format: RowFormat, num_heads: int,

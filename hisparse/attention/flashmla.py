@@ -243,6 +243,7 @@ class FlashMLABackend(SparseMLABackend):
     """
 
     name = "flashmla"
+    persistent_grid = True
 
     def __init__(self, *, library_path: str | None = None, check_ranges: bool = True) -> None:
         self.library_path = library_path

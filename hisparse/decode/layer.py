@@ -50,7 +50,7 @@ from ..formats import D_LATENT, RowFormat
 # attention plans its waves for the other SMs (BENCHMARKS.md, sessions 25 and 27).
 SPLIT_COPY = CopyShape(programs=8, rows=32, warps=8)
 SPLIT_FREE_SMS = 4  # an attention leaving at least this many SMs free leaves the copy room
-HEADS_PER_PROGRAM = 64  # the head block of the ws kernel and of FlashMLA's tiles
+HEADS_PER_PROGRAM = 64  # heads per unit of a persistent-grid attention's work (FlashMLA's 64-head tiles)
 
 
 def split_fills_sms(programs: int | None, sms: int) -> bool:
@@ -63,10 +63,10 @@ def split_fills_sms(programs: int | None, sms: int) -> bool:
 def split_waits_for_misses(programs: int, sms: int) -> bool:
     """Whether a split layer's hit attention of ``programs`` programs, each needing a
     whole SM, should start only once the miss phase is done, after the staging copy's
-    launch. Past one wave it should: its programs queued behind the first wave would
-    take every SM that frees up before the copy, launched after the miss phase, got
-    one, so the copy ran mostly after the attention, and slower than alone
-    (BENCHMARKS.md, session 27)."""
+    launch. Past one wave it should: launched beside the miss phase, its programs
+    queued behind the first wave would take every SM that frees up before the copy,
+    launched after the miss phase, got one, so the copy would run mostly after the
+    attention, and slower than alone (BENCHMARKS.md, session 27)."""
     return programs > sms
 
 
@@ -213,13 +213,13 @@ class DecodeLayer:
           (``split_fills_sms``, a backend that plans for given SMs): a copy of few
           programs (``SPLIT_COPY``, or ``stage_programs`` of them) and an attention
           planned for the other SMs;
-        - more programs than one wave (``split_waits_for_misses``; for a backend that
-          does not say, e.g. a persistent grid, a program per token and head block of
-          ``HEADS_PER_PROGRAM``): the same few-program copy, launched first, and an
-          attention that starts after the miss phase (planned for the other SMs where
-          the backend plans);
+        - more programs than one wave (``split_waits_for_misses``; for a backend with a
+          persistent grid, a program per token and head block of ``HEADS_PER_PROGRAM``):
+          the same few-program copy, launched first, and an attention that starts
+          after the miss phase (planned for the other SMs where the backend plans);
         - else the copy's default, beside an attention that leaves it SMs, and no plan.
-        Off CUDA: no plan."""
+        No plan off CUDA, nor for an attention whose programs share SMs (Triton's
+        ``tl`` kernels) or that does not count them (FlashInfer, the reference)."""
         c = self.cache
         if not c.cuda:
             return None, None, False
@@ -227,6 +227,8 @@ class DecodeLayer:
         programs = self.backend.decode_programs(T, H, K, device=c.device, row_format=fmt)
         planned = None  # the SMs left to the attention, for a backend that counted its programs and plans
         if programs is None:
+            if not self.backend.persistent_grid:
+                return None, None, False
             programs = T * math.ceil(H / HEADS_PER_PROGRAM)
         elif self.backend.plans_sms:
             planned = max(1, sms - (c.stager.stage_programs or SPLIT_COPY.programs))
