@@ -173,9 +173,9 @@ class CacheStreams:
     def before_write(self, layer: int) -> tuple[object, bool]:
         """The compute stream waits for the layer's in-flight resolve state updates;
         returns (stream, capturing)."""
-        cur, cap = self.current(), self.capturing()
-        self.resolved[layer].wait_by(cur, cap)
-        return cur, cap
+        cur = self.current()
+        self.wait_resolved(layer, cur)
+        return cur, self.capturing()
 
     def wait_resolved(self, layer: int, stream=None) -> None:
         """``stream`` (default current) waits for the layer's last resolve state updates
