@@ -89,7 +89,7 @@ for s in "${sections[@]}"; do
   case "$s" in
     env) run_to env 180 "$RES/env.json" python3 -m hisparse env --json; nvidia-smi >>"$LOG" 2>&1
          python3 -m hisparse env >>"$LOG" 2>&1 ;;
-    tests) run tests ${TESTS_TIMEOUT:-400} python3 -m pytest -m "gpu" ${TESTS:-tests} -q -rs --junitxml="$RES/gpu-tests.xml" -p no:cacheprovider
+    tests) run tests ${TESTS_TIMEOUT:-400} env OUT="$RES" bash tests/run_gpu.sh default
            tail -5 "$LOG" | tee -a "$SUM" ;;
     tests_each)  # one pytest per file, so a slow file can't hide the others' reports
       for f in ${TESTS:-tests/test_*gpu*.py}; do

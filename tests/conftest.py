@@ -23,7 +23,11 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 import pytest  # noqa: E402
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m selects: a gpu_long / gpu_alone case is a gpu case
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if ("gpu_long" in item.keywords or "gpu_alone" in item.keywords) and "gpu" not in item.keywords:
+            item.add_marker(pytest.mark.gpu)
     if _HAS_CUDA:
         ngpu = torch.cuda.device_count()
         skip_multi = pytest.mark.skip(reason=f"needs 2+ CUDA GPUs, found {ngpu}")

@@ -166,6 +166,7 @@ def test_bad_options(kw, msg):
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_alone  # sized against the GPU's free memory
 def test_gpu_autotune_small_budget(tmp_path):
     o = AutotuneOptions(num_layers=2, top_k=2048, context=8192, num_heads=128, steps=5, warmup=2,
                         max_candidates=3, gpu_memory=2 << 30, progress=False, device="cuda")

@@ -422,6 +422,8 @@ def test_metrics_port_serves_during_the_run(capsys, monkeypatch):
 
 
 @pytest.mark.gpu
+@pytest.mark.gpu_long
+@pytest.mark.gpu_alone  # 64 x 128K contexts: the host pool and the memory check want the machine
 def test_gpu_preset_runs(capsys):
     """The GPU preset (64 requests x 128K x 4 layers, K=2048, S=4096), shortened to 10 steps."""
     r = _json(capsys, ["stress", "--preset", "gpu", "--steps", "10", "--json", "--quiet"])

@@ -218,6 +218,7 @@ def _hit_attention_end_ms(T: int, stall_cycles: int) -> float:
     return start.elapsed_time(marks[0])
 
 
+@pytest.mark.gpu_alone  # compares kernel times against a spin: another process's kernels would skew them
 def test_split_hit_attention_waits_for_the_miss_phase_only_past_one_wave():
     """Held back by a spin on the stage stream, the miss phase delays the hit attention
     of a batch past one wave of SMs, and not that of a batch within one."""

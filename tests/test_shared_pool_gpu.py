@@ -90,6 +90,7 @@ def check(res: dict[int, dict], world: int) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu_alone  # two rank processes with timeouts
 def test_shared_pool_two_ranks_one_gpu():
     check(run_ranks("gloo", 2), 2)
 

@@ -350,6 +350,7 @@ def test_bad_options(kw, msg):
 
 # ----------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
+@pytest.mark.gpu_alone  # checks the host's and the GPU's free memory before it allocates
 def test_gpu_stress_large():
     """16 requests x 32K context x 2 layers, K = 2048, S = 4096 on the GPU, sampled verify."""
     r = run_stress(StressOptions(num_requests=16, context=32 * 1024, num_layers=2, top_k=2048,
