@@ -22,6 +22,8 @@ from hisparse.decode import DecodeLayer, Overlap
 from hisparse.engine import HiSparseIndexGroup, SparseMLAMetadata
 from hisparse.formats import quantize_fp8_ds_mla
 
+from invariants import assert_same, check_cache, snapshot
+
 I32 = torch.int32
 STATE = ("slot_pos", "slot_stamp", "row_slot", "step", "stats", "seq_lens")
 H = 3
@@ -248,6 +250,62 @@ def test_engine_begin_decode_attention():
     assert g2.resolves_per_layer == g1.resolves_per_layer == [1, 0]
     with pytest.raises(ValueError, match="already resolved"):
         g2.decode_attention(0, q, tk, md2, backend=be, sm_scale=SM, overlap="split")
+
+
+class _RefusesHeads(ReferenceBackend):
+    """Runs any head count but ``H`` (as FlashMLA and FlashInfer refuse some)."""
+
+    name = "refuses-heads"
+
+    def supports(self, *, device, row_format, num_heads, phase):
+        if num_heads == H:
+            return f"{H} heads are not supported by this stand-in"
+        return super().supports(device=device, row_format=row_format, num_heads=num_heads, phase=phase)
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_begin_asks_the_backend_before_the_resolve(kernels):
+    """A head count the backend refuses is refused by begin(), before the resolve: the
+    cache is left as it was, and the layer then resolves as on a cache that never saw
+    the call."""
+    ids, tk = CASES["mixed"]
+    ids, tk = torch.tensor(ids, dtype=I32), torch.tensor(tk, dtype=I32)
+    q = qs(len(ids), 6)
+    c, twin = make(kernels, "fp8_ds_mla")[0], make(kernels, "fp8_ds_mla")[0]
+    before = snapshot(c)
+    with pytest.raises(ValueError, match="heads are not supported"):
+        DecodeLayer(c, _RefusesHeads(), overlap="split", kernels=kernels).begin(1, ids, tk, num_heads=H)
+    assert_same(before, snapshot(c))
+    outs = [DecodeLayer(x, ReferenceBackend(), overlap="split", kernels=kernels)(1, ids, tk, q, sm_scale=SM)
+            for x in (c, twin)]
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert_same(snapshot(twin), snapshot(c))
+    check_cache(c)
+
+
+def test_engine_begin_refused_by_the_backend_leaves_the_layer_to_resolve():
+    """begin_decode_attention with a head count the backend refuses raises before the
+    resolve (nothing changed, no resolve counted), so the layer can still be attended in
+    that forward; converting a begun (or attended) layer names the call that resolved it."""
+    q, be = qs(1, 2), ReferenceBackend()
+    tk = torch.tensor([[20, 15, 3, 9]], dtype=I32)
+    g1, md1, _ = _engine()
+    ref = g1.decode_attention(0, q, tk, md1, backend=be, sm_scale=SM, overlap="split")
+    g, md, _ = _engine()
+    before = snapshot(g.hisparse_cache)
+    with pytest.raises(ValueError, match="heads are not supported"):
+        g.begin_decode_attention(0, tk, md, backend=_RefusesHeads(), num_heads=H)
+    assert_same(before, snapshot(g.hisparse_cache))
+    assert g.resolves_per_layer == [0, 0]
+    out = g.decode_attention(0, q, tk, md, backend=be, sm_scale=SM, overlap="split")
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+    with pytest.raises(ValueError, match="resolved by decode_attention"):
+        g.convert_decode_logical_to_physical_topk(0, tk, md)
+    g.begin_decode_attention(1, tk, md, backend=be, num_heads=H)
+    with pytest.raises(ValueError, match="begun by begin_decode_attention"):
+        g.convert_decode_logical_to_physical_topk(1, tk, md)
+    g.decode_attention(1, q, tk, md, backend=be, sm_scale=SM, overlap="split")  # still finishes
+    assert g.resolves_per_layer == [1, 1]
 
 
 def test_split_fills_sms():

@@ -35,7 +35,7 @@ import math
 import torch
 
 from .._checks import check_bool, check_int, parse_enum, sm_count
-from ..attention.base import SparseMLABackend, check_decode_call
+from ..attention.base import Phase, SparseMLABackend, check_decode_call
 from ..attention.miss import (MissConfig, MissMode, MissPlan, fused_miss_attention, merge_lse,
                               miss_attention_merge, plan_miss_attention)
 from ..cache.cache import HiSparseCache
@@ -180,13 +180,28 @@ class DecodeLayer:
         query: resolve ``topk`` (int32 [T, K]) of ``layer`` for ``req_ids`` (int32 [T])
         now -- the hit phase on the current stream, the miss phase and the staging on the
         stage stream -- so that they run beside the query projection. ``finish`` attends
-        a query of ``num_heads`` heads. Split mode only."""
+        a query of ``num_heads`` heads. Split mode only. A head count the backend
+        refuses is refused here, before the resolve (``finish`` could never attend it)."""
         if self.overlap is not Overlap.SPLIT:
             raise ValueError(f"begin/finish are the two halves of a split layer; this layer is {self.overlap.value}")
         check_int("num_heads", num_heads, 1)
         if not isinstance(topk, torch.Tensor) or topk.dim() != 2:
             raise ValueError("topk must be an int32 [T, K] tensor")  # the resolve checks the rest
+        view = self.cache.layer_view(layer)
+        self._check_supported(view.hot_rows.device, view.row_format, num_heads)
         return self._begin_split(layer, req_ids, topk, num_heads)
+
+    def _check_supported(self, device: torch.device, fmt: RowFormat, H: int) -> None:
+        """Whether the backend runs a decode of H heads over ``fmt`` rows on ``device``:
+        the question ``check_decode_call`` asks in ``finish``, for a query not made yet
+        (ValueError with the backend's reason; accepted ones are noted in the same set)."""
+        key = (device, fmt, H)
+        if key in self._supported:
+            return
+        reason = self.backend.supports(device=device, row_format=fmt, num_heads=H, phase=Phase.DECODE)
+        if reason is not None:
+            raise ValueError(f"{self.backend.name} backend cannot run this decode: {reason}")
+        self._supported.add(key)
 
     def finish(self, launch: SplitLaunch, q: torch.Tensor, *, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """The second half: attend ``q`` (bf16 [T, H, 576]) over the hits while the misses

@@ -70,7 +70,9 @@ class DecodeAttentionCalls:
         as soon as the top-k (int32 [Td, K]) exists, so that it runs beside the query
         projection; ``decode_attention(..., overlap="split")`` of the layer, with the
         same backend, ``topk_indices`` tensor and a query of ``num_heads`` heads, then
-        attends. Counts as the layer's resolve of the forward."""
+        attends. Counts as the layer's resolve of the forward. A head count the backend
+        refuses is refused before the resolve (nothing changed: the layer can still be
+        converted or attended)."""
         i = self._layer(layer_index)
         self._check_batch(metadata)
         layer = self._split_layer(i, topk_indices, backend, "split")

@@ -472,9 +472,10 @@ class HiSparseIndexGroup(PrefillCalls, LayerGraphCalls, DecodeAttentionCalls):
                 raise ValueError(f"layer {i} was already converted in this forward with another top-k "
                                  "tensor; each layer is resolved once per forward")
             phys, counts = done[1]
-            if phys is None:
-                raise ValueError(f"layer {i} was resolved by decode_attention or a graph replay in this "
-                                 "forward")
+            if phys is None:  # decode_attention keeps no indices to hand out
+                how = ("begun by begin_decode_attention: attend it with decode_attention(..., overlap='split')"
+                       if i in self._begun else "resolved by decode_attention, which returns no indices")
+                raise ValueError(f"layer {i} was {how} in this forward")
         else:
             if nd and i not in self._written:  # this forward's rows of layer i are not in yet
                 raise ValueError(f"layer {i}: write_new_rows must run before the conversion (the "
