@@ -9,7 +9,9 @@ layer from this layer's selection, and the engine façade's decode_attention.
 
 from __future__ import annotations
 
+import gc
 import random
+import weakref
 
 import pytest
 import torch
@@ -306,6 +308,57 @@ def test_engine_begin_refused_by_the_backend_leaves_the_layer_to_resolve():
         g.convert_decode_logical_to_physical_topk(1, tk, md)
     g.decode_attention(1, q, tk, md, backend=be, sm_scale=SM, overlap="split")  # still finishes
     assert g.resolves_per_layer == [1, 1]
+
+
+def _decode_forward(g: HiSparseIndexGroup, n: int) -> SparseMLAMetadata:
+    """Prepare the next forward of an ``_engine`` group: one decode token of request 1
+    at position n, its row (random) written in both layers."""
+    md = SparseMLAMetadata.build(request_ids=[1], query_lens=[1], seq_lens=[n + 1], num_decodes=1)
+    g.prepare_for_batch(md)
+    row = quantize_fp8_ds_mla(torch.randn((1, 576), generator=torch.Generator().manual_seed(n)))
+    for layer in range(2):
+        g.write_new_rows(layer, row, md)
+    return md
+
+
+@pytest.mark.parametrize("overlap", ["serial", "split", "fused"])
+def test_engine_keeps_no_layer_per_backend_object(overlap):
+    """An engine that makes its backend object per forward: the group keeps none of the
+    old objects alive, nor a DecodeLayer (and its scratch) for each."""
+    g, md, _ = _engine()
+    q, tk = qs(1, 2), torch.tensor([[20, 15, 3, 9]], dtype=I32)
+    made = []
+    for n in range(21, 27):
+        be = ReferenceBackend()
+        made.append(weakref.ref(be))
+        for layer in range(2):
+            g.decode_attention(layer, q, tk, md, backend=be, sm_scale=SM, overlap=overlap)
+        del be
+        md = _decode_forward(g, n)
+    gc.collect()
+    assert sum(r() is not None for r in made) <= 1  # at most the last one's layer is kept
+    assert len(g._decode_layers) == 1
+
+
+def test_engine_never_hands_a_layer_to_another_backend_object():
+    """The layer the group keeps serves only the backend object it was made for: another
+    object, even at the address of a dead one (id() reused after GC), is asked itself."""
+    g, md, _ = _engine()
+    q, tk = qs(1, 2), torch.tensor([[20, 15, 3, 9]], dtype=I32)
+    old = ReferenceBackend()
+    g.decode_attention(0, q, tk, md, backend=old, sm_scale=SM, overlap="split")
+    md = _decode_forward(g, 21)
+    g.decode_attention(0, q, tk, md, backend=ReferenceBackend(), sm_scale=SM, overlap="split")
+    addr, dead = id(old), weakref.ref(old)
+    del old  # freed here: the group holds the later backend's layer now
+    assert dead() is None
+    others = [_RefusesHeads() for _ in range(64)]  # CPython hands the freed address out again
+    other = next((b for b in others if id(b) == addr), others[0])
+    before = snapshot(g.hisparse_cache)
+    with pytest.raises(ValueError, match="heads are not supported"):
+        g.decode_attention(1, q, tk, md, backend=other, sm_scale=SM, overlap="split")
+    assert_same(before, snapshot(g.hisparse_cache))
+    assert g.resolves_per_layer == [2, 0]
 
 
 def test_split_fills_sms():

@@ -120,6 +120,16 @@ class DecodeLayer:
         self._partials: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._supported: set = set()  # (device, row format, heads) the backend accepted
 
+    def with_backend(self, backend: SparseMLABackend) -> "DecodeLayer":
+        """This layer attending with ``backend``: the same cache, mode, checks, kernels
+        and miss configuration, sharing this layer's scratch (the miss plans and the
+        fused mode's partials depend on the head count, not on the backend), for a
+        caller that gets a new backend object per forward."""
+        layer = DecodeLayer(self.cache, backend, overlap=self.overlap, validate=self.validate,
+                            kernels=self.kernels, miss_config=self.miss_config)
+        layer._plans, layer._partials = self._plans, self._partials
+        return layer
+
     def _plan(self, mode: MissMode, T: int, H: int, fmt: RowFormat) -> MissPlan:
         key = (mode, H, fmt)
         plan = self._plans.get(key)
