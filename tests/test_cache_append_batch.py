@@ -218,3 +218,47 @@ def test_write_batch_serves_every_layer_until_requests_change():
     with pytest.raises(ValueError, match="not live"):
         c.plan_write([1, 2], [1, 2])
     assert c.write(2, c.plan_write((1,), (1,)), torch.zeros((1, ROW_BYTES), dtype=U8)) == [0]
+
+
+def _twin_caches(kernels: str) -> tuple[HiSparseCache, HiSparseCache]:
+    """Two caches of one config with one admission each (so their request tables'
+    generations agree): request 1 in x and request 2 in y, both in request slot 0 with
+    4 rows in every layer."""
+    x, y = (HiSparseCache(make_cfg(), kernels=kernels) for _ in range(2))
+    for c, rid in ((x, 1), (y, 2)):
+        c.add_request(rid)
+        batch = c.plan_write([rid], [4])
+        for layer in range(c.cfg.num_layers):
+            c.write(layer, batch, torch.full((4, ROW_BYTES), 10 * rid + layer, dtype=U8))
+    return x, y
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_write_handles_of_another_cache_are_refused(kernels):
+    """A WriteBatch (plan_write) and a StepPlan (prepare_step) are bound to the cache that
+    made them: every call of another cache that takes one refuses it (ValueError) before
+    anything changes in either cache, though the generations coincide; the cache that
+    made them still takes them."""
+    x, y = _twin_caches(kernels)
+    batch = x.plan_write([1], [1])
+    step = x.prepare_step(batch)
+    rows = torch.full((1, ROW_BYTES), 99, dtype=U8)
+    launched = []
+    calls = {"write": lambda: y.write(0, batch, rows), "prepare_step": lambda: y.prepare_step(batch),
+             "write_step": lambda: y.write_step(0, step, rows),
+             "check_write_step": lambda: y.check_write_step(0, step),
+             "write_step_by": lambda: y.write_step_by(0, step, lambda: launched.append(0)),
+             "lengths_before": lambda: y.lengths_before(2, step),
+             "abandon_step": lambda: y.abandon_step(step),
+             "replaces": lambda: y.prepare_step(y.plan_write([2], [1]), replaces=step)}
+    before = full_state(x), full_state(y)
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match="another cache"):
+            call()
+        same(before[0], full_state(x))
+        same(before[1], full_state(y))
+    assert not launched
+    check_cache(y)
+    x.write_step(0, step, rows)
+    assert x.read_host_rows(0, 1, [4]).tolist() == rows.tolist()
+    assert x.write(0, x.plan_write([1], [1]), rows) == [5]

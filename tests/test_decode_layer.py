@@ -231,6 +231,27 @@ def test_begin_then_finish_equals_one_call(kernels):
         DecodeLayer(c2, ReferenceBackend(), overlap="serial").begin(1, ids, tk, num_heads=H)
 
 
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_finish_refuses_a_launch_begun_over_another_cache(kernels):
+    """A SplitLaunch is bound to the cache its begin() resolved: a layer over another
+    cache (same config and admissions, so the same request-table generation) refuses it
+    before anything is launched or changed; the layer over its cache still finishes it."""
+    ids, tk = CASES["mixed"]
+    ids, tk = torch.tensor(ids, dtype=I32), torch.tensor(tk, dtype=I32)
+    q = qs(len(ids), 6)
+    x, y = make(kernels, "fp8_ds_mla")[0], make(kernels, "fp8_ds_mla")[0]
+    lx, ly = (DecodeLayer(c, ReferenceBackend(), overlap="split", kernels=kernels) for c in (x, y))
+    launch = lx.begin(1, ids, tk, num_heads=H)
+    before = snapshot(x), snapshot(y)
+    with pytest.raises(ValueError, match="another cache"):
+        ly.finish(launch, q, sm_scale=SM)
+    assert_same(before[0], snapshot(x))
+    assert_same(before[1], snapshot(y))
+    out = lx.finish(launch, q, sm_scale=SM)
+    ref = DecodeLayer(y, ReferenceBackend(), overlap="split", kernels=kernels)(1, ids, tk, q, sm_scale=SM)
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+
+
 def test_engine_begin_decode_attention():
     """begin_decode_attention then decode_attention (split) equals decode_attention alone;
     it counts as the layer's resolve; another top-k tensor, mode or backend is refused and

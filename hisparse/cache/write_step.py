@@ -57,8 +57,9 @@ class StepPlan:
     request written; pending: layers whose write has not run yet; captured: layers whose
     write was captured in a CUDA graph (it runs when the graph is replayed); rows: how
     many rows a layer's write takes (the bucket's tokens when padded, else the batch's
-    total); buffers: the bucket's persistent buffers (padded steps), which a later step
-    of the bucket takes over.
+    total); owner: the writer of the cache that prepared it (no other cache takes it);
+    buffers: the bucket's persistent buffers (padded steps), which a later step of the
+    bucket takes over.
     """
 
     plan: WritePlan
@@ -66,6 +67,7 @@ class StepPlan:
     pending: set[int]
     rows: int
     generation: int
+    owner: object = dataclasses.field(repr=False, compare=False)
     buffers: "PaddedPlan | None" = None
     captured: set[int] = dataclasses.field(default_factory=set)
     plan_recorded: bool = False  # the plan's lists were recorded on the backup stream

@@ -72,11 +72,13 @@ def split_waits_for_misses(programs: int, sms: int) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class SplitLaunch:
-    """What ``DecodeLayer.begin`` launched: the split resolve, the heads its query has,
-    the SMs its hit attention plans for (None: all) and whether that attention waits
-    for the miss phase (``split_waits_for_misses``)."""
+    """What ``DecodeLayer.begin`` launched: the split resolve, the cache it resolved (no
+    layer over another cache finishes it), the heads its query has, the SMs its hit
+    attention plans for (None: all) and whether that attention waits for the miss
+    phase (``split_waits_for_misses``)."""
 
     result: SplitResult
+    cache: HiSparseCache = dataclasses.field(repr=False, compare=False)
     num_heads: int
     sms: int | None
     after_miss_phase: bool = False
@@ -215,10 +217,14 @@ class DecodeLayer:
 
     def finish(self, launch: SplitLaunch, q: torch.Tensor, *, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """The second half: attend ``q`` (bf16 [T, H, 576]) over the hits while the misses
-        stage, then over the misses, merged. Returns what ``__call__`` does. ``q`` is
-        checked before anything is launched."""
+        stage, then over the misses, merged. Returns what ``__call__`` does. ``q`` and
+        the launch (begun over this layer's cache, not stale since) are checked before
+        anything is launched."""
         if not isinstance(launch, SplitLaunch):
             raise TypeError(f"launch must be the SplitLaunch of begin(), got {type(launch).__name__}")
+        if launch.cache is not self.cache:
+            raise ValueError("the launch was begun by a DecodeLayer over another cache (its indices point "
+                             "into that cache's rows); finish it with a layer over that cache")
         sp = launch.result
         if sp.stale:
             raise ValueError(f"layer {sp.layer} was appended to, resolved or freed since begin(): its "
@@ -267,7 +273,7 @@ class DecodeLayer:
         T, K = (topk.shape[0], topk.shape[1]) if isinstance(topk, torch.Tensor) and topk.dim() == 2 else (0, 0)
         copy, sms, after = self._launch_plan(T, H, K, self.cache.layer_view(layer).row_format)
         sp = self.cache.resolve_split(layer, req_ids, topk, validate=self.validate, copy_shape=copy)
-        return SplitLaunch(sp, H, sms, after)
+        return SplitLaunch(result=sp, cache=self.cache, num_heads=H, sms=sms, after_miss_phase=after)
 
     def _finish_split(self, launch: SplitLaunch, q: torch.Tensor, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Hit attention (planned for ``launch.sms`` SMs where set; after the miss phase
