@@ -15,6 +15,7 @@ from hisparse import CapacityError, HiSparseConfig
 from hisparse.cache.cache import HiSparseCache
 from hisparse.cache.host_pool import HostPool
 from hisparse.cache.write_plan import _NAMES, _runs_plan, _single_row_plan, expand_runs
+from hisparse.cache.write_step import StepCapacity
 
 from invariants import check_cache, snapshot
 
@@ -262,3 +263,35 @@ def test_write_handles_of_another_cache_are_refused(kernels):
     x.write_step(0, step, rows)
     assert x.read_host_rows(0, 1, [4]).tolist() == rows.tolist()
     assert x.write(0, x.plan_write([1], [1]), rows) == [5]
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_step_of_zero_rows_is_a_no_op_on_every_write_path(kernels, padded):
+    """A batch whose counts are all 0: write() of each layer and, for its prepared step,
+    check_write_step / write_step (and write_step_by of a padded step) accept it, any
+    number of times, launch nothing and change nothing, as write() of the batch does."""
+    c = HiSparseCache(make_cfg(), kernels=kernels)
+    for rid in (1, 2):
+        c.add_request(rid)
+    c.write(0, c.plan_write([1, 2], [3, 1]), torch.ones((4, ROW_BYTES), dtype=U8))
+    for layer in (1, 2):
+        c.write(layer, c.plan_write([1, 2], [3, 1]), torch.ones((4, ROW_BYTES), dtype=U8))
+    batch = c.plan_write([1, 2], [0, 0])
+    before = full_state(c)
+    step = c.prepare_step(batch, capacity=StepCapacity(requests=2, tokens=2) if padded else None)
+    none = torch.zeros((step.rows, ROW_BYTES), dtype=U8)
+    launched = []
+    for _ in range(2):
+        for layer in range(c.cfg.num_layers):
+            assert c.write(layer, batch, none[:0]) == [3, 1]
+            c.check_write_step(layer, step)
+            c.write_step(layer, step, none)
+            if padded:
+                c.write_step_by(layer, step, lambda: launched.append(layer))
+            assert c.lengths_before(1, step) == [3, 3, 3]
+    assert not launched
+    same(before, full_state(c))
+    check_cache(c)
+    with pytest.raises(ValueError, match="but rows has"):  # rows are still checked
+        c.write_step(0, step, torch.zeros((step.rows + 1, ROW_BYTES), dtype=U8))

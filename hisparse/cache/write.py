@@ -265,9 +265,12 @@ class Writer:
     def write_step(self, layer: int, step: StepPlan, rows: torch.Tensor) -> None:
         """Launch ``step``'s write of ``layer`` (rows uint8 [step.rows, row_bytes]; when
         padded, rows past the batch's are not read). A launch that raises leaves the
-        layer pending (a retry runs it again)."""
+        layer pending (a retry runs it again). A step of zero rows launches nothing, as
+        ``write`` of its batch."""
         self.check_step(layer, step)
         rows = self.check_rows(rows, step.rows)
+        if not step.req_work:
+            return
         # a padded plan's buffers are persistent, an eager one's lists are read on the
         # backup stream by every layer: recording its use once covers them all
         record_plan = not (step.buffers is not None or step.plan_recorded)
@@ -278,10 +281,13 @@ class Writer:
     def write_step_by(self, layer: int, step: StepPlan, launch: Callable[[], None]) -> None:
         """``write_step`` of a padded step whose launches ``launch()`` enqueues (a replay
         of a graph captured over :meth:`launch_step`): the same checks first, the same
-        bookkeeping after. A ``launch`` that raises leaves the layer pending."""
+        bookkeeping after. A ``launch`` that raises leaves the layer pending. A step of
+        zero rows calls nothing."""
         self.check_step(layer, step)
         if step.buffers is None:
             raise ValueError("only a padded step's write (persistent lists) can be replayed")
+        if not step.req_work:
+            return
         launch()
         self._finish_step(layer, step, capturing=False)
 
@@ -303,7 +309,7 @@ class Writer:
                              "prepare the forward again (prepare_for_batch)")
         if step.buffers is not None and step.buffers.owner is not step:
             raise ValueError("the step's bucket buffers hold a later step's lists: prepare it again")
-        if layer not in step.pending:
+        if layer not in step.pending and step.req_work:  # a step of zero rows has nothing pending
             raise ValueError(f"layer {layer}: this step's rows were already written")
 
     def _finish_step(self, layer: int, step: StepPlan, capturing: bool | None = None) -> None:

@@ -54,7 +54,8 @@ class StepPlan:
 
     plan: the lists (no block-table entries); req_work: (request id, request slot, its
     incarnation, first position, end position, reserved occupant before the step) per
-    request written; pending: layers whose write has not run yet; captured: layers whose
+    request written; pending: layers whose write has not run yet (none when no request
+    writes a row: each layer's write is then a no-op); captured: layers whose
     write was captured in a CUDA graph (it runs when the graph is replayed); rows: how
     many rows a layer's write takes (the bucket's tokens when padded, else the batch's
     total); owner: the writer of the cache that prepared it (no other cache takes it);
