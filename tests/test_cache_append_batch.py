@@ -15,6 +15,7 @@ from hisparse import CapacityError, HiSparseConfig
 from hisparse.cache.cache import HiSparseCache
 from hisparse.cache.host_pool import HostPool
 from hisparse.cache.write_plan import _NAMES, _runs_plan, _single_row_plan, expand_runs
+from hisparse.cache.write_step import StepCapacity
 
 from invariants import check_cache, snapshot
 
@@ -218,3 +219,79 @@ def test_write_batch_serves_every_layer_until_requests_change():
     with pytest.raises(ValueError, match="not live"):
         c.plan_write([1, 2], [1, 2])
     assert c.write(2, c.plan_write((1,), (1,)), torch.zeros((1, ROW_BYTES), dtype=U8)) == [0]
+
+
+def _twin_caches(kernels: str) -> tuple[HiSparseCache, HiSparseCache]:
+    """Two caches of one config with one admission each (so their request tables'
+    generations agree): request 1 in x and request 2 in y, both in request slot 0 with
+    4 rows in every layer."""
+    x, y = (HiSparseCache(make_cfg(), kernels=kernels) for _ in range(2))
+    for c, rid in ((x, 1), (y, 2)):
+        c.add_request(rid)
+        batch = c.plan_write([rid], [4])
+        for layer in range(c.cfg.num_layers):
+            c.write(layer, batch, torch.full((4, ROW_BYTES), 10 * rid + layer, dtype=U8))
+    return x, y
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_write_handles_of_another_cache_are_refused(kernels):
+    """A WriteBatch (plan_write) and a StepPlan (prepare_step) are bound to the cache that
+    made them: every call of another cache that takes one refuses it (ValueError) before
+    anything changes in either cache, though the generations coincide; the cache that
+    made them still takes them."""
+    x, y = _twin_caches(kernels)
+    batch = x.plan_write([1], [1])
+    step = x.prepare_step(batch)
+    rows = torch.full((1, ROW_BYTES), 99, dtype=U8)
+    launched = []
+    calls = {"write": lambda: y.write(0, batch, rows), "prepare_step": lambda: y.prepare_step(batch),
+             "write_step": lambda: y.write_step(0, step, rows),
+             "check_write_step": lambda: y.check_write_step(0, step),
+             "write_step_by": lambda: y.write_step_by(0, step, lambda: launched.append(0)),
+             "lengths_before": lambda: y.lengths_before(2, step),
+             "abandon_step": lambda: y.abandon_step(step),
+             "replaces": lambda: y.prepare_step(y.plan_write([2], [1]), replaces=step)}
+    before = full_state(x), full_state(y)
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match="another cache"):
+            call()
+        same(before[0], full_state(x))
+        same(before[1], full_state(y))
+    assert not launched
+    check_cache(y)
+    x.write_step(0, step, rows)
+    assert x.read_host_rows(0, 1, [4]).tolist() == rows.tolist()
+    assert x.write(0, x.plan_write([1], [1]), rows) == [5]
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_step_of_zero_rows_is_a_no_op_on_every_write_path(kernels, padded):
+    """A batch whose counts are all 0: write() of each layer and, for its prepared step,
+    check_write_step / write_step (and write_step_by of a padded step) accept it, any
+    number of times, launch nothing and change nothing, as write() of the batch does."""
+    c = HiSparseCache(make_cfg(), kernels=kernels)
+    for rid in (1, 2):
+        c.add_request(rid)
+    c.write(0, c.plan_write([1, 2], [3, 1]), torch.ones((4, ROW_BYTES), dtype=U8))
+    for layer in (1, 2):
+        c.write(layer, c.plan_write([1, 2], [3, 1]), torch.ones((4, ROW_BYTES), dtype=U8))
+    batch = c.plan_write([1, 2], [0, 0])
+    before = full_state(c)
+    step = c.prepare_step(batch, capacity=StepCapacity(requests=2, tokens=2) if padded else None)
+    none = torch.zeros((step.rows, ROW_BYTES), dtype=U8)
+    launched = []
+    for _ in range(2):
+        for layer in range(c.cfg.num_layers):
+            assert c.write(layer, batch, none[:0]) == [3, 1]
+            c.check_write_step(layer, step)
+            c.write_step(layer, step, none)
+            if padded:
+                c.write_step_by(layer, step, lambda: launched.append(layer))
+            assert c.lengths_before(1, step) == [3, 3, 3]
+    assert not launched
+    same(before, full_state(c))
+    check_cache(c)
+    with pytest.raises(ValueError, match="but rows has"):  # rows are still checked
+        c.write_step(0, step, torch.zeros((step.rows + 1, ROW_BYTES), dtype=U8))

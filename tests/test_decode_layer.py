@@ -9,7 +9,9 @@ layer from this layer's selection, and the engine façade's decode_attention.
 
 from __future__ import annotations
 
+import gc
 import random
+import weakref
 
 import pytest
 import torch
@@ -21,6 +23,8 @@ from hisparse.cache.results import SplitResult
 from hisparse.decode import DecodeLayer, Overlap
 from hisparse.engine import HiSparseIndexGroup, SparseMLAMetadata
 from hisparse.formats import quantize_fp8_ds_mla
+
+from invariants import assert_same, check_cache, snapshot
 
 I32 = torch.int32
 STATE = ("slot_pos", "slot_stamp", "row_slot", "step", "stats", "seq_lens")
@@ -227,6 +231,27 @@ def test_begin_then_finish_equals_one_call(kernels):
         DecodeLayer(c2, ReferenceBackend(), overlap="serial").begin(1, ids, tk, num_heads=H)
 
 
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_finish_refuses_a_launch_begun_over_another_cache(kernels):
+    """A SplitLaunch is bound to the cache its begin() resolved: a layer over another
+    cache (same config and admissions, so the same request-table generation) refuses it
+    before anything is launched or changed; the layer over its cache still finishes it."""
+    ids, tk = CASES["mixed"]
+    ids, tk = torch.tensor(ids, dtype=I32), torch.tensor(tk, dtype=I32)
+    q = qs(len(ids), 6)
+    x, y = make(kernels, "fp8_ds_mla")[0], make(kernels, "fp8_ds_mla")[0]
+    lx, ly = (DecodeLayer(c, ReferenceBackend(), overlap="split", kernels=kernels) for c in (x, y))
+    launch = lx.begin(1, ids, tk, num_heads=H)
+    before = snapshot(x), snapshot(y)
+    with pytest.raises(ValueError, match="another cache"):
+        ly.finish(launch, q, sm_scale=SM)
+    assert_same(before[0], snapshot(x))
+    assert_same(before[1], snapshot(y))
+    out = lx.finish(launch, q, sm_scale=SM)
+    ref = DecodeLayer(y, ReferenceBackend(), overlap="split", kernels=kernels)(1, ids, tk, q, sm_scale=SM)
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+
+
 def test_engine_begin_decode_attention():
     """begin_decode_attention then decode_attention (split) equals decode_attention alone;
     it counts as the layer's resolve; another top-k tensor, mode or backend is refused and
@@ -248,6 +273,113 @@ def test_engine_begin_decode_attention():
     assert g2.resolves_per_layer == g1.resolves_per_layer == [1, 0]
     with pytest.raises(ValueError, match="already resolved"):
         g2.decode_attention(0, q, tk, md2, backend=be, sm_scale=SM, overlap="split")
+
+
+class _RefusesHeads(ReferenceBackend):
+    """Runs any head count but ``H`` (as FlashMLA and FlashInfer refuse some)."""
+
+    name = "refuses-heads"
+
+    def supports(self, *, device, row_format, num_heads, phase):
+        if num_heads == H:
+            return f"{H} heads are not supported by this stand-in"
+        return super().supports(device=device, row_format=row_format, num_heads=num_heads, phase=phase)
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_begin_asks_the_backend_before_the_resolve(kernels):
+    """A head count the backend refuses is refused by begin(), before the resolve: the
+    cache is left as it was, and the layer then resolves as on a cache that never saw
+    the call."""
+    ids, tk = CASES["mixed"]
+    ids, tk = torch.tensor(ids, dtype=I32), torch.tensor(tk, dtype=I32)
+    q = qs(len(ids), 6)
+    c, twin = make(kernels, "fp8_ds_mla")[0], make(kernels, "fp8_ds_mla")[0]
+    before = snapshot(c)
+    with pytest.raises(ValueError, match="heads are not supported"):
+        DecodeLayer(c, _RefusesHeads(), overlap="split", kernels=kernels).begin(1, ids, tk, num_heads=H)
+    assert_same(before, snapshot(c))
+    outs = [DecodeLayer(x, ReferenceBackend(), overlap="split", kernels=kernels)(1, ids, tk, q, sm_scale=SM)
+            for x in (c, twin)]
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    assert_same(snapshot(twin), snapshot(c))
+    check_cache(c)
+
+
+def test_engine_begin_refused_by_the_backend_leaves_the_layer_to_resolve():
+    """begin_decode_attention with a head count the backend refuses raises before the
+    resolve (nothing changed, no resolve counted), so the layer can still be attended in
+    that forward; converting a begun (or attended) layer names the call that resolved it."""
+    q, be = qs(1, 2), ReferenceBackend()
+    tk = torch.tensor([[20, 15, 3, 9]], dtype=I32)
+    g1, md1, _ = _engine()
+    ref = g1.decode_attention(0, q, tk, md1, backend=be, sm_scale=SM, overlap="split")
+    g, md, _ = _engine()
+    before = snapshot(g.hisparse_cache)
+    with pytest.raises(ValueError, match="heads are not supported"):
+        g.begin_decode_attention(0, tk, md, backend=_RefusesHeads(), num_heads=H)
+    assert_same(before, snapshot(g.hisparse_cache))
+    assert g.resolves_per_layer == [0, 0]
+    out = g.decode_attention(0, q, tk, md, backend=be, sm_scale=SM, overlap="split")
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+    with pytest.raises(ValueError, match="resolved by decode_attention"):
+        g.convert_decode_logical_to_physical_topk(0, tk, md)
+    g.begin_decode_attention(1, tk, md, backend=be, num_heads=H)
+    with pytest.raises(ValueError, match="begun by begin_decode_attention"):
+        g.convert_decode_logical_to_physical_topk(1, tk, md)
+    g.decode_attention(1, q, tk, md, backend=be, sm_scale=SM, overlap="split")  # still finishes
+    assert g.resolves_per_layer == [1, 1]
+
+
+def _decode_forward(g: HiSparseIndexGroup, n: int) -> SparseMLAMetadata:
+    """Prepare the next forward of an ``_engine`` group: one decode token of request 1
+    at position n, its row (random) written in both layers."""
+    md = SparseMLAMetadata.build(request_ids=[1], query_lens=[1], seq_lens=[n + 1], num_decodes=1)
+    g.prepare_for_batch(md)
+    row = quantize_fp8_ds_mla(torch.randn((1, 576), generator=torch.Generator().manual_seed(n)))
+    for layer in range(2):
+        g.write_new_rows(layer, row, md)
+    return md
+
+
+@pytest.mark.parametrize("overlap", ["serial", "split", "fused"])
+def test_engine_keeps_no_layer_per_backend_object(overlap):
+    """An engine that makes its backend object per forward: the group keeps none of the
+    old objects alive, nor a DecodeLayer (and its scratch) for each."""
+    g, md, _ = _engine()
+    q, tk = qs(1, 2), torch.tensor([[20, 15, 3, 9]], dtype=I32)
+    made = []
+    for n in range(21, 27):
+        be = ReferenceBackend()
+        made.append(weakref.ref(be))
+        for layer in range(2):
+            g.decode_attention(layer, q, tk, md, backend=be, sm_scale=SM, overlap=overlap)
+        del be
+        md = _decode_forward(g, n)
+    gc.collect()
+    assert sum(r() is not None for r in made) <= 1  # at most the last one's layer is kept
+    assert len(g._decode_layers) == 1
+
+
+def test_engine_never_hands_a_layer_to_another_backend_object():
+    """The layer the group keeps serves only the backend object it was made for: another
+    object, even at the address of a dead one (id() reused after GC), is asked itself."""
+    g, md, _ = _engine()
+    q, tk = qs(1, 2), torch.tensor([[20, 15, 3, 9]], dtype=I32)
+    old = ReferenceBackend()
+    g.decode_attention(0, q, tk, md, backend=old, sm_scale=SM, overlap="split")
+    md = _decode_forward(g, 21)
+    g.decode_attention(0, q, tk, md, backend=ReferenceBackend(), sm_scale=SM, overlap="split")
+    addr, dead = id(old), weakref.ref(old)
+    del old  # freed here: the group holds the later backend's layer now
+    assert dead() is None
+    others = [_RefusesHeads() for _ in range(64)]  # CPython hands the freed address out again
+    other = next((b for b in others if id(b) == addr), others[0])
+    before = snapshot(g.hisparse_cache)
+    with pytest.raises(ValueError, match="heads are not supported"):
+        g.decode_attention(1, q, tk, md, backend=other, sm_scale=SM, overlap="split")
+    assert_same(before, snapshot(g.hisparse_cache))
+    assert g.resolves_per_layer == [2, 0]
 
 
 def test_split_fills_sms():

@@ -266,7 +266,8 @@ class HiSparseCache:
     # ---- write path -------------------------------------------------------
     def plan_write(self, req_ids, counts) -> WriteBatch:
         """Check a batch of appends once (distinct live ids, a row count each); the
-        returned batch serves :meth:`write` of every layer until requests change."""
+        returned batch serves :meth:`write` of every layer until requests change, in
+        this cache only (another refuses it)."""
         return self.writer.prepare(req_ids, counts)
 
     def write(self, layer: int, batch: WriteBatch, rows: torch.Tensor) -> list[int]:
@@ -280,7 +281,8 @@ class HiSparseCache:
                      replaces: StepPlan | None = None) -> StepPlan:
         """Plan ``batch``'s append to every layer at once (an engine's forward); then
         :meth:`write_step` per layer only launches. ``capacity``: fixed-shape lists in
-        a bucket's persistent buffers (CUDA graphs). See ``Writer.prepare_step``."""
+        a bucket's persistent buffers (CUDA graphs). The step serves this cache only
+        (another refuses it). See ``Writer.prepare_step``."""
         return self.writer.prepare_step(batch, capacity=capacity, replaces=replaces)
 
     def write_step(self, layer: int, step: StepPlan, rows: torch.Tensor) -> None:

@@ -42,7 +42,8 @@ class WriteBatch:
     """A checked batch of appends (``Writer.prepare``): request i gets ``counts[i]``
     rows, ``rows[offsets[i] : offsets[i] + counts[i]]`` of the rows passed to a write.
 
-    Valid until the next add_request / free_request (``generation``).
+    Valid until the next add_request / free_request (``generation``), and only for the
+    cache that made it (``owner``: its writer).
     """
 
     req_ids: tuple[int, ...]
@@ -51,6 +52,7 @@ class WriteBatch:
     offsets: tuple[int, ...]
     total: int
     generation: int
+    owner: object = dataclasses.field(repr=False, compare=False)
 
 
 def pack_rows(rows: torch.Tensor, row_bytes: int) -> torch.Tensor:
@@ -104,7 +106,28 @@ class Writer:
             offsets.append(acc)
             acc += c
         return WriteBatch(req_ids=ids, slots=slots, counts=cl, offsets=tuple(offsets), total=acc,
-                          generation=self.requests.generation)
+                          generation=self.requests.generation, owner=self)
+
+    def check_batch(self, batch: object) -> WriteBatch:
+        """``batch`` as a WriteBatch this writer made and still valid (TypeError, ValueError)."""
+        if not isinstance(batch, WriteBatch):
+            raise TypeError(f"batch must be a WriteBatch (Writer.prepare), got {type(batch).__name__}")
+        if batch.owner is not self:
+            raise ValueError("the write batch was planned by another cache (its request slots are that "
+                             "cache's); plan it with this cache's plan_write")
+        if batch.generation != self.requests.generation:
+            raise ValueError("the write batch is out of date: requests were added or freed since "
+                             "it was prepared; prepare it again")
+        return batch
+
+    def check_own_step(self, step: object) -> StepPlan:
+        """``step`` as a StepPlan this writer prepared (TypeError, ValueError)."""
+        if not isinstance(step, StepPlan):
+            raise TypeError(f"step must be a StepPlan (prepare_step), got {type(step).__name__}")
+        if step.owner is not self:
+            raise ValueError("the step was prepared by another cache (its plan and request slots are that "
+                             "cache's); prepare it with this cache's prepare_step")
+        return step
 
     def check_rows(self, rows: object, n: int) -> torch.Tensor:
         """rows: uint8 [n, row_bytes] on the cache device -> packed rows."""
@@ -121,11 +144,7 @@ class Writer:
         """Append the batch's rows to ``layer`` (checked by the caller). Returns the first
         position written for each request. CapacityError (nothing changed) when the host
         pool can't supply the blocks."""
-        if not isinstance(batch, WriteBatch):
-            raise TypeError(f"batch must be a WriteBatch (Writer.prepare), got {type(batch).__name__}")
-        if batch.generation != self.requests.generation:
-            raise ValueError("the write batch is out of date: requests were added or freed since "
-                             "it was prepared; prepare it again")
+        self.check_batch(batch)
         rows = self.check_rows(rows, batch.total)
         req = self.requests
         firsts, work = [], []
@@ -172,11 +191,9 @@ class Writer:
         shapes and addresses, for CUDA graphs). Every layer must hold the same rows of
         each request (ValueError otherwise). A CapacityError or ValueError changes
         nothing (``replaces`` included)."""
-        if not isinstance(batch, WriteBatch):
-            raise TypeError(f"batch must be a WriteBatch (Writer.prepare), got {type(batch).__name__}")
-        if batch.generation != self.requests.generation:
-            raise ValueError("the write batch is out of date: requests were added or freed since "
-                             "it was prepared; prepare it again")
+        self.check_batch(batch)
+        if replaces is not None:
+            self.check_own_step(replaces)
         if capacity is not None and self.pool.shared:
             raise ValueError("padded (graph) steps need a private host pool: a shared pool publishes "
                              "every append from the host")
@@ -226,7 +243,7 @@ class Writer:
             req.touch(layer)
         self._plan = None
         step = StepPlan(plan=plan, req_work=tuple(req_work), pending=set(range(L)) if req_work else set(),
-                        rows=rows, generation=batch.generation, buffers=padded)
+                        rows=rows, generation=batch.generation, owner=self, buffers=padded)
         if padded is not None:
             padded.owner = step
         return step
@@ -235,6 +252,8 @@ class Writer:
         """(rows per layer, reserved occupant per layer) of live request ``rid`` in
         ``slot``, counting a layer that ``step`` has not written yet as it was before
         the step."""
+        if step is not None:
+            self.check_own_step(step)
         req = self.requests
         lens, res = list(req.lengths(slot)), list(req.reserved_list(slot))
         prev = step.before(rid, slot, req.incarnation(slot)) if step is not None and step.pending else None
@@ -246,9 +265,12 @@ class Writer:
     def write_step(self, layer: int, step: StepPlan, rows: torch.Tensor) -> None:
         """Launch ``step``'s write of ``layer`` (rows uint8 [step.rows, row_bytes]; when
         padded, rows past the batch's are not read). A launch that raises leaves the
-        layer pending (a retry runs it again)."""
+        layer pending (a retry runs it again). A step of zero rows launches nothing, as
+        ``write`` of its batch."""
         self.check_step(layer, step)
         rows = self.check_rows(rows, step.rows)
+        if not step.req_work:
+            return
         # a padded plan's buffers are persistent, an eager one's lists are read on the
         # backup stream by every layer: recording its use once covers them all
         record_plan = not (step.buffers is not None or step.plan_recorded)
@@ -259,10 +281,13 @@ class Writer:
     def write_step_by(self, layer: int, step: StepPlan, launch: Callable[[], None]) -> None:
         """``write_step`` of a padded step whose launches ``launch()`` enqueues (a replay
         of a graph captured over :meth:`launch_step`): the same checks first, the same
-        bookkeeping after. A ``launch`` that raises leaves the layer pending."""
+        bookkeeping after. A ``launch`` that raises leaves the layer pending. A step of
+        zero rows calls nothing."""
         self.check_step(layer, step)
         if step.buffers is None:
             raise ValueError("only a padded step's write (persistent lists) can be replayed")
+        if not step.req_work:
+            return
         launch()
         self._finish_step(layer, step, capturing=False)
 
@@ -270,18 +295,21 @@ class Writer:
         """The launches of ``write_step`` alone (rows checked by the caller, packed), for
         a graph capture: no bookkeeping. The current stream then waits for the host
         mirror, so that a graph captured over this call joins every stream it used."""
+        self.check_own_step(step)
         self._launch(layer, step.plan, rows, record_plan=False)
         self.streams.join_backup()
 
     def check_step(self, layer: int, step: StepPlan) -> None:
         """ValueError when ``layer`` of ``step`` can't be written now (stale step, bucket
-        buffers taken over by a later step, layer already written)."""
+        buffers taken over by a later step, layer already written; a step of another
+        cache)."""
+        self.check_own_step(step)
         if step.generation != self.requests.generation:
             raise ValueError("the step is out of date: requests were added or freed since it was prepared; "
                              "prepare the forward again (prepare_for_batch)")
         if step.buffers is not None and step.buffers.owner is not step:
             raise ValueError("the step's bucket buffers hold a later step's lists: prepare it again")
-        if layer not in step.pending:
+        if layer not in step.pending and step.req_work:  # a step of zero rows has nothing pending
             raise ValueError(f"layer {layer}: this step's rows were already written")
 
     def _finish_step(self, layer: int, step: StepPlan, capturing: bool | None = None) -> None:
@@ -301,6 +329,7 @@ class Writer:
         same admission (their positions are free again; the step's blocks stay with
         their requests, block-table entries included). Requests freed since hold
         nothing to put back."""
+        self.check_own_step(step)
         layers = step.pending | (step.captured if captured else set())
         if not layers:
             return

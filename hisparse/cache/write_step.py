@@ -54,11 +54,13 @@ class StepPlan:
 
     plan: the lists (no block-table entries); req_work: (request id, request slot, its
     incarnation, first position, end position, reserved occupant before the step) per
-    request written; pending: layers whose write has not run yet; captured: layers whose
+    request written; pending: layers whose write has not run yet (none when no request
+    writes a row: each layer's write is then a no-op); captured: layers whose
     write was captured in a CUDA graph (it runs when the graph is replayed); rows: how
     many rows a layer's write takes (the bucket's tokens when padded, else the batch's
-    total); buffers: the bucket's persistent buffers (padded steps), which a later step
-    of the bucket takes over.
+    total); owner: the writer of the cache that prepared it (no other cache takes it);
+    buffers: the bucket's persistent buffers (padded steps), which a later step of the
+    bucket takes over.
     """
 
     plan: WritePlan
@@ -66,6 +68,7 @@ class StepPlan:
     pending: set[int]
     rows: int
     generation: int
+    owner: object = dataclasses.field(repr=False, compare=False)
     buffers: "PaddedPlan | None" = None
     captured: set[int] = dataclasses.field(default_factory=set)
     plan_recorded: bool = False  # the plan's lists were recorded on the backup stream

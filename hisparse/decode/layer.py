@@ -35,7 +35,7 @@ import math
 import torch
 
 from .._checks import check_bool, check_int, parse_enum, sm_count
-from ..attention.base import SparseMLABackend, check_decode_call
+from ..attention.base import Phase, SparseMLABackend, check_decode_call
 from ..attention.miss import (MissConfig, MissMode, MissPlan, fused_miss_attention, merge_lse,
                               miss_attention_merge, plan_miss_attention)
 from ..cache.cache import HiSparseCache
@@ -72,11 +72,13 @@ def split_waits_for_misses(programs: int, sms: int) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class SplitLaunch:
-    """What ``DecodeLayer.begin`` launched: the split resolve, the heads its query has,
-    the SMs its hit attention plans for (None: all) and whether that attention waits
-    for the miss phase (``split_waits_for_misses``)."""
+    """What ``DecodeLayer.begin`` launched: the split resolve, the cache it resolved (no
+    layer over another cache finishes it), the heads its query has, the SMs its hit
+    attention plans for (None: all) and whether that attention waits for the miss
+    phase (``split_waits_for_misses``)."""
 
     result: SplitResult
+    cache: HiSparseCache = dataclasses.field(repr=False, compare=False)
     num_heads: int
     sms: int | None
     after_miss_phase: bool = False
@@ -119,6 +121,16 @@ class DecodeLayer:
         self._plans: dict[tuple, MissPlan] = {}
         self._partials: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._supported: set = set()  # (device, row format, heads) the backend accepted
+
+    def with_backend(self, backend: SparseMLABackend) -> "DecodeLayer":
+        """This layer attending with ``backend``: the same cache, mode, checks, kernels
+        and miss configuration, sharing this layer's scratch (the miss plans and the
+        fused mode's partials depend on the head count, not on the backend), for a
+        caller that gets a new backend object per forward."""
+        layer = DecodeLayer(self.cache, backend, overlap=self.overlap, validate=self.validate,
+                            kernels=self.kernels, miss_config=self.miss_config)
+        layer._plans, layer._partials = self._plans, self._partials
+        return layer
 
     def _plan(self, mode: MissMode, T: int, H: int, fmt: RowFormat) -> MissPlan:
         key = (mode, H, fmt)
@@ -180,20 +192,39 @@ class DecodeLayer:
         query: resolve ``topk`` (int32 [T, K]) of ``layer`` for ``req_ids`` (int32 [T])
         now -- the hit phase on the current stream, the miss phase and the staging on the
         stage stream -- so that they run beside the query projection. ``finish`` attends
-        a query of ``num_heads`` heads. Split mode only."""
+        a query of ``num_heads`` heads. Split mode only. A head count the backend
+        refuses is refused here, before the resolve (``finish`` could never attend it)."""
         if self.overlap is not Overlap.SPLIT:
             raise ValueError(f"begin/finish are the two halves of a split layer; this layer is {self.overlap.value}")
         check_int("num_heads", num_heads, 1)
         if not isinstance(topk, torch.Tensor) or topk.dim() != 2:
             raise ValueError("topk must be an int32 [T, K] tensor")  # the resolve checks the rest
+        view = self.cache.layer_view(layer)
+        self._check_supported(view.hot_rows.device, view.row_format, num_heads)
         return self._begin_split(layer, req_ids, topk, num_heads)
+
+    def _check_supported(self, device: torch.device, fmt: RowFormat, H: int) -> None:
+        """Whether the backend runs a decode of H heads over ``fmt`` rows on ``device``:
+        the question ``check_decode_call`` asks in ``finish``, for a query not made yet
+        (ValueError with the backend's reason; accepted ones are noted in the same set)."""
+        key = (device, fmt, H)
+        if key in self._supported:
+            return
+        reason = self.backend.supports(device=device, row_format=fmt, num_heads=H, phase=Phase.DECODE)
+        if reason is not None:
+            raise ValueError(f"{self.backend.name} backend cannot run this decode: {reason}")
+        self._supported.add(key)
 
     def finish(self, launch: SplitLaunch, q: torch.Tensor, *, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """The second half: attend ``q`` (bf16 [T, H, 576]) over the hits while the misses
-        stage, then over the misses, merged. Returns what ``__call__`` does. ``q`` is
-        checked before anything is launched."""
+        stage, then over the misses, merged. Returns what ``__call__`` does. ``q`` and
+        the launch (begun over this layer's cache, not stale since) are checked before
+        anything is launched."""
         if not isinstance(launch, SplitLaunch):
             raise TypeError(f"launch must be the SplitLaunch of begin(), got {type(launch).__name__}")
+        if launch.cache is not self.cache:
+            raise ValueError("the launch was begun by a DecodeLayer over another cache (its indices point "
+                             "into that cache's rows); finish it with a layer over that cache")
         sp = launch.result
         if sp.stale:
             raise ValueError(f"layer {sp.layer} was appended to, resolved or freed since begin(): its "
@@ -242,7 +273,7 @@ class DecodeLayer:
         T, K = (topk.shape[0], topk.shape[1]) if isinstance(topk, torch.Tensor) and topk.dim() == 2 else (0, 0)
         copy, sms, after = self._launch_plan(T, H, K, self.cache.layer_view(layer).row_format)
         sp = self.cache.resolve_split(layer, req_ids, topk, validate=self.validate, copy_shape=copy)
-        return SplitLaunch(sp, H, sms, after)
+        return SplitLaunch(result=sp, cache=self.cache, num_heads=H, sms=sms, after_miss_phase=after)
 
     def _finish_split(self, launch: SplitLaunch, q: torch.Tensor, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Hit attention (planned for ``launch.sms`` SMs where set; after the miss phase

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from .._checks import check_tensor
-from ..decode.layer import DecodeLayer
+from ..decode.layer import DecodeLayer, Overlap
 from .metadata import SparseMLAMetadata
 
 
@@ -70,7 +70,9 @@ class DecodeAttentionCalls:
         as soon as the top-k (int32 [Td, K]) exists, so that it runs beside the query
         projection; ``decode_attention(..., overlap="split")`` of the layer, with the
         same backend, ``topk_indices`` tensor and a query of ``num_heads`` heads, then
-        attends. Counts as the layer's resolve of the forward."""
+        attends. Counts as the layer's resolve of the forward. A head count the backend
+        refuses is refused before the resolve (nothing changed: the layer can still be
+        converted or attended)."""
         i = self._layer(layer_index)
         self._check_batch(metadata)
         layer = self._split_layer(i, topk_indices, backend, "split")
@@ -80,16 +82,20 @@ class DecodeAttentionCalls:
         self.resolves_per_layer[i] += 1
 
     def _split_layer(self, i: int, topk_indices, backend, overlap: str) -> DecodeLayer:
-        """Checks of a decode attention of layer i; its DecodeLayer (made once)."""
+        """Checks of a decode attention of layer i; its DecodeLayer (the mode's, made once,
+        moved to ``backend`` with its scratch when another backend object comes)."""
         self._check_decode_topk(topk_indices)
         if i in self._converted:
             raise ValueError(f"layer {i} was already resolved in this forward (or by a graph replay)")
         if self._decode_tokens and i not in self._written:
             raise ValueError(f"layer {i}: write_new_rows must run before decode attention")
-        layer = self._decode_layers.get((id(backend), overlap))
+        mode = Overlap.parse(overlap)
+        layer = self._decode_layers.get(mode)
         if layer is None:
-            layer = DecodeLayer(self._cache, backend, overlap=overlap, validate=self.validate)
-            self._decode_layers[(id(backend), overlap)] = layer
+            layer = DecodeLayer(self._cache, backend, overlap=mode, validate=self.validate)
+        elif layer.backend is not backend:  # another backend object: the scratch carries over
+            layer = layer.with_backend(backend)
+        self._decode_layers[mode] = layer  # one per mode: the last backend object's
         return layer
 
     def prefetch(self, layer_index: int, topk_indices: torch.Tensor, metadata: SparseMLAMetadata) -> None:

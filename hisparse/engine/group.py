@@ -51,7 +51,7 @@ from ..cache.cache import HiSparseCache
 from ..cache.stager import capturing
 from ..cache.write_step import StepCapacity
 from ..config import HiSparseConfig
-from ..decode.layer import DecodeLayer
+from ..decode.layer import DecodeLayer, Overlap
 from ..device import resolve_device
 from ..errors import CapacityError
 from ..formats import D_ROW, RowFormat
@@ -162,7 +162,7 @@ class HiSparseIndexGroup(PrefillCalls, LayerGraphCalls, DecodeAttentionCalls):
         self._tokens = 0  # tokens the per-layer calls take (the bucket's with pad_to)
         self._decode_tokens = 0  # decode tokens they resolve (padded likewise)
         self._ids_bufs: dict[int, torch.Tensor] = {}  # padded decode ids per bucket size
-        self._decode_layers: dict[tuple, DecodeLayer] = {}  # (backend, overlap) -> DecodeLayer
+        self._decode_layers: dict[Overlap, DecodeLayer] = {}  # per mode, for the last backend object
         self.resolves_per_layer = [0] * config.num_layers  # lifetime count, for tests/metrics
         cuda = device_type(self.device) == "cuda"
         self.prefill_stream = torch.cuda.Stream(device=self.device) if cuda else None
@@ -472,9 +472,10 @@ class HiSparseIndexGroup(PrefillCalls, LayerGraphCalls, DecodeAttentionCalls):
                 raise ValueError(f"layer {i} was already converted in this forward with another top-k "
                                  "tensor; each layer is resolved once per forward")
             phys, counts = done[1]
-            if phys is None:
-                raise ValueError(f"layer {i} was resolved by decode_attention or a graph replay in this "
-                                 "forward")
+            if phys is None:  # decode_attention keeps no indices to hand out
+                how = ("begun by begin_decode_attention: attend it with decode_attention(..., overlap='split')"
+                       if i in self._begun else "resolved by decode_attention, which returns no indices")
+                raise ValueError(f"layer {i} was {how} in this forward")
         else:
             if nd and i not in self._written:  # this forward's rows of layer i are not in yet
                 raise ValueError(f"layer {i}: write_new_rows must run before the conversion (the "
