@@ -331,6 +331,25 @@ def test_engine_begin_refused_by_the_backend_leaves_the_layer_to_resolve():
     assert g.resolves_per_layer == [1, 1]
 
 
+def test_engine_finishes_a_begun_layer_given_the_overlap_enum():
+    """decode_attention takes ``Overlap.SPLIT`` as it takes "split", begun or not; an
+    unknown mode is refused before anything changes."""
+    q, be = qs(1, 2), ReferenceBackend()
+    tk = torch.tensor([[20, 15, 3, 9]], dtype=I32)
+    g1, md1, _ = _engine()
+    ref = g1.decode_attention(0, q, tk, md1, backend=be, sm_scale=SM, overlap="split")
+    g, md, _ = _engine()
+    before = snapshot(g.hisparse_cache)
+    with pytest.raises(ValueError, match="overlap"):
+        g.decode_attention(0, q, tk, md, backend=be, sm_scale=SM, overlap="sideways")
+    assert_same(before, snapshot(g.hisparse_cache))
+    g.begin_decode_attention(0, tk, md, backend=be, num_heads=H)
+    out = g.decode_attention(0, q, tk, md, backend=be, sm_scale=SM, overlap=Overlap.SPLIT)
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+    out = g.decode_attention(1, q, tk, md, backend=be, sm_scale=SM, overlap=Overlap.SPLIT)
+    assert g.resolves_per_layer == [1, 1]
+
+
 def _decode_forward(g: HiSparseIndexGroup, n: int) -> SparseMLAMetadata:
     """Prepare the next forward of an ``_engine`` group: one decode token of request 1
     at position n, its row (random) written in both layers."""

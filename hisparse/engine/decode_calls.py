@@ -39,7 +39,7 @@ class DecodeAttentionCalls:
 
     def decode_attention(self, layer_index: int, q: torch.Tensor, topk_indices: torch.Tensor,
                          metadata: SparseMLAMetadata, *, backend, sm_scale: float,
-                         overlap: str = "split") -> tuple[torch.Tensor, torch.Tensor]:
+                         overlap: Overlap | str = "split") -> tuple[torch.Tensor, torch.Tensor]:
         """Decode attention of layer ``layer_index`` with the miss staging hidden behind
         it (``hisparse.decode``): resolves the decode tokens' top-k (int32 [Td, K]) and
         attends ``q`` (bf16 [Td, H, 576]) with ``backend`` over the hits while the misses
@@ -49,16 +49,17 @@ class DecodeAttentionCalls:
         """
         i = self._layer(layer_index)
         self._check_batch(metadata)
+        mode = Overlap.parse(overlap)
         begun = self._begun.get(i)
         if begun is not None:  # begin_decode_attention resolved it: attend
             layer, sp = begun
-            if overlap != "split" or layer.backend is not backend or self._converted[i][0] != topk_key(topk_indices):
+            if mode is not Overlap.SPLIT or layer.backend is not backend or self._converted[i][0] != topk_key(topk_indices):
                 raise ValueError(f"layer {i} was begun with begin_decode_attention: finish it with overlap "
                                  "'split', the same backend and the same topk_indices tensor")
             out = layer.finish(sp, q, sm_scale=sm_scale)
             del self._begun[i]
             return out
-        layer = self._split_layer(i, topk_indices, backend, overlap)
+        layer = self._split_layer(i, topk_indices, backend, mode)
         out = layer(i, self._decode_ids, topk_indices, q, sm_scale=sm_scale)
         self._converted[i] = (topk_key(topk_indices), (None, None))
         self.resolves_per_layer[i] += 1
@@ -81,7 +82,7 @@ class DecodeAttentionCalls:
         self._begun[i] = (layer, launch)
         self.resolves_per_layer[i] += 1
 
-    def _split_layer(self, i: int, topk_indices, backend, overlap: str) -> DecodeLayer:
+    def _split_layer(self, i: int, topk_indices, backend, overlap: Overlap | str) -> DecodeLayer:
         """Checks of a decode attention of layer i; its DecodeLayer (the mode's, made once,
         moved to ``backend`` with its scratch when another backend object comes)."""
         self._check_decode_topk(topk_indices)
