@@ -31,7 +31,7 @@ from . import mini_engine
 from .autotune import AutotuneOptions, format_autotune, run_autotune, save_result
 from .env import collect_env, format_env
 from .exit_codes import (EXIT_FAILED, EXIT_INPUT, EXIT_OK, MissingDependency, OneLineParser,
-                         run_command)
+                         run_command, writing)
 from .plan import FORMULAS, PlanInputs, fmt_bytes, format_plan, parse_bytes, parse_count, parse_tokens, plan
 from .preflight import check_output_dir, check_output_file, parse_device, path_arg
 from .report import plot_stress, require_matplotlib
@@ -211,7 +211,8 @@ def _cmd_stress(args) -> int:
     def on_step(done: int, stats: dict[str, Any]) -> None:
         latest["stats"] = stats
         if args.metrics_file and args.metrics_every and done % args.metrics_every == 0:
-            prom.write_metrics_file(args.metrics_file, stats)
+            with writing("--metrics-file", args.metrics_file):
+                prom.write_metrics_file(args.metrics_file, stats)
 
     try:
         r = run.run(on_step)
@@ -220,12 +221,14 @@ def _cmd_stress(args) -> int:
             server.shutdown()
             server.server_close()
     if args.metrics_file and "stats" in latest:
-        prom.write_metrics_file(args.metrics_file, latest["stats"])
+        with writing("--metrics-file", args.metrics_file):
+            prom.write_metrics_file(args.metrics_file, latest["stats"])
         r["metrics_file"] = args.metrics_file
     if args.plot:
         ps = r["per_step"]
-        r["plots"] = plot_stress(args.plot, hit_rate=ps["hit_rate"], optimal=ps["optimal_hit_rate"],
-                                 step_ms=ps["step_ms"])
+        with writing("--plot", args.plot):
+            r["plots"] = plot_stress(args.plot, hit_rate=ps["hit_rate"], optimal=ps["optimal_hit_rate"],
+                                     step_ms=ps["step_ms"])
     text = format_stress(r)
     if args.plot:
         text += "\nplots: " + ", ".join(r["plots"])
@@ -289,7 +292,8 @@ def _cmd_autotune(args) -> int:
         flashmla_lib=args.flashmla_lib or os.environ.get("HISPARSE_FLASHMLA_LIB") or None)
     r = run_autotune(o)
     if args.out:
-        save_result(r, args.out)
+        with writing("--out", args.out):
+            save_result(r, args.out)
     text = format_autotune(r) + (f"\nwrote {args.out}" if args.out else "")
     _emit(args, r, text)
     return EXIT_OK

@@ -14,7 +14,7 @@ import sys
 
 from ..._checks import Kernels
 from ...decode.layer import Overlap
-from ..exit_codes import EXIT_FAILED, EXIT_OK, OneLineParser, run_command
+from ..exit_codes import EXIT_FAILED, EXIT_OK, OneLineParser, run_command, writing
 from ..preflight import check_output_file, path_arg
 from .config import PRESETS, MiniEngineConfig
 from .ffn import FFN_ROUTINGS, FFNKind
@@ -129,7 +129,7 @@ def run_args(args: argparse.Namespace) -> int:
     res = run(cfg, progress=args.progress, record=args.record)
     print(json.dumps(res, indent=2) if args.json else format_report(res))
     if args.out:
-        with open(args.out, "w") as fh:
+        with writing("--out", args.out), open(args.out, "w") as fh:
             json.dump(res, fh, indent=2)
     return EXIT_OK if res["compare"]["within_tolerance"] else EXIT_FAILED
 
