@@ -1,9 +1,11 @@
-"""The ``hisparse`` options as a user meets them: messages in the flags' words.
+"""The ``hisparse`` options as a user meets them: one rule for options that would do
+nothing, and messages in the flags' words.
 
 Everything runs in-process on the CPU at tiny sizes; where a check happens before the
 work, the work is replaced by a function that fails the test if it is reached.
 """
 
+import importlib
 import json
 import sys
 
@@ -13,10 +15,14 @@ from hisparse import CapacityError, HiSparseCache, HiSparseConfig
 from hisparse.tools import cli
 from hisparse.tools.cli import main
 from hisparse.tools.exit_codes import EXIT_FAILED, run_command
+from hisparse.tools.mini_engine import loop as me_loop
 from hisparse.tools.traces import TraceRecorder
+
+me_cli = importlib.import_module("hisparse.tools.mini_engine.cli")
 
 STRESS_TINY = ["--requests", "2", "--context", "200", "--top-k", "8", "--steps", "2", "--block-size", "16",
                "--device", "cpu", "--quiet"]
+ME_TINY = ["--num-requests", "2", "--max-prompt", "24", "--max-decode", "3"]
 WHATIF_TINY = ["--trace", "uniform", "--requests", "2", "--context", "200", "--layers", "1", "--top-k", "8",
                "--steps", "3", "--quiet"]
 
@@ -39,6 +45,87 @@ def _fails(capsys, argv, rc, *needles, absent=()):
 
 def _never(*args, **kw):
     raise AssertionError("the work started: the options should have been refused first")
+
+
+def _me_args(argv):
+    return me_cli.build_parser().parse_args(argv)
+
+
+# ------------------------------------------------------------ options that would do nothing
+@pytest.mark.parametrize("argv, needles", [
+    (["stress", "--metrics-every", "5"], ["--metrics-every has no effect without --metrics-file"]),
+    (["stress", "--metrics-addr", "0.0.0.0"], ["--metrics-addr has no effect without --metrics-port"]),
+    (["stress", "--layers", "1", "--prefetch"], ["--prefetch has no effect with one layer (--layers 1)"]),
+])
+def test_stress_options_that_do_nothing_are_refused(capsys, monkeypatch, argv, needles):
+    monkeypatch.setattr(cli.StressRun, "run", _never)
+    _fails(capsys, argv + STRESS_TINY, 2, *needles)
+
+
+def test_stress_prefetch_into_a_one_layer_trace_is_refused(capsys, monkeypatch, tmp_path):
+    rec = TraceRecorder(num_layers=1, top_k=4)
+    for step, n in enumerate((30, 31)):
+        rec.begin_step([0], [n])
+        rec.add_layer(0, [[0, 1, 2, step + 3]])
+    rec.save(tmp_path / "t.npz")
+    monkeypatch.setattr(cli.StressRun, "run", _never)
+    _fails(capsys, ["stress", "--replay", str(tmp_path / "t.npz"), "--prefetch", "--device", "cpu", "--quiet"],
+           2, "--prefetch has no effect with one layer (the trace has one)")
+
+
+@pytest.mark.parametrize("argv, needles", [
+    (["--ffn", "none", "--ffn-experts", "8"], ["--ffn-experts has no effect with --ffn none", "--ffn moe"]),
+    (["--ffn-routing", "token"], ["--ffn-routing has no effect with --ffn none (the default)"]),
+    (["--ffn", "mlp", "--ffn-routing", "token", "--ffn-active", "1"],
+     ["--ffn-active, --ffn-routing have no effect with --ffn mlp"]),
+    (["--ffn-intermediate", "32"], ["--ffn-intermediate has no effect", "--ffn mlp or --ffn moe"]),
+    (["--sync-steps"], ["--sync-steps has no effect on a CPU device"]),
+    (["--flashmla-lib", "/nonexistent.so"], ["--flashmla-lib '/nonexistent.so' does not exist"]),
+    (["--flashmla-lib", __file__], ["--flashmla-lib has no effect on a CPU device"]),
+    (["--flashmla-lib", __file__, "--backend", "reference"], ["--flashmla-lib has no effect with --backend reference"]),
+])
+def test_mini_engine_options_that_do_nothing_are_refused(capsys, monkeypatch, argv, needles):
+    monkeypatch.setattr(me_loop, "MiniEngine", _never)
+    _fails(capsys, ["mini-engine"] + argv + ME_TINY, 2, *needles)
+
+
+@pytest.mark.parametrize("argv, needles", [
+    (["plan", "--tp-share", "--tp", "1"], ["--tp-share has no effect with --tp 1"]),
+    (["plan", "--tp-share"], ["--tp-share has no effect with --tp 1"]),
+    (["whatif", "--pcie-gbps", "inf"] + WHATIF_TINY, ["--pcie-gbps must be a positive, finite number"]),
+    (["whatif", "--row-bytes", "512", "--format", "bf16"] + WHATIF_TINY, ["--format has no effect with --row-bytes"]),
+    (["env", "--flashmla-lib", "/nonexistent.so"], ["--flashmla-lib '/nonexistent.so' does not exist"]),
+    (["autotune", "--flashmla-lib", "/nonexistent.so", "--quiet"], ["does not exist"]),
+    (["autotune", "--flashmla-lib", __file__, "--device", "cpu", "--gpu-memory", "1MiB", "--quiet"],
+     ["--flashmla-lib has no effect on a CPU device"]),
+])
+def test_other_options_that_do_nothing_are_refused(capsys, monkeypatch, argv, needles):
+    for name in ("collect_env", "run_autotune", "plan"):
+        monkeypatch.setattr(cli, name, _never)
+    _fails(capsys, argv, 2, *needles)
+
+
+def test_what_a_default_or_an_enabling_flag_supplies_is_not_refused(capsys):
+    """Given means typed: defaults, presets and options whose feature is on pass."""
+    from hisparse.tools import flag_rules
+
+    for argv in (["--ffn", "moe", "--ffn-experts", "8", "--ffn-routing", "token", "--ffn-intermediate", "32"],
+                 ["--ffn", "mlp", "--ffn-intermediate", "32"], ["--device", "cuda", "--sync-steps"],
+                 ["--preset", "h200"], []):
+        args = _me_args(argv)
+        flag_rules.check_mini_engine(args, me_cli.config_from_args(args))
+    stress = cli.build_parser().parse_args(["stress", "--metrics-file", "m.prom", "--metrics-port", "9100",
+                                            "--metrics-addr", "0.0.0.0", "--metrics-every", "3"])
+    flag_rules.check_stress(stress)
+    bare = cli.build_parser().parse_args(["stress"])
+    flag_rules.check_stress(bare)  # the defaults stand in for what was not given
+    assert (bare.metrics_every, bare.metrics_addr) == (10, "127.0.0.1")
+    assert json.loads(_run_ok(capsys, ["plan", "--tp", "2", "--tp-share", "--json"]))["host_pool_copies_per_node"] == 1
+
+
+def _run_ok(capsys, argv):
+    assert main(argv) == 0
+    return capsys.readouterr().out
 
 
 # ------------------------------------------------------------ messages in the flags' words

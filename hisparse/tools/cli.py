@@ -27,7 +27,7 @@ from .. import __version__
 from .. import metrics as prom
 from .._checks import Kernels
 from ..errors import CapacityError
-from . import mini_engine
+from . import flag_rules, mini_engine
 from .autotune import AutotuneOptions, format_autotune, run_autotune, save_result
 from .env import collect_env, format_env
 from .exit_codes import (EXIT_FAILED, EXIT_INPUT, EXIT_OK, MissingDependency, OneLineParser,
@@ -154,11 +154,12 @@ def _add_stress(sub) -> None:
     a("--metrics-file", type=path_arg, metavar="FILE",
       help="write the cache's stats() there in the Prometheus text format (docs/METRICS.md), "
            "at the end and every --metrics-every steps")
-    a("--metrics-every", type=parse_count, default=10, metavar="N",
-      help="steps between --metrics-file writes; 0: only at the end [10]")
+    a("--metrics-every", type=parse_count, default=None, metavar="N",
+      help=f"steps between --metrics-file writes; 0: only at the end [{flag_rules.STRESS_METRICS_EVERY}]")
     a("--metrics-port", type=_port, metavar="PORT",
       help="serve the metrics on http://ADDR:PORT/metrics while the run lasts (needs prometheus_client)")
-    a("--metrics-addr", default="127.0.0.1", metavar="ADDR", help="address of --metrics-port [127.0.0.1]")
+    a("--metrics-addr", default=None, metavar="ADDR",
+      help=f"address of --metrics-port [{flag_rules.STRESS_METRICS_ADDR}]")
     p.set_defaults(func=_cmd_stress)
 
 
@@ -186,6 +187,7 @@ def _stress_options(args) -> StressOptions:
 
 
 def _cmd_stress(args) -> int:
+    flag_rules.check_stress(args)
     # outputs and optional dependencies first: nothing runs before they are known good
     if args.record:
         check_output_file(args.record, flag="--record")
@@ -279,6 +281,7 @@ def _add_autotune(sub) -> None:
 
 
 def _cmd_autotune(args) -> int:
+    flag_rules.check_autotune(args)
     if args.out:
         check_output_file(args.out, flag="--out")
     o = AutotuneOptions(
@@ -332,6 +335,7 @@ def _add_plan(sub) -> None:
 
 
 def _cmd_plan(args) -> int:
+    flag_rules.check_plan(args)
     r = plan(PlanInputs(num_layers=args.num_layers, context_len=args.context_len,
                         gpu_bytes=args.gpu_bytes, host_bytes=args.host_bytes,
                         row_format=args.row_format, top_k=args.top_k,
@@ -364,6 +368,7 @@ def _add_env(sub) -> None:
 
 
 def _cmd_env(args) -> int:
+    flag_rules.check_env(args)
     dev = parse_device(args.device, available=False)
     d = collect_env(device=str(dev), flashmla_lib=args.flashmla_lib)
     _emit(args, d, format_env(d))

@@ -262,8 +262,8 @@ class StressRun:
         self.L, self.K, self.steps = L, K, steps
         self.live_max, self.max_len = live_max, max_len
         B = o.block_size
-        check_stress_sizes(top_k=K, buffer=o.buffer_size, block_size=B, live=live_max, max_len=max_len,
-                           replay=self.replay is not None)
+        check_stress_sizes(layers=L, top_k=K, buffer=o.buffer_size, block_size=B, live=live_max,
+                           max_len=max_len, replay=self.replay is not None, prefetch=o.prefetch)
         blocks = live_max * math.ceil(max_len / B)
         self.cfg = HiSparseConfig(
             num_layers=L, host_pool_tokens=max(blocks, 1) * B, row_bytes=RowFormat.parse(o.row_format).row_bytes,

@@ -4,23 +4,31 @@
 (``device_buffer_size``, ``max_request_id``, the host pool): a ``hisparse stress`` user
 gave ``--buffer``, ``--requests`` and ``--block-size``. :func:`check_stress_sizes` runs
 before the config is built, once a replayed trace's sizes are known, and names the flag
-(or the trace) that sets the size at fault.
+(or the trace) that sets the size at fault. ``--prefetch`` into a one-layer run is
+refused here too (the rule of :mod:`hisparse.tools.flag_rules`): the layer count may
+come from the trace.
 """
 
 from __future__ import annotations
 
+from .flag_rules import unused
+
 INT32_MAX = 2**31 - 1
 
 
-def check_stress_sizes(*, top_k: int, buffer: int | None, block_size: int, live: int, max_len: int,
-                       replay: bool) -> None:
+def check_stress_sizes(*, layers: int, top_k: int, buffer: int | None, block_size: int, live: int,
+                       max_len: int, replay: bool, prefetch: bool) -> None:
     """ValueError naming the flag when the sizes break a cache limit.
 
     ``buffer``: --buffer as given (None: 2 x top-k); ``live``: requests at once;
     ``max_len``: the longest sequence; ``replay``: the layers, top-k and requests come
-    from a trace file rather than from --top-k and --requests.
+    from a trace file rather than from --layers, --top-k and --requests.
     """
     k_from = "the trace's top-k" if replay else "--top-k"
+    if prefetch and layers < 2:
+        raise unused(["--prefetch"], f"with one layer ({'the trace has one' if replay else '--layers 1'}): "
+                                     "it stages a layer's selection into the next layer",
+                     "drop it" + ("" if replay else ", or give --layers 2 or more"))
     S = 2 * top_k if buffer is None else buffer
     if buffer is not None and buffer < top_k:
         raise ValueError(f"--buffer {buffer} is smaller than {k_from} ({top_k}): one step of one request can "

@@ -15,6 +15,7 @@ import sys
 from ..._checks import Kernels
 from ...decode.layer import Overlap
 from ..exit_codes import EXIT_FAILED, EXIT_OK, OneLineParser, run_command, writing
+from ..flag_rules import check_mini_engine
 from ..preflight import check_output_file, path_arg
 from .config import PRESETS, MiniEngineConfig
 from .ffn import FFN_ROUTINGS, FFNKind
@@ -126,6 +127,7 @@ def run_args(args: argparse.Namespace) -> int:
     if args.out:
         check_output_file(args.out, flag="--out")
     cfg = config_from_args(args)
+    check_mini_engine(args, cfg)
     res = run(cfg, progress=args.progress, record=args.record)
     print(json.dumps(res, indent=2) if args.json else format_report(res))
     if args.out:
