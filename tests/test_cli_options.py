@@ -1,5 +1,5 @@
 """The ``hisparse`` options as a user meets them: one rule for options that would do
-nothing, and messages in the flags' words.
+nothing, graphs choosing their mode, and messages in the flags' words.
 
 Everything runs in-process on the CPU at tiny sizes; where a check happens before the
 work, the work is replaced by a function that fails the test if it is reached.
@@ -47,8 +47,50 @@ def _never(*args, **kw):
     raise AssertionError("the work started: the options should have been refused first")
 
 
+@pytest.fixture
+def fake_me_run(monkeypatch):
+    """mini-engine's run replaced by one that records its arguments and returns a result
+    that passes (no engine runs, no device is touched)."""
+    seen = {}
+
+    def run(cfg, *, progress=False, record=None):
+        seen.update(cfg=cfg, progress=progress, record=record)
+        return {"compare": {"within_tolerance": True}}
+
+    monkeypatch.setattr(me_cli, "run", run)
+    monkeypatch.setattr(me_cli, "format_report", lambda res: "report")
+    return seen
+
+
 def _me_args(argv):
     return me_cli.build_parser().parse_args(argv)
+
+
+# ------------------------------------------------------------ --graphs chooses unchecked mode
+@pytest.mark.parametrize("flag", ["--graphs", "--layer-graphs"])
+def test_graphs_choose_unchecked_mode_and_say_so(capsys, fake_me_run, flag):
+    assert main(["mini-engine", "--device", "cuda", flag] + ME_TINY) == 0
+    cfg = fake_me_run["cfg"]
+    assert cfg.validate is False and (cfg.graphs or cfg.layer_graphs)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"hisparse mini-engine: note: {flag}: running unchecked (as --unchecked does), which CUDA "
+                   "graphs need: checked mode reads device values on the host, as a captured graph cannot"]
+
+
+def test_graphs_with_unchecked_given_say_nothing_and_at_parse_level_too(capsys, fake_me_run):
+    assert main(["mini-engine", "--device", "cuda", "--graphs", "--unchecked"] + ME_TINY) == 0
+    assert fake_me_run["cfg"].validate is False and capsys.readouterr().err == ""
+    notes = []
+    cfg = me_cli.config_from_args(_me_args(["--device", "cuda", "--graphs"]), notes)
+    assert cfg.validate is False and cfg.graphs and len(notes) == 1
+    assert me_cli.config_from_args(_me_args([])).validate is True  # no graphs: checked, as before
+
+
+def test_graphs_with_checked_is_refused_naming_both(capsys, monkeypatch):
+    monkeypatch.setattr(me_cli, "run", _never)
+    _fails(capsys, ["mini-engine", "--device", "cuda", "--graphs", "--checked"] + ME_TINY, 2,
+           "--graphs needs unchecked mode", "--checked", "drop --checked")
+    _fails(capsys, ["mini-engine", "--checked", "--unchecked"] + ME_TINY, 2, "--unchecked", "--checked")
 
 
 # ------------------------------------------------------------ options that would do nothing

@@ -29,12 +29,12 @@ _CHOICES = {"row_format": ["fp8_ds_mla", "bf16"], "cache_kernels": [k.value for 
 
 # boolean fields as switches: field -> (flag, argparse action, help)
 _SWITCHES = {
-    "validate": ("--unchecked", "store_false", "skip host-syncing validation in the hot loop"),
     "graphs": ("--graphs", "store_true",
-               "run decode-only steps as CUDA graphs per batch-size bucket (CUDA; with --unchecked)"),
+               "run decode-only steps as CUDA graphs per batch-size bucket (CUDA; runs unchecked)"),
     "layer_graphs": ("--layer-graphs", "store_true",
                      "run decode-only steps eagerly, padded to batch-size buckets, each of hisparse's per-layer "
-                     "calls replaying a small CUDA graph (an eager engine's host cost; CUDA, --unchecked, serial)"),
+                     "calls replaying a small CUDA graph (an eager engine's host cost; CUDA, serial; runs "
+                     "unchecked)"),
     "prefetch": ("--prefetch", "store_true",
                  "hisparse: stage layer l's top-k into layer l+1 while layer l computes: into Shared layers "
                  "(exact, --index-share > 1), and into Full layers as a prediction when --index-correlation > 0"),
@@ -42,6 +42,10 @@ _SWITCHES = {
                     "CUDA: finish each step before preparing the next (default: the host prepares step t + 1 "
                     "while step t runs, one step ahead)"),
 }
+
+
+# CUDA graphs capture the step, so they need unchecked mode (no host reads of device values)
+_GRAPH_SWITCHES = {"graphs": "--graphs", "layer_graphs": "--layer-graphs"}
 
 
 # what each sized field means, in the help text
@@ -84,6 +88,15 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu", help="base sizes (flags override)")
     for f in dataclasses.fields(MiniEngineConfig):
         name = f.name
+        if name == "validate":
+            g = p.add_mutually_exclusive_group()
+            g.add_argument("--unchecked", dest="validate", action="store_false", default=None,
+                           help="skip host-syncing validation in the hot loop (--graphs and --layer-graphs "
+                                "choose it themselves)")
+            g.add_argument("--checked", dest="validate", action="store_true", default=None,
+                           help="validate in the hot loop (the default; next to --graphs or --layer-graphs, "
+                                "which need unchecked mode, it is refused)")
+            continue
         if name in _SWITCHES:
             flag, action, text = _SWITCHES[name]
             p.add_argument(flag, dest=name, action=action, default=None, help=text)
@@ -113,12 +126,26 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     return p
 
 
-def config_from_args(args: argparse.Namespace) -> MiniEngineConfig:
+def config_from_args(args: argparse.Namespace, notes: list[str] | None = None) -> MiniEngineConfig:
+    """The config of the preset and the flags given. ``--graphs`` / ``--layer-graphs``
+    choose unchecked mode unless ``--checked`` is given (then refused); ``notes`` (when
+    given) gets a line saying so."""
     kw = dict(PRESETS[args.preset])
     for f in dataclasses.fields(MiniEngineConfig):
         v = getattr(args, f.name, None)
         if v is not None:
             kw[f.name] = v
+    graphs = [flag for name, flag in _GRAPH_SWITCHES.items() if kw.get(name)]
+    if graphs and kw.get("validate", True):
+        if getattr(args, "validate", None) is True:
+            raise ValueError(f"{' and '.join(graphs)} need{'s' if len(graphs) == 1 else ''} unchecked mode and "
+                             "--checked asks for checked mode, "
+                             "which reads device values on the host, as a captured CUDA graph cannot: "
+                             "drop --checked (or " + " and ".join(graphs) + ")")
+        kw["validate"] = False
+        if notes is not None:
+            notes.append(f"{' and '.join(graphs)}: running unchecked (as --unchecked does), which CUDA graphs "
+                         "need: checked mode reads device values on the host, as a captured graph cannot")
     return MiniEngineConfig(**kw)
 
 
@@ -126,8 +153,11 @@ def run_args(args: argparse.Namespace) -> int:
     """Run from parsed arguments; prints the report; exit status 1 when outputs differ."""
     if args.out:
         check_output_file(args.out, flag="--out")
-    cfg = config_from_args(args)
+    notes: list[str] = []
+    cfg = config_from_args(args, notes)
     check_mini_engine(args, cfg)
+    for note in notes:
+        print(f"hisparse mini-engine: note: {note}", file=sys.stderr)
     res = run(cfg, progress=args.progress, record=args.record)
     print(json.dumps(res, indent=2) if args.json else format_report(res))
     if args.out:
