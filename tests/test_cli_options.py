@@ -1,10 +1,12 @@
-"""The ``hisparse`` options as a user meets them: one rule for options that would do
-nothing, graphs choosing their mode, and messages in the flags' words.
+"""The ``hisparse`` options as a user meets them: one vocabulary across subcommands, one
+rule for options that would do nothing, graphs choosing their mode, and messages in
+the flags' words.
 
 Everything runs in-process on the CPU at tiny sizes; where a check happens before the
 work, the work is replaced by a function that fails the test if it is reached.
 """
 
+import argparse
 import importlib
 import json
 import sys
@@ -22,7 +24,7 @@ me_cli = importlib.import_module("hisparse.tools.mini_engine.cli")
 
 STRESS_TINY = ["--requests", "2", "--context", "200", "--top-k", "8", "--steps", "2", "--block-size", "16",
                "--device", "cpu", "--quiet"]
-ME_TINY = ["--num-requests", "2", "--max-prompt", "24", "--max-decode", "3"]
+ME_TINY = ["--requests", "2", "--max-prompt", "24", "--max-decode", "3"]
 WHATIF_TINY = ["--trace", "uniform", "--requests", "2", "--context", "200", "--layers", "1", "--top-k", "8",
                "--steps", "3", "--quiet"]
 
@@ -238,4 +240,50 @@ def test_whatif_missing_matplotlib_says_its_kind(capsys, monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if absent
     _fails(capsys, ["whatif", "--plot", str(tmp_path)] + WHATIF_TINY, 4,
            "hisparse whatif: missing dependency: --plot needs matplotlib")
+
+
+# ------------------------------------------------------------ one vocabulary
+FORMER = {"--num-layers": "--layers", "--num-requests": "--requests", "--num-heads": "--heads",
+          "--row-format": "--format", "--device-buffer-size": "--buffer", "--host-block-size": "--block-size",
+          "--cache-kernels": "--kernels"}
+
+
+def _subparsers():
+    parser = cli.build_parser()
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+
+
+def test_one_vocabulary_across_subcommands():
+    """A concept has one visible flag everywhere; every command takes --quiet."""
+    for name, sp in _subparsers().items():
+        visible = {s for a in sp._actions if a.help != argparse.SUPPRESS for s in a.option_strings}
+        assert not visible & (set(FORMER) | {"--progress"}), (name, visible & set(FORMER))
+        assert "--quiet" in visible, name
+    me = {s for a in _subparsers()["mini-engine"]._actions for s in a.option_strings}
+    assert set(FORMER.values()) <= me
+
+
+def test_new_and_former_spellings_give_the_same_config(capsys, fake_me_run):
+    vals = {"--layers": "3", "--requests": "5", "--heads": "4", "--format": "bf16", "--buffer": "32",
+            "--block-size": "8", "--kernels": "torch"}
+    new = me_cli.config_from_args(_me_args([x for k, v in vals.items() for x in (k, v)]))
+    old_argv = [x for k, v in FORMER.items() for x in (k, vals[v])]
+    old_args = _me_args(old_argv)
+    assert me_cli.config_from_args(old_args) == new
+    assert new.num_layers == 3 and new.device_buffer_size == 32 and new.cache_kernels == "torch"
+    assert len(old_args.notes) == len(FORMER)
+    assert main(["mini-engine", "--num-layers", "1"] + ME_TINY) == 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["hisparse mini-engine: note: --num-layers is deprecated and will be removed; use --layers "
+                   "(the same option)"]
+    _fails(capsys, ["mini-engine", "--num-layers", "0"] + ME_TINY, 2, "num_layers must be >= 1")  # no note
+
+
+def test_quiet_and_the_former_progress_flag(capsys, fake_me_run):
+    assert main(["mini-engine"] + ME_TINY) == 0 and fake_me_run["progress"] is False  # stderr: not a terminal
+    assert main(["mini-engine", "--quiet"] + ME_TINY) == 0 and fake_me_run["progress"] is False
+    capsys.readouterr()
+    assert main(["mini-engine", "--progress"] + ME_TINY) == 0 and fake_me_run["progress"] is True
+    assert "--progress is deprecated" in capsys.readouterr().err
+    _fails(capsys, ["mini-engine", "--progress", "--quiet"] + ME_TINY, 2, "--progress", "--quiet")
 

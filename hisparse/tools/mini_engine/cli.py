@@ -1,5 +1,10 @@
 """``hisparse mini-engine``: flags (one per :class:`MiniEngineConfig` field), presets, run.
 
+Flags shared with the other subcommands are spelled as there (``--layers``,
+``--requests``, ``--heads``, ``--format``, ``--buffer``, ``--block-size``, ``--kernels``,
+``--quiet``); the former spellings made from field names (``--num-layers``, ...) and
+``--progress`` still work, hidden from ``--help``, with a note on stderr.
+
 Errors follow the ``hisparse`` command's exit codes (:mod:`hisparse.tools.exit_codes`):
 1 when the outputs differ beyond ``--tolerance``, 2 bad input, 3 capacity, 4 missing
 dependency. ``--out`` and ``--record`` are checked before anything runs.
@@ -44,8 +49,29 @@ _SWITCHES = {
 }
 
 
+# fields whose flag is spelled as in stress, plan, autotune and whatif; the spelling made
+# from the field name (--num-layers, ...) is kept as a hidden former spelling
+_FLAGS = {"num_layers": "--layers", "num_requests": "--requests", "num_heads": "--heads",
+          "row_format": "--format", "device_buffer_size": "--buffer", "host_block_size": "--block-size",
+          "cache_kernels": "--kernels"}
 # CUDA graphs capture the step, so they need unchecked mode (no host reads of device values)
 _GRAPH_SWITCHES = {"graphs": "--graphs", "layer_graphs": "--layer-graphs"}
+
+
+class FormerSpelling(argparse.Action):
+    """A flag's former spelling: hidden from ``--help``, it sets the flag's ``dest`` and
+    leaves a note in ``namespace.notes``, which the command prints on stderr once its
+    arguments are accepted (an error stays one line)."""
+
+    def __init__(self, option_strings, dest, *, use: str, **kw):
+        super().__init__(option_strings, dest, help=argparse.SUPPRESS, **kw)
+        self.use = use
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
+        notes = getattr(namespace, "notes", None) or []
+        notes.append(f"{option_string} is deprecated and will be removed; {self.use}")
+        namespace.notes = notes
 
 
 # what each sized field means, in the help text
@@ -75,7 +101,7 @@ _HELP = {
 }
 
 # what a field's None default stands for, in the help text
-_NONE_MEANS = {"device_buffer_size": "2 x top-k", "max_num_reqs": "num-requests",
+_NONE_MEANS = {"device_buffer_size": "2 x top-k", "max_num_reqs": "--requests",
                "backend": "the attention chooser's pick for the device",
                "flashmla_lib": "FlashMLA from an installed vllm or sgl_kernel"}
 
@@ -114,12 +140,20 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
             continue
         ann = str(f.type)
         typ = float if "float" in ann else int if "int" in ann else str
-        p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None,
-                       choices=_CHOICES.get(name),
+        field_flag = "--" + name.replace("_", "-")
+        flag = _FLAGS.get(name, field_flag)
+        meta = None if name in _CHOICES else flag[2:].upper().replace("-", "_")
+        p.add_argument(flag, dest=name, type=typ, default=None, choices=_CHOICES.get(name), metavar=meta,
                        help=f"{_HELP.get(name, '')} (default {_NONE_MEANS.get(name, f.default)})".strip())
+        if flag != field_flag:
+            p.add_argument(field_flag, dest=name, type=typ, default=None, choices=_CHOICES.get(name),
+                           action=FormerSpelling, use=f"use {flag} (the same option)")
     p.add_argument("--json", action="store_true", help="print the result as JSON instead of the table")
     p.add_argument("--out", default=None, type=path_arg, metavar="FILE", help="also write the JSON result to this file")
-    p.add_argument("--progress", action="store_true", help="print progress on stderr")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress output on stderr (shown by default when stderr is a terminal)")
+    p.add_argument("--progress", dest="progress", action=FormerSpelling, nargs=0, const=True, default=False,
+                   use="progress shows by default when stderr is a terminal, and --quiet turns it off")
     p.add_argument("--record", default=None, type=path_arg, metavar="FILE",
                    help="write the decode steps' top-k (the real indexer's) to a .npz trace; "
                         "replay it with `hisparse stress --replay FILE` (needs --query-len 1)")
@@ -149,16 +183,25 @@ def config_from_args(args: argparse.Namespace, notes: list[str] | None = None) -
     return MiniEngineConfig(**kw)
 
 
+def _progress(args: argparse.Namespace) -> bool:
+    """Progress on stderr: on a terminal unless --quiet; --progress (deprecated) forces it."""
+    if args.progress and args.quiet:
+        raise ValueError("--progress (deprecated) and --quiet contradict each other; give --quiet alone, or "
+                         "neither (progress shows when stderr is a terminal)")
+    return bool(args.progress) or (not args.quiet and sys.stderr.isatty())
+
+
 def run_args(args: argparse.Namespace) -> int:
     """Run from parsed arguments; prints the report; exit status 1 when outputs differ."""
     if args.out:
         check_output_file(args.out, flag="--out")
-    notes: list[str] = []
+    notes = list(getattr(args, "notes", None) or [])
     cfg = config_from_args(args, notes)
     check_mini_engine(args, cfg)
+    progress = _progress(args)
     for note in notes:
         print(f"hisparse mini-engine: note: {note}", file=sys.stderr)
-    res = run(cfg, progress=args.progress, record=args.record)
+    res = run(cfg, progress=progress, record=args.record)
     print(json.dumps(res, indent=2) if args.json else format_report(res))
     if args.out:
         with writing("--out", args.out), open(args.out, "w") as fh:

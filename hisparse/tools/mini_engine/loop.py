@@ -429,10 +429,10 @@ def preflight(cfg: MiniEngineConfig) -> None:
     interpreter on for triton kernels on CPU) and the memory the run allocates
     (:func:`memory_needed`, a ``CapacityError`` when it can't fit)."""
     dev = parse_device(cfg.device)
-    require_kernels(cfg.cache_kernels, dev, flag="--cache-kernels")
+    require_kernels(cfg.cache_kernels, dev, flag="--kernels")
     host, device = memory_needed(cfg)
     check_memory(host=host, device=device, on=dev, what="this mini-engine run",
-                 hint="lower --num-requests, --max-prompt, --num-layers or --num-heads")
+                 hint="lower --requests, --max-prompt, --layers or --heads")
 
 
 def run_engine(cfg: MiniEngineConfig, kind: str, *, progress: bool = False, decode_mode: DecodeMode | None = None,
