@@ -1,6 +1,6 @@
 """The ``hisparse`` options as a user meets them: one vocabulary across subcommands, one
-rule for options that would do nothing, graphs choosing their mode, and messages in
-the flags' words.
+rule for options that would do nothing, graphs choosing their mode, messages in the
+flags' words, and help that an installed command carries.
 
 Everything runs in-process on the CPU at tiny sizes; where a check happens before the
 work, the work is replaced by a function that fails the test if it is reached.
@@ -9,6 +9,7 @@ work, the work is replaced by a function that fails the test if it is reached.
 import argparse
 import importlib
 import json
+import os
 import sys
 
 import pytest
@@ -27,6 +28,7 @@ STRESS_TINY = ["--requests", "2", "--context", "200", "--top-k", "8", "--steps",
 ME_TINY = ["--requests", "2", "--max-prompt", "24", "--max-decode", "3"]
 WHATIF_TINY = ["--trace", "uniform", "--requests", "2", "--context", "200", "--layers", "1", "--top-k", "8",
                "--steps", "3", "--quiet"]
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _fails(capsys, argv, rc, *needles, absent=()):
@@ -287,3 +289,19 @@ def test_quiet_and_the_former_progress_flag(capsys, fake_me_run):
     assert "--progress is deprecated" in capsys.readouterr().err
     _fails(capsys, ["mini-engine", "--progress", "--quiet"] + ME_TINY, 2, "--progress", "--quiet")
 
+
+# ------------------------------------------------------------ help an installed command carries
+def test_help_lists_whatif_and_points_to_installed_help(capsys):
+    assert "whatif" in cli.__doc__.split("\n", 1)[0]
+    assert main(["--help"]) == 0
+    top = " ".join(capsys.readouterr().out.split())
+    assert "whatif" in top and "docs/CLI.md" not in top
+    assert "hisparse COMMAND --help" in top and "no effect given the others is refused" in top
+    for name in _subparsers():
+        assert main([name, "--help"]) == 0
+        assert "docs/CLI.md" not in capsys.readouterr().out, name
+    with open(os.path.join(REPO, "dev")) as f:
+        lines = f.read().splitlines()
+    shown = "\n".join(lines[1:13])  # what `./dev` with no job prints (sed -n '2,13p')
+    assert "whatif" in shown and "100 s" not in "\n".join(lines)
+    assert "sed -n '2,13p'" in "\n".join(lines)

@@ -1,10 +1,11 @@
-"""The ``hisparse`` command: ``stress``, ``autotune``, ``plan``, ``env``, ``mini-engine``.
+"""The ``hisparse`` command: ``stress``, ``autotune``, ``plan``, ``env``, ``mini-engine``, ``whatif``.
 
 Every subcommand has ``--help``, prints a readable table (or ``--json``: the result
 dict as JSON on stdout, nothing else there), shows progress on stderr for long work
-(``--quiet`` turns it off), checks its output paths, device, kernels and memory before
-any work starts, and reports a failure as one line on stderr with an exit status
-(:mod:`hisparse.tools.exit_codes`; the table is in ``docs/CLI.md``):
+(``--quiet`` turns it off), checks its output paths, device, kernels, options
+(:mod:`hisparse.tools.flag_rules`) and memory before any work starts, and reports a
+failure as one line on stderr with an exit status (:mod:`hisparse.tools.exit_codes`;
+every ``--help`` ends with the table, and ``docs/CLI.md`` has the cases):
 
   0  success
   1  the run itself failed (stress: a verification mismatch; mini-engine: outputs differ)
@@ -39,8 +40,11 @@ from .stress import StressOptions, StressRun
 from .stress_report import format_stress
 from .traces import SOURCES
 
-EXIT_TABLE = ("exit status: 0 ok, 1 run failed, 2 bad input, 3 capacity, "
-              "4 missing dependency (docs/CLI.md)")
+# every command's --help ends with it (explicit line breaks: plan's help is not re-wrapped)
+EXIT_TABLE = ("exit status: 0 ok, 1 run failed, 2 bad input, 3 capacity, 4 missing dependency,\n"
+              "130 interrupted. An error is one line on stderr: `hisparse COMMAND: KIND: message`.\n"
+              f"Options: {flag_rules.RULE}.\n"
+              "`hisparse COMMAND --help` lists a command's options.")
 KERNEL_NAMES = [k.value for k in Kernels]
 
 

@@ -1,6 +1,6 @@
 """One rule for every subcommand's options: an option that would do nothing is refused.
 
-The rule (``docs/CLI.md``, "Options that would do nothing"):
+The rule (``hisparse --help`` and every command's ``--help`` end with it):
 
 - An option **given on the command line** that has no effect given the others (it
   configures a feature the others leave off, or one the device does not have) is
@@ -22,6 +22,9 @@ import os
 from typing import Sequence
 
 import torch
+
+RULE = ("an option that has no effect given the others is refused (exit 2),\n"
+        "and so is a file an option reads that does not exist")
 
 STRESS_METRICS_EVERY = 10  # --metrics-every when not given
 STRESS_METRICS_ADDR = "127.0.0.1"  # --metrics-addr when not given
@@ -121,5 +124,5 @@ def check_mini_engine(args: argparse.Namespace, cfg) -> None:
     _flashmla_lib(args, device="cpu" if cpu else "cuda")
 
 
-__all__ = ["unused", "existing_file", "check_stress", "check_plan", "check_autotune", "check_env",
+__all__ = ["RULE", "unused", "existing_file", "check_stress", "check_plan", "check_autotune", "check_env",
            "check_whatif", "check_mini_engine"]
