@@ -114,7 +114,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="attention backend (default triton; flashmla needs its library)")
     ap.add_argument("--flashmla-lib", dest="flashmla_lib", default=None)
     ap.add_argument("--locality", type=common.locality, default=None, help="indexer locality knob in [0, 1)")
-    ap.add_argument("--row-format", dest="row_format", default=None, choices=["fp8_ds_mla", "bf16"])
+    ap.add_argument("--format", "--row-format", dest="row_format", default=None, choices=["fp8_ds_mla", "bf16"],
+                    help="KV row format, as `hisparse mini-engine --format` (--row-format: its former name)")
     ap.add_argument("--decode-steps", type=pos, default=None,
                     help="every request decodes this many tokens (default: 24-32, 16-24 with --quick); "
                          "the per-layer graphs need many steps per bucket to pay back their captures")

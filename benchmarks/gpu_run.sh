@@ -189,7 +189,7 @@ for s in "${sections[@]}"; do
     mini_graphs)
       for ov in serial split; do
         run "mini_graphs_$ov" 240 python3 -m hisparse mini-engine --preset h200 --graphs --unchecked --overlap "$ov" \
-            --num-layers 2 --num-requests 16 --min-prompt 7680 --max-prompt 8192 --synthetic-context 7168 \
+            --layers 2 --requests 16 --min-prompt 7680 --max-prompt 8192 --synthetic-context 7168 \
             --arrival-every 1 --backend triton --out "$RES/mini_graphs_$ov.json"
       done ;;
     autotune) run autotune 420 python3 -m hisparse autotune --layers 61 --format fp8_ds_mla --top-k 2048 \

@@ -35,13 +35,14 @@ def available_host_bytes() -> int | None:
     return None
 
 
-def check_host_bytes(nbytes: int, what: str) -> None:
-    """CapacityError when ``nbytes`` of host memory are more than the machine has free."""
+def check_host_bytes(nbytes: int, what: str,
+                     hint: str = "use a smaller host pool (fewer tokens, layers or requests)") -> None:
+    """CapacityError when ``nbytes`` of host memory are more than the machine has free;
+    ``hint`` says what would need less."""
     free = available_host_bytes()
     if free is not None and nbytes > free:
         raise CapacityError(f"{what} needs {nbytes / 2**30:.2f} GiB ({nbytes} bytes) of host memory but "
-                            f"only {free / 2**30:.2f} GiB are available; use a smaller host pool "
-                            "(fewer tokens, layers or requests)")
+                            f"only {free / 2**30:.2f} GiB are available; {hint}")
 
 
 def resolve_device(device: str) -> torch.device:

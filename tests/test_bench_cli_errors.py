@@ -92,7 +92,7 @@ def test_bench_capacity_buffer(value, capsys):
 
 
 @pytest.mark.parametrize("argv, words", [
-    (["--buffer", "1"], ["device_buffer_size=1"]),  # the cache's own rule, checked before the runs
+    (["--buffer", "1"], ["--buffer 1 is smaller than"]),  # the cache's own rule, checked before the runs
     (["--runs", "0"], ["--runs"]), (["--budget-s", "nan"], ["--budget-s"]),
 ])
 def test_soak_refuses(argv, words, capsys):

@@ -28,7 +28,7 @@ STRESS_TINY = ["--requests", "2", "--context", "200", "--layers", "1", "--top-k"
                "--buffer", "16", "--steps", "6", "--block-size", "16", "--device", "cpu", "--quiet"]
 
 
-ME_TINY = ["--num-requests", "2", "--max-prompt", "24", "--max-decode", "3"]
+ME_TINY = ["--requests", "2", "--max-prompt", "24", "--max-decode", "3"]
 
 
 def _json(capsys, argv, rc=0):
@@ -250,7 +250,7 @@ def test_triton_kernels_on_cpu_without_the_interpreter_exit_4():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU run even on a GPU machine
     for flag, argv in (("--kernels", ["stress", "--kernels", "triton", "--device", "cpu", "--quiet"]),
-                       ("--cache-kernels", ["mini-engine", "--cache-kernels", "triton", "--device", "cpu"]
+                       ("--kernels", ["mini-engine", "--kernels", "triton", "--device", "cpu"]
                         + ME_TINY)):
         p = subprocess.run([sys.executable, "-m", "hisparse", *argv], capture_output=True, text=True,
                            timeout=120, env=env)
@@ -338,8 +338,8 @@ def test_mini_engine_outputs_checked_before_work(capsys, monkeypatch, flag):
 
 def test_mini_engine_bad_values(capsys):
     _fails(capsys, ["mini-engine", "--tolerance", "-1"] + ME_TINY, 2, "tolerance must be >= 0")
-    _fails(capsys, ["mini-engine", "--num-layers", "0"] + ME_TINY, 2, "num_layers must be >= 1")
-    _fails(capsys, ["mini-engine", "--row-format", "fp4"] + ME_TINY, 2, "argument --row-format")
+    _fails(capsys, ["mini-engine", "--layers", "0"] + ME_TINY, 2, "num_layers must be >= 1")
+    _fails(capsys, ["mini-engine", "--format", "fp4"] + ME_TINY, 2, "argument --format")
 
 
 def test_mini_engine_memory_checked(capsys, monkeypatch):

@@ -147,7 +147,7 @@ def test_graphs_accept_prefetch():  # capture and replay: tests/test_mini_engine
 def test_cli_index_share(capsys):
     assert me.main(["--index-share", "0"]) == 2
     assert "index_share" in capsys.readouterr().err
-    assert me.main(["--index-share", "2", "--num-layers", "4", "--prefetch", "--num-requests", "2",
+    assert me.main(["--index-share", "2", "--layers", "4", "--prefetch", "--requests", "2",
                     "--max-decode", "3"]) == 0
     out = capsys.readouterr().out
     assert "prefetched rows" in out and "bitwise equal" in out

@@ -71,20 +71,20 @@ def test_a_wrong_row_is_detected(monkeypatch):
 
 def test_cli_main_json(tmp_path, capsys):
     out = tmp_path / "r.json"
-    rc = me.main(["--num-requests", "2", "--max-prompt", "24", "--max-decode", "3", "--out", str(out)])
+    rc = me.main(["--requests", "2", "--max-prompt", "24", "--max-decode", "3", "--out", str(out)])
     assert rc == 0
     d = json.loads(out.read_text())
     for key in ("config", "compare", "resident", "hisparse", "ratio"):
         assert key in d
     assert d["config"]["num_requests"] == 2
     assert "tok/s" in capsys.readouterr().out
-    assert me.main(["--num-requests", "2", "--max-prompt", "24", "--max-decode", "3", "--json"]) == 0
+    assert me.main(["--requests", "2", "--max-prompt", "24", "--max-decode", "3", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["compare"]["within_tolerance"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="FlashMLA is refused for want of CUDA")
 def test_named_decode_backend_that_cannot_run_is_an_error_not_a_fallback(capsys):
-    rc = me.main(["--num-requests", "2", "--max-prompt", "24", "--max-decode", "3", "--backend", "flashmla"])
+    rc = me.main(["--requests", "2", "--max-prompt", "24", "--max-decode", "3", "--backend", "flashmla"])
     err = capsys.readouterr().err
     assert rc == 2 and "backend 'flashmla' cannot run the decode here" in err and "Traceback" not in err
     assert "needs a CUDA device" in err  # FlashMLA's own reason
@@ -152,7 +152,7 @@ def test_engine_calls_go_through_the_kv_interface(monkeypatch):
 
 
 def test_presets_parse():
-    args = me.build_parser().parse_args(["--preset", "h200", "--num-requests", "4", "--unchecked"])
+    args = me.build_parser().parse_args(["--preset", "h200", "--requests", "4", "--unchecked"])
     cfg = me.config_from_args(args)
     assert cfg.num_layers == 8 and cfg.top_k == 2048 and cfg.num_requests == 4 and cfg.validate is False
     assert cfg.cache_config().device_buffer_size == 4096

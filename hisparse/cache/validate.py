@@ -37,7 +37,8 @@ def check_device_memory(cfg: HiSparseConfig, device: torch.device) -> None:
                                 f"but {free / 2**30:.2f} GiB are free; use fewer requests, layers or "
                                 "hot slots (device_buffer_size)")
     else:
-        check_host_bytes(need, "the cache's hot rows and state (device='cpu')")
+        check_host_bytes(need, "the cache's hot rows and state (device='cpu')",
+                         "use fewer requests, layers or hot slots (device_buffer_size)")
 
 
 def check_layer(cfg: HiSparseConfig, layer: object) -> int:

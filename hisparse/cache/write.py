@@ -96,10 +96,12 @@ class Writer:
             raise TypeError("req_ids and counts must be sequences of ints")
         ids = tuple(self.requests.check_id(i) for i in req_ids)
         if len(set(ids)) != len(ids):
-            raise ValueError("append_rows_batch: req_ids must be distinct (one entry per request)")
+            twice = next(i for i in ids if ids.count(i) > 1)
+            raise ValueError(f"req_ids must be distinct (one entry per request, its rows counted in counts); "
+                             f"request {twice} appears {ids.count(twice)} times")
         cl = tuple(check_int("counts entry", c, 0) for c in counts)
         if len(cl) != len(ids):
-            raise ValueError(f"append_rows_batch: {len(ids)} request ids but {len(cl)} counts")
+            raise ValueError(f"{len(ids)} request ids but {len(cl)} counts: give one count per request id")
         slots = tuple(self.requests.slot(i) for i in ids)
         offsets, acc = [], 0
         for c in cl:

@@ -1,10 +1,11 @@
-"""The ``hisparse`` command: ``stress``, ``autotune``, ``plan``, ``env``, ``mini-engine``.
+"""The ``hisparse`` command: ``stress``, ``autotune``, ``plan``, ``env``, ``mini-engine``, ``whatif``.
 
 Every subcommand has ``--help``, prints a readable table (or ``--json``: the result
 dict as JSON on stdout, nothing else there), shows progress on stderr for long work
-(``--quiet`` turns it off), checks its output paths, device, kernels and memory before
-any work starts, and reports a failure as one line on stderr with an exit status
-(:mod:`hisparse.tools.exit_codes`; the table is in ``docs/CLI.md``):
+(``--quiet`` turns it off), checks its output paths, device, kernels, options
+(:mod:`hisparse.tools.flag_rules`) and memory before any work starts, and reports a
+failure as one line on stderr with an exit status (:mod:`hisparse.tools.exit_codes`;
+every ``--help`` ends with the table, and ``docs/CLI.md`` has the cases):
 
   0  success
   1  the run itself failed (stress: a verification mismatch; mini-engine: outputs differ)
@@ -27,11 +28,11 @@ from .. import __version__
 from .. import metrics as prom
 from .._checks import Kernels
 from ..errors import CapacityError
-from . import mini_engine
+from . import flag_rules, mini_engine
 from .autotune import AutotuneOptions, format_autotune, run_autotune, save_result
 from .env import collect_env, format_env
 from .exit_codes import (EXIT_FAILED, EXIT_INPUT, EXIT_OK, MissingDependency, OneLineParser,
-                         run_command)
+                         run_command, writing)
 from .plan import FORMULAS, PlanInputs, fmt_bytes, format_plan, parse_bytes, parse_count, parse_tokens, plan
 from .preflight import check_output_dir, check_output_file, parse_device, path_arg
 from .report import plot_stress, require_matplotlib
@@ -39,8 +40,11 @@ from .stress import StressOptions, StressRun
 from .stress_report import format_stress
 from .traces import SOURCES
 
-EXIT_TABLE = ("exit status: 0 ok, 1 run failed, 2 bad input, 3 capacity, "
-              "4 missing dependency (docs/CLI.md)")
+# every command's --help ends with it (explicit line breaks: plan's help is not re-wrapped)
+EXIT_TABLE = ("exit status: 0 ok, 1 run failed, 2 bad input, 3 capacity, 4 missing dependency,\n"
+              "130 interrupted. An error is one line on stderr: `hisparse COMMAND: KIND: message`.\n"
+              f"Options: {flag_rules.RULE}.\n"
+              "`hisparse COMMAND --help` lists a command's options.")
 KERNEL_NAMES = [k.value for k in Kernels]
 
 
@@ -154,11 +158,12 @@ def _add_stress(sub) -> None:
     a("--metrics-file", type=path_arg, metavar="FILE",
       help="write the cache's stats() there in the Prometheus text format (docs/METRICS.md), "
            "at the end and every --metrics-every steps")
-    a("--metrics-every", type=parse_count, default=10, metavar="N",
-      help="steps between --metrics-file writes; 0: only at the end [10]")
+    a("--metrics-every", type=parse_count, default=None, metavar="N",
+      help=f"steps between --metrics-file writes; 0: only at the end [{flag_rules.STRESS_METRICS_EVERY}]")
     a("--metrics-port", type=_port, metavar="PORT",
       help="serve the metrics on http://ADDR:PORT/metrics while the run lasts (needs prometheus_client)")
-    a("--metrics-addr", default="127.0.0.1", metavar="ADDR", help="address of --metrics-port [127.0.0.1]")
+    a("--metrics-addr", default=None, metavar="ADDR",
+      help=f"address of --metrics-port [{flag_rules.STRESS_METRICS_ADDR}]")
     p.set_defaults(func=_cmd_stress)
 
 
@@ -186,6 +191,7 @@ def _stress_options(args) -> StressOptions:
 
 
 def _cmd_stress(args) -> int:
+    flag_rules.check_stress(args)
     # outputs and optional dependencies first: nothing runs before they are known good
     if args.record:
         check_output_file(args.record, flag="--record")
@@ -211,7 +217,8 @@ def _cmd_stress(args) -> int:
     def on_step(done: int, stats: dict[str, Any]) -> None:
         latest["stats"] = stats
         if args.metrics_file and args.metrics_every and done % args.metrics_every == 0:
-            prom.write_metrics_file(args.metrics_file, stats)
+            with writing("--metrics-file", args.metrics_file):
+                prom.write_metrics_file(args.metrics_file, stats)
 
     try:
         r = run.run(on_step)
@@ -220,12 +227,14 @@ def _cmd_stress(args) -> int:
             server.shutdown()
             server.server_close()
     if args.metrics_file and "stats" in latest:
-        prom.write_metrics_file(args.metrics_file, latest["stats"])
+        with writing("--metrics-file", args.metrics_file):
+            prom.write_metrics_file(args.metrics_file, latest["stats"])
         r["metrics_file"] = args.metrics_file
     if args.plot:
         ps = r["per_step"]
-        r["plots"] = plot_stress(args.plot, hit_rate=ps["hit_rate"], optimal=ps["optimal_hit_rate"],
-                                 step_ms=ps["step_ms"])
+        with writing("--plot", args.plot):
+            r["plots"] = plot_stress(args.plot, hit_rate=ps["hit_rate"], optimal=ps["optimal_hit_rate"],
+                                     step_ms=ps["step_ms"])
     text = format_stress(r)
     if args.plot:
         text += "\nplots: " + ", ".join(r["plots"])
@@ -276,6 +285,7 @@ def _add_autotune(sub) -> None:
 
 
 def _cmd_autotune(args) -> int:
+    flag_rules.check_autotune(args)
     if args.out:
         check_output_file(args.out, flag="--out")
     o = AutotuneOptions(
@@ -289,7 +299,8 @@ def _cmd_autotune(args) -> int:
         flashmla_lib=args.flashmla_lib or os.environ.get("HISPARSE_FLASHMLA_LIB") or None)
     r = run_autotune(o)
     if args.out:
-        save_result(r, args.out)
+        with writing("--out", args.out):
+            save_result(r, args.out)
     text = format_autotune(r) + (f"\nwrote {args.out}" if args.out else "")
     _emit(args, r, text)
     return EXIT_OK
@@ -328,6 +339,7 @@ def _add_plan(sub) -> None:
 
 
 def _cmd_plan(args) -> int:
+    flag_rules.check_plan(args)
     r = plan(PlanInputs(num_layers=args.num_layers, context_len=args.context_len,
                         gpu_bytes=args.gpu_bytes, host_bytes=args.host_bytes,
                         row_format=args.row_format, top_k=args.top_k,
@@ -360,6 +372,7 @@ def _add_env(sub) -> None:
 
 
 def _cmd_env(args) -> int:
+    flag_rules.check_env(args)
     dev = parse_device(args.device, available=False)
     d = collect_env(device=str(dev), flashmla_lib=args.flashmla_lib)
     _emit(args, d, format_env(d))

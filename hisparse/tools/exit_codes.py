@@ -15,8 +15,10 @@ An exception outside this list is a bug in hisparse and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -36,6 +38,23 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str):  # type: ignore[override]
         self.exit(EXIT_INPUT, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+class OutputError(OSError):
+    """An output the up-front checks admitted could not be written; the message names
+    the option and the path (exit 1, ``I/O error``)."""
+
+
+@contextlib.contextmanager
+def writing(flag: str, path: str | os.PathLike) -> Iterator[None]:
+    """Around the write of an output: an ``OSError`` (a full disk, an I/O error) becomes
+    an :class:`OutputError` naming ``flag`` and ``path`` besides the system's reason."""
+    try:
+        yield
+    except OutputError:
+        raise
+    except OSError as e:
+        raise OutputError(f"{flag} {os.fspath(path)!r} could not be written: {e.strerror or e}") from e
 
 
 def one_line(message: object) -> str:
@@ -77,5 +96,5 @@ def run_command(command: str, fn: Callable[[], int], *, stream=None) -> int:
 
 
 __all__ = ["EXIT_OK", "EXIT_FAILED", "EXIT_INPUT", "EXIT_CAPACITY", "EXIT_MISSING",
-           "EXIT_INTERRUPTED", "MissingDependency", "OneLineParser", "one_line", "classify",
-           "run_command"]
+           "EXIT_INTERRUPTED", "MissingDependency", "OutputError", "writing", "OneLineParser", "one_line",
+           "classify", "run_command"]

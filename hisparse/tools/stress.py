@@ -64,10 +64,12 @@ from .._checks import Kernels, check_bool, check_int
 from ..config import HiSparseConfig, RowFormat
 from .autotune import gpu_bytes
 from .belady import OptimalTracker, hit_rate
+from .exit_codes import writing
 from .preflight import check_memory, check_output_file, parse_device, require_kernels
 from .progress import Progress
 from .sources import (WORKINGSET_DRIFT, WORKINGSET_RECENT, WORKINGSET_SINKS, CorrelatedSource, IndexerSource,
                       UniformSource, WorkingSetSource, workingset_state_bytes)
+from .stress_limits import check_stress_sizes
 from .stress_prefetch import prefetch_report, prefetch_useful, selected_hot, selected_rows
 from .traces import SOURCES, ReplaySource, TraceRecorder
 
@@ -260,6 +262,8 @@ class StressRun:
         self.L, self.K, self.steps = L, K, steps
         self.live_max, self.max_len = live_max, max_len
         B = o.block_size
+        check_stress_sizes(layers=L, top_k=K, buffer=o.buffer_size, block_size=B, live=live_max,
+                           max_len=max_len, replay=self.replay is not None, prefetch=o.prefetch)
         blocks = live_max * math.ceil(max_len / B)
         self.cfg = HiSparseConfig(
             num_layers=L, host_pool_tokens=max(blocks, 1) * B, row_bytes=RowFormat.parse(o.row_format).row_bytes,
@@ -488,7 +492,8 @@ class StressRun:
                 if failures:
                     break
         if recorder:
-            recorder.save(o.record)
+            with writing("--record", o.record):
+                recorder.save(o.record)
         res = self._summary(stats, tracker, done, step_ms, append_ms, step_hits[:, :done],
                             step_miss[:, :done], resolve_s, prefill_s, prefill_rows, verified,
                             joined, left, failures)

@@ -37,7 +37,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
+import math
 import time
 from typing import Any
 
@@ -46,19 +46,20 @@ import torch
 
 from .._checks import check_int
 from ..formats import RowFormat
-from .exit_codes import MissingDependency
+from .exit_codes import MissingDependency, writing
+from .flag_rules import check_whatif
 from .belady import (LayerTrace, Policy, hit_rate, make_plan, next_uses, row_membership,
                      simulate)
 from .plan import parse_tokens
 from .preflight import check_memory, check_output_dir, path_arg
 from .progress import Progress
-from .report import PlotUnavailable, require_matplotlib
+from .report import PlotUnavailable, require_matplotlib  # noqa: F401 (PlotUnavailable: raised from here)
 from .stress import StressOptions, Schedule
 from .sources import CorrelatedSource, IndexerSource, UniformSource, WorkingSetSource, workingset_state_bytes
 from .traces import TraceStep, load_trace
 from .whatif_report import format_whatif, plot_whatif
 
-EXIT_OK, EXIT_INPUT, EXIT_MISSING = 0, 2, 4
+EXIT_OK = 0
 PCIE_GBPS = 55.0  # H200 bulk pinned host -> device copy: the ceiling for staging (docs/PERF_NOTES.md)
 MAX_THREADS = 1024  # --threads bound: torch.set_num_threads crashes the process on absurd counts
 GENERATORS = ("workingset", "correlated", "uniform", "indexer")
@@ -147,8 +148,10 @@ def _resolve(o: WhatifOptions) -> _Resolved:
         row_bytes = check_int("row_bytes", o.row_bytes, 1)
     else:
         row_bytes = RowFormat.parse(o.row_format).row_bytes
-    if not isinstance(o.pcie_gbps, (int, float)) or isinstance(o.pcie_gbps, bool) or not o.pcie_gbps > 0:
-        raise ValueError(f"pcie_gbps must be a positive number, got {o.pcie_gbps!r}")
+    bw = o.pcie_gbps
+    if not isinstance(bw, (int, float)) or isinstance(bw, bool) or not 0 < bw < math.inf:
+        raise ValueError(f"--pcie-gbps must be a positive, finite number of GB/s (an infinite bandwidth "
+                         f"would make every staging time 0), got {bw!r}")
     if o.warmup is not None:
         check_int("warmup", o.warmup, 0)
     if o.replay is not None:
@@ -458,7 +461,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     a("--buffers", type=int, nargs="+", help="hot LRU slots S per (layer, request) [1,1.5,2,3,4 x top-k]")
     a("--warmup", type=int, help="first decode steps of each request simulated but not counted "
                                  "[the preset's with its generator, else 0]")
-    a("--format", dest="row_format", choices=[f.value for f in RowFormat], default="fp8_ds_mla",
+    a("--format", dest="row_format", choices=[f.value for f in RowFormat], default=None,
       help="row format for the staging projection [fp8_ds_mla]")
     a("--row-bytes", type=int, help="row size in bytes (overrides --format)")
     a("--pcie-gbps", type=float, default=PCIE_GBPS,
@@ -475,29 +478,25 @@ def add_parser(sub) -> argparse.ArgumentParser:
 
 
 def run_args(args) -> int:
-    """Run ``hisparse whatif`` from parsed arguments; returns the exit status."""
-    try:
-        if args.plot:
-            require_matplotlib()  # before any work
-            check_output_dir(args.plot, flag="--plot", files=("whatif.png",))
-        o = WhatifOptions(
-            replay=args.replay, preset=args.preset, trace=args.trace, requests=args.requests,
-            context=args.context, context_min=args.context_min, layers=args.layers,
-            top_k=args.top_k, steps=args.steps, churn=args.churn, seed=args.seed,
-            sinks=args.sinks, recent=args.recent, pool=args.pool, persistence=args.persistence,
-            drift=args.drift, layer_overlap=args.layer_overlap,
-            buffers=tuple(args.buffers) if args.buffers else None, warmup=args.warmup,
-            row_format=args.row_format, row_bytes=args.row_bytes, pcie_gbps=args.pcie_gbps,
-            device=args.device, threads=args.threads, progress=not args.quiet)
-        res = run_whatif(o)
-        if args.plot:
+    """Run ``hisparse whatif`` from parsed arguments; returns the exit status. Errors
+    propagate to the caller (``hisparse``'s one-line report, exit 2 / 3 / 4)."""
+    check_whatif(args)
+    if args.plot:
+        require_matplotlib()  # before any work
+        check_output_dir(args.plot, flag="--plot", files=("whatif.png",))
+    o = WhatifOptions(
+        replay=args.replay, preset=args.preset, trace=args.trace, requests=args.requests,
+        context=args.context, context_min=args.context_min, layers=args.layers,
+        top_k=args.top_k, steps=args.steps, churn=args.churn, seed=args.seed,
+        sinks=args.sinks, recent=args.recent, pool=args.pool, persistence=args.persistence,
+        drift=args.drift, layer_overlap=args.layer_overlap,
+        buffers=tuple(args.buffers) if args.buffers else None, warmup=args.warmup,
+        row_format=args.row_format or "fp8_ds_mla", row_bytes=args.row_bytes, pcie_gbps=args.pcie_gbps,
+        device=args.device, threads=args.threads, progress=not args.quiet)
+    res = run_whatif(o)
+    if args.plot:
+        with writing("--plot", args.plot):
             res["plots"] = plot_whatif(args.plot, res)
-    except (ValueError, TypeError) as e:
-        print(f"hisparse whatif: error: {e}", file=sys.stderr)
-        return EXIT_INPUT
-    except PlotUnavailable as e:
-        print(f"hisparse whatif: {e}", file=sys.stderr)
-        return EXIT_MISSING
     if args.json:
         print(json.dumps(res, indent=2, sort_keys=True))
     else:

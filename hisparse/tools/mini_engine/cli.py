@@ -1,5 +1,10 @@
 """``hisparse mini-engine``: flags (one per :class:`MiniEngineConfig` field), presets, run.
 
+Flags shared with the other subcommands are spelled as there (``--layers``,
+``--requests``, ``--heads``, ``--format``, ``--buffer``, ``--block-size``, ``--kernels``,
+``--quiet``); the former spellings made from field names (``--num-layers``, ...) and
+``--progress`` still work, hidden from ``--help``, with a note on stderr.
+
 Errors follow the ``hisparse`` command's exit codes (:mod:`hisparse.tools.exit_codes`):
 1 when the outputs differ beyond ``--tolerance``, 2 bad input, 3 capacity, 4 missing
 dependency. ``--out`` and ``--record`` are checked before anything runs.
@@ -14,7 +19,8 @@ import sys
 
 from ..._checks import Kernels
 from ...decode.layer import Overlap
-from ..exit_codes import EXIT_FAILED, EXIT_OK, OneLineParser, run_command
+from ..exit_codes import EXIT_FAILED, EXIT_OK, OneLineParser, run_command, writing
+from ..flag_rules import check_mini_engine
 from ..preflight import check_output_file, path_arg
 from .config import PRESETS, MiniEngineConfig
 from .ffn import FFN_ROUTINGS, FFNKind
@@ -28,12 +34,12 @@ _CHOICES = {"row_format": ["fp8_ds_mla", "bf16"], "cache_kernels": [k.value for 
 
 # boolean fields as switches: field -> (flag, argparse action, help)
 _SWITCHES = {
-    "validate": ("--unchecked", "store_false", "skip host-syncing validation in the hot loop"),
     "graphs": ("--graphs", "store_true",
-               "run decode-only steps as CUDA graphs per batch-size bucket (CUDA; with --unchecked)"),
+               "run decode-only steps as CUDA graphs per batch-size bucket (CUDA; runs unchecked)"),
     "layer_graphs": ("--layer-graphs", "store_true",
                      "run decode-only steps eagerly, padded to batch-size buckets, each of hisparse's per-layer "
-                     "calls replaying a small CUDA graph (an eager engine's host cost; CUDA, --unchecked, serial)"),
+                     "calls replaying a small CUDA graph (an eager engine's host cost; CUDA, serial; runs "
+                     "unchecked)"),
     "prefetch": ("--prefetch", "store_true",
                  "hisparse: stage layer l's top-k into layer l+1 while layer l computes: into Shared layers "
                  "(exact, --index-share > 1), and into Full layers as a prediction when --index-correlation > 0"),
@@ -41,6 +47,31 @@ _SWITCHES = {
                     "CUDA: finish each step before preparing the next (default: the host prepares step t + 1 "
                     "while step t runs, one step ahead)"),
 }
+
+
+# fields whose flag is spelled as in stress, plan, autotune and whatif; the spelling made
+# from the field name (--num-layers, ...) is kept as a hidden former spelling
+_FLAGS = {"num_layers": "--layers", "num_requests": "--requests", "num_heads": "--heads",
+          "row_format": "--format", "device_buffer_size": "--buffer", "host_block_size": "--block-size",
+          "cache_kernels": "--kernels"}
+# CUDA graphs capture the step, so they need unchecked mode (no host reads of device values)
+_GRAPH_SWITCHES = {"graphs": "--graphs", "layer_graphs": "--layer-graphs"}
+
+
+class FormerSpelling(argparse.Action):
+    """A flag's former spelling: hidden from ``--help``, it sets the flag's ``dest`` and
+    leaves a note in ``namespace.notes``, which the command prints on stderr once its
+    arguments are accepted (an error stays one line)."""
+
+    def __init__(self, option_strings, dest, *, use: str, **kw):
+        super().__init__(option_strings, dest, help=argparse.SUPPRESS, **kw)
+        self.use = use
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, self.const if self.nargs == 0 else values)
+        notes = getattr(namespace, "notes", None) or []
+        notes.append(f"{option_string} is deprecated and will be removed; {self.use}")
+        namespace.notes = notes
 
 
 # what each sized field means, in the help text
@@ -70,7 +101,7 @@ _HELP = {
 }
 
 # what a field's None default stands for, in the help text
-_NONE_MEANS = {"device_buffer_size": "2 x top-k", "max_num_reqs": "num-requests",
+_NONE_MEANS = {"device_buffer_size": "2 x top-k", "max_num_reqs": "--requests",
                "backend": "the attention chooser's pick for the device",
                "flashmla_lib": "FlashMLA from an installed vllm or sgl_kernel"}
 
@@ -83,6 +114,15 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--preset", choices=sorted(PRESETS), default="cpu", help="base sizes (flags override)")
     for f in dataclasses.fields(MiniEngineConfig):
         name = f.name
+        if name == "validate":
+            g = p.add_mutually_exclusive_group()
+            g.add_argument("--unchecked", dest="validate", action="store_false", default=None,
+                           help="skip host-syncing validation in the hot loop (--graphs and --layer-graphs "
+                                "choose it themselves)")
+            g.add_argument("--checked", dest="validate", action="store_true", default=None,
+                           help="validate in the hot loop (the default; next to --graphs or --layer-graphs, "
+                                "which need unchecked mode, it is refused)")
+            continue
         if name in _SWITCHES:
             flag, action, text = _SWITCHES[name]
             p.add_argument(flag, dest=name, action=action, default=None, help=text)
@@ -100,36 +140,71 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
             continue
         ann = str(f.type)
         typ = float if "float" in ann else int if "int" in ann else str
-        p.add_argument("--" + name.replace("_", "-"), dest=name, type=typ, default=None,
-                       choices=_CHOICES.get(name),
+        field_flag = "--" + name.replace("_", "-")
+        flag = _FLAGS.get(name, field_flag)
+        meta = None if name in _CHOICES else flag[2:].upper().replace("-", "_")
+        p.add_argument(flag, dest=name, type=typ, default=None, choices=_CHOICES.get(name), metavar=meta,
                        help=f"{_HELP.get(name, '')} (default {_NONE_MEANS.get(name, f.default)})".strip())
+        if flag != field_flag:
+            p.add_argument(field_flag, dest=name, type=typ, default=None, choices=_CHOICES.get(name),
+                           action=FormerSpelling, use=f"use {flag} (the same option)")
     p.add_argument("--json", action="store_true", help="print the result as JSON instead of the table")
     p.add_argument("--out", default=None, type=path_arg, metavar="FILE", help="also write the JSON result to this file")
-    p.add_argument("--progress", action="store_true", help="print progress on stderr")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress output on stderr (shown by default when stderr is a terminal)")
+    p.add_argument("--progress", dest="progress", action=FormerSpelling, nargs=0, const=True, default=False,
+                   use="progress shows by default when stderr is a terminal, and --quiet turns it off")
     p.add_argument("--record", default=None, type=path_arg, metavar="FILE",
                    help="write the decode steps' top-k (the real indexer's) to a .npz trace; "
                         "replay it with `hisparse stress --replay FILE` (needs --query-len 1)")
     return p
 
 
-def config_from_args(args: argparse.Namespace) -> MiniEngineConfig:
+def config_from_args(args: argparse.Namespace, notes: list[str] | None = None) -> MiniEngineConfig:
+    """The config of the preset and the flags given. ``--graphs`` / ``--layer-graphs``
+    choose unchecked mode unless ``--checked`` is given (then refused); ``notes`` (when
+    given) gets a line saying so."""
     kw = dict(PRESETS[args.preset])
     for f in dataclasses.fields(MiniEngineConfig):
         v = getattr(args, f.name, None)
         if v is not None:
             kw[f.name] = v
+    graphs = [flag for name, flag in _GRAPH_SWITCHES.items() if kw.get(name)]
+    if graphs and kw.get("validate", True):
+        if getattr(args, "validate", None) is True:
+            raise ValueError(f"{' and '.join(graphs)} need{'s' if len(graphs) == 1 else ''} unchecked mode and "
+                             "--checked asks for checked mode, "
+                             "which reads device values on the host, as a captured CUDA graph cannot: "
+                             "drop --checked (or " + " and ".join(graphs) + ")")
+        kw["validate"] = False
+        if notes is not None:
+            notes.append(f"{' and '.join(graphs)}: running unchecked (as --unchecked does), which CUDA graphs "
+                         "need: checked mode reads device values on the host, as a captured graph cannot")
     return MiniEngineConfig(**kw)
+
+
+def _progress(args: argparse.Namespace) -> bool:
+    """Progress on stderr: on a terminal unless --quiet; --progress (deprecated) forces it."""
+    if args.progress and args.quiet:
+        raise ValueError("--progress (deprecated) and --quiet contradict each other; give --quiet alone, or "
+                         "neither (progress shows when stderr is a terminal)")
+    return bool(args.progress) or (not args.quiet and sys.stderr.isatty())
 
 
 def run_args(args: argparse.Namespace) -> int:
     """Run from parsed arguments; prints the report; exit status 1 when outputs differ."""
     if args.out:
         check_output_file(args.out, flag="--out")
-    cfg = config_from_args(args)
-    res = run(cfg, progress=args.progress, record=args.record)
+    notes = list(getattr(args, "notes", None) or [])
+    cfg = config_from_args(args, notes)
+    check_mini_engine(args, cfg)
+    progress = _progress(args)
+    for note in notes:
+        print(f"hisparse mini-engine: note: {note}", file=sys.stderr)
+    res = run(cfg, progress=progress, record=args.record)
     print(json.dumps(res, indent=2) if args.json else format_report(res))
     if args.out:
-        with open(args.out, "w") as fh:
+        with writing("--out", args.out), open(args.out, "w") as fh:
             json.dump(res, fh, indent=2)
     return EXIT_OK if res["compare"]["within_tolerance"] else EXIT_FAILED
 

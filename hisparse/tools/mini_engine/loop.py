@@ -31,6 +31,7 @@ from ...engine import SparseMLAMetadata
 from ...engine.metadata import device_ints
 from ...formats import D_LATENT, D_ROW
 from ..._checks import check_int
+from ..exit_codes import writing
 from ..preflight import check_memory, check_output_file, parse_device, require_kernels
 from ..traces import TraceRecorder
 from .config import MiniEngineConfig, Request, make_workload, memory_needed
@@ -428,10 +429,10 @@ def preflight(cfg: MiniEngineConfig) -> None:
     interpreter on for triton kernels on CPU) and the memory the run allocates
     (:func:`memory_needed`, a ``CapacityError`` when it can't fit)."""
     dev = parse_device(cfg.device)
-    require_kernels(cfg.cache_kernels, dev, flag="--cache-kernels")
+    require_kernels(cfg.cache_kernels, dev, flag="--kernels")
     host, device = memory_needed(cfg)
     check_memory(host=host, device=device, on=dev, what="this mini-engine run",
-                 hint="lower --num-requests, --max-prompt, --num-layers or --num-heads")
+                 hint="lower --requests, --max-prompt, --layers or --heads")
 
 
 def run_engine(cfg: MiniEngineConfig, kind: str, *, progress: bool = False, decode_mode: DecodeMode | None = None,
@@ -529,7 +530,8 @@ def run(cfg: MiniEngineConfig, *, progress: bool = False, record: str | None = N
     cmp = compare(cfg, results["resident"], results["hisparse"])
     out = {"config": dataclasses.asdict(cfg), "compare": cmp}
     if recorder is not None:
-        recorder.save(record)
+        with writing("--record", record):
+            recorder.save(record)
         out["trace"] = {"path": str(record), "decode_steps": recorder.num_steps}
     for kind, res in results.items():
         out[kind] = summarize(res)
