@@ -138,7 +138,7 @@ def test_stress_bad_input_exit_2(capsys):
     _fails(capsys, ["stress", "--trace", "replay", "--quiet"], 2, "needs a trace file")
     _fails(capsys, ["stress", "--verify", "lots"], 2, "argument --verify", "see `hisparse stress --help`")
     _fails(capsys, ["stress", "--replay", "/nonexistent.npz", "--quiet"], 2, "does not exist")
-    _fails(capsys, ["stress", "--requests", "0", "--quiet"], 2, "num_requests must be >= 1")
+    _fails(capsys, ["stress", "--requests", "0", "--quiet"], 2, "--requests must be >= 1")
 
 
 def test_plot_without_matplotlib_is_a_clear_error(tmp_path, capsys, monkeypatch):
@@ -165,7 +165,7 @@ def test_plan_json_and_errors(capsys):
     assert set(r["per_request_bytes"]) == {"resident_gpu", "hisparse_gpu", "hisparse_gpu_breakdown",
                                            "hisparse_host"}
     _fails(capsys, ["plan", "--gpu-memory", "lots"], 2, "cannot parse memory size")
-    _fails(capsys, ["plan", "--hot-rows", "10"], 2, "hot_rows")  # < top_k 2048
+    _fails(capsys, ["plan", "--hot-rows", "10"], 2, "--hot-rows must be >= --top-k")  # < top_k 2048
     assert main(["plan"]) == 0
     assert "concurrent requests" in capsys.readouterr().out
 
@@ -338,7 +338,7 @@ def test_mini_engine_outputs_checked_before_work(capsys, monkeypatch, flag):
 
 def test_mini_engine_bad_values(capsys):
     _fails(capsys, ["mini-engine", "--tolerance", "-1"] + ME_TINY, 2, "tolerance must be >= 0")
-    _fails(capsys, ["mini-engine", "--layers", "0"] + ME_TINY, 2, "num_layers must be >= 1")
+    _fails(capsys, ["mini-engine", "--layers", "0"] + ME_TINY, 2, "--layers must be >= 1")
     _fails(capsys, ["mini-engine", "--format", "fp4"] + ME_TINY, 2, "argument --format")
 
 

@@ -194,6 +194,37 @@ def test_stress_size_errors_name_the_flag(capsys, monkeypatch, argv, needles, ab
     _fails(capsys, ["stress"] + argv + base, 2, *needles, absent=absent)
 
 
+@pytest.mark.parametrize("command, argv, needles, absent", [
+    ("stress", ["--layers", "0"], ["--layers must be >= 1, got 0"], ["num_layers"]),
+    ("stress", ["--requests", "0"], ["--requests must be >= 1"], ["num_requests"]),
+    ("stress", ["--context", "0"], ["--context must be >= 1"], []),
+    ("stress", ["--steps", "0"], ["--steps must be >= 1"], []),
+    ("mini-engine", ["--layers", "0"], ["--layers must be >= 1, got 0"], ["num_layers"]),
+    ("mini-engine", ["--requests", "0"], ["--requests must be >= 1"], ["num_requests"]),
+    ("mini-engine", ["--heads", "0"], ["--heads must be >= 1"], ["num_heads"]),
+    ("mini-engine", ["--block-size", "0"], ["--block-size must be >= 1"], ["host_block_size"]),
+    ("mini-engine", ["--buffer", "3"], ["--buffer 3 is smaller than --query-len x --top-k", "set --buffer >= "],
+     ["device_buffer_size", "max_query_len"]),
+])
+def test_config_errors_name_the_flags_as_typed(capsys, monkeypatch, command, argv, needles, absent):
+    """Every option check of the options / config a command builds names the flag the
+    user typed, not the field behind it, whatever check raised it."""
+    monkeypatch.setattr(cli.StressRun, "run", _never)
+    monkeypatch.setattr(me_loop, "run", _never)
+    base = STRESS_TINY if command == "stress" else ME_TINY + ["--device", "cpu"]
+    base = list(base)
+    for flag in argv[::2]:
+        if flag in base:
+            del base[base.index(flag):base.index(flag) + 2]
+    _fails(capsys, [command] + argv + base, 2, *needles, absent=absent)
+
+
+def test_python_m_mini_engine_names_the_flags_too(capsys):
+    assert me_cli.main(["--layers", "0", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.endswith("--layers must be >= 1, got 0") and "num_layers" not in err, err
+
+
 def test_plan_write_twice_the_same_request_names_it_not_an_internal():
     c = HiSparseCache(HiSparseConfig(num_layers=1, host_pool_tokens=64, top_k=4, max_num_reqs=2,
                                      host_block_size=16, device="cpu"))
@@ -278,7 +309,7 @@ def test_new_and_former_spellings_give_the_same_config(capsys, fake_me_run):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["hisparse mini-engine: note: --num-layers is deprecated and will be removed; use --layers "
                    "(the same option)"]
-    _fails(capsys, ["mini-engine", "--num-layers", "0"] + ME_TINY, 2, "num_layers must be >= 1")  # no note
+    _fails(capsys, ["mini-engine", "--num-layers", "0"] + ME_TINY, 2, "--layers must be >= 1")  # no note
 
 
 def test_quiet_and_the_former_progress_flag(capsys, fake_me_run):

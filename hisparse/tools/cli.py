@@ -31,7 +31,7 @@ from ..errors import CapacityError
 from . import flag_rules, mini_engine
 from .autotune import AutotuneOptions, format_autotune, run_autotune, save_result
 from .env import collect_env, format_env
-from .exit_codes import (EXIT_FAILED, EXIT_INPUT, EXIT_OK, MissingDependency, OneLineParser,
+from .exit_codes import (EXIT_FAILED, EXIT_INPUT, EXIT_OK, MissingDependency, OneLineParser, flag_names,
                          run_command, writing)
 from .plan import FORMULAS, PlanInputs, fmt_bytes, format_plan, parse_bytes, parse_count, parse_tokens, plan
 from .preflight import check_output_dir, check_output_file, parse_device, path_arg
@@ -156,7 +156,7 @@ def _add_stress(sub) -> None:
            "a prediction into the others); reports precision, recall, evicted rows and wasted bytes")
     a("--plot", type=path_arg, metavar="DIR", help="write hit_rate.png and step_time.png there (needs matplotlib)")
     a("--metrics-file", type=path_arg, metavar="FILE",
-      help="write the cache's stats() there in the Prometheus text format (docs/METRICS.md), "
+      help="write the cache's stats() there in the Prometheus text format (hisparse_* metrics), "
            "at the end and every --metrics-every steps")
     a("--metrics-every", type=parse_count, default=None, metavar="N",
       help=f"steps between --metrics-file writes; 0: only at the end [{flag_rules.STRESS_METRICS_EVERY}]")
@@ -424,6 +424,9 @@ def build_parser() -> argparse.ArgumentParser:
     from . import whatif  # registers itself; its run function returns the exit status
 
     whatif.add_parser(sub).epilog = EXIT_TABLE
+    for name, sp in sub.choices.items():  # errors name the options as typed (run_command)
+        extra = mini_engine.CONFIG_FLAGS if name == "mini-engine" else {}
+        sp.set_defaults(flag_names={**flag_names(sp), **extra})
     return parser
 
 
@@ -437,7 +440,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "command", None):
         parser.print_help(sys.stderr)
         return EXIT_INPUT
-    return run_command(args.command, lambda: args.func(args))
+    return run_command(args.command, lambda: args.func(args), flags=args.flag_names)
 
 
 if __name__ == "__main__":  # pragma: no cover

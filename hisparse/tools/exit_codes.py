@@ -17,8 +17,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import sys
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping
 
 import torch
 
@@ -78,9 +79,37 @@ def classify(exc: BaseException) -> tuple[int, str] | None:
     return None
 
 
-def run_command(command: str, fn: Callable[[], int], *, stream=None) -> int:
+def flag_names(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """{option dest: its flag} of a command's parser, for the visible spelling of each
+    option (a hidden, deprecated alias shares its dest but is not named)."""
+    names: dict[str, str] = {}
+    for action in parser._actions:  # argparse keeps no public list of a parser's options
+        longs = [o for o in action.option_strings if o.startswith("--")]
+        if longs and action.help != argparse.SUPPRESS and action.dest not in names:
+            names[action.dest] = longs[0]
+    return names
+
+
+def name_flags(text: str, flags: Mapping[str, str]) -> str:
+    """``text`` (an error from the options or the config a command built) with the field
+    names of its options written as the user typed them: ``device_buffer_size=3`` and
+    ``num_layers must`` become ``--buffer 3`` and ``--layers must``. A plain word
+    (``context``, ``steps``) is replaced only as the subject that opens the message."""
+    for dest, flag in flags.items():
+        if "_" in dest:
+            text = re.sub(rf"(?<![\w-]){re.escape(dest)}=", f"{flag} ", text)
+            text = re.sub(rf"(?<![\w-]){re.escape(dest)}(?!\w)", flag, text)
+        elif text.startswith(f"{dest} must "):
+            text = flag + text[len(dest):]
+    return text
+
+
+def run_command(command: str, fn: Callable[[], int], *, stream=None,
+                flags: Mapping[str, str] | None = None) -> int:
     """Run ``fn`` (a subcommand body returning its exit status), turning the errors of
-    :func:`classify` into one line on ``stream`` (stderr) and their exit code."""
+    :func:`classify` into one line on ``stream`` (stderr) and their exit code. ``flags``
+    ({option dest: flag}, :func:`flag_names`) names the command's options in the
+    message of a bad-input or capacity error as the user typed them."""
     try:
         return int(fn())
     except (Exception, KeyboardInterrupt) as e:
@@ -89,6 +118,8 @@ def run_command(command: str, fn: Callable[[], int], *, stream=None) -> int:
             raise  # a bug in hisparse: keep the traceback
         code, kind = got
         text = one_line(e) if not isinstance(e, KeyboardInterrupt) else "stopped by the user"
+        if flags and code in (EXIT_INPUT, EXIT_CAPACITY):
+            text = name_flags(text, flags)
         if isinstance(e, MemoryError) and not str(e):
             text = "out of host memory (MemoryError)"
         print(f"hisparse {command}: {kind}: {text}", file=stream if stream is not None else sys.stderr)
@@ -97,4 +128,4 @@ def run_command(command: str, fn: Callable[[], int], *, stream=None) -> int:
 
 __all__ = ["EXIT_OK", "EXIT_FAILED", "EXIT_INPUT", "EXIT_CAPACITY", "EXIT_MISSING",
            "EXIT_INTERRUPTED", "MissingDependency", "OutputError", "writing", "OneLineParser", "one_line",
-           "classify", "run_command"]
+           "classify", "flag_names", "name_flags", "run_command"]

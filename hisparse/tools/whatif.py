@@ -440,7 +440,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
             "hot-buffer sizes on a recorded trace (--replay FILE) or a generated one (--trace, or "
             "--preset; default: the glm51 preset, calibrated to the HiSparse GLM-5.1 miss rates); "
             "project staging bytes and time per layer-step. Generated traces use stress's "
-            "schedule (--requests/--context/--churn/...) and sources. See docs/WHATIF.md."))
+            "schedule (--requests/--context/--churn/...) and sources."))
     a = p.add_argument
     a("--replay", type=path_arg, metavar="FILE", help="a recorded .npz trace (stress/mini-engine --record)")
     a("--preset", choices=sorted(PRESETS), help="generated workload [glm51 unless --replay]")

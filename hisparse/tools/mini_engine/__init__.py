@@ -36,7 +36,7 @@ rows and indexer keys written straight into both caches instead of being prefill
 so a 32K context costs seconds, not minutes; the rest of the prompt is prefilled.
 """
 
-from .cli import build_parser, config_from_args, main, run_args
+from .cli import CONFIG_FLAGS, build_parser, config_from_args, main, run_args
 from .config import PRESETS, MiniEngineConfig, Request, make_workload, memory_needed
 from .kv import KV_STORES, Attention, Batch, HiSparseKV, KVStore, ResidentKV
 from .ffn import FFN, V32_EP8_SHARE, FFNKind
@@ -49,4 +49,4 @@ __all__ = ["MiniEngineConfig", "Request", "make_workload", "memory_needed", "PRE
            "synthetic_rows", "Indexer", "Batch", "Attention", "KVStore", "ResidentKV", "HiSparseKV",
            "KV_STORES", "MiniEngine", "adjacent_layer_overlap", "compare", "run", "run_engine", "summarize", "preflight", "FFN", "FFNKind",
            "V32_EP8_SHARE", "DecodeGraphs", "DecodeMode", "bucket_for", "capture_sizes", "format_report", "build_parser",
-           "config_from_args", "run_args", "main"]
+           "config_from_args", "run_args", "main", "CONFIG_FLAGS"]

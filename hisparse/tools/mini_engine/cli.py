@@ -19,7 +19,7 @@ import sys
 
 from ..._checks import Kernels
 from ...decode.layer import Overlap
-from ..exit_codes import EXIT_FAILED, EXIT_OK, OneLineParser, run_command, writing
+from ..exit_codes import EXIT_FAILED, EXIT_OK, OneLineParser, flag_names, run_command, writing
 from ..flag_rules import check_mini_engine
 from ..preflight import check_output_file, path_arg
 from .config import PRESETS, MiniEngineConfig
@@ -104,6 +104,10 @@ _HELP = {
 _NONE_MEANS = {"device_buffer_size": "2 x top-k", "max_num_reqs": "--requests",
                "backend": "the attention chooser's pick for the device",
                "flashmla_lib": "FlashMLA from an installed vllm or sgl_kernel"}
+
+
+# the cache config's fields that a flag sets under another name, for error messages
+CONFIG_FLAGS = {"max_query_len": "--query-len"}
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -216,10 +220,10 @@ def main(argv: list[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # --help (0) or a usage error (2)
         return e.code if isinstance(e.code, int) else 2
-    return run_command("mini-engine", lambda: run_args(args))
+    return run_command("mini-engine", lambda: run_args(args), flags={**flag_names(parser), **CONFIG_FLAGS})
 
 
-__all__ = ["build_parser", "config_from_args", "run_args", "main"]
+__all__ = ["CONFIG_FLAGS", "build_parser", "config_from_args", "run_args", "main"]
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
