@@ -173,3 +173,17 @@ def test_public_api_block_imports_resolve():
             module = importlib.import_module(m.group(1))
             for name in (n.strip() for n in m.group(2).strip("()").split(",")):
                 assert hasattr(module, name), f"README: from {m.group(1)} import {name}"
+
+
+def test_public_api_block_runs_on_cpu(capsys):
+    """README's example, executed as written: it must define every name it uses, run on
+    CPU, and its CapacityError case must really raise (it prints the message)."""
+    code = public_api_block(_readme())
+    assert 'device="cpu"' in code
+    ns: dict = {"__name__": "readme_public_api"}
+    exec(compile(code, str(README), "exec"), ns)
+    assert "host pool full" in capsys.readouterr().out  # the CapacityError branch ran
+    cache, stats = ns["cache"], ns["stats"]
+    assert cache.live_requests() == [9] and stats["live_requests"] == 1
+    assert stats["total"]["resolves"] > 0 and stats["total"]["hits"] + stats["total"]["misses"] > 0
+    assert ns["host"].shape == (3, 656) and ns["first"] == 0
