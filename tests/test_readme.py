@@ -18,6 +18,8 @@ import dataclasses
 import importlib
 import inspect
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -144,15 +146,12 @@ def test_readme_exports_import_from_their_module():
 def test_importing_hisparse_attention_loads_no_kernel_or_optional_library():
     """The package's names load on first use: importing it (or its base module) pulls
     in neither Triton nor FlashMLA / FlashInfer (checked in a fresh interpreter)."""
-    import subprocess  # noqa: PLC0415
-    import sys  # noqa: PLC0415
-
-    code = ("import sys, hisparse.attention, hisparse.attention.base;"
+    code = ("import os, sys; os.environ.pop('TRITON_INTERPRET', None);"
+            "import hisparse.attention, hisparse.attention.base;"
             "from hisparse.attention import ReferenceBackend, choose_backend;"
             "print(sorted(m for m in ('triton', 'flashinfer', 'vllm', 'sgl_kernel') "
             "if m in sys.modules))")
-    env_code = "import os; os.environ.pop('TRITON_INTERPRET', None);" + code
-    r = subprocess.run([sys.executable, "-c", env_code], capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]", r.stdout
 
