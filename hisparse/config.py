@@ -10,6 +10,7 @@ import dataclasses
 import json
 from typing import Any
 
+from .errors import CapacityError
 from .formats import FP8_ROW_BYTES, RowFormat  # RowFormat re-exported: row formats live in formats
 
 HOT_ROW_ALIGN = 64  # rows; see HiSparseConfig.hot_rows_per_layer
@@ -31,7 +32,8 @@ class HiSparseConfig:
       row_bytes           bytes per row (656 = fp8_ds_mla, 1152 = bf16; opaque bytes otherwise)
       top_k               indexer top-k (K) per query token
       device_buffer_size  LRU hot slots per (layer, request), S; default 2 * top_k;
-                          must be >= max_query_len * top_k. One more reserved slot per
+                          must be >= max_query_len * top_k (CapacityError otherwise: one
+                          step may reference that many rows). One more reserved slot per
                           (layer, request) holds the newest token.
       max_num_reqs        live requests at once (request slots R)
       max_query_len       query tokens per request per decode step (q; MTP/speculative > 1)
@@ -60,8 +62,8 @@ class HiSparseConfig:
             object.__setattr__(self, "device_buffer_size", 2 * self.top_k)
         _positive_int("device_buffer_size", self.device_buffer_size)
         need = self.max_query_len * self.top_k
-        if self.device_buffer_size < need:
-            raise ValueError(
+        if self.device_buffer_size < need:  # a capacity failure, found at configuration
+            raise CapacityError(
                 f"device_buffer_size={self.device_buffer_size} is smaller than "
                 f"max_query_len x top_k = {self.max_query_len} x {self.top_k} = {need}: "
                 "one decode step of one request may reference that many distinct rows; "

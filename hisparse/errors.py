@@ -1,8 +1,14 @@
 """Exceptions raised by hisparse.
 
-- ``CapacityError``: an expected capacity failure (host pool full, too many
-  requests, hot buffer too small). Raised at admission/configuration time; the
-  failed call changes no state.
+- ``CapacityError``: an expected capacity failure, raised at admission or
+  configuration time; the failed call changes no state:
+    host pool full (a write needs more blocks than are free),
+    all request slots taken (``add_request``),
+    a host pool or cache larger than the free host / device memory (building it),
+    a hot buffer smaller than one decode step can reference
+    (``HiSparseConfig`` with device_buffer_size < max_query_len x top_k),
+    a prefill request larger than the staging workspace (``plan_prefill_chunks``).
+  The CLI reports it as exit status 3 ("capacity").
 - Caller mistakes raise ``ValueError`` / ``TypeError`` naming what was expected
   and what came.
 - A broken internal invariant raises ``RuntimeError`` with the state.

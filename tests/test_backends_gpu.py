@@ -9,7 +9,9 @@ be loaded here. Where the libraries come from on the H200:
 
 What they prove: FlashMLA reads rows quantised by *our* ``formats.quantize_fp8_ds_mla``
 (so our fp8_ds_mla bytes are FlashMLA's layout) and returns natural-log LSE; FlashInfer's
-page_size=1 MLA path matches the reference with its base-2 LSE converted.
+page_size=1 MLA path matches the reference with its base-2 LSE converted; each one's
+output for a token with no valid index goes through the LSE merges of a split decode
+as the contract says (out = 0, lse = -inf, never NaN).
 
 Tolerances (bf16 output of a softmax-weighted mean of N(0, 1) rows; the kernels round
 P to bf16 before the PV product): out |err| <= 2e-2 + 2e-2 |ref|; lse |err| <= 5e-3.
@@ -23,6 +25,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from attention_common import check_empty_rows_through_merge
 
 from hisparse.attention import chooser
 from hisparse.attention.base import Phase
@@ -176,6 +179,23 @@ def test_flashinfer_declines_fp8_on_sm90(flashinfer, dev):
     assert r is not None  # never faked: fp8_ds_mla needs the trtllm-gen path
     if major == 9:
         assert "SM100+" in r
+
+
+# ------------------------------------------------------------------ empty rows into a merge
+@pytest.mark.parametrize("name,fmt", [("flashmla", "fp8_ds_mla"), ("flashinfer", "bf16")])
+@pytest.mark.parametrize("path", ["split", "merge"])
+@pytest.mark.parametrize("nan_in_empty", [False, True])
+def test_empty_rows_through_the_merge(request, dev, name, fmt, path, nan_in_empty):
+    """The backend as the hit attention of a split decode: its out = 0, lse = -inf for a
+    token with no valid index (FlashMLA's +inf lse turned into -inf, FlashInfer's empty
+    tokens left out of its batch), merged with the misses by the Triton miss kernels,
+    equals the float32 reference over both lists with no NaN, also where the empty
+    side's out holds NaN; out = 0, lse = -inf where both sides are empty
+    (``attention_common.check_empty_rows_through_merge``)."""
+    be = request.getfixturevalue(name)
+    _skip_unless(be, dev, fmt, 128, Phase.DECODE)
+    check_empty_rows_through_merge(be, fmt=fmt, device=dev, H=128, path=path,
+                                   nan_in_empty=nan_in_empty)
 
 
 # ------------------------------------------------------------------ chooser / env

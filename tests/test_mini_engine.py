@@ -12,6 +12,7 @@ import json
 import pytest
 import torch
 
+from hisparse import CapacityError
 from hisparse.tools import mini_engine as me
 
 
@@ -95,11 +96,17 @@ def test_named_decode_backend_that_cannot_run_is_an_error_not_a_fallback(capsys)
     (dict(locality=1.0), "locality"), (dict(row_format="int4"), "row format"),
     (dict(synthetic_context=30), "synthetic_context"), (dict(max_batch_tokens=2), "max_batch_tokens"),
     (dict(tolerance=-1.0), "tolerance must be >= 0"), (dict(device="tpu"), "device must be"),
-    (dict(cache_kernels="cuda"), "cache_kernels"), (dict(device_buffer_size=4), "device_buffer_size"),
+    (dict(cache_kernels="cuda"), "cache_kernels"),
 ])
 def test_bad_config(kw, msg):
     with pytest.raises(ValueError, match=msg):
         me.MiniEngineConfig(**kw)
+
+
+def test_buffer_smaller_than_a_step_is_a_capacity_error():
+    """The cache's own rule (``HiSparseConfig``), checked when the config is made."""
+    with pytest.raises(CapacityError, match="device_buffer_size"):
+        me.MiniEngineConfig(device_buffer_size=4)
 
 
 @pytest.mark.parametrize("kw", [dict(tolerance=float("nan")), dict(num_heads=2.0), dict(validate=1)])

@@ -2,7 +2,9 @@
 fp8_ds_mla; host rows in a pinned ``PinnedBuffer``): the kernels against the torch
 references, split + merge and fused + merge after the Triton hit attention against the
 float32 reference over all entries, the fused kernel's hot-row writes byte for byte,
-and CUDA-graph capture / replay of a split layer and of a fused layer (side stream).
+empty hit / miss sides (NaN in an empty side's out never read; both empty -> out = 0,
+lse = -inf), and CUDA-graph capture / replay of a split layer and of a fused layer
+(side stream).
 
 Tolerance: as ``attention_common`` (|out - ref| <= 2e-2 + 1e-2 |ref|, |lse - ref| <=
 1e-3, -inf pattern exact); merge kernel vs reference: |out - ref| <= 2^-7 |ref| + 1e-6
@@ -14,7 +16,7 @@ import dataclasses
 
 import pytest
 import torch
-from attention_common import REF, SCALE, check
+from attention_common import REF, SCALE, check, check_empty_rows_through_merge
 
 from hisparse.attention.miss import (MissMode, fused_miss_attention, fused_miss_attention_reference,
                                      merge_lse, merge_lse_reference, miss_attention_merge,
@@ -143,10 +145,14 @@ def test_merge_lse_matches_reference(dtype):
     merge_lse_reference(*ref, part, plse)
     merge_lse(out, lse, part, plse)
     torch.cuda.synchronize()
-    keep = torch.isneginf(plse)
+    keep = torch.isneginf(plse) & torch.isfinite(before[1])  # only the first side: kept
     assert torch.equal(out[keep].view(torch.int16), before[0][keep].view(torch.int16))
     assert torch.equal(lse[keep].view(torch.int32), before[1][keep].view(torch.int32))
-    m = ~keep
+    neither = torch.isneginf(plse) & torch.isneginf(before[1])  # NaN in both outs: 0 now
+    for o, l in ((out, lse), ref):
+        assert not torch.isnan(o.float()).any() and bool((o[neither] == 0).all())
+        assert torch.isneginf(l[neither]).all()
+    m = ~keep & ~neither
     err = (out[m].float() - ref[0][m].float()).abs()
     assert (err <= 2 ** -7 * ref[0][m].float().abs() + 1e-6).all(), err.max()
     assert ((lse[m] - ref[1][m]).abs() <= 1e-5 + 1e-6 * ref[1][m].abs()).all()
@@ -294,6 +300,24 @@ def test_extreme_scales(mode):
     err = (out.float() - ref_out.float()).abs().amax(-1)
     bound = 1.5e-2 * ref_out.float().abs().amax(-1)
     assert (err <= bound + 1e-30).all(), f"worst err / bound {(err / (bound + 1e-30)).max()}"
+
+
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "bf16"])
+@pytest.mark.parametrize("path,planned", [("split", False), ("split", True), ("merge", False)])
+@pytest.mark.parametrize("nan_in_empty", [False, True])
+def test_triton_empty_rows_through_the_merge(fmt, path, planned, nan_in_empty):
+    """Tokens whose hit list, miss list or both are empty (``attention_common.
+    empty_rows_problem``): the Triton hit attention's out = 0, lse = -inf for an empty
+    token, merged by the miss kernels (planned: several splits and the combine kernel),
+    equal the float32 reference over both lists, no NaN even where the empty side's out
+    holds NaN, and out = 0, lse = -inf where both sides are empty."""
+    plan = None
+    if planned:
+        plan = plan_miss_attention(mode=MissMode.SPLIT, max_tokens=6, num_heads=128,
+                                   row_format=fmt, device=DEV)
+        assert plan.config.num_splits > 1
+    check_empty_rows_through_merge(TRI, fmt=fmt, device=DEV, H=128, path=path, plan=plan,
+                                   nan_in_empty=nan_in_empty)
 
 
 def test_no_misses_change_nothing():

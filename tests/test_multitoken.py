@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hisparse import HiSparseCache, HiSparseConfig
+from hisparse import CapacityError, HiSparseCache, HiSparseConfig
 from hisparse.staging import plan_prefill_chunks
 from hisparse.cache.resolve_ref import resolve_reference
 from hisparse.cache.state import STAT_HITS, STAT_MISSES, STAT_RESOLVES, ResolveBuffers
@@ -50,7 +50,7 @@ def fill(cache: HiSparseCache, req: int, n: int) -> None:
 def test_config_requires_q_times_topk(q):
     HiSparseConfig(num_layers=1, host_pool_tokens=64, top_k=K, max_query_len=q, device_buffer_size=q * K,
                    device="cpu")
-    with pytest.raises(ValueError, match=rf"max_query_len x top_k = {q} x {K} = {q * K}"):
+    with pytest.raises(CapacityError, match=rf"max_query_len x top_k = {q} x {K} = {q * K}"):
         HiSparseConfig(num_layers=1, host_pool_tokens=64, top_k=K, max_query_len=q,
                        device_buffer_size=q * K - 1, device="cpu")
 

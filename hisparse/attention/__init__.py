@@ -1,0 +1,48 @@
+"""Sparse-MLA attention backends behind one interface (``base.SparseMLABackend``).
+
+- ``choose_backend(device=, row_format=, num_heads=, phase=)``: the first backend that
+  ``supports`` the combination (``chooser``; ``available_backends`` says why each
+  other one can't).
+- ``ReferenceBackend`` (float32 torch oracle), ``TritonBackend`` (portable, bf16 and
+  fp8_ds_mla; ``TritonMLAConfig`` / ``default_config``: its launch shape),
+  ``FlashMLABackend`` (ops from vllm / sgl_kernel or a library path),
+  ``FlashInferBackend``.
+- ``miss``: the miss side of a split decode (``merge_lse``, ``miss_attention_merge``,
+  ``fused_miss_attention``).
+
+The names are imported when first used: ``import hisparse.attention`` loads nothing
+else, so reaching ``base`` or ``ReferenceBackend`` never imports Triton, and the
+optional FlashMLA / FlashInfer libraries are loaded only when a backend's ``supports``
+or ``decode`` asks for them.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+# exported name -> submodule that defines it
+_EXPORTS = {
+    "choose_backend": "chooser", "available_backends": "chooser", "backend_names": "chooser",
+    "get_backend": "chooser", "describe": "chooser",
+    "Phase": "base", "SparseMLABackend": "base",
+    "ReferenceBackend": "reference",
+    "TritonBackend": "triton_backend", "TritonMLAConfig": "triton_backend",
+    "default_config": "triton_backend",
+    "FlashMLABackend": "flashmla",
+    "FlashInferBackend": "flashinfer",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -24,17 +24,22 @@ Semantics (those of ``hisparse.attention.base``; ``reference.sparse_mla_referenc
 computes them): token t's miss entries are j < clamp(miss_counts[t], 0, K) of row t of
 the index lists; an entry whose hot row (fused: or host row) is -1 or out of range is
 padding (never read, never written). A partial result is (out [T, H, 512], lse
-float32 [T, H]) with lse natural-log, scale included, -inf = no entry (its out is then
-not read). Merge: lse = logaddexp(lse_a, lse_b), out = out_a exp(lse_a - lse) + out_b
-exp(lse_b - lse); both -inf gives out = 0, lse = -inf. A (token, head) whose second lse
-is -inf keeps its first partial bit for bit (nothing is written there).
+float32 [T, H]) with lse natural-log, scale included, -inf = no entry: an empty side,
+whose out is never read and may hold anything (NaN included). Merge: lse =
+logaddexp(lse_a, lse_b), out = out_a exp(lse_a - lse) + out_b exp(lse_b - lse), an
+empty side selected away (not weighted by 0), so it contributes nothing. Per (token,
+head): only the first side has entries -> the first partial kept bit for bit (nothing
+written); only the second -> the second; neither -> out = 0, lse = -inf (written: a
+merged result never carries what an empty side held).
 
 Every call has a float32 torch reference (``*_reference``: the CPU path and the test
 oracle) and a Triton launcher; ``kernels=`` (``hisparse._checks.Kernels``) picks one
 (auto: Triton on CUDA, the reference on CPU). Launchers check dtypes, shapes, devices,
 row layout and pinning from metadata only and raise before any launch; they read no
-device value, allocate nothing and use a launch shape fixed by (T, H, plan): CUDA-graph
-capturable (the CPU references do allocate and, on CUDA, sync). Index *values* need no check: out-of-range entries are padding.
+device value, allocate nothing (except a split-mode call with K = 0 or N = 0, which can
+have no valid entry and zeroes the empty heads with one torch op) and use a launch shape
+fixed by (T, H, plan): CUDA-graph capturable (the CPU references do allocate and, on
+CUDA, sync). Index *values* need no check: out-of-range entries are padding.
 
 Splits: with ``plan=None`` a token's misses are one work item per head block (split
 mode) or per token (fused mode: the items are spread over a persistent grid): no
@@ -281,34 +286,40 @@ def merge_lse_reference(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Te
     """In-place exact LSE merge (float32 math): see the module docstring.
 
     out: bf16 [T, H, 512], lse: float32 [T, H] (natural log, -inf = empty): first
-    partial, overwritten with the merged result; part_out: float32 or bf16 [T, H, 512],
-    part_lse: float32 [T, H]: the second partial (read where part_lse > -inf).
+    partial (out read where lse > -inf), overwritten with the merged result; part_out:
+    float32 or bf16 [T, H, 512], part_lse: float32 [T, H]: the second partial (read
+    where part_lse > -inf).
     """
     _validate_merge(out, lse, part_out, part_lse)
     _merge_reference(out, lse, part_out, part_lse)
 
 
 def _merge_reference(out, lse, part_out, part_lse) -> None:
+    """The merge of the module docstring, float32, in place. An empty side (lse -inf)
+    is selected away before any arithmetic: its out is never multiplied, so whatever
+    it holds (NaN included) cannot reach the result."""
     ninf = float("-inf")
     a, b = lse, part_lse
-    has_b = b > ninf
+    has_a, has_b = a > ninf, b > ninf
+    write = has_b | ~has_a  # the second side has entries, or neither side has any
     m = torch.maximum(a, b)
     m_use = torch.where(m == ninf, torch.zeros_like(m), m)
-    ea, eb = torch.exp(a - m_use), torch.exp(b - m_use)
-    tot = ea + eb
+    ea, eb = torch.exp(a - m_use), torch.exp(b - m_use)  # 0 for an empty side
+    tot = ea + eb  # >= 1 where either side has entries (the larger one gives exp(0))
     safe = torch.where(tot > 0, tot, torch.ones_like(tot))
     wa, wb = ea / safe, eb / safe
-    o_a = torch.where((a > ninf)[..., None], out.float(), 0.0)
+    o_a = torch.where(has_a[..., None], out.float(), 0.0)
     o_b = torch.where(has_b[..., None], part_out.float(), 0.0)
-    merged = o_a * wa[..., None] + o_b * wb[..., None]
-    out.copy_(torch.where(has_b[..., None], merged.to(out.dtype), out))
-    lse.copy_(torch.where(has_b, m_use + torch.log(safe), lse))
+    merged = o_a * wa[..., None] + o_b * wb[..., None]  # both empty: 0
+    out.copy_(torch.where(write[..., None], merged.to(out.dtype), out))
+    lse.copy_(torch.where(has_b, m_use + torch.log(safe), lse))  # both empty: -inf stays
 
 
 def merge_lse(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor,
               part_lse: torch.Tensor, *, kernels: Kernels | str = Kernels.AUTO) -> None:
     """Merge the partial (part_out, part_lse) into (out, lse) in place (shapes as
-    ``merge_lse_reference``). A (token, head) whose part_lse is -inf is not touched."""
+    ``merge_lse_reference``). A (token, head) whose part_lse is -inf keeps its partial,
+    or gets out = 0 where its lse is -inf too (see the module docstring)."""
     impl = Kernels.parse(kernels)
     _validate_merge(out, lse, part_out, part_lse)
     impl = impl.pick(out.device)
@@ -353,7 +364,8 @@ def miss_attention_merge(
 ) -> None:
     """Attend over each token's miss entries (rows already in ``kv_rows``) and merge the
     result into the hit partial (out, lse) in place. A token with no miss costs its
-    programs one count load; a head whose misses are all padding is not written."""
+    programs a count load and a load of its lse; a head without a valid miss keeps its
+    partial, or gets out = 0 where its lse is -inf too (see the module docstring)."""
     impl = Kernels.parse(kernels)
     inp = _validate_split(q, kv_rows, miss_idx, miss_counts, out, lse, sm_scale, row_format)
     cfg = _check_plan(plan, MissMode.SPLIT, inp)
@@ -364,8 +376,11 @@ def miss_attention_merge(
         return
     q, kv, dev = inp.q, inp.kv_rows, inp.q.device
     T, H, K, N = q.shape[0], q.shape[1], miss_idx.shape[1], kv.shape[0]
-    if T == 0 or K == 0 or N == 0:
-        return  # no entry can be valid
+    if T == 0:
+        return
+    if K == 0 or N == 0:  # no entry can be valid: only heads empty on both sides change
+        out.masked_fill_(torch.isneginf(lse).unsqueeze(-1), 0.0)
+        return
     S = cfg.num_splits
     part_out, part_lse = (plan.part_out, plan.part_lse) if S > 1 else (out, lse)
     is_fp8 = inp.row_format is RowFormat.FP8_DS_MLA

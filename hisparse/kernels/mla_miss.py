@@ -12,12 +12,12 @@ Split s of a token takes the entries [s * r, min((s + 1) * r, c_t)) with r =
 cdiv(cdiv(c_t, S), BLOCK_N) * BLOCK_N (``_slice``): the work goes where the misses
 are, while the launch shape depends on T, H and S only (no device value reaches the
 host; CUDA-graph capturable). A token with c_t = 0 costs each of its programs one
-count load.
+count load (and, where it merges into the hit partial, a load of its hit lse).
 
 Kernels:
 - ``miss_merge_kernel``: in-place LSE merge of one partial result into another
   (natural-log lse in and out). Grid (T, cdiv(H, BLOCK_H)); a head whose second lse is
-  -inf is neither read nor written.
+  -inf keeps its first partial (not written), or gets out = 0 where both are -inf.
 - ``miss_split_kernel``: the miss rows are already in the hot buffer. Grid (T, HB, S).
   Each program gathers BLOCK_N rows at a time once for BLOCK_H heads (fp8 rows
   dequantised in registers, exact: power-of-two scales), runs a base-2 online softmax
@@ -45,7 +45,10 @@ the one difference d, never from a max of rounded values compared with an unroun
 the compiled code contracts x * c - m into one fma, so a max taken over the rounded
 products x * c is subtracted from the exact product, and at |lse| ~ 1e13 (the x3e4 head
 over rows with tile scales 2^30) that rounding difference is ~2^21, which exp2 turns into
-inf or 0. A side with lse = -inf has weight 0 and its output is not read.
+inf or 0. A side with lse = -inf is empty: its output is never read and is selected away
+(``_side``), not multiplied by its zero weight, so whatever its memory holds (NaN
+included) stays out of the result; where both sides are empty the merge writes out = 0
+and leaves lse = -inf (also for a token without misses, ``_zero_empty``).
 """
 
 from __future__ import annotations
@@ -209,31 +212,58 @@ def _merge_weights(a, b):
 
 
 @triton.jit
-def _merge_tile(out_ptr, o_off, wa, wb, part, read_a, has_b):
-    """out[o_off] = wa * out[o_off] + wb * part for the rows where has_b (a
-    [BLOCK_H, 128] tile; out is read only where read_a)."""
-    o = tl.load(out_ptr + o_off, mask=read_a[:, None], other=0.0).to(tl.float32)
-    tl.store(out_ptr + o_off, o * wa[:, None] + part * wb[:, None], mask=has_b[:, None])
+def _side(ptrs, has):
+    """A partial's out tile (float32) where its lse is finite (``has`` bool [BLOCK_H],
+    one per row of the tile), 0 elsewhere. An empty side is selected away, never read
+    and never multiplied by its zero weight: its memory may hold anything, NaN included."""
+    x = tl.load(ptrs, mask=has[:, None], other=0.0).to(tl.float32)
+    return tl.where(has[:, None], x, 0.0)
+
+
+@triton.jit
+def _merge_tile(out_ptr, o_off, wa, wb, part, read_a, write):
+    """out[o_off] = wa * out[o_off] + wb * part for the rows where ``write`` (a
+    [BLOCK_H, 128] tile; out is read only where ``read_a``, else taken as 0)."""
+    o = _side(out_ptr + o_off, read_a)
+    tl.store(out_ptr + o_off, o * wa[:, None] + part * wb[:, None], mask=write[:, None])
 
 
 @triton.jit
 def _merge_into(out_ptr, lse_ptr, t, heads, hmask, H, acc0, acc1, acc2, acc3, inv_l, b2):
     """Merge a normalised-on-the-fly miss result (acc_i * inv_l, base-2 lse b2) into the
-    partial (out bf16 [T, H, 512], lse float32 [T, H] natural) of token t in place;
-    heads whose b2 is -inf are neither read nor written."""
+    partial (out bf16 [T, H, 512], lse float32 [T, H] natural) of token t in place.
+    Heads whose b2 is -inf keep their partial, except those whose partial is empty too
+    (out = 0 there; lse stays -inf); an empty partial's out is never read."""
     lp = lse_ptr + t * H + heads
+    a = tl.load(lp, mask=hmask, other=float("-inf"))
+    has_a = a > float("-inf")
     has_b = hmask & (b2 > float("-inf"))
-    a = tl.load(lp, mask=has_b, other=float("-inf"))
-    wa, wb, lse = _merge_weights(a, b2 * LN2)
+    write = hmask & (has_b | (a == float("-inf")))
+    wa, wb, lse = _merge_weights(a, b2 * LN2)  # both empty: 0, 0, -inf
     wb = wb * inv_l
-    read_a = has_b & (a > float("-inf"))
+    read_a = has_b & has_a
     d = tl.arange(0, 128)
     o_off = (t * H + heads.to(tl.int64))[:, None] * 512 + d[None, :]
-    _merge_tile(out_ptr, o_off, wa, wb, acc0, read_a, has_b)
-    _merge_tile(out_ptr, o_off + 128, wa, wb, acc1, read_a, has_b)
-    _merge_tile(out_ptr, o_off + 256, wa, wb, acc2, read_a, has_b)
-    _merge_tile(out_ptr, o_off + 384, wa, wb, acc3, read_a, has_b)
-    tl.store(lp, lse, mask=has_b)
+    _merge_tile(out_ptr, o_off, wa, wb, acc0, read_a, write)
+    _merge_tile(out_ptr, o_off + 128, wa, wb, acc1, read_a, write)
+    _merge_tile(out_ptr, o_off + 256, wa, wb, acc2, read_a, write)
+    _merge_tile(out_ptr, o_off + 384, wa, wb, acc3, read_a, write)
+    tl.store(lp, lse, mask=write)
+
+
+@triton.jit
+def _zero_empty(out_ptr, lse_ptr, t, heads, hmask, H):
+    """Token t has no miss entry: its heads whose partial (out bf16 [T, H, 512], lse
+    float32 [T, H]) is empty too get out = 0 (their lse stays -inf); the others are
+    neither read nor written."""
+    a = tl.load(lse_ptr + t * H + heads, mask=hmask, other=0.0)
+    empty = hmask & (a == float("-inf"))
+    if tl.max(empty.to(tl.int32), axis=0) > 0:
+        d = tl.arange(0, 128)
+        o_off = (t * H + heads.to(tl.int64))[:, None] * 512 + d[None, :]
+        zero = tl.zeros([heads.shape[0], 128], dtype=out_ptr.dtype.element_ty)
+        for c in tl.static_range(4):
+            tl.store(out_ptr + o_off + c * 128, zero, mask=empty[:, None])
 
 
 @triton.jit
@@ -268,18 +298,19 @@ def miss_merge_kernel(
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < H
     base = t * H + heads
+    a = tl.load(lse_ptr + base, mask=hmask, other=float("-inf"))
     b = tl.load(part_lse_ptr + base, mask=hmask, other=float("-inf"))
+    has_a = a > float("-inf")
     has_b = hmask & (b > float("-inf"))
-    if tl.max(has_b.to(tl.int32), axis=0) > 0:
-        a = tl.load(lse_ptr + base, mask=has_b, other=float("-inf"))
+    write = hmask & (has_b | (a == float("-inf")))  # both empty: out = 0, lse -inf
+    if tl.max(write.to(tl.int32), axis=0) > 0:
         wa, wb, lse = _merge_weights(a, b)
-        read_a = has_b & (a > float("-inf"))
         d = tl.arange(0, 512)
         off = base[:, None] * 512 + d[None, :]
-        o = tl.load(out_ptr + off, mask=read_a[:, None], other=0.0).to(tl.float32)
-        p = tl.load(part_out_ptr + off, mask=has_b[:, None], other=0.0).to(tl.float32)
-        tl.store(out_ptr + off, o * wa[:, None] + p * wb[:, None], mask=has_b[:, None])
-        tl.store(lse_ptr + base, lse, mask=has_b)
+        o = _side(out_ptr + off, has_b & has_a)
+        p = _side(part_out_ptr + off, has_b)
+        tl.store(out_ptr + off, o * wa[:, None] + p * wb[:, None], mask=write[:, None])
+        tl.store(lse_ptr + base, lse, mask=write)
 
 
 @triton.jit(do_not_specialize=["N", "K"])
@@ -321,6 +352,10 @@ def miss_split_kernel(
             base = (t * NUM_SPLITS + sp) * H + heads.to(tl.int64)
             _store_result(part_out_ptr, part_lse_ptr, base, hmask, acc0, acc1, acc2, acc3,
                           inv_l, lse2, False)
+    else:
+        if NUM_SPLITS == 1:  # no miss entry (with splits, the combine kernel sees to it)
+            heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+            _zero_empty(out_ptr, lse_ptr, t, heads, heads < H, H)
 
 
 @triton.jit(do_not_specialize=["K"])
@@ -366,18 +401,20 @@ def miss_combine_kernel(
         b2 = tl.where(has_b, m + tl.log2(tl.where(has_b, tot, 1.0)), float("-inf"))
         off = (t * H + heads.to(tl.int64))[:, None] * 512 + d[None, :]
         if HAS_BASE:
-            a = tl.load(lp, mask=has_b, other=float("-inf"))
+            a = tl.load(lp, mask=hmask, other=float("-inf"))
+            write = hmask & (has_b | (a == float("-inf")))  # both empty: out = 0, lse -inf
             wa, wb, lse = _merge_weights(a, b2 * LN2)
-            read_a = has_b & (a > float("-inf"))
-            o = tl.load(out_ptr + off, mask=read_a[:, None], other=0.0).to(tl.float32)
+            o = _side(out_ptr + off, has_b & (a > float("-inf")))
             tl.store(out_ptr + off, o * wa[:, None] + acc * (wb * inv)[:, None],
-                     mask=has_b[:, None])
-            tl.store(lp, lse, mask=has_b)
+                     mask=write[:, None])
+            tl.store(lp, lse, mask=write)
         else:
             tl.store(out_ptr + off, acc * inv[:, None], mask=has_b[:, None])
             tl.store(lp, b2 * LN2, mask=hmask)
     else:
-        if not HAS_BASE:
+        if HAS_BASE:
+            _zero_empty(out_ptr, lse_ptr, t, heads, hmask, H)
+        else:
             tl.store(lp, tl.full([BLOCK_H], float("-inf"), dtype=tl.float32), mask=hmask)
 
 
