@@ -176,7 +176,6 @@ def _run_ok(capsys, argv):
 
 # ------------------------------------------------------------ messages in the flags' words
 @pytest.mark.parametrize("argv, needles, absent", [
-    (["--buffer", "5"], ["--buffer 5 is smaller than --top-k (8)", "--buffer >= 8"], ["device_buffer_size"]),
     (["--requests", "99999999999999999999999"], ["--requests 99999999999999999999999", "int32"],
      ["max_request_id"]),
     (["--block-size", "100000000000"], ["--block-size 100000000000", "a block size below the context"],
@@ -194,19 +193,27 @@ def test_stress_size_errors_name_the_flag(capsys, monkeypatch, argv, needles, ab
     _fails(capsys, ["stress"] + argv + base, 2, *needles, absent=absent)
 
 
-@pytest.mark.parametrize("command, argv, needles, absent", [
-    ("stress", ["--layers", "0"], ["--layers must be >= 1, got 0"], ["num_layers"]),
-    ("stress", ["--requests", "0"], ["--requests must be >= 1"], ["num_requests"]),
-    ("stress", ["--context", "0"], ["--context must be >= 1"], []),
-    ("stress", ["--steps", "0"], ["--steps must be >= 1"], []),
-    ("mini-engine", ["--layers", "0"], ["--layers must be >= 1, got 0"], ["num_layers"]),
-    ("mini-engine", ["--requests", "0"], ["--requests must be >= 1"], ["num_requests"]),
-    ("mini-engine", ["--heads", "0"], ["--heads must be >= 1"], ["num_heads"]),
-    ("mini-engine", ["--block-size", "0"], ["--block-size must be >= 1"], ["host_block_size"]),
-    ("mini-engine", ["--buffer", "3"], ["--buffer 3 is smaller than --query-len x --top-k", "set --buffer >= "],
+def test_stress_buffer_below_top_k_is_a_capacity_error_in_its_flags_words(capsys, monkeypatch):
+    """A hot buffer smaller than the top-k is the cache's capacity failure (exit 3, as
+    HiSparseConfig and mini-engine report it), named by the flag."""
+    monkeypatch.setattr(cli.StressRun, "run", _never)
+    _fails(capsys, ["stress", "--buffer", "5"] + STRESS_TINY, 3, "capacity:",
+           "--buffer 5 is smaller than --top-k (8)", "--buffer >= 8", absent=["device_buffer_size"])
+
+
+@pytest.mark.parametrize("command, argv, rc, needles, absent", [
+    ("stress", ["--layers", "0"], 2, ["--layers must be >= 1, got 0"], ["num_layers"]),
+    ("stress", ["--requests", "0"], 2, ["--requests must be >= 1"], ["num_requests"]),
+    ("stress", ["--context", "0"], 2, ["--context must be >= 1"], []),
+    ("stress", ["--steps", "0"], 2, ["--steps must be >= 1"], []),
+    ("mini-engine", ["--layers", "0"], 2, ["--layers must be >= 1, got 0"], ["num_layers"]),
+    ("mini-engine", ["--requests", "0"], 2, ["--requests must be >= 1"], ["num_requests"]),
+    ("mini-engine", ["--heads", "0"], 2, ["--heads must be >= 1"], ["num_heads"]),
+    ("mini-engine", ["--block-size", "0"], 2, ["--block-size must be >= 1"], ["host_block_size"]),
+    ("mini-engine", ["--buffer", "3"], 3, ["--buffer 3 is smaller than --query-len x --top-k", "set --buffer >= "],
      ["device_buffer_size", "max_query_len"]),
 ])
-def test_config_errors_name_the_flags_as_typed(capsys, monkeypatch, command, argv, needles, absent):
+def test_config_errors_name_the_flags_as_typed(capsys, monkeypatch, command, argv, rc, needles, absent):
     """Every option check of the options / config a command builds names the flag the
     user typed, not the field behind it, whatever check raised it."""
     monkeypatch.setattr(cli.StressRun, "run", _never)
@@ -216,7 +223,7 @@ def test_config_errors_name_the_flags_as_typed(capsys, monkeypatch, command, arg
     for flag in argv[::2]:
         if flag in base:
             del base[base.index(flag):base.index(flag) + 2]
-    _fails(capsys, [command] + argv + base, 2, *needles, absent=absent)
+    _fails(capsys, [command] + argv + base, rc, *needles, absent=absent)
 
 
 def test_python_m_mini_engine_names_the_flags_too(capsys):

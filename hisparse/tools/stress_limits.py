@@ -11,6 +11,7 @@ come from the trace.
 
 from __future__ import annotations
 
+from ..errors import CapacityError
 from .flag_rules import unused
 
 INT32_MAX = 2**31 - 1
@@ -18,7 +19,8 @@ INT32_MAX = 2**31 - 1
 
 def check_stress_sizes(*, layers: int, top_k: int, buffer: int | None, block_size: int, live: int,
                        max_len: int, replay: bool, prefetch: bool) -> None:
-    """ValueError naming the flag when the sizes break a cache limit.
+    """ValueError naming the flag when the sizes break a cache limit; CapacityError for a
+    hot buffer smaller than the top-k (the cache's own capacity failure, exit 3).
 
     ``buffer``: --buffer as given (None: 2 x top-k); ``live``: requests at once;
     ``max_len``: the longest sequence; ``replay``: the layers, top-k and requests come
@@ -31,7 +33,7 @@ def check_stress_sizes(*, layers: int, top_k: int, buffer: int | None, block_siz
                      "drop it" + ("" if replay else ", or give --layers 2 or more"))
     S = 2 * top_k if buffer is None else buffer
     if buffer is not None and buffer < top_k:
-        raise ValueError(f"--buffer {buffer} is smaller than {k_from} ({top_k}): one step of one request can "
+        raise CapacityError(f"--buffer {buffer} is smaller than {k_from} ({top_k}): one step of one request can "
                          f"select {top_k} distinct rows, which must all be hot at once; give --buffer >= "
                          f"{top_k}, or leave it out (2 x top-k)")
     requests = "the trace's requests" if replay else f"--requests {live}"
