@@ -22,6 +22,7 @@ from hisparse import HiSparseCache
 from hisparse.tools import cli, preflight
 from hisparse.tools.cli import main
 from hisparse.tools.mini_engine import loop as me_loop
+from hisparse.tools.outputs import Outputs
 from hisparse.tools.traces import TraceRecorder
 
 STRESS_TINY = ["--requests", "2", "--context", "200", "--layers", "1", "--top-k", "8",
@@ -495,10 +496,11 @@ def test_pipe_with_a_reader_is_accepted_and_a_fifo_without_one_is_not(tmp_path):
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     with pytest.raises(ValueError, match="FIFO that cannot be written"):  # no reader: refused, no hang
-        preflight.check_output_file(fifo, flag="--out")
+        Outputs().file(fifo, flag="--out")
     rfd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # `--out /dev/stdout | jq`: a reader waits
     try:
-        assert preflight.check_output_file(fifo, flag="--out") == str(fifo)
+        with Outputs() as outs:
+            assert outs.file(fifo, flag="--out") == str(fifo)
     finally:
         os.close(rfd)
 

@@ -64,7 +64,8 @@ from .._checks import Kernels, check_bool, check_int
 from ..config import HiSparseConfig, RowFormat
 from .autotune import gpu_bytes
 from .belady import OptimalTracker, hit_rate
-from .preflight import check_memory, check_output_file, parse_device, require_kernels
+from .outputs import Outputs
+from .preflight import check_memory, parse_device, require_kernels
 from .progress import Progress
 from .sources import (WORKINGSET_DRIFT, WORKINGSET_RECENT, WORKINGSET_SINKS, CorrelatedSource, IndexerSource,
                       UniformSource, WorkingSetSource, workingset_state_bytes)
@@ -225,14 +226,16 @@ class StressRun:
     the device and kernels (:mod:`hisparse.tools.preflight`), the trace file, the cache
     config (int32 limits), and the memory the run will allocate (:meth:`memory_needed`
     against what the machine has: a ``CapacityError`` naming the bytes when it can't fit).
+    ``outputs``: the command's :class:`~hisparse.tools.outputs.Outputs`, where ``o.record``
+    is checked (a FIFO's handle is kept there until the trace is written through it).
     """
 
-    def __init__(self, o: StressOptions) -> None:
+    def __init__(self, o: StressOptions, *, outputs: Outputs | None = None) -> None:
         self.o = o
         self.dev = parse_device(o.device)
         self.kernels = require_kernels(o.kernels, self.dev)
-        if o.record:
-            check_output_file(o.record, flag="--record")
+        self.outputs = outputs if outputs is not None else Outputs()
+        self.outputs.file(o.record, flag="--record")
         self.replay = ReplaySource(o.replay, device=self.dev) if o.trace == "replay" else None
         if self.replay is not None:
             L, K = self.replay.num_layers, self.replay.top_k
@@ -488,7 +491,8 @@ class StressRun:
                 if failures:
                     break
         if recorder:
-            recorder.save(o.record)
+            with self.outputs.open(o.record) as fh:
+                recorder.save(fh)
         res = self._summary(stats, tracker, done, step_ms, append_ms, step_hits[:, :done],
                             step_miss[:, :done], resolve_s, prefill_s, prefill_rows, verified,
                             joined, left, failures)
