@@ -194,3 +194,60 @@ def test_a_fifo_without_a_reader_is_refused_up_front(capsys, fifo, monkeypatch, 
     flag = argv[1]
     _in_thread(lambda: _refused(capsys, [a.format(ff) for a in argv], f"{flag} {ff!r} is a FIFO",
                                 "no reader"))
+
+
+# ----------------------------------------------------------------- two outputs, one file
+def _same_file_cases(tmp_path):
+    """(name, argv suffix, the flags named) of two outputs that are one file."""
+    t = str(tmp_path)
+    (tmp_path / "real.prom").write_text("")
+    os.symlink(tmp_path / "real.prom", tmp_path / "link.prom")
+    os.link(tmp_path / "real.prom", tmp_path / "hard.prom")
+    os.symlink(tmp_path / "new.npz", tmp_path / "dangling")
+    return {
+        "stress same path": (["stress", "--record", f"{t}/same", "--metrics-file", f"{t}/same"],
+                             "--metrics-file", "--record"),
+        "stress relative and absolute": (["stress", "--record", "rel", "--metrics-file", f"{t}/rel"],
+                                         "--metrics-file", "--record"),
+        "stress symlink": (["stress", "--record", f"{t}/link.prom", "--metrics-file", f"{t}/real.prom"],
+                           "--metrics-file", "--record"),
+        "stress hard link": (["stress", "--record", f"{t}/hard.prom", "--metrics-file", f"{t}/real.prom"],
+                             "--metrics-file", "--record"),
+        "stress dangling symlink": (["stress", "--record", f"{t}/dangling", "--metrics-file", f"{t}/new.npz"],
+                                    "--metrics-file", "--record"),
+        "stress record is a plot": (["stress", "--record", f"{t}/plots/hit_rate.png", "--plot", f"{t}/plots"],
+                                    "--plot", "(its hit_rate.png)"),
+        "stress plot dir is the record": (["stress", "--record", f"{t}/out", "--plot", f"{t}/out"],
+                                          "--plot", "(the directory)"),
+        "stress metrics file is a plot": (["stress", "--plot", t, "--metrics-file", f"{t}/step_time.png"],
+                                          "--metrics-file", "(its step_time.png)"),
+        "mini-engine same path": (["mini-engine", "--out", f"{t}/same", "--record", f"{t}/same"],
+                                  "--record", "--out"),
+    }
+
+
+@pytest.mark.parametrize("case", ["stress same path", "stress relative and absolute", "stress symlink",
+                                  "stress hard link", "stress dangling symlink", "stress record is a plot",
+                                  "stress plot dir is the record", "stress metrics file is a plot",
+                                  "mini-engine same path"])
+def test_two_outputs_of_one_file_are_refused_up_front(capsys, tmp_path, monkeypatch, case):
+    (tmp_path / "plots").mkdir()
+    argv, *flags = _same_file_cases(tmp_path)[case]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli, "StressRun", _never)
+    monkeypatch.setattr(me_loop, "MiniEngine", _never)
+    tail = STRESS_TINY if argv[0] == "stress" else ME_TINY
+    _refused(capsys, argv + tail, "are the same file", "one output would overwrite the other", *flags)
+    assert not (tmp_path / "out").exists() and not (tmp_path / "same").exists()
+
+
+def test_dev_null_takes_several_outputs(tmp_path):
+    from hisparse.tools.outputs import Outputs
+
+    with Outputs() as outs:
+        assert outs.file(os.devnull, flag="--out") == os.devnull
+        assert outs.file(os.devnull, flag="--record") == os.devnull
+        outs.file(tmp_path / "a", flag="--metrics-file", replace=True)
+        outs.file(tmp_path / "a", flag="--metrics-file", replace=True)  # the same output checked again
+        with pytest.raises(ValueError, match="same file"):
+            outs.file(tmp_path / "a", flag="--record")
