@@ -136,6 +136,17 @@ def test_a_trace_is_written_front_to_back_and_reads_back(tmp_path):
     assert load_trace(tmp_path / "t2.npz")[1][2].topk.tolist() == steps[2].topk.tolist()
 
 
+# ----------------------------------------------------------------- --metrics-file's mode
+def test_metrics_file_is_readable_by_others_under_a_022_umask(capsys, tmp_path):
+    """node_exporter's textfile collector reads it as another user (docs/METRICS.md)."""
+    old = os.umask(0o022)
+    try:
+        rc, _ = _run(capsys, ["stress", "--metrics-file", str(tmp_path / "h.prom")] + STRESS_TINY)
+    finally:
+        os.umask(old)
+    assert rc == 0 and (tmp_path / "h.prom").stat().st_mode & 0o777 == 0o644
+
+
 # ----------------------------------------------------------------- FIFOs
 def _trace_of(data, tmp_path):
     (tmp_path / "got.npz").write_bytes(data)
