@@ -95,6 +95,15 @@ def test_stress_json_fields(capsys):
     assert r["config"]["top_k"] == 8 and r["config"]["device_buffer_size"] == 16
 
 
+def test_stress_result_records_unchecked_and_context_min(capsys):
+    r = _json(capsys, ["stress", "--json", "--unchecked", "--context-min", "120"] + STRESS_TINY)
+    assert r["options"]["checked"] is False and r["options"]["context_min"] == 120
+    assert r["workload"]["checked"] is False and r["workload"]["context_min"] == 120
+    assert main(["stress", "--unchecked", "--context-min", "120"] + STRESS_TINY) == 0
+    text = capsys.readouterr().out
+    assert "context=120..200" in text and "resolve=unchecked" in text, text
+
+
 def test_stress_prefetch_flag(capsys):
     r = _json(capsys, ["stress", "--json"] + STRESS_TINY + ["--prefetch", "--layers", "2"])
     assert r["ok"] is True and r["prefetch"]["rows_staged"] > 0

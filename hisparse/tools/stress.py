@@ -29,8 +29,11 @@ Result (``run_stress`` / ``hisparse stress --json``), a dict:
   timings_are        "GPU (CUDA-synchronised)", "CPU (torch reference path)" or
                      "CPU (Triton interpreter)"
   config             the HiSparseConfig as a dict
+  options            the StressOptions, every field but progress (which changes only
+                     what is printed): StressOptions(**options) repeats the run
   workload           trace, drift, replay, steps_run, steps_planned, requests, context,
-                     churn, joined, left, verify, seed, record
+                     context_min (the one used), churn, joined, left, verify, seed,
+                     checked, prefill_chunk, record
   overall            hits, misses, hit_rate, optimal_hit_rate (Belady, None with
                      optimal=False), bytes_h2d, h2d_GBps (over resolve + staging time),
                      step_ms_min/p50/p99, append_ms_p50, resolve_ms_p50, prefill_rows,
@@ -538,14 +541,16 @@ class StressRun:
                             "CPU (Triton interpreter)" if stats["kernels"] == "triton" else
                             "CPU (torch reference path)"),
             "config": self.cfg.to_dict(),
+            "options": {f.name: getattr(o, f.name) for f in dataclasses.fields(o) if f.name != "progress"},
             "workload": {"trace": o.trace,
                          "drift": o.drift_used if o.trace in ("correlated", "indexer", "workingset") else None,
                          "replay": o.replay, "steps_run": done, "steps_planned": self.steps,
                          "requests": o.num_requests if self.replay is None else None,
                          "context": o.context if self.replay is None else None,
+                         "context_min": self.schedule.cmin if self.replay is None else None,
                          "churn": o.churn if self.replay is None else None,
                          "joined": joined, "left": left, "verify": o.verify, "seed": o.seed,
-                         "record": o.record},
+                         "checked": o.checked, "prefill_chunk": o.prefill_chunk, "record": o.record},
             "overall": {
                 "hits": H, "misses": M, "hit_rate": hit_rate(H, M),
                 "optimal_hit_rate": hit_rate(opt["hits"], opt["misses"]) if opt else None,
