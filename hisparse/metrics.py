@@ -14,7 +14,7 @@ ones leave their metric out), never the cache itself.
 - :func:`prometheus_text(stats)`: through ``prometheus_client`` when it is installed,
   the plain formatter otherwise; the same names, types and values either way.
 - :func:`write_metrics_file(path, stats)`: atomic write (temporary file + rename), the
-  way textfile collectors expect.
+  way textfile collectors expect; the file keeps its mode (a new one: the umask's).
 - :func:`start_metrics_server(port, source)`: ``prometheus_client``'s HTTP server
   serving a collector of ``source()`` (``ModuleNotFoundError`` without it).
 
@@ -31,7 +31,8 @@ import enum
 import importlib.util
 import math
 import os
-import tempfile
+import secrets
+import stat
 from typing import Any, Callable, Iterator, Mapping
 
 from . import __version__
@@ -246,20 +247,47 @@ def prometheus_text(stats: Mapping[str, Any], *, labels: Mapping[str, str] | Non
     return generate_latest(_registry(lambda: stats, labels, prefix)).decode()
 
 
+def _temp_file_beside(path: str) -> tuple[int, str]:
+    """A new file in ``path``'s directory, created with mode 0666 less the umask (the
+    mode ``open(path, "w")`` would give a new file; ``mkstemp`` makes 0600)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    for _ in range(100):
+        tmp = os.path.join(os.path.dirname(path), f".hisparse-metrics-{secrets.token_hex(6)}")
+        try:
+            return os.open(tmp, flags, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary name beside {path!r} after 100 tries")
+
+
 def write_metrics_file(path: str | os.PathLike, stats: Mapping[str, Any], *,
                        labels: Mapping[str, str] | None = None) -> None:
     """Write :func:`prometheus_text` to ``path`` atomically (a reader never sees half).
 
     A symlink at ``path`` is followed: its target is replaced and the link kept. A
-    path that exists and is not a regular file (a device, a FIFO) is a ValueError."""
+    path that exists and is not a regular file (a device, a FIFO) is a ValueError.
+    The file keeps its mode and, where this user may set it, its group; a new one
+    gets the umask's mode, as any file the process creates (a textfile collector
+    running as another user must be able to read it)."""
     text = prometheus_text(stats, labels=labels)
     p = os.path.realpath(os.fspath(path))
     if os.path.exists(p) and not os.path.isfile(p):
         raise ValueError(f"metrics file {os.fspath(path)!r} exists and is not a regular file; the "
                          "atomic write would replace it")
-    fd, tmp = tempfile.mkstemp(prefix=".hisparse-metrics-", dir=os.path.dirname(p))
+    try:
+        old = os.stat(p)
+    except FileNotFoundError:
+        old = None
+    fd, tmp = _temp_file_beside(p)
     try:
         with os.fdopen(fd, "w") as f:
+            if old is not None:
+                if old.st_gid != os.fstat(fd).st_gid:
+                    try:
+                        os.fchown(fd, -1, old.st_gid)
+                    except PermissionError:  # not a member of that group: the mode still applies
+                        pass
+                os.fchmod(fd, stat.S_IMODE(old.st_mode))
             f.write(text)
         os.replace(tmp, p)
     except BaseException:

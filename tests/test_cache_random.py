@@ -10,13 +10,16 @@ appended, and every physical index of the result.
 import random
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
-from hisparse import HiSparseConfig
-from hisparse.cache.cache import HiSparseCache
+pytest.importorskip("hypothesis")  # the [test] extra: without it this module is skipped
 
-from invariants import TraceRunner, long_trace
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from hisparse import HiSparseConfig  # noqa: E402
+from hisparse.cache.cache import HiSparseCache  # noqa: E402
+
+from invariants import TraceRunner, long_trace  # noqa: E402
 
 CONFIGS = {
     # two layers, multi-token decode, 2-token blocks

@@ -8,6 +8,7 @@ fails the test if it is reached.
 """
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -22,6 +23,7 @@ from hisparse import HiSparseCache
 from hisparse.tools import cli, preflight
 from hisparse.tools.cli import main
 from hisparse.tools.mini_engine import loop as me_loop
+from hisparse.tools.outputs import Outputs
 from hisparse.tools.traces import TraceRecorder
 
 STRESS_TINY = ["--requests", "2", "--context", "200", "--layers", "1", "--top-k", "8",
@@ -29,6 +31,8 @@ STRESS_TINY = ["--requests", "2", "--context", "200", "--layers", "1", "--top-k"
 
 
 ME_TINY = ["--requests", "2", "--max-prompt", "24", "--max-decode", "3"]
+NEEDS_MATPLOTLIB = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
+                                      reason="needs matplotlib (the [tools] extra)")
 
 
 def _json(capsys, argv, rc=0):
@@ -92,6 +96,15 @@ def test_stress_json_fields(capsys):
     assert [d["layer"] for d in r["per_layer"]] == [0]
     assert len(r["per_step"]["hit_rate"]) == 6
     assert r["config"]["top_k"] == 8 and r["config"]["device_buffer_size"] == 16
+
+
+def test_stress_result_records_unchecked_and_context_min(capsys):
+    r = _json(capsys, ["stress", "--json", "--unchecked", "--context-min", "120"] + STRESS_TINY)
+    assert r["options"]["checked"] is False and r["options"]["context_min"] == 120
+    assert r["workload"]["checked"] is False and r["workload"]["context_min"] == 120
+    assert main(["stress", "--unchecked", "--context-min", "120"] + STRESS_TINY) == 0
+    text = capsys.readouterr().out
+    assert "context=120..200" in text and "resolve=unchecked" in text, text
 
 
 def test_stress_prefetch_flag(capsys):
@@ -497,10 +510,11 @@ def test_pipe_with_a_reader_is_accepted_and_a_fifo_without_one_is_not(tmp_path):
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     with pytest.raises(ValueError, match="FIFO that cannot be written"):  # no reader: refused, no hang
-        preflight.check_output_file(fifo, flag="--out")
+        Outputs().file(fifo, flag="--out")
     rfd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # `--out /dev/stdout | jq`: a reader waits
     try:
-        assert preflight.check_output_file(fifo, flag="--out") == str(fifo)
+        with Outputs() as outs:
+            assert outs.file(fifo, flag="--out") == str(fifo)
     finally:
         os.close(rfd)
 
@@ -512,8 +526,10 @@ def test_metrics_file_symlink_is_checked_at_its_target(capsys, tmp_path, monkeyp
     _fails(capsys, ["stress", "--metrics-file", str(link)] + STRESS_TINY, 2, "(of its target) does not exist")
 
 
-@pytest.mark.parametrize("argv, name", [(["stress", "--steps", "2", "--quiet"], "hit_rate.png"),
-                                        (["whatif", "--quiet"], "whatif.png")])
+@pytest.mark.parametrize("argv, name", [
+    (["stress", "--steps", "2", "--quiet"], "hit_rate.png"),  # stress checks paths before matplotlib
+    pytest.param(["whatif", "--quiet"], "whatif.png", marks=NEEDS_MATPLOTLIB),  # whatif the other way
+])
 def test_plot_dir_holding_a_directory_named_like_a_plot_is_refused_up_front(capsys, tmp_path, argv, name):
     (tmp_path / name).mkdir()
     _fails(capsys, argv + ["--plot", str(tmp_path)], 2, f"{name} exists there and is not a regular file")

@@ -11,7 +11,6 @@ import random
 
 import pytest
 import torch
-from hypothesis import given, settings, strategies as st
 
 from hisparse.cache.resolve_ref import copy_rows_reference, resolve_reference
 from hisparse.cache.resolve_triton import resolve_triton
@@ -405,18 +404,6 @@ def test_scrambled_lru_states_pick_the_reference_victims(seed):
         assert_same(ref, tri, oa, ob, msg=f"seed {seed} step {i}")
     s_ = tri.stats.sum(0)
     assert s_[STAT_MISSES].item() > 0 and s_[STAT_HITS].item() > 0  # victims were chosen
-
-
-@settings(max_examples=10, deadline=None)
-@given(seed=st.integers(0, 10**6), q=st.sampled_from([1, 2, 4]), K=st.integers(1, 6),
-       extra=st.integers(0, 5), B=st.integers(1, 5), compact=st.booleans())
-def test_random_traces(seed, q, K, extra, B, compact):
-    S = q * K + extra
-    cfg = small_cfg(K=K, q=q, S=S, B=B, L=1, R=4)
-    rng = random.Random(seed)
-    ids = rng.sample(range(1, 16), 3)
-    seqs = {i: rng.choice([0, 1, S - 1 if S > 1 else 1, S, S + 1, rng.randrange(1, 60)]) for i in ids}
-    run_trace(cfg, seqs, steps=3, seed=seed, compact=compact, holes=rng.choice([0.0, 0.5]))
 
 
 def test_empty_batch_changes_nothing():

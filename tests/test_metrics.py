@@ -146,6 +146,35 @@ def test_write_metrics_file_atomic(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["hisparse.prom"]  # no temporary file left
 
 
+@pytest.fixture
+def umask_022():
+    old = os.umask(0o022)
+    yield
+    os.umask(old)
+
+
+def test_write_metrics_file_keeps_the_umask_and_an_existing_mode(tmp_path, umask_022):
+    """A textfile collector runs as another user: the rewrite must stay readable to it.
+    The temporary file was created 0600 and renamed over, whatever the umask or the
+    file's own mode."""
+    new = tmp_path / "new.prom"
+    M.write_metrics_file(new, STATS)
+    assert new.stat().st_mode & 0o777 == 0o644  # 0666 less the umask, as open() creates files
+    shared = tmp_path / "shared.prom"
+    shared.write_text("")
+    shared.chmod(0o640)
+    M.write_metrics_file(shared, STATS)
+    M.write_metrics_file(shared, STATS)
+    assert shared.stat().st_mode & 0o777 == 0o640 and shared.read_text() == M.prometheus_text(STATS)
+    target = tmp_path / "target.prom"  # through a symlink: the target's mode
+    target.write_text("")
+    target.chmod(0o604)
+    (tmp_path / "link.prom").symlink_to(target)
+    M.write_metrics_file(tmp_path / "link.prom", STATS)
+    assert target.stat().st_mode & 0o777 == 0o604
+    assert sorted(os.listdir(tmp_path)) == ["link.prom", "new.prom", "shared.prom", "target.prom"]
+
+
 def test_write_metrics_file_keeps_a_symlink_and_refuses_a_fifo(tmp_path):
     target = tmp_path / "real.prom"
     target.write_text("old")

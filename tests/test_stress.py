@@ -3,6 +3,9 @@
 CPU runs are tiny; the GPU-marked tests at the end run a large size on the H200.
 """
 
+import dataclasses
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -226,6 +229,28 @@ def test_small_run_passes_and_optimum_bounds_lru():
     assert r["workload"]["joined"] > 3 and r["workload"]["left"] > 0  # churn happened
     assert len(r["per_step"]["step_ms"]) == 10
     assert "RESULT: PASS" in format_stress(r)
+
+
+def test_the_result_records_every_option_that_shapes_the_run():
+    """Two runs that differ in any option (--unchecked and --context-min among them) are
+    told apart by their result: JSON and text."""
+    o = StressOptions(**{**TINY, "context_min": 100, "checked": False, "optimal": False,
+                         "prefill_chunk": 64, "steps": 3, "verify": "all", "kernels": "torch"})
+    r = run_stress(o)
+    assert r["ok"]
+    fields = {f.name for f in dataclasses.fields(StressOptions)} - {"progress"}  # progress: output only
+    assert set(r["options"]) == fields
+    assert StressOptions(**r["options"], progress=False) == o  # the run can be repeated from its result
+    json.dumps(r["options"])  # and it is plain JSON
+    w = r["workload"]
+    assert w["context_min"] == 100 and w["checked"] is False
+    text = format_stress(r)
+    for part in ("context=100..300", "resolve=unchecked", "verify=all", "prefill_chunk=64",
+                 "belady=off", f"seed={o.seed}", f"churn={o.churn}"):
+        assert part in text, (part, text)
+    default = run_stress(StressOptions(**{**TINY, "steps": 3}))
+    assert default["workload"]["context_min"] == TINY["context"] // 2 and default["workload"]["checked"]
+    assert "resolve=checked" in format_stress(default) and "belady=on" in format_stress(default)
 
 
 def test_context_that_fits_never_misses():

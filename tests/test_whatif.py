@@ -417,12 +417,16 @@ def test_cli_malformed_trace_file_exit_2(tmp_path, capsys):
     assert "bad.npz" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
-def test_cli_plot_checks_before_work(tmp_path, capsys, monkeypatch):
+def test_cli_plot_dir_checked_before_work(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("matplotlib")  # whatif asks for matplotlib (exit 4) before it looks at the path
+    monkeypatch.setattr(W, "run_whatif", lambda o: pytest.fail("ran before checking --plot"))
     blocker = tmp_path / "file"
     blocker.write_text("x")
     assert main(["whatif", "--plot", str(blocker / "sub")] + SMALL) == 2
     assert "is not a directory" in capsys.readouterr().err
 
+
+def test_cli_plot_without_matplotlib_is_refused_before_work(tmp_path, capsys, monkeypatch):
     def missing():
         raise W.PlotUnavailable("--plot needs matplotlib")
 

@@ -51,7 +51,7 @@ import dataclasses
 import json
 import math
 import os
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 import triton
@@ -304,10 +304,15 @@ def _check_memory(o: AutotuneOptions, cfg: HiSparseConfig, device: torch.device)
                  hint="lower --gpu-memory / --host-memory / --max-reqs or --context")
 
 
-def save_result(r: dict[str, Any], path: str | os.PathLike) -> None:
-    """Write an autotune result as JSON (``load_tuned_config`` reads it)."""
-    with open(path, "w") as f:
-        json.dump(r, f, indent=2, sort_keys=True)
+def save_result(r: dict[str, Any], path: str | os.PathLike | BinaryIO) -> None:
+    """Write an autotune result as JSON (``load_tuned_config`` reads it) to ``path`` or
+    into an open binary file."""
+    data = json.dumps(r, indent=2, sort_keys=True).encode()
+    if hasattr(path, "write"):
+        path.write(data)
+        return
+    with open(path, "wb") as f:
+        f.write(data)
 
 
 def load_tuned_config(path: str | os.PathLike, *, expect_gpu: str | None = None) -> HiSparseConfig:

@@ -34,7 +34,8 @@ from .env import collect_env, format_env
 from .exit_codes import (EXIT_FAILED, EXIT_INPUT, EXIT_OK, MissingDependency, OneLineParser, flag_names,
                          run_command, writing)
 from .plan import FORMULAS, PlanInputs, fmt_bytes, format_plan, parse_bytes, parse_count, parse_tokens, plan
-from .preflight import check_output_dir, check_output_file, parse_device, path_arg
+from .outputs import Outputs
+from .preflight import parse_device, path_arg
 from .report import plot_stress, require_matplotlib
 from .stress import StressOptions, StressRun
 from .stress_report import format_stress
@@ -192,18 +193,21 @@ def _stress_options(args) -> StressOptions:
 
 def _cmd_stress(args) -> int:
     flag_rules.check_stress(args)
+    with Outputs() as outs:
+        return _stress(args, outs)
+
+
+def _stress(args, outs: Outputs) -> int:
     # outputs and optional dependencies first: nothing runs before they are known good
-    if args.record:
-        check_output_file(args.record, flag="--record")
+    outs.file(args.record, flag="--record")
+    outs.directory(args.plot, flag="--plot", files=("hit_rate.png", "step_time.png"))
+    outs.file(args.metrics_file, flag="--metrics-file", replace=True)
     if args.plot:
-        check_output_dir(args.plot, flag="--plot", files=("hit_rate.png", "step_time.png"))
         require_matplotlib()
-    if args.metrics_file:
-        check_output_file(args.metrics_file, flag="--metrics-file", regular=True)
     if args.metrics_port is not None and not prom.prometheus_client_available():
         raise MissingDependency("--metrics-port needs prometheus_client, which is not installed "
                                 "(`pip install prometheus_client`); or use --metrics-file")
-    run = StressRun(_stress_options(args))  # device, kernels, trace file, config, memory
+    run = StressRun(_stress_options(args), outputs=outs)  # device, kernels, trace file, config, memory
     latest: dict[str, Any] = {}
     server = None
     if args.metrics_port is not None:
@@ -286,8 +290,12 @@ def _add_autotune(sub) -> None:
 
 def _cmd_autotune(args) -> int:
     flag_rules.check_autotune(args)
-    if args.out:
-        check_output_file(args.out, flag="--out")
+    with Outputs() as outs:
+        return _autotune(args, outs)
+
+
+def _autotune(args, outs: Outputs) -> int:
+    outs.file(args.out, flag="--out")
     o = AutotuneOptions(
         num_layers=args.num_layers, row_format=args.row_format, top_k=args.top_k,
         buffer_size=args.buffer_size, context=args.context, max_query_len=args.max_query_len,
@@ -299,8 +307,8 @@ def _cmd_autotune(args) -> int:
         flashmla_lib=args.flashmla_lib or os.environ.get("HISPARSE_FLASHMLA_LIB") or None)
     r = run_autotune(o)
     if args.out:
-        with writing("--out", args.out):
-            save_result(r, args.out)
+        with writing("--out", args.out), outs.open(args.out) as fh:
+            save_result(r, fh)
     text = format_autotune(r) + (f"\nwrote {args.out}" if args.out else "")
     _emit(args, r, text)
     return EXIT_OK

@@ -12,7 +12,9 @@ is allocated or computed:
   saying so.
 - :func:`check_output_file` / :func:`check_output_dir`: the path can be written
   (probed with a temporary file that is removed again; an existing file is opened
-  for appending and left unchanged).
+  for appending and left unchanged). A command checks its outputs through
+  :class:`hisparse.tools.outputs.Outputs`, which adds what concerns them together
+  (distinct paths, a FIFO's reader).
 - :func:`path_arg`: the argparse type of every path flag; an empty string (``--out ""``,
   which the tools would otherwise read as "not given") is an error, exit 2.
 - :func:`check_memory`: the bytes a run will allocate, part by part, against
@@ -102,9 +104,11 @@ def path_arg(value: str) -> str:
 def check_output_file(path: str | os.PathLike, *, flag: str, regular: bool = False) -> str:
     """``path`` (a file to be written at the end of a run) can be written; returns it.
 
-    A socket there is refused, and a FIFO unless it has a reader (opening one without
-    would block); a device such as /dev/null is accepted. With ``regular`` (a file
-    replaced atomically, next to a symlink's target) only a regular file or none is."""
+    A socket there is refused; a device such as /dev/null and a FIFO this user may
+    write are accepted. A FIFO is not opened here: whether it has a reader is checked by
+    :meth:`hisparse.tools.outputs.Outputs.file`, which keeps the handle it opens. With
+    ``regular`` (a file replaced atomically, next to a symlink's target) only a regular
+    file or none is."""
     p = os.path.abspath(os.fspath(path))
     if os.path.isdir(p):
         raise ValueError(f"{flag} {str(path)!r} is a directory; give a file path")
@@ -120,12 +124,9 @@ def check_output_file(path: str | os.PathLike, *, flag: str, regular: bool = Fal
         mode = os.stat(p).st_mode
         if regular or stat.S_ISSOCK(mode):
             raise ValueError(f"{flag} {str(path)!r} exists and is not a regular file; give a file path")
-        if stat.S_ISFIFO(mode):  # a pipe with a reader (`--out /dev/stdout | jq`) is fine
-            try:
-                os.close(os.open(p, os.O_WRONLY | os.O_NONBLOCK))
-            except OSError as e:
-                raise ValueError(f"{flag} {str(path)!r} is a FIFO that cannot be written now "
-                                 f"({e.strerror or e}: no reader?); give a file path") from None
+        if stat.S_ISFIFO(mode):  # not opened here: closing it again would end its reader's input
+            if not os.access(p, os.W_OK):
+                raise ValueError(f"{flag} {str(path)!r} is a FIFO this user cannot write; give a file path")
             return os.fspath(path)
     if regular:  # the rename needs the directory writable, not the file
         _probe_dir(parent, flag, str(path))

@@ -29,8 +29,11 @@ Result (``run_stress`` / ``hisparse stress --json``), a dict:
   timings_are        "GPU (CUDA-synchronised)", "CPU (torch reference path)" or
                      "CPU (Triton interpreter)"
   config             the HiSparseConfig as a dict
+  options            the StressOptions, every field but progress (which changes only
+                     what is printed): StressOptions(**options) repeats the run
   workload           trace, drift, replay, steps_run, steps_planned, requests, context,
-                     churn, joined, left, verify, seed, record
+                     context_min (the one used), churn, joined, left, verify, seed,
+                     checked, prefill_chunk, record
   overall            hits, misses, hit_rate, optimal_hit_rate (Belady, None with
                      optimal=False), bytes_h2d, h2d_GBps (over resolve + staging time),
                      step_ms_min/p50/p99, append_ms_p50, resolve_ms_p50, prefill_rows,
@@ -65,7 +68,8 @@ from ..config import HiSparseConfig, RowFormat
 from .autotune import gpu_bytes
 from .belady import OptimalTracker, hit_rate
 from .exit_codes import writing
-from .preflight import check_memory, check_output_file, parse_device, require_kernels
+from .outputs import Outputs
+from .preflight import check_memory, parse_device, require_kernels
 from .progress import Progress
 from .sources import (WORKINGSET_DRIFT, WORKINGSET_RECENT, WORKINGSET_SINKS, CorrelatedSource, IndexerSource,
                       UniformSource, WorkingSetSource, workingset_state_bytes)
@@ -227,14 +231,16 @@ class StressRun:
     the device and kernels (:mod:`hisparse.tools.preflight`), the trace file, the cache
     config (int32 limits), and the memory the run will allocate (:meth:`memory_needed`
     against what the machine has: a ``CapacityError`` naming the bytes when it can't fit).
+    ``outputs``: the command's :class:`~hisparse.tools.outputs.Outputs`, where ``o.record``
+    is checked (a FIFO's handle is kept there until the trace is written through it).
     """
 
-    def __init__(self, o: StressOptions) -> None:
+    def __init__(self, o: StressOptions, *, outputs: Outputs | None = None) -> None:
         self.o = o
         self.dev = parse_device(o.device)
         self.kernels = require_kernels(o.kernels, self.dev)
-        if o.record:
-            check_output_file(o.record, flag="--record")
+        self.outputs = outputs if outputs is not None else Outputs()
+        self.outputs.file(o.record, flag="--record")
         self.replay = ReplaySource(o.replay, device=self.dev) if o.trace == "replay" else None
         if self.replay is not None:
             L, K = self.replay.num_layers, self.replay.top_k
@@ -492,8 +498,8 @@ class StressRun:
                 if failures:
                     break
         if recorder:
-            with writing("--record", o.record):
-                recorder.save(o.record)
+            with writing("--record", o.record), self.outputs.open(o.record) as fh:
+                recorder.save(fh)
         res = self._summary(stats, tracker, done, step_ms, append_ms, step_hits[:, :done],
                             step_miss[:, :done], resolve_s, prefill_s, prefill_rows, verified,
                             joined, left, failures)
@@ -539,14 +545,16 @@ class StressRun:
                             "CPU (Triton interpreter)" if stats["kernels"] == "triton" else
                             "CPU (torch reference path)"),
             "config": self.cfg.to_dict(),
+            "options": {f.name: getattr(o, f.name) for f in dataclasses.fields(o) if f.name != "progress"},
             "workload": {"trace": o.trace,
                          "drift": o.drift_used if o.trace in ("correlated", "indexer", "workingset") else None,
                          "replay": o.replay, "steps_run": done, "steps_planned": self.steps,
                          "requests": o.num_requests if self.replay is None else None,
                          "context": o.context if self.replay is None else None,
+                         "context_min": self.schedule.cmin if self.replay is None else None,
                          "churn": o.churn if self.replay is None else None,
                          "joined": joined, "left": left, "verify": o.verify, "seed": o.seed,
-                         "record": o.record},
+                         "checked": o.checked, "prefill_chunk": o.prefill_chunk, "record": o.record},
             "overall": {
                 "hits": H, "misses": M, "hit_rate": hit_rate(H, M),
                 "optimal_hit_rate": hit_rate(opt["hits"], opt["misses"]) if opt else None,

@@ -8,6 +8,23 @@ from .plan import fmt_bytes
 from .report import table
 
 
+def _run_line(o: dict[str, Any], w: dict[str, Any]) -> str:
+    """The options that shape the run and are not on the line above, as key=value."""
+    if o["replay"]:
+        parts = [f"replay={o['replay']}"]
+    else:
+        parts = [f"requests={w['requests']}", f"context={w['context_min']}..{w['context']}",
+                 f"churn={w['churn']}"]
+        if w["drift"] is not None:
+            parts.append(f"drift={w['drift']}")
+    parts += [f"seed={o['seed']}", f"verify={o['verify']}", f"resolve={'checked' if o['checked'] else 'unchecked'}",
+              f"block_size={o['block_size']}", f"prefill_chunk={o['prefill_chunk']}",
+              f"belady={'on' if o['optimal'] else 'off'}", f"prefetch={'on' if o['prefetch'] else 'off'}"]
+    if o["record"]:
+        parts.append(f"record={o['record']}")
+    return " ".join(parts)
+
+
 def format_stress(r: dict[str, Any]) -> str:
     """Readable summary table of a :func:`run_stress` result."""
     c, w, ov = r["config"], r["workload"], r["overall"]
@@ -15,7 +32,8 @@ def format_stress(r: dict[str, Any]) -> str:
     head = (f"hisparse stress on {r['device']} (kernels: {r['kernels']}; timings: {r['timings_are']})\n"
             f"L={c['num_layers']} row_bytes={c['row_bytes']} top_k={c['top_k']} "
             f"S={c['device_buffer_size']} max_reqs={c['max_num_reqs']} trace={w['trace']} "
-            f"steps={w['steps_run']}/{w['steps_planned']} joined={w['joined']} left={w['left']}")
+            f"steps={w['steps_run']}/{w['steps_planned']} joined={w['joined']} left={w['left']}\n"
+            + _run_line(r["options"], w))
     pf = "prefetch" in r
     rows = [[d["layer"], d["hits"], d["misses"], f"{d['hit_rate']:.4f}", opt(d["optimal_hit_rate"]),
              fmt_bytes(d["bytes_h2d"]), f"{d['h2d_GBps']:.3f}"] + ([d["prefetch_rows"]] if pf else [])

@@ -10,7 +10,8 @@ model (``hisparse mini-engine --record FILE`` writes the top-k its indexer selec
 every decode step; ``hisparse stress --replay FILE`` drives the cache with it).
 
 Trace file format (a ``.npz`` archive, ``np.savez_compressed``, written to exactly the
-path given; write with :class:`TraceRecorder`, read with :func:`load_trace`):
+path given, front to back as a zip stream so that a pipe or ``/dev/null`` takes it too;
+write with :class:`TraceRecorder`, read with :func:`load_trace`):
 
   ===============  =================  =============================================
   key              dtype / shape      meaning
@@ -41,9 +42,11 @@ by more than one appends all the missing rows in that step.
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import zipfile
+from typing import BinaryIO
 
 import numpy as np
 import torch
@@ -55,6 +58,30 @@ TRACE_VERSION = 1
 _INT32_MAX = 2**31 - 1
 _ZIP_MAGIC = b"PK\x03\x04"
 _NPY_MAGIC = b"\x93NUMPY"
+
+
+class _FrontToBack:
+    """A binary file seen as a stream that cannot seek or tell.
+
+    ``zipfile`` then writes each member's sizes after its data instead of seeking back
+    to its header, so the archive goes out front to back. A file that only pretends
+    to seek breaks the seeking way: ``/dev/null`` reports position 0 after any write,
+    from which zipfile computed a negative directory size (``struct.error``)."""
+
+    def __init__(self, fh: BinaryIO) -> None:
+        self._fh = fh
+
+    def write(self, data) -> int:
+        return self._fh.write(data)
+
+    def flush(self) -> None:
+        self._fh.flush()
+
+    def tell(self) -> int:
+        raise io.UnsupportedOperation("written front to back")
+
+    def read(self, *_):  # numpy takes an object without read() for a file name
+        raise io.UnsupportedOperation("write-only")
 
 
 @dataclasses.dataclass
@@ -111,8 +138,16 @@ class TraceRecorder:
                     total[l] += vb.size
         return [s / t if t else None for s, t in zip(shared, total)]
 
-    def save(self, path: str | os.PathLike) -> None:
-        """Write the trace file to ``path`` (exactly that name; no suffix is added)."""
+    def save(self, path: str | os.PathLike | BinaryIO) -> None:
+        """Write the trace file to ``path`` (exactly that name; no suffix is added), or
+        into an open binary file. Written front to back, never seeking."""
+        if hasattr(path, "write"):
+            self._write(path)
+            return
+        with open(path, "wb") as fh:
+            self._write(fh)
+
+    def _write(self, fh: BinaryIO) -> None:
         L, K = self.num_layers, self.top_k
         offs, tks = [0], []
         for s, (r, _, layers) in enumerate(self._steps):
@@ -124,14 +159,14 @@ class TraceRecorder:
         meta = {"format": TRACE_FORMAT, "version": TRACE_VERSION, "num_layers": L,
                 "top_k": K, "num_steps": len(self._steps)}
         cat = np.concatenate
-        with open(path, "wb") as fh:
-            np.savez_compressed(
-                fh, meta=np.array(json.dumps(meta)),
-                step_offsets=np.asarray(offs, dtype=np.int64),
-                req_ids=cat([r for r, _, _ in self._steps]) if self._steps else np.zeros(0, np.int64),
-                seq_lens=cat([s for _, s, _ in self._steps]) if self._steps else np.zeros(0, np.int64),
-                topk=cat(tks).astype(np.int32) if tks else np.zeros((0, L, K), np.int32),
-            )
+        np.savez_compressed(
+            _FrontToBack(fh), meta=np.array(json.dumps(meta)),
+            step_offsets=np.asarray(offs, dtype=np.int64),
+            req_ids=cat([r for r, _, _ in self._steps]) if self._steps else np.zeros(0, np.int64),
+            seq_lens=cat([s for _, s, _ in self._steps]) if self._steps else np.zeros(0, np.int64),
+            topk=cat(tks).astype(np.int32) if tks else np.zeros((0, L, K), np.int32),
+        )
+        fh.flush()
 
 
 _KEYS = ("meta", "step_offsets", "req_ids", "seq_lens", "topk")

@@ -21,7 +21,8 @@ from ..._checks import Kernels
 from ...decode.layer import Overlap
 from ..exit_codes import EXIT_FAILED, EXIT_OK, OneLineParser, flag_names, run_command, writing
 from ..flag_rules import check_mini_engine
-from ..preflight import check_output_file, path_arg
+from ..outputs import Outputs
+from ..preflight import path_arg
 from .config import PRESETS, MiniEngineConfig
 from .ffn import FFN_ROUTINGS, FFNKind
 from .loop import run
@@ -197,19 +198,24 @@ def _progress(args: argparse.Namespace) -> bool:
 
 def run_args(args: argparse.Namespace) -> int:
     """Run from parsed arguments; prints the report; exit status 1 when outputs differ."""
-    if args.out:
-        check_output_file(args.out, flag="--out")
+    with Outputs() as outs:
+        return _run(args, outs)
+
+
+def _run(args: argparse.Namespace, outs: Outputs) -> int:
+    outs.file(args.out, flag="--out")
+    outs.file(args.record, flag="--record")
     notes = list(getattr(args, "notes", None) or [])
     cfg = config_from_args(args, notes)
     check_mini_engine(args, cfg)
     progress = _progress(args)
     for note in notes:
         print(f"hisparse mini-engine: note: {note}", file=sys.stderr)
-    res = run(cfg, progress=progress, record=args.record)
+    res = run(cfg, progress=progress, record=args.record, outputs=outs)
     print(json.dumps(res, indent=2) if args.json else format_report(res))
     if args.out:
-        with writing("--out", args.out), open(args.out, "w") as fh:
-            json.dump(res, fh, indent=2)
+        with writing("--out", args.out), outs.open(args.out) as fh:
+            fh.write(json.dumps(res, indent=2).encode())
     return EXIT_OK if res["compare"]["within_tolerance"] else EXIT_FAILED
 
 

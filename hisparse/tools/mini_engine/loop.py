@@ -32,7 +32,8 @@ from ...engine.metadata import device_ints
 from ...formats import D_LATENT, D_ROW
 from ..._checks import check_int
 from ..exit_codes import writing
-from ..preflight import check_memory, check_output_file, parse_device, require_kernels
+from ..outputs import Outputs
+from ..preflight import check_memory, parse_device, require_kernels
 from ..traces import TraceRecorder
 from .config import MiniEngineConfig, Request, make_workload, memory_needed
 from .graphs import DecodeGraphs, DecodeMode, StaticInputs, bucket_for
@@ -505,13 +506,14 @@ def summarize(res: dict) -> dict:
 
 
 def run(cfg: MiniEngineConfig, *, progress: bool = False, record: str | None = None,
-        decode_mode: DecodeMode | None = None) -> dict:
+        decode_mode: DecodeMode | None = None, outputs: Outputs | None = None) -> dict:
     """Run the workload resident then hisparse; return the comparison and timings (no tensors).
 
     ``record``: write the decode steps' top-k (this model's real indexer) to a trace file
     in the format of ``hisparse.tools.traces``, which ``hisparse stress --replay`` drives
     the cache with. Needs query_len 1 (one trace entry per request and step).
-    ``decode_mode``: see :class:`MiniEngine`. :func:`preflight` runs first.
+    ``decode_mode``: see :class:`MiniEngine`. :func:`preflight` runs first. ``outputs``:
+    the command's :class:`~hisparse.tools.outputs.Outputs`, where ``record`` is checked.
     """
     preflight(cfg)
     recorder = None
@@ -522,7 +524,8 @@ def run(cfg: MiniEngineConfig, *, progress: bool = False, record: str | None = N
         if cfg.graphs or cfg.layer_graphs or decode_mode not in (None, DecodeMode.EAGER):
             raise ValueError("--record reads every decode step's top-k on the host; it cannot run with --graphs "
                              "or --layer-graphs (their decode steps run the padded forward)")
-        check_output_file(record, flag="--record")
+        outputs = outputs if outputs is not None else Outputs()
+        outputs.file(record, flag="--record")
         recorder = TraceRecorder(num_layers=cfg.num_layers, top_k=cfg.top_k)
     results = {kind: run_engine(cfg, kind, progress=progress, decode_mode=decode_mode,
                                 recorder=recorder if kind == "resident" else None)  # same selections in both
@@ -530,8 +533,8 @@ def run(cfg: MiniEngineConfig, *, progress: bool = False, record: str | None = N
     cmp = compare(cfg, results["resident"], results["hisparse"])
     out = {"config": dataclasses.asdict(cfg), "compare": cmp}
     if recorder is not None:
-        with writing("--record", record):
-            recorder.save(record)
+        with writing("--record", record), outputs.open(record) as fh:
+            recorder.save(fh)
         out["trace"] = {"path": str(record), "decode_steps": recorder.num_steps}
     for kind, res in results.items():
         out[kind] = summarize(res)
