@@ -57,7 +57,7 @@ def fake_me_run(monkeypatch):
     that passes (no engine runs, no device is touched)."""
     seen = {}
 
-    def run(cfg, *, progress=False, record=None):
+    def run(cfg, *, progress=False, record=None, outputs=None):
         seen.update(cfg=cfg, progress=progress, record=record)
         return {"compare": {"within_tolerance": True}}
 
