@@ -146,7 +146,7 @@ def test_graphs_accept_prefetch():  # capture and replay: tests/test_mini_engine
 
 def test_cli_index_share(capsys):
     assert me.main(["--index-share", "0"]) == 2
-    assert "index_share" in capsys.readouterr().err
+    assert "--index-share must be >= 1" in capsys.readouterr().err
     assert me.main(["--index-share", "2", "--layers", "4", "--prefetch", "--requests", "2",
                     "--max-decode", "3"]) == 0
     out = capsys.readouterr().out

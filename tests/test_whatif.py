@@ -377,7 +377,7 @@ def test_cli_replay_of_a_recorded_file(tmp_path, capsys):
     (["--trace", "uniform", "--persistence", "0.5"], "does not apply"),
     (["--replay", "x.npz", "--requests", "3"], "generated traces"),
     (["--persistence", "1.5"], "persistence"),
-    (["--row-bytes", "0"], "row_bytes"),
+    (["--row-bytes", "0"], "--row-bytes must be >= 1"),
     (["--threads", "0"], "threads"),
     (["--threads", "100000"], "threads=100000 is out of range"),  # torch would crash the process
     (["--steps", "20"], "nothing to count"),  # the preset's 20 warm-up steps
