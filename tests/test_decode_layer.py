@@ -306,16 +306,22 @@ def test_begin_asks_the_backend_before_the_resolve(kernels):
     check_cache(c)
 
 
-def test_engine_begin_refused_by_the_backend_leaves_the_layer_to_resolve():
-    """begin_decode_attention with a head count the backend refuses raises before the
-    resolve (nothing changed, no resolve counted), so the layer can still be attended in
-    that forward; converting a begun (or attended) layer names the call that resolved it."""
+def _split_against_a_twin():
+    """(q, backend, top-k, a split decode_attention's (out, lse) of layer 0 on a twin
+    engine, a fresh engine, its metadata, a snapshot of its cache)."""
     q, be = qs(1, 2), ReferenceBackend()
     tk = torch.tensor([[20, 15, 3, 9]], dtype=I32)
     g1, md1, _ = _engine()
     ref = g1.decode_attention(0, q, tk, md1, backend=be, sm_scale=SM, overlap="split")
     g, md, _ = _engine()
-    before = snapshot(g.hisparse_cache)
+    return q, be, tk, ref, g, md, snapshot(g.hisparse_cache)
+
+
+def test_engine_begin_refused_by_the_backend_leaves_the_layer_to_resolve():
+    """begin_decode_attention with a head count the backend refuses raises before the
+    resolve (nothing changed, no resolve counted), so the layer can still be attended in
+    that forward; converting a begun (or attended) layer names the call that resolved it."""
+    q, be, tk, ref, g, md, before = _split_against_a_twin()
     with pytest.raises(ValueError, match="heads are not supported"):
         g.begin_decode_attention(0, tk, md, backend=_RefusesHeads(), num_heads=H)
     assert_same(before, snapshot(g.hisparse_cache))
@@ -334,19 +340,14 @@ def test_engine_begin_refused_by_the_backend_leaves_the_layer_to_resolve():
 def test_engine_finishes_a_begun_layer_given_the_overlap_enum():
     """decode_attention takes ``Overlap.SPLIT`` as it takes "split", begun or not; an
     unknown mode is refused before anything changes."""
-    q, be = qs(1, 2), ReferenceBackend()
-    tk = torch.tensor([[20, 15, 3, 9]], dtype=I32)
-    g1, md1, _ = _engine()
-    ref = g1.decode_attention(0, q, tk, md1, backend=be, sm_scale=SM, overlap="split")
-    g, md, _ = _engine()
-    before = snapshot(g.hisparse_cache)
+    q, be, tk, ref, g, md, before = _split_against_a_twin()
     with pytest.raises(ValueError, match="overlap"):
         g.decode_attention(0, q, tk, md, backend=be, sm_scale=SM, overlap="sideways")
     assert_same(before, snapshot(g.hisparse_cache))
     g.begin_decode_attention(0, tk, md, backend=be, num_heads=H)
     out = g.decode_attention(0, q, tk, md, backend=be, sm_scale=SM, overlap=Overlap.SPLIT)
     assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
-    out = g.decode_attention(1, q, tk, md, backend=be, sm_scale=SM, overlap=Overlap.SPLIT)
+    g.decode_attention(1, q, tk, md, backend=be, sm_scale=SM, overlap=Overlap.SPLIT)
     assert g.resolves_per_layer == [1, 1]
 
 
