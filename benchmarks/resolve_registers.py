@@ -13,8 +13,9 @@ on a CPU-only machine: no driver is needed to compile, only to launch.
 
 The launch's alignment specialisation of pointers and strides is not applied, so
 the counts can differ a little from the launched kernel's. The figures are the
-compiler's, not timings: a kernel that spills is not necessarily
-slower (BENCHMARKS.md, session 20, has cases of both). Exit status 2 when the options
+compiler's, not timings: a kernel that spills is not necessarily slower, nor one that
+does not faster (the resolve's slot scans in 2048-lane chunks spilled nothing and
+measured slower: BENCHMARKS.md, "Measured slower and removed"). Exit status 2 when the options
 are bad or Triton has no ptxas for the target, 1 when a case fails to compile.
 """
 

@@ -156,6 +156,19 @@ def test_importing_hisparse_attention_loads_no_kernel_or_optional_library():
     assert r.stdout.strip() == "[]", r.stdout
 
 
+def test_hisparse_cache_exports_load_on_first_use():
+    """``hisparse.cache`` names what its calls return; importing the package loads none
+    of its modules and no Triton (checked in a fresh interpreter)."""
+    code = ("import os, sys; os.environ.pop('TRITON_INTERPRET', None);"
+            "import hisparse.cache as c;"
+            "print(sorted(m for m in sys.modules if m.startswith('hisparse.cache.') or m == 'triton'));"
+            "from hisparse.cache import ResolveResult, SplitResult, StepPlan, WriteBatch, HostPool;"
+            "import hisparse; print(c.HiSparseCache is hisparse.HiSparseCache)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split("\n")[:2] == ["[]", "True"], r.stdout
+
+
 # ------------------------------------------------------------------ the Public API block
 def public_api_block(text: str) -> str:
     """The first python block of README's "Public API" section."""

@@ -151,9 +151,9 @@ def ws_shared_bytes(block_n: int, stages: int, raw: int) -> int:
 
 
 # The tl kernels' defaults per (row format, head block): the fastest shapes of the H200
-# sweeps (benchmarks/bench_triton_configs.py; figures in BENCHMARKS.md) among those that
-# compile for sm90 without register spills (the launcher's 16-divisibility
-# specialisation; wgmma at block_h 64).
+# sweeps (benchmarks/bench_triton_configs.py; BENCHMARKS.md, "Sparse-MLA decode kernel")
+# among those that compile for sm90 without register spills (the launcher's
+# 16-divisibility specialisation; wgmma at block_h 64).
 # - block_h 64 with 8 warps: isolate_qk gives each q . k^T dot the warp layout [4, 2]
 #   (Triton would lay it out [8, 1], both warpgroups computing the same product) and
 #   leaves enough shared memory for block_n 64 with bf16 rows too; 4 warps spill the
@@ -173,8 +173,9 @@ DEFAULT_CONFIGS: dict[tuple[RowFormat, int], TritonMLAConfig] = {
     (RowFormat.BF16, 64): TritonMLAConfig(block_h=64, block_n=64, isolate_qk=True, prefetch=1),
 }
 
-# The warp-specialised kernel's default ring (H200 sweeps, BENCHMARKS.md): 32-row blocks,
-# two bf16 slots, two raw slots (one block gathered ahead), 72 producer registers.
+# The warp-specialised kernel's default ring: 32-row blocks, two bf16 slots, two raw
+# slots (one block gathered ahead), 72 producer registers (the H200 sweeps;
+# BENCHMARKS.md, "Sparse-MLA decode kernel").
 WS_DEFAULT = dict(block_n=32, num_warps=4, num_stages=2, isolate_qk=False, prefetch=0,
                   wide=False, ws=True, ws_raw=2, ws_producer_regs=72)
 

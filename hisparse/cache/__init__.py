@@ -1,0 +1,45 @@
+"""The tiered cache: a pinned host pool plus per-(layer, request) GPU hot buffers.
+
+- ``HiSparseCache(cfg, kernels=, pin=, host_pool=)``: the coordinator (``cache``); also
+  ``hisparse.HiSparseCache``.
+- What its calls take and hand back: ``ResolveResult`` (``resolve``) and ``SplitResult``
+  (``resolve_split``) (``results``); ``ResolveBuffers`` (``prefetch``; ``state``);
+  ``WriteBatch`` (``plan_write``; ``write``); ``StepPlan`` (``prepare_step``) and
+  ``StepCapacity`` (its ``capacity=``: fixed-shape lists) (``write_step``); ``LayerView``
+  (``layer_view``: what ``hisparse.staging`` reads of a layer; defined there).
+- ``HostPool``: the pinned host pool a cache owns, or one built elsewhere and passed as
+  ``host_pool=`` (``host_pool``; ``distributed.setup_shared_pool`` builds a node-shared one).
+
+The names are imported when first used: ``import hisparse.cache`` loads none of its
+modules and no Triton (``HiSparseCache`` and ``LayerView`` load it, through the kernels).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+# exported name -> module that defines it (relative to this package)
+_EXPORTS = {
+    "HiSparseCache": ".cache",
+    "ResolveResult": ".results", "SplitResult": ".results",
+    "ResolveBuffers": ".state",
+    "WriteBatch": ".write",
+    "StepPlan": ".write_step", "StepCapacity": ".write_step",
+    "HostPool": ".host_pool",
+    "LayerView": "..staging.view",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -121,8 +121,8 @@ def _launch_sizes(S: int, K: int, max_query_len: int, *,
     # 16 warps from 4096 lanes on: the miss phase is a chain of CTA-wide reductions and
     # scans, each faster with fewer lanes per thread. The miss phase of a split resolve
     # (``miss_phase``) takes 32 there: it runs beside the hit attention, whose blocks
-    # wait for the SMs it holds, so its length is what counts; the whole resolve
-    # measured no faster at 32 (BENCHMARKS.md)
+    # wait for the SMs it holds, so its length is what counts (BENCHMARKS.md, "Resolve");
+    # the whole resolve measured slower at 32 (BENCHMARKS.md, "Measured slower and removed")
     return KB, GQ, SB, (4 if big <= 1024 else (8 if big <= 2048 else (32 if miss_phase else 16)))
 
 

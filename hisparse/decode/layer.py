@@ -47,7 +47,7 @@ from ..formats import D_LATENT, RowFormat
 # A split layer's staging copy when the hit attention would fill every SM (its one wave,
 # or more than one): 8 programs of 32 rows (8 warps) keep as many rows in flight as the
 # default's quarter of the SMs at 8 rows each, so they stage as fast, and the hit
-# attention plans its waves for the other SMs (BENCHMARKS.md, sessions 25 and 27).
+# attention plans its waves for the other SMs (BENCHMARKS.md, "One decode layer in a CUDA graph").
 SPLIT_COPY = CopyShape(programs=8, rows=32, warps=8)
 SPLIT_FREE_SMS = 4  # an attention leaving at least this many SMs free leaves the copy room
 HEADS_PER_PROGRAM = 64  # heads per unit of a persistent-grid attention's work (FlashMLA's 64-head tiles)
@@ -66,7 +66,7 @@ def split_waits_for_misses(programs: int, sms: int) -> bool:
     launch. Past one wave it should: launched beside the miss phase, its programs
     queued behind the first wave would take every SM that frees up before the copy,
     launched after the miss phase, got one, so the copy would run mostly after the
-    attention, and slower than alone (BENCHMARKS.md, session 27)."""
+    attention, and slower than alone (BENCHMARKS.md, "Measured slower and removed")."""
     return programs > sms
 
 

@@ -300,7 +300,7 @@ class HiSparseKV(KVStore):
         """The conversion. Inside a captured forward (``--graphs``) with ``wait=False``:
         the misses stage while the loop computes the query, and ``decode_attention``
         waits for them. Otherwise it waits (on the stream, not the host): eager steps
-        measured slower with the deferred wait (BENCHMARKS.md, "Session 15"), and with
+        measured slower with the deferred wait (BENCHMARKS.md, "Measured slower and removed"), and with
         layer graphs a waiting conversion is the one that replays the layer's graph."""
         deferred = capturing(self.device)
         phys = self.group.convert_decode_logical_to_physical_topk(layer, topk, batch.md, return_valid_counts=False,
