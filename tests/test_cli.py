@@ -20,11 +20,11 @@ import torch
 
 import hisparse
 from hisparse import HiSparseCache
-from hisparse.tools import cli, preflight
-from hisparse.tools.cli import main
-from hisparse.tools.mini_engine import loop as me_loop
-from hisparse.tools.outputs import Outputs
-from hisparse.tools.traces import TraceRecorder
+from hisparse_tools import cli, preflight
+from hisparse_tools.cli import main
+from hisparse_tools.mini_engine import loop as me_loop
+from hisparse_tools.outputs import Outputs
+from hisparse_tools.traces import TraceRecorder
 
 STRESS_TINY = ["--requests", "2", "--context", "200", "--layers", "1", "--top-k", "8",
                "--buffer", "16", "--steps", "6", "--block-size", "16", "--device", "cpu", "--quiet"]
@@ -453,7 +453,7 @@ def test_gpu_preset_runs(capsys):
 def test_an_output_that_cannot_be_written_is_one_line_and_exit_1(capsys):
     """A write that fails after the up-front path checks (disk full, an I/O error) ends
     the command with one line and exit 1 (the run failed), not a traceback."""
-    from hisparse.tools.exit_codes import EXIT_FAILED, run_command
+    from hisparse_tools.exit_codes import EXIT_FAILED, run_command
 
     def body():
         raise OSError(28, "No space left on device", "/tmp/out.json")

@@ -15,13 +15,13 @@ import sys
 import pytest
 
 from hisparse import CapacityError, HiSparseCache, HiSparseConfig
-from hisparse.tools import cli
-from hisparse.tools.cli import main
-from hisparse.tools.exit_codes import EXIT_FAILED, run_command
-from hisparse.tools.mini_engine import loop as me_loop
-from hisparse.tools.traces import TraceRecorder
+from hisparse_tools import cli
+from hisparse_tools.cli import main
+from hisparse_tools.exit_codes import EXIT_FAILED, run_command
+from hisparse_tools.mini_engine import loop as me_loop
+from hisparse_tools.traces import TraceRecorder
 
-me_cli = importlib.import_module("hisparse.tools.mini_engine.cli")
+me_cli = importlib.import_module("hisparse_tools.mini_engine.cli")
 
 STRESS_TINY = ["--requests", "2", "--context", "200", "--top-k", "8", "--steps", "2", "--block-size", "16",
                "--device", "cpu", "--quiet"]
@@ -153,7 +153,7 @@ def test_other_options_that_do_nothing_are_refused(capsys, monkeypatch, argv, ne
 
 def test_what_a_default_or_an_enabling_flag_supplies_is_not_refused(capsys):
     """Given means typed: defaults, presets and options whose feature is on pass."""
-    from hisparse.tools import flag_rules
+    from hisparse_tools import flag_rules
 
     for argv in (["--ffn", "moe", "--ffn-experts", "8", "--ffn-routing", "token", "--ffn-intermediate", "32"],
                  ["--ffn", "mlp", "--ffn-intermediate", "32"], ["--device", "cuda", "--sync-steps"],
@@ -264,7 +264,7 @@ def test_an_output_that_fails_to_write_names_its_flag_and_path(capsys, monkeypat
     path = str(tmp_path / "t.npz")
     _fails(capsys, ["stress", "--record", path] + STRESS_TINY, 1,
            f"hisparse stress: I/O error: --record {path!r} could not be written: No space left on device")
-    from hisparse.tools.exit_codes import OutputError, writing
+    from hisparse_tools.exit_codes import OutputError, writing
 
     def body():
         with writing("--out", "/dev/full"):

@@ -13,10 +13,10 @@ import threading
 import numpy as np
 import pytest
 
-from hisparse.tools import cli
-from hisparse.tools.cli import main
-from hisparse.tools.mini_engine import loop as me_loop
-from hisparse.tools.traces import TraceRecorder, load_trace
+from hisparse_tools import cli
+from hisparse_tools.cli import main
+from hisparse_tools.mini_engine import loop as me_loop
+from hisparse_tools.traces import TraceRecorder, load_trace
 
 # a trace whose last archive member (topk) is large enough that zipfile, seeking on
 # /dev/null (where tell() stays 0), computed a negative directory size (struct.error)
@@ -253,7 +253,7 @@ def test_two_outputs_of_one_file_are_refused_up_front(capsys, tmp_path, monkeypa
 
 
 def test_dev_null_takes_several_outputs(tmp_path):
-    from hisparse.tools.outputs import Outputs
+    from hisparse_tools.outputs import Outputs
 
     with Outputs() as outs:
         assert outs.file(os.devnull, flag="--out") == os.devnull

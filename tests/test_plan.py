@@ -2,7 +2,7 @@
 
 import pytest
 
-from hisparse.tools.plan import PlanInputs, format_plan, parse_bytes, parse_tokens, plan
+from hisparse_tools.plan import PlanInputs, format_plan, parse_bytes, parse_tokens, plan
 
 
 def _case(**kw):

@@ -47,8 +47,8 @@ import dataclasses
 import math
 import re
 
-from .._checks import check_bool, check_int
-from ..config import RowFormat
+from hisparse._checks import check_bool, check_int
+from hisparse.config import RowFormat
 from .report import table
 
 INT32_ROWS = 2**31 - 1  # rows one layer of a cache can index (int32)

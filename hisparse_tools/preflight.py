@@ -13,7 +13,7 @@ is allocated or computed:
 - :func:`check_output_file` / :func:`check_output_dir`: the path can be written
   (probed with a temporary file that is removed again; an existing file is opened
   for appending and left unchanged). A command checks its outputs through
-  :class:`hisparse.tools.outputs.Outputs`, which adds what concerns them together
+  :class:`hisparse_tools.outputs.Outputs`, which adds what concerns them together
   (distinct paths, a FIFO's reader).
 - :func:`path_arg`: the argparse type of every path flag; an empty string (``--out ""``,
   which the tools would otherwise read as "not given") is an error, exit 2.
@@ -35,8 +35,8 @@ from typing import Mapping
 
 import torch
 
-from .._checks import Kernels, interpreter_mode
-from ..errors import CapacityError
+from hisparse._checks import Kernels, interpreter_mode
+from hisparse.errors import CapacityError
 from .exit_codes import MissingDependency
 from .plan import fmt_bytes
 
@@ -106,7 +106,7 @@ def check_output_file(path: str | os.PathLike, *, flag: str, regular: bool = Fal
 
     A socket there is refused; a device such as /dev/null and a FIFO this user may
     write are accepted. A FIFO is not opened here: whether it has a reader is checked by
-    :meth:`hisparse.tools.outputs.Outputs.file`, which keeps the handle it opens. With
+    :meth:`hisparse_tools.outputs.Outputs.file`, which keeps the handle it opens. With
     ``regular`` (a file replaced atomically, next to a symlink's target) only a regular
     file or none is."""
     p = os.path.abspath(os.fspath(path))

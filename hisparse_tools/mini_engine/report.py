@@ -1,4 +1,4 @@
-"""The mini engine's readable report of a :func:`hisparse.tools.mini_engine.run` result."""
+"""The mini engine's readable report of a :func:`hisparse_tools.mini_engine.run` result."""
 
 from __future__ import annotations
 

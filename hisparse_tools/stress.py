@@ -62,9 +62,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from .. import HiSparseCache
-from .._checks import Kernels, check_bool, check_int
-from ..config import HiSparseConfig, RowFormat
+from hisparse import HiSparseCache
+from hisparse._checks import Kernels, check_bool, check_int
+from hisparse.config import HiSparseConfig, RowFormat
 from .autotune import gpu_bytes
 from .belady import OptimalTracker, hit_rate
 from .exit_codes import writing
@@ -228,10 +228,10 @@ class StressRun:
     """One stress run; ``run()`` returns the JSON-able result dict (``ok`` False on failure).
 
     Building it checks everything that can be checked before work starts: the options,
-    the device and kernels (:mod:`hisparse.tools.preflight`), the trace file, the cache
+    the device and kernels (:mod:`hisparse_tools.preflight`), the trace file, the cache
     config (int32 limits), and the memory the run will allocate (:meth:`memory_needed`
     against what the machine has: a ``CapacityError`` naming the bytes when it can't fit).
-    ``outputs``: the command's :class:`~hisparse.tools.outputs.Outputs`, where ``o.record``
+    ``outputs``: the command's :class:`~hisparse_tools.outputs.Outputs`, where ``o.record``
     is checked (a FIFO's handle is kept there until the trace is written through it).
     """
 

@@ -23,8 +23,8 @@ import math
 
 import torch
 
-from ...config import RowFormat
-from ...formats import D_LATENT, D_ROW, quantize_fp8_ds_mla
+from hisparse.config import RowFormat
+from hisparse.formats import D_LATENT, D_ROW, quantize_fp8_ds_mla
 from .config import MiniEngineConfig
 from .ffn import FFN
 from .scores import indexer_scores

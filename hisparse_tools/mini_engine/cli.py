@@ -5,7 +5,7 @@ Flags shared with the other subcommands are spelled as there (``--layers``,
 ``--quiet``); the former spellings made from field names (``--num-layers``, ...) and
 ``--progress`` still work, hidden from ``--help``, with a note on stderr.
 
-Errors follow the ``hisparse`` command's exit codes (:mod:`hisparse.tools.exit_codes`):
+Errors follow the ``hisparse`` command's exit codes (:mod:`hisparse_tools.exit_codes`):
 1 when the outputs differ beyond ``--tolerance``, 2 bad input, 3 capacity, 4 missing
 dependency. ``--out`` and ``--record`` are checked before anything runs.
 """
@@ -17,8 +17,8 @@ import dataclasses
 import json
 import sys
 
-from ..._checks import Kernels
-from ...decode.layer import Overlap
+from hisparse._checks import Kernels
+from hisparse.decode.layer import Overlap
 from ..exit_codes import EXIT_FAILED, EXIT_OK, OneLineParser, flag_names, run_command, writing
 from ..flag_rules import check_mini_engine
 from ..outputs import Outputs
@@ -220,7 +220,7 @@ def _run(args: argparse.Namespace, outs: Outputs) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m hisparse.tools.mini_engine``: the same as ``hisparse mini-engine``."""
+    """``python -m hisparse_tools.mini_engine``: the same as ``hisparse mini-engine``."""
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -46,13 +46,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ...attention.base import SparseMLABackend
-from ...cache.stager import capturing
-from ...cache.write_plan import expand_runs
-from ...staging import BlockTable, convert_topk_to_physical
-from ...config import RowFormat, ceil_div
-from ...engine import HiSparseIndexGroup, SparseMLAMetadata
-from ...formats import dequantize_fp8_ds_mla
+from hisparse.attention.base import SparseMLABackend
+from hisparse.cache.stager import capturing
+from hisparse.cache.write_plan import expand_runs
+from hisparse.staging import BlockTable, convert_topk_to_physical
+from hisparse.config import RowFormat, ceil_div
+from hisparse.engine import HiSparseIndexGroup, SparseMLAMetadata
+from hisparse.formats import dequantize_fp8_ds_mla
 from .config import MiniEngineConfig, Request
 
 if TYPE_CHECKING:

@@ -3,8 +3,8 @@
 Every subcommand has ``--help``, prints a readable table (or ``--json``: the result
 dict as JSON on stdout, nothing else there), shows progress on stderr for long work
 (``--quiet`` turns it off), checks its output paths, device, kernels, options
-(:mod:`hisparse.tools.flag_rules`) and memory before any work starts, and reports a
-failure as one line on stderr with an exit status (:mod:`hisparse.tools.exit_codes`;
+(:mod:`hisparse_tools.flag_rules`) and memory before any work starts, and reports a
+failure as one line on stderr with an exit status (:mod:`hisparse_tools.exit_codes`;
 every ``--help`` ends with the table, and ``docs/CLI.md`` has the cases):
 
   0  success
@@ -24,10 +24,10 @@ import os
 import sys
 from typing import Any, Callable, Sequence
 
-from .. import __version__
-from .. import metrics as prom
-from .._checks import Kernels
-from ..errors import CapacityError
+from hisparse import __version__
+from hisparse import metrics as prom
+from hisparse._checks import Kernels
+from hisparse.errors import CapacityError
 from . import flag_rules, mini_engine
 from .autotune import AutotuneOptions, format_autotune, run_autotune, save_result
 from .env import collect_env, format_env
@@ -140,7 +140,7 @@ def _add_stress(sub) -> None:
     a("--replay", type=path_arg, metavar="FILE",
       help="replay a recorded .npz trace (implies --trace replay; the trace fixes layers, top-k, "
            "steps and the request schedule, so those flags are refused next to it)")
-    a("--record", type=path_arg, metavar="FILE", help="write the trace used to this .npz (format: hisparse.tools.traces)")
+    a("--record", type=path_arg, metavar="FILE", help="write the trace used to this .npz (format: hisparse_tools.traces)")
     a("--verify", type=_verify_arg, help=f"rows checked per layer and step, 'all' or 'none' [{d.verify}]")
     a("--seed", type=int, help=f"seed [{d.seed}]")
     a("--device", help="cpu, cuda or cuda:N [cuda if available]")
@@ -257,7 +257,7 @@ def _add_autotune(sub) -> None:
             "Find the largest max_num_reqs whose hot buffers, slot/LRU state, resolve buffers and "
             "attention I/O fit --gpu-memory; warm the cache and attention backend at candidate "
             "batches, time decode steps, pick the best tokens/s under --latency-ms. Writes JSON "
-            "(--out) that hisparse.tools.autotune.load_tuned_config() loads (it refuses a "
+            "(--out) that hisparse_tools.autotune.load_tuned_config() loads (it refuses a "
             "result from another GPU or library version). Without a GPU it runs on CPU and "
             "says the timings are CPU timings."),
         epilog=EXIT_TABLE)

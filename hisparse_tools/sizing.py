@@ -1,11 +1,11 @@
 """GPU bytes of a hisparse cache plus its decode attention I/O (``hisparse autotune``'s
 budget arithmetic, which the mini engine's memory check uses too). See
-:mod:`hisparse.tools.autotune` for the breakdown."""
+:mod:`hisparse_tools.autotune` for the breakdown."""
 
 from __future__ import annotations
 
-from ..config import HiSparseConfig
-from ..formats import D_LATENT, D_ROW
+from hisparse.config import HiSparseConfig
+from hisparse.formats import D_LATENT, D_ROW
 
 
 def gpu_bytes(cfg: HiSparseConfig, *, num_heads: int, reserve_frac: float = 0.0) -> dict[str, int]:

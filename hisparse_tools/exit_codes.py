@@ -23,7 +23,7 @@ from typing import Callable, Iterator, Mapping
 
 import torch
 
-from ..errors import CapacityError
+from hisparse.errors import CapacityError
 
 EXIT_OK, EXIT_FAILED, EXIT_INPUT, EXIT_CAPACITY, EXIT_MISSING = 0, 1, 2, 3, 4
 EXIT_INTERRUPTED = 130

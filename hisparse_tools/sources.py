@@ -10,13 +10,13 @@ distinct positions per row, every valid entry in ``[0, seq_len)``:
   ``drift = 1`` is uniform). Locality = 1 - drift. Padding entries (left when the
   context was shorter than K) are refilled as soon as the context allows.
 - :class:`IndexerSource`     a real q.k indexer (random keys, a drifting query), the
-  kind the mini engine (``hisparse.tools.mini_engine``) runs.
+  kind the mini engine (``hisparse_tools.mini_engine``) runs.
 - :class:`WorkingSetSource`  attention sinks + a recent window + a drifting working set
   whose candidates' scores follow an AR(1) process, adjacent layers sharing a chosen
   share of it; ``hisparse whatif --preset glm51`` calibrates it to published miss rates
   (docs/WHATIF.md).
 
-A recorded trace replays through ``hisparse.tools.traces.ReplaySource``.
+A recorded trace replays through ``hisparse_tools.traces.ReplaySource``.
 """
 
 
@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from .._checks import check_int
+from hisparse._checks import check_int
 
 _SCORE_BUDGET = 1 << 24  # elements of one random-score chunk (rows x context)
 

@@ -8,8 +8,8 @@ What a path may be follows from how its output is written, the same for every su
   seek (a trace archive goes out as a zip stream).
 - **replaced** (``--metrics-file``: a temporary file renamed over it) or **written by
   name into a directory** (``--plot DIR``): a regular file or none
-  (:func:`~hisparse.tools.preflight.check_output_file` with ``regular``,
-  :func:`~hisparse.tools.preflight.check_output_dir`).
+  (:func:`~hisparse_tools.preflight.check_output_file` with ``regular``,
+  :func:`~hisparse_tools.preflight.check_output_dir`).
 
 A FIFO is opened when it is checked, without blocking: one with no reader is refused
 then (exit 2) instead of being waited on. The handle is kept and the output written

@@ -12,7 +12,7 @@ The rule (``hisparse --help`` and every command's ``--help`` end with it):
 defaults for the options concerned are ``None`` (or ``False`` for a switch), so a value
 a preset or default supplies is never refused. A command calls its check right after
 parsing, before any work; the stress checks that need a replayed trace's sizes are in
-:mod:`hisparse.tools.stress_limits`.
+:mod:`hisparse_tools.stress_limits`.
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..._checks import interpreter_mode
-from ...device import on_device
+from hisparse._checks import interpreter_mode
+from hisparse.device import on_device
 
 BLOCK_C = 256  # key positions per program
 

@@ -19,7 +19,7 @@ the batch with the best tokens/s (optionally under a per-step latency limit).
    search (the total grows with R, quadratically through the block table).
 2. Timing: for candidate batches (powers of two up to the maximum, and the maximum),
    serve R requests of ``context`` tokens with the mini engine's hisparse store
-   (``hisparse.tools.capacity.measure``, the measurement ``benchmarks/bench_capacity``
+   (``hisparse_tools.capacity.measure``, the measurement ``benchmarks/bench_capacity``
    makes at each tier's largest batch): synthetic context rows, a short prefilled
    tail, then ``warmup + steps`` decode steps of all R requests, under CUDA graphs on a
    GPU (two more steps: the bucket's padded warm-up and its capture). A step is the
@@ -56,10 +56,10 @@ from typing import Any, BinaryIO
 import torch
 import triton
 
-from .. import __version__
-from .._checks import check_int
-from ..config import HiSparseConfig, RowFormat
-from ..errors import CapacityError
+from hisparse import __version__
+from hisparse._checks import check_int
+from hisparse.config import HiSparseConfig, RowFormat
+from hisparse.errors import CapacityError
 from .capacity import Budget, RunShape, engine_config, largest_fit, measure
 from .mini_engine.graphs import DecodeMode
 from .plan import fmt_bytes
@@ -147,7 +147,7 @@ def host_ram_bytes() -> int:
 def max_fit(o: AutotuneOptions, budget: int, device: str, host_budget: int | None = None) -> int:
     """Largest R whose :func:`gpu_bytes` total fits ``budget`` and whose host pool fits
     ``host_budget`` (None: unbounded), at most ``o.max_reqs`` / ``o.max_request_id``; 0 if none
-    (``hisparse.tools.capacity.largest_fit``, the capacity benchmark's search)."""
+    (``hisparse_tools.capacity.largest_fit``, the capacity benchmark's search)."""
     cap = min(o.max_reqs or o.max_request_id, o.max_request_id)
 
     def fits(R: int) -> bool:
@@ -175,7 +175,7 @@ def candidates(rmax: int, n: int) -> list[int]:
 
 def time_batch(o: AutotuneOptions, R: int, device: torch.device) -> dict[str, Any]:
     """Serve R requests of ``o.context`` tokens with the mini engine's hisparse store and
-    time its decode steps (``hisparse.tools.capacity.measure``, the capacity
+    time its decode steps (``hisparse_tools.capacity.measure``, the capacity
     benchmark's measurement; see the module doc)."""
     cuda = device.type == "cuda"
     mode = DecodeMode.GRAPHS if cuda else DecodeMode.EAGER

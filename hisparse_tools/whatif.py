@@ -9,7 +9,7 @@ tool's schedule and sources exactly, so ``whatif`` with stress's flags replays w
 
 For every buffer size S of ``--buffers`` (default 1, 1.5, 2, 3, 4 x top-k) and every
 layer, the trace's streams run through the cache's exact LRU and through Belady's
-offline optimum (``hisparse.tools.belady``; the LRU model equals the real cache's
+offline optimum (``hisparse_tools.belady``; the LRU model equals the real cache's
 hit/miss counters, resolve by resolve). Reported per buffer size:
 
 - ``lru_miss_rate`` / ``belady_miss_rate``: misses / lookups (unique valid positions of
@@ -44,8 +44,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._checks import check_int
-from ..formats import RowFormat
+from hisparse._checks import check_int
+from hisparse.formats import RowFormat
 from .exit_codes import MissingDependency, writing
 from .flag_rules import check_whatif
 from .belady import (LayerTrace, Policy, hit_rate, make_plan, next_uses, row_membership,

@@ -41,10 +41,10 @@ from typing import Any
 
 import torch
 
-from .. import interpreter_fixes
-from .._checks import interpreter_mode
-from ..config import RowFormat
-from ..device import PinnedBuffer
+from hisparse import interpreter_fixes
+from hisparse._checks import interpreter_mode
+from hisparse.config import RowFormat
+from hisparse.device import PinnedBuffer
 
 FLASHMLA_LIB_ENV = "HISPARSE_FLASHMLA_LIB"
 _PIN_BYTES = 1 << 20
@@ -112,8 +112,8 @@ def _pinned_check() -> dict[str, Any]:
 def backend_matrix(device: torch.device | str, *, flashmla_lib: str | None = None,
                    num_heads: int = _HEADS_CHECKED) -> list[dict[str, Any]]:
     """Per backend: None (runs) or the reason, for decode fp8 / decode bf16 / prefill."""
-    from ..attention.base import Phase
-    from ..attention.chooser import backend_names, get_backend
+    from hisparse.attention.base import Phase
+    from hisparse.attention.chooser import backend_names, get_backend
 
     dev = torch.device(device)
     rows = []
@@ -136,7 +136,7 @@ def triton_decode_choice(device: torch.device | str, *,
     """The Triton decode kernel ``default_config`` picks on ``device`` for fp8_ds_mla rows
     (T = 64, K = 2048) and, when it is not the warp-specialised one, why not."""
     try:  # the Triton backend needs Triton, a Linux-only dependency
-        from ..attention import triton_backend as tb
+        from hisparse.attention import triton_backend as tb
     except ImportError as e:
         return {"kernel": None, "ws_off_reason": f"the Triton backend does not import: {e}",
                 "gluon_ws": None, "config": None}
@@ -160,7 +160,7 @@ def collect_env(*, device: str | None = None, flashmla_lib: str | None = None,
         flashmla_lib = os.environ.get(FLASHMLA_LIB_ENV) or None
     cuda = torch.cuda.is_available()
     dev = torch.device(device) if device is not None else torch.device("cuda" if cuda else "cpu")
-    from ..attention.flashinfer import flashinfer_version
+    from hisparse.attention.flashinfer import flashinfer_version
 
     return {
         "python": sys.version.split()[0],

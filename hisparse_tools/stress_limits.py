@@ -5,13 +5,13 @@
 gave ``--buffer``, ``--requests`` and ``--block-size``. :func:`check_stress_sizes` runs
 before the config is built, once a replayed trace's sizes are known, and names the flag
 (or the trace) that sets the size at fault. ``--prefetch`` into a one-layer run is
-refused here too (the rule of :mod:`hisparse.tools.flag_rules`): the layer count may
+refused here too (the rule of :mod:`hisparse_tools.flag_rules`): the layer count may
 come from the trace.
 """
 
 from __future__ import annotations
 
-from ..errors import CapacityError
+from hisparse.errors import CapacityError
 from .flag_rules import unused
 
 INT32_MAX = 2**31 - 1

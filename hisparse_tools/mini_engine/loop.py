@@ -21,16 +21,16 @@ from typing import Callable
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from ...attention.base import Phase
-from ...attention.chooser import choose_backend, get_backend
-from ...attention.flashmla import FlashMLABackend
-from ...attention.triton_backend import TritonBackend
-from ...config import RowFormat
-from ...device import resolve_device
-from ...engine import SparseMLAMetadata
-from ...engine.metadata import device_ints
-from ...formats import D_LATENT, D_ROW
-from ..._checks import check_int
+from hisparse.attention.base import Phase
+from hisparse.attention.chooser import choose_backend, get_backend
+from hisparse.attention.flashmla import FlashMLABackend
+from hisparse.attention.triton_backend import TritonBackend
+from hisparse.config import RowFormat
+from hisparse.device import resolve_device
+from hisparse.engine import SparseMLAMetadata
+from hisparse.engine.metadata import device_ints
+from hisparse.formats import D_LATENT, D_ROW
+from hisparse._checks import check_int
 from ..exit_codes import writing
 from ..outputs import Outputs
 from ..preflight import check_memory, parse_device, require_kernels
@@ -510,10 +510,10 @@ def run(cfg: MiniEngineConfig, *, progress: bool = False, record: str | None = N
     """Run the workload resident then hisparse; return the comparison and timings (no tensors).
 
     ``record``: write the decode steps' top-k (this model's real indexer) to a trace file
-    in the format of ``hisparse.tools.traces``, which ``hisparse stress --replay`` drives
+    in the format of ``hisparse_tools.traces``, which ``hisparse stress --replay`` drives
     the cache with. Needs query_len 1 (one trace entry per request and step).
     ``decode_mode``: see :class:`MiniEngine`. :func:`preflight` runs first. ``outputs``:
-    the command's :class:`~hisparse.tools.outputs.Outputs`, where ``record`` is checked.
+    the command's :class:`~hisparse_tools.outputs.Outputs`, where ``record`` is checked.
     """
     preflight(cfg)
     recorder = None

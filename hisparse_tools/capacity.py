@@ -1,6 +1,6 @@
 """Each tier's largest decode batch in a memory budget, and a measured decode run at it.
 
-1. Search (:func:`tier_limits`): the formulas of :mod:`hisparse.tools.plan` (the same
+1. Search (:func:`tier_limits`): the formulas of :mod:`hisparse_tools.plan` (the same
    numbers ``hisparse plan`` prints) for a full model of ``num_layers`` layers:
 
      resident   KV pages and indexer keys on the GPU: floor(G / (C (L row + Li I)))
@@ -11,7 +11,7 @@
    allocator's slack), the host budget is the pool of this GPU's requests; Li =
    ceil(L / index_share) layers keep indexer keys (the model's Full layers). Each tier
    says where its limit came from (``bound``: gpu | host | max_seqs | int32_indices).
-2. Measurement (:func:`measure`): the mini engine (:mod:`hisparse.tools.mini_engine`)
+2. Measurement (:func:`measure`): the mini engine (:mod:`hisparse_tools.mini_engine`)
    serving ``batch`` requests of the context (synthetic rows, a short prefilled tail)
    through one KV store for ``decode_steps`` decode steps, all requests decoding
    together. ``run_layers`` layers stand for the model's ``num_layers``: the decode
@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from .._checks import check_int
+from hisparse._checks import check_int
 from .mini_engine import MiniEngineConfig, run_engine, summarize
 from .mini_engine.loop import step_stats
 from .mini_engine.graphs import DecodeMode
@@ -115,7 +115,7 @@ class RunShape:
 
     run_layers: int = 4
     num_heads: int = 128
-    hidden: int = 1344  # see hisparse.tools.mini_engine.ffn.v32_share_at
+    hidden: int = 1344  # see hisparse_tools.mini_engine.ffn.v32_share_at
     indexer_dim: int = 32  # fp32 keys: 128 bytes per token and layer, about the real 132
     vocab: int = 1024
     ffn: dict = dataclasses.field(default_factory=dict)  # ffn_* fields of MiniEngineConfig
