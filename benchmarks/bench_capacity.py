@@ -53,7 +53,7 @@ from hisparse_tools.capacity import Budget, RunShape, engine_config, measure, ti
 from hisparse_tools.mini_engine import adjacent_layer_overlap, compare  # noqa: E402
 from hisparse_tools.mini_engine.ffn import v32_share_at  # noqa: E402
 from hisparse_tools.mini_engine.graphs import DecodeMode  # noqa: E402
-from hisparse_tools.plan import fmt_bytes, parse_bytes, parse_count, parse_tokens  # noqa: E402
+from hisparse_tools.units import fmt_bytes, parse_bytes, parse_count, parse_tokens  # noqa: E402
 from hisparse_tools.report import table  # noqa: E402
 
 

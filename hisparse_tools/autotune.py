@@ -54,7 +54,6 @@ import os
 from typing import Any, BinaryIO
 
 import torch
-import triton
 
 from hisparse import __version__
 from hisparse._checks import check_int
@@ -62,7 +61,7 @@ from hisparse.config import HiSparseConfig, RowFormat
 from hisparse.errors import CapacityError
 from .capacity import Budget, RunShape, engine_config, largest_fit, measure
 from .mini_engine.graphs import DecodeMode
-from .plan import fmt_bytes
+from .units import fmt_bytes
 from .preflight import check_memory, parse_device
 from .progress import Progress
 from .report import table
@@ -123,6 +122,8 @@ def device_key(device: torch.device | str | None = None) -> dict[str, Any]:
     """What a tuned result depends on: device name and library versions."""
     dev = torch.device(device) if device is not None else (
         torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    import triton  # its version only: not loaded until a result is keyed
+
     tv = triton.__version__
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     return {"device_name": name, "torch": torch.__version__, "triton": tv,

@@ -30,8 +30,7 @@ import dataclasses
 from typing import Callable
 
 from hisparse._checks import check_int
-from .mini_engine import MiniEngineConfig, run_engine, summarize
-from .mini_engine.loop import step_stats
+from .mini_engine import MiniEngineConfig
 from .mini_engine.graphs import DecodeMode
 from .plan import PlanInputs, plan
 
@@ -180,6 +179,8 @@ def measure(cfg: MiniEngineConfig, kind: str, *, decode_mode: DecodeMode, full_l
     first ``after`` run under torch.profiler instead of being timed (summary ``profile``).
     """
     check_int("skip", skip, lo=0)
+    from .mini_engine.loop import run_engine, step_stats, summarize  # the engine: loaded to measure
+
     res = run_engine(cfg, kind, progress=progress, decode_mode=decode_mode, profile=profile)
     s = summarize(res)
     if res.get("profile") is not None:

@@ -33,13 +33,14 @@ from .autotune import AutotuneOptions, format_autotune, run_autotune, save_resul
 from .env import collect_env, format_env
 from .exit_codes import (EXIT_FAILED, EXIT_INPUT, EXIT_OK, MissingDependency, OneLineParser, flag_names,
                          run_command, writing)
-from .plan import FORMULAS, PlanInputs, fmt_bytes, format_plan, parse_bytes, parse_count, parse_tokens, plan
+from .plan import FORMULAS, PlanInputs, format_plan, plan
 from .outputs import Outputs
 from .preflight import parse_device, path_arg
 from .report import plot_stress, require_matplotlib
-from .stress import StressOptions, StressRun
 from .stress_report import format_stress
 from .traces import SOURCES
+from .units import fmt_bytes, parse_bytes, parse_count, parse_tokens
+from .workload import StressOptions
 
 # every command's --help ends with it (explicit line breaks: plan's help is not re-wrapped)
 EXIT_TABLE = ("exit status: 0 ok, 1 run failed, 2 bad input, 3 capacity, 4 missing dependency,\n"
@@ -207,6 +208,8 @@ def _stress(args, outs: Outputs) -> int:
     if args.metrics_port is not None and not prom.prometheus_client_available():
         raise MissingDependency("--metrics-port needs prometheus_client, which is not installed "
                                 "(`pip install prometheus_client`); or use --metrics-file")
+    from .stress import StressRun  # the real cache: loaded when a stress run starts
+
     run = StressRun(_stress_options(args), outputs=outs)  # device, kernels, trace file, config, memory
     latest: dict[str, Any] = {}
     server = None

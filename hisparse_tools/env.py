@@ -41,7 +41,6 @@ from typing import Any
 
 import torch
 
-from hisparse import interpreter_fixes
 from hisparse._checks import interpreter_mode
 from hisparse.config import RowFormat
 from hisparse.device import PinnedBuffer
@@ -160,6 +159,7 @@ def collect_env(*, device: str | None = None, flashmla_lib: str | None = None,
         flashmla_lib = os.environ.get(FLASHMLA_LIB_ENV) or None
     cuda = torch.cuda.is_available()
     dev = torch.device(device) if device is not None else torch.device("cuda" if cuda else "cpu")
+    from hisparse import interpreter_fixes  # loads Triton's interpreter: only when asked
     from hisparse.attention.flashinfer import flashinfer_version
 
     return {

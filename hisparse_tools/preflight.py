@@ -38,7 +38,7 @@ import torch
 from hisparse._checks import Kernels, interpreter_mode
 from hisparse.errors import CapacityError
 from .exit_codes import MissingDependency
-from .plan import fmt_bytes
+from .units import fmt_bytes
 
 _DEVICE_RE = re.compile(r"cpu|cuda(:\d+)?")
 

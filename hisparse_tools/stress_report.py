@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .plan import fmt_bytes
+from .units import fmt_bytes
 from .report import table
 
 

@@ -50,14 +50,14 @@ from .exit_codes import MissingDependency, writing
 from .flag_rules import check_whatif
 from .belady import (LayerTrace, Policy, hit_rate, make_plan, next_uses, row_membership,
                      simulate)
-from .plan import parse_tokens
+from .units import parse_tokens
 from .preflight import check_memory, check_output_dir, path_arg
 from .progress import Progress
 from .report import PlotUnavailable, require_matplotlib  # noqa: F401 (PlotUnavailable: raised from here)
-from .stress import StressOptions, Schedule
 from .sources import CorrelatedSource, IndexerSource, UniformSource, WorkingSetSource, workingset_state_bytes
 from .traces import TraceStep, load_trace
 from .whatif_report import format_whatif, plot_whatif
+from .workload import Schedule, StressOptions
 
 EXIT_OK = 0
 PCIE_GBPS = 55.0  # H200 bulk pinned host -> device copy: the ceiling for staging (docs/PERF_NOTES.md)

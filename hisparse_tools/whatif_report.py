@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .plan import fmt_bytes
+from .units import fmt_bytes
 from .report import require_matplotlib, table
 
 def format_whatif(res: dict[str, Any]) -> str:

@@ -36,17 +36,40 @@ rows and indexer keys written straight into both caches instead of being prefill
 so a 32K context costs seconds, not minutes; the rest of the prompt is prefilled.
 """
 
-from .cli import CONFIG_FLAGS, build_parser, config_from_args, main, run_args
-from .config import PRESETS, MiniEngineConfig, Request, make_workload, memory_needed
-from .kv import KV_STORES, Attention, Batch, HiSparseKV, KVStore, ResidentKV
-from .ffn import FFN, V32_EP8_SHARE, FFNKind
-from .graphs import DecodeGraphs, DecodeMode, bucket_for, capture_sizes
-from .loop import MiniEngine, adjacent_layer_overlap, compare, preflight, run, run_engine, summarize
-from .model import Indexer, Model, synthetic_rows
-from .report import format_report
+from __future__ import annotations
 
-__all__ = ["MiniEngineConfig", "Request", "make_workload", "memory_needed", "PRESETS", "Model",
-           "synthetic_rows", "Indexer", "Batch", "Attention", "KVStore", "ResidentKV", "HiSparseKV",
-           "KV_STORES", "MiniEngine", "adjacent_layer_overlap", "compare", "run", "run_engine", "summarize", "preflight", "FFN", "FFNKind",
-           "V32_EP8_SHARE", "DecodeGraphs", "DecodeMode", "bucket_for", "capture_sizes", "format_report", "build_parser",
-           "config_from_args", "run_args", "main", "CONFIG_FLAGS"]
+import importlib
+
+# exported name -> submodule that defines it. Imported when first used, so that the
+# ``hisparse`` command's parser (``build_parser``, the presets, the config) loads no cache
+# or kernel; ``run`` and the KV stores bring them in.
+_EXPORTS = {
+    "MiniEngineConfig": "config", "Request": "config", "make_workload": "config",
+    "memory_needed": "config", "PRESETS": "config",
+    "Model": "model", "synthetic_rows": "model", "Indexer": "model",
+    "Batch": "kv", "Attention": "kv", "KVStore": "kv", "ResidentKV": "kv", "HiSparseKV": "kv",
+    "KV_STORES": "kv",
+    "MiniEngine": "loop", "adjacent_layer_overlap": "loop", "compare": "loop", "run": "loop",
+    "run_engine": "loop", "summarize": "loop", "preflight": "loop",
+    "FFN": "ffn", "FFNKind": "ffn", "V32_EP8_SHARE": "ffn",
+    "DecodeGraphs": "graphs", "DecodeMode": "graphs", "bucket_for": "graphs",
+    "capture_sizes": "graphs",
+    "format_report": "report",
+    "build_parser": "cli", "config_from_args": "cli", "run_args": "cli", "main": "cli",
+    "CONFIG_FLAGS": "cli",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -18,14 +18,13 @@ import json
 import sys
 
 from hisparse._checks import Kernels
-from hisparse.decode.layer import Overlap
+from hisparse.decode import Overlap
 from ..exit_codes import EXIT_FAILED, EXIT_OK, OneLineParser, flag_names, run_command, writing
 from ..flag_rules import check_mini_engine
 from ..outputs import Outputs
 from ..preflight import path_arg
 from .config import PRESETS, MiniEngineConfig
 from .ffn import FFN_ROUTINGS, FFNKind
-from .loop import run
 from .report import format_report
 
 _CHOICES = {"row_format": ["fp8_ds_mla", "bf16"], "cache_kernels": [k.value for k in Kernels],
@@ -211,6 +210,8 @@ def _run(args: argparse.Namespace, outs: Outputs) -> int:
     progress = _progress(args)
     for note in notes:
         print(f"hisparse mini-engine: note: {note}", file=sys.stderr)
+    from .loop import run  # the engine itself (cache, kernels): loaded when a run starts
+
     res = run(cfg, progress=progress, record=args.record, outputs=outs)
     print(json.dumps(res, indent=2) if args.json else format_report(res))
     if args.out:

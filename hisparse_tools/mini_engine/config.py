@@ -17,7 +17,7 @@ import torch
 
 from hisparse._checks import Kernels, check_bool, check_int
 from hisparse.config import HiSparseConfig, RowFormat, ceil_div
-from hisparse.decode.layer import Overlap
+from hisparse.decode import Overlap
 from hisparse.formats import D_LATENT, D_ROW
 from ..sizing import gpu_bytes
 from .ffn import FFNKind, FFN_ROUTINGS, ffn_weight_bytes
