@@ -56,8 +56,7 @@ from typing import Any, BinaryIO
 import torch
 
 from hisparse import __version__
-from hisparse._checks import check_int
-from hisparse.config import HiSparseConfig, RowFormat
+from hisparse.config import HiSparseConfig, RowFormat, check_int
 from hisparse.errors import CapacityError
 from .capacity import Budget, RunShape, engine_config, largest_fit, measure
 from .mini_engine.graphs import DecodeMode

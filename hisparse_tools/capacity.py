@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from hisparse._checks import check_int
+from hisparse.config import check_int
 from .mini_engine import MiniEngineConfig
 from .mini_engine.graphs import DecodeMode
 from .plan import PlanInputs, plan

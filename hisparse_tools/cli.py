@@ -26,7 +26,7 @@ from typing import Any, Callable, Sequence
 
 from hisparse import __version__
 from hisparse import metrics as prom
-from hisparse._checks import Kernels
+from hisparse.config import Kernels
 from hisparse.errors import CapacityError
 from . import flag_rules, mini_engine
 from .autotune import AutotuneOptions, format_autotune, run_autotune, save_result

@@ -41,9 +41,8 @@ from typing import Any
 
 import torch
 
-from hisparse._checks import interpreter_mode
 from hisparse.config import RowFormat
-from hisparse.device import PinnedBuffer
+from hisparse.device import PinnedBuffer, interpreter_mode
 
 FLASHMLA_LIB_ENV = "HISPARSE_FLASHMLA_LIB"
 _PIN_BYTES = 1 << 20
@@ -111,8 +110,7 @@ def _pinned_check() -> dict[str, Any]:
 def backend_matrix(device: torch.device | str, *, flashmla_lib: str | None = None,
                    num_heads: int = _HEADS_CHECKED) -> list[dict[str, Any]]:
     """Per backend: None (runs) or the reason, for decode fp8 / decode bf16 / prefill."""
-    from hisparse.attention.base import Phase
-    from hisparse.attention.chooser import backend_names, get_backend
+    from hisparse.attention import Phase, backend_names, get_backend
 
     dev = torch.device(device)
     rows = []
@@ -135,16 +133,16 @@ def triton_decode_choice(device: torch.device | str, *,
     """The Triton decode kernel ``default_config`` picks on ``device`` for fp8_ds_mla rows
     (T = 64, K = 2048) and, when it is not the warp-specialised one, why not."""
     try:  # the Triton backend needs Triton, a Linux-only dependency
-        from hisparse.attention import triton_backend as tb
+        from hisparse.attention import default_config, gluon_ws_problem
     except ImportError as e:
         return {"kernel": None, "ws_off_reason": f"the Triton backend does not import: {e}",
                 "gluon_ws": None, "config": None}
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         return {"kernel": None, "ws_off_reason": "no CUDA device is available", "gluon_ws": None, "config": None}
-    cfg = tb.default_config(64, num_heads, 2048, dev, RowFormat.FP8_DS_MLA)
+    cfg = default_config(64, num_heads, 2048, dev, RowFormat.FP8_DS_MLA)
     return {"kernel": "ws" if cfg.ws else "wide" if cfg.wide else "tiled",
-            "ws_off_reason": cfg.ws_off_reason, "gluon_ws": tb.gluon_ws_problem(),
+            "ws_off_reason": cfg.ws_off_reason, "gluon_ws": gluon_ws_problem(),
             "config": dataclasses.asdict(cfg)}
 
 
@@ -160,7 +158,7 @@ def collect_env(*, device: str | None = None, flashmla_lib: str | None = None,
     cuda = torch.cuda.is_available()
     dev = torch.device(device) if device is not None else torch.device("cuda" if cuda else "cpu")
     from hisparse import interpreter_fixes  # loads Triton's interpreter: only when asked
-    from hisparse.attention.flashinfer import flashinfer_version
+    from hisparse.attention import flashinfer_version
 
     return {
         "python": sys.version.split()[0],

@@ -45,8 +45,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from hisparse._checks import check_bool, check_int
-from hisparse.config import RowFormat
+from hisparse.config import RowFormat, check_bool, check_int
 from .report import table
 from .units import fmt_bytes
 

@@ -35,7 +35,8 @@ from typing import Mapping
 
 import torch
 
-from hisparse._checks import Kernels, interpreter_mode
+from hisparse.config import Kernels
+from hisparse.device import interpreter_mode
 from hisparse.errors import CapacityError
 from .exit_codes import MissingDependency
 from .units import fmt_bytes

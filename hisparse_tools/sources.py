@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from hisparse._checks import check_int
+from hisparse.config import check_int
 
 _SCORE_BUDGET = 1 << 24  # elements of one random-score chunk (rows x context)
 

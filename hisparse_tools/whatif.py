@@ -44,8 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hisparse._checks import check_int
-from hisparse.formats import RowFormat
+from hisparse.config import RowFormat, check_int
 from .exit_codes import MissingDependency, writing
 from .flag_rules import check_whatif
 from .belady import (LayerTrace, Policy, hit_rate, make_plan, next_uses, row_membership,

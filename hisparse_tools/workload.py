@@ -9,8 +9,7 @@ import dataclasses
 
 import numpy as np
 
-from hisparse._checks import Kernels, check_bool, check_int
-from hisparse.config import RowFormat
+from hisparse.config import Kernels, RowFormat, check_bool, check_int
 from .sources import WORKINGSET_DRIFT, WORKINGSET_RECENT, WORKINGSET_SINKS
 from .traces import SOURCES
 

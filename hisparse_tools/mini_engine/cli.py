@@ -17,7 +17,7 @@ import dataclasses
 import json
 import sys
 
-from hisparse._checks import Kernels
+from hisparse.config import Kernels
 from hisparse.decode import Overlap
 from ..exit_codes import EXIT_FAILED, EXIT_OK, OneLineParser, flag_names, run_command, writing
 from ..flag_rules import check_mini_engine

@@ -15,8 +15,7 @@ import re
 
 import torch
 
-from hisparse._checks import Kernels, check_bool, check_int
-from hisparse.config import HiSparseConfig, RowFormat, ceil_div
+from hisparse.config import HiSparseConfig, Kernels, RowFormat, ceil_div, check_bool, check_int
 from hisparse.decode import Overlap
 from hisparse.formats import D_LATENT, D_ROW
 from ..sizing import gpu_bytes

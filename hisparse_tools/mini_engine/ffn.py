@@ -47,7 +47,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from hisparse._checks import parse_enum
+from hisparse.config import parse_enum
 
 FFN_ROUTINGS = ("content", "token")
 

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hisparse._checks import check_int
+from hisparse.config import check_int
 
 if TYPE_CHECKING:  # the loop imports this module; only the type is needed here
     from .kv import Batch

@@ -46,9 +46,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hisparse.attention.base import SparseMLABackend
-from hisparse.cache.stager import capturing
-from hisparse.cache.write_plan import expand_runs
+from hisparse.attention import SparseMLABackend
 from hisparse.staging import BlockTable, convert_topk_to_physical
 from hisparse.config import RowFormat, ceil_div
 from hisparse.engine import HiSparseIndexGroup, SparseMLAMetadata
@@ -57,6 +55,18 @@ from .config import MiniEngineConfig, Request
 
 if TYPE_CHECKING:
     from .graphs import StaticInputs
+
+
+def _expand_runs(runs: list[tuple[int, int, int]]) -> torch.Tensor:
+    """int64 [sum n] CPU: each run (start, n, step) expanded to start, start + step, ... (n values)."""
+    if not runs:
+        return torch.empty(0, dtype=torch.int64)
+    t = torch.tensor(runs, dtype=torch.int64)  # [m, 3]
+    n = t[:, 1]
+    which = torch.repeat_interleave(torch.arange(t.shape[0]), n)
+    first = torch.cumsum(n, 0) - n
+    offs = torch.arange(int(n.sum())) - first[which]
+    return t[which, 0] + t[which, 2] * offs
 
 
 @dataclasses.dataclass
@@ -192,8 +202,8 @@ class ResidentKV(KVStore):
 
     def _rows_of(self, spans: list[tuple[Request, int, int]]) -> torch.Tensor:
         """int64 [n] device: global rows of positions [p0, p1) of each (request, p0, p1), concatenated."""
-        pos = expand_runs([(p0, p1 - p0, 1) for _, p0, p1 in spans])
-        slot = expand_runs([(r.slot, p1 - p0, 0) for r, p0, p1 in spans])
+        pos = _expand_runs([(p0, p1 - p0, 1) for _, p0, p1 in spans])
+        slot = _expand_runs([(r.slot, p1 - p0, 0) for r, p0, p1 in spans])
         both = torch.stack([pos, slot]).to(self.device)
         pos, slot = both[0], both[1]
         return self.block_table[slot, pos // self.bs].long() * self.bs + pos % self.bs
@@ -302,7 +312,7 @@ class HiSparseKV(KVStore):
         waits for them. Otherwise it waits (on the stream, not the host): eager steps
         measured slower with the deferred wait (BENCHMARKS.md, "Session 15"), and with
         layer graphs a waiting conversion is the one that replays the layer's graph."""
-        deferred = capturing(self.device)
+        deferred = torch.device(self.device).type == "cuda" and torch.cuda.is_current_stream_capturing()
         phys = self.group.convert_decode_logical_to_physical_topk(layer, topk, batch.md, return_valid_counts=False,
                                                                   wait=not deferred)
         return self.group.physical_kv_cache(layer), phys

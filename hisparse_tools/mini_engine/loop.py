@@ -21,16 +21,11 @@ from typing import Callable
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from hisparse.attention.base import Phase
-from hisparse.attention.chooser import choose_backend, get_backend
-from hisparse.attention.flashmla import FlashMLABackend
-from hisparse.attention.triton_backend import TritonBackend
-from hisparse.config import RowFormat
+from hisparse.attention import FlashMLABackend, Phase, TritonBackend, choose_backend, get_backend
+from hisparse.config import RowFormat, check_int
 from hisparse.device import resolve_device
-from hisparse.engine import SparseMLAMetadata
-from hisparse.engine.metadata import device_ints
+from hisparse.engine import SparseMLAMetadata, device_ints
 from hisparse.formats import D_LATENT, D_ROW
-from hisparse._checks import check_int
 from ..exit_codes import writing
 from ..outputs import Outputs
 from ..preflight import check_memory, parse_device, require_kernels

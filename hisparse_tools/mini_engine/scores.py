@@ -15,8 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from hisparse._checks import interpreter_mode
-from hisparse.device import on_device
+from hisparse.device import interpreter_mode, on_device
 
 BLOCK_C = 256  # key positions per program
 
