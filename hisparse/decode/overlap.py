@@ -10,7 +10,7 @@ from .._checks import parse_enum
 
 
 class Overlap(enum.Enum):
-    """How a decode layer orders miss staging and attention (module docstring)."""
+    """How a decode layer orders miss staging and attention (the modes: hisparse.decode.layer)."""
 
     SERIAL = "serial"
     SPLIT = "split"
