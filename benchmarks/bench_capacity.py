@@ -3,12 +3,12 @@
 For each context (default 32K, 64K, 128K): the largest batch of the resident tier (KV
 pages and indexer keys on the GPU) and of hisparse (hot buffers, slot state and indexer
 keys on the GPU, rows in the pinned host pool), sized for the full model
-(``hisparse.tools.capacity.tier_limits``: ``hisparse plan``'s formulas, the same
+(``hisparse_tools.capacity.tier_limits``: ``hisparse plan``'s formulas, the same
 numbers it prints) and saying where each limit came from (gpu / host / max_seqs). Then
 the mini engine serves each tier at its largest batch (synthetic contexts, a short
 prefilled tail, all requests decoding together) under CUDA graphs, with the MoE
 stand-in of one H200's share of a DeepSeek-V3.2 layer
-(``hisparse.tools.mini_engine.ffn.v32_share_at``), ``--run-layers`` layers standing for
+(``hisparse_tools.mini_engine.ffn.v32_share_at``), ``--run-layers`` layers standing for
 the model's ``--layers``: decode tokens/s as measured and scaled to the full depth,
 their ratio hisparse / resident, hisparse's hit rate, min / median / p99 of the
 replayed steps, and the outputs of the requests both runs serve compared (within the
@@ -49,12 +49,12 @@ from benchmarks import common
 
 common.interpret_dry_run(with_gpu=True)  # a dry run is on the CPU; before hisparse loads
 
-from hisparse.tools.capacity import Budget, RunShape, engine_config, measure, tier_limits  # noqa: E402
-from hisparse.tools.mini_engine import adjacent_layer_overlap, compare  # noqa: E402
-from hisparse.tools.mini_engine.ffn import v32_share_at  # noqa: E402
-from hisparse.tools.mini_engine.graphs import DecodeMode  # noqa: E402
-from hisparse.tools.plan import fmt_bytes, parse_bytes, parse_count, parse_tokens  # noqa: E402
-from hisparse.tools.report import table  # noqa: E402
+from hisparse_tools.capacity import Budget, RunShape, engine_config, measure, tier_limits  # noqa: E402
+from hisparse_tools.mini_engine import adjacent_layer_overlap, compare  # noqa: E402
+from hisparse_tools.mini_engine.ffn import v32_share_at  # noqa: E402
+from hisparse_tools.mini_engine.graphs import DecodeMode  # noqa: E402
+from hisparse_tools.units import fmt_bytes, parse_bytes, parse_count, parse_tokens  # noqa: E402
+from hisparse_tools.report import table  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

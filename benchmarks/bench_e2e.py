@@ -1,6 +1,6 @@
 """End-to-end benchmark: the mini engine served with a resident KV cache and with hisparse.
 
-Runs ``hisparse.tools.mini_engine`` (random-weight sparse-MLA model, real top-k indexer,
+Runs ``hisparse_tools.mini_engine`` (random-weight sparse-MLA model, real top-k indexer,
 chunked prefill then decode, requests finishing at different times) twice on the same
 inputs: an ordinary device-resident paged KV cache (the baseline, measured in the same
 run) and hisparse with a hot buffer of ``2 x top_k`` slots per (layer, request), far
@@ -40,7 +40,7 @@ from benchmarks import common
 common.interpret_dry_run(with_gpu=True)  # a dry run is on the CPU; before hisparse loads
 
 from hisparse.attention.chooser import backend_names  # noqa: E402
-from hisparse.tools import mini_engine as me  # noqa: E402
+from hisparse_tools import mini_engine as me  # noqa: E402
 
 TARGET_RATIO = 1.3
 TAIL = 512  # prompt tokens prefilled for real: --context must exceed it

@@ -51,8 +51,8 @@ from benchmarks.common import percentile
 from hisparse import CapacityError, HiSparseConfig
 from hisparse.engine import HiSparseIndexGroup, SparseMLAMetadata
 from hisparse.engine.layer_graphs import RECENT_INPUTS
-from hisparse.tools.exit_codes import MissingDependency
-from hisparse.tools.preflight import parse_device, require_kernels
+from hisparse_tools.exit_codes import MissingDependency
+from hisparse_tools.preflight import parse_device, require_kernels
 
 
 @triton.jit

@@ -154,7 +154,7 @@ for s in "${sections[@]}"; do
         --out "$RES/profile_layer.json" ${PROFILE_LAYER_ARGS:-} ;;
     miss) run miss 300 python3 -m benchmarks.bench_miss_attention --out "$RES/miss_attention.json" ${QUICK:+--quick} ${MISS_ARGS:-} ;;
     stress) run_to stress 420 "$RES/stress.json" python3 -m hisparse stress --preset gpu --json --plot "$RES"
-            python3 -c "import json,sys; from hisparse.tools.stress import format_stress; print(format_stress(json.load(open(sys.argv[1]))))" "$RES/stress.json" >>"$LOG" 2>&1 ;;
+            python3 -c "import json,sys; from hisparse_tools.stress_report import format_stress; print(format_stress(json.load(open(sys.argv[1]))))" "$RES/stress.json" >>"$LOG" 2>&1 ;;
     host_calls) for pad in "" 64; do
           run "host_calls${pad:+_pad$pad}" 240 python3 -m benchmarks.bench_host_calls --requests 64 --layers 8 \
               --steps 30 ${pad:+--pad-to $pad} --out "$RES/host_calls${pad:+_pad$pad}.json" ${HOST_CALLS_ARGS:-}

@@ -35,8 +35,8 @@ from benchmarks import common
 common.interpret_dry_run(with_gpu=True)  # a dry run is on the CPU; before hisparse loads
 
 from benchmarks import bench_e2e  # noqa: E402
-from hisparse.tools import mini_engine as me  # noqa: E402
-from hisparse.tools.preflight import check_output_dir  # noqa: E402
+from hisparse_tools import mini_engine as me  # noqa: E402
+from hisparse_tools.preflight import check_output_dir  # noqa: E402
 
 
 def _median_ms(seconds: list[float]) -> float:

@@ -7,7 +7,7 @@ host and GPU memory for growth.
   python -m benchmarks.soak --preset 128k-fast                      # 4 req x 128K x 1 layer
   python -m benchmarks.soak --preset tiny                           # CPU, seconds (checks the script)
 
-Each run is one ``hisparse.tools.stress.run_stress`` (a fresh cache; requests join,
+Each run is one ``hisparse_tools.stress.run_stress`` (a fresh cache; requests join,
 prefill and leave with probability ``--churn`` a step; ``--verify`` rows per layer and
 step checked byte-exact against the hot and host copies; the Belady bound off, so the
 tracker's history does not grow the host memory being watched). Runs use seeds seed,
@@ -46,8 +46,8 @@ import torch
 
 from benchmarks import common
 from hisparse import CapacityError
-from hisparse.tools.exit_codes import MissingDependency
-from hisparse.tools.stress import StressOptions, StressRun, run_stress
+from hisparse_tools.exit_codes import MissingDependency
+from hisparse_tools.stress import StressOptions, StressRun, run_stress
 
 PRESETS = {
     "16k": dict(num_requests=32, context=16384, context_min=12288, num_layers=2, steps=5000,

@@ -15,7 +15,7 @@ if _interpreter_mode():  # CPU runs of the Triton kernels
 
 __version__ = "0.1.0"
 
-__all__ = ["HiSparseConfig", "RowFormat", "CapacityError", "HiSparseError", "__version__"]
+__all__ = ["HiSparseConfig", "HiSparseCache", "RowFormat", "CapacityError", "HiSparseError", "__version__"]
 
 
 def __getattr__(name):  # lazy: importing the cache pulls in triton

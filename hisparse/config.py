@@ -10,6 +10,9 @@ import dataclasses
 import json
 from typing import Any
 
+# re-exported: the kernel choice (``kernels=``) and the checks configs are built with, for
+# callers that check options of their own (the tools) the same way
+from ._checks import Kernels, check_bool, check_int, parse_enum
 from .errors import CapacityError
 from .formats import FP8_ROW_BYTES, RowFormat  # RowFormat re-exported: row formats live in formats
 
@@ -176,4 +179,4 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-__all__ = ["HiSparseConfig", "RowFormat", "ceil_div"]
+__all__ = ["HiSparseConfig", "RowFormat", "Kernels", "ceil_div", "check_int", "check_bool", "parse_enum"]

@@ -16,6 +16,7 @@ import weakref
 
 import torch
 
+from ._checks import interpreter_mode  # re-exported: whether Triton runs under its CPU interpreter
 from .errors import CapacityError
 
 
@@ -216,5 +217,5 @@ def wait_event(stream, event) -> None:
         stream.wait_event(event)
 
 
-__all__ = ["PinnedBuffer", "Streams", "available_host_bytes", "check_host_bytes", "is_cuda", "is_pinned_host", "on_device",
-           "pin_host_range", "resolve_device", "unpin_host_range", "wait_event"]
+__all__ = ["PinnedBuffer", "Streams", "available_host_bytes", "check_host_bytes", "interpreter_mode", "is_cuda", "is_pinned_host",
+           "on_device", "pin_host_range", "resolve_device", "unpin_host_range", "wait_event"]

@@ -25,3 +25,6 @@ class CapacityError(HiSparseError):
     The call that raised it changed no state; free requests or configure a
     larger pool/buffer and retry.
     """
+
+
+__all__ = ["HiSparseError", "CapacityError"]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hisparse import CapacityError, HiSparseConfig
-from hisparse.tools.autotune import (AutotuneOptions, _make_cfg, candidates, device_key, gpu_bytes,
+from hisparse_tools.autotune import (AutotuneOptions, _make_cfg, candidates, device_key, gpu_bytes,
                                      load_tuned_config, max_fit, run_autotune, save_result)
 
 TINY = dict(num_layers=2, top_k=8, context=40, num_heads=2, steps=2, warmup=1, max_candidates=3,
@@ -182,7 +182,7 @@ def test_gpu_autotune_small_budget(tmp_path):
 def test_progress_names_the_batch_being_timed_before_it_finishes(monkeypatch, capsys):
     """The first candidate can take minutes on a CPU: the progress line names it before
     its timing starts, not only once it is done."""
-    import hisparse.tools.autotune as at
+    import hisparse_tools.autotune as at
 
     seen = []
     real = at.time_batch
@@ -203,7 +203,7 @@ def test_status_on_a_terminal_clears_the_longer_line_it_replaces():
     not leave the bar's tail on screen."""
     import io
 
-    from hisparse.tools.progress import Progress
+    from hisparse_tools.progress import Progress
 
     class Tty(io.StringIO):
         def isatty(self):

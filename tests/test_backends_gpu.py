@@ -34,7 +34,7 @@ from hisparse.attention.flashmla import FlashMLABackend
 from hisparse.attention.reference import ReferenceBackend
 from hisparse.config import RowFormat
 from hisparse.formats import quantize_fp8_ds_mla
-from hisparse.tools.env import collect_env, format_env
+from hisparse_tools.env import collect_env, format_env
 
 pytestmark = pytest.mark.gpu
 

@@ -31,7 +31,7 @@ from hisparse.attention.reference import ReferenceBackend, sparse_mla_reference
 from hisparse.config import RowFormat
 from hisparse.formats import quantize_fp8_ds_mla_reference
 from hisparse.kernels.gluon_support import gluon_ws_problem
-from hisparse.tools import env as env_mod
+from hisparse_tools import env as env_mod
 
 FP8, BF16 = RowFormat.FP8_DS_MLA, RowFormat.BF16
 CPU = torch.device("cpu")

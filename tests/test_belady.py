@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hisparse import HiSparseCache, HiSparseConfig
-from hisparse.tools.belady import OptimalTracker, belady_stream, hit_rate, lru_stream
+from hisparse_tools.belady import OptimalTracker, belady_stream, hit_rate, lru_stream
 
 
 def R(*pos):

@@ -7,10 +7,10 @@ import json
 import pytest
 
 from benchmarks import bench_capacity
-from hisparse.tools.capacity import Budget, RunShape, engine_config, largest_fit, tier_limits
-from hisparse.tools.cli import main as hisparse_main
-from hisparse.tools.mini_engine.graphs import DecodeMode
-from hisparse.tools.plan import PlanInputs, plan
+from hisparse_tools.capacity import Budget, RunShape, engine_config, largest_fit, tier_limits
+from hisparse_tools.cli import main as hisparse_main
+from hisparse_tools.mini_engine.graphs import DecodeMode
+from hisparse_tools.plan import PlanInputs, plan
 
 
 def test_defaults_agree_with_hisparse_plan(capsys):

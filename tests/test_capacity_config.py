@@ -8,8 +8,8 @@ reports it as a capacity failure (exit 3), as README's exit-code table says.
 import pytest
 
 from hisparse import CapacityError, HiSparseConfig
-from hisparse.tools.cli import main
-from hisparse.tools.exit_codes import EXIT_CAPACITY, classify
+from hisparse_tools.cli import main
+from hisparse_tools.exit_codes import EXIT_CAPACITY, classify
 
 K = 8
 

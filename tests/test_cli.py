@@ -20,11 +20,11 @@ import torch
 
 import hisparse
 from hisparse import HiSparseCache
-from hisparse.tools import cli, preflight
-from hisparse.tools.cli import main
-from hisparse.tools.mini_engine import loop as me_loop
-from hisparse.tools.outputs import Outputs
-from hisparse.tools.traces import TraceRecorder
+from hisparse_tools import cli, preflight, stress
+from hisparse_tools.cli import main
+from hisparse_tools.mini_engine import loop as me_loop
+from hisparse_tools.outputs import Outputs
+from hisparse_tools.traces import TraceRecorder
 
 STRESS_TINY = ["--requests", "2", "--context", "200", "--layers", "1", "--top-k", "8",
                "--buffer", "16", "--steps", "6", "--block-size", "16", "--device", "cpu", "--quiet"]
@@ -156,7 +156,7 @@ def test_stress_bad_input_exit_2(capsys):
 
 def test_plot_without_matplotlib_is_a_clear_error(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import fails as if absent
-    monkeypatch.setattr(cli, "StressRun", _never)
+    monkeypatch.setattr(stress, "StressRun", _never)
     _fails(capsys, ["stress", "--plot", str(tmp_path)] + STRESS_TINY, 4, "needs matplotlib")
 
 
@@ -326,12 +326,12 @@ def test_interrupt_is_one_line(capsys, monkeypatch):
     (["stress", "--metrics-file", "/nonexistent_dir/m.prom"] + STRESS_TINY, "--metrics-file"),
 ])
 def test_stress_output_paths_checked_before_work(capsys, monkeypatch, argv, msg):
-    monkeypatch.setattr(cli, "StressRun", _never)
+    monkeypatch.setattr(stress, "StressRun", _never)
     _fails(capsys, argv, 2, msg)
 
 
 def test_output_path_that_is_a_directory(capsys, monkeypatch, tmp_path):
-    monkeypatch.setattr(cli, "StressRun", _never)
+    monkeypatch.setattr(stress, "StressRun", _never)
     _fails(capsys, ["stress", "--record", str(tmp_path)] + STRESS_TINY, 2, "is a directory")
     (tmp_path / "file").write_text("x")
     _fails(capsys, ["stress", "--plot", str(tmp_path / "file")] + STRESS_TINY, 2, "is not a directory")
@@ -397,7 +397,7 @@ def test_plan_bad_budgets_and_limits(capsys):
 
 def test_metrics_port_without_prometheus_client(capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "prometheus_client", None)
-    monkeypatch.setattr(cli, "StressRun", _never)
+    monkeypatch.setattr(stress, "StressRun", _never)
     _fails(capsys, ["stress", "--metrics-port", "9100"] + STRESS_TINY, 4, "needs prometheus_client")
 
 
@@ -419,14 +419,14 @@ def test_metrics_port_serves_during_the_run(capsys, monkeypatch):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    orig, got = cli.StressRun.run, {}
+    orig, got = stress.StressRun.run, {}
 
     def run(self, on_step=None):
         r = orig(self, on_step)  # the server is still up until the command returns
         got["body"] = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
         return r
 
-    monkeypatch.setattr(cli.StressRun, "run", run)
+    monkeypatch.setattr(stress.StressRun, "run", run)
     r = _json(capsys, ["stress", "--json", "--metrics-port", str(port)] + STRESS_TINY)
     line = next(ln for ln in got["body"].splitlines() if ln.startswith('hisparse_misses_total{layer="0"}'))
     assert float(line.split()[-1]) == r["overall"]["misses"]
@@ -453,7 +453,7 @@ def test_gpu_preset_runs(capsys):
 def test_an_output_that_cannot_be_written_is_one_line_and_exit_1(capsys):
     """A write that fails after the up-front path checks (disk full, an I/O error) ends
     the command with one line and exit 1 (the run failed), not a traceback."""
-    from hisparse.tools.exit_codes import EXIT_FAILED, run_command
+    from hisparse_tools.exit_codes import EXIT_FAILED, run_command
 
     def body():
         raise OSError(28, "No space left on device", "/tmp/out.json")
@@ -498,7 +498,7 @@ def test_output_path_that_is_a_fifo_is_refused_up_front(capsys, tmp_path, monkey
     """Opening a FIFO to probe it would block until a reader came."""
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
-    monkeypatch.setattr(cli, "StressRun", _never)
+    monkeypatch.setattr(stress, "StressRun", _never)
     _fails(capsys, ["stress", "--record", str(fifo)] + STRESS_TINY, 2, "FIFO that cannot be written")
     _fails(capsys, ["stress", "--metrics-file", str(fifo)] + STRESS_TINY, 2, "is not a regular file")
     # a device is fine for a file written in place, not for one replaced atomically
@@ -522,7 +522,7 @@ def test_pipe_with_a_reader_is_accepted_and_a_fifo_without_one_is_not(tmp_path):
 def test_metrics_file_symlink_is_checked_at_its_target(capsys, tmp_path, monkeypatch):
     link = tmp_path / "link.prom"
     link.symlink_to(tmp_path / "missing" / "real.prom")  # the target's directory does not exist
-    monkeypatch.setattr(cli, "StressRun", _never)
+    monkeypatch.setattr(stress, "StressRun", _never)
     _fails(capsys, ["stress", "--metrics-file", str(link)] + STRESS_TINY, 2, "(of its target) does not exist")
 
 

@@ -15,13 +15,13 @@ import sys
 import pytest
 
 from hisparse import CapacityError, HiSparseCache, HiSparseConfig
-from hisparse.tools import cli
-from hisparse.tools.cli import main
-from hisparse.tools.exit_codes import EXIT_FAILED, run_command
-from hisparse.tools.mini_engine import loop as me_loop
-from hisparse.tools.traces import TraceRecorder
+from hisparse_tools import cli, stress
+from hisparse_tools.cli import main
+from hisparse_tools.exit_codes import EXIT_FAILED, run_command
+from hisparse_tools.mini_engine import loop as me_loop
+from hisparse_tools.traces import TraceRecorder
 
-me_cli = importlib.import_module("hisparse.tools.mini_engine.cli")
+me_cli = importlib.import_module("hisparse_tools.mini_engine.cli")
 
 STRESS_TINY = ["--requests", "2", "--context", "200", "--top-k", "8", "--steps", "2", "--block-size", "16",
                "--device", "cpu", "--quiet"]
@@ -61,7 +61,7 @@ def fake_me_run(monkeypatch):
         seen.update(cfg=cfg, progress=progress, record=record)
         return {"compare": {"within_tolerance": True}}
 
-    monkeypatch.setattr(me_cli, "run", run)
+    monkeypatch.setattr(me_loop, "run", run)
     monkeypatch.setattr(me_cli, "format_report", lambda res: "report")
     return seen
 
@@ -91,7 +91,7 @@ def test_graphs_with_unchecked_given_say_nothing_and_at_parse_level_too(capsys, 
 
 
 def test_graphs_with_checked_is_refused_naming_both(capsys, monkeypatch):
-    monkeypatch.setattr(me_cli, "run", _never)
+    monkeypatch.setattr(me_loop, "run", _never)
     _fails(capsys, ["mini-engine", "--device", "cuda", "--graphs", "--checked"] + ME_TINY, 2,
            "--graphs needs unchecked mode", "--checked", "drop --checked")
     _fails(capsys, ["mini-engine", "--checked", "--unchecked"] + ME_TINY, 2, "--unchecked", "--checked")
@@ -104,7 +104,7 @@ def test_graphs_with_checked_is_refused_naming_both(capsys, monkeypatch):
     (["stress", "--layers", "1", "--prefetch"], ["--prefetch has no effect with one layer (--layers 1)"]),
 ])
 def test_stress_options_that_do_nothing_are_refused(capsys, monkeypatch, argv, needles):
-    monkeypatch.setattr(cli.StressRun, "run", _never)
+    monkeypatch.setattr(stress.StressRun, "run", _never)
     _fails(capsys, argv + STRESS_TINY, 2, *needles)
 
 
@@ -114,7 +114,7 @@ def test_stress_prefetch_into_a_one_layer_trace_is_refused(capsys, monkeypatch, 
         rec.begin_step([0], [n])
         rec.add_layer(0, [[0, 1, 2, step + 3]])
     rec.save(tmp_path / "t.npz")
-    monkeypatch.setattr(cli.StressRun, "run", _never)
+    monkeypatch.setattr(stress.StressRun, "run", _never)
     _fails(capsys, ["stress", "--replay", str(tmp_path / "t.npz"), "--prefetch", "--device", "cpu", "--quiet"],
            2, "--prefetch has no effect with one layer (the trace has one)")
 
@@ -153,7 +153,7 @@ def test_other_options_that_do_nothing_are_refused(capsys, monkeypatch, argv, ne
 
 def test_what_a_default_or_an_enabling_flag_supplies_is_not_refused(capsys):
     """Given means typed: defaults, presets and options whose feature is on pass."""
-    from hisparse.tools import flag_rules
+    from hisparse_tools import flag_rules
 
     for argv in (["--ffn", "moe", "--ffn-experts", "8", "--ffn-routing", "token", "--ffn-intermediate", "32"],
                  ["--ffn", "mlp", "--ffn-intermediate", "32"], ["--device", "cuda", "--sync-steps"],
@@ -185,7 +185,7 @@ def _run_ok(capsys, argv):
      ["max_num_reqs", "device_buffer_size"]),
 ])
 def test_stress_size_errors_name_the_flag(capsys, monkeypatch, argv, needles, absent):
-    monkeypatch.setattr(cli.StressRun, "run", _never)
+    monkeypatch.setattr(stress.StressRun, "run", _never)
     base = [a for a in STRESS_TINY]
     for flag in argv[::2]:  # the case's own value replaces the tiny one
         if flag in base:
@@ -196,7 +196,7 @@ def test_stress_size_errors_name_the_flag(capsys, monkeypatch, argv, needles, ab
 def test_stress_buffer_below_top_k_is_a_capacity_error_in_its_flags_words(capsys, monkeypatch):
     """A hot buffer smaller than the top-k is the cache's capacity failure (exit 3, as
     HiSparseConfig and mini-engine report it), named by the flag."""
-    monkeypatch.setattr(cli.StressRun, "run", _never)
+    monkeypatch.setattr(stress.StressRun, "run", _never)
     _fails(capsys, ["stress", "--buffer", "5"] + STRESS_TINY, 3, "capacity:",
            "--buffer 5 is smaller than --top-k (8)", "--buffer >= 8", absent=["device_buffer_size"])
 
@@ -216,7 +216,7 @@ def test_stress_buffer_below_top_k_is_a_capacity_error_in_its_flags_words(capsys
 def test_config_errors_name_the_flags_as_typed(capsys, monkeypatch, command, argv, rc, needles, absent):
     """Every option check of the options / config a command builds names the flag the
     user typed, not the field behind it, whatever check raised it."""
-    monkeypatch.setattr(cli.StressRun, "run", _never)
+    monkeypatch.setattr(stress.StressRun, "run", _never)
     monkeypatch.setattr(me_loop, "run", _never)
     base = STRESS_TINY if command == "stress" else ME_TINY + ["--device", "cpu"]
     base = list(base)
@@ -264,7 +264,7 @@ def test_an_output_that_fails_to_write_names_its_flag_and_path(capsys, monkeypat
     path = str(tmp_path / "t.npz")
     _fails(capsys, ["stress", "--record", path] + STRESS_TINY, 1,
            f"hisparse stress: I/O error: --record {path!r} could not be written: No space left on device")
-    from hisparse.tools.exit_codes import OutputError, writing
+    from hisparse_tools.exit_codes import OutputError, writing
 
     def body():
         with writing("--out", "/dev/full"):

@@ -13,10 +13,10 @@ import threading
 import numpy as np
 import pytest
 
-from hisparse.tools import cli
-from hisparse.tools.cli import main
-from hisparse.tools.mini_engine import loop as me_loop
-from hisparse.tools.traces import TraceRecorder, load_trace
+from hisparse_tools import cli, stress
+from hisparse_tools.cli import main
+from hisparse_tools.mini_engine import loop as me_loop
+from hisparse_tools.traces import TraceRecorder, load_trace
 
 # a trace whose last archive member (topk) is large enough that zipfile, seeking on
 # /dev/null (where tell() stays 0), computed a negative directory size (struct.error)
@@ -200,7 +200,7 @@ def test_a_fifo_whose_reader_left_fails_the_write_not_hangs(capsys, fifo):
                          ids=["stress-record", "autotune-out", "mini-engine-out", "mini-engine-record"])
 def test_a_fifo_without_a_reader_is_refused_up_front(capsys, fifo, monkeypatch, argv):
     ff = fifo()
-    for mod, name in ((cli, "StressRun"), (cli, "run_autotune"), (me_loop, "MiniEngine")):
+    for mod, name in ((stress, "StressRun"), (cli, "run_autotune"), (me_loop, "MiniEngine")):
         monkeypatch.setattr(mod, name, _never)
     flag = argv[1]
     _in_thread(lambda: _refused(capsys, [a.format(ff) for a in argv], f"{flag} {ff!r} is a FIFO",
@@ -245,7 +245,7 @@ def test_two_outputs_of_one_file_are_refused_up_front(capsys, tmp_path, monkeypa
     (tmp_path / "plots").mkdir()
     argv, *flags = _same_file_cases(tmp_path)[case]
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(cli, "StressRun", _never)
+    monkeypatch.setattr(stress, "StressRun", _never)
     monkeypatch.setattr(me_loop, "MiniEngine", _never)
     tail = STRESS_TINY if argv[0] == "stress" else ME_TINY
     _refused(capsys, argv + tail, "are the same file", "one output would overwrite the other", *flags)
@@ -253,7 +253,7 @@ def test_two_outputs_of_one_file_are_refused_up_front(capsys, tmp_path, monkeypa
 
 
 def test_dev_null_takes_several_outputs(tmp_path):
-    from hisparse.tools.outputs import Outputs
+    from hisparse_tools.outputs import Outputs
 
     with Outputs() as outs:
         assert outs.file(os.devnull, flag="--out") == os.devnull

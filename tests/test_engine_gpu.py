@@ -14,7 +14,7 @@ import torch
 
 import test_engine as te
 from hisparse.formats import dequantize_fp8_ds_mla_reference
-from hisparse.tools import mini_engine as me
+from hisparse_tools import mini_engine as me
 
 pytestmark = pytest.mark.gpu
 

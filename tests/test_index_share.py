@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hisparse.tools import mini_engine as me
-from hisparse.tools.mini_engine.kv import KVStore
+from hisparse_tools import mini_engine as me
+from hisparse_tools.mini_engine.kv import KVStore
 
 
 def _cfg(**kw):
@@ -187,7 +187,7 @@ def test_prefetch_targets():
 
 
 def test_recorder_adjacent_overlap():
-    from hisparse.tools.traces import TraceRecorder
+    from hisparse_tools.traces import TraceRecorder
     rec = TraceRecorder(num_layers=3, top_k=4)
     rec.begin_step([0, 1], [10, 10])
     rec.add_layer(0, torch.tensor([[1, 2, 3, 4], [5, 6, -1, -1]], dtype=torch.int32))

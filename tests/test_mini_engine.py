@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hisparse import CapacityError
-from hisparse.tools import mini_engine as me
+from hisparse_tools import mini_engine as me
 
 
 def test_resident_and_hisparse_match_fp8():
@@ -200,7 +200,7 @@ def test_triton_cache_kernels_in_interpreter():
 def test_report_flags_outlier_steps():
     """A step 10x over the median (a kernel compiling) is called out, since it makes the
     tokens/s comparison meaningless."""
-    from hisparse.tools.mini_engine import format_report
+    from hisparse_tools.mini_engine import format_report
 
     def run(outliers):
         step = {"n": 3, "min_ms": 1.0, "median_ms": 1.0, "p99_ms": 900.0}

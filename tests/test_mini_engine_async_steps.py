@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hisparse.tools import mini_engine as me
-from hisparse.tools.mini_engine.kv import KV_STORES
+from hisparse_tools import mini_engine as me
+from hisparse_tools.mini_engine.kv import KV_STORES
 
 
 class _Event:
@@ -85,7 +85,7 @@ def test_step_by_step_releases_at_once(monkeypatch):
 
 
 def test_sync_steps_option():
-    from hisparse.tools.mini_engine.cli import build_parser, config_from_args
+    from hisparse_tools.mini_engine.cli import build_parser, config_from_args
     assert config_from_args(build_parser().parse_args([])).async_steps is True
     assert config_from_args(build_parser().parse_args(["--sync-steps"])).async_steps is False
     with pytest.raises(TypeError, match="async_steps"):

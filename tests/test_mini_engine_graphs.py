@@ -13,11 +13,11 @@ from types import SimpleNamespace as NS
 import pytest
 import torch
 
-from hisparse.tools import mini_engine as me
-from hisparse.tools.mini_engine.ffn import FFN, ffn_weight_bytes, grouped_mm, grouped_mm_reference
-from hisparse.tools.mini_engine.graphs import StaticInputs
-from hisparse.tools.mini_engine.loop import ReplayProfile
-from hisparse.tools.mini_engine.scores import indexer_scores_reference, indexer_scores_triton
+from hisparse_tools import mini_engine as me
+from hisparse_tools.mini_engine.ffn import FFN, ffn_weight_bytes, grouped_mm, grouped_mm_reference
+from hisparse_tools.mini_engine.graphs import StaticInputs
+from hisparse_tools.mini_engine.loop import ReplayProfile
+from hisparse_tools.mini_engine.scores import indexer_scores_reference, indexer_scores_triton
 
 
 
@@ -123,7 +123,7 @@ def test_layer_graphs_decode_replays_both_calls(monkeypatch):
     from graph_trace import RecordingGraphs
     from hisparse.engine import HiSparseIndexGroup
     from hisparse.engine.layer_graphs import LayerGraphs
-    from hisparse.tools.mini_engine import loop
+    from hisparse_tools.mini_engine import loop
 
     waits = []
     convert = HiSparseIndexGroup.convert_decode_logical_to_physical_topk

@@ -13,8 +13,8 @@ import dataclasses
 import pytest
 import torch
 
-from hisparse.tools import mini_engine as me
-from hisparse.tools.mini_engine.ffn import grouped_mm, grouped_mm_reference
+from hisparse_tools import mini_engine as me
+from hisparse_tools.mini_engine.ffn import grouped_mm, grouped_mm_reference
 
 pytestmark = pytest.mark.gpu
 

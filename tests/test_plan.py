@@ -2,7 +2,8 @@
 
 import pytest
 
-from hisparse.tools.plan import PlanInputs, format_plan, parse_bytes, parse_tokens, plan
+from hisparse_tools.plan import PlanInputs, format_plan, plan
+from hisparse_tools.units import parse_bytes, parse_tokens
 
 
 def _case(**kw):

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from hisparse import CapacityError, HiSparseCache
-from hisparse.tools import preflight
-from hisparse.tools.stress import StressOptions, StressRun, row_content, run_stress
-from hisparse.tools.stress_report import format_stress
-from hisparse.tools.sources import CorrelatedSource, IndexerSource, UniformSource, sample_distinct
-from hisparse.tools.traces import ReplaySource, TraceRecorder, load_trace
+from hisparse_tools import preflight
+from hisparse_tools.stress import StressOptions, StressRun, row_content, run_stress
+from hisparse_tools.stress_report import format_stress
+from hisparse_tools.sources import CorrelatedSource, IndexerSource, UniformSource, sample_distinct
+from hisparse_tools.traces import ReplaySource, TraceRecorder, load_trace
 
 TINY = dict(num_requests=3, context=300, num_layers=2, top_k=16, buffer_size=32, steps=10,
             churn=0.2, progress=False, device="cpu", block_size=16)
@@ -398,7 +398,7 @@ def test_replay_of_the_mini_engine_indexer_reproduces_its_cache_counters(tmp_pat
     """Stress driven by the mini engine's real indexer (recorded with ``--record``): the
     replay passes byte verification and sees exactly the hits and misses the engine's
     own hisparse run saw (same trace, buffer and LRU rules)."""
-    from hisparse.tools import mini_engine as me
+    from hisparse_tools import mini_engine as me
 
     path = str(tmp_path / "engine.npz")
     res = me.run(me.MiniEngineConfig(), record=path)

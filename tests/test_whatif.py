@@ -20,12 +20,12 @@ import pytest
 import torch
 
 from hisparse import HiSparseCache, HiSparseConfig
-from hisparse.tools import whatif as W
-from hisparse.tools.belady import LayerTrace, Policy, hit_rate, simulate
-from hisparse.tools.cli import main
-from hisparse.tools.stress import StressOptions, run_stress
-from hisparse.tools.sources import WorkingSetSource
-from hisparse.tools.traces import TraceRecorder, TraceStep, load_trace
+from hisparse_tools import whatif as W
+from hisparse_tools.belady import LayerTrace, Policy, hit_rate, simulate
+from hisparse_tools.cli import main
+from hisparse_tools.stress import StressOptions, run_stress
+from hisparse_tools.sources import WorkingSetSource
+from hisparse_tools.traces import TraceRecorder, TraceStep, load_trace
 
 
 @pytest.fixture(autouse=True)
@@ -193,7 +193,7 @@ def test_stress_runs_the_workingset_generator_whatif_does(tmp_path):
 
 
 def test_replay_of_the_mini_engine_equals_its_cache_counters(tmp_path):
-    from hisparse.tools import mini_engine as me
+    from hisparse_tools import mini_engine as me
 
     path = str(tmp_path / "engine.npz")
     cfg = me.MiniEngineConfig()

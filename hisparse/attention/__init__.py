@@ -4,9 +4,10 @@
   ``supports`` the combination (``chooser``; ``available_backends`` says why each
   other one can't).
 - ``ReferenceBackend`` (float32 torch oracle), ``TritonBackend`` (portable, bf16 and
-  fp8_ds_mla; ``TritonMLAConfig`` / ``default_config``: its launch shape),
+  fp8_ds_mla; ``TritonMLAConfig`` / ``default_config``: its launch shape;
+  ``gluon_ws_problem``: why its warp-specialised kernel can't run here, or None),
   ``FlashMLABackend`` (ops from vllm / sgl_kernel or a library path),
-  ``FlashInferBackend``.
+  ``FlashInferBackend`` (``flashinfer_version``: the installed one, or None).
 - ``miss``: the miss side of a split decode (``merge_lse``, ``miss_attention_merge``,
   ``fused_miss_attention``).
 
@@ -28,8 +29,9 @@ _EXPORTS = {
     "ReferenceBackend": "reference",
     "TritonBackend": "triton_backend", "TritonMLAConfig": "triton_backend",
     "default_config": "triton_backend",
+    "gluon_ws_problem": "triton_backend",
     "FlashMLABackend": "flashmla",
-    "FlashInferBackend": "flashinfer",
+    "FlashInferBackend": "flashinfer", "flashinfer_version": "flashinfer",
 }
 
 __all__ = list(_EXPORTS)

@@ -29,12 +29,11 @@ resolve finds those rows hot.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
 
 import torch
 
-from .._checks import check_bool, check_int, parse_enum, sm_count
+from .._checks import check_bool, check_int, sm_count
 from ..attention.base import Phase, SparseMLABackend, check_decode_call
 from ..attention.miss import (MissConfig, MissMode, MissPlan, fused_miss_attention, merge_lse,
                               miss_attention_merge, plan_miss_attention)
@@ -42,6 +41,7 @@ from ..cache.cache import HiSparseCache
 from ..cache.results import SplitResult
 from ..cache.stager import CopyShape
 from ..formats import D_LATENT, RowFormat
+from .overlap import Overlap
 
 
 # A split layer's staging copy when the hit attention would fill every SM (its one wave,
@@ -82,18 +82,6 @@ class SplitLaunch:
     num_heads: int
     sms: int | None
     after_miss_phase: bool = False
-
-
-class Overlap(enum.Enum):
-    """How a decode layer orders miss staging and attention (module docstring)."""
-
-    SERIAL = "serial"
-    SPLIT = "split"
-    FUSED = "fused"
-
-    @classmethod
-    def parse(cls, value: "Overlap | str") -> "Overlap":
-        return parse_enum(cls, value, "overlap")
 
 
 class DecodeLayer:

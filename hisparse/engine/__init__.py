@@ -4,12 +4,13 @@
   forward ``prepare_for_batch``, per layer ``write_new_rows`` / decode conversion /
   prefill staging) and the handles it returns (``LayerCache``, ``LayerRuntime``,
   ``HotView``).
-- ``metadata``: ``SparseMLAMetadata``, one forward's batch description.
+- ``metadata``: ``SparseMLAMetadata``, one forward's batch description, and
+  ``device_ints``, the one non-blocking copy that puts a step's int lists on the device.
 """
 
 from ..errors import CapacityError
 from .group import HiSparseIndexGroup, HotView, LayerCache, LayerRuntime
-from .metadata import SparseMLAMetadata
+from .metadata import SparseMLAMetadata, device_ints
 
-__all__ = ["HiSparseIndexGroup", "SparseMLAMetadata", "LayerCache", "LayerRuntime", "HotView",
+__all__ = ["HiSparseIndexGroup", "SparseMLAMetadata", "device_ints", "LayerCache", "LayerRuntime", "HotView",
            "CapacityError"]

@@ -1,7 +1,0 @@
-"""``python -m hisparse.tools.mini_engine ...``: the same as ``hisparse mini-engine ...``."""
-
-import sys
-
-from .cli import main
-
-sys.exit(main())

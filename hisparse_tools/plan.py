@@ -1,0 +1,177 @@
+"""Capacity planner: how many concurrent requests fit with and without hisparse.
+
+Notation (all per request unless said otherwise):
+
+  L   layers              row  bytes of one MLA row (656 fp8_ds_mla, 1152 bf16)
+  I   indexer key bytes per token per layer (DeepSeek-V3.2: 128 fp8 + 4-byte scale = 132)
+  C   context tokens      B  host block size (tokens)      Cb = ceil(C / B) * B
+  S   hot rows (LRU slots) per (layer, request); one more reserved newest-token slot
+  G   GPU bytes for KV    Hm host bytes for the pool        M  max sequences (a cap)
+  P   tensor-parallel ranks per node (each rank's GPU holds the same latent rows: MLA's
+      latent KV is replicated across TP ranks); G is per rank, Hm per node
+  X   host pool copies per node: 1 with a shared pool (--tp-share), else P
+  Li  layers with an indexer: ceil(L / n) when only every n-th layer runs one and the
+      layers after it reuse its top-k (IndexCache's Full / Shared layers; n = 1: all)
+
+Formulas (``FORMULAS`` below is printed by ``hisparse plan --help``):
+
+  Li = ceil(L / n): layers that keep indexer keys (--index-share n; n = 1: every layer)
+  resident (no hisparse), GPU bytes = C * (L * row + Li * I)
+  hisparse, GPU bytes  = L * (S + 1) * (row + 8)     hot rows + slot position/stamp (int32 each)
+                       + C * Li * I                  indexer keys stay on the GPU
+                       + Cb * L * 4                  row -> slot map (int32 per host row)
+                       + 4 * (Cb / B) + 8 * L + 4    block table, LRU step, length
+  hisparse, host bytes = Cb * L * row                 (one copy)
+
+  N_index    = min(floor((2^31 - 1) / Cb), floor((2^31 - 1) / (S + 1)))
+               one cache indexes host rows and hot rows of a layer with int32
+  N_resident = min(floor(G / resident GPU bytes), M)
+  N_hisparse = min(floor(G / hisparse GPU bytes), floor(Hm / (X * host bytes)), M, N_index)
+  binding resource = the term that gives N_hisparse (gpu | host | max_seqs | int32_indices)
+  host pool (per node) for a target of N requests = N * X * host bytes
+
+Result fields (``plan`` / ``hisparse plan --json``): inputs (PlanInputs + row_bytes),
+per_request_bytes {resident_gpu, hisparse_gpu, hisparse_gpu_breakdown {hot_rows_and_
+slot_state, indexer_keys, row_to_slot_map, tables}, hisparse_host}, concurrency
+{resident, hisparse, hisparse_gpu_limit, hisparse_host_limit, hisparse_index_limit,
+max_seqs}, binding,
+gain (hisparse / resident, None when resident is 0), host_pool_copies_per_node,
+host_pool_for_hisparse_bytes (per node),
+target {requests, host_pool_bytes, gpu_bytes, fits_gpu, within_max_seqs} (with a target).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from hisparse.config import RowFormat, check_bool, check_int
+from .report import table
+from .units import fmt_bytes
+
+INT32_ROWS = 2**31 - 1  # rows one layer of a cache can index (int32)
+
+FORMULAS = (__doc__.split("Formulas", 1)[1].split("\n", 1)[1].split("Result fields")[0].rstrip()
+            if __doc__ else "")
+
+@dataclasses.dataclass(frozen=True)
+class PlanInputs:
+    """Inputs of the planner (see module docstring for the symbols)."""
+
+    num_layers: int  # L
+    context_len: int  # C
+    gpu_bytes: int  # G
+    host_bytes: int  # Hm
+    row_format: str = "fp8_ds_mla"
+    top_k: int = 2048
+    indexer_bytes: int = 132  # I
+    index_share: int = 1  # n: layers per indexer (Li = ceil(L / n))
+    hot_rows: int | None = None  # S; default 2 * top_k
+    max_seqs: int = 1 << 20  # M
+    block_size: int = 64  # B
+    target_requests: int | None = None
+    tp_ranks: int = 1  # P
+    tp_share: bool = False  # one shared host pool per node (hisparse.cache.distributed)
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "context_len", "top_k", "max_seqs", "block_size", "tp_ranks",
+                     "gpu_bytes", "host_bytes", "index_share"):
+            check_int(name, getattr(self, name), lo=1)
+        check_int("indexer_bytes", self.indexer_bytes, lo=0)
+        check_bool("tp_share", self.tp_share)
+        RowFormat.parse(self.row_format)
+        if self.hot_rows is None:
+            object.__setattr__(self, "hot_rows", 2 * self.top_k)
+        check_int("hot_rows", self.hot_rows)
+        if self.hot_rows < self.top_k:
+            raise ValueError(f"hot_rows must be >= top_k ({self.top_k}): one step may "
+                             f"select top_k distinct rows; got {self.hot_rows}")
+        if self.target_requests is not None:
+            check_int("target_requests", self.target_requests, lo=1)
+        cb = math.ceil(self.context_len / self.block_size) * self.block_size
+        if cb > INT32_ROWS:
+            raise ValueError(
+                f"context_len={self.context_len} needs {cb} host rows per layer for one request; "
+                f"a cache indexes at most {INT32_ROWS} rows per layer (int32), so not even one "
+                "request of this context fits")
+        if self.hot_rows + 1 > INT32_ROWS:
+            raise ValueError(f"hot_rows={self.hot_rows} (+1 reserved slot) exceeds int32 hot-row indices")
+
+
+def plan(inp: PlanInputs) -> dict:
+    """Evaluate the formulas of the module docstring; returns a JSON-able dict."""
+    L, C, B, S, I = inp.num_layers, inp.context_len, inp.block_size, inp.hot_rows, inp.indexer_bytes
+    row = RowFormat.parse(inp.row_format).row_bytes
+    nblocks = math.ceil(C / B)
+    Cb = nblocks * B
+    Li = math.ceil(L / inp.index_share)
+    resident_gpu = C * (L * row + Li * I)
+    hot = L * (S + 1) * (row + 8)
+    indexer = C * Li * I
+    row_map = Cb * L * 4
+    small = 4 * nblocks + 8 * L + 4
+    hs_gpu = hot + indexer + row_map + small
+    hs_host = Cb * L * row
+    copies = 1 if inp.tp_share else inp.tp_ranks  # X
+    n_res = min(inp.gpu_bytes // resident_gpu, inp.max_seqs)
+    n_gpu = inp.gpu_bytes // hs_gpu
+    n_host = inp.host_bytes // (copies * hs_host)
+    n_index = min(INT32_ROWS // Cb, INT32_ROWS // (S + 1))
+    n_hs = min(n_gpu, n_host, inp.max_seqs, n_index)
+    binding = ("gpu" if n_hs == n_gpu else "host" if n_hs == n_host
+               else "max_seqs" if n_hs == inp.max_seqs else "int32_indices")
+    out = {
+        "inputs": dataclasses.asdict(inp) | {"row_bytes": row},
+        "per_request_bytes": {
+            "resident_gpu": resident_gpu,
+            "hisparse_gpu": hs_gpu,
+            "hisparse_gpu_breakdown": {"hot_rows_and_slot_state": hot, "indexer_keys": indexer,
+                                       "row_to_slot_map": row_map, "tables": small},
+            "hisparse_host": hs_host,
+        },
+        "concurrency": {"resident": n_res, "hisparse": n_hs, "hisparse_gpu_limit": n_gpu,
+                        "hisparse_host_limit": n_host, "hisparse_index_limit": n_index,
+                        "max_seqs": inp.max_seqs},
+        "binding": binding,
+        "gain": (n_hs / n_res) if n_res else None,
+        "host_pool_copies_per_node": copies,
+        "host_pool_for_hisparse_bytes": n_hs * copies * hs_host,
+    }
+    if inp.target_requests is not None:
+        t = inp.target_requests
+        out["target"] = {"requests": t, "host_pool_bytes": t * copies * hs_host,
+                         "gpu_bytes": t * hs_gpu,
+                         "fits_gpu": t * hs_gpu <= inp.gpu_bytes,
+                         "within_max_seqs": t <= inp.max_seqs}
+    return out
+
+
+def format_plan(p: dict) -> str:
+    """The readable table of a :func:`plan` result."""
+    i, b, c = p["inputs"], p["per_request_bytes"], p["concurrency"]
+    head = (f"L={i['num_layers']} {i['row_format']} ({i['row_bytes']} B/row) top_k={i['top_k']} "
+            f"S={i['hot_rows']} context={i['context_len']} indexer={i['indexer_bytes']} B/token/layer"
+            + (f" in {math.ceil(i['num_layers'] / i['index_share'])} layers (one per {i['index_share']})"
+               if i["index_share"] > 1 else "") + "\n"
+            f"GPU for KV {fmt_bytes(i['gpu_bytes'])}, host {fmt_bytes(i['host_bytes'])}, "
+            f"max seqs {i['max_seqs']}")
+    rows = [["resident (no hisparse)", fmt_bytes(b["resident_gpu"]), "-", c["resident"]],
+            ["hisparse", fmt_bytes(b["hisparse_gpu"]), fmt_bytes(b["hisparse_host"]), c["hisparse"]]]
+    lines = [head, "", table(["mode", "GPU / request", "host / request", "concurrent requests"], rows)]
+    gb = b["hisparse_gpu_breakdown"]
+    lines.append("\nhisparse GPU per request: " + ", ".join(
+        f"{k.replace('_', ' ')} {fmt_bytes(v)}" for k, v in gb.items()))
+    lines.append(f"binding resource: {p['binding']} (GPU allows {c['hisparse_gpu_limit']}, "
+                 f"host allows {c['hisparse_host_limit']}, max seqs {c['max_seqs']}, int32 indices "
+                 f"{c['hisparse_index_limit']})")
+    if p["gain"] is not None:
+        lines.append(f"gain: {p['gain']:.2f}x the resident concurrency")
+    lines.append(f"host pool used at that concurrency (per node, {p['host_pool_copies_per_node']} "
+                 f"cop{'y' if p['host_pool_copies_per_node'] == 1 else 'ies'}): "
+                 f"{fmt_bytes(p['host_pool_for_hisparse_bytes'])}")
+    if "target" in p:
+        t = p["target"]
+        lines.append(f"target {t['requests']} requests: host pool >= {fmt_bytes(t['host_pool_bytes'])}"
+                     f", GPU {fmt_bytes(t['gpu_bytes'])} ({'fits' if t['fits_gpu'] else 'does NOT fit'}"
+                     " the GPU budget)")
+    return "\n".join(lines)

@@ -1,0 +1,130 @@
+"""The stress workload, shared by ``stress`` (which drives the real cache with it) and
+``whatif`` (which only simulates it): :class:`StressOptions`, the knobs of a run, and
+:class:`Schedule`, the synthetic join/leave schedule. Nothing here imports the cache
+or a kernel, so the simulators can use it on numpy alone."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from hisparse.config import Kernels, RowFormat, check_bool, check_int
+from .sources import WORKINGSET_DRIFT, WORKINGSET_RECENT, WORKINGSET_SINKS
+from .traces import SOURCES
+
+
+@dataclasses.dataclass(frozen=True)
+class StressOptions:
+    """Workload and checking knobs of a stress run (the CLI flags, 1:1), checked when built.
+
+    With ``trace="replay"`` the trace file fixes the layers, top-k, steps and the request
+    schedule: ``num_requests``, ``context``, ``context_min``, ``num_layers``, ``top_k``,
+    ``steps``, ``churn`` and ``drift`` are not used (the CLI refuses them next to
+    ``--replay``); the result's ``config`` and ``workload`` report the trace's values.
+    """
+
+    num_requests: int = 4  # live requests at once
+    context: int = 2048  # max context of a joining request (tokens)
+    context_min: int | None = None  # min context of a joining request (default context // 2)
+    num_layers: int = 2
+    top_k: int = 64
+    buffer_size: int | None = None  # hot LRU slots S (default 2 * top_k)
+    row_format: str = "fp8_ds_mla"
+    steps: int = 40
+    churn: float = 0.05  # per step and request: probability it leaves (a new one joins)
+    trace: str = "correlated"  # uniform | correlated | replay | indexer
+    drift: float | None = None  # correlated / indexer / workingset: per step replacement (None: the trace's default)
+    replay: str | None = None  # trace file for trace="replay"
+    record: str | None = None  # write the trace used to this .npz
+    verify: int | str = 64  # rows checked per layer and step, "all" or "none"
+    seed: int = 0
+    device: str | None = None  # cpu, cuda, cuda:N; default: cuda when available, else cpu
+    block_size: int = 64
+    kernels: str = "auto"  # a hisparse._checks.Kernels value
+    optimal: bool = True  # compute the Belady bound
+    checked: bool = True  # checked resolve (host sync); False times the unchecked fast path
+    prefill_chunk: int = 16384  # rows per append call when a request joins
+    prefetch: bool = False  # after layer l's resolve, stage its selection into layer l+1 (exact if shared)
+    progress: bool = True
+
+    @property
+    def drift_used(self) -> float:
+        """``drift``, or the trace's default: the working-set generator's own
+        (``WORKINGSET_DRIFT``, as whatif's preset), 0.1 for the others."""
+        if self.drift is not None:
+            return float(self.drift)
+        return WORKINGSET_DRIFT if self.trace == "workingset" else 0.1
+
+    def __post_init__(self) -> None:
+        for name in ("num_requests", "context", "num_layers", "top_k", "steps", "block_size",
+                     "prefill_chunk"):
+            check_int(name, getattr(self, name), lo=1)
+        check_int("seed", self.seed, 0, 2**62)  # the tools derive seed + 1, seed + 2, ... from it
+        if self.buffer_size is not None:
+            check_int("buffer_size", self.buffer_size, lo=1)
+        cm = self.context_min if self.context_min is not None else max(1, self.context // 2)
+        check_int("context_min", cm)
+        if not 1 <= cm <= self.context:
+            raise ValueError(f"context_min must be in [1, context={self.context}], got {cm}")
+        for name in ("churn", "drift"):
+            v = getattr(self, name)
+            if v is None and name == "drift":
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= float(v) <= 1.0:
+                raise ValueError(f"{name} must be a number in [0, 1], got {v!r}")
+        check_bool("prefetch", self.prefetch)
+        RowFormat.parse(self.row_format)
+        Kernels.parse(self.kernels)
+        if self.trace not in SOURCES:
+            raise ValueError(f"trace must be one of {list(SOURCES)}, got {self.trace!r}")
+        fixed = WORKINGSET_SINKS + WORKINGSET_RECENT
+        if self.trace == "workingset" and self.top_k <= fixed:
+            raise ValueError(f"trace='workingset' always selects {WORKINGSET_SINKS} sink and the "
+                             f"{WORKINGSET_RECENT} newest tokens, so it needs top_k > {fixed} (got {self.top_k}); "
+                             "give a larger --top-k or another --trace")
+        if self.drift is not None and self.trace in ("uniform", "replay"):
+            raise ValueError(f"drift does not apply to trace={self.trace!r} (only correlated, indexer "
+                             "and workingset drift); leave --drift out or pick one of those traces")
+        if self.trace == "replay" and not self.replay:
+            raise ValueError("trace='replay' needs a trace file (--replay FILE)")
+        if self.replay and self.trace != "replay":
+            raise ValueError(f"a trace file to replay ({self.replay!r}) and trace={self.trace!r} "
+                             "conflict: use trace='replay' with it, or drop the file")
+        v = self.verify
+        if not (v in ("all", "none") or (isinstance(v, int) and not isinstance(v, bool) and v >= 0)):
+            raise ValueError(f"verify must be a count >= 0, 'all' or 'none'; got {v!r}")
+
+
+class Schedule:
+    """Synthetic join/leave schedule: (req_ids, seq_lens) per step, int64 numpy arrays."""
+
+    def __init__(self, o: StressOptions, max_request_id: int) -> None:
+        self.o = o
+        self.rng = np.random.default_rng(o.seed + 1)
+        self.cmin = o.context_min if o.context_min is not None else max(1, o.context // 2)
+        self.max_id = max_request_id
+        self.live: dict[int, int] = {}  # id -> length after the last step
+
+    def _join(self, busy: set[int]) -> None:
+        # lowest id neither live nor freed this step: ids get reused one step later, so a
+        # recorded trace stays unambiguous (a join = an id absent from the previous step)
+        rid = min(set(range(len(busy) + 1)) - busy)
+        busy.add(rid)
+        self.live[rid] = int(self.rng.integers(self.cmin, self.o.context + 1)) - 1
+
+    def step(self, s: int) -> tuple[np.ndarray, np.ndarray]:
+        busy = set(self.live)
+        if s > 0:
+            for rid in list(self.live):
+                if self.rng.random() < self.o.churn:
+                    del self.live[rid]
+        while len(self.live) < self.o.num_requests:
+            self._join(busy)
+        for rid in self.live:
+            self.live[rid] += 1
+        ids = np.array(sorted(self.live), dtype=np.int64)
+        return ids, np.array([self.live[i] for i in ids], dtype=np.int64)
+
+
+__all__ = ["StressOptions", "Schedule"]
