@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -38,14 +39,26 @@ SECTION_LINK = re.compile(r"BENCHMARKS\.md#([\w-]+)")
 
 
 def _project_files() -> list[Path]:
+    """The repo's .py / .md / .sh files (and dev, .ci/run): what git tracks or would add
+    (ignored virtualenvs such as .venv-triton-latest, which CI creates here, are not the
+    project's); outside a git checkout, a walk that skips SKIP_DIRS and virtualenvs."""
+    try:
+        listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                                capture_output=True, text=True, check=True).stdout.splitlines()
+        paths = [ROOT / rel for rel in listed if rel]
+    except (OSError, subprocess.CalledProcessError):
+        paths = []
+        for folder, dirs, files in os.walk(ROOT):
+            dirs[:] = [d for d in dirs if d not in SKIP_DIRS and not d.endswith(".egg-info")
+                       and not d.startswith(".venv")]
+            paths += [Path(folder, name) for name in files]
     out = []
-    for folder, dirs, files in os.walk(ROOT):
-        dirs[:] = [d for d in dirs if d not in SKIP_DIRS and not d.endswith(".egg-info")]
-        for name in files:
-            path = Path(folder, name)
-            rel = path.relative_to(ROOT).as_posix()
-            if path.suffix in {".py", ".md", ".sh"} or rel in {"dev", ".ci/run"}:
-                out.append(path)
+    for path in paths:
+        rel = path.relative_to(ROOT).as_posix()
+        if any(part in SKIP_DIRS for part in Path(rel).parts[:-1]):
+            continue
+        if path.is_file() and (path.suffix in {".py", ".md", ".sh"} or rel in {"dev", ".ci/run"}):
+            out.append(path)
     return sorted(out)
 
 
