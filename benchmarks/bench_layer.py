@@ -11,8 +11,7 @@ restored (the same misses every time) and the L2 is flushed; the resident replay
 the same flush.
 
 Modes: serial (resolve + copy, then attention), split (attention over the hits while
-the misses stage, then the misses, LSE-merged), fused (the misses read from host,
-written and attended in one kernel beside the hit attention), and ``prefetch``: two
+the misses stage, then the misses, LSE-merged), and ``prefetch``: two
 layers (split), the second layer's selection prefetched from the first's while the
 first computes, against two resident layers; the two selections share ``--overlap``
 of their entries.
@@ -23,14 +22,13 @@ to resident, and the fraction of the staging time hidden, (serial - mode) /
 alone, and the largest output difference from resident (relative to its largest |value|).
 
   python -m benchmarks.bench_layer [--batch 16 64 256] [--hits 100 95 90 80]
-      [--backends triton flashmla] [--modes serial split fused prefetch] [--out FILE]
+      [--backends triton flashmla] [--modes serial split prefetch] [--out FILE]
   python -m benchmarks.bench_layer --dry-run      # tiny shapes on CPU (interpreter)
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import sys
 
@@ -46,7 +44,6 @@ from hisparse.attention.flashmla import FlashMLABackend  # noqa: E402
 from hisparse.attention.triton_backend import TritonBackend  # noqa: E402
 from hisparse.attention.base import Phase  # noqa: E402
 from hisparse.cache.cache import HiSparseCache  # noqa: E402
-from hisparse.attention.miss import MissMode, default_miss_config  # noqa: E402
 from hisparse.decode import DecodeLayer, Overlap  # noqa: E402
 from hisparse.formats import RowFormat, quantize_fp8_ds_mla  # noqa: E402
 
@@ -60,8 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--hits", type=common.percent, nargs="+", default=[100, 95, 90, 80],
                     help="hit rates in percent, each in [0, 100]")
     ap.add_argument("--backends", nargs="+", default=["triton", "flashmla"], choices=["triton", "flashmla"])
-    ap.add_argument("--modes", nargs="+", default=["serial", "split", "fused", "prefetch"],
-                    choices=["serial", "split", "fused", "prefetch"])
+    ap.add_argument("--modes", nargs="+", default=["serial", "split", "prefetch"],
+                    choices=["serial", "split", "prefetch"])
     ap.add_argument("--context", type=pos, default=65536, help="tokens per request (B <= 64)")
     ap.add_argument("--context-256", type=pos, default=32768, help="tokens per request at B > 64")
     ap.add_argument("--top-k", type=pos, default=2048)
@@ -70,7 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--overlap", type=common.fraction, default=0.8,
                     help="adjacent-layer selection overlap (prefetch), in [0, 1]")
     ap.add_argument("--stage-programs", type=pos, nargs="+", default=None,
-                    help="sweep: the staging kernel's and the fused kernel's grid sizes (default: theirs)")
+                    help="sweep: the staging kernel's grid sizes (default: its own)")
     ap.add_argument("--reps", type=pos, default=30)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--flashmla-lib", default=None)
@@ -223,8 +220,8 @@ def bench_case(s: Setup, be: SparseMLABackend, hit: float, a: argparse.Namespace
         return outs[-1]
 
     res["resident"], ref = timed(resident, s, a, restore=False)
-    layers = {m: DecodeLayer(c, be, overlap=Overlap.parse(m)) for m in ("serial", "split", "fused")}
-    for m in ("serial", "split", "fused"):
+    layers = {m: DecodeLayer(c, be, overlap=Overlap.parse(m)) for m in ("serial", "split")}
+    for m in ("serial", "split"):
         if m not in a.modes:
             continue
         res[m], out = timed(lambda m=m: layers[m](0, s.req, tk0, q, sm_scale=sm), s, a, restore=True)
@@ -236,14 +233,10 @@ def bench_case(s: Setup, be: SparseMLABackend, hit: float, a: argparse.Namespace
     hits = sp.hit_physical.clone()
     res["hit_attention_alone"], _ = timed(
         lambda: be.decode(q, c.hot_rows(0), hits, sm_scale=sm, row_format=fmt), s, a, restore=False)
-    for progs in a.stage_programs or []:  # grid-size sweep of the staging and fused kernels
+    for progs in a.stage_programs or []:  # grid-size sweep of the staging kernel
         c.stager.stage_programs = progs
-        fcfg = dataclasses.replace(default_miss_config(MissMode.FUSED, num_tokens=s.B, num_heads=H, device=dev),
-                                   programs=progs)
-        sweep = {m: DecodeLayer(c, be, overlap=Overlap.parse(m), miss_config=fcfg if m == "fused" else None)
-                 for m in ("serial", "split", "fused")}
         row = {}
-        for m, dl in sweep.items():
+        for m, dl in layers.items():
             row[m], _ = timed(lambda dl=dl: dl(0, s.req, tk0, q, sm_scale=sm), s, a, restore=True)
             row[m]["ratio_vs_resident"] = row[m]["median_us"] / res["resident"]["median_us"]
         row["staging_alone"], _ = timed(lambda: c.resolve(0, s.req, tk0, validate=False), s, a, restore=True)
@@ -274,7 +267,7 @@ def bench_case(s: Setup, be: SparseMLABackend, hit: float, a: argparse.Namespace
                                    "wasted_bytes": (staged - sel) * 656}
     r0 = res["resident"]["median_us"]
     ser = res.get("serial", {}).get("median_us")
-    for m in ("serial", "split", "fused"):
+    for m in ("serial", "split"):
         if m in res:
             res[m]["ratio_vs_resident"] = res[m]["median_us"] / r0
             if ser is not None and ser > r0:
@@ -306,7 +299,7 @@ def main(argv=None) -> int:
                 r.update(backend=name, B=B, context=ctx)
                 report["cases"].append(r)
                 line = f"{name:8s} B={B:4d} hit={h:3d}%  resident {r['resident']['median_us']:8.1f} us"
-                for m in ("serial", "split", "fused"):
+                for m in ("serial", "split"):
                     if m in r:
                         hid = r[m].get("staging_hidden")
                         line += f" | {m} {r[m]['ratio_vs_resident']:.2f}x" + (f" hid {hid:.0%}" if hid is not None else "")
@@ -318,7 +311,7 @@ def main(argv=None) -> int:
                 print(line, flush=True)
                 for progs, row in r.get("sweep", {}).items():
                     print(f"    programs {progs:>4s}: serial {row['serial']['ratio_vs_resident']:.2f}x split "
-                          f"{row['split']['ratio_vs_resident']:.2f}x fused {row['fused']['ratio_vs_resident']:.2f}x "
+                          f"{row['split']['ratio_vs_resident']:.2f}x "
                           f"staging alone {row['staging_alone']['median_us']:.1f} us", flush=True)
         del s
         if dev.type == "cuda":

@@ -1,7 +1,6 @@
 """Miss-attention benchmark: the split-mode miss attention (rows already staged) and the
-fused host-read + hot-write + attention kernel, against the resident Triton decode over
-all K entries and a bulk pinned host->device copy of the same miss bytes, all measured
-in the same run.
+staging copy, against the resident Triton decode over all K entries and a bulk pinned
+host->device copy of the same miss bytes, all measured in the same run.
 
   python -m benchmarks.bench_miss_attention --out results/bench_miss_attention.json
   python -m benchmarks.bench_miss_attention --quick                # T = 64 only, fewer reps
@@ -19,20 +18,15 @@ is GPU time from a cold L2; min / median / p99 over --reps):
   hit         Triton decode over the K - m hit entries (compacted, valid counts)
   staging     hisparse's copy_rows kernel: the m misses per token, host pool -> hot rows
   split       miss_attention_merge over the staged misses into the hit partial
-  fused       fused_miss_attention (host read + hot write + attention) with the default
-              plan, and with each persistent-grid size of --programs (alone and as a
-              whole fused layer)
-  merge       merge_lse of the fused partial into the hit partial
   bulk_h2d    one pinned host -> device copy of T x m rows' bytes (the PCIe ceiling)
 and whole layers without the resolve (the side stream forked from and joined to the
 timed stream): serial = staging then resident decode; split = staging on a side stream
-beside the hit decode, then split; fused = fused on a side stream beside the hit
-decode, then merge. ``hidden`` = (serial - mode) / staging.
+beside the hit decode, then split. ``hidden_split`` = (serial - split) / staging.
 
-Every case is checked before it is timed: split + merge and fused + merge against the
-resident decode (and the float32 reference on a few tokens), and the hot rows the fused
-kernel wrote against the host rows byte for byte. A failed check is recorded and the
-script exits 1 after writing its results.
+Every case is checked before it is timed: staging + split + merge against the resident
+decode (and the float32 reference on a few tokens), and the hot rows the staging copy
+wrote against the host rows byte for byte. A failed check is recorded and the script
+exits 1 after writing its results.
 """
 
 from __future__ import annotations
@@ -50,8 +44,7 @@ from benchmarks import common
 common.interpret_dry_run(with_gpu=True)  # a dry run is on the CPU; before hisparse loads
 
 from hisparse.attention.base import validate_decode_inputs  # noqa: E402
-from hisparse.attention.miss import (MissMode, fused_miss_attention, merge_lse,  # noqa: E402
-                                     miss_attention_merge, plan_miss_attention)
+from hisparse.attention.miss import MissMode, miss_attention_merge, plan_miss_attention  # noqa: E402
 from hisparse.attention.reference import sparse_mla_reference  # noqa: E402
 from hisparse.attention.triton_backend import run_sparse_mla  # noqa: E402
 from hisparse.cache.transfer import copy_rows  # noqa: E402
@@ -74,9 +67,6 @@ def parse_args(argv=None):
     p.add_argument("--miss-fracs", type=float, nargs="+", default=None,
                    help="miss fractions (0 0.05 0.1 0.2)")
     p.add_argument("--format", choices=[f.value for f in RowFormat], default="fp8_ds_mla")
-    p.add_argument("--programs", type=int, nargs="*", default=None,
-                   help="fused persistent-grid sizes to time besides the default plan "
-                        "(default: 16 33 66 132; none with --quick)")
     p.add_argument("--context", type=int, default=None, help="host rows per request (65536)")
     p.add_argument("--requests", type=int, default=None, help="requests in the pool (64)")
     p.add_argument("--reps", type=int, default=None, help="timed samples per measurement (30)")
@@ -94,8 +84,6 @@ def fill_defaults(args) -> None:
         args.topk = 32 if dry else 2048
     if args.miss_fracs is None:
         args.miss_fracs = [0.0, 0.1] if dry else [0.0, 0.05, 0.1, 0.2]
-    if args.programs is None:
-        args.programs = [] if (dry or args.quick) else [16, 33, 66, 132]
     if args.context is None:
         args.context = 256 if dry else 65536
     if args.requests is None:
@@ -112,8 +100,6 @@ def problems(args) -> list[str]:
         out.append(f"--topk must be <= {SLOTS_PER_TOKEN} (rows per token's hot region)")
     if any(not 0.0 <= f <= 1.0 for f in args.miss_fracs):
         out.append("--miss-fracs must lie in [0, 1]")
-    if any(p < 1 for p in args.programs):
-        out.append("--programs must be >= 1")
     if args.context < args.topk or args.requests < 1 or args.reps < 1:
         out.append("--context must be >= --topk; --requests and --reps >= 1")
     return out
@@ -192,7 +178,7 @@ class Calls:
     API takes them)."""
 
     def __init__(self, c: Case, pool: torch.Tensor, fmt: RowFormat, sm_scale: float,
-                 dev: torch.device, fused_programs: int | None):
+                 dev: torch.device):
         self.c, self.pool, self.fmt, self.scale, self.dev = c, pool, fmt, sm_scale, dev
         T, H = c.q.shape[0], c.q.shape[1]
         self.kv = c.hot if fmt is RowFormat.FP8_DS_MLA else c.hot.view(torch.bfloat16)
@@ -202,15 +188,6 @@ class Calls:
                                           sm_scale=sm_scale, row_format=fmt, check_ranges=False)
         self.split_plan = plan_miss_attention(mode=MissMode.SPLIT, max_tokens=T, num_heads=H,
                                               row_format=fmt, device=dev)
-        self.fused_plan = plan_miss_attention(mode=MissMode.FUSED, max_tokens=T, num_heads=H,
-                                              row_format=fmt, device=dev)
-        if fused_programs is not None:
-            cfg = dataclasses.replace(self.fused_plan.config, programs=fused_programs)
-            self.fused_plan = plan_miss_attention(mode=MissMode.FUSED, max_tokens=T,
-                                                  num_heads=H, row_format=fmt, device=dev,
-                                                  config=cfg)
-        self.part_out = torch.empty((T, H, 512), dtype=torch.float32, device=dev)
-        self.part_lse = torch.empty((T, H), dtype=torch.float32, device=dev)
         self.src_flat, self.dst_flat = c.miss_host.reshape(-1), c.miss_idx.reshape(-1)
         self.cuda = dev.type == "cuda"
         self.side = torch.cuda.Stream(device=dev) if self.cuda else None
@@ -229,15 +206,6 @@ class Calls:
         miss_attention_merge(c.q, self.kv, c.miss_idx, c.miss_counts, out, lse,
                              sm_scale=self.scale, row_format=self.fmt, plan=self.split_plan,
                              kernels="triton")
-
-    def fused(self):
-        c = self.c
-        fused_miss_attention(c.q, self.pool, c.miss_host, self.kv, c.miss_idx, c.miss_counts,
-                             self.part_out, self.part_lse, sm_scale=self.scale,
-                             row_format=self.fmt, plan=self.fused_plan, kernels="triton")
-
-    def merge(self, out, lse):
-        merge_lse(out, lse, self.part_out, self.part_lse, kernels="triton")
 
     # whole layers (no resolve); the side stream is forked from and joined to the caller's
     def _beside(self, side_fn):
@@ -261,27 +229,14 @@ class Calls:
         self.split(out, lse)
         return out, lse
 
-    def layer_fused(self):
-        join = self._beside(self.fused)
-        out, lse = self.hit_decode()
-        join()
-        self.merge(out, lse)
-        return out, lse
-
 
 def check_case(calls: Calls, c: Case) -> dict:
     """Correctness of one case before timing: returns the errors (and whether they pass)."""
-    hot0 = c.hot.clone()
     calls.staging()
     ref_out, ref_lse = calls.resident()
     out, lse = calls.hit_decode()
     calls.split(out, lse)
     err_split = _err(out, lse, ref_out, ref_lse)
-    c.hot.copy_(hot0)  # misses not staged: the fused kernel writes them
-    out, lse = calls.hit_decode()
-    calls.fused()
-    calls.merge(out, lse)
-    err_fused = _err(out, lse, ref_out, ref_lse)
     rows_ok = True
     if c.m:
         n = min(SPOT_TOKENS, c.T)
@@ -292,11 +247,10 @@ def check_case(calls: Calls, c: Case) -> dict:
     spot = dataclasses.replace(calls.full, q=c.q[:n], indices=c.full_idx[:n])
     f_out, f_lse = sparse_mla_reference(spot)
     err_ref = _err(out[:n], lse[:n], f_out, f_lse)
-    ok = (rows_ok and max(err_split[0], err_fused[0], err_ref[0]) <= TOL_OUT
-          and max(err_split[1], err_fused[1], err_ref[1]) <= TOL_LSE)
+    ok = (rows_ok and max(err_split[0], err_ref[0]) <= TOL_OUT
+          and max(err_split[1], err_ref[1]) <= TOL_LSE)
     return {"max_err_split": err_split[0], "max_err_lse_split": err_split[1],
-            "max_err_fused": err_fused[0], "max_err_lse_fused": err_fused[1],
-            "max_err_vs_reference": err_ref[0], "fused_rows_exact": rows_ok, "ok": ok}
+            "max_err_vs_reference": err_ref[0], "staged_rows_exact": rows_ok, "ok": ok}
 
 
 def _err(out, lse, ref_out, ref_lse) -> tuple[float, float]:
@@ -340,28 +294,20 @@ def ratios(r: dict) -> dict:
     med = lambda k: r[k]["median_us"] if r.get(k) else None  # noqa: E731
     res, bulk = med("resident_decode"), med("bulk_h2d")
     out = {f"{k}_vs_resident": med(k) / res
-           for k in ("hit_decode", "split", "merge", "layer_serial", "layer_split", "layer_fused")
+           for k in ("hit_decode", "split", "layer_serial", "layer_split")
            if med(k) is not None}
     if bulk:
         out["staging_bulk_speed"] = bulk / med("staging")
-        out["fused_bulk_speed"] = bulk / med("fused")
-        for p in r["fused_programs"]:
-            out[f"fused_p{p['programs']}_bulk_speed"] = bulk / p["median_us"]
-    for p in r["fused_programs"]:
-        if "layer_fused" in p:
-            out[f"layer_fused_p{p['programs']}_vs_resident"] = p["layer_fused"]["median_us"] / res
-    out["fused_vs_staging_plus_split"] = med("fused") / (med("staging") + med("split"))
     return out
 
 
 def run_case(T: int, frac: float, args, pool, fmt, dev, timer) -> dict:
     c = make_case(T, frac, args, pool, fmt, dev)
     scale = 1.0 / math.sqrt(D_ROW)
-    calls = Calls(c, pool, fmt, scale, dev, None)
+    calls = Calls(c, pool, fmt, scale, dev)
     rec = {"T": T, "H": args.heads, "K": args.topk, "miss_frac": frac, "misses_per_token": c.m,
            "miss_bytes": T * c.m * fmt.row_bytes, "format": fmt.value,
-           "split_config": dataclasses.asdict(calls.split_plan.config),
-           "fused_config": dataclasses.asdict(calls.fused_plan.config)}
+           "split_config": dataclasses.asdict(calls.split_plan.config)}
     rec.update(check_case(calls, c))
     nb = rec["miss_bytes"]
     out0, lse0 = calls.hit_decode()
@@ -379,15 +325,6 @@ def run_case(T: int, frac: float, args, pool, fmt, dev, timer) -> dict:
     rec["hit_decode"] = summary(timer.run(calls.hit_decode))
     rec["staging"] = summary(timer.run(calls.staging), nb)
     rec["split"] = summary(timer.run(*merged(calls.split)))
-    rec["fused"] = summary(timer.run(calls.fused), nb)
-    rec["merge"] = summary(timer.run(*merged(calls.merge)))
-    rec["fused_programs"] = []
-    for p in args.programs:
-        alt = Calls(c, pool, fmt, scale, dev, p)
-        entry = {"programs": p, **summary(timer.run(alt.fused), nb)}
-        if not args.no_overlap:  # the grid size matters most beside the hit decode
-            entry["layer_fused"] = summary(timer.run(alt.layer_fused))
-        rec["fused_programs"].append(entry)
     if nb:
         src = pool.view(-1)[:nb]
         dst = torch.empty(nb, dtype=torch.uint8, device=dev)
@@ -395,12 +332,11 @@ def run_case(T: int, frac: float, args, pool, fmt, dev, timer) -> dict:
     else:
         rec["bulk_h2d"] = None
     if not args.no_overlap:
-        for name in ("serial", "split", "fused"):
+        for name in ("serial", "split"):
             rec[f"layer_{name}"] = summary(timer.run(getattr(calls, f"layer_{name}")))
         st = rec["staging"]["median_us"]
-        for name in ("split", "fused"):
-            rec[f"hidden_{name}"] = ((rec["layer_serial"]["median_us"]
-                                      - rec[f"layer_{name}"]["median_us"]) / st if c.m else None)
+        rec["hidden_split"] = ((rec["layer_serial"]["median_us"]
+                                - rec["layer_split"]["median_us"]) / st if c.m else None)
     rec["ratios"] = ratios(rec)
     print_case(rec)
     return rec
@@ -410,21 +346,13 @@ def print_case(r: dict) -> None:
     res, bulk = r["resident_decode"], r["bulk_h2d"]
     print(f"T={r['T']} H={r['H']} K={r['K']} misses={r['miss_frac']:.0%} ({r['misses_per_token']}"
           f"/token, {r['miss_bytes'] / 2**20:.2f} MiB)  check {'ok' if r['ok'] else 'FAILED'} "
-          f"(err split {r['max_err_split']:.3g}, fused {r['max_err_fused']:.3g}, "
-          f"rows exact {r['fused_rows_exact']})")
+          f"(err split {r['max_err_split']:.3g}, rows exact {r['staged_rows_exact']})")
     print(line("resident decode (baseline)", res))
     print(line("hit decode", r["hit_decode"], res, "resident"))
     print(line("bulk pinned H2D (PCIe ceiling)", bulk))
     print(line("staging copy_rows", r["staging"], bulk, "bulk", speed=True))
     print(line("split miss attention + merge", r["split"], res, "resident"))
-    print(line("fused (default plan)", r["fused"], bulk, "bulk", speed=True))
-    for p in r["fused_programs"]:
-        print(line(f"fused programs={p['programs']}", p, bulk, "bulk", speed=True))
-        if "layer_fused" in p:
-            print(line(f"  layer fused programs={p['programs']}", p["layer_fused"], res,
-                       "resident"))
-    print(line("merge_lse", r["merge"], res, "resident"))
-    for name in ("serial", "split", "fused"):
+    for name in ("serial", "split"):
         if f"layer_{name}" in r:
             extra = r.get(f"hidden_{name}")
             print(line(f"layer {name}", r[f"layer_{name}"], res, "resident")

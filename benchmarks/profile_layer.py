@@ -32,7 +32,7 @@ from benchmarks import bench_layer as bl  # noqa: E402
 from hisparse.decode import DecodeLayer, Overlap  # noqa: E402
 from hisparse.formats import RowFormat  # noqa: E402
 
-MODES = ("resident", "serial", "split", "fused")
+MODES = ("resident", "serial", "split")
 
 
 def parse_args(argv=None) -> argparse.Namespace:

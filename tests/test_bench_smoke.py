@@ -139,7 +139,7 @@ def test_bench_layer_dry_run_compares_every_mode(tmp_path, capsys):
     rep = json.loads(out.read_text())
     assert rep["env"]["torch"] and len(rep["cases"]) == 2
     for case in rep["cases"]:
-        for mode in ("serial", "split", "fused", "prefetch_2layers"):
+        for mode in ("serial", "split", "prefetch_2layers"):
             assert case[mode]["max_rel_diff"] < 2e-2, (case["hit"], mode)
             assert case[mode]["ratio_vs_resident"] > 0
         q = case["prefetch_quality"]

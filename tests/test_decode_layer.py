@@ -1,6 +1,7 @@
-"""``hisparse.decode.DecodeLayer``: serial, split and fused decode of one layer give the
-same attention (split/fused within the rounding of one LSE merge of bf16 partials) and
-leave the cache bit-identical, on CPU (torch and interpreter kernels).
+"""``hisparse.decode.DecodeLayer``: serial and split decode of one layer give the same
+attention (split within the rounding of one LSE merge of bf16 partials) and leave the
+cache bit-identical, on CPU (torch and interpreter kernels); a mode that is not one of
+them is refused before anything changes.
 
 Cases: all hits, all misses, tokens with no valid entry, repeated positions, padding,
 multi-token (q = 2) groups, fp8_ds_mla and bf16 rows; plus a prefetch of the next
@@ -77,7 +78,7 @@ def test_modes_agree(kernels, fmt, case):
         results[mode] = layer(0, ids, tk, q, sm_scale=SM)
         states[mode] = ({n: getattr(c.state, n).clone() for n in STATE}, c.hot.clone())
     out0, lse0 = results[Overlap.SERIAL]
-    for mode in (Overlap.SPLIT, Overlap.FUSED):
+    for mode in (Overlap.SPLIT,):
         out, lse = results[mode]
         assert torch.equal(torch.isinf(lse), torch.isinf(lse0)), mode
         fin = torch.isfinite(lse0)
@@ -106,7 +107,7 @@ def test_random_steps_modes_agree(kernels):
         ids, tk = torch.tensor(ids, dtype=I32), torch.tensor(rows, dtype=I32)
         q = qs(len(rows), step)
         outs = {m: layers[m](step % 2, ids, tk, q, sm_scale=SM) for m in Overlap}
-        for m in (Overlap.SPLIT, Overlap.FUSED):
+        for m in (Overlap.SPLIT,):
             torch.testing.assert_close(outs[m][0].float(), outs[Overlap.SERIAL][0].float(), atol=2e-2, rtol=2e-2)
             for n in STATE:
                 assert torch.equal(getattr(caches[m].state, n), getattr(caches[Overlap.SERIAL].state, n)), (step, n)
@@ -151,7 +152,7 @@ def _engine(*, write_decode: bool = True):
     return g, md, rows
 
 
-@pytest.mark.parametrize("overlap", ["serial", "split", "fused"])
+@pytest.mark.parametrize("overlap", ["serial", "split"])
 def test_engine_decode_attention(overlap):
     g, md, rows = _engine(write_decode=False)
     q = qs(1, 1)
@@ -167,6 +168,29 @@ def test_engine_decode_attention(overlap):
             g.decode_attention(layer, q, tk, md, backend=ReferenceBackend(), sm_scale=SM, overlap=overlap)
 
 
+@pytest.mark.parametrize("mode", ["fused", "FUSED", "", None])
+def test_an_unknown_overlap_is_refused_before_anything_changes(mode):
+    """``overlap`` is one of serial and split: anything else (e.g. "fused") is
+    a ValueError naming both, raised by the DecodeLayer constructor and by the engine's
+    decode_attention before any resolve (cache, counters and bookkeeping unchanged)."""
+    assert [m.value for m in Overlap] == ["serial", "split"]
+    c, _ = make("torch", "fp8_ds_mla")
+    before = snapshot(c)
+    with pytest.raises(ValueError, match=r"overlap must be one of \['serial', 'split'\]"):
+        DecodeLayer(c, ReferenceBackend(), overlap=mode)
+    assert_same(before, snapshot(c))
+    g, md, rows = _engine()
+    q, tk = qs(1, 1), torch.tensor([[20, 15, 3, 9]], dtype=I32)
+    before = snapshot(g.hisparse_cache)
+    with pytest.raises(ValueError, match=r"overlap must be one of \['serial', 'split'\]"):
+        g.decode_attention(0, q, tk, md, backend=ReferenceBackend(), sm_scale=SM, overlap=mode)
+    assert_same(before, snapshot(g.hisparse_cache))
+    assert g.resolves_per_layer == [0, 0] and not g._decode_layers
+    out, _ = g.decode_attention(0, q, tk, md, backend=ReferenceBackend(), sm_scale=SM, overlap="split")
+    ref, _ = ReferenceBackend().decode(q, rows, tk, sm_scale=SM, row_format="fp8_ds_mla")
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)  # the layer still runs
+
+
 class _Unsupported(ReferenceBackend):
     name = "unsupported"
 
@@ -174,7 +198,7 @@ class _Unsupported(ReferenceBackend):
         return "this stand-in runs nothing"
 
 
-@pytest.mark.parametrize("overlap", ["serial", "split", "fused"])
+@pytest.mark.parametrize("overlap", ["serial", "split"])
 @pytest.mark.parametrize("bad", ["sm_scale", "q_width", "q_dtype", "backend"])
 def test_a_decode_the_backend_refuses_changes_nothing(overlap, bad):
     """q, sm_scale and the backend's support are checked before the resolve: a refused
@@ -264,7 +288,7 @@ def test_engine_begin_decode_attention():
     g2.begin_decode_attention(0, tk, md2, backend=be, num_heads=H)
     with pytest.raises(ValueError, match="already resolved"):
         g2.begin_decode_attention(0, tk, md2, backend=be, num_heads=H)
-    for kw in (dict(topk=tk.clone()), dict(overlap="fused"), dict(backend=ReferenceBackend())):
+    for kw in (dict(topk=tk.clone()), dict(overlap="serial"), dict(backend=ReferenceBackend())):
         args = dict(topk=tk, overlap="split", backend=be) | kw
         with pytest.raises(ValueError, match="begin_decode_attention"):
             g2.decode_attention(0, q, args["topk"], md2, backend=args["backend"], sm_scale=SM, overlap=args["overlap"])
@@ -362,7 +386,7 @@ def _decode_forward(g: HiSparseIndexGroup, n: int) -> SparseMLAMetadata:
     return md
 
 
-@pytest.mark.parametrize("overlap", ["serial", "split", "fused"])
+@pytest.mark.parametrize("overlap", ["serial", "split"])
 def test_engine_keeps_no_layer_per_backend_object(overlap):
     """An engine that makes its backend object per forward: the group keeps none of the
     old objects alive, nor a DecodeLayer (and its scratch) for each."""

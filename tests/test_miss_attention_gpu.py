@@ -1,15 +1,13 @@
 """Miss attention on the GPU at decode shapes (T = 64, H = 128, K = 2048, ~10% misses,
 fp8_ds_mla; host rows in a pinned ``PinnedBuffer``): the kernels against the torch
-references, split + merge and fused + merge after the Triton hit attention against the
-float32 reference over all entries, the fused kernel's hot-row writes byte for byte,
-empty hit / miss sides (NaN in an empty side's out never read; both empty -> out = 0,
-lse = -inf), and CUDA-graph capture / replay of a split layer and of a fused layer
-(side stream).
+references, split + merge after the Triton hit attention against the float32 reference
+over all entries, empty hit / miss sides (NaN in an empty side's out never read; both
+empty -> out = 0, lse = -inf), and CUDA-graph capture / replay of a split layer.
 
 Tolerance: as ``attention_common`` (|out - ref| <= 2e-2 + 1e-2 |ref|, |lse - ref| <=
 1e-3, -inf pattern exact); merge kernel vs reference: |out - ref| <= 2^-7 |ref| + 1e-6
-(one bf16 rounding each: at most one bf16 ulp apart). The hot rows the fused kernel must not read before writing
-start as *other* valid rows, so a read of a stale row shows as a wrong result.
+(one bf16 rounding each: at most one bf16 ulp apart). The misses' hot rows start as
+*other* valid rows, so a read of a row not staged shows as a wrong result.
 """
 
 import dataclasses
@@ -18,8 +16,7 @@ import pytest
 import torch
 from attention_common import REF, SCALE, check, check_empty_rows_through_merge
 
-from hisparse.attention.miss import (MissMode, fused_miss_attention, fused_miss_attention_reference,
-                                     merge_lse, merge_lse_reference, miss_attention_merge,
+from hisparse.attention.miss import (MissMode, merge_lse, merge_lse_reference, miss_attention_merge,
                                      miss_attention_merge_reference, plan_miss_attention)
 from hisparse.attention.triton_backend import TritonBackend
 from hisparse.device import PinnedBuffer
@@ -63,7 +60,7 @@ class Step:
         return rows if self.fmt == "fp8_ds_mla" else rows.view(torch.bfloat16)
 
     def staged(self):
-        """The hot buffer with every miss staged (what the fused kernel must leave)."""
+        """The hot buffer with every miss staged (what the staging copy leaves)."""
         hot = self.hot.clone()
         m = self.miss_host >= 0
         hot[self.miss_idx[m].long()] = self.host_dev[self.miss_host[m].long()]
@@ -206,68 +203,19 @@ def test_split_matches_reference(fmt, T, miss_frac, planned):
     check(out, lse, *_want(step), what="hit + split vs unsplit")
 
 
-# ------------------------------------------------------------------ fused mode
-@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "bf16"])
-@pytest.mark.parametrize("T,programs,part_dtype", [(64, None, torch.float32), (64, 7, torch.float32),
-                                                   (16, None, torch.float32),
-                                                   (64, None, torch.bfloat16)])
-def test_fused_matches_reference_and_writes_rows(fmt, T, programs, part_dtype):
-    step = make_step(T=T, fmt=fmt, seed=100 + T)
-    plan = plan_miss_attention(mode=MissMode.FUSED, max_tokens=T, num_heads=128, row_format=fmt,
-                               device=DEV)
-    if programs is not None:
-        plan = plan_miss_attention(mode=MissMode.FUSED, max_tokens=T, num_heads=128,
-                                   row_format=fmt, device=DEV,
-                                   config=dataclasses.replace(plan.config, programs=programs))
-    ref_hot = step.hot.clone()
-    ref = torch.empty(T, 128, 512, device=DEV), torch.empty(T, 128, device=DEV)
-    fused_miss_attention_reference(step.q, step.host, step.miss_host, step.kv(ref_hot),
-                                   step.miss_idx, step.miss_cnt, *ref, sm_scale=SCALE,
-                                   row_format=fmt)
-    part_out = torch.full((T, 128, 512), float("nan"), dtype=part_dtype, device=DEV)
-    part_lse = torch.zeros(T, 128, device=DEV)
-    fused_miss_attention(step.q, step.host, step.miss_host, step.kv(), step.miss_idx,
-                         step.miss_cnt, part_out, part_lse, sm_scale=SCALE, row_format=fmt,
-                         plan=plan)
-    torch.cuda.synchronize()
-    assert torch.equal(step.hot, ref_hot)  # every miss row landed; nothing else changed
-    assert torch.equal(step.hot, step.staged())
-    fin = torch.isfinite(ref[1])
-    check(torch.where(fin[..., None], part_out.float(), 0.0).bfloat16(), part_lse,
-          torch.where(fin[..., None], ref[0], 0.0).bfloat16(), ref[1], what="fused partial")
-    out, lse = _hit(step)
-    merge_lse(out, lse, part_out, part_lse)
-    check(out, lse, *_want(step), what="hit + fused + merge vs unsplit")
-
-
 def test_bad_entries_are_padding():
-    """-1, negative and out-of-range hot / host rows and counts beyond K (unchecked
-    inputs, as in a captured step): skipped, never dereferenced (run this one under
-    compute-sanitizer memcheck too), nothing else of the hot buffer written; the results
-    equal the references, which treat those entries as padding."""
+    """-1, negative and out-of-range hot rows and counts beyond K (unchecked inputs, as
+    in a captured step): skipped, never dereferenced (run this one under
+    compute-sanitizer memcheck too); the result equals the reference, which treats those
+    entries as padding."""
     step = make_step(T=64, seed=21)
     g = torch.Generator(device=DEV).manual_seed(22)
-    N, NH = step.hot.shape[0], step.host.shape[0]
+    N = step.hot.shape[0]
     r = torch.rand(step.miss_idx.shape, device=DEV, generator=g)
     step.miss_idx[r < 0.02] = N
     step.miss_idx[(r > 0.02) & (r < 0.04)] = -(2 ** 31)
-    step.miss_host[(r > 0.04) & (r < 0.06)] = NH + 7
-    step.miss_host[(r > 0.06) & (r < 0.08)] = -1
     step.miss_cnt[::7] = 2 ** 30  # clamped to K: the -1 tail is read, as padding
     step.miss_cnt[1::7] = -5  # no miss
-    ref_hot = step.hot.clone()
-    ref = torch.empty(64, 128, 512, device=DEV), torch.empty(64, 128, device=DEV)
-    fused_miss_attention_reference(step.q, step.host, step.miss_host, step.kv(ref_hot),
-                                   step.miss_idx, step.miss_cnt, *ref, sm_scale=SCALE,
-                                   row_format=step.fmt)
-    po, pl = torch.empty_like(ref[0]), torch.empty_like(ref[1])
-    fused_miss_attention(step.q, step.host, step.miss_host, step.kv(), step.miss_idx,
-                         step.miss_cnt, po, pl, sm_scale=SCALE, row_format=step.fmt)
-    torch.cuda.synchronize()
-    assert torch.equal(step.hot, ref_hot)
-    fin = torch.isfinite(ref[1])
-    check(torch.where(fin[..., None], po, 0.0).bfloat16(), pl,
-          torch.where(fin[..., None], ref[0], 0.0).bfloat16(), ref[1], what="fused, bad entries")
     out, lse = _hit(step)
     ref_split = out.clone(), lse.clone()
     miss_attention_merge_reference(step.q, step.kv(), step.miss_idx, step.miss_cnt, *ref_split,
@@ -277,21 +225,14 @@ def test_bad_entries_are_padding():
     check(out, lse, *ref_split, what="split, bad entries")
 
 
-@pytest.mark.parametrize("mode", ["split", "fused"])
-def test_extreme_scales(mode):
+def test_extreme_scales():
     """Tile scales 2^-40..2^30, zero rows and tiles, heads x3e4 / x1e-30 / 0: each (token,
     head) within 1.5% of its largest |ref out| (the single-pass decode's 1%, plus the bf16
     rounding of the hit partial before the merge), lse within 1e-3 relative."""
     step = make_step(T=16, seed=7, extreme=True)
     out, lse = _hit(step)
-    if mode == "split":
-        miss_attention_merge(step.q, step.kv(step.staged()), step.miss_idx, step.miss_cnt, out,
-                             lse, sm_scale=SCALE, row_format=step.fmt)
-    else:
-        po, pl = torch.empty(16, 128, 512, device=DEV), torch.empty(16, 128, device=DEV)
-        fused_miss_attention(step.q, step.host, step.miss_host, step.kv(), step.miss_idx,
-                             step.miss_cnt, po, pl, sm_scale=SCALE, row_format=step.fmt)
-        merge_lse(out, lse, po, pl)
+    miss_attention_merge(step.q, step.kv(step.staged()), step.miss_idx, step.miss_cnt, out,
+                         lse, sm_scale=SCALE, row_format=step.fmt)
     ref_out, ref_lse = _want(step)
     torch.cuda.synchronize()
     assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
@@ -327,24 +268,9 @@ def test_no_misses_change_nothing():
     before = out.clone(), lse.clone(), step.hot.clone()
     miss_attention_merge(step.q, step.kv(), step.miss_idx, step.miss_cnt, out, lse,
                          sm_scale=SCALE, row_format=step.fmt)
-    po = torch.full((64, 128, 512), 7.0, device=DEV)
-    pl = torch.zeros(64, 128, device=DEV)
-    fused_miss_attention(step.q, step.host, step.miss_host, step.kv(), step.miss_idx,
-                         step.miss_cnt, po, pl, sm_scale=SCALE, row_format=step.fmt)
     torch.cuda.synchronize()
     assert torch.equal(out, before[0]) and torch.equal(lse, before[1])
-    assert torch.equal(step.hot, before[2]) and torch.isneginf(pl).all() and (po == 7.0).all()
-
-
-def test_unpinned_host_rows_rejected():
-    step = make_step(T=4, seed=4, NH=4096)
-    po, pl = torch.empty(4, 128, 512, device=DEV), torch.empty(4, 128, device=DEV)
-    before = step.hot.clone()
-    with pytest.raises(ValueError, match="not pinned"):
-        fused_miss_attention(step.q, step.host.clone(), step.miss_host, step.kv(),
-                             step.miss_idx, step.miss_cnt, po, pl, sm_scale=SCALE,
-                             row_format=step.fmt)
-    assert torch.equal(step.hot, before)
+    assert torch.equal(step.hot, before[2])
 
 
 # ------------------------------------------------------------------ CUDA graphs
@@ -396,47 +322,3 @@ def test_graph_capture_split_layer():
     step.hot.copy_(step.staged())
     graph.replay()
     check(out, lse, *_want(step), what="split layer replay")
-
-
-def test_graph_capture_fused_layer_on_a_side_stream():
-    """The fused kernel on a side stream beside the hit decode, joined before the merge,
-    captured in one graph (host rows read through their pinned pointer at replay): the
-    replay equals the eager call bitwise and writes the same hot rows; after new inputs
-    in the same tensors, a replay matches the reference and stages the new misses."""
-    step = make_step(T=64, seed=13)
-    stale = step.hot.clone()
-    plan = plan_miss_attention(mode=MissMode.FUSED, max_tokens=64, num_heads=128,
-                               row_format=step.fmt, device=DEV)
-    part_out = torch.empty(64, 128, 512, device=DEV)
-    part_lse = torch.empty(64, 128, device=DEV)
-    side = torch.cuda.Stream()
-
-    def layer():
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fused_miss_attention(step.q, step.host, step.miss_host, step.kv(), step.miss_idx,
-                                 step.miss_cnt, part_out, part_lse, sm_scale=SCALE,
-                                 row_format=step.fmt, plan=plan)
-        out, lse = _hit(step)
-        torch.cuda.current_stream().wait_stream(side)
-        merge_lse(out, lse, part_out, part_lse)
-        return out, lse
-
-    eager = layer()
-    torch.cuda.synchronize()
-    eager_hot = step.hot.clone()
-    assert torch.equal(eager_hot, step.staged())
-    step.hot.copy_(stale)
-    graph, (out, lse) = _capture(layer)
-    step.hot.copy_(stale)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, eager[0]) and torch.equal(lse, eager[1])
-    assert torch.equal(step.hot, eager_hot)
-    _new_misses(step, seed=14)
-    expect_hot = step.staged()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(step.hot, expect_hot)
-    check(out, lse, *_want(step), what="fused layer replay")
-

@@ -18,7 +18,6 @@ import torch
 
 from hisparse import HiSparseConfig
 from hisparse.cache.cache import HiSparseCache
-from hisparse.cache.resolve_ref import copy_rows_reference
 from invariants import check_cache
 
 I32 = torch.int32
@@ -129,35 +128,6 @@ def test_split_equals_serial(kernels, seed):
                 assert res.miss_host[t, :m].tolist() == hosts.tolist()
                 assert torch.equal(a.hot_rows(layer)[res.miss_physical[t, :m].long()], truth[(rid, layer)][pos])
         check_cache(a)
-
-
-@pytest.mark.parametrize("kernels", KERNELS)
-def test_stage_with_replaces_the_copy(kernels):
-    """A caller-supplied staging (as the fused miss attention does) writes the miss rows."""
-    a, b = make(kernels, q=1), make(kernels, q=1)
-    lens = {1: 40, 3: 30}
-    truth = fill(a, lens)
-    fill(b, lens)
-    ids = torch.tensor([1, 3], dtype=I32)
-    topk = torch.tensor([[39, 20, 21, 22, 0], [29, 28, 13, 14, 15]], dtype=I32)
-    calls = []
-
-    def stage_with(mp, mh, mc):  # runs before resolve_split returns
-        for t in range(mc.shape[0]):
-            m = int(mc[t])
-            copy_rows_reference(a.pool.rows[0], mh[t, :m].contiguous(), a.hot_rows(0), mp[t, :m].contiguous())
-        calls.append(1)
-
-    hit_copy = a.stager.copy_fn
-    a.stager.copy_fn = None  # the copy kernel must not run
-    res = a.resolve_split(0, ids, topk, stage_with=stage_with)
-    a.stager.copy_fn = hit_copy
-    want = b.resolve(0, ids, topk)
-    assert calls == [1]
-    assert torch.equal(a.hot, b.hot)
-    for t, rid in enumerate((1, 3)):
-        assert torch.equal(a.hot_rows(0)[res.physical[t].long()], truth[(rid, 0)][topk[t].long()])
-    assert torch.equal(res.physical, want.physical)
 
 
 @pytest.mark.parametrize("kernels", KERNELS)

@@ -8,8 +8,7 @@
   ``gluon_ws_problem``: why its warp-specialised kernel can't run here, or None),
   ``FlashMLABackend`` (ops from vllm / sgl_kernel or a library path),
   ``FlashInferBackend`` (``flashinfer_version``: the installed one, or None).
-- ``miss``: the miss side of a split decode (``merge_lse``, ``miss_attention_merge``,
-  ``fused_miss_attention``).
+- ``miss``: the miss side of a split decode (``merge_lse``, ``miss_attention_merge``).
 
 The names are imported when first used: ``import hisparse.attention`` loads nothing
 else, so reaching ``base`` or ``ReferenceBackend`` never imports Triton, and the

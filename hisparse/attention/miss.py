@@ -11,19 +11,13 @@ then it adds the misses' contribution:
   mode): the miss rows are in the hot buffer already (staged by the copy kernel);
   attend over them and merge into the hit partial in place, in one launch (two with a
   plan of several splits).
-- ``fused_miss_attention(q, host_rows, miss_host, kv_rows, miss_idx, miss_counts,
-  part_out, part_lse, ...)`` (fused mode): the miss rows are still in pinned host
-  memory; one kernel reads each row over PCIe once, writes it into its hot slot and
-  attends over it, producing the miss partial for a later ``merge_lse``. Meant for a
-  side stream running concurrently with the hit attention.
 
-Notation: T query tokens, H heads, K miss-list capacity, N hot rows, NH host rows,
-D_ROW = 576, D_LATENT = 512.
+Notation: T query tokens, H heads, K miss-list capacity, N hot rows, D_ROW = 576,
+D_LATENT = 512.
 
 Semantics (those of ``hisparse.attention.base``; ``reference.sparse_mla_reference``
 computes them): token t's miss entries are j < clamp(miss_counts[t], 0, K) of row t of
-the index lists; an entry whose hot row (fused: or host row) is -1 or out of range is
-padding (never read, never written). A partial result is (out [T, H, 512], lse
+the index lists; an entry whose hot row is -1 or out of range is padding (never read, never written). A partial result is (out [T, H, 512], lse
 float32 [T, H]) with lse natural-log, scale included, -inf = no entry: an empty side,
 whose out is never read and may hold anything (NaN included). Merge: lse =
 logaddexp(lse_a, lse_b), out = out_a exp(lse_a - lse) + out_b exp(lse_b - lse), an
@@ -35,14 +29,13 @@ merged result never carries what an empty side held).
 Every call has a float32 torch reference (``*_reference``: the CPU path and the test
 oracle) and a Triton launcher; ``kernels=`` (``hisparse._checks.Kernels``) picks one
 (auto: Triton on CUDA, the reference on CPU). Launchers check dtypes, shapes, devices,
-row layout and pinning from metadata only and raise before any launch; they read no
+row layout from metadata only and raise before any launch; they read no
 device value, allocate nothing (except a split-mode call with K = 0 or N = 0, which can
 have no valid entry and zeroes the empty heads with one torch op) and use a launch shape
 fixed by (T, H, plan): CUDA-graph capturable (the CPU references do allocate and, on
 CUDA, sync). Index *values* need no check: out-of-range entries are padding.
 
-Splits: with ``plan=None`` a token's misses are one work item per head block (split
-mode) or per token (fused mode: the items are spread over a persistent grid): no
+Splits: with ``plan=None`` a token's misses are one work item per head block: no
 scratch. ``plan_miss_attention`` (call once, outside the captured step) sizes a
 ``MissConfig`` for a batch size and allocates the float32 scratch that several splits
 per token need.
@@ -58,12 +51,9 @@ import math
 import torch
 import triton
 
-from .._checks import (Kernels, check_bool, check_int, check_tensor, device_type, rows_layout_problem,
-                       same_device, sm_count)
-from ..device import is_pinned_host
+from .._checks import Kernels, check_bool, check_int, check_tensor, device_type, same_device, sm_count
 from ..formats import D_LATENT, RowFormat
-from ..kernels.mla_miss import (miss_combine_kernel, miss_fused_kernel, miss_merge_kernel,
-                                miss_split_kernel)
+from ..kernels.mla_miss import miss_combine_kernel, miss_merge_kernel, miss_split_kernel
 from .base import DecodeInputs, validate_decode_inputs
 from .reference import sparse_mla_reference
 
@@ -76,7 +66,6 @@ class MissMode(enum.Enum):
     """Where the miss rows are when their attention runs."""
 
     SPLIT = "split"  # already staged into the hot buffer (device memory)
-    FUSED = "fused"  # still in pinned host memory: read, written to the hot slot, attended
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,11 +80,7 @@ class MissConfig:
         its entries, sized on the device from the token's count); > 1 needs a plan's
         scratch
     isolate_qk: each q . k^T dot in its own one-trip loop (see ``mla_decode``)
-    prefetch: split mode, CUDA only: L2-prefetch the next block's rows each iteration
-    copy_rows: fused mode: host rows per load in the copy phase (power of two; two such
-        loads in flight per program)
-    programs: fused mode: size of the persistent grid (None = one program per work item,
-        T x num_splits); fewer programs leave SMs to the hit attention running beside it
+    prefetch: CUDA only: L2-prefetch the next block's rows each iteration
     """
 
     block_h: int = 64
@@ -105,11 +90,9 @@ class MissConfig:
     num_splits: int = 1
     isolate_qk: bool = True
     prefetch: bool = False
-    copy_rows: int = 32
-    programs: int | None = None
 
     def __post_init__(self) -> None:
-        for name, lo in (("block_h", 16), ("block_n", 16), ("num_warps", 1), ("copy_rows", 1)):
+        for name, lo in (("block_h", 16), ("block_n", 16), ("num_warps", 1)):
             v = check_int(name, getattr(self, name), lo)
             if v & (v - 1):
                 raise ValueError(f"{name} must be a power of two, got {v}")
@@ -117,30 +100,20 @@ class MissConfig:
         check_int("num_splits", self.num_splits, 1, MAX_SPLITS + 1)
         check_bool("isolate_qk", self.isolate_qk)
         check_bool("prefetch", self.prefetch)
-        if self.programs is not None:
-            check_int("programs", self.programs, 1)
 
 
-def gpu_config(mode: MissMode | str, num_heads: int, *, num_splits: int = 1,
-               programs: int | None = None) -> MissConfig:
-    """The CUDA launch shape for (mode, H): head blocks of up to 64 heads.
-
-    Split mode: 32-row blocks, 8 warps (4 for 16-head blocks), isolated q . k^T dots at
-    64 heads, L2 prefetch, 2 stages. Fused mode: 16-row blocks and 8 warps for every head
-    block (the persistent loop around the attention costs registers: with 32-row blocks,
-    or 4 warps, the sm90 build spills). Both compile without spills for sm90 at every
-    head block (``tests/test_miss_attention.py`` checks it offline); the timings that
-    would pick between shapes are ``benchmarks.bench_miss_attention``'s.
+def gpu_config(mode: MissMode | str, num_heads: int, *, num_splits: int = 1) -> MissConfig:
+    """The CUDA launch shape for (mode, H): head blocks of up to 64 heads, 32-row
+    blocks, 8 warps (4 for 16-head blocks), isolated q . k^T dots at 64 heads, L2
+    prefetch, 2 stages. It compiles without spills for sm90 at every head block
+    (``tests/test_miss_attention.py`` checks it offline); the timings that would pick
+    between shapes are ``benchmarks.bench_miss_attention``'s.
     """
-    mode = MissMode(mode)
+    MissMode(mode)
     block_h = min(64, max(16, triton.next_power_of_2(check_int("num_heads", num_heads, 1))))
-    if mode is MissMode.SPLIT:
-        return MissConfig(block_h=block_h, block_n=32, num_warps=4 if block_h == 16 else 8,
-                          num_stages=2, num_splits=num_splits, isolate_qk=block_h == 64,
-                          prefetch=True)
-    return MissConfig(block_h=block_h, block_n=16, num_warps=8, num_stages=1,
-                      num_splits=num_splits, isolate_qk=block_h == 64, prefetch=False,
-                      programs=programs)
+    return MissConfig(block_h=block_h, block_n=32, num_warps=4 if block_h == 16 else 8,
+                      num_stages=2, num_splits=num_splits, isolate_qk=block_h == 64,
+                      prefetch=True)
 
 
 def default_miss_config(mode: MissMode | str, *, num_tokens: int, num_heads: int,
@@ -148,27 +121,19 @@ def default_miss_config(mode: MissMode | str, *, num_tokens: int, num_heads: int
     """A launch shape for (mode, T, H) on ``device``; ``splits=False`` keeps one split
     (the no-scratch shape ``plan=None`` uses).
 
-    CUDA: ``gpu_config``; split mode adds splits until T x head blocks x splits is about
-    one wave of SMs (at most 4); fused mode runs half the SMs as persistent programs
-    (the rest are left to the hit attention beside it; a quarter measured slower on the
-    H200, B=64, 90-95% hits) and splits a token's misses only when there are fewer tokens
-    than programs (at most 4). The other shapes are starting points, not measured
-    optima. CPU (the interpreter): 16-row blocks, 4 warps, one split.
+    CUDA: ``gpu_config``, with splits added until T x head blocks x splits is about one
+    wave of SMs (at most 4). CPU (the interpreter): 16-row blocks, 4 warps, one split.
     """
     mode = MissMode(mode)
     T = check_int("num_tokens", num_tokens, 0)
     H = check_int("num_heads", num_heads, 1)
     if device_type(device) != "cuda":
         return MissConfig(block_h=min(64, max(16, triton.next_power_of_2(H))), block_n=16,
-                          num_warps=4, isolate_qk=False, copy_rows=8)
+                          num_warps=4, isolate_qk=False)
     sms = sm_count(device)
-    if mode is MissMode.SPLIT:
-        hb = math.ceil(H / min(64, max(16, triton.next_power_of_2(H))))
-        s = max(1, min(sms // max(1, T * hb), 4)) if splits else 1
-        return gpu_config(mode, H, num_splits=s)
-    programs = max(1, sms // 2)
-    s = max(1, min(math.ceil(programs / max(1, T)), 4)) if splits else 1
-    return gpu_config(mode, H, num_splits=s, programs=programs)
+    hb = math.ceil(H / min(64, max(16, triton.next_power_of_2(H))))
+    s = max(1, min(sms // max(1, T * hb), 4)) if splits else 1
+    return gpu_config(mode, H, num_splits=s)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -224,11 +189,10 @@ def _check_partial(out_name: str, out: object, lse_name: str, lse: object, T: in
                  contiguous=True)
 
 
-def _check_list(name: str, x: object, T: int, device: torch.device, K: int | None = None) -> int:
+def _check_list(name: str, x: object, T: int, device: torch.device) -> int:
     check_tensor(name, x, dtype=torch.int32, ndim=2, device=device)
-    if x.shape[0] != T or (K is not None and x.shape[1] != K):  # type: ignore[union-attr]
-        want = f"[T={T}, {'K' if K is None else f'K={K}'}]"
-        raise ValueError(f"{name} must be int32 {want}, got shape {list(x.shape)}")  # type: ignore[union-attr]
+    if x.shape[0] != T:  # type: ignore[union-attr]
+        raise ValueError(f"{name} must be int32 [T={T}, K], got shape {list(x.shape)}")  # type: ignore[union-attr]
     if x.numel() and x.stride(1) != 1:  # type: ignore[union-attr]
         raise ValueError(f"{name} must have a contiguous last dimension, got strides {x.stride()}")  # type: ignore[union-attr]
     return x.shape[1]  # type: ignore[union-attr]
@@ -393,139 +357,11 @@ def miss_attention_merge(
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         if S > 1:
             miss_combine_kernel[(T, triton.cdiv(H, MERGE_BLOCK_H))](
-                part_out, part_lse, miss_counts, out, lse, K, H, HAS_BASE=True, NUM_SPLITS=S,
-                BLOCK_N=cfg.block_n, BLOCK_H=MERGE_BLOCK_H, num_warps=4)
-
-
-# ------------------------------------------------------------------ fused mode
-@dataclasses.dataclass(frozen=True)
-class _Fused:
-    inp: DecodeInputs
-    kv_bytes: torch.Tensor  # uint8 [N, row_bytes], the same memory as inp.kv_rows
-    host_rows: torch.Tensor  # uint8 [NH, row_bytes]
-
-
-def _validate_fused(q, host_rows, miss_host, kv_rows, miss_idx, miss_counts, part_out, part_lse,
-                    sm_scale, row_format, *, need_pinned: bool) -> _Fused:
-    inp = _check_common(q, kv_rows, miss_idx, miss_counts, sm_scale, row_format)
-    T, H, dev, fmt = inp.num_tokens, inp.num_heads, inp.q.device, inp.row_format
-    rb = fmt.row_bytes
-    _check_list("miss_host", miss_host, T, dev, K=miss_idx.shape[1])
-    _check_partial("part_out", part_out, "part_lse", part_lse, T, H, dev,
-                   (torch.float32, torch.bfloat16))
-    check_tensor("host_rows", host_rows, dtype=torch.uint8, ndim=2)
-    if host_rows.shape[1] != rb:
-        raise ValueError(f"host_rows must be uint8 [NH, {rb}] ({fmt.value} rows), got shape "
-                         f"{list(host_rows.shape)}")
-    if device_type(host_rows.device) != "cpu" and not same_device(host_rows, dev):
-        raise ValueError(f"host_rows is on {host_rows.device}: it must be a (pinned) CPU tensor "
-                         f"or on {dev}, where the kernel runs")
-    kv = inp.kv_rows
-    kv_bytes = kv if kv.dtype == torch.uint8 else kv.view(torch.uint8)
-    for name, t in (("host_rows", host_rows), ("kv_rows", kv_bytes)):
-        problem = rows_layout_problem(t, rb)
-        if problem is not None:
-            raise ValueError(f"{name} must be packed rows of {rb} bytes, 16-byte aligned (the "
-                             f"kernel copies them as 16-byte vectors): {problem}")
-    if (need_pinned and device_type(host_rows.device) == "cpu" and host_rows.numel()
-            and not torch.cuda.is_current_stream_capturing() and not is_pinned_host(host_rows)):
-        # is_pinned asks the driver; skipped while capturing (the eager warm-up checked it)
-        raise ValueError(f"host_rows is a CPU tensor that is not pinned; the kernel on {dev} can "
-                         "only read page-locked host memory (use hisparse.device.PinnedBuffer)")
-    return _Fused(inp, kv_bytes, host_rows)
-
-
-def _fused_reference(f: _Fused, miss_host, miss_idx, miss_counts, part_out, part_lse) -> None:
-    inp = f.inp
-    T, K = miss_idx.shape
-    dev = inp.q.device
-    N, NH = f.kv_bytes.shape[0], f.host_rows.shape[0]
-    j = torch.arange(K, device=dev)
-    valid = ((j[None, :] < miss_counts.to(torch.int64)[:, None]) & (miss_idx >= 0)
-             & (miss_idx < N) & (miss_host >= 0) & (miss_host < NH))
-    slots = miss_idx[valid].to(torch.int64)
-    hosts = miss_host[valid].to(torch.int64)
-    if slots.numel():
-        f.kv_bytes[slots] = f.host_rows[hosts.to(f.host_rows.device)].to(dev)
-    idx = torch.where(valid, miss_idx, torch.full_like(miss_idx, -1))
-    po, pl = sparse_mla_reference(dataclasses.replace(inp, indices=idx, valid_counts=None),
-                                  out_dtype=torch.float32)
-    part_out.copy_(po)
-    part_lse.copy_(pl)
-
-
-def fused_miss_attention_reference(q, host_rows, miss_host, kv_rows, miss_idx, miss_counts,
-                                   part_out, part_lse, *, sm_scale, row_format) -> None:
-    """Torch reference of ``fused_miss_attention`` (same arguments). It writes part_out
-    in full (0 where part_lse is -inf)."""
-    f = _validate_fused(q, host_rows, miss_host, kv_rows, miss_idx, miss_counts, part_out,
-                        part_lse, sm_scale, row_format, need_pinned=False)
-    _fused_reference(f, miss_host, miss_idx, miss_counts, part_out, part_lse)
-
-
-def fused_miss_attention(
-    q: torch.Tensor,  # bf16 [T, H, 576], last-dim stride 1
-    host_rows: torch.Tensor,  # uint8 [NH, row_bytes] packed, 16-byte aligned; pinned CPU memory
-    miss_host: torch.Tensor,  # int32 [T, K] host row of each miss entry, -1 = padding
-    kv_rows: torch.Tensor,  # uint8 [N, 656] / bf16 [N, 576] / uint8 [N, 1152]: hot rows, packed
-    miss_idx: torch.Tensor,  # int32 [T, K] hot row each miss entry is written to, -1 = padding
-    miss_counts: torch.Tensor,  # int32 [T] entries j < count are used (clamped to [0, K])
-    part_out: torch.Tensor,  # float32 or bf16 [T, H, 512] contiguous: the miss partial (out)
-    part_lse: torch.Tensor,  # float32 [T, H] natural log, -inf = no valid miss entry (out)
-    *, sm_scale: float, row_format: RowFormat | str, plan: MissPlan | None = None,
-    kernels: Kernels | str = Kernels.AUTO,
-) -> None:
-    """Copy each valid miss entry's host row into its hot row (byte for byte) and attend
-    over the token's miss rows, writing the miss partial (part_out, part_lse) for a later
-    ``merge_lse``. An entry is valid when j < count and both its host row (in [0, NH))
-    and hot row (in [0, N)) are in range; nothing else of kv_rows is written. part_out is
-    defined where part_lse is finite; elsewhere its contents are unspecified (the kernel
-    does not write it for a token without misses). Two valid entries naming one hot row
-    with different host rows leave either row there (the resolve never emits that).
-
-    ``host_rows`` may also be a tensor on q's device (the same kernel, no PCIe).
-    """
-    impl = Kernels.parse(kernels)
-    dev = q.device if isinstance(q, torch.Tensor) else torch.device("cpu")
-    f = _validate_fused(q, host_rows, miss_host, kv_rows, miss_idx, miss_counts, part_out,
-                        part_lse, sm_scale, row_format, need_pinned=device_type(dev) == "cuda")
-    inp = f.inp
-    cfg = _check_plan(plan, MissMode.FUSED, inp)
-    impl = impl.pick(dev)
-    if impl is Kernels.TORCH:
-        _fused_reference(f, miss_host, miss_idx, miss_counts, part_out, part_lse)
-        return
-    T, H, K = inp.num_tokens, inp.num_heads, miss_idx.shape[1]
-    N, NH = f.kv_bytes.shape[0], f.host_rows.shape[0]
-    if T == 0:
-        return
-    if K == 0 or N == 0 or NH == 0:
-        part_lse.fill_(float("-inf"))  # no entry can be valid
-        return
-    S = cfg.num_splits
-    items = T * S
-    nprog = items if cfg.programs is None else min(items, cfg.programs)
-    po, pl = (plan.part_out, plan.part_lse) if S > 1 else (part_out, part_lse)
-    fmt = inp.row_format
-    rw = fmt.row_bytes // 4
-    kv = inp.kv_rows
-    with _on_device(dev):
-        miss_fused_kernel[(nprog,)](
-            inp.q, f.host_rows.view(torch.int32), miss_host, kv, miss_idx, miss_counts, po, pl,
-            NH, N, K, H, T, inp.q.stride(0), inp.q.stride(1), miss_idx.stride(0),
-            miss_host.stride(0), kv.stride(0), inp.sm_scale * LOG2E, nprog,
-            IS_FP8=fmt is RowFormat.FP8_DS_MLA, RW=rw, RWB=triton.next_power_of_2(rw),
-            COPY_ROWS=cfg.copy_rows, NUM_SPLITS=S, NUM_HB=triton.cdiv(H, cfg.block_h),
-            BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, ISOLATE_QK=cfg.isolate_qk,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        if S > 1:
-            miss_combine_kernel[(T, triton.cdiv(H, MERGE_BLOCK_H))](
-                po, pl, miss_counts, part_out, part_lse, K, H, HAS_BASE=False, NUM_SPLITS=S,
+                part_out, part_lse, miss_counts, out, lse, K, H, NUM_SPLITS=S,
                 BLOCK_N=cfg.block_n, BLOCK_H=MERGE_BLOCK_H, num_warps=4)
 
 
 __all__ = ["MissMode", "MissConfig", "MissPlan", "gpu_config", "default_miss_config",
            "plan_miss_attention",
            "merge_lse", "merge_lse_reference", "miss_attention_merge",
-           "miss_attention_merge_reference", "fused_miss_attention",
-           "fused_miss_attention_reference"]
+           "miss_attention_merge_reference"]

@@ -398,18 +398,15 @@ class HiSparseCache:
                         hot_rows=self._hot_l[layer], compact=False, wait=True)
 
     def resolve_split(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor, *,
-                      validate: bool = True, compact: bool = False, stage_with=None,
+                      validate: bool = True, compact: bool = False,
                       copy_shape: CopyShape | None = None) -> SplitResult:
         """``resolve`` in two phases, so that attention over the hits need not wait for
         the misses: returns once the hit phase is enqueued on the current stream
         (``result.hit_physical`` may be attended right away); the miss phase and the
         staging run on the stage stream and record ``result.event``, which the current
-        stream must wait on before it reads ``result.miss_physical`` rows.
+        stream must wait on before it reads ``result.miss_physical`` rows. The state after
+        the call equals ``resolve``'s bit for bit.
 
-        ``stage_with(miss_physical, miss_host, miss_counts)``: run on the stage stream
-        after the miss phase instead of the copy kernel; it must write every miss row
-        (host row ``miss_host[t, j]``) into its slot ``miss_physical[t, j]``, as
-        ``hisparse.attention.miss.fused_miss_attention`` does while attending. The state after the call equals ``resolve``'s bit for bit.
         ``copy_shape``: the staging kernel's grid (``stager.CopyShape``; None: a quarter of
         the SMs, 8 rows a program; ``stager.stage_programs`` overrides its programs).
         """
@@ -418,7 +415,7 @@ class HiSparseCache:
         hit, miss_lists = _split_buffers(self._split, self.cfg, self.device, layer, T, K)
         event = self.stager.run_split(layer, req_ids, topk, out, hit, miss_lists,
                                       host_rows=self._host_l[layer], hot_rows=self._hot_l[layer],
-                                      compact=compact, stage_with=stage_with, copy_shape=copy_shape)
+                                      compact=compact, copy_shape=copy_shape)
         self.requests.touch(layer)
         return SplitResult(out, hit, miss_lists, event, self.requests.epochs, layer)
 

@@ -313,13 +313,10 @@ class Stager:
 
     def run_split(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor, out: ResolveBuffers,
                   hit: torch.Tensor, miss_lists: tuple, *, host_rows: torch.Tensor,
-                  hot_rows: torch.Tensor, compact: bool, stage_with: Callable | None,
-                  copy_shape: CopyShape | None = None):
+                  hot_rows: torch.Tensor, compact: bool, copy_shape: CopyShape | None = None):
         """A split resolve: the hit phase on the current (compute) stream, then on the
-        stage stream the miss phase and the staging -- the copy kernel, or
-        ``stage_with(miss_physical, miss_host, miss_counts)`` when given (it must write
-        every miss row into its slot, e.g. a fused miss attention). ``copy_shape``: the
-        copy kernel's launch shape (None: its default; ``stage_programs``, when set,
+        stage stream the miss phase and the staging copy. ``copy_shape``: the copy
+        kernel's launch shape (None: its default; ``stage_programs``, when set,
         overrides the programs). Returns the layer's stage event (None on CPU). Any launch
         that raises is undone before the error propagates."""
         if copy_shape is not None and not isinstance(copy_shape, CopyShape):
@@ -341,14 +338,11 @@ class Stager:
                                 compact=compact, stamped=True, miss_lists=miss_lists)
                 miss_ran = True
                 cs.resolved[layer].record(stage, cap)
-                if stage_with is None:
-                    programs = self.stage_programs
-                    if programs is None and copy_shape is not None:
-                        programs = copy_shape.programs
-                    shape = None if copy_shape is None else (copy_shape.rows, copy_shape.warps)
-                    self.copy_fn(host_rows, out, hot_rows, K=topk.shape[1], programs=programs, shape=shape)
-                else:
-                    stage_with(*miss_lists)
+                programs = self.stage_programs
+                if programs is None and copy_shape is not None:
+                    programs = copy_shape.programs
+                shape = None if copy_shape is None else (copy_shape.rows, copy_shape.warps)
+                self.copy_fn(host_rows, out, hot_rows, K=topk.shape[1], programs=programs, shape=shape)
             except BaseException:
                 if not cap:
                     self._undo(layer, req_ids, topk, out, miss_phase_ran=miss_ran, streams=(cur, stage),

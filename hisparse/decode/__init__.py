@@ -1,7 +1,7 @@
 """Decode attention over a hisparse cache with the miss staging hidden behind it.
 
 - ``layer``: ``DecodeLayer`` (one layer's resolve + attention in an ``Overlap`` mode:
-  serial, split or fused) and its prefetch of a predicted selection.
+  serial or split) and its prefetch of a predicted selection.
 - ``overlap``: ``Overlap``, the modes.
 
 The names are imported when first used (as in ``hisparse.attention``): naming a mode

@@ -10,12 +10,9 @@ Modes (``Overlap``):
           misses, merged into the hit result by LSE (``attention.miss``). When the hit
           attention has more programs than one wave of SMs, it starts after the miss
           phase instead (``split_waits_for_misses``), beside the copy
-  fused   as split, but no copy: one kernel on the stage stream reads the missed rows
-          from pinned host memory, writes them into their hot slots and attends over
-          them, concurrently with the hit attention; then an LSE merge
 
-All three leave the cache in the same state, bit for bit, and return the same
-attention (split and fused within the rounding of one merge of bf16 partials). The
+Both leave the cache in the same state, bit for bit, and return the same attention
+(split within the rounding of one merge of bf16 partials). The
 hit attention runs on any backend (``attention.base.SparseMLABackend``: Triton,
 FlashMLA, FlashInfer, the reference); the miss side runs our Triton kernels (their
 torch references on CPU). Graph capturable with ``validate=False``: fixed shapes, no
@@ -35,12 +32,11 @@ import torch
 
 from .._checks import check_bool, check_int, sm_count
 from ..attention.base import Phase, SparseMLABackend, check_decode_call
-from ..attention.miss import (MissConfig, MissMode, MissPlan, fused_miss_attention, merge_lse,
-                              miss_attention_merge, plan_miss_attention)
+from ..attention.miss import MissConfig, MissMode, MissPlan, miss_attention_merge, plan_miss_attention
 from ..cache.cache import HiSparseCache
 from ..cache.results import SplitResult
 from ..cache.stager import CopyShape
-from ..formats import D_LATENT, RowFormat
+from ..formats import RowFormat
 from .overlap import Overlap
 
 
@@ -107,17 +103,16 @@ class DecodeLayer:
         self.kernels = kernels
         self.miss_config = miss_config  # launch shape of the miss kernels (None: their default)
         self._plans: dict[tuple, MissPlan] = {}
-        self._partials: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
         self._supported: set = set()  # (device, row format, heads) the backend accepted
 
     def with_backend(self, backend: SparseMLABackend) -> "DecodeLayer":
         """This layer attending with ``backend``: the same cache, mode, checks, kernels
-        and miss configuration, sharing this layer's scratch (the miss plans and the
-        fused mode's partials depend on the head count, not on the backend), for a
-        caller that gets a new backend object per forward."""
+        and miss configuration, sharing this layer's scratch (the miss plans depend on
+        the head count, not on the backend), for a caller that gets a new backend object
+        per forward."""
         layer = DecodeLayer(self.cache, backend, overlap=self.overlap, validate=self.validate,
                             kernels=self.kernels, miss_config=self.miss_config)
-        layer._plans, layer._partials = self._plans, self._partials
+        layer._plans = self._plans
         return layer
 
     def _plan(self, mode: MissMode, T: int, H: int, fmt: RowFormat) -> MissPlan:
@@ -128,17 +123,6 @@ class DecodeLayer:
                                        row_format=fmt, device=self.cache.device, config=self.miss_config)
             self._plans[key] = plan
         return plan
-
-    def _partial(self, T: int, H: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """float32 [T, H, 512], [T, H] miss partials of the fused mode (made once per H)."""
-        Tm = max(T, self.cache.cfg.max_tokens)
-        bufs = self._partials.get((H,))
-        if bufs is None:
-            dev = self.cache.device
-            bufs = (torch.empty((Tm, H, D_LATENT), dtype=torch.float32, device=dev),
-                    torch.empty((Tm, H), dtype=torch.float32, device=dev))
-            self._partials[(H,)] = bufs
-        return bufs[0][:T], bufs[1][:T]
 
     def __call__(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor, q: torch.Tensor, *,
                  sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,23 +141,7 @@ class DecodeLayer:
         if self.overlap is Overlap.SERIAL:
             res = c.resolve(layer, req_ids, topk, validate=self.validate)
             return self.backend.decode(q, hot, res.physical, sm_scale=sm_scale, row_format=fmt)
-        if self.overlap is Overlap.SPLIT:
-            return self._finish_split(self._begin_split(layer, req_ids, topk, H), q, sm_scale)
-        plan = self._plan(MissMode.FUSED, T, H, fmt)
-        part_out, part_lse = self._partial(T, H)
-        host = view.host_rows
-
-        def fused(miss_phys, miss_host, miss_counts):  # on the stage stream
-            fused_miss_attention(q, host, miss_host, hot, miss_phys, miss_counts, part_out, part_lse,
-                                 sm_scale=sm_scale, row_format=fmt, plan=plan, kernels=self.kernels)
-
-        sp = c.resolve_split(layer, req_ids, topk, validate=self.validate, stage_with=fused)
-        if c.cuda and not torch.cuda.is_current_stream_capturing():
-            q.record_stream(c.stage_stream)  # read on the stage stream
-        out, lse = self.backend.decode(q, hot, sp.hit_physical, sm_scale=sm_scale, row_format=fmt)
-        sp.wait()
-        merge_lse(out, lse, part_out, part_lse, kernels=self.kernels)
-        return out, lse
+        return self._finish_split(self._begin_split(layer, req_ids, topk, H), q, sm_scale)
 
     def begin(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor, *, num_heads: int) -> SplitLaunch:
         """The first half of a split layer, for an engine that has the top-k before the

@@ -1,5 +1,5 @@
-"""``Overlap``: how a decode layer orders miss staging and attention (serial, split or
-fused; :mod:`hisparse.decode.layer` describes each). Its own module so that naming a
+"""``Overlap``: how a decode layer orders miss staging and attention (serial or split;
+:mod:`hisparse.decode.layer` describes each). Its own module so that naming a
 mode (a config, a command-line choice) loads no kernel and no cache."""
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ class Overlap(enum.Enum):
 
     SERIAL = "serial"
     SPLIT = "split"
-    FUSED = "fused"
 
     @classmethod
     def parse(cls, value: "Overlap | str") -> "Overlap":

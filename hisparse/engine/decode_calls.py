@@ -2,7 +2,7 @@
 call, with the miss staging hidden behind the attention (``hisparse.decode``).
 
 :class:`DecodeAttentionCalls`, a base of ``HiSparseIndexGroup``: ``decode_attention``
-(resolve + attend, "serial" / "split" / "fused"), ``begin_decode_attention`` (a split
+(resolve + attend, "serial" / "split"), ``begin_decode_attention`` (a split
 layer's resolve launched as soon as the top-k exists, attended by the next
 ``decode_attention`` of the layer) and ``prefetch`` (a predicted selection staged ahead
 of the layer's resolve). Each counts as, or comes before, the layer's one resolve of
@@ -43,7 +43,7 @@ class DecodeAttentionCalls:
         """Decode attention of layer ``layer_index`` with the miss staging hidden behind
         it (``hisparse.decode``): resolves the decode tokens' top-k (int32 [Td, K]) and
         attends ``q`` (bf16 [Td, H, 576]) with ``backend`` over the hits while the misses
-        stage ("split"/"fused"; "serial" = convert + attend). Returns out bf16
+        stage ("split"; "serial" = convert + attend). Returns out bf16
         [Td, H, 512], lse float32 [Td, H]. Counts as the layer's one resolve of the
         forward (a later conversion of the same layer is refused).
         """

@@ -2,10 +2,9 @@
 entries, merged exactly (LSE merge) with the partial result of its *hit* entries.
 Launchers, references and the math contract: ``hisparse.attention.miss``.
 
-Notation: T query tokens, H heads, K miss-list capacity per token, N hot rows, NH host
-rows, S splits of a token's miss list (NUM_SPLITS), HB = cdiv(H, BLOCK_H) head blocks.
+Notation: T query tokens, H heads, K miss-list capacity per token, N hot rows, S splits of a token's miss list (NUM_SPLITS), HB = cdiv(H, BLOCK_H) head blocks.
 Token t's miss list is entries j < c_t = clamp(counts[t], 0, K) of row t of the index
-lists; an entry whose hot row (and, fused, host row) is -1 or out of range is padding:
+lists; an entry whose hot row is -1 or out of range is padding:
 never dereferenced, never written.
 
 Split s of a token takes the entries [s * r, min((s + 1) * r, c_t)) with r =
@@ -24,18 +23,8 @@ Kernels:
   with tl.dot (the helpers of ``mla_decode``), and with S = 1 merges its result into
   the hit partial in the epilogue (one launch); with S > 1 it writes a float32 partial
   and ``miss_combine_kernel`` merges the splits and the hit partial.
-- ``miss_fused_kernel``: the miss rows are still in pinned host memory (read over UVA).
-  A persistent grid of NPROG programs walks the T * S work items (t, s). Per item:
-  phase 1 copies the slice's rows host -> hot slot (16-byte vectors, COPY_ROWS rows
-  per load, the next chunk's loads issued before the current chunk is stored: two
-  chunks in flight); a CTA barrier makes the stores visible to the whole program;
-  phase 2 loops over the HB head blocks and attends over the slice's rows, read back
-  from the hot buffer (L2-resident: just written). So each host row crosses PCIe once
-  whatever H is, and the hot slot is filled for later steps in the same pass. With
-  S = 1 it writes the miss partial (natural lse) itself; with S > 1 float32 partials
-  that ``miss_combine_kernel`` combines.
-- ``miss_combine_kernel``: merges the S float32 partials of a token (base-2 lse),
-  either into the hit partial in place (HAS_BASE) or into a fresh miss partial.
+- ``miss_combine_kernel``: merges the S float32 partials of a token (base-2 lse) into
+  the hit partial in place.
 
 Merge math (natural log at the interface and in the merge; base 2 inside the attention
 and across splits): with a, b the two lses and d = a - b, e = 2^(-|d| log2(e)) (in
@@ -109,21 +98,18 @@ def _load_rows(kv_ptr, slot, valid, kv_stride, IS_FP8: tl.constexpr):
 
 
 @triton.jit
-def _entries(slot_row, host_row, kk, hi, N, NH, CHECK_HOST: tl.constexpr):
+def _entries(slot_row, kk, hi, N):
     """(hot rows int32, valid bool) of the entries kk int [BLOCK_N] of one miss list:
-    valid = kk < hi, the hot row in [0, N) and, with CHECK_HOST, the host row in [0, NH)."""
+    valid = kk < hi and the hot row in [0, N)."""
     inr = kk < hi
     slot = tl.load(slot_row + kk, mask=inr, other=-1)
     valid = inr & (slot >= 0) & (slot < N)
-    if CHECK_HOST:
-        hrow = tl.load(host_row + kk, mask=inr, other=-1)
-        valid = valid & (hrow >= 0) & (hrow < NH)
     return slot, valid
 
 
 @triton.jit
-def _attend(q_ptr, kv_ptr, slot_row, host_row, t, hb, lo, hi, N, NH, H, q_stride_t, q_stride_h,
-            kv_stride, qk_scale_log2, one, CHECK_HOST: tl.constexpr, IS_FP8: tl.constexpr,
+def _attend(q_ptr, kv_ptr, slot_row, t, hb, lo, hi, N, H, q_stride_t, q_stride_h,
+            kv_stride, qk_scale_log2, one, IS_FP8: tl.constexpr,
             BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, ISOLATE_QK: tl.constexpr,
             PREFETCH: tl.constexpr):
     """Online-softmax attention of head block hb of token t over the entries [lo, hi) of
@@ -153,12 +139,12 @@ def _attend(q_ptr, kv_ptr, slot_row, host_row, t, hb, lo, hi, N, NH, H, q_stride
     for start in range(lo, hi, BLOCK_N):
         kk = start + tl.arange(0, BLOCK_N)
         if PREFETCH > 0:
-            nslot, nvalid = _entries(slot_row, host_row, kk + BLOCK_N, hi, N, NH, False)
+            nslot, nvalid = _entries(slot_row, kk + BLOCK_N, hi, N)
             if IS_FP8:
                 _prefetch_rows(kv_ptr, tl.where(nvalid, nslot, 0).to(tl.int64) * kv_stride, 656, 8)
             else:
                 _prefetch_rows(kv_ptr, tl.where(nvalid, nslot, 0).to(tl.int64) * (kv_stride * 2), 1152, 16)
-        slot, valid = _entries(slot_row, host_row, kk, hi, N, NH, CHECK_HOST)
+        slot, valid = _entries(slot_row, kk, hi, N)
         k0, k1, k2, k3, kr = _load_rows(kv_ptr, slot, valid, kv_stride, IS_FP8)
         if ISOLATE_QK:
             s = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
@@ -192,7 +178,7 @@ def _attend(q_ptr, kv_ptr, slot_row, host_row, t, hb, lo, hi, N, NH, H, q_stride
 def _runtime_one(K):
     """1 as a value the compiler cannot fold (K > 0 whenever a kernel runs; K is not
     specialised), the trip count of ISOLATE_QK's loops. A constant 1 would let the
-    compiler remove them: lo is the constant 0 in a fused kernel with one split."""
+    compiler remove them."""
     return (K > 0).to(tl.int32)
 
 
@@ -267,10 +253,9 @@ def _zero_empty(out_ptr, lse_ptr, t, heads, hmask, H):
 
 
 @triton.jit
-def _store_result(o_ptr, l_ptr, base, hmask, acc0, acc1, acc2, acc3, inv_l, lse2,
-                  NATURAL: tl.constexpr):
-    """Store a normalised result: o_ptr[base, :512] = acc_i * inv_l, l_ptr[base] = lse
-    (natural log when NATURAL, else base 2). base int64 [BLOCK_H] row numbers."""
+def _store_result(o_ptr, l_ptr, base, hmask, acc0, acc1, acc2, acc3, inv_l, lse2):
+    """Store a normalised result: o_ptr[base, :512] = acc_i * inv_l, l_ptr[base] = lse2
+    (base 2). base int64 [BLOCK_H] row numbers."""
     d = tl.arange(0, 128)
     o_row = o_ptr + base[:, None] * 512 + d[None, :]
     hm = hmask[:, None]
@@ -278,10 +263,7 @@ def _store_result(o_ptr, l_ptr, base, hmask, acc0, acc1, acc2, acc3, inv_l, lse2
     tl.store(o_row + 128, acc1 * inv_l[:, None], mask=hm)
     tl.store(o_row + 256, acc2 * inv_l[:, None], mask=hm)
     tl.store(o_row + 384, acc3 * inv_l[:, None], mask=hm)
-    if NATURAL:
-        tl.store(l_ptr + base, lse2 * LN2, mask=hmask)
-    else:
-        tl.store(l_ptr + base, lse2, mask=hmask)
+    tl.store(l_ptr + base, lse2, mask=hmask)
 
 
 # ------------------------------------------------------------------ kernels
@@ -342,8 +324,8 @@ def miss_split_kernel(
     if lo < hi:
         idx_row = idx_ptr + t * idx_stride
         heads, hmask, acc0, acc1, acc2, acc3, m_i, l_i = _attend(
-            q_ptr, kv_ptr, idx_row, idx_row, t, hb, lo, hi, N, N, H, q_stride_t, q_stride_h,
-            kv_stride, qk_scale_log2, _runtime_one(K), False, IS_FP8, BLOCK_H, BLOCK_N,
+            q_ptr, kv_ptr, idx_row, t, hb, lo, hi, N, H, q_stride_t, q_stride_h,
+            kv_stride, qk_scale_log2, _runtime_one(K), IS_FP8, BLOCK_H, BLOCK_N,
             ISOLATE_QK, PREFETCH)
         inv_l, lse2 = _finish(m_i, l_i)
         if NUM_SPLITS == 1:
@@ -351,7 +333,7 @@ def miss_split_kernel(
         else:
             base = (t * NUM_SPLITS + sp) * H + heads.to(tl.int64)
             _store_result(part_out_ptr, part_lse_ptr, base, hmask, acc0, acc1, acc2, acc3,
-                          inv_l, lse2, False)
+                          inv_l, lse2)
     else:
         if NUM_SPLITS == 1:  # no miss entry (with splits, the combine kernel sees to it)
             heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -363,11 +345,9 @@ def miss_combine_kernel(
     part_out_ptr,  # float32 [T, NUM_SPLITS, H, 512]
     part_lse_ptr,  # float32 [T, NUM_SPLITS, H] base 2 (read only for splits with work)
     cnt_ptr,  # int32 [T] miss counts (the same the partials were made from)
-    out_ptr,  # HAS_BASE: bf16 [T, H, 512] hit partial, merged in place; else float32 or
-    #           bf16 [T, H, 512], the miss partial (written where its lse is finite)
-    lse_ptr,  # float32 [T, H] natural log (HAS_BASE: in and out; else written for every head)
+    out_ptr,  # bf16 [T, H, 512]: the hit partial, merged in place
+    lse_ptr,  # float32 [T, H] natural log: the hit lse, merged in place
     K, H,
-    HAS_BASE: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_N: tl.constexpr,  # the slicing granularity of the partials' kernel
     BLOCK_H: tl.constexpr,
@@ -400,106 +380,12 @@ def miss_combine_kernel(
         inv = tl.where(has_b, 1.0 / tl.where(has_b, tot, 1.0), 0.0)
         b2 = tl.where(has_b, m + tl.log2(tl.where(has_b, tot, 1.0)), float("-inf"))
         off = (t * H + heads.to(tl.int64))[:, None] * 512 + d[None, :]
-        if HAS_BASE:
-            a = tl.load(lp, mask=hmask, other=float("-inf"))
-            write = hmask & (has_b | (a == float("-inf")))  # both empty: out = 0, lse -inf
-            wa, wb, lse = _merge_weights(a, b2 * LN2)
-            o = _side(out_ptr + off, has_b & (a > float("-inf")))
-            tl.store(out_ptr + off, o * wa[:, None] + acc * (wb * inv)[:, None],
-                     mask=write[:, None])
-            tl.store(lp, lse, mask=write)
-        else:
-            tl.store(out_ptr + off, acc * inv[:, None], mask=has_b[:, None])
-            tl.store(lp, b2 * LN2, mask=hmask)
+        a = tl.load(lp, mask=hmask, other=float("-inf"))
+        write = hmask & (has_b | (a == float("-inf")))  # both empty: out = 0, lse -inf
+        wa, wb, lse = _merge_weights(a, b2 * LN2)
+        o = _side(out_ptr + off, has_b & (a > float("-inf")))
+        tl.store(out_ptr + off, o * wa[:, None] + acc * (wb * inv)[:, None],
+                 mask=write[:, None])
+        tl.store(lp, lse, mask=write)
     else:
-        if HAS_BASE:
-            _zero_empty(out_ptr, lse_ptr, t, heads, hmask, H)
-        else:
-            tl.store(lp, tl.full([BLOCK_H], float("-inf"), dtype=tl.float32), mask=hmask)
-
-
-@triton.jit
-def _copy_chunk_load(host_ptr, hrow_ptr, srow_ptr, start, hi, NH, N, lanes, cols,
-                     RW: tl.constexpr):
-    """Issue the host loads of the entries [start, start + COPY_ROWS) of a miss list.
-    Returns (words int32 [COPY_ROWS, RWB], destination rows int64 [COPY_ROWS], ok bool
-    [COPY_ROWS]). Entries at or beyond hi, or with a host or hot row out of range, load
-    nothing and are not stored."""
-    kk = start + lanes
-    inr = kk < hi
-    src = tl.load(hrow_ptr + kk, mask=inr, other=-1)
-    dst = tl.load(srow_ptr + kk, mask=inr, other=-1)
-    ok = inr & (src >= 0) & (src < NH) & (dst >= 0) & (dst < N)
-    x = tl.load(host_ptr + src.to(tl.int64)[:, None] * RW + cols[None, :],
-                mask=ok[:, None] & (cols < RW)[None, :], other=0)
-    return x, dst.to(tl.int64), ok
-
-
-@triton.jit(do_not_specialize=["NH", "N", "K", "T", "NPROG"])
-def miss_fused_kernel(
-    q_ptr,  # bf16 [T, H, 576], last-dim stride 1
-    host_ptr,  # int32 [NH, RW]: the host rows (pinned, read over UVA) viewed as words
-    hidx_ptr,  # int32 [T, K] host row of each miss entry (-1 / out of range = padding)
-    kv_ptr,  # uint8 [N, 656] (IS_FP8) or bf16 [N, 576]: the hot rows, packed, 16-byte aligned
-    idx_ptr,  # int32 [T, K] hot row of each miss entry (written, then attended)
-    cnt_ptr,  # int32 [T] miss counts (clamped to [0, K])
-    part_out_ptr,  # NUM_SPLITS 1: float32 or bf16 [T, H, 512]; else float32 [T, S, H, 512]
-    part_lse_ptr,  # NUM_SPLITS 1: float32 [T, H] natural log; else float32 [T, S, H] base 2
-    NH, N, K, H, T,  # host rows, hot rows, miss-list capacity, heads, tokens
-    q_stride_t, q_stride_h,  # elements
-    idx_stride, hidx_stride,  # elements between index rows
-    kv_stride,  # bytes (fp8) or bf16 elements between hot rows (= 4 RW or 2 RW: packed)
-    qk_scale_log2,  # sm_scale * log2(e)
-    NPROG,  # programs in the grid (the persistent loop's stride)
-    IS_FP8: tl.constexpr,
-    RW: tl.constexpr,  # int32 words per row (164 fp8_ds_mla, 288 bf16)
-    RWB: tl.constexpr,  # next power of two >= RW
-    COPY_ROWS: tl.constexpr,  # rows per host load (power of two)
-    NUM_SPLITS: tl.constexpr,
-    NUM_HB: tl.constexpr,  # cdiv(H, BLOCK_H)
-    BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    ISOLATE_QK: tl.constexpr,
-):
-    kv_words = kv_ptr.to(tl.pointer_type(tl.int32))
-    lanes = tl.arange(0, COPY_ROWS)
-    cols = tl.arange(0, RWB)
-    item = tl.program_id(0)
-    while item < T * NUM_SPLITS:
-        t = (item // NUM_SPLITS).to(tl.int64)
-        sp = item % NUM_SPLITS
-        lo, hi = _slice(_count(cnt_ptr, t, K), sp, NUM_SPLITS, BLOCK_N)
-        idx_row = idx_ptr + t * idx_stride
-        hidx_row = hidx_ptr + t * hidx_stride
-        if lo < hi:
-            # phase 1: host -> hot slot, two chunks in flight
-            x, dst, ok = _copy_chunk_load(host_ptr, hidx_row, idx_row, lo, hi, NH, N, lanes,
-                                          cols, RW)
-            for start in range(lo + COPY_ROWS, hi + COPY_ROWS, COPY_ROWS):
-                x_n, dst_n, ok_n = _copy_chunk_load(host_ptr, hidx_row, idx_row, start, hi, NH,
-                                                    N, lanes, cols, RW)
-                tl.store(kv_words + dst[:, None] * RW + cols[None, :], x,
-                         mask=ok[:, None] & (cols < RW)[None, :])
-                x, dst, ok = x_n, dst_n, ok_n
-            tl.debug_barrier()  # the slice's rows are in the hot buffer for every thread
-            # phase 2: every head block attends over the slice (rows from L2)
-            for hb in range(0, NUM_HB):
-                heads, hmask, acc0, acc1, acc2, acc3, m_i, l_i = _attend(
-                    q_ptr, kv_ptr, idx_row, hidx_row, t, hb, lo, hi, N, NH, H, q_stride_t,
-                    q_stride_h, kv_stride, qk_scale_log2, _runtime_one(K), True, IS_FP8,
-                    BLOCK_H, BLOCK_N, ISOLATE_QK, 0)
-                inv_l, lse2 = _finish(m_i, l_i)
-                if NUM_SPLITS == 1:
-                    _store_result(part_out_ptr, part_lse_ptr, t * H + heads.to(tl.int64), hmask,
-                                  acc0, acc1, acc2, acc3, inv_l, lse2, True)
-                else:
-                    _store_result(part_out_ptr, part_lse_ptr,
-                                  (t * NUM_SPLITS + sp) * H + heads.to(tl.int64), hmask,
-                                  acc0, acc1, acc2, acc3, inv_l, lse2, False)
-        else:
-            if NUM_SPLITS == 1:  # no misses: lse = -inf (part_out is left as it is)
-                for hb in range(0, NUM_HB):
-                    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-                    tl.store(part_lse_ptr + t * H + heads,
-                             tl.full([BLOCK_H], float("-inf"), dtype=tl.float32), mask=heads < H)
-        item += NPROG
+        _zero_empty(out_ptr, lse_ptr, t, heads, hmask, H)

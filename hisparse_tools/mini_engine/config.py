@@ -55,7 +55,7 @@ class MiniEngineConfig:
     flashmla_lib: str | None = None  # path of FlashMLA's _flashmla_C library (backend "flashmla")
     cache_kernels: str = "auto"  # HiSparseCache kernels, a Kernels value (triton on CPU: interpreter)
     validate: bool = True  # checked mode for cache and attention calls
-    overlap: str = "serial"  # hisparse decode: serial | split | fused (hisparse.decode.Overlap)
+    overlap: str = "serial"  # hisparse decode: serial | split (hisparse.decode.Overlap)
     prefetch: bool = False  # hisparse decode: stage layer l's top-k into layer l+1 (prefetches_into)
     index_share: int = 1  # layers per indexer: layer l computes a top-k iff l % index_share == 0 (a
     #                      "Full" layer, IndexCache's terms); the layers after it reuse that top-k
@@ -108,8 +108,6 @@ class MiniEngineConfig:
             if self.validate:
                 raise ValueError(f"{flag} need unchecked mode (--unchecked): checked mode reads device "
                                  "values on the host, which a captured call cannot do")
-        if self.graphs and overlap not in (Overlap.SERIAL, Overlap.SPLIT):
-            raise ValueError(f"graphs support overlap serial or split, got overlap={self.overlap!r}")
         if self.layer_graphs:
             if self.graphs:
                 raise ValueError("layer_graphs are for a forward that runs eagerly; with graphs the whole decode "

@@ -29,7 +29,7 @@ Decode takes two calls, ``stage_decode`` as soon as the top-k exists and
 ``decode_attention`` once the loop computed the query, so that a store's staging can
 overlap the query projection (in captured forwards: the serial conversion, or a split
 layer's resolve); the rest of the overlap modes (split's hit attention beside the copy,
-fused, prefetch) lives inside the store's calls without the loop knowing.
+prefetch) lives inside the store's calls without the loop knowing.
 Both stores share one :class:`Attention` (the backends, softmax scale, workspace).
 
 - :class:`ResidentKV`  an ordinary paged device KV cache holding every row (the
@@ -255,19 +255,17 @@ class HiSparseKV(KVStore):
     def stage_decode(self, layer: int, topk: torch.Tensor, batch: Batch):
         """Serial: the conversion; split: the split layer's resolve
         (``begin_decode_attention``). Either way the misses stage while the loop
-        computes q. Fused: nothing yet (its decode attention resolves and stages)."""
+        computes q."""
         if self.overlap == "serial":
             return self.decode_rows(layer, topk, batch)
-        if self.overlap == "split":
-            self.group.begin_decode_attention(layer, topk, batch.md, backend=self.attn.decode,
-                                              num_heads=self.cfg.num_heads)
+        self.group.begin_decode_attention(layer, topk, batch.md, backend=self.attn.decode,
+                                          num_heads=self.cfg.num_heads)
         return None
 
     def decode_attention(self, layer: int, q: torch.Tensor, topk: torch.Tensor, batch: Batch,
                          staged) -> torch.Tensor:
         """Serial: wait for the conversion's staging if it was deferred, then attend;
-        split / fused:
-        ``HiSparseIndexGroup.decode_attention`` (the hits attended while the misses
+        split: ``HiSparseIndexGroup.decode_attention`` (the hits attended while the misses
         stage). With prefetch, this layer's top-k is then staged into the next layer
         (:meth:`prefetch_targets`) while the rest of this layer computes."""
         if self.overlap == "serial":
