@@ -2,7 +2,8 @@
 entries, merged exactly (LSE merge) with the partial result of its *hit* entries.
 Launchers, references and the math contract: ``hisparse.attention.miss``.
 
-Notation: T query tokens, H heads, K miss-list capacity per token, N hot rows, S splits of a token's miss list (NUM_SPLITS), HB = cdiv(H, BLOCK_H) head blocks.
+Notation: T query tokens, H heads, K miss-list capacity per token, N hot rows, S splits
+of a token's miss list (NUM_SPLITS), HB = cdiv(H, BLOCK_H) head blocks.
 Token t's miss list is entries j < c_t = clamp(counts[t], 0, K) of row t of the index
 lists; an entry whose hot row is -1 or out of range is padding:
 never dereferenced, never written.
