@@ -16,7 +16,7 @@ modules and no Triton (``HiSparseCache`` and ``LayerView`` load it, through the 
 
 from __future__ import annotations
 
-import importlib
+from .._lazy import lazy_exports
 
 # exported name -> module that defines it (relative to this package)
 _EXPORTS = {
@@ -31,15 +31,4 @@ _EXPORTS = {
 
 __all__ = list(_EXPORTS)
 
-
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module, __name__), name)
-    globals()[name] = value  # later lookups skip this function
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
