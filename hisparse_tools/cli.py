@@ -252,6 +252,10 @@ def _stress(args, outs: Outputs) -> int:
 
 
 # ------------------------------------------------------------------ autotune
+# the cache config's fields that an autotune flag sets under another name, for error messages
+AUTOTUNE_CONFIG_FLAGS = {"device_buffer_size": "--buffer"}
+
+
 def _add_autotune(sub) -> None:
     d = AutotuneOptions()
     p = sub.add_parser(
@@ -436,7 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     whatif.add_parser(sub).epilog = EXIT_TABLE
     for name, sp in sub.choices.items():  # errors name the options as typed (run_command)
-        extra = mini_engine.CONFIG_FLAGS if name == "mini-engine" else {}
+        extra = {"mini-engine": mini_engine.CONFIG_FLAGS, "autotune": AUTOTUNE_CONFIG_FLAGS}.get(name, {})
         sp.set_defaults(flag_names={**flag_names(sp), **extra})
     return parser
 

@@ -94,14 +94,17 @@ def name_flags(text: str, flags: Mapping[str, str]) -> str:
     """``text`` (an error from the options or the config a command built) with the field
     names of its options written as the user typed them: ``device_buffer_size=3`` and
     ``num_layers must`` become ``--buffer 3`` and ``--layers must``. A plain word
-    (``context``, ``steps``) is replaced only as the subject that opens the message."""
+    (``context``, ``steps``) is replaced only as the subject that opens the message.
+    Quoted text (a path the user gave, ``'/data/top_k.npz'``) is left as it is."""
+    parts = re.split(r"""('[^']*'|"[^"]*")""", text)  # odd indices: quoted
     for dest, flag in flags.items():
-        if "_" in dest:
-            text = re.sub(rf"(?<![\w-]){re.escape(dest)}=", f"{flag} ", text)
-            text = re.sub(rf"(?<![\w-]){re.escape(dest)}(?!\w)", flag, text)
-        elif text.startswith(f"{dest} must "):
-            text = flag + text[len(dest):]
-    return text
+        for i in range(0, len(parts), 2):
+            if "_" in dest:
+                part = re.sub(rf"(?<![\w/.-]){re.escape(dest)}=", f"{flag} ", parts[i])
+                parts[i] = re.sub(rf"(?<![\w/.-]){re.escape(dest)}(?![\w/]|\.\w)", flag, part)
+        if "_" not in dest and parts[0].startswith(f"{dest} must "):
+            parts[0] = flag + parts[0][len(dest):]
+    return "".join(parts)
 
 
 def run_command(command: str, fn: Callable[[], int], *, stream=None,

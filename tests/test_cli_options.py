@@ -226,6 +226,36 @@ def test_config_errors_name_the_flags_as_typed(capsys, monkeypatch, command, arg
     _fails(capsys, [command] + argv + base, rc, *needles, absent=absent)
 
 
+@pytest.mark.parametrize("argv, path", [
+    (["stress", "--record", "/nonexistent-dir/top_k.npz"] + STRESS_TINY, "'/nonexistent-dir/top_k.npz'"),
+    (["stress", "--metrics-file", "/nonexistent-dir/metrics_every.prom"] + STRESS_TINY,
+     "'/nonexistent-dir/metrics_every.prom'"),
+    (["mini-engine", "--out", "/nonexistent-dir/num_layers.json", "--device", "cpu"] + ME_TINY,
+     "'/nonexistent-dir/num_layers.json'"),
+])
+def test_a_path_in_an_error_is_left_as_typed(capsys, monkeypatch, argv, path):
+    """Naming the flags rewrites field names, never a path the user gave that holds one."""
+    monkeypatch.setattr(stress.StressRun, "run", _never)
+    monkeypatch.setattr(me_loop, "run", _never)
+    _fails(capsys, argv, 2, path, "does not exist")
+
+
+def test_name_flags_leaves_quoted_text_paths_and_words_inside_words_alone():
+    from hisparse_tools.exit_codes import name_flags
+    flags = {"top_k": "--top-k", "num_layers": "--layers", "steps": "--steps"}
+    assert name_flags("top_k must be >= 1; num_layers=0.", flags) == "--top-k must be >= 1; --layers 0."
+    assert name_flags("trace '/a/top_k.npz' and /b/top_k.npz, x_top_k, top_k.json", flags) == \
+        "trace '/a/top_k.npz' and /b/top_k.npz, x_top_k, top_k.json"
+    assert name_flags("steps must be >= 1; steps left", flags) == "--steps must be >= 1; steps left"
+    assert name_flags("it ends at top_k.", flags) == "it ends at --top-k."
+
+
+def test_autotune_buffer_error_names_the_flag(capsys):
+    _fails(capsys, ["autotune", "--buffer", "3", "--top-k", "8", "--device", "cpu", "--gpu-memory", "1GiB",
+                    "--quiet"], 3, "--buffer 3 is smaller than", "set --buffer >= 8",
+           absent=["device_buffer_size", "max_query_len"])
+
+
 def test_python_m_mini_engine_names_the_flags_too(capsys):
     assert me_cli.main(["--layers", "0", "--device", "cpu"]) == 2
     err = capsys.readouterr().err.strip()
