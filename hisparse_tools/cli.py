@@ -39,7 +39,7 @@ from .preflight import parse_device, path_arg
 from .report import plot_stress, require_matplotlib
 from .stress_report import format_stress
 from .traces import SOURCES
-from .units import fmt_bytes, parse_bytes, parse_count, parse_tokens
+from .units import fmt_bytes, parse_bytes, parse_count, token_arg
 from .workload import StressOptions
 
 # every command's --help ends with it (explicit line breaks: plan's help is not re-wrapped)
@@ -60,13 +60,6 @@ def _verify_arg(text: str) -> int | str:
     if n < 0:
         raise argparse.ArgumentTypeError(f"verify count must be >= 0, got {n}")
     return n
-
-
-def _tokens(text: str) -> int:
-    try:
-        return parse_tokens(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _bytes(text: str) -> int:
@@ -127,8 +120,8 @@ def _add_stress(sub) -> None:
                    help="base sizes; explicit flags override [small]")
     a = p.add_argument
     a("--requests", dest="num_requests", type=int, help=f"live requests at once [{d.num_requests}]")
-    a("--context", type=_tokens, help=f"max context of a joining request, e.g. 128K, 1M [{d.context}]")
-    a("--context-min", type=_tokens, help="min context of a joining request [context/2]")
+    a("--context", type=token_arg, help=f"max context of a joining request, e.g. 128K, 1M [{d.context}]")
+    a("--context-min", type=token_arg, help="min context of a joining request [context/2]")
     a("--layers", dest="num_layers", type=int, help=f"layers [{d.num_layers}]")
     a("--top-k", type=int, help=f"indexer top-k K [{d.top_k}]")
     a("--buffer", dest="buffer_size", type=int, help="hot LRU slots S per (layer, request) [2*K]")
@@ -274,7 +267,7 @@ def _add_autotune(sub) -> None:
       help=f"KV row format [{d.row_format}]")
     a("--top-k", type=int, default=d.top_k, help=f"indexer top-k K [{d.top_k}]")
     a("--buffer", dest="buffer_size", type=int, default=None, help="hot LRU slots S [2*K]")
-    a("--context", type=_tokens, default=d.context, help=f"context per request while timing [{d.context}]")
+    a("--context", type=token_arg, default=d.context, help=f"context per request while timing [{d.context}]")
     a("--query-len", dest="max_query_len", type=int, default=1, help="decode tokens per request per step")
     a("--heads", dest="num_heads", type=int, default=d.num_heads, help=f"attention heads [{d.num_heads}]")
     a("--gpu-memory", type=_bytes, default=None,
@@ -339,7 +332,7 @@ def _add_plan(sub) -> None:
     a("--index-share", type=int, default=1, metavar="N",
       help="only every N-th layer runs an indexer (keeps keys); the others reuse its top-k, as "
            "IndexCache-style models do (default 1: every layer)")
-    a("--context", dest="context_len", type=_tokens, default=128 * 1024, help="context C (default 128K)")
+    a("--context", dest="context_len", type=token_arg, default=128 * 1024, help="context C (default 128K)")
     a("--gpu-memory", dest="gpu_bytes", type=_bytes, default=80 << 30, help="GPU bytes for KV G (default 80GiB)")
     a("--host-memory", dest="host_bytes", type=_bytes, default=1 << 40, help="host pool bytes Hm (default 1TiB)")
     a("--hot-rows", type=int, default=None, help="hot rows per request S (default 2*K)")

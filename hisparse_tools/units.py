@@ -1,6 +1,6 @@
 """Byte and token counts as people write them, for every tool: ``fmt_bytes`` prints a
 size ('1.50 KiB'); ``parse_bytes`` / ``parse_tokens`` read '80GiB', '1.5TB', '128K';
-``parse_count`` is an argparse type for an int >= 0."""
+``parse_count`` (an int >= 0) and ``token_arg`` are argparse types."""
 
 from __future__ import annotations
 
@@ -49,6 +49,14 @@ def parse_tokens(text: str | int) -> int:
     return _parse(text, _COUNT_UNITS, "token count")
 
 
+def token_arg(text: str) -> int:
+    """:func:`parse_tokens` as an argparse ``type=``."""
+    try:
+        return parse_tokens(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def fmt_bytes(n: int | float) -> str:
     """Human-readable binary size: 1536 -> '1.50 KiB'."""
     n = float(n)
@@ -59,4 +67,4 @@ def fmt_bytes(n: int | float) -> str:
     return f"{n:.2f} TiB"  # pragma: no cover
 
 
-__all__ = ["fmt_bytes", "parse_bytes", "parse_count", "parse_tokens"]
+__all__ = ["fmt_bytes", "parse_bytes", "parse_count", "parse_tokens", "token_arg"]

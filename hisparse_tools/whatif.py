@@ -49,7 +49,7 @@ from .exit_codes import MissingDependency, writing
 from .flag_rules import check_whatif
 from .belady import (LayerTrace, Policy, hit_rate, make_plan, next_uses, row_membership,
                      simulate)
-from .units import parse_tokens
+from .units import token_arg
 from .preflight import check_memory, check_output_dir, path_arg
 from .progress import Progress
 from .report import PlotUnavailable, require_matplotlib  # noqa: F401 (PlotUnavailable: raised from here)
@@ -423,13 +423,6 @@ def _simulate_all(steps, insts, L, K, buffers, r: _Resolved, dev, bar) -> dict[s
 
 
 # ------------------------------------------------------------------ CLI
-def _tokens(text: str) -> int:
-    try:
-        return parse_tokens(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
 def add_parser(sub) -> argparse.ArgumentParser:
     """Register ``hisparse whatif`` on an argparse subparsers object."""
     p = sub.add_parser(
@@ -445,8 +438,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
     a("--preset", choices=sorted(PRESETS), help="generated workload [glm51 unless --replay]")
     a("--trace", choices=GENERATORS, help="generator (overrides the preset's)")
     for k, typ, h in (("requests", int, "live requests"),
-                      ("context", _tokens, "max context of a joining request, e.g. 128K"),
-                      ("context-min", _tokens, "min context of a joining request"), ("layers", int, "layers"),
+                      ("context", token_arg, "max context of a joining request, e.g. 128K"),
+                      ("context-min", token_arg, "min context of a joining request"), ("layers", int, "layers"),
                       ("top-k", int, "top-k K"), ("steps", int, "decode steps"),
                       ("churn", float, "per step and request: probability it leaves"), ("seed", int, "seed"),
                       ("sinks", int, "workingset: attention-sink tokens always selected"),

@@ -9,6 +9,8 @@
   (``layer_view``: what ``hisparse.staging`` reads of a layer; defined there).
 - ``HostPool``: the pinned host pool a cache owns, or one built elsewhere and passed as
   ``host_pool=`` (``host_pool``; ``distributed.setup_shared_pool`` builds a node-shared one).
+- ``expand_runs``: (start, n, step) runs expanded into one int64 index tensor, as the
+  write plans build their lists (``write_plan``).
 
 The names are imported when first used: ``import hisparse.cache`` loads none of its
 modules and no Triton (``HiSparseCache`` and ``LayerView`` load it, through the kernels).
@@ -26,6 +28,7 @@ _EXPORTS = {
     "WriteBatch": ".write",
     "StepPlan": ".write_step", "StepCapacity": ".write_step",
     "HostPool": ".host_pool",
+    "expand_runs": ".write_plan",
     "LayerView": "..staging.view",
 }
 

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hisparse.attention import SparseMLABackend
+from hisparse.cache import expand_runs
 from hisparse.staging import BlockTable, convert_topk_to_physical
 from hisparse.config import RowFormat, ceil_div
 from hisparse.engine import HiSparseIndexGroup, SparseMLAMetadata
@@ -55,18 +56,6 @@ from .config import MiniEngineConfig, Request
 
 if TYPE_CHECKING:
     from .graphs import StaticInputs
-
-
-def _expand_runs(runs: list[tuple[int, int, int]]) -> torch.Tensor:
-    """int64 [sum n] CPU: each run (start, n, step) expanded to start, start + step, ... (n values)."""
-    if not runs:
-        return torch.empty(0, dtype=torch.int64)
-    t = torch.tensor(runs, dtype=torch.int64)  # [m, 3]
-    n = t[:, 1]
-    which = torch.repeat_interleave(torch.arange(t.shape[0]), n)
-    first = torch.cumsum(n, 0) - n
-    offs = torch.arange(int(n.sum())) - first[which]
-    return t[which, 0] + t[which, 2] * offs
 
 
 @dataclasses.dataclass
@@ -202,8 +191,8 @@ class ResidentKV(KVStore):
 
     def _rows_of(self, spans: list[tuple[Request, int, int]]) -> torch.Tensor:
         """int64 [n] device: global rows of positions [p0, p1) of each (request, p0, p1), concatenated."""
-        pos = _expand_runs([(p0, p1 - p0, 1) for _, p0, p1 in spans])
-        slot = _expand_runs([(r.slot, p1 - p0, 0) for r, p0, p1 in spans])
+        pos = expand_runs([(p0, p1 - p0, 1) for _, p0, p1 in spans])
+        slot = expand_runs([(r.slot, p1 - p0, 0) for r, p0, p1 in spans])
         both = torch.stack([pos, slot]).to(self.device)
         pos, slot = both[0], both[1]
         return self.block_table[slot, pos // self.bs].long() * self.bs + pos % self.bs
