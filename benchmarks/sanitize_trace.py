@@ -58,7 +58,7 @@ from hisparse.engine import HiSparseIndexGroup, SparseMLAMetadata
 from hisparse.formats import quantize_fp8_ds_mla
 
 FIELDS = ("id_to_slot", "seq_lens", "block_table", "slot_pos", "slot_stamp", "row_slot",
-          "step", "stats")
+          "step", "stats", "resident", "page_table")
 
 
 def build(cfg: HiSparseConfig, seqs: dict[int, int], rng: random.Random) -> HotState:

@@ -17,6 +17,7 @@ from .errors import CapacityError
 from .formats import FP8_ROW_BYTES, RowFormat  # RowFormat re-exported: row formats live in formats
 
 HOT_ROW_ALIGN = 64  # rows; see HiSparseConfig.hot_rows_per_layer
+DEVICE_PAGE_ROWS = 64  # rows per page of the elastic device pool (a FlashMLA page)
 
 
 def _positive_int(name: str, value: Any) -> None:
@@ -44,6 +45,12 @@ class HiSparseConfig:
       host_block_size     tokens per host block (allocation granularity)
       max_request_id      request ids are ints in [0, max_request_id)
       device              "cuda" (or "cuda:N") or "cpu"
+      device_pool_rows    device rows per layer shared by all requests, hot buffers
+                          included (the elastic tier, ``hisparse.cache.device_pool``):
+                          the rows beyond the hot buffers are pages of DEVICE_PAGE_ROWS
+                          rows that hold whole contexts of *resident* requests. None
+                          (default): exactly the hot buffers, no resident request.
+                          Must be >= max_num_reqs x (device_buffer_size + 1).
     """
 
     num_layers: int
@@ -56,6 +63,7 @@ class HiSparseConfig:
     host_block_size: int = 64
     max_request_id: int = 1 << 16
     device: str = "cuda"
+    device_pool_rows: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "host_pool_tokens", "row_bytes", "top_k",
@@ -94,6 +102,16 @@ class HiSparseConfig:
             )
         if self.slots_per_req * self.max_num_reqs >= 2**31:
             raise ValueError("max_num_reqs x (device_buffer_size + 1) exceeds int32 indices")
+        if self.device_pool_rows is not None:
+            _positive_int("device_pool_rows", self.device_pool_rows)
+            floor = self.max_num_reqs * self.slots_per_req
+            if self.device_pool_rows < floor:
+                raise ValueError(
+                    f"device_pool_rows={self.device_pool_rows} is smaller than the hot buffers it "
+                    f"includes: max_num_reqs x (device_buffer_size + 1) = {self.max_num_reqs} x "
+                    f"{self.slots_per_req} = {floor}; give at least {floor} (or None for no resident pages)")
+            if self.device_rows_per_layer >= 2**31:
+                raise ValueError(f"device_pool_rows={self.device_pool_rows} exceeds int32 row indices")
 
     # ---- derived sizes -------------------------------------------------
     @property
@@ -119,12 +137,33 @@ class HiSparseConfig:
         return ceil_div(self.max_num_reqs * self.slots_per_req, HOT_ROW_ALIGN) * HOT_ROW_ALIGN
 
     @property
+    def pool_pages(self) -> int:
+        """Pages of DEVICE_PAGE_ROWS rows per layer beyond the hot buffers (0 without a pool)."""
+        if self.device_pool_rows is None:
+            return 0
+        return max(0, self.device_pool_rows - self.hot_rows_per_layer) // DEVICE_PAGE_ROWS
+
+    @property
+    def device_rows_per_layer(self) -> int:
+        """Rows of one layer's flat device view: the hot buffers (``hot_rows_per_layer``)
+        then ``pool_pages`` pages; physical indices of resident rows point past the hot
+        buffers."""
+        return self.hot_rows_per_layer + self.pool_pages * DEVICE_PAGE_ROWS
+
+    @property
+    def max_pages_per_request(self) -> int:
+        """Columns of the device page table: the pages one request can hold at most
+        (its whole host capacity, bounded by the pool)."""
+        return min(ceil_div(self.num_host_rows, DEVICE_PAGE_ROWS), self.pool_pages)
+
+    @property
     def host_pool_bytes(self) -> int:
         return self.num_layers * self.num_host_rows * self.row_bytes
 
     @property
     def hot_buffer_bytes(self) -> int:
-        return self.num_layers * self.hot_rows_per_layer * self.row_bytes
+        """Bytes of the device rows of every layer (hot buffers and pool pages)."""
+        return self.num_layers * self.device_rows_per_layer * self.row_bytes
 
     @property
     def max_tokens(self) -> int:
@@ -134,8 +173,9 @@ class HiSparseConfig:
     def device_bytes(self) -> dict[str, int]:
         """Bytes of every device tensor a cache with this config allocates, by part.
 
-        hot rows; slot/LRU state (id_to_slot, seq_lens, block_table, slot_pos int32 and
-        slot_stamp int64 per slot, row_slot, step, stats); resolve buffers (physical,
+        hot rows (and pool pages); slot/LRU state (id_to_slot, seq_lens, block_table,
+        slot_pos int32 and slot_stamp int64 per slot, row_slot, step, stats, residency
+        flags and the device page table); resolve buffers (physical,
         valid counts, staging lists per layer, plus one set for prefetches with the
         undo log all share). A layer's first split resolve adds ``split_buffers_per_layer``.
         """
@@ -143,7 +183,8 @@ class HiSparseConfig:
         T = self.max_tokens
         TK = T * self.top_k
         state = (4 * self.max_request_id + 4 * L * R + 4 * R * self.num_host_blocks + 12 * L * R * SP
-                 + 4 * L * self.num_host_rows + 8 * L * R + 8 * L * 6)
+                 + 4 * L * self.num_host_rows + 8 * L * R + 8 * L * 7
+                 + 4 * R * (1 + self.max_pages_per_request))
         resolve = (L + 1) * (12 * TK + 4 * T) + 20 * TK
         return {"hot_rows": self.hot_buffer_bytes, "state": state, "resolve_buffers": resolve,
                 "split_buffers_per_layer": 12 * TK + 4 * T,
@@ -179,4 +220,4 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-__all__ = ["HiSparseConfig", "RowFormat", "Kernels", "ceil_div", "check_int", "check_bool", "parse_enum"]
+__all__ = ["HiSparseConfig", "DEVICE_PAGE_ROWS", "RowFormat", "Kernels", "ceil_div", "check_int", "check_bool", "parse_enum"]

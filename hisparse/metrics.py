@@ -71,6 +71,8 @@ LAYER_METRICS = (
      "Unique (request, position) rows a resolve found in the GPU hot buffer."),
     ("misses", "misses", MetricType.COUNTER,
      "Unique rows a resolve staged from the host pool into the hot buffer."),
+    ("resident_rows", "resident_rows", MetricType.COUNTER,
+     "Top-k entries a resolve mapped to a resident request's device pages (no LRU, no miss)."),
     ("invalid", "invalid", MetricType.COUNTER,
      "Top-k entries a resolve treated as padding because they were out of range."),
     ("resolves", "resolves", MetricType.COUNTER,
@@ -82,7 +84,25 @@ LAYER_METRICS = (
     ("bytes_d2h", "bytes_d2h", MetricType.COUNTER,
      "Bytes written device -> host pool (appended rows x row bytes)."),
     ("hit_rate", "hit_ratio", MetricType.GAUGE,
-     "hits / (hits + misses) since the cache was built; 0 before any lookup."),
+     "(hits + resident rows) / (hits + resident rows + misses) since the cache was built; "
+     "0 before any lookup."),
+)
+# the elastic device tier, from stats["total"]
+TIER_METRICS = (
+    ("resident_requests", "resident_requests", MetricType.GAUGE,
+     "Live requests whose whole context is in device pool pages (no misses)."),
+    ("hot_requests", "hot_requests", MetricType.GAUGE,
+     "Live requests served by an LRU hot buffer."),
+    ("pool_rows_used", "device_pool_used_rows", MetricType.GAUGE,
+     "Device rows per layer in use: a hot buffer per live request plus the taken pages."),
+    ("pool_rows_total", "device_pool_capacity_rows", MetricType.GAUGE,
+     "Device rows per layer (hot buffers and pool pages)."),
+    ("spills", "spills", MetricType.COUNTER,
+     "Resident requests demoted to hot buffers because the pool ran out of pages."),
+    ("promotions", "promotions", MetricType.COUNTER,
+     "Hot requests promoted back to resident."),
+    ("seeded_rows", "seeded_rows", MetricType.COUNTER,
+     "Rows copied device to device into hot buffers by demotions (all layers)."),
 )
 POOL_METRICS = (
     ("bytes_used", "host_pool_used_bytes", MetricType.GAUGE,
@@ -148,6 +168,12 @@ def collect(stats: Mapping[str, Any], *, labels: Mapping[str, str] | None = None
     if isinstance(pool, Mapping):
         for key, name, kind, help_ in POOL_METRICS:
             v = _number(pool.get(key))
+            if v is not None:
+                out.append(Metric(f"{prefix}_{name}", kind, help_, ((base, v),)))
+    total = stats.get("total")
+    if isinstance(total, Mapping):
+        for key, name, kind, help_ in TIER_METRICS:
+            v = _number(total.get(key))
             if v is not None:
                 out.append(Metric(f"{prefix}_{name}", kind, help_, ((base, v),)))
     for key, name, kind, help_ in TOP_METRICS:

@@ -14,7 +14,7 @@ import torch
 from hisparse import CapacityError, HiSparseConfig
 from hisparse.cache.cache import HiSparseCache
 from hisparse.cache.host_pool import HostPool
-from hisparse.cache.write_plan import _NAMES, _runs_plan, _single_row_plan, expand_runs
+from hisparse.cache.write_plan import _NAMES, Resident, _runs_plan, _single_row_plan, expand_runs
 from hisparse.cache.write_step import StepCapacity
 
 from invariants import check_cache, snapshot
@@ -94,6 +94,12 @@ def test_single_row_plan_equals_runs_plan(seed):
     (fa, sa), (fb, sb) = _single_row_plan(work, **kw), _runs_plan(work, **kw)
     assert sa == sb, dict(zip(_NAMES, zip(sa, sb)))
     assert fa.dtype == fb.dtype == torch.int64 and torch.equal(fa, fb), (fa.tolist(), fb.tolist())
+    # the same with some requests resident (the elastic tier: page rows, no slot state)
+    pages = {r: rng.sample(range(1000), p1 // 64 + 1) for r, _, p1, _, _ in work if rng.random() < 0.5}
+    kw["resident"] = Resident(pages, base=4096, PB=64)
+    (fa, sa), (fb, sb) = _single_row_plan(work, **kw), _runs_plan(work, **kw)
+    assert sa == sb, dict(zip(_NAMES, zip(sa, sb)))
+    assert torch.equal(fa, fb), (fa.tolist(), fb.tolist())
     assert pool.allocator.peek(len(upcoming)) == upcoming  # planning took nothing
 
 

@@ -23,7 +23,7 @@ BLOCK = 16  # entries of each index list per program
 
 def apply_write_plan_reference(state: HotState, hot: torch.Tensor, rows: torch.Tensor,
                                plan: WritePlan, layer: int) -> None:
-    """hot: uint8 [R * (S + 1) (+ padding), row_bytes], the layer's hot rows; rows: uint8
+    """hot: uint8 [device_rows_per_layer, row_bytes], the layer's device rows; rows: uint8
     [T, row_bytes], the new rows the plan's tokens index."""
     st = state
 
@@ -41,6 +41,8 @@ def apply_write_plan_reference(state: HotState, hot: torch.Tensor, rows: torch.T
                                                    plan.sp_r)
     if hot_dst.numel():
         hot.index_copy_(0, hot_dst, rows.index_select(0, hot_tok))
+        slot = sp_idx >= 0  # -1: a resident request's page row, no slot state
+        sp_idx, sp_pos, sp_r = sp_idx[slot], sp_pos[slot], sp_r[slot]
         st.slot_pos[layer].view(-1).index_copy_(0, sp_idx, sp_pos)
         st.slot_stamp[layer].view(-1).index_copy_(0, sp_idx, st.step[layer].index_select(0, sp_r))
     rs_h, rs_v = valid(plan.rs_h, plan.rs_v)

@@ -2,7 +2,9 @@
 
 Its parts (notation in ``hisparse.cache.state``):
   pool      ``HostPool``: pinned uint8 [L, H, row_bytes] + block allocator (cold tier)
-  hot       uint8 [L, R * (S + 1) (rounded up to 64), row_bytes] on the device (hot tier)
+  hot       uint8 [L, device_rows_per_layer, row_bytes] on the device: the hot buffers
+            (R * (S + 1) rows, rounded up to 64), then the elastic pool's pages
+  dpool     ``DevicePool``: pages and residency of the elastic tier (``device_pool``)
   state     ``HotState``: slot maps, exact-LRU stamps, block table, device counters
   requests  ``RequestTable``: live ids, per-layer lengths, reserved occupants (host side)
   writer    ``Writer``: the one write path (plan then commit; ``cache.write``)
@@ -26,6 +28,7 @@ from ..formats import RowFormat
 from ..staging.view import BlockTable, LayerView
 from . import validate as V
 from .apply_write import apply_write_plan_reference, apply_write_plan_triton
+from .device_pool import DevicePool
 from .host_pool import HostPool
 from .requests import RequestTable
 from .resolve_ref import copy_rows_reference, copy_staged_reference, resolve_lookup_reference, resolve_reference
@@ -142,16 +145,17 @@ class HiSparseCache:
             check_state(self.state)  # once: the per-call launches rely on it
         fns = _kernel_set(choice, self.device, self.pool)
         self._pinned_check = fns.pop("pinned_check")
-        # uint8 [L, R * (S + 1) (rounded up), row_bytes]; hot[l] is what physical indices index
-        self.hot = torch.zeros((L, cfg.hot_rows_per_layer, cfg.row_bytes), dtype=torch.uint8,
+        # uint8 [L, device_rows_per_layer, row_bytes]; hot[l] is what physical indices index
+        self.hot = torch.zeros((L, cfg.device_rows_per_layer, cfg.row_bytes), dtype=torch.uint8,
                                device=self.device)
+        self.dpool = DevicePool(cfg)
         self.requests = RequestTable(num_layers=L, max_num_reqs=cfg.max_num_reqs,
                                      max_request_id=cfg.max_request_id)
         self.streams = CacheStreams(self.device, L)
         self.cuda = self.streams.cuda
         self.writer = Writer(cfg, requests=self.requests, pool=self.pool, state=self.state, hot=self.hot,
                              streams=self.streams, apply_fn=fns["apply_fn"], mirror_fn=fns["mirror_fn"],
-                             device=self.device)
+                             device=self.device, device_pool=self.dpool)
         self.stager = Stager(self.streams, self.state, resolve_fn=fns["resolve_fn"], lookup_fn=fns["lookup_fn"],
                              copy_fn=fns["copy_fn"], max_query_len=cfg.max_query_len)
         T, K = cfg.max_tokens, cfg.top_k
@@ -183,8 +187,14 @@ class HiSparseCache:
         """Rows appended to each layer for the request."""
         return tuple(self.requests.lengths(self.requests.slot(req_id)))
 
+    def residency(self, req_id: int) -> str:
+        """"resident" (the whole context in device pages, no misses) or "hot" (an LRU
+        hot buffer) for a live request (the elastic tier, ``cfg.device_pool_rows``)."""
+        return "resident" if self.dpool.is_resident(self.requests.slot(req_id)) else "hot"
+
     def hot_rows(self, layer: int) -> torch.Tensor:
-        """uint8 [cfg.hot_rows_per_layer, row_bytes]: the flat view physical indices point into."""
+        """uint8 [cfg.device_rows_per_layer, row_bytes]: the flat view physical indices
+        point into (hot buffers, then the pool's pages)."""
         V.check_layer(self.cfg, layer)
         return self.hot[layer]
 
@@ -239,6 +249,8 @@ class HiSparseCache:
         self.streams.before_lifecycle()
         r = self.requests.add(req_id)
         self.state.id_to_slot[req_id] = r
+        if self.dpool.admit(r):
+            self.state.resident[r] = 1
         return r
 
     def free_request(self, req_id: int) -> None:
@@ -260,6 +272,9 @@ class HiSparseCache:
         st.seq_lens[:, r] = 0
         st.block_table[r] = -1
         st.id_to_slot[req_id] = -1
+        st.resident[r] = 0
+        st.page_table[r] = -1
+        self.dpool.release(r)
         self.pool.allocator.free(r)
         self.requests.remove(req_id)
 
@@ -479,7 +494,8 @@ class HiSparseCache:
             torch.cuda.synchronize(self.device)
         return cache_stats(self.state, self.pool, row_bytes=self.cfg.row_bytes,
                            num_layers=self.cfg.num_layers, live_requests=len(self.requests),
-                           kernels=self.kernels)
+                           kernels=self.kernels, device_pool=self.dpool,
+                           slots_per_req=self.cfg.slots_per_req)
 
 
 __all__ = ["HiSparseCache", "ResolveResult"]

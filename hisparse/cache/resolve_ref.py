@@ -31,6 +31,12 @@ Inputs: ``req_ids`` int32 [T] (request id per query token), ``topk`` int32 [T, K
    valid_counts[t] = number of non-padding entries (duplicates count).
    With ``compact`` the valid entries of each row move to its front, in order.
 
+5. A resident request (``state.resident[r]`` = 1, the elastic tier) has no LRU state:
+   physical[t, k] = pool_base + page_table[r, p // PB] * PB + p % PB for each valid
+   position p (an unmapped page makes the entry invalid), nothing is staged, its step
+   does not move, and its valid entries are counted in STAT_RESIDENT (entries, not
+   unique rows; with the resolve in STAT_RESOLVES; a prefetch counts nothing).
+
 The Triton kernel pairs misses and victims the same way (the victim order needs no
 sort on the GPU; the staging list in position order keeps a host block's rows
 together for the copy), so both leave identical state and outputs.
@@ -40,8 +46,8 @@ from __future__ import annotations
 
 import torch
 
-from .state import (STAT_HITS, STAT_INVALID, STAT_MISSES, STAT_PREFETCH, STAT_RESOLVES, HotState,
-                    ResolveBuffers)
+from .state import (STAT_HITS, STAT_INVALID, STAT_MISSES, STAT_PREFETCH, STAT_RESIDENT, STAT_RESOLVES,
+                    HotState, ResolveBuffers)
 
 
 def group_offsets(ids: torch.Tensor, max_query_len: int) -> torch.Tensor:
@@ -109,6 +115,20 @@ def resolve_groups(state: HotState, layer: int, req_ids: torch.Tensor, topk: tor
     return rslot, off, ok, groups
 
 
+def resident_rows(state: HotState, r: int, pos: torch.Tensor, ok: torch.Tensor) -> torch.Tensor:
+    """int64 flat device rows (-1 where not ``ok`` or the page is unmapped) of positions
+    ``pos`` (int64, any shape) of resident request slot r."""
+    PB = state.PB
+    pt = state.page_table[r].long()
+    MP = pt.numel()
+    safe = torch.where(ok, pos, torch.zeros_like(pos))
+    pg = safe // PB
+    okp = ok & (pg < MP)
+    page = torch.where(okp, pt[torch.where(okp, pg, torch.zeros_like(pg))], torch.full_like(pg, -1))
+    good = okp & (page >= 0)
+    return torch.where(good, state.pool_base + page * PB + safe % PB, torch.full_like(pos, -1))
+
+
 def _stamp_hits(state: HotState, layer: int, r: int, s_new: int, g_pos: torch.Tensor, g_ok: torch.Tensor,
                 undo: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Stamp the group's hit slots with s_new; fill ``undo`` (int64 [n * K], the group's
@@ -156,6 +176,14 @@ def resolve_lookup_reference(state: HotState, layer: int, req_ids: torch.Tensor,
     state.stats[layer, STAT_INVALID] += ((topk.long() != -1) & ~ok & live[:, None]).sum()
     pos = topk.long()
     for t0, r, n in groups:
+        if int(state.resident[r]):
+            g_ok = ok[t0:t0 + n]
+            rows = resident_rows(state, r, pos[t0:t0 + n], g_ok)
+            state.stats[layer, STAT_INVALID] += (g_ok & (rows < 0)).sum()  # an unmapped page
+            undo_hit[t0 * K:(t0 + n) * K] = -2
+            state.stats[layer, STAT_RESIDENT] += (rows >= 0).sum()
+            hit[t0:t0 + n, :K] = rows.to(torch.int32)
+            continue
         s_new = int(state.step[layer, r]) + 1
         lane_slot, nhit = _stamp_hits(state, layer, r, s_new, pos[t0:t0 + n], ok[t0:t0 + n],
                                       undo_hit[t0 * K:(t0 + n) * K])
@@ -201,6 +229,17 @@ def resolve_reference(state: HotState, layer: int, req_ids: torch.Tensor, topk: 
     miss_lane = torch.zeros((T, K), dtype=torch.bool, device=dev)
     for t0, r, n in groups:
         g_pos, g_ok = pos[t0:t0 + n], ok[t0:t0 + n]
+        if int(state.resident[r]):
+            rows = resident_rows(state, r, g_pos, g_ok)
+            phys[t0:t0 + n] = rows
+            if not prefetch:
+                state.stats[layer, STAT_RESOLVES] += 1
+                if not stamped:
+                    state.stats[layer, STAT_INVALID] += (g_ok & (rows < 0)).sum()
+                    state.stats[layer, STAT_RESIDENT] += (rows >= 0).sum()
+            if miss_lists is not None:
+                miss_lists[2][t0:t0 + n] = 0
+            continue
         stamp = state.slot_stamp[layer, r]
         spos = state.slot_pos[layer, r]
         bt = state.block_table[r].long()

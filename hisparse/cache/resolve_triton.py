@@ -26,8 +26,8 @@ import triton
 from .._checks import check_int, check_tensor, device_type, interpreter_mode
 from ..device import on_device
 from ..kernels.resolve import resolve_kernel, resolve_lookup_kernel
-from .state import (NUM_STATS, STAT_HITS, STAT_INVALID, STAT_MISSES, STAT_PREFETCH, STAT_RESOLVES,
-                    HotState, ResolveBuffers)
+from .state import (NUM_STATS, STAT_HITS, STAT_INVALID, STAT_MISSES, STAT_PREFETCH, STAT_RESIDENT,
+                    STAT_RESOLVES, HotState, ResolveBuffers)
 
 
 _SCAN_CHUNK = 256  # req_ids scanned per step for an earlier run of the same request
@@ -57,6 +57,11 @@ def check_state(state: HotState) -> None:
     if (state.stats.dtype != torch.int64 or state.stats.dim() != 2 or state.stats.shape[1] != NUM_STATS
             or state.stats.device != dev or not state.stats.is_contiguous()):
         raise ValueError(f"state.stats must be a contiguous int64 [L, {NUM_STATS}] tensor on {dev}")
+    R = state.step.shape[1]
+    for name, x, ndim in (("resident", state.resident, 1), ("page_table", state.page_table, 2)):
+        if (x.dtype != torch.int32 or x.dim() != ndim or x.shape[0] != R or x.device != dev
+                or not x.is_contiguous()):
+            raise ValueError(f"state.{name} must be a contiguous int32 tensor of {R} rows on {dev}")
 
 
 def _check_args(state: HotState, layer: int, req_ids: torch.Tensor, topk: torch.Tensor,
@@ -181,12 +186,15 @@ def _launch_resolve(state: HotState, layer: int, req_ids: torch.Tensor, topk: to
             ls.slot_pos, ls.slot_stamp,
             ls.row_slot, ls.row_slot.shape[0],
             ls.step, ls.stats,
+            state.resident, state.page_table, state.page_table.stride(0), state.page_table.shape[1],
+            state.pool_base, state.PB,
             out.physical, out.physical.stride(0), out.valid_counts,
             out.stage_src, out.stage_dst, out.undo_hit, out.undo_vpos, out.undo_vstamp,
             mp, mh, mc, out.stage_counts,
             T, K, S, state.B,
             STAT_HITS=STAT_HITS, STAT_MISSES=STAT_MISSES, STAT_INVALID=STAT_INVALID,
-            STAT_RESOLVES=STAT_RESOLVES, STAT_PREFETCH=STAT_PREFETCH, STAMPED=bool(stamped),
+            STAT_RESOLVES=STAT_RESOLVES, STAT_PREFETCH=STAT_PREFETCH, STAT_RESIDENT=STAT_RESIDENT,
+            STAMPED=bool(stamped),
             MISS_LISTS=miss_lists is not None, PREFETCH=bool(prefetch),
             Q=max_query_len, KB=KB, GQ=GQ, SB=SB, SMALL_SORT=min(_SMALL_SORT, GQ * KB),
             COMPACT=bool(compact), CH=_SCAN_CHUNK, num_warps=num_warps,
@@ -225,9 +233,12 @@ def resolve_lookup_triton(state: HotState, layer: int, req_ids: torch.Tensor, to
             state.seq_lens[layer], state.seq_lens.shape[1],
             state.block_table, state.block_table.stride(0), state.block_table.shape[1],
             state.slot_stamp[layer], state.row_slot[layer], state.row_slot.shape[1],
-            state.step[layer], state.stats[layer], hit, hit.stride(0), undo_hit,
+            state.step[layer], state.stats[layer],
+            state.resident, state.page_table, state.page_table.stride(0), state.page_table.shape[1],
+            state.pool_base, state.PB, hit, hit.stride(0), undo_hit,
             T, K, state.S, state.B,
-            STAT_HITS=STAT_HITS, STAT_INVALID=STAT_INVALID, Q=max_query_len, CHUNK=chunk,
+            STAT_HITS=STAT_HITS, STAT_INVALID=STAT_INVALID, STAT_RESIDENT=STAT_RESIDENT,
+            Q=max_query_len, CHUNK=chunk,
             CH=_SCAN_CHUNK, num_warps=4,
         )
 

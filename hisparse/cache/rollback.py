@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from .resolve_ref import resolve_groups
-from .state import STAT_HITS, STAT_INVALID, STAT_MISSES, STAT_RESOLVES, HotState, ResolveBuffers
+from .resolve_ref import resident_rows, resolve_groups
+from .state import STAT_HITS, STAT_INVALID, STAT_MISSES, STAT_RESIDENT, STAT_RESOLVES, HotState, ResolveBuffers
 
 
 def rollback_resolve(state: HotState, layer: int, req_ids: torch.Tensor, topk: torch.Tensor,
@@ -47,9 +47,12 @@ def rollback_resolve(state: HotState, layer: int, req_ids: torch.Tensor, topk: t
     row_slot = state.row_slot[layer]
     slot_pos = state.slot_pos[layer]
     slot_stamp = state.slot_stamp[layer]
-    hits = misses = 0
+    hits = misses = resident = 0
     _rslot, _off, _ok, groups = resolve_groups(state, layer, req_ids, topk, max_query_len)
     for t0, r, n in groups:
+        if int(state.resident[r]):  # a resident group changed only counters
+            resident += int(out.valid_counts[t0:t0 + n].sum())
+            continue
         s_new = int(state.step[layer, r])
         base = t0 * K
         bt = state.block_table[r].long()
@@ -82,6 +85,7 @@ def rollback_resolve(state: HotState, layer: int, req_ids: torch.Tensor, topk: t
     st = state.stats[layer]
     st[STAT_HITS] -= hits
     st[STAT_MISSES] -= misses
+    st[STAT_RESIDENT] -= resident
     st[STAT_INVALID] -= entries - valid
     st[STAT_RESOLVES] -= len(groups)
 
@@ -91,8 +95,14 @@ def _rollback_hit_phase(state: HotState, layer: int, req_ids: torch.Tensor, topk
     """Undo ``resolve_lookup_*``: the hit stamps and the hit and invalid counts."""
     _rslot, _off, ok, groups = resolve_groups(state, layer, req_ids, topk, max_query_len)
     K, B = topk.shape[1], state.B
-    hits = bad = 0
+    hits = bad = resident = 0
     for t0, r, n in groups:
+        if int(state.resident[r]):  # a resident group changed only counters
+            g = topk[t0:t0 + n].long()
+            rows = resident_rows(state, r, g, ok[t0:t0 + n])
+            resident += int((rows >= 0).sum())
+            bad += int(((g != -1) & (rows < 0)).sum())
+            continue
         s_new = int(state.step[layer, r]) + 1
         undo = out.undo_hit[t0 * K:(t0 + n) * K]
         lanes = (undo >= 0) & (undo != s_new)
@@ -105,6 +115,7 @@ def _rollback_hit_phase(state: HotState, layer: int, req_ids: torch.Tensor, topk
         g = topk[t0:t0 + n].long()
         bad += int(((g != -1) & ~ok[t0:t0 + n]).sum())
     state.stats[layer, STAT_HITS] -= hits
+    state.stats[layer, STAT_RESIDENT] -= resident
     state.stats[layer, STAT_INVALID] -= bad
 
 

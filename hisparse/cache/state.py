@@ -13,6 +13,12 @@ Layout of one layer's flat hot view ``hot[l]`` (uint8 [R * (S + 1), row_bytes]):
 Layout of the host pool (uint8 [L, H, row_bytes]): the row of (request r, position p)
 in layer l is ``pool[l, block_table[r, p // B] * B + p % B]``.
 
+Resident requests (the elastic tier, ``hisparse.cache.device_pool``): a request whose
+``resident[r]`` is 1 holds its whole context in pages of PB rows past the hot buffers;
+the row of position p in layer l is ``hot[l, pool_base + page_table[r, p // PB] * PB +
+p % PB]``. It has no LRU state (its slots are empty, none of its host rows is in
+``row_slot``) and never misses.
+
 Exact LRU: each slot carries a stamp (the step of its last use, int64, so a
 (layer, request) can be resolved any number of times without the counter wrapping) and
 the position it holds. A resolve of (layer l, request r) increments ``step[l, r]``, stamps every hit
@@ -34,7 +40,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..config import HiSparseConfig
+from ..config import DEVICE_PAGE_ROWS, HiSparseConfig
 
 # indices into HotState.stats[l]
 STAT_HITS = 0  # unique (request, position) hits per resolve, summed
@@ -43,7 +49,8 @@ STAT_INVALID = 2  # top-k entries treated as padding because they were invalid
 STAT_D2H_ROWS = 3  # rows written to the host pool
 STAT_RESOLVES = 4  # (layer, request) resolves
 STAT_PREFETCH = 5  # rows staged by prefetch resolves (predicted selections)
-NUM_STATS = 6
+STAT_RESIDENT = 6  # valid top-k entries resolved to resident rows (entries, not unique rows)
+NUM_STATS = 7
 
 
 class LayerState(NamedTuple):
@@ -70,8 +77,12 @@ class HotState:
     row_slot: torch.Tensor  # int32 [L, H], slot (0..S) holding host row h, -1 = not hot
     step: torch.Tensor  # int64 [L, R], resolves done for (layer, request slot)
     stats: torch.Tensor  # int64 [L, NUM_STATS], see STAT_*
+    resident: torch.Tensor  # int32 [R], 1 = the request slot is resident (pages), 0 = hot
+    page_table: torch.Tensor  # int32 [R, MP], pool page of each logical page, -1 = none
     S: int  # LRU slots per (layer, request); slot S is the reserved newest slot
     B: int  # host block size
+    pool_base: int = 0  # first row of the pool pages in a layer's flat view
+    PB: int = 64  # rows per pool page
 
     @classmethod
     def allocate(cls, cfg: HiSparseConfig, device: torch.device) -> "HotState":
@@ -87,8 +98,12 @@ class HotState:
             row_slot=torch.full((L, cfg.num_host_rows), -1, **i32),
             step=torch.zeros((L, R), **i64),
             stats=torch.zeros((L, NUM_STATS), dtype=torch.int64, device=device),
+            resident=torch.zeros((R,), **i32),
+            page_table=torch.full((R, max(1, cfg.max_pages_per_request)), -1, **i32),
             S=S,
             B=cfg.host_block_size,
+            pool_base=cfg.hot_rows_per_layer,
+            PB=DEVICE_PAGE_ROWS,
         )
 
     def layer(self, layer: int) -> LayerState:

@@ -29,11 +29,12 @@ import torch
 from .._checks import check_int, check_tensor, rows_layout_problem
 from ..config import HiSparseConfig
 from ..errors import CapacityError
+from .device_pool import NO_CHANGES, DevicePool, PoolChanges, apply_changes, seed_positions
 from .host_pool import HostPool
 from .requests import RequestTable
 from .stager import CacheStreams
 from .state import HotState
-from .write_plan import WritePlan, Work, _to_plan, build_write_plan, plan_lists
+from .write_plan import Resident, WritePlan, Work, _to_plan, build_write_plan, plan_lists
 from .write_step import StepBuffers, StepCapacity, StepPlan, pad_lists, split_block_entries
 
 
@@ -74,8 +75,10 @@ class Writer:
 
     def __init__(self, cfg: HiSparseConfig, *, requests: RequestTable, pool: HostPool,
                  state: HotState, hot: torch.Tensor, streams: CacheStreams,
-                 apply_fn: Callable, mirror_fn: Callable, device: torch.device) -> None:
+                 apply_fn: Callable, mirror_fn: Callable, device: torch.device,
+                 device_pool: DevicePool | None = None) -> None:
         self.cfg = cfg
+        self.device_pool = device_pool if device_pool is not None else DevicePool(cfg)
         self.requests = requests
         self.pool = pool
         self.state = state
@@ -157,22 +160,30 @@ class Writer:
                 work.append((r, p0, p0 + n, t0, req.reserved(r, layer)))
         if not work:
             return firsts
-        key = (req.generation, tuple(work))
+        dp = self.device_pool
+        key = (req.generation, dp.epoch, tuple(work))
         cached = self._plan is not None and self._plan[0] == key
+        changes = NO_CHANGES
         if cached:
             plan, new_blocks = self._plan[1], {}  # type: ignore[index]
         else:
             new_blocks = self._new_blocks(work)
+            changes = dp.plan([(r, p1) for r, _, p1, _, _ in work])
+            work = self._after_demotion(work, changes, {r: req.length(r, layer) for r, *_ in work})
             alloc = self.pool.allocator
             plan = build_write_plan(work, owned={r: alloc.owned(r) for r, *_ in work},
                                     new_blocks=new_blocks, B=self.pool.B, S=self.cfg.device_buffer_size,
-                                    device=self.device)  # type: ignore[arg-type]
+                                    device=self.device, resident=self._resident(changes))  # type: ignore[arg-type]
+        if not changes.empty:
+            self._apply_pool_changes(changes, {})
+            key = (req.generation, dp.epoch, tuple(work))
         self._launch(layer, plan, rows)
         # ---- commit the host-side bookkeeping (nothing here can fail for the caller) ----
         self._allocate(new_blocks)
         S = self.cfg.device_buffer_size
         for r, _, p1, _, _ in work:
-            req.set_written(r, layer, p1, p1 - 1 if p1 - 1 >= S else -1)  # type: ignore[operator]
+            keep = p1 - 1 >= S and not dp.is_resident(r)
+            req.set_written(r, layer, p1, p1 - 1 if keep else -1)  # type: ignore[operator]
         req.touch(layer)
         self._plan = (key, plan)
         ev = self.streams.backup.event if (self.pool.is_writer and self.streams.cuda) else None
@@ -215,10 +226,18 @@ class Writer:
                 work.append((r, p0, p0 + n, t0, old))
                 req_work.append((rid, r, req.incarnation(r), p0, p0 + n, old))
         new_blocks = self._new_blocks(work) if work else {}
+        dp = self.device_pool
+        changes = dp.plan([(r, p1) for r, _, p1, _, _ in work]) if work else NO_CHANGES
+        if changes.demote:  # rows per layer of each demoted request, as this step sees them
+            ids = {r: rid for rid, r in req.slot_map().items()}
+            seen = {r: self.visible(replaces, ids[r], r)[0] for r in changes.demote}
+            work = self._after_demotion(work, changes, {r: seen[r][0] for r in changes.demote})
+            req_work = [(rid, r, inc, p0, p1, w[4]) for (rid, r, inc, p0, p1, _), w in zip(req_work, work)]
         alloc = self.pool.allocator
         if work:
             flat, sizes = plan_lists(work, owned={r: alloc.owned(r) for r, *_ in work}, new_blocks=new_blocks,
-                                     B=self.pool.B, S=self.cfg.device_buffer_size)
+                                     B=self.pool.B, S=self.cfg.device_buffer_size,
+                                     resident=self._resident(changes))
         else:
             flat, sizes = torch.empty(0, dtype=torch.int64), [0] * 15
         bt, rest, sizes = split_block_entries(flat, sizes)
@@ -237,10 +256,13 @@ class Writer:
         # ---- commit the host-side bookkeeping of every layer ----
         if replaces is not None:
             self.abandon_step(replaces)
+        if not changes.empty:
+            self._apply_pool_changes(changes, seen if changes.demote else {})
         self._allocate(new_blocks)
         S = self.cfg.device_buffer_size
         for _, r, _, _, p1, _ in req_work:
-            req.set_written_all(r, p1, p1 - 1 if p1 - 1 >= S else -1)
+            keep = p1 - 1 >= S and not dp.is_resident(r)
+            req.set_written_all(r, p1, p1 - 1 if keep else -1)
         for layer in range(L):
             req.touch(layer)
         self._plan = None
@@ -344,6 +366,34 @@ class Writer:
         step.pending.clear()
         if captured:
             step.captured.clear()
+
+    # ---- the elastic tier ---------------------------------------------------------
+    def _resident(self, changes: PoolChanges) -> Resident:
+        dp = self.device_pool
+        return Resident(changes.pages, dp.base, dp.PB)
+
+    def _after_demotion(self, work: list[Work], changes: PoolChanges, lens: dict[int, int]) -> list[Work]:
+        """``work`` with each demoted request's reserved occupant as the demotion seeds it
+        (``lens[r]``: its rows in the layer(s) written)."""
+        if not changes.demote:
+            return work
+        S = self.cfg.device_buffer_size
+        return [(r, p0, p1, t0, seed_positions(lens[r], S)[2] if r in changes.demote else old)
+                for r, p0, p1, t0, old in work]
+
+    def _apply_pool_changes(self, changes: PoolChanges, lengths: dict[int, list[int]]) -> None:
+        """Demote and grant (``device_pool.apply_changes``) on the current stream, after
+        every in-flight staging (a demotion rewrites LRU state the stage stream reads).
+        ``lengths[r]``: a demoted request's rows per layer (default: the table's)."""
+        if changes.demote:
+            self.streams.before_lifecycle()
+        req = self.requests
+        apply_changes(changes, pool=self.device_pool, state=self.state, hot=self.hot,
+                      lengths=[lengths.get(r) or list(req.lengths(r)) for r in changes.demote],
+                      blocks=[self.pool.allocator.owned(r) for r in changes.demote], B=self.pool.B,
+                      set_reserved=lambda r, layer, occ: req.restore(r, layer, req.length(r, layer), occ))
+        for layer in range(self.cfg.num_layers):
+            req.touch(layer)
 
     def _new_blocks(self, work: list[Work]) -> dict[int, list[int]]:
         """Blocks each request of ``work`` needs, as the allocator will hand them out

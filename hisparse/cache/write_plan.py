@@ -35,8 +35,9 @@ class WritePlan:
     """Device index lists of one batched append (int64 unless noted; N* = list length).
 
     bt_r, bt_k: new block-table entries (request slot, logical block); bt_v int32 host block
-    hot_dst: flat hot rows written; hot_tok: token (row of ``rows``) written there
-    sp_idx: flat index into slot_pos/slot_stamp [R * (S + 1)] of the layer (= hot_dst);
+    hot_dst: flat device rows written; hot_tok: token (row of ``rows``) written there
+    sp_idx: flat index into slot_pos/slot_stamp [R * (S + 1)] of the layer (= hot_dst),
+      -1 for a resident request's row (a pool page row: no slot state);
       sp_pos int32: position stored there; sp_r: request slot (for its step -> stamp)
     rs_h, rs_v int32: host rows mapped in row_slot and their slot
     unmap: host rows of previous reserved-slot occupants (row_slot -> -1)
@@ -83,33 +84,54 @@ def expand_runs(runs: list[tuple[int, int, int]]) -> torch.Tensor:
     return t[which, 0] + t[which, 2] * offs
 
 
+@dataclasses.dataclass(frozen=True)
+class Resident:
+    """The resident requests of a write (the elastic tier): ``pages[r]`` every pool
+    page of request slot r after the write's grants; ``base`` the first pool row of a
+    layer's flat view; ``PB`` rows per page."""
+
+    pages: Mapping[int, Sequence[int]]
+    base: int
+    PB: int
+
+    def row(self, r: int, p: int) -> int:
+        return self.base + self.pages[r][p // self.PB] * self.PB + p % self.PB
+
+
+NO_RESIDENT = Resident({}, 0, 1)
+
+
 def build_write_plan(work: list[Work], *, owned: Mapping[int, Sequence[int]],
                      new_blocks: Mapping[int, Sequence[int]], B: int, S: int,
-                     device: torch.device) -> WritePlan:
+                     device: torch.device, resident: Resident = NO_RESIDENT) -> WritePlan:
     """The device index lists of ``work``.
 
     owned[r]: the host blocks request slot r holds now; new_blocks[r]: the blocks it
     gets for this write (appended after ``owned[r]``; absent = none). Same decisions as
     one request at a time: positions < S go to slot == position; the last position,
     if >= S, to the reserved slot S (unmapping the previous occupant); every position
-    to its host row.
+    to its host row. A resident request (``resident.pages``) writes every position to
+    its page row instead, with no slot state.
     """
-    flat, sizes = plan_lists(work, owned=owned, new_blocks=new_blocks, B=B, S=S)
+    flat, sizes = plan_lists(work, owned=owned, new_blocks=new_blocks, B=B, S=S, resident=resident)
     return _to_plan(flat, sizes, device)
 
 
 def plan_lists(work: list[Work], *, owned: Mapping[int, Sequence[int]],
-               new_blocks: Mapping[int, Sequence[int]], B: int, S: int) -> tuple[torch.Tensor, list[int]]:
+               new_blocks: Mapping[int, Sequence[int]], B: int, S: int,
+               resident: Resident = NO_RESIDENT) -> tuple[torch.Tensor, list[int]]:
     """The lists of ``build_write_plan`` on the host: int64 [sum(sizes)] CPU, back to
     back in ``_NAMES`` order, and their lengths."""
     if all(p1 == p0 + 1 for _, p0, p1, _, _ in work):
-        return _single_row_plan(work, owned=owned, new_blocks=new_blocks, B=B, S=S)
-    return _runs_plan(work, owned=owned, new_blocks=new_blocks, B=B, S=S)
+        return _single_row_plan(work, owned=owned, new_blocks=new_blocks, B=B, S=S, resident=resident)
+    return _runs_plan(work, owned=owned, new_blocks=new_blocks, B=B, S=S, resident=resident)
 
 
-def _runs_plan(work: list[Work], *, owned, new_blocks, B: int, S: int) -> tuple[torch.Tensor, list[int]]:
+def _runs_plan(work: list[Work], *, owned, new_blocks, B: int, S: int,
+               resident: Resident = NO_RESIDENT) -> tuple[torch.Tensor, list[int]]:
     """The general ``build_write_plan``: runs per request, expanded in one go."""
     SP = S + 1
+    PB = resident.PB
     runs: dict[str, list[tuple[int, int, int]]] = {n: [] for n in _NAMES}
 
     def put(name: str, start: int, n: int = 1, step: int = 1) -> None:
@@ -122,7 +144,18 @@ def _runs_plan(work: list[Work], *, owned, new_blocks, B: int, S: int) -> tuple[
             put("bt_k", len(have) + k)
             put("bt_v", blk)
         blocks = have + list(new_blocks.get(r, ()))
-        fit_end = min(p1, S)
+        if r in resident.pages:  # every position to its page row, no slot state
+            p = p0
+            while p < p1:
+                end = min(p1, (p // PB + 1) * PB)
+                n = end - p
+                put("hot_dst", resident.row(r, p), n)
+                put("hot_tok", t0 + p - p0, n)
+                put("sp_idx", -1, n, 0)
+                put("sp_pos", p, n)
+                put("sp_r", r, n, 0)
+                p = end
+        fit_end = min(p1, S) if r not in resident.pages else p0
         if p0 < fit_end:  # fits phase: position p -> slot p
             n = fit_end - p0
             put("hot_dst", r * SP + p0, n)
@@ -134,7 +167,7 @@ def _runs_plan(work: list[Work], *, owned, new_blocks, B: int, S: int) -> tuple[
                 put("rs_h", h, b - a)
                 put("rs_v", a, b - a)
         last = p1 - 1
-        if last >= S:  # the newest row takes the reserved slot S
+        if last >= S and r not in resident.pages:  # the newest row takes the reserved slot S
             if old >= 0:
                 put("unmap", blocks[old // B] * B + old % B)
             put("hot_dst", r * SP + S)
@@ -153,7 +186,8 @@ def _runs_plan(work: list[Work], *, owned, new_blocks, B: int, S: int) -> tuple[
     return expand_runs([x for name in _NAMES for x in runs[name]]), sizes
 
 
-def _single_row_plan(work: list[Work], *, owned, new_blocks, B: int, S: int) -> tuple[torch.Tensor, list[int]]:
+def _single_row_plan(work: list[Work], *, owned, new_blocks, B: int, S: int,
+                     resident: Resident = NO_RESIDENT) -> tuple[torch.Tensor, list[int]]:
     """``build_write_plan`` when every request writes one row (a decode step): the same
     lists in the same order, built directly (no runs, no segments)."""
     SP = S + 1
@@ -174,6 +208,17 @@ def _single_row_plan(work: list[Work], *, owned, new_blocks, B: int, S: int) -> 
             blocks = list(blocks) + list(extra)
         k = p0 // B
         h = blocks[k] * B + p0 % B
+        if r in resident.pages:  # the row goes to its page row, no slot state
+            hot_dst.append(resident.row(r, p0))
+            hot_tok.append(t0)
+            sp_idx.append(-1)
+            sp_pos.append(p0)
+            sp_r.append(r)
+            host_h.append(h)
+            host_tok.append(t0)
+            lists["len_r"].append(r)
+            lists["len_v"].append(p0 + 1)
+            continue
         slot = p0 if p0 < S else S
         if p0 >= S and old >= 0:
             unmap.append(blocks[old // B] * B + old % B)
@@ -215,4 +260,4 @@ def _to_plan(flat: torch.Tensor, sizes: list[int], device: torch.device) -> Writ
                      host_tok32=views["host_tok"].to(torch.int32), flat=flat, counts=counts)
 
 
-__all__ = ["WritePlan", "Work", "build_write_plan", "expand_runs"]
+__all__ = ["WritePlan", "Work", "Resident", "NO_RESIDENT", "build_write_plan", "expand_runs"]

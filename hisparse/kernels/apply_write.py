@@ -10,7 +10,8 @@ each), rs_h, rs_v (n_rs), unmap (n_unmap), host_h, host_tok (n_host), len_r, len
   block_table[bt_r, bt_k] = bt_v
   row_slot[unmap] = -1
   hot[hot_dst] = rows[hot_tok]             (a whole row, as int32 words)
-  slot_pos[sp_idx] = sp_pos; slot_stamp[sp_idx] = step[sp_r]
+  slot_pos[sp_idx] = sp_pos; slot_stamp[sp_idx] = step[sp_r]   (sp_idx >= 0: a hot slot;
+                                           -1: a resident request's page row)
   row_slot[rs_h] = rs_v
   seq_lens[len_r] = len_v
   stats[STAT_D2H] += host rows mirrored    (the valid host_h entries, atomically)
@@ -32,7 +33,7 @@ import triton.language as tl
 def apply_write_plan_kernel(
     flat_ptr,  # int64 [3 n_bt + 5 n_hot + 2 n_rs + n_unmap + 2 n_host + 2 n_len]
     rows_ptr,  # int32 [T, WW]: the new rows (uint8 [T, row_bytes] viewed as words)
-    hot_ptr,  # int32 [R * (S + 1) (+ padding), WW]: the layer's hot rows as words
+    hot_ptr,  # int32 [device_rows_per_layer, WW]: the layer's device rows as words
     bt_ptr,  # int32 [R, max_blocks] block table
     bt_stride,  # elements between block-table rows
     row_slot_ptr,  # int32 [num_host_rows] row_slot of the layer
@@ -78,9 +79,10 @@ def apply_write_plan_kernel(
     m2 = m[:, None] & (w < WW)[None, :]
     words = tl.load(rows_ptr + tok[:, None] * WW + w[None, :], mask=m2)
     tl.store(hot_ptr + dst[:, None] * WW + w[None, :], words, mask=m2)
-    tl.store(slot_pos_ptr + spi, spp.to(tl.int32), mask=m)
-    stamp = tl.load(step_ptr + spr, mask=m, other=0)
-    tl.store(slot_stamp_ptr + spi, stamp, mask=m)
+    ms = m & (spi >= 0)  # -1: a resident request's page row, no slot state
+    tl.store(slot_pos_ptr + spi, spp.to(tl.int32), mask=ms)
+    stamp = tl.load(step_ptr + spr, mask=ms, other=0)
+    tl.store(slot_stamp_ptr + spi, stamp, mask=ms)
 
     m = i < n_rs
     h = tl.load(flat_ptr + o_rs + i, mask=m, other=-1)

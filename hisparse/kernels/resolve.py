@@ -50,6 +50,12 @@ with ``.cg`` loads (L2, not a possibly stale L1 line). The only sort is of the m
       lanes re-read their final slot), -1 for padding/invalid; valid count; optional
       stable compaction.
 
+A resident request (``resident[r]`` = 1, the elastic tier) is resolved by its leader
+alone, without touching LRU state: physical = pool_base + page_table[r, p // PB] * PB +
+p % PB for each valid position (an unmapped page: invalid), nothing staged, its entries
+counted in STAT_RESIDENT; its step does not move. The split hit phase does the same
+lookup and stamps nothing.
+
 Robustness with validation off: every load and store index is range checked
 (request id, request slot, block, host row, slot), so a corrupt input or state costs
 correctness for the affected rows but never an out-of-bounds access. Two groups of
@@ -79,6 +85,20 @@ def _host_row(pos, ok, bt_row_ptr, NB, B, H):
     hb = tl.load(bt_row_ptr + blk, mask=okb, other=-1)
     row = hb.to(tl.int64) * B + (safe % B)
     good = okb & (hb >= 0) & (row < H)
+    return tl.where(good, row, -1), good
+
+
+@triton.jit
+def _page_row(pos, ok, pt_row_ptr, MP, PB, pool_base):
+    """Flat device row (int64) of positions ``pos`` of a resident request through its
+    page-table row. Returns (row, good): row is -1 where not good; good = ok and the
+    page is mapped and in range."""
+    safe = tl.where(ok, pos, 0)
+    pg = safe // PB
+    okp = ok & (pg < MP)
+    page = tl.load(pt_row_ptr + pg, mask=okp, other=-1)
+    good = okp & (page >= 0)
+    row = pool_base + page.to(tl.int64) * PB + (safe % PB)
     return tl.where(good, row, -1), good
 
 
@@ -173,11 +193,12 @@ def _token_group(t, req_ids_ptr, id_to_slot_ptr, max_request_id, R, Q: tl.conste
 # or gathered accesses use them, so their alignment is not specialised either.
 @triton.jit(
     do_not_specialize=["topk_stride", "max_request_id", "R", "bt_stride", "NB", "H",
-                       "phys_stride", "T", "K", "S", "B"],
+                       "pt_stride", "MP", "pool_base", "PB", "phys_stride", "T", "K", "S", "B"],
     do_not_specialize_on_alignment=["slot_pos_ptr", "slot_stamp_ptr", "row_slot_ptr",
                                     "step_ptr", "stats_ptr", "id_to_slot_ptr", "seq_lens_ptr",
-                                    "bt_ptr", "valid_ptr", "undo_hit_ptr", "undo_vpos_ptr",
-                                    "undo_vstamp_ptr", "miss_cnt_ptr", "stage_cnt_ptr"],
+                                    "bt_ptr", "resident_ptr", "pt_ptr", "valid_ptr", "undo_hit_ptr",
+                                    "undo_vpos_ptr", "undo_vstamp_ptr", "miss_cnt_ptr",
+                                    "stage_cnt_ptr"],
 )
 def resolve_kernel(
     req_ids_ptr,  # int32 [T], request id per query token
@@ -196,6 +217,12 @@ def resolve_kernel(
     H,
     step_ptr,  # int64 [R] of this layer
     stats_ptr,  # int64 [NUM_STATS] of this layer
+    resident_ptr,  # int32 [R], 1 = resident request slot
+    pt_ptr,  # int32 [R, MP] (row stride pt_stride), pool page per logical page, -1 = none
+    pt_stride,
+    MP,
+    pool_base,  # first flat row of the pool pages
+    PB,  # rows per pool page
     phys_ptr,  # int32 [>= T, >= K] (row stride phys_stride), output
     phys_stride,
     valid_ptr,  # int32 [>= T], output
@@ -217,6 +244,7 @@ def resolve_kernel(
     STAT_INVALID: tl.constexpr,
     STAT_RESOLVES: tl.constexpr,
     STAT_PREFETCH: tl.constexpr,  # rows staged by prefetch resolves
+    STAT_RESIDENT: tl.constexpr,  # entries resolved to resident rows
     STAMPED: tl.constexpr,  # the hits were stamped (and counted) by resolve_lookup_kernel
     MISS_LISTS: tl.constexpr,  # write each token's miss entries, compacted (split decode)
     PREFETCH: tl.constexpr,  # a prefetch: only misses are counted, as STAT_PREFETCH
@@ -235,8 +263,53 @@ def resolve_kernel(
     kmask = kk < K
     base = t.to(tl.int64) * K
     minus1_k = tl.full([KB], -1, tl.int32)
+    is_res = tl.load(resident_ptr + r, mask=live, other=0)
 
-    if live:
+    if live & (is_res != 0):
+        if off == 0:
+            # ---- a resident request: positions map through its page table; no LRU
+            # state, no misses, nothing staged (the leader writes its group's outputs)
+            n = t * 0 + 1
+            cont = live
+            for j in tl.static_range(1, Q):
+                nj = t + j
+                nxt = tl.load(req_ids_ptr + nj, mask=nj < T, other=0)
+                cont = cont & (nj < T) & (nxt == my_id)
+                n += cont.to(tl.int32)
+            jj = tl.arange(0, GQ)
+            gj = jj[:, None]
+            gk = tl.arange(0, KB)[None, :]
+            gmask = (gj < n) & (gk < K)
+            goff = gj.to(tl.int64) * K + gk
+            minus1_g = tl.full([GQ, KB], -1, tl.int32)
+            seq = tl.load(seq_lens_ptr + r)
+            gpos = tl.load(topk_ptr + (t + gj).to(tl.int64) * topk_stride + gk, mask=gmask, other=-1)
+            gok = gmask & (gpos >= 0) & (gpos < seq)
+            prow, v = _page_row(gpos, gok, pt_ptr + r.to(tl.int64) * pt_stride, MP, PB, pool_base)
+            vi2 = v.to(tl.int32)
+            nbad = tl.sum(tl.sum((gmask & (gpos != -1) & (v == 0)).to(tl.int32), axis=1), axis=0)
+            cnt = tl.sum(vi2, axis=1)
+            if COMPACT:
+                ii = (gmask & (v == 0)).to(tl.int32)
+                dest = tl.where(v, tl.cumsum(vi2, 1) - vi2, cnt[:, None] + tl.cumsum(ii, 1) - ii)
+            else:
+                dest = gk + gj * 0
+            tl.store(phys_ptr + (t + gj).to(tl.int64) * phys_stride + dest, prow.to(tl.int32), mask=gmask)
+            tl.store(valid_ptr + t + jj, cnt, mask=jj < n)
+            tl.store(stage_cnt_ptr + t + jj, tl.zeros([GQ], tl.int32), mask=jj < n)
+            tl.store(stage_src_ptr + base + goff, minus1_g, mask=gmask)
+            tl.store(stage_dst_ptr + base + goff, minus1_g, mask=gmask)
+            if not STAMPED:
+                tl.store(undo_hit_ptr + base + goff, tl.full([GQ, KB], -2, tl.int64), mask=gmask)
+            if MISS_LISTS:
+                tl.store(miss_cnt_ptr + t + jj, tl.zeros([GQ], tl.int32), mask=jj < n)
+            if not PREFETCH:
+                if not STAMPED:
+                    tl.atomic_add(stats_ptr + STAT_INVALID, nbad.to(tl.int64))
+                    nres = tl.sum(cnt, axis=0)
+                    tl.atomic_add(stats_ptr + STAT_RESIDENT, nres.to(tl.int64))
+                tl.atomic_add(stats_ptr + STAT_RESOLVES, tl.full([], 1, tl.int64))
+    elif live:
         if off == 0:
             # ---- group size: following tokens with the same id, at most Q in all
             n = t * 0 + 1
@@ -427,9 +500,10 @@ def resolve_kernel(
 
 @triton.jit(
     do_not_specialize=["topk_stride", "max_request_id", "R", "bt_stride", "NB", "H",
-                       "hit_stride", "T", "K", "S", "B"],
+                       "pt_stride", "MP", "pool_base", "PB", "hit_stride", "T", "K", "S", "B"],
     do_not_specialize_on_alignment=["slot_stamp_ptr", "row_slot_ptr", "step_ptr", "stats_ptr",
-                                    "id_to_slot_ptr", "seq_lens_ptr", "bt_ptr", "undo_hit_ptr"],
+                                    "id_to_slot_ptr", "seq_lens_ptr", "bt_ptr", "resident_ptr",
+                                    "pt_ptr", "undo_hit_ptr"],
 )
 def resolve_lookup_kernel(
     req_ids_ptr,  # int32 [T], request id per query token
@@ -447,6 +521,12 @@ def resolve_lookup_kernel(
     H,
     step_ptr,  # int64 [R] of this layer (read only: the miss phase increments it)
     stats_ptr,  # int64 [NUM_STATS] of this layer
+    resident_ptr,  # int32 [R], 1 = resident request slot
+    pt_ptr,  # int32 [R, MP] (row stride pt_stride), pool page per logical page
+    pt_stride,
+    MP,
+    pool_base,  # first flat row of the pool pages
+    PB,  # rows per pool page
     hit_ptr,  # int32 [>= T, >= K] (row stride hit_stride), output: hot row of a hit, else -1
     hit_stride,
     undo_hit_ptr,  # int64 [>= T * K], output: a hit lane's stamp before this step, -2 = no hit
@@ -456,6 +536,7 @@ def resolve_lookup_kernel(
     B,
     STAT_HITS: tl.constexpr,
     STAT_INVALID: tl.constexpr,
+    STAT_RESIDENT: tl.constexpr,
     Q: tl.constexpr,  # max_query_len
     CHUNK: tl.constexpr,  # entries per program (power of two)
     CH: tl.constexpr,  # req_ids scanned per step (see _token_group)
@@ -476,7 +557,19 @@ def resolve_lookup_kernel(
     kk = c * CHUNK + tl.arange(0, CHUNK)
     kmask = kk < K
     out_off = t.to(tl.int64) * hit_stride + kk
-    if live:
+    is_res = tl.load(resident_ptr + r, mask=live, other=0)
+    if live & (is_res != 0):
+        # a resident request: every valid entry is a hit on its page row; nothing stamped
+        seq = tl.load(seq_lens_ptr + r)
+        pos = tl.load(topk_ptr + t.to(tl.int64) * topk_stride + kk, mask=kmask, other=-1)
+        ok = kmask & (pos >= 0) & (pos < seq)
+        prow, good = _page_row(pos, ok, pt_ptr + r.to(tl.int64) * pt_stride, MP, PB, pool_base)
+        nbad = tl.sum((kmask & (pos != -1) & (good == 0)).to(tl.int32), axis=0)
+        tl.store(undo_hit_ptr + t.to(tl.int64) * K + kk, tl.full([CHUNK], -2, tl.int64), mask=kmask)
+        tl.store(hit_ptr + out_off, prow.to(tl.int32), mask=kmask)
+        tl.atomic_add(stats_ptr + STAT_RESIDENT, tl.sum(good.to(tl.int32), axis=0).to(tl.int64))
+        tl.atomic_add(stats_ptr + STAT_INVALID, nbad.to(tl.int64))
+    elif live:
         SP = S + 1
         seq = tl.load(seq_lens_ptr + r)
         s_new = tl.load(step_ptr + r) + 1

@@ -1,0 +1,222 @@
+"""The elastic device tier: one fixed pool of device rows per layer, in pages.
+
+``HiSparseConfig(device_pool_rows=N)`` gives each layer's flat device view
+``hot[l]`` (uint8 [N', row_bytes]) the hot buffers first (rows ``0 .. R * (S + 1)``,
+rounded up to 64) and then ``cfg.pool_pages`` pages of ``PB`` = 64 rows. A request is
+
+- **resident**: every appended row is also written to its pages (the same pages in
+  every layer); a position maps through the device page table
+  (``state.page_table[r, p // PB]``), so a resolve has no LRU state and no misses; or
+- **hot**: today's LRU buffer of S + 1 slots.
+
+A request is admitted resident when the pool has pages at all (with no pool every
+request is hot, exactly as without the tier). Its pages are taken when a write needs
+them. When a write needs more pages than are free, the **spill policy** demotes
+resident requests to hot, one at a time, the one holding the most pages first (ties:
+the lowest request slot), until the write's pages fit; a request that can't fit the
+pool at all (more than ``cfg.max_pages_per_request`` pages) is demoted too. A demotion
+seeds the new hot buffer device to device from the request's own resident rows (the
+newest S + 1 positions, the newest in the reserved slot S, as if they had just been
+written; a context of at most S rows keeps every row, slot = position), then frees the
+pages. The host copy of every row is complete either way (rows are mirrored at
+append), so a demotion never loses a row. Hot requests are not promoted back to
+resident (``promotions`` stays 0): freed pages go to the requests admitted later.
+
+Everything here is host-side bookkeeping; the device updates of a demotion and of a
+grant (page table, residency flag, seeded rows and slot state) are made by
+:func:`apply_changes` on the current stream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable, Sequence
+
+import torch
+
+from ..config import DEVICE_PAGE_ROWS, HiSparseConfig, ceil_div
+from .state import HotState
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolChanges:
+    """What a write does to the pool (``DevicePool.plan``): ``demote`` request slots
+    (in order), then ``grants[r]``: the pages appended to resident slot r's list, as the
+    pool will hand them out. ``pages[r]``: every page of each resident slot of the
+    write after the change (what the write plan addresses)."""
+
+    demote: tuple[int, ...]
+    grants: dict[int, list[int]]
+    pages: dict[int, list[int]]
+
+    @property
+    def empty(self) -> bool:
+        return not self.demote and not any(self.grants.values())
+
+
+NO_CHANGES = PoolChanges((), {}, {})
+
+
+class DevicePool:
+    """Pages, residency and the tier's counters (host side; see the module docstring)."""
+
+    def __init__(self, cfg: HiSparseConfig) -> None:
+        self.num_pages = cfg.pool_pages
+        self.PB = DEVICE_PAGE_ROWS
+        self.base = cfg.hot_rows_per_layer
+        self.max_pages = cfg.max_pages_per_request
+        self.rows_per_layer = cfg.device_rows_per_layer
+        self._free: list[int] = list(range(self.num_pages - 1, -1, -1))  # pop() -> lowest
+        self._pages: dict[int, list[int]] = {}  # resident request slot -> its pages
+        self.spills = 0
+        self.promotions = 0
+        self.seeded_rows = 0  # rows copied into hot buffers by demotions (all layers)
+        self.epoch = 0  # moves on with every residency change
+
+    # ---- queries ---------------------------------------------------------------
+    @property
+    def enabled(self) -> bool:
+        return self.num_pages > 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def is_resident(self, r: int) -> bool:
+        return r in self._pages
+
+    def pages(self, r: int) -> list[int]:
+        """Resident slot r's pages (the pool's own list: read it only)."""
+        return self._pages[r]
+
+    def resident_slots(self) -> list[int]:
+        return sorted(self._pages)
+
+    def rows_used(self, live_requests: int, slots_per_req: int) -> int:
+        """Device rows per layer in use: a hot buffer per live request (admission
+        reserves one for every request, resident or not) plus every taken page."""
+        return live_requests * slots_per_req + (self.num_pages - len(self._free)) * self.PB
+
+    def page_row(self, r: int, p: int) -> int:
+        """Flat device row of position p of resident slot r."""
+        pg = self._pages[r][p // self.PB]
+        return self.base + pg * self.PB + p % self.PB
+
+    # ---- decisions (pure) ------------------------------------------------------
+    def plan(self, ends: Sequence[tuple[int, int]]) -> PoolChanges:
+        """The changes a write of ``ends`` ((request slot, its length after the write)
+        per request written) needs: which resident requests to demote and the pages to
+        grant. Changes nothing."""
+        if not self._pages:
+            return NO_CHANGES
+        PB = self.PB
+        need = {r: ceil_div(end, PB) - len(self._pages[r]) for r, end in ends if r in self._pages}
+        need = {r: n for r, n in need.items() if n > 0}
+        if not need:
+            return PoolChanges((), {}, {r: self._pages[r] for r, _ in ends if r in self._pages})
+        demote: list[int] = []
+        # a request that can never fit the pool goes hot now
+        for r, end in ends:
+            if r in need and ceil_div(end, PB) > self.max_pages:
+                demote.append(r)
+                del need[r]
+        freed = sum(len(self._pages[r]) for r in demote)
+        order = sorted((r for r in self._pages if r not in demote), key=lambda r: (-len(self._pages[r]), r))
+        for r in order:
+            if sum(need.values()) <= len(self._free) + freed:
+                break
+            demote.append(r)
+            freed += len(self._pages[r])
+            need.pop(r, None)
+        free = sorted(self._free + [p for r in demote for p in self._pages[r]])
+        grants: dict[int, list[int]] = {}
+        o = 0
+        for r, _ in ends:
+            n = need.get(r, 0)
+            if n:
+                grants[r] = free[o:o + n]
+                o += n
+        pages = {r: self._pages[r] + grants.get(r, []) for r, _ in ends if r in self._pages and r not in demote}
+        return PoolChanges(tuple(demote), grants, pages)
+
+    # ---- changes ---------------------------------------------------------------
+    def admit(self, r: int) -> bool:
+        """Request slot r joins: resident (no pages yet) when the pool has pages."""
+        if self.enabled:
+            self._pages[r] = []
+            self.epoch += 1
+            return True
+        return False
+
+    def release(self, r: int) -> list[int]:
+        """Slot r leaves the resident tier (freed or demoted); returns its pages, now free."""
+        pages = self._pages.pop(r, None)
+        if pages is None:
+            return []
+        self._free.extend(pages)
+        self._free.sort(reverse=True)
+        self.epoch += 1
+        return pages
+
+    def grant(self, r: int, want: list[int]) -> None:
+        """Give resident slot r the pages ``want`` (exactly those ``plan`` predicted)."""
+        for p in want:
+            self._free.remove(p)
+        self._free.sort(reverse=True)
+        self._pages[r].extend(want)
+
+
+def seed_positions(n: int, S: int) -> tuple[list[int], list[int], int]:
+    """(positions, their slots, reserved occupant or -1) a demoted request of ``n`` rows
+    keeps in its hot buffer: every row at slot = position when n <= S (as writes place
+    them), else the S rows before the newest in slots 0..S-1 and the newest in the
+    reserved slot S."""
+    if n <= S:
+        return list(range(n)), list(range(n)), -1
+    pos = list(range(n - 1 - S, n - 1)) + [n - 1]
+    return pos, list(range(S)) + [S], n - 1
+
+
+def apply_changes(ch: PoolChanges, *, pool: DevicePool, state: HotState, hot: torch.Tensor,
+                  lengths: Iterable[Sequence[int]], blocks: Iterable[Sequence[int]], B: int,
+                  set_reserved) -> None:
+    """Make ``ch`` on the device (current stream) and in ``pool``: each demoted slot's
+    hot buffer seeded from its resident rows in every layer, its slot state and
+    ``row_slot`` set, its residency flag and page-table row cleared, its pages freed
+    (``set_reserved(r, layer, occupant)`` records the reserved slot's occupant);
+    then the grants' page-table entries. ``lengths`` / ``blocks``: per demoted slot (in
+    ``ch.demote`` order), its rows per layer and its host blocks."""
+    S, SP = state.S, state.S + 1
+    dev = state.resident.device
+    for r, lens, blks in zip(ch.demote, lengths, blocks):
+        by_len: dict[int, list[int]] = {}
+        for layer, n in enumerate(lens):
+            by_len.setdefault(n, []).append(layer)
+        for n, layers in by_len.items():
+            pos, slots, reserved = seed_positions(n, S)
+            for layer in layers:
+                set_reserved(r, layer, reserved)
+            if not pos:
+                continue
+            li = torch.tensor(layers, dtype=torch.long, device=dev)
+            src = torch.tensor([pool.page_row(r, p) for p in pos], dtype=torch.long, device=dev)
+            dst = torch.tensor([r * SP + s for s in slots], dtype=torch.long, device=dev)
+            hrow = torch.tensor([blks[p // B] * B + p % B for p in pos], dtype=torch.long, device=dev)
+            sl = torch.tensor(slots, dtype=torch.long, device=dev)
+            hot[li[:, None], dst[None, :]] = hot[li[:, None], src[None, :]]
+            state.slot_pos[li[:, None], r, sl[None, :]] = torch.tensor(pos, dtype=torch.int32, device=dev)
+            state.slot_stamp[li[:, None], r, sl[None, :]] = state.step[li, r][:, None]
+            state.row_slot[li[:, None], hrow[None, :]] = sl.to(torch.int32)[None, :]
+            pool.seeded_rows += len(pos) * len(layers)
+        state.resident[r] = 0
+        state.page_table[r] = -1
+        pool.release(r)
+        pool.spills += 1
+    for r, want in ch.grants.items():
+        if want:
+            k0 = len(pool.pages(r))
+            pool.grant(r, want)
+            state.page_table[r, k0:k0 + len(want)] = torch.tensor(want, dtype=torch.int32, device=dev)
+
+
+__all__ = ["DevicePool", "PoolChanges", "NO_CHANGES", "apply_changes", "seed_positions"]
