@@ -31,6 +31,7 @@ class TraceShape:
     max_reqs: int = 6
     max_len: int = 64
     query_len: int = 1
+    pool_rows: int | None = None  # device_pool_rows (the elastic tier), None = no pool
 
 
 class RecordingGraphs:
@@ -96,7 +97,8 @@ def make_group(shape: TraceShape, device: str, kernels: str, *, validate: bool =
     cfg = HiSparseConfig(num_layers=shape.layers, row_bytes=656, top_k=shape.top_k,
                          device_buffer_size=shape.slots, max_num_reqs=shape.max_reqs,
                          host_block_size=shape.block, host_pool_tokens=shape.max_reqs * shape.max_len,
-                         max_query_len=shape.query_len, max_request_id=64, device=device)
+                         max_query_len=shape.query_len, max_request_id=64, device=device,
+                         device_pool_rows=shape.pool_rows)
     g = HiSparseIndexGroup(cfg, validate=validate, kernels=kernels, layer_graphs=layer_graphs == "cuda")
     if layer_graphs in ("recording", "kernels"):
         from hisparse.engine.layer_graphs import LayerGraphs

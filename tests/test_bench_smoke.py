@@ -147,6 +147,21 @@ def test_bench_layer_dry_run_compares_every_mode(tmp_path, capsys):
     assert rep["cases"][1]["prefetch_quality"]["rows_staged"] > 0
 
 
+def test_bench_elastic_dry_run_attends_resident_rows(tmp_path, capsys):
+    """The elastic tier's benchmark on tiny shapes: every request resident, no miss, and
+    hisparse's output equal to attention over the same rows."""
+    from benchmarks import bench_elastic
+
+    out = tmp_path / "elastic.json"
+    assert bench_elastic.main(["--dry-run", "--out", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    (case,) = rep["cases"]
+    assert case["misses"] == 0 and case["resident_rows"] > 0
+    for mode in ("serial", "split"):
+        assert case[mode]["max_rel_diff"] == 0.0
+        assert isinstance(case[mode]["meets_target"], bool)
+
+
 def test_profile_layer_dry_run_lists_each_mode(tmp_path, capsys):
     """The layer profiler on tiny shapes: one timeline per (hit rate, mode), each with
     entries in start order and a span that covers them."""

@@ -36,6 +36,26 @@ def test_padded_forwards_equal_unpadded(kernels, query_len, seed):
     assert b.group.stats()["total"]["misses"] > 0
 
 
+# the elastic tier: hot buffers (6 x 17 rows, 128 with padding) + 2 pages of 64 rows, for
+# up to 6 requests of up to 64 rows: some stay resident, the others are demoted
+POOL_ROWS = 128 + 2 * 64
+
+
+@pytest.mark.parametrize("kernels,seed", [("torch", 7), ("triton", 8)])
+def test_padded_forwards_equal_unpadded_with_a_pool(kernels, seed):
+    shape = TraceShape(pool_rows=POOL_ROWS)
+    truth = Truth(shape)
+    trace = plan_trace(shape, steps=10 if kernels == "triton" else 30, seed=seed)
+    a = Runner(shape, "eager", "cpu", kernels, truth)
+    b = Runner(shape, "padded", "cpu", kernels, truth)
+    run_pair(trace, a, b)
+    a.check_rows()
+    b.check_rows()
+    tot = b.group.stats()["total"]
+    assert tot["resident_rows"] > 0 and tot["spills"] > 0, tot
+    assert tot == a.group.stats()["total"]
+
+
 
 
 def _small_group():

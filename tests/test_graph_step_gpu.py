@@ -42,3 +42,11 @@ def test_replayed_forwards_equal_eager(query_len, seed):
 def test_replayed_decode_attention_equals_eager(overlap):
     backend = TritonBackend(validate=False)
     _run_pair(TraceShape(), steps=40, seed=5, attention=(backend, overlap), atol=2e-2)
+
+
+def test_replayed_forwards_equal_eager_with_a_pool():
+    """The elastic tier under graph replay: resident requests written and resolved through
+    pages, demotions between replays; rows written inside replays reach the host pool."""
+    _, b = _run_pair(TraceShape(pool_rows=128 + 2 * 64), steps=60, seed=9)
+    tot = b.group.stats()["total"]
+    assert tot["resident_rows"] > 0 and tot["spills"] > 0, tot
