@@ -161,6 +161,7 @@ class HiSparseCache:
         T, K = cfg.max_tokens, cfg.top_k
         self._prefetch_out = ResolveBuffers.allocate(T, K, self.device)  # its undo log serves all
         self._bufs = [ResolveBuffers.allocate(T, K, self.device, undo_of=self._prefetch_out) for _ in range(L)]
+        self.writer.last_selection = [b.physical.view(-1) for b in self._bufs]
         self._views: dict[int, LayerView] = {}
         self._hot_l = self.writer.hot_layers  # uint8 [N, row_bytes] per layer (views, made once)
         self._host_l = self.writer.host_layers  # uint8 [H, row_bytes] per layer

@@ -15,10 +15,12 @@ them. When a write needs more pages than are free, the **spill policy** demotes
 resident requests to hot, one at a time, the one holding the most pages first (ties:
 the lowest request slot), until the write's pages fit; a request that can't fit the
 pool at all (more than ``cfg.max_pages_per_request`` pages) is demoted too. A demotion
-seeds the new hot buffer device to device from the request's own resident rows (the
-newest S + 1 positions, the newest in the reserved slot S, as if they had just been
-written; a context of at most S rows keeps every row, slot = position), then frees the
-pages. The host copy of every row is complete either way (rows are mirrored at
+seeds the new hot buffer device to device from the request's own resident rows, in
+every layer: a context of at most S rows keeps every row (slot = position, as writes
+place them); a longer one keeps its newest row in the reserved slot S and, in slots
+0..S-1, the rows the layer's last resolve selected, then the newest others (what a hot
+buffer would have held: the next step's selection overlaps the last one most). Then
+the pages are freed. The host copy of every row is complete either way (rows are mirrored at
 append), so a demotion never loses a row. Hot requests are not promoted back to
 resident (``promotions`` stays 0): freed pages go to the requests admitted later.
 
@@ -168,46 +170,94 @@ class DevicePool:
 
 def seed_positions(n: int, S: int) -> tuple[list[int], list[int], int]:
     """(positions, their slots, reserved occupant or -1) a demoted request of ``n`` rows
-    keeps in its hot buffer: every row at slot = position when n <= S (as writes place
-    them), else the S rows before the newest in slots 0..S-1 and the newest in the
-    reserved slot S."""
+    keeps in its hot buffer when nothing was selected from it: every row at slot =
+    position when n <= S (as writes place them), else the S rows before the newest in
+    slots 0..S-1 and the newest in the reserved slot S. (With a last selection,
+    ``apply_changes`` puts its rows first; the reserved occupant is the same.)"""
     if n <= S:
         return list(range(n)), list(range(n)), -1
     pos = list(range(n - 1 - S, n - 1)) + [n - 1]
     return pos, list(range(S)) + [S], n - 1
 
 
+def _to_device(values: list[int], dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
+    """A small index list on ``dev`` without a host sync (pinned staging on CUDA)."""
+    t = torch.tensor(values, dtype=dtype)
+    if dev.type == "cuda":
+        return t.pin_memory().to(dev, non_blocking=True)
+    return t.to(dev)
+
+
+def _seed(state: HotState, r: int, n: int, layers: torch.Tensor, layer_ids: list[int], pages: int,
+          num_pages: int, last: Sequence[torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions int64 [Lg, m], slots int64 [m]) a demoted resident slot r of ``n`` rows
+    (holding ``pages`` of the pool's ``num_pages`` pages) keeps in each of ``layers``
+    (int64 [Lg], the ids ``layer_ids``): every row when n <= S; else S of the positions
+    before the newest -- the ones the layer's last resolve selected first (``last[l]``:
+    the flat int32 physical rows it returned; r's page rows among them are found through
+    the inverse of r's page table), then the newest -- in slots 0..S-1, and the newest in
+    the reserved slot S. Device ops only (no host sync)."""
+    S = state.S
+    dev = layers.device
+    Lg = layers.numel()
+    if n <= S:
+        return torch.arange(n, device=dev).expand(Lg, n), torch.arange(n, device=dev)
+    cand = n - 1
+    score = torch.arange(cand, device=dev, dtype=torch.int64).expand(Lg, cand).clone()
+    if last is not None and pages:
+        PB = state.PB
+        inv = torch.full((num_pages,), -1, dtype=torch.int64, device=dev)  # pool page -> r's logical page
+        inv[state.page_table[r, :pages].long()] = torch.arange(pages, device=dev)
+        for i, layer in enumerate(layer_ids):
+            q = last[layer].long() - state.pool_base
+            ok = (q >= 0) & (q < num_pages * PB)
+            q = torch.where(ok, q, torch.zeros_like(q))
+            lp = inv[q // PB]
+            p = lp * PB + q % PB
+            ok = ok & (lp >= 0) & (p < cand)
+            mark = torch.zeros(cand + 1, dtype=torch.int64, device=dev)  # entry cand: the rest
+            mark.scatter_(0, torch.where(ok, p, torch.full_like(p, cand)), 1)
+            score[i] += mark[:cand] * (2 * n)
+    top = torch.topk(score, S, dim=1).indices  # the selected rows first, then the newest
+    pos = torch.cat([top, torch.full((Lg, 1), n - 1, dtype=torch.int64, device=dev)], dim=1)
+    return pos, torch.arange(S + 1, device=dev)
+
+
 def apply_changes(ch: PoolChanges, *, pool: DevicePool, state: HotState, hot: torch.Tensor,
-                  lengths: Iterable[Sequence[int]], blocks: Iterable[Sequence[int]], B: int,
-                  set_reserved) -> None:
-    """Make ``ch`` on the device (current stream) and in ``pool``: each demoted slot's
-    hot buffer seeded from its resident rows in every layer, its slot state and
-    ``row_slot`` set, its residency flag and page-table row cleared, its pages freed
-    (``set_reserved(r, layer, occupant)`` records the reserved slot's occupant);
-    then the grants' page-table entries. ``lengths`` / ``blocks``: per demoted slot (in
-    ``ch.demote`` order), its rows per layer and its host blocks."""
-    S, SP = state.S, state.S + 1
+                  lengths: Iterable[Sequence[int]], set_reserved,
+                  last: Sequence[torch.Tensor] | None = None) -> None:
+    """Make ``ch`` on the device (current stream, no host sync) and in ``pool``: each
+    demoted slot's hot buffer seeded from its resident rows in every layer (``_seed``;
+    ``last[l]``: the flat int32 physical rows of layer l's last resolve, or None), its
+    slot state and ``row_slot`` set, its residency flag and page-table row cleared, its
+    pages freed (``set_reserved(r, layer, occupant)`` records the reserved slot's
+    occupant); then the grants' page-table entries. ``lengths``: per demoted slot (in
+    ``ch.demote`` order), its rows per layer."""
+    S, SP, B, PB = state.S, state.S + 1, state.B, state.PB
     dev = state.resident.device
-    for r, lens, blks in zip(ch.demote, lengths, blocks):
+    for r, lens in zip(ch.demote, lengths):
         by_len: dict[int, list[int]] = {}
         for layer, n in enumerate(lens):
             by_len.setdefault(n, []).append(layer)
+        npages = len(pool.pages(r))
         for n, layers in by_len.items():
-            pos, slots, reserved = seed_positions(n, S)
+            reserved = n - 1 if n > S else -1
             for layer in layers:
                 set_reserved(r, layer, reserved)
-            if not pos:
+            if n == 0:
                 continue
-            li = torch.tensor(layers, dtype=torch.long, device=dev)
-            src = torch.tensor([pool.page_row(r, p) for p in pos], dtype=torch.long, device=dev)
-            dst = torch.tensor([r * SP + s for s in slots], dtype=torch.long, device=dev)
-            hrow = torch.tensor([blks[p // B] * B + p % B for p in pos], dtype=torch.long, device=dev)
-            sl = torch.tensor(slots, dtype=torch.long, device=dev)
-            hot[li[:, None], dst[None, :]] = hot[li[:, None], src[None, :]]
-            state.slot_pos[li[:, None], r, sl[None, :]] = torch.tensor(pos, dtype=torch.int32, device=dev)
-            state.slot_stamp[li[:, None], r, sl[None, :]] = state.step[li, r][:, None]
-            state.row_slot[li[:, None], hrow[None, :]] = sl.to(torch.int32)[None, :]
-            pool.seeded_rows += len(pos) * len(layers)
+            li = _to_device(layers, torch.int64, dev)
+            pos, slots = _seed(state, r, n, li, layers, npages, pool.num_pages, last)
+            pt = state.page_table[r].long()
+            bt = state.block_table[r].long()
+            src = state.pool_base + pt[pos // PB] * PB + pos % PB  # int64 [Lg, m]
+            hrow = bt[pos // B] * B + pos % B
+            dst = r * SP + slots
+            hot[li[:, None], dst[None, :]] = hot[li[:, None], src]
+            state.slot_pos[li[:, None], r, slots[None, :]] = pos.to(torch.int32)
+            state.slot_stamp[li[:, None], r, slots[None, :]] = state.step[li, r][:, None]
+            state.row_slot[li[:, None], hrow] = slots.to(torch.int32)[None, :].expand(len(layers), -1)
+            pool.seeded_rows += pos.shape[1] * len(layers)
         state.resident[r] = 0
         state.page_table[r] = -1
         pool.release(r)
@@ -216,7 +266,7 @@ def apply_changes(ch: PoolChanges, *, pool: DevicePool, state: HotState, hot: to
         if want:
             k0 = len(pool.pages(r))
             pool.grant(r, want)
-            state.page_table[r, k0:k0 + len(want)] = torch.tensor(want, dtype=torch.int32, device=dev)
+            state.page_table[r, k0:k0 + len(want)] = _to_device(want, torch.int32, dev)
 
 
 __all__ = ["DevicePool", "PoolChanges", "NO_CHANGES", "apply_changes", "seed_positions"]

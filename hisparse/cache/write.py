@@ -91,6 +91,9 @@ class Writer:
         self.hot_layers = list(hot)  # uint8 [N, row_bytes] per layer (views, made once)
         self.host_layers = list(pool.rows)  # uint8 [H, row_bytes] per layer
         self.step_buffers = StepBuffers(device)
+        # per layer, the flat int32 physical rows of its last resolve (set by the cache):
+        # a demotion seeds the hot buffer with the rows they select first
+        self.last_selection: list[torch.Tensor] | None = None
 
     # ---- checks ------------------------------------------------------------------
     def prepare(self, req_ids: Sequence[int], counts: Sequence[int]) -> WriteBatch:
@@ -390,8 +393,8 @@ class Writer:
         req = self.requests
         apply_changes(changes, pool=self.device_pool, state=self.state, hot=self.hot,
                       lengths=[lengths.get(r) or list(req.lengths(r)) for r in changes.demote],
-                      blocks=[self.pool.allocator.owned(r) for r in changes.demote], B=self.pool.B,
-                      set_reserved=lambda r, layer, occ: req.restore(r, layer, req.length(r, layer), occ))
+                      set_reserved=lambda r, layer, occ: req.restore(r, layer, req.length(r, layer), occ),
+                      last=self.last_selection)
         for layer in range(self.cfg.num_layers):
             req.touch(layer)
 
