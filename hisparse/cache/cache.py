@@ -161,7 +161,7 @@ class HiSparseCache:
         T, K = cfg.max_tokens, cfg.top_k
         self._prefetch_out = ResolveBuffers.allocate(T, K, self.device)  # its undo log serves all
         self._bufs = [ResolveBuffers.allocate(T, K, self.device, undo_of=self._prefetch_out) for _ in range(L)]
-        self.writer.last_selection = [b.physical.view(-1) for b in self._bufs]
+        self.writer.last_selection = [b.physical[:0].view(-1) for b in self._bufs]
         self._views: dict[int, LayerView] = {}
         self._hot_l = self.writer.hot_layers  # uint8 [N, row_bytes] per layer (views, made once)
         self._host_l = self.writer.host_layers  # uint8 [H, row_bytes] per layer
@@ -371,7 +371,7 @@ class HiSparseCache:
         :meth:`join_backup` before a replay that follows eager appends.
         """
         T, K, req_ids = self._check_resolve(layer, req_ids, topk, validate)
-        out = self._bufs[layer].view(T, K)
+        out = self._out(layer, T, K)
         event = self.stager.run(layer, req_ids, topk, out, host_rows=self._host_l[layer],
                                 hot_rows=self._hot_l[layer], compact=compact, wait=wait)
         self.requests.touch(layer)
@@ -384,7 +384,7 @@ class HiSparseCache:
         the staging is part of what ``launch()`` enqueued on the current stream (a graph
         joins the streams it forks), so another stream waits on that one instead."""
         T, K, req_ids = self._check_resolve(layer, req_ids, topk, False)
-        out = self._bufs[layer].view(T, K)
+        out = self._out(layer, T, K)
         launch()
         self.requests.touch(layer)
         return ResolveResult(out, None, self.requests.epochs, layer)
@@ -397,10 +397,17 @@ class HiSparseCache:
         self._pinned_check("the host pool")
         if self.pool.shared and not self.streams.capturing():
             self.pool.wait_visible(layer)
-        out = self._bufs[layer].view(T, K)
+        out = self._out(layer, T, K)
         launch()
         self.requests.touch(layer)
         return ResolveResult(out, None, self.requests.epochs, layer)
+
+    def _out(self, layer: int, T: int, K: int) -> ResolveBuffers:
+        """Layer ``layer``'s resolve buffers as [T, K]; their physical rows are what a
+        demotion seeds first (``Writer.last_selection``)."""
+        out = self._bufs[layer].view(T, K)
+        self.writer.last_selection[layer] = out.physical.view(-1)  # type: ignore[index]
+        return out
 
     def check_resolve(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor) -> None:
         """The checks an unchecked ``resolve`` makes before it launches."""
@@ -410,7 +417,7 @@ class HiSparseCache:
         """The launches of ``resolve(layer, req_ids, topk, validate=False, wait=True)``
         alone (checked by the caller), for a graph capture: no bookkeeping."""
         T, K = topk.shape
-        self.stager.run(layer, req_ids, topk, self._bufs[layer].view(T, K), host_rows=self._host_l[layer],
+        self.stager.run(layer, req_ids, topk, self._out(layer, T, K), host_rows=self._host_l[layer],
                         hot_rows=self._hot_l[layer], compact=False, wait=True)
 
     def resolve_split(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor, *,
@@ -427,7 +434,7 @@ class HiSparseCache:
         the SMs, 8 rows a program; ``stager.stage_programs`` overrides its programs).
         """
         T, K, req_ids = self._check_resolve(layer, req_ids, topk, validate)
-        out = self._bufs[layer].view(T, K)
+        out = self._out(layer, T, K)
         hit, miss_lists = _split_buffers(self._split, self.cfg, self.device, layer, T, K)
         event = self.stager.run_split(layer, req_ids, topk, out, hit, miss_lists,
                                       host_rows=self._host_l[layer], hot_rows=self._hot_l[layer],
