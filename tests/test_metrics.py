@@ -229,3 +229,27 @@ def test_http_server_serves_the_stats():
         server.server_close()
     assert 'hisparse_hits_total{layer="0"} 7.0' in body
     assert len(calls) == 1  # one stats() call per scrape
+
+
+def test_a_pooled_cache_exports_the_elastic_tier():
+    """A real cache with an elastic pool: every metric it exports is documented, and the
+    tier's figures are the stats dict's."""
+    cfg = HiSparseConfig(num_layers=1, host_pool_tokens=256, row_bytes=32, top_k=4, device_buffer_size=8,
+                         max_num_reqs=2, host_block_size=16, device="cpu", device_pool_rows=64 + 64)
+    c = HiSparseCache(cfg, kernels="torch")
+    for rid, n in ((1, 40), (2, 40)):
+        c.add_request(rid)
+        c.append_rows(0, rid, torch.zeros((n, 32), dtype=torch.uint8))
+    c.resolve(0, torch.tensor([2], dtype=torch.int32), torch.tensor([[0, 1, 2, 3]], dtype=torch.int32))
+    st = c.stats()
+    samples, types, _ = parse(M.format_text(st))
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "METRICS.md")).read()
+    for n in types:
+        assert f"`{n}`" in doc, n
+    tot = st["total"]
+    assert (tot["resident_requests"], tot["hot_requests"], tot["spills"]) == (1, 1, 1)
+    for key, name in (("resident_requests", "hisparse_resident_requests"), ("spills", "hisparse_spills_total"),
+                      ("pool_rows_used", "hisparse_device_pool_used_rows"),
+                      ("pool_rows_total", "hisparse_device_pool_capacity_rows")):
+        assert samples[(name, ())] == tot[key], name
+    assert samples[("hisparse_resident_rows_total", (("layer", "0"),))] == 4

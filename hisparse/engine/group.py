@@ -71,9 +71,12 @@ _KV_DTYPES = {"fp8_ds_mla": RowFormat.FP8_DS_MLA, "bf16": RowFormat.BF16, "auto"
 class HotView:
     """What an attention backend needs to know about one layer's hot buffer.
 
-    attention_cache: uint8 [R * (S + 1), row_bytes], the flat row view physical
-    indices point into (``physical_kv_cache``). block_size = S + 1: viewed as blocks,
-    block r is request slot r and ``physical = r * block_size + slot``.
+    attention_cache: uint8 [device_rows_per_layer, row_bytes], the flat row view
+    physical indices point into (``physical_kv_cache``): R * (S + 1) hot rows (rounded
+    up to 64), then the elastic pool's pages when the config has ``device_pool_rows``.
+    block_size = S + 1: viewed as blocks, block r is request slot r and a hot
+    request's ``physical = r * block_size + slot`` (a resident request's rows lie in
+    the pages past the hot buffers).
     """
 
     attention_cache: torch.Tensor
