@@ -184,7 +184,7 @@ class HiSparseConfig:
         TK = T * self.top_k
         state = (4 * self.max_request_id + 4 * L * R + 4 * R * self.num_host_blocks + 12 * L * R * SP
                  + 4 * L * self.num_host_rows + 8 * L * R + 8 * L * 7
-                 + 4 * R * (1 + self.max_pages_per_request))
+                 + 4 * R * (1 + max(1, self.max_pages_per_request)))
         resolve = (L + 1) * (12 * TK + 4 * T) + 20 * TK
         return {"hot_rows": self.hot_buffer_bytes, "state": state, "resolve_buffers": resolve,
                 "split_buffers_per_layer": 12 * TK + 4 * T,

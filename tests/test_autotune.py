@@ -20,8 +20,10 @@ def test_gpu_bytes_hand_computed():
     g = gpu_bytes(cfg, num_heads=2, reserve_frac=0.5)
     assert g["hot_rows"] == 2 * 64 * 16  # 3 x 9 rows per layer, rounded up to 64
     # slot_pos (int32) + slot_stamp (int64), step (int64), seq_lens, block_table (3 x 4 blocks),
-    # row_slot (2 x 64), id_to_slot, stats (6 counters)
-    assert g["slot_state"] == 2 * 3 * 9 * 12 + 2 * 3 * 8 + 2 * 3 * 4 + 3 * 4 * 4 + 2 * 64 * 4 + 10 * 4 + 2 * 6 * 8
+    # row_slot (2 x 64), id_to_slot, stats (7 counters), residency flags (3) and a page table
+    # of one column (no pool)
+    assert g["slot_state"] == (2 * 3 * 9 * 12 + 2 * 3 * 8 + 2 * 3 * 4 + 3 * 4 * 4 + 2 * 64 * 4 + 10 * 4
+                               + 2 * 7 * 8 + 3 * 4 + 3 * 1 * 4)
     # per layer and once more for prefetches: physical + stage src/dst (T x K x 12) + counts,
     # plus the one undo log (T x K x 20)
     assert g["resolve_buffers"] == 3 * (3 * 4 * 12 + 3 * 4) + 3 * 4 * 20
@@ -30,18 +32,21 @@ def test_gpu_bytes_hand_computed():
     assert g["reserve"] == raw // 2 and g["total"] == raw + raw // 2
 
 
-def test_gpu_bytes_matches_the_real_cache_allocation():
-    """The formula's cache part equals the bytes of the tensors HiSparseCache allocates."""
+@pytest.mark.parametrize("pool_rows", [None, 64 + 3 * 64])
+def test_gpu_bytes_matches_the_real_cache_allocation(pool_rows):
+    """The formula's cache part equals the bytes of the tensors HiSparseCache allocates
+    (every tensor of its state; with and without an elastic pool)."""
+    import dataclasses
+
     from hisparse import HiSparseCache
 
     cfg = HiSparseConfig(num_layers=3, host_pool_tokens=256, row_bytes=32, top_k=4,
                          device_buffer_size=8, max_num_reqs=5, host_block_size=16,
-                         max_request_id=40, device="cpu")
+                         max_request_id=40, device="cpu", device_pool_rows=pool_rows)
     c = HiSparseCache(cfg, kernels="torch")
     st = c.state
-    state_bytes = sum(t.numel() * t.element_size() for t in
-                      (st.id_to_slot, st.seq_lens, st.block_table, st.slot_pos, st.slot_stamp,
-                       st.row_slot, st.step, st.stats))
+    tensors = [getattr(st, f.name) for f in dataclasses.fields(st)]
+    state_bytes = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
     seen, bufs = set(), 0
     for b in c._bufs + [c._prefetch_out]:
         for t in (b.physical, b.valid_counts, b.stage_src, b.stage_dst, b.undo_hit, b.undo_vpos, b.undo_vstamp):
