@@ -39,7 +39,7 @@ from .preflight import parse_device, path_arg
 from .report import plot_stress, require_matplotlib
 from .stress_report import format_stress
 from .traces import SOURCES
-from .units import fmt_bytes, parse_bytes, parse_count, token_arg
+from .units import fmt_bytes, parse_bytes, parse_count, rows_arg, token_arg
 from .workload import StressOptions
 
 # every command's --help ends with it (explicit line breaks: plan's help is not re-wrapped)
@@ -101,7 +101,7 @@ REPLAY_FIXED = {"num_requests": "--requests", "context": "--context", "context_m
                 "churn": "--churn", "drift": "--drift"}
 STRESS_FIELDS = ("num_requests", "context", "context_min", "num_layers", "top_k", "buffer_size",
                  "row_format", "steps", "churn", "trace", "drift", "replay", "record", "verify",
-                 "seed", "device", "block_size", "kernels", "optimal", "checked", "prefetch")
+                 "seed", "device", "block_size", "kernels", "optimal", "checked", "prefetch", "pool_rows", "ramp")
 
 
 def _add_stress(sub) -> None:
@@ -114,7 +114,10 @@ def _add_stress(sub) -> None:
             "host copy every step (a mismatch fails the run, exit 1); report hit rate vs the "
             "Belady optimum, H2D bytes and GB/s, step time p50/p99 and memory. With no "
             "arguments: a small CPU-sized run (< 1 min). GPU size: --preset gpu "
-            "(64 requests x 128K context x 4 layers, K=2048, S=4096). Defaults in [brackets]."),
+            "(64 requests x 128K context x 4 layers, K=2048, S=4096). --pool-rows N adds the "
+            "elastic device tier (requests resident in device pages until a spill demotes them "
+            "to hot buffers); --ramp then adds requests until the pool overflows and lets them "
+            "leave one by one, verifying every resolved row across the spills. Defaults in [brackets]."),
         epilog=EXIT_TABLE)
     p.add_argument("--preset", choices=sorted(STRESS_PRESETS), default="small",
                    help="base sizes; explicit flags override [small]")
@@ -149,6 +152,15 @@ def _add_stress(sub) -> None:
       help="after each layer's resolve, stage its selection into the next layer (exact into a layer "
            "that shares it, e.g. the Shared layers of a `mini-engine --index-share 2 --record` trace; "
            "a prediction into the others); reports precision, recall, evicted rows and wasted bytes")
+    a("--pool-rows", type=rows_arg, default=None, metavar="N",
+      help="device rows per layer shared by all requests, hot buffers included (HiSparseConfig."
+           "device_pool_rows): the rows past the hot buffers are pages of 64 that hold whole contexts of "
+           "resident requests; at least --requests x (S + 1) rounded up to 64, plus one page [none: every "
+           "request hot]")
+    a("--ramp", action="store_true", default=None,
+      help="with --pool-rows: a load ramp instead of --steps/--churn: one request joins per step (every "
+           "live one appending a row) until the pool has overflowed (a spill left a request hot), then the "
+           "oldest leaves each step until none is left; every resolved row verified [--verify all]")
     a("--plot", type=path_arg, metavar="DIR", help="write hit_rate.png and step_time.png there (needs matplotlib)")
     a("--metrics-file", type=path_arg, metavar="FILE",
       help="write the cache's stats() there in the Prometheus text format (hisparse_* metrics), "
@@ -178,6 +190,8 @@ def _stress_options(args) -> StressOptions:
         v = getattr(args, f)
         if v is not None:
             kw[f] = v
+    if args.ramp and args.verify is None:
+        kw["verify"] = "all"  # a ramp checks every resolved entry unless --verify says otherwise
     if "context" in kw and args.context_min is None and kw.get("context_min", 0) > kw["context"]:
         del kw["context_min"]  # a preset's minimum above an explicit --context: use the default
     if args.replay:
