@@ -72,6 +72,11 @@ def _bytes(text: str) -> int:
     return n
 
 
+def _pool_rows(text: str) -> int | str:
+    """``--pool-rows``: a row count (``64K`` ...) or ``auto``."""
+    return "auto" if text == "auto" else rows_arg(text)
+
+
 def _port(text: str) -> int:
     try:
         n = int(text)
@@ -357,6 +362,11 @@ def _add_plan(sub) -> None:
       help="tensor-parallel ranks per node P; --gpu-memory is per rank (default 1)")
     a("--tp-share", action="store_true",
       help="the TP ranks of a node share one host pool (count it once per node)")
+    a("--pool-rows", type=_pool_rows, default=None, metavar="N|auto",
+      help="a device pool of N rows per layer, hot buffers included (the elastic tier, HiSparseConfig."
+           "device_pool_rows) for the --target requests, else the hisparse concurrency: its GPU bytes, the "
+           "requests it holds resident at --context, the rows that would hold all of them; auto: every GPU "
+           "byte those requests leave")
     p.set_defaults(func=_cmd_plan)
 
 
@@ -368,7 +378,7 @@ def _cmd_plan(args) -> int:
                         indexer_bytes=args.indexer_bytes, index_share=args.index_share,
                         hot_rows=args.hot_rows, max_seqs=args.max_seqs, block_size=args.block_size,
                         target_requests=args.target_requests, tp_ranks=args.tp_ranks,
-                        tp_share=args.tp_share))
+                        tp_share=args.tp_share, pool_rows=args.pool_rows))
     c, b = r["concurrency"], r["per_request_bytes"]
     if c["hisparse"] == 0:
         raise CapacityError(
