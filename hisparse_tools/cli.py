@@ -265,7 +265,7 @@ def _stress(args, outs: Outputs) -> int:
 
 # ------------------------------------------------------------------ autotune
 # the cache config's fields that an autotune flag sets under another name, for error messages
-AUTOTUNE_CONFIG_FLAGS = {"device_buffer_size": "--buffer"}
+AUTOTUNE_CONFIG_FLAGS = {"device_buffer_size": "--buffer", "device_pool_rows": "--pool-rows"}
 
 
 def _add_autotune(sub) -> None:
@@ -278,7 +278,9 @@ def _add_autotune(sub) -> None:
             "batches, time decode steps, pick the best tokens/s under --latency-ms. Writes JSON "
             "(--out) that hisparse_tools.autotune.load_tuned_config() loads (it refuses a "
             "result from another GPU or library version). Without a GPU it runs on CPU and "
-            "says the timings are CPU timings."),
+            "says the timings are CPU timings. It also reports the largest device pool (the "
+            "elastic tier) the budget leaves at the chosen batch; --pool-rows auto puts it in "
+            "the config."),
         epilog=EXIT_TABLE)
     a = p.add_argument
     a("--layers", dest="num_layers", type=int, default=d.num_layers, help=f"layers [{d.num_layers}]")
@@ -303,6 +305,10 @@ def _add_autotune(sub) -> None:
     a("--device", default=None, help="cpu, cuda or cuda:N [cuda if available]")
     a("--backend", default=None, help="preferred attention backend name")
     a("--flashmla-lib", default=None, help="FlashMLA library path [$HISPARSE_FLASHMLA_LIB]")
+    a("--pool-rows", type=_pool_rows, default=None, metavar="N|auto",
+      help="device pool (the elastic tier, HiSparseConfig.device_pool_rows) in the config: auto = the largest "
+           "the budget leaves at the chosen batch (always reported); N = a fixed pool, hot buffers included, "
+           "that the batch search leaves at least one page of 64 rows; timed steps run without it [none]")
     a("--out", type=path_arg, metavar="FILE", help="write the JSON result here")
     p.set_defaults(func=_cmd_autotune)
 
@@ -322,7 +328,7 @@ def _autotune(args, outs: Outputs) -> int:
         max_reqs=args.max_reqs, reserve_frac=args.reserve_frac,
         latency_ms=args.latency_ms, steps=args.steps, warmup=args.warmup,
         max_candidates=args.max_candidates, block_size=args.block_size, device=args.device,
-        backend=args.backend, progress=not args.quiet,
+        backend=args.backend, progress=not args.quiet, pool_rows=args.pool_rows,
         flashmla_lib=args.flashmla_lib or os.environ.get("HISPARSE_FLASHMLA_LIB") or None)
     r = run_autotune(o)
     if args.out:

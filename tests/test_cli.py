@@ -566,3 +566,13 @@ def test_plan_pool_rows(capsys):
     _fails(capsys, base + ["--pool-rows", "100"], 2, "--pool-rows 100 is smaller than the hot buffers it includes",
            "(--hot-rows + 1) = 14 x 9 = 126", "give at least 126, or auto")
     _fails(capsys, base + ["--pool-rows", "some"], 2, "argument --pool-rows: cannot parse row count 'some'")
+
+
+def test_autotune_pool_rows(capsys):
+    base = ["autotune", "--quiet", "--device", "cpu", "--layers", "1", "--top-k", "8", "--context", "32", "--heads",
+            "2", "--steps", "1", "--warmup", "0", "--candidates", "1", "--block-size", "16", "--gpu-memory", "400KiB",
+            "--max-reqs", "3"]
+    r = _json(capsys, base + ["--json", "--pool-rows", "auto"])
+    assert r["config"]["device_pool_rows"] == r["pool"]["fit_rows"] == 128
+    _fails(capsys, base + ["--pool-rows", "10"], 2, "--pool-rows 10 leaves no page past one request's hot buffer",
+           "give at least 128, or auto")
