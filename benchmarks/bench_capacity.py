@@ -61,7 +61,8 @@ from hisparse_tools.capacity import Budget, RunShape, engine_config, measure, ti
 from hisparse_tools.mini_engine import adjacent_layer_overlap, compare  # noqa: E402
 from hisparse_tools.mini_engine.ffn import v32_share_at  # noqa: E402
 from hisparse_tools.mini_engine.graphs import DecodeMode  # noqa: E402
-from hisparse.config import DEVICE_PAGE_ROWS, HOT_ROW_ALIGN, ceil_div  # noqa: E402
+from hisparse.config import DEVICE_PAGE_ROWS  # noqa: E402
+from hisparse_tools.sizing import HOT_ALIGN, hot_buffer_rows  # noqa: E402
 from hisparse_tools.units import fmt_bytes, parse_bytes, parse_count, parse_rows, parse_tokens  # noqa: E402
 from hisparse_tools.report import table  # noqa: E402
 
@@ -166,7 +167,7 @@ def pool_minimum(budget: Budget, batch: int) -> int:
     """The least pool a hisparse run of ``batch`` requests can use: its hot buffers,
     batch x (S + 1) rows rounded up to 64, plus one page of 64 rows."""
     S = budget.hot_rows if budget.hot_rows is not None else 2 * budget.top_k
-    return ceil_div(batch * (S + 1), HOT_ROW_ALIGN) * HOT_ROW_ALIGN + DEVICE_PAGE_ROWS
+    return hot_buffer_rows(batch, S + 1) + DEVICE_PAGE_ROWS
 
 
 def hisparse_batches(lim: dict, a: argparse.Namespace) -> list[int]:
@@ -203,7 +204,7 @@ def check_pool_rows(budget: Budget, contexts: list[int], a: argparse.Namespace) 
             if a.pool_rows < pool_minimum(budget, b):
                 least = pool_minimum(budget, b)
                 raise ValueError(f"--pool-rows {a.pool_rows} is below {least}, the hot buffers of hisparse's batch of "
-                                 f"{b} at context {ctx} (rounded up to {HOT_ROW_ALIGN}) plus one page of "
+                                 f"{b} at context {ctx} (rounded up to {HOT_ALIGN}) plus one page of "
                                  f"{DEVICE_PAGE_ROWS} rows; give at least {least}, or auto")
 
 

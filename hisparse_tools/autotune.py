@@ -70,7 +70,7 @@ from typing import Any, BinaryIO
 import torch
 
 from hisparse import __version__
-from hisparse.config import DEVICE_PAGE_ROWS, HOT_ROW_ALIGN, HiSparseConfig, RowFormat, ceil_div, check_int
+from hisparse.config import DEVICE_PAGE_ROWS, HiSparseConfig, RowFormat, check_int
 from hisparse.errors import CapacityError
 from .capacity import Budget, RunShape, engine_config, largest_fit, measure
 from .mini_engine.graphs import DecodeMode
@@ -78,7 +78,7 @@ from .units import fmt_bytes
 from .preflight import check_memory, parse_device
 from .progress import Progress
 from .report import table
-from .sizing import gpu_bytes  # noqa: F401  (re-exported: the budget arithmetic lives there)
+from .sizing import HOT_ALIGN, gpu_bytes, hot_buffer_rows  # gpu_bytes re-exported: the budget arithmetic
 
 RESULT_FORMAT = "hisparse-autotune"
 RESULT_VERSION = 1
@@ -128,10 +128,10 @@ class AutotuneOptions:
         if self.pool_rows is not None and self.pool_rows != "auto":
             check_int("pool_rows", self.pool_rows, lo=1)
             S = self.buffer_size if self.buffer_size is not None else 2 * self.top_k
-            least = ceil_div(S + 1, HOT_ROW_ALIGN) * HOT_ROW_ALIGN + DEVICE_PAGE_ROWS
+            least = hot_buffer_rows(1, S + 1) + DEVICE_PAGE_ROWS
             if self.pool_rows < least:
                 raise ValueError(f"pool_rows={self.pool_rows} leaves no page past one request's hot buffer "
-                                 f"(S + 1 = {S + 1} rows, rounded up to {HOT_ROW_ALIGN}); give at least {least}, "
+                                 f"(S + 1 = {S + 1} rows, rounded up to {HOT_ALIGN}); give at least {least}, "
                                  "or auto")
         RowFormat.parse(self.row_format)
 
@@ -276,8 +276,7 @@ def run_autotune(o: AutotuneOptions) -> dict[str, Any]:
         bound = "max_reqs"
     elif rmax == o.max_request_id:
         bound = "max_request_id"
-    elif fixed is not None and (ceil_div((rmax + 1) * cfg_max.slots_per_req, HOT_ROW_ALIGN) * HOT_ROW_ALIGN
-                                + DEVICE_PAGE_ROWS > fixed):
+    elif fixed is not None and hot_buffer_rows(rmax + 1, cfg_max.slots_per_req) + DEVICE_PAGE_ROWS > fixed:
         bound = "pool_rows"  # one more request's hot buffer would leave the fixed pool no page
     else:
         try:

@@ -60,8 +60,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from hisparse.config import DEVICE_PAGE_ROWS, HOT_ROW_ALIGN, RowFormat, ceil_div, check_bool, check_int
+from hisparse.config import DEVICE_PAGE_ROWS, RowFormat, ceil_div, check_bool, check_int
 from .report import table
+from .sizing import hot_buffer_rows
 from .units import fmt_bytes
 
 INT32_ROWS = 2**31 - 1  # rows one layer of a cache can index (int32)
@@ -172,7 +173,7 @@ def device_pool(inp: PlanInputs, R: int, hs_gpu: int, row: int) -> dict:
     """The elastic tier's figures for R requests (the formulas of the module docstring)."""
     L, S, C, G, PB = inp.num_layers, inp.hot_rows, inp.context_len, inp.gpu_bytes, DEVICE_PAGE_ROWS
     floor = R * (S + 1)
-    hot = ceil_div(floor, HOT_ROW_ALIGN) * HOT_ROW_ALIGN
+    hot = hot_buffer_rows(R, S + 1)
     if inp.pool_rows == "auto":
         n = min(floor + max(0, G - R * hs_gpu) // (L * row), INT32_ROWS)  # one cache indexes int32 rows
         source = "auto: every GPU byte the requests leave" + (", capped at int32 rows" if n == INT32_ROWS else "")

@@ -87,7 +87,7 @@ import numpy as np
 import torch
 
 from hisparse import HiSparseCache
-from hisparse.config import DEVICE_PAGE_ROWS, HiSparseConfig, RowFormat, ceil_div
+from hisparse.config import DEVICE_PAGE_ROWS, HiSparseConfig, RowFormat
 from .belady import OptimalTracker, hit_rate
 from .exit_codes import writing
 from .outputs import Outputs

@@ -11,9 +11,10 @@ come from the trace.
 
 from __future__ import annotations
 
-from hisparse.config import DEVICE_PAGE_ROWS, HOT_ROW_ALIGN, ceil_div
+from hisparse.config import DEVICE_PAGE_ROWS, ceil_div
 from hisparse.errors import CapacityError
 from .flag_rules import unused
+from .sizing import HOT_ALIGN, hot_buffer_rows
 
 INT32_MAX = 2**31 - 1
 
@@ -21,8 +22,7 @@ INT32_MAX = 2**31 - 1
 def pool_rows_minimum(live: int, S: int) -> tuple[int, int]:
     """(the hot buffers' rows per layer: live x (S + 1); the least ``--pool-rows`` that
     gives resident requests a page: those rows rounded up to 64, plus one page)."""
-    hot = live * (S + 1)
-    return hot, ceil_div(hot, HOT_ROW_ALIGN) * HOT_ROW_ALIGN + DEVICE_PAGE_ROWS
+    return live * (S + 1), hot_buffer_rows(live, S + 1) + DEVICE_PAGE_ROWS
 
 
 def check_stress_sizes(*, layers: int, top_k: int, buffer: int | None, block_size: int, live: int,
@@ -71,7 +71,7 @@ def check_stress_sizes(*, layers: int, top_k: int, buffer: int | None, block_siz
             buf = "--buffer" if buffer is not None else f"2 x {k_from}"
             raise ValueError(f"--pool-rows {pool_rows} is below its minimum {least}: the pool includes the hot "
                              f"buffers, {requests} x ({S} hot slots ({buf}) + 1) = {hot} rows per layer "
-                             f"({least - DEVICE_PAGE_ROWS} rounded up to {HOT_ROW_ALIGN}), and resident requests "
+                             f"({least - DEVICE_PAGE_ROWS} rounded up to {HOT_ALIGN}), and resident requests "
                              "need at least one page "
                              f"of {DEVICE_PAGE_ROWS} rows past them; give --pool-rows >= {least}, or leave it "
                              "out (every request hot)")
