@@ -83,14 +83,21 @@ def check_stress_sizes(*, layers: int, top_k: int, buffer: int | None, block_siz
 def check_ramp_overflows(cfg, o) -> None:
     """``--ramp`` adds requests until the device pool overflows: refuse (ValueError, in
     the flags' words) a pool that ``--requests`` requests of ``--context-min`` tokens can
-    not overflow. ``cfg``: the run's HiSparseConfig; ``o``: its StressOptions."""
+    not overflow, and one too small to hold even one such request resident (every
+    request would go hot as it joins: no spill would seed a hot buffer from its pages).
+    ``cfg``: the run's HiSparseConfig; ``o``: its StressOptions."""
     PB = DEVICE_PAGE_ROWS
     cmin = o.context_min if o.context_min is not None else max(1, o.context // 2)
     per = ceil_div(cmin, PB)
+    if per > cfg.pool_pages:
+        raise ValueError(f"--ramp: --pool-rows {o.pool_rows} leaves {cfg.pool_pages} page{'' if cfg.pool_pages == 1 else 's'} of {PB} rows past the hot "
+                         f"buffers ({cfg.hot_rows_per_layer} rows), fewer than one request of {cmin} tokens "
+                         f"(--context-min) takes ({per}): every request would go hot as it joins; give --pool-rows "
+                         f">= {cfg.hot_rows_per_layer + per * PB}, or a shorter --context-min")
     need = o.num_requests * per
     if need <= cfg.pool_pages:
         below = cfg.hot_rows_per_layer + need * PB
-        raise ValueError(f"--ramp: --pool-rows {o.pool_rows} would never overflow: it leaves {cfg.pool_pages} pages of "
+        raise ValueError(f"--ramp: --pool-rows {o.pool_rows} would never overflow: it leaves {cfg.pool_pages} page{'' if cfg.pool_pages == 1 else 's'} of "
                          f"{PB} rows past the hot buffers ({cfg.hot_rows_per_layer} rows), and --requests "
                          f"{o.num_requests} requests of at least {cmin} tokens (--context-min) take {per} pages each, "
                          f"{need} in all; give --pool-rows below {below}, more --requests or a longer --context-min")

@@ -47,7 +47,8 @@ def _pool_lines(r: dict[str, Any]) -> list[str]:
     if ramp:
         turn = (f"the pool overflowed by step {ramp['overflow_step']}" if ramp["overflowed"]
                 else "the pool NEVER overflowed")
-        lines.append(f"ramp: {ramp['joined']} requests joined, one per step, until {turn} (peak "
+        lines.append(f"ramp: {ramp['joined']} request{'' if ramp['joined'] == 1 else 's'} joined, one per step, "
+                     f"until {turn} (peak "
                      f"{ramp['peak_live']} live); then one left per step: {ramp['steps']} steps; after every request "
                      f"left: {'pool and host blocks empty' if ramp['drained'] else 'NOT empty'}")
     ps = r["per_step"]

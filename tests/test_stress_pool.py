@@ -220,3 +220,12 @@ def test_ramp_next_to_a_replay_is_refused(capsys, monkeypatch, tmp_path):
 def test_pool_minimum():
     assert pool_rows_minimum(4, 32) == (132, 256)
     assert pool_rows_minimum(2, 31) == (64, 128)  # already a multiple of 64: one page on top
+
+
+def test_a_ramp_pool_that_holds_no_request_is_refused(capsys, monkeypatch):
+    """A pool whose pages can't hold one request of --context-min: every request would go
+    hot as it joins, and no spill would seed a hot buffer from its pages."""
+    monkeypatch.setattr(stress.StressRun, "run", _never)
+    _fails(capsys, ["stress", "--pool-rows", "256", "--ramp"] + CLI, 2,
+           "--ramp: --pool-rows 256 leaves 1 page of 64 rows past the hot buffers (192 rows), fewer than one "
+           "request of 150 tokens (--context-min) takes (3)", "give --pool-rows >= 384")
