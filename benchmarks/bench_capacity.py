@@ -28,12 +28,20 @@ difference in misses gives the prefetch's precision, recall and wasted bytes on 
 same trace. ``--buffer S`` sizes and runs hisparse with S hot slots per (layer, request)
 (default 2 x top-k): more slots mean fewer misses and fewer requests; the buffer fills
 over the first decode steps, so compare buffer sizes with ``--decode-steps`` long enough
-for the timed steps to be past that.
+for the timed steps to be past that. ``--pool-rows auto|N`` runs hisparse with the elastic
+device tier (``HiSparseConfig.device_pool_rows``: requests resident in device pages of 64
+rows, hot buffers included, until a spill demotes them): ``auto`` gives every hisparse run
+the rows the resident tier keeps for its KV at that context (its batch x the context, per
+layer: every byte of its KV, the indexer keys aside), or no pool where those rows don't
+cover the run's hot buffers plus one page; ``N`` gives every hisparse run N rows per
+layer (refused up front below a run's hot buffers plus one page). The runs then report
+the lookups resolved to resident rows, the spills and the rows they seeded.
 
 Exit status: 1 when outputs differ beyond tolerance or a run fails, 2 bad input, else 0.
 
   python -m benchmarks.bench_capacity --out capacity.json [--contexts 131072] [--run-layers 4]
   python -m benchmarks.bench_capacity --dry-run     # tiny shapes on CPU (interpreter), padded decode
+  python -m benchmarks.bench_capacity --pool-rows auto --contexts 131072   # hisparse with the elastic tier
 """
 
 from __future__ import annotations
@@ -53,8 +61,23 @@ from hisparse_tools.capacity import Budget, RunShape, engine_config, measure, ti
 from hisparse_tools.mini_engine import adjacent_layer_overlap, compare  # noqa: E402
 from hisparse_tools.mini_engine.ffn import v32_share_at  # noqa: E402
 from hisparse_tools.mini_engine.graphs import DecodeMode  # noqa: E402
-from hisparse_tools.units import fmt_bytes, parse_bytes, parse_count, parse_tokens  # noqa: E402
+from hisparse.config import DEVICE_PAGE_ROWS  # noqa: E402
+from hisparse_tools.sizing import HOT_ALIGN, hot_buffer_rows  # noqa: E402
+from hisparse_tools.units import fmt_bytes, parse_bytes, parse_count, parse_rows, parse_tokens  # noqa: E402
 from hisparse_tools.report import table  # noqa: E402
+
+
+def pool_rows_arg(text: str) -> int | str:
+    """``--pool-rows``: ``auto`` or a row count >= 1 (``1M`` ...)."""
+    if text == "auto":
+        return text
+    try:
+        n = parse_rows(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a row count >= 1, got {text!r}")
+    return n
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -70,6 +93,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-seqs", type=int, default=d.max_seqs)
     ap.add_argument("--buffer", dest="hot_rows", type=common.positive_int, default=None, metavar="S",
                     help="hisparse's hot LRU slots per (layer, request) [2 x top-k]: fewer misses, fewer requests")
+    ap.add_argument("--pool-rows", type=pool_rows_arg, default=None, metavar="auto|N",
+                    help="hisparse's device pool (the elastic tier), rows per layer, hot buffers included: auto = "
+                         "the rows the resident tier keeps for its KV at each context (its batch x the context); "
+                         "N = the same N for every hisparse run [none]")
     ap.add_argument("--run-layers", type=int, default=4, help="layers the measured runs have [4]")
     ap.add_argument("--heads", type=int, default=128)
     ap.add_argument("--hidden", type=int, default=1344, help="mini model width (see v32_share_at) [1344]")
@@ -136,6 +163,51 @@ def setup(a: argparse.Namespace) -> tuple[Budget, RunShape, list[int]]:
     return budget, shape, a.contexts or [32768, 65536, 131072]
 
 
+def pool_minimum(budget: Budget, batch: int) -> int:
+    """The least pool a hisparse run of ``batch`` requests can use: its hot buffers,
+    batch x (S + 1) rows rounded up to 64, plus one page of 64 rows."""
+    S = budget.hot_rows if budget.hot_rows is not None else 2 * budget.top_k
+    return hot_buffer_rows(batch, S + 1) + DEVICE_PAGE_ROWS
+
+
+def hisparse_batches(lim: dict, a: argparse.Namespace) -> list[int]:
+    """The batches the hisparse runs of one context use (--same-batch adds the resident's;
+    --max-batch caps them; a batch of 0 is skipped)."""
+    out = [lim["hisparse"]["batch"]] + ([lim["resident"]["batch"]] if a.same_batch else [])
+    return [min(b, a.max_batch) if a.max_batch else b for b in out if b]
+
+
+def pool_for(budget: Budget, lim: dict, batch: int, a: argparse.Namespace) -> dict:
+    """The device pool of a hisparse run of ``batch`` requests at ``lim['context']``:
+    {rows (None: no pool), from, note}."""
+    if a.pool_rows is None:
+        return {"rows": None, "from": None}
+    least = pool_minimum(budget, batch)
+    if a.pool_rows != "auto":
+        return {"rows": a.pool_rows, "from": "given", "minimum": least}
+    kv = lim["resident"]["kv_rows_per_layer"]
+    d = {"from": f"auto: the resident tier's KV, {lim['resident']['batch']} x {lim['context']} rows per layer",
+         "minimum": least, "resident_kv_bytes": lim["resident"]["kv_bytes"]}
+    if kv < least:
+        return d | {"rows": None, "note": f"no pool: the resident tier's {kv} KV rows per layer are fewer than the "
+                                          f"{least} a batch of {batch} needs (hot buffers + one page)"}
+    return d | {"rows": kv}
+
+
+def check_pool_rows(budget: Budget, contexts: list[int], a: argparse.Namespace) -> None:
+    """--pool-rows N must give every hisparse run its hot buffers plus one page."""
+    if not isinstance(a.pool_rows, int):
+        return
+    for ctx in contexts:
+        lim = tier_limits(budget, ctx)
+        for b in hisparse_batches(lim, a):
+            if a.pool_rows < pool_minimum(budget, b):
+                least = pool_minimum(budget, b)
+                raise ValueError(f"--pool-rows {a.pool_rows} is below {least}, the hot buffers of hisparse's batch of "
+                                 f"{b} at context {ctx} (rounded up to {HOT_ALIGN}) plus one page of "
+                                 f"{DEVICE_PAGE_ROWS} rows; give at least {least}, or auto")
+
+
 def check_buffer(budget: Budget) -> None:
     """--buffer S: every hisparse step may select top-k distinct rows, so S >= top-k."""
     if budget.hot_rows is not None and budget.hot_rows < budget.top_k:
@@ -167,16 +239,23 @@ def run_context(budget: Budget, shape: RunShape, ctx: int, a: argparse.Namespace
             continue
         b = min(batch, a.max_batch) if a.max_batch else batch
         run_shape = dataclasses.replace(shape, prefetch=False) if name.endswith("_no_prefetch") else shape
-        cfg = engine_config(budget, run_shape, context=ctx, batch=b)
+        pool = pool_for(budget, lim, b, a) if kind == "hisparse" else {"rows": None, "from": None}
+        cfg = engine_config(budget, run_shape, context=ctx, batch=b, pool_rows=pool["rows"])
         t0 = time.perf_counter()
-        print(f"[capacity]   {name}: batch {b}{' (capped)' if b < batch else ''}, {shape.run_layers} layers ...",
-              flush=True)
+        where = ""
+        if pool["from"] is not None:
+            where = (f", device pool {pool['rows']} rows per layer ({pool['from']})" if pool["rows"]
+                     else f", {pool['note']}")
+        print(f"[capacity]   {name}: batch {b}{' (capped)' if b < batch else ''}, {shape.run_layers} layers"
+              f"{where} ...", flush=True)
         prof = None
         if a.profile:  # the replays after the timed ones (decode steps - 2: padded, capture)
             prof = (max(shape.decode_steps - 2 - a.profile, 1), a.profile)
         s, res = measure(cfg, kind, decode_mode=shape.decode_mode, full_layers=budget.num_layers, profile=prof)
         s["wall_s"] = time.perf_counter() - t0
         s["config"] = dataclasses.asdict(cfg)
+        if kind == "hisparse" and pool["from"] is not None:
+            s["pool"] = pool
         out["runs"][name] = s
         raw[name] = (cfg, res)
         dec = s["decode"]
@@ -315,6 +394,17 @@ def format_table(result: dict) -> str:
                          f"recall {fmt(q['recall'])} in the layers it staged into "
                          f"({fmt(q['recall_all_layers'])} of all layers' misses), "
                          f"{fmt_bytes(q['prefetched_bytes'])} prefetched, {fmt_bytes(q['wasted_bytes'])} wasted")
+        for name, s in c["runs"].items():
+            p, k = s.get("pool"), s.get("cache", {})
+            if not p:
+                continue
+            if p["rows"] is None:
+                lines.append(f"context {ctx}: {name}: {p['note']}")
+                continue
+            looked = sum(k.get(x) or 0 for x in ("hits", "misses", "resident_rows"))
+            lines.append(f"context {ctx}: {name}: device pool {p['rows']} rows per layer ({p['from']}): "
+                         f"{k.get('resident_rows')} of {looked} lookups resolved to resident rows (counted as hits), "
+                         f"misses {k.get('misses')}, spills {k.get('spills')}, seeded rows {k.get('seeded_rows')}")
         if c.get("same_batch_step_ratio"):
             gpu = c.get("same_batch_gpu_step_ratio")
             lines.append(f"context {ctx}: same batch, hisparse / resident median step "
@@ -335,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         budget, shape, contexts = setup(a)
         check_buffer(budget)
+        check_pool_rows(budget, contexts, a)
         tier_limits(budget, contexts[0])  # the sizing's inputs are valid
         engine_config(budget, shape, context=contexts[0], batch=1)  # the run's config is valid (no allocation)
     except (ValueError, TypeError) as e:

@@ -6,7 +6,7 @@
 - ``whatif`` (+ ``whatif_report``), ``belady``, ``sources``, ``traces``: miss rates
   simulated from a recorded or generated trace; no cache, no kernel.
 - ``workload``: ``StressOptions`` and the join/leave ``Schedule`` that stress and whatif
-  share.
+  share, and ``RampSchedule``, stress's load ramp against a device pool (``--ramp``).
 - ``plan``, ``sizing``, ``capacity``, ``autotune``: how many requests fit, and the fastest
   batch.
 - ``mini_engine``: a random-weight sparse-MLA engine served with and without hisparse.

@@ -29,17 +29,31 @@ the batch with the best tokens/s (optionally under a per-step latency limit).
    pick is the best tokens/s whose median step time is within ``latency_ms`` (if
    given). The run needs GPU memory beyond the cache (the mini model, its indexer keys,
    the prefill workspace); the engine's memory check refuses a run that can't fit.
-3. The JSON result carries ``key`` (device name + torch/triton/hisparse versions):
+3. The device pool (the elastic tier, ``HiSparseConfig.device_pool_rows``): at the
+   chosen batch, the largest pool (hot buffers included, whole pages of 64 rows past
+   them) whose cache still fits the budget is always reported (``pool.fit_rows``):
+   the GPU memory the budget leaves after the hot buffers, slot state and resolve
+   buffers. ``pool_rows="auto"`` puts that pool in the config. ``pool_rows=N`` fixes
+   the pool instead: the batch search then finds the largest R whose cache with it fits
+   the budget and whose hot buffers leave it at least one page. The timed steps run
+   without a pool either way (``pool.timed`` is False; resident requests would skip
+   their misses), which the result and the table say.
+4. The JSON result carries ``key`` (device name + torch/triton/hisparse versions):
    :func:`load_tuned_config` refuses a result tuned elsewhere.
 
 Result fields (``run_autotune`` / ``--json`` / ``--out``): format ("hisparse-autotune"),
 version (1), key {device_name, torch, triton, hisparse, cuda}, timings_are,
 max_num_reqs (the pick), max_fit_reqs (largest batch that fits), device_buffer_size,
 backend, latency_limit_ms, budget {gpu_memory_bytes, host_memory_bytes, reserve_frac,
-max_fit_bound (gpu_memory | host_memory | max_reqs | max_request_id | int32_index_limits),
+max_fit_bound (gpu_memory | host_memory | max_reqs | max_request_id | int32_index_limits |
+pool_rows),
 host_pool_bytes_at_max_fit, at_max_fit / at_chosen: :func:`gpu_bytes` dicts}, workload {context, num_heads, steps, warmup},
 measurements [{num_reqs, step_ms_min, step_ms_p50, step_ms_p99, tokens_per_s, steps_timed,
-hit_rate, decode_mode, backend, within_latency}], config (HiSparseConfig dict at the pick; what load_tuned_config returns).
+hit_rate, decode_mode, backend, within_latency}], pool {asked ("auto", N or None), rows (the config's
+device_pool_rows or None), hot_rows, pages, device_bytes (the config's device rows, all
+layers), fit_rows (the largest pool that fits the budget at the pick, None when not even
+a page does), fit_pages, fit_device_bytes, timed (False)}, config (HiSparseConfig dict at
+the pick; what load_tuned_config returns).
 
 On a machine without a GPU everything runs on CPU at the given (tiny) size; the
 result then says ``"timings_are": "CPU ..."`` and the numbers only exercise the path.
@@ -56,7 +70,7 @@ from typing import Any, BinaryIO
 import torch
 
 from hisparse import __version__
-from hisparse.config import HiSparseConfig, RowFormat, check_int
+from hisparse.config import DEVICE_PAGE_ROWS, HiSparseConfig, RowFormat, check_int
 from hisparse.errors import CapacityError
 from .capacity import Budget, RunShape, engine_config, largest_fit, measure
 from .mini_engine.graphs import DecodeMode
@@ -64,7 +78,7 @@ from .units import fmt_bytes
 from .preflight import check_memory, parse_device
 from .progress import Progress
 from .report import table
-from .sizing import gpu_bytes  # noqa: F401  (re-exported: the budget arithmetic lives there)
+from .sizing import HOT_ALIGN, gpu_bytes, hot_buffer_rows  # gpu_bytes re-exported: the budget arithmetic
 
 RESULT_FORMAT = "hisparse-autotune"
 RESULT_VERSION = 1
@@ -94,6 +108,7 @@ class AutotuneOptions:
     device: str | None = None
     backend: str | None = None  # preferred attention backend name
     flashmla_lib: str | None = None  # FlashMLA library path (see hisparse.attention.flashmla)
+    pool_rows: int | str | None = None  # device pool: "auto" (what the budget leaves at the pick), N rows, None
     seed: int = 0
     progress: bool = True
 
@@ -110,6 +125,14 @@ class AutotuneOptions:
         for n in ("gpu_memory", "host_memory", "max_reqs", "buffer_size"):
             if getattr(self, n) is not None:
                 check_int(n, getattr(self, n), lo=1)
+        if self.pool_rows is not None and self.pool_rows != "auto":
+            check_int("pool_rows", self.pool_rows, lo=1)
+            S = self.buffer_size if self.buffer_size is not None else 2 * self.top_k
+            least = hot_buffer_rows(1, S + 1) + DEVICE_PAGE_ROWS
+            if self.pool_rows < least:
+                raise ValueError(f"pool_rows={self.pool_rows} leaves no page past one request's hot buffer "
+                                 f"(S + 1 = {S + 1} rows, rounded up to {HOT_ALIGN}); give at least {least}, "
+                                 "or auto")
         RowFormat.parse(self.row_format)
 
     def validate(self) -> None:
@@ -129,14 +152,38 @@ def device_key(device: torch.device | str | None = None) -> dict[str, Any]:
             "hisparse": __version__, "cuda": torch.version.cuda}
 
 
-def _make_cfg(o: AutotuneOptions, R: int, device: str) -> HiSparseConfig:
+def _make_cfg(o: AutotuneOptions, R: int, device: str, pool_rows: int | None = None) -> HiSparseConfig:
     B = o.block_size
     per_req = math.ceil(o.context / B) * B
     return HiSparseConfig(num_layers=o.num_layers, host_pool_tokens=R * per_req,
                           row_bytes=RowFormat.parse(o.row_format).row_bytes, top_k=o.top_k,
                           device_buffer_size=o.buffer_size, max_num_reqs=R,
                           max_query_len=o.max_query_len, host_block_size=B,
-                          max_request_id=max(o.max_request_id, R + 1), device=device)
+                          max_request_id=max(o.max_request_id, R + 1), device=device,
+                          device_pool_rows=pool_rows)
+
+
+def _fixed_pool(o: AutotuneOptions) -> int | None:
+    """The pool rows ``o.pool_rows`` fixes (None: no pool, or "auto": sized at the pick)."""
+    return o.pool_rows if isinstance(o.pool_rows, int) else None
+
+
+def pool_fit(o: AutotuneOptions, R: int, budget: int, device: str) -> int | None:
+    """The largest device pool (rows per layer: R's hot buffers rounded up to 64, plus whole
+    pages of 64) whose cache at R requests fits ``budget`` (:func:`gpu_bytes` with the
+    reserve); None when not even one page does."""
+    hot = _make_cfg(o, R, device).hot_rows_per_layer
+    cap = max(1, (2**31 - 1 - hot) // DEVICE_PAGE_ROWS)
+
+    def fits(pages: int) -> bool:
+        try:
+            cfg = _make_cfg(o, R, device, hot + pages * DEVICE_PAGE_ROWS)
+        except ValueError:  # int32 index limits exceeded
+            return False
+        return gpu_bytes(cfg, num_heads=o.num_heads, reserve_frac=o.reserve_frac)["total"] <= budget
+
+    pages = largest_fit(fits, cap)
+    return hot + pages * DEVICE_PAGE_ROWS if pages else None
 
 
 def host_ram_bytes() -> int:
@@ -146,14 +193,18 @@ def host_ram_bytes() -> int:
 
 def max_fit(o: AutotuneOptions, budget: int, device: str, host_budget: int | None = None) -> int:
     """Largest R whose :func:`gpu_bytes` total fits ``budget`` and whose host pool fits
-    ``host_budget`` (None: unbounded), at most ``o.max_reqs`` / ``o.max_request_id``; 0 if none
-    (``hisparse_tools.capacity.largest_fit``, the capacity benchmark's search)."""
+    ``host_budget`` (None: unbounded), at most ``o.max_reqs`` / ``o.max_request_id``; with a
+    fixed ``o.pool_rows`` N, the cache has that pool and R's hot buffers must leave it a page;
+    0 if none (``hisparse_tools.capacity.largest_fit``, the capacity benchmark's search)."""
     cap = min(o.max_reqs or o.max_request_id, o.max_request_id)
+    pool = _fixed_pool(o)
 
     def fits(R: int) -> bool:
         try:
-            cfg = _make_cfg(o, R, device)
-        except ValueError:  # int32 index limits exceeded
+            cfg = _make_cfg(o, R, device, pool)
+        except ValueError:  # int32 index limits exceeded, or a fixed pool below the hot buffers
+            return False
+        if pool is not None and cfg.pool_pages == 0:  # the hot buffers leave the fixed pool no page
             return False
         if host_budget is not None and cfg.host_pool_bytes > host_budget:
             return False
@@ -210,22 +261,26 @@ def run_autotune(o: AutotuneOptions) -> dict[str, Any]:
                          "--gpu-memory 64MiB (there is no device memory to measure)")
     host_budget = o.host_memory if o.host_memory is not None else host_ram_bytes() // 2
     rmax = max_fit(o, budget, str(device), host_budget)
+    fixed = _fixed_pool(o)
     if rmax == 0:
-        cfg1 = _make_cfg(o, 1, str(device))
+        cfg1 = _make_cfg(o, 1, str(device), fixed)
         one = gpu_bytes(cfg1, num_heads=o.num_heads, reserve_frac=o.reserve_frac)
         raise CapacityError(f"not even one request fits: GPU budget {budget} bytes, one request "
                             f"needs {one['total']} ({one}); host budget {host_budget} bytes, one "
                             f"request's pool needs {cfg1.host_pool_bytes}; lower top_k/buffer/"
-                            "context or raise --gpu-memory / --host-memory")
-    cfg_max = _make_cfg(o, rmax, str(device))
+                            "context" + (", --pool-rows" if fixed else "") + " or raise --gpu-memory / "
+                            "--host-memory")
+    cfg_max = _make_cfg(o, rmax, str(device), fixed)
     _check_memory(o, cfg_max, device)
     if o.max_reqs is not None and rmax == o.max_reqs:
         bound = "max_reqs"
     elif rmax == o.max_request_id:
         bound = "max_request_id"
+    elif fixed is not None and hot_buffer_rows(rmax + 1, cfg_max.slots_per_req) + DEVICE_PAGE_ROWS > fixed:
+        bound = "pool_rows"  # one more request's hot buffer would leave the fixed pool no page
     else:
         try:
-            more = _make_cfg(o, rmax + 1, str(device))
+            more = _make_cfg(o, rmax + 1, str(device), fixed)
             gpu_fits = gpu_bytes(more, num_heads=o.num_heads,
                                  reserve_frac=o.reserve_frac)["total"] <= budget
             bound = "host_memory" if gpu_fits and more.host_pool_bytes > host_budget else "gpu_memory"
@@ -245,7 +300,10 @@ def run_autotune(o: AutotuneOptions) -> dict[str, Any]:
         raise CapacityError(f"no batch meets --latency-ms {o.latency_ms}: the smallest "
                             f"(R={meas[0]['num_reqs']}) took {meas[0]['step_ms_p50']:.3f} ms per step")
     best = max(ok, key=lambda m: m["tokens_per_s"])
-    cfg = _make_cfg(o, best["num_reqs"], "cuda" if cuda else "cpu")
+    fit_rows = pool_fit(o, best["num_reqs"], budget, str(device))
+    rows = fit_rows if o.pool_rows == "auto" else fixed
+    cfg = _make_cfg(o, best["num_reqs"], "cuda" if cuda else "cpu", rows)
+    fit_cfg = _make_cfg(o, best["num_reqs"], str(device), fit_rows) if fit_rows else None
     return {
         "format": RESULT_FORMAT, "version": RESULT_VERSION,
         "key": device_key(device),
@@ -266,6 +324,10 @@ def run_autotune(o: AutotuneOptions) -> dict[str, Any]:
         "workload": {"context": o.context, "num_heads": o.num_heads, "steps": o.steps,
                      "warmup": o.warmup},
         "measurements": meas,
+        "pool": {"asked": o.pool_rows, "rows": rows, "hot_rows": cfg.hot_rows_per_layer, "pages": cfg.pool_pages,
+                 "device_bytes": cfg.hot_buffer_bytes, "fit_rows": fit_rows,
+                 "fit_pages": fit_cfg.pool_pages if fit_cfg else 0,
+                 "fit_device_bytes": fit_cfg.hot_buffer_bytes if fit_cfg else None, "timed": False},
         "config": cfg.to_dict(),
     }
 
@@ -289,7 +351,20 @@ def format_autotune(r: dict[str, Any]) -> str:
              "staging, attention (CUDA graphs on a GPU)",
              "", table(["requests", "min ms", "p50 ms", "p99 ms", "tokens/s", "within limit", ""], rows), "",
              f"chosen: max_num_reqs={r['max_num_reqs']} device_buffer_size={r['device_buffer_size']} "
-             f"backend={r['backend']}"]
+             f"backend={r['backend']}" + (f" device_pool_rows={r['pool']['rows']}" if r["pool"]["rows"] else "")]
+    p = r["pool"]
+    pages = (lambda n: f"{n} page{'' if n == 1 else 's'}")
+    room = (f"room for a device pool of {p['fit_rows']} rows per layer ({p['hot_rows']} hot-buffer rows + "
+            f"{pages(p['fit_pages'])} of {DEVICE_PAGE_ROWS}, {fmt_bytes(p['fit_device_bytes'])})"
+            if p["fit_rows"] else "no room for a device pool page")
+    if p["asked"] is None:
+        lines.append(f"device pool: the budget leaves {room} at {r['max_num_reqs']} requests; `--pool-rows auto` "
+                     "puts it in the config")
+    else:
+        what = (f"device_pool_rows={p['rows']} ({pages(p['pages'])}, {fmt_bytes(p['device_bytes'])} of device rows)"
+                if p["rows"] else "no pool (not even one page fits)")
+        lines.append(f"device pool (--pool-rows {p['asked']}): {what}; the budget leaves {room} at "
+                     f"{r['max_num_reqs']} requests; the timed steps ran without the pool")
     return "\n".join(lines)
 
 

@@ -99,8 +99,11 @@ def tier_limits(budget: Budget, context: int) -> dict:
     res_bound = "max_seqs" if c["resident"] == budget.max_seqs else "gpu"
     return {
         "context": context,
+        # kv_rows_per_layer: the KV rows the resident tier keeps per layer at its batch (its KV bytes, the
+        # indexer keys aside, over L x row bytes): what `bench_capacity --pool-rows auto` gives hisparse's pool
         "resident": {"batch": c["resident"], "bound": res_bound, "gpu_bytes_per_request": b["resident_gpu"],
-                     "host_bytes_per_request": 0},
+                     "host_bytes_per_request": 0, "kv_rows_per_layer": c["resident"] * context,
+                     "kv_bytes": c["resident"] * context * budget.num_layers * p["inputs"]["row_bytes"]},
         "hisparse": {"batch": c["hisparse"], "bound": p["binding"], "gpu_bytes_per_request": b["hisparse_gpu"],
                      "host_bytes_per_request": b["hisparse_host"], "gpu_limit": c["hisparse_gpu_limit"],
                      "host_limit": c["hisparse_host_limit"]},
@@ -141,9 +144,11 @@ class RunShape:
             raise TypeError(f"decode_mode must be a DecodeMode, got {self.decode_mode!r}")
 
 
-def engine_config(budget: Budget, shape: RunShape, *, context: int, batch: int) -> MiniEngineConfig:
+def engine_config(budget: Budget, shape: RunShape, *, context: int, batch: int,
+                  pool_rows: int | None = None) -> MiniEngineConfig:
     """The mini engine at ``batch`` requests of ``context`` tokens (all arrive at step 0,
-    the same prompt and decode lengths: the batch stays ``batch`` while decoding)."""
+    the same prompt and decode lengths: the batch stays ``batch`` while decoding).
+    ``pool_rows``: hisparse's device pool (``HiSparseConfig.device_pool_rows``; None: none)."""
     check_int("batch", batch, lo=1)
     if shape.run_layers % budget.index_share:
         raise ValueError(f"run_layers={shape.run_layers} must be a multiple of index_share={budget.index_share}: "
@@ -156,6 +161,7 @@ def engine_config(budget: Budget, shape: RunShape, *, context: int, batch: int) 
         min_prompt=context, max_prompt=context, min_decode=shape.decode_steps, max_decode=shape.decode_steps,
         arrival_every=0, query_len=shape.query_len, chunk=tail,
         max_batch_tokens=batch * max(tail, shape.query_len), device_buffer_size=budget.hot_rows,
+        device_pool_rows=pool_rows,
         host_block_size=budget.block_size, row_format=budget.row_format, device=shape.device, seed=shape.seed,
         locality=shape.locality, index_correlation=shape.index_correlation, synthetic_context=context - tail, backend=shape.backend,
         flashmla_lib=shape.flashmla_lib, cache_kernels=shape.cache_kernels,

@@ -39,7 +39,7 @@ from .preflight import parse_device, path_arg
 from .report import plot_stress, require_matplotlib
 from .stress_report import format_stress
 from .traces import SOURCES
-from .units import fmt_bytes, parse_bytes, parse_count, token_arg
+from .units import fmt_bytes, parse_bytes, parse_count, rows_arg, token_arg
 from .workload import StressOptions
 
 # every command's --help ends with it (explicit line breaks: plan's help is not re-wrapped)
@@ -72,6 +72,11 @@ def _bytes(text: str) -> int:
     return n
 
 
+def _pool_rows(text: str) -> int | str:
+    """``--pool-rows``: a row count (``64K`` ...) or ``auto``."""
+    return "auto" if text == "auto" else rows_arg(text)
+
+
 def _port(text: str) -> int:
     try:
         n = int(text)
@@ -101,7 +106,7 @@ REPLAY_FIXED = {"num_requests": "--requests", "context": "--context", "context_m
                 "churn": "--churn", "drift": "--drift"}
 STRESS_FIELDS = ("num_requests", "context", "context_min", "num_layers", "top_k", "buffer_size",
                  "row_format", "steps", "churn", "trace", "drift", "replay", "record", "verify",
-                 "seed", "device", "block_size", "kernels", "optimal", "checked", "prefetch")
+                 "seed", "device", "block_size", "kernels", "optimal", "checked", "prefetch", "pool_rows", "ramp")
 
 
 def _add_stress(sub) -> None:
@@ -114,7 +119,10 @@ def _add_stress(sub) -> None:
             "host copy every step (a mismatch fails the run, exit 1); report hit rate vs the "
             "Belady optimum, H2D bytes and GB/s, step time p50/p99 and memory. With no "
             "arguments: a small CPU-sized run (< 1 min). GPU size: --preset gpu "
-            "(64 requests x 128K context x 4 layers, K=2048, S=4096). Defaults in [brackets]."),
+            "(64 requests x 128K context x 4 layers, K=2048, S=4096). --pool-rows N adds the "
+            "elastic device tier (requests resident in device pages until a spill demotes them "
+            "to hot buffers); --ramp then adds requests until the pool overflows and lets them "
+            "leave one by one, verifying every resolved row across the spills. Defaults in [brackets]."),
         epilog=EXIT_TABLE)
     p.add_argument("--preset", choices=sorted(STRESS_PRESETS), default="small",
                    help="base sizes; explicit flags override [small]")
@@ -149,6 +157,15 @@ def _add_stress(sub) -> None:
       help="after each layer's resolve, stage its selection into the next layer (exact into a layer "
            "that shares it, e.g. the Shared layers of a `mini-engine --index-share 2 --record` trace; "
            "a prediction into the others); reports precision, recall, evicted rows and wasted bytes")
+    a("--pool-rows", type=rows_arg, default=None, metavar="N",
+      help="device rows per layer shared by all requests, hot buffers included (HiSparseConfig."
+           "device_pool_rows): the rows past the hot buffers are pages of 64 that hold whole contexts of "
+           "resident requests; at least --requests x (S + 1) rounded up to 64, plus one page [none: every "
+           "request hot]")
+    a("--ramp", action="store_true", default=None,
+      help="with --pool-rows: a load ramp instead of --steps/--churn: one request joins per step (every "
+           "live one appending a row) until the pool has overflowed (a spill left a request hot), then the "
+           "oldest leaves each step until none is left; every resolved row verified [--verify all]")
     a("--plot", type=path_arg, metavar="DIR", help="write hit_rate.png and step_time.png there (needs matplotlib)")
     a("--metrics-file", type=path_arg, metavar="FILE",
       help="write the cache's stats() there in the Prometheus text format (hisparse_* metrics), "
@@ -178,6 +195,8 @@ def _stress_options(args) -> StressOptions:
         v = getattr(args, f)
         if v is not None:
             kw[f] = v
+    if args.ramp and args.verify is None:
+        kw["verify"] = "all"  # a ramp checks every resolved entry unless --verify says otherwise
     if "context" in kw and args.context_min is None and kw.get("context_min", 0) > kw["context"]:
         del kw["context_min"]  # a preset's minimum above an explicit --context: use the default
     if args.replay:
@@ -246,7 +265,7 @@ def _stress(args, outs: Outputs) -> int:
 
 # ------------------------------------------------------------------ autotune
 # the cache config's fields that an autotune flag sets under another name, for error messages
-AUTOTUNE_CONFIG_FLAGS = {"device_buffer_size": "--buffer"}
+AUTOTUNE_CONFIG_FLAGS = {"device_buffer_size": "--buffer", "device_pool_rows": "--pool-rows"}
 
 
 def _add_autotune(sub) -> None:
@@ -259,7 +278,9 @@ def _add_autotune(sub) -> None:
             "batches, time decode steps, pick the best tokens/s under --latency-ms. Writes JSON "
             "(--out) that hisparse_tools.autotune.load_tuned_config() loads (it refuses a "
             "result from another GPU or library version). Without a GPU it runs on CPU and "
-            "says the timings are CPU timings."),
+            "says the timings are CPU timings. It also reports the largest device pool (the "
+            "elastic tier) the budget leaves at the chosen batch; --pool-rows auto puts it in "
+            "the config."),
         epilog=EXIT_TABLE)
     a = p.add_argument
     a("--layers", dest="num_layers", type=int, default=d.num_layers, help=f"layers [{d.num_layers}]")
@@ -284,6 +305,10 @@ def _add_autotune(sub) -> None:
     a("--device", default=None, help="cpu, cuda or cuda:N [cuda if available]")
     a("--backend", default=None, help="preferred attention backend name")
     a("--flashmla-lib", default=None, help="FlashMLA library path [$HISPARSE_FLASHMLA_LIB]")
+    a("--pool-rows", type=_pool_rows, default=None, metavar="N|auto",
+      help="device pool (the elastic tier, HiSparseConfig.device_pool_rows) in the config: auto = the largest "
+           "the budget leaves at the chosen batch (always reported); N = a fixed pool, hot buffers included, "
+           "that the batch search leaves at least one page of 64 rows; timed steps run without it [none]")
     a("--out", type=path_arg, metavar="FILE", help="write the JSON result here")
     p.set_defaults(func=_cmd_autotune)
 
@@ -303,7 +328,7 @@ def _autotune(args, outs: Outputs) -> int:
         max_reqs=args.max_reqs, reserve_frac=args.reserve_frac,
         latency_ms=args.latency_ms, steps=args.steps, warmup=args.warmup,
         max_candidates=args.max_candidates, block_size=args.block_size, device=args.device,
-        backend=args.backend, progress=not args.quiet,
+        backend=args.backend, progress=not args.quiet, pool_rows=args.pool_rows,
         flashmla_lib=args.flashmla_lib or os.environ.get("HISPARSE_FLASHMLA_LIB") or None)
     r = run_autotune(o)
     if args.out:
@@ -343,6 +368,11 @@ def _add_plan(sub) -> None:
       help="tensor-parallel ranks per node P; --gpu-memory is per rank (default 1)")
     a("--tp-share", action="store_true",
       help="the TP ranks of a node share one host pool (count it once per node)")
+    a("--pool-rows", type=_pool_rows, default=None, metavar="N|auto",
+      help="a device pool of N rows per layer, hot buffers included (the elastic tier, HiSparseConfig."
+           "device_pool_rows) for the --target requests, else the hisparse concurrency: its GPU bytes, the "
+           "requests it holds resident at --context, the rows that would hold all of them; auto: every GPU "
+           "byte those requests leave")
     p.set_defaults(func=_cmd_plan)
 
 
@@ -354,7 +384,7 @@ def _cmd_plan(args) -> int:
                         indexer_bytes=args.indexer_bytes, index_share=args.index_share,
                         hot_rows=args.hot_rows, max_seqs=args.max_seqs, block_size=args.block_size,
                         target_requests=args.target_requests, tp_ranks=args.tp_ranks,
-                        tp_share=args.tp_share))
+                        tp_share=args.tp_share, pool_rows=args.pool_rows))
     c, b = r["concurrency"], r["per_request_bytes"]
     if c["hisparse"] == 0:
         raise CapacityError(

@@ -60,8 +60,23 @@ def _flashmla_lib(args: argparse.Namespace, *, device: str | None) -> None:
 
 
 def check_stress(args: argparse.Namespace) -> None:
-    """``hisparse stress``: metrics options without the output they configure; then the
+    """``hisparse stress``: metrics options without the output they configure; ``--ramp``
+    without ``--pool-rows`` (the pool it overflows), or next to what it replaces
+    (``--steps``, ``--churn``: the ramp sets its own schedule; ``--replay``); then the
     defaults those options stand for are filled in."""
+    if args.ramp and args.pool_rows is None:
+        raise unused(["--ramp"], "without --pool-rows (it adds requests until that device pool overflows)",
+                     "add --pool-rows N or drop it")
+    if args.ramp:
+        given = [flag for dest, flag in (("steps", "--steps"), ("churn", "--churn"))
+                 if getattr(args, dest) is not None]
+        if given:
+            raise unused(given, "with --ramp (the ramp sets the schedule: a join per step until the pool "
+                                "overflows, then a leave per step until none is left)",
+                         f"drop {'it' if len(given) == 1 else 'them'}, or drop --ramp")
+        if args.replay is not None:
+            raise ValueError("--ramp makes its own join/leave schedule and --replay FILE replays a recorded one: "
+                             "give one of them")
     if args.metrics_every is not None and not args.metrics_file:
         raise unused(["--metrics-every"], "without --metrics-file (it sets how often that file is rewritten)",
                      "add --metrics-file FILE or drop it")

@@ -30,6 +30,17 @@ Formulas (``FORMULAS`` below is printed by ``hisparse plan --help``):
   binding resource = the term that gives N_hisparse (gpu | host | max_seqs | int32_indices)
   host pool (per node) for a target of N requests = N * X * host bytes
 
+  device pool (--pool-rows Np rows per layer, hot buffers included: the elastic tier),
+  serving R requests (--target, else N_hisparse), pages of 64 rows:
+    Hh = ceil(R * (S + 1) / 64) * 64          hot-buffer rows per layer
+    P  = floor((Np - Hh) / 64)                pages; Pc = ceil(C / 64) pages per request
+    pool GPU bytes = L * Np * row
+    GPU bytes at R requests = R * hisparse GPU bytes + L * (Np - R * (S + 1)) * row
+    resident at C = min(R, floor(P / Pc))     requests whose whole context fits the pages
+    Np for all R resident = Hh + R * Pc * 64
+    --pool-rows auto: Np = R * (S + 1) + floor((G - R * hisparse GPU bytes) / (L * row))
+                      (every GPU byte the R requests leave)
+
 Result fields (``plan`` / ``hisparse plan --json``): inputs (PlanInputs + row_bytes),
 per_request_bytes {resident_gpu, hisparse_gpu, hisparse_gpu_breakdown {hot_rows_and_
 slot_state, indexer_keys, row_to_slot_map, tables}, hisparse_host}, concurrency
@@ -37,7 +48,11 @@ slot_state, indexer_keys, row_to_slot_map, tables}, hisparse_host}, concurrency
 max_seqs}, binding,
 gain (hisparse / resident, None when resident is 0), host_pool_copies_per_node,
 host_pool_for_hisparse_bytes (per node),
-target {requests, host_pool_bytes, gpu_bytes, fits_gpu, within_max_seqs} (with a target).
+target {requests, host_pool_bytes, gpu_bytes, fits_gpu, within_max_seqs} (with a target),
+device_pool (with pool_rows) {requests, requests_from, pool_rows, pool_rows_from, hot_rows,
+pages, page_rows, device_bytes, gpu_bytes_at_requests, fits_gpu, pages_per_request,
+resident_requests, rows_all_resident, device_bytes_all_resident,
+gpu_bytes_all_resident, all_resident_fits_gpu}.
 """
 
 from __future__ import annotations
@@ -45,8 +60,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from hisparse.config import RowFormat, check_bool, check_int
+from hisparse.config import DEVICE_PAGE_ROWS, RowFormat, ceil_div, check_bool, check_int
 from .report import table
+from .sizing import hot_buffer_rows
 from .units import fmt_bytes
 
 INT32_ROWS = 2**31 - 1  # rows one layer of a cache can index (int32)
@@ -72,6 +88,7 @@ class PlanInputs:
     target_requests: int | None = None
     tp_ranks: int = 1  # P
     tp_share: bool = False  # one shared host pool per node (hisparse.cache.distributed)
+    pool_rows: int | str | None = None  # Np, device rows per layer (the elastic tier), "auto" or None
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "context_len", "top_k", "max_seqs", "block_size", "tp_ranks",
@@ -96,6 +113,8 @@ class PlanInputs:
                 "request of this context fits")
         if self.hot_rows + 1 > INT32_ROWS:
             raise ValueError(f"hot_rows={self.hot_rows} (+1 reserved slot) exceeds int32 hot-row indices")
+        if self.pool_rows is not None and self.pool_rows != "auto":
+            check_int("pool_rows", self.pool_rows, lo=1)
 
 
 def plan(inp: PlanInputs) -> dict:
@@ -137,6 +156,10 @@ def plan(inp: PlanInputs) -> dict:
         "host_pool_copies_per_node": copies,
         "host_pool_for_hisparse_bytes": n_hs * copies * hs_host,
     }
+    if inp.pool_rows is not None:
+        R = inp.target_requests if inp.target_requests is not None else n_hs
+        if R:  # none fits: the command reports that (exit 3)
+            out["device_pool"] = device_pool(inp, R, hs_gpu, row)
     if inp.target_requests is not None:
         t = inp.target_requests
         out["target"] = {"requests": t, "host_pool_bytes": t * copies * hs_host,
@@ -144,6 +167,38 @@ def plan(inp: PlanInputs) -> dict:
                          "fits_gpu": t * hs_gpu <= inp.gpu_bytes,
                          "within_max_seqs": t <= inp.max_seqs}
     return out
+
+
+def device_pool(inp: PlanInputs, R: int, hs_gpu: int, row: int) -> dict:
+    """The elastic tier's figures for R requests (the formulas of the module docstring)."""
+    L, S, C, G, PB = inp.num_layers, inp.hot_rows, inp.context_len, inp.gpu_bytes, DEVICE_PAGE_ROWS
+    floor = R * (S + 1)
+    hot = hot_buffer_rows(R, S + 1)
+    if inp.pool_rows == "auto":
+        n = min(floor + max(0, G - R * hs_gpu) // (L * row), INT32_ROWS)  # one cache indexes int32 rows
+        source = "auto: every GPU byte the requests leave" + (", capped at int32 rows" if n == INT32_ROWS else "")
+    else:
+        n = inp.pool_rows
+        source = "given"
+        if n < floor:
+            who = "--target" if inp.target_requests is not None else "the hisparse concurrency"
+            raise ValueError(f"pool_rows={n} is smaller than the hot buffers it includes: {R} requests ({who}) x "
+                             f"(hot_rows + 1) = {R} x {S + 1} = {floor} rows per layer; give at least {floor}, "
+                             "or auto")
+        if n > INT32_ROWS:
+            raise ValueError(f"pool_rows={n} is more device rows per layer than one cache indexes with int32 "
+                             f"({INT32_ROWS})")
+    pages = max(0, n - hot) // PB
+    pc = ceil_div(C, PB)
+    all_rows = hot + R * pc * PB
+    at_r = R * hs_gpu + L * (n - floor) * row
+    all_gpu = R * hs_gpu + L * (all_rows - floor) * row
+    return {"requests": R, "requests_from": "target" if inp.target_requests is not None else "hisparse",
+            "pool_rows": n, "pool_rows_from": source, "hot_rows": hot, "pages": pages, "page_rows": PB,
+            "device_bytes": L * n * row, "gpu_bytes_at_requests": at_r, "fits_gpu": at_r <= G,
+            "pages_per_request": pc, "resident_requests": min(R, pages // pc),
+            "rows_all_resident": all_rows, "device_bytes_all_resident": L * all_rows * row,
+            "gpu_bytes_all_resident": all_gpu, "all_resident_fits_gpu": all_gpu <= G}
 
 
 def format_plan(p: dict) -> str:
@@ -174,4 +229,16 @@ def format_plan(p: dict) -> str:
         lines.append(f"target {t['requests']} requests: host pool >= {fmt_bytes(t['host_pool_bytes'])}"
                      f", GPU {fmt_bytes(t['gpu_bytes'])} ({'fits' if t['fits_gpu'] else 'does NOT fit'}"
                      " the GPU budget)")
+    if "device_pool" in p:
+        d = p["device_pool"]
+        who = "the --target" if d["requests_from"] == "target" else "the hisparse concurrency"
+        fits = (lambda ok: "fits" if ok else "does NOT fit")
+        lines.append(f"device pool ({d['pool_rows_from']}): {d['pool_rows']} rows per layer for {d['requests']} "
+                     f"requests ({who}) = {d['hot_rows']} hot-buffer rows + {d['pages']} pages of "
+                     f"{d['page_rows']}; {fmt_bytes(d['device_bytes'])} on the GPU; GPU at {d['requests']} "
+                     f"requests with it {fmt_bytes(d['gpu_bytes_at_requests'])} ({fits(d['fits_gpu'])} the budget)")
+        lines.append(f"resident at context {i['context_len']} ({d['pages_per_request']} pages each): "
+                     f"{d['resident_requests']} of {d['requests']} requests; all {d['requests']} resident needs "
+                     f"--pool-rows {d['rows_all_resident']} ({fmt_bytes(d['device_bytes_all_resident'])}; GPU "
+                     f"{fmt_bytes(d['gpu_bytes_all_resident'])}, {fits(d['all_resident_fits_gpu'])} the budget)")
     return "\n".join(lines)

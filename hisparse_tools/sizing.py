@@ -4,8 +4,20 @@ budget arithmetic, which the mini engine's memory check uses too). See
 
 from __future__ import annotations
 
-from hisparse.config import HiSparseConfig
+from hisparse.config import HiSparseConfig, ceil_div
 from hisparse.formats import D_LATENT, D_ROW
+
+# the rows one layer's hot buffers are rounded up to a multiple of (HiSparseConfig.hot_rows_per_layer:
+# FlashMLA reads the view as pages of 64 rows), read off a config of one request with a two-slot buffer
+HOT_ALIGN = HiSparseConfig(num_layers=1, host_pool_tokens=1, top_k=1, device_buffer_size=1, max_num_reqs=1,
+                           host_block_size=1, device="cpu").hot_rows_per_layer
+
+
+def hot_buffer_rows(requests: int, slots_per_req: int) -> int:
+    """Rows per layer of ``requests`` hot buffers of ``slots_per_req`` (S + 1) rows each,
+    rounded up as ``HiSparseConfig.hot_rows_per_layer`` rounds them: where an elastic
+    device pool's pages start."""
+    return ceil_div(requests * slots_per_req, HOT_ALIGN) * HOT_ALIGN
 
 
 def gpu_bytes(cfg: HiSparseConfig, *, num_heads: int, reserve_frac: float = 0.0) -> dict[str, int]:
@@ -24,4 +36,4 @@ def gpu_bytes(cfg: HiSparseConfig, *, num_heads: int, reserve_frac: float = 0.0)
     return parts
 
 
-__all__ = ["gpu_bytes"]
+__all__ = ["gpu_bytes", "hot_buffer_rows", "HOT_ALIGN"]

@@ -17,6 +17,18 @@ Timing: the step time covers the decode appends and the resolves (misses staged)
 synchronised on CUDA; top-k generation, verification and recording are outside it.
 Prefill of joining requests is timed separately.
 
+``pool_rows`` (``HiSparseConfig.device_pool_rows``): the elastic device tier. Requests
+join resident (their rows in device pages) and a write that needs pages the pool lacks
+demotes some to hot buffers, seeded from their pages (a spill). Every resolve is checked
+as above, plus each valid physical row against its request's tier (a resident request's
+rows lie in the pool's pages, a hot request's in its own hot buffer), and each request a
+spill demoted has its whole hot buffer checked right after (before any resolve): every
+occupied slot holds the bytes of the position it records, ``row_slot`` maps that
+position's host row back to the slot, min(rows, S + 1) slots are occupied. ``ramp``
+(:class:`~hisparse_tools.workload.RampSchedule`): one request joins per step until the
+pool has overflowed (a spill left a request hot), then the oldest leaves per step until
+none is left; at the end no device row or host block may stay taken.
+
 ``prefetch``: after layer l's resolve, its top-k is prefetched into layer l + 1
 (``HiSparseCache.prefetch``, timed apart from the steps: ``prefetch.time_s``). A
 prefetched row that layer l + 1 then selects is one of its hits. The Belady bound has
@@ -34,14 +46,26 @@ Result (``run_stress`` / ``hisparse stress --json``), a dict:
   workload           trace, drift, replay, steps_run, steps_planned, requests, context,
                      context_min (the one used), churn, joined, left, verify, seed,
                      checked, prefill_chunk, record
-  overall            hits, misses, hit_rate, optimal_hit_rate (Belady, None with
-                     optimal=False), bytes_h2d, h2d_GBps (over resolve + staging time),
+  overall            hits, misses, resident_rows (entries resolved to device-pool
+                     pages), hit_rate ((hits + resident_rows) / lookups), miss_rate,
+                     optimal_hit_rate (Belady, None with optimal=False; S-slot hot
+                     buffers for every request, even with a device pool), bytes_h2d, h2d_GBps (over resolve + staging time),
                      step_ms_min/p50/p99, append_ms_p50, resolve_ms_p50, prefill_rows,
                      prefill_s, rows_verified, host_pool_bytes, hot_buffer_bytes,
                      host_rss_peak_bytes, gpu_peak_bytes (None on CPU)
-  per_layer          list of {layer, hits, misses, hit_rate, optimal_hit_rate,
-                     bytes_h2d, h2d_GBps}
-  per_step           {hit_rate: [..], optimal_hit_rate: [..] | None, step_ms: [..]}
+  per_layer          list of {layer, hits, misses, resident_rows, hit_rate, miss_rate,
+                     optimal_hit_rate, bytes_h2d, h2d_GBps}
+  per_step           {hit_rate: [..], optimal_hit_rate: [..] | None, step_ms: [..]}; with a
+                     device pool also live, resident_requests, hot_requests,
+                     pool_rows_used, spills, seeded_rows (stats()["total"] after each step)
+  device_pool        (with pool_rows) pool_rows, pool_rows_total (device rows per layer),
+                     hot_rows, pages, page_rows, device_bytes (all layers), pages_bytes,
+                     resident_requests_end/_peak, hot_requests_end/_peak,
+                     pool_rows_used_end/_peak, spills, promotions, seeded_rows,
+                     seeded_rows_verified, resident_rows, miss_rate
+  ramp               (with ramp) joined, overflowed, overflow_step (the step by whose end
+                     the pool had overflowed), peak_live, steps, max_steps, drained (no
+                     request, device row or host block left once all left)
   prefetch           (with prefetch) rows_staged, useful_rows (of them, selected by the
                      layer they went to), misses_left (layers >= 1), misses_added (selected
                      rows the prefetch evicted), net_rows_saved, precision, recall,
@@ -63,7 +87,7 @@ import numpy as np
 import torch
 
 from hisparse import HiSparseCache
-from hisparse.config import HiSparseConfig, RowFormat
+from hisparse.config import DEVICE_PAGE_ROWS, HiSparseConfig, RowFormat
 from .belady import OptimalTracker, hit_rate
 from .exit_codes import writing
 from .outputs import Outputs
@@ -71,10 +95,10 @@ from .preflight import check_memory, parse_device, require_kernels
 from .progress import Progress
 from .sizing import gpu_bytes
 from .sources import CorrelatedSource, IndexerSource, UniformSource, WorkingSetSource, workingset_state_bytes
-from .stress_limits import check_stress_sizes
+from .stress_limits import check_ramp_overflows, check_stress_sizes
 from .stress_prefetch import prefetch_report, prefetch_useful, selected_hot, selected_rows
 from .traces import ReplaySource, TraceRecorder
-from .workload import Schedule, StressOptions
+from .workload import RampSchedule, Schedule, StressOptions
 
 _M32 = 0xFFFFFFFF
 _C1, _C2 = 0x2C1B3C6D, 0x297A2D39  # < 2**31: products with 32-bit values fit int64
@@ -104,6 +128,10 @@ def row_content(seed: int, layer: int, instance: torch.Tensor, positions: torch.
     h = _mix(base[:, None] ^ j[None, :])
     h = torch.where(h >= 2**31, h - 2**32, h).to(torch.int32)
     return h.view(torch.uint8).reshape(-1, words * 4)
+
+
+# per_step series of the device pool (and the live requests), from each step's stats()["total"]
+TIER_SERIES = ("live", "resident_requests", "hot_requests", "pool_rows_used", "spills", "seeded_rows")
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -140,8 +168,9 @@ class StressRun:
             max_id = max(int(st.req_ids.max()) for st in self.replay.steps if st.req_ids.size)
             self.source = self.replay
         else:
-            L, K, steps = o.num_layers, o.top_k, o.steps
-            live_max, max_len, max_id = o.num_requests, o.context + o.steps, 0
+            L, K = o.num_layers, o.top_k
+            steps = 2 * o.num_requests if o.ramp else o.steps  # a ramp's length: RampSchedule.max_steps
+            live_max, max_len, max_id = o.num_requests, o.context + steps, 0
             if o.trace == "uniform":
                 self.source = UniformSource(top_k=K, device=self.dev, seed=o.seed)
             elif o.trace == "indexer":
@@ -155,17 +184,24 @@ class StressRun:
         self.live_max, self.max_len = live_max, max_len
         B = o.block_size
         check_stress_sizes(layers=L, top_k=K, buffer=o.buffer_size, block_size=B, live=live_max,
-                           max_len=max_len, replay=self.replay is not None, prefetch=o.prefetch)
+                           max_len=max_len, replay=self.replay is not None, prefetch=o.prefetch,
+                           pool_rows=o.pool_rows)
         blocks = live_max * math.ceil(max_len / B)
         self.cfg = HiSparseConfig(
             num_layers=L, host_pool_tokens=max(blocks, 1) * B, row_bytes=RowFormat.parse(o.row_format).row_bytes,
             top_k=K, device_buffer_size=o.buffer_size, max_num_reqs=max(live_max, 1),
-            host_block_size=B, max_request_id=max(max_id + 1, 2 * live_max + 1, 16), device=str(self.dev))
+            host_block_size=B, max_request_id=max(max_id + 1, 2 * live_max + 1, 16), device=str(self.dev),
+            device_pool_rows=o.pool_rows)
         self.S = self.cfg.device_buffer_size
+        if o.ramp:
+            check_ramp_overflows(self.cfg, o)
         host, device = self.memory_needed()
         check_memory(host=host, device=device, on=self.dev, what="this stress run",
-                     hint="lower --requests, --context, --layers, --top-k/--buffer or --steps")
-        self.schedule = None if self.replay else Schedule(o, self.cfg.max_request_id)
+                     hint="lower --requests, --context, --layers, --top-k/--buffer, --pool-rows or --steps")
+        if self.replay:
+            self.schedule = None
+        else:
+            self.schedule = RampSchedule(o) if o.ramp else Schedule(o, self.cfg.max_request_id)
         self.vgen = torch.Generator(device=self.dev)
         self.vgen.manual_seed(o.seed + 2)
 
@@ -174,7 +210,10 @@ class StressRun:
         the Belady bound's event lists; exact for the cache's own tensors). On a CPU
         device everything is host memory."""
         cfg, L, steps = self.cfg, self.L, self.steps
-        device = {"hot buffers and slot state": gpu_bytes(cfg, num_heads=0)["total"]}
+        pool = L * cfg.pool_pages * DEVICE_PAGE_ROWS * cfg.row_bytes  # the pages past the hot buffers
+        device = {"hot buffers and slot state": gpu_bytes(cfg, num_heads=0)["total"] - pool}
+        if pool:
+            device["device pool pages"] = pool
         if isinstance(self.source, IndexerSource):
             device["indexer keys"] = L * self.live_max * self.source.max_context * self.source.dim * 4
         if isinstance(self.source, WorkingSetSource):  # candidates, scores, mirror mask; position owners
@@ -251,6 +290,91 @@ class StressRun:
                 break
         return int(idx.shape[0]), fails
 
+    def _check_tiers(self, layer: int, step: int, req_ids: np.ndarray, phys: torch.Tensor,
+                     resident: torch.Tensor, slots: torch.Tensor) -> list[str]:
+        """Every valid physical row of a token lies in its request's own tier: a resident
+        request's in the device pool's pages (past the hot buffers), a hot request's in
+        its own hot buffer (rows r x (S + 1) .. r x (S + 1) + S)."""
+        cfg = self.cfg
+        SP = cfg.slots_per_req
+        lo = torch.where(resident, cfg.hot_rows_per_layer, slots * SP)
+        hi = torch.where(resident, cfg.device_rows_per_layer, (slots + 1) * SP)
+        p = phys.long()
+        bad = (p >= 0) & ((p < lo[:, None]) | (p >= hi[:, None]))
+        if not bool(bad.any()):
+            return []
+        t, k = bad.nonzero()[0].tolist()
+        tier = "resident" if bool(resident[t]) else "hot"
+        return [f"step {step} layer {layer}: request {int(req_ids[t])} ({tier}) entry {k} resolved to row "
+                f"{int(p[t, k])}, outside its {tier} rows [{int(lo[t])}, {int(hi[t])})"]
+
+    def _verify_hot_buffer(self, cache, layer: int, step: int, req_id: int, inst: int) -> tuple[int, list[str]]:
+        """A hot request's whole buffer in ``layer`` (run right after a spill demoted it, so
+        on the rows the demotion seeded): every occupied slot holds the bytes of the
+        position it records, the positions are distinct, ``row_slot`` maps each one's host
+        row back to its slot, and min(rows, S + 1) slots are occupied. Returns (rows
+        checked, failure messages)."""
+        SP, S = self.cfg.slots_per_req, self.S
+        r = cache.request_slot(req_id)
+        pos = cache.state.slot_pos[layer, r].long()
+        occ = (pos >= 0).nonzero().flatten()
+        p = pos[occ]
+        n = cache.layer_len(layer, req_id)
+        where = f"step {step} layer {layer}: request {req_id}, demoted to a hot buffer"
+        if occ.numel() != min(n, SP):
+            return 0, [f"{where}: {occ.numel()} slots occupied, expected min({n} rows, {SP}) = {min(n, SP)}"]
+        if occ.numel() == 0:
+            return 0, []
+        if torch.unique(p).numel() != p.numel() or int(p.max()) >= n:
+            return 0, [f"{where}: its slots hold positions {sorted(p.tolist())[:8]}... (repeated or past {n})"]
+        want = self._rows(layer, torch.full_like(p, inst), p)
+        got = cache.hot_rows(layer).index_select(0, r * SP + occ)
+        bad = (got != want).any(dim=1)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            return 0, [f"{where}: slot {int(occ[i])} (hot row {r * SP + int(occ[i])}) holding position "
+                       f"{int(p[i])} differs from the expected bytes ({int(bad.sum())} of {bad.numel()} slots bad)"]
+        h = cache.pool.host_rows(r, p.cpu()).to(self.dev)
+        back = cache.state.row_slot[layer].index_select(0, h).long()
+        if not torch.equal(back, occ):
+            i = int((back != occ).nonzero()[0])
+            return 0, [f"{where}: position {int(p[i])} is in slot {int(occ[i])} but row_slot maps its host row "
+                       f"to {int(back[i])}"]
+        return int(occ.numel()), []
+
+    def _ramp_end(self, cache, ramp: RampSchedule, stats: dict[str, Any]) -> list[str]:
+        """A ramp's end: the pool overflowed on the way, and once every request left no
+        device page, hot buffer or host block stays taken."""
+        fails = []
+        if ramp.overflow_step is None:
+            fails.append(f"--ramp: the device pool never overflowed ({ramp.next_id} requests joined; no spill "
+                         "left a request hot)")
+        st = cache.stats()
+        t = st["total"]
+        if st["live_requests"] or t["pool_rows_used"] or st["host_pool"]["blocks_used"]:
+            fails.append(f"--ramp: after every request left, {st['live_requests']} request(s), "
+                         f"{t['pool_rows_used']} device rows per layer and {st['host_pool']['blocks_used']} host "
+                         "blocks are still taken")
+        return fails
+
+    def _pool_report(self, stats, series, hits, misses, resident, seeded_checked) -> dict[str, Any]:
+        """The elastic device tier's figures (``result['device_pool']``)."""
+        cfg, t = self.cfg, stats["total"]
+        H, M, RR = int(hits.sum()), int(misses.sum()), int(resident.sum())
+        peak = (lambda k: max(series[k]) if series[k] else 0)
+        return {
+            "pool_rows": cfg.device_pool_rows, "pool_rows_total": cfg.device_rows_per_layer,
+            "hot_rows": cfg.hot_rows_per_layer, "pages": cfg.pool_pages, "page_rows": DEVICE_PAGE_ROWS,
+            "device_bytes": cfg.hot_buffer_bytes,
+            "pages_bytes": cfg.num_layers * cfg.pool_pages * DEVICE_PAGE_ROWS * cfg.row_bytes,
+            "resident_requests_end": t["resident_requests"], "hot_requests_end": t["hot_requests"],
+            "resident_requests_peak": peak("resident_requests"), "hot_requests_peak": peak("hot_requests"),
+            "pool_rows_used_end": t["pool_rows_used"], "pool_rows_used_peak": peak("pool_rows_used"),
+            "spills": t["spills"], "promotions": t["promotions"], "seeded_rows": t["seeded_rows"],
+            "seeded_rows_verified": seeded_checked, "resident_rows": RR,
+            "miss_rate": 1.0 - hit_rate(H + RR, M),
+        }
+
     # ---- the run -----------------------------------------------------------------
     def run(self, on_step: Callable[[int, dict[str, Any]], None] | None = None) -> dict[str, Any]:
         """Run every step; ``on_step(steps_done, cache_stats)`` (e.g. a metrics writer)
@@ -269,17 +393,25 @@ class StressRun:
         pf["s"], pf["step_ms"] = np.zeros(L), []  # prefetch time per layer; steps with it
         step_hits = np.zeros((L, self.steps), np.int64)
         step_miss = np.zeros((L, self.steps), np.int64)
+        step_res = np.zeros((L, self.steps), np.int64)  # entries resolved to resident rows (device pool)
         resolve_s = np.zeros(L)
         prefill_s, prefill_rows, verified, joined, left = 0.0, 0, 0, 0, 0
         failures: list[str] = []
         stats = cache.stats()
-        prev = np.array([[d["hits"], d["misses"]] for d in stats["layers"]], np.int64)
+        prev = np.array([[d["hits"], d["misses"], d["resident_rows"]] for d in stats["layers"]], np.int64)
         done = 0
+        tiers: dict[int, str] = {}  # id -> its residency at the last check
+        tier_steps: dict[str, list] = {k: [] for k in TIER_SERIES}
+        seeded_checked = 0  # hot-buffer rows checked right after a demotion seeded them
+        ramp = self.schedule if isinstance(self.schedule, RampSchedule) else None
+        overflowed = False
         with Progress(self.steps, "stress", enabled=o.progress) as bar:
             for s in range(self.steps):
                 if self.replay is not None:
                     st = self.replay.steps[s]
                     ids, lens = st.req_ids, st.seq_lens
+                elif ramp is not None:
+                    ids, lens = ramp.step(s, overflowed=overflowed)
                 else:
                     ids, lens = self.schedule.step(s)
                 # leave
@@ -287,7 +419,10 @@ class StressRun:
                     cache.free_request(rid)
                     self.source.drop(rid)
                     del live[rid]
+                    tiers.pop(rid, None)
                     left += 1
+                if ramp is not None and ids.size == 0:
+                    break  # the ramp is over: every request has left
                 # join + prefill (all but the step's last row)
                 for rid, n in zip(ids.tolist(), lens.tolist()):
                     if rid not in live:
@@ -335,6 +470,21 @@ class StressRun:
                 append_ms.append(t_step * 1e3)
                 for rid, n in zip(ids.tolist(), lens.tolist()):
                     live[rid] = (live[rid][0], n)
+                # the tiers after this step's writes: a request a spill demoted (in a joining request's
+                # prefill or in the appends) has its seeded hot buffer checked before any resolve
+                admitted = "resident" if self.cfg.pool_pages else "hot"  # a joining request's first tier
+                demoted = [rid for rid in ids.tolist() if tiers.get(rid, admitted) == "resident"
+                           and cache.residency(rid) == "hot"]
+                tiers = {rid: cache.residency(rid) for rid in ids.tolist()}
+                for rid in demoted:
+                    for layer in range(L):
+                        n_chk, f = self._verify_hot_buffer(cache, layer, s, rid, live[rid][0])
+                        seeded_checked += n_chk
+                        failures += f
+                resident_t = torch.tensor([tiers[r] == "resident" for r in ids.tolist()], dtype=torch.bool,
+                                          device=self.dev)
+                slot_t = torch.tensor([cache.request_slot(r) for r in ids.tolist()], dtype=torch.int64,
+                                      device=self.dev)
                 t_pf = 0.0
                 for layer in range(L):
                     t0 = time.perf_counter()
@@ -347,6 +497,7 @@ class StressRun:
                     n_chk, f = self._verify(cache, layer, s, ids, inst_t, topks[layer], phys)
                     verified += n_chk
                     failures += f
+                    failures += self._check_tiers(layer, s, ids, phys, resident_t, slot_t)
                     tk_np = topks[layer].cpu().numpy()
                     if recorder:
                         recorder.add_layer(layer, tk_np)
@@ -373,22 +524,42 @@ class StressRun:
                 if o.prefetch:
                     pf["step_ms"].append((t_step + t_pf) * 1e3)
                 stats = cache.stats()
-                cur = np.array([[d["hits"], d["misses"]] for d in stats["layers"]], np.int64)
-                step_hits[:, s], step_miss[:, s] = (cur - prev).T
+                cur = np.array([[d["hits"], d["misses"], d["resident_rows"]] for d in stats["layers"]], np.int64)
+                step_hits[:, s], step_miss[:, s], step_res[:, s] = (cur - prev).T
                 prev = cur
                 done = s + 1
+                t = stats["total"]
+                for k in TIER_SERIES:
+                    tier_steps[k].append(len(ids) if k == "live" else t[k])
+                overflowed = t["spills"] >= 1 and t["hot_requests"] >= 1
                 if on_step is not None:
                     on_step(done, stats)
-                tot = step_hits[:, :done].sum() + step_miss[:, :done].sum()
-                bar.update(1, note=f"hit {step_hits[:, :done].sum() / max(tot, 1):.3f}")
+                good = step_hits[:, :done].sum() + step_res[:, :done].sum()
+                tot = good + step_miss[:, :done].sum()
+                note = f"hit {good / max(tot, 1):.3f}"
+                if self.cfg.pool_pages:
+                    note += f" resident {t['resident_requests']} hot {t['hot_requests']} spills {t['spills']}"
+                bar.update(1, note=note)
                 if failures:
                     break
         if recorder:
             with writing("--record", o.record), self.outputs.open(o.record) as fh:
                 recorder.save(fh)
+        if ramp is not None and not failures:
+            failures += self._ramp_end(cache, ramp, stats)
+            stats = cache.stats()  # the figures after every request left
         res = self._summary(stats, tracker, done, step_ms, append_ms, step_hits[:, :done],
                             step_miss[:, :done], resolve_s, prefill_s, prefill_rows, verified,
-                            joined, left, failures)
+                            joined, left, failures, step_res[:, :done])
+        if self.cfg.pool_pages:
+            res["device_pool"] = self._pool_report(stats, tier_steps, step_hits[:, :done], step_miss[:, :done],
+                                                   step_res[:, :done], seeded_checked)
+            res["per_step"].update({k: v for k, v in tier_steps.items()})
+        if ramp is not None:
+            res["ramp"] = {"joined": ramp.next_id, "overflowed": ramp.overflow_step is not None,
+                           "overflow_step": ramp.overflow_step, "peak_live": ramp.peak_live,
+                           "steps": done, "max_steps": ramp.max_steps,
+                           "drained": stats["live_requests"] == 0 and stats["total"]["pool_rows_used"] == 0}
         if o.prefetch:
             rb = self.cfg.row_bytes
             res["prefetch"] = prefetch_report(pf, step_miss[:, :done], rb)
@@ -404,19 +575,20 @@ class StressRun:
         return res
 
     def _summary(self, stats, tracker, done, step_ms, append_ms, hits, misses, resolve_s, prefill_s,
-                 prefill_rows, verified, joined, left, failures) -> dict[str, Any]:
+                 prefill_rows, verified, joined, left, failures, resident) -> dict[str, Any]:
         rb = self.cfg.row_bytes
         opt = tracker.compute(done) if tracker is not None else None
         per_layer = []
         for layer in range(self.L):
-            h, m = int(hits[layer].sum()), int(misses[layer].sum())
-            d = {"layer": layer, "hits": h, "misses": m, "hit_rate": hit_rate(h, m),
+            h, m, rr = int(hits[layer].sum()), int(misses[layer].sum()), int(resident[layer].sum())
+            d = {"layer": layer, "hits": h, "misses": m, "resident_rows": rr, "hit_rate": hit_rate(h + rr, m),
+                 "miss_rate": 1.0 - hit_rate(h + rr, m),
                  "optimal_hit_rate": hit_rate(opt["hits"][layer], opt["misses"][layer]) if opt else None,
                  "bytes_h2d": m * rb,
                  "h2d_GBps": m * rb / resolve_s[layer] / 1e9 if resolve_s[layer] > 0 else 0.0}
             per_layer.append(d)
-        H, M = int(hits.sum()), int(misses.sum())
-        step_hr = [hit_rate(hits[:, s], misses[:, s]) for s in range(done)]
+        H, M, RR = int(hits.sum()), int(misses.sum()), int(resident.sum())
+        step_hr = [hit_rate(hits[:, s] + resident[:, s], misses[:, s]) for s in range(done)]
         opt_hr = [hit_rate(opt["hits"][:, s], opt["misses"][:, s]) for s in range(done)] if opt else None
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         gpu_peak = torch.cuda.max_memory_allocated(self.dev) if self.dev.type == "cuda" else None
@@ -442,7 +614,8 @@ class StressRun:
                          "joined": joined, "left": left, "verify": o.verify, "seed": o.seed,
                          "checked": o.checked, "prefill_chunk": o.prefill_chunk, "record": o.record},
             "overall": {
-                "hits": H, "misses": M, "hit_rate": hit_rate(H, M),
+                "hits": H, "misses": M, "resident_rows": RR, "hit_rate": hit_rate(H + RR, M),
+                "miss_rate": 1.0 - hit_rate(H + RR, M),
                 "optimal_hit_rate": hit_rate(opt["hits"], opt["misses"]) if opt else None,
                 "bytes_h2d": M * rb,
                 "h2d_GBps": M * rb / resolve_s.sum() / 1e9 if resolve_s.sum() > 0 else 0.0,

@@ -11,20 +11,29 @@ come from the trace.
 
 from __future__ import annotations
 
+from hisparse.config import DEVICE_PAGE_ROWS, ceil_div
 from hisparse.errors import CapacityError
 from .flag_rules import unused
+from .sizing import HOT_ALIGN, hot_buffer_rows
 
 INT32_MAX = 2**31 - 1
 
 
+def pool_rows_minimum(live: int, S: int) -> tuple[int, int]:
+    """(the hot buffers' rows per layer: live x (S + 1); the least ``--pool-rows`` that
+    gives resident requests a page: those rows rounded up to 64, plus one page)."""
+    return live * (S + 1), hot_buffer_rows(live, S + 1) + DEVICE_PAGE_ROWS
+
+
 def check_stress_sizes(*, layers: int, top_k: int, buffer: int | None, block_size: int, live: int,
-                       max_len: int, replay: bool, prefetch: bool) -> None:
+                       max_len: int, replay: bool, prefetch: bool, pool_rows: int | None = None) -> None:
     """ValueError naming the flag when the sizes break a cache limit; CapacityError for a
     hot buffer smaller than the top-k (the cache's own capacity failure, exit 3).
 
     ``buffer``: --buffer as given (None: 2 x top-k); ``live``: requests at once;
     ``max_len``: the longest sequence; ``replay``: the layers, top-k and requests come
-    from a trace file rather than from --layers, --top-k and --requests.
+    from a trace file rather than from --layers, --top-k and --requests; ``pool_rows``:
+    --pool-rows as given (it includes the hot buffers and must leave a page past them).
     """
     k_from = "the trace's top-k" if replay else "--top-k"
     if prefetch and layers < 2:
@@ -56,6 +65,42 @@ def check_stress_sizes(*, layers: int, top_k: int, buffer: int | None, block_siz
         raise ValueError(f"{requests} x a context of up to {max_len} tokens is {rows} host rows per layer, "
                          f"more than one cache indexes with int32 ({INT32_MAX}); lower "
                          + ("--requests or --context" if not replay else "the trace's sizes"))
+    if pool_rows is not None:
+        hot, least = pool_rows_minimum(live, S)
+        if pool_rows < least:
+            buf = "--buffer" if buffer is not None else f"2 x {k_from}"
+            raise ValueError(f"--pool-rows {pool_rows} is below its minimum {least}: the pool includes the hot "
+                             f"buffers, {requests} x ({S} hot slots ({buf}) + 1) = {hot} rows per layer "
+                             f"({least - DEVICE_PAGE_ROWS} rounded up to {HOT_ALIGN}), and resident requests "
+                             "need at least one page "
+                             f"of {DEVICE_PAGE_ROWS} rows past them; give --pool-rows >= {least}, or leave it "
+                             "out (every request hot)")
+        if pool_rows > INT32_MAX:
+            raise ValueError(f"--pool-rows {pool_rows} is more device rows per layer than one cache indexes with "
+                             f"int32 ({INT32_MAX}); lower it")
 
 
-__all__ = ["check_stress_sizes"]
+def check_ramp_overflows(cfg, o) -> None:
+    """``--ramp`` adds requests until the device pool overflows: refuse (ValueError, in
+    the flags' words) a pool that ``--requests`` requests of ``--context-min`` tokens can
+    not overflow, and one too small to hold even one such request resident (every
+    request would go hot as it joins: no spill would seed a hot buffer from its pages).
+    ``cfg``: the run's HiSparseConfig; ``o``: its StressOptions."""
+    PB = DEVICE_PAGE_ROWS
+    cmin = o.context_min if o.context_min is not None else max(1, o.context // 2)
+    per = ceil_div(cmin, PB)
+    if per > cfg.pool_pages:
+        raise ValueError(f"--ramp: --pool-rows {o.pool_rows} leaves {cfg.pool_pages} page{'' if cfg.pool_pages == 1 else 's'} of {PB} rows past the hot "
+                         f"buffers ({cfg.hot_rows_per_layer} rows), fewer than one request of {cmin} tokens "
+                         f"(--context-min) takes ({per}): every request would go hot as it joins; give --pool-rows "
+                         f">= {cfg.hot_rows_per_layer + per * PB}, or a shorter --context-min")
+    need = o.num_requests * per
+    if need <= cfg.pool_pages:
+        below = cfg.hot_rows_per_layer + need * PB
+        raise ValueError(f"--ramp: --pool-rows {o.pool_rows} would never overflow: it leaves {cfg.pool_pages} page{'' if cfg.pool_pages == 1 else 's'} of "
+                         f"{PB} rows past the hot buffers ({cfg.hot_rows_per_layer} rows), and --requests "
+                         f"{o.num_requests} requests of at least {cmin} tokens (--context-min) take {per} pages each, "
+                         f"{need} in all; give --pool-rows below {below}, more --requests or a longer --context-min")
+
+
+__all__ = ["check_stress_sizes", "check_ramp_overflows", "pool_rows_minimum"]

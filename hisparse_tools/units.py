@@ -1,6 +1,7 @@
 """Byte and token counts as people write them, for every tool: ``fmt_bytes`` prints a
 size ('1.50 KiB'); ``parse_bytes`` / ``parse_tokens`` read '80GiB', '1.5TB', '128K';
-``parse_count`` (an int >= 0) and ``token_arg`` are argparse types."""
+``parse_rows`` reads '1M' rows; ``parse_count`` (an int >= 0), ``token_arg`` and
+``rows_arg`` are argparse types."""
 
 from __future__ import annotations
 
@@ -57,6 +58,19 @@ def token_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+def parse_rows(text: str | int) -> int:
+    """A row count: '1048576' / '1M' / '64K' (binary multiples) -> rows."""
+    return _parse(text, _COUNT_UNITS, "row count")
+
+
+def rows_arg(text: str) -> int:
+    """:func:`parse_rows` as an argparse ``type=``."""
+    try:
+        return parse_rows(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def fmt_bytes(n: int | float) -> str:
     """Human-readable binary size: 1536 -> '1.50 KiB'."""
     n = float(n)
@@ -67,4 +81,4 @@ def fmt_bytes(n: int | float) -> str:
     return f"{n:.2f} TiB"  # pragma: no cover
 
 
-__all__ = ["fmt_bytes", "parse_bytes", "parse_count", "parse_tokens", "token_arg"]
+__all__ = ["fmt_bytes", "parse_bytes", "parse_count", "parse_rows", "parse_tokens", "rows_arg", "token_arg"]

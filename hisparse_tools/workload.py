@@ -1,7 +1,9 @@
 """The stress workload, shared by ``stress`` (which drives the real cache with it) and
-``whatif`` (which only simulates it): :class:`StressOptions`, the knobs of a run, and
-:class:`Schedule`, the synthetic join/leave schedule. Nothing here imports the cache
-or a kernel, so the simulators can use it on numpy alone."""
+``whatif`` (which only simulates it): :class:`StressOptions`, the knobs of a run,
+:class:`Schedule`, the synthetic join/leave schedule, and :class:`RampSchedule`, the
+load ramp of ``stress --ramp`` (requests join until the device pool overflows, then
+leave). Nothing here imports the cache or a kernel, so the simulators can use it on
+numpy alone."""
 
 from __future__ import annotations
 
@@ -46,6 +48,8 @@ class StressOptions:
     checked: bool = True  # checked resolve (host sync); False times the unchecked fast path
     prefill_chunk: int = 16384  # rows per append call when a request joins
     prefetch: bool = False  # after layer l's resolve, stage its selection into layer l+1 (exact if shared)
+    pool_rows: int | None = None  # HiSparseConfig.device_pool_rows: the elastic device tier (None: none)
+    ramp: bool = False  # RampSchedule: join until the pool overflows, then leave (needs pool_rows)
     progress: bool = True
 
     @property
@@ -74,6 +78,14 @@ class StressOptions:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= float(v) <= 1.0:
                 raise ValueError(f"{name} must be a number in [0, 1], got {v!r}")
         check_bool("prefetch", self.prefetch)
+        check_bool("ramp", self.ramp)
+        if self.pool_rows is not None:
+            check_int("pool_rows", self.pool_rows, lo=1)
+        if self.ramp and self.pool_rows is None:
+            raise ValueError("ramp needs pool_rows: it adds requests until the device pool overflows")
+        if self.ramp and self.trace == "replay":
+            raise ValueError("ramp makes its own join/leave schedule and a replayed trace fixes one: "
+                             "give one of them")
         RowFormat.parse(self.row_format)
         Kernels.parse(self.kernels)
         if self.trace not in SOURCES:
@@ -127,4 +139,48 @@ class Schedule:
         return ids, np.array([self.live[i] for i in ids], dtype=np.int64)
 
 
-__all__ = ["StressOptions", "Schedule"]
+class RampSchedule:
+    """The load ramp of ``stress --ramp``: (req_ids, seq_lens) per step, as
+    :class:`Schedule`, but steered by the cache's device pool.
+
+    Phase "join": every step one request joins (a context drawn from
+    [context_min, context], as :class:`Schedule` draws them) while every live request
+    appends one row, until ``step(s, overflowed=True)`` says the pool has overflowed
+    (a spill happened and a request is hot) or ``num_requests`` are live. Phase
+    "leave": every step the oldest live request leaves, the others append one row,
+    until none is left (``step`` then returns empty arrays: the ramp is over). Ids are
+    0, 1, 2, ... in join order (never reused). ``max_steps``: 2 x num_requests bounds
+    the ramp's length."""
+
+    def __init__(self, o: StressOptions) -> None:
+        self.o = o
+        self.rng = np.random.default_rng(o.seed + 1)
+        self.cmin = o.context_min if o.context_min is not None else max(1, o.context // 2)
+        self.live: dict[int, int] = {}  # id -> length after the last step, in join order
+        self.next_id = 0
+        self.phase = "join"
+        self.overflow_step: int | None = None  # the step after which the pool had overflowed
+        self.peak_live = 0
+        self.max_steps = 2 * o.num_requests
+
+    def step(self, s: int, *, overflowed: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """The requests of step ``s`` and their lengths; ``overflowed``: the pool has
+        overflowed by the end of step s - 1."""
+        if self.phase == "join" and overflowed:
+            self.phase = "leave"
+            self.overflow_step = s - 1
+        if self.phase == "join" and len(self.live) >= self.o.num_requests:
+            self.phase = "leave"  # every request slot taken: the ramp turns without an overflow
+        if self.phase == "join":
+            self.live[self.next_id] = int(self.rng.integers(self.cmin, self.o.context + 1)) - 1
+            self.next_id += 1
+        elif self.live:
+            del self.live[next(iter(self.live))]  # the oldest leaves
+        for rid in self.live:
+            self.live[rid] += 1
+        self.peak_live = max(self.peak_live, len(self.live))
+        ids = np.array(sorted(self.live), dtype=np.int64)
+        return ids, np.array([self.live[i] for i in ids], dtype=np.int64)
+
+
+__all__ = ["StressOptions", "Schedule", "RampSchedule"]

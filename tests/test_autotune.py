@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from hisparse import CapacityError, HiSparseConfig
-from hisparse_tools.autotune import (AutotuneOptions, _make_cfg, candidates, device_key, gpu_bytes,
-                                     load_tuned_config, max_fit, run_autotune, save_result)
+from hisparse_tools.autotune import (AutotuneOptions, _make_cfg, candidates, device_key, format_autotune,
+                                     gpu_bytes, load_tuned_config, max_fit, pool_fit, run_autotune, save_result)
 
 TINY = dict(num_layers=2, top_k=8, context=40, num_heads=2, steps=2, warmup=1, max_candidates=3,
             block_size=16, max_request_id=64, progress=False, device="cpu")
@@ -221,3 +221,53 @@ def test_status_on_a_terminal_clears_the_longer_line_it_replaces():
     p.status("timing R=2")
     last = out.getvalue().split("\r")[-1]
     assert last.startswith("autotune 1/3 timing R=2") and last.endswith("\x1b[K"), repr(last)
+
+
+# ------------------------------------------------------------------ the device pool
+def test_pool_fit_is_the_exact_boundary():
+    """The largest pool at R requests: R's hot buffers (rounded up to 64) plus whole pages
+    of 64 rows, the most whose cache still fits the budget."""
+    o = AutotuneOptions(**TINY)  # S = 16: 17 rows a request; 3 requests -> 64 hot-buffer rows
+
+    def need(rows):
+        return gpu_bytes(_make_cfg(o, 3, "cpu", rows), num_heads=2, reserve_frac=o.reserve_frac)["total"]
+
+    assert pool_fit(o, 3, need(64 + 5 * 64), "cpu") == 64 + 5 * 64
+    assert pool_fit(o, 3, need(64 + 6 * 64) - 1, "cpu") == 64 + 5 * 64
+    assert pool_fit(o, 3, need(64 + 64) - 1, "cpu") is None  # not even one page
+    assert need(64 + 5 * 64) - gpu_bytes(_make_cfg(o, 3, "cpu"), num_heads=2, reserve_frac=0.05)["total"] > 0
+
+
+def test_autotune_reports_the_pool_and_auto_puts_it_in_the_config(tmp_path):
+    o = AutotuneOptions(**{**TINY, "max_reqs": 2, "max_candidates": 1})
+    budget = gpu_bytes(_make_cfg(o, 2, "cpu", 64 + 10 * 64), num_heads=2, reserve_frac=o.reserve_frac)["total"]
+    plain = run_autotune(AutotuneOptions(**{**TINY, "max_reqs": 2, "max_candidates": 1, "gpu_memory": budget}))
+    p = plain["pool"]
+    assert p["asked"] is None and p["rows"] is None and plain["config"]["device_pool_rows"] is None
+    assert p["fit_rows"] == 64 + 10 * 64 and p["fit_pages"] == 10 and p["timed"] is False
+    assert "room for a device pool of 704 rows per layer" in format_autotune(plain)
+    assert "`--pool-rows auto` puts it in the config" in format_autotune(plain)
+    auto = run_autotune(AutotuneOptions(**{**TINY, "max_reqs": 2, "max_candidates": 1, "gpu_memory": budget,
+                                           "pool_rows": "auto"}))
+    a = auto["pool"]
+    assert a["rows"] == a["fit_rows"] == auto["config"]["device_pool_rows"] == 704 and a["pages"] == 10
+    assert auto["budget"]["at_chosen"]["total"] <= budget < auto["budget"]["at_chosen"]["total"] + 2 * 64 * 656
+    text = format_autotune(auto)
+    assert "device_pool_rows=704" in text and "the timed steps ran without the pool" in text
+    save_result(auto, tmp_path / "t.json")
+    assert load_tuned_config(tmp_path / "t.json").device_pool_rows == 704
+
+
+def test_a_fixed_pool_bounds_the_batch():
+    """--pool-rows N: the cache has N rows per layer and the search leaves the pool a page:
+    with 17 hot rows a request, 11 requests' hot buffers (187 -> 192 rows) leave a 256-row
+    pool one page, 12 (204 -> 256) none."""
+    o = AutotuneOptions(**{**TINY, "pool_rows": 256})
+    assert max_fit(o, 1 << 30, "cpu") == 11
+    r = run_autotune(AutotuneOptions(**{**TINY, "pool_rows": 256, "gpu_memory": 1 << 30, "max_candidates": 1}))
+    assert r["max_fit_reqs"] == 11 and r["budget"]["max_fit_bound"] == "pool_rows"
+    assert r["config"]["device_pool_rows"] == 256 and r["pool"]["rows"] == 256 and r["pool"]["pages"] == 1
+    with pytest.raises(ValueError, match=r"pool_rows=100 leaves no page past one request's hot buffer .* at least 128"):
+        AutotuneOptions(**{**TINY, "pool_rows": 100})
+    with pytest.raises(CapacityError, match="--pool-rows"):
+        run_autotune(AutotuneOptions(**{**TINY, "pool_rows": 1 << 20, "gpu_memory": 1 << 20}))

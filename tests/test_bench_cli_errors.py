@@ -157,3 +157,12 @@ def test_profile_e2e_host_checks_chrome_trace_first(tmp_path, capsys):
             "--chrome-trace")
     refused(profile_e2e_host.main, ["--dry-run", "--chrome-trace", str(tmp_path / "d")], capsys,
             "--torch-profiler")
+
+
+@pytest.mark.parametrize("value, words", [
+    ("0", ["--pool-rows", "expected 'auto' or a row count >= 1"]),
+    ("x", ["--pool-rows", "cannot parse row count 'x'"]),
+    ("100", ["--pool-rows 100 is below 192", "hisparse's batch of 5 at context 64", "give at least 192, or auto"]),
+])
+def test_bench_capacity_pool_rows(value, words, capsys):
+    refused(bench_capacity.main, ["--dry-run", "--contexts", "64", "--pool-rows", value], capsys, *words)

@@ -18,7 +18,8 @@ def test_defaults_agree_with_hisparse_plan(capsys):
     ``hisparse plan`` prints (13 resident, 68 hisparse, GPU-bound)."""
     lim = tier_limits(Budget(), 131072)
     assert lim["resident"] == {"batch": 13, "bound": "gpu", "gpu_bytes_per_request": 131072 * 61 * (656 + 132),
-                               "host_bytes_per_request": 0}
+                               "host_bytes_per_request": 0, "kv_rows_per_layer": 13 * 131072,
+                               "kv_bytes": 13 * 131072 * 61 * 656}
     assert lim["hisparse"]["batch"] == 68 and lim["hisparse"]["bound"] == "gpu"
     assert hisparse_main(["plan", "--json"]) == 0
     p = json.loads(capsys.readouterr().out)
@@ -179,3 +180,56 @@ def test_bench_capacity_dry_run_prefetch_quality(tmp_path):
     assert bench_capacity.main(["--dry-run", "--index-correlation", "1.5"]) == 2
     assert bench_capacity.main(["--dry-run", "--prefetch"]) == 2  # it would stage into no layer
     assert bench_capacity.main(["--dry-run", "--index-share", "3"]) == 2  # 2 run layers: not the model's share
+
+
+# ------------------------------------------------------------------ --pool-rows (the elastic tier)
+def test_bench_capacity_pool_rows_config_on_the_gpu_path():
+    """The GPU run's arguments and configs, built on CPU (nothing allocated): --pool-rows
+    auto gives every hisparse run the rows the resident tier keeps for its KV (its batch x
+    the context per layer), the resident runs none; N gives every hisparse run N."""
+    a = bench_capacity.parse_args(["--pool-rows", "auto", "--contexts", "128K", "--same-batch"])
+    assert a.pool_rows == "auto"
+    budget, shape, contexts = bench_capacity.setup(a)
+    bench_capacity.check_pool_rows(budget, contexts, a)
+    lim = tier_limits(budget, contexts[0])
+    res, hs = lim["resident"], lim["hisparse"]
+    assert res["kv_rows_per_layer"] == res["batch"] * 131072 > 0
+    assert res["kv_bytes"] == res["kv_rows_per_layer"] * 61 * 656
+    for b in bench_capacity.hisparse_batches(lim, a):
+        assert b in (hs["batch"], res["batch"])
+        pool = bench_capacity.pool_for(budget, lim, b, a)
+        assert pool["rows"] == res["kv_rows_per_layer"] and pool["from"].startswith("auto")
+        cfg = engine_config(budget, shape, context=131072, batch=b, pool_rows=pool["rows"])
+        cc = cfg.cache_config()
+        assert cc.device == "cuda" and cfg.graphs and cc.device_pool_rows == res["kv_rows_per_layer"]
+        assert cc.hot_rows_per_layer == -(-b * 4097 // 64) * 64 and cc.pool_pages > 0
+        assert cc.device_rows_per_layer <= res["kv_rows_per_layer"]
+    assert engine_config(budget, shape, context=131072, batch=1).cache_config().device_pool_rows is None
+    n = bench_capacity.parse_args(["--pool-rows", "2M"])
+    assert n.pool_rows == 2 << 20
+    assert bench_capacity.pool_for(budget, lim, hs["batch"], n)["rows"] == 2 << 20
+    none = bench_capacity.parse_args([])
+    assert none.pool_rows is None and bench_capacity.pool_for(budget, lim, 1, none) == {"rows": None, "from": None}
+
+
+def test_bench_capacity_pool_auto_below_the_hot_buffers_is_no_pool():
+    a = bench_capacity.parse_args(["--dry-run", "--pool-rows", "auto"])
+    budget, _, _ = bench_capacity.setup(a)
+    lim = tier_limits(budget, 64)  # resident: 2 x 64 = 128 rows; hisparse's 5 x 17 hot rows -> 128, + a page
+    p = bench_capacity.pool_for(budget, lim, 5, a)
+    assert p["rows"] is None and "fewer than the 192 a batch of 5 needs" in p["note"]
+    assert bench_capacity.pool_for(budget, lim, 1, a)["rows"] == 128
+
+
+def test_bench_capacity_dry_run_with_a_pool_that_holds_every_request(tmp_path, capsys):
+    out = tmp_path / "capacity.json"
+    assert bench_capacity.main(["--dry-run", "--contexts", "64", "--pool-rows", "1024", "--out", str(out)]) == 0
+    c = json.loads(out.read_text())["contexts"]["64"]
+    h, r = c["runs"]["hisparse"], c["runs"]["resident"]
+    assert h["config"]["device_pool_rows"] == 1024 and h["pool"] == {"rows": 1024, "from": "given", "minimum": 192}
+    assert r["config"]["device_pool_rows"] is None and "pool" not in r
+    k = h["cache"]  # 5 requests x 2 pages of 64 fit the 14 pages: every lookup resident, none missed
+    assert k["resident_rows"] > 0 and k["misses"] == 0 and k["spills"] == 0 and k["hit_rate"] == 1.0
+    assert c["compare"]["within_tolerance"]
+    text = capsys.readouterr().out
+    assert "hisparse: device pool 1024 rows per layer (given)" in text and "misses 0, spills 0" in text

@@ -552,3 +552,27 @@ def test_unknown_argument_is_blamed_on_its_command(capsys, argv, who, monkeypatc
         monkeypatch.setattr(cli, name, _never)
     err = _fails(capsys, argv, 2, "unrecognized arguments", f"see `{who} --help`")
     assert err.startswith(f"{who}: error:"), err
+
+
+def test_plan_pool_rows(capsys):
+    base = ["plan", "--layers", "2", "--context", "1000", "--top-k", "4", "--hot-rows", "8", "--indexer-bytes",
+            "100", "--gpu-memory", "10000000", "--host-memory", "20000000", "--max-seqs", "100"]
+    r = _json(capsys, base + ["--json", "--pool-rows", "auto"])
+    assert r["device_pool"]["pool_rows"] == 5397 and r["device_pool"]["resident_requests"] == 5
+    r = _json(capsys, base + ["--json", "--pool-rows", "1K", "--target", "30"])
+    assert r["device_pool"]["pool_rows"] == 1024 and r["device_pool"]["requests"] == 30
+    assert main(base + ["--pool-rows", "auto"]) == 0
+    assert "device pool (auto" in capsys.readouterr().out
+    _fails(capsys, base + ["--pool-rows", "100"], 2, "--pool-rows 100 is smaller than the hot buffers it includes",
+           "(--hot-rows + 1) = 14 x 9 = 126", "give at least 126, or auto")
+    _fails(capsys, base + ["--pool-rows", "some"], 2, "argument --pool-rows: cannot parse row count 'some'")
+
+
+def test_autotune_pool_rows(capsys):
+    base = ["autotune", "--quiet", "--device", "cpu", "--layers", "1", "--top-k", "8", "--context", "32", "--heads",
+            "2", "--steps", "1", "--warmup", "0", "--candidates", "1", "--block-size", "16", "--gpu-memory", "400KiB",
+            "--max-reqs", "3"]
+    r = _json(capsys, base + ["--json", "--pool-rows", "auto"])
+    assert r["config"]["device_pool_rows"] == r["pool"]["fit_rows"] == 128
+    _fails(capsys, base + ["--pool-rows", "10"], 2, "--pool-rows 10 leaves no page past one request's hot buffer",
+           "give at least 128, or auto")

@@ -373,3 +373,14 @@ def test_help_lists_whatif_and_points_to_installed_help(capsys):
     shown = "\n".join(lines[1:13])  # what `./dev` with no job prints (sed -n '2,13p')
     assert "whatif" in shown and "100 s" not in "\n".join(lines)
     assert "sed -n '2,13p'" in "\n".join(lines)
+
+
+def test_mini_engine_pool_rows(capsys, monkeypatch):
+    """mini-engine --pool-rows N: hisparse's device pool (spelled as in stress, plan and
+    autotune; no former spelling); a pool below the hot buffers names the flag."""
+    assert me_cli.config_from_args(_me_args(["--pool-rows", "1K"])).device_pool_rows == 1024
+    assert me_cli.config_from_args(_me_args([])).device_pool_rows is None
+    assert "--device-pool-rows" not in {s for a in me_cli.build_parser()._actions for s in a.option_strings}
+    monkeypatch.setattr(me_loop, "run", _never)
+    _fails(capsys, ["mini-engine", "--pool-rows", "10"] + ME_TINY, 2, "--pool-rows 10 is smaller than the hot "
+           "buffers it includes", absent=["device_pool_rows"])

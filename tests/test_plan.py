@@ -125,3 +125,45 @@ def test_tensor_parallel_pool_counted_once_per_node_when_shared():
     assert shr["target"]["host_pool_bytes"] == 10 * 1_343_488
     with pytest.raises(ValueError, match="tp_ranks"):
         _case(tp_ranks=0)
+
+
+def test_device_pool_auto_hand_computed():
+    """--pool-rows auto for the 14 requests hisparse reaches (host-bound): every GPU byte
+    they leave, in rows of L x row bytes, on top of their hot buffers."""
+    p = _case(pool_rows="auto")
+    d = p["device_pool"]
+    assert d["requests"] == 14 and d["requests_from"] == "hisparse"
+    left = 10_000_000 - 14 * 220_228  # 6_916_808
+    assert d["pool_rows"] == 14 * 9 + left // (2 * 656) == 126 + 5271 == 5397
+    assert d["hot_rows"] == 128 and d["pages"] == (5397 - 128) // 64 == 82 and d["page_rows"] == 64
+    assert d["device_bytes"] == 2 * 5397 * 656
+    assert d["gpu_bytes_at_requests"] == 14 * 220_228 + 2 * 5271 * 656 <= 10_000_000 and d["fits_gpu"]
+    assert d["pages_per_request"] == 16 and d["resident_requests"] == 82 // 16 == 5
+    assert d["rows_all_resident"] == 128 + 14 * 16 * 64 == 14_464
+    assert d["device_bytes_all_resident"] == 2 * 14_464 * 656
+    assert d["gpu_bytes_all_resident"] == 14 * 220_228 + 2 * (14_464 - 126) * 656
+    assert d["all_resident_fits_gpu"] is False
+    text = format_plan(p)
+    assert "device pool (auto: every GPU byte the requests leave): 5397 rows per layer for 14 requests" in text
+    assert "5 of 14 requests; all 14 resident needs --pool-rows 14464" in text
+
+
+def test_device_pool_given_for_a_target():
+    d = _case(pool_rows=1000, target_requests=30)["device_pool"]
+    assert d["requests"] == 30 and d["requests_from"] == "target" and d["pool_rows_from"] == "given"
+    assert d["hot_rows"] == 320 and d["pages"] == 10 and d["resident_requests"] == 0  # 16 pages a request
+    d = _case(pool_rows=128 + 3 * 16 * 64, target_requests=3)  # 3 x 9 = 27 hot rows -> 64
+    assert d["device_pool"]["resident_requests"] == 3 == d["device_pool"]["requests"]
+    assert d["device_pool"]["rows_all_resident"] == 64 + 3 * 16 * 64
+    assert "device_pool" not in _case()  # no pool asked for: none reported
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(pool_rows=100), r"pool_rows=100 is smaller than the hot buffers it includes: 14 requests \(the hisparse "
+                          r"concurrency\) x \(hot_rows \+ 1\) = 14 x 9 = 126 rows per layer; give at least 126"),
+    (dict(pool_rows=0), "pool_rows"),
+    (dict(pool_rows=2**31), "int32"),
+])
+def test_device_pool_bad_sizes(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        _case(**kw)

@@ -23,6 +23,7 @@ from ..exit_codes import EXIT_FAILED, EXIT_OK, OneLineParser, flag_names, run_co
 from ..flag_rules import check_mini_engine
 from ..outputs import Outputs
 from ..preflight import path_arg
+from ..units import rows_arg
 from .config import PRESETS, MiniEngineConfig
 from .ffn import FFN_ROUTINGS, FFNKind
 from .report import format_report
@@ -136,6 +137,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                            metavar="A", help="0 <= A < 1: the Full layers' indexers share a common part with "
                                              "weight A, so adjacent layers select overlapping positions "
                                              "(default 0: independent)")
+            continue
+        if name == "device_pool_rows":  # a new field: spelled as stress, plan and autotune spell it, no former name
+            p.add_argument("--pool-rows", dest="device_pool_rows", type=rows_arg, default=None, metavar="N",
+                           help="hisparse: device rows per layer shared by all requests, hot buffers included (the "
+                                "elastic tier: requests resident in pages of 64 rows until a spill demotes them) "
+                                "(default none)")
             continue
         if name == "index_share":
             p.add_argument("--index-share", dest="index_share", type=int, default=None, metavar="N",

@@ -44,6 +44,7 @@ class MiniEngineConfig:
     chunk: int = 16  # prefill chunk per request per step
     max_batch_tokens: int = 64
     device_buffer_size: int | None = None  # hot slots per (layer, request); default 2 * top_k
+    device_pool_rows: int | None = None  # hisparse's elastic device tier (HiSparseConfig.device_pool_rows)
     host_block_size: int = 16
     max_num_reqs: int | None = None  # default num_requests
     row_format: str = "fp8_ds_mla"
@@ -83,7 +84,7 @@ class MiniEngineConfig:
         for name in ("arrival_every", "min_decode", "synthetic_context", "ffn_shared"):
             check_int(name, getattr(self, name), lo=0)
         check_int("seed", self.seed, 0, 2**62)  # the tools derive seed + 1, seed + 2, ... from it
-        for name in ("device_buffer_size", "max_num_reqs"):
+        for name in ("device_buffer_size", "max_num_reqs", "device_pool_rows"):
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), lo=1)
         check_bool("validate", self.validate)
@@ -184,7 +185,7 @@ class MiniEngineConfig:
             device_buffer_size=self.device_buffer_size, max_num_reqs=R, max_query_len=self.query_len,
             host_block_size=self.host_block_size,
             host_pool_tokens=R * (ceil_div(self.max_context, self.host_block_size) + 1) * self.host_block_size,
-            max_request_id=max(self.num_requests, 1), device=self.device)
+            max_request_id=max(self.num_requests, 1), device=self.device, device_pool_rows=self.device_pool_rows)
 
 
 def memory_needed(cfg: MiniEngineConfig) -> tuple[dict[str, int], dict[str, int]]:

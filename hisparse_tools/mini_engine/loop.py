@@ -491,7 +491,9 @@ def summarize(res: dict) -> dict:
     tot = res["stats"].get("total", {})
     if tot:
         out["cache"] = {k: tot.get(k) for k in ("hits", "misses", "hit_rate", "prefetch_rows", "bytes_h2d",
-                                                "bytes_d2h", "invalid", "resolves")}
+                                                "bytes_d2h", "invalid", "resolves", "resident_rows",
+                                                "resident_requests", "hot_requests", "pool_rows_used",
+                                                "pool_rows_total", "spills", "seeded_rows")}
         # a prefetched row a resolve then finds is a hit: per layer, so Shared layers show apart
         layers = res["stats"].get("layers", [])
         out["cache"]["layer_hit_rates"] = [d["hit_rate"] for d in layers]
