@@ -32,7 +32,7 @@ def _run_line(o: dict[str, Any], w: dict[str, Any]) -> str:
 def _pool_lines(r: dict[str, Any]) -> list[str]:
     """The device pool's figures, and with --ramp its timeline (every step up to 32, else
     a thinned set that keeps the overflow and the last step)."""
-    p, ov = r["device_pool"], r["overall"]
+    p = r["device_pool"]
     lines = [f"device pool: {p['pool_rows_total']} rows per layer ({p['hot_rows']} hot-buffer rows + "
              f"{p['pages']} pages of {p['page_rows']}; --pool-rows {p['pool_rows']}), "
              f"{fmt_bytes(p['device_bytes'])} on the device ({fmt_bytes(p['pages_bytes'])} of pages); "
