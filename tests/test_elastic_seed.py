@@ -72,3 +72,26 @@ def test_demotion_of_a_short_context_keeps_every_row_in_place():
         assert c.state.slot_pos[layer, 0, :12].tolist() == list(range(12))
         assert int(c.state.slot_pos[layer, 0, 12:].max()) == -1
         assert c.requests.reserved(0, layer) == -1
+
+
+def test_a_replayed_forward_names_its_own_rows_as_the_last_selection():
+    """A whole forward's graph replay resolves [bucket tokens, K] of every layer, fewer
+    rows than a bigger bucket's replay left in the buffers: ``note_replay(tokens=)`` makes
+    that view the last selection (stale rows past it, from the bigger bucket, are not
+    seeded; eager and replayed forwards then seed alike)."""
+    c = HiSparseCache(_cfg(max_num_reqs=4, device_pool_rows=128 + 2 * 64), kernels="torch")
+    for rid in range(4):
+        c.add_request(rid)
+        for layer in range(2):
+            c.append_rows(layer, rid, _rows(20, rid))
+    topk = torch.tensor([[0, 1, 2, 3]] * 4, dtype=torch.int32)
+    for T in (4, 2):  # a bucket of 4 then one of 2 (what a capture of each resolves)
+        for layer in range(2):
+            c.resolve(layer, torch.arange(T, dtype=torch.int32), topk[:T])
+    assert [t.numel() for t in c.writer.last_selection] == [2 * 4, 2 * 4]
+    c.note_replay(tokens=4)  # the next forward replays the bucket of 4
+    assert [t.numel() for t in c.writer.last_selection] == [4 * 4, 4 * 4]
+    c.note_replay(tokens=3)  # no resolve of 3 tokens was captured: nothing to name
+    assert [t.numel() for t in c.writer.last_selection] == [4 * 4, 4 * 4]
+    c.note_replay()
+    assert [t.numel() for t in c.writer.last_selection] == [4 * 4, 4 * 4]

@@ -162,6 +162,7 @@ class HiSparseCache:
         self._prefetch_out = ResolveBuffers.allocate(T, K, self.device)  # its undo log serves all
         self._bufs = [ResolveBuffers.allocate(T, K, self.device, undo_of=self._prefetch_out) for _ in range(L)]
         self.writer.last_selection = [b.physical[:0].view(-1) for b in self._bufs]
+        self._shapes: dict[int, dict[int, int]] = {}  # layer -> {T: K} of its resolves (note_replay)
         self._views: dict[int, LayerView] = {}
         self._hot_l = self.writer.hot_layers  # uint8 [N, row_bytes] per layer (views, made once)
         self._host_l = self.writer.host_layers  # uint8 [H, row_bytes] per layer
@@ -223,10 +224,18 @@ class HiSparseCache:
         rows appended in the same step from host."""
         self.streams.join_backup(stream)
 
-    def note_replay(self) -> None:
+    def note_replay(self, tokens: int | None = None) -> None:
         """Call before replaying a graph captured over this cache's calls (host waits then
-        cover the replay)."""
+        cover the replay). ``tokens``: the replay resolves every layer for that many query
+        tokens (a whole forward's graph, as a bucket was captured): each layer's last
+        selection (what a demotion seeds first) is then that [tokens, K] view, K as its
+        capture had it."""
         self.streams.note_replay()
+        if tokens is not None:
+            for layer, shapes in self._shapes.items():
+                K = shapes.get(tokens)
+                if K is not None:
+                    self.writer.last_selection[layer] = self._bufs[layer].view(tokens, K).physical.view(-1)  # type: ignore[index]
 
     def wait_staging(self, layer: int, stream=None) -> None:
         """``stream`` (default current) waits until the last staging of ``layer`` (a
@@ -407,6 +416,7 @@ class HiSparseCache:
         demotion seeds first (``Writer.last_selection``)."""
         out = self._bufs[layer].view(T, K)
         self.writer.last_selection[layer] = out.physical.view(-1)  # type: ignore[index]
+        self._shapes.setdefault(layer, {})[T] = K  # a graph captured now resolves [T, K] when replayed
         return out
 
     def check_resolve(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor) -> None:

@@ -362,7 +362,7 @@ class HiSparseIndexGroup(PrefillCalls, LayerGraphCalls, DecodeAttentionCalls):
         self._begun = {}
         self._written = set()  # layers whose rows this forward wrote
         if replay:  # the graph's replay runs every layer's write and resolve
-            cache.note_replay()
+            cache.note_replay(tokens=ndt)
             step.pending.clear()
             self._written = set(range(cfg.num_layers))
             for i in range(cfg.num_layers):
