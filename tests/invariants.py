@@ -21,7 +21,8 @@ when built with ``pool_pages`` > 0 (:meth:`LRUSim.for_cache` does that from a ca
 config): a request joins *resident* (no LRU state, its rows in pages of ``PB`` rows,
 resolves counted as resident entries, no step), a write that needs pages the pool
 lacks demotes resident requests (a request needing more than ``max_pages`` pages
-first, then the one holding the most pages, ties lowest request slot) and seeds each
+first, then the one holding the most pages, ties lowest request slot, among those
+holding pages or written) and seeds each
 demoted layer's hot buffer with its newest S + 1 positions (all of them, slot =
 position, when it holds at most S), stamped with the layer's step; granted pages are
 the lowest free ones, in batch order. ``check_cache`` checks the tier's structure
@@ -131,7 +132,8 @@ class LRUSim:
         for rid in demote:
             del need[rid]
         freed = sum(len(self.reqs[rid].pages) for rid in demote)
-        order = sorted((rid for rid in self.reqs if self.resident(rid) and rid not in demote),
+        order = sorted((rid for rid in self.reqs if self.resident(rid) and rid not in demote
+                        and (self.reqs[rid].pages or rid in need)),  # demoting others frees nothing
                        key=lambda rid: (-len(self.reqs[rid].pages), self.reqs[rid].slot))
         for rid in order:
             if sum(need.values()) <= len(self.free_pages) + freed:

@@ -374,6 +374,22 @@ def test_demotion_with_uneven_layer_lengths_seeds_each_layer_from_its_own():
     assert c.state.slot_pos[1, 0].tolist() == [59, 60, 61, 62, 68]
 
 
+def test_a_demotion_never_demotes_a_request_that_frees_no_page():
+    """Regression: a write of two new requests needing 2 + 2 pages of a pool of 3, with a
+    third resident request that holds no page (admitted, nothing written yet): demoting
+    it frees nothing and it needs nothing, so only one of the written requests goes hot
+    (the policy demotes toward fitting the write, most pages first, ties lowest slot)."""
+    c = HiSparseCache(cfg(pages=3), kernels="torch")
+    for rid in (3, 4, 5):
+        c.add_request(rid)  # slots 0, 1, 2, all resident, no pages
+    b = c.plan_write([4, 5], [128, 128])
+    c.write(0, b, rows(256, 1))
+    assert [c.residency(r) for r in (3, 4, 5)] == ["resident", "hot", "resident"]
+    assert tier(c)["spills"] == 1 and c.dpool.pages(2) == [0, 1]
+    c.write(1, b, rows(256, 1))
+    check_cache(c)
+
+
 # ------------------------------------------------------------------ all or nothing
 @pytest.mark.parametrize("kernels", KERNELS)
 def test_a_write_refused_by_its_checks_leaves_the_pool_as_it_was(kernels):
