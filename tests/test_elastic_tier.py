@@ -421,6 +421,51 @@ def _raise(*_a, **_k):
     raise Boom("injected launch failure")
 
 
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("site", ["writer.mirror_fn", "writer.apply_fn"])
+@pytest.mark.parametrize("path", ["write", "token_rows"])
+def test_a_failing_write_launch_undoes_its_demotion_and_grants(kernels, site, path):
+    """Regression: a write whose pool changes (a demotion, a grant) were made before its
+    launch raised must leave everything as it was, like any failed write; retried, it
+    does what it does on an untouched twin."""
+    def make():
+        c = HiSparseCache(cfg(pages=2), kernels=kernels)
+        fill(c, 1, 70)  # both pages
+        c.add_request(2)
+        c.add_request(3)
+        return c
+    c, twin = make(), make()
+    assert c.dpool.pages(0) == [0, 1] and c.dpool.pages(1) == c.dpool.pages(2) == []
+    # 2 and 3 need a page each: 1 (both pages; in the token batch, written too) is demoted
+    new = rows(3, 9)
+
+    def call(x):
+        if path == "write":
+            return x.append_rows_batch(0, [2, 3], new[:3], [2, 1])
+        return x.append_token_rows(0, [3, 2, 1], new)
+
+    before = full_state(c)
+    part, attr = site.split(".")
+    obj = getattr(c, part)
+    good = getattr(obj, attr)
+    setattr(obj, attr, _raise)
+    with pytest.raises(Boom):
+        call(c)
+    setattr(obj, attr, good)
+    now = full_state(c)
+    SP = c.cfg.slots_per_req
+    for snap in (before, now):  # request 1's (slot 0) hot rows: unmapped again, their bytes not state
+        snap["hot"][:, :SP] = 0
+    same_state(before, now)
+    check_cache(c)
+    assert call(c) == call(twin)
+    assert c.residency(1) == "hot" and c.dpool.spills == 1
+    _compare(c, twin, "retried")
+    assert c.dpool._pages == twin.dpool._pages and c.dpool._free == twin.dpool._free
+    assert (c.dpool.spills, c.dpool.seeded_rows) == (twin.dpool.spills, twin.dpool.seeded_rows)
+    check_cache(c)
+
+
 def test_a_step_replacing_a_pending_step_may_demote_its_requests():
     """The engine's way: the next step replaces the last one, whose unwritten layers are
     put back first; the demotion then seeds from the rows as before that step."""

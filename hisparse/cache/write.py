@@ -13,7 +13,8 @@ on the compute stream); the host-side bookkeeping (block allocation, lengths,
 reserved-slot occupants) is committed only after both launches were enqueued. A launch
 that raises leaves every block, length, slot and counter as it was (a host mirror
 that ran before the failure wrote only rows beyond the request's length, which no
-call can read).
+call can read), the elastic tier's demotions and page grants included (put back from
+host-side records; only the bytes a demotion seeded stay, in slots nothing maps).
 
 Rows whose layout a kernel can't read as packed words (a row stride other than
 ``row_bytes``, a start not 16-byte aligned) are copied to a packed tensor first.
@@ -174,10 +175,17 @@ class Writer:
             plan = build_write_plan(work, owned={r: alloc.owned(r) for r, *_ in work},
                                     new_blocks=new_blocks, B=self.pool.B, S=self.cfg.device_buffer_size,
                                     device=self.device, resident=self._resident(changes))  # type: ignore[arg-type]
+        undo = None
         if not changes.empty:
+            undo = self._pool_undo(changes)
             self._apply_pool_changes(changes, {})
             key = (req.generation, dp.epoch, tuple(work))
-        self._launch(layer, plan, rows)
+        try:
+            self._launch(layer, plan, rows)
+        except BaseException:
+            if undo is not None:  # the write changes nothing when a launch raises
+                undo()
+            raise
         # ---- commit the host-side bookkeeping (nothing here can fail for the caller) ----
         self._allocate(new_blocks)
         S = self.cfg.device_buffer_size
@@ -380,6 +388,47 @@ class Writer:
         S = self.cfg.device_buffer_size
         return [(r, p0, p1, t0, seed_positions(lens[r], S)[2] if r in changes.demote else old)
                 for r, p0, p1, t0, old in work]
+
+    def _pool_undo(self, changes: PoolChanges) -> Callable[[], None]:
+        """A function that puts back what ``_apply_pool_changes(changes)`` is about to
+        change (for a write whose launch then raises), from host-side records only: the
+        pool's pages and counters, the page-table rows and residency flags, each demoted
+        request's slot state and row maps (a resident request has none) and reserved
+        occupants, and the layers' epochs. The bytes a demotion seeded stay in the slots
+        it leaves unmapped again (no index points at them)."""
+        dp, st, req = self.device_pool, self.state, self.requests
+        free, pages = list(dp._free), {r: list(p) for r, p in dp._pages.items()}
+        counters = (dp.spills, dp.seeded_rows, dp.epoch)
+        epochs = list(req.epochs)
+        S, B = self.cfg.device_buffer_size, self.pool.B
+        seeded = {}
+        for r in changes.demote:
+            blocks = self.pool.allocator.owned(r)
+            hrows = [[blocks[p // B] * B + p % B for p in seed_positions(n, S)[0]] for n in req.lengths(r)]
+            seeded[r] = (hrows, list(req.reserved_list(r)))
+        touched = sorted(set(changes.demote) | {r for r, want in changes.grants.items() if want})
+
+        def undo() -> None:
+            dp._free[:] = free
+            dp._pages.clear()
+            dp._pages.update(pages)
+            dp.spills, dp.seeded_rows, dp.epoch = counters
+            MP = st.page_table.shape[1]
+            for r in touched:
+                st.page_table[r] = torch.tensor(pages[r] + [-1] * (MP - len(pages[r])), dtype=torch.int32,
+                                                device=self.device)
+            for r, (hrows, reserved) in seeded.items():
+                st.resident[r] = 1
+                st.slot_pos[:, r] = -1
+                st.slot_stamp[:, r] = -1
+                for layer, h in enumerate(hrows):
+                    if h:
+                        st.row_slot[layer, torch.tensor(h, dtype=torch.long, device=self.device)] = -1
+                for layer, occ in enumerate(reserved):
+                    req.restore(r, layer, req.length(r, layer), occ)
+            req.epochs[:] = epochs
+
+        return undo
 
     def _apply_pool_changes(self, changes: PoolChanges, lengths: dict[int, list[int]]) -> None:
         """Demote and grant (``device_pool.apply_changes``) on the current stream, after
