@@ -466,6 +466,38 @@ def test_a_failing_write_launch_undoes_its_demotion_and_grants(kernels, site, pa
     check_cache(c)
 
 
+def test_a_write_never_demotes_a_request_whose_step_is_not_written_yet():
+    """Regression: a step prepared for a resident request commits every layer's length
+    before its per-layer writes run. A write that demoted the request in between would
+    seed the hot buffer of the layers not written yet from page rows not written yet,
+    and the step's remaining writes would land in pages given to another request. Such a
+    write is refused (nothing changed); once the step is written (or abandoned) it runs."""
+    c = HiSparseCache(cfg(pages=2), kernels="torch")
+    t1 = fill(c, 1, 64)
+    c.add_request(2)
+    s1 = c.prepare_step(c.plan_write([1], [1]))  # resident 1: a second page
+    a1 = rows(1, 5)
+    c.write_step(0, s1, a1)
+    before = full_state(c)
+    with pytest.raises(ValueError, match="not written yet"):
+        c.prepare_step(c.plan_write([2], [100]))  # would demote 1 (two pages)
+    same_state(before, full_state(c))
+    with pytest.raises(ValueError, match="not written yet"):
+        c.append_rows(0, 2, rows(100, 6))
+    same_state(before, full_state(c))
+    c.write_step(1, s1, a1)
+    s2 = c.prepare_step(c.plan_write([2], [100]))
+    b = rows(100, 6)
+    for layer in range(2):
+        c.write_step(layer, s2, b)
+    assert c.residency(1) == "hot" and c.residency(2) == "resident"
+    check_cache(c)
+    res, _, _ = resolve(c, 1, [(1, [64, 63]), (2, [64, 99])])
+    got = c.hot[1][res.physical.long()]
+    assert torch.equal(got[0, 0], a1[0]) and torch.equal(got[0, 1], t1[1][63])
+    assert torch.equal(got[1], b[[64, 99]])
+
+
 def test_a_step_replacing_a_pending_step_may_demote_its_requests():
     """The engine's way: the next step replaces the last one, whose unwritten layers are
     put back first; the demotion then seeds from the rows as before that step."""

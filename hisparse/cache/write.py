@@ -23,6 +23,7 @@ Rows whose layout a kernel can't read as packed words (a row stride other than
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Callable, Sequence
 
 import torch
@@ -92,6 +93,8 @@ class Writer:
         self.hot_layers = list(hot)  # uint8 [N, row_bytes] per layer (views, made once)
         self.host_layers = list(pool.rows)  # uint8 [H, row_bytes] per layer
         self.step_buffers = StepBuffers(device)
+        # the steps prepared here that may still be pending (weakly: a dropped step goes)
+        self._open_steps: "weakref.WeakValueDictionary[int, StepPlan]" = weakref.WeakValueDictionary()
 
     # ---- checks ------------------------------------------------------------------
     def prepare(self, req_ids: Sequence[int], counts: Sequence[int]) -> WriteBatch:
@@ -170,6 +173,7 @@ class Writer:
         else:
             new_blocks = self._new_blocks(work)
             changes = dp.plan([(r, p1) for r, _, p1, _, _ in work])
+            self._check_demotions(changes)
             work = self._after_demotion(work, changes, {r: req.length(r, layer) for r, *_ in work})
             alloc = self.pool.allocator
             plan = build_write_plan(work, owned={r: alloc.owned(r) for r, *_ in work},
@@ -236,6 +240,7 @@ class Writer:
         new_blocks = self._new_blocks(work) if work else {}
         dp = self.device_pool
         changes = dp.plan([(r, p1) for r, _, p1, _, _ in work]) if work else NO_CHANGES
+        self._check_demotions(changes, replaces)
         if changes.demote:  # rows per layer of each demoted request, as this step sees them
             ids = {r: rid for rid, r in req.slot_map().items()}
             seen = {r: self.visible(replaces, ids[r], r)[0] for r in changes.demote}
@@ -278,6 +283,8 @@ class Writer:
                         rows=rows, generation=batch.generation, owner=self, buffers=padded)
         if padded is not None:
             padded.owner = step
+        if step.pending:
+            self._open_steps[id(step)] = step
         return step
 
     def visible(self, step: StepPlan | None, rid: int, slot: int) -> tuple[list[int], list[int]]:
@@ -388,6 +395,25 @@ class Writer:
         S = self.cfg.device_buffer_size
         return [(r, p0, p1, t0, seed_positions(lens[r], S)[2] if r in changes.demote else old)
                 for r, p0, p1, t0, old in work]
+
+    def _check_demotions(self, changes: PoolChanges, replaces: StepPlan | None = None) -> None:
+        """ValueError (nothing changed) when ``changes`` would demote a request that a
+        prepared step (other than ``replaces``, which is put back first) has not written
+        to every layer yet: its lengths already count the step's rows but its pages don't
+        hold them yet, so the demotion would seed those layers' hot buffers from rows not
+        written, and the step's remaining writes would land in pages given away."""
+        if not changes.demote:
+            return
+        req = self.requests
+        for step in list(self._open_steps.values()):
+            if step is replaces or not step.pending:
+                continue
+            for rid, r, inc, *_ in step.req_work:
+                if r in changes.demote and req.slot_map().get(rid) == r and req.incarnation(r) == inc:
+                    raise ValueError(
+                        f"this write needs the device pages of resident request {rid}, whose prepared step "
+                        f"has rows not written yet (layers {sorted(step.pending)}): write them (write_step) "
+                        "or put them back (abandon_step, or prepare_step(..., replaces=step)) first")
 
     def _pool_undo(self, changes: PoolChanges) -> Callable[[], None]:
         """A function that puts back what ``_apply_pool_changes(changes)`` is about to
