@@ -15,6 +15,19 @@ Reusable by test files and by the stress tool:
   was evicted) and whose bytes equal ``read_host_rows``; padding and invalid -> -1.
 - :class:`TraceRunner` drives a cache and a sim side by side with random ops and runs
   both checkers after every op.
+
+The elastic device tier (``HiSparseConfig(device_pool_rows=...)``): the sim models it
+when built with ``pool_pages`` > 0 (:meth:`LRUSim.for_cache` does that from a cache's
+config): a request joins *resident* (no LRU state, its rows in pages of ``PB`` rows,
+resolves counted as resident entries, no step), a write that needs pages the pool
+lacks demotes resident requests (a request needing more than ``max_pages`` pages
+first, then the one holding the most pages, ties lowest request slot, among those
+holding pages or written) and seeds each
+demoted layer's hot buffer with its newest S + 1 positions (all of them, slot =
+position, when it holds at most S), stamped with the layer's step; granted pages are
+the lowest free ones, in batch order. ``check_cache`` checks the tier's structure
+(page table = the pool's pages, disjoint, page bytes = host bytes, no LRU state of a
+resident request) and, with a sim, residency, pages and the tier counters.
 """
 
 from __future__ import annotations
@@ -26,8 +39,8 @@ from typing import Any
 import torch
 
 from hisparse import CapacityError
-from hisparse.cache.state import (STAT_D2H_ROWS, STAT_HITS, STAT_INVALID, STAT_MISSES,
-                                  STAT_RESOLVES)
+from hisparse.cache.state import (STAT_D2H_ROWS, STAT_HITS, STAT_INVALID, STAT_MISSES, STAT_PREFETCH,
+                                  STAT_RESIDENT, STAT_RESOLVES)
 
 
 # --------------------------------------------------------------------------- sim
@@ -37,13 +50,16 @@ class _Req:
         self.hot: list[OrderedDict[int, int]] = [OrderedDict() for _ in range(L)]
         self.reserved: list[tuple[int, int]] = [(-1, -1)] * L  # (position, stamp)
         self.step = [0] * L
+        self.slot = -1  # request slot (the tier's tie-break), when the caller gave it
+        self.pages: list[int] | None = None  # resident: its pool pages; None: hot
 
 
 class LRUSim:
     """Exact-LRU model of the cache (see module docstring). Counters are cumulative."""
 
     def __init__(self, *, num_layers: int, S: int, max_query_len: int,
-                 max_request_id: int) -> None:
+                 max_request_id: int, pool_pages: int = 0, max_pages: int = 0, PB: int = 64,
+                 pool_base: int = 0) -> None:
         self.L, self.S, self.q, self.max_id = num_layers, S, max_query_len, max_request_id
         self.reqs: dict[int, _Req] = {}
         self.hits = [0] * num_layers
@@ -51,23 +67,120 @@ class LRUSim:
         self.invalid = [0] * num_layers
         self.resolves = [0] * num_layers
         self.rows_written = [0] * num_layers
+        self.resident_rows = [0] * num_layers
+        self.prefetch_rows = [0] * num_layers
+        # the elastic tier (pool_pages = 0: every request hot, as without the tier)
+        self.pool_pages, self.max_pages, self.PB = pool_pages, max_pages, PB
+        self.free_pages: set[int] = set(range(pool_pages))
+        self.pool_base = pool_base
+        # per layer, the page rows its last resolve returned (what a demotion seeds first)
+        self.last_rows: list[set[int]] = [set() for _ in range(num_layers)]
+        self.spills = 0
+        self.seeded_rows = 0
+        self.demoted: list[int] = []  # ids demoted, in order (for tests that predict them)
 
-    def add(self, rid: int) -> None:
-        self.reqs[rid] = _Req(self.L)
+    @classmethod
+    def for_cache(cls, cache) -> "LRUSim":
+        """A sim of ``cache``'s config (its elastic tier included)."""
+        cfg = cache.cfg
+        return cls(num_layers=cfg.num_layers, S=cfg.device_buffer_size, max_query_len=cfg.max_query_len,
+                   max_request_id=cfg.max_request_id, pool_pages=cfg.pool_pages,
+                   max_pages=cfg.max_pages_per_request, PB=64, pool_base=cfg.hot_rows_per_layer)
+
+    def add(self, rid: int, slot: int = -1) -> None:
+        """``slot``: the request slot the cache gave (needed by the tier's tie-break)."""
+        q = self.reqs[rid] = _Req(self.L)
+        q.slot = slot
+        if self.pool_pages > 0:
+            q.pages = []
 
     def free(self, rid: int) -> None:
-        del self.reqs[rid]
+        q = self.reqs.pop(rid)
+        if q.pages is not None:
+            self.free_pages.update(q.pages)
 
-    def seq_len(self, rid: int) -> int:
-        """Positions appended to every layer."""
-        return min(self.reqs[rid].lens)
+    def resident(self, rid: int) -> bool:
+        return self.reqs[rid].pages is not None
 
-    def layer_len(self, layer: int, rid: int) -> int:
-        """Positions appended to ``layer`` (what a resolve of that layer accepts)."""
-        return self.reqs[rid].lens[layer]
+    # ---- the elastic tier -------------------------------------------------------
+    def _demote(self, rid: int) -> None:
+        q = self.reqs[rid]
+        S = self.S
+        for l in range(self.L):
+            n, s = q.lens[l], q.step[l]
+            if n <= S:
+                q.hot[l] = OrderedDict((p, s) for p in range(n))
+                q.reserved[l] = (-1, -1)
+            else:  # the rows the layer's last resolve selected first, then the newest
+                sel = {p for p in range(n - 1) if self.page_row(rid, p) in self.last_rows[l]}
+                keep = sorted(range(n - 1), key=lambda p: (p in sel, p), reverse=True)[:S]
+                q.hot[l] = OrderedDict((p, s) for p in sorted(keep))
+                q.reserved[l] = (n - 1, s)
+            self.seeded_rows += min(n, S + 1)
+        self.free_pages.update(q.pages or [])
+        q.pages = None
+        self.spills += 1
+        self.demoted.append(rid)
+
+    def page_row(self, rid: int, p: int) -> int:
+        """The device row of position p of resident request ``rid``."""
+        pages = self.reqs[rid].pages
+        return self.pool_base + pages[p // self.PB] * self.PB + p % self.PB
+
+    def _pool_write(self, ends: list[tuple[int, int]]) -> None:
+        """The pool's part of a write of ``ends`` ((id, its length after the write), in
+        batch order): demotions, then page grants (lowest free pages first)."""
+        PB = self.PB
+
+        def pages_for(end: int) -> int:
+            return -(-end // PB)
+
+        need = {rid: pages_for(end) - len(self.reqs[rid].pages) for rid, end in ends
+                if self.resident(rid) and pages_for(end) > len(self.reqs[rid].pages)}
+        if not need:
+            return
+        demote = [rid for rid, end in ends if rid in need and pages_for(end) > self.max_pages]
+        for rid in demote:
+            del need[rid]
+        freed = sum(len(self.reqs[rid].pages) for rid in demote)
+        order = sorted((rid for rid in self.reqs if self.resident(rid) and rid not in demote
+                        and (self.reqs[rid].pages or rid in need)),  # demoting others frees nothing
+                       key=lambda rid: (-len(self.reqs[rid].pages), self.reqs[rid].slot))
+        for rid in order:
+            if sum(need.values()) <= len(self.free_pages) + freed:
+                break
+            demote.append(rid)
+            freed += len(self.reqs[rid].pages)
+            need.pop(rid, None)
+        for rid in demote:
+            self._demote(rid)
+        for rid, _ in ends:
+            n = need.get(rid, 0)
+            if n:
+                got = sorted(self.free_pages)[:n]
+                assert len(got) == n, "sim: the spill policy left too few pages"
+                self.free_pages.difference_update(got)
+                self.reqs[rid].pages += got
+
+    def write(self, layers, items: list[tuple[int, int]]) -> None:
+        """A write of ``items`` ((id, rows), batch order) to ``layers`` (one layer, or
+        every layer of a step): the pool is planned once, from the first layer's lengths."""
+        layers = list(layers)
+        if self.pool_pages > 0:
+            self._pool_write([(rid, self.reqs[rid].lens[layers[0]] + n) for rid, n in items if n])
+        for l in layers:
+            for rid, n in items:
+                self._append(l, rid, n)
 
     def append(self, layer: int, rid: int, n: int) -> None:
+        self.write([layer], [(rid, n)])
+
+    def _append(self, layer: int, rid: int, n: int) -> None:
         q = self.reqs[rid]
+        if q.pages is not None:  # resident: page rows, no slot state
+            q.lens[layer] += n
+            self.rows_written[layer] += n
+            return
         p0, p1 = q.lens[layer], q.lens[layer] + n
         step = q.step[layer]
         for p in range(p0, min(p1, self.S)):
@@ -78,6 +191,14 @@ class LRUSim:
             q.reserved[layer] = (p1 - 1, step)
         q.lens[layer] = p1
         self.rows_written[layer] += n
+
+    def seq_len(self, rid: int) -> int:
+        """Positions appended to every layer."""
+        return min(self.reqs[rid].lens)
+
+    def layer_len(self, layer: int, rid: int) -> int:
+        """Positions appended to ``layer`` (what a resolve of that layer accepts)."""
+        return self.reqs[rid].lens[layer]
 
     def token_valid(self, ids: list[int]) -> list[bool]:
         """Per token: live id, run offset < max_query_len, and its run is the first
@@ -99,13 +220,17 @@ class LRUSim:
         return [[tok[t] and 0 <= p < self.layer_len(layer, ids[t]) for p in row]
                 for t, row in enumerate(topk)]
 
-    def resolve(self, layer: int, ids: list[int], topk: list[list[int]]) -> None:
+    def resolve(self, layer: int, ids: list[int], topk: list[list[int]], *, prefetch: bool = False) -> None:
+        """A resolve (a split resolve leaves the same state); ``prefetch``: a prefetch,
+        which counts only the rows it stages (hot groups) and nothing else."""
         valid = self.entry_valid(layer, ids, topk)
         tok = self.token_valid(ids)
-        for t, row in enumerate(topk):
-            self.invalid[layer] += sum(1 for k, p in enumerate(row) if p != -1 and not valid[t][k])
+        if not prefetch:
+            for t, row in enumerate(topk):
+                self.invalid[layer] += sum(1 for k, p in enumerate(row) if p != -1 and not valid[t][k])
         t = 0
         T = len(ids)
+        rows: set[int] = set()
         while t < T:
             if not tok[t] or (t > 0 and ids[t - 1] == ids[t]):
                 t += 1
@@ -113,27 +238,41 @@ class LRUSim:
             rid, end = ids[t], t + 1
             while end < T and ids[end] == rid and tok[end]:
                 end += 1
-            U = sorted({p for u in range(t, end) for k, p in enumerate(topk[u]) if valid[u][k]})
-            self._group(layer, rid, U)
+            if self.resident(rid):  # page rows: no LRU state, no step, entries counted
+                if not prefetch:
+                    self.resolves[layer] += 1
+                    self.resident_rows[layer] += sum(sum(valid[u]) for u in range(t, end))
+                    rows |= {self.page_row(rid, p) for u in range(t, end)
+                             for k, p in enumerate(topk[u]) if valid[u][k]}
+            else:
+                U = sorted({p for u in range(t, end) for k, p in enumerate(topk[u]) if valid[u][k]})
+                self._group(layer, rid, U, prefetch)
             t = end
+        if not prefetch:
+            self.last_rows[layer] = rows
 
-    def _group(self, layer: int, rid: int, U: list[int]) -> None:
+    def _group(self, layer: int, rid: int, U: list[int], prefetch: bool = False) -> None:
         q = self.reqs[rid]
         q.step[layer] += 1
         s = q.step[layer]
-        self.resolves[layer] += 1
         hot = q.hot[layer]
         misses = []
+        hits = 0
         for p in U:
             if p in hot:
                 hot[p] = s
-                self.hits[layer] += 1
+                hits += 1
             elif p == q.reserved[layer][0]:
                 q.reserved[layer] = (p, s)
-                self.hits[layer] += 1
+                hits += 1
             else:
                 misses.append(p)
-        self.misses[layer] += len(misses)
+        if prefetch:
+            self.prefetch_rows[layer] += len(misses)
+        else:
+            self.resolves[layer] += 1
+            self.hits[layer] += hits
+            self.misses[layer] += len(misses)
         empties = self.S - len(hot)
         evict = max(0, len(misses) - empties)
         cands = sorted((st, p) for p, st in hot.items() if st < s)
@@ -156,7 +295,7 @@ def _cpu_state(cache) -> dict[str, torch.Tensor]:
     st = cache.state
     return {k: getattr(st, k).cpu() for k in
             ("id_to_slot", "seq_lens", "block_table", "slot_pos", "slot_stamp", "row_slot",
-             "step", "stats")}
+             "step", "stats", "resident", "page_table")}
 
 
 def check_cache(cache, sim: LRUSim | None = None,
@@ -200,7 +339,8 @@ def check_cache(cache, sim: LRUSim | None = None,
             continue
         if ((st["seq_lens"][:, r] != 0).any() or (st["block_table"][r] != -1).any()
                 or (st["slot_pos"][:, r] != -1).any() or (st["slot_stamp"][:, r] != -1).any()
-                or (st["step"][:, r] != 0).any()):
+                or (st["step"][:, r] != 0).any() or int(st["resident"][r]) != 0
+                or (st["page_table"][r] != -1).any()):
             _fail(f"free request slot {r} holds stale state")
     # slot maps, both directions, and hot bytes
     row_owner: dict[int, tuple[int, int]] = {}  # host row -> (slot r, position)
@@ -245,8 +385,70 @@ def check_cache(cache, sim: LRUSim | None = None,
                     _fail(f"truth has {n_t} rows for ({rid}, {l}), cache {n_l}")
                 if n_l and not torch.equal(cache.read_host_rows(l, rid, list(range(n_l))), want):
                     _fail(f"host rows of request {rid} layer {l} differ from what was appended")
+    _check_tier(cache, st, hot, live)
     if sim is not None:
         _check_sim(cache, sim, st, live)
+
+
+def _check_tier(cache, st: dict[str, torch.Tensor], hot: torch.Tensor, live: dict[int, int]) -> None:
+    """The elastic tier's structure: the pool's pages (free + owned = all, disjoint),
+    each live request either resident (flag 1, page table = its pages then -1, pages
+    covering every layer's length, no slot state, none of its host rows hot, page rows'
+    bytes = host rows) or hot (flag 0, page table all -1); the padding rows between
+    the hot buffers and the pages stay zero; the stats' tier figures agree."""
+    cfg = cache.cfg
+    dp = getattr(cache, "dpool", None)
+    L, R, SP, B = cfg.num_layers, cfg.max_num_reqs, cfg.slots_per_req, cache.pool.B
+    base = cfg.hot_rows_per_layer
+    if hot.shape[1] != cfg.device_rows_per_layer:
+        _fail(f"hot has {hot.shape[1]} rows per layer, config says {cfg.device_rows_per_layer}")
+    if (hot[:, R * SP:base] != 0).any():
+        _fail("the padding rows after the hot buffers are not zero")
+    if dp is None:
+        return
+    PB = dp.PB
+    owned = {r: list(dp.pages(r)) for r in dp.resident_slots()}
+    free = list(dp._free)
+    every = free + [p for ps in owned.values() for p in ps]
+    if sorted(every) != list(range(dp.num_pages)):
+        _fail(f"pool pages: free {sorted(free)} + owned {owned} != the {dp.num_pages} pages")
+    if dp.num_pages != cfg.pool_pages:
+        _fail(f"pool has {dp.num_pages} pages, config {cfg.pool_pages}")
+    if set(owned) - set(live.values()):
+        _fail(f"pages held by request slots {sorted(set(owned) - set(live.values()))} that are not live")
+    MP = st["page_table"].shape[1]
+    for rid, r in live.items():
+        pt = st["page_table"][r].tolist()
+        flag = int(st["resident"][r])
+        if (cache.residency(rid) == "resident") != (r in owned):
+            _fail(f"residency({rid}) is {cache.residency(rid)}, the pool says {r in owned}")
+        if r not in owned:
+            if flag != 0 or any(x != -1 for x in pt):
+                _fail(f"hot request {rid}: resident flag {flag}, page table {pt}")
+            continue
+        pages = owned[r]
+        if flag != 1:
+            _fail(f"resident request {rid}: resident flag {flag}")
+        if pt != pages + [-1] * (MP - len(pages)):
+            _fail(f"resident request {rid}: page table {pt}, pool pages {pages}")
+        lens = [cache.layer_len(l, rid) for l in range(L)]
+        if len(pages) * PB < max(lens) or len(pages) > cfg.max_pages_per_request:
+            _fail(f"resident request {rid}: {len(pages)} pages for lengths {lens} "
+                  f"(at most {cfg.max_pages_per_request})")
+        if (st["slot_pos"][:, r] != -1).any() or (st["slot_stamp"][:, r] != -1).any():
+            _fail(f"resident request {rid} has LRU slot state")
+        blocks = cache.pool.allocator.blocks(r)
+        rows = [b * B + j for b in blocks for j in range(B)]
+        if rows and (st["row_slot"][:, rows] != -1).any():
+            _fail(f"resident request {rid} has host rows mapped in row_slot")
+        for l, n in enumerate(lens):
+            if not n:
+                continue
+            phys = torch.tensor([base + pages[p // PB] * PB + p % PB for p in range(n)])
+            host = cache.read_host_rows(l, rid, list(range(n)))
+            if not torch.equal(hot[l, phys], host):
+                bad = [p for p in range(n) if not torch.equal(hot[l, int(phys[p])], host[p])]
+                _fail(f"resident request {rid} layer {l}: page rows of positions {bad[:8]} differ from host")
 
 
 def _check_sim(cache, sim: LRUSim, st: dict[str, torch.Tensor], live: dict[int, int]) -> None:
@@ -257,7 +459,8 @@ def _check_sim(cache, sim: LRUSim, st: dict[str, torch.Tensor], live: dict[int, 
         got = st["stats"][l].tolist()
         want = {STAT_HITS: sim.hits[l], STAT_MISSES: sim.misses[l],
                 STAT_INVALID: sim.invalid[l], STAT_RESOLVES: sim.resolves[l],
-                STAT_D2H_ROWS: sim.rows_written[l]}
+                STAT_D2H_ROWS: sim.rows_written[l], STAT_RESIDENT: sim.resident_rows[l],
+                STAT_PREFETCH: sim.prefetch_rows[l]}
         for k, v in want.items():
             if got[k] != v:
                 _fail(f"layer {l} stat {k}: cache {got[k]}, sim {v} (all: {got})")
@@ -274,6 +477,17 @@ def _check_sim(cache, sim: LRUSim, st: dict[str, torch.Tensor], live: dict[int, 
                       f"sim {sorted(q.hot[l].items())}")
             if (pos[S], stamp[S]) != q.reserved[l]:
                 _fail(f"({l}, {rid}) reserved slot cache {(pos[S], stamp[S])} sim {q.reserved[l]}")
+    dp = getattr(cache, "dpool", None)
+    if dp is None:
+        return
+    for rid, r in live.items():
+        q = sim.reqs[rid]
+        got = list(dp.pages(r)) if dp.is_resident(r) else None
+        if got != q.pages:
+            _fail(f"request {rid}: pool pages {got}, sim {q.pages} (None = hot)")
+    if (dp.spills, dp.seeded_rows, dp.promotions) != (sim.spills, sim.seeded_rows, 0):
+        _fail(f"tier counters (spills, seeded_rows, promotions) cache {(dp.spills, dp.seeded_rows, dp.promotions)}"
+              f" sim {(sim.spills, sim.seeded_rows, 0)}")
 
 
 def check_result(cache, layer: int, req_ids: list[int], topk: list[list[int]], res,
@@ -286,15 +500,15 @@ def check_result(cache, layer: int, req_ids: list[int], topk: list[list[int]], r
     SP = cache.cfg.slots_per_req
     st = _cpu_state(cache)
     hot_l = cache.hot[layer].cpu()
-    phys = res.physical.cpu().tolist()
-    vc = res.valid_counts.cpu().tolist()
+    phys = (res if isinstance(res, torch.Tensor) else res.physical).cpu().tolist()
+    vc = None if isinstance(res, torch.Tensor) else res.valid_counts.cpu().tolist()
     if sim is not None:
         valid = sim.entry_valid(layer, req_ids, topk)
     else:
         valid = [[p != -1 for p in row] for row in topk]
     for t, row in enumerate(topk):
         want_pos = [p for k, p in enumerate(row) if valid[t][k]]
-        if vc[t] != len(want_pos):
+        if vc is not None and vc[t] != len(want_pos):
             _fail(f"valid_counts[{t}]={vc[t]}, expected {len(want_pos)}")
         if compact:
             got_idx = phys[t][:len(want_pos)]
@@ -310,6 +524,15 @@ def check_result(cache, layer: int, req_ids: list[int], topk: list[list[int]], r
         rid = req_ids[t]
         r = cache.request_slot(rid)
         host = cache.read_host_rows(layer, rid, want_pos)
+        if int(st["resident"][r]):  # through the page table, into the pool's pages
+            base, PB = cache.cfg.hot_rows_per_layer, 64
+            pt = st["page_table"][r].tolist()
+            for i, (p, x) in enumerate(zip(want_pos, got_idx)):
+                if x != base + pt[p // PB] * PB + p % PB:
+                    _fail(f"token {t} pos {p} of resident request {rid}: physical {x}, page table {pt}")
+                if not torch.equal(hot_l[x], host[i]):
+                    _fail(f"token {t} pos {p}: resident row {x} bytes differ from host")
+            continue
         for i, (p, x) in enumerate(zip(want_pos, got_idx)):
             if not r * SP <= x < (r + 1) * SP:
                 _fail(f"token {t} pos {p}: physical {x} outside request slot {r}")
@@ -332,6 +555,12 @@ def snapshot(cache) -> dict[str, Any]:
     snap["live"] = {rid: (cache.request_slot(rid),
                           [cache.layer_len(l, rid) for l in range(cache.cfg.num_layers)])
                     for rid in cache.live_requests()}
+    snap["reserved"] = {rid: list(cache.requests.reserved_list(cache.request_slot(rid)))
+                        for rid in cache.live_requests()}
+    dp = getattr(cache, "dpool", None)
+    if dp is not None:  # the elastic tier's host side
+        snap["dpool"] = (sorted(dp._free), {r: list(dp.pages(r)) for r in dp.resident_slots()},
+                         dp.spills, dp.promotions, dp.seeded_rows, dp.epoch)
     return snap
 
 
@@ -353,8 +582,7 @@ class TraceRunner:
     def __init__(self, cache, *, seed: int = 0, check_every: int = 1) -> None:
         cfg = cache.cfg
         self.cache, self.cfg = cache, cfg
-        self.sim = LRUSim(num_layers=cfg.num_layers, S=cache.cfg.device_buffer_size,
-                          max_query_len=cfg.max_query_len, max_request_id=cfg.max_request_id)
+        self.sim = LRUSim.for_cache(cache)  # the elastic tier modelled when the config has one
         self.truth: dict[tuple[int, int], torch.Tensor] = {}
         self.rng = random.Random(seed)
         self.next_id = 0
@@ -381,8 +609,8 @@ class TraceRunner:
                 assert_same(before, snapshot(self.cache))
                 return
             _fail("add_request past max_num_reqs did not raise CapacityError")
-        self.cache.add_request(rid)
-        self.sim.add(rid)
+        r = self.cache.add_request(rid)
+        self.sim.add(rid, r)
         self._check()
 
     def free(self, which: int) -> None:
@@ -438,9 +666,73 @@ class TraceRunner:
             if pos[i] != self.sim.reqs[rid].lens[l]:
                 _fail(f"append_token_rows gave position {pos[i]}, expected "
                       f"{self.sim.reqs[rid].lens[l]}")
-            self.sim.append(l, rid, 1)
             old = self.truth.get((rid, l), torch.empty((0, self.cfg.row_bytes), dtype=torch.uint8))
             self.truth[(rid, l)] = torch.cat([old, rows[i:i + 1]])
+        self.sim.write([l], [(rid, 1) for rid in rids])  # one batch: one pool plan
+        self._check()
+
+    def _batch(self, mask: int, sizes, equal_layers: bool = False) -> tuple[list[int], list[int]]:
+        """Live ids picked by ``mask`` (shuffled: the batch order matters to the pool's
+        grants) and a row count each from ``sizes``; ``equal_layers``: only requests whose
+        layers hold the same rows (what a step accepts)."""
+        live = sorted(self.sim.reqs)
+        rids = [rid for i, rid in enumerate(live) if (mask >> i) & 1
+                and (not equal_layers or len(set(self.sim.reqs[rid].lens)) == 1)]
+        self.rng.shuffle(rids)
+        return rids, [self.rng.choice(sizes) for _ in rids]
+
+    def _rows(self, n: int) -> torch.Tensor:
+        return torch.randint(0, 256, (n, self.cfg.row_bytes), dtype=torch.uint8,
+                             generator=torch.Generator().manual_seed(self.rng.randrange(2**31)))
+
+    def _record(self, layers, rids: list[int], counts: list[int], rows: torch.Tensor) -> None:
+        o = 0
+        for rid, n in zip(rids, counts):
+            for l in layers:
+                old = self.truth.get((rid, l), torch.empty((0, self.cfg.row_bytes), dtype=torch.uint8))
+                self.truth[(rid, l)] = torch.cat([old, rows[o:o + n]])
+            o += n
+
+    def append_batch(self, mask: int, layer: int, sizes=(0, 1, 3, 17, 40)) -> None:
+        """Several rows to each live request picked by ``mask`` in one ``cache.write`` of
+        one layer (a prefill chunk's batched append)."""
+        rids, counts = self._batch(mask, sizes)
+        if not rids:
+            return
+        l = layer % self.cfg.num_layers
+        rows = self._rows(sum(counts))
+        before = snapshot(self.cache)
+        try:
+            firsts = self.cache.write(l, self.cache.plan_write(rids, counts), rows.to(self.cache.device))
+        except CapacityError:
+            self.capacity_errors += 1
+            assert_same(before, snapshot(self.cache))
+            return
+        want = [self.sim.reqs[rid].lens[l] for rid in rids]
+        if firsts != want:
+            _fail(f"write returned first positions {firsts}, expected {want}")
+        self._record([l], rids, counts, rows)
+        self.sim.write([l], list(zip(rids, counts)))
+        self._check()
+
+    def step(self, mask: int, sizes=(1, 1, 2, 9)) -> None:
+        """A forward's append to every layer: ``prepare_step`` once, then ``write_step``
+        per layer (requests whose layers hold the same rows only)."""
+        rids, counts = self._batch(mask, sizes, equal_layers=True)
+        if not rids:
+            return
+        rows = self._rows(sum(counts))
+        before = snapshot(self.cache)
+        try:
+            step = self.cache.prepare_step(self.cache.plan_write(rids, counts))
+        except CapacityError:
+            self.capacity_errors += 1
+            assert_same(before, snapshot(self.cache))
+            return
+        for l in range(self.cfg.num_layers):
+            self.cache.write_step(l, step, rows.to(self.cache.device))
+        self._record(range(self.cfg.num_layers), rids, counts, rows)
+        self.sim.write(range(self.cfg.num_layers), list(zip(rids, counts)))
         self._check()
 
     def make_step(self, mask: int, pad: float, invalid: bool,
@@ -497,6 +789,50 @@ class TraceRunner:
         check_result(self.cache, layer, ids, topk, res, self.sim, compact=compact)
         self._check()
 
+    def resolve_split(self, layer: int, mask: int, pad: float = 0.2, invalid: bool = False,
+                      compact: bool = False) -> None:
+        """``resolve`` through ``resolve_split``: the same state and union result; a hit
+        row (non-compact) is the union's row, a resident token has no misses."""
+        layer %= self.cfg.num_layers
+        ids, topk = self.make_step(mask, pad, invalid, layer)
+        dev = self.cache.device
+        ids_t = torch.tensor(ids, dtype=torch.int32, device=dev)
+        topk_t = torch.tensor(topk, dtype=torch.int32, device=dev).reshape(len(ids), self.cfg.top_k)
+        res = self.cache.resolve_split(layer, ids_t, topk_t, validate=not invalid, compact=compact)
+        self.sim.resolve(layer, ids, topk)
+        check_result(self.cache, layer, ids, topk, res, self.sim, compact=compact)
+        hit, phys = res.hit_physical.cpu(), res.physical.cpu()
+        mc = res.miss_counts.cpu().tolist()
+        tok = self.sim.token_valid(ids)
+        for t, rid in enumerate(ids):
+            if not tok[t] or not self.sim.resident(rid):
+                if not compact and ((hit[t] >= 0) & (hit[t] != phys[t])).any():
+                    _fail(f"token {t}: hit rows {hit[t].tolist()} not in the union {phys[t].tolist()}")
+                continue
+            if mc[t] != 0:
+                _fail(f"token {t} of resident request {rid}: {mc[t]} misses")
+            if not compact and not torch.equal(hit[t], phys[t]):
+                _fail(f"token {t} of resident request {rid}: hit rows {hit[t].tolist()}, "
+                      f"resolved {phys[t].tolist()}")
+        self._check()
+
+    def prefetch(self, layer: int, mask: int, pad: float = 0.2) -> None:
+        """A prefetch of a predicted selection (valid positions), then the checks."""
+        layer %= self.cfg.num_layers
+        ids, topk = self.make_step(mask, pad, False, layer)
+        dev = self.cache.device
+        ids_t = torch.tensor(ids, dtype=torch.int32, device=dev)
+        topk_t = torch.tensor(topk, dtype=torch.int32, device=dev).reshape(len(ids), self.cfg.top_k)
+        out = self.cache.prefetch(layer, ids_t, topk_t)
+        self.sim.resolve(layer, ids, topk, prefetch=True)
+        staged = int((out.stage_dst[:len(ids) * self.cfg.top_k] >= 0).sum())
+        tok = self.sim.token_valid(ids)
+        if any(tok[t] and self.sim.resident(rid) and int(out.stage_counts[t]) for t, rid in enumerate(ids)):
+            _fail("a prefetch staged rows of a resident request")
+        self._check()
+        if staged != sum(int(x) for x in out.stage_counts[:len(ids)]):
+            _fail(f"prefetch staged {staged} rows, stage_counts say otherwise")
+
     def run(self, ops: list[tuple]) -> None:
         for op in ops:
             kind, args = op[0], op[1:]
@@ -523,5 +859,33 @@ def long_trace(runner: "TraceRunner", rng, n_ops: int, *, n_big: int = 9,
                            rng.random() < 0.25, rng.random() < 0.3)
 
 
+def tier_trace(runner: "TraceRunner", rng, n_ops: int) -> None:
+    """A seeded mix of every write path (per-layer appends, token appends, batched
+    multi-row writes, steps), every resolve path (resolve, split, prefetch) and
+    lifecycle, for a cache with an elastic tier (or without)."""
+    for _ in range(n_ops):
+        u = rng.random()
+        if u < 0.10:
+            runner.add()
+        elif u < 0.15:
+            runner.free(rng.randrange(8))
+        elif u < 0.25:
+            runner.append(rng.randrange(8), rng.randrange(4), rng.choice([1, 2, 30, 70]), rng.random() < 0.8)
+        elif u < 0.32:
+            runner.append_tokens(rng.randrange(16), rng.randrange(4))
+        elif u < 0.42:
+            runner.append_batch(rng.randrange(16), rng.randrange(4))
+        elif u < 0.55:
+            runner.step(rng.randrange(16))
+        elif u < 0.75:
+            runner.resolve(rng.randrange(4), rng.randrange(16), rng.choice([0.0, 0.3]),
+                           rng.random() < 0.25, rng.random() < 0.3)
+        elif u < 0.9:
+            runner.resolve_split(rng.randrange(4), rng.randrange(16), rng.choice([0.0, 0.3]),
+                                 rng.random() < 0.25, rng.random() < 0.3)
+        else:
+            runner.prefetch(rng.randrange(4), rng.randrange(16), rng.choice([0.0, 0.3]))
+
+
 __all__ = ["LRUSim", "check_cache", "check_result", "snapshot", "assert_same", "TraceRunner",
-           "long_trace"]
+           "long_trace", "tier_trace"]

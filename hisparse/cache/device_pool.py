@@ -13,7 +13,8 @@ A request is admitted resident when the pool has pages at all (with no pool ever
 request is hot, exactly as without the tier). Its pages are taken when a write needs
 them. When a write needs more pages than are free, the **spill policy** demotes
 resident requests to hot, one at a time, the one holding the most pages first (ties:
-the lowest request slot), until the write's pages fit; a request that can't fit the
+the lowest request slot), until the write's pages fit (a request that holds no page
+and is not written is never demoted: that frees nothing); a request that can't fit the
 pool at all (more than ``cfg.max_pages_per_request`` pages) is demoted too. A demotion
 seeds the new hot buffer device to device from the request's own resident rows, in
 every layer: a context of at most S rows keeps every row (slot = position, as writes
@@ -123,7 +124,10 @@ class DevicePool:
                 demote.append(r)
                 del need[r]
         freed = sum(len(self._pages[r]) for r in demote)
-        order = sorted((r for r in self._pages if r not in demote), key=lambda r: (-len(self._pages[r]), r))
+        # candidates: a request whose demotion helps the write fit, i.e. one that holds
+        # pages or is one of the write's (demoting any other frees nothing)
+        order = sorted((r for r in self._pages if r not in demote and (self._pages[r] or r in need)),
+                       key=lambda r: (-len(self._pages[r]), r))
         for r in order:
             if sum(need.values()) <= len(self._free) + freed:
                 break
@@ -219,6 +223,7 @@ def _seed(state: HotState, r: int, n: int, layers: torch.Tensor, layer_ids: list
             mark.scatter_(0, torch.where(ok, p, torch.full_like(p, cand)), 1)
             score[i] += mark[:cand] * (2 * n)
     top = torch.topk(score, S, dim=1).indices  # the selected rows first, then the newest
+    top = torch.sort(top, dim=1).values  # in ascending slots by position, as seed_positions
     pos = torch.cat([top, torch.full((Lg, 1), n - 1, dtype=torch.int64, device=dev)], dim=1)
     return pos, torch.arange(S + 1, device=dev)
 

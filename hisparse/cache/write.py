@@ -13,7 +13,8 @@ on the compute stream); the host-side bookkeeping (block allocation, lengths,
 reserved-slot occupants) is committed only after both launches were enqueued. A launch
 that raises leaves every block, length, slot and counter as it was (a host mirror
 that ran before the failure wrote only rows beyond the request's length, which no
-call can read).
+call can read), the elastic tier's demotions and page grants included (put back from
+host-side records; only the bytes a demotion seeded stay, in slots nothing maps).
 
 Rows whose layout a kernel can't read as packed words (a row stride other than
 ``row_bytes``, a start not 16-byte aligned) are copied to a packed tensor first.
@@ -22,6 +23,7 @@ Rows whose layout a kernel can't read as packed words (a row stride other than
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Callable, Sequence
 
 import torch
@@ -94,6 +96,8 @@ class Writer:
         # per layer, the flat int32 physical rows of its last resolve (set by the cache):
         # a demotion seeds the hot buffer with the rows they select first
         self.last_selection: list[torch.Tensor] | None = None
+        # the steps prepared here that may still be pending (weakly: a dropped step goes)
+        self._open_steps: "weakref.WeakValueDictionary[int, StepPlan]" = weakref.WeakValueDictionary()
 
     # ---- checks ------------------------------------------------------------------
     def prepare(self, req_ids: Sequence[int], counts: Sequence[int]) -> WriteBatch:
@@ -172,15 +176,23 @@ class Writer:
         else:
             new_blocks = self._new_blocks(work)
             changes = dp.plan([(r, p1) for r, _, p1, _, _ in work])
+            self._check_demotions(changes)
             work = self._after_demotion(work, changes, {r: req.length(r, layer) for r, *_ in work})
             alloc = self.pool.allocator
             plan = build_write_plan(work, owned={r: alloc.owned(r) for r, *_ in work},
                                     new_blocks=new_blocks, B=self.pool.B, S=self.cfg.device_buffer_size,
                                     device=self.device, resident=self._resident(changes))  # type: ignore[arg-type]
+        undo = None
         if not changes.empty:
+            undo = self._pool_undo(changes)
             self._apply_pool_changes(changes, {})
             key = (req.generation, dp.epoch, tuple(work))
-        self._launch(layer, plan, rows)
+        try:
+            self._launch(layer, plan, rows)
+        except BaseException:
+            if undo is not None:  # the write changes nothing when a launch raises
+                undo()
+            raise
         # ---- commit the host-side bookkeeping (nothing here can fail for the caller) ----
         self._allocate(new_blocks)
         S = self.cfg.device_buffer_size
@@ -231,6 +243,7 @@ class Writer:
         new_blocks = self._new_blocks(work) if work else {}
         dp = self.device_pool
         changes = dp.plan([(r, p1) for r, _, p1, _, _ in work]) if work else NO_CHANGES
+        self._check_demotions(changes, replaces)
         if changes.demote:  # rows per layer of each demoted request, as this step sees them
             ids = {r: rid for rid, r in req.slot_map().items()}
             seen = {r: self.visible(replaces, ids[r], r)[0] for r in changes.demote}
@@ -273,6 +286,8 @@ class Writer:
                         rows=rows, generation=batch.generation, owner=self, buffers=padded)
         if padded is not None:
             padded.owner = step
+        if step.pending:
+            self._open_steps[id(step)] = step
         return step
 
     def visible(self, step: StepPlan | None, rid: int, slot: int) -> tuple[list[int], list[int]]:
@@ -383,6 +398,65 @@ class Writer:
         S = self.cfg.device_buffer_size
         return [(r, p0, p1, t0, seed_positions(lens[r], S)[2] if r in changes.demote else old)
                 for r, p0, p1, t0, old in work]
+
+    def _check_demotions(self, changes: PoolChanges, replaces: StepPlan | None = None) -> None:
+        """ValueError (nothing changed) when ``changes`` would demote a request that a
+        prepared step (other than ``replaces``, which is put back first) has not written
+        to every layer yet: its lengths already count the step's rows but its pages don't
+        hold them yet, so the demotion would seed those layers' hot buffers from rows not
+        written, and the step's remaining writes would land in pages given away."""
+        if not changes.demote:
+            return
+        req = self.requests
+        for step in list(self._open_steps.values()):
+            if step is replaces or not step.pending:
+                continue
+            for rid, r, inc, *_ in step.req_work:
+                if r in changes.demote and req.slot_map().get(rid) == r and req.incarnation(r) == inc:
+                    raise ValueError(
+                        f"this write needs the device pages of resident request {rid}, whose prepared step "
+                        f"has rows not written yet (layers {sorted(step.pending)}): write them (write_step) "
+                        "or put them back (abandon_step, or prepare_step(..., replaces=step)) first")
+
+    def _pool_undo(self, changes: PoolChanges) -> Callable[[], None]:
+        """A function that puts back what ``_apply_pool_changes(changes)`` is about to
+        change (for a write whose launch then raises), from host-side records only: the
+        pool's pages and counters, the page-table rows and residency flags, each demoted
+        request's slot state and row maps (a resident request has none) and reserved
+        occupants, and the layers' epochs. The bytes a demotion seeded stay in the slots
+        it leaves unmapped again (no index points at them)."""
+        dp, st, req = self.device_pool, self.state, self.requests
+        free, pages = list(dp._free), {r: list(p) for r, p in dp._pages.items()}
+        counters = (dp.spills, dp.seeded_rows, dp.epoch)
+        epochs = list(req.epochs)
+        B = self.pool.B
+        seeded = {}
+        for r in changes.demote:  # every host row of its blocks: whichever the demotion seeds
+            hrows = [b * B + i for b in self.pool.allocator.owned(r) for i in range(B)]
+            seeded[r] = ([hrows] * self.cfg.num_layers, list(req.reserved_list(r)))
+        touched = sorted(set(changes.demote) | {r for r, want in changes.grants.items() if want})
+
+        def undo() -> None:
+            dp._free[:] = free
+            dp._pages.clear()
+            dp._pages.update(pages)
+            dp.spills, dp.seeded_rows, dp.epoch = counters
+            MP = st.page_table.shape[1]
+            for r in touched:
+                st.page_table[r] = torch.tensor(pages[r] + [-1] * (MP - len(pages[r])), dtype=torch.int32,
+                                                device=self.device)
+            for r, (hrows, reserved) in seeded.items():
+                st.resident[r] = 1
+                st.slot_pos[:, r] = -1
+                st.slot_stamp[:, r] = -1
+                for layer, h in enumerate(hrows):
+                    if h:
+                        st.row_slot[layer, torch.tensor(h, dtype=torch.long, device=self.device)] = -1
+                for layer, occ in enumerate(reserved):
+                    req.restore(r, layer, req.length(r, layer), occ)
+            req.epochs[:] = epochs
+
+        return undo
 
     def _apply_pool_changes(self, changes: PoolChanges, lengths: dict[int, list[int]]) -> None:
         """Demote and grant (``device_pool.apply_changes``) on the current stream, after
