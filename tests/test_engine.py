@@ -485,9 +485,15 @@ def _mixed_batch(g):
     return md
 
 
-def test_gather_fp8_prefill_workspace_exact():
-    g = make_group()
+@pytest.mark.parametrize("pool_rows", [None, 64 + 2 * 64])
+def test_gather_fp8_prefill_workspace_exact(pool_rows):
+    """With the elastic tier (two pages of 64 rows), request 3's admission demotes 1:
+    the prefill requests 2 and 3 are resident and staged from their device pages."""
+    g = make_group(device_pool_rows=pool_rows)
     md = _mixed_batch(g)
+    c = g.hisparse_cache
+    if pool_rows is not None:
+        assert [c.residency(rid) for rid in (1, 2, 3)] == ["hot", "resident", "resident"]
     for layer in range(L):
         # the decode part first (it moves hot slots), then the prefill staging
         g.convert_decode_logical_to_physical_topk(layer, random_topk(md, layer), md)

@@ -78,11 +78,15 @@ def test_multi_token_decode_cuda():
     te.test_multi_token_decode_within_buffer_and_beyond()
 
 
+@pytest.mark.parametrize("pool_rows", [None, 64 + 2 * 64])
 @pytest.mark.parametrize("validate", [True, False])
-def test_gather_fp8_prefill_event_cuda(validate):
-    g = te.make_group(validate=validate)
+def test_gather_fp8_prefill_event_cuda(validate, pool_rows):
+    """``pool_rows``: the prefill requests 2 and 3 resident (staged from device pages)."""
+    g = te.make_group(validate=validate, device_pool_rows=pool_rows)
     md = te._mixed_batch(g)
     assert g.hisparse_cache.pool.pinned
+    if pool_rows is not None:
+        assert [g.hisparse_cache.residency(rid) for rid in (1, 2, 3)] == ["hot", "resident", "resident"]
     for layer in range(te.L):
         g.convert_decode_logical_to_physical_topk(layer, te.random_topk(md, layer), md)
         ws = torch.full((30, 576), float("nan"), dtype=torch.bfloat16, device="cuda")

@@ -5,7 +5,10 @@ tokens, block sizes 1 / 16 / 64, stride > block size, compaction; CUDA-graph rep
 the unchecked path equals eager. Staging: a pinned host pool (hisparse.device.
 PinnedBuffer, read over UVA by the kernel) of 256K rows, hot rows on the GPU, requests
 of 0 / 1 / odd / 64K+ rows, both formats, bf16 and stored-format workspaces, on a
-side stream with the returned event; byte-exact against the torch reference.
+side stream with the returned event; byte-exact against the torch reference. With the
+elastic tier: a cache whose resident requests are staged from their device pages and
+whose demoted request from its hot buffer and the host pool, byte-exact against the
+host rows.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hisparse.staging import plan_prefill_chunks
+from hisparse import HiSparseCache, HiSparseConfig
+from hisparse.staging import StageRequests, plan_prefill_chunks, stage_prefill
 from hisparse.device import PinnedBuffer
 from hisparse.formats import dequantize_fp8_ds_mla_reference
 from staging_helpers import convert, convert_ref, stage, stage_chunk, stage_ref  # noqa: F401
@@ -210,6 +214,85 @@ def test_stage_chunks_and_graph_replay():
     torch.cuda.synchronize()
     assert torch.equal(ws.view(torch.int16), want.view(torch.int16))
     del buf
+
+
+@pytest.mark.parametrize("fmt", ["fp8_ds_mla", "bf16"])
+def test_stage_elastic_resident_byte_exact(fmt):
+    """A cache with the elastic tier at the default top-k (S = 4096) and a pool of 413
+    pages: request 1 (20000 rows) takes 313 pages, request 2 (9000 rows) needs 141 of the
+    100 left, so 1 is demoted (its newest 4097 rows seeded into its hot buffer); 3 (5000
+    rows) and 4 (1 row) stay resident. Staged on a side stream, checked and unchecked,
+    into both workspaces: byte-exact against the host rows and equal to the torch
+    reference. Then the host rows of every request are zeroed: the resident requests
+    still stage their own rows (read from their device pages)."""
+    lens = {1: 20000, 2: 9000, 3: 5000, 4: 1}
+    base = dict(num_layers=1, host_pool_tokens=640 * 64, row_bytes=ROW_BYTES[fmt], max_num_reqs=4,
+                host_block_size=64, device="cuda", max_request_id=16)
+    hot_rows = HiSparseConfig(**base).hot_rows_per_layer
+    c = HiSparseCache(HiSparseConfig(**base, device_pool_rows=hot_rows + 413 * 64))
+    g = torch.Generator(device=DEV).manual_seed(17 + len(fmt))
+    rows = {}
+    for rid, n in lens.items():
+        c.add_request(rid)
+        rows[rid] = _random_rows_gpu(g, n, fmt)
+        c.append_rows(0, rid, rows[rid])
+    assert [c.residency(rid) for rid in lens] == ["hot", "resident", "resident", "resident"]
+    assert int((c.state.row_slot[0] >= 0).sum()) == 4097
+    order = [3, 1, 4, 2]
+    starts, acc = {}, 0
+    for rid in order:
+        starts[rid] = acc
+        acc += lens[rid] + 5  # gaps between requests stay untouched
+    W = acc
+    i32 = dict(dtype=torch.int32, device=DEV)
+    reqs = StageRequests(req_slots=torch.tensor([c.request_slot(rid) for rid in order], **i32),
+                         seq_lens=torch.tensor([lens[rid] for rid in order], **i32),
+                         starts=torch.tensor([starts[rid] for rid in order], **i32), max_rows=max(lens.values()))
+    c.join_backup()
+    torch.cuda.synchronize()
+    host = {rid: c.read_host_rows(0, rid, list(range(n))) for rid, n in lens.items()}
+    for rid in lens:
+        assert torch.equal(host[rid], rows[rid].cpu()), rid
+    view = c.layer_view(0)
+    assert view.has_pool
+    side = torch.cuda.Stream()
+    for ws_dtype in (torch.bfloat16, torch.uint8):
+        shape = (W, 576) if ws_dtype == torch.bfloat16 else (W, ROW_BYTES[fmt])
+        outs = []
+        for kw in (dict(kernels="triton", validate=True, stream=side), dict(kernels="triton", validate=False),
+                   dict(kernels="torch")):
+            ws = torch.full(shape, 3, dtype=ws_dtype, device=DEV)
+            ev = stage_prefill(view, reqs, ws, **kw)
+            torch.cuda.current_stream().wait_event(ev)
+            outs.append(ws)
+        torch.cuda.synchronize()
+        for o in outs[1:]:
+            assert torch.equal(o.view(torch.uint8), outs[0].view(torch.uint8)), ws_dtype
+        got = outs[0].cpu()
+        for rid, n in lens.items():
+            want = host[rid]
+            if ws_dtype == torch.bfloat16:
+                want = dequantize_fp8_ds_mla_reference(want) if fmt == "fp8_ds_mla" else want.view(torch.bfloat16)
+            w0 = starts[rid]
+            assert torch.equal(got[w0:w0 + n].view(torch.uint8), want.view(torch.uint8)), (ws_dtype, rid)
+            assert bool((got[w0 + n:w0 + n + 5] == 3).all())
+    # the resident requests' rows come from their device pages, not from the host pool
+    for rid, n in lens.items():
+        c.pool.rows[0][c.pool.host_rows(c.request_slot(rid), torch.arange(n))] = 0
+    ws = torch.full((W, ROW_BYTES[fmt]), 3, dtype=torch.uint8, device=DEV)
+    stage_prefill(view, reqs, ws, kernels="triton", validate=False)
+    torch.cuda.synchronize()
+    got = ws.cpu()
+    for rid in (2, 3, 4):
+        assert torch.equal(got[starts[rid]:starts[rid] + lens[rid]], host[rid]), rid
+    w1 = got[starts[1]:starts[1] + lens[1]]
+    hot = c.state.slot_pos[0, c.request_slot(1)].cpu()
+    hot = hot[hot >= 0].long()
+    assert hot.numel() == 4097
+    cold = torch.ones(lens[1], dtype=torch.bool)
+    cold[hot] = False
+    assert torch.equal(w1[hot], host[1][hot])  # the demoted request's hot buffer
+    assert bool((w1[cold] == 0).all())  # and its host rows
 
 
 def test_stage_rejects_pageable_host_pool():

@@ -202,7 +202,10 @@ class HiSparseCache:
 
     def layer_view(self, layer: int) -> LayerView:
         """The frozen view staging and conversion read (``hisparse.staging``); its tensors
-        are views of the cache's own buffers, valid for the cache's lifetime."""
+        are views of the cache's own buffers, valid for the cache's lifetime. With the
+        elastic tier (``cfg.device_pool_rows``) it carries the residency flags and the
+        device page table, so staging reads a resident request's rows from its pages
+        (device to device) instead of the host pool; without one it carries neither."""
         V.check_layer(self.cfg, layer)
         view = self._views.get(layer)
         if view is None:
@@ -212,9 +215,12 @@ class HiSparseCache:
                 raise ValueError(f"row_bytes={cfg.row_bytes} is not a row format staging knows "
                                  f"({[f.value for f in RowFormat]})")
             blocks = BlockTable(self.state.block_table, cfg.host_block_size, seq_lens=self.state.seq_lens[layer])
+            st = self.state
+            pool = (dict(resident=st.resident, page_table=st.page_table, pool_base=st.pool_base, page_rows=st.PB)
+                    if self.dpool.enabled else {})
             view = LayerView(host_rows=self.pool.rows[layer], blocks=blocks, row_format=fmt,
-                             hot_rows=self.hot[layer], row_slot=self.state.row_slot[layer],
-                             slots_per_req=cfg.slots_per_req)
+                             hot_rows=self.hot[layer], row_slot=st.row_slot[layer],
+                             slots_per_req=cfg.slots_per_req, **pool)
             self._views[layer] = view
         return view
 

@@ -1,17 +1,25 @@
 """Triton bodies of prefill staging: gather each prefill request's rows [0, seq_len)
-from the host pool (pinned, read over UVA) or, when the row is hot, from the layer's
-hot rows, into a contiguous workspace.
+from the host pool (pinned, read over UVA) or, when the row is on the device, from the
+layer's flat device view (a hot row, or a resident request's page row) into a
+contiguous workspace.
 
-Launchers, validation and the torch reference live in ``hisparse.cache.prefill``.
+Launchers, validation and the torch reference live in ``hisparse.staging.prefill``.
 
 Grid: (cdiv(max_rows, ROWS), P). Program (b, i) stages positions
 [b * ROWS, (b + 1) * ROWS) of prefill request i; programs past the request's length
 do nothing. For each position p of request i (request slot r = req_slots[i]):
 
-    h   = block_table[r, p // B] * B + p % B           host row
-    s   = row_slot[h]                                  (HAS_HOT) hot slot, -1 = not hot
-    src = hot[r * SP + s] if s >= 0 else host[h]       same bytes by the cache invariant
+    resident request (HAS_POOL and resident[r] != 0): its page row, device to device
+        src = hot[pool_base + page_table[r, p // PB] * PB + p % PB]
+    otherwise
+        h   = block_table[r, p // B] * B + p % B           host row
+        s   = row_slot[h]                                  (HAS_HOT) hot slot, -1 = not hot
+        src = hot[r * SP + s] if s >= 0 else host[h]       same bytes by the cache invariant
     workspace[workspace_starts[i] + p] = convert(src)
+
+A resident request never reads its block table or the host pool (the cache keeps its
+page rows byte-identical to its host rows). ``HAS_POOL`` is a constexpr: a view
+without the elastic tier compiles the same body as before it.
 
 Two bodies, both reading whole rows as int32 words: ``stage_dequant_kernel`` turns
 fp8_ds_mla rows into bf16 workspace rows (element j of the latent = e4m3 code j times
@@ -20,7 +28,8 @@ is bit-identical to the torch reference on GPU and in the CPU interpreter, whose
 float32 -> bf16 cast truncates); ``stage_copy_kernel`` copies rows unchanged (bf16
 rows into a bf16 workspace, or any format into a workspace of stored rows).
 
-Every index is bounds-checked in-kernel (a row that cannot be located is skipped), so
+Every index is bounds-checked in-kernel (a row that cannot be located is skipped: for
+a resident request, a position whose page is unmapped or past the device view), so
 even with validation off nothing outside the tensors is read or written. Loop-free:
 the CPU interpreter cannot loop over runtime bounds under NumPy >= 2.4.
 """
@@ -39,25 +48,42 @@ def _locate_rows(
     lens_ptr,  # int32 [P] rows to stage per request
     starts_ptr,  # int32 [P] first workspace row of each request
     row_slot_ptr,  # int32 [H] hot slot of each host row, -1 = not hot (HAS_HOT)
-    R, NB, H, W, HOT_N, SP, stride_bt,
+    resident_ptr,  # int32 [R] != 0 = resident request slot (HAS_POOL)
+    pt_ptr,  # int32 [R, MP] pool page of each logical page, -1 = none (HAS_POOL)
+    R, NB, H, W, HOT_N, SP, stride_bt, MP, stride_pt, pool_base,
     BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr, HAS_HOT: tl.constexpr,
+    HAS_POOL: tl.constexpr, PAGE_ROWS: tl.constexpr,
 ):
-    """int64 [ROWS] source row in host / hot and workspace row, masks of what to do."""
+    """int64 [ROWS] source row in host / device view (hot or page row, -1 = host) and
+    workspace row, masks of what to do."""
     r = tl.load(slots_ptr + i).to(tl.int64)
     n = tl.load(lens_ptr + i).to(tl.int64)
     w0 = tl.load(starts_ptr + i).to(tl.int64)
     p = b.to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    wrow = w0 + p
+    base_ok = (p < n) & (r >= 0) & (r < R) & (w0 >= 0) & (wrow < W)
+    is_res = r * 0  # scalar: 1 = the request is resident (HAS_POOL)
+    if HAS_POOL:
+        r_ok = (r >= 0) & (r < R)
+        is_res = (tl.load(resident_ptr + tl.where(r_ok, r, 0), mask=r_ok, other=0) != 0).to(tl.int64)
     blk = p // BLOCK_SIZE
-    ok = (p < n) & (r >= 0) & (r < R) & (blk < NB) & (w0 >= 0)
+    ok = base_ok & (blk < NB) & (is_res == 0)
     pb = tl.load(bt_ptr + r * stride_bt + blk, mask=ok, other=-1).to(tl.int64)
     h = pb * BLOCK_SIZE + p % BLOCK_SIZE
-    wrow = w0 + p
-    ok = ok & (pb >= 0) & (h < H) & (wrow < W)
+    ok = ok & (pb >= 0) & (h < H)
     hot_row = h * 0 - 1
     if HAS_HOT:
         s = tl.load(row_slot_ptr + h, mask=ok, other=-1).to(tl.int64)
         hot_row = tl.where((s >= 0) & (s < SP), r * SP + s, -1)
         hot_row = tl.where(hot_row < HOT_N, hot_row, -1)
+    if HAS_POOL:
+        pg = p // PAGE_ROWS
+        okp = base_ok & (is_res != 0) & (pg < MP)
+        page = tl.load(pt_ptr + r * stride_pt + pg, mask=okp, other=-1).to(tl.int64)
+        prow = pool_base + page * PAGE_ROWS + p % PAGE_ROWS
+        okp = okp & (page >= 0) & (prow < HOT_N)
+        hot_row = tl.where(okp, prow, hot_row)
+        ok = ok | okp
     from_hot = ok & (hot_row >= 0)
     from_host = ok & (hot_row < 0)
     return h, hot_row, wrow, ok, from_hot, from_host
@@ -76,25 +102,29 @@ def _bf16_bits_rne(x):
 @triton.jit
 def stage_copy_kernel(
     host_ptr,  # int32 [H, WORDS] host pool rows of the layer as words (pinned CPU over UVA, or device)
-    hot_ptr,  # int32 [HOT_N, WORDS] hot rows of the layer (HAS_HOT)
+    hot_ptr,  # int32 [HOT_N, WORDS] the layer's flat device view: hot rows, then pool pages (HAS_HOT)
     row_slot_ptr,  # int32 [H] hot slot of each host row, -1 = not hot (HAS_HOT)
+    resident_ptr,  # int32 [R] != 0 = resident request slot (HAS_POOL)
+    pt_ptr,  # int32 [R, MP] pool page of each logical page (HAS_POOL)
     bt_ptr,  # int32 [R, NB] block table
     slots_ptr,  # int32 [P] request slot of each prefill request
     lens_ptr,  # int32 [P] rows to stage per request
     starts_ptr,  # int32 [P] first workspace row of each request
     ws_ptr,  # int32 [W, WORDS] workspace rows as words
-    R, NB, H, W, HOT_N, SP, stride_bt,
+    R, NB, H, W, HOT_N, SP, stride_bt, MP, stride_pt, pool_base,
     BLOCK_SIZE: tl.constexpr,
     ROWS: tl.constexpr,  # rows per program
     WORDS: tl.constexpr,  # int32 words per row (row_bytes / 4)
     WORDS_P2: tl.constexpr,  # next power of two >= WORDS
     HAS_HOT: tl.constexpr,
+    HAS_POOL: tl.constexpr,  # resident requests read their page rows
+    PAGE_ROWS: tl.constexpr,  # PB, rows per pool page (HAS_POOL)
 ):
     i = tl.program_id(1)
     b = tl.program_id(0)
     h, hot_row, wrow, ok, from_hot, from_host = _locate_rows(
-        i, b, bt_ptr, slots_ptr, lens_ptr, starts_ptr, row_slot_ptr, R, NB, H, W, HOT_N, SP,
-        stride_bt, BLOCK_SIZE, ROWS, HAS_HOT)
+        i, b, bt_ptr, slots_ptr, lens_ptr, starts_ptr, row_slot_ptr, resident_ptr, pt_ptr, R, NB, H, W,
+        HOT_N, SP, stride_bt, MP, stride_pt, pool_base, BLOCK_SIZE, ROWS, HAS_HOT, HAS_POOL, PAGE_ROWS)
     cols = tl.arange(0, WORDS_P2)
     in_row = (cols < WORDS)[None, :]
     mh = from_host[:, None] & in_row
@@ -109,17 +139,21 @@ def stage_copy_kernel(
 @triton.jit
 def stage_dequant_kernel(
     host_ptr,  # int32 [H, 164] host pool rows of the layer as words (pinned CPU over UVA, or device)
-    hot_ptr,  # int32 [HOT_N, 164] hot rows of the layer as words (HAS_HOT)
+    hot_ptr,  # int32 [HOT_N, 164] the layer's flat device view as words: hot rows, then pool pages (HAS_HOT)
     row_slot_ptr,  # int32 [H] hot slot of each host row, -1 = not hot (HAS_HOT)
+    resident_ptr,  # int32 [R] != 0 = resident request slot (HAS_POOL)
+    pt_ptr,  # int32 [R, MP] pool page of each logical page (HAS_POOL)
     bt_ptr,  # int32 [R, NB] block table
     slots_ptr,  # int32 [P] request slot of each prefill request
     lens_ptr,  # int32 [P] rows to stage per request
     starts_ptr,  # int32 [P] first workspace row of each request
     ws_ptr,  # int32 [W, 288] workspace rows as words (two bf16 per word)
-    R, NB, H, W, HOT_N, SP, stride_bt,
+    R, NB, H, W, HOT_N, SP, stride_bt, MP, stride_pt, pool_base,
     BLOCK_SIZE: tl.constexpr,
     ROWS: tl.constexpr,  # rows per program
     HAS_HOT: tl.constexpr,
+    HAS_POOL: tl.constexpr,  # resident requests read their page rows
+    PAGE_ROWS: tl.constexpr,  # PB, rows per pool page (HAS_POOL)
 ):
     """fp8_ds_mla rows -> bf16 workspace rows, each source row read in one contiguous
     656-byte load (164 int32 words).
@@ -134,8 +168,8 @@ def stage_dequant_kernel(
     i = tl.program_id(1)
     b = tl.program_id(0)
     h, hot_row, wrow, ok, from_hot, from_host = _locate_rows(
-        i, b, bt_ptr, slots_ptr, lens_ptr, starts_ptr, row_slot_ptr, R, NB, H, W, HOT_N, SP,
-        stride_bt, BLOCK_SIZE, ROWS, HAS_HOT)
+        i, b, bt_ptr, slots_ptr, lens_ptr, starts_ptr, row_slot_ptr, resident_ptr, pt_ptr, R, NB, H, W,
+        HOT_N, SP, stride_bt, MP, stride_pt, pool_base, BLOCK_SIZE, ROWS, HAS_HOT, HAS_POOL, PAGE_ROWS)
     cols = tl.arange(0, 256)
     in_row = (cols < 164)[None, :]
     v = tl.load(host_ptr + (tl.where(from_host, h, 0) * 164)[:, None] + cols[None, :],

@@ -31,10 +31,17 @@ once; pieces would need split attention with an LSE merge across pieces in every
 backend (or a sparse workspace holding only the union of the selected rows), which
 is a larger change than staging. Size W for the longest prefill context.
 
-Hot rows: a host row with ``row_slot[h] >= 0`` is read from the hot buffer (HBM
-instead of PCIe). The cache keeps hot rows byte-identical to their host rows, so the
-result is the same; the caller must not run a resolve of the same (layer, request)
-concurrently with staging (a resolve may remap slots).
+Where a row is read from (the same bytes either way):
+- a *resident* request (the elastic tier, ``view.resident[r] != 0``): every position
+  from its device page, ``hot[pool_base + page_table[r, p // PB] * PB + p % PB]``,
+  device to device; its host rows and block table are not read. The cache writes
+  each appended row to its page and to the host pool alike.
+- a hot request: a host row with ``row_slot[h] >= 0`` from its hot slot (HBM instead
+  of PCIe), the others from the host pool over PCIe. The cache keeps hot rows
+  byte-identical to their host rows.
+The caller must not run, concurrently with staging, a resolve of the same (layer,
+request) (a resolve may remap slots) nor a write or free that changes residency (a
+demotion or free returns a request's pages, which a later write may refill).
 """
 
 from __future__ import annotations
@@ -293,9 +300,13 @@ def _validate_values(view: LayerView, reqs: StageRequests, workspace: torch.Tens
             raise ValueError(f"workspace regions of prefill requests {a} and {b} overlap "
                              f"([{int(starts[a])}, {int(starts[a] + lens[a])}) and starts[{b}] = {int(starts[b])})")
     bt = view.blocks.table.long().cpu()
+    resident = view.resident.cpu() if view.has_pool else None
     for i in range(P):
         r, n = int(slots[i]), int(lens[i])
         if n == 0:
+            continue
+        if resident is not None and int(resident[r]) != 0:
+            _validate_pages(view, i, r, n)
             continue
         nb = -(-n // block_size)
         blocks = bt[r, :nb]
@@ -315,15 +326,52 @@ def _validate_values(view: LayerView, reqs: StageRequests, workspace: torch.Tens
             raise ValueError(f"row_slot holds values outside [-1, {view.slots_per_req})")
 
 
+def _validate_pages(view: LayerView, i: int, r: int, n: int) -> None:
+    """Resident request slot r of prefill request i: a mapped page inside the device
+    view for every position [0, n)."""
+    PB = view.page_rows
+    pt = view.page_table[r].long().cpu()
+    MP = pt.numel()
+    npg = -(-n // PB)
+    if npg > MP:
+        raise ValueError(f"prefill request {i} (resident slot {r}) has seq_len = {n}, more than its "
+                         f"page table's {MP} pages x {PB} rows")
+    pages = pt[:npg]
+    if bool((pages < 0).any()):
+        k = int(torch.nonzero(pages < 0)[0])
+        raise ValueError(f"prefill request {i} (resident slot {r}) has no device page for logical page "
+                         f"{k} (page_table[{r}, {k}] = -1) but seq_len = {n}")
+    last = view.pool_base + pages * PB + PB - 1
+    last[-1] = view.pool_base + pages[-1] * PB + (n - 1) % PB
+    N = view.hot_rows.shape[0]
+    if bool((last >= N).any()):
+        k = int(torch.nonzero(last >= N)[0])
+        raise ValueError(f"prefill request {i} (resident slot {r}): page_table[{r}, {k}] = {int(pages[k])} "
+                         f"points past the device view of {N} rows")
+
+
 # ---------------------------------------------------------------------------
 # staging: reference and launcher
 # ---------------------------------------------------------------------------
 
-def _source_rows(view: LayerView, r: int, n: int) -> torch.Tensor:
-    """uint8 [n, row_bytes] stored rows of request slot r, positions [0, n) (hot rows preferred)."""
+def _source_rows(view: LayerView, r: int, n: int) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(positions, rows): uint8 [m, row_bytes] stored rows of request slot r at
+    ``positions`` (int64 [m]; None = all of [0, n), m = n). A resident request's rows
+    come from its device pages (positions whose page is unmapped or past the view are
+    left out); others from the host pool, hot rows preferred."""
     bt = view.blocks.table
-    B = view.blocks.block_size
     p = torch.arange(n, dtype=torch.long, device=bt.device)
+    if view.has_pool and int(view.resident[r]) != 0:
+        PB = view.page_rows
+        pt = view.page_table[r].long()
+        pg = p // PB
+        okp = pg < pt.numel()
+        page = torch.full_like(pg, -1)
+        page[okp] = pt[pg[okp]]
+        row = view.pool_base + page * PB + p % PB
+        good = okp & (page >= 0) & (row < view.hot_rows.shape[0])
+        return p[good], view.hot_rows[row[good]]
+    B = view.blocks.block_size
     h = bt[r].long()[p // B] * B + p % B
     rows = view.host_rows[h.to(view.host_rows.device)].to(bt.device)
     if view.row_slot is not None:
@@ -331,7 +379,7 @@ def _source_rows(view: LayerView, r: int, n: int) -> torch.Tensor:
         hot = s >= 0
         if bool(hot.any()):
             rows[hot] = view.hot_rows[r * view.slots_per_req + s[hot]]
-    return rows
+    return None, rows
 
 
 def stage_prefill_reference(view: LayerView, requests: StageRequests, workspace: torch.Tensor) -> None:
@@ -341,13 +389,17 @@ def stage_prefill_reference(view: LayerView, requests: StageRequests, workspace:
         r, n, w0 = int(requests.req_slots[i]), int(requests.seq_lens[i]), int(requests.starts[i])
         if n == 0:
             continue
-        rows = _source_rows(view, r, n)
+        pos, rows = _source_rows(view, r, n)
         if workspace.dtype == torch.uint8:
-            workspace[w0:w0 + n] = rows
+            out = rows
         elif fmt is RowFormat.FP8_DS_MLA:
-            workspace[w0:w0 + n] = dequantize_fp8_ds_mla_reference(rows)
+            out = dequantize_fp8_ds_mla_reference(rows)
         else:
-            workspace[w0:w0 + n] = rows.view(torch.bfloat16)
+            out = rows.view(torch.bfloat16)
+        if pos is None:
+            workspace[w0:w0 + n] = out
+        else:
+            workspace[w0 + pos] = out
 
 
 def stage_prefill(
@@ -371,9 +423,12 @@ def stage_prefill(
     Returns None on CPU. ``validate=True`` checks every index range (a host sync)
     before launching; ``validate=False`` with ``requests.max_rows`` given is sync-free
     and allocation-free (rows that cannot be located are skipped, never read out of
-    bounds). The caller keeps every tensor alive until the event has completed
-    (nothing here calls ``record_stream``), and runs no resolve of these requests
-    meanwhile. ``rows_per_program`` / ``num_warps`` tune the launch.
+    bounds; a resident request's position whose page is unmapped too). Resident
+    requests (a view with the elastic tier) are read from their device pages. The
+    caller keeps every tensor alive until the event has completed (nothing here calls
+    ``record_stream``), and runs no resolve of these requests meanwhile, nor a write
+    or free that demotes or releases one of them. ``rows_per_program`` /
+    ``num_warps`` tune the launch.
     """
     mode = _validate_structure(view, requests, workspace, rows_per_program, num_warps)
     impl = Kernels.parse(kernels).pick(view.device)
@@ -416,27 +471,36 @@ def _launch(mode: _Mode, view: LayerView, reqs: StageRequests, workspace: torch.
     R, NB = block_table.shape
     H, W = view.num_host_rows, workspace.shape[0]
     has_hot = view.hot_rows is not None
+    has_pool = view.has_pool  # implies has_hot (LayerView)
     hot_rows, row_slot = view.hot_rows, view.row_slot
     hot_n = hot_rows.shape[0] if has_hot else 0
     sp = view.slots_per_req if has_hot else 1
     bt = block_table if block_table.numel() and block_table.stride(1) == 1 else block_table.contiguous()
     stride_bt = bt.stride(0) if NB else 1
+    if has_pool:
+        pt = view.page_table  # last dimension packed (LayerView)
+        MP, stride_pt = pt.shape[1], (pt.stride(0) if pt.shape[1] else 1)
+        pool = (view.resident, pt if pt.numel() else reqs.req_slots)
+        pool_args = (MP, stride_pt, view.pool_base)
+    else:
+        pool = (reqs.req_slots, reqs.req_slots)
+        pool_args = (0, 1, 0)
     grid = (-(-max_rows // rows), P)
     host_w = view.host_rows.view(torch.int32)
     hot_w = hot_rows.view(torch.int32) if has_hot else host_w
-    common = (host_w, hot_w, row_slot if has_hot else reqs.req_slots,
+    common = (host_w, hot_w, row_slot if has_hot else reqs.req_slots, *pool,
               bt if bt.numel() else reqs.req_slots, reqs.req_slots, reqs.seq_lens, reqs.starts)
+    flags = dict(BLOCK_SIZE=view.blocks.block_size, ROWS=rows, HAS_HOT=has_hot, HAS_POOL=has_pool,
+                 PAGE_ROWS=view.page_rows if has_pool else 1, num_warps=num_warps)
     with torch.cuda.device(workspace.device) if workspace.is_cuda else contextlib.nullcontext():
         if mode.dequant:
             stage_dequant_kernel[grid](
-                *common, workspace.view(torch.int32), R, NB, H, W, hot_n, sp, stride_bt,
-                BLOCK_SIZE=view.blocks.block_size, ROWS=rows, HAS_HOT=has_hot, num_warps=num_warps)
+                *common, workspace.view(torch.int32), R, NB, H, W, hot_n, sp, stride_bt, *pool_args, **flags)
         else:
             words = mode.row_bytes // 4
             stage_copy_kernel[grid](
                 *common, workspace.view(torch.int32).view(W, words), R, NB, H, W, hot_n, sp, stride_bt,
-                BLOCK_SIZE=view.blocks.block_size, ROWS=rows, WORDS=words,
-                WORDS_P2=triton.next_power_of_2(words), HAS_HOT=has_hot, num_warps=num_warps)
+                *pool_args, WORDS=words, WORDS_P2=triton.next_power_of_2(words), **flags)
 
 
 __all__ = ["PrefillChunk", "StageRequests", "plan_prefill_chunks", "stage_prefill",

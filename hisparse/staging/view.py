@@ -3,8 +3,9 @@
 - :class:`BlockTable`: where each request's logical positions live, as rows of a flat
   row store (the cache's host pool, or an engine's own paged cache).
 - :class:`LayerView`: one cache layer as staging sees it: its host rows, the block
-  table, its hot rows and row -> slot map, and the row format. A cache hands one out
-  (``HiSparseCache.layer_view(layer)``); tests and benchmarks may build their own.
+  table, its hot rows and row -> slot map, the row format and, with the elastic tier,
+  the residency flags and device page table of its resident requests. A cache hands
+  one out (``HiSparseCache.layer_view(layer)``); tests and benchmarks may build their own.
 
 Both are checked once, when built (types, dtypes, shapes, devices, pinning): the
 per-call checks of staging and conversion then look only at the per-call tensors.
@@ -19,6 +20,7 @@ import dataclasses
 import torch
 
 from .._checks import check_int, check_tensor, device_type
+from ..config import DEVICE_PAGE_ROWS
 from ..device import is_pinned_host
 from ..formats import RowFormat
 
@@ -71,8 +73,22 @@ class LayerView:
     row_slot:      int32 [H] | None, hot slot (0..S) of each host row, -1 = not hot
     slots_per_req: SP = S + 1 hot rows per request slot (when hot_rows is given)
 
+    The elastic device tier (``hisparse.cache.device_pool``; ``resident`` and
+    ``page_table`` both or neither, and only with ``hot_rows``; ``pool_base`` and
+    ``page_rows`` are read only with them):
+
+    resident:      int32 [R] | None, != 0 = the request slot is resident: every position
+                   p has a row in the device pages past the hot buffers
+    page_table:    int32 [R, MP] | None, pool page of each logical page, -1 = none
+                   (its last dimension packed)
+    pool_base:     first row of the pages in ``hot_rows`` (>= R * SP)
+    page_rows:     PB, rows per page
+
     A host row whose ``row_slot`` is >= 0 may be read from ``hot_rows`` instead (the
-    cache keeps both byte-identical).
+    cache keeps both byte-identical). Position p of a resident request slot r is read
+    from ``hot_rows[pool_base + page_table[r, p // PB] * PB + p % PB]``, never from
+    the host (its host rows are never in ``row_slot``; the cache keeps the page row and
+    the host row byte-identical).
     """
 
     host_rows: torch.Tensor
@@ -81,6 +97,10 @@ class LayerView:
     hot_rows: torch.Tensor | None = None
     row_slot: torch.Tensor | None = None
     slots_per_req: int = 1
+    resident: torch.Tensor | None = None
+    page_table: torch.Tensor | None = None
+    pool_base: int = 0
+    page_rows: int = DEVICE_PAGE_ROWS
 
     def __post_init__(self) -> None:
         fmt = RowFormat.parse(self.row_format)
@@ -108,6 +128,25 @@ class LayerView:
             if self.hot_rows.shape[0] < need:
                 raise ValueError(f"hot_rows has {self.hot_rows.shape[0]} rows, fewer than R x "
                                  f"slots_per_req = {need}")
+        if (self.resident is None) != (self.page_table is None):
+            raise ValueError("resident and page_table go together: pass both or neither")
+        check_int("pool_base", self.pool_base, 0)
+        check_int("page_rows", self.page_rows, 1)
+        if self.resident is not None:
+            if self.hot_rows is None:
+                raise ValueError("resident requests read their rows from pages of hot_rows: pass "
+                                 "hot_rows and row_slot with resident and page_table")
+            R = self.blocks.num_rows
+            check_tensor("resident", self.resident, dtype=torch.int32, shape=(R,), device=dev)
+            check_tensor("page_table", self.page_table, dtype=torch.int32, shape=(R, None), device=dev)
+            if self.page_table.shape[1] > 1 and self.page_table.stride(1) != 1:
+                raise ValueError(f"page_table's last dimension must be packed, got strides "
+                                 f"{self.page_table.stride()}")
+            need = R * self.slots_per_req
+            if not need <= self.pool_base <= self.hot_rows.shape[0]:
+                raise ValueError(f"pool_base={self.pool_base} must lie in [R x slots_per_req = {need}, "
+                                 f"{self.hot_rows.shape[0]}] (the pages follow the hot buffers in "
+                                 "hot_rows)")
 
     @property
     def device(self) -> torch.device:
@@ -117,6 +156,11 @@ class LayerView:
     @property
     def num_host_rows(self) -> int:
         return int(self.host_rows.shape[0])
+
+    @property
+    def has_pool(self) -> bool:
+        """Whether the view carries the elastic tier's residency flags and page table."""
+        return self.resident is not None
 
 
 __all__ = ["BlockTable", "LayerView"]
