@@ -37,11 +37,29 @@ cover the run's hot buffers plus one page; ``N`` gives every hisparse run N rows
 layer (refused up front below a run's hot buffers plus one page). The runs then report
 the lookups resolved to resident rows, the spills and the rows they seeded.
 
-Exit status: 1 when outputs differ beyond tolerance or a run fails, 2 bad input, else 0.
+``--sweep`` runs, instead of the largest batches, a batch sweep per context
+(``benchmarks.capacity_sweep``): batches 1, 2, 4, ... up to hisparse's largest, plus the
+resident tier's largest and hisparse's (``--sweep-batches N [N ...]`` gives them; one
+above hisparse's largest is left out, said so), and at each batch the resident tier
+(where the batch fits it), hisparse with fixed hot buffers (no pool) and hisparse with
+the elastic pool (``--pool-rows N``, else ``auto`` as above: no pool, and no elastic run,
+where those rows don't cover the batch's hot buffers plus a page), each for
+``--decode-steps``. Per batch: tokens/s of each, elastic / resident and fixed / resident
+by wall and by the replays' GPU time, each hisparse run's miss rate, the elastic run's
+requests that finished resident / hot and its spills, the outputs at the batch compared
+(the like-for-like check, which sets the exit status); the targets flagged: elastic >=
+0.97x resident at every batch the resident tier fits, elastic's miss rate <= fixed's at
+every batch. The table is printed, everything goes in ``--out`` (written after every
+batch), and ``--plot FILE`` writes a PNG of tokens/s and miss rate vs batch (needs
+matplotlib).
+
+Exit status: 1 when outputs differ beyond tolerance or a run fails, 2 bad input, 4 --plot
+without matplotlib, else 0.
 
   python -m benchmarks.bench_capacity --out capacity.json [--contexts 131072] [--run-layers 4]
   python -m benchmarks.bench_capacity --dry-run     # tiny shapes on CPU (interpreter), padded decode
   python -m benchmarks.bench_capacity --pool-rows auto --contexts 131072   # hisparse with the elastic tier
+  python -m benchmarks.bench_capacity --sweep --contexts 128K --out sweep.json --plot sweep.png
 """
 
 from __future__ import annotations
@@ -50,6 +68,7 @@ import argparse
 import dataclasses
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -64,7 +83,8 @@ from hisparse_tools.mini_engine.graphs import DecodeMode  # noqa: E402
 from hisparse.config import DEVICE_PAGE_ROWS  # noqa: E402
 from hisparse_tools.sizing import HOT_ALIGN, hot_buffer_rows  # noqa: E402
 from hisparse_tools.units import fmt_bytes, parse_bytes, parse_count, parse_rows, parse_tokens  # noqa: E402
-from hisparse_tools.report import table  # noqa: E402
+from hisparse_tools.report import PlotUnavailable, require_matplotlib, table  # noqa: E402
+from benchmarks import capacity_sweep  # noqa: E402
 
 
 def pool_rows_arg(text: str) -> int | str:
@@ -133,6 +153,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--profile", type=parse_count, default=0, metavar="N",
                     help="the last N replayed steps of each run go under torch.profiler (not timed): "
                          "GPU time per step and its top kernels [0: off]")
+    ap.add_argument("--sweep", action="store_true",
+                    help="per context, a batch sweep from 1 to hisparse's largest batch: resident (where it "
+                         "fits), hisparse with fixed hot buffers and with the elastic pool (--pool-rows, else "
+                         "auto) at each batch, instead of the largest batches")
+    ap.add_argument("--sweep-batches", type=common.positive_int, nargs="+", default=None, metavar="N",
+                    help="--sweep's batches [1, 2, 4, ... up to hisparse's largest, plus the resident's "
+                         "largest and hisparse's]")
+    ap.add_argument("--plot", default=None, metavar="FILE",
+                    help="--sweep: write a PNG of tokens/s and miss rate vs batch (needs matplotlib)")
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU; figures mean nothing")
     ap.add_argument("--out", default=None)
     return ap.parse_args(argv)
@@ -172,7 +201,9 @@ def pool_minimum(budget: Budget, batch: int) -> int:
 
 def hisparse_batches(lim: dict, a: argparse.Namespace) -> list[int]:
     """The batches the hisparse runs of one context use (--same-batch adds the resident's;
-    --max-batch caps them; a batch of 0 is skipped)."""
+    --max-batch caps them; a batch of 0 is skipped; --sweep: the sweep's batches)."""
+    if a.sweep:
+        return capacity_sweep.sweep_batches(lim, a.sweep_batches, a.max_batch)[0]
     out = [lim["hisparse"]["batch"]] + ([lim["resident"]["batch"]] if a.same_batch else [])
     return [min(b, a.max_batch) if a.max_batch else b for b in out if b]
 
@@ -195,12 +226,13 @@ def pool_for(budget: Budget, lim: dict, batch: int, a: argparse.Namespace) -> di
 
 
 def check_pool_rows(budget: Budget, contexts: list[int], a: argparse.Namespace) -> None:
-    """--pool-rows N must give every hisparse run its hot buffers plus one page."""
+    """--pool-rows N must give every hisparse run its hot buffers plus one page (the
+    largest batch short of them is named)."""
     if not isinstance(a.pool_rows, int):
         return
     for ctx in contexts:
         lim = tier_limits(budget, ctx)
-        for b in hisparse_batches(lim, a):
+        for b in sorted(hisparse_batches(lim, a), reverse=True):
             if a.pool_rows < pool_minimum(budget, b):
                 least = pool_minimum(budget, b)
                 raise ValueError(f"--pool-rows {a.pool_rows} is below {least}, the hot buffers of hisparse's batch of "
@@ -240,32 +272,8 @@ def run_context(budget: Budget, shape: RunShape, ctx: int, a: argparse.Namespace
         b = min(batch, a.max_batch) if a.max_batch else batch
         run_shape = dataclasses.replace(shape, prefetch=False) if name.endswith("_no_prefetch") else shape
         pool = pool_for(budget, lim, b, a) if kind == "hisparse" else {"rows": None, "from": None}
-        cfg = engine_config(budget, run_shape, context=ctx, batch=b, pool_rows=pool["rows"])
-        t0 = time.perf_counter()
-        where = ""
-        if pool["from"] is not None:
-            where = (f", device pool {pool['rows']} rows per layer ({pool['from']})" if pool["rows"]
-                     else f", {pool['note']}")
-        print(f"[capacity]   {name}: batch {b}{' (capped)' if b < batch else ''}, {shape.run_layers} layers"
-              f"{where} ...", flush=True)
-        prof = None
-        if a.profile:  # the replays after the timed ones (decode steps - 2: padded, capture)
-            prof = (max(shape.decode_steps - 2 - a.profile, 1), a.profile)
-        s, res = measure(cfg, kind, decode_mode=shape.decode_mode, full_layers=budget.num_layers, profile=prof)
-        s["wall_s"] = time.perf_counter() - t0
-        s["config"] = dataclasses.asdict(cfg)
-        if kind == "hisparse" and pool["from"] is not None:
-            s["pool"] = pool
-        out["runs"][name] = s
-        raw[name] = (cfg, res)
-        dec = s["decode"]
-        print(f"[capacity]   {name}: {dec['tokens_per_s'] or 0:.1f} tok/s at {shape.run_layers} layers "
-              f"(median step {dec['step_ms']['median_ms'] or 0:.3f} ms over {dec['step_ms']['n']} "
-              f"{dec['steps_from']}"
-              + (f"; GPU time {dec['gpu_step_ms']['median_ms']:.3f} ms" if dec.get("gpu_step_ms") else "")
-              + f"), {s['wall_s']:.1f} s", flush=True)
-        if s.get("profile"):
-            print(format_profile(name, s["profile"]), flush=True)
+        out["runs"][name], raw[name] = run_one(budget, run_shape, ctx, a, name=name, kind=kind, batch=b,
+                                               pool=pool, capped=b < batch)
     if "resident" in raw and "hisparse" in raw:
         r, h = out["runs"]["resident"]["decode"], out["runs"]["hisparse"]["decode"]
         out["ratio_tokens_per_s"] = (h["tokens_per_s"] / r["tokens_per_s"]
@@ -298,6 +306,55 @@ def run_context(budget: Budget, shape: RunShape, ctx: int, a: argparse.Namespace
         sm = raw["resident_smaller_batch"]
         out["compare_resident_batch_sizes"] = compare(sm[0], sm[1], raw["resident"][1])
     return out
+
+
+def run_context_sweep(budget: Budget, shape: RunShape, ctx: int, a: argparse.Namespace,
+                      on_batch=lambda out: None) -> dict:
+    """--sweep: one context's batch sweep (``capacity_sweep.run_sweep`` with this
+    module's runs); ``on_batch(out)`` after every batch, with what the sweep has so far."""
+    lim = tier_limits(budget, ctx)
+    batches, notes = capacity_sweep.sweep_batches(lim, a.sweep_batches, a.max_batch)
+    out = {"limits": lim, "sweep_batches": batches, "notes": notes, "rows": []}
+    print(f"[capacity] context {ctx}: resident {lim['resident']['batch']} ({lim['resident']['bound']}), "
+          f"hisparse {lim['hisparse']['batch']} ({lim['hisparse']['bound']}); sweep over batches {batches}"
+          + "".join(f"; {n}" for n in notes), flush=True)
+    elastic = argparse.Namespace(**(vars(a) | {"pool_rows": "auto" if a.pool_rows is None else a.pool_rows}))
+    return capacity_sweep.run_sweep(
+        out, lim, batches,
+        run=lambda name, kind, b, pool: run_one(budget, shape, ctx, a, name=name, kind=kind, batch=b, pool=pool),
+        elastic_pool=lambda b: pool_for(budget, lim, b, elastic), on_batch=lambda: on_batch(out))
+
+
+def run_one(budget: Budget, shape: RunShape, ctx: int, a: argparse.Namespace, *, name: str, kind: str,
+            batch: int, pool: dict, capped: bool = False) -> tuple[dict, tuple]:
+    """One measured run: ``kind`` (resident / hisparse) serving ``batch`` requests of
+    context ``ctx`` with ``pool`` (:func:`pool_for`; ``rows`` None: no device pool).
+    Returns (its summary, (config, raw result with the outputs)) and prints both ends."""
+    cfg = engine_config(budget, shape, context=ctx, batch=batch, pool_rows=pool["rows"])
+    t0 = time.perf_counter()
+    where = ""
+    if pool["from"] is not None:
+        where = (f", device pool {pool['rows']} rows per layer ({pool['from']})" if pool["rows"]
+                 else f", {pool['note']}")
+    print(f"[capacity]   {name}: batch {batch}{' (capped)' if capped else ''}, {shape.run_layers} layers"
+          f"{where} ...", flush=True)
+    prof = None
+    if a.profile:  # the replays after the timed ones (decode steps - 2: padded, capture)
+        prof = (max(shape.decode_steps - 2 - a.profile, 1), a.profile)
+    s, res = measure(cfg, kind, decode_mode=shape.decode_mode, full_layers=budget.num_layers, profile=prof)
+    s["wall_s"] = time.perf_counter() - t0
+    s["config"] = dataclasses.asdict(cfg)
+    if kind == "hisparse" and pool["from"] is not None:
+        s["pool"] = pool
+    dec = s["decode"]
+    print(f"[capacity]   {name}: {dec['tokens_per_s'] or 0:.1f} tok/s at {shape.run_layers} layers "
+          f"(median step {dec['step_ms']['median_ms'] or 0:.3f} ms over {dec['step_ms']['n']} "
+          f"{dec['steps_from']}"
+          + (f"; GPU time {dec['gpu_step_ms']['median_ms']:.3f} ms" if dec.get("gpu_step_ms") else "")
+          + f"), {s['wall_s']:.1f} s", flush=True)
+    if s.get("profile"):
+        print(format_profile(name, s["profile"]), flush=True)
+    return s, (cfg, res)
 
 
 def compare_served(cfg, a: dict, b: dict) -> dict:
@@ -412,13 +469,36 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def check_sweep_flags(a: argparse.Namespace) -> None:
+    """--sweep-batches and --plot belong to --sweep; --same-batch does not combine with it."""
+    for flag, given in (("--sweep-batches", a.sweep_batches), ("--plot", a.plot)):
+        if given is not None and not a.sweep:
+            raise ValueError(f"{flag} needs --sweep")
+    if a.sweep and a.same_batch:
+        raise ValueError("--same-batch does not combine with --sweep (the sweep runs hisparse at the "
+                         "resident's batch already)")
+    if a.plot is not None and a.out is not None and Path(a.plot).resolve() == Path(a.out).resolve():
+        raise ValueError(f"--plot and --out are the same file ({a.plot}); give two")
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         a = parse_args(argv)
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 2
-    if not common.out_ok(a.out, "bench_capacity"):
+    try:
+        check_sweep_flags(a)
+    except ValueError as e:
+        print(f"bench_capacity: {e}", file=sys.stderr)
         return 2
+    if not common.out_ok(a.out, "bench_capacity") or not common.out_ok(a.plot, "bench_capacity", "--plot"):
+        return 2
+    if a.plot is not None:
+        try:  # before any run: a missing matplotlib costs no GPU time
+            require_matplotlib()
+        except PlotUnavailable as e:
+            print(f"bench_capacity: {e}", file=sys.stderr)
+            return 4
     if not a.dry_run and not torch.cuda.is_available():
         print("bench_capacity: no CUDA device; use --dry-run for the CPU check", file=sys.stderr)
         return 2
@@ -439,6 +519,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{fmt_bytes(budget.reserve)} = {fmt_bytes(budget.kv_bytes)} for KV, host pool "
           f"{fmt_bytes(budget.host_memory)}; runs: {shape.run_layers} layers, {shape.num_heads} heads, "
           f"hidden {shape.hidden}, ffn {shape.ffn}, decode {shape.decode_mode.value}", flush=True)
+    if a.sweep:
+        result["sweep"] = {"target_ratio": capacity_sweep.TARGET_RATIO,
+                           "elastic_pool_rows": "auto" if a.pool_rows is None else a.pool_rows}
+        return sweep_main(a, budget, shape, contexts, result)
     rc = 0
     try:
         for ctx in contexts:
@@ -452,6 +536,33 @@ def main(argv: list[str] | None = None) -> int:
             if a.out:  # after every context: a run cut short keeps what it measured
                 common.write_json(a.out, result, indent=2)
         print(format_table(result))
+    except Exception as e:  # record the failure in the JSON, then fail loudly
+        rc = common.record_failure(result, e)
+    if a.out:
+        common.write_json(a.out, result, indent=2)
+    return rc
+
+
+def sweep_main(a: argparse.Namespace, budget: Budget, shape: RunShape, contexts: list[int], result: dict) -> int:
+    """--sweep: every context's sweep, the table, the JSON (after every batch) and the plot."""
+    rc = 0
+
+    def keep(ctx, out):
+        result["contexts"][ctx] = out
+        if a.out:  # after every batch: a sweep cut short keeps what it measured
+            common.write_json(a.out, result, indent=2)
+    try:
+        for ctx in contexts:
+            c = run_context_sweep(budget, shape, ctx, a, on_batch=lambda out, ctx=ctx: keep(ctx, out))
+            result["contexts"][ctx] = c
+            if c["compare_failures"]:
+                print(f"[capacity] FAIL: context {ctx}: outputs differ beyond tolerance at the same batch: "
+                      + ", ".join(c["compare_failures"]), file=sys.stderr)
+                rc = 1
+        print(capacity_sweep.format_sweep(result))
+        if a.plot:
+            result["plot"] = capacity_sweep.plot_sweep(a.plot, result)
+            print(f"wrote {a.plot}")
     except Exception as e:  # record the failure in the JSON, then fail loudly
         rc = common.record_failure(result, e)
     if a.out:

@@ -5,6 +5,7 @@ the flag, no traceback, and nothing run first; a benchmark that needs a GPU says
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -166,3 +167,32 @@ def test_profile_e2e_host_checks_chrome_trace_first(tmp_path, capsys):
 ])
 def test_bench_capacity_pool_rows(value, words, capsys):
     refused(bench_capacity.main, ["--dry-run", "--contexts", "64", "--pool-rows", value], capsys, *words)
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--sweep-batches", "2"], ["--sweep-batches needs --sweep"]),
+    (["--plot", "x.png"], ["--plot needs --sweep"]),
+    (["--sweep", "--same-batch"], ["--same-batch does not combine with --sweep"]),
+    (["--sweep", "--sweep-batches", "0"], ["--sweep-batches", "expected an int >= 1"]),
+    (["--sweep", "--plot", "/"], ["--plot / is a directory"]),
+    (["--sweep", "--plot", "same.json", "--out", "same.json"], ["--plot and --out are the same file"]),
+    (["--sweep", "--contexts", "64", "--pool-rows", "100"], ["--pool-rows 100 is below 192",
+                                                               "hisparse's batch of 5 at context 64"]),
+])
+def test_bench_capacity_sweep_refuses(argv, words, capsys):
+    rc, out, _ = run(bench_capacity.main, ["--dry-run", *argv], capsys)
+    assert rc == 2 and "[capacity]" not in out  # nothing run
+    refused(bench_capacity.main, ["--dry-run", *argv], capsys, *words)
+
+
+def test_bench_capacity_plot_without_matplotlib(monkeypatch, tmp_path, capsys):
+    """--plot without matplotlib: exit 4 (a missing dependency, as `hisparse stress
+    --plot`), one line naming the install, before anything runs or is written."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
+    out = tmp_path / "sweep.json"
+    rc, text, err = run(bench_capacity.main, ["--dry-run", "--sweep", "--plot", str(tmp_path / "s.png"),
+                                              "--out", str(out)], capsys)
+    assert rc == 4 and "[capacity]" not in text and not out.exists()
+    assert err.strip() == ("bench_capacity: --plot needs matplotlib, which is not installed; `pip install matplotlib` "
+                           "(or `pip install hisparse[tools]`), or run without --plot")

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from benchmarks import bench_capacity
+from benchmarks import bench_capacity, capacity_sweep
 from hisparse_tools.capacity import Budget, RunShape, engine_config, largest_fit, tier_limits
 from hisparse_tools.cli import main as hisparse_main
 from hisparse_tools.mini_engine.graphs import DecodeMode
@@ -230,6 +230,148 @@ def test_bench_capacity_dry_run_with_a_pool_that_holds_every_request(tmp_path, c
     assert r["config"]["device_pool_rows"] is None and "pool" not in r
     k = h["cache"]  # 5 requests x 2 pages of 64 fit the 14 pages: every lookup resident, none missed
     assert k["resident_rows"] > 0 and k["misses"] == 0 and k["spills"] == 0 and k["hit_rate"] == 1.0
+    assert (k["finished_resident"], k["finished_hot"]) == (5, 0)  # every request resident to the end
     assert c["compare"]["within_tolerance"]
     text = capsys.readouterr().out
     assert "hisparse: device pool 1024 rows per layer (given)" in text and "misses 0, spills 0" in text
+
+
+# ------------------------------------------------------------------ --sweep (a batch sweep per context)
+def test_sweep_batches_default_given_and_capped():
+    assert capacity_sweep.default_batches(13, 68) == [1, 2, 4, 8, 13, 16, 32, 64, 68]
+    assert capacity_sweep.default_batches(2, 5) == [1, 2, 4, 5]
+    assert capacity_sweep.default_batches(0, 1) == [1]
+    lim = {"context": 64, "resident": {"batch": 2}, "hisparse": {"batch": 5}}
+    assert capacity_sweep.sweep_batches(lim, None, None) == ([1, 2, 4, 5], [])
+    b, notes = capacity_sweep.sweep_batches(lim, [4, 9, 1, 4], None)
+    assert b == [1, 4] and notes == ["batches [9] left out: above hisparse's largest batch (5) at context 64"]
+    b, notes = capacity_sweep.sweep_batches(lim, None, 3)
+    assert b == [1, 2, 3] and "capped" in notes[0]
+    none = {"context": 64, "resident": {"batch": 0}, "hisparse": {"batch": 0}}
+    assert capacity_sweep.sweep_batches(none, None, None)[0] == []
+
+
+def test_sweep_targets_and_miss_rate():
+    assert capacity_sweep.miss_rate({"hits": 6, "misses": 2, "resident_rows": 2}) == 0.2
+    assert capacity_sweep.miss_rate({"hits": 0, "misses": 0, "resident_rows": 0}) is None
+    rows = [{"batch": 1, "targets": {"throughput": True, "throughput_gpu": None, "miss_rate": True}},
+            {"batch": 2, "targets": {"throughput": False, "throughput_gpu": None, "miss_rate": True}},
+            {"batch": 4, "targets": {"throughput": None, "throughput_gpu": None, "miss_rate": False}}]
+    t = capacity_sweep.sweep_targets(rows)
+    assert t["throughput"] == {"batches": [1, 2], "missed": [2], "met": False}
+    assert t["throughput_gpu"] == {"batches": [], "missed": [], "met": None}
+    assert t["miss_rate"] == {"batches": [1, 2, 4], "missed": [4], "met": False}
+
+
+def test_bench_capacity_sweep_on_the_gpu_path():
+    """--sweep at 128K, built on CPU (nothing run): the default batches from 1 to
+    hisparse's 68 with the resident's 13, and the elastic runs' auto pool at each: the
+    resident tier's KV rows (13 x 128K per layer), every batch's hot buffers covered."""
+    a = bench_capacity.parse_args(["--sweep", "--contexts", "128K"])
+    budget, _, contexts = bench_capacity.setup(a)
+    lim = tier_limits(budget, contexts[0])
+    assert bench_capacity.hisparse_batches(lim, a) == [1, 2, 4, 8, 13, 16, 32, 64, 68]
+    bench_capacity.check_pool_rows(budget, contexts, a)
+    elastic = bench_capacity.parse_args(["--sweep", "--pool-rows", "auto"])
+    for b in bench_capacity.hisparse_batches(lim, a):
+        p = bench_capacity.pool_for(budget, lim, b, elastic)
+        assert p["rows"] == 13 * 131072 and p["minimum"] <= p["rows"]
+
+
+@pytest.fixture(scope="module")
+def sweep_run(tmp_path_factory):
+    """One dry-run sweep at context 64 with a pool that holds every request (1024 rows:
+    hisparse's 5 requests x 2 pages fit its 14 pages), with --plot where matplotlib is
+    installed: (exit status, JSON, stdout, the plot's path or None)."""
+    import contextlib
+    import importlib.util
+    import io
+
+    d = tmp_path_factory.mktemp("sweep")
+    out, png = d / "sweep.json", d / "sweep.png"
+    plot = importlib.util.find_spec("matplotlib") is not None
+    argv = ["--dry-run", "--sweep", "--contexts", "64", "--pool-rows", "1024", "--out", str(out)]
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        rc = bench_capacity.main(argv + (["--plot", str(png)] if plot else []))
+    return rc, json.loads(out.read_text()), text.getvalue(), png if plot else None
+
+
+def test_bench_capacity_sweep_dry_run_table_and_json(sweep_run):
+    rc, d, text, _ = sweep_run
+    assert rc == 0 and "error" not in d
+    assert d["sweep"] == {"target_ratio": 0.97, "elastic_pool_rows": 1024}
+    c = d["contexts"]["64"]
+    assert c["sweep_batches"] == [1, 2, 4, 5] and [r["batch"] for r in c["rows"]] == [1, 2, 4, 5]
+    assert c["limits"]["resident"]["batch"] == 2 and c["compare_failures"] == []
+    for r in c["rows"]:
+        b, runs = r["batch"], r["runs"]
+        assert set(runs) == {"resident", "fixed", "elastic"}
+        assert ("skipped" in runs["resident"]) == (b > 2)  # the resident tier only where it fits
+        for k in ("fixed", "elastic"):
+            dec = runs[k]["decode"]
+            assert dec["batch"] == b and dec["step_ms"]["n"] == 3 and r["tokens_per_s"][k] > 0
+            assert 0.0 <= r["miss_rate"][k] <= 1.0
+        assert runs["fixed"]["config"]["device_pool_rows"] is None and "pool" not in runs["fixed"]
+        assert runs["elastic"]["config"]["device_pool_rows"] == 1024
+        assert r["miss_rate"]["fixed"] > 0  # 16 hot slots for 64 rows: the fixed design misses
+        if b <= 2:
+            assert r["ratio"]["elastic_over_resident"] > 0 and r["ratio"]["fixed_over_resident"] > 0
+            assert isinstance(r["targets"]["throughput"], bool)
+            assert set(r["compare"]) == {"fixed_vs_resident", "elastic_vs_resident", "elastic_vs_fixed"}
+        else:
+            assert r["ratio"]["elastic_over_resident"] is None and r["targets"]["throughput"] is None
+            assert set(r["compare"]) == {"elastic_vs_fixed"}
+        assert all(v["within_tolerance"] for v in r["compare"].values())
+        assert r["targets"]["throughput_gpu"] is None  # no replays' GPU time on CPU
+    t = c["targets"]
+    assert t["threshold"] == 0.97 and t["throughput"]["batches"] == [1, 2]
+    assert t["miss_rate"] == {"batches": [1, 2, 4, 5], "missed": [], "met": True}
+    for head in ("resident tok/s", "elastic x res", "fixed miss", "elastic res/hot", "miss <= fixed"):
+        assert head in text
+    assert "context 64: target elastic miss rate <= fixed: met (batches [1, 2, 4, 5])" in text
+    assert "context 64: elastic: device pool 1024 rows per layer (given)" in text
+
+
+def test_bench_capacity_sweep_elastic_holding_everything_never_misses(sweep_run):
+    """At the resident tier's batch (and every other), a pool that holds every request:
+    each request stays resident to the end, no spill, no miss, outputs the resident's."""
+    _, d, _, _ = sweep_run
+    c = d["contexts"]["64"]
+    res = {r["batch"]: r for r in c["rows"]}[c["limits"]["resident"]["batch"]]
+    e = res["elastic"]
+    assert (e["misses"], e["spills"], e["seeded_rows"]) == (0, 0, 0) and res["miss_rate"]["elastic"] == 0.0
+    assert (e["resident_requests"], e["hot_requests"]) == (2, 0) and e["resident_rows"] > 0
+    assert res["compare"]["elastic_vs_resident"]["bitwise_equal"]
+    for r in c["rows"]:
+        assert r["elastic"]["spills"] == 0 and r["elastic"]["misses"] == 0
+        assert (r["elastic"]["resident_requests"], r["elastic"]["hot_requests"]) == (r["batch"], 0)
+
+
+def test_bench_capacity_sweep_plot_written(sweep_run):
+    _, d, text, png = sweep_run
+    if png is None:
+        pytest.skip("matplotlib is not installed: --plot was not asked for, so no plot to check")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
+    assert d["plot"] == str(png) and f"wrote {png}" in text
+
+
+def test_bench_capacity_sweep_auto_pool_given_batches(tmp_path, capsys):
+    """--sweep-batches, the default auto pool: at context 64 the resident tier's 128 KV
+    rows hold one batch-1 request's hot buffer and a page (it spills: hot at the end), and
+    not a batch of 4's hot buffers (no pool: no elastic run, said so); 9 is left out."""
+    out = tmp_path / "sweep.json"
+    assert bench_capacity.main(["--dry-run", "--sweep", "--contexts", "64", "--sweep-batches", "4", "1", "9",
+                                "--out", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert d["sweep"]["elastic_pool_rows"] == "auto"
+    c = d["contexts"]["64"]
+    one, four = c["rows"]
+    assert (one["batch"], four["batch"]) == (1, 4) and "above hisparse's largest batch (5)" in c["notes"][0]
+    assert one["elastic"]["pool"]["rows"] == 128 and one["elastic"]["ran"]
+    assert one["elastic"]["spills"] == 1 and (one["elastic"]["resident_requests"], one["elastic"]["hot_requests"]) == (0, 1)
+    assert not four["elastic"]["ran"] and "no pool" in four["runs"]["elastic"]["skipped"]
+    assert four["miss_rate"]["elastic"] is None and four["targets"]["miss_rate"] is None
+    assert c["targets"]["miss_rate"]["batches"] == [1]
+    text = capsys.readouterr().out
+    assert "batch 4: elastic skipped: no pool" in text and "no pool" in text

@@ -240,6 +240,10 @@ class HiSparseKV(KVStore):
         self.device = device
         self.overlap = cfg.overlap
         self.cfg = cfg
+        # requests by their tier when they finished (the elastic tier: resident, or hot
+        # after a demotion; host bookkeeping only, no sync): a run whose requests all
+        # finish together says here how many stayed resident to the end
+        self.finished = {"resident": 0, "hot": 0}
 
     def stage_decode(self, layer: int, topk: torch.Tensor, batch: Batch):
         """Serial: the conversion; split: the split layer's resolve
@@ -276,6 +280,7 @@ class HiSparseKV(KVStore):
         self.group.add_request(req.rid)
 
     def release(self, req: Request) -> None:
+        self.finished[self.group.hisparse_cache.residency(req.rid)] += 1
         self.group.free_request(req.rid)
 
     def begin(self, batch: Batch) -> None:
@@ -321,7 +326,9 @@ class HiSparseKV(KVStore):
         self.group.write_new_rows(layer, rows, self._fill_md)
 
     def stats(self) -> dict:
-        return self.group.stats()
+        s = self.group.stats()
+        s["total"].update(finished_resident=self.finished["resident"], finished_hot=self.finished["hot"])
+        return s
 
     def layer_graphs(self) -> dict | None:
         return self.group.layer_graphs()

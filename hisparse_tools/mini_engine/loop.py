@@ -493,7 +493,8 @@ def summarize(res: dict) -> dict:
         out["cache"] = {k: tot.get(k) for k in ("hits", "misses", "hit_rate", "prefetch_rows", "bytes_h2d",
                                                 "bytes_d2h", "invalid", "resolves", "resident_rows",
                                                 "resident_requests", "hot_requests", "pool_rows_used",
-                                                "pool_rows_total", "spills", "seeded_rows")}
+                                                "pool_rows_total", "spills", "seeded_rows",
+                                                "finished_resident", "finished_hot")}
         # a prefetched row a resolve then finds is a hit: per layer, so Shared layers show apart
         layers = res["stats"].get("layers", [])
         out["cache"]["layer_hit_rates"] = [d["hit_rate"] for d in layers]

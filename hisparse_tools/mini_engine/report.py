@@ -32,7 +32,8 @@ def format_report(res: dict) -> str:
         + (f", prefetched rows {cache['prefetch_rows']} (counted as hits when selected; per-layer hit "
            f"rates {' '.join(f'{x:.3f}' for x in cache['layer_hit_rates'])})" if cache.get("prefetch_rows") else "")
         + (f"; device pool (--pool-rows): resident rows {cache['resident_rows']} (counted as hits), resident "
-           f"requests {cache['resident_requests']}, hot {cache['hot_requests']} at the end, spills "
+           f"requests {cache['resident_requests']}, hot {cache['hot_requests']} at the end (finished resident "
+           f"{cache.get('finished_resident')}, hot {cache.get('finished_hot')}), spills "
            f"{cache['spills']}, seeded rows {cache['seeded_rows']}, rows used {cache['pool_rows_used']} of "
            f"{cache['pool_rows_total']}" if res.get("config", {}).get("device_pool_rows") else ""),
         f"outputs: {c['tokens_compared']} tokens compared, max |diff| {c['max_abs_diff']:.3e} "
