@@ -95,3 +95,43 @@ def test_a_replayed_forward_names_its_own_rows_as_the_last_selection():
     assert [t.numel() for t in c.writer.last_selection] == [4 * 4, 4 * 4]
     c.note_replay()
     assert [t.numel() for t in c.writer.last_selection] == [4 * 4, 4 * 4]
+
+
+@pytest.mark.parametrize("path", ["write", "prepare_step"])
+def test_a_demotion_that_fails_part_way_changes_nothing(monkeypatch, path):
+    """The second of two demotions raises (e.g. out of memory in its seeding): the pool,
+    page table, residency, slot state, reserved occupants, lengths and counters are as
+    they were before the call."""
+    import sys
+
+    from invariants import check_cache, snapshot
+
+    dp_mod = sys.modules["hisparse.cache.device_pool"]
+    c = HiSparseCache(_cfg(max_num_reqs=3, device_pool_rows=64 + 3 * 64), kernels="torch")
+    for rid in (1, 2, 3):
+        c.add_request(rid)
+    for rid in (1, 2):
+        for layer in range(2):
+            c.append_rows(layer, rid, _rows(40, rid))  # one page each, past S = 16
+    before = snapshot(c)
+    real, calls = dp_mod._seed, []
+
+    def failing(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected: out of memory")
+        return real(*a, **k)
+
+    monkeypatch.setattr(dp_mod, "_seed", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        if path == "write":
+            c.write(0, c.plan_write([3], [150]), _rows(150, 9))  # 3 pages: both others go
+        else:
+            c.prepare_step(c.plan_write([3], [150]))
+    after = snapshot(c)
+    for k in before:
+        if k != "hot":  # seeded bytes stay behind in slots nothing maps
+            assert str(before[k]) == str(after[k]) if not hasattr(before[k], "shape") else \
+                bool((before[k] == after[k]).all()), k
+    assert [c.residency(r) for r in (1, 2, 3)] == ["resident"] * 3
+    check_cache(c)

@@ -69,7 +69,7 @@ def make_state(cfg: HiSparseConfig, seq_by_id: dict[int, int], device: torch.dev
     return HotState(**{f: (getattr(st_, f).to(device) if f in STATE_FIELDS else getattr(st_, f))
                        for f in ("id_to_slot", "seq_lens", "block_table", "slot_pos", "slot_stamp",
                                  "row_slot", "step", "stats", "resident", "page_table", "S", "B",
-                                 "pool_base", "PB")})
+                                 "pool_base", "PB", "pool_pages")})
 
 
 def random_batch(seq_by_id: dict[int, int], K: int, q: int, rng: random.Random, *,

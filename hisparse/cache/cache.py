@@ -421,8 +421,9 @@ class HiSparseCache:
         """Layer ``layer``'s resolve buffers as [T, K]; their physical rows are what a
         demotion seeds first (``Writer.last_selection``)."""
         out = self._bufs[layer].view(T, K)
-        self.writer.last_selection[layer] = out.physical.view(-1)  # type: ignore[index]
-        self._shapes.setdefault(layer, {})[T] = K  # a graph captured now resolves [T, K] when replayed
+        if self.dpool.enabled:  # only a pool demotes: no host time otherwise
+            self.writer.last_selection[layer] = out.physical.view(-1)  # type: ignore[index]
+            self._shapes.setdefault(layer, {})[T] = K  # a graph captured now resolves [T, K] when replayed
         return out
 
     def check_resolve(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor) -> None:

@@ -246,9 +246,6 @@ def apply_changes(ch: PoolChanges, *, pool: DevicePool, state: HotState, hot: to
             by_len.setdefault(n, []).append(layer)
         npages = len(pool.pages(r))
         for n, layers in by_len.items():
-            reserved = n - 1 if n > S else -1
-            for layer in layers:
-                set_reserved(r, layer, reserved)
             if n == 0:
                 continue
             li = _to_device(layers, torch.int64, dev)
@@ -258,11 +255,14 @@ def apply_changes(ch: PoolChanges, *, pool: DevicePool, state: HotState, hot: to
             src = state.pool_base + pt[pos // PB] * PB + pos % PB  # int64 [Lg, m]
             hrow = bt[pos // B] * B + pos % B
             dst = r * SP + slots
-            hot[li[:, None], dst[None, :]] = hot[li[:, None], src]
+            for i, layer in enumerate(layers):  # a layer at a time: [m, row_bytes] in flight
+                hot[layer, dst] = hot[layer, src[i]]
             state.slot_pos[li[:, None], r, slots[None, :]] = pos.to(torch.int32)
             state.slot_stamp[li[:, None], r, slots[None, :]] = state.step[li, r][:, None]
             state.row_slot[li[:, None], hrow] = slots.to(torch.int32)[None, :].expand(len(layers), -1)
             pool.seeded_rows += pos.shape[1] * len(layers)
+        for layer, n in enumerate(lens):  # the host side after the device work
+            set_reserved(r, layer, n - 1 if n > S else -1)
         state.resident[r] = 0
         state.page_table[r] = -1
         pool.release(r)

@@ -125,7 +125,7 @@ def resident_rows(state: HotState, r: int, pos: torch.Tensor, ok: torch.Tensor) 
     pg = safe // PB
     okp = ok & (pg < MP)
     page = torch.where(okp, pt[torch.where(okp, pg, torch.zeros_like(pg))], torch.full_like(pg, -1))
-    good = okp & (page >= 0)
+    good = okp & (page >= 0) & (page < state.pool_pages)
     return torch.where(good, state.pool_base + page * PB + safe % PB, torch.full_like(pos, -1))
 
 
@@ -176,7 +176,7 @@ def resolve_lookup_reference(state: HotState, layer: int, req_ids: torch.Tensor,
     state.stats[layer, STAT_INVALID] += ((topk.long() != -1) & ~ok & live[:, None]).sum()
     pos = topk.long()
     for t0, r, n in groups:
-        if int(state.resident[r]):
+        if state.pool_pages and int(state.resident[r]):
             g_ok = ok[t0:t0 + n]
             rows = resident_rows(state, r, pos[t0:t0 + n], g_ok)
             state.stats[layer, STAT_INVALID] += (g_ok & (rows < 0)).sum()  # an unmapped page
@@ -229,7 +229,7 @@ def resolve_reference(state: HotState, layer: int, req_ids: torch.Tensor, topk: 
     miss_lane = torch.zeros((T, K), dtype=torch.bool, device=dev)
     for t0, r, n in groups:
         g_pos, g_ok = pos[t0:t0 + n], ok[t0:t0 + n]
-        if int(state.resident[r]):
+        if state.pool_pages and int(state.resident[r]):
             rows = resident_rows(state, r, g_pos, g_ok)
             phys[t0:t0 + n] = rows
             if not prefetch:

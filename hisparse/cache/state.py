@@ -83,6 +83,7 @@ class HotState:
     B: int  # host block size
     pool_base: int = 0  # first row of the pool pages in a layer's flat view
     PB: int = 64  # rows per pool page
+    pool_pages: int = 0  # pages of the pool (0: no elastic tier; no request is resident)
 
     @classmethod
     def allocate(cls, cfg: HiSparseConfig, device: torch.device) -> "HotState":
@@ -104,6 +105,7 @@ class HotState:
             B=cfg.host_block_size,
             pool_base=cfg.hot_rows_per_layer,
             PB=DEVICE_PAGE_ROWS,
+            pool_pages=cfg.pool_pages,
         )
 
     def layer(self, layer: int) -> LayerState:

@@ -182,12 +182,11 @@ class Writer:
             plan = build_write_plan(work, owned={r: alloc.owned(r) for r, *_ in work},
                                     new_blocks=new_blocks, B=self.pool.B, S=self.cfg.device_buffer_size,
                                     device=self.device, resident=self._resident(changes))  # type: ignore[arg-type]
-        undo = None
-        if not changes.empty:
-            undo = self._pool_undo(changes)
-            self._apply_pool_changes(changes, {})
-            key = (req.generation, dp.epoch, tuple(work))
+        undo = self._pool_undo(changes) if not changes.empty else None
         try:
+            if undo is not None:
+                self._apply_pool_changes(changes, {})
+                key = (req.generation, dp.epoch, tuple(work))
             self._launch(layer, plan, rows)
         except BaseException:
             if undo is not None:  # the write changes nothing when a launch raises
@@ -273,7 +272,14 @@ class Writer:
         if replaces is not None:
             self.abandon_step(replaces)
         if not changes.empty:
-            self._apply_pool_changes(changes, seen if changes.demote else {})
+            undo = self._pool_undo(changes)
+            try:
+                self._apply_pool_changes(changes, seen if changes.demote else {})
+            except BaseException:
+                undo()  # the pool, page table, residency and slot state as they were
+                if bt.numel():  # and the new blocks' block-table entries (-1 before)
+                    self.state.block_table[btd[0], btd[1]] = -1
+                raise
         self._allocate(new_blocks)
         S = self.cfg.device_buffer_size
         for _, r, _, _, p1, _ in req_work:
@@ -430,10 +436,7 @@ class Writer:
         counters = (dp.spills, dp.seeded_rows, dp.epoch)
         epochs = list(req.epochs)
         B = self.pool.B
-        seeded = {}
-        for r in changes.demote:  # every host row of its blocks: whichever the demotion seeds
-            hrows = [b * B + i for b in self.pool.allocator.owned(r) for i in range(B)]
-            seeded[r] = ([hrows] * self.cfg.num_layers, list(req.reserved_list(r)))
+        seeded = {r: list(req.reserved_list(r)) for r in changes.demote}
         touched = sorted(set(changes.demote) | {r for r, want in changes.grants.items() if want})
 
         def undo() -> None:
@@ -445,13 +448,15 @@ class Writer:
             for r in touched:
                 st.page_table[r] = torch.tensor(pages[r] + [-1] * (MP - len(pages[r])), dtype=torch.int32,
                                                 device=self.device)
-            for r, (hrows, reserved) in seeded.items():
+            for r, reserved in seeded.items():
                 st.resident[r] = 1
                 st.slot_pos[:, r] = -1
                 st.slot_stamp[:, r] = -1
-                for layer, h in enumerate(hrows):
-                    if h:
-                        st.row_slot[layer, torch.tensor(h, dtype=torch.long, device=self.device)] = -1
+                # every host row of its blocks (whichever the demotion seeded): not hot
+                blocks = torch.tensor(self.pool.allocator.owned(r), dtype=torch.long)
+                h = (blocks[:, None] * B + torch.arange(B)).flatten().to(self.device)
+                if h.numel():
+                    st.row_slot[:, h] = -1
                 for layer, occ in enumerate(reserved):
                     req.restore(r, layer, req.length(r, layer), occ)
             req.epochs[:] = epochs

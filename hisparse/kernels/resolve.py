@@ -89,15 +89,15 @@ def _host_row(pos, ok, bt_row_ptr, NB, B, H):
 
 
 @triton.jit
-def _page_row(pos, ok, pt_row_ptr, MP, PB, pool_base):
+def _page_row(pos, ok, pt_row_ptr, MP, PB, pool_base, NPG):
     """Flat device row (int64) of positions ``pos`` of a resident request through its
     page-table row. Returns (row, good): row is -1 where not good; good = ok and the
-    page is mapped and in range."""
+    page is mapped and one of the pool's NPG pages."""
     safe = tl.where(ok, pos, 0)
     pg = safe // PB
     okp = ok & (pg < MP)
     page = tl.load(pt_row_ptr + pg, mask=okp, other=-1)
-    good = okp & (page >= 0)
+    good = okp & (page >= 0) & (page < NPG)
     row = pool_base + page.to(tl.int64) * PB + (safe % PB)
     return tl.where(good, row, -1), good
 
@@ -193,7 +193,7 @@ def _token_group(t, req_ids_ptr, id_to_slot_ptr, max_request_id, R, Q: tl.conste
 # or gathered accesses use them, so their alignment is not specialised either.
 @triton.jit(
     do_not_specialize=["topk_stride", "max_request_id", "R", "bt_stride", "NB", "H",
-                       "pt_stride", "MP", "pool_base", "PB", "phys_stride", "T", "K", "S", "B"],
+                       "pt_stride", "MP", "pool_base", "PB", "NPG", "phys_stride", "T", "K", "S", "B"],
     do_not_specialize_on_alignment=["slot_pos_ptr", "slot_stamp_ptr", "row_slot_ptr",
                                     "step_ptr", "stats_ptr", "id_to_slot_ptr", "seq_lens_ptr",
                                     "bt_ptr", "resident_ptr", "pt_ptr", "valid_ptr", "undo_hit_ptr",
@@ -223,6 +223,7 @@ def resolve_kernel(
     MP,
     pool_base,  # first flat row of the pool pages
     PB,  # rows per pool page
+    NPG,  # pages of the pool
     phys_ptr,  # int32 [>= T, >= K] (row stride phys_stride), output
     phys_stride,
     valid_ptr,  # int32 [>= T], output
@@ -245,6 +246,7 @@ def resolve_kernel(
     STAT_RESOLVES: tl.constexpr,
     STAT_PREFETCH: tl.constexpr,  # rows staged by prefetch resolves
     STAT_RESIDENT: tl.constexpr,  # entries resolved to resident rows
+    HAS_POOL: tl.constexpr,  # the elastic tier: some request slots may be resident
     STAMPED: tl.constexpr,  # the hits were stamped (and counted) by resolve_lookup_kernel
     MISS_LISTS: tl.constexpr,  # write each token's miss entries, compacted (split decode)
     PREFETCH: tl.constexpr,  # a prefetch: only misses are counted, as STAT_PREFETCH
@@ -263,7 +265,10 @@ def resolve_kernel(
     kmask = kk < K
     base = t.to(tl.int64) * K
     minus1_k = tl.full([KB], -1, tl.int32)
-    is_res = tl.load(resident_ptr + r, mask=live, other=0)
+    if HAS_POOL:
+        is_res = tl.load(resident_ptr + r, mask=live, other=0)
+    else:
+        is_res = r * 0
 
     if live & (is_res != 0):
         if off == 0:
@@ -285,7 +290,7 @@ def resolve_kernel(
             seq = tl.load(seq_lens_ptr + r)
             gpos = tl.load(topk_ptr + (t + gj).to(tl.int64) * topk_stride + gk, mask=gmask, other=-1)
             gok = gmask & (gpos >= 0) & (gpos < seq)
-            prow, v = _page_row(gpos, gok, pt_ptr + r.to(tl.int64) * pt_stride, MP, PB, pool_base)
+            prow, v = _page_row(gpos, gok, pt_ptr + r.to(tl.int64) * pt_stride, MP, PB, pool_base, NPG)
             vi2 = v.to(tl.int32)
             nbad = tl.sum(tl.sum((gmask & (gpos != -1) & (v == 0)).to(tl.int32), axis=1), axis=0)
             cnt = tl.sum(vi2, axis=1)
@@ -500,7 +505,7 @@ def resolve_kernel(
 
 @triton.jit(
     do_not_specialize=["topk_stride", "max_request_id", "R", "bt_stride", "NB", "H",
-                       "pt_stride", "MP", "pool_base", "PB", "hit_stride", "T", "K", "S", "B"],
+                       "pt_stride", "MP", "pool_base", "PB", "NPG", "hit_stride", "T", "K", "S", "B"],
     do_not_specialize_on_alignment=["slot_stamp_ptr", "row_slot_ptr", "step_ptr", "stats_ptr",
                                     "id_to_slot_ptr", "seq_lens_ptr", "bt_ptr", "resident_ptr",
                                     "pt_ptr", "undo_hit_ptr"],
@@ -527,6 +532,7 @@ def resolve_lookup_kernel(
     MP,
     pool_base,  # first flat row of the pool pages
     PB,  # rows per pool page
+    NPG,  # pages of the pool
     hit_ptr,  # int32 [>= T, >= K] (row stride hit_stride), output: hot row of a hit, else -1
     hit_stride,
     undo_hit_ptr,  # int64 [>= T * K], output: a hit lane's stamp before this step, -2 = no hit
@@ -537,6 +543,7 @@ def resolve_lookup_kernel(
     STAT_HITS: tl.constexpr,
     STAT_INVALID: tl.constexpr,
     STAT_RESIDENT: tl.constexpr,
+    HAS_POOL: tl.constexpr,  # the elastic tier: some request slots may be resident
     Q: tl.constexpr,  # max_query_len
     CHUNK: tl.constexpr,  # entries per program (power of two)
     CH: tl.constexpr,  # req_ids scanned per step (see _token_group)
@@ -557,13 +564,16 @@ def resolve_lookup_kernel(
     kk = c * CHUNK + tl.arange(0, CHUNK)
     kmask = kk < K
     out_off = t.to(tl.int64) * hit_stride + kk
-    is_res = tl.load(resident_ptr + r, mask=live, other=0)
+    if HAS_POOL:
+        is_res = tl.load(resident_ptr + r, mask=live, other=0)
+    else:
+        is_res = r * 0
     if live & (is_res != 0):
         # a resident request: every valid entry is a hit on its page row; nothing stamped
         seq = tl.load(seq_lens_ptr + r)
         pos = tl.load(topk_ptr + t.to(tl.int64) * topk_stride + kk, mask=kmask, other=-1)
         ok = kmask & (pos >= 0) & (pos < seq)
-        prow, good = _page_row(pos, ok, pt_ptr + r.to(tl.int64) * pt_stride, MP, PB, pool_base)
+        prow, good = _page_row(pos, ok, pt_ptr + r.to(tl.int64) * pt_stride, MP, PB, pool_base, NPG)
         nbad = tl.sum((kmask & (pos != -1) & (good == 0)).to(tl.int32), axis=0)
         tl.store(undo_hit_ptr + t.to(tl.int64) * K + kk, tl.full([CHUNK], -2, tl.int64), mask=kmask)
         tl.store(hit_ptr + out_off, prow.to(tl.int32), mask=kmask)
