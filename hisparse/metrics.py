@@ -72,7 +72,8 @@ LAYER_METRICS = (
     ("misses", "misses", MetricType.COUNTER,
      "Unique rows a resolve staged from the host pool into the hot buffer."),
     ("resident_rows", "resident_rows", MetricType.COUNTER,
-     "Top-k entries a resolve mapped to a resident request's device pages (no LRU, no miss)."),
+     "Top-k entries a resolve mapped to a resident request's device pages (no LRU, no miss; "
+     "entries, not unique rows: a row two query tokens select counts twice)."),
     ("invalid", "invalid", MetricType.COUNTER,
      "Top-k entries a resolve treated as padding because they were out of range."),
     ("resolves", "resolves", MetricType.COUNTER,
@@ -98,7 +99,8 @@ TIER_METRICS = (
     ("pool_rows_total", "device_pool_capacity_rows", MetricType.GAUGE,
      "Device rows per layer (hot buffers and pool pages)."),
     ("spills", "spills", MetricType.COUNTER,
-     "Resident requests demoted to hot buffers because the pool ran out of pages."),
+     "Resident requests demoted to hot buffers: the pool ran out of pages, or a request "
+     "outgrew the whole pool."),
     ("promotions", "promotions", MetricType.COUNTER,
      "Hot requests promoted back to resident."),
     ("seeded_rows", "seeded_rows", MetricType.COUNTER,

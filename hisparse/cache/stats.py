@@ -5,7 +5,8 @@ hits and misses (unique rows per resolve of a (layer, request)), entries resolve
 resident rows (``resident_rows``, the elastic tier), invalid top-k entries treated as
 padding, resolves, rows staged by prefetches (``prefetch_rows``), rows written to the
 host pool. Bytes are rows x row_bytes (h2d: misses + prefetched rows). ``hit_rate`` is
-(hits + resident_rows) / (hits + resident_rows + misses).
+(hits + resident_rows) / (hits + resident_rows + misses); ``resident_rows`` counts
+entries, not unique rows, so with query length > 1 it leans high.
 
 The elastic tier's figures are in ``total`` too: ``resident_requests``,
 ``hot_requests``, ``pool_rows_used`` / ``pool_rows_total`` (device rows per layer: a
