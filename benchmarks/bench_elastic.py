@@ -32,7 +32,7 @@ from benchmarks import common
 
 common.interpret_dry_run(with_gpu=True)  # before hisparse loads (a dry run stays on CPU)
 
-from benchmarks.bench_layer import capture, fp8_rows, make_backend, max_diff  # noqa: E402
+from benchmarks.bench_layer import fp8_rows, make_backend, max_diff, timed  # noqa: E402
 from hisparse import HiSparseConfig  # noqa: E402
 from hisparse.cache.cache import HiSparseCache  # noqa: E402
 from hisparse.config import DEVICE_PAGE_ROWS  # noqa: E402
@@ -99,18 +99,6 @@ class Setup:
         self.flush = common.L2Flush(dev)
 
 
-def timed(fn, s: Setup, a: argparse.Namespace) -> tuple[dict, object]:
-    """Capture ``fn`` in a graph (CUDA) and time its replays after an L2 flush."""
-    before = s.flush.flush
-    if s.dev.type != "cuda":
-        before()
-        out = fn()
-        return common.stats(common.time_calls(fn, reps=1, warmup=0, cuda=False, before=before), unit="_us"), out
-    g, gout = capture(fn, before)
-    samples = common.time_calls(g.replay, reps=a.reps, warmup=a.warmup, cuda=True, before=before)
-    return common.stats(samples, unit="_us"), gout
-
-
 def bench_case(s: Setup, be, a: argparse.Namespace) -> dict:
     c, dev, H = s.cache, s.dev, a.heads
     sm = 1.0 / math.sqrt(576)
@@ -120,12 +108,14 @@ def bench_case(s: Setup, be, a: argparse.Namespace) -> dict:
     phys = c.resolve(0, s.req, s.topk).physical.clone()  # checked once: the rows both attend
     hot = c.hot_rows(0)
     res: dict = {}
-    res["resident"], ref = timed(lambda: be.decode(q, hot, phys, sm_scale=sm, row_format=fmt), s, a)
+    res["resident"], ref = timed(lambda: be.decode(q, hot, phys, sm_scale=sm, row_format=fmt), s, a,
+                                 restore=False)
     for m in ("serial", "split"):
         layer = DecodeLayer(c, be, overlap=Overlap.parse(m))
-        res[m], out = timed(lambda layer=layer: layer(0, s.req, s.topk, q, sm_scale=sm), s, a)
+        res[m], out = timed(lambda layer=layer: layer(0, s.req, s.topk, q, sm_scale=sm), s, a,
+                            restore=False)
         res[m]["max_rel_diff"] = max_diff(out, ref)
-    res["resolve_alone"], _ = timed(lambda: c.resolve(0, s.req, s.topk, validate=False), s, a)
+    res["resolve_alone"], _ = timed(lambda: c.resolve(0, s.req, s.topk, validate=False), s, a, restore=False)
     r0 = res["resident"]["median_us"]
     for m in ("serial", "split"):
         over = res[m]["median_us"] - r0

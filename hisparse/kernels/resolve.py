@@ -156,6 +156,19 @@ def _pair_listed(nv, m, s_new, rbase, base, scratch_ptr, K, phys_stride, S, slot
 
 
 @triton.jit
+def _group_len(t, my_id, live, req_ids_ptr, T, Q: tl.constexpr):
+    """Tokens of leader t's group: t and the following tokens with the same id, at most Q."""
+    n = t * 0 + 1
+    cont = live
+    for j in tl.static_range(1, Q):
+        nj = t + j
+        nxt = tl.load(req_ids_ptr + nj, mask=nj < T, other=0)
+        cont = cont & (nj < T) & (nxt == my_id)
+        n += cont.to(tl.int32)
+    return n
+
+
+@triton.jit
 def _token_group(t, req_ids_ptr, id_to_slot_ptr, max_request_id, R, Q: tl.constexpr,
                  CH: tl.constexpr):
     """(my_id, off, r, live) of query token t: its request id, its offset in its run of
@@ -274,13 +287,7 @@ def resolve_kernel(
         if off == 0:
             # ---- a resident request: positions map through its page table; no LRU
             # state, no misses, nothing staged (the leader writes its group's outputs)
-            n = t * 0 + 1
-            cont = live
-            for j in tl.static_range(1, Q):
-                nj = t + j
-                nxt = tl.load(req_ids_ptr + nj, mask=nj < T, other=0)
-                cont = cont & (nj < T) & (nxt == my_id)
-                n += cont.to(tl.int32)
+            n = _group_len(t, my_id, live, req_ids_ptr, T, Q)
             jj = tl.arange(0, GQ)
             gj = jj[:, None]
             gk = tl.arange(0, KB)[None, :]
@@ -317,13 +324,7 @@ def resolve_kernel(
     elif live:
         if off == 0:
             # ---- group size: following tokens with the same id, at most Q in all
-            n = t * 0 + 1
-            cont = live
-            for j in tl.static_range(1, Q):
-                nj = t + j
-                nxt = tl.load(req_ids_ptr + nj, mask=nj < T, other=0)
-                cont = cont & (nj < T) & (nxt == my_id)
-                n += cont.to(tl.int32)
+            n = _group_len(t, my_id, live, req_ids_ptr, T, Q)
 
             SP = S + 1
             rbase = r * SP  # first flat hot row of this request slot
