@@ -211,11 +211,26 @@ def on_device(device: torch.device | None):
     return torch.cuda.device(device)
 
 
+def device_ints(values: list[int], device: torch.device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    """``dtype`` [len(values)] on ``device``. On CUDA through pinned memory with one
+    non-blocking copy on the current stream: the host does not wait for the stream's
+    earlier work (a copy from pageable memory would), so a step can be prepared while the
+    last one runs; the values are there for work that stream runs after the copy."""
+    host = torch.tensor(values, dtype=dtype)
+    kind = torch.device(device).type
+    if kind == "cpu":
+        return host
+    if kind != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def wait_event(stream, event) -> None:
     """``stream`` waits on ``event``; no-op for CPU (None)."""
     if stream is not None and event is not None:
         stream.wait_event(event)
 
 
-__all__ = ["PinnedBuffer", "Streams", "available_host_bytes", "check_host_bytes", "interpreter_mode", "is_cuda", "is_pinned_host",
+__all__ = ["PinnedBuffer", "Streams", "available_host_bytes", "check_host_bytes", "device_ints", "interpreter_mode", "is_cuda",
+           "is_pinned_host",
            "on_device", "pin_host_range", "resolve_device", "unpin_host_range", "wait_event"]

@@ -38,6 +38,7 @@ from typing import Iterable, Sequence
 import torch
 
 from ..config import DEVICE_PAGE_ROWS, HiSparseConfig, ceil_div
+from ..device import device_ints
 from .state import HotState
 
 
@@ -172,6 +173,12 @@ class DevicePool:
         self._pages[r].extend(want)
 
 
+def seeded_reserved(n: int, S: int) -> int:
+    """The reserved slot's occupant after a demotion of ``n`` rows: the newest row when
+    the context is longer than S, else none (-1: every row sits at slot = position)."""
+    return n - 1 if n > S else -1
+
+
 def seed_positions(n: int, S: int) -> tuple[list[int], list[int], int]:
     """(positions, their slots, reserved occupant or -1) a demoted request of ``n`` rows
     keeps in its hot buffer when nothing was selected from it: every row at slot =
@@ -182,14 +189,6 @@ def seed_positions(n: int, S: int) -> tuple[list[int], list[int], int]:
         return list(range(n)), list(range(n)), -1
     pos = list(range(n - 1 - S, n - 1)) + [n - 1]
     return pos, list(range(S)) + [S], n - 1
-
-
-def _to_device(values: list[int], dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
-    """A small index list on ``dev`` without a host sync (pinned staging on CUDA)."""
-    t = torch.tensor(values, dtype=dtype)
-    if dev.type == "cuda":
-        return t.pin_memory().to(dev, non_blocking=True)
-    return t.to(dev)
 
 
 def _seed(state: HotState, r: int, n: int, layers: torch.Tensor, layer_ids: list[int], pages: int,
@@ -248,7 +247,7 @@ def apply_changes(ch: PoolChanges, *, pool: DevicePool, state: HotState, hot: to
         for n, layers in by_len.items():
             if n == 0:
                 continue
-            li = _to_device(layers, torch.int64, dev)
+            li = device_ints(layers, dev, torch.int64)
             pos, slots = _seed(state, r, n, li, layers, npages, pool.num_pages, last)
             pt = state.page_table[r].long()
             bt = state.block_table[r].long()
@@ -262,7 +261,7 @@ def apply_changes(ch: PoolChanges, *, pool: DevicePool, state: HotState, hot: to
             state.row_slot[li[:, None], hrow] = slots.to(torch.int32)[None, :].expand(len(layers), -1)
             pool.seeded_rows += pos.shape[1] * len(layers)
         for layer, n in enumerate(lens):  # the host side after the device work
-            set_reserved(r, layer, n - 1 if n > S else -1)
+            set_reserved(r, layer, seeded_reserved(n, S))
         state.resident[r] = 0
         state.page_table[r] = -1
         pool.release(r)
@@ -271,7 +270,7 @@ def apply_changes(ch: PoolChanges, *, pool: DevicePool, state: HotState, hot: to
         if want:
             k0 = len(pool.pages(r))
             pool.grant(r, want)
-            state.page_table[r, k0:k0 + len(want)] = _to_device(want, torch.int32, dev)
+            state.page_table[r, k0:k0 + len(want)] = device_ints(want, dev)
 
 
-__all__ = ["DevicePool", "PoolChanges", "NO_CHANGES", "apply_changes", "seed_positions"]
+__all__ = ["DevicePool", "PoolChanges", "NO_CHANGES", "apply_changes", "seed_positions", "seeded_reserved"]

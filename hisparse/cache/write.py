@@ -31,7 +31,7 @@ import torch
 from .._checks import check_int, check_tensor, rows_layout_problem
 from ..config import HiSparseConfig
 from ..errors import CapacityError
-from .device_pool import NO_CHANGES, DevicePool, PoolChanges, apply_changes, seed_positions
+from .device_pool import NO_CHANGES, DevicePool, PoolChanges, apply_changes, seeded_reserved
 from .host_pool import HostPool
 from .requests import RequestTable
 from .stager import CacheStreams
@@ -402,7 +402,7 @@ class Writer:
         if not changes.demote:
             return work
         S = self.cfg.device_buffer_size
-        return [(r, p0, p1, t0, seed_positions(lens[r], S)[2] if r in changes.demote else old)
+        return [(r, p0, p1, t0, seeded_reserved(lens[r], S) if r in changes.demote else old)
                 for r, p0, p1, t0, old in work]
 
     def _check_demotions(self, changes: PoolChanges, replaces: StepPlan | None = None) -> None:

@@ -23,24 +23,12 @@ import dataclasses
 
 import torch
 
-from .._checks import check_int, check_ints, check_tensor, device_type
+from .._checks import check_int, check_ints, check_tensor
+from ..device import device_ints  # re-exported: the engine's one non-blocking int copy
 
 
 def _check_i32(name: str, x: object, shape: tuple[int, ...], device: torch.device | None) -> None:
     check_tensor(name, x, dtype=torch.int32, shape=shape, device=device)
-
-
-def device_ints(values: list[int], device: torch.device) -> torch.Tensor:
-    """int32 [len(values)] on ``device``. On CUDA through pinned memory with one
-    non-blocking copy on the current stream: the host does not wait for the stream's
-    earlier work (a copy from pageable memory would), so a step can be prepared while the
-    last one runs; the values are there for work that stream runs after the copy."""
-    host = torch.tensor(values, dtype=torch.int32)
-    if device_type(device) == "cpu":
-        return host
-    if device_type(device) != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 @dataclasses.dataclass(frozen=True)
