@@ -49,7 +49,7 @@ class RecordingGraphs:
         """(object, attribute) of each function a capture records."""
         c = self.cache
         return [(c.writer, "apply_fn"), (c.writer, "mirror_fn"), (c.stager, "resolve_fn"), (c.stager, "copy_fn"),
-                (c.stager, "lookup_fn")]
+                (c.stager, "lookup_fn"), (c.stager, "resident_fn")]
 
     def capture(self, fn):
         calls = []
@@ -86,7 +86,7 @@ class KernelGraphs(RecordingGraphs):
     def targets(self) -> list[tuple[object, str]]:
         import hisparse.cache.cache as cache_module
         c = self.cache
-        return [(c.writer, "apply_fn"), (c.stager, "resolve_fn"), (c.stager, "lookup_fn"),
+        return [(c.writer, "apply_fn"), (c.stager, "resolve_fn"), (c.stager, "lookup_fn"), (c.stager, "resident_fn"),
                 (cache_module, "_launch_copy_rows"), (cache_module, "_launch_copy_staged")]
 
 

@@ -43,6 +43,23 @@ def test_layer_graph_forwards_equal_eager(query_len, seed, inputs):
 
 
 
+def test_layer_graphs_with_a_pool_replay_both_resolve_paths():
+    """The elastic tier, a pool that overflows: conversion graphs of the resident path
+    (captured while every live request is resident) and of the full path, each replayed
+    only while its path applies; every forward equals the eager group."""
+    shape = TraceShape(pool_rows=128 + 2 * 64)
+    truth = Truth(shape)
+    trace = plan_trace(shape, steps=60, seed=21)
+    a = Runner(shape, "eager", "cuda", "triton", truth)
+    b = Runner(shape, "padded", "cuda", "triton", truth, layer_graphs="cuda")
+    run_pair(trace, a, b, check_rows=True)
+    a.check_rows()
+    keys = [k for k in b.group._layer_graphs.graphs if k[0] == "convert"]
+    assert {k[6] for k in keys} == {True, False}, keys
+    tot = b.group.stats()["total"]
+    assert tot["resident_rows"] > 0 and tot["spills"] > 0 and tot == a.group.stats()["total"], tot
+
+
 @pytest.mark.parametrize("stall", [0, 2_000_000])
 def test_layer_graphs_mixed_with_eager_prefetch_and_non_waiting_calls(stall):
     """With ``stall`` the stage stream idles about a millisecond before each eager

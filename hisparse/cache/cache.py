@@ -17,7 +17,8 @@ never does. A call either completes or raises before it changes anything.
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, Iterator
 
 import torch
 
@@ -31,10 +32,11 @@ from .apply_write import apply_write_plan_reference, apply_write_plan_triton
 from .device_pool import DevicePool
 from .host_pool import HostPool
 from .requests import RequestTable
-from .resolve_ref import copy_rows_reference, copy_staged_reference, resolve_lookup_reference, resolve_reference
-from .resolve_triton import _launch_resolve, check_state, resolve_lookup_triton
+from .resolve_ref import (copy_rows_reference, copy_staged_reference, resolve_lookup_reference, resolve_reference,
+                          resolve_resident_reference)
+from .resolve_triton import _launch_resolve, _launch_resolve_resident, check_state, resolve_lookup_triton
 from .results import ResolveResult, SplitResult
-from .stager import CacheStreams, CopyShape, Stager
+from .stager import CacheStreams, CopyShape, Stager, capturing
 from .state import HotState, ResolveBuffers
 from .stats import cache_stats
 from .transfer import _launch_copy_rows, _launch_copy_staged
@@ -73,7 +75,7 @@ def _kernel_set(kernels: Kernels, device: torch.device, pool: HostPool) -> dict:
         def mirror(rows, plan, host_l):
             copy_rows_reference(rows, plan.host_tok32, host_l, plan.host_h32)
         return dict(resolve_fn=resolve_reference, lookup_fn=resolve_lookup_reference,
-                    copy_fn=_stage_reference, apply_fn=apply_write_plan_reference, mirror_fn=mirror,
+                    resident_fn=resolve_resident_reference, copy_fn=_stage_reference, apply_fn=apply_write_plan_reference, mirror_fn=mirror,
                     pinned_check=lambda name: None)
 
     dev = device if device.type == "cuda" else None
@@ -91,7 +93,8 @@ def _kernel_set(kernels: Kernels, device: torch.device, pool: HostPool) -> dict:
         _launch_copy_staged(host_rows, out.stage_src, hot_rows, out.stage_dst, out.stage_counts, dev,
                             K=K, programs=programs, rows_per_program=rows, num_warps=warps)
 
-    return dict(resolve_fn=_launch_resolve, lookup_fn=resolve_lookup_triton, copy_fn=stage,
+    return dict(resolve_fn=_launch_resolve, lookup_fn=resolve_lookup_triton, resident_fn=_launch_resolve_resident,
+                copy_fn=stage,
                 apply_fn=apply_write_plan_triton, mirror_fn=mirror, pinned_check=pinned.check)
 
 
@@ -157,7 +160,9 @@ class HiSparseCache:
                              streams=self.streams, apply_fn=fns["apply_fn"], mirror_fn=fns["mirror_fn"],
                              device=self.device, device_pool=self.dpool)
         self.stager = Stager(self.streams, self.state, resolve_fn=fns["resolve_fn"], lookup_fn=fns["lookup_fn"],
-                             copy_fn=fns["copy_fn"], max_query_len=cfg.max_query_len)
+                             resident_fn=fns["resident_fn"], copy_fn=fns["copy_fn"],
+                             max_query_len=cfg.max_query_len)
+        self._resident_capture = False  # inside resident_capture()
         T, K = cfg.max_tokens, cfg.top_k
         self._prefetch_out = ResolveBuffers.allocate(T, K, self.device)  # its undo log serves all
         self._bufs = [ResolveBuffers.allocate(T, K, self.device, undo_of=self._prefetch_out) for _ in range(L)]
@@ -193,6 +198,39 @@ class HiSparseCache:
         """"resident" (the whole context in device pages, no misses) or "hot" (an LRU
         hot buffer) for a live request (the elastic tier, ``cfg.device_pool_rows``)."""
         return "resident" if self.dpool.is_resident(self.requests.slot(req_id)) else "hot"
+
+    def all_resident(self) -> bool:
+        """Whether every live request is resident (the elastic tier with a pool; no live
+        request at all counts too): then no resolve can miss."""
+        return self.dpool.enabled and self.dpool.num_resident == len(self.requests)
+
+    def resident_resolve(self) -> bool:
+        """Whether a resolve called now takes the resident path: one launch on the
+        current stream, a page-table lookup per entry, no LRU state, no staging copy, no
+        stage-stream fork, no event (``kernels.resolve_resident``). It does when every
+        live request is resident (``all_resident``), eagerly or, while a stream is being
+        captured, inside :meth:`resident_capture` only. Its outputs equal the full
+        resolve's (physical rows, valid counts, empty staging lists, counters)."""
+        return self.all_resident() and (self._resident_capture or not capturing(self.device))
+
+    @contextlib.contextmanager
+    def resident_capture(self) -> Iterator[None]:
+        """Resolves captured inside take the resident path (``resident_resolve``); outside
+        it a capture takes the full path, which replays correctly whatever the
+        residency. A graph captured inside is correct only while ``all_resident()``
+        holds: keep one graph of each kind per shape and replay the resident one only
+        then (``engine.layer_graphs`` does). Refused (ValueError) when some live request
+        is hot now."""
+        if not self.all_resident():
+            hot = len(self.requests) - self.dpool.num_resident
+            raise ValueError(f"resident_capture: {hot} live request(s) are hot"
+                             + ("" if self.dpool.enabled else " (no device pool: cfg.device_pool_rows is None)")
+                             + "; a resident resolve would give them no rows")
+        prev, self._resident_capture = self._resident_capture, True
+        try:
+            yield
+        finally:
+            self._resident_capture = prev
 
     def hot_rows(self, layer: int) -> torch.Tensor:
         """uint8 [cfg.device_rows_per_layer, row_bytes]: the flat view physical indices
@@ -387,8 +425,12 @@ class HiSparseCache:
         """
         T, K, req_ids = self._check_resolve(layer, req_ids, topk, validate)
         out = self._out(layer, T, K)
-        event = self.stager.run(layer, req_ids, topk, out, host_rows=self._host_l[layer],
-                                hot_rows=self._hot_l[layer], compact=compact, wait=wait)
+        if self.resident_resolve():
+            self.stager.run_resident(layer, req_ids, topk, out, compact=compact)
+            event = None
+        else:
+            event = self.stager.run(layer, req_ids, topk, out, host_rows=self._host_l[layer],
+                                    hot_rows=self._hot_l[layer], compact=compact, wait=wait)
         self.requests.touch(layer)
         return ResolveResult(out, event, self.requests.epochs, layer)
 
@@ -434,6 +476,9 @@ class HiSparseCache:
         """The launches of ``resolve(layer, req_ids, topk, validate=False, wait=True)``
         alone (checked by the caller), for a graph capture: no bookkeeping."""
         T, K = topk.shape
+        if self.resident_resolve():
+            self.stager.run_resident(layer, req_ids, topk, self._out(layer, T, K), compact=False)
+            return
         self.stager.run(layer, req_ids, topk, self._out(layer, T, K), host_rows=self._host_l[layer],
                         hot_rows=self._hot_l[layer], compact=False, wait=True)
 

@@ -89,6 +89,11 @@ class DevicePool:
     def is_resident(self, r: int) -> bool:
         return r in self._pages
 
+    @property
+    def num_resident(self) -> int:
+        """Resident request slots (every one a live request's)."""
+        return len(self._pages)
+
     def pages(self, r: int) -> list[int]:
         """Resident slot r's pages (the pool's own list: read it only)."""
         return self._pages[r]

@@ -331,3 +331,36 @@ def copy_rows_reference(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Ten
     if s.numel():
         dst[d.to(dst.device)] = src[s.to(src.device)].to(dst.device)
     return int(s.numel())
+
+
+def resolve_resident_reference(state: HotState, layer: int, req_ids: torch.Tensor, topk: torch.Tensor,
+                               out: ResolveBuffers, *, max_query_len: int, compact: bool = False) -> None:
+    """The resolve of a batch whose live requests are all resident
+    (``kernels.resolve_resident``): rule 5 above for every resolved group, no LRU
+    state read or changed. A live request that is not resident resolves to -1 with its
+    non-padding entries counted invalid. Writes ``out``'s physical, valid counts and
+    empty staging lists; counts STAT_RESIDENT, STAT_INVALID and STAT_RESOLVES.
+
+    req_ids: int32 [T]; topk: int32 [T, K] (-1 = padding); ``out`` of capacity >= [T, K].
+    """
+    T, K = topk.shape
+    out.stage_src[: T * K].fill_(-1)
+    out.stage_dst[: T * K].fill_(-1)
+    out.stage_counts[:T] = 0
+    if T == 0:
+        return
+    rslot, _off, ok, groups = resolve_groups(state, layer, req_ids, topk, max_query_len)
+    pos = topk.long()
+    phys = torch.full((T, K), -1, dtype=torch.int64, device=topk.device)
+    for t0, r, n in groups:
+        if state.pool_pages and int(state.resident[r]):
+            phys[t0:t0 + n] = resident_rows(state, r, pos[t0:t0 + n], ok[t0:t0 + n])
+        state.stats[layer, STAT_RESOLVES] += 1
+    valid = phys >= 0
+    state.stats[layer, STAT_INVALID] += ((pos != -1) & ~valid).sum()
+    state.stats[layer, STAT_RESIDENT] += valid.sum()
+    out.valid_counts[:T] = valid.sum(dim=1).to(torch.int32)
+    if compact:
+        order = torch.argsort((~valid).to(torch.int8), dim=1, stable=True)
+        phys = torch.gather(phys, 1, order)
+    out.physical[:T, :K] = phys.to(torch.int32)

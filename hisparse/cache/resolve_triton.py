@@ -26,6 +26,7 @@ import triton
 from .._checks import check_int, check_tensor, device_type, interpreter_mode
 from ..device import on_device
 from ..kernels.resolve import resolve_kernel, resolve_lookup_kernel
+from ..kernels.resolve_resident import resolve_resident_kernel
 from .state import (NUM_STATS, STAT_HITS, STAT_INVALID, STAT_MISSES, STAT_PREFETCH, STAT_RESIDENT,
                     STAT_RESOLVES, HotState, ResolveBuffers)
 
@@ -198,6 +199,36 @@ def _launch_resolve(state: HotState, layer: int, req_ids: torch.Tensor, topk: to
             MISS_LISTS=miss_lists is not None, PREFETCH=bool(prefetch),
             Q=max_query_len, KB=KB, GQ=GQ, SB=SB, SMALL_SORT=min(_SMALL_SORT, GQ * KB),
             COMPACT=bool(compact), CH=_SCAN_CHUNK, num_warps=num_warps,
+        )
+
+
+def _launch_resolve_resident(state: HotState, layer: int, req_ids: torch.Tensor, topk: torch.Tensor,
+                             out: ResolveBuffers, *, max_query_len: int, compact: bool = False) -> None:
+    """The resolve of a batch whose live requests are all resident
+    (``kernels.resolve_resident``), one launch of T programs on the current stream;
+    checked by the caller as ``_launch_resolve`` is. T = 0 launches nothing.
+
+    req_ids: int32 [T]; topk: int32 [T, K] (-1 = padding); out: buffers of capacity
+    >= [T, K] (physical, valid_counts and the staging lists are written)."""
+    T, K = topk.shape
+    if T == 0:
+        return
+    dev = topk.device
+    KB = triton.next_power_of_2(K)
+    ls = state.layer(layer)
+    with on_device(dev if device_type(dev) == "cuda" else None):
+        resolve_resident_kernel[(T,)](
+            req_ids, topk, topk.stride(0),
+            state.id_to_slot, state.id_to_slot.shape[0],
+            ls.seq_lens, ls.seq_lens.shape[0], ls.stats,
+            state.resident, state.page_table, state.page_table.stride(0), state.page_table.shape[1],
+            state.pool_base, state.PB, state.pool_pages,
+            out.physical, out.physical.stride(0), out.valid_counts,
+            out.stage_src, out.stage_dst, out.stage_counts,
+            T, K,
+            STAT_INVALID=STAT_INVALID, STAT_RESOLVES=STAT_RESOLVES, STAT_RESIDENT=STAT_RESIDENT,
+            Q=max_query_len, KB=KB, COMPACT=bool(compact), CH=_SCAN_CHUNK,
+            num_warps=4 if KB <= 1024 else 8,
         )
 
 

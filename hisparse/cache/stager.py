@@ -234,11 +234,12 @@ class Stager:
     """
 
     def __init__(self, streams: CacheStreams, state: HotState, *, resolve_fn: Callable,
-                 lookup_fn: Callable, copy_fn: Callable, max_query_len: int) -> None:
+                 lookup_fn: Callable, resident_fn: Callable, copy_fn: Callable, max_query_len: int) -> None:
         self.streams = streams
         self.state = state
         self.resolve_fn = resolve_fn
         self.lookup_fn = lookup_fn
+        self.resident_fn = resident_fn
         self.copy_fn = copy_fn
         self.max_query_len = max_query_len
         self._stage_programs: int | None = None
@@ -310,6 +311,16 @@ class Stager:
         if wait:
             ev.wait_by(cur, cap)
         return ev.event
+
+    def run_resident(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor, out: ResolveBuffers, *,
+                     compact: bool) -> None:
+        """The resolve of a batch whose live requests are all resident, one launch of
+        ``resident_fn`` on the current stream after the layer's earlier staging work
+        (which wrote the same buffers): nothing to stage, no event recorded. One launch
+        that changes only counters: nothing to undo when it raises."""
+        cs = self.streams
+        cs.stage[layer].wait_by(cs.current(), cs.capturing())
+        self.resident_fn(self.state, layer, req_ids, topk, out, max_query_len=self.max_query_len, compact=compact)
 
     def run_split(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor, out: ResolveBuffers,
                   hit: torch.Tensor, miss_lists: tuple, *, host_rows: torch.Tensor,

@@ -12,7 +12,10 @@ Modes (``Overlap``):
           phase instead (``split_waits_for_misses``), beside the copy
 
 Both leave the cache in the same state, bit for bit, and return the same attention
-(split within the rounding of one merge of bf16 partials). The
+(split within the rounding of one merge of bf16 partials). When the cache's resolve
+takes its resident path (every live request resident in the elastic tier:
+``HiSparseCache.resident_resolve``), nothing can miss and both modes run the same
+two launches on the current stream: the resident resolve, then one attention. The
 hit attention runs on any backend (``attention.base.SparseMLABackend``: Triton,
 FlashMLA, FlashInfer, the reference); the miss side runs our Triton kernels (their
 torch references on CPU). Graph capturable with ``validate=False``: fixed shapes, no
@@ -34,7 +37,7 @@ from .._checks import check_bool, check_int, sm_count
 from ..attention.base import Phase, SparseMLABackend, check_decode_call
 from ..attention.miss import MissConfig, MissMode, MissPlan, miss_attention_merge, plan_miss_attention
 from ..cache.cache import HiSparseCache
-from ..cache.results import SplitResult
+from ..cache.results import ResolveResult, SplitResult
 from ..cache.stager import CopyShape
 from ..formats import RowFormat
 from .overlap import Overlap
@@ -68,12 +71,12 @@ def split_waits_for_misses(programs: int, sms: int) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class SplitLaunch:
-    """What ``DecodeLayer.begin`` launched: the split resolve, the cache it resolved (no
-    layer over another cache finishes it), the heads its query has, the SMs its hit
-    attention plans for (None: all) and whether that attention waits for the miss
-    phase (``split_waits_for_misses``)."""
+    """What ``DecodeLayer.begin`` launched: the split resolve (or, on the cache's resident
+    path, the whole resolve), the cache it resolved (no layer over another cache
+    finishes it), the heads its query has, the SMs its hit attention plans for (None:
+    all) and whether that attention waits for the miss phase (``split_waits_for_misses``)."""
 
-    result: SplitResult
+    result: SplitResult | ResolveResult  # a ResolveResult: the resident path (one attention, no miss side)
     cache: HiSparseCache = dataclasses.field(repr=False, compare=False)
     num_heads: int
     sms: int | None
@@ -138,7 +141,7 @@ class DecodeLayer:
         T, H = q.shape[0], q.shape[1]
         if isinstance(topk, torch.Tensor) and topk.dim() == 2 and topk.shape[0] != T:
             raise ValueError(f"topk has {topk.shape[0]} rows but q has T={T} tokens")
-        if self.overlap is Overlap.SERIAL:
+        if self.overlap is Overlap.SERIAL or c.resident_resolve():
             res = c.resolve(layer, req_ids, topk, validate=self.validate)
             return self.backend.decode(q, hot, res.physical, sm_scale=sm_scale, row_format=fmt)
         return self._finish_split(self._begin_split(layer, req_ids, topk, H), q, sm_scale)
@@ -188,9 +191,9 @@ class DecodeLayer:
         view = self.cache.layer_view(sp.layer)
         check_decode_call(self.backend, q, sm_scale, device=view.hot_rows.device, row_format=view.row_format,
                           supported=self._supported)
-        if tuple(q.shape[:2]) != (sp.hit_physical.shape[0], launch.num_heads):
+        if tuple(q.shape[:2]) != (sp.physical.shape[0], launch.num_heads):
             raise ValueError(f"q is [T={q.shape[0]}, H={q.shape[1]}, ...] but begin() resolved "
-                             f"{sp.hit_physical.shape[0]} tokens for {launch.num_heads} heads")
+                             f"{sp.physical.shape[0]} tokens for {launch.num_heads} heads")
         return self._finish_split(launch, q, sm_scale)
 
     def _launch_plan(self, T: int, H: int, K: int, fmt: RowFormat) -> tuple[CopyShape | None, int | None, bool]:
@@ -226,6 +229,9 @@ class DecodeLayer:
         return None, None, False
 
     def _begin_split(self, layer: int, req_ids, topk, H: int) -> SplitLaunch:
+        if self.cache.resident_resolve():  # nothing can miss: the whole resolve, one attention in finish
+            res = self.cache.resolve(layer, req_ids, topk, validate=self.validate)
+            return SplitLaunch(result=res, cache=self.cache, num_heads=H, sms=None)
         T, K = (topk.shape[0], topk.shape[1]) if isinstance(topk, torch.Tensor) and topk.dim() == 2 else (0, 0)
         copy, sms, after = self._launch_plan(T, H, K, self.cache.layer_view(layer).row_format)
         sp = self.cache.resolve_split(layer, req_ids, topk, validate=self.validate, copy_shape=copy)
@@ -237,6 +243,8 @@ class DecodeLayer:
         sp = launch.result
         view = self.cache.layer_view(sp.layer)
         hot, fmt = view.hot_rows, view.row_format
+        if not isinstance(sp, SplitResult):  # the resident path: every row is on the device already
+            return self.backend.decode(q, hot, sp.physical, sm_scale=sm_scale, row_format=fmt)
         plan = self._plan(MissMode.SPLIT, q.shape[0], q.shape[1], fmt)
         kw = {} if launch.sms is None else {"sms": launch.sms}
         if launch.after_miss_phase:

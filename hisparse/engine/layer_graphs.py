@@ -19,6 +19,10 @@ pad_to=N)``) replay one small graph per (call, layer, bucket) instead:
 - the first call of a (call, layer, bucket) runs eagerly over the static buffer, which
   compiles the kernels for those pointers; the second captures the same launches on a
   side stream and replays the graph; later calls replay it;
+- a conversion's graph is of the full resolve, or of the resident one when every live
+  request is resident (``HiSparseCache.resident_resolve``): the key of the graph a call
+  replays includes which, so a batch replays the resident graph only while no live
+  request is hot;
 - a graph joins every stream it forks (the host mirror's, the staging's) before it ends,
   so work after a replay on the current stream, or on a stream that follows it, is
   ordered after all of the graph's work;
@@ -201,8 +205,11 @@ class LayerGraphs:
         cache = self.cache
         T, K = topk.shape
         static = self.topk_buffer(T, K)
-        # the staging copy's launch shape is part of the graph: a new one captures again
-        key = ("convert", layer, req_ids.data_ptr(), T, K, cache.stager.stage_programs)
+        # the staging copy's launch shape is part of the graph: a new one captures again;
+        # so is the resolve's path: a batch of resident requests alone replays a graph of
+        # the resident resolve, any other batch one of the full resolve
+        resident = cache.all_resident()
+        key = ("convert", layer, req_ids.data_ptr(), T, K, cache.stager.stage_programs, resident)
         got = self.graphs.get(key)
         if got is None and key not in self.warm:
             cache.check_resolve(layer, req_ids, topk)  # before the copy
@@ -216,7 +223,7 @@ class LayerGraphs:
         def launch() -> None:  # after the checks: a refused call notes nothing
             gkey, g, src, copy, addr = self._source(key, topk, static)
             if g is None:
-                g = self._graph(key, gkey, lambda: cache.launch_resolve(layer, req_ids, src))
+                g = self._graph(key, gkey, lambda: self._launch_resolve(layer, req_ids, src, resident))
             cs = cache.streams
             if cs.stage_eager_records[0] != self._stage_seen and cs.streams.stage is not None:
                 # eager staging in flight: the graph's own fork of the stage stream is not after it
@@ -233,6 +240,15 @@ class LayerGraphs:
             res = cache.resolve_replay(layer, T, K, launch)
         self._stage_seen = cache.streams.stage_eager_records[0]
         return res
+
+    def _launch_resolve(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor, resident: bool) -> None:
+        """The launches a convert graph captures: the resident resolve's when ``resident``
+        (``HiSparseCache.resident_capture``), else the full resolve's."""
+        if resident:
+            with self.cache.resident_capture():
+                self.cache.launch_resolve(layer, req_ids, topk)
+        else:
+            self.cache.launch_resolve(layer, req_ids, topk)
 
     def _source(self, key: tuple, t: torch.Tensor, static: torch.Tensor
                 ) -> tuple[tuple, _Graph | None, torch.Tensor, bool, tuple | None]:
