@@ -278,7 +278,7 @@ def test_cli_graphs_flag_on_cpu_is_bad_input(capsys):
 
 def test_replay_profile_picks_replays_after_the_timed_ones_and_ranks_ops():
     prof = ReplayProfile(torch.device("cpu"), after=2, n=1)
-    graphs = NS(sizes=[1, 2, 4], graphs={2: object()})
+    graphs = NS(sizes=[1, 2, 4], graphs={(2, None): object()})  # (bucket, KV store graph variant)
     decode = NS(md=NS(num_prefills=0, num_decodes=2))
     assert not prof.wants(None, decode)
     assert not prof.wants(graphs, NS(md=NS(num_prefills=1, num_decodes=2)))  # a mixed step

@@ -67,6 +67,24 @@ def test_graphs_hisparse_equals_eager_hisparse(overlap):
     assert c["within_tolerance"] and c["argmax_mismatches"] == 0, c
 
 
+@pytest.mark.parametrize("pages,fits", [(200, True), (16, False)])
+def test_graphs_hisparse_with_a_pool_equal_eager_hisparse(pages, fits):
+    """The elastic tier: a pool that holds every request (each decode graph is of the
+    resident resolve) and one that overflows (graphs of both resolves, each replayed
+    while it applies); replays match eager steps."""
+    hot = -(-10 * 129 // 64) * 64  # max_num_reqs x (S + 1), rounded up to 64
+    cfg = _cfg(overlap="serial", tolerance=1e-3, device_pool_rows=hot + pages * 64)
+    eager = me.run_engine(cfg, "hisparse")
+    graphs = me.run_engine(dataclasses.replace(cfg, graphs=True), "hisparse")
+    c = me.compare(cfg, eager, graphs)
+    assert c["within_tolerance"] and c["argmax_mismatches"] == 0, c
+    g = graphs["graphs"]
+    assert g["replays"] > g["captures"] > 0, g
+    assert g["variants"] == ["True"] if fits else "False" in g["variants"], g  # a hot request: the full resolve
+    tot = graphs["stats"]["total"]
+    assert tot["invalid"] == 0 and tot["resident_rows"] > 0 and (tot["spills"] > 0) != fits, tot
+
+
 @pytest.mark.parametrize("prefetch", [False, True])
 def test_layer_graphs_hisparse_equals_eager_and_resident(prefetch):
     """An eager engine whose hisparse per-layer calls replay graphs of their own

@@ -204,6 +204,12 @@ class HiSparseCache:
         request at all counts too): then no resolve can miss."""
         return self.dpool.enabled and self.dpool.num_resident == len(self.requests)
 
+    def pool_pages_free(self) -> int:
+        """Free pages of the elastic pool (``DEVICE_PAGE_ROWS`` rows each, the same pages
+        in every layer): a step whose writes need at most this many new pages demotes
+        no request."""
+        return self.dpool.num_free
+
     def resident_resolve(self) -> bool:
         """Whether a resolve called now takes the resident path: one launch on the
         current stream, a page-table lookup per entry, no LRU state, no staging copy, no
@@ -422,6 +428,11 @@ class HiSparseCache:
         CUDA graphs: capture ``resolve(..., validate=False)`` with the Triton kernels,
         after one eager call compiled them; replay on the compute stream, and call
         :meth:`join_backup` before a replay that follows eager appends.
+
+        While every live request is resident (``all_resident``), an eager call takes the
+        resident path (``resident_resolve``: one launch on the current stream, no
+        staging, ``result.event`` None); a capture takes it only inside
+        :meth:`resident_capture`.
         """
         T, K, req_ids = self._check_resolve(layer, req_ids, topk, validate)
         out = self._out(layer, T, K)

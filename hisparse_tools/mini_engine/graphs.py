@@ -17,6 +17,13 @@ dropped. Everything inside the padded forward has the bucket's shapes:
                  ``prepare_for_batch(md, pad_to=N, replay=...)``), ``begin_padded`` (device work
                  inside: the resident store's write rows from the static positions)
 
+Graph variants: a KV store whose calls take another path in some states keeps a graph
+per (bucket, ``KVStore.graph_variant``): hisparse's, one of the cache's resident
+resolve (captured inside ``resident_capture`` while every live request is resident)
+and one of the full resolve (correct whatever the residency). A step's variant is
+read before its host work, which could change it (a write that demotes a request):
+a step that might demote one runs the full resolve's graph.
+
 Modes (:class:`DecodeMode`): EAGER (the loop's own forward, no padding), PADDED (the
 padded forward run eagerly: what the graphs capture, testable on CPU), GRAPHS (PADDED
 for the first step of a bucket, which compiles the kernels; the next step of that
@@ -73,8 +80,9 @@ class StaticInputs:
     q: int  # tokens per request
     buf: torch.Tensor  # int64 [5, N * q]: tok, pos, slot, sub, lim
     dec_slots: torch.Tensor  # int32 [N * q] engine slot per token (the resident block table's row)
-    out: torch.Tensor | None = None  # fp32 [N * q, hidden], the captured forward's output
-    warm: bool = False  # a padded eager step of this bucket ran (its kernels are compiled)
+    # fp32 [N * q, hidden], the output of the forward captured for each graph variant
+    outs: dict = dataclasses.field(default_factory=dict)
+    warm: set = dataclasses.field(default_factory=set)  # variants a padded eager step ran for (compiled)
 
     @classmethod
     def make(cls, n: int, q: int, device: torch.device) -> "StaticInputs":
@@ -122,7 +130,7 @@ class DecodeGraphs:
         self.mode = mode
         self.sizes = capture_sizes(engine.slots)
         self.static: dict[int, StaticInputs] = {}
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple, torch.cuda.CUDAGraph] = {}  # (bucket, the KV store's graph variant) -> graph
         self.pool = torch.cuda.graph_pool_handle() if mode is DecodeMode.GRAPHS else None
         self.counts = {"padded_eager": 0, "captures": 0, "replays": 0, "padding_requests": 0}
         self.last = ""  # what the last step did: "padded" | "capture" | "replay"
@@ -144,23 +152,22 @@ class DecodeGraphs:
             raise ValueError(f"bucket {n} was set up for q={st.q}, this step has q={q}")
         st.fill(batch.items, eng.scratch_slot)
         padded = dataclasses.replace(batch, dec_slots=st.dec_slots)
-        g = self.graphs.get(n)
-        eng.kv.prepare_padded(padded, n, replay=g is not None)
+        variant, g = self._prepare(padded, n)
         self.counts["padding_requests"] += n - B
-        if self.mode is DecodeMode.PADDED or not st.warm:
-            st.warm = True  # the next step of this bucket captures
+        if self.mode is DecodeMode.PADDED or variant not in st.warm:
+            st.warm.add(variant)  # the next step of this bucket and variant captures
             self.counts["padded_eager"] += 1
             self.last = "padded"
             return eng.forward_padded(padded, st)[:B * q]
         if g is None:
             g = torch.cuda.CUDAGraph()
             try:
-                with torch.cuda.graph(g, pool=self.pool):
-                    st.out = eng.forward_padded(padded, st)
+                with eng.kv.capture_variant(variant), torch.cuda.graph(g, pool=self.pool):
+                    st.outs[variant] = eng.forward_padded(padded, st)
             except BaseException:
                 eng.kv.abandon_forward()  # nothing captured ran: the store puts the step back
                 raise
-            self.graphs[n] = g
+            self.graphs[(n, variant)] = g
             self.counts["captures"] += 1
             self.last = "capture"
         else:
@@ -171,7 +178,21 @@ class DecodeGraphs:
         marks[1].record()
         self.last_marks = marks  # new events each replay: the loop may launch the next one first
         self.counts["replays"] += 1
-        return st.out[:B * q]
+        return st.outs[variant][:B * q]
+
+    def _prepare(self, padded: "Batch", n: int) -> tuple[object, "torch.cuda.CUDAGraph | None"]:
+        """The step's host work (``prepare_padded``) for the graph of the KV store's
+        variant for this step (``graph_variant``, read before the host work, which it
+        accounts for), and (that variant, its graph or None)."""
+        kv = self.engine.kv
+        variant = kv.graph_variant(padded)
+        g = self.graphs.get((n, variant))
+        kv.prepare_padded(padded, n, replay=g is not None)
+        if not kv.variant_holds(variant):  # the estimate above is wrong: an engine bug, never replay
+            kv.abandon_forward()
+            raise RuntimeError(f"decode step of bucket {n}: its host work changed the KV store's graph "
+                               f"variant from {variant!r}; a graph of that variant can't serve it")
+        return variant, g
 
     @staticmethod
     def replay_gpu_s(marks: tuple) -> float:
@@ -180,8 +201,9 @@ class DecodeGraphs:
         return marks[0].elapsed_time(marks[1]) / 1e3
 
     def report(self) -> dict:
-        return {"mode": self.mode.value, "buckets": sorted(self.static), "captured": sorted(self.graphs),
-                **self.counts}
+        return {"mode": self.mode.value, "buckets": sorted(self.static),
+                "captured": sorted({n for n, _ in self.graphs}),
+                "variants": sorted({str(v) for _, v in self.graphs}), **self.counts}
 
 
 __all__ = ["DecodeMode", "capture_sizes", "bucket_for", "StaticInputs", "DecodeGraphs"]

@@ -41,6 +41,7 @@ Both stores share one :class:`Attention` (the backends, softmax scale, workspace
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import TYPE_CHECKING
 
@@ -49,7 +50,7 @@ import torch
 from hisparse.attention import SparseMLABackend
 from hisparse.cache import expand_runs
 from hisparse.staging import BlockTable, convert_topk_to_physical
-from hisparse.config import RowFormat, ceil_div
+from hisparse.config import DEVICE_PAGE_ROWS, RowFormat, ceil_div
 from hisparse.engine import HiSparseIndexGroup, SparseMLAMetadata
 from hisparse.formats import dequantize_fp8_ds_mla
 from .config import MiniEngineConfig, Request
@@ -108,6 +109,20 @@ class KVStore:
 
     def abandon_forward(self) -> None:
         """The prepared forward's capture failed: undo its host bookkeeping."""
+
+    def graph_variant(self, batch: Batch) -> object:
+        """Which kind of decode graph decode-only ``batch`` (prepared next) captures or
+        replays: a store whose calls take another path in some states (hisparse's
+        resident resolve) keeps a graph per variant. None: one kind."""
+        return None
+
+    def capture_variant(self, variant: object):
+        """The context a decode graph of ``variant`` is captured in."""
+        return contextlib.nullcontext()
+
+    def variant_holds(self, variant: object) -> bool:
+        """Whether a graph of ``variant`` still serves the step just prepared."""
+        return True
 
     def write(self, layer: int, rows: torch.Tensor, batch: Batch) -> None:
         """rows: uint8 [T, row_bytes], the forward's tokens in batch order."""
@@ -294,6 +309,23 @@ class HiSparseKV(KVStore):
 
     def abandon_forward(self) -> None:
         self.group.abandon_forward()
+
+    def graph_variant(self, batch: Batch) -> bool:
+        """Whether every live request is resident (the elastic tier) and stays so through
+        ``batch``'s writes (the pool has a free page for each page boundary they may
+        cross, so none demotes a request): the conversions then take the cache's resident
+        path, and a graph captured so is replayed only then (``variant_holds`` checks
+        it after the step's host work)."""
+        c = self.group.hisparse_cache
+        md = batch.md
+        need = md.num_decodes * -(-md.decode_max_query_len // DEVICE_PAGE_ROWS)
+        return c.all_resident() and c.pool_pages_free() >= need
+
+    def capture_variant(self, variant: object):
+        return self.group.hisparse_cache.resident_capture() if variant else contextlib.nullcontext()
+
+    def variant_holds(self, variant: object) -> bool:
+        return not variant or self.group.hisparse_cache.all_resident()
 
     def write(self, layer: int, rows: torch.Tensor, batch: Batch) -> None:
         self.group.write_new_rows(layer, rows, batch.md)
