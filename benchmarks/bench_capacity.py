@@ -33,7 +33,10 @@ device tier (``HiSparseConfig.device_pool_rows``: requests resident in device pa
 rows, hot buffers included, until a spill demotes them): ``auto`` gives every hisparse run
 the rows the resident tier keeps for its KV at that context (its batch x the context, per
 layer: every byte of its KV, the indexer keys aside), or no pool where those rows don't
-cover the run's hot buffers plus one page; ``N`` gives every hisparse run N rows per
+cover the run's hot buffers plus one page; ``budget`` gives each run the rows the GPU's KV
+budget (the memory the resident tier is sized from, its unused remainder included) holds
+at the run's batch once hisparse's other per-request GPU bytes (indexer keys, slot
+state, row maps) are taken out; ``N`` gives every hisparse run N rows per
 layer (refused up front below a run's hot buffers plus one page). The runs then report
 the lookups resolved to resident rows, the spills and the rows they seeded.
 
@@ -88,15 +91,15 @@ from benchmarks import capacity_sweep  # noqa: E402
 
 
 def pool_rows_arg(text: str) -> int | str:
-    """``--pool-rows``: ``auto`` or a row count >= 1 (``1M`` ...)."""
-    if text == "auto":
+    """``--pool-rows``: ``auto``, ``budget`` or a row count >= 1 (``1M`` ...)."""
+    if text in ("auto", "budget"):
         return text
     try:
         n = parse_rows(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     if n < 1:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or a row count >= 1, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected 'auto', 'budget' or a row count >= 1, got {text!r}")
     return n
 
 
@@ -113,10 +116,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-seqs", type=int, default=d.max_seqs)
     ap.add_argument("--buffer", dest="hot_rows", type=common.positive_int, default=None, metavar="S",
                     help="hisparse's hot LRU slots per (layer, request) [2 x top-k]: fewer misses, fewer requests")
-    ap.add_argument("--pool-rows", type=pool_rows_arg, default=None, metavar="auto|N",
+    ap.add_argument("--pool-rows", type=pool_rows_arg, default=None, metavar="auto|budget|N",
                     help="hisparse's device pool (the elastic tier), rows per layer, hot buffers included: auto = "
                          "the rows the resident tier keeps for its KV at each context (its batch x the context); "
-                         "N = the same N for every hisparse run [none]")
+                         "budget = the rows the GPU's KV budget (what the resident tier is sized from) holds at "
+                         "the run's batch once hisparse's other per-request GPU bytes (indexer keys, slot state, "
+                         "maps) are taken out; N = the same N for every hisparse run [none]")
     ap.add_argument("--run-layers", type=int, default=4, help="layers the measured runs have [4]")
     ap.add_argument("--heads", type=int, default=128)
     ap.add_argument("--hidden", type=int, default=1344, help="mini model width (see v32_share_at) [1344]")
@@ -214,13 +219,22 @@ def pool_for(budget: Budget, lim: dict, batch: int, a: argparse.Namespace) -> di
     if a.pool_rows is None:
         return {"rows": None, "from": None}
     least = pool_minimum(budget, batch)
-    if a.pool_rows != "auto":
+    if a.pool_rows not in ("auto", "budget"):
         return {"rows": a.pool_rows, "from": "given", "minimum": least}
-    kv = lim["resident"]["kv_rows_per_layer"]
-    d = {"from": f"auto: the resident tier's KV, {lim['resident']['batch']} x {lim['context']} rows per layer",
-         "minimum": least, "resident_kv_bytes": lim["resident"]["kv_bytes"]}
+    if a.pool_rows == "budget":
+        hs = lim["hisparse"]
+        kv = (budget.kv_bytes - batch * hs["nonrow_gpu_bytes_per_request"]) // (budget.num_layers * hs["row_bytes"])
+        what = "the KV budget's"
+        d = {"from": f"budget: the GPU's KV budget ({budget.kv_bytes} bytes) less {batch} x "
+                     f"{hs['nonrow_gpu_bytes_per_request']} bytes of hisparse's other per-request GPU state, "
+                     f"over {budget.num_layers} layers x {hs['row_bytes']} bytes", "minimum": least}
+    else:
+        kv = lim["resident"]["kv_rows_per_layer"]
+        what = "the resident tier's"
+        d = {"from": f"auto: the resident tier's KV, {lim['resident']['batch']} x {lim['context']} rows per layer",
+             "minimum": least, "resident_kv_bytes": lim["resident"]["kv_bytes"]}
     if kv < least:
-        return d | {"rows": None, "note": f"no pool: the resident tier's {kv} KV rows per layer are fewer than the "
+        return d | {"rows": None, "note": f"no pool: {what} {kv} KV rows per layer are fewer than the "
                                           f"{least} a batch of {batch} needs (hot buffers + one page)"}
     return d | {"rows": kv}
 

@@ -104,7 +104,12 @@ def tier_limits(budget: Budget, context: int) -> dict:
         "resident": {"batch": c["resident"], "bound": res_bound, "gpu_bytes_per_request": b["resident_gpu"],
                      "host_bytes_per_request": 0, "kv_rows_per_layer": c["resident"] * context,
                      "kv_bytes": c["resident"] * context * budget.num_layers * p["inputs"]["row_bytes"]},
+        # nonrow_gpu_bytes_per_request: hisparse's GPU bytes per request beyond its hot buffer's rows (slot
+        # state, indexer keys, row map, tables): what `bench_capacity --pool-rows budget` leaves out of the KV budget
         "hisparse": {"batch": c["hisparse"], "bound": p["binding"], "gpu_bytes_per_request": b["hisparse_gpu"],
+                     "nonrow_gpu_bytes_per_request": b["hisparse_gpu"] - budget.num_layers * (
+                         p["inputs"]["hot_rows"] + 1) * p["inputs"]["row_bytes"],
+                     "row_bytes": p["inputs"]["row_bytes"],
                      "host_bytes_per_request": b["hisparse_host"], "gpu_limit": c["hisparse_gpu_limit"],
                      "host_limit": c["hisparse_host_limit"]},
         "gain": p["gain"],
