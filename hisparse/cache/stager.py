@@ -317,9 +317,15 @@ class Stager:
         """The resolve of a batch whose live requests are all resident, one launch of
         ``resident_fn`` on the current stream after the layer's earlier staging work
         (which wrote the same buffers): nothing to stage, no event recorded. One launch
-        that changes only counters: nothing to undo when it raises."""
+        that changes only counters: nothing to undo when it raises. Under capture it
+        also joins the host mirror's stream first, as the full resolve's stage stream
+        does: a captured write forked it, and a capture must join every stream it forks
+        (eagerly nothing here reads the mirror, so nothing waits for it)."""
         cs = self.streams
-        cs.stage[layer].wait_by(cs.current(), cs.capturing())
+        cur, cap = cs.current(), cs.capturing()
+        cs.stage[layer].wait_by(cur, cap)
+        if cap:
+            cs.backup.wait_by(cur, cap)
         self.resident_fn(self.state, layer, req_ids, topk, out, max_query_len=self.max_query_len, compact=compact)
 
     def run_split(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor, out: ResolveBuffers,
