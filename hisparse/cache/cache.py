@@ -75,8 +75,8 @@ def _kernel_set(kernels: Kernels, device: torch.device, pool: HostPool) -> dict:
         def mirror(rows, plan, host_l):
             copy_rows_reference(rows, plan.host_tok32, host_l, plan.host_h32)
         return dict(resolve_fn=resolve_reference, lookup_fn=resolve_lookup_reference,
-                    resident_fn=resolve_resident_reference, copy_fn=_stage_reference, apply_fn=apply_write_plan_reference, mirror_fn=mirror,
-                    pinned_check=lambda name: None)
+                    resident_fn=resolve_resident_reference, copy_fn=_stage_reference,
+                    apply_fn=apply_write_plan_reference, mirror_fn=mirror, pinned_check=lambda name: None)
 
     dev = device if device.type == "cuda" else None
     pinned = _PinnedPool(pool, dev)
@@ -94,8 +94,7 @@ def _kernel_set(kernels: Kernels, device: torch.device, pool: HostPool) -> dict:
                             K=K, programs=programs, rows_per_program=rows, num_warps=warps)
 
     return dict(resolve_fn=_launch_resolve, lookup_fn=resolve_lookup_triton, resident_fn=_launch_resolve_resident,
-                copy_fn=stage,
-                apply_fn=apply_write_plan_triton, mirror_fn=mirror, pinned_check=pinned.check)
+                copy_fn=stage, apply_fn=apply_write_plan_triton, mirror_fn=mirror, pinned_check=pinned.check)
 
 
 def _check_pool(host_pool: object, cfg: HiSparseConfig) -> None:
@@ -431,14 +430,13 @@ class HiSparseCache:
 
         While every live request is resident (``all_resident``), an eager call takes the
         resident path (``resident_resolve``: one launch on the current stream, no
-        staging, ``result.event`` None); a capture takes it only inside
+        staging; ``result.event`` None with ``wait``); a capture takes it only inside
         :meth:`resident_capture`.
         """
         T, K, req_ids = self._check_resolve(layer, req_ids, topk, validate)
         out = self._out(layer, T, K)
         if self.resident_resolve():
-            self.stager.run_resident(layer, req_ids, topk, out, compact=compact)
-            event = None
+            event = self.stager.run_resident(layer, req_ids, topk, out, compact=compact, wait=wait)
         else:
             event = self.stager.run(layer, req_ids, topk, out, host_rows=self._host_l[layer],
                                     hot_rows=self._hot_l[layer], compact=compact, wait=wait)

@@ -313,20 +313,28 @@ class Stager:
         return ev.event
 
     def run_resident(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor, out: ResolveBuffers, *,
-                     compact: bool) -> None:
+                     compact: bool, wait: bool = True):
         """The resolve of a batch whose live requests are all resident, one launch of
         ``resident_fn`` on the current stream after the layer's earlier staging work
-        (which wrote the same buffers): nothing to stage, no event recorded. One launch
-        that changes only counters: nothing to undo when it raises. Under capture it
-        also joins the host mirror's stream first, as the full resolve's stage stream
-        does: a captured write forked it, and a capture must join every stream it forks
-        (eagerly nothing here reads the mirror, so nothing waits for it)."""
+        (which wrote the same buffers): nothing to stage. One launch that changes only
+        counters: nothing to undo when it raises. Under capture it also joins the host
+        mirror's stream first, as the full resolve's stage stream does: a captured write
+        forked it, and a capture must join every stream it forks (eagerly nothing here
+        reads the mirror, so nothing waits for it). Returns None with ``wait`` (the
+        current stream is ordered after the launch already); without it the layer's
+        stage event, recorded after the launch, for a reader on another stream
+        (``ResolveResult.wait``, ``wait_stage``)."""
         cs = self.streams
         cur, cap = cs.current(), cs.capturing()
         cs.stage[layer].wait_by(cur, cap)
         if cap:
             cs.backup.wait_by(cur, cap)
         self.resident_fn(self.state, layer, req_ids, topk, out, max_query_len=self.max_query_len, compact=compact)
+        if wait:
+            return None
+        ev = cs.stage[layer]
+        ev.record(cur, cap)
+        return ev.event
 
     def run_split(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor, out: ResolveBuffers,
                   hit: torch.Tensor, miss_lists: tuple, *, host_rows: torch.Tensor,
