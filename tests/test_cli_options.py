@@ -10,6 +10,7 @@ import argparse
 import importlib
 import json
 import os
+import re
 import sys
 
 import pytest
@@ -373,6 +374,37 @@ def test_help_lists_whatif_and_points_to_installed_help(capsys):
     shown = "\n".join(lines[1:13])  # what `./dev` with no job prints (sed -n '2,13p')
     assert "whatif" in shown and "100 s" not in "\n".join(lines)
     assert "sed -n '2,13p'" in "\n".join(lines)
+    with open(os.path.join(REPO, "README.md")) as f:
+        readme = f.read()
+    assert not re.search(r"\b100 s\b", readme) and "under a minute" in readme  # the set-up time README states
+
+
+def _message_strings(path: str) -> list[str]:
+    """The string constants of a module that are not docstrings (what it can print)."""
+    import ast
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    docs = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                docs.add(id(body[0].value))
+    return [n.value for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs]
+
+
+def test_no_message_points_to_docs_cli_md():
+    """A pip-installed user has no docs/CLI.md: no help text or error message names it
+    (docstrings may, for readers of the source)."""
+    found = []
+    for pkg in ("hisparse", "hisparse_tools"):
+        for root, _, files in os.walk(os.path.join(REPO, pkg)):
+            for name in files:
+                if name.endswith(".py"):
+                    path = os.path.join(root, name)
+                    found += [(path, m) for m in _message_strings(path) if "docs/CLI.md" in m]
+    assert found == []
 
 
 def test_mini_engine_pool_rows(capsys, monkeypatch):
