@@ -1,0 +1,121 @@
+"""The prefix-reuse block index (``hisparse.cache.prefix_index``), host-side: chained
+block names (prefix property, salt, parent, partial blocks, bad input), longest-prefix
+lookup, reference counts, LRU eviction of unreferenced blocks only, reset, and a
+randomized trace against a plain model with the index's invariants checked after every
+operation."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from hisparse.cache.prefix_index import NAME_BYTES, PrefixIndex, block_names
+
+
+def test_names_chain_over_whole_blocks():
+    a = block_names(list(range(10)), 4)
+    assert len(a) == 2 and all(len(n) == NAME_BYTES for n in a)  # the partial third block has no name
+    b = block_names(list(range(8)) + [99, 98], 4)
+    assert b == a  # only whole blocks count
+    c = block_names([0, 1, 2, 3, 4, 5, 6, 77], 4)
+    assert c[0] == a[0] and c[1] != a[1]
+    d = block_names([9, 1, 2, 3, 4, 5, 6, 7], 4)
+    assert d[0] != a[0] and d[1] != a[1]  # a change before a block renames it (chained)
+    assert block_names(list(range(8)), 4, salt=b"model-b") != a[:2]
+    assert block_names(list(range(8)), 4, salt=b"x" * 200) != block_names(list(range(8)), 4, salt=b"x" * 199)
+    assert block_names(list(range(4, 8)), 4, parent=a[0]) == a[1:2]  # a follow-up after a cached prefix
+    assert block_names(np.arange(8, dtype=np.int64), 4) == block_names(list(range(8)), 4)
+    assert block_names(tuple(range(8)), 4) == block_names(np.arange(8, dtype=np.uint32), 4)
+    assert block_names([], 4) == []
+
+
+@pytest.mark.parametrize("bad,err", [(([1, 2], 0), ValueError), (([1, 2], True), ValueError),
+                                     (([[1, 2]], 1), ValueError), (([1.5, 2], 1), ValueError),
+                                     (([-1, 2], 1), ValueError), (([2**32], 1), ValueError)])
+def test_bad_names_input(bad, err):
+    with pytest.raises(err):
+        block_names(*bad)
+    with pytest.raises(ValueError):
+        block_names(np.array([1.5, 2.0]), 1)  # numpy input is checked the same way
+    with pytest.raises(TypeError, match="salt must be bytes"):
+        block_names([1], 1, salt="text")
+
+
+def test_lookup_acquire_release_evict_reset():
+    ix = PrefixIndex()
+    names = block_names(list(range(16)), 4)
+    for i, n in enumerate(names[:3]):
+        assert ix.publish(n, 10 + i)
+    assert not ix.publish(names[0], 99)  # a name cached already keeps its block
+    with pytest.raises(ValueError, match="cached already"):
+        ix.publish(names[3], 10)
+    assert ix.lookup(names) == [10, 11, 12] and ix.lookup(names[3:]) == []
+    assert ix.cached == 3 and ix.evictable == 0
+    ix.acquire([10, 11], queried=4)
+    assert (ix.refs(10), ix.shared, ix.query_blocks, ix.hit_blocks) == (2, 2, 4, 2)
+    ix.release([10, 11, 12])  # the publisher lets go of all three
+    assert ix.evictable == 1 and ix.evict(5) == [12]  # referenced blocks are never evicted
+    ix.release([11])
+    ix.release([10])
+    assert ix.evictable == 2 and ix.evict(1) == [11]  # least recently released first
+    assert ix.evictions == 2 and ix.lookup(names) == [10]
+    with pytest.raises(KeyError):
+        ix.release([10])
+    with pytest.raises(KeyError):
+        ix.acquire([11])
+    assert ix.reset() == [10] and ix.cached == 0 and ix.evictions == 2
+
+
+def _check(ix: PrefixIndex, model: dict) -> None:
+    """Invariants: names and blocks one to one; every cached block referenced or
+    evictable, never both; the counts as the model has them."""
+    assert len(ix._block_of) == len(ix._name_of) == ix.cached
+    assert all(ix._name_of[b] == n for n, b in ix._block_of.items())
+    assert set(ix._refs) | set(ix._lru) == set(ix._name_of) and not set(ix._refs) & set(ix._lru)
+    assert {b: r for b, r in ix._refs.items()} == {b: r for b, r in model.items() if r}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_trace(seed):
+    rng = random.Random(seed)
+    ix = PrefixIndex()
+    refs: dict[int, int] = {}
+    held: list[list[int]] = []
+    next_block = 0
+    prompts = [[rng.randrange(50) for _ in range(rng.randrange(4, 40))] for _ in range(6)]
+    for _ in range(300):
+        op = rng.random()
+        if op < 0.4:
+            toks = rng.choice(prompts) + [rng.randrange(50) for _ in range(rng.randrange(0, 8))]
+            names = block_names(toks, 4)
+            hit = ix.lookup(names)
+            ix.acquire(hit, queried=len(names))
+            mine = list(hit)
+            for n in names[len(hit):]:
+                b = next_block
+                next_block += 1
+                if ix.publish(n, b):
+                    mine.append(b)
+                    refs[b] = 0
+                else:  # cached after an evicted block of the chain: this copy stays private
+                    assert ix.lookup([n]) and ix.lookup([n])[0] != b
+            for b in mine:
+                refs[b] = refs.get(b, 0) + 1
+            held.append(mine)
+        elif op < 0.8 and held:
+            mine = held.pop(rng.randrange(len(held)))
+            ix.release(mine)
+            for b in mine:
+                refs[b] -= 1
+        else:
+            gone = ix.evict(rng.randrange(0, 4))
+            for b in gone:
+                assert refs.get(b, 0) == 0
+                refs.pop(b, None)
+        _check(ix, refs)
+    for mine in held:
+        ix.release(mine)
+    ix.reset()
+    assert ix.cached == 0 and ix.evictable == 0
