@@ -160,6 +160,18 @@ def test_bench_elastic_dry_run_attends_resident_rows(tmp_path, capsys):
     for mode in ("serial", "split"):
         assert case[mode]["max_rel_diff"] == 0.0
         assert isinstance(case[mode]["meets_target"], bool)
+    assert case["serial_full"]["max_rel_diff"] == 0.0 and "resolve_full_alone" in case
+
+
+def test_bench_prefix_times_full_hits(tmp_path, capsys):
+    """The prefix lookup benchmark: every timed call a full hit, min <= median <= p99."""
+    from benchmarks import bench_prefix
+
+    out = tmp_path / "prefix.json"
+    assert bench_prefix.main(["--tokens", "256", "1000", "--block", "16", "--reps", "3", "--out", str(out)]) == 0
+    cases = json.loads(out.read_text())["cases"]
+    assert [(c["tokens"], c["blocks"]) for c in cases] == [(256, 16), (1000, 62)]
+    assert all(0 < c["min_us"] <= c["median_us"] <= c["p99_us"] for c in cases)
 
 
 def test_profile_layer_dry_run_lists_each_mode(tmp_path, capsys):
