@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 
 from .._checks import check_bool, check_int, check_tensor, device_type
@@ -343,16 +344,17 @@ class HiSparseIndexGroup(PrefillCalls, LayerGraphCalls, DecodeAttentionCalls):
         self._tokens = capacity.tokens if capacity is not None else metadata.num_tokens
         ndt = capacity.tokens if capacity is not None else td
         if ndt:
-            ids = metadata.decode_token_request_ids(ndt)
+            # int32 [ndt]: live ids, < max_request_id < 2**31
+            tok_ids = np.array(metadata.decode_token_request_ids(ndt), dtype=np.int32)
             if capacity is not None:  # into the bucket's persistent buffer (a captured graph reads it)
-                host = torch.tensor(ids, dtype=torch.int32)
+                host = torch.from_numpy(tok_ids)
                 buf = self._ids_bufs.get(ndt)
                 if buf is None:
                     buf = self._ids_bufs[ndt] = torch.empty(ndt, dtype=torch.int32, device=self.device)
                 buf.copy_(host.pin_memory() if device_type(self.device) == "cuda" else host, non_blocking=True)
                 self._decode_ids = buf
             else:
-                self._decode_ids = device_ints(ids, self.device)
+                self._decode_ids = device_ints(tok_ids, self.device)
         else:
             self._decode_ids = torch.empty(0, dtype=torch.int32, device=self.device)
         self._decode_tokens = ndt
