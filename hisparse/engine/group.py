@@ -324,16 +324,22 @@ class HiSparseIndexGroup(PrefillCalls, LayerGraphCalls, DecodeAttentionCalls):
             q = max(q, 1)
             capacity = StepCapacity(requests=pad_to, tokens=pad_to * q)
         cache = self._cache
-        for row, rid in enumerate(metadata.request_ids_cpu):
-            if not cache.requests.is_live(rid):
+        ids, qlens = metadata.request_ids_cpu, metadata.query_lens()
+        # rows per layer, a layer the last forward did not write counted as before it
+        slots, same, len0 = cache.lengths_before_batch(ids, self._step)
+        starts = np.array([s - q for s, q in zip(metadata.seq_lens_cpu, qlens)])
+        dead = None in slots
+        bad = ~same | (len0 != starts)
+        if dead or bad.any():  # the first row that is not live or holds other lengths
+            row = int((bad | np.array([s is None for s in slots], dtype=bool)).argmax())
+            rid = ids[row]
+            if slots[row] is None:
                 raise ValueError(f"batch row {row}: request {rid} is not live (add_request first)")
-            lens = self._visible_lengths(rid)  # layers the last forward did not write: as before it
-            start = metadata.context_start(row)
-            if lens.count(start) != len(lens):
-                raise ValueError(f"batch row {row}: request {rid} holds {list(lens)} rows per layer but the "
-                                 f"metadata says its context before this forward is {start} "
-                                 f"(seq_len {metadata.seq_lens_cpu[row]} - query_len {metadata.query_len(row)})")
-        write_batch = cache.plan_write(metadata.request_ids_cpu, metadata.query_lens())
+            lens = self._visible_lengths(rid)
+            raise ValueError(f"batch row {row}: request {rid} holds {lens} rows per layer but the "
+                             f"metadata says its context before this forward is {metadata.context_start(row)} "
+                             f"(seq_len {metadata.seq_lens_cpu[row]} - query_len {qlens[row]})")
+        write_batch = cache.plan_write(ids, qlens)
         if capacity is not None and device_type(self.device) == "cuda":
             # the persistent buffers are rewritten below: in-flight staging of the last
             # forward (which reads the decode ids) finishes first
