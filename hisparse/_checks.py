@@ -1,6 +1,7 @@
 """Checks shared by every public call, and the few facts about the runtime read once.
 
-- Argument checks: ``check_int``, ``check_bool``, ``check_tensor``, ``same_device``
+- Argument checks: ``check_int`` (``plain_ints``: a whole sequence that needs none),
+  ``check_bool``, ``check_tensor``, ``same_device``
   (``device_type``: a device's type, memoised).
   Caller mistakes raise ``TypeError`` (wrong kind of thing) or ``ValueError`` (right
   kind, wrong value), naming what was expected and what came. They look at Python
@@ -38,6 +39,15 @@ def check_int(name: str, value: object, lo: int | None = None, hi: int | None = 
     if hi is not None and value >= hi:
         raise ValueError(f"{name} must be < {hi}, got {value}")
     return value
+
+
+def plain_ints(values: tuple | list, lo: int, hi: int | None) -> bool:
+    """Whether every value is a plain int (not a bool or another subclass) in
+    ``[lo, hi)`` (``hi`` None: no upper bound): what ``check_int`` accepts, told for a
+    whole sequence at once (a False says only that one of them needs checking)."""
+    if values and set(map(type, values)) != {int}:
+        return False
+    return not values or (min(values) >= lo and (hi is None or max(values) < hi))
 
 
 def check_bool(name: str, value: object) -> bool:

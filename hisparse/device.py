@@ -14,6 +14,7 @@ import contextlib
 import mmap
 import weakref
 
+import numpy as np
 import torch
 
 from ._checks import interpreter_mode  # re-exported: whether Triton runs under its CPU interpreter
@@ -211,13 +212,20 @@ def on_device(device: torch.device | None):
     return torch.cuda.device(device)
 
 
-def device_ints(values: list[int], device: torch.device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+def device_ints(values: list[int] | np.ndarray, device: torch.device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
     """``dtype`` [len(values)] on ``device``. On CUDA through pinned memory with one
     non-blocking copy on the current stream: the host does not wait for the stream's
     earlier work (a copy from pageable memory would), so a step can be prepared while the
-    last one runs; the values are there for work that stream runs after the copy."""
-    host = torch.tensor(values, dtype=dtype)
-    kind = torch.device(device).type
+    last one runs; the values are there for work that stream runs after the copy.
+    ``values``: a list of ints, or a 1-d numpy array of that dtype (taken as it is)."""
+    if isinstance(values, np.ndarray):
+        host = torch.from_numpy(values)
+        if host.dtype is not dtype or values.ndim != 1:
+            raise ValueError(f"device_ints: a numpy array must be 1-d of {dtype}, got {host.dtype} "
+                             f"{tuple(host.shape)}")
+    else:
+        host = torch.tensor(values, dtype=dtype)
+    kind = (device if isinstance(device, torch.device) else torch.device(device)).type
     if kind == "cpu":
         return host
     if kind != "cuda":

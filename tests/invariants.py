@@ -334,6 +334,13 @@ def check_cache(cache, sim: LRUSim | None = None,
             _fail(f"request {rid}: {len(blocks)} blocks for layer lengths {lens}")
     if len(set(all_blocks)) != len(all_blocks) or alloc.num_used != len(all_blocks):
         _fail(f"blocks not disjoint or leaked: used {alloc.num_used}, owned {all_blocks}")
+    w = cache.writer  # its host copy of the block table
+    for r in range(R):
+        want = alloc.blocks(r) if r in slots_live else []
+        row = w.host_blocks[r].tolist()
+        if int(w.num_blocks[r]) != len(want) or row[:len(want)] != want or any(b != -1 for b in row[len(want):]):
+            _fail(f"writer's host block table of slot {r}: {int(w.num_blocks[r])} blocks {row[:len(want) + 2]}..., "
+                  f"allocator holds {want}")
     for r in range(R):
         if r in slots_live:
             continue
@@ -416,6 +423,13 @@ def _check_tier(cache, st: dict[str, torch.Tensor], hot: torch.Tensor, live: dic
         _fail(f"pool has {dp.num_pages} pages, config {cfg.pool_pages}")
     if set(owned) - set(live.values()):
         _fail(f"pages held by request slots {sorted(set(owned) - set(live.values()))} that are not live")
+    for r in range(R):  # the pool's arrays: the same pages
+        pages = owned.get(r)
+        want = (-1, []) if pages is None else (len(pages), pages)
+        got = (int(dp.npages[r]), dp.page_of[r, :max(0, int(dp.npages[r]))].tolist())
+        rest = dp.page_of[r, max(0, int(dp.npages[r])):]
+        if got != want or (rest != -1).any():
+            _fail(f"the pool's arrays of slot {r}: {got}, its pages {want}")
     MP = st["page_table"].shape[1]
     for rid, r in live.items():
         pt = st["page_table"][r].tolist()
@@ -557,6 +571,8 @@ def snapshot(cache) -> dict[str, Any]:
                     for rid in cache.live_requests()}
     snap["reserved"] = {rid: list(cache.requests.reserved_list(cache.request_slot(rid)))
                         for rid in cache.live_requests()}
+    snap["host_blocks"] = torch.from_numpy(cache.writer.host_blocks.copy())
+    snap["num_blocks"] = torch.from_numpy(cache.writer.num_blocks.copy())
     dp = getattr(cache, "dpool", None)
     if dp is not None:  # the elastic tier's host side
         snap["dpool"] = (sorted(dp._free), {r: list(dp.pages(r)) for r in dp.resident_slots()},

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from benchmarks import (bench_decode, bench_host_calls, bench_prefill, bench_staging,
+from benchmarks import (bench_decode, bench_host_calls, bench_prefill, bench_prepare, bench_staging,
                         bench_vllm_resolve, profile_e2e_host, soak)
 
 
@@ -84,6 +84,23 @@ def test_bench_host_calls_compare_cpu_smoke(capsys, tmp_path):
     for d in res["modes"].values():
         assert len(d["us"]["per_layer"]) == 3 and d["us"]["per_layer"]["median"] > 0
     assert res["modes"]["padded"]["mode"]["pad_to"] == 4
+
+
+def test_bench_prepare_cpu_smoke(capsys, tmp_path):
+    """Both modes interleaved, through a recycle of the requests and demotions of the
+    elastic tier (a pool of 3 pages for 4 requests whose contexts outgrow a page)."""
+    out_file = tmp_path / "prep.json"
+    argv = ["--requests", "4", "--layers", "3", "--context", "62", "--steps", "6", "--warmup", "1",
+            "--recycle", "4", "--top-k", "4", "--device-pool-rows", "256", "--profile", "--top", "3",
+            "--out", str(out_file)]
+    assert bench_prepare.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "interleaved" in out and "eager" in out and "padded" in out and "prepare_for_batch" in out
+    res = json.loads(out_file.read_text())
+    assert set(res["modes"]) == {"eager", "padded"} and res["modes"]["eager"]["x_eager"] == 1.0
+    assert res["modes"]["padded"]["pad_to"] == 4
+    for d in res["modes"].values():
+        assert d["us"]["median"] > 0 and d["spills"] > 0
 
 
 def test_profile_e2e_host_timers_dry_run(tmp_path, capsys):

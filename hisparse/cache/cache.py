@@ -18,8 +18,9 @@ never does. A call either completes or raises before it changes anything.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
+import numpy as np
 import torch
 
 from .._checks import Kernels, check_int
@@ -335,6 +336,7 @@ class HiSparseCache:
         st.page_table[r] = -1
         self.dpool.release(r)
         self.pool.allocator.free(r)
+        self.writer.release(r)
         self.requests.remove(req_id)
 
     # ---- write path -------------------------------------------------------
@@ -388,6 +390,18 @@ class HiSparseCache:
     def lengths_before(self, req_id: int, step: StepPlan | None) -> list[int]:
         """Rows per layer, a layer ``step`` has not written counted as before it."""
         return self.writer.visible(step, req_id, self.request_slot(req_id))[0]
+
+    def lengths_before_batch(self, req_ids: Sequence[int],
+                             step: StepPlan | None) -> tuple[list[int | None], np.ndarray, np.ndarray]:
+        """``lengths_before`` of a batch, summed up: (the request slot of each id, None
+        for an id that is not live; same bool [n]: whether the request holds the same
+        rows in every layer; len0 int64 [n]: those rows, meaningful where ``same`` and
+        live). Ids are not checked. Array operations over the batch, whatever the
+        number of layers."""
+        slots = self.requests.slots_of(req_ids)
+        live = np.array([0 if s is None else s for s in slots], dtype=np.int64) if None in slots else tuple(slots)
+        same, len0, _ = self.writer.visible_summary(step, req_ids, live)
+        return slots, same, len0
 
     def abandon_step(self, step: StepPlan, *, captured: bool = False) -> None:
         """Put back every layer of ``step`` whose write did not run (``captured``: and

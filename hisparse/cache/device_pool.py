@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterable, Sequence
 
+import numpy as np
 import torch
 
 from ..config import DEVICE_PAGE_ROWS, HiSparseConfig, ceil_div
@@ -72,6 +73,10 @@ class DevicePool:
         self.rows_per_layer = cfg.device_rows_per_layer
         self._free: list[int] = list(range(self.num_pages - 1, -1, -1))  # pop() -> lowest
         self._pages: dict[int, list[int]] = {}  # resident request slot -> its pages
+        # the same as arrays over request slots: npages int64 [R] (-1: not resident) and
+        # page_of int64 [R, MP] (-1 = none), a host copy of state.page_table
+        self.npages = np.full(cfg.max_num_reqs, -1, dtype=np.int64)
+        self.page_of = np.full((cfg.max_num_reqs, max(1, self.max_pages)), -1, dtype=np.int64)
         self.spills = 0
         self.promotions = 0
         self.seeded_rows = 0  # rows copied into hot buffers by demotions (all layers)
@@ -97,6 +102,35 @@ class DevicePool:
     def pages(self, r: int) -> list[int]:
         """Resident slot r's pages (the pool's own list: read it only)."""
         return self._pages[r]
+
+    def resident_mask(self, slots: np.ndarray) -> np.ndarray:
+        """bool [n]: whether each request slot of ``slots`` (int64 [n]) is resident."""
+        return self.npages[slots] >= 0
+
+    def needs_pages(self, slots: np.ndarray, ends: np.ndarray) -> bool:
+        """Whether a write of ``ends`` rows (int64 [n]) to request slots ``slots`` (int64
+        [n]) needs a page a resident request does not hold yet (else ``plan`` changes
+        nothing: no grant, no demotion)."""
+        have = self.npages[slots]
+        return bool(((have >= 0) & (-(-ends // self.PB) > have)).any())
+
+    def page_rows(self, slots: np.ndarray, positions: np.ndarray, changes: "PoolChanges") -> np.ndarray:
+        """int64 [n]: the flat device row of ``positions[i]`` (int64 [n]) of request slot
+        ``slots[i]`` once ``changes`` (``plan`` of this write, not made yet) are made,
+        for a request resident then; -1 for one that is hot."""
+        have = self.npages[slots]
+        res = have >= 0
+        if changes.demote:
+            res &= ~np.isin(slots, changes.demote)
+        k = positions // self.PB
+        page = self.page_of[slots, np.minimum(k, self.page_of.shape[1] - 1)]
+        if changes.grants:  # pages the write is granted come after those held
+            at = {s: i for i, s in enumerate(slots.tolist())}
+            for r, got in changes.grants.items():
+                i = at.get(r)
+                if got and i is not None and k[i] >= have[i]:
+                    page[i] = got[int(k[i] - have[i])]
+        return np.where(res, self.base + page * self.PB + positions % self.PB, -1)
 
     def resident_slots(self) -> list[int]:
         return sorted(self._pages)
@@ -156,6 +190,7 @@ class DevicePool:
         """Request slot r joins: resident (no pages yet) when the pool has pages."""
         if self.enabled:
             self._pages[r] = []
+            self.npages[r] = 0
             self.epoch += 1
             return True
         return False
@@ -165,6 +200,8 @@ class DevicePool:
         pages = self._pages.pop(r, None)
         if pages is None:
             return []
+        self.npages[r] = -1
+        self.page_of[r] = -1
         self._free.extend(pages)
         self._free.sort(reverse=True)
         self.epoch += 1
@@ -175,7 +212,23 @@ class DevicePool:
         for p in want:
             self._free.remove(p)
         self._free.sort(reverse=True)
+        k0 = len(self._pages[r])
         self._pages[r].extend(want)
+        self.page_of[r, k0:k0 + len(want)] = want
+        self.npages[r] = k0 + len(want)
+
+    def restore(self, free: list[int], pages: dict[int, list[int]], counters: tuple[int, int, int]) -> None:
+        """Put back the free list, every resident slot's pages and (spills, seeded_rows,
+        epoch) as recorded before a change (an undo)."""
+        self._free[:] = free
+        self._pages.clear()
+        self._pages.update(pages)
+        self.spills, self.seeded_rows, self.epoch = counters
+        self.npages[:] = -1
+        self.page_of[:] = -1
+        for r, p in pages.items():
+            self.npages[r] = len(p)
+            self.page_of[r, :len(p)] = p
 
 
 def seeded_reserved(n: int, S: int) -> int:

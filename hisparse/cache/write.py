@@ -23,12 +23,14 @@ Rows whose layout a kernel can't read as packed words (a row stride other than
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import weakref
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
-from .._checks import check_int, check_tensor, rows_layout_problem
+from .._checks import check_int, check_tensor, plain_ints, rows_layout_problem
 from ..config import HiSparseConfig
 from ..errors import CapacityError
 from .device_pool import NO_CHANGES, DevicePool, PoolChanges, apply_changes, seeded_reserved
@@ -36,8 +38,9 @@ from .host_pool import HostPool
 from .requests import RequestTable
 from .stager import CacheStreams
 from .state import HotState
-from .write_plan import Resident, WritePlan, Work, _to_plan, build_write_plan, plan_lists
-from .write_step import StepBuffers, StepCapacity, StepPlan, pad_lists, split_block_entries
+from .write_plan import NO_RESIDENT, Resident, WritePlan, Work, build_write_plan, plan_lists, plan_of, split_lists
+from .write_step import (NO_WORK, StepBuffers, StepCapacity, StepPlan, StepWork, pad_lists, single_row_step_lists,
+                         split_block_entries, step_rows, step_summary)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +96,10 @@ class Writer:
         self.hot_layers = list(hot)  # uint8 [N, row_bytes] per layer (views, made once)
         self.host_layers = list(pool.rows)  # uint8 [H, row_bytes] per layer
         self.step_buffers = StepBuffers(device)
+        # host copy of state.block_table (int32 [R, NB], -1 = none) and each slot's block
+        # count (int64 [R]): what the allocator handed each request slot, as arrays
+        self.host_blocks = np.full((cfg.max_num_reqs, cfg.num_host_blocks), -1, dtype=np.int32)
+        self.num_blocks = np.zeros(cfg.max_num_reqs, dtype=np.int64)
         # per layer, the flat int32 physical rows of its last resolve (set by the cache):
         # a demotion seeds the hot buffer with the rows they select first
         self.last_selection: list[torch.Tensor] | None = None
@@ -104,21 +111,25 @@ class Writer:
         """Check a batch: distinct live ids, one count (int >= 0) each."""
         if not isinstance(req_ids, (list, tuple, range)) or not isinstance(counts, (list, tuple, range)):
             raise TypeError("req_ids and counts must be sequences of ints")
-        ids = tuple(self.requests.check_id(i) for i in req_ids)
+        req = self.requests
+        ids = tuple(req_ids)
+        if not plain_ints(ids, 0, req.max_request_id):  # the per-id check says what is wrong
+            ids = tuple(req.check_id(i) for i in ids)
         if len(set(ids)) != len(ids):
             twice = next(i for i in ids if ids.count(i) > 1)
             raise ValueError(f"req_ids must be distinct (one entry per request, its rows counted in counts); "
                              f"request {twice} appears {ids.count(twice)} times")
-        cl = tuple(check_int("counts entry", c, 0) for c in counts)
+        cl = tuple(counts)
+        if not plain_ints(cl, 0, None):
+            cl = tuple(check_int("counts entry", c, 0) for c in cl)
         if len(cl) != len(ids):
             raise ValueError(f"{len(ids)} request ids but {len(cl)} counts: give one count per request id")
-        slots = tuple(self.requests.slot(i) for i in ids)
-        offsets, acc = [], 0
-        for c in cl:
-            offsets.append(acc)
-            acc += c
-        return WriteBatch(req_ids=ids, slots=slots, counts=cl, offsets=tuple(offsets), total=acc,
-                          generation=self.requests.generation, owner=self)
+        slots = req.slots_of(ids)
+        if None in slots:
+            req.slot(ids[slots.index(None)])  # raises: not live
+        offsets = tuple(itertools.accumulate(cl[:-1], initial=0)) if cl else ()
+        return WriteBatch(req_ids=ids, slots=tuple(slots), counts=cl, offsets=offsets, total=sum(cl),
+                          generation=req.generation, owner=self)
 
     def check_batch(self, batch: object) -> WriteBatch:
         """``batch`` as a WriteBatch this writer made and still valid (TypeError, ValueError)."""
@@ -159,12 +170,10 @@ class Writer:
         self.check_batch(batch)
         rows = self.check_rows(rows, batch.total)
         req = self.requests
-        firsts, work = [], []
-        for r, n, t0 in zip(batch.slots, batch.counts, batch.offsets):
-            p0 = req.length(r, layer)
-            firsts.append(p0)
-            if n:
-                work.append((r, p0, p0 + n, t0, req.reserved(r, layer)))
+        lens, res = req.layer_rows(np.array(batch.slots, dtype=np.int64), layer)
+        firsts = lens.tolist()
+        work = [(r, p0, p0 + n, t0, old)
+                for r, p0, n, t0, old in zip(batch.slots, firsts, batch.counts, batch.offsets, res.tolist()) if n]
         if not work:
             return firsts
         dp = self.device_pool
@@ -177,7 +186,7 @@ class Writer:
             new_blocks = self._new_blocks(work)
             changes = dp.plan([(r, p1) for r, _, p1, _, _ in work])
             self._check_demotions(changes)
-            work = self._after_demotion(work, changes, {r: req.length(r, layer) for r, *_ in work})
+            work = self._after_demotion(work, changes, {r: p0 for r, p0, *_ in work})
             alloc = self.pool.allocator
             plan = build_write_plan(work, owned={r: alloc.owned(r) for r, *_ in work},
                                     new_blocks=new_blocks, B=self.pool.B, S=self.cfg.device_buffer_size,
@@ -194,10 +203,12 @@ class Writer:
             raise
         # ---- commit the host-side bookkeeping (nothing here can fail for the caller) ----
         self._allocate(new_blocks)
-        S = self.cfg.device_buffer_size
-        for r, _, p1, _, _ in work:
-            keep = p1 - 1 >= S and not dp.is_resident(r)
-            req.set_written(r, layer, p1, p1 - 1 if keep else -1)  # type: ignore[operator]
+        ws = np.array([w[0] for w in work], dtype=np.int64)
+        p1 = np.array([w[2] for w in work], dtype=np.int64)
+        keep = p1 - 1 >= self.cfg.device_buffer_size
+        if dp.enabled:  # a resident request keeps no reserved occupant
+            keep &= ~dp.resident_mask(ws)
+        req.set_written_layer(ws, layer, p1, np.where(keep, p1 - 1, -1))
         req.touch(layer)
         self._plan = (key, plan)
         ev = self.streams.backup.event if (self.pool.is_writer and self.streams.cuda) else None
@@ -217,7 +228,8 @@ class Writer:
         back). ``capacity``: pad the lists into the bucket's persistent buffers (fixed
         shapes and addresses, for CUDA graphs). Every layer must hold the same rows of
         each request (ValueError otherwise). A CapacityError or ValueError changes
-        nothing (``replaces`` included)."""
+        nothing (``replaces`` included). The host work is array operations over the
+        batch (no loop over requests x layers)."""
         self.check_batch(batch)
         if replaces is not None:
             self.check_own_step(replaces)
@@ -228,45 +240,62 @@ class Writer:
             raise ValueError(f"the batch has {len(batch.req_ids)} requests and {batch.total} rows; the "
                              f"bucket holds {capacity.requests} and {capacity.tokens}")
         req = self.requests
-        L = self.cfg.num_layers
-        work, req_work = [], []
-        for rid, r, n, t0 in zip(batch.req_ids, batch.slots, batch.counts, batch.offsets):
-            lens, res = self.visible(replaces, rid, r)
-            p0, old = lens[0], res[0]
-            if lens.count(p0) != L or res.count(old) != L:
-                raise ValueError(f"request {rid} holds {lens} rows per layer: a step writes the same "
-                                 "positions to every layer")
-            if n:
-                work.append((r, p0, p0 + n, t0, old))
-                req_work.append((rid, r, req.incarnation(r), p0, p0 + n, old))
-        new_blocks = self._new_blocks(work) if work else {}
+        L, S = self.cfg.num_layers, self.cfg.device_buffer_size
+        same, p0, old = self.visible_summary(replaces, batch.req_ids, batch.slots)  # [n] each, read only
+        if not same.all():  # the first request whose layers differ
+            i = int((~same).argmax())
+            rid = batch.req_ids[i]
+            raise ValueError(f"request {rid} holds {self.visible(replaces, rid, batch.slots[i])[0]} rows per "
+                             "layer: a step writes the same positions to every layer")
+        slots = np.array(batch.slots, dtype=np.int64)
+        counts = np.array(batch.counts, dtype=np.int64)
+        w = np.flatnonzero(counts)  # the requests that write
+        ws = slots
+        rids, t0 = np.array(batch.req_ids, dtype=np.int64), np.array(batch.offsets, dtype=np.int64)
+        if len(w) < len(slots):  # some requests write no row
+            ws, rids, t0, p0, old, counts = slots[w], rids[w], t0[w], p0[w], old[w], counts[w]
+        work = StepWork(rid=rids, slot=ws, inc=req.born[ws], p0=p0, p1=p0 + counts, old=old) if len(w) else NO_WORK
+        new_blocks, need = self._new_blocks_of(work.slot, work.p1)
         dp = self.device_pool
-        changes = dp.plan([(r, p1) for r, _, p1, _, _ in work]) if work else NO_CHANGES
-        self._check_demotions(changes, replaces)
+        single = bool(len(work)) and bool((counts == 1).all())  # a decode step: one row each
+        changes = NO_CHANGES
+        if len(work) and dp.enabled and (not single or dp.needs_pages(work.slot, work.p1)):
+            changes = dp.plan(list(zip(work.slot.tolist(), work.p1.tolist())))
+        if changes.demote:
+            self._check_demotions(changes, replaces)
         if changes.demote:  # rows per layer of each demoted request, as this step sees them
             ids = {r: rid for rid, r in req.slot_map().items()}
-            seen = {r: self.visible(replaces, ids[r], r)[0] for r in changes.demote}
-            work = self._after_demotion(work, changes, {r: seen[r][0] for r in changes.demote})
-            req_work = [(rid, r, inc, p0, p1, w[4]) for (rid, r, inc, p0, p1, _), w in zip(req_work, work)]
-        alloc = self.pool.allocator
-        if work:
-            flat, sizes = plan_lists(work, owned={r: alloc.owned(r) for r, *_ in work}, new_blocks=new_blocks,
-                                     B=self.pool.B, S=self.cfg.device_buffer_size,
-                                     resident=self._resident(changes))
+            demoted = {r: self.visible(replaces, ids[r], r)[0] for r in changes.demote}
+            fixed = self._after_demotion([(r, 0, 0, 0, o) for r, o in zip(work.slot.tolist(), work.old.tolist())],
+                                         changes, {r: demoted[r][0] for r in changes.demote})
+            work = dataclasses.replace(work, old=np.array([x[4] for x in fixed], dtype=np.int64))
+        if not len(work):
+            lists = [np.zeros(0, dtype=np.int64)] * 15
+        elif single:  # (changes made only when pages are needed: page rows from the pool's arrays)
+            res_row = dp.page_rows(work.slot, work.p0, changes) if dp.enabled else None
+            lists = single_row_step_lists(work, t0, need, new_blocks, host_blocks=self.host_blocks,
+                                          num_blocks=self.num_blocks, B=self.pool.B, S=S, res_row=res_row)
         else:
-            flat, sizes = torch.empty(0, dtype=torch.int64), [0] * 15
-        bt, rest, sizes = split_block_entries(flat, sizes)
+            resident = self._resident(changes)
+            alloc = self.pool.allocator
+            tuples = list(zip(work.slot.tolist(), work.p0.tolist(), work.p1.tolist(), t0.tolist(),
+                              work.old.tolist()))
+            flat, sizes = plan_lists(tuples, owned={r: alloc.owned(r) for r, *_ in tuples}, new_blocks=new_blocks,
+                                     B=self.pool.B, S=S, resident=resident)
+            lists = split_lists(flat.numpy(), sizes)
+        bt, lists = split_block_entries(lists)
         if capacity is not None:
-            lists = pad_lists(rest, sizes, capacity)
+            packed = pad_lists(lists, capacity)
             padded = self.step_buffers.get(capacity)
             self.streams.join_backup()  # a mirror still reading the buffers of an eager step
-            padded.load(lists)
+            padded.load(packed)
             plan, rows = padded.plan, capacity.tokens
         else:
             padded = None
-            plan, rows = _to_plan(rest, sizes, self.device), batch.total
-        if bt.numel():
-            btd = bt.pin_memory().to(self.device, non_blocking=True) if self.streams.cuda else bt
+            plan, rows = plan_of(lists, self.device), batch.total
+        if bt.size:
+            btt = torch.from_numpy(bt)
+            btd = btt.pin_memory().to(self.device, non_blocking=True) if self.streams.cuda else btt
             self.state.block_table[btd[0], btd[1]] = btd[2].to(torch.int32)
         # ---- commit the host-side bookkeeping of every layer ----
         if replaces is not None:
@@ -274,21 +303,22 @@ class Writer:
         if not changes.empty:
             undo = self._pool_undo(changes)
             try:
-                self._apply_pool_changes(changes, seen if changes.demote else {})
+                self._apply_pool_changes(changes, demoted if changes.demote else {})
             except BaseException:
                 undo()  # the pool, page table, residency and slot state as they were
-                if bt.numel():  # and the new blocks' block-table entries (-1 before)
+                if bt.size:  # and the new blocks' block-table entries (-1 before)
                     self.state.block_table[btd[0], btd[1]] = -1
                 raise
-        self._allocate(new_blocks)
-        S = self.cfg.device_buffer_size
-        for _, r, _, _, p1, _ in req_work:
-            keep = p1 - 1 >= S and not dp.is_resident(r)
-            req.set_written_all(r, p1, p1 - 1 if keep else -1)
-        for layer in range(L):
-            req.touch(layer)
+        if new_blocks:
+            self._allocate(new_blocks)
+        if len(work):
+            keep = work.p1 - 1 >= S
+            if dp.enabled:  # a resident request keeps no reserved occupant
+                keep &= ~dp.resident_mask(work.slot)
+            req.set_written_rows(work.slot, work.p1, np.where(keep, work.p1 - 1, -1))
+        req.touch_all()
         self._plan = None
-        step = StepPlan(plan=plan, req_work=tuple(req_work), pending=set(range(L)) if req_work else set(),
+        step = StepPlan(plan=plan, work=work, pending=set(range(L)) if len(work) else set(),
                         rows=rows, generation=batch.generation, owner=self, buffers=padded)
         if padded is not None:
             padded.owner = step
@@ -296,19 +326,29 @@ class Writer:
             self._open_steps[id(step)] = step
         return step
 
+    def visible_rows(self, step: StepPlan | None, req_ids: Sequence[int],
+                     slots: tuple[int, ...] | np.ndarray) -> np.ndarray:
+        """int64 [n, 2, L]: rows per layer (``[:, 0]``) and reserved occupant per layer
+        (``[:, 1]``) of live requests ``req_ids`` in ``slots`` (ints or int64 [n]),
+        counting a layer that ``step`` has not written yet as it was before the step."""
+        if step is not None:
+            self.check_own_step(step)
+        return step_rows(self.requests, step, req_ids, slots)
+
+    def visible_summary(self, step: StepPlan | None, req_ids: Sequence[int],
+                        slots: tuple[int, ...] | np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``visible_rows`` summed up (``write_step.step_summary``): (same bool [n],
+        len0, res0 int64 [n], read only)."""
+        if step is not None:
+            self.check_own_step(step)
+        return step_summary(self.requests, step, req_ids, slots)
+
     def visible(self, step: StepPlan | None, rid: int, slot: int) -> tuple[list[int], list[int]]:
         """(rows per layer, reserved occupant per layer) of live request ``rid`` in
         ``slot``, counting a layer that ``step`` has not written yet as it was before
         the step."""
-        if step is not None:
-            self.check_own_step(step)
-        req = self.requests
-        lens, res = list(req.lengths(slot)), list(req.reserved_list(slot))
-        prev = step.before(rid, slot, req.incarnation(slot)) if step is not None and step.pending else None
-        if prev is not None:
-            for layer in step.pending:  # type: ignore[union-attr]
-                lens[layer], res[layer] = prev
-        return lens, res
+        rows = self.visible_rows(step, (rid,), np.array([slot], dtype=np.int64))
+        return rows[0, 0].tolist(), rows[0, 1].tolist()
 
     def write_step(self, layer: int, step: StepPlan, rows: torch.Tensor) -> None:
         """Launch ``step``'s write of ``layer`` (rows uint8 [step.rows, row_bytes]; when
@@ -317,7 +357,7 @@ class Writer:
         ``write`` of its batch."""
         self.check_step(layer, step)
         rows = self.check_rows(rows, step.rows)
-        if not step.req_work:
+        if not len(step.work):
             return
         # a padded plan's buffers are persistent, an eager one's lists are read on the
         # backup stream by every layer: recording its use once covers them all
@@ -334,7 +374,7 @@ class Writer:
         self.check_step(layer, step)
         if step.buffers is None:
             raise ValueError("only a padded step's write (persistent lists) can be replayed")
-        if not step.req_work:
+        if not len(step.work):
             return
         launch()
         self._finish_step(layer, step, capturing=False)
@@ -357,7 +397,7 @@ class Writer:
                              "prepare the forward again (prepare_for_batch)")
         if step.buffers is not None and step.buffers.owner is not step:
             raise ValueError("the step's bucket buffers hold a later step's lists: prepare it again")
-        if layer not in step.pending and step.req_work:  # a step of zero rows has nothing pending
+        if layer not in step.pending and len(step.work):  # a step of zero rows has nothing pending
             raise ValueError(f"layer {layer}: this step's rows were already written")
 
     def _finish_step(self, layer: int, step: StepPlan, capturing: bool | None = None) -> None:
@@ -381,11 +421,12 @@ class Writer:
         layers = step.pending | (step.captured if captured else set())
         if not layers:
             return
-        req = self.requests
+        req, w = self.requests, step.work
+        if len(w):  # the step's requests still live in the same admission
+            now = [-1 if s is None else s for s in req.slots_of(w.rid.tolist())]
+            same = (np.array(now, dtype=np.int64) == w.slot) & (req.born[w.slot] == w.inc)
+            req.restore_rows(w.slot[same], np.array(sorted(layers), dtype=np.int64), w.p0[same], w.old[same])
         for layer in sorted(layers):
-            for rid, r, inc, p0, _, old in step.req_work:
-                if req.slot_map().get(rid) == r and req.incarnation(r) == inc:
-                    req.restore(r, layer, p0, old)
             req.touch(layer)
         step.pending.clear()
         if captured:
@@ -393,6 +434,8 @@ class Writer:
 
     # ---- the elastic tier ---------------------------------------------------------
     def _resident(self, changes: PoolChanges) -> Resident:
+        if not changes.pages:
+            return NO_RESIDENT
         dp = self.device_pool
         return Resident(changes.pages, dp.base, dp.PB)
 
@@ -440,10 +483,7 @@ class Writer:
         touched = sorted(set(changes.demote) | {r for r, want in changes.grants.items() if want})
 
         def undo() -> None:
-            dp._free[:] = free
-            dp._pages.clear()
-            dp._pages.update(pages)
-            dp.spills, dp.seeded_rows, dp.epoch = counters
+            dp.restore(free, {r: list(p) for r, p in pages.items()}, counters)
             MP = st.page_table.shape[1]
             for r in touched:
                 st.page_table[r] = torch.tensor(pages[r] + [-1] * (MP - len(pages[r])), dtype=torch.int32,
@@ -480,21 +520,28 @@ class Writer:
     def _new_blocks(self, work: list[Work]) -> dict[int, list[int]]:
         """Blocks each request of ``work`` needs, as the allocator will hand them out
         (CapacityError, nothing changed, when they are not all free)."""
-        pool = self.pool
-        need = [(r, pool.blocks_needed(r, p1)) for r, _, p1, _, _ in work]
-        total = sum(n for _, n in need)
-        if total > pool.allocator.num_free:
-            a = pool.allocator
+        return self._new_blocks_of(np.array([w[0] for w in work], dtype=np.int64),
+                                   np.array([w[2] for w in work], dtype=np.int64))[0]
+
+    def _new_blocks_of(self, slots: np.ndarray, ends: np.ndarray) -> tuple[dict[int, list[int]], np.ndarray]:
+        """(blocks each request slot of ``slots`` (int64 [n]) needs to hold ``ends``
+        (int64 [n]) rows, as the allocator will hand them out (absent: none), and how
+        many, int64 [n]). CapacityError, nothing changed, when they are not all free."""
+        need = np.maximum(0, -(-ends // self.pool.B) - self.num_blocks[slots])
+        total = int(need.sum())
+        alloc = self.pool.allocator
+        if total > alloc.num_free:
             raise CapacityError(
-                f"host pool full: {total} more blocks needed, {a.num_free} free of {a.num_blocks}; "
+                f"host pool full: {total} more blocks needed, {alloc.num_free} free of {alloc.num_blocks}; "
                 "free requests or configure a larger pool")
-        upcoming = pool.allocator.peek(total)
         out, o = {}, 0
-        for r, n in need:
-            if n:
-                out[r] = upcoming[o:o + n]
+        if total:
+            upcoming = alloc.peek(total)
+            for i in np.flatnonzero(need).tolist():
+                n = int(need[i])
+                out[int(slots[i])] = upcoming[o:o + n]
                 o += n
-        return out
+        return out, need
 
     def _allocate(self, new_blocks: dict[int, list[int]]) -> None:
         alloc = self.pool.allocator
@@ -503,6 +550,14 @@ class Writer:
             if got != want:
                 raise RuntimeError(f"the allocator handed request slot {r} blocks {got}, the write "
                                    f"planned with {want}")
+            k = int(self.num_blocks[r])
+            self.host_blocks[r, k:k + len(got)] = got
+            self.num_blocks[r] = k + len(got)
+
+    def release(self, r: int) -> None:
+        """Request slot r's blocks went back to the pool (``free_request``)."""
+        self.host_blocks[r, :self.num_blocks[r]] = -1
+        self.num_blocks[r] = 0
 
     def _launch(self, layer: int, plan: WritePlan, rows: torch.Tensor, *, record_plan: bool = True) -> bool:
         """Host mirror on the backup stream, then the hot-tier update on the compute stream.
@@ -512,7 +567,7 @@ class Writer:
         outside a graph capture)."""
         cs = self.streams
         cur, cap = cs.before_write(layer)
-        if plan.unmap.numel():
+        if plan.counts[3]:  # unmap entries
             # the old occupants must be on host before their hot rows are overwritten
             cs.backup.wait_by(cur, cap)
         backup = cs.streams.backup

@@ -18,8 +18,11 @@ write path allocates them once its launches are enqueued.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 from typing import Mapping, Sequence
 
+import numpy as np
 import torch
 
 from .._checks import device_type
@@ -28,43 +31,6 @@ from .host_pool import block_segments
 # one unit of work: (request slot r, first position p0, end position p1, first token of
 # the request's rows in the batch, position in the reserved slot S before the write or -1)
 Work = tuple[int, int, int, int, int]
-
-
-@dataclasses.dataclass(frozen=True)
-class WritePlan:
-    """Device index lists of one batched append (int64 unless noted; N* = list length).
-
-    bt_r, bt_k: new block-table entries (request slot, logical block); bt_v int32 host block
-    hot_dst: flat device rows written; hot_tok: token (row of ``rows``) written there
-    sp_idx: flat index into slot_pos/slot_stamp [R * (S + 1)] of the layer (= hot_dst),
-      -1 for a resident request's row (a pool page row: no slot state);
-      sp_pos int32: position stored there; sp_r: request slot (for its step -> stamp)
-    rs_h, rs_v int32: host rows mapped in row_slot and their slot
-    unmap: host rows of previous reserved-slot occupants (row_slot -> -1)
-    host_h, host_tok: host row of every written token and the token (+ int32 copies
-      ``host_h32``, ``host_tok32`` for the row-copy kernel)
-    len_r, len_v int32: request slot and its new length in the layer (seq_lens[layer])
-    """
-
-    bt_r: torch.Tensor
-    bt_k: torch.Tensor
-    bt_v: torch.Tensor
-    hot_dst: torch.Tensor
-    hot_tok: torch.Tensor
-    sp_idx: torch.Tensor
-    sp_pos: torch.Tensor
-    sp_r: torch.Tensor
-    rs_h: torch.Tensor
-    rs_v: torch.Tensor
-    unmap: torch.Tensor
-    host_h: torch.Tensor
-    host_tok: torch.Tensor
-    host_h32: torch.Tensor
-    host_tok32: torch.Tensor
-    len_r: torch.Tensor
-    len_v: torch.Tensor
-    flat: torch.Tensor  # int64: every list above back to back, in _NAMES order
-    counts: tuple[int, int, int, int, int, int]  # n_bt, n_hot, n_rs, n_unmap, n_host, n_len
 
 
 _NAMES = ("bt_r", "bt_k", "bt_v", "hot_dst", "hot_tok", "sp_idx", "sp_pos", "sp_r", "rs_h", "rs_v",
@@ -189,75 +155,201 @@ def _runs_plan(work: list[Work], *, owned, new_blocks, B: int, S: int,
 def _single_row_plan(work: list[Work], *, owned, new_blocks, B: int, S: int,
                      resident: Resident = NO_RESIDENT) -> tuple[torch.Tensor, list[int]]:
     """``build_write_plan`` when every request writes one row (a decode step): the same
-    lists in the same order, built directly (no runs, no segments)."""
-    SP = S + 1
-    lists: dict[str, list[int]] = {n: [] for n in _NAMES}
-    bt_r, bt_k, bt_v = lists["bt_r"], lists["bt_k"], lists["bt_v"]
-    hot_dst, hot_tok, sp_idx = lists["hot_dst"], lists["hot_tok"], lists["sp_idx"]
-    sp_pos, sp_r, rs_h, rs_v = lists["sp_pos"], lists["sp_r"], lists["rs_h"], lists["rs_v"]
-    unmap, host_h, host_tok = lists["unmap"], lists["host_h"], lists["host_tok"]
-    for r, p0, _p1, t0, old in work:
+    lists in the same order, built directly (``single_row_lists``; no runs, no
+    segments)."""
+    bt: list[tuple[int, int, int]] = []
+    h, h_old, res_row = [], [], []
+    for r, p0, _p1, _t0, old in work:
         blocks = owned.get(r, ())
         extra = new_blocks.get(r)
         if extra:  # the row opens a new block (and any it skips, as runs do)
-            have = len(blocks)
-            for j, blk in enumerate(extra):
-                bt_r.append(r)
-                bt_k.append(have + j)
-                bt_v.append(blk)
+            bt.extend((r, len(blocks) + j, blk) for j, blk in enumerate(extra))
             blocks = list(blocks) + list(extra)
-        k = p0 // B
-        h = blocks[k] * B + p0 % B
-        if r in resident.pages:  # the row goes to its page row, no slot state
-            hot_dst.append(resident.row(r, p0))
-            hot_tok.append(t0)
-            sp_idx.append(-1)
-            sp_pos.append(p0)
-            sp_r.append(r)
-            host_h.append(h)
-            host_tok.append(t0)
-            lists["len_r"].append(r)
-            lists["len_v"].append(p0 + 1)
-            continue
-        slot = p0 if p0 < S else S
-        if p0 >= S and old >= 0:
-            unmap.append(blocks[old // B] * B + old % B)
-        hot_dst.append(r * SP + slot)
-        hot_tok.append(t0)
-        sp_idx.append(r * SP + slot)
-        sp_pos.append(p0)
-        sp_r.append(r)
-        rs_h.append(h)
-        rs_v.append(slot)
-        host_h.append(h)
-        host_tok.append(t0)
-        lists["len_r"].append(r)
-        lists["len_v"].append(p0 + 1)
-    sizes = [len(lists[name]) for name in _NAMES]
-    return torch.tensor([v for name in _NAMES for v in lists[name]], dtype=torch.int64), sizes
+        h.append(blocks[p0 // B] * B + p0 % B)
+        hot = r not in resident.pages
+        h_old.append(blocks[old // B] * B + old % B if hot and p0 >= S and old >= 0 else -1)
+        res_row.append(-1 if hot else resident.row(r, p0))
+    w = np.array(work, dtype=np.int64).reshape(len(work), 5)
+    i64 = np.int64
+    lists = single_row_lists(w[:, 0], w[:, 1], w[:, 3], w[:, 4], np.array(h, dtype=i64),
+                             np.array(h_old, dtype=i64), np.array(bt, dtype=i64).reshape(-1, 3).T,
+                             S=S, res_row=np.array(res_row, dtype=i64))
+    return torch.from_numpy(np.concatenate(lists)), [len(x) for x in lists]
+
+
+def single_row_lists(r: np.ndarray, p0: np.ndarray, t0: np.ndarray, old: np.ndarray, h: np.ndarray,
+                     h_old: np.ndarray, bt: np.ndarray, *, S: int,
+                     res_row: np.ndarray | None) -> list[np.ndarray]:
+    """The lists of ``build_write_plan`` when every request writes one row (a decode
+    step), as array operations: one int64 numpy array per list, in ``_NAMES`` order.
+
+    Per request written, in order (int64 [n] numpy each): r its slot, p0 the position
+    written, t0 its row in ``rows``, old the reserved slot's occupant before the write
+    (-1 = none), h the host row of p0, h_old the host row of ``old`` (read only where
+    p0 >= S and old >= 0), res_row its page row when resident (-1: a hot request; None:
+    every request is hot). bt: int64 [3, n_bt], the new block-table entries (slot,
+    logical block, host block). Same decisions as ``_runs_plan``: a hot request's
+    position < S goes to slot == position, a later one to the reserved slot S
+    (unmapping the previous occupant); a resident request's to its page row, with no
+    slot state; every row to its host row.
+    """
+    slot = np.minimum(p0, S)
+    hot_dst = r * (S + 1) + slot
+    moved = (p0 >= S) & (old >= 0)  # the newest row takes the reserved slot from an occupant
+    if res_row is None:
+        sp_idx, rs_h, rs_v = hot_dst, h, slot
+    else:
+        hot = res_row < 0
+        hot_dst = np.where(hot, hot_dst, res_row)
+        sp_idx = np.where(hot, hot_dst, -1)
+        rs_h, rs_v = h[hot], slot[hot]
+        moved &= hot
+    return [bt[0], bt[1], bt[2], hot_dst, t0, sp_idx, p0, r, rs_h, rs_v, h_old[moved], h, t0, r, p0 + 1]
+
+
+# the int32 copies a plan carries, host_h and host_tok first (16-byte aligned, for the
+# row-copy kernel): WritePlan's int32 lists and host_h32 / host_tok32
+_I32_LISTS = ("host_h", "host_tok") + _INT32
+_I32_INDEX = tuple(_NAMES.index(n) for n in _I32_LISTS)
+_NAME_INDEX = {n: i for i, n in enumerate(_NAMES)}
+_GROUP_INDEX = tuple(tuple(_NAMES.index(n) for n in group) for group in (
+    ("bt_r", "bt_k", "bt_v"), ("hot_dst", "hot_tok", "sp_idx", "sp_pos", "sp_r"), ("rs_h", "rs_v"),
+    ("host_h", "host_tok"), ("len_r", "len_v")))
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanLayout:
+    """Where a plan's lists lie in one int64 buffer: every list of ``_NAMES`` back to
+    back (``o64``, lengths ``caps``; the apply kernel reads them as ``flat``), then,
+    from int64 word ``n64`` (even: 16-byte aligned) on, the int32 copies of
+    ``_I32_LISTS`` (``o32``: int32 offsets there, each a multiple of 4). ``words``:
+    int64 words in all."""
+
+    caps: tuple[int, ...]
+    o64: tuple[int, ...]
+    n64: int
+    o32: tuple[int, ...]
+    words: int
+
+    @staticmethod
+    @functools.lru_cache(maxsize=256)
+    def of(caps: tuple[int, ...]) -> "PlanLayout":
+        o64 = tuple(itertools.accumulate(caps, initial=0))
+        n64 = -(-o64[-1] // 2) * 2
+        o32, o = [], 0
+        for i in _I32_INDEX:
+            o32.append(o)
+            o += -(-caps[i] // 4) * 4
+        return PlanLayout(caps, o64[:-1], n64, tuple(o32), n64 + max(2, -(-o // 2)))  # int32 area never empty
+
+
+class WritePlan:
+    """Device index lists of one batched append (int64 unless noted; N* = list length).
+
+    bt_r, bt_k: new block-table entries (request slot, logical block); bt_v int32 host block
+    hot_dst: flat device rows written; hot_tok: token (row of ``rows``) written there
+    sp_idx: flat index into slot_pos/slot_stamp [R * (S + 1)] of the layer (= hot_dst),
+      -1 for a resident request's row (a pool page row: no slot state);
+      sp_pos int32: position stored there; sp_r: request slot (for its step -> stamp)
+    rs_h, rs_v int32: host rows mapped in row_slot and their slot
+    unmap: host rows of previous reserved-slot occupants (row_slot -> -1)
+    host_h, host_tok: host row of every written token and the token (+ int32 copies
+      ``host_h32``, ``host_tok32`` for the row-copy kernel)
+    len_r, len_v int32: request slot and its new length in the layer (seq_lens[layer])
+
+    All of them are views of one device buffer ``buf`` (int64 [layout.words], laid out
+    as ``layout`` says): ``flat`` (int64, every list back to back in ``_NAMES`` order:
+    what the apply kernel reads), ``counts`` (n_bt, n_hot, n_rs, n_unmap, n_host, n_len)
+    and ``host_h32`` / ``host_tok32`` are made with the plan; each list by name is made
+    on first use (the Triton launches read none of them).
+    """
+
+    __slots__ = ("buf", "layout", "flat", "counts", "host_h32", "host_tok32", "_lists")
+
+    def __init__(self, buf: torch.Tensor, layout: PlanLayout) -> None:
+        self._lists: dict[str, torch.Tensor] | None = None
+        caps = layout.caps
+        self.buf, self.layout = buf, layout
+        self.flat = buf[:layout.o64[-1] + caps[-1]]
+        b32 = buf.view(torch.int32)
+        (h, t), (oh, ot) = _I32_INDEX[:2], layout.o32[:2]
+        oh, ot = oh + 2 * layout.n64, ot + 2 * layout.n64
+        self.host_h32, self.host_tok32 = b32[oh:oh + caps[h]], b32[ot:ot + caps[t]]
+        n = dict(zip(_NAMES, caps))
+        self.counts = (n["bt_r"], n["hot_dst"], n["rs_h"], n["unmap"], n["host_h"], n["len_r"])
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        """A list by name (``plan.hot_dst`` ...): a view of ``buf``, int32 for the int32
+        lists (see the class docstring)."""
+        if name not in _NAME_INDEX:
+            raise AttributeError(f"WritePlan has no attribute {name!r}")
+        if self._lists is None:
+            layout = self.layout
+            lists = dict(zip(_NAMES, self.flat.split(layout.caps)))
+            b32 = self.buf[layout.n64:].view(torch.int32)
+            for i, o in zip(_I32_INDEX[2:], layout.o32[2:]):
+                lists[_NAMES[i]] = b32[o:o + layout.caps[i]]
+            self._lists = lists
+        return self._lists[name]
+
+
+def pack_lists(lists: Sequence[np.ndarray], layout: PlanLayout) -> np.ndarray:
+    """The 15 lists (int64 numpy each, ``_NAMES`` order) in ``layout``'s buffer, each
+    padded with -1 to its capacity: int64 [layout.words] numpy (the caller makes sure
+    none is longer than its capacity)."""
+    if tuple(map(len, lists)) == layout.caps:  # no padding: one copy
+        buf = np.empty(layout.words, dtype=np.int64)
+        end = layout.o64[-1] + layout.caps[-1]
+        np.concatenate(lists, out=buf[:end])
+        buf[end:] = -1
+    else:
+        buf = np.full(layout.words, -1, dtype=np.int64)
+        for x, o in zip(lists, layout.o64):
+            buf[o:o + len(x)] = x
+    b32 = buf[layout.n64:].view(np.int32)
+    for i, o in zip(_I32_INDEX, layout.o32):
+        x = lists[i]
+        b32[o:o + len(x)] = x
+    return buf
+
+
+def split_lists(flat: np.ndarray, sizes: Sequence[int]) -> list[np.ndarray]:
+    """The lists of a flat plan (int64 numpy, ``sizes`` in ``_NAMES`` order), one array each."""
+    return np.split(flat, list(itertools.accumulate(sizes[:-1])))
+
+
+def check_groups(sizes: Sequence[int]) -> None:
+    """RuntimeError unless the lists written together have one length each
+    (``apply_write_plan_kernel`` relies on it)."""
+    for group in _GROUP_INDEX:
+        for i in group:
+            if sizes[i] != sizes[group[0]]:
+                raise RuntimeError("write plan lists of one group differ in length: "
+                                   f"{({_NAMES[i]: sizes[i] for i in group})}")
+
+
+def to_device(buf: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host int64 buffer on ``device`` (CUDA: pinned, copied without waiting)."""
+    t = torch.from_numpy(buf)
+    kind = device_type(device)
+    if kind == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t if kind == "cpu" else t.to(device)
+
+
+def plan_of(lists: Sequence[np.ndarray], device: torch.device) -> WritePlan:
+    """The device plan of 15 host lists (int64 numpy each, ``_NAMES`` order): one copy,
+    the int64 lists and their int32 copies in one buffer."""
+    sizes = tuple(map(len, lists))
+    check_groups(sizes)
+    layout = PlanLayout.of(sizes)
+    return WritePlan(to_device(pack_lists(lists, layout), device), layout)
 
 
 def _to_plan(flat: torch.Tensor, sizes: list[int], device: torch.device) -> WritePlan:
     """flat: int64 [sum(sizes)] CPU, the lists of ``_NAMES`` back to back -> the device plan."""
-    if device_type(device) == "cuda":
-        flat = flat.pin_memory().to(device, non_blocking=True)
-    else:
-        flat = flat.to(device)
-    views: dict[str, torch.Tensor] = {}
-    o = 0
-    for name, size in zip(_NAMES, sizes):
-        v = flat[o:o + size]
-        views[name] = v.to(torch.int32) if name in _INT32 else v
-        o += size
-    n = dict(zip(_NAMES, sizes))
-    # the groups written together have one length each (apply_write_plan_kernel relies on it)
-    for group in (("bt_r", "bt_k", "bt_v"), ("hot_dst", "hot_tok", "sp_idx", "sp_pos", "sp_r"),
-                  ("rs_h", "rs_v"), ("host_h", "host_tok"), ("len_r", "len_v")):
-        if len({n[g] for g in group}) != 1:
-            raise RuntimeError(f"write plan lists of one group differ in length: {({g: n[g] for g in group})}")
-    counts = (n["bt_r"], n["hot_dst"], n["rs_h"], n["unmap"], n["host_h"], n["len_r"])
-    return WritePlan(**views, host_h32=views["host_h"].to(torch.int32),
-                     host_tok32=views["host_tok"].to(torch.int32), flat=flat, counts=counts)
+    return plan_of(split_lists(flat.numpy(), sizes), device)
 
 
-__all__ = ["WritePlan", "Work", "Resident", "NO_RESIDENT", "build_write_plan", "expand_runs"]
+__all__ = ["WritePlan", "Work", "Resident", "NO_RESIDENT", "PlanLayout", "build_write_plan", "expand_runs",
+           "pack_lists", "plan_of", "single_row_lists", "split_lists", "to_device"]

@@ -20,10 +20,13 @@ Two differences from a plain ``write_plan.WritePlan``:
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
+import numpy as np
 import torch
 
-from .write_plan import _INT32, _NAMES, WritePlan
+from .requests import RequestTable
+from .write_plan import _NAMES, PlanLayout, WritePlan, pack_lists, single_row_lists
 
 _BT = ("bt_r", "bt_k", "bt_v")
 
@@ -47,24 +50,55 @@ class StepCapacity:
         caps.update({n: 0 for n in _BT})
         return caps
 
+    def layout(self) -> PlanLayout:
+        """Where the bucket's padded lists lie in its persistent buffer."""
+        caps = self.caps()
+        return PlanLayout.of(tuple(caps[n] for n in _NAMES))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepWork:
+    """The requests a step writes, one entry each, in batch order (int64 [n] numpy
+    arrays): rid the request id, slot its request slot, inc its incarnation, p0 and p1
+    the positions written ``[p0, p1)``, old its reserved occupant before the step."""
+
+    rid: np.ndarray
+    slot: np.ndarray
+    inc: np.ndarray
+    p0: np.ndarray
+    p1: np.ndarray
+    old: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.rid)
+
+    def tuples(self) -> tuple[tuple[int, int, int, int, int, int], ...]:
+        """(rid, slot, incarnation, p0, p1, old) per request, as Python ints."""
+        cols = (self.rid, self.slot, self.inc, self.p0, self.p1, self.old)
+        return tuple(zip(*(c.tolist() for c in cols)))
+
+
+NO_WORK = StepWork(*(np.zeros(0, dtype=np.int64) for _ in range(6)))
+for _f in dataclasses.fields(NO_WORK):
+    getattr(NO_WORK, _f.name).flags.writeable = False  # shared
+
 
 @dataclasses.dataclass
 class StepPlan:
     """The per-layer device lists of one prepared step (``Writer.prepare_step``).
 
-    plan: the lists (no block-table entries); req_work: (request id, request slot, its
-    incarnation, first position, end position, reserved occupant before the step) per
-    request written; pending: layers whose write has not run yet (none when no request
-    writes a row: each layer's write is then a no-op); captured: layers whose
-    write was captured in a CUDA graph (it runs when the graph is replayed); rows: how
-    many rows a layer's write takes (the bucket's tokens when padded, else the batch's
-    total); owner: the writer of the cache that prepared it (no other cache takes it);
-    buffers: the bucket's persistent buffers (padded steps), which a later step of the
-    bucket takes over.
+    plan: the lists (no block-table entries); work: the requests written
+    (:class:`StepWork`; ``req_work`` the same as tuples); pending: layers whose write
+    has not run yet (none when no request writes a row: each layer's write is then a
+    no-op); captured: layers whose write was captured in a CUDA graph (it runs when the
+    graph is replayed); rows: how many rows a layer's write takes (the bucket's tokens
+    when padded, else the batch's total); owner: the writer of the cache that prepared
+    it (no other cache takes it); buffers: the bucket's persistent buffers (padded
+    steps), which a later step of the bucket takes over.
     """
 
     plan: WritePlan
-    req_work: tuple[tuple[int, int, int, int, int, int], ...]
+    work: StepWork
     pending: set[int]
     rows: int
     generation: int
@@ -72,6 +106,12 @@ class StepPlan:
     buffers: "PaddedPlan | None" = None
     captured: set[int] = dataclasses.field(default_factory=set)
     plan_recorded: bool = False  # the plan's lists were recorded on the backup stream
+
+    @property
+    def req_work(self) -> tuple[tuple[int, int, int, int, int, int], ...]:
+        """(request id, request slot, its incarnation, first position, end position,
+        reserved occupant before the step) per request written."""
+        return self.work.tuples()
 
     def before(self, rid: int, slot: int, incarnation: int) -> tuple[int, int] | None:
         """(length, reserved occupant) the request had before this step, when the step
@@ -84,27 +124,21 @@ class StepPlan:
 
 @dataclasses.dataclass
 class PaddedPlan:
-    """The persistent device buffers of one capacity: ``flat`` int64 [sum of caps] holds
-    every list back to back; ``plan`` is the WritePlan the kernels read (int64 views of
-    ``flat``, int32 buffers for the int32 lists and the row-copy kernel's lists);
-    ``views`` the int64 view of every list; ``owner``: the step whose lists are loaded."""
+    """The persistent device buffers of one capacity: ``buf`` int64 [layout.words] holds
+    every list and its int32 copies (``write_plan.PlanLayout``); ``plan`` is the
+    WritePlan the kernels read (views of ``buf``); ``owner``: the step whose lists are
+    loaded."""
 
-    flat: torch.Tensor
+    buf: torch.Tensor
+    layout: PlanLayout
     plan: WritePlan
-    views: dict
     owner: object = None
 
-    def load(self, lists: torch.Tensor) -> None:
-        """Copy a step's padded lists (int64 CPU, ``pad_lists``) in, on the current
-        stream, and refresh the int32 buffers from them (in place: a captured graph
-        reads these addresses)."""
-        src = lists.pin_memory() if self.flat.is_cuda else lists
-        self.flat.copy_(src, non_blocking=True)
-        p, v = self.plan, self.views
-        for name in _INT32:
-            getattr(p, name).copy_(v[name])
-        p.host_h32.copy_(v["host_h"])
-        p.host_tok32.copy_(v["host_tok"])
+    def load(self, lists: np.ndarray) -> None:
+        """Copy a step's packed lists (int64 numpy, ``pad_lists``) in, on the current
+        stream (in place: a captured graph reads these addresses)."""
+        src = torch.from_numpy(lists)
+        self.buf.copy_(src.pin_memory() if self.buf.is_cuda else src, non_blocking=True)
 
 
 class StepBuffers:
@@ -117,47 +151,103 @@ class StepBuffers:
     def get(self, cap: StepCapacity) -> PaddedPlan:
         got = self._bufs.get(cap)
         if got is None:
-            caps = cap.caps()
-            flat = torch.full((sum(caps[n] for n in _NAMES),), -1, dtype=torch.int64, device=self.device)
-            i32 = dict(dtype=torch.int32, device=self.device)
-            views, fields, o = {}, {}, 0
-            for name in _NAMES:
-                views[name] = flat[o:o + caps[name]]
-                fields[name] = torch.full((caps[name],), -1, **i32) if name in _INT32 else views[name]
-                o += caps[name]
-            counts = tuple(caps[n] for n in ("bt_r", "hot_dst", "rs_h", "unmap", "host_h", "len_r"))
-            plan = WritePlan(**fields, host_h32=torch.full((caps["host_h"],), -1, **i32),
-                             host_tok32=torch.full((caps["host_tok"],), -1, **i32), flat=flat,
-                             counts=counts)  # type: ignore[arg-type]
-            got = PaddedPlan(flat=flat, plan=plan, views=views)
+            layout = cap.layout()
+            buf = torch.full((layout.words,), -1, dtype=torch.int64, device=self.device)
+            got = PaddedPlan(buf=buf, layout=layout, plan=WritePlan(buf, layout))
             self._bufs[cap] = got
         return got
 
 
-def split_block_entries(flat: torch.Tensor, sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """(block-table entries int64 [3, n_bt] CPU, the other lists int64 CPU, their sizes
-    with the block-table lists at 0) of a host plan (``write_plan.plan_lists``)."""
-    n_bt = sizes[0]
-    bt = flat[:3 * n_bt].view(3, n_bt)
-    return bt, flat[3 * n_bt:], [0, 0, 0] + list(sizes[3:])
+_NONE = np.zeros(0, dtype=np.int64)
+_NO_BT = np.zeros((3, 0), dtype=np.int64)
+_NONE.flags.writeable = _NO_BT.flags.writeable = False  # shared
 
 
-def pad_lists(rest: torch.Tensor, sizes: list[int], cap: StepCapacity) -> torch.Tensor:
-    """The lists ``rest`` (int64 CPU, ``sizes`` in ``_NAMES`` order, no block-table
-    entries) each padded with -1 to its capacity: int64 [sum of caps] CPU.
-    ValueError when a list is longer than its capacity."""
-    caps = cap.caps()
-    out = torch.full((sum(caps[n] for n in _NAMES),), -1, dtype=torch.int64)
-    i = o = 0
-    for name, size in zip(_NAMES, sizes):
-        c = caps[name]
-        if size > c:
-            raise ValueError(f"the step writes {size} {name} entries, more than its bucket holds ({c}); "
+def split_block_entries(lists: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+    """(block-table entries int64 [3, n_bt], the lists with the block-table ones
+    emptied) of a host plan (15 int64 numpy arrays in ``_NAMES`` order)."""
+    bt = np.stack(lists[:3]) if len(lists[0]) else _NO_BT
+    return bt, [_NONE, _NONE, _NONE] + list(lists[3:])
+
+
+def single_row_step_lists(work: StepWork, t0: np.ndarray, need: np.ndarray, new_blocks: dict[int, list[int]], *,
+                          host_blocks: np.ndarray, num_blocks: np.ndarray, B: int, S: int,
+                          res_row: np.ndarray | None) -> list[np.ndarray]:
+    """The host plan (``write_plan.single_row_lists``: 15 int64 numpy arrays in
+    ``_NAMES`` order) of a step whose every request writes one row.
+
+    t0: int64 [n] each request's row in ``rows``; need: int64 [n] the blocks it opens
+    (``new_blocks[slot]``, as the allocator will hand them out); host_blocks: int32
+    [R, NB] each slot's host blocks (-1 = none) and num_blocks: int64 [R] how many, before
+    the step; res_row: int64 [n] each request's page row when resident, -1 when hot
+    (``DevicePool.page_rows``), None: every request is hot."""
+    r, p0, old = work.slot, work.p0, work.old
+    blk = host_blocks[r, p0 // B]  # int32 [n], -1 for a block the step opens
+    bt = _NO_BT
+    if new_blocks:
+        entries: list[tuple[int, int, int]] = []
+        for i in np.flatnonzero(need).tolist():  # the row opens a new block (and any it skips)
+            s = int(r[i])
+            have, extra = int(num_blocks[s]), new_blocks[s]
+            entries.extend((s, have + j, b) for j, b in enumerate(extra))
+            blk[i] = extra[int(p0[i]) // B - have]
+        bt = np.array(entries, dtype=np.int64).T
+    h = blk * B + p0 % B  # int64 (host rows fit int32)
+    ko = np.maximum(old, 0)  # an occupant sits in a block the request held before the step
+    h_old = host_blocks[r, ko // B] * B + ko % B
+    if res_row is not None and not (res_row >= 0).any():
+        res_row = None
+    return single_row_lists(r, p0, t0, old, h, h_old, bt, S=S, res_row=res_row)
+
+
+def step_rows(requests: RequestTable, step: StepPlan | None, req_ids: Sequence[int],
+              slots: tuple[int, ...] | np.ndarray) -> np.ndarray:
+    """int64 [n, 2, L]: rows per layer (``[:, 0]``) and reserved occupant per layer
+    (``[:, 1]``) of live requests ``req_ids`` in ``slots`` (ints or int64 [n]), counting
+    a layer that ``step`` has not written yet as it was before the step (for a request
+    the step writes: the same id, slot and admission)."""
+    slots = np.asarray(slots, dtype=np.int64)
+    rows = requests.rows_of(slots)
+    if step is None or not step.pending or not len(step.work):
+        return rows
+    w = step.work
+    at = np.full(requests.max_num_reqs, -1, dtype=np.int64)  # slot -> its entry in the step
+    at[w.slot] = np.arange(len(w))
+    j = at[slots]
+    wrid, winc = w.rid.tolist(), w.inc.tolist()
+    sel = [i for i in np.flatnonzero(j >= 0).tolist()
+           if wrid[j[i]] == req_ids[i] and winc[j[i]] == requests.born[slots[i]]]
+    if sel:
+        ix = np.ix_(sel, sorted(step.pending))
+        rows[:, 0][ix] = w.p0[j[sel]][:, None]
+        rows[:, 1][ix] = w.old[j[sel]][:, None]
+    return rows
+
+
+def step_summary(requests: RequestTable, step: StepPlan | None, req_ids: Sequence[int],
+                 slots: tuple[int, ...] | np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``step_rows`` summed up: (same bool [n]: whether every layer of the request holds
+    the same rows and occupant; len0, res0 int64 [n]: those, meaningful where ``same``).
+    Array operations over the batch, whatever the number of layers, unless ``step`` has
+    layers not written yet (then through ``step_rows``)."""
+    if step is not None and step.pending and len(step.work):
+        rows = step_rows(requests, step, req_ids, slots)
+        return (rows == rows[:, :, :1]).all(axis=(1, 2)), rows[:, 0, 0], rows[:, 1, 0]
+    return requests.summary(slots)
+
+
+def pad_lists(lists: list[np.ndarray], cap: StepCapacity) -> np.ndarray:
+    """The lists (15 int64 numpy arrays in ``_NAMES`` order, the block-table ones empty)
+    each padded with -1 to its capacity, in the bucket's layout
+    (``StepCapacity.layout``): int64 [layout.words] numpy. ValueError when a list is
+    longer than its capacity."""
+    layout = cap.layout()
+    for name, x, c in zip(_NAMES, lists, layout.caps):
+        if len(x) > c:
+            raise ValueError(f"the step writes {len(x)} {name} entries, more than its bucket holds ({c}); "
                              f"bucket {cap}")
-        out[o:o + size] = rest[i:i + size]
-        i += size
-        o += c
-    return out
+    return pack_lists(lists, layout)
 
 
-__all__ = ["StepCapacity", "StepPlan", "PaddedPlan", "StepBuffers", "split_block_entries", "pad_lists"]
+__all__ = ["StepCapacity", "StepPlan", "StepWork", "NO_WORK", "PaddedPlan", "StepBuffers", "split_block_entries",
+           "pad_lists", "single_row_step_lists", "step_rows", "step_summary"]

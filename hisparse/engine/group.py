@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 
 from .._checks import check_bool, check_int, check_tensor, device_type
@@ -323,16 +324,22 @@ class HiSparseIndexGroup(PrefillCalls, LayerGraphCalls, DecodeAttentionCalls):
             q = max(q, 1)
             capacity = StepCapacity(requests=pad_to, tokens=pad_to * q)
         cache = self._cache
-        for row, rid in enumerate(metadata.request_ids_cpu):
-            if not cache.requests.is_live(rid):
+        ids, qlens = metadata.request_ids_cpu, metadata.query_lens()
+        # rows per layer, a layer the last forward did not write counted as before it
+        slots, same, len0 = cache.lengths_before_batch(ids, self._step)
+        starts = np.array([s - q for s, q in zip(metadata.seq_lens_cpu, qlens)])
+        dead = None in slots
+        bad = ~same | (len0 != starts)
+        if dead or bad.any():  # the first row that is not live or holds other lengths
+            row = int((bad | np.array([s is None for s in slots], dtype=bool)).argmax())
+            rid = ids[row]
+            if slots[row] is None:
                 raise ValueError(f"batch row {row}: request {rid} is not live (add_request first)")
-            lens = self._visible_lengths(rid)  # layers the last forward did not write: as before it
-            start = metadata.context_start(row)
-            if lens.count(start) != len(lens):
-                raise ValueError(f"batch row {row}: request {rid} holds {list(lens)} rows per layer but the "
-                                 f"metadata says its context before this forward is {start} "
-                                 f"(seq_len {metadata.seq_lens_cpu[row]} - query_len {metadata.query_len(row)})")
-        write_batch = cache.plan_write(metadata.request_ids_cpu, metadata.query_lens())
+            lens = self._visible_lengths(rid)
+            raise ValueError(f"batch row {row}: request {rid} holds {lens} rows per layer but the "
+                             f"metadata says its context before this forward is {metadata.context_start(row)} "
+                             f"(seq_len {metadata.seq_lens_cpu[row]} - query_len {qlens[row]})")
+        write_batch = cache.plan_write(ids, qlens)
         if capacity is not None and device_type(self.device) == "cuda":
             # the persistent buffers are rewritten below: in-flight staging of the last
             # forward (which reads the decode ids) finishes first
@@ -343,16 +350,17 @@ class HiSparseIndexGroup(PrefillCalls, LayerGraphCalls, DecodeAttentionCalls):
         self._tokens = capacity.tokens if capacity is not None else metadata.num_tokens
         ndt = capacity.tokens if capacity is not None else td
         if ndt:
-            ids = metadata.decode_token_request_ids(ndt)
+            # int32 [ndt]: live ids, < max_request_id < 2**31
+            tok_ids = np.array(metadata.decode_token_request_ids(ndt), dtype=np.int32)
             if capacity is not None:  # into the bucket's persistent buffer (a captured graph reads it)
-                host = torch.tensor(ids, dtype=torch.int32)
+                host = torch.from_numpy(tok_ids)
                 buf = self._ids_bufs.get(ndt)
                 if buf is None:
                     buf = self._ids_bufs[ndt] = torch.empty(ndt, dtype=torch.int32, device=self.device)
                 buf.copy_(host.pin_memory() if device_type(self.device) == "cuda" else host, non_blocking=True)
                 self._decode_ids = buf
             else:
-                self._decode_ids = device_ints(ids, self.device)
+                self._decode_ids = device_ints(tok_ids, self.device)
         else:
             self._decode_ids = torch.empty(0, dtype=torch.int32, device=self.device)
         self._decode_tokens = ndt

@@ -97,7 +97,9 @@ class SparseMLAMetadata:
 
     def decode_token_request_ids(self, tokens: int) -> list[int]:
         """The request id of each decode token, padded with -1 to ``tokens`` entries."""
-        ids = [rid for rid, q in zip(self.request_ids_cpu[:self.num_decodes], self.query_lens()) for _ in range(q)]
+        q = self.decode_max_query_len  # every decode request's query length
+        dec = self.request_ids_cpu[:self.num_decodes]
+        ids = list(dec) if q == 1 else [rid for rid in dec for _ in range(q)]
         return ids + [-1] * (tokens - len(ids))
 
     # ---- construction --------------------------------------------------
