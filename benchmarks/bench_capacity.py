@@ -251,7 +251,7 @@ def check_pool_rows(budget: Budget, contexts: list[int], a: argparse.Namespace) 
                 least = pool_minimum(budget, b)
                 raise ValueError(f"--pool-rows {a.pool_rows} is below {least}, the hot buffers of hisparse's batch of "
                                  f"{b} at context {ctx} (rounded up to {HOT_ALIGN}) plus one page of "
-                                 f"{DEVICE_PAGE_ROWS} rows; give at least {least}, or auto")
+                                 f"{DEVICE_PAGE_ROWS} rows; give at least {least}, auto or budget")
 
 
 def check_buffer(budget: Budget) -> None:

@@ -161,9 +161,9 @@ def test_profile_e2e_host_checks_chrome_trace_first(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("value, words", [
-    ("0", ["--pool-rows", "expected 'auto' or a row count >= 1"]),
+    ("0", ["--pool-rows", "expected 'auto', 'budget' or a row count >= 1"]),
     ("x", ["--pool-rows", "cannot parse row count 'x'"]),
-    ("100", ["--pool-rows 100 is below 192", "hisparse's batch of 5 at context 64", "give at least 192, or auto"]),
+    ("100", ["--pool-rows 100 is below 192", "hisparse's batch of 5 at context 64", "give at least 192, auto or budget"]),
 ])
 def test_bench_capacity_pool_rows(value, words, capsys):
     refused(bench_capacity.main, ["--dry-run", "--contexts", "64", "--pool-rows", value], capsys, *words)

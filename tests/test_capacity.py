@@ -212,6 +212,28 @@ def test_bench_capacity_pool_rows_config_on_the_gpu_path():
     assert none.pool_rows is None and bench_capacity.pool_for(budget, lim, 1, none) == {"rows": None, "from": None}
 
 
+def test_bench_capacity_pool_budget_is_the_kv_budget_less_hisparse_state():
+    """--pool-rows budget: the rows the GPU's KV budget holds at the run's batch once
+    hisparse's other per-request GPU bytes are out; at 128K and the resident's batch it
+    holds every request's pages beside the hot buffers (auto does not: one request short)."""
+    a = bench_capacity.parse_args(["--pool-rows", "budget", "--contexts", "128K", "--buffer", "5120"])
+    budget, _, contexts = bench_capacity.setup(a)
+    lim = tier_limits(budget, contexts[0])
+    hs, res = lim["hisparse"], lim["resident"]
+    nonrow = hs["nonrow_gpu_bytes_per_request"]
+    assert nonrow == hs["gpu_bytes_per_request"] - 61 * 5121 * 656 > 0
+    b = res["batch"]
+    p = bench_capacity.pool_for(budget, lim, b, a)
+    assert p["rows"] == (budget.kv_bytes - b * nonrow) // (61 * 656) and p["from"].startswith("budget")
+    hot = -(-b * 5121 // 64) * 64
+    assert p["rows"] - hot >= b * -(-(131072 + 64) // 64) * 64  # every request resident, 64 decode steps on
+    auto = bench_capacity.pool_for(budget, lim, b, bench_capacity.parse_args(["--pool-rows", "auto"]))
+    assert auto["rows"] - hot < b * 131072  # the hot buffers leave auto a request short
+    # at hisparse's own largest batch the budget holds little beyond the hot buffers
+    big = bench_capacity.pool_for(budget, lim, hs["batch"], a)
+    assert big["rows"] is None or big["rows"] < p["rows"]
+
+
 def test_bench_capacity_pool_auto_below_the_hot_buffers_is_no_pool():
     a = bench_capacity.parse_args(["--dry-run", "--pool-rows", "auto"])
     budget, _, _ = bench_capacity.setup(a)
