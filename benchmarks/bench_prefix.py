@@ -7,7 +7,8 @@ names the blocks of the same tokens (chained blake2b, 64-token blocks), looks th
 references them and lets them go. Prints min / median / p99 us per call (perf_counter,
 this host's CPU) and writes ``--out`` JSON.
 
-  python -m benchmarks.bench_prefix [--tokens 8192 32768 131072] [--block 64] [--reps 50] [--out FILE]
+  python -m benchmarks.bench_prefix [--tokens 8192 32768 131072] [--block 64] [--reps 50]
+      [--algo sha256 xxh3_128] [--numpy] [--out FILE]
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import random
 import sys
 
 from benchmarks import common
-from hisparse.cache.prefix_index import PrefixIndex, block_names
+import numpy as np
+
+from hisparse.cache.prefix_index import HASHES, PrefixIndex, block_names
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -25,6 +28,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tokens", type=common.positive_int, nargs="+", default=[8192, 32768, 131072])
     ap.add_argument("--block", type=common.positive_int, default=64, help="tokens per host block")
     ap.add_argument("--reps", type=common.positive_int, default=50)
+    ap.add_argument("--algo", nargs="+", choices=HASHES, default=["sha256"], help="block-name hashes to time")
+    ap.add_argument("--numpy", action="store_true", help="token ids as a numpy int64 array (else a list)")
     ap.add_argument("--out", default=None)
     return ap.parse_args(argv)
 
@@ -34,24 +39,29 @@ def main(argv=None) -> int:
     if not common.out_ok(a.out, "bench_prefix"):
         return 2
     report = {"benchmark": "bench_prefix", "env": common.environment("cpu"), "args": vars(a), "cases": []}
-    print(f"{'tokens':>8s} {'blocks':>7s} {'min us':>9s} {'median us':>10s} {'p99 us':>9s}  (names + lookup + refs)")
+    print(f"{'algo':>9s} {'tokens':>8s} {'blocks':>7s} {'min us':>9s} {'median us':>10s} {'p99 us':>9s}  "
+          f"(names + lookup + refs; token ids as {'numpy' if a.numpy else 'a list'})")
     rng = random.Random(0)
-    for n in a.tokens:
-        toks = [rng.randrange(1 << 17) for _ in range(n)]
-        ix = PrefixIndex()
-        for i, name in enumerate(block_names(toks, a.block)):
-            ix.publish(name, i, referenced=False)
+    for algo in a.algo:
+        for n in a.tokens:
+            toks = [rng.randrange(1 << 17) for _ in range(n)]
+            if a.numpy:
+                toks = np.array(toks, dtype=np.int64)
+            ix = PrefixIndex()
+            for i, name in enumerate(block_names(toks, a.block, algo=algo)):
+                ix.publish(name, i, referenced=False)
 
-        def call(toks=toks, ix=ix) -> None:
-            names = block_names(toks, a.block)
-            hit = ix.lookup(names)
-            ix.acquire(hit, queried=len(names))
-            ix.release(hit)
+            def call(toks=toks, ix=ix, algo=algo) -> None:
+                names = block_names(toks, a.block, algo=algo)
+                hit = ix.lookup(names)
+                ix.acquire(hit, queried=len(names))
+                ix.release(hit)
 
-        st = common.stats(common.time_calls(call, reps=a.reps, warmup=3, cuda=False), unit="_us")
-        assert ix.hit_blocks == ix.query_blocks == (a.reps + 3) * (n // a.block)  # every call a full hit
-        report["cases"].append({"tokens": n, "blocks": n // a.block, **st})
-        print(f"{n:8d} {n // a.block:7d} {st['min_us']:9.1f} {st['median_us']:10.1f} {st['p99_us']:9.1f}", flush=True)
+            st = common.stats(common.time_calls(call, reps=a.reps, warmup=3, cuda=False), unit="_us")
+            assert ix.hit_blocks == ix.query_blocks == (a.reps + 3) * (n // a.block)  # every call a full hit
+            report["cases"].append({"algo": algo, "tokens": n, "blocks": n // a.block, **st})
+            print(f"{algo:>9s} {n:8d} {n // a.block:7d} {st['min_us']:9.1f} {st['median_us']:10.1f} "
+                  f"{st['p99_us']:9.1f}", flush=True)
     if a.out:
         common.write_json(a.out, report)
     return 0

@@ -31,6 +31,23 @@ def test_names_chain_over_whole_blocks():
     assert block_names([], 4) == []
 
 
+def test_names_of_each_hash():
+    toks = list(range(40))
+    sha = block_names(toks, 8)
+    assert sha == block_names(toks, 8, algo="sha256") and len(sha) == 5
+    try:
+        import xxhash  # noqa: F401
+    except ImportError:
+        with pytest.raises(ValueError, match="needs the xxhash package"):
+            block_names(toks, 8, algo="xxh3_128")
+    else:
+        xx = block_names(toks, 8, algo="xxh3_128")
+        assert len(xx) == 5 and all(len(n) == NAME_BYTES for n in xx) and xx != sha
+        assert block_names(toks[:16] + [99] * 8, 8, algo="xxh3_128")[:2] == xx[:2]
+    with pytest.raises(ValueError, match="algo must be one of"):
+        block_names(toks, 8, algo="md5")
+
+
 @pytest.mark.parametrize("bad,err", [(([1, 2], 0), ValueError), (([1, 2], True), ValueError),
                                      (([[1, 2]], 1), ValueError), (([1.5, 2], 1), ValueError),
                                      (([-1, 2], 1), ValueError), (([2**32], 1), ValueError)])

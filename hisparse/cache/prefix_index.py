@@ -3,8 +3,12 @@
 A host block holds ``B`` consecutive tokens of a request (every layer's rows). Two
 requests whose token ids agree on a whole block *and on everything before it* hold the
 same rows there (the KV of a token depends on the tokens before it), so a block is named
-by a chained hash: ``h_i = blake2b(h_{i-1} || blake2b(salt) || token ids of block i)``
-(16 bytes, ``hashlib``; ``h_{-1}`` is empty, and so is the salt's part without a salt). The salt keys what else changes the KV (model,
+by a chained hash: ``h_i = H(h_{i-1} || H(salt) || token ids of block i)`` (16 bytes;
+``h_{-1}`` is empty, and so is the salt's part without a salt). ``H`` is SHA-256
+(``hashlib``, truncated to 16 bytes) by default: with tenants that don't trust each
+other a name must not be forgeable, or a crafted prompt could read another tenant's
+rows. ``algo="xxh3_128"`` (the ``xxhash`` package) is about 4x cheaper where every
+prompt is trusted. The salt keys what else changes the KV (model,
 adapter, ...). Only complete blocks are named.
 
 ``PrefixIndex`` maps names to host block ids and keeps, per cached block, how many
@@ -39,23 +43,41 @@ import numpy as np
 NAME_BYTES = 16  # blake2b digest size of a block name
 
 
+HASHES = ("sha256", "xxh3_128")
+
+
+def _hash_fn(algo: str):
+    """bytes -> NAME_BYTES-byte digest of ``algo`` (ValueError: unknown, or xxhash missing)."""
+    if algo == "sha256":
+        sha = hashlib.sha256
+        return lambda b: sha(b).digest()[:NAME_BYTES]
+    if algo == "xxh3_128":
+        try:
+            import xxhash
+        except ImportError:
+            raise ValueError("algo='xxh3_128' needs the xxhash package (pip install xxhash)") from None
+        return xxhash.xxh3_128_digest
+    raise ValueError(f"algo must be one of {HASHES}, got {algo!r}")
+
+
 def block_names(token_ids: Sequence[int] | np.ndarray, block_size: int, *, salt: bytes | None = None,
-                parent: bytes = b"") -> list[bytes]:
+                parent: bytes = b"", algo: str = "sha256") -> list[bytes]:
     """Chained names of the complete blocks of ``token_ids`` (int, any sequence; the
     trailing partial block has none). ``parent``: the name of the block before the
-    first (a follow-up turn's tokens after a cached prefix), empty at position 0."""
+    first (a follow-up turn's tokens after a cached prefix), empty at position 0.
+    ``algo``: ``HASHES`` (see the module docstring); names of one index must all use one."""
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
     if salt is not None and not isinstance(salt, (bytes, bytearray)):
         raise TypeError(f"salt must be bytes or None, got {type(salt).__name__}")
+    H = _hash_fn(algo)
     raw = _token_bytes(token_ids)
     step = 4 * block_size
-    salted = hashlib.blake2b(bytes(salt), digest_size=NAME_BYTES).digest() if salt else b""
+    salted = H(bytes(salt)) if salt else b""
     names: list[bytes] = []
     h = bytes(parent)
-    b2 = hashlib.blake2b
     for i in range(0, len(raw) - step + 1, step):
-        h = b2(h + salted + raw[i:i + step], digest_size=NAME_BYTES).digest()
+        h = H(h + salted + raw[i:i + step])
         names.append(h)
     return names
 
@@ -188,4 +210,4 @@ class PrefixIndex:
         return out
 
 
-__all__ = ["NAME_BYTES", "PrefixIndex", "block_names"]
+__all__ = ["HASHES", "NAME_BYTES", "PrefixIndex", "block_names"]
