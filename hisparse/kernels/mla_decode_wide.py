@@ -9,6 +9,9 @@ k_rope^T (K = 64), each in its own one-trip loop (keeps the [4, 2] warp layout),
 p . v over all 512 output columns. fp8 rows are loaded as [BLOCK_N, 4, 128] codes,
 scaled by their [BLOCK_N, 4] tile scales and reshaped to [BLOCK_N, 512] (exact: the
 scales are powers of two).
+
+Its loop body and epilogue are written out rather than built from ``mla_blocks``'
+``attend_block`` / ``store_tiles``: see "Debug scopes" in that module.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .mla_decode import LN2, _finish, _online_softmax, _prefetch_block, _split_range
+from .mla_blocks import LN2, finish, online_softmax, prefetch_block, split_range
 
 
 @triton.jit
@@ -84,7 +87,7 @@ def sparse_mla_decode_wide_kernel(
     q_lat = tl.load(q_row + dl[None, :], mask=hmask[:, None], other=0.0)  # bf16 [BLOCK_H, 512]
     q_rope = tl.load(q_row + 512 + tl.arange(0, 64)[None, :], mask=hmask[:, None], other=0.0)
 
-    lo, hi = _split_range(vc_ptr, t, sp, rows_per_split, K, HAS_VC)
+    lo, hi = split_range(vc_ptr, t, sp, rows_per_split, K, HAS_VC)
     idx_row = idx_ptr + t * idx_stride
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
@@ -92,11 +95,11 @@ def sparse_mla_decode_wide_kernel(
     acc = tl.zeros([BLOCK_H, 512], dtype=tl.float32)
     one = (lo >= 0).to(tl.int32)  # a runtime 1 for the one-trip loops (see mla_decode)
     for j in tl.static_range(1, PREFETCH):
-        _prefetch_block(kv_ptr, idx_row, lo + j * BLOCK_N, hi, N, kv_stride, BLOCK_N, IS_FP8)
+        prefetch_block(kv_ptr, idx_row, lo + j * BLOCK_N, hi, N, kv_stride, BLOCK_N, IS_FP8)
     for start in range(lo, hi, BLOCK_N):
         if PREFETCH > 0:
-            _prefetch_block(kv_ptr, idx_row, start + PREFETCH * BLOCK_N, hi, N, kv_stride,
-                            BLOCK_N, IS_FP8)
+            prefetch_block(kv_ptr, idx_row, start + PREFETCH * BLOCK_N, hi, N, kv_stride,
+                           BLOCK_N, IS_FP8)
         valid, raw_lat, sc, k_rope = _gather(kv_ptr, idx_row, start, hi, N, kv_stride,
                                              BLOCK_N, IS_FP8)
         if IS_FP8:
@@ -110,11 +113,11 @@ def sparse_mla_decode_wide_kernel(
             s = tl.dot(q_lat, tl.trans(k_lat), s)
         for _ in range(0, one):
             s = tl.dot(q_rope, tl.trans(k_rope), s)
-        p, alpha, m_new, l_i = _online_softmax(s, valid, m_i, l_i, qk_scale_log2)
+        p, alpha, m_new, l_i = online_softmax(s, valid, m_i, l_i, qk_scale_log2)
         acc = tl.dot(p.to(k_lat.dtype), k_lat, acc * alpha[:, None])
         m_i = m_new
 
-    inv_l, lse2 = _finish(m_i, l_i)
+    inv_l, lse2 = finish(m_i, l_i)
     hm = hmask[:, None]
     if NUM_SPLITS == 1:
         o_row = out_ptr + (t * H + heads.to(tl.int64))[:, None] * 512 + dl[None, :]

@@ -21,9 +21,11 @@ Kernels:
 - ``miss_split_kernel``: the miss rows are already in the hot buffer. Grid (T, HB, S).
   Each program gathers BLOCK_N rows at a time once for BLOCK_H heads (fp8 rows
   dequantised in registers, exact: power-of-two scales), runs a base-2 online softmax
-  with tl.dot (the helpers of ``mla_decode``), and with S = 1 merges its result into
-  the hit partial in the epilogue (one launch); with S > 1 it writes a float32 partial
-  and ``miss_combine_kernel`` merges the splits and the hit partial.
+  with tl.dot (``mla_blocks``' online softmax; the q . k^T and p . v dots written out
+  as in ``mla_blocks.attend_block``, see its module's "Debug scopes"), and with S = 1
+  merges its result into the hit partial in the epilogue (one launch); with S > 1 it
+  writes a float32 partial and ``miss_combine_kernel`` merges the splits and the hit
+  partial.
 - ``miss_combine_kernel``: merges the S float32 partials of a token (base-2 lse) into
   the hit partial in place.
 
@@ -46,7 +48,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .mla_decode import LN2, _finish, _online_softmax, _prefetch_rows, _tile
+from .mla_blocks import LN2, dequant, entries, finish, online_softmax, prefetch_lines
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
@@ -80,13 +82,13 @@ def _load_rows(kv_ptr, slot, valid, kv_stride, IS_FP8: tl.constexpr):
     r = tl.arange(0, 64)
     if IS_FP8:
         sptr = (kv_ptr + row_off + 512).to(tl.pointer_type(tl.float32))
-        k0 = _tile(tl.load(ptrs, mask=vm, other=0), tl.load(sptr, mask=valid, other=0.0), True)
-        k1 = _tile(tl.load(ptrs + 128, mask=vm, other=0), tl.load(sptr + 1, mask=valid, other=0.0),
-                   True)
-        k2 = _tile(tl.load(ptrs + 256, mask=vm, other=0), tl.load(sptr + 2, mask=valid, other=0.0),
-                   True)
-        k3 = _tile(tl.load(ptrs + 384, mask=vm, other=0), tl.load(sptr + 3, mask=valid, other=0.0),
-                   True)
+        k0 = dequant(tl.load(ptrs, mask=vm, other=0), tl.load(sptr, mask=valid, other=0.0))
+        k1 = dequant(tl.load(ptrs + 128, mask=vm, other=0),
+                     tl.load(sptr + 1, mask=valid, other=0.0))
+        k2 = dequant(tl.load(ptrs + 256, mask=vm, other=0),
+                     tl.load(sptr + 2, mask=valid, other=0.0))
+        k3 = dequant(tl.load(ptrs + 384, mask=vm, other=0),
+                     tl.load(sptr + 3, mask=valid, other=0.0))
         rbase = (kv_ptr + row_off + 528).to(tl.pointer_type(tl.bfloat16))
         kr = tl.load(rbase[:, None] + r[None, :], mask=vm, other=0.0)
     else:
@@ -99,16 +101,6 @@ def _load_rows(kv_ptr, slot, valid, kv_stride, IS_FP8: tl.constexpr):
 
 
 @triton.jit
-def _entries(slot_row, kk, hi, N):
-    """(hot rows int32, valid bool) of the entries kk int [BLOCK_N] of one miss list:
-    valid = kk < hi and the hot row in [0, N)."""
-    inr = kk < hi
-    slot = tl.load(slot_row + kk, mask=inr, other=-1)
-    valid = inr & (slot >= 0) & (slot < N)
-    return slot, valid
-
-
-@triton.jit
 def _attend(q_ptr, kv_ptr, slot_row, t, hb, lo, hi, N, H, q_stride_t, q_stride_h,
             kv_stride, qk_scale_log2, one, IS_FP8: tl.constexpr,
             BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, ISOLATE_QK: tl.constexpr,
@@ -117,7 +109,7 @@ def _attend(q_ptr, kv_ptr, slot_row, t, hb, lo, hi, N, H, q_stride_t, q_stride_h
     its miss list. Returns (heads, head mask, acc0..acc3 float32 [BLOCK_H, 128] (not yet
     divided by l), m_i, l_i float32 [BLOCK_H], base 2).
 
-    ISOLATE_QK: each q . k^T dot in its own one-trip loop, as in ``mla_decode`` (keeps
+    ISOLATE_QK: each q . k^T dot in its own one-trip loop (``mla_blocks.scores``: keeps
     Triton from laying the dot out over all warps along the heads at BLOCK_H = 64); ``one``
     is the trip count, a runtime 1 the compiler cannot fold (``_runtime_one``).
     PREFETCH: ask L2 for the next block's rows each iteration (inline PTX; CUDA only).
@@ -140,12 +132,13 @@ def _attend(q_ptr, kv_ptr, slot_row, t, hb, lo, hi, N, H, q_stride_t, q_stride_h
     for start in range(lo, hi, BLOCK_N):
         kk = start + tl.arange(0, BLOCK_N)
         if PREFETCH > 0:
-            nslot, nvalid = _entries(slot_row, kk + BLOCK_N, hi, N)
+            nslot, nvalid = entries(slot_row, kk + BLOCK_N, hi, N)
             if IS_FP8:
-                _prefetch_rows(kv_ptr, tl.where(nvalid, nslot, 0).to(tl.int64) * kv_stride, 656, 8)
+                prefetch_lines(kv_ptr, tl.where(nvalid, nslot, 0).to(tl.int64) * kv_stride, 656, 8)
             else:
-                _prefetch_rows(kv_ptr, tl.where(nvalid, nslot, 0).to(tl.int64) * (kv_stride * 2), 1152, 16)
-        slot, valid = _entries(slot_row, kk, hi, N)
+                prefetch_lines(kv_ptr, tl.where(nvalid, nslot, 0).to(tl.int64) * (kv_stride * 2),
+                               1152, 16)
+        slot, valid = entries(slot_row, kk, hi, N)
         k0, k1, k2, k3, kr = _load_rows(kv_ptr, slot, valid, kv_stride, IS_FP8)
         if ISOLATE_QK:
             s = tl.zeros([BLOCK_H, BLOCK_N], dtype=tl.float32)
@@ -165,7 +158,7 @@ def _attend(q_ptr, kv_ptr, slot_row, t, hb, lo, hi, N, H, q_stride_t, q_stride_h
             s = tl.dot(q2, tl.trans(k2), s)
             s = tl.dot(q3, tl.trans(k3), s)
             s = tl.dot(qr, tl.trans(kr), s)
-        p, alpha, m_new, l_i = _online_softmax(s, valid, m_i, l_i, qk_scale_log2)
+        p, alpha, m_new, l_i = online_softmax(s, valid, m_i, l_i, qk_scale_log2)
         pb = p.to(tl.bfloat16)
         acc0 = tl.dot(pb, k0, acc0 * alpha[:, None])
         acc1 = tl.dot(pb, k1, acc1 * alpha[:, None])
@@ -328,7 +321,7 @@ def miss_split_kernel(
             q_ptr, kv_ptr, idx_row, t, hb, lo, hi, N, H, q_stride_t, q_stride_h,
             kv_stride, qk_scale_log2, _runtime_one(K), IS_FP8, BLOCK_H, BLOCK_N,
             ISOLATE_QK, PREFETCH)
-        inv_l, lse2 = _finish(m_i, l_i)
+        inv_l, lse2 = finish(m_i, l_i)
         if NUM_SPLITS == 1:
             _merge_into(out_ptr, lse_ptr, t, heads, hmask, H, acc0, acc1, acc2, acc3, inv_l, lse2)
         else:
