@@ -7,8 +7,8 @@ by a chained hash: ``h_i = H(h_{i-1} || H(salt) || token ids of block i)`` (16 b
 ``h_{-1}`` is empty, and so is the salt's part without a salt). ``H`` is SHA-256
 (``hashlib``, truncated to 16 bytes) by default: with tenants that don't trust each
 other a name must not be forgeable, or a crafted prompt could read another tenant's
-rows. ``algo="xxh3_128"`` (the ``xxhash`` package) is about 4x cheaper where every
-prompt is trusted. The salt keys what else changes the KV (model,
+rows. ``algo="xxh3_128"`` (the ``xxhash`` package), where every prompt is trusted,
+computes the names in about a quarter of SHA-256's time (``benchmarks.bench_prefix``). The salt keys what else changes the KV (model,
 adapter, ...). Only complete blocks are named.
 
 ``PrefixIndex`` maps names to host block ids and keeps, per cached block, how many
