@@ -31,7 +31,6 @@ import time
 import torch
 
 from benchmarks import common
-from benchmarks.common import percentile
 from hisparse import CapacityError, HiSparseConfig
 from hisparse.engine import HiSparseIndexGroup, SparseMLAMetadata
 from hisparse_tools.exit_codes import MissingDependency
@@ -95,10 +94,6 @@ def make_case(a: argparse.Namespace, dev: torch.device, pad_to: int | None):
     return g, step
 
 
-def stats_us(v: list[float]) -> dict:
-    return {"min": min(v) * 1e6, "median": percentile(v, 50) * 1e6, "p99": percentile(v, 99) * 1e6}
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     pos = common.positive_int
@@ -146,7 +141,7 @@ def main(argv=None) -> int:
               "modes": {}}
     base = None
     for name in modes:
-        st = stats_us(times[name])
+        st = common.stats([t * 1e6 for t in times[name]])  # us
         base = base if base is not None else st["median"]
         result["modes"][name] = {"pad_to": modes[name], "us": st, "x_eager": st["median"] / base,
                                  "spills": cases[name][0].stats()["total"]["spills"]}
