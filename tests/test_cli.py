@@ -25,6 +25,7 @@ from hisparse_tools.cli import main
 from hisparse_tools.mini_engine import loop as me_loop
 from hisparse_tools.outputs import Outputs
 from hisparse_tools.traces import TraceRecorder
+from cli_common import fails
 
 STRESS_TINY = ["--requests", "2", "--context", "200", "--layers", "1", "--top-k", "8",
                "--buffer", "16", "--steps", "6", "--block-size", "16", "--device", "cpu", "--quiet"]
@@ -42,17 +43,7 @@ def _json(capsys, argv, rc=0):
     return json.loads(out.out)
 
 
-def _fails(capsys, argv, rc, *needles):
-    """main(argv) exits ``rc`` with one line on stderr containing every needle, no traceback."""
-    got = main(argv)
-    out = capsys.readouterr()
-    assert "Traceback" not in out.err + out.out, out.err
-    err = out.err.strip()
-    assert got == rc, (got, err)
-    assert len(err.splitlines()) == 1, err
-    for n in needles:
-        assert n in err, (n, err)
-    return err
+_fails = fails  # one refusal check for every CLI test (cli_common)
 
 
 def _never(*args, **kw):

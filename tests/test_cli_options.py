@@ -21,6 +21,7 @@ from hisparse_tools.cli import main
 from hisparse_tools.exit_codes import EXIT_FAILED, run_command
 from hisparse_tools.mini_engine import loop as me_loop
 from hisparse_tools.traces import TraceRecorder
+from cli_common import fails
 
 me_cli = importlib.import_module("hisparse_tools.mini_engine.cli")
 
@@ -32,20 +33,7 @@ WHATIF_TINY = ["--trace", "uniform", "--requests", "2", "--context", "200", "--l
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _fails(capsys, argv, rc, *needles, absent=()):
-    """main(argv) exits ``rc`` with one line on stderr holding every needle and none of
-    ``absent``, no traceback; returns the line."""
-    got = main(argv)
-    out = capsys.readouterr()
-    err = out.err.strip()
-    assert "Traceback" not in out.err + out.out, out.err
-    assert got == rc, (got, err)
-    assert len(err.splitlines()) == 1, err
-    for n in needles:
-        assert n in err, (n, err)
-    for n in absent:
-        assert n not in err, (n, err)
-    return err
+_fails = fails  # one refusal check for every CLI test (cli_common)
 
 
 def _never(*args, **kw):

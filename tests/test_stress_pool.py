@@ -26,6 +26,7 @@ from hisparse_tools.stress import StressOptions, StressRun, run_stress
 from hisparse_tools.stress_limits import pool_rows_minimum
 from hisparse_tools.stress_report import format_stress
 from hisparse_tools.workload import RampSchedule
+from cli_common import fails
 
 # 4 requests x 33 hot rows = 132 -> 192 hot-buffer rows per layer; contexts 150..300: 3..5 pages each
 POOL = dict(num_requests=4, context=300, context_min=150, num_layers=2, top_k=16, buffer_size=32,
@@ -35,16 +36,7 @@ CLI = ["--requests", "4", "--context", "300", "--context-min", "150", "--layers"
        "--buffer", "32", "--block-size", "16", "--device", "cpu", "--kernels", "torch", "--quiet"]
 
 
-def _fails(capsys, argv, rc, *needles):
-    got = main(argv)
-    out = capsys.readouterr()
-    err = out.err.strip()
-    assert "Traceback" not in out.err + out.out, out.err
-    assert got == rc, (got, err)
-    assert len(err.splitlines()) == 1, err
-    for n in needles:
-        assert n in err, (n, err)
-    return err
+_fails = fails  # one refusal check for every CLI test (cli_common)
 
 
 def _never(*args, **kw):
