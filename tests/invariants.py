@@ -791,15 +791,21 @@ class TraceRunner:
                 topk.append(list(topk[j]))
         return ids, topk
 
-    def resolve(self, layer: int, mask: int, pad: float = 0.2, invalid: bool = False,
-                compact: bool = False) -> None:
-        """Resolve a step for the live requests picked by bitmask ``mask``; ``invalid``
-        runs unchecked with bad ids/positions mixed in."""
+    def _step_tensors(self, layer: int, mask: int, pad: float, invalid: bool):
+        """(layer mod L, ids, top-k lists, ids int32 [T], top-k int32 [T, K] on the cache's
+        device) of a step of the requests picked by ``mask``."""
         layer %= self.cfg.num_layers
         ids, topk = self.make_step(mask, pad, invalid, layer)
         dev = self.cache.device
         ids_t = torch.tensor(ids, dtype=torch.int32, device=dev)
         topk_t = torch.tensor(topk, dtype=torch.int32, device=dev).reshape(len(ids), self.cfg.top_k)
+        return layer, ids, topk, ids_t, topk_t
+
+    def resolve(self, layer: int, mask: int, pad: float = 0.2, invalid: bool = False,
+                compact: bool = False) -> None:
+        """Resolve a step for the live requests picked by bitmask ``mask``; ``invalid``
+        runs unchecked with bad ids/positions mixed in."""
+        layer, ids, topk, ids_t, topk_t = self._step_tensors(layer, mask, pad, invalid)
         res = self.cache.resolve(layer, ids_t, topk_t, validate=not invalid, compact=compact)
         self.sim.resolve(layer, ids, topk)
         check_result(self.cache, layer, ids, topk, res, self.sim, compact=compact)
@@ -809,11 +815,7 @@ class TraceRunner:
                       compact: bool = False) -> None:
         """``resolve`` through ``resolve_split``: the same state and union result; a hit
         row (non-compact) is the union's row, a resident token has no misses."""
-        layer %= self.cfg.num_layers
-        ids, topk = self.make_step(mask, pad, invalid, layer)
-        dev = self.cache.device
-        ids_t = torch.tensor(ids, dtype=torch.int32, device=dev)
-        topk_t = torch.tensor(topk, dtype=torch.int32, device=dev).reshape(len(ids), self.cfg.top_k)
+        layer, ids, topk, ids_t, topk_t = self._step_tensors(layer, mask, pad, invalid)
         res = self.cache.resolve_split(layer, ids_t, topk_t, validate=not invalid, compact=compact)
         self.sim.resolve(layer, ids, topk)
         check_result(self.cache, layer, ids, topk, res, self.sim, compact=compact)
