@@ -11,6 +11,10 @@ resolve changes no state but its counters. The L2 is flushed before every timed 
 of both.
 
 Reported per (backend, B): medians (min/p99 in the JSON) of resident attention;
+the resident layer as an engine runs it (its own logical -> physical conversion through
+a block table, ``staging.convert_topk_to_physical`` as the mini engine's resident KV
+does, then attention; the same rows) and that conversion alone; a graph of one
+one-element kernel (the floor of a graph node here);
 hisparse serial and split and the resolve alone, captured on the cache's resident path
 (``HiSparseCache.resident_capture``: the graphs ``engine.layer_graphs`` replays while
 every live request is resident); hisparse serial and the resolve alone captured on the
@@ -42,6 +46,7 @@ from hisparse.cache.cache import HiSparseCache  # noqa: E402
 from hisparse.config import DEVICE_PAGE_ROWS  # noqa: E402
 from hisparse.decode import DecodeLayer, Overlap  # noqa: E402
 from hisparse.formats import RowFormat  # noqa: E402
+from hisparse.staging import BlockTable, convert_topk_to_physical  # noqa: E402
 
 TARGET_US, TARGET_RATIO = 3.0, 0.03
 
@@ -101,6 +106,13 @@ class Setup:
         self.topk = torch.stack([torch.randperm(ctx, generator=g)[:a.top_k] for _ in range(B)]).to(
             device=dev, dtype=torch.int32)
         self.flush = common.L2Flush(dev)
+        # the same rows as an engine's own paged cache addresses them: a block table of
+        # pool pages (flat row = block * PB + offset; the pool starts on a page boundary)
+        st, PB = c.state, DEVICE_PAGE_ROWS
+        assert st.pool_base % PB == 0
+        pt = st.page_table[:B]
+        self.block_table = torch.where(pt >= 0, pt + st.pool_base // PB, -1).to(torch.int32).contiguous()
+        self.conv_out = torch.empty((B, a.top_k), dtype=torch.int32, device=dev)
 
 
 def bench_case(s: Setup, be, a: argparse.Namespace) -> dict:
@@ -114,6 +126,19 @@ def bench_case(s: Setup, be, a: argparse.Namespace) -> dict:
     res: dict = {}
     res["resident"], ref = timed(lambda: be.decode(q, hot, phys, sm_scale=sm, row_format=fmt), s, a,
                                  restore=False)
+    blocks = BlockTable(s.block_table, DEVICE_PAGE_ROWS)
+
+    def convert():
+        return convert_topk_to_physical(s.topk, s.req, blocks, out=s.conv_out, validate=False).physical
+
+    if not torch.equal(convert(), phys):
+        raise RuntimeError("the block-table conversion and the resident resolve disagree")
+    res["resident_convert"], out = timed(lambda: be.decode(q, hot, convert(), sm_scale=sm, row_format=fmt), s, a,
+                                         restore=False)
+    res["resident_convert"]["max_rel_diff"] = max_diff(out, ref)
+    res["convert_alone"], _ = timed(convert, s, a, restore=False)
+    one = torch.zeros(1, device=dev)
+    res["one_node"], _ = timed(lambda: one.add_(1), s, a, restore=False)
     layers = {m: DecodeLayer(c, be, overlap=Overlap.parse(m)) for m in ("serial", "split")}
     with c.resident_capture():  # graphs of the resident path (what the per-layer graphs replay here)
         for m, layer in layers.items():
@@ -128,12 +153,13 @@ def bench_case(s: Setup, be, a: argparse.Namespace) -> dict:
     res["serial_full"]["max_rel_diff"] = max_diff(out, ref)
     res["resolve_full_alone"], _ = timed(lambda: c.resolve(0, s.req, s.topk, validate=False), s, a,
                                          restore=False)
-    r0 = res["resident"]["median_us"]
+    r0, rc = res["resident"]["median_us"], res["resident_convert"]["median_us"]
     for m in ("serial", "split", "serial_full"):
         over = res[m]["median_us"] - r0
         res[m]["ratio_vs_resident"] = res[m]["median_us"] / r0
         res[m]["overhead_us"] = over
         res[m]["meets_target"] = over <= max(TARGET_US, TARGET_RATIO * r0)
+        res[m]["ratio_vs_resident_convert"] = res[m]["median_us"] / rc
     tot = c.stats()["total"]
     res["misses"] = tot["misses"]
     res["resident_rows"] = tot["resident_rows"]
@@ -148,7 +174,8 @@ def main(argv=None) -> int:
     report = {"benchmark": "bench_elastic", "env": common.environment(dev), "args": vars(a), "cases": [],
               "target": f"overhead <= max({TARGET_US} us, {TARGET_RATIO:.0%} of resident)"}
     print(f"{'backend':8s} {'B':>4s} {'resident us':>12s} {'serial us':>10s} {'x':>6s} {'split us':>9s} "
-          f"{'x':>6s} {'resolve us':>11s} {'full-path us':>13s} {'x':>6s}  target", flush=True)
+          f"{'x':>6s} {'resolve us':>11s} {'full-path us':>13s} {'x':>6s} {'res+conv us':>12s} {'x':>6s} "
+          f"{'conv us':>8s} {'node us':>8s}  target", flush=True)
     for B in a.batch:
         s = Setup(B, a.context, a, dev)
         for name in a.backends:
@@ -164,7 +191,9 @@ def main(argv=None) -> int:
             print(f"{name:8s} {B:4d} {r['resident']['median_us']:12.1f} {r['serial']['median_us']:10.1f} "
                   f"{r['serial']['ratio_vs_resident']:6.3f} {r['split']['median_us']:9.1f} "
                   f"{r['split']['ratio_vs_resident']:6.3f} {r['resolve_alone']['median_us']:11.1f} "
-                  f"{r['serial_full']['median_us']:13.1f} {r['serial_full']['ratio_vs_resident']:6.3f}  {ok} "
+                  f"{r['serial_full']['median_us']:13.1f} {r['serial_full']['ratio_vs_resident']:6.3f} "
+                  f"{r['resident_convert']['median_us']:12.1f} {r['serial']['ratio_vs_resident_convert']:6.3f} "
+                  f"{r['convert_alone']['median_us']:8.1f} {r['one_node']['median_us']:8.1f}  {ok} "
                   f"(misses {r['misses']}, diff {r['serial']['max_rel_diff']:.1e})", flush=True)
         del s
         if dev.type == "cuda":

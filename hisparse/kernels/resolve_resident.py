@@ -64,9 +64,12 @@ def resolve_resident_kernel(
     CH: tl.constexpr,  # req_ids scanned per step (see _token_group)
 ):
     t = tl.program_id(0)
-    my_id, off, r, live = _token_group(t, req_ids_ptr, id_to_slot_ptr, max_request_id, R, Q, CH)
     kk = tl.arange(0, KB)
     kmask = kk < K
+    # the row's entries first: their load overlaps the chain of dependent loads below
+    # (request id -> slot -> residency, length, page table)
+    pos = tl.load(topk_ptr + t.to(tl.int64) * topk_stride + kk, mask=kmask, other=-1)
+    my_id, off, r, live = _token_group(t, req_ids_ptr, id_to_slot_ptr, max_request_id, R, Q, CH)
     base = t.to(tl.int64) * K
     minus1 = tl.full([KB], -1, tl.int32)
     tl.store(stage_src_ptr + base + kk, minus1, mask=kmask)
@@ -74,7 +77,6 @@ def resolve_resident_kernel(
     tl.store(stage_cnt_ptr + t, 0)
     is_res = tl.load(resident_ptr + r, mask=live, other=0)
     seq = tl.load(seq_lens_ptr + r, mask=live, other=0)
-    pos = tl.load(topk_ptr + t.to(tl.int64) * topk_stride + kk, mask=kmask, other=-1)
     ok = kmask & live & (is_res != 0) & (pos >= 0) & (pos < seq)
     prow, good = _page_row(pos, ok, pt_ptr + tl.where(live, r, 0).to(tl.int64) * pt_stride, MP, PB,
                            pool_base, NPG)
@@ -88,11 +90,12 @@ def resolve_resident_kernel(
     tl.store(phys_ptr + t.to(tl.int64) * phys_stride + dest, prow.to(tl.int32), mask=kmask)
     tl.store(valid_ptr + t, cnt)
     nbad = tl.sum((kmask & (pos != -1) & (good == 0)).to(tl.int32), axis=0)  # a token not resolved: all
-    tl.atomic_add(stats_ptr + STAT_INVALID, nbad.to(tl.int64))
+    # counters only: relaxed (no fence waits for this program's stores)
+    tl.atomic_add(stats_ptr + STAT_INVALID, nbad.to(tl.int64), sem="relaxed")
     if live:
-        tl.atomic_add(stats_ptr + STAT_RESIDENT, cnt.to(tl.int64))
+        tl.atomic_add(stats_ptr + STAT_RESIDENT, cnt.to(tl.int64), sem="relaxed")
         if off == 0:
-            tl.atomic_add(stats_ptr + STAT_RESOLVES, tl.full([], 1, tl.int64))
+            tl.atomic_add(stats_ptr + STAT_RESOLVES, tl.full([], 1, tl.int64), sem="relaxed")
 
 
 __all__ = ["resolve_resident_kernel"]
