@@ -339,6 +339,13 @@ class HiSparseCache:
         self.writer.release(r)
         self.requests.remove(req_id)
 
+    def reserve_blocks(self, req_id: int, num_tokens: int) -> list[int]:
+        """Host blocks for positions ``0 .. num_tokens - 1`` of a live request, no row
+        written (its lengths stay): the rows land in them from elsewhere, then a write
+        of the same rows follows (``hisparse.pd``). CapacityError, nothing changed."""
+        check_int("num_tokens", num_tokens, 0)
+        return self.writer.allocate_for(self.requests.slot(req_id), num_tokens)
+
     # ---- write path -------------------------------------------------------
     def plan_write(self, req_ids, counts) -> WriteBatch:
         """Check a batch of appends once (distinct live ids, a row count each); the

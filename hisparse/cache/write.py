@@ -554,6 +554,19 @@ class Writer:
             self.host_blocks[r, k:k + len(got)] = got
             self.num_blocks[r] = k + len(got)
 
+    def allocate_for(self, r: int, num_tokens: int) -> list[int]:
+        """Give request slot r the host blocks that hold positions ``0 .. num_tokens - 1``
+        (block-table entries written on the current stream) without writing a row: the
+        rows arrive some other way and a write of them follows (``hisparse.pd``).
+        Returns the new blocks. CapacityError, nothing changed, when they are not free."""
+        new_blocks, _ = self._new_blocks_of(np.array([r], dtype=np.int64), np.array([num_tokens], dtype=np.int64))
+        got = new_blocks.get(r, [])
+        if got:
+            k = int(self.num_blocks[r])
+            self.state.block_table[r, k:k + len(got)] = torch.tensor(got, dtype=torch.int32, device=self.device)
+            self._allocate(new_blocks)
+        return got
+
     def release(self, r: int) -> None:
         """Request slot r's blocks went back to the pool (``free_request``)."""
         self.host_blocks[r, :self.num_blocks[r]] = -1
