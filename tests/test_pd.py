@@ -294,3 +294,14 @@ def test_failed_commit_aborts(monkeypatch):
         rx.commit(7, d.generation)
     assert_same(before, snapshot(cache))
     rx.close()
+
+
+def test_bench_pd_cpu_smoke(tmp_path, capsys):
+    from benchmarks import bench_pd
+    out = tmp_path / "pd.json"
+    assert bench_pd.main(["--requests", "2", "--tokens", "64", "--layers", "2", "--reps", "1",
+                          "--out", str(out)]) == 0
+    import json
+    rep = json.loads(out.read_text())
+    assert rep["verified_requests"] == 2 and rep["transfer_gbps"]["n"] == 2 and rep["ratio_median"] > 0
+    assert "reserve + commit us" in capsys.readouterr().out

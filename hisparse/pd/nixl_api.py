@@ -45,11 +45,14 @@ def nixl_available() -> str | None:
     return None
 
 
-def make_agent(name: str, backends: tuple[str, ...]):
-    """A NIXL agent with ``backends`` (each must instantiate: NixlUnavailable otherwise)."""
+def make_agent(name: str, backends: tuple[str, ...], *, progress_thread: bool):
+    """A NIXL agent with ``backends`` (each must instantiate: NixlUnavailable otherwise).
+    ``progress_thread``: NIXL's own thread progresses the backends (a target of
+    one-sided transfers needs one when its transports need target-side progress, as
+    UCX over TCP does); without it they progress inside this agent's calls."""
     nixl = load_nixl()
     try:
-        agent = nixl.nixl_agent(name, nixl.nixl_agent_config(backends=list(backends)))
+        agent = nixl.nixl_agent(name, nixl.nixl_agent_config(enable_prog_thread=progress_thread, backends=list(backends)))
     except Exception as e:  # NIXL raises bare RuntimeErrors (no plugin, backend start failure)
         raise NixlUnavailable(f"NIXL agent {name!r} could not start: {type(e).__name__}: {e}") from e
     missing = [b for b in backends if b not in agent.backends]

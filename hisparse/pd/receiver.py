@@ -12,8 +12,8 @@ table of int64 generation words, one per request slot). Per request:
 ``commit(req_id, generation)``
     once the rows are in the blocks: the rows count as appended in every layer, through
     the cache's own step write (``prepare_step`` + ``write_step`` of the rows now in
-    the pool), so a hot request's slots and a resident request's pages are filled
-    exactly as ``append_rows`` fills them (the host mirror rewrites the same bytes).
+    the pool, ``host_written``: no host mirror), so a hot request's slots and a
+    resident request's pages are filled exactly as ``append_rows`` fills them.
     The generation word is cleared.
 ``abort(req_id)``
     clears the word and frees the request: every block returns, the cache is as it was
@@ -89,7 +89,7 @@ class PDReceiver:
         self.cache = cache
         cfg = cache.cfg
         self.row_format = row_format_name(cfg.row_bytes)
-        self._agent = make_agent(name, tuple(backends))
+        self._agent = make_agent(name, tuple(backends), progress_thread=True)
         self.name = name
         pool = cache.pool.buffer.tensor  # uint8 [host_pool_bytes], the cache's host pool
         self._pool_base = pool.data_ptr()
@@ -160,7 +160,7 @@ class PDReceiver:
             raise ValueError(f"request {req_id} holds rows {cache.lengths(req_id)} although it is reserved: "
                              "nothing may append to a reserved request before its commit")
         try:
-            step = cache.prepare_step(cache.plan_write([req_id], [res.num_tokens]))
+            step = cache.prepare_step(cache.plan_write([req_id], [res.num_tokens]), host_written=True)
             for layer in range(cache.cfg.num_layers):
                 cache.write_step(layer, step, self._rows(layer, res))
         except BaseException as e:

@@ -50,7 +50,7 @@ class PDSender:
         self.row_format = row_format
         self.block_size = check_int("block_size", block_size, 1)
         self.name = name
-        self._agent = make_agent(name, tuple(backends))
+        self._agent = make_agent(name, tuple(backends), progress_thread=False)
         self._peers: dict[str, bytes] = {}  # remote agent name -> the metadata loaded for it
         self._word = np.zeros(1, dtype=np.int64)  # the generation word read back
         self._word_reg = self._agent.register_memory([(self._word.ctypes.data, 8, 0, "")], "DRAM")
