@@ -339,6 +339,13 @@ class HiSparseCache:
         self.writer.release(r)
         self.requests.remove(req_id)
 
+    def reserve_blocks(self, req_id: int, num_tokens: int) -> list[int]:
+        """Host blocks for positions ``0 .. num_tokens - 1`` of a live request, no row
+        written (its lengths stay): the rows land in them from elsewhere, then a write
+        of the same rows follows (``hisparse.pd``). CapacityError, nothing changed."""
+        check_int("num_tokens", num_tokens, 0)
+        return self.writer.allocate_for(self.requests.slot(req_id), num_tokens)
+
     # ---- write path -------------------------------------------------------
     def plan_write(self, req_ids, counts) -> WriteBatch:
         """Check a batch of appends once (distinct live ids, a row count each); the
@@ -354,12 +361,12 @@ class HiSparseCache:
         return self.writer.write(layer, batch, rows)
 
     def prepare_step(self, batch: WriteBatch, *, capacity: StepCapacity | None = None,
-                     replaces: StepPlan | None = None) -> StepPlan:
+                     replaces: StepPlan | None = None, host_written: bool = False) -> StepPlan:
         """Plan ``batch``'s append to every layer at once (an engine's forward); then
         :meth:`write_step` per layer only launches. ``capacity``: fixed-shape lists in
         a bucket's persistent buffers (CUDA graphs). The step serves this cache only
         (another refuses it). See ``Writer.prepare_step``."""
-        return self.writer.prepare_step(batch, capacity=capacity, replaces=replaces)
+        return self.writer.prepare_step(batch, capacity=capacity, replaces=replaces, host_written=host_written)
 
     def write_step(self, layer: int, step: StepPlan, rows: torch.Tensor) -> None:
         """Write ``layer``'s rows of a prepared step (uint8 [step.rows, row_bytes])."""

@@ -217,7 +217,7 @@ class Writer:
 
     # ---- a forward's write to every layer, planned once ------------------------------
     def prepare_step(self, batch: WriteBatch, *, capacity: StepCapacity | None = None,
-                     replaces: StepPlan | None = None) -> StepPlan:
+                     replaces: StepPlan | None = None, host_written: bool = False) -> StepPlan:
         """Plan ``batch``'s append to every layer at once (``write_step`` per layer then
         only launches). Allocates the step's blocks, writes their block-table entries
         on the current stream and commits every layer's lengths and reserved-slot
@@ -229,7 +229,8 @@ class Writer:
         shapes and addresses, for CUDA graphs). Every layer must hold the same rows of
         each request (ValueError otherwise). A CapacityError or ValueError changes
         nothing (``replaces`` included). The host work is array operations over the
-        batch (no loop over requests x layers)."""
+        batch (no loop over requests x layers). ``host_written``: the rows are in the
+        host pool already (written there by a transfer): the writes skip the host mirror."""
         self.check_batch(batch)
         if replaces is not None:
             self.check_own_step(replaces)
@@ -319,7 +320,8 @@ class Writer:
         req.touch_all()
         self._plan = None
         step = StepPlan(plan=plan, work=work, pending=set(range(L)) if len(work) else set(),
-                        rows=rows, generation=batch.generation, owner=self, buffers=padded)
+                        rows=rows, generation=batch.generation, owner=self, buffers=padded,
+                        host_written=bool(host_written))
         if padded is not None:
             padded.owner = step
         if step.pending:
@@ -362,7 +364,8 @@ class Writer:
         # a padded plan's buffers are persistent, an eager one's lists are read on the
         # backup stream by every layer: recording its use once covers them all
         record_plan = not (step.buffers is not None or step.plan_recorded)
-        if self._launch(layer, step.plan, rows, record_plan=record_plan) and record_plan:
+        if self._launch(layer, step.plan, rows, record_plan=record_plan, mirror=not step.host_written) \
+                and record_plan:
             step.plan_recorded = True
         self._finish_step(layer, step)
 
@@ -554,12 +557,26 @@ class Writer:
             self.host_blocks[r, k:k + len(got)] = got
             self.num_blocks[r] = k + len(got)
 
+    def allocate_for(self, r: int, num_tokens: int) -> list[int]:
+        """Give request slot r the host blocks that hold positions ``0 .. num_tokens - 1``
+        (block-table entries written on the current stream) without writing a row: the
+        rows arrive some other way and a write of them follows (``hisparse.pd``).
+        Returns the new blocks. CapacityError, nothing changed, when they are not free."""
+        new_blocks, _ = self._new_blocks_of(np.array([r], dtype=np.int64), np.array([num_tokens], dtype=np.int64))
+        got = new_blocks.get(r, [])
+        if got:
+            k = int(self.num_blocks[r])
+            self.state.block_table[r, k:k + len(got)] = torch.tensor(got, dtype=torch.int32, device=self.device)
+            self._allocate(new_blocks)
+        return got
+
     def release(self, r: int) -> None:
         """Request slot r's blocks went back to the pool (``free_request``)."""
         self.host_blocks[r, :self.num_blocks[r]] = -1
         self.num_blocks[r] = 0
 
-    def _launch(self, layer: int, plan: WritePlan, rows: torch.Tensor, *, record_plan: bool = True) -> bool:
+    def _launch(self, layer: int, plan: WritePlan, rows: torch.Tensor, *, record_plan: bool = True,
+                mirror: bool = True) -> bool:
         """Host mirror on the backup stream, then the hot-tier update on the compute stream.
 
         The caching allocator is told that ``rows`` (and with ``record_plan`` the plan's
@@ -574,7 +591,7 @@ class Writer:
         if backup is not None:
             cs.follow(backup, cur)
         with cs.streams.on(backup):
-            if self.pool.is_writer:
+            if self.pool.is_writer and mirror:
                 self.mirror_fn(rows, plan, self.host_layers[layer])
             cs.backup.record(backup, cap)
         recorded = backup is not None and not cap

@@ -106,6 +106,7 @@ class StepPlan:
     buffers: "PaddedPlan | None" = None
     captured: set[int] = dataclasses.field(default_factory=set)
     plan_recorded: bool = False  # the plan's lists were recorded on the backup stream
+    host_written: bool = False  # the rows are in the host pool already: no host mirror (hisparse.pd)
 
     @property
     def req_work(self) -> tuple[tuple[int, int, int, int, int, int], ...]:

@@ -11,6 +11,7 @@
 from ..errors import CapacityError
 from .group import HiSparseIndexGroup, HotView, LayerCache, LayerRuntime
 from .metadata import SparseMLAMetadata, device_ints
+from .pd_calls import PDConnector
 
 __all__ = ["HiSparseIndexGroup", "SparseMLAMetadata", "device_ints", "LayerCache", "LayerRuntime", "HotView",
-           "CapacityError"]
+           "CapacityError", "PDConnector"]

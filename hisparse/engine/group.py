@@ -59,6 +59,7 @@ from ..formats import D_ROW, RowFormat
 from .decode_calls import DecodeAttentionCalls, topk_key
 from .layer_graphs import CudaGraphBackend, LayerGraphCalls, LayerGraphs
 from .metadata import SparseMLAMetadata, device_ints
+from .pd_calls import PDCalls
 from .prefill_calls import PrefillCalls
 
 _REPLAYED = ("replayed",)  # the conversion key of layers a graph replay resolves
@@ -117,7 +118,7 @@ def _row_format_of(config: HiSparseConfig) -> RowFormat:
                      f"(fp8_ds_mla) or 1152 (bf16), got {config.row_bytes}")
 
 
-class HiSparseIndexGroup(PrefillCalls, LayerGraphCalls, DecodeAttentionCalls):
+class HiSparseIndexGroup(PrefillCalls, LayerGraphCalls, DecodeAttentionCalls, PDCalls):
     """Per-layer hisparse caches behind the calls a sparse-MLA backend makes.
 
     ``config.num_layers`` is the number of layers that will be registered. ``kernels``

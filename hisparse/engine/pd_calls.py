@@ -1,0 +1,98 @@
+"""The engine façade's prefill/decode calls: a decode engine receives requests whose KV
+a prefill engine wrote into its host pool through NIXL (``hisparse.pd``).
+
+:class:`PDCalls`, a base of ``HiSparseIndexGroup``, gives the group ``pd_reserve`` /
+``pd_commit`` / ``pd_abort`` over one ``PDReceiver`` of its cache (made on first use,
+which starts a NIXL agent and registers the host pool), and ``pd_connector()``: the
+object an engine's scheduler drives, shaped like vLLM's KV-connector scheduler side.
+
+    conn = group.pd_connector()
+    params = conn.request_remote_prefill(req_id, num_prompt_tokens)   # bytes, to the prefill engine
+    ...                                                               # prefill side: PDSender.send
+    ready, failed = conn.get_finished()      # between forwards: committed ids decode from now on,
+                                             # failed ids were aborted (blocks returned)
+    conn.request_finished(req_id)            # a request dropped before its commit: abort
+
+Like ``add_request`` / ``free_request``, every call here is refused while a forward has
+written some layers but not all (a commit writes every layer of its request).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ..pd.descriptor import PDDescriptor
+    from ..pd.receiver import PDReceiver
+
+
+class PDCalls:
+    """The P/D calls of ``HiSparseIndexGroup`` (which provides ``_cache`` and
+    ``_refuse_mid_forward``)."""
+
+    _pd: "PDReceiver | None" = None
+
+    def pd_receiver(self, *, name: str = "hisparse-decode", backends: tuple[str, ...] = ("UCX",)) -> "PDReceiver":
+        """The group's receiver, made on the first call (NixlUnavailable without NIXL).
+        ``name`` / ``backends`` take effect on that first call only."""
+        if self._pd is None:
+            from ..pd.receiver import PDReceiver
+            self._pd = PDReceiver(self._cache, name=name, backends=backends)  # type: ignore[attr-defined]
+        return self._pd
+
+    def pd_reserve(self, req_id: int, num_tokens: int, *, timeout_s: float | None = None) -> "PDDescriptor":
+        """Admit ``req_id`` with host blocks for ``num_tokens`` rows a prefill engine will
+        write (``PDReceiver.reserve``); its descriptor goes to the prefill side."""
+        self._refuse_mid_forward("pd_reserve")  # type: ignore[attr-defined]
+        return self.pd_receiver().reserve(req_id, num_tokens, timeout_s=timeout_s)
+
+    def pd_commit(self, req_id: int, generation: int) -> None:
+        """The reserved rows count as appended in every layer (``PDReceiver.commit``)."""
+        self._refuse_mid_forward("pd_commit")  # type: ignore[attr-defined]
+        self.pd_receiver().commit(req_id, generation)
+
+    def pd_abort(self, req_id: int) -> None:
+        """Return every block of a reservation (``PDReceiver.abort``)."""
+        self._refuse_mid_forward("pd_abort")  # type: ignore[attr-defined]
+        self.pd_receiver().abort(req_id)
+
+    def pd_connector(self, *, timeout_s: float | None = 60.0) -> "PDConnector":
+        """A scheduler-side connector over this group (module docstring); ``timeout_s``:
+        the deadline of each reservation it makes (None: none)."""
+        return PDConnector(self, timeout_s=timeout_s)
+
+
+class PDConnector:
+    """What a decode engine's scheduler calls (module docstring)."""
+
+    def __init__(self, group: PDCalls, *, timeout_s: float | None) -> None:
+        self.group = group
+        self.timeout_s = timeout_s
+
+    def request_remote_prefill(self, req_id: int, num_tokens: int) -> bytes:
+        """Reserve ``req_id`` for ``num_tokens`` prompt rows; returns the serialised
+        descriptor for the prefill engine (``PDDescriptor.from_bytes`` there)."""
+        return self.group.pd_reserve(req_id, num_tokens, timeout_s=self.timeout_s).to_bytes()
+
+    def get_finished(self) -> tuple[list[int], dict[int, str]]:
+        """Commit the requests whose transfer completed and abort those that failed or
+        passed their deadline: (committed ids, {aborted id: why})."""
+        self.group._refuse_mid_forward("get_finished")  # type: ignore[attr-defined]
+        res = self.group.pd_receiver().poll()
+        return list(res.committed), dict(res.failed)
+
+    def request_finished(self, req_id: int) -> bool:
+        """A request the scheduler dropped: abort its reservation if it is still open
+        (True), else nothing (False; a committed request is freed with free_request)."""
+        rx = self.group.pd_receiver()
+        if req_id in rx.open_requests():
+            self.group.pd_abort(req_id)
+            return True
+        return False
+
+    def pending(self) -> list[int]:
+        """Request ids reserved and not committed or aborted yet."""
+        return self.group.pd_receiver().open_requests()
+
+
+__all__ = ["PDCalls", "PDConnector"]

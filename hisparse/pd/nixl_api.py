@@ -1,0 +1,65 @@
+"""NIXL, loaded on first use: the one place ``hisparse.pd`` imports it.
+
+The wheels name their module after the CUDA major they were built for (``nixl_cu12``,
+``nixl_cu13``); a source build installs ``nixl``. ``load_nixl()`` returns the first
+that imports, or raises ``NixlUnavailable`` naming the extra and every import error.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+from .errors import NixlUnavailable
+
+MODULES = ("nixl_cu12", "nixl_cu13", "nixl")
+_loaded: ModuleType | None = None
+
+
+def load_nixl() -> ModuleType:
+    """The NIXL Python module (its ``nixl_agent``, ``nixl_agent_config``)."""
+    global _loaded
+    if _loaded is not None:
+        return _loaded
+    problems = []
+    for name in MODULES:
+        try:
+            mod = importlib.import_module(name)
+        except ImportError as e:
+            problems.append(f"{name}: {e}")
+            continue
+        if hasattr(mod, "nixl_agent") and hasattr(mod, "nixl_agent_config"):
+            _loaded = mod
+            return mod
+        problems.append(f"{name}: no nixl_agent in it")
+    raise NixlUnavailable("prefill/decode transfers need NIXL: pip install 'hisparse[pd]' (or nixl-cu12 / "
+                          "nixl-cu13 for your CUDA); tried " + "; ".join(problems))
+
+
+def nixl_available() -> str | None:
+    """None when NIXL loads here, else the reason it does not."""
+    try:
+        load_nixl()
+    except NixlUnavailable as e:
+        return str(e)
+    return None
+
+
+def make_agent(name: str, backends: tuple[str, ...], *, progress_thread: bool):
+    """A NIXL agent with ``backends`` (each must instantiate: NixlUnavailable otherwise).
+    ``progress_thread``: NIXL's own thread progresses the backends (a target of
+    one-sided transfers needs one when its transports need target-side progress, as
+    UCX over TCP does); without it they progress inside this agent's calls."""
+    nixl = load_nixl()
+    try:
+        agent = nixl.nixl_agent(name, nixl.nixl_agent_config(enable_prog_thread=progress_thread, backends=list(backends)))
+    except Exception as e:  # NIXL raises bare RuntimeErrors (no plugin, backend start failure)
+        raise NixlUnavailable(f"NIXL agent {name!r} could not start: {type(e).__name__}: {e}") from e
+    missing = [b for b in backends if b not in agent.backends]
+    if missing:
+        raise NixlUnavailable(f"NIXL agent {name!r}: backend(s) {missing} did not instantiate "
+                              f"(plugins here: {agent.get_plugin_list()})")
+    return agent
+
+
+__all__ = ["load_nixl", "nixl_available", "make_agent", "MODULES"]

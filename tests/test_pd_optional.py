@@ -1,0 +1,32 @@
+"""Without NIXL: hisparse and hisparse.pd import, and a P/D call says which extra to install."""
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+_RUN = """
+import sys
+for name in ("nixl", "nixl_cu12", "nixl_cu13"):
+    sys.modules[name] = None  # import fails as if not installed
+import hisparse.pd
+from hisparse import HiSparseCache, HiSparseConfig
+from hisparse.engine import HiSparseIndexGroup
+assert hisparse.pd.nixl_available() is not None
+cfg = HiSparseConfig(num_layers=1, host_pool_tokens=64, row_bytes=656, top_k=4, device_buffer_size=8,
+                     max_num_reqs=2, max_query_len=1, host_block_size=16, device="cpu")
+group = HiSparseIndexGroup(cfg)
+try:
+    group.pd_reserve(1, 8)
+except hisparse.pd.NixlUnavailable as e:
+    assert "hisparse[pd]" in str(e), e
+    assert not group.has_request(1)
+    print("OK")
+"""
+
+
+def test_pd_without_nixl_names_the_extra():
+    p = subprocess.run([sys.executable, "-c", _RUN], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "PYTHONPATH": ROOT})
+    assert p.returncode == 0 and p.stdout.strip() == "OK", p.stdout + p.stderr
