@@ -317,19 +317,20 @@ class Stager:
         """The resolve of a batch whose live requests are all resident, one launch of
         ``resident_fn`` on the current stream after the layer's earlier staging work
         (which wrote the same buffers): nothing to stage. One launch that changes only
-        counters: nothing to undo when it raises. Under capture it also joins the host
-        mirror's stream first, as the full resolve's stage stream does: a captured write
-        forked it, and a capture must join every stream it forks (eagerly nothing here
-        reads the mirror, so nothing waits for it). Returns None with ``wait`` (the
-        current stream is ordered after the launch already); without it the layer's
-        stage event, recorded after the launch, for a reader on another stream
-        (``ResolveResult.wait``, ``wait_stage``)."""
+        counters: nothing to undo when it raises. Under capture the current stream then
+        joins the host mirror's stream: a captured write forked it, and a capture must
+        join every stream it forks. The join comes after the launch, so the mirror's
+        copy to host runs beside the resolve instead of before it (nothing here reads
+        the host rows; eagerly nothing waits for the mirror). Returns None with
+        ``wait`` (the current stream is ordered after the launch already); without it
+        the layer's stage event, recorded after the launch, for a reader on another
+        stream (``ResolveResult.wait``, ``wait_stage``)."""
         cs = self.streams
         cur, cap = cs.current(), cs.capturing()
         cs.stage[layer].wait_by(cur, cap)
+        self.resident_fn(self.state, layer, req_ids, topk, out, max_query_len=self.max_query_len, compact=compact)
         if cap:
             cs.backup.wait_by(cur, cap)
-        self.resident_fn(self.state, layer, req_ids, topk, out, max_query_len=self.max_query_len, compact=compact)
         if wait:
             return None
         ev = cs.stage[layer]
