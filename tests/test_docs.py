@@ -33,7 +33,7 @@ LOG_CITATION = re.compile(r"\b[Ss]essions?\s+\d+|§\s*\d+|\b\d{4}-\d\d-\d\d[ -]s
 SKIP_DIRS = {".git", ".venv", "venv", "build", "dist", "node_modules", "__pycache__", ".gpu-deps",
              ".pytest_cache", ".hypothesis", "results"}  # results: data files, not prose
 RESULT_PATH = re.compile(r"(?<![0-9a-f]:)(?<![\w/.-])benchmarks/results/[\w./-]*[\w/]")
-RESULT_NAME = re.compile(r"`([\w.-]+\.(?:json|xml|txt|log|gz))`")
+RESULT_NAME = re.compile(r"`([\w.-]+\.(?:json|xml|txt|log|gz|png))`")
 SECTION_TITLE = re.compile(r'BENCHMARKS\.md[,:]?\s+"([^"]+)"')
 SECTION_LINK = re.compile(r"BENCHMARKS\.md#([\w-]+)")
 
