@@ -10,6 +10,12 @@ token selects K entries, a fraction ``hit`` of them among the rows hot in its bu
 restored (the same misses every time) and the L2 is flushed; the resident replays get
 the same flush.
 
+Traces (``--trace``): ``restore`` (the default) as above; ``periodic``
+(``benchmarks.periodic_trace``): every step a fixed core of round(hit K) positions plus
+fresh ones that come back only after the LRU has evicted them, nothing restored between
+steps (the LRU runs on, no block locality), an exact steady miss rate checked against the
+cache's counters; modes serial and split only.
+
 Modes: serial (resolve + copy, then attention), split (attention over the hits while
 the misses stage, then the misses, LSE-merged), and ``prefetch``: two
 layers (split), the second layer's selection prefetched from the first's while the
@@ -22,7 +28,8 @@ to resident, and the fraction of the staging time hidden, (serial - mode) /
 alone, and the largest output difference from resident (relative to its largest |value|).
 
   python -m benchmarks.bench_layer [--batch 16 64 256] [--hits 100 95 90 80]
-      [--backends triton flashmla] [--modes serial split prefetch] [--out FILE]
+      [--backends triton flashmla] [--modes serial split prefetch] [--trace restore|periodic]
+      [--out FILE]
   python -m benchmarks.bench_layer --dry-run      # tiny shapes on CPU (interpreter)
 """
 
@@ -35,6 +42,7 @@ import sys
 import torch
 
 from benchmarks import common
+from benchmarks.periodic_trace import PeriodicTrace, run_steps
 
 common.interpret_dry_run(with_gpu=True)  # before hisparse loads (a dry run stays on CPU)
 
@@ -57,8 +65,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--hits", type=common.percent, nargs="+", default=[100, 95, 90, 80],
                     help="hit rates in percent, each in [0, 100]")
     ap.add_argument("--backends", nargs="+", default=["triton", "flashmla"], choices=["triton", "flashmla"])
-    ap.add_argument("--modes", nargs="+", default=["serial", "split", "prefetch"],
-                    choices=["serial", "split", "prefetch"])
+    ap.add_argument("--modes", nargs="+", default=None, choices=["serial", "split", "prefetch"],
+                    help="[serial split prefetch]; with --trace periodic [serial split]")
+    ap.add_argument("--trace", choices=["restore", "periodic"], default="restore",
+                    help="restore: the same misses every replay (state restored); periodic: a core plus "
+                         "fresh positions, the LRU running on (see the module docstring)")
     ap.add_argument("--context", type=pos, default=65536, help="tokens per request (B <= 64)")
     ap.add_argument("--context-256", type=pos, default=32768, help="tokens per request at B > 64")
     ap.add_argument("--top-k", type=pos, default=2048)
@@ -74,13 +85,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU; figures mean nothing")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
+    periodic = a.trace == "periodic"
+    if a.modes is None:
+        a.modes = ["serial", "split"] if periodic else ["serial", "split", "prefetch"]
+    if periodic and ("prefetch" in a.modes or a.stage_programs):
+        ap.error("--trace periodic runs the serial and split modes only (no prefetch, no --stage-programs)")
     if a.dry_run:
         a.batch, a.context, a.context_256, a.top_k, a.slots, a.heads = [2], 96, 96, 8, 16, 16
         a.reps, a.warmup, a.backends = 1, 0, ["triton"]
     if a.slots < a.top_k:  # the cache's rule: one token's selection fits its hot buffer
         ap.error(f"--slots must be >= --top-k, got {a.slots} and {a.top_k}")
     # each token draws its misses among the positions past the hot slots
-    need = a.slots + a.top_k + 1
+    need = a.slots + a.top_k + 1 if not periodic else 2 * a.slots + a.top_k + 1
     if min(a.context, a.context_256) < need:
         ap.error(f"--context and --context-256 must be >= --slots + --top-k + 1 = {need}, got "
                  f"{a.context} and {a.context_256}")
@@ -279,6 +295,52 @@ def bench_case(s: Setup, be: SparseMLABackend, hit: float, a: argparse.Namespace
     return res
 
 
+def bench_case_periodic(s: Setup, be: SparseMLABackend, hit: float, a: argparse.Namespace) -> dict:
+    """``bench_case`` over a periodic trace: every graph (resident, serial, split, the
+    staging alone) replays over one top-k buffer that each step rewrites, the steps
+    numbered on across the graphs so the cache's LRU state runs on; the misses of each
+    mode's timed steps are counted (``miss_rate``: the trace's, ``measured_miss_rate``)."""
+    H, dev, c = a.heads, s.dev, s.cache
+    sm = 1.0 / math.sqrt(576)
+    g = torch.Generator().manual_seed(int(hit * 1000))
+    q = (torch.randn((s.B, H, 576), generator=g) * 0.5).to(device=dev, dtype=torch.bfloat16)
+    trace = PeriodicTrace(s.B, s.K, s.S, s.ctx, hit, seed=int(hit * 1000) + 1, device=dev)
+    buf = torch.empty((s.B, s.K), dtype=torch.int32, device=dev)  # the step's top-k, read by every graph
+    fmt = RowFormat.FP8_DS_MLA
+    cuda = dev.type == "cuda"
+    res = {"hit": hit, "trace": "periodic", "miss_rate": trace.miss_rate}
+    t = 0
+    # the hot buffers reach the steady state before anything is timed
+    warm = trace.warmup_steps
+    resident_fn = lambda: be.decode(q, s.resident[0], s.resident_idx(buf), sm_scale=sm, row_format=fmt)  # noqa: E731
+    res["resident"], _, t, _ = run_steps(resident_fn, trace, buf, t, warmup=a.warmup, reps=a.reps,
+                                         flush=s.flush.flush, cuda=cuda)
+    layers = {m: DecodeLayer(c, be, overlap=Overlap.parse(m)) for m in ("serial", "split")}
+    for m in ("serial", "split"):
+        if m in a.modes:
+            res[m], _, t, rate = run_steps(lambda m=m: layers[m](0, s.req, buf, q, sm_scale=sm), trace, buf, t,
+                                           warmup=warm + a.warmup, reps=a.reps, flush=s.flush.flush,
+                                           cache=c, cuda=cuda)
+            res[m]["measured_miss_rate"] = rate
+    res["staging_alone"], _, t, rate = run_steps(lambda: c.resolve(0, s.req, buf, validate=False), trace, buf, t,
+                                                 warmup=warm + a.warmup, reps=a.reps, flush=s.flush.flush,
+                                                 cache=c, cuda=cuda)
+    res["staging_alone"]["measured_miss_rate"] = rate
+    # outputs: one more step, the same top-k through resident attention and the serial layer
+    buf.copy_(trace.step(t))
+    ref = resident_fn()
+    out = layers["serial"](0, s.req, buf, q, sm_scale=sm)
+    res["max_rel_diff"] = max_diff(out, ref)
+    r0 = res["resident"]["median_us"]
+    ser = res.get("serial", {}).get("median_us")
+    for m in ("serial", "split"):
+        if m in res:
+            res[m]["ratio_vs_resident"] = res[m]["median_us"] / r0
+            if ser is not None and ser > r0:
+                res[m]["staging_hidden"] = (ser - res[m]["median_us"]) / (ser - r0)
+    return res
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     if not common.out_ok(a.out, "bench_layer"):
@@ -295,7 +357,7 @@ def main(argv=None) -> int:
                 report["cases"].append({"backend": name, "B": B, "skipped": why})
                 continue
             for h in a.hits:
-                r = bench_case(s, be, h / 100.0, a)
+                r = (bench_case_periodic if a.trace == "periodic" else bench_case)(s, be, h / 100.0, a)
                 r.update(backend=name, B=B, context=ctx)
                 report["cases"].append(r)
                 line = f"{name:8s} B={B:4d} hit={h:3d}%  resident {r['resident']['median_us']:8.1f} us"
@@ -306,8 +368,11 @@ def main(argv=None) -> int:
                 if "prefetch_2layers" in r:
                     line += (f" | 2 layers split {r['split_2layers']['ratio_vs_resident']:.2f}x prefetch "
                              f"{r['prefetch_2layers']['ratio_vs_resident']:.2f}x")
-                line += (f" | staging {r['staging_alone']['median_us']:.1f} us, hit attn "
-                         f"{r['hit_attention_alone']['median_us']:.1f} us")
+                line += f" | staging {r['staging_alone']['median_us']:.1f} us"
+                if "hit_attention_alone" in r:
+                    line += f", hit attn {r['hit_attention_alone']['median_us']:.1f} us"
+                if "measured_miss_rate" in r.get("serial", {}):
+                    line += f" | misses {r['serial']['measured_miss_rate']:.4f} (trace {r['miss_rate']:.4f})"
                 print(line, flush=True)
                 for progs, row in r.get("sweep", {}).items():
                     print(f"    programs {progs:>4s}: serial {row['serial']['ratio_vs_resident']:.2f}x split "

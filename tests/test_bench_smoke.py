@@ -220,3 +220,42 @@ def test_profile_layer_refuses_bad_arguments(capsys):
         profile_layer.main(["--context", "100"])  # shorter than the hot slots + top-k
     assert e.value.code == 2
     assert profile_layer.main(["--dry-run", "--out", "/proc/nope/x.json"]) == 2
+
+
+def test_periodic_trace_has_exact_steady_misses_and_no_repeats_in_a_step():
+    """The trace alone: each step K distinct positions, the core in [0, S) every step,
+    fresh ones in [S, ctx - 1) coming back only after cycling through all of them."""
+    from benchmarks.periodic_trace import PeriodicTrace
+    tr = PeriodicTrace(3, K=10, S=20, ctx=61, hit=0.7, seed=5, device=torch.device("cpu"))
+    assert (tr.core_n, tr.fresh_n, tr.miss_rate) == (7, 3, 0.3)
+    seen: list[set] = [set() for _ in range(3)]
+    for t in range(tr.cold // tr.fresh_n):  # one pass over the cycle: no fresh position twice
+        step = tr.step(t)
+        assert step.dtype == torch.int32 and step.shape == (3, 10)
+        for b in range(3):
+            row = step[b].tolist()
+            assert len(set(row)) == 10
+            core = {p for p in row if p < 20}
+            assert core == set(tr.core[b].tolist())
+            fresh = set(row) - core
+            assert all(20 <= p < 60 for p in fresh) and not fresh & seen[b]
+            seen[b] |= fresh
+    with pytest.raises(ValueError, match="evicted before it comes back"):
+        PeriodicTrace(1, K=8, S=16, ctx=30, hit=0.5, seed=0, device=torch.device("cpu"))
+
+
+def test_bench_layer_periodic_dry_run_measures_the_trace_miss_rate(tmp_path, capsys):
+    """bench_layer --trace periodic: the LRU runs on across steps and modes, and the
+    cache's own counters see exactly the trace's steady miss rate in every mode."""
+    from benchmarks import bench_layer
+    out = tmp_path / "p.json"
+    assert bench_layer.main(["--dry-run", "--trace", "periodic", "--hits", "90", "75", "--out", str(out)]) == 0
+    cases = json.loads(out.read_text())["cases"]
+    assert [c["miss_rate"] for c in cases] == [0.125, 0.25]
+    for c in cases:
+        for m in ("serial", "split", "staging_alone"):
+            assert c[m]["measured_miss_rate"] == c["miss_rate"], (c["hit"], m)
+        assert c["max_rel_diff"] == 0.0
+    assert "misses 0.1250 (trace 0.1250)" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        bench_layer.main(["--dry-run", "--trace", "periodic", "--modes", "prefetch"])
