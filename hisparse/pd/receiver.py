@@ -425,8 +425,11 @@ class PDReceiver:
                 self._finished[rid] = None
                 return
         self._fail(rid, problem, failed)
-        if kind in ("done", "fail") and not f.get("in_flight") and gen in self._quarantine:
-            self._release(gen)  # the sender's transfers are over
+        if gen in self._quarantine and kind in ("done", "fail"):
+            if f.get("in_flight"):
+                self._quarantine[gen].in_flight = True  # its transfers may still land: the timer frees them
+            else:
+                self._release(gen)  # the sender's transfers are over
 
     def _notice_problem(self, kind: str, f: dict, res: ReserveInfo) -> str | None:
         cfg = self.cache.cfg
