@@ -244,7 +244,12 @@ class PDReceiver:
         committed: list[int] = []
         failed, self._unreported = self._unreported, {}
         self._drop_stale(failed)
-        for msgs in self._agent.get_new_notifs().values():
+        try:
+            notifs = self._agent.get_new_notifs()
+        except BaseException:
+            self._unreported.update(failed)  # reported by the next poll
+            raise
+        for msgs in notifs.values():
             for msg in msgs:
                 parsed = parse_notice(msg)
                 if parsed is None:
