@@ -57,7 +57,7 @@ def request_rows(seed: int, tokens: int, row_bytes: int, layers: int, device: st
 
 def prefill_side(conn, row_format: str, block: int, device: str, per_layer: bool) -> None:
     from hisparse.pd import PDDescriptor, PDSender
-    tx = PDSender(row_format=row_format, block_size=block, name="bench-prefill")
+    tx = PDSender(row_format=row_format, block_size=block)
     conn.send("ready")
     while (job := conn.recv()) is not None:
         data, seed = job
@@ -68,7 +68,8 @@ def prefill_side(conn, row_format: str, block: int, device: str, per_layer: bool
 
 
 def bulk_copy_gbps(nbytes: int, device: str, pool: torch.Tensor, reps: int) -> list[float]:
-    """GB/s of ``pool[:nbytes].copy_(src)`` with ``src`` on ``device``."""
+    """GB/s of ``pool[:nbytes].copy_(src)`` with ``src`` (uint8 [nbytes]) on ``device``.
+    pool: uint8 [host_pool_bytes], the cache's pinned host pool (``pool.buffer.tensor``)."""
     src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8).to(device)
     dst = pool[:nbytes]
     out = []
@@ -114,7 +115,7 @@ def main(argv=None) -> int:
         cache = HiSparseCache(cfg)
         # the baseline first: the decode agent's progress thread (started next) takes a core
         bulk = bulk_copy_gbps(L * C * rb, a.device, cache.pool.buffer.tensor, max(3, a.reps))
-        rx = PDReceiver(cache, name="bench-decode")
+        rx = PDReceiver(cache)
         if not mine.poll(120) or mine.recv() != "ready":
             raise RuntimeError("the prefill process did not start")
         xfer, reserve_us, commit_us, e2e_ms = [], [], [], []

@@ -129,6 +129,16 @@ def rows_layout_problem(rows: torch.Tensor, row_bytes: int) -> str | None:
     return None
 
 
+def pack_rows(rows: torch.Tensor, row_bytes: int) -> torch.Tensor:
+    """``rows`` (uint8 [n, row_bytes]) as a packed, 16-byte aligned tensor (a copy
+    only when it is not one already, ``rows_layout_problem``)."""
+    if rows_layout_problem(rows, row_bytes) is None:
+        return rows
+    packed = torch.empty((rows.shape[0], row_bytes), dtype=torch.uint8, device=rows.device)
+    packed.copy_(rows)
+    return packed
+
+
 # ----------------------------------------------------------------- runtime facts
 @functools.lru_cache(maxsize=1)
 def interpreter_mode() -> bool:
@@ -193,4 +203,4 @@ class Kernels(enum.Enum):
 
 
 __all__ = ["check_int", "check_bool", "check_ints", "check_tensor", "device_type", "same_device",
-           "rows_layout_problem", "interpreter_mode", "sm_count", "parse_enum", "Kernels"]
+           "rows_layout_problem", "pack_rows", "interpreter_mode", "sm_count", "parse_enum", "Kernels"]

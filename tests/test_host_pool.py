@@ -97,3 +97,32 @@ def test_pin_true_without_cuda_is_a_clear_error():
         pytest.skip("this machine has CUDA; the gpu test file checks pinning")
     with pytest.raises(ValueError, match="needs CUDA"):
         HostPool(cfg(), pin=True)
+
+
+def test_claim_takes_given_free_blocks_or_nothing():
+    a = BlockAllocator(6)
+    a.allocate("x", 2)  # blocks 0, 1
+    with pytest.raises(ValueError, match=r"\[1\] not free"):
+        a.claim("q", [3, 1])
+    with pytest.raises(ValueError, match="duplicates"):
+        a.claim("q", [3, 3])
+    assert a.num_free == 4 and a.owners() == ["x"]
+    a.claim("q", [4, 2])
+    assert a.blocks("q") == [4, 2] and a.num_free == 2
+    assert a.allocate("y", 2) == [3, 5]  # still lowest first
+    a.free("q")
+    assert a.allocate("z", 2) == [2, 4]
+
+
+def test_free_listeners_hear_each_free_after_it():
+    from hisparse import HiSparseCache
+    cfg = HiSparseConfig(num_layers=1, host_pool_tokens=64, row_bytes=656, top_k=4, device_buffer_size=8,
+                         max_num_reqs=2, max_query_len=1, host_block_size=16, device="cpu")
+    c = HiSparseCache(cfg)
+    heard = []
+    c.free_listeners.append(lambda rid, r, blocks: heard.append((rid, r, list(blocks), c.requests.is_live(rid),
+                                                                 c.pool.allocator.num_free)))
+    c.add_request(5)
+    c.reserve_blocks(5, 20)
+    c.free_request(5)
+    assert heard == [(5, 0, [0, 1], False, 4)]

@@ -4,7 +4,9 @@ The prefill side runs in a second process (spawned) where a test says so: UCX be
 two processes on this machine. The other tests run both agents in this process (UCX
 loopback between two agents), which exercises the same calls faster. Every fault test
 checks that the decode cache ends as it was before the reservation and that the other
-requests' rows are byte-identical. Skipped, with NIXL's error, where NIXL can't run.
+requests' rows are byte-identical, and that an abort's blocks stay in quarantine until
+its sender is done or the quarantine time is up. Skipped, with NIXL's error, where NIXL
+can't run (failed instead under HISPARSE_REQUIRE_NIXL=1).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from hisparse import CapacityError
 from hisparse.pd import (PDDescriptor, PDError, PDReceiver, PDSender, StaleDescriptorError, TransferError,
                          TransferTimeout)
 from invariants import assert_same, check_cache, snapshot
-from pd_helpers import assert_rows, filled_cache, make_rows, nixl_or_skip, prefill_main, small_cfg
+from pd_helpers import (assert_rows, filled_cache, make_rows, nixl_or_skip, prefill_main, release_all,
+                        same_but_quarantined, small_cfg)
 
 pytestmark = pytest.mark.usefixtures("nixl")
 
@@ -126,7 +129,9 @@ def test_two_processes_over_ucx():
             proc.kill()
 
 
-def test_prefill_process_dies_mid_transfer():
+def test_prefill_process_dies_between_layers():
+    """The prefill process completes the transfer of layer 0 of 3, then exits without a
+    notice (killed between two layers' transfers)."""
     ctx = mp.get_context("spawn")
     mine, theirs = ctx.Pipe()
     proc = ctx.Process(target=prefill_main, args=(theirs, "die"), daemon=True)
@@ -141,8 +146,10 @@ def test_prefill_process_dies_mid_transfer():
         assert proc.exitcode == 17  # it wrote layer 0 of 3, then died without a notice
         with pytest.raises(TransferTimeout, match="aborted"):
             rx.wait(7, timeout_s=0.5)
-        same_but_freed_bytes(before, snapshot(cache))
+        same_but_quarantined(before, snapshot(cache), rx)  # no notice: held until quarantine_s
         assert_rows(cache, truth)
+        release_all(rx)
+        same_but_freed_bytes(before, snapshot(cache))
         assert not cache.requests.is_live(7) and rx.open_requests() == []
         rx.close()
     finally:
@@ -158,9 +165,11 @@ def test_decode_side_deadline_aborts_in_poll():
     time.sleep(0.1)
     res = rx.poll()
     assert res.committed == () and "deadline" in res.failed[7]
-    assert_same(before, snapshot(cache))
+    same_but_quarantined(before, snapshot(cache), rx)
     with pytest.raises(TransferError, match="deadline"):
         rx.wait(7)
+    release_all(rx)
+    assert_same(before, snapshot(cache))  # no byte was written
     rx.close()
 
 
@@ -170,6 +179,8 @@ def test_descriptor_reused_after_abort_is_refused_before_any_byte(sender):
     before = snapshot(cache)
     old = rx.reserve(7, 40)
     rx.abort(7)
+    same_but_quarantined(before, snapshot(cache), rx)
+    release_all(rx)
     assert_same(before, snapshot(cache))
     new = rx.reserve(8, 40)  # the same blocks, a new generation
     assert new.runs == old.runs and new.generation != old.generation
@@ -244,6 +255,10 @@ def test_pool_full_and_slots_full_at_reserve():
     assert_same(mid, snapshot(cache))
     rx.abort(7)
     rx.abort(8)
+    same_but_quarantined(before, snapshot(cache), rx)
+    with pytest.raises(CapacityError, match=r"25 host blocks, 24 of 32 are free \(2 in quarantine\)"):
+        rx.reserve(9, 25 * 16)
+    release_all(rx)
     assert_same(before, snapshot(cache))
     with pytest.raises(StaleDescriptorError, match="no open reservation"):
         rx.abort(8)
@@ -292,6 +307,8 @@ def test_failed_commit_aborts(monkeypatch):
     monkeypatch.setattr(cache, "write_step", boom)
     with pytest.raises(PDError, match="injected"):
         rx.commit(7, d.generation)
+    same_but_quarantined(before, snapshot(cache), rx)
+    release_all(rx)
     assert_same(before, snapshot(cache))
     rx.close()
 

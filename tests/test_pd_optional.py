@@ -30,3 +30,18 @@ def test_pd_without_nixl_names_the_extra():
     p = subprocess.run([sys.executable, "-c", _RUN], cwd=ROOT, capture_output=True, text=True, timeout=120,
                        env={**os.environ, "PYTHONPATH": ROOT})
     assert p.returncode == 0 and p.stdout.strip() == "OK", p.stdout + p.stderr
+
+
+def test_nixl_or_skip_fails_under_hisparse_require_nixl(monkeypatch):
+    """A NIXL that can't run skips the P/D tests, except under HISPARSE_REQUIRE_NIXL=1
+    (the CI), where it fails them."""
+    import pytest
+
+    import pd_helpers
+    monkeypatch.setattr(pd_helpers, "_PROBE", ["NIXL agent 'probe' could not start: injected"])
+    monkeypatch.delenv("HISPARSE_REQUIRE_NIXL", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="injected"):
+        pd_helpers.nixl_or_skip()
+    monkeypatch.setenv("HISPARSE_REQUIRE_NIXL", "1")
+    with pytest.raises(pytest.fail.Exception, match="HISPARSE_REQUIRE_NIXL=1 .*injected"):
+        pd_helpers.nixl_or_skip()

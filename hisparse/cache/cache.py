@@ -18,7 +18,7 @@ never does. A call either completes or raises before it changes anything.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -31,7 +31,7 @@ from ..staging.view import BlockTable, LayerView
 from . import validate as V
 from .apply_write import apply_write_plan_reference, apply_write_plan_triton
 from .device_pool import DevicePool
-from .host_pool import HostPool
+from .host_pool import HostPool, check_pool
 from .requests import RequestTable
 from .resolve_ref import (copy_rows_reference, copy_staged_reference, resolve_lookup_reference, resolve_reference,
                           resolve_resident_reference)
@@ -98,15 +98,6 @@ def _kernel_set(kernels: Kernels, device: torch.device, pool: HostPool) -> dict:
                 copy_fn=stage, apply_fn=apply_write_plan_triton, mirror_fn=mirror, pinned_check=pinned.check)
 
 
-def _check_pool(host_pool: object, cfg: HiSparseConfig) -> None:
-    """A pool built elsewhere must be a HostPool of the same config."""
-    if host_pool is not None and not isinstance(host_pool, HostPool):
-        raise TypeError(f"host_pool must be a HostPool, got {type(host_pool).__name__}")
-    if host_pool is not None and host_pool.cfg.to_dict() != cfg.to_dict():
-        diff = [k for k, v in cfg.to_dict().items() if host_pool.cfg.to_dict().get(k) != v]
-        raise ValueError(f"host_pool was built for another config (differs in {diff})")
-
-
 def _split_buffers(memo: dict, cfg: HiSparseConfig, device: torch.device, layer: int, T: int,
                    K: int) -> tuple[torch.Tensor, tuple]:
     """int32 [T, K] hit rows and the (miss rows, miss host rows, counts) lists of a
@@ -139,7 +130,7 @@ class HiSparseCache:
         self.device = resolve_device(cfg.device)
         choice = Kernels.parse(kernels).pick(self.device)
         self.kernels = choice.value
-        _check_pool(host_pool, cfg)
+        check_pool(host_pool, cfg)
         V.check_device_memory(cfg, self.device)
         L = cfg.num_layers
         self.pool = host_pool if host_pool is not None else HostPool(cfg, pin=pin)
@@ -172,6 +163,9 @@ class HiSparseCache:
         self._hot_l = self.writer.hot_layers  # uint8 [N, row_bytes] per layer (views, made once)
         self._host_l = self.writer.host_layers  # uint8 [H, row_bytes] per layer
         self._split: dict[int, tuple] = {}  # layer -> (hit, miss lists), made on first use
+        # called as fn(req_id, slot, blocks) at the end of each free_request (hisparse.pd's
+        # receiver: a reserved request freed here has its reservation closed); must not raise
+        self.free_listeners: list[Callable[[int, int, list[int]], None]] = []
 
     # ---- small queries ----------------------------------------------------
     def live_requests(self) -> list[int]:
@@ -314,7 +308,8 @@ class HiSparseCache:
         return r
 
     def free_request(self, req_id: int) -> None:
-        """Return every block, clear every slot mapping of every layer, release the id."""
+        """Return every block, clear every slot mapping of every layer, release the id,
+        then call each of ``free_listeners``."""
         r = self.requests.slot(req_id)
         self.streams.before_lifecycle()
         st, B = self.state, self.pool.B
@@ -335,9 +330,11 @@ class HiSparseCache:
         st.resident[r] = 0
         st.page_table[r] = -1
         self.dpool.release(r)
-        self.pool.allocator.free(r)
+        freed = self.pool.allocator.free(r)
         self.writer.release(r)
         self.requests.remove(req_id)
+        for fn in self.free_listeners:
+            fn(req_id, r, freed)
 
     def reserve_blocks(self, req_id: int, num_tokens: int) -> list[int]:
         """Host blocks for positions ``0 .. num_tokens - 1`` of a live request, no row

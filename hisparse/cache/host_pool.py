@@ -97,6 +97,16 @@ class BlockAllocator:
             raise CapacityError(f"host pool exhausted: {n} more blocks needed, {len(self._free)} free")
         return self._free[-1:-n - 1:-1] if n else []
 
+    def claim(self, owner: Hashable, blocks: list[int]) -> None:
+        """Append these free ``blocks`` to ``owner``'s list (ValueError, nothing changed,
+        when one is not free)."""
+        free, want = set(self._free), set(blocks)
+        taken = [b for b in blocks if b not in free]
+        if taken or len(want) != len(blocks):
+            raise ValueError(f"claim of blocks {blocks}: {taken or 'duplicates'} not free")
+        self._free = [b for b in self._free if b not in want]  # stays sorted descending
+        self._owned.setdefault(owner, []).extend(blocks)
+
     def free(self, owner: Hashable) -> list[int]:
         """Return every block of ``owner`` to the free list; returns those blocks."""
         blocks = self._owned.pop(owner, [])
@@ -174,4 +184,13 @@ class HostPool:
         self.buffer.release()
 
 
-__all__ = ["BlockAllocator", "HostPool", "block_segments"]
+def check_pool(host_pool: object, cfg: HiSparseConfig) -> None:
+    """A pool built elsewhere (None: none) must be a HostPool of the same config."""
+    if host_pool is not None and not isinstance(host_pool, HostPool):
+        raise TypeError(f"host_pool must be a HostPool, got {type(host_pool).__name__}")
+    if host_pool is not None and host_pool.cfg.to_dict() != cfg.to_dict():
+        diff = [k for k, v in cfg.to_dict().items() if host_pool.cfg.to_dict().get(k) != v]
+        raise ValueError(f"host_pool was built for another config (differs in {diff})")
+
+
+__all__ = ["BlockAllocator", "HostPool", "block_segments", "check_pool"]

@@ -30,7 +30,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from .._checks import check_int, check_tensor, plain_ints, rows_layout_problem
+from .._checks import check_int, check_tensor, pack_rows, plain_ints
 from ..config import HiSparseConfig
 from ..errors import CapacityError
 from .device_pool import NO_CHANGES, DevicePool, PoolChanges, apply_changes, seeded_reserved
@@ -59,16 +59,6 @@ class WriteBatch:
     total: int
     generation: int
     owner: object = dataclasses.field(repr=False, compare=False)
-
-
-def pack_rows(rows: torch.Tensor, row_bytes: int) -> torch.Tensor:
-    """``rows`` (uint8 [n, row_bytes]) as a packed, 16-byte aligned tensor (a copy
-    only when it is not one already)."""
-    if rows_layout_problem(rows, row_bytes) is None:
-        return rows
-    packed = torch.empty((rows.shape[0], row_bytes), dtype=torch.uint8, device=rows.device)
-    packed.copy_(rows)
-    return packed
 
 
 class Writer:

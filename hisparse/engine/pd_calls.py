@@ -10,11 +10,14 @@ object an engine's scheduler drives, shaped like vLLM's KV-connector scheduler s
     params = conn.request_remote_prefill(req_id, num_prompt_tokens)   # bytes, to the prefill engine
     ...                                                               # prefill side: PDSender.send
     ready, failed = conn.get_finished()      # between forwards: committed ids decode from now on,
-                                             # failed ids were aborted (blocks returned)
+                                             # failed ids were aborted (blocks in quarantine)
     conn.request_finished(req_id)            # a request dropped before its commit: abort
 
 Like ``add_request`` / ``free_request``, every call here is refused while a forward has
 written some layers but not all (a commit writes every layer of its request).
+``free_request`` of a reserved request closes its reservation as an abort does (the
+receiver listens on the cache's frees): its blocks go into quarantine and the next
+``get_finished`` reports it failed.
 """
 
 from __future__ import annotations
@@ -32,12 +35,17 @@ class PDCalls:
 
     _pd: "PDReceiver | None" = None
 
-    def pd_receiver(self, *, name: str = "hisparse-decode", backends: tuple[str, ...] = ("UCX",)) -> "PDReceiver":
-        """The group's receiver, made on the first call (NixlUnavailable without NIXL).
-        ``name`` / ``backends`` take effect on that first call only."""
+    def pd_receiver(self, *, name: str | None = None, backends: tuple[str, ...] = ("UCX",),
+                    quarantine_s: float | None = None) -> "PDReceiver":
+        """The group's receiver, made on the first call (NixlUnavailable without NIXL): its
+        agent starts and registers the host pool then. ``name`` (default: unique per
+        host, process and call, ``nixl_api.default_agent_name``), ``backends`` and
+        ``quarantine_s`` (None: ``receiver.QUARANTINE_S``) take effect on that first
+        call only."""
         if self._pd is None:
-            from ..pd.receiver import PDReceiver
-            self._pd = PDReceiver(self._cache, name=name, backends=backends)  # type: ignore[attr-defined]
+            from ..pd.receiver import QUARANTINE_S, PDReceiver
+            self._pd = PDReceiver(self._cache, name=name, backends=backends,  # type: ignore[attr-defined]
+                                  quarantine_s=QUARANTINE_S if quarantine_s is None else quarantine_s)
         return self._pd
 
     def pd_reserve(self, req_id: int, num_tokens: int, *, timeout_s: float | None = None) -> "PDDescriptor":
@@ -58,7 +66,10 @@ class PDCalls:
 
     def pd_connector(self, *, timeout_s: float | None = 60.0) -> "PDConnector":
         """A scheduler-side connector over this group (module docstring); ``timeout_s``:
-        the deadline of each reservation it makes (None: none)."""
+        the deadline of each reservation it makes (None: none). Makes the group's
+        receiver now (``pd_receiver``), so the agent's start and the host pool's
+        registration happen here, not in the first reserve."""
+        self.pd_receiver()
         return PDConnector(self, timeout_s=timeout_s)
 
 

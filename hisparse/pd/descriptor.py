@@ -101,7 +101,8 @@ def notice(kind: str, *, request_id: int, generation: int, **fields) -> bytes:
 
 
 def parse_notice(msg: bytes) -> tuple[str, dict] | None:
-    """(kind, fields) of a notice, None for a message that is not one."""
+    """(kind, fields) of a notice; None for a message that is not one (another prefix,
+    a body that is not a JSON object, ``request_id`` or ``generation`` not an int)."""
     prefix = f"hisparse-pd/{VERSION} ".encode()
     if not msg.startswith(prefix):
         return None
@@ -110,8 +111,8 @@ def parse_notice(msg: bytes) -> tuple[str, dict] | None:
         fields = json.loads(body)
     except ValueError:
         return None
-    if not isinstance(fields, dict) or "request_id" not in fields or "generation" not in fields:
-        return None
+    if not isinstance(fields, dict) or not all(type(fields.get(k)) is int for k in ("request_id", "generation")):
+        return None  # request_id and generation must be ints (not bools, lists, strings)
     return kind.decode(errors="replace"), fields
 
 

@@ -1,8 +1,9 @@
 """Errors of the prefill/decode transfer (``hisparse.pd``).
 
 A failed decode-side call leaves the cache as it was before the reservation (the
-reservation aborted: blocks returned, request released) where the error says so, or
-as it was before the call otherwise.
+reservation aborted: request released, its blocks in quarantine until no WRITE of it
+can land, ``hisparse.pd.receiver``) where the error says so, or as it was before the
+call otherwise.
 """
 
 from __future__ import annotations

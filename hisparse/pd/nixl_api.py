@@ -8,6 +8,9 @@ that imports, or raises ``NixlUnavailable`` naming the extra and every import er
 from __future__ import annotations
 
 import importlib
+import os
+import socket
+import uuid
 from types import ModuleType
 
 from .errors import NixlUnavailable
@@ -45,6 +48,11 @@ def nixl_available() -> str | None:
     return None
 
 
+def default_agent_name(role: str) -> str:
+    """An agent name no other agent shares: ``hisparse-<role>-<host>-<pid>-<8 hex>``."""
+    return f"hisparse-{role}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
 def make_agent(name: str, backends: tuple[str, ...], *, progress_thread: bool):
     """A NIXL agent with ``backends`` (each must instantiate: NixlUnavailable otherwise).
     ``progress_thread``: NIXL's own thread progresses the backends (a target of
@@ -62,4 +70,4 @@ def make_agent(name: str, backends: tuple[str, ...], *, progress_thread: bool):
     return agent
 
 
-__all__ = ["load_nixl", "nixl_available", "make_agent", "MODULES"]
+__all__ = ["load_nixl", "nixl_available", "make_agent", "default_agent_name", "MODULES"]

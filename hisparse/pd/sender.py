@@ -3,12 +3,20 @@
 It needs no cache: given a decode side's ``PDDescriptor`` and the request's rows of
 every layer (uint8 [C, row_bytes] each, CPU or CUDA), ``send`` checks them against the
 descriptor and the sender's own layout (row format, block size), reads the
-reservation's generation word from the decode side (a NIXL READ of 8 bytes: a
-reservation closed since the descriptor was made refuses the send before any byte
-moves), registers the rows, posts the WRITEs (one transfer of every layer's regions,
-or one per layer), waits for them and returns a ``SendReport``. The decode side learns
-of the completion from the notice attached to the (last) transfer; a transfer that
-fails or times out sends a "fail" notice instead and raises ``TransferError``.
+reservation's generation word from the decode side (a NIXL READ of 8 bytes, at most
+``read_timeout_s``: a reservation closed since the descriptor was made refuses the send
+before any byte moves), registers the rows, posts the WRITEs (one transfer of every
+layer's regions, or one per layer), waits for them (at most ``timeout_s``) and returns
+a ``SendReport``. The decode side learns of the completion from the notice attached to
+the (last) transfer.
+
+A send that fails after the generation read (registering the rows, posting, an error or
+the timeout) first releases every transfer handle it posted (NIXL cancels a transfer
+still running), then sends a "fail" notice and raises ``TransferError``. When a handle
+can't be released (the transfer could not be cancelled) the notice says ``in_flight``
+(the decode side then holds the blocks until its quarantine time is up) and the rows
+stay registered (a WRITE may still read them) until ``close``. The decode side's
+``quarantine_s`` must exceed ``read_timeout_s`` plus ``timeout_s`` (receiver module).
 """
 
 from __future__ import annotations
@@ -22,8 +30,8 @@ import torch
 
 from .._checks import check_int
 from .descriptor import PDDescriptor, notice
-from .errors import StaleDescriptorError, TransferError
-from .nixl_api import make_agent
+from .errors import PDError, StaleDescriptorError, TransferError
+from .nixl_api import default_agent_name, make_agent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,17 +51,21 @@ class PDSender:
     """The prefill side (module docstring). ``row_format`` / ``block_size``: the layout
     this prefill engine produces; a descriptor of another is refused."""
 
-    def __init__(self, *, row_format: str, block_size: int, name: str = "hisparse-prefill",
-                 backends: tuple[str, ...] = ("UCX",)) -> None:
+    def __init__(self, *, row_format: str, block_size: int, name: str | None = None,
+                 backends: tuple[str, ...] = ("UCX",), read_timeout_s: float = 10.0) -> None:
         if not isinstance(row_format, str):
             raise TypeError(f"row_format must be a str, got {type(row_format).__name__}")
+        if not (isinstance(read_timeout_s, (int, float)) and read_timeout_s > 0):
+            raise ValueError(f"read_timeout_s must be a positive number of seconds, got {read_timeout_s!r}")
         self.row_format = row_format
         self.block_size = check_int("block_size", block_size, 1)
-        self.name = name
-        self._agent = make_agent(name, tuple(backends), progress_thread=False)
+        self.read_timeout_s = float(read_timeout_s)
+        self.name = default_agent_name("prefill") if name is None else name
+        self._agent = make_agent(self.name, tuple(backends), progress_thread=False)
         self._peers: dict[str, bytes] = {}  # remote agent name -> the metadata loaded for it
         self._word = np.zeros(1, dtype=np.int64)  # the generation word read back
         self._word_reg = self._agent.register_memory([(self._word.ctypes.data, 8, 0, "")], "DRAM")
+        self._held: list = []  # registrations a transfer that could not be cancelled may still read
 
     def check(self, desc: PDDescriptor, rows: Sequence[torch.Tensor]) -> None:
         """The checks ``send`` makes before it moves anything (TypeError, ValueError)."""
@@ -82,16 +94,32 @@ class PDSender:
              timeout_s: float = 30.0) -> SendReport:
         """Write ``rows`` (per layer uint8 [C, row_bytes], contiguous, one device) into the
         reserved blocks and notify the decode side (module docstring)."""
+        if self._agent is None:
+            raise PDError(f"send: the sender {self.name!r} is closed")
         self.check(desc, rows)
         peer = self._peer(desc)
         self._check_generation(desc, peer)
         if rows[0].is_cuda:
             torch.cuda.current_stream(rows[0].device).synchronize()  # rows written by the stream are complete
-        reg = self._agent.register_memory(list(rows))
         try:
-            return self._write(desc, rows, peer, per_layer, timeout_s)
-        finally:
-            self._agent.deregister_memory(reg)
+            reg = self._agent.register_memory(list(rows))
+        except Exception as e:
+            self._fail(peer, desc, e, in_flight=False)
+            raise TransferError(f"request {desc.request_id}: registering the rows failed ({type(e).__name__}: "
+                                f"{e}); a fail notice was sent") from e
+        try:
+            report = self._write(desc, rows, peer, per_layer, timeout_s)
+        except _InFlight as e:
+            self._held.append(reg)  # a WRITE may still read the rows: deregistered by close
+            raise e.error from None
+        except BaseException as e:
+            try:
+                self._agent.deregister_memory(reg)
+            except Exception as e2:
+                e.add_note(f"deregistering the rows failed too: {type(e2).__name__}: {e2}")
+            raise
+        self._agent.deregister_memory(reg)
+        return report
 
     # ---- helpers --------------------------------------------------------------------
     def _peer(self, desc: PDDescriptor) -> str:
@@ -106,7 +134,10 @@ class PDSender:
         return desc.agent_name
 
     def _wait(self, handles: list, timeout_s: float, what: str) -> None:
+        """Until every handle is DONE: polls back to back at first, then sleeps between
+        polls (10 us, doubling up to 1 ms). TransferError on an error or the timeout."""
         end = time.monotonic() + timeout_s
+        polls, nap = 0, 1e-5
         for h in handles:
             while True:
                 state = self._agent.check_xfer_state(h)
@@ -116,6 +147,28 @@ class PDSender:
                     raise TransferError(f"NIXL reported an error on {what}")
                 if time.monotonic() > end:
                     raise TransferError(f"{what} did not complete in {timeout_s} s")
+                polls += 1
+                if polls > 64:
+                    time.sleep(nap)
+                    nap = min(nap * 2, 1e-3)
+
+    def _release(self, handles: list) -> list[str]:
+        """Release every handle (NIXL cancels a running transfer); the errors, one each."""
+        errors = []
+        for h in handles:
+            try:
+                self._agent.release_xfer_handle(h)
+            except Exception as e:
+                errors.append(f"{type(e).__name__}: {e}")
+        return errors
+
+    def _fail(self, peer: str, desc: PDDescriptor, error: BaseException, *, in_flight: bool) -> None:
+        """Send the "fail" notice of ``error``; a failure to send it becomes a note on ``error``."""
+        try:
+            self._agent.send_notif(peer, notice("fail", request_id=desc.request_id, generation=desc.generation,
+                                                reason=f"{type(error).__name__}: {error}", in_flight=in_flight))
+        except Exception as e:
+            error.add_note(f"the fail notice could not be sent either: {type(e).__name__}: {e}")
 
     def _check_generation(self, desc: PDDescriptor, peer: str) -> None:
         self._word[0] = -1
@@ -125,9 +178,15 @@ class PDSender:
         try:
             if self._agent.transfer(h) == "ERR":
                 raise TransferError(f"request {desc.request_id}: reading the generation word failed")
-            self._wait([h], 10.0, f"request {desc.request_id}'s generation read")
-        finally:
-            self._agent.release_xfer_handle(h)
+            self._wait([h], self.read_timeout_s, f"request {desc.request_id}'s generation read")
+        except BaseException as e:
+            for err in self._release([h]):
+                e.add_note(f"releasing the read's handle failed too: {err}")
+            raise
+        errors = self._release([h])
+        if errors:
+            raise TransferError(f"request {desc.request_id}: releasing the generation read's handle failed: "
+                                f"{errors[0]}; nothing was written")
         if int(self._word[0]) != desc.generation:
             raise StaleDescriptorError(f"request {desc.request_id}: the descriptor's generation {desc.generation} "
                                        f"is not the decode side's open one ({int(self._word[0])}; 0 = closed): "
@@ -165,20 +224,39 @@ class PDSender:
             if len(groups) > 1:
                 self._agent.send_notif(peer, done)  # after every layer completed
         except BaseException as e:
-            try:
-                self._agent.send_notif(peer, notice("fail", request_id=desc.request_id,
-                                                    generation=desc.generation, reason=str(e)))
-            finally:
-                for h in handles:
-                    self._agent.release_xfer_handle(h)
+            errors = self._release(handles)  # cancels what still runs, before the notice
+            for err in errors:
+                e.add_note(f"a transfer handle could not be released (its WRITE may still run): {err}")
+            self._fail(peer, desc, e, in_flight=bool(errors))
+            if errors:
+                raise _InFlight(e) from None
             raise
-        for h in handles:
-            self._agent.release_xfer_handle(h)
+        errors = self._release(handles)
+        if errors:
+            raise PDError(f"request {desc.request_id}: the transfer completed and its done notice went out, but "
+                          f"releasing {len(errors)} handle(s) failed: {errors[0]}")
         return SendReport(request_id=desc.request_id, bytes=desc.nbytes, seconds=seconds,
                           transfers=len(groups), descriptors=sum(len(g[0]) for g in groups))
 
     def close(self) -> None:
-        self._agent.deregister_memory(self._word_reg)
+        """Deregister the memory and drop the agent. Idempotent."""
+        if self._agent is None:
+            return
+        try:
+            for reg in [self._word_reg, *self._held]:
+                self._agent.deregister_memory(reg)
+        finally:
+            self._held = []
+            self._agent = None
+
+
+class _InFlight(Exception):
+    """``_write``'s error when a handle could not be released (``send`` keeps the rows
+    registered); ``error`` is the original one."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 __all__ = ["PDSender", "SendReport"]
