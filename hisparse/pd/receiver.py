@@ -224,8 +224,12 @@ class PDReceiver:
         self._words[res.slot] = 0  # from here on a send of this descriptor is refused
         try:
             step = cache.prepare_step(cache.plan_write([req_id], [res.num_tokens]), host_written=True)
+            spans = self._device_spans(res)
+            runs = cache.pool.segments(res.slot, 0, res.num_tokens)  # the same blocks in every layer
+            buf = None
             for layer in range(cache.cfg.num_layers):
-                cache.write_step(layer, step, self._rows(layer, res))
+                rows, buf = self._rows(layer, res, runs, spans, buf)
+                cache.write_step(layer, step, rows)
         except BaseException as e:
             self._abort(res)
             raise PDError(f"commit of request {req_id} failed and the reservation was aborted: "
@@ -451,18 +455,39 @@ class PDReceiver:
                     + "; aborted")
         return None
 
-    def _rows(self, layer: int, res: ReserveInfo) -> torch.Tensor:
-        """uint8 [C, row_bytes] on the cache device: the request's rows of ``layer`` as the
-        pool holds them (a view when they are one run on a CPU cache)."""
+    def _device_spans(self, res: ReserveInfo) -> list[tuple[int, int]]:
+        """The position ranges whose rows the commit's write puts on the device (the
+        step is prepared, so the request's residency is final): every position of a
+        resident request (its pages); of a hot one the first S and the newest (the write
+        path's hot slots), when the request has more than S + 1 rows."""
+        C, S = res.num_tokens, self.cache.cfg.device_buffer_size
+        if C <= S + 1 or self.cache.residency(res.req_id) == "resident":
+            return [(0, C)]
+        return [(0, S), (C - 1, C)]
+
+    def _rows(self, layer: int, res: ReserveInfo, runs: list[tuple[int, int, int]], spans: list[tuple[int, int]],
+              buf: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(uint8 [C, row_bytes] on the cache device holding the request's rows of
+        ``layer`` at the positions of ``spans``, the buffer to pass the next layer).
+        ``runs``: the request's positions as runs of host rows (``HostPool.segments``). The
+        other positions are left unwritten: with ``host_written`` the step's write reads
+        only the rows it puts on the device. A view of the pool when every row is needed
+        and they are one run on a CPU cache; else ``buf`` (uint8 [C, row_bytes], made on
+        the first call and reused: each layer's copies and write are ordered on the
+        current stream)."""
         cache = self.cache
+        C = res.num_tokens
         rows = cache.pool.rows[layer]
-        runs = cache.pool.segments(res.slot, 0, res.num_tokens)
-        if cache.device.type == "cpu" and len(runs) == 1:
-            return rows[runs[0][2]:runs[0][2] + res.num_tokens]
-        out = torch.empty((res.num_tokens, cache.cfg.row_bytes), dtype=torch.uint8, device=cache.device)
-        for a, b, h in runs:
-            out[a:b].copy_(rows[h:h + b - a], non_blocking=True)
-        return out
+        if cache.device.type == "cpu" and len(runs) == 1 and spans == [(0, C)]:
+            return rows[runs[0][2]:runs[0][2] + C], buf
+        if buf is None:
+            buf = torch.empty((C, cache.cfg.row_bytes), dtype=torch.uint8, device=cache.device)
+        for p0, p1 in spans:
+            for a, b, h in runs:  # run: positions [a, b) at host rows [h, h + b - a)
+                lo, hi = max(a, p0), min(b, p1)
+                if lo < hi:
+                    buf[lo:hi].copy_(rows[h + lo - a:h + hi - a], non_blocking=True)
+        return buf, buf
 
 
 __all__ = ["PDReceiver", "ReserveInfo", "Quarantine", "PollResult", "row_format_name", "QUARANTINE_S"]
