@@ -39,3 +39,33 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords or "multigpu" in item.keywords:
             item.add_marker(skip)
+
+
+# With HISPARSE_CAPTURE_LOADS=FILE (tests/run_gpu.sh sets it), each Triton kernel module
+# loaded while a CUDA graph is being captured appends "test id<TAB>kernel" to FILE: a
+# kernel first compiled and loaded inside a capture, which the capture's warm-up did not
+# run. A record only; it fails nothing.
+_current_test = ["(collection)"]
+
+
+def _record_capture_load(module, function, name, metadata_group, hash, *rest):  # noqa: A002 -- Triton's hook arguments
+    try:
+        if torch.cuda.is_current_stream_capturing():
+            with open(os.environ["HISPARSE_CAPTURE_LOADS"], "a") as f:
+                f.write(f"{_current_test[0]}\t{name}\n")
+    except Exception:  # noqa: BLE001 -- a diagnostic must never break a launch
+        pass
+
+
+if _HAS_CUDA and os.environ.get("HISPARSE_CAPTURE_LOADS"):
+    try:
+        from triton import knobs as _knobs
+
+        _knobs.runtime.kernel_load_start_hook.add(_record_capture_load)
+    except Exception:  # noqa: BLE001 -- a Triton without the hook: nothing recorded
+        pass
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    _current_test[0] = item.nodeid

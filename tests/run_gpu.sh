@@ -17,7 +17,9 @@
 # becomes HISPARSE_FLASHMLA_LIB (see the shared GPU notes). Tests of a backend that is
 # not there skip and say why (-rs).
 #
-# Results: ${OUT:-/tmp/hisparse-gpu-tests}/gpu-tests-<mode>[-alone].xml (JUnit, per-test times).
+# Results: ${OUT:-/tmp/hisparse-gpu-tests}/gpu-tests-<mode>[-alone].xml (JUnit, per-test times), and
+# capture-loads-<mode>.txt: the Triton kernels first loaded inside a CUDA graph capture, per test
+# (tests/conftest.py; a record, it fails nothing).
 # Exit status: 0 when every phase passed, 1 otherwise.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -55,6 +57,8 @@ python3 -c "import torch, triton; print(f'[gpu-tests] {torch.cuda.get_device_nam
 common=(-q -rs -p no:cacheprovider --durations=15)
 t0=$SECONDS
 status=0
+export HISPARSE_CAPTURE_LOADS="$res/capture-loads-$mode.txt"
+: > "$HISPARSE_CAPTURE_LOADS"
 phase() {  # name marker-expression extra-args...
   local name=$1 expr=$2; shift 2
   local p0=$SECONDS rc
@@ -74,5 +78,6 @@ else
   echo "[gpu-tests] pytest-xdist not importable (or one worker): one process"
   phase "$mode" "$sel" "$@"
 fi
+echo "[gpu-tests] kernels first loaded inside a capture: $(wc -l < "$HISPARSE_CAPTURE_LOADS") (in $HISPARSE_CAPTURE_LOADS)"
 echo "[gpu-tests] suite '$mode' $([ $status -eq 0 ] && echo passed || echo FAILED) in $((SECONDS - t0)) s (results: $res)"
 exit $status
