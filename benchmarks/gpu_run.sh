@@ -16,6 +16,8 @@
 #                                             mini_graphs (hisparse mini-engine --graphs, both KV stores, serial and split)
 #                                             resolve_phases (benchmarks.resolve_phases: %globaltimer per phase of the
 #                                             resolve program, standalone and inside the 128K capacity step)
+#                                             pd (bench_pd --device cuda: P/D through NIXL, the prefill side's rows
+#                                             on the GPU, one 32K-token x 61-layer request; PD_ARGS)
 #                                             (default: env tests sanitize staging decode prefill e2e stress autotune)
 #   sanitize: compute-sanitizer ${SANITIZE_TOOLS:-memcheck racecheck} over benchmarks.sanitize_trace (every
 #             kernel: writes, resolve, miss and prefill staging, decode attention); reports in $OUT/sanitize/
@@ -35,6 +37,8 @@
 # Optional kernels are picked up from .gpu-deps/ when carried (see ../shared/GPU.md):
 #   .gpu-deps/vllm/_flashmla_C.abi3.so  -> HISPARSE_FLASHMLA_LIB
 #   .gpu-deps/flashinfer/*.whl          -> installed into /tmp/site (PYTHONPATH)
+#   .gpu-deps/nixl/*.whl                -> the same (nixl-cu12 for the machine's Python, without its
+#                                          nixl_ep_cu12 part: the whole wheel is over a call's carry limit)
 # Output: $OUT/run.log (everything), $OUT/results.tgz (all JSON/PNG), $OUT/summary.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -57,6 +61,10 @@ if [ -f .triton-cache.tgz ]; then tar -xzf .triton-cache.tgz -C "$TRITON_CACHE_D
 if [ -f .gpu-deps/vllm/_flashmla_C.abi3.so ]; then export HISPARSE_FLASHMLA_LIB=$PWD/.gpu-deps/vllm/_flashmla_C.abi3.so; fi
 if ls .gpu-deps/flashinfer/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu-deps/flashinfer/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+if ls .gpu-deps/nixl/*.whl >/dev/null 2>&1 && ! python3 -c 'import nixl_cu12' 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu-deps/nixl/*.whl
+  case ":$PYTHONPATH:" in *":/tmp/site:"*) ;; *) export PYTHONPATH=$PYTHONPATH:/tmp/site ;; esac
 fi
 sections=("$@"); [ ${#sections[@]} -eq 0 ] && sections=(env tests sanitize staging decode prefill e2e stress autotune)
 LOG=$OUT/run.log
@@ -141,6 +149,8 @@ for s in "${sections[@]}"; do
     prefill) run prefill 240 python3 -m benchmarks.bench_prefill --out "$RES/prefill.json" ${QUICK:+--quick} ${PREFILL_ARGS:-} ;;
     profile_host) run profile_host 420 python3 -m benchmarks.profile_e2e_host ${PROFILE_HOST_ARGS:---quick} --torch-profiler --out "$RES/profile_e2e_host.txt" --chrome-trace "$RES/traces"
                   python3 -m benchmarks.analyse_e2e_trace "$RES"/traces/*.json.gz --json "$RES/e2e_trace_steps.json" >"$RES/e2e_trace_steps.txt" 2>>"$LOG" ;;
+    pd) run pd 300 python3 -m benchmarks.bench_pd --device cuda --requests 1 --tokens 32768 --layers 61 --reps 5 \
+          --out "$RES/pd_32k_gpu.json" ${PD_ARGS:-} ;;
     vllm_resolve) run vllm_resolve 300 python3 -m benchmarks.bench_vllm_resolve --out "$RES/vllm_resolve.json" ${VLLM_RESOLVE_ARGS:-} ;;
     e2e) run e2e 300 python3 -m benchmarks.bench_e2e --out "$RES/e2e.json" ${QUICK:+--quick} ;;
     e2e_layer_graphs)  # the eager engines, then the same with hisparse's per-layer graphs (padded decode steps)
