@@ -218,6 +218,18 @@ def max_diff(x, y) -> float:
     return float((x[0].float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
 
 
+def add_ratios(res: dict) -> None:
+    """Each mode's ratio to resident, and the fraction of the staging time it hides,
+    (serial - mode) / (serial - resident)."""
+    r0 = res["resident"]["median_us"]
+    ser = res.get("serial", {}).get("median_us")
+    for m in ("serial", "split"):
+        if m in res:
+            res[m]["ratio_vs_resident"] = res[m]["median_us"] / r0
+            if ser is not None and ser > r0:
+                res[m]["staging_hidden"] = (ser - res[m]["median_us"]) / (ser - r0)
+
+
 def bench_case(s: Setup, be: SparseMLABackend, hit: float, a: argparse.Namespace) -> dict:
     H, dev = a.heads, s.dev
     sm = 1.0 / math.sqrt(576)
@@ -281,13 +293,7 @@ def bench_case(s: Setup, be: SparseMLABackend, hit: float, a: argparse.Namespace
                                    "precision": sel / staged if staged else 0.0,
                                    "recall": sel / (sel + left) if sel + left else 1.0,
                                    "wasted_bytes": (staged - sel) * 656}
-    r0 = res["resident"]["median_us"]
-    ser = res.get("serial", {}).get("median_us")
-    for m in ("serial", "split"):
-        if m in res:
-            res[m]["ratio_vs_resident"] = res[m]["median_us"] / r0
-            if ser is not None and ser > r0:
-                res[m]["staging_hidden"] = (ser - res[m]["median_us"]) / (ser - r0)
+    add_ratios(res)
     if "prefetch_2layers" in res:
         r2 = res["resident_2layers"]["median_us"]
         res["prefetch_2layers"]["ratio_vs_resident"] = res["prefetch_2layers"]["median_us"] / r2
@@ -331,13 +337,7 @@ def bench_case_periodic(s: Setup, be: SparseMLABackend, hit: float, a: argparse.
     ref = resident_fn()
     out = layers["serial"](0, s.req, buf, q, sm_scale=sm)
     res["max_rel_diff"] = max_diff(out, ref)
-    r0 = res["resident"]["median_us"]
-    ser = res.get("serial", {}).get("median_us")
-    for m in ("serial", "split"):
-        if m in res:
-            res[m]["ratio_vs_resident"] = res[m]["median_us"] / r0
-            if ser is not None and ser > r0:
-                res[m]["staging_hidden"] = (ser - res[m]["median_us"]) / (ser - r0)
+    add_ratios(res)
     return res
 
 
