@@ -182,22 +182,6 @@ def make_backend(name: str, a: argparse.Namespace, dev: torch.device, H: int) ->
     return (None, why) if why else (be, "")
 
 
-def capture(fn, before) -> tuple[torch.cuda.CUDAGraph, object]:
-    """``fn`` captured in a CUDA graph after one eager call (which compiles), each call
-    and the first replay after ``before()``; returns (graph, the captured output)."""
-    before()
-    fn()
-    torch.cuda.synchronize()
-    before()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        gout = fn()
-    before()
-    g.replay()
-    torch.cuda.synchronize()
-    return g, gout
-
-
 def timed(fn, s: Setup, a: argparse.Namespace, *, restore: bool) -> tuple[dict, object]:
     """Capture ``fn`` in a graph (CUDA) and time its replays; returns (stats, output)."""
     before = s.restore if restore else s.flush.flush
@@ -205,7 +189,7 @@ def timed(fn, s: Setup, a: argparse.Namespace, *, restore: bool) -> tuple[dict, 
         before()
         out = fn()
         return common.stats(common.time_calls(fn, reps=1, warmup=0, cuda=False, before=before), unit="_us"), out
-    g, gout = capture(fn, before)
+    g, gout = common.capture(fn, before)
     samples = common.time_calls(g.replay, reps=a.reps, warmup=a.warmup, cuda=True, before=before)
     return common.stats(samples, unit="_us"), gout
 

@@ -77,6 +77,22 @@ class L2Flush:
             self._junk.zero_()
 
 
+def capture(fn, before) -> tuple[torch.cuda.CUDAGraph, object]:
+    """``fn`` captured in a CUDA graph after one eager call (which compiles), each call
+    and the first replay after ``before()``; returns (graph, the captured output)."""
+    before()
+    fn()
+    torch.cuda.synchronize()
+    before()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        gout = fn()
+    before()
+    g.replay()
+    torch.cuda.synchronize()
+    return g, gout
+
+
 def time_calls(fn: Callable[[], object], *, reps: int, warmup: int, cuda: bool,
                before: Callable[[], object] | None = None, inner: int = 1,
                gpu_sleep: bool = False) -> list[float]:

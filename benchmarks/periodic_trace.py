@@ -63,8 +63,8 @@ class PeriodicTrace:
 def run_steps(fn, trace: PeriodicTrace, buf: torch.Tensor, t0: int, *, warmup: int, reps: int, flush,
               cache=None, cuda: bool) -> tuple[dict, object, int, float | None]:
     """Run ``fn()`` over steps t0, t0 + 1, ... of ``trace`` written into ``buf`` (int32
-    [B, K], which ``fn`` reads): on CUDA captured in a graph (one eager call first, which
-    compiles) and replayed, else eagerly; ``warmup`` steps untimed, then ``reps`` timed
+    [B, K], which ``fn`` reads): on CUDA captured in a graph (``common.capture``) and
+    replayed, else eagerly; ``warmup`` steps untimed, then ``reps`` timed
     (``flush()`` before each). Returns (stats of the timed steps, the last output, the
     next step index, the misses / lookups of the timed steps counted by ``cache``'s layer
     0 counters, or None without a cache)."""
@@ -75,26 +75,17 @@ def run_steps(fn, trace: PeriodicTrace, buf: torch.Tensor, t0: int, *, warmup: i
         t[0] += 1
         flush()
 
-    if cuda:
-        before()
-        fn()
-        torch.cuda.synchronize()
-        before()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):  # captured, not run: the step it read is run by the first replay
-            out = fn()
-        t[0] -= 1
+    if cuda:  # the capture's own replay runs a step too: one more warm-up step
+        g, out = common.capture(fn, before)
         call = g.replay
     else:
-        out = None
-        call = fn
+        out, call = None, fn
     for _ in range(warmup):
         before()
-        r = call()
-        out = r if not cuda else out
+        call()
     h0, m0 = _counts(cache)
     samples = common.time_calls(call, reps=reps, warmup=0, cuda=cuda, before=before)
-    if not cuda:
+    if not cuda:  # the output of one more eager step
         before()
         out = fn()
     h1, m1 = _counts(cache)
