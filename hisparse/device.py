@@ -6,12 +6,20 @@ allocation up to the next power of two (a 33 GiB pool would take 64 GiB). We map
 exactly the asked bytes (an anonymous page-aligned mapping) and register them with
 ``cudaHostRegister``; the registration is undone when the last tensor viewing the
 mapping is gone.
+
+A registration may only be undone outside CUDA graph capture: ``cudaHostUnregister``
+while the current stream is being captured invalidates the capture (and garbage
+collection can free a pool at any moment, captures included: ``torch.cuda.graph`` does
+not collect before capturing). Such a release is deferred, the memory still mapped
+and registered, until the next pin, unpin, ``prepare_for_batch`` or
+:func:`release_deferred_pins` outside a capture.
 """
 
 from __future__ import annotations
 
 import contextlib
 import mmap
+import warnings
 import weakref
 
 import numpy as np
@@ -63,11 +71,6 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
-class _HostMapping(mmap.mmap):
-    """An anonymous page-aligned mapping; a subclass only so it can carry a weakref
-    (the page-lock is undone when the last tensor viewing it is gone)."""
-
-
 class PinnedBuffer:
     """A host tensor of exactly ``nbytes`` bytes, page-locked when CUDA is present.
 
@@ -88,18 +91,22 @@ class PinnedBuffer:
             raise ValueError("pin=True needs CUDA, which is not available here")
         check_host_bytes(self.nbytes, "the pinned host buffer")
         try:
-            mapping = _HostMapping(-1, self.nbytes)
+            mapping = mmap.mmap(-1, self.nbytes)
         except (OSError, OverflowError) as e:
             raise CapacityError(f"could not map {self.nbytes} bytes of host memory for the pinned "
                                 f"buffer ({e}); use a smaller host pool") from e
-        self.tensor = torch.frombuffer(mapping, dtype=torch.uint8)  # storage refs the mapping
+        # the tensor's storage holds ``owner``, which holds the mapping: when the last view
+        # is gone ``owner`` dies, and the finalizer (which holds the mapping too) undoes the
+        # registration, or keeps the mapping alive until a capture has ended
+        owner = np.frombuffer(mapping, dtype=np.uint8)
+        self.tensor = torch.from_numpy(owner)
         self.pinned = False
         self._finalizer = None
         if want:
             ptr = self.tensor.data_ptr()
             pin_host_range(ptr, self.nbytes)
             self.pinned = True
-            self._finalizer = weakref.finalize(mapping, unpin_host_range, ptr)
+            self._finalizer = weakref.finalize(owner, unpin_host_range, ptr, mapping)
 
     def release(self) -> None:
         """Unregister now (the tensor must not be used by the GPU afterwards)."""
@@ -110,10 +117,21 @@ class PinnedBuffer:
 
 # start pointer -> bytes of every live registration made through pin_host_range
 _REGISTERED: dict[int, int] = {}
+# start pointer -> what keeps the memory mapped, for each release waiting for a capture's end
+_DEFERRED: dict[int, object] = {}
+
+
+def _capturing() -> bool:
+    """Whether this thread's current CUDA stream is being captured into a graph."""
+    try:
+        return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+    except Exception:  # noqa: BLE001 -- interpreter shutdown with the CUDA context gone
+        return False
 
 
 def pin_host_range(ptr: int, nbytes: int) -> None:
     """cudaHostRegister ``nbytes`` at ``ptr`` and remember the range (see is_pinned_host)."""
+    release_deferred_pins()
     err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)  # 0 = cudaHostRegisterDefault
     if int(err) != 0:
         raise CapacityError(
@@ -123,14 +141,44 @@ def pin_host_range(ptr: int, nbytes: int) -> None:
     _REGISTERED[ptr] = nbytes
 
 
-def unpin_host_range(ptr: int) -> None:
-    """Undo :func:`pin_host_range` (no-op if already undone)."""
-    if _REGISTERED.pop(ptr, None) is None:
+def unpin_host_range(ptr: int, keepalive: object = None) -> None:
+    """Undo :func:`pin_host_range` (no-op if already undone). Under a graph capture the
+    release is deferred (see the module's docstring) and ``keepalive``, which keeps the
+    memory mapped, is held until then."""
+    if ptr not in _REGISTERED or ptr in _DEFERRED:
+        return
+    if _capturing():
+        _DEFERRED[ptr] = keepalive
+        return
+    _unregister(ptr)
+    release_deferred_pins()
+
+
+def release_deferred_pins() -> int:
+    """Undo the registrations whose release a graph capture deferred; nothing while this
+    thread's stream is still capturing. Returns how many were undone."""
+    if not _DEFERRED or _capturing():
+        return 0
+    done = 0
+    for ptr in list(_DEFERRED):
+        keep = _DEFERRED.pop(ptr)
+        _unregister(ptr)
+        del keep  # the mapping may go now
+        done += 1
+    return done
+
+
+def _unregister(ptr: int) -> None:
+    nbytes = _REGISTERED.pop(ptr, None)
+    if nbytes is None:
         return
     try:
-        torch.cuda.cudart().cudaHostUnregister(ptr)
+        err = int(torch.cuda.cudart().cudaHostUnregister(ptr))
     except RuntimeError:  # interpreter shutdown with the CUDA context gone
-        pass
+        return
+    if err != 0:
+        warnings.warn(f"cudaHostUnregister of {nbytes} pinned bytes at {ptr:#x} failed with error {err}",
+                      RuntimeWarning, stacklevel=2)
 
 
 def is_pinned_host(t: torch.Tensor) -> bool:

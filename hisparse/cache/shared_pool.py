@@ -202,7 +202,7 @@ class SharedBuffer:
                                    f"failed: {e}") from e
             self.pinned = True
             # the file mapping lives as long as self._file's storage, which self holds
-            self._finalizer = weakref.finalize(self, unpin_host_range, ptr)
+            self._finalizer = weakref.finalize(self, unpin_host_range, ptr, self._file)
 
     def release(self) -> None:
         """Unregister now (the GPU must not use the rows afterwards)."""

@@ -53,7 +53,7 @@ from ..cache.stager import capturing
 from ..cache.write_step import StepCapacity
 from ..config import HiSparseConfig
 from ..decode.layer import DecodeLayer, Overlap
-from ..device import resolve_device
+from ..device import release_deferred_pins, resolve_device
 from ..errors import CapacityError
 from ..formats import D_ROW, RowFormat
 from .decode_calls import DecodeAttentionCalls, topk_key
@@ -297,6 +297,7 @@ class HiSparseIndexGroup(PrefillCalls, LayerGraphCalls, DecodeAttentionCalls, PD
         """
         if not isinstance(metadata, SparseMLAMetadata):
             raise TypeError(f"metadata must be a SparseMLAMetadata, got {type(metadata).__name__}")
+        release_deferred_pins()  # host pools freed during a capture: their page-locks go now
         if self._unwaited:
             raise ValueError(f"layer(s) {sorted(self._unwaited)} of the last forward were converted with "
                              "wait=False and never passed to wait_for_staging(): their attention may have "
