@@ -57,14 +57,37 @@ def request_rows(seed: int, tokens: int, row_bytes: int, layers: int, device: st
 
 def prefill_side(conn, row_format: str, block: int, device: str, per_layer: bool) -> None:
     from hisparse.pd import PDDescriptor, PDSender
-    tx = PDSender(row_format=row_format, block_size=block)
+    try:
+        tx = PDSender(row_format=row_format, block_size=block)
+    except Exception as e:  # noqa: BLE001 -- reported to the decode side, which stops
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        return
     conn.send("ready")
     while (job := conn.recv()) is not None:
         data, seed = job
-        desc = PDDescriptor.from_bytes(data)
-        rows = request_rows(seed, desc.num_tokens, desc.row_bytes, desc.num_layers, device)
-        rep = tx.send(desc, rows, per_layer=per_layer)
+        try:
+            desc = PDDescriptor.from_bytes(data)
+            rows = request_rows(seed, desc.num_tokens, desc.row_bytes, desc.num_layers, device)
+            rep = tx.send(desc, rows, per_layer=per_layer)
+        except Exception as e:  # noqa: BLE001
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+            return
         conn.send((rep.bytes, rep.seconds))
+
+
+def from_prefill(conn, proc, timeout_s: float):
+    """The prefill process's next message; RuntimeError when it reports an error, exits
+    or says nothing for ``timeout_s``."""
+    end = time.monotonic() + timeout_s
+    while not conn.poll(0.5):
+        if not proc.is_alive():
+            raise RuntimeError(f"the prefill process exited (code {proc.exitcode})")
+        if time.monotonic() > end:
+            raise RuntimeError(f"the prefill process said nothing for {timeout_s:.0f} s")
+    msg = conn.recv()
+    if isinstance(msg, tuple) and msg and msg[0] == "error":
+        raise RuntimeError(f"prefill side: {msg[1]}")
+    return msg
 
 
 def bulk_copy_gbps(nbytes: int, device: str, pool: torch.Tensor, reps: int) -> list[float]:
@@ -116,7 +139,7 @@ def main(argv=None) -> int:
         # the baseline first: the decode agent's progress thread (started next) takes a core
         bulk = bulk_copy_gbps(L * C * rb, a.device, cache.pool.buffer.tensor, max(3, a.reps))
         rx = PDReceiver(cache)
-        if not mine.poll(120) or mine.recv() != "ready":
+        if from_prefill(mine, proc, 120) != "ready":
             raise RuntimeError("the prefill process did not start")
         xfer, reserve_us, commit_us, e2e_ms = [], [], [], []
         verified = 0
@@ -128,7 +151,7 @@ def main(argv=None) -> int:
                 desc = rx.reserve(rid, C)
                 t1 = time.perf_counter()
                 mine.send((desc.to_bytes(), rid))
-                nbytes, seconds = mine.recv()
+                nbytes, seconds = from_prefill(mine, proc, a.timeout)
                 # the notice is on its way or here: poll until the poll that commits it
                 end = time.monotonic() + a.timeout
                 while True:

@@ -37,8 +37,10 @@
 # Optional kernels are picked up from .gpu-deps/ when carried (see ../shared/GPU.md):
 #   .gpu-deps/vllm/_flashmla_C.abi3.so  -> HISPARSE_FLASHMLA_LIB
 #   .gpu-deps/flashinfer/*.whl          -> installed into /tmp/site (PYTHONPATH)
-#   .gpu-deps/nixl/*.whl                -> the same (nixl-cu12 for the machine's Python, without its
-#                                          nixl_ep_cu12 part: the whole wheel is over a call's carry limit)
+#   .gpu-deps/nixl/*.whl                -> the same (the nixl-cu<N> wheel of torch's CUDA major, for the
+#                                          machine's Python, without its nixl_ep_cu<N> part: the whole
+#                                          wheel is over a call's carry limit; another major's UCX cannot
+#                                          register GPU memory)
 # Output: $OUT/run.log (everything), $OUT/results.tgz (all JSON/PNG), $OUT/summary.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -62,7 +64,7 @@ if [ -f .gpu-deps/vllm/_flashmla_C.abi3.so ]; then export HISPARSE_FLASHMLA_LIB=
 if ls .gpu-deps/flashinfer/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu-deps/flashinfer/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
 fi
-if ls .gpu-deps/nixl/*.whl >/dev/null 2>&1 && ! python3 -c 'import nixl_cu12' 2>/dev/null; then
+if ls .gpu-deps/nixl/*.whl >/dev/null 2>&1 && ! python3 -c 'import nixl_cu12' 2>/dev/null && ! python3 -c 'import nixl_cu13' 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu-deps/nixl/*.whl
   case ":$PYTHONPATH:" in *":/tmp/site:"*) ;; *) export PYTHONPATH=$PYTHONPATH:/tmp/site ;; esac
 fi

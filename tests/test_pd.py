@@ -322,3 +322,29 @@ def test_bench_pd_cpu_smoke(tmp_path, capsys):
     rep = json.loads(out.read_text())
     assert rep["verified_requests"] == 2 and rep["transfer_gbps"]["n"] == 2 and rep["ratio_median"] > 0
     assert "reserve + commit us" in capsys.readouterr().out
+
+
+def test_bench_pd_stops_when_the_prefill_side_fails_or_exits():
+    """The decode side of bench_pd never waits forever on a prefill process that reported
+    an error, died, or went quiet."""
+    import multiprocessing as mp
+
+    from benchmarks.bench_pd import from_prefill
+
+    class Proc:
+        def __init__(self, alive, code=None):
+            self.alive, self.exitcode = alive, code
+
+        def is_alive(self):
+            return self.alive
+
+    mine, theirs = mp.Pipe()
+    theirs.send(("error", "TransferError: registering the rows failed"))
+    with pytest.raises(RuntimeError, match="prefill side: TransferError: registering"):
+        from_prefill(mine, Proc(True), 5)
+    with pytest.raises(RuntimeError, match="exited \\(code 1\\)"):
+        from_prefill(mine, Proc(False, 1), 5)
+    with pytest.raises(RuntimeError, match="said nothing for 1 s"):
+        from_prefill(mine, Proc(True), 1)
+    theirs.send((10, 0.5))
+    assert from_prefill(mine, Proc(True), 5) == (10, 0.5)

@@ -45,3 +45,29 @@ def test_nixl_or_skip_fails_under_hisparse_require_nixl(monkeypatch):
     monkeypatch.setenv("HISPARSE_REQUIRE_NIXL", "1")
     with pytest.raises(pytest.fail.Exception, match="HISPARSE_REQUIRE_NIXL=1 .*injected"):
         pd_helpers.nixl_or_skip()
+
+
+def test_the_wheel_of_torchs_cuda_major_is_tried_first(monkeypatch):
+    """A nixl-cu12 wheel imports under a CUDA 13 torch but its UCX cannot register GPU
+    memory: the wheel of torch's major goes first, and a mismatch names the one to install."""
+    import types
+
+    import torch
+
+    from hisparse.pd import nixl_api
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    assert nixl_api.module_order() == ("nixl_cu13", "nixl_cu12", "nixl")
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    assert nixl_api.module_order() == ("nixl_cu12", "nixl_cu13", "nixl")
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert nixl_api.module_order() == nixl_api.MODULES
+    assert nixl_api.cuda_mismatch() is None
+    monkeypatch.setattr(nixl_api, "_loaded", types.ModuleType("nixl_cu12"))
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    hint = nixl_api.cuda_mismatch()
+    assert "nixl_cu12" in hint and "install nixl-cu13" in hint and "13.0" in hint
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    assert nixl_api.cuda_mismatch() is None
+    monkeypatch.setattr(nixl_api, "_loaded", types.ModuleType("nixl"))  # a source build: no claim
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    assert nixl_api.cuda_mismatch() is None

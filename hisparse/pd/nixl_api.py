@@ -2,7 +2,9 @@
 
 The wheels name their module after the CUDA major they were built for (``nixl_cu12``,
 ``nixl_cu13``); a source build installs ``nixl``. ``load_nixl()`` returns the first
-that imports, or raises ``NixlUnavailable`` naming the extra and every import error.
+that imports, the wheel of torch's CUDA major tried first (a wheel of another major
+imports, but its UCX cannot load its CUDA transports and so cannot register GPU memory),
+or raises ``NixlUnavailable`` naming the extra and every import error.
 """
 
 from __future__ import annotations
@@ -13,10 +15,34 @@ import socket
 import uuid
 from types import ModuleType
 
+import torch
+
 from .errors import NixlUnavailable
 
 MODULES = ("nixl_cu12", "nixl_cu13", "nixl")
 _loaded: ModuleType | None = None
+
+
+def _torch_wheel() -> str | None:
+    """``nixl_cu<major>`` for the CUDA torch was built with (None for a CPU torch)."""
+    cuda = getattr(torch.version, "cuda", None)
+    return f"nixl_cu{cuda.split('.')[0]}" if cuda else None
+
+
+def module_order() -> tuple[str, ...]:
+    """The modules ``load_nixl`` tries, in order: torch's CUDA major's wheel first."""
+    first = _torch_wheel()
+    return (first,) + tuple(m for m in MODULES if m != first) if first in MODULES else MODULES
+
+
+def cuda_mismatch() -> str | None:
+    """A hint when the loaded NIXL wheel was built for another CUDA major than torch
+    (its UCX then cannot register GPU memory), else None."""
+    want = _torch_wheel()
+    if _loaded is None or want is None or _loaded.__name__ not in MODULES[:2] or _loaded.__name__ == want:
+        return None
+    return (f"NIXL's {_loaded.__name__} is not built for torch's CUDA {torch.version.cuda}: "
+            f"install {want.replace('_', '-')} for GPU rows")
 
 
 def load_nixl() -> ModuleType:
@@ -25,7 +51,7 @@ def load_nixl() -> ModuleType:
     if _loaded is not None:
         return _loaded
     problems = []
-    for name in MODULES:
+    for name in module_order():
         try:
             mod = importlib.import_module(name)
         except ImportError as e:

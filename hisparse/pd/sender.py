@@ -31,7 +31,7 @@ import torch
 from .._checks import check_int
 from .descriptor import PDDescriptor, notice
 from .errors import PDError, StaleDescriptorError, TransferError
-from .nixl_api import default_agent_name, make_agent
+from .nixl_api import cuda_mismatch, default_agent_name, make_agent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,8 +105,9 @@ class PDSender:
             reg = self._agent.register_memory(list(rows))
         except Exception as e:
             self._fail(peer, desc, e, in_flight=False)
+            hint = cuda_mismatch() if rows[0].is_cuda else None
             raise TransferError(f"request {desc.request_id}: registering the rows failed ({type(e).__name__}: "
-                                f"{e}); a fail notice was sent") from e
+                                f"{e}){'; ' + hint if hint else ''}; a fail notice was sent") from e
         try:
             report = self._write(desc, rows, peer, per_layer, timeout_s)
         except _InFlight as e:
