@@ -410,12 +410,17 @@ def prefetch_quality(with_pf: dict, without: dict, row_bytes: int) -> dict:
 
 
 def format_profile(name: str, p: dict, top: int = 12) -> str:
-    """The top kernels of a run's profiled replays, per step."""
+    """The top kernels of a run's profiled replays, per step, and the idle gaps of their timeline."""
     lines = [f"[capacity]   {name}: {p['steps']} profiled replays, {p['busy_us_per_step'] / 1e3:.3f} ms of "
              f"{p['activity']} time per step (overlaps count twice); top:"]
     for k in p["top"][:top]:
         lines.append(f"[capacity]     {k['us_per_step'] / 1e3:8.3f} ms  {100 * (k['share'] or 0):5.1f}%  "
                      f"x{k['calls_per_step']:g}  {k['name'][:110]}")
+    if p.get("span_us_per_step"):
+        lines.append(f"[capacity]   {name}: step span {p['span_us_per_step']:.1f} us, idle {p['idle_us_per_step']:.1f} us "
+                     "(nothing running); largest gaps (us per step, count, after -> before):")
+        for g in p["gaps"][:top]:
+            lines.append(f"[capacity]     {g['us_per_step']:8.1f}  x{g['per_step']:g}  {g['after'][:50]} -> {g['before'][:50]}")
     return "\n".join(lines)
 
 

@@ -316,3 +316,22 @@ def test_indexer_scores_kernel_matches_the_reference(C, d):
     assert bool(torch.isneginf(got[2]).all()) and int((~torch.isneginf(got[4])).sum()) == 1
     fin = torch.isfinite(ref)
     torch.testing.assert_close(got[fin], ref[fin], rtol=1e-5, atol=1e-5)
+
+
+def test_replay_profile_timeline_finds_the_idle_gaps_and_what_bounds_them():
+    """A step's span, idle time and gaps from its activities' intervals (the CUDA
+    timeline): overlapping and nested activities are not idle; a gap is named by the
+    activity whose end it follows and the one whose start ends it."""
+    prof = ReplayProfile(torch.device("cuda"), after=0, n=2)
+    prof._timeline([(0.0, 10.0, "write"), (2.0, 5.0, "mirror"), (14.0, 20.0, "resolve"),
+                    (20.0, 30.0, "attn"), (12.0, 13.0, "tiny"), (35.0, 40.0, "attn")])
+    prof._timeline([(100.0, 104.0, "write"), (107.0, 110.0, "resolve")])
+    prof.steps = 2
+    rep = prof.report()
+    assert rep["span_us_per_step"] == (40 + 10) / 2
+    # gaps: write->tiny 2, tiny->resolve 1, attn->attn 5 (step 1); write->resolve 3 (step 2)
+    assert rep["idle_us_per_step"] == (2 + 1 + 5 + 3) / 2
+    gaps = {(g["after"], g["before"]): (g["per_step"], g["us_per_step"]) for g in rep["gaps"]}
+    assert gaps == {("write", "tiny"): (0.5, 1.0), ("tiny", "resolve"): (0.5, 0.5), ("attn", "attn"): (0.5, 2.5),
+                    ("write", "resolve"): (0.5, 1.5)}
+    assert rep["gaps"][0]["after"] == "attn"  # largest first

@@ -347,7 +347,9 @@ class ReplayProfile:
     """Kernel times of ``n`` graph-replayed decode steps after the first ``after``
     replays, under torch.profiler (CUDA activity: the kernels a replay launches; on CPU
     the ops). ``report()``: steps profiled, GPU time per step (the kernels' durations
-    summed: overlapping kernels count twice) and the top kernels by time per step."""
+    summed: overlapping kernels count twice), the top kernels by time per step, and the
+    step's timeline: its span (first start to last end), the idle time in it (no kernel
+    or copy running) and the idle gaps summed by the pair of activities around them."""
 
     def __init__(self, device: torch.device, after: int, n: int, top: int = 20) -> None:
         if after < 0 or n < 1:
@@ -357,6 +359,9 @@ class ReplayProfile:
         self.steps = 0  # profiled replays
         self._prof = None
         self._kernels: dict[str, list[float]] = {}  # name -> [count, total us]
+        self._span_us = 0.0  # summed over profiled steps
+        self._idle_us = 0.0
+        self._gaps: dict[tuple[str, str], list[float]] = {}  # (ended before, started after) -> [count, us]
 
     def wants(self, graphs, batch: Batch) -> bool:
         """Whether this step should be profiled: a step that will replay a captured graph
@@ -378,14 +383,32 @@ class ReplayProfile:
         self._prof.__exit__(None, None, None)
         cuda = self.device.type == "cuda"
         events = self._prof.events() if replayed else []
+        spans = []
         for e in events:
             if cuda and getattr(e.device_type, "name", "") != "CUDA":
                 continue
             k = self._kernels.setdefault(e.name, [0, 0.0])
             k[0] += 1
             k[1] += e.time_range.elapsed_us()
+            spans.append((e.time_range.start, e.time_range.end, e.name))
+        if cuda and spans:
+            self._timeline(spans)
         self._prof = None
         self.steps += int(replayed)
+
+    def _timeline(self, spans: list[tuple[float, float, str]]) -> None:
+        """Add one step's span, idle time and gaps (``spans``: (start us, end us, name))."""
+        spans.sort()
+        self._span_us += max(e for _, e, _ in spans) - spans[0][0]
+        reach, last = spans[0][1], spans[0][2]  # the latest end so far, and what ended there
+        for start, end, name in spans[1:]:
+            if start > reach:
+                gap = self._gaps.setdefault((last, name), [0, 0.0])
+                gap[0] += 1
+                gap[1] += start - reach
+                self._idle_us += start - reach
+            if end > reach:
+                reach, last = end, name
 
     def report(self) -> dict:
         n = max(self.steps, 1)
@@ -394,7 +417,10 @@ class ReplayProfile:
         return {"steps": self.steps, "activity": "cuda" if self.device.type == "cuda" else "cpu",
                 "busy_us_per_step": total,
                 "top": [{"name": k, "calls_per_step": v[0] / n, "us_per_step": v[1] / n,
-                         "share": (v[1] / n) / total if total else None} for k, v in ranked[:self.top]]}
+                         "share": (v[1] / n) / total if total else None} for k, v in ranked[:self.top]],
+                "span_us_per_step": self._span_us / n, "idle_us_per_step": self._idle_us / n,
+                "gaps": [{"after": a, "before": b, "per_step": v[0] / n, "us_per_step": v[1] / n}
+                         for (a, b), v in sorted(self._gaps.items(), key=lambda kv: -kv[1][1])[:self.top]]}
 
 
 def step_stats(xs: list[float]) -> dict:
