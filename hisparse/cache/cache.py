@@ -219,21 +219,18 @@ class HiSparseCache:
         it a capture takes the full path, which replays correctly whatever the
         residency. A graph captured inside is correct only while ``all_resident()``
         holds: keep one graph of each kind per shape and replay the resident one only
-        then (``engine.layer_graphs`` does). Writes captured inside mirror their rows on
-        the capturing stream, which keeps the graph one chain of nodes. Refused
-        (ValueError) when some live request is hot now."""
+        then (``engine.layer_graphs`` does). Refused (ValueError) when some live request
+        is hot now."""
         if not self.all_resident():
             hot = len(self.requests) - self.dpool.num_resident
             raise ValueError(f"resident_capture: {hot} live request(s) are hot"
                              + ("" if self.dpool.enabled else " (no device pool: cfg.device_pool_rows is None)")
                              + "; a resident resolve would give them no rows")
         prev, self._resident_capture = self._resident_capture, True
-        prev_chain, self.streams.one_chain = self.streams.one_chain, True
         try:
             yield
         finally:
             self._resident_capture = prev
-            self.streams.one_chain = prev_chain
 
     def hot_rows(self, layer: int) -> torch.Tensor:
         """uint8 [cfg.device_rows_per_layer, row_bytes]: the flat view physical indices

@@ -93,10 +93,6 @@ class CacheStreams:
         self.stage = [_Event(self.cuda, self.stage_eager_records) for _ in range(num_layers)]  # staging done
         self.resolved = [_Event(self.cuda) for _ in range(num_layers)]  # its state updates done
         self._was_capturing = False
-        # inside ``HiSparseCache.resident_capture``: captured writes mirror on the compute
-        # stream, so the graph stays one chain of nodes (a graph with a forked stream
-        # launches every node, not only the forked ones, with more latency)
-        self.one_chain = False
         # ``follow``'s event: recorded and waited on back to back, so one serves every call
         # (a wait binds to the record before it; ``Stream.wait_stream`` makes a new event each time)
         self._fork = torch.cuda.Event() if self.cuda else None
@@ -321,12 +317,11 @@ class Stager:
         """The resolve of a batch whose live requests are all resident, one launch of
         ``resident_fn`` on the current stream after the layer's earlier staging work
         (which wrote the same buffers): nothing to stage. One launch that changes only
-        counters: nothing to undo when it raises. Under capture (outside
-        ``CacheStreams.one_chain``) the current stream then joins the host mirror's
-        stream: a captured write forked it, and a capture must join every stream it
-        forks. The join comes after the launch, so the mirror's copy to host runs beside
-        the resolve instead of before it (nothing here reads the host rows; eagerly
-        nothing waits for the mirror). Returns None with
+        counters: nothing to undo when it raises. Under capture the current stream then
+        joins the host mirror's stream: a captured write forked it, and a capture must
+        join every stream it forks. The join comes after the launch, so the mirror's
+        copy to host runs beside the resolve instead of before it (nothing here reads
+        the host rows; eagerly nothing waits for the mirror). Returns None with
         ``wait`` (the current stream is ordered after the launch already); without it
         the layer's stage event, recorded after the launch, for a reader on another
         stream (``ResolveResult.wait``, ``wait_stage``)."""
@@ -334,7 +329,7 @@ class Stager:
         cur, cap = cs.current(), cs.capturing()
         cs.stage[layer].wait_by(cur, cap)
         self.resident_fn(self.state, layer, req_ids, topk, out, max_query_len=self.max_query_len, compact=compact)
-        if cap and not cs.one_chain:
+        if cap:
             cs.backup.wait_by(cur, cap)
         if wait:
             return None

@@ -567,8 +567,7 @@ class Writer:
 
     def _launch(self, layer: int, plan: WritePlan, rows: torch.Tensor, *, record_plan: bool = True,
                 mirror: bool = True) -> bool:
-        """Host mirror on the backup stream (on the compute stream when captured with
-        ``CacheStreams.one_chain``), then the hot-tier update on the compute stream.
+        """Host mirror on the backup stream, then the hot-tier update on the compute stream.
 
         The caching allocator is told that ``rows`` (and with ``record_plan`` the plan's
         row-copy lists) are read on the backup stream; returns whether it was (CUDA,
@@ -578,14 +577,13 @@ class Writer:
         if plan.counts[3]:  # unmap entries
             # the old occupants must be on host before their hot rows are overwritten
             cs.backup.wait_by(cur, cap)
-        # captured inside resident_capture: the mirror on the compute stream (one chain)
-        backup = None if (cap and cs.one_chain) else cs.streams.backup
+        backup = cs.streams.backup
         if backup is not None:
             cs.follow(backup, cur)
         with cs.streams.on(backup):
             if self.pool.is_writer and mirror:
                 self.mirror_fn(rows, plan, self.host_layers[layer])
-            cs.backup.record(backup if backup is not None else cur, cap)
+            cs.backup.record(backup, cap)
         recorded = backup is not None and not cap
         if recorded:  # read on the backup stream
             rows.record_stream(backup)
