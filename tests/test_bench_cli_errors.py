@@ -196,3 +196,13 @@ def test_bench_capacity_plot_without_matplotlib(monkeypatch, tmp_path, capsys):
     assert rc == 4 and "[capacity]" not in text and not out.exists()
     assert err.strip() == ("bench_capacity: --plot needs matplotlib, which is not installed; `pip install matplotlib` "
                            "(or `pip install hisparse[tools]`), or run without --plot")
+
+
+def test_probe_graph_nodes_refuses_without_a_gpu_or_with_a_bad_flag(tmp_path, capsys, no_gpu):
+    from benchmarks import probe_graph_nodes
+    refused(probe_graph_nodes.main, [], capsys, "needs a CUDA GPU")
+    refused(probe_graph_nodes.main, ["unpin"], capsys, "needs a CUDA GPU")
+    refused(probe_graph_nodes.main, ["--chain", "0"], capsys, "--chain")
+    refused(probe_graph_nodes.main, ["other"], capsys, "probe")
+    (tmp_path / "a_file").write_text("")
+    refused(probe_graph_nodes.main, ["--out", str(tmp_path / "a_file" / "x.json")], capsys, "--out")
