@@ -44,7 +44,8 @@ from .workload import StressOptions
 
 # every command's --help ends with it (explicit line breaks: plan's help is not re-wrapped)
 EXIT_TABLE = ("exit status: 0 ok, 1 run failed, 2 bad input, 3 capacity, 4 missing dependency,\n"
-              "130 interrupted. An error is one line on stderr: `hisparse COMMAND: KIND: message`.\n"
+              "130 interrupted, 141 stdout's reader left. An error is one line on stderr:\n"
+              "`hisparse COMMAND: KIND: message`.\n"
               f"Options: {flag_rules.RULE}.\n"
               "`hisparse COMMAND --help` lists a command's options.")
 KERNEL_NAMES = [k.value for k in Kernels]
@@ -212,6 +213,7 @@ def _cmd_stress(args) -> int:
 
 def _stress(args, outs: Outputs) -> int:
     # outputs and optional dependencies first: nothing runs before they are known good
+    outs.input(args.replay, flag="--replay")
     outs.file(args.record, flag="--record")
     outs.directory(args.plot, flag="--plot", files=("hit_rate.png", "step_time.png"))
     outs.file(args.metrics_file, flag="--metrics-file", replace=True)

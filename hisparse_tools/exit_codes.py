@@ -7,6 +7,8 @@
   4  a missing dependency (:class:`MissingDependency`: a package, CUDA, the Triton
      interpreter)
   130 interrupted (Ctrl-C)
+  141 the reader of standard output went away (``hisparse stress | head``): quietly, as
+      a process killed by SIGPIPE
 
 Every error is one line on stderr, ``hisparse CMD: KIND: message``, never a traceback.
 An exception outside this list is a bug in hisparse and keeps its traceback.
@@ -27,6 +29,7 @@ from hisparse.errors import CapacityError
 
 EXIT_OK, EXIT_FAILED, EXIT_INPUT, EXIT_CAPACITY, EXIT_MISSING = 0, 1, 2, 3, 4
 EXIT_INTERRUPTED = 130
+EXIT_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a writer whose reader left
 
 
 class MissingDependency(RuntimeError):
@@ -115,6 +118,12 @@ def run_command(command: str, fn: Callable[[], int], *, stream=None,
     message of a bad-input or capacity error as the user typed them."""
     try:
         return int(fn())
+    except BrokenPipeError:
+        # a print whose reader left (an output file or FIFO fails as OutputError instead):
+        # nothing more to say, and nothing left for the interpreter's flush at exit
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_PIPE
     except (Exception, KeyboardInterrupt) as e:
         got = classify(e)
         if got is None:
@@ -130,5 +139,5 @@ def run_command(command: str, fn: Callable[[], int], *, stream=None,
 
 
 __all__ = ["EXIT_OK", "EXIT_FAILED", "EXIT_INPUT", "EXIT_CAPACITY", "EXIT_MISSING",
-           "EXIT_INTERRUPTED", "MissingDependency", "OutputError", "writing", "OneLineParser", "one_line",
+           "EXIT_INTERRUPTED", "EXIT_PIPE", "MissingDependency", "OutputError", "writing", "OneLineParser", "one_line",
            "classify", "flag_names", "name_flags", "run_command"]

@@ -19,7 +19,8 @@ data, and a reader that left makes the write fail (exit 1) instead of hang.
 Two outputs of one command may not be the same file, compared after symlinks,
 relative or absolute spellings and hard links; nor may a file be a ``--plot``
 directory or one of the plots written into it. One would overwrite the other. A
-character device is exempt: what goes to ``/dev/null`` is discarded on purpose.
+character device is exempt: what goes to ``/dev/null`` is discarded on purpose. Nor
+may an output be a file the command reads (:meth:`Outputs.input`, ``--replay``).
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class Outputs:
 
     def __init__(self) -> None:
         self._claims: list[tuple[Identity, str, str, str | None]] = []  # identity, flag, path, part
+        self._inputs: list[tuple[Identity, str, str]] = []  # identity, flag, path of files read
         self._held: dict[str, BinaryIO] = {}  # absolute path of a FIFO -> its write end
 
     def __enter__(self) -> Outputs:
@@ -112,6 +114,20 @@ class Outputs:
             self._claim(_identity(os.path.join(path, name)), flag, path, name)
         return path
 
+    def input(self, path: str | os.PathLike | None, *, flag: str) -> None:
+        """Note ``path``, a file ``flag`` reads, so that no output of this command may be it
+        (None: not given). Call before or after the outputs' checks."""
+        if path is None:
+            return
+        path = os.fspath(path)
+        ident = _identity(path)
+        if ident is None:
+            return
+        for other, oflag, opath, _ in self._claims:
+            if other == ident:
+                raise _reads_its_output(flag, path, oflag, opath)
+        self._inputs.append((ident, flag, path))
+
     def open(self, path: str | os.PathLike) -> BinaryIO:
         """A binary file to write the output at ``path`` through: the FIFO handle kept since
         the check, else :func:`open_for_writing`. The caller closes it."""
@@ -131,7 +147,15 @@ class Outputs:
             if other == ident:
                 raise ValueError(f"{name(flag, path, part)} and {name(oflag, opath, opart)} are the same "
                                  "file; one output would overwrite the other: give each its own path")
+        for other, iflag, ipath in self._inputs:
+            if other == ident:
+                raise _reads_its_output(iflag, ipath, flag, path)
         self._claims.append((ident, flag, path, part))
+
+
+def _reads_its_output(iflag: str, ipath: str, oflag: str, opath: str) -> ValueError:
+    return ValueError(f"{oflag} {opath!r} is the file {iflag} {ipath!r} reads; writing it would replace the "
+                      "input: give the output another path")
 
 
 __all__ = ["Outputs", "open_for_writing"]

@@ -262,3 +262,48 @@ def test_dev_null_takes_several_outputs(tmp_path):
         outs.file(tmp_path / "a", flag="--metrics-file", replace=True)  # the same output checked again
         with pytest.raises(ValueError, match="same file"):
             outs.file(tmp_path / "a", flag="--record")
+
+
+# ----------------------------------------------------------------- an output that is an input
+def test_recording_over_the_replayed_trace_is_refused_up_front(capsys, tmp_path, monkeypatch):
+    trace = tmp_path / "t.npz"
+    assert main(["stress", "--record", str(trace)] + STRESS_TINY) == 0
+    capsys.readouterr()
+    before = trace.read_bytes()
+    os.symlink(trace, tmp_path / "link.npz")
+    os.link(trace, tmp_path / "hard.npz")
+    monkeypatch.setattr(stress, "StressRun", _never)
+    for replay, record in ((trace, trace), (tmp_path / "link.npz", trace), (trace, tmp_path / "hard.npz")):
+        _refused(capsys, ["stress", "--replay", str(replay), "--record", str(record), "--quiet"],
+                 f"--record {str(record)!r} is the file --replay {str(replay)!r} reads", "another path")
+    assert trace.read_bytes() == before
+
+
+def test_an_input_and_an_output_in_either_order():
+    from hisparse_tools.outputs import Outputs
+
+    with Outputs() as outs:
+        outs.file("/tmp/hisparse-never-written.npz", flag="--record")
+        with pytest.raises(ValueError, match="is the file --replay"):
+            outs.input("/tmp/hisparse-never-written.npz", flag="--replay")
+        outs.input(os.devnull, flag="--replay")  # a character device: shared on purpose
+        outs.file(os.devnull, flag="--out")
+
+
+def test_a_reader_that_leaves_stdout_ends_the_command_quietly():
+    """`hisparse stress | head -1`: the report's write finds no reader; exit 141, as a
+    process killed by SIGPIPE, with nothing on stderr (no traceback, no I/O error)."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    argv = [sys.executable, "-m", "hisparse", "stress", "--requests", "4", "--context", "400", "--layers", "2",
+            "--top-k", "8", "--buffer", "16", "--steps", "40", "--block-size", "16", "--device", "cpu", "--quiet"]
+    p = subprocess.Popen(argv, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         env={**os.environ, "PYTHONPATH": root})
+    first = p.stdout.readline()  # the header, written before the steps run
+    p.stdout.close()
+    err = p.stderr.read().decode()
+    rc = p.wait(timeout=WAIT_S)
+    assert first.startswith(b"hisparse stress"), first
+    assert rc == 141 and err == "", (rc, err)
