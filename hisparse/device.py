@@ -12,13 +12,16 @@ while the current stream is being captured invalidates the capture (and garbage
 collection can free a pool at any moment, captures included: ``torch.cuda.graph`` does
 not collect before capturing). Such a release is deferred, the memory still mapped
 and registered, until the next pin, unpin, ``prepare_for_batch`` or
-:func:`release_deferred_pins` outside a capture.
+:func:`release_deferred_pins` outside a capture. A release in a thread other than the
+main one is deferred too: a capture in global mode (torch's default) is invalidated by
+such a call from any thread, and only the calling thread's capture can be seen.
 """
 
 from __future__ import annotations
 
 import contextlib
 import mmap
+import threading
 import warnings
 import weakref
 
@@ -142,12 +145,12 @@ def pin_host_range(ptr: int, nbytes: int) -> None:
 
 
 def unpin_host_range(ptr: int, keepalive: object = None) -> None:
-    """Undo :func:`pin_host_range` (no-op if already undone). Under a graph capture the
-    release is deferred (see the module's docstring) and ``keepalive``, which keeps the
-    memory mapped, is held until then."""
+    """Undo :func:`pin_host_range` (no-op if already undone). Under a graph capture, or
+    outside the main thread, the release is deferred (see the module's docstring) and
+    ``keepalive``, which keeps the memory mapped, is held until then."""
     if ptr not in _REGISTERED or ptr in _DEFERRED:
         return
-    if _capturing():
+    if _capturing() or threading.current_thread() is not threading.main_thread():
         _DEFERRED[ptr] = keepalive
         return
     _unregister(ptr)

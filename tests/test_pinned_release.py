@@ -135,3 +135,17 @@ def test_prepare_for_batch_releases_deferred_pins(monkeypatch):
     g.add_request(0)
     g.prepare_for_batch(build([(0, 1, 1)], num_decodes=0))
     assert calls == [1]
+
+
+def test_a_release_outside_the_main_thread_waits_for_a_safe_point(rt):
+    """Another thread's capture can't be seen, and a global-mode capture (torch's default)
+    breaks on an unregister from any thread: a release there is deferred."""
+    import threading
+
+    ptr = _pool_in_a_cycle(4096)
+    t = threading.Thread(target=gc.collect)
+    t.start()
+    t.join()
+    assert rt.unregistered == [] and ptr in device._DEFERRED
+    assert device.release_deferred_pins() == 1  # the main thread, no capture: released
+    assert rt.unregistered == [ptr]
