@@ -70,12 +70,12 @@ import dataclasses
 import time
 
 import numpy as np
-import torch
 
 from .._checks import check_int
 from ..cache.cache import HiSparseCache
 from ..errors import CapacityError
 from ..formats import RowFormat
+from .commit_rows import CommitRows
 from .descriptor import PDDescriptor, parse_notice
 from .errors import PDError, StaleDescriptorError, TransferError, TransferTimeout
 from .nixl_api import default_agent_name, make_agent
@@ -224,12 +224,9 @@ class PDReceiver:
         self._words[res.slot] = 0  # from here on a send of this descriptor is refused
         try:
             step = cache.prepare_step(cache.plan_write([req_id], [res.num_tokens]), host_written=True)
-            spans = self._device_spans(res)
-            runs = cache.pool.segments(res.slot, 0, res.num_tokens)  # the same blocks in every layer
-            buf = None
+            rows = CommitRows(cache, res.slot, res.num_tokens, self._device_spans(res))
             for layer in range(cache.cfg.num_layers):
-                rows, buf = self._rows(layer, res, runs, spans, buf)
-                cache.write_step(layer, step, rows)
+                cache.write_step(layer, step, rows.rows(layer))
         except BaseException as e:
             self._abort(res)
             raise PDError(f"commit of request {req_id} failed and the reservation was aborted: "
@@ -464,30 +461,6 @@ class PDReceiver:
         if C <= S + 1 or self.cache.residency(res.req_id) == "resident":
             return [(0, C)]
         return [(0, S), (C - 1, C)]
-
-    def _rows(self, layer: int, res: ReserveInfo, runs: list[tuple[int, int, int]], spans: list[tuple[int, int]],
-              buf: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(uint8 [C, row_bytes] on the cache device holding the request's rows of
-        ``layer`` at the positions of ``spans``, the buffer to pass the next layer).
-        ``runs``: the request's positions as runs of host rows (``HostPool.segments``). The
-        other positions are left unwritten: with ``host_written`` the step's write reads
-        only the rows it puts on the device. A view of the pool when every row is needed
-        and they are one run on a CPU cache; else ``buf`` (uint8 [C, row_bytes], made on
-        the first call and reused: each layer's copies and write are ordered on the
-        current stream)."""
-        cache = self.cache
-        C = res.num_tokens
-        rows = cache.pool.rows[layer]
-        if cache.device.type == "cpu" and len(runs) == 1 and spans == [(0, C)]:
-            return rows[runs[0][2]:runs[0][2] + C], buf
-        if buf is None:
-            buf = torch.empty((C, cache.cfg.row_bytes), dtype=torch.uint8, device=cache.device)
-        for p0, p1 in spans:
-            for a, b, h in runs:  # run: positions [a, b) at host rows [h, h + b - a)
-                lo, hi = max(a, p0), min(b, p1)
-                if lo < hi:
-                    buf[lo:hi].copy_(rows[h + lo - a:h + hi - a], non_blocking=True)
-        return buf, buf
 
 
 __all__ = ["PDReceiver", "ReserveInfo", "Quarantine", "PollResult", "row_format_name", "QUARANTINE_S"]
