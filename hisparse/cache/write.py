@@ -37,7 +37,7 @@ from .device_pool import NO_CHANGES, DevicePool, PoolChanges, apply_changes, see
 from .host_pool import HostPool
 from .requests import RequestTable
 from .stager import CacheStreams
-from .state import HotState
+from .state import STAT_D2H_ROWS, HotState
 from .write_plan import NO_RESIDENT, Resident, WritePlan, Work, build_write_plan, plan_lists, plan_of, split_lists
 from .write_step import (NO_WORK, StepBuffers, StepCapacity, StepPlan, StepWork, pad_lists, single_row_step_lists,
                          split_block_entries, step_rows, step_summary)
@@ -272,9 +272,9 @@ class Writer:
             tuples = list(zip(work.slot.tolist(), work.p0.tolist(), work.p1.tolist(), t0.tolist(),
                               work.old.tolist()))
             flat, sizes = plan_lists(tuples, owned={r: alloc.owned(r) for r, *_ in tuples}, new_blocks=new_blocks,
-                                     B=self.pool.B, S=S, resident=resident)
+                                     B=self.pool.B, S=S, resident=resident, mirror=not host_written)
             lists = split_lists(flat.numpy(), sizes)
-        bt, lists = split_block_entries(lists)
+        bt, lists = split_block_entries(lists, host=not host_written)  # host_written: no mirror, no host lists
         if capacity is not None:
             packed = pad_lists(lists, capacity)
             padded = self.step_buffers.get(capacity)
@@ -311,7 +311,7 @@ class Writer:
         self._plan = None
         step = StepPlan(plan=plan, work=work, pending=set(range(L)) if len(work) else set(),
                         rows=rows, generation=batch.generation, owner=self, buffers=padded,
-                        host_written=bool(host_written))
+                        host_written=bool(host_written), host_rows=int(counts.sum()) if host_written else 0)
         if padded is not None:
             padded.owner = step
         if step.pending:
@@ -354,8 +354,8 @@ class Writer:
         # a padded plan's buffers are persistent, an eager one's lists are read on the
         # backup stream by every layer: recording its use once covers them all
         record_plan = not (step.buffers is not None or step.plan_recorded)
-        if self._launch(layer, step.plan, rows, record_plan=record_plan, mirror=not step.host_written) \
-                and record_plan:
+        if self._launch(layer, step.plan, rows, record_plan=record_plan, mirror=not step.host_written,
+                        counted=step.host_rows) and record_plan:
             step.plan_recorded = True
         self._finish_step(layer, step)
 
@@ -377,7 +377,7 @@ class Writer:
         a graph capture: no bookkeeping. The current stream then waits for the host
         mirror, so that a graph captured over this call joins every stream it used."""
         self.check_own_step(step)
-        self._launch(layer, step.plan, rows, record_plan=False)
+        self._launch(layer, step.plan, rows, record_plan=False, mirror=not step.host_written, counted=step.host_rows)
         self.streams.join_backup()
 
     def check_step(self, layer: int, step: StepPlan) -> None:
@@ -566,12 +566,12 @@ class Writer:
         self.num_blocks[r] = 0
 
     def _launch(self, layer: int, plan: WritePlan, rows: torch.Tensor, *, record_plan: bool = True,
-                mirror: bool = True) -> bool:
+                mirror: bool = True, counted: int = 0) -> bool:
         """Host mirror on the backup stream, then the hot-tier update on the compute stream.
 
         The caching allocator is told that ``rows`` (and with ``record_plan`` the plan's
         row-copy lists) are read on the backup stream; returns whether it was (CUDA,
-        outside a graph capture)."""
+        outside a graph capture). ``counted``: host rows not in the plan, added to the D2H counter."""
         cs = self.streams
         cur, cap = cs.before_write(layer)
         if plan.counts[3]:  # unmap entries
@@ -591,6 +591,8 @@ class Writer:
                 plan.host_tok32.record_stream(backup)
                 plan.host_h32.record_stream(backup)
         self.apply_fn(self.state, self.hot_layers[layer], rows, plan, layer)
+        if counted:
+            self.state.stats[layer, STAT_D2H_ROWS].add_(counted)
         return recorded
 
 

@@ -36,6 +36,7 @@ Work = tuple[int, int, int, int, int]
 _NAMES = ("bt_r", "bt_k", "bt_v", "hot_dst", "hot_tok", "sp_idx", "sp_pos", "sp_r", "rs_h", "rs_v",
           "unmap", "host_h", "host_tok", "len_r", "len_v")
 _INT32 = ("bt_v", "sp_pos", "rs_v", "len_v")  # written into int32 state tensors
+_HOST_H = _NAMES.index("host_h")  # host_tok follows it
 
 
 def expand_runs(runs: list[tuple[int, int, int]]) -> torch.Tensor:
@@ -85,17 +86,23 @@ def build_write_plan(work: list[Work], *, owned: Mapping[int, Sequence[int]],
 
 def plan_lists(work: list[Work], *, owned: Mapping[int, Sequence[int]],
                new_blocks: Mapping[int, Sequence[int]], B: int, S: int,
-               resident: Resident = NO_RESIDENT) -> tuple[torch.Tensor, list[int]]:
+               resident: Resident = NO_RESIDENT, mirror: bool = True) -> tuple[torch.Tensor, list[int]]:
     """The lists of ``build_write_plan`` on the host: int64 [sum(sizes)] CPU, back to
-    back in ``_NAMES`` order, and their lengths."""
+    back in ``_NAMES`` order, and their lengths. ``mirror=False``: the host lists
+    (host_h, host_tok) are left empty (rows already in the host pool: no mirror)."""
     if all(p1 == p0 + 1 for _, p0, p1, _, _ in work):
-        return _single_row_plan(work, owned=owned, new_blocks=new_blocks, B=B, S=S, resident=resident)
-    return _runs_plan(work, owned=owned, new_blocks=new_blocks, B=B, S=S, resident=resident)
+        flat, sizes = _single_row_plan(work, owned=owned, new_blocks=new_blocks, B=B, S=S, resident=resident)
+        if mirror:
+            return flat, sizes
+        lists = without_host_lists(split_lists(flat.numpy(), sizes))
+        return torch.from_numpy(np.concatenate(lists)), [len(x) for x in lists]
+    return _runs_plan(work, owned=owned, new_blocks=new_blocks, B=B, S=S, resident=resident, mirror=mirror)
 
 
 def _runs_plan(work: list[Work], *, owned, new_blocks, B: int, S: int,
-               resident: Resident = NO_RESIDENT) -> tuple[torch.Tensor, list[int]]:
-    """The general ``build_write_plan``: runs per request, expanded in one go."""
+               resident: Resident = NO_RESIDENT, mirror: bool = True) -> tuple[torch.Tensor, list[int]]:
+    """The general ``build_write_plan``: runs per request, expanded in one go
+    (``mirror=False``: no host lists)."""
     SP = S + 1
     PB = resident.PB
     runs: dict[str, list[tuple[int, int, int]]] = {n: [] for n in _NAMES}
@@ -143,7 +150,7 @@ def _runs_plan(work: list[Work], *, owned, new_blocks, B: int, S: int,
             put("sp_r", r)
             put("rs_h", blocks[last // B] * B + last % B)
             put("rs_v", S)
-        for a, b, h in block_segments(blocks, B, p0, p1):  # host mirror of every row
+        for a, b, h in block_segments(blocks, B, p0, p1) if mirror else ():  # host mirror of every row
             put("host_h", h, b - a)
             put("host_tok", t0 + a - p0, b - a)
         put("len_r", r)
@@ -318,6 +325,14 @@ def split_lists(flat: np.ndarray, sizes: Sequence[int]) -> list[np.ndarray]:
     return np.split(flat, list(itertools.accumulate(sizes[:-1])))
 
 
+def without_host_lists(lists: list[np.ndarray]) -> list[np.ndarray]:
+    """The lists (int64 numpy each, ``_NAMES`` order) with host_h and host_tok emptied:
+    the plan of a write whose rows are in the host pool already (no host mirror)."""
+    out = list(lists)
+    out[_HOST_H] = out[_HOST_H + 1] = lists[_HOST_H][:0]
+    return out
+
+
 def check_groups(sizes: Sequence[int]) -> None:
     """RuntimeError unless the lists written together have one length each
     (``apply_write_plan_kernel`` relies on it)."""
@@ -352,4 +367,4 @@ def _to_plan(flat: torch.Tensor, sizes: list[int], device: torch.device) -> Writ
 
 
 __all__ = ["WritePlan", "Work", "Resident", "NO_RESIDENT", "PlanLayout", "build_write_plan", "expand_runs",
-           "pack_lists", "plan_of", "single_row_lists", "split_lists", "to_device"]
+           "pack_lists", "plan_of", "single_row_lists", "split_lists", "to_device", "without_host_lists"]

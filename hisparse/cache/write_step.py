@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from .requests import RequestTable
-from .write_plan import _NAMES, PlanLayout, WritePlan, pack_lists, single_row_lists
+from .write_plan import _NAMES, PlanLayout, WritePlan, pack_lists, single_row_lists, without_host_lists
 
 _BT = ("bt_r", "bt_k", "bt_v")
 
@@ -94,7 +94,9 @@ class StepPlan:
     graph is replayed); rows: how many rows a layer's write takes (the bucket's tokens
     when padded, else the batch's total); owner: the writer of the cache that prepared
     it (no other cache takes it); buffers: the bucket's persistent buffers (padded
-    steps), which a later step of the bucket takes over.
+    steps), which a later step of the bucket takes over. A ``host_written`` step's plan
+    has no host lists (no mirror): its writes add ``host_rows`` to the layer's
+    device -> host row counter themselves, as a mirrored write's plan would count them.
     """
 
     plan: WritePlan
@@ -107,6 +109,7 @@ class StepPlan:
     captured: set[int] = dataclasses.field(default_factory=set)
     plan_recorded: bool = False  # the plan's lists were recorded on the backup stream
     host_written: bool = False  # the rows are in the host pool already: no host mirror (hisparse.pd)
+    host_rows: int = 0  # rows a host_written layer write counts in STAT_D2H_ROWS (its plan lists none)
 
     @property
     def req_work(self) -> tuple[tuple[int, int, int, int, int, int], ...]:
@@ -164,11 +167,13 @@ _NO_BT = np.zeros((3, 0), dtype=np.int64)
 _NONE.flags.writeable = _NO_BT.flags.writeable = False  # shared
 
 
-def split_block_entries(lists: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+def split_block_entries(lists: list[np.ndarray], *, host: bool = True) -> tuple[np.ndarray, list[np.ndarray]]:
     """(block-table entries int64 [3, n_bt], the lists with the block-table ones
-    emptied) of a host plan (15 int64 numpy arrays in ``_NAMES`` order)."""
+    emptied, and with ``host=False`` the host ones too: a ``host_written`` step) of a
+    host plan (15 int64 numpy arrays in ``_NAMES`` order)."""
     bt = np.stack(lists[:3]) if len(lists[0]) else _NO_BT
-    return bt, [_NONE, _NONE, _NONE] + list(lists[3:])
+    rest = [_NONE, _NONE, _NONE] + list(lists[3:])
+    return bt, rest if host else without_host_lists(rest)
 
 
 def single_row_step_lists(work: StepWork, t0: np.ndarray, need: np.ndarray, new_blocks: dict[int, list[int]], *,
