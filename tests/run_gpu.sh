@@ -14,7 +14,8 @@
 # GPU to themselves. Without pytest-xdist everything runs in one process (slower, same
 # tests). Wheels carried in .gpu-deps/pytest/ are installed into /tmp/site when xdist is
 # missing; so are FlashInfer's in .gpu-deps/flashinfer/, and .gpu-deps/vllm/_flashmla_C.abi3.so
-# becomes HISPARSE_FLASHMLA_LIB (see the shared GPU notes). Tests of a backend that is
+# becomes HISPARSE_FLASHMLA_LIB (see the shared GPU notes); a nixl-cu<N> wheel in .gpu-deps/nixl/ is
+# installed too (the P/D tests). Tests of a backend that is
 # not there skip and say why (-rs).
 #
 # Results: ${OUT:-/tmp/hisparse-gpu-tests}/gpu-tests-<mode>[-alone].xml (JUnit, per-test times), and
@@ -46,6 +47,10 @@ fi
 site=/tmp/site
 if ls .gpu-deps/flashinfer/*.whl >/dev/null 2>&1 && ! python3 -c 'import flashinfer' 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --target "$site" .gpu-deps/flashinfer/*.whl && export PYTHONPATH=$PYTHONPATH:$site
+fi
+if ls .gpu-deps/nixl/*.whl >/dev/null 2>&1 && ! python3 -c 'import nixl_cu12' 2>/dev/null && ! python3 -c 'import nixl_cu13' 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --target "$site" .gpu-deps/nixl/*.whl
+  case ":$PYTHONPATH:" in *":$site:"*) ;; *) export PYTHONPATH=$PYTHONPATH:$site ;; esac
 fi
 if ! python3 -c 'import xdist' 2>/dev/null && ls .gpu-deps/pytest/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --target "$site" .gpu-deps/pytest/*.whl
