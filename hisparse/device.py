@@ -11,10 +11,12 @@ A registration may only be undone outside CUDA graph capture: ``cudaHostUnregist
 while the current stream is being captured invalidates the capture (and garbage
 collection can free a pool at any moment, captures included: ``torch.cuda.graph`` does
 not collect before capturing). Such a release is deferred, the memory still mapped
-and registered, until the next pin, unpin, ``prepare_for_batch`` or
-:func:`release_deferred_pins` outside a capture. A release in a thread other than the
-main one is deferred too: a capture in global mode (torch's default) is invalidated by
-such a call from any thread, and only the calling thread's capture can be seen.
+and registered, until a later pin or unpin on the main thread, the next
+``prepare_for_batch``, or :func:`release_deferred_pins`, outside a capture. A release in a
+thread other than the main one is deferred too: a capture in global mode (torch's
+default) is invalidated by such a call from any thread, and only the calling thread's
+capture can be seen. So run a forward's captures on the thread that prepares its
+forwards (``prepare_for_batch`` releases on that thread).
 """
 
 from __future__ import annotations
@@ -112,7 +114,8 @@ class PinnedBuffer:
             self._finalizer = weakref.finalize(owner, unpin_host_range, ptr, mapping)
 
     def release(self) -> None:
-        """Unregister now (the tensor must not be used by the GPU afterwards)."""
+        """Unregister now, or at the next safe point under a capture or off the main
+        thread (module docstring); the tensor must not be used by the GPU afterwards."""
         if self.pinned and self._finalizer is not None:
             self._finalizer()
             self.pinned = False
@@ -132,9 +135,14 @@ def _capturing() -> bool:
         return False
 
 
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
 def pin_host_range(ptr: int, nbytes: int) -> None:
     """cudaHostRegister ``nbytes`` at ``ptr`` and remember the range (see is_pinned_host)."""
-    release_deferred_pins()
+    if _main_thread():
+        release_deferred_pins()
     err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)  # 0 = cudaHostRegisterDefault
     if int(err) != 0:
         raise CapacityError(
@@ -150,7 +158,7 @@ def unpin_host_range(ptr: int, keepalive: object = None) -> None:
     ``keepalive``, which keeps the memory mapped, is held until then."""
     if ptr not in _REGISTERED or ptr in _DEFERRED:
         return
-    if _capturing() or threading.current_thread() is not threading.main_thread():
+    if _capturing() or not _main_thread():
         _DEFERRED[ptr] = keepalive
         return
     _unregister(ptr)
@@ -158,17 +166,21 @@ def unpin_host_range(ptr: int, keepalive: object = None) -> None:
 
 
 def release_deferred_pins() -> int:
-    """Undo the registrations whose release a graph capture deferred; nothing while this
-    thread's stream is still capturing. Returns how many were undone."""
+    """Undo the registrations whose release was deferred (module docstring), on the
+    calling thread; nothing while its stream is being captured. Returns how many were
+    undone. Re-entrant: a release that garbage collection starts inside it (another
+    pool freed) or another thread's call takes its own entries."""
     if not _DEFERRED or _capturing():
         return 0
     done = 0
-    for ptr in list(_DEFERRED):
-        keep = _DEFERRED.pop(ptr)
+    while True:
+        try:
+            ptr, keep = _DEFERRED.popitem()
+        except KeyError:  # empty (here, or emptied by a call nested in this one)
+            return done
         _unregister(ptr)
         del keep  # the mapping may go now
         done += 1
-    return done
 
 
 def _unregister(ptr: int) -> None:
@@ -290,6 +302,6 @@ def wait_event(stream, event) -> None:
         stream.wait_event(event)
 
 
-__all__ = ["PinnedBuffer", "Streams", "available_host_bytes", "check_host_bytes", "device_ints", "interpreter_mode", "is_cuda",
-           "is_pinned_host",
-           "on_device", "pin_host_range", "resolve_device", "unpin_host_range", "wait_event"]
+__all__ = ["PinnedBuffer", "Streams", "available_host_bytes", "check_host_bytes", "device_ints", "interpreter_mode",
+           "is_cuda", "is_pinned_host", "on_device", "pin_host_range", "release_deferred_pins", "resolve_device",
+           "unpin_host_range", "wait_event"]

@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import os
 import re
+import stat
 import sys
 from typing import Callable, Iterator, Mapping
 
@@ -110,6 +111,31 @@ def name_flags(text: str, flags: Mapping[str, str]) -> str:
     return "".join(parts)
 
 
+def _reader_gone() -> bool:
+    """Whether the reader of standard output or standard error (a pipe) has left."""
+    import select
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            fd = stream.fileno()
+            if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+                continue
+            poll = select.poll()
+            poll.register(fd, select.POLLOUT)
+            if any(ev & select.POLLERR for _, ev in poll.poll(0)):
+                return True
+        except (OSError, ValueError, AttributeError):
+            continue
+    return False
+
+
+def _quiet_stdout() -> None:
+    """Point standard output at /dev/null: nothing left for the interpreter's flush at exit."""
+    with contextlib.suppress(OSError, ValueError):
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, sys.stdout.fileno())
+        os.close(null)
+
+
 def run_command(command: str, fn: Callable[[], int], *, stream=None,
                 flags: Mapping[str, str] | None = None) -> int:
     """Run ``fn`` (a subcommand body returning its exit status), turning the errors of
@@ -117,12 +143,14 @@ def run_command(command: str, fn: Callable[[], int], *, stream=None,
     ({option dest: flag}, :func:`flag_names`) names the command's options in the
     message of a bad-input or capacity error as the user typed them."""
     try:
-        return int(fn())
-    except BrokenPipeError:
-        # a print whose reader left (an output file or FIFO fails as OutputError instead):
-        # nothing more to say, and nothing left for the interpreter's flush at exit
-        with contextlib.suppress(OSError, ValueError):
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        rc = int(fn())
+        sys.stdout.flush()  # a reader that left shows here, not in the interpreter's flush at exit
+        return rc
+    except BrokenPipeError as e:
+        if not _reader_gone():  # another pipe than the command's own output: an I/O error
+            print(f"hisparse {command}: I/O error: {one_line(e)}", file=stream if stream is not None else sys.stderr)
+            return EXIT_FAILED
+        _quiet_stdout()
         return EXIT_PIPE
     except (Exception, KeyboardInterrupt) as e:
         got = classify(e)

@@ -48,7 +48,9 @@ site=/tmp/site
 if ls .gpu-deps/flashinfer/*.whl >/dev/null 2>&1 && ! python3 -c 'import flashinfer' 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --target "$site" .gpu-deps/flashinfer/*.whl && export PYTHONPATH=$PYTHONPATH:$site
 fi
-if ls .gpu-deps/nixl/*.whl >/dev/null 2>&1 && ! python3 -c 'import nixl_cu12' 2>/dev/null && ! python3 -c 'import nixl_cu13' 2>/dev/null; then
+# the wheel of torch's CUDA major (another major's UCX can't register GPU memory)
+nixl_mod=$(python3 -c 'import torch; print("nixl_cu" + (torch.version.cuda or "12").split(".")[0])' 2>/dev/null)
+if ls .gpu-deps/nixl/*.whl >/dev/null 2>&1 && ! python3 -c "import ${nixl_mod:-nixl_cu12}" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --target "$site" .gpu-deps/nixl/*.whl
   case ":$PYTHONPATH:" in *":$site:"*) ;; *) export PYTHONPATH=$PYTHONPATH:$site ;; esac
 fi

@@ -291,19 +291,37 @@ def test_an_input_and_an_output_in_either_order():
 
 
 def test_a_reader_that_leaves_stdout_ends_the_command_quietly():
-    """`hisparse stress | head -1`: the report's write finds no reader; exit 141, as a
-    process killed by SIGPIPE, with nothing on stderr (no traceback, no I/O error)."""
+    """`hisparse stress | head -1`: a command's print finds no reader; exit 141, as a
+    process killed by SIGPIPE, with nothing on stderr (no traceback, no I/O error). The
+    child's command writes lines until its reader has left, so the end is certain."""
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    argv = [sys.executable, "-m", "hisparse", "stress", "--requests", "4", "--context", "400", "--layers", "2",
-            "--top-k", "8", "--buffer", "16", "--steps", "40", "--block-size", "16", "--device", "cpu", "--quiet"]
-    p = subprocess.Popen(argv, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    child = ("import sys\n"
+             "from hisparse_tools.exit_codes import run_command\n"
+             "def body():\n"
+             "    while True:\n"
+             "        print('a line of the report', flush=True)\n"
+             "sys.exit(run_command('stress', body))\n")
+    p = subprocess.Popen([sys.executable, "-c", child], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                          env={**os.environ, "PYTHONPATH": root})
-    first = p.stdout.readline()  # the header, written before the steps run
+    first = p.stdout.readline()
     p.stdout.close()
     err = p.stderr.read().decode()
     rc = p.wait(timeout=WAIT_S)
-    assert first.startswith(b"hisparse stress"), first
+    assert first == b"a line of the report\n", first
     assert rc == 141 and err == "", (rc, err)
+
+
+def test_a_broken_pipe_that_is_not_the_commands_output_is_an_io_error(capsys):
+    """A BrokenPipeError from elsewhere (a socket, a pipe the command opened) while
+    stdout and stderr still have their readers: one line, exit 1, not the quiet 141."""
+    from hisparse_tools.exit_codes import EXIT_FAILED, run_command
+
+    def fn():
+        raise BrokenPipeError(32, "Broken pipe")
+
+    assert run_command("stress", fn) == EXIT_FAILED
+    err = capsys.readouterr().err.strip()
+    assert err == "hisparse stress: I/O error: [Errno 32] Broken pipe", err

@@ -308,9 +308,8 @@ def test_a_step_refuses_requests_whose_layers_differ_and_changes_nothing():
 def test_host_written_steps_mirror_nothing_and_count_their_rows(kernels):
     """A ``host_written`` step (the rows are in the host pool already: hisparse.pd) plans
     no host mirror, leaves the pool's rows as they are and counts its rows in the D2H
-    counter, written eagerly, padded, or launched and replayed (launch_write_step +
-    write_step_by, as a graph capture and replay): every way leaves the state an
-    append_rows of the same rows leaves. The rows handed to the writes hold poison
+    counter, leaving the state an append_rows of the same rows leaves. A padded one is
+    refused (a bucket's graph replays other steps), changing nothing. The rows handed to the writes hold poison
     where the write needs none (positions S .. C - 2 of a hot request)."""
     from invariants import snapshot
     cfg = HiSparseConfig(num_layers=2, host_pool_tokens=256, row_bytes=656, top_k=8, device_buffer_size=16,
@@ -323,24 +322,24 @@ def test_host_written_steps_mirror_nothing_and_count_their_rows(kernels):
     for layer in range(2):
         ref.append_rows(layer, 1, rows[layer])
     want = snapshot(ref)
-    for way in ("eager", "padded", "replayed"):
-        c = HiSparseCache(cfg, kernels=kernels)
-        c.add_request(1)
-        c.reserve_blocks(1, C)
-        for layer in range(2):
-            for p0, p1, h in c.pool.segments(c.request_slot(1), 0, C):
-                c.pool.rows[layer][h:h + p1 - p0] = rows[layer][p0:p1]
-        cap = None if way == "eager" else StepCapacity(requests=1, tokens=C)
-        step = c.prepare_step(c.plan_write([1], [C]), capacity=cap, host_written=True)
-        assert int((step.plan.host_h >= 0).sum()) == 0 and step.host_rows == C  # no host row listed; C counted
-        for layer in range(2):
-            given = rows[layer].clone()
-            given[S:C - 1] = 0xA5
-            if way == "replayed":
-                c.launch_write_step(layer, step, given)
-                c.write_step_by(layer, step, lambda: None)  # the "replay": launched above
-            else:
-                c.write_step(layer, step, given)
-        got = snapshot(c)
-        same = {k: torch.equal(v, got[k]) if isinstance(v, torch.Tensor) else v == got[k] for k, v in want.items()}
-        assert all(same.values()), (way, [k for k, ok in same.items() if not ok])
+    c = HiSparseCache(cfg, kernels=kernels)
+    c.add_request(1)
+    c.reserve_blocks(1, C)
+    for layer in range(2):
+        for p0, p1, h in c.pool.segments(c.request_slot(1), 0, C):
+            c.pool.rows[layer][h:h + p1 - p0] = rows[layer][p0:p1]
+    before = snapshot(c)
+    with pytest.raises(ValueError, match="host_written steps can't be padded"):
+        c.prepare_step(c.plan_write([1], [C]), capacity=StepCapacity(requests=1, tokens=C), host_written=True)
+    after = snapshot(c)
+    assert all(torch.equal(v, after[k]) if isinstance(v, torch.Tensor) else v == after[k]
+               for k, v in before.items())  # refused before anything changed
+    step = c.prepare_step(c.plan_write([1], [C]), host_written=True)
+    assert int((step.plan.host_h >= 0).sum()) == 0 and step.host_rows == C  # no host row listed; C counted
+    for layer in range(2):
+        given = rows[layer].clone()
+        given[S:C - 1] = 0xA5
+        c.write_step(layer, step, given)
+    got = snapshot(c)
+    same = {k: torch.equal(v, got[k]) if isinstance(v, torch.Tensor) else v == got[k] for k, v in want.items()}
+    assert all(same.values()), [k for k, ok in same.items() if not ok]

@@ -68,6 +68,8 @@ def test_the_wheel_of_torchs_cuda_major_is_tried_first(monkeypatch):
     assert "nixl_cu12" in hint and "install nixl-cu13" in hint and "13.0" in hint
     monkeypatch.setattr(torch.version, "cuda", "12.8")
     assert nixl_api.cuda_mismatch() is None
+    monkeypatch.setattr(torch.version, "cuda", "11.8")  # no nixl wheel for CUDA 11: nothing to name
+    assert nixl_api.cuda_mismatch() is None
     monkeypatch.setattr(nixl_api, "_loaded", types.ModuleType("nixl"))  # a source build: no claim
     monkeypatch.setattr(torch.version, "cuda", "13.0")
     assert nixl_api.cuda_mismatch() is None

@@ -180,7 +180,8 @@ class HostPool:
         """Return once every committed append of ``layer`` can be read from the pool."""
 
     def release(self) -> None:
-        """Unpin the buffer now (no device work may use it afterwards)."""
+        """Unpin the buffer now, or at the next safe point under a capture or off the main
+        thread (``hisparse.device``); no device work may use it afterwards."""
         self.buffer.release()
 
 

@@ -205,7 +205,8 @@ class SharedBuffer:
             self._finalizer = weakref.finalize(self, unpin_host_range, ptr, self._file)
 
     def release(self) -> None:
-        """Unregister now (the GPU must not use the rows afterwards)."""
+        """Unregister now, or at the next safe point under a capture or off the main thread
+        (``hisparse.device``); the GPU must not use the rows afterwards."""
         if self.pinned:
             self._finalizer()
             self.pinned = False

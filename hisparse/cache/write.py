@@ -219,14 +219,16 @@ class Writer:
         shapes and addresses, for CUDA graphs). Every layer must hold the same rows of
         each request (ValueError otherwise). A CapacityError or ValueError changes
         nothing (``replaces`` included). The host work is array operations over the
-        batch (no loop over requests x layers). ``host_written``: the rows are in the
-        host pool already (written there by a transfer): the writes skip the host mirror."""
+        batch (no loop over requests x layers). ``host_written`` (not with ``capacity``): the
+        rows are in the host pool already (a transfer's): the writes skip the host mirror."""
         self.check_batch(batch)
         if replaces is not None:
             self.check_own_step(replaces)
         if capacity is not None and self.pool.shared:
             raise ValueError("padded (graph) steps need a private host pool: a shared pool publishes "
                              "every append from the host")
+        if capacity is not None and host_written:  # a bucket's graph replays other steps, mirrored
+            raise ValueError("host_written steps can't be padded (a bucket's graph replays other steps)")
         if capacity is not None and (len(batch.req_ids) > capacity.requests or batch.total > capacity.tokens):
             raise ValueError(f"the batch has {len(batch.req_ids)} requests and {batch.total} rows; the "
                              f"bucket holds {capacity.requests} and {capacity.tokens}")
@@ -351,8 +353,7 @@ class Writer:
         rows = self.check_rows(rows, step.rows)
         if not len(step.work):
             return
-        # a padded plan's buffers are persistent, an eager one's lists are read on the
-        # backup stream by every layer: recording its use once covers them all
+        # a padded plan's buffers persist; an eager one's lists (read on the backup stream) are recorded once
         record_plan = not (step.buffers is not None or step.plan_recorded)
         if self._launch(layer, step.plan, rows, record_plan=record_plan, mirror=not step.host_written,
                         counted=step.host_rows) and record_plan:
@@ -377,7 +378,7 @@ class Writer:
         a graph capture: no bookkeeping. The current stream then waits for the host
         mirror, so that a graph captured over this call joins every stream it used."""
         self.check_own_step(step)
-        self._launch(layer, step.plan, rows, record_plan=False, mirror=not step.host_written, counted=step.host_rows)
+        self._launch(layer, step.plan, rows, record_plan=False)  # padded: never host_written
         self.streams.join_backup()
 
     def check_step(self, layer: int, step: StepPlan) -> None:

@@ -39,8 +39,8 @@ def cuda_mismatch() -> str | None:
     """A hint when the loaded NIXL wheel was built for another CUDA major than torch
     (its UCX then cannot register GPU memory), else None."""
     want = _torch_wheel()
-    if _loaded is None or want is None or _loaded.__name__ not in MODULES[:2] or _loaded.__name__ == want:
-        return None
+    if _loaded is None or want not in MODULES[:2] or _loaded.__name__ not in MODULES[:2] or _loaded.__name__ == want:
+        return None  # no wheel for torch's CUDA, or not a wheel loaded, or the right one
     return (f"NIXL's {_loaded.__name__} is not built for torch's CUDA {torch.version.cuda}: "
             f"install {want.replace('_', '-')} for GPU rows")
 
