@@ -102,17 +102,8 @@ class Nodes:
 
 
 def replay_us(g: torch.cuda.CUDAGraph, reps: int) -> float:
-    for _ in range(3):
-        g.replay()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(ts)
+    """Median us of one replay (CUDA events, synchronised between samples)."""
+    return statistics.median(common.time_calls(g.replay, reps=reps, warmup=3, cuda=True))
 
 
 def probe_nodes(a: argparse.Namespace, report: dict) -> None:
