@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import os
 import re
+import select
 import stat
 import sys
 from typing import Callable, Iterator, Mapping
@@ -113,7 +114,6 @@ def name_flags(text: str, flags: Mapping[str, str]) -> str:
 
 def _reader_gone() -> bool:
     """Whether the reader of standard output or standard error (a pipe) has left."""
-    import select
     for stream in (sys.stdout, sys.stderr):
         try:
             fd = stream.fileno()

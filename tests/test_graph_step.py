@@ -311,7 +311,7 @@ def test_host_written_steps_mirror_nothing_and_count_their_rows(kernels):
     counter, leaving the state an append_rows of the same rows leaves. A padded one is
     refused (a bucket's graph replays other steps), changing nothing. The rows handed to the writes hold poison
     where the write needs none (positions S .. C - 2 of a hot request)."""
-    from invariants import snapshot
+    from invariants import assert_same, snapshot
     cfg = HiSparseConfig(num_layers=2, host_pool_tokens=256, row_bytes=656, top_k=8, device_buffer_size=16,
                          max_num_reqs=2, max_query_len=1, host_block_size=16, device="cpu")
     C, S = 40, 16
@@ -331,9 +331,7 @@ def test_host_written_steps_mirror_nothing_and_count_their_rows(kernels):
     before = snapshot(c)
     with pytest.raises(ValueError, match="host_written steps can't be padded"):
         c.prepare_step(c.plan_write([1], [C]), capacity=StepCapacity(requests=1, tokens=C), host_written=True)
-    after = snapshot(c)
-    assert all(torch.equal(v, after[k]) if isinstance(v, torch.Tensor) else v == after[k]
-               for k, v in before.items())  # refused before anything changed
+    assert_same(before, snapshot(c))  # refused before anything changed
     step = c.prepare_step(c.plan_write([1], [C]), host_written=True)
     assert int((step.plan.host_h >= 0).sum()) == 0 and step.host_rows == C  # no host row listed; C counted
     for layer in range(2):

@@ -26,15 +26,17 @@ def _pool_in_a_cycle(nbytes: int) -> tuple[int, list]:
     return buf.tensor.data_ptr(), cycle
 
 
+@pytest.fixture
+def collect_only_when_asked():
+    """No automatic collection: what the test drops is freed by its gc.collect() inside
+    the capture, not before it."""
+    gc.disable()
+    yield
+    gc.enable()
+
+
+@pytest.mark.usefixtures("collect_only_when_asked")
 def test_a_pool_freed_during_a_capture_leaves_the_capture_whole():
-    gc.disable()  # freed inside the capture, not before
-    try:
-        _a_pool_freed_during_a_capture()
-    finally:
-        gc.enable()
-
-
-def _a_pool_freed_during_a_capture():
     ptr, cycle = _pool_in_a_cycle(1 << 20)
     x = torch.arange(4096, device="cuda", dtype=torch.float32)
     torch.cuda.synchronize()
@@ -52,28 +54,19 @@ def _a_pool_freed_during_a_capture():
     assert ptr not in device._REGISTERED and not device._DEFERRED
 
 
+@pytest.mark.usefixtures("collect_only_when_asked")
 def test_a_group_freed_during_another_groups_capture(monkeypatch):
     """A whole engine group (pinned pool, streams, device state) dropped in a reference
     cycle and collected inside a capture; the next prepare_for_batch releases its pool."""
     import test_engine
-    from test_engine import make_group
-
-    monkeypatch.setattr(test_engine, "DEVICE", "cuda")
-    gc.disable()  # the dead group is collected inside the capture, not before
-    try:
-        dead = make_group()
-        ptr = dead._cache.pool.buffer.tensor.data_ptr()
-        assert ptr in device._REGISTERED
-        dead.self_ref = dead
-        del dead
-        _capture_another_groups_forward(ptr)
-    finally:
-        gc.enable()
-
-
-def _capture_another_groups_forward(ptr: int) -> None:
     from test_engine import build, make_group
 
+    monkeypatch.setattr(test_engine, "DEVICE", "cuda")
+    dead = make_group()
+    ptr = dead._cache.pool.buffer.tensor.data_ptr()
+    assert ptr in device._REGISTERED
+    dead.self_ref = dead
+    del dead
     g = make_group(validate=False)
     g.add_request(0)
     g.prepare_for_batch(build([(0, 1, 1)], num_decodes=0))
