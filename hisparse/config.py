@@ -51,6 +51,17 @@ class HiSparseConfig:
                           rows that hold whole contexts of *resident* requests. None
                           (default): exactly the hot buffers, no resident request.
                           Must be >= max_num_reqs x (device_buffer_size + 1).
+      prefix_caching      share host blocks of common prompt prefixes between requests
+                          (``hisparse.cache.prefix``): ``add_request(req_id, token_ids=...)``
+                          maps the longest cached run of whole blocks. Off by default.
+      prefix_alias_blocks extra block ids (prefix caching only) for a request that maps a
+                          cached block another live request maps too: each id costs
+                          host_block_size x num_layers x 4 bytes of device memory (the
+                          hot tier's per-request row index). None: num_host_blocks with
+                          prefix caching (every block can be shared by two requests, a
+                          block by many as long as ids last), 0 without.
+      prefix_hash         block name hash, "sha256" (default; names can't be forged
+                          across tenants) or "xxh3_128" (faster; needs ``xxhash``)
     """
 
     num_layers: int
@@ -64,6 +75,9 @@ class HiSparseConfig:
     max_request_id: int = 1 << 16
     device: str = "cuda"
     device_pool_rows: int | None = None
+    prefix_caching: bool = False
+    prefix_alias_blocks: int | None = None
+    prefix_hash: str = "sha256"
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "host_pool_tokens", "row_bytes", "top_k",
@@ -112,6 +126,17 @@ class HiSparseConfig:
                     f"{self.slots_per_req} = {floor}; give at least {floor} (or None for no resident pages)")
             if self.device_rows_per_layer >= 2**31:
                 raise ValueError(f"device_pool_rows={self.device_pool_rows} exceeds int32 row indices")
+        check_bool("prefix_caching", self.prefix_caching)
+        if self.prefix_alias_blocks is None:
+            object.__setattr__(self, "prefix_alias_blocks", self.num_host_blocks if self.prefix_caching else 0)
+        check_int("prefix_alias_blocks", self.prefix_alias_blocks, 0)
+        if self.prefix_alias_blocks and not self.prefix_caching:
+            raise ValueError(f"prefix_alias_blocks={self.prefix_alias_blocks} needs prefix_caching=True")
+        if self.prefix_hash not in ("sha256", "xxh3_128"):
+            raise ValueError(f"prefix_hash must be 'sha256' or 'xxh3_128', got {self.prefix_hash!r}")
+        if self.num_virtual_rows >= 2**31:
+            raise ValueError(f"host pool plus prefix_alias_blocks: {self.num_virtual_rows} rows per layer "
+                             "exceed int32 row indices; give fewer prefix_alias_blocks")
 
     # ---- derived sizes -------------------------------------------------
     @property
@@ -123,6 +148,19 @@ class HiSparseConfig:
     def num_host_rows(self) -> int:
         """Rows per layer in the host pool (H)."""
         return self.num_host_blocks * self.host_block_size
+
+    @property
+    def num_virtual_blocks(self) -> int:
+        """Block ids a block table may hold: the host blocks (id = host block) then
+        ``prefix_alias_blocks`` aliases, each standing for a cached host block that
+        another request maps under its own id (``hisparse.cache.prefix``)."""
+        return self.num_host_blocks + self.prefix_alias_blocks  # type: ignore[operator]
+
+    @property
+    def num_virtual_rows(self) -> int:
+        """Rows per layer of the hot tier's row index ``row_slot`` (one per row of each
+        block id)."""
+        return self.num_virtual_blocks * self.host_block_size
 
     @property
     def slots_per_req(self) -> int:
@@ -174,7 +212,7 @@ class HiSparseConfig:
         """Bytes of every device tensor a cache with this config allocates, by part.
 
         hot rows (and pool pages); slot/LRU state (id_to_slot, seq_lens, block_table,
-        slot_pos int32 and slot_stamp int64 per slot, row_slot, step, stats, residency
+        slot_pos int32 and slot_stamp int64 per slot, row_slot and the block-id map, step, stats, residency
         flags and the device page table); resolve buffers (physical,
         valid counts, staging lists per layer, plus one set for prefetches with the
         undo log all share). A layer's first split resolve adds ``split_buffers_per_layer``.
@@ -183,7 +221,7 @@ class HiSparseConfig:
         T = self.max_tokens
         TK = T * self.top_k
         state = (4 * self.max_request_id + 4 * L * R + 4 * R * self.num_host_blocks + 12 * L * R * SP
-                 + 4 * L * self.num_host_rows + 8 * L * R + 8 * L * 7
+                 + 4 * L * self.num_virtual_rows + 4 * self.num_virtual_blocks + 8 * L * R + 8 * L * 7
                  + 4 * R * (1 + max(1, self.max_pages_per_request)))
         resolve = (L + 1) * (12 * TK + 4 * T) + 20 * TK
         return {"hot_rows": self.hot_buffer_bytes, "state": state, "resolve_buffers": resolve,

@@ -6,12 +6,21 @@ Notation (used in every shape comment of the cache):
      newest-token slot, so each (layer, request) owns S + 1 hot rows
   H  host rows per layer (num_host_blocks x host_block_size)
   B  host block size (tokens per block)      NB  host blocks
+  NV block ids (num_virtual_blocks: NB, then the prefix-cache aliases)   HV = NV x B
   T  query tokens in a step    K  top-k entries per query token
 
 Layout of one layer's flat hot view ``hot[l]`` (uint8 [R * (S + 1), row_bytes]):
   physical row = r * (S + 1) + slot
 Layout of the host pool (uint8 [L, H, row_bytes]): the row of (request r, position p)
-in layer l is ``pool[l, block_table[r, p // B] * B + p % B]``.
+in layer l is ``pool[l, host_block[v] * B + p % B]`` with ``v = block_table[r, p // B]``.
+
+Block ids: a request's block table holds *block ids* ``v``, each held by one request
+at a time, so ``v * B + p % B`` (the request's *row key*) names one (request,
+position): ``row_slot`` is indexed by it and stays exact per request even when several
+requests share a host block (prefix caching, ``hisparse.cache.prefix``). Id ``v < NB``
+stands for host block ``v`` (``host_block[v] = v``, always); an alias ``v >= NB`` for
+the cached host block ``host_block[v]`` that a second request maps. Without prefix
+caching there are no aliases and every row key is the host row.
 
 Resident requests (the elastic tier, ``hisparse.cache.device_pool``): a request whose
 ``resident[r]`` is 1 holds its whole context in pages of PB rows past the hot buffers;
@@ -59,7 +68,7 @@ class LayerState(NamedTuple):
     seq_lens: torch.Tensor  # int32 [R]
     slot_pos: torch.Tensor  # int32 [R, S + 1]
     slot_stamp: torch.Tensor  # int64 [R, S + 1]
-    row_slot: torch.Tensor  # int32 [H]
+    row_slot: torch.Tensor  # int32 [HV], by row key
     step: torch.Tensor  # int64 [R]
     stats: torch.Tensor  # int64 [NUM_STATS]
 
@@ -71,10 +80,11 @@ class HotState:
 
     id_to_slot: torch.Tensor  # int32 [max_request_id], request slot of a live id, -1 = none
     seq_lens: torch.Tensor  # int32 [L, R], rows appended to layer l for the request slot (0 = free)
-    block_table: torch.Tensor  # int32 [R, NB], host block of each logical block, -1 = none
+    block_table: torch.Tensor  # int32 [R, NB], block id (< NV) of each logical block, -1 = none
     slot_pos: torch.Tensor  # int32 [L, R, S + 1], position held by a slot, -1 = empty
     slot_stamp: torch.Tensor  # int64 [L, R, S + 1], step of last use, -1 = empty
-    row_slot: torch.Tensor  # int32 [L, H], slot (0..S) holding host row h, -1 = not hot
+    row_slot: torch.Tensor  # int32 [L, HV], slot (0..S) holding the row of row key h, -1 = not hot
+    host_block: torch.Tensor  # int32 [NV], host block of each block id (identity below NB)
     step: torch.Tensor  # int64 [L, R], resolves done for (layer, request slot)
     stats: torch.Tensor  # int64 [L, NUM_STATS], see STAT_*
     resident: torch.Tensor  # int32 [R], 1 = the request slot is resident (pages), 0 = hot
@@ -96,7 +106,8 @@ class HotState:
             block_table=torch.full((R, cfg.num_host_blocks), -1, **i32),
             slot_pos=torch.full((L, R, S + 1), -1, **i32),
             slot_stamp=torch.full((L, R, S + 1), -1, **i64),
-            row_slot=torch.full((L, cfg.num_host_rows), -1, **i32),
+            row_slot=torch.full((L, cfg.num_virtual_rows), -1, **i32),
+            host_block=torch.arange(cfg.num_virtual_blocks, **i32) % cfg.num_host_blocks,
             step=torch.zeros((L, R), **i64),
             stats=torch.zeros((L, NUM_STATS), dtype=torch.int64, device=device),
             resident=torch.zeros((R,), **i32),
