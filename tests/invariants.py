@@ -625,7 +625,8 @@ class TraceRunner:
                 assert_same(before, snapshot(self.cache))
                 return
             _fail("add_request past max_num_reqs did not raise CapacityError")
-        r = self.cache.add_request(rid)
+        self.cache.add_request(rid)
+        r = self.cache.request_slot(rid)
         self.sim.add(rid, r)
         self._check()
 

@@ -53,7 +53,7 @@ def holds(cache, phys_row, pos, layer=0):
 
 def test_fits_phase_maps_position_to_slot_and_never_misses(make):
     c = make()
-    assert c.add_request(3) == 0
+    assert c.add_request(3) == 0 and c.request_slot(3) == 0  # no token ids: 0 cached tokens
     assert c.append_rows(0, 3, rows(0, 3)) == 0
     assert slots(c) == ([0, 1, 2, -1, -1], [0, 0, 0, -1, -1])
     assert c.state.row_slot[0, :4].tolist() == [0, 1, 2, -1]
@@ -135,7 +135,8 @@ def test_multi_token_group_resolves_the_union_once(make):
 
 def test_two_requests_offsets_compact_and_reuse_after_free(make):
     c = make()
-    assert c.add_request(7) == 0 and c.add_request(2) == 1
+    c.add_request(7), c.add_request(2)
+    assert (c.request_slot(7), c.request_slot(2)) == (0, 1)
     c.append_rows(0, 7, rows(0, 2))
     c.append_rows(0, 2, rows(0, 3))
     assert c.pool.allocator.blocks(0) == [0] and c.pool.allocator.blocks(1) == [1, 2]
@@ -149,8 +150,8 @@ def test_two_requests_offsets_compact_and_reuse_after_free(make):
     assert c.state.row_slot[0, :2].tolist() == [-1, -1]  # block 0 unmapped
     assert c.state.id_to_slot[7].item() == -1 and c.state.step[0, 0].item() == 0
     # the id and the request slot come back clean; block 0 is reused first
-    assert c.add_request(7) == 0
-    assert c.seq_len(7) == 0
+    c.add_request(7)
+    assert c.request_slot(7) == 0 and c.seq_len(7) == 0
     c.append_rows(0, 7, rows(10, 1))
     assert c.pool.allocator.blocks(0) == [0]
     assert slots(c, r=0) == ([0, -1, -1, -1, -1], [0, -1, -1, -1, -1])

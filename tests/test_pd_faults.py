@@ -75,7 +75,7 @@ def test_a_free_the_receiver_missed_is_caught_by_the_slot_incarnation(sender):
     try:
         slot = cache.request_slot(7)
         cache.free_request(7)
-        assert cache.add_request(7) == slot  # the same id in the same slot: a new admission
+        assert cache.add_request(7) == 0 and cache.request_slot(7) == slot  # the same id and slot: a new admission
         with pytest.raises(StaleDescriptorError, match="freed while reserved"):
             rx.commit(7, d7.generation)
         assert cache.lengths(7) == (0, 0, 0) and rx.open_requests() == []

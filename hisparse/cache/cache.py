@@ -28,10 +28,12 @@ from ..config import HiSparseConfig
 from ..device import resolve_device
 from ..formats import RowFormat
 from ..staging.view import BlockTable, LayerView
+from . import lifecycle
 from . import validate as V
 from .apply_write import apply_write_plan_reference, apply_write_plan_triton
 from .device_pool import DevicePool
 from .host_pool import HostPool, check_pool
+from .prefix import PrefixCache
 from .requests import RequestTable
 from .resolve_ref import (copy_rows_reference, copy_staged_reference, resolve_lookup_reference, resolve_reference,
                           resolve_resident_reference)
@@ -134,6 +136,10 @@ class HiSparseCache:
         V.check_device_memory(cfg, self.device)
         L = cfg.num_layers
         self.pool = host_pool if host_pool is not None else HostPool(cfg, pin=pin)
+        if cfg.prefix_caching and self.pool.shared:
+            raise ValueError("prefix_caching with a host pool shared by several processes is not supported")
+        # prefix caching (hisparse.cache.prefix): block names, the index, eviction; None when off
+        self.prefix = PrefixCache(cfg, self.pool.allocator) if cfg.prefix_caching else None
         self.state = HotState.allocate(cfg, self.device)
         if choice is Kernels.TRITON:
             check_state(self.state)  # once: the per-call launches rely on it
@@ -298,41 +304,38 @@ class HiSparseCache:
         self.streams.before_lifecycle()
 
     # ---- lifecycle --------------------------------------------------------
-    def add_request(self, req_id: int) -> int:
-        """Admit ``req_id``; returns its request slot. CapacityError when all are taken."""
+    def add_request(self, req_id: int, token_ids=None, salt: bytes | None = None) -> int:
+        """Admit ``req_id`` (CapacityError when every request slot is taken). With
+        ``token_ids`` (its prompt, ints; the cache must have ``prefix_caching``): map the
+        longest run of cached whole blocks that prefix it and return their tokens (a
+        multiple of ``host_block_size``, at most ``len(token_ids) - 1``); those positions
+        read as appended in every layer and the request appends from there (it starts
+        hot). ``salt``: bytes that key whatever else changes the KV (model, adapter).
+        Returns 0 without ``token_ids``. Nothing changes when it raises."""
+        return lifecycle.admit(self, req_id, token_ids, salt)
+
+    def add_tokens(self, req_id: int, token_ids) -> int:
+        """Tell the prefix cache the next tokens of a live request (its decode output, a
+        next turn's prompt) so that its blocks become findable once their rows are
+        written in every layer; returns the request's tokens known now."""
+        if self.prefix is None:
+            raise ValueError("add_tokens needs a cache configured with prefix_caching=True")
+        return self.prefix.add_tokens(self.requests.slot(req_id), token_ids)
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached block that no live request references; returns how many
+        (0 without prefix caching)."""
+        if self.prefix is None:
+            return 0
         self.streams.before_lifecycle()
-        r = self.requests.add(req_id)
-        self.state.id_to_slot[req_id] = r
-        if self.dpool.admit(r):
-            self.state.resident[r] = 1
-        return r
+        return self.prefix.reset()
 
     def free_request(self, req_id: int) -> None:
-        """Return every block, clear every slot mapping of every layer, release the id,
-        then call each of ``free_listeners``."""
+        """Return every block (a cached block stays cached; the request's own blocks
+        whose rows every layer holds are published first), clear every slot mapping of
+        every layer, release the id, then call each of ``free_listeners``."""
         r = self.requests.slot(req_id)
-        self.streams.before_lifecycle()
-        st, B = self.state, self.pool.B
-        blocks = self.pool.allocator.owned(r)
-        start = 0
-        while start < len(blocks):  # clear row_slot run by run of consecutive blocks
-            end = start + 1
-            while end < len(blocks) and blocks[end] == blocks[end - 1] + 1:
-                end += 1
-            st.row_slot[:, blocks[start] * B:(blocks[end - 1] + 1) * B] = -1
-            start = end
-        st.slot_pos[:, r] = -1
-        st.slot_stamp[:, r] = -1
-        st.step[:, r] = 0
-        st.seq_lens[:, r] = 0
-        st.block_table[r] = -1
-        st.id_to_slot[req_id] = -1
-        st.resident[r] = 0
-        st.page_table[r] = -1
-        self.dpool.release(r)
-        freed = self.pool.allocator.free(r)
-        self.writer.release(r)
-        self.requests.remove(req_id)
+        freed = lifecycle.release(self, req_id)
         for fn in self.free_listeners:
             fn(req_id, r, freed)
 
@@ -589,10 +592,12 @@ class HiSparseCache:
         """Counters per layer and in total, host pool usage, live requests (host sync)."""
         if self.cuda:
             torch.cuda.synchronize(self.device)
+        if self.prefix is not None:
+            self.prefix.publish(self.requests)
         return cache_stats(self.state, self.pool, row_bytes=self.cfg.row_bytes,
                            num_layers=self.cfg.num_layers, live_requests=len(self.requests),
                            kernels=self.kernels, device_pool=self.dpool,
-                           slots_per_req=self.cfg.slots_per_req)
+                           slots_per_req=self.cfg.slots_per_req, prefix=self.prefix)
 
 
 __all__ = ["HiSparseCache", "ResolveResult"]

@@ -13,8 +13,9 @@ nothing.
 
 from __future__ import annotations
 
-from typing import Hashable
+from typing import Hashable, Sequence
 
+import numpy as np
 import torch
 
 from ..config import HiSparseConfig
@@ -43,58 +44,91 @@ def block_segments(blocks, B: int, p0: int, p1: int) -> list[tuple[int, int, int
 
 
 class BlockAllocator:
-    """Free list of ``num_blocks`` host blocks plus the ordered block list of each owner.
+    """Free list of ``num_blocks`` host blocks plus the ordered block-id list of each owner.
 
     Blocks are handed out lowest id first and freed blocks are reused lowest id first,
     so a fresh pool gives each request consecutive blocks (fewer, larger copies).
+
+    Block ids (``hisparse.cache.state``): an owner's list holds ids; id ``v <
+    num_blocks`` is host block ``v`` and is in at most one owner's list; an alias ``v >=
+    num_blocks`` (``alias_blocks`` of them) stands for the host block ``host_of[v]``.
+    With a prefix index (``cache``, set by ``hisparse.cache.prefix``) a host block can be
+    *cached*: owned by the index, referenced by the owners that map it (counted there),
+    and evicted, least recently used first, when an allocation finds no free block; a
+    cached block goes back to the index, not the free list, when its owner is freed.
     """
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, alias_blocks: int = 0) -> None:
         if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ValueError(f"BlockAllocator needs a positive int num_blocks, got {num_blocks!r}")
         self.num_blocks = num_blocks
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() -> lowest id
         self._owned: dict[Hashable, list[int]] = {}
+        # int64 [num_blocks + alias_blocks]: host block of each id (identity below num_blocks)
+        self.host_of = np.arange(num_blocks + alias_blocks, dtype=np.int64) % num_blocks
+        self._aliases: list[int] = list(range(num_blocks + alias_blocks - 1, num_blocks - 1, -1))
+        self._mapped = np.zeros(num_blocks, dtype=bool)  # id v < num_blocks is in an owner's list
+        self.cache = None  # a hisparse.cache.prefix_index.PrefixIndex, or None
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks an allocation can have: free ones plus cached ones no owner references."""
+        return len(self._free) + (self.cache.evictable if self.cache is not None else 0)
 
     @property
     def num_used(self) -> int:
+        """Host blocks owned by an owner or cached (not on the free list)."""
         return self.num_blocks - len(self._free)
+
+    @property
+    def aliases_free(self) -> int:
+        return len(self._aliases)
 
     def owners(self) -> list[Hashable]:
         return list(self._owned)
 
     def blocks(self, owner: Hashable) -> list[int]:
-        """The owner's blocks in logical order (a copy; empty for an unknown owner)."""
+        """The owner's block ids in logical order (a copy; empty for an unknown owner)."""
         return list(self._owned.get(owner, ()))
 
     def owned(self, owner: Hashable) -> list[int]:
-        """The owner's block list itself (no copy: read it, never mutate it)."""
+        """The owner's block-id list itself (no copy: read it, never mutate it)."""
         return self._owned.get(owner, _EMPTY)
 
-    def allocate(self, owner: Hashable, n: int) -> list[int]:
-        """Append ``n`` blocks to ``owner``'s list and return them.
+    def host_blocks(self, owner: Hashable) -> np.ndarray:
+        """int64 [n]: the host block of each of the owner's block ids, in logical order."""
+        return self.host_of[np.asarray(self._owned.get(owner, _EMPTY), dtype=np.int64)]
 
-        Raises CapacityError (nothing changed) when fewer than ``n`` blocks are free.
+    def allocate(self, owner: Hashable, n: int) -> list[int]:
+        """Append ``n`` fresh blocks to ``owner``'s list and return them, evicting cached
+        blocks no owner references when too few are free.
+
+        Raises CapacityError (nothing changed) when fewer than ``n`` can be had.
         """
         if isinstance(n, bool) or not isinstance(n, int) or n < 0:
             raise ValueError(f"allocate needs an int n >= 0, got {n!r}")
-        if n > len(self._free):
+        if n > self.num_free:
             raise CapacityError(
-                f"host pool exhausted: {n} more blocks needed, {len(self._free)} of "
+                f"host pool exhausted: {n} more blocks needed, {self.num_free} of "
                 f"{self.num_blocks} free; free requests or configure a larger host pool"
             )
+        short = n - len(self._free)
+        if short > 0:
+            self._free.extend(self.cache.evict(short))
+            self._free.sort(reverse=True)
         got = [self._free.pop() for _ in range(n)]
+        self._mapped[got] = True
         self._owned.setdefault(owner, []).extend(got)
         return got
 
     def peek(self, n: int) -> list[int]:
-        """The ``n`` blocks the next allocations will hand out, in order (nothing is taken)."""
-        if n > len(self._free):
-            raise CapacityError(f"host pool exhausted: {n} more blocks needed, {len(self._free)} free")
+        """The ``n`` blocks the next allocations will hand out, in order (nothing is taken
+        and nothing evicted)."""
+        if n > self.num_free:
+            raise CapacityError(f"host pool exhausted: {n} more blocks needed, {self.num_free} free")
+        short = n - len(self._free)
+        if short > 0:
+            return sorted(self._free + self.cache.peek_evict(short))
         return self._free[-1:-n - 1:-1] if n else []
 
     def claim(self, owner: Hashable, blocks: list[int]) -> None:
@@ -105,15 +139,59 @@ class BlockAllocator:
         if taken or len(want) != len(blocks):
             raise ValueError(f"claim of blocks {blocks}: {taken or 'duplicates'} not free")
         self._free = [b for b in self._free if b not in want]  # stays sorted descending
+        self._mapped[blocks] = True
         self._owned.setdefault(owner, []).extend(blocks)
 
+    def map_cached(self, owner: Hashable, blocks: Sequence[int]) -> list[int]:
+        """Give ``owner`` (which must own nothing yet) an id for each cached host block
+        of ``blocks`` in order: the block's own id when no owner maps it, else an alias;
+        stops at the first block with no id left. Returns the ids (the caller counts the
+        references in the prefix index)."""
+        if self._owned.get(owner):
+            raise ValueError(f"map_cached for {owner!r}, which owns blocks already")
+        ids: list[int] = []
+        for b in blocks:
+            if not self._mapped[b]:
+                self._mapped[b] = True
+                ids.append(int(b))
+            elif self._aliases:
+                v = self._aliases.pop()
+                self.host_of[v] = b
+                ids.append(v)
+            else:
+                break
+        if ids:
+            self._owned.setdefault(owner, []).extend(ids)
+        return ids
+
     def free(self, owner: Hashable) -> list[int]:
-        """Return every block of ``owner`` to the free list; returns those blocks."""
-        blocks = self._owned.pop(owner, [])
+        """Release every block id of ``owner``: a cached block loses the owner's reference
+        (it stays cached), any other block returns to the free list. Returns the host
+        blocks that went to the free list."""
+        ids = self._owned.pop(owner, [])
+        freed: list[int] = []
+        cache = self.cache
+        for v in ids:
+            b = int(self.host_of[v])
+            if v >= self.num_blocks:
+                self._aliases.append(v)
+            else:
+                self._mapped[v] = False
+            if cache is not None and cache.holds(b):
+                cache.release((b,))
+            else:
+                freed.append(b)
+        if len(self._aliases) > 1:
+            self._aliases.sort(reverse=True)
         # keep the free list sorted descending so pop() keeps giving the lowest id
+        self._free.extend(freed)
+        self._free.sort(reverse=True)
+        return freed
+
+    def give_back(self, blocks: Sequence[int]) -> None:
+        """Host blocks that left the prefix index (reset) return to the free list."""
         self._free.extend(blocks)
         self._free.sort(reverse=True)
-        return blocks
 
 
 class HostPool:
@@ -136,7 +214,7 @@ class HostPool:
         self.buffer = PinnedBuffer(cfg.host_pool_bytes, pin=pin)
         # uint8 [L, H, row_bytes]; a view of exactly cfg.host_pool_bytes pinned bytes
         self.rows = self.buffer.tensor.view(cfg.num_layers, cfg.num_host_rows, cfg.row_bytes)
-        self.allocator = BlockAllocator(cfg.num_host_blocks)
+        self.allocator = BlockAllocator(cfg.num_host_blocks, cfg.prefix_alias_blocks)
 
     @property
     def pinned(self) -> bool:
@@ -157,7 +235,7 @@ class HostPool:
 
         Positions must lie inside the owner's blocks (checked: ValueError).
         """
-        blocks = torch.tensor(self.allocator.owned(owner), dtype=torch.int64)
+        blocks = torch.from_numpy(self.allocator.host_blocks(owner))
         pos = positions.to(torch.int64)
         if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= blocks.numel() * self.B):
             raise ValueError(
@@ -168,7 +246,7 @@ class HostPool:
     def segments(self, owner: Hashable, p0: int, p1: int) -> list[tuple[int, int, int]]:
         """Positions ``[p0, p1)`` of ``owner`` split into runs contiguous in the pool:
         ``[(pos_start, pos_end, host_row_start), ...]`` (see :func:`block_segments`)."""
-        blocks = self.allocator.owned(owner)
+        blocks = self.allocator.host_blocks(owner).tolist()
         if p1 > len(blocks) * self.B or p0 < 0:
             raise ValueError(f"positions [{p0}, {p1}) exceed the owner's {len(blocks)} blocks")
         return block_segments(blocks, self.B, p0, p1)

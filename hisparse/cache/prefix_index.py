@@ -25,9 +25,7 @@ requests reference it:
   are returned for the allocator to reuse; a referenced block is never evicted;
 - ``reset()``: every evictable block leaves.
 
-Not wired into ``HiSparseCache`` yet: sharing a host block between requests needs the
-hot tier's host-row index (``state.row_slot``, one slot per host row) to become per
-request first.
+``hisparse.cache.prefix`` wires it into the cache (block ids, publishing, eviction).
 """
 
 from __future__ import annotations
@@ -40,7 +38,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-NAME_BYTES = 16  # blake2b digest size of a block name
+NAME_BYTES = 16  # bytes of a block name (a truncated digest)
 
 
 HASHES = ("sha256", "xxh3_128")
@@ -134,6 +132,23 @@ class PrefixIndex:
 
     def refs(self, block: int) -> int:
         return self._refs.get(block, 0)
+
+    def holds(self, block: int) -> bool:
+        """Whether ``block`` is cached (in the index, referenced or not)."""
+        return block in self._name_of
+
+    def referenced(self) -> int:
+        """References summed over cached blocks."""
+        return sum(self._refs.values())
+
+    def peek_evict(self, n: int) -> list[int]:
+        """The blocks ``evict(n)`` would drop, in that order (nothing changes)."""
+        out = []
+        for b in self._lru:
+            if len(out) >= n:
+                break
+            out.append(b)
+        return out
 
     def lookup(self, names: Sequence[bytes]) -> list[int]:
         """The blocks of the longest run of ``names`` from the first that are cached."""

@@ -32,7 +32,7 @@ def hit_rate(hits: int, misses: int, resident: int = 0) -> float:
 
 def cache_stats(state: HotState, pool: HostPool, *, row_bytes: int, num_layers: int,
                 live_requests: int, kernels: str, device_pool: DevicePool | None = None,
-                slots_per_req: int = 0) -> dict[str, Any]:
+                slots_per_req: int = 0, prefix=None) -> dict[str, Any]:
     """The stats dict (reads the device counters: the caller synchronised)."""
     raw = state.stats.cpu().tolist()
     layers = []
@@ -55,6 +55,8 @@ def cache_stats(state: HotState, pool: HostPool, *, row_bytes: int, num_layers: 
                pool_rows_total=dp.rows_per_layer if dp is not None else 0,
                spills=dp.spills if dp is not None else 0, promotions=dp.promotions if dp is not None else 0,
                seeded_rows=dp.seeded_rows if dp is not None else 0)
+    tot.update(prefix.stats() if prefix is not None else
+               dict(prefix_query_tokens=0, prefix_hit_tokens=0, cached_blocks=0, shared_blocks=0, prefix_evictions=0))
     alloc = pool.allocator
     return {
         "layers": layers,

@@ -6,7 +6,7 @@ order an engine makes them (``docs/ENGINE.md`` walks through them):
 
   at start-up      group = HiSparseIndexGroup(config); i = group.register_layer(...)
                    per layer; group.cache(i).runtime.max_num_reqs etc. size the backend
-  per request      group.add_request(req_id) on admission, group.free_request(req_id)
+  per request      group.add_request(req_id[, token_ids]) on admission, group.free_request(req_id)
                    when it finishes or is preempted
   per forward      group.prepare_for_batch(metadata)        (once: checks, write batch)
   per layer        group.write_new_rows(i, rows, metadata)       (this forward's KV rows)
@@ -229,11 +229,29 @@ class HiSparseIndexGroup(PrefillCalls, LayerGraphCalls, DecodeAttentionCalls, PD
         return self._layers[self._layer(layer_index)].runtime.hot.attention_cache
 
     # ------------------------------------------------------------- requests
-    def add_request(self, req_id: int) -> None:
+    def add_request(self, req_id: int, token_ids=None, salt: bytes | None = None) -> int:
         """Admit a request (CapacityError when every request slot is taken). Not while a
-        forward is part-way through its layers' writes (see :meth:`free_request`)."""
+        forward is part-way through its layers' writes (see :meth:`free_request`).
+
+        With prefix caching (``HiSparseConfig(prefix_caching=True)``) pass its prompt as
+        ``token_ids``: the return value is how many leading tokens are cached already
+        (a multiple of the host block size, at most ``len(token_ids) - 1``). Those
+        positions count as written in every layer: compute and write only the tokens
+        from there on. 0 without ``token_ids``. ``salt``: bytes keying whatever else
+        changes the KV (model, LoRA adapter)."""
         self._refuse_mid_forward("add_request")
-        self._cache.add_request(req_id)
+        return self._cache.add_request(req_id, token_ids, salt)
+
+    def add_tokens(self, req_id: int, token_ids) -> int:
+        """Prefix caching: the request's next tokens (sampled output, or the next turn's
+        prompt when a conversation continues in the same request), so that the blocks
+        they fill become findable once written in every layer; returns the tokens known."""
+        return self._cache.add_tokens(req_id, token_ids)
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached prefix block no live request uses; returns how many."""
+        self._refuse_mid_forward("reset_prefix_cache")
+        return self._cache.reset_prefix_cache()
 
     def free_request(self, req_id: int) -> None:
         """Release every block and slot of a finished or preempted request. Between

@@ -181,7 +181,8 @@ class PDReceiver:
             raise CapacityError(f"reserve request {req_id}: {num_tokens} tokens need {need} host blocks, "
                                 f"{free} of {cache.pool.allocator.num_blocks} are free"
                                 + (f" ({held} in quarantine)" if held else ""))
-        r = cache.add_request(req_id)
+        cache.add_request(req_id)
+        r = cache.request_slot(req_id)
         try:
             cache.reserve_blocks(req_id, num_tokens)
         except BaseException:

@@ -1,0 +1,120 @@
+"""Admitting and freeing requests: ``HiSparseCache.add_request`` / ``free_request``.
+
+Both run on the current stream after every in-flight resolve and staging
+(``CacheStreams.before_lifecycle``) and decide from host-side bookkeeping; the device
+tables they change (id map, block table, lengths, LRU state, residency) are written
+with small copies on the current stream. Every check runs before the first change,
+so a refused call changes nothing.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from ..errors import CapacityError
+
+if TYPE_CHECKING:
+    from .cache import HiSparseCache
+
+
+def admit(cache: "HiSparseCache", req_id: int, token_ids=None, salt: bytes | None = None) -> int:
+    """``add_request``: admit ``req_id``; with ``token_ids`` (prefix caching) map the
+    longest cached prefix and return its tokens (0 otherwise)."""
+    req, prefix = cache.requests, cache.prefix
+    rid = req.check_id(req_id)
+    if req.is_live(rid):
+        raise ValueError(f"request {rid} is already live")
+    if len(req) >= req.max_num_reqs:
+        raise CapacityError(f"all max_num_reqs={req.max_num_reqs} request slots are taken; free a request first")
+    if token_ids is not None or salt is not None:
+        if prefix is None:
+            raise ValueError("token_ids / salt need a cache configured with prefix_caching=True")
+        if salt is not None and not isinstance(salt, (bytes, bytearray)):
+            raise TypeError(f"salt must be bytes or None, got {type(salt).__name__}")
+    names: list[bytes] = []
+    tail: list[int] = []
+    if token_ids is not None:
+        names, tail = prefix.names(token_ids, salt)  # ValueError on bad ids, before any change
+    cache.streams.before_lifecycle()
+    hits: list[int] = []
+    num_tokens = len(names) * cache.pool.B + len(tail)
+    if token_ids is not None and num_tokens > 1:
+        prefix.publish(req)  # blocks every layer of a live request holds become findable
+        hits = prefix.lookup(names, num_tokens)
+    r = req.add(rid)
+    st = cache.state
+    st.id_to_slot[rid] = r
+    cached = 0
+    if prefix is None:
+        if cache.dpool.admit(r):
+            st.resident[r] = 1
+        return 0
+    if token_ids is None:
+        prefix.track(r)
+    else:
+        ids = prefix.admit(r, names, tail, None if salt is None else bytes(salt), hits, num_tokens)
+        cached = len(ids) * cache.pool.B
+    if cached:
+        _map_blocks(cache, r, ids, cached)
+    elif cache.dpool.admit(r):
+        st.resident[r] = 1
+    return cached
+
+
+def _map_blocks(cache: "HiSparseCache", r: int, ids: list[int], cached: int) -> None:
+    """Request slot r starts with ``cached`` tokens in every layer, held in the cached
+    host blocks it mapped under block ids ``ids`` (no reserved-slot occupant)."""
+    st, dev, w = cache.state, cache.device, cache.writer
+    NB = cache.pool.allocator.num_blocks
+    v = torch.tensor(ids, dtype=torch.int32)
+    st.block_table[r, :len(ids)] = v.to(dev)
+    alias = v >= NB
+    if bool(alias.any()):
+        hb = torch.from_numpy(cache.pool.allocator.host_of[v[alias].numpy()]).to(torch.int32)
+        st.host_block[v[alias].to(dev, torch.long)] = hb.to(dev)
+    st.seq_lens[:, r] = cached
+    w.host_blocks[r, :len(ids)] = ids
+    w.num_blocks[r] = len(ids)
+    slot = np.array([r], dtype=np.int64)
+    cache.requests.set_written_rows(slot, np.array([cached], dtype=np.int64), np.array([-1], dtype=np.int64))
+    cache.requests.touch_all()
+
+
+def release(cache: "HiSparseCache", req_id: int) -> list[int]:
+    """``free_request``: return every block (a cached one loses this request's
+    reference), clear every slot mapping of every layer, release the id. Returns the
+    host blocks that went back to the free list."""
+    r = cache.requests.slot(req_id)
+    cache.streams.before_lifecycle()
+    st, B = cache.state, cache.pool.B
+    if cache.prefix is not None:
+        cache.prefix.publish(cache.requests, (r,))  # its finished blocks stay cached
+    blocks = cache.pool.allocator.owned(r)
+    start = 0
+    while start < len(blocks):  # clear row_slot run by run of consecutive block ids
+        end = start + 1
+        while end < len(blocks) and blocks[end] == blocks[end - 1] + 1:
+            end += 1
+        st.row_slot[:, blocks[start] * B:(blocks[end - 1] + 1) * B] = -1
+        start = end
+    st.slot_pos[:, r] = -1
+    st.slot_stamp[:, r] = -1
+    st.step[:, r] = 0
+    st.seq_lens[:, r] = 0
+    st.block_table[r] = -1
+    st.id_to_slot[req_id] = -1
+    st.resident[r] = 0
+    st.page_table[r] = -1
+    cache.dpool.release(r)
+    if cache.prefix is not None:
+        cache.prefix.forget(r)
+    freed = cache.pool.allocator.free(r)
+    cache.writer.release(r)
+    cache.requests.remove(req_id)
+    return freed
+
+
+__all__ = ["admit", "release"]
