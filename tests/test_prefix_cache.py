@@ -1,0 +1,562 @@
+"""Prefix caching in ``HiSparseCache`` (``hisparse.cache.prefix``), on CPU with the torch
+kernels and the Triton kernels (interpreter).
+
+A randomized churn trace (``prefix_trace.PrefixTrace``: requests of a few prompt
+groups, follow-up turns that extend an earlier request's prompt and output, chunked
+prefills, decode steps with resolves, frees, resets, refused calls) against a plain
+model of the prefix cache, byte-exact; then focused cases: the cap at ``len - 1``,
+salts, publishing only when every layer holds a block, publishing at free (multi-turn),
+LRU eviction of unreferenced blocks only, admission counting evictable blocks as free,
+a batched write that evicts, two live requests sharing a block with independent hot
+state, stats / metrics, the engine façade, and the cache without prefix caching.
+
+Rows are a function of (layer, salt, the token ids up to the position), as a model's
+KV would be (``prefix_trace.Rows``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hisparse import CapacityError, HiSparseConfig
+from hisparse.cache.cache import HiSparseCache
+from hisparse.cache.prefix_index import block_names
+from hisparse.cache.state import HotState
+
+from invariants import _cpu_state, assert_same
+from prefix_trace import PrefixTrace, Rows, prefix_snapshot
+
+B = 4
+
+
+def make(kernels="torch", **kw) -> HiSparseCache:
+    base = dict(num_layers=2, row_bytes=64, top_k=4, device_buffer_size=8, host_block_size=B,
+                max_num_reqs=4, host_pool_tokens=B * 20, max_request_id=12, device="cpu",
+                prefix_caching=True)
+    base.update(kw)
+    return HiSparseCache(HiSparseConfig(**base), kernels=kernels)
+
+
+# ---------------------------------------------------------------- the churn trace
+TRACE = {
+    # K=4, S=8, blocks of 4, 4 requests, a pool of 20 blocks: evictions and refusals
+    "K4_B4": dict(top_k=4, device_buffer_size=8, host_block_size=4, max_num_reqs=4, host_pool_tokens=80),
+    # K=8, S=16, blocks of 8, 6 requests, 3 layers, 16 blocks
+    "K8_B8": dict(num_layers=3, top_k=8, device_buffer_size=16, host_block_size=8, max_num_reqs=6,
+                  host_pool_tokens=192, max_request_id=16),
+}
+
+
+def run_trace(cache, seed: int, n_ops: int, **kw) -> PrefixTrace:
+    t = PrefixTrace(cache, seed, **kw)
+    t.check()
+    t.run(n_ops)
+    counts = dict(t.counts)
+    t.finish()
+    return t, counts
+
+
+# aliases: None = the default (one per host block): a second live request that maps a
+# cached block stages its misses through host_block; 0: no aliases (the second sharer
+# gets fewer cached tokens instead)
+@pytest.mark.parametrize("aliases", [None, 0], ids=["aliases", "no_aliases"])
+@pytest.mark.parametrize("shape", sorted(TRACE))
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_churn_trace_torch(seed, shape, aliases):
+    cache = make(**TRACE[shape], prefix_alias_blocks=aliases)
+    t, counts = run_trace(cache, seed, 220)
+    # the trace really exercised what it is for
+    assert counts["hit_tokens"] > 0 and counts["resolve"] > 20, counts
+    assert counts.get("write_refused", 0) + counts.get("add_refused", 0) > 0, counts
+    assert t.model.evictions > 0 or seed, counts  # not every seed must evict
+    if aliases is None:
+        assert counts.get("alias_maps", 0) > 0 or seed, counts
+
+
+@pytest.mark.parametrize("aliases", [None, 0], ids=["aliases", "no_aliases"])
+def test_churn_trace_triton(aliases):
+    cache = make("triton", **TRACE["K4_B4"], prefix_alias_blocks=aliases)
+    assert cache.kernels == "triton"
+    t, counts = run_trace(cache, 5, 90)
+    assert counts["hit_tokens"] > 0 and counts["resolve"] > 10, counts
+
+
+def test_churn_traces_evict_and_alias():
+    """Across the seeds the traces evict, refuse writes and map under aliases."""
+    ev = al = 0
+    for seed in range(3):
+        t, counts = run_trace(make(**TRACE["K4_B4"]), seed, 220)
+        ev += t.model.evictions
+        al += counts.get("alias_maps", 0)
+    assert ev > 0 and al > 0, (ev, al)
+
+
+# ---------------------------------------------------------------- helpers
+class Req:
+    """A request of the focused tests: its tokens and rows (``prefix_trace.Rows``)."""
+
+    def __init__(self, cache, rid, tokens, salt=None, given=True):
+        self.cache, self.rid, self.salt = cache, rid, salt
+        self.rows = Rows(salt, cache.cfg.num_layers, cache.cfg.row_bytes)
+        self.rows.extend(tokens)
+        self.cached = cache.add_request(rid, list(tokens), salt) if given else cache.add_request(rid)
+
+    @property
+    def tokens(self):
+        return self.rows.tokens
+
+    def write(self, layers=None, end=None):
+        """Write the rows each layer lacks up to ``end`` (default: every token)."""
+        c = self.cache
+        end = len(self.tokens) if end is None else end
+        for l in (range(c.cfg.num_layers) if layers is None else layers):
+            p0 = c.layer_len(l, self.rid)
+            if p0 < end:
+                assert c.append_rows(l, self.rid, self.rows.get(l, p0, end)) == p0
+
+    def decode(self, tokens, give=True):
+        for t in tokens:
+            self.rows.extend([t])
+            self.write()
+        if give:
+            self.cache.add_tokens(self.rid, list(tokens))
+
+    def resolve(self, layer, positions):
+        """Resolve ``positions`` (padded to top_k) and check every row byte-exact;
+        returns the physical rows."""
+        c = self.cache
+        K = c.cfg.top_k
+        row = list(positions) + [-1] * (K - len(positions))
+        res = c.resolve(layer, torch.tensor([self.rid], dtype=torch.int32), torch.tensor([row], dtype=torch.int32))
+        phys = res.physical[0].tolist()[:len(positions)]
+        for p, x in zip(positions, phys):
+            assert torch.equal(c.hot[layer, x], self.rows.get(layer, p, p + 1)[0]), (self.rid, layer, p, x)
+        return phys
+
+
+def toks(n, start=100):
+    return list(range(start, start + n))
+
+
+# ---------------------------------------------------------------- focused cases
+def test_cap_leaves_one_token_to_compute():
+    c = make()
+    a = Req(c, 0, toks(2 * B))
+    assert a.cached == 0
+    a.write()
+    c.free_request(0)  # both blocks published
+    assert c.stats()["total"]["cached_blocks"] == 2
+    assert Req(c, 1, toks(2 * B)).cached == B  # exactly whole blocks: the last one is computed
+    assert Req(c, 2, toks(2 * B + 1)).cached == 2 * B
+    assert Req(c, 3, toks(2 * B - 1)).cached == B
+    c.free_request(1), c.free_request(2), c.free_request(3)
+    assert Req(c, 4, toks(1)).cached == 0 and Req(c, 5, toks(B + 1)).cached == B
+    assert Req(c, 6, []).cached == 0
+
+
+def test_salt_separates():
+    c = make()
+    a = Req(c, 0, toks(3 * B), salt=b"model-a")
+    a.write()
+    c.free_request(0)
+    assert Req(c, 1, toks(3 * B)).cached == 0  # no salt
+    assert Req(c, 2, toks(3 * B), salt=b"model-b").cached == 0
+    d = Req(c, 3, toks(3 * B), salt=b"model-a")
+    assert d.cached == 2 * B
+    # the rows it maps are the salted writer's, byte-exact (d's rows are model-a's too)
+    d.write()
+    d.resolve(0, [0, 1, 2 * B])
+    d.resolve(1, [B + 3, 2 * B + 1])
+
+
+def test_block_findable_only_when_every_layer_holds_it():
+    c = make(num_layers=2)
+    a = Req(c, 0, toks(3 * B))
+    a.write(layers=[0])  # layer 0 holds every row, layer 1 none
+    assert c.stats()["total"]["cached_blocks"] == 0
+    assert Req(c, 1, toks(3 * B)).cached == 0
+    c.free_request(1)
+    a.write(layers=[1], end=B + 1)  # layer 1: the first block and one row
+    assert Req(c, 2, toks(3 * B)).cached == B
+    c.free_request(2)
+    a.write(layers=[1])
+    r3 = Req(c, 3, toks(3 * B + 1))
+    assert r3.cached == 3 * B
+    r3.write()
+    r3.resolve(0, [0, 5, 11, 12])
+    r3.resolve(1, [1, 4, 10])
+    # and a block whose tokens were not told (no add_tokens) is never published
+    c.free_request(3)
+    p = Req(c, 4, [], given=False)
+    p.rows.extend(toks(2 * B, start=7))
+    p.write()
+    assert Req(c, 5, toks(2 * B, start=7) + [1]).cached == 0
+    c.add_tokens(4, toks(2 * B, start=7))
+    assert Req(c, 6, toks(2 * B, start=7) + [1]).cached == 0  # request 4 maps its own ids: no alias...
+    c.free_request(5), c.free_request(6)
+    c.free_request(4)  # ...published at free
+    assert Req(c, 7, toks(2 * B, start=7) + [1]).cached == 2 * B
+
+
+@pytest.mark.parametrize("give", [True, False])
+def test_multi_turn_hits_the_previous_turn_when_freed(give):
+    """Turn 2, a new request, maps turn 1's blocks, its generated tokens included when
+    they were told with add_tokens (published when turn 1 is freed)."""
+    c = make(max_num_reqs=3)
+    prompt = toks(B + 2)
+    t1 = Req(c, 0, prompt)
+    t1.write()
+    t1.decode([7, 8, 9, 10, 11, 12], give=give)  # 12 tokens: 3 whole blocks
+    c.free_request(0)
+    t2 = Req(c, 1, t1.tokens + [40, 41])
+    assert t2.cached == (3 * B if give else B)
+    assert c.seq_len(1) == t2.cached and c.lengths(1) == (t2.cached,) * 2
+    t2.write()
+    t2.decode([50])
+    for layer in range(2):
+        t2.resolve(layer, [0, B + 1, 2 * B + 3, len(t2.tokens) - 1])
+    tot = c.stats()["total"]
+    assert tot["prefix_hit_tokens"] == t2.cached
+    assert tot["prefix_query_tokens"] == len(prompt) + len(t1.tokens) + 2
+
+
+def test_lookup_publishes_a_live_writer_and_a_second_sharer_needs_an_alias():
+    """A live writer's finished blocks are found by the next lookup; mapping them while
+    the writer holds their ids takes aliases (none: fewer cached tokens)."""
+    for aliases, want in ((None, 2 * B), (0, 0)):
+        c = make(prefix_alias_blocks=aliases)
+        a = Req(c, 0, toks(2 * B + 3))
+        a.write()
+        assert c.prefix.index.cached == 0  # lazy: nothing published yet
+        b = Req(c, 1, toks(2 * B + 3))
+        assert b.cached == want, aliases
+        assert c.prefix.index.cached == 2
+        ids = c.pool.allocator.blocks(c.request_slot(1))
+        NB = c.cfg.num_host_blocks
+        assert ids == ([NB, NB + 1] if aliases is None else [])
+        if aliases is None:
+            assert c.state.host_block[NB:NB + 2].tolist() == [0, 1]
+            assert c.stats()["total"]["shared_blocks"] == 2
+            assert [c.prefix.index.refs(h) for h in (0, 1)] == [2, 2]
+
+
+def test_two_sharers_have_independent_hot_state():
+    """Two live requests map the same cached blocks (one under aliases): their rows are
+    hot at their own row keys, and resolving one leaves the other's LRU state as it was."""
+    c = make(device_buffer_size=8, top_k=4)
+    w = Req(c, 0, toks(4 * B + 1))
+    w.write()
+    c.free_request(0)  # 4 blocks cached
+    x = Req(c, 1, toks(4 * B + 2))
+    y = Req(c, 2, toks(4 * B + 3))
+    assert x.cached == y.cached == 4 * B
+    NB = c.cfg.num_host_blocks
+    alloc = c.pool.allocator
+    rx, ry = c.request_slot(1), c.request_slot(2)
+    assert alloc.blocks(rx) == [0, 1, 2, 3] and alloc.blocks(ry) == [NB, NB + 1, NB + 2, NB + 3]
+    assert alloc.host_blocks(ry).tolist() == [0, 1, 2, 3]
+    x.write(), y.write()
+    st = c.state
+    for layer in range(2):
+        before_y = (st.slot_pos[layer, ry].clone(), st.slot_stamp[layer, ry].clone(), int(st.step[layer, ry]))
+        px = x.resolve(layer, [0, 5, 9, 14])  # misses: cached rows staged from host block 0..3
+        # x's rows are hot at x's row keys (its own ids), none at y's (the aliases)
+        for p, phys in zip([0, 5, 9, 14], px):
+            assert int(st.row_slot[layer, p]) == phys - rx * c.cfg.slots_per_req
+            assert int(st.row_slot[layer, NB * B + p]) == -1
+        after_y = (st.slot_pos[layer, ry], st.slot_stamp[layer, ry], int(st.step[layer, ry]))
+        assert torch.equal(before_y[0], after_y[0]) and torch.equal(before_y[1], after_y[1])
+        assert before_y[2] == after_y[2]
+        before_x = (st.slot_pos[layer, rx].clone(), st.slot_stamp[layer, rx].clone())
+        py = y.resolve(layer, [0, 5, 10, 15])
+        for p, phys in zip([0, 5, 10, 15], py):
+            assert int(st.row_slot[layer, NB * B + p]) == phys - ry * c.cfg.slots_per_req
+        assert int(st.row_slot[layer, 10]) == -1  # x never asked for position 10
+        assert torch.equal(before_x[0], st.slot_pos[layer, rx]) and torch.equal(before_x[1], st.slot_stamp[layer, rx])
+    # freeing x clears its row keys only; y still reads its rows
+    c.free_request(1)
+    assert (st.row_slot[:, :4 * B] == -1).all()
+    assert (st.row_slot[:, NB * B:(NB + 4) * B] >= 0).sum() > 0
+    y.resolve(0, [0, 5, 10, 15])
+    y.resolve(1, [1, 2, 3, 16])
+    assert [c.prefix.index.refs(h) for h in range(4)] == [1, 1, 1, 1]
+
+
+def test_eviction_is_lru_and_only_of_unreferenced_blocks():
+    c = make(host_pool_tokens=10 * B, max_num_reqs=4)  # 10 blocks
+    ix, alloc = c.prefix.index, c.pool.allocator
+    reqs = []
+    for i in range(3):  # three 2-block prompts, freed in order 2, 0, 1
+        r = Req(c, i, toks(2 * B + 1, start=1000 * (i + 1)))
+        r.write()
+        reqs.append(r)
+    blocks = {i: alloc.blocks(c.request_slot(i))[:2] for i in range(3)}
+    for i in (2, 0, 1):
+        c.free_request(i)
+    assert ix.cached == 6 and ix.evictable == 6
+    assert ix.peek_evict(6) == blocks[2] + blocks[0] + blocks[1]
+    # request 0's prompt again: its blocks are referenced (not evictable) and move out of the LRU
+    again = Req(c, 3, toks(2 * B + 1, start=1000))
+    assert again.cached == 2 * B and ix.evictable == 4
+    # a fresh request needs 7 blocks: the 4 free, then evicts the 3 least recently released
+    # unreferenced ones
+    n = Req(c, 4, toks(6 * B + 1, start=5))
+    assert len(alloc._free) == 4
+    free_before = sorted(alloc._free)
+    n.write()
+    got = alloc.blocks(c.request_slot(4))
+    assert got == free_before + blocks[2] + blocks[1][:1]
+    assert ix.evictions == 3 and ix.cached == 3
+    assert all(ix.holds(b) for b in blocks[0]) and ix.holds(blocks[1][1])
+    assert c.stats()["total"]["prefix_evictions"] == 3
+    # request 2's prompt is gone; request 1's second block alone is not a prefix
+    assert Req(c, 5, toks(2 * B + 1, start=3000)).cached == 0
+    c.free_request(5)
+    assert Req(c, 6, toks(2 * B + 1, start=2000)).cached == 0
+    again.write()
+    again.resolve(0, [0, 1, 7, 8])
+    assert all(ix.refs(b) == 1 for b in blocks[0])
+
+
+def test_admission_counts_evictable_blocks_as_free():
+    c = make(host_pool_tokens=6 * B, max_num_reqs=3)  # 6 blocks
+    alloc, ix = c.pool.allocator, c.prefix.index
+    a = Req(c, 0, toks(4 * B + 1))
+    a.write()  # 5 blocks
+    c.free_request(0)  # 4 cached (evictable) + 1 free -> 2 free
+    assert (alloc.num_used, alloc.num_free, ix.evictable) == (4, 6, 4)
+    assert c.stats()["host_pool"]["blocks_used"] == 4
+    b = Req(c, 1, toks(3 * B, start=9))
+    b.write()  # 3 blocks: 2 free + 1 evicted
+    assert ix.evictions == 1 and alloc.num_free == 3
+    # 4 more blocks than exist free + evictable: refused, nothing changed
+    d = Req(c, 2, toks(4 * B, start=50))
+    before = prefix_snapshot(c)
+    with pytest.raises(CapacityError):
+        c.append_rows(0, 2, d.rows.get(0, 0, 4 * B))
+    with pytest.raises(CapacityError):
+        c.prepare_step(c.plan_write([1, 2], [1, 3 * B + 1]))
+    with pytest.raises(CapacityError):
+        c.reserve_blocks(2, 4 * B)
+    assert_same(before, prefix_snapshot(c))
+    # exactly free + evictable: succeeds, evicting every cached block
+    d.write(end=3 * B)
+    assert ix.evictions == 4 and alloc.num_free == 0 and ix.evictable == 0
+    assert ix.cached == 3 and [ix.refs(h) for h in alloc.blocks(c.request_slot(1))] == [1, 1, 1]  # b's, published by d's lookup
+    d.resolve(0, [0, 5, 11])
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_a_batched_write_that_evicts_gets_the_blocks_it_planned(kernels):
+    """A batch whose requests together need evictions: the write plans with ``peek`` of
+    the whole batch and allocates request by request; both must agree (a regression:
+    the first request used to be handed a free block while the plan had given it an
+    evicted one of lower id)."""
+    c = make(kernels, host_pool_tokens=4 * B, num_layers=1)  # 4 blocks
+    alloc = c.pool.allocator
+    a = Req(c, 0, toks(B + 1))
+    a.write()  # blocks 0 (published at free), 1
+    o = Req(c, 1, toks(B, start=70), given=False)
+    o.write()  # block 2
+    c.free_request(0)
+    assert sorted(alloc._free) == [1, 3] and c.prefix.index.peek_evict(1) == [0]
+    n = Req(c, 2, toks(2 * B, start=90), given=False)
+    o.rows.extend([5])
+    rows = torch.cat([o.rows.get(0, B, B + 1), n.rows.get(0, 0, 2 * B)])
+    assert alloc.peek(3) == [1, 3, 0]
+    assert c.append_rows_batch(0, [1, 2], rows, [1, 2 * B]) == [B, 0]
+    assert alloc.blocks(c.request_slot(1)) == [2, 1] and alloc.blocks(c.request_slot(2)) == [3, 0]
+    assert c.prefix.index.evictions == 1
+    o.resolve(0, [0, B])
+    n.resolve(0, [0, 3, 4, 7])
+    # the same through a prepared step (an engine's forward)
+    c2 = make(kernels, host_pool_tokens=4 * B, num_layers=1)
+    a = Req(c2, 0, toks(B + 1))
+    a.write()
+    o = Req(c2, 1, toks(B, start=70), given=False)
+    o.write()
+    c2.free_request(0)
+    n = Req(c2, 2, toks(2 * B, start=90), given=False)
+    o.rows.extend([5])
+    step = c2.prepare_step(c2.plan_write([1, 2], [1, 2 * B]))
+    c2.write_step(0, step, torch.cat([o.rows.get(0, B, B + 1), n.rows.get(0, 0, 2 * B)]))
+    assert c2.pool.allocator.blocks(c2.request_slot(1)) == [2, 1] and c2.pool.allocator.blocks(c2.request_slot(2)) == [3, 0]
+    n.resolve(0, [0, 7])
+
+
+def test_reset_prefix_cache_drops_unreferenced_blocks_only():
+    c = make()
+    a = Req(c, 0, toks(2 * B + 1))
+    a.write()
+    b = Req(c, 1, toks(3 * B + 1, start=500))
+    b.write()
+    c.free_request(0)
+    used = c.pool.allocator.num_used
+    assert c.prefix.index.evictable == 2
+    assert c.reset_prefix_cache() == 2
+    assert c.pool.allocator.num_used == used - 2 and c.prefix.index.cached == 0
+    assert c.prefix.index.evictions == 0  # a reset is not an eviction
+    assert Req(c, 2, toks(2 * B + 1)).cached == 0
+    # request 1's blocks, published by this lookup, are referenced: a reset keeps them
+    assert Req(c, 3, toks(3 * B + 1, start=500)).cached == 3 * B
+    assert c.reset_prefix_cache() == 0
+    for rid in (1, 2, 3):
+        c.free_request(rid)
+    assert c.reset_prefix_cache() == 3
+    assert c.pool.allocator.num_used == 0 and (c.state.row_slot == -1).all()
+
+
+def test_failed_add_request_changes_nothing():
+    c = make(max_num_reqs=2)
+    a = Req(c, 0, toks(2 * B + 1))
+    a.write()
+    before = prefix_snapshot(c)
+    for bad in ([1, -1], [2**32], [[1, 2]], [0.5], "abc"):
+        with pytest.raises(ValueError):
+            c.add_request(1, bad)
+    with pytest.raises(TypeError):
+        c.add_request(1, [1, 2], salt="str")
+    with pytest.raises(ValueError, match="already live"):
+        c.add_request(0, toks(2 * B + 1))
+    assert_same(before, prefix_snapshot(c))
+    Req(c, 1, [3])
+    before = prefix_snapshot(c)
+    with pytest.raises(CapacityError, match="request slots"):
+        c.add_request(2, toks(2 * B + 1))  # would publish and hit: refused first
+    assert_same(before, prefix_snapshot(c))
+    assert c.prefix.index.cached == 0
+
+
+def test_stats_and_metrics():
+    from hisparse.metrics import format_text
+
+    c = make()
+    keys = ("prefix_query_tokens", "prefix_hit_tokens", "cached_blocks", "shared_blocks", "prefix_evictions")
+    assert {k: c.stats()["total"][k] for k in keys} == dict.fromkeys(keys, 0)
+    a = Req(c, 0, toks(2 * B + 1))
+    a.write()
+    b = Req(c, 1, toks(2 * B + 3))
+    tot = c.stats()["total"]
+    assert {k: tot[k] for k in keys} == dict(prefix_query_tokens=4 * B + 4, prefix_hit_tokens=2 * B,
+                                             cached_blocks=2, shared_blocks=2, prefix_evictions=0)
+    assert b.cached == 2 * B
+    text = format_text(c.stats())
+    for name in ("hisparse_prefix_query_tokens", "hisparse_prefix_hit_tokens", "hisparse_prefix_cached_blocks",
+                 "hisparse_prefix_shared_blocks", "hisparse_prefix_evictions"):
+        assert name in text, name
+    assert "hisparse_prefix_cached_blocks 2" in text
+    # stats publishes a live request's finished blocks too
+    d = Req(c, 2, toks(B + 1, start=300))
+    d.write()
+    assert c.stats()["total"]["cached_blocks"] == 3
+    plain = HiSparseCache(HiSparseConfig(num_layers=1, host_pool_tokens=16, row_bytes=16, top_k=2,
+                                         max_num_reqs=2, host_block_size=4, device="cpu"), kernels="torch")
+    assert {k: plain.stats()["total"][k] for k in keys} == dict.fromkeys(keys, 0)
+
+
+def test_engine_group_add_request_returns_cached_tokens():
+    from hisparse.engine import HiSparseIndexGroup, SparseMLAMetadata
+
+    cfg = HiSparseConfig(num_layers=2, row_bytes=656, top_k=4, device_buffer_size=8, max_num_reqs=3,
+                         host_block_size=B, host_pool_tokens=3 * 48, max_request_id=16, device="cpu",
+                         prefix_caching=True)
+    g = HiSparseIndexGroup(cfg)
+    for _ in range(2):
+        g.register_layer(kv_cache_dtype="fp8_ds_mla")
+    rows = {}
+
+    def forward(rid, n0, n1, decode):
+        md = SparseMLAMetadata.build(request_ids=[rid], query_lens=[n1 - n0], seq_lens=[n1],
+                                     num_decodes=1 if decode else 0, device="cpu")
+        g.prepare_for_batch(md)
+        for layer in range(2):
+            g.write_new_rows(layer, rows[rid].get(layer, n0, n1), md)
+        return md
+
+    prompt = toks(3 * B + 2)
+    assert g.add_request(1, prompt) == 0
+    rows[1] = Rows(None, 2, 656)
+    rows[1].extend(prompt)
+    forward(1, 0, len(prompt), False)
+    rows[1].extend([9])
+    forward(1, len(prompt), len(prompt) + 1, True)
+    assert g.add_tokens(1, [9]) == len(prompt) + 1
+    g.free_request(1)
+    turn2 = prompt + [9, 10, 11]
+    assert g.add_request(2, turn2) == 3 * B
+    rows[2] = Rows(None, 2, 656)
+    rows[2].extend(turn2 + [12])
+    forward(2, 3 * B, len(turn2), False)
+    md = forward(2, len(turn2), len(turn2) + 1, True)
+    for layer in range(2):
+        topk = torch.tensor([[0, 5, 3 * B + 1, len(turn2)]], dtype=torch.int32)
+        phys, counts = g.convert_decode_logical_to_physical_topk(layer, topk, md, return_valid_counts=True)
+        hot = g.physical_kv_cache(layer)
+        for p, x in zip(topk[0].tolist(), phys[0].tolist()):
+            assert torch.equal(hot[x], rows[2].get(layer, p, p + 1)[0]), (layer, p)
+    assert g.stats()["total"]["prefix_hit_tokens"] == 3 * B
+    g.free_request(2)
+    assert g.reset_prefix_cache() == 4
+
+
+def test_token_ids_need_prefix_caching():
+    c = HiSparseCache(HiSparseConfig(num_layers=1, host_pool_tokens=16, row_bytes=16, top_k=2,
+                                     max_num_reqs=2, host_block_size=4, device="cpu"), kernels="torch")
+    assert c.prefix is None
+    with pytest.raises(ValueError, match="prefix_caching"):
+        c.add_request(0, [1, 2, 3])
+    with pytest.raises(ValueError, match="prefix_caching"):
+        c.add_request(0, salt=b"x")
+    assert c.live_requests() == []
+    assert c.add_request(0) == 0
+    with pytest.raises(ValueError, match="prefix_caching"):
+        c.add_tokens(0, [1])
+    assert c.reset_prefix_cache() == 0
+    with pytest.raises(ValueError, match="prefix_alias_blocks"):
+        HiSparseConfig(num_layers=1, host_pool_tokens=64, prefix_alias_blocks=4, device="cpu")
+
+
+def _state_bytes(st: HotState) -> int:
+    return sum(t.numel() * t.element_size() for t in vars(st).values() if isinstance(t, torch.Tensor))
+
+
+def test_default_config_keeps_its_device_tables():
+    """Without prefix caching: no alias ids, row_slot indexed by host row, and
+    device_bytes what the state tensors take (the old sizes plus the 4 x NB bytes of
+    the host_block map)."""
+    kw = dict(num_layers=3, host_pool_tokens=40 * B, row_bytes=32, top_k=4, max_num_reqs=3,
+              host_block_size=B, max_request_id=64, device="cpu")
+    cfg = HiSparseConfig(**kw)
+    assert cfg.prefix_alias_blocks == 0 and not cfg.prefix_caching
+    assert cfg.num_virtual_blocks == cfg.num_host_blocks and cfg.num_virtual_rows == cfg.num_host_rows
+    c = HiSparseCache(cfg, kernels="torch")
+    L, H, NB, R, SP = 3, cfg.num_host_rows, cfg.num_host_blocks, 3, cfg.slots_per_req
+    assert tuple(c.state.row_slot.shape) == (L, H)
+    assert c.state.host_block.tolist() == list(range(NB))
+    db = cfg.device_bytes()
+    assert db["state"] == _state_bytes(c.state)
+    old_state = (4 * 64 + 4 * L * R + 4 * R * NB + 12 * L * R * SP + 4 * L * H + 8 * L * R + 8 * L * 7
+                 + 4 * R * (1 + max(1, cfg.max_pages_per_request)))  # before prefix caching
+    assert db["state"] == old_state + 4 * NB
+    # with prefix caching: one alias per host block by default, row_slot over every id
+    pc = HiSparseConfig(**kw, prefix_caching=True)
+    assert pc.prefix_alias_blocks == NB and pc.num_virtual_rows == 2 * H
+    cp = HiSparseCache(pc, kernels="torch")
+    assert tuple(cp.state.row_slot.shape) == (L, 2 * H)
+    assert pc.device_bytes()["state"] == _state_bytes(cp.state) == db["state"] + 4 * L * H + 4 * NB
+    assert pc.device_bytes()["hot_rows"] == db["hot_rows"]
+    assert HiSparseConfig(**kw, prefix_caching=True, prefix_alias_blocks=0).device_bytes() == db
+
+
+def test_block_names_are_the_caches():
+    """The names a request's blocks are published under are ``block_names`` of its
+    tokens (salted), whether told at admission or later with add_tokens."""
+    c = make()
+    a = Req(c, 0, toks(B + 1), salt=b"s")
+    a.write()
+    a.decode(toks(B, start=9))
+    c.stats()  # publishes
+    names = block_names(a.tokens[:2 * B], B, salt=b"s")
+    assert [c.prefix.index.lookup(names)] == [c.pool.allocator.blocks(c.request_slot(0))[:2]]
+    assert _cpu_state(c)["seq_lens"][:, 0].tolist() == [2 * B + 1] * 2
