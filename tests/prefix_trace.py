@@ -331,6 +331,7 @@ class PrefixTrace:
         self.full_every = full_every
         self.n_ops = 0
         self.counts: collections.Counter[str] = collections.Counter()
+        self._checked: set[tuple[int, bytes]] = set()  # (cached block, its last row key) checked
 
     # ---- helpers ------------------------------------------------------------------
     def _toks(self, n: int) -> list[int]:
@@ -387,6 +388,8 @@ class PrefixTrace:
                   f"model {want}")
         self.sim.add(rid, slot)
         self.sim.reqs[rid].lens = [want] * self.L
+        if want:  # a hit starts hot (its cached rows are on the host only)
+            self.sim.reqs[rid].pages = None
         self.counts["add"] += 1
         self.counts["hit_tokens"] += want
         if want and any(v >= self.model.NB for v in self.model.reqs[rid].ids):
@@ -560,31 +563,34 @@ class PrefixTrace:
         res = self.cache.resolve(layer, torch.tensor(rids, dtype=torch.int32, device=dev),
                                  torch.tensor(topk, dtype=torch.int32, device=dev))
         self.sim.resolve(layer, rids, topk)
-        phys = res.physical.cpu().tolist()
+        phys = res.physical.cpu()
+        tk = torch.tensor(topk, dtype=torch.int64)
         hot = self.cache.hot[layer].cpu()
         st = _cpu_state(self.cache)
-        got, want = [], []
+        n_rows = 0
         for t, rid in enumerate(rids):
             q = model.reqs[rid]
             r = q.slot
-            for k, p in enumerate(topk[t]):
-                x = phys[t][k]
-                if p < 0:
-                    if x != -1:
-                        _fail(f"padding entry ({t}, {k}) resolved to {x}")
-                    continue
-                if not r * self.SP <= x < (r + 1) * self.SP:
-                    _fail(f"request {rid} pos {p}: physical {x} outside its slots")
-                if int(st["slot_pos"][layer, r, x - r * self.SP]) != p:
-                    _fail(f"request {rid} pos {p}: slot {x - r * self.SP} holds "
-                          f"{int(st['slot_pos'][layer, r, x - r * self.SP])}")
-                got.append(hot[x])
-                want.append(q.rows.get(layer, p, p + 1)[0])
-        if got and not torch.equal(torch.stack(got), torch.stack(want)):
-            bad = [i for i in range(len(got)) if not torch.equal(got[i], want[i])]
-            _fail(f"layer {layer}: {len(bad)} resolved hot rows differ from the expected rows")
+            valid = tk[t] >= 0
+            if (phys[t][~valid] != -1).any():
+                _fail(f"padding entries of request {rid} resolved to {phys[t][~valid].tolist()}")
+            x, p = phys[t][valid].long(), tk[t][valid]
+            if not x.numel():
+                continue
+            if not int(st["resident"][r]):  # else: the elastic tier's pages (bytes checked below)
+                if ((x < r * self.SP) | (x >= (r + 1) * self.SP)).any():
+                    _fail(f"request {rid}: physical rows {x.tolist()} outside its slots")
+                held = st["slot_pos"][layer, r, x - r * self.SP].long()
+                if not torch.equal(held, p):
+                    _fail(f"request {rid}: positions {p.tolist()} resolved to slots holding {held.tolist()}")
+            want = q.rows.get(layer, 0, q.lens[layer])[p]
+            if not torch.equal(hot[x], want):
+                bad = [(int(pp), int(xx)) for pp, xx, a, b in zip(p, x, hot[x], want) if not torch.equal(a, b)]
+                _fail(f"layer {layer} request {rid}: resolved hot rows of (position, physical) {bad[:6]} "
+                      f"({len(bad)} of {len(p)}) differ from the expected rows")
+            n_rows += x.numel()
         self.counts["resolve"] += 1
-        self.counts["resolved_rows"] += len(got)
+        self.counts["resolved_rows"] += n_rows
 
     def op_resolve(self) -> None:
         live = self._live()
@@ -625,7 +631,7 @@ class PrefixTrace:
         self.counts["stats"] += 1
 
     OPS = [("add", 6), ("prefill", 6), ("decode", 6), ("decode_step", 2), ("give", 3), ("extend", 1),
-           ("resolve", 3), ("free", 4), ("reset", 0.3), ("stats", 1), ("bad_add", 0.5)]
+           ("resolve", 3), ("free", 4), ("reset", 0.5), ("stats", 1), ("bad_add", 0.5)]
 
     def step(self) -> str:
         names, weights = zip(*self.OPS)
@@ -752,7 +758,7 @@ class PrefixTrace:
                     keys = ids[p // B] * B + p % B
                     if not torch.equal(rs[keys].long(), occ):
                         _fail(f"({l}, {rid}): row_slot at its row keys {rs[keys].tolist()}, slots {occ.tolist()}")
-                    want = torch.stack([q.rows.get(l, pp, pp + 1)[0] for pp in p.tolist()])
+                    want = q.rows.get(l, 0, q.lens[l])[p]
                     if not torch.equal(hot[l, r * SP + occ], want):
                         bad = [(int(s), int(pp)) for s, pp, a, b in zip(occ, p, hot[l, r * SP + occ], want)
                                if not torch.equal(a, b)]
@@ -765,8 +771,12 @@ class PrefixTrace:
                         _fail(f"({l}, {rid}): host rows differ from the expected rows")
             if int((rs >= 0).sum()) != mapped:
                 _fail(f"layer {l}: {int((rs >= 0).sum())} row_slot entries, {mapped} occupied slots")
-        # every cached block holds the rows of its name, in every layer
+        # every cached block holds the rows of its name, in every layer (each checked once
+        # it is no longer referenced: a referenced one is a live request's, checked above)
         for b, keys in model.keys_of.items():
+            if b in model.refs or (b, keys[-1]) in self._checked:
+                continue
+            self._checked.add((b, keys[-1]))
             for l in range(L):
                 want = torch.frombuffer(bytearray(b"".join(content(k, l, self.cfg.row_bytes) for k in keys)),
                                         dtype=torch.uint8).view(B, -1)
