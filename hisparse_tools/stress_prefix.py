@@ -44,6 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .report import table
 from .workload import Schedule, StressOptions
 
 FOLLOWUP = 0.5  # probability that a joining request continues a conversation that left
@@ -267,8 +268,6 @@ def format_prefix(r: dict[str, Any]) -> list[str]:
             ["cached / shared blocks", f"{p['cached_blocks']} / {p['shared_blocks']}",
              f"at the last step; shared peak {p['shared_blocks_peak']}"],
             ["evictions", p["evictions"], f"cached blocks reused for new rows (alias ids {p['alias_blocks']})"]]
-    from .report import table
-
     return [f"prefix caching: {p['groups']} group(s) sharing {p['shared_prefix']} tokens, follow-up turns", "",
             table(["", "value", ""], rows), "",
             "after every request left and reset_prefix_cache(): "

@@ -132,9 +132,10 @@ class StressOptions:
                              "only whole blocks are shared, so nothing would be; give a shared_prefix of at "
                              f"least {self.block_size} or a smaller block_size")
         if P >= cm:
+            given = "" if self.context_min is not None else ", by default context / 2"
             raise ValueError(f"shared_prefix={P} does not fit the prompts: a prompt is the shared prefix plus at "
-                             f"least one token of its own, and the shortest is context_min={cm} tokens; give a "
-                             f"shared_prefix below {cm} or a longer context_min")
+                             f"least one token of its own, and the shortest has {cm} tokens (context_min{given}); "
+                             f"give a shared_prefix below {cm} or a longer context_min")
         if self.trace == "replay":
             raise ValueError("shared_prefix makes its own requests (prompts, follow-up turns) and a replayed "
                              "trace fixes them: give one of the two")
