@@ -387,6 +387,12 @@ def _add_plan(sub) -> None:
            "device_pool_rows) for the --target requests, else the hisparse concurrency: its GPU bytes, the "
            "requests it holds resident at --context, the rows that would hold all of them; auto: every GPU "
            "byte those requests leave")
+    a("--shared-prefix", type=token_arg, default=None, metavar="P",
+      help="prefix caching: the requests share the first P of their --context tokens in --prefix-groups groups; "
+           "reports the host pool rows with and without sharing, the alias ids (prefix_alias_blocks) and their "
+           "device memory, and the concurrency with sharing")
+    a("--prefix-groups", type=int, default=None, metavar="G",
+      help="with --shared-prefix: groups of requests, each sharing its own prefix (default 1)")
     p.set_defaults(func=_cmd_plan)
 
 
@@ -398,7 +404,8 @@ def _cmd_plan(args) -> int:
                         indexer_bytes=args.indexer_bytes, index_share=args.index_share,
                         hot_rows=args.hot_rows, max_seqs=args.max_seqs, block_size=args.block_size,
                         target_requests=args.target_requests, tp_ranks=args.tp_ranks,
-                        tp_share=args.tp_share, pool_rows=args.pool_rows))
+                        tp_share=args.tp_share, pool_rows=args.pool_rows, shared_prefix=args.shared_prefix,
+                        prefix_groups=args.prefix_groups))
     c, b = r["concurrency"], r["per_request_bytes"]
     if c["hisparse"] == 0:
         raise CapacityError(

@@ -99,10 +99,14 @@ def check_stress(args: argparse.Namespace) -> None:
 
 
 def check_plan(args: argparse.Namespace) -> None:
-    """``hisparse plan``: ``--tp-share`` needs more than one rank."""
+    """``hisparse plan``: ``--tp-share`` needs more than one rank; ``--prefix-groups``
+    needs ``--shared-prefix``."""
     if args.tp_share and args.tp_ranks == 1:
         raise unused(["--tp-share"], "with --tp 1 (one rank keeps one host pool, shared or not)",
                      "give --tp N with N > 1, or drop it")
+    if args.prefix_groups is not None and args.shared_prefix is None:
+        raise unused(["--prefix-groups"], "without --shared-prefix (it sets how many groups share a prefix)",
+                     "add --shared-prefix P or drop it")
 
 
 def check_autotune(args: argparse.Namespace) -> None:
