@@ -189,7 +189,9 @@ class HiSparseCache:
         are views of the cache's own buffers, valid for the cache's lifetime. With the
         elastic tier (``cfg.device_pool_rows``) it carries the residency flags and the
         device page table, so staging reads a resident request's rows from its pages
-        (device to device) instead of the host pool; without one it carries neither."""
+        (device to device) instead of the host pool; without one it carries neither.
+        With prefix-cache aliases (``cfg.prefix_alias_blocks``) it carries the block-id
+        map ``host_block``, so staging reads an alias's rows from the cached host block."""
         V.check_layer(self.cfg, layer)
         view = self._views.get(layer)
         if view is None:
@@ -204,7 +206,8 @@ class HiSparseCache:
                     if self.dpool.enabled else {})
             view = LayerView(host_rows=self.pool.rows[layer], blocks=blocks, row_format=fmt,
                              hot_rows=self.hot[layer], row_slot=st.row_slot[layer],
-                             slots_per_req=cfg.slots_per_req, **pool)
+                             slots_per_req=cfg.slots_per_req,
+                             host_block=st.host_block if cfg.prefix_alias_blocks else None, **pool)
             self._views[layer] = view
         return view
 
