@@ -20,7 +20,7 @@ from hisparse.config import HiSparseConfig
 
 CPU = torch.device("cpu")
 STATE_FIELDS = ("id_to_slot", "seq_lens", "block_table", "slot_pos", "slot_stamp", "row_slot",
-                "step", "stats", "resident", "page_table")
+                "host_block", "step", "stats", "resident", "page_table")
 OUT_FIELDS = ("physical", "valid_counts", "stage_src", "stage_dst")
 
 
@@ -68,7 +68,7 @@ def make_state(cfg: HiSparseConfig, seq_by_id: dict[int, int], device: torch.dev
                 st_.row_slot[layer, last_row] = S
     return HotState(**{f: (getattr(st_, f).to(device) if f in STATE_FIELDS else getattr(st_, f))
                        for f in ("id_to_slot", "seq_lens", "block_table", "slot_pos", "slot_stamp",
-                                 "row_slot", "step", "stats", "resident", "page_table", "S", "B",
+                                 "row_slot", "host_block", "step", "stats", "resident", "page_table", "S", "B",
                                  "pool_base", "PB", "pool_pages")})
 
 

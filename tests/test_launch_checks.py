@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hisparse import HiSparseConfig
-from hisparse.cache.cache import _PinnedPool
+from hisparse.cache.kernel_set import PinnedPool
 from hisparse.cache.resolve_triton import resolve_triton
 from hisparse.cache.state import STAT_HITS, HotState, ResolveBuffers
 
@@ -48,9 +48,9 @@ def test_public_resolve_triton_still_checks_a_state_it_did_not_build():
 
 def test_pinned_pool_check_reads_the_pools_flag_every_time():
     pool = NS(pinned=True)
-    chk = _PinnedPool(pool, torch.device("cuda", 0))
+    chk = PinnedPool(pool, torch.device("cuda", 0))
     chk.check("src")
     pool.pinned = False  # released or closed after the cache was built
     with pytest.raises(ValueError, match="not pinned"):
         chk.check("src")
-    _PinnedPool(pool, None).check("src")  # the interpreter reaches host memory directly
+    PinnedPool(pool, None).check("src")  # the interpreter reaches host memory directly

@@ -30,79 +30,23 @@ from ..formats import RowFormat
 from ..staging.view import BlockTable, LayerView
 from . import lifecycle
 from . import validate as V
-from .apply_write import apply_write_plan_reference, apply_write_plan_triton
 from .device_pool import DevicePool
 from .host_pool import HostPool, check_pool
+from .kernel_set import kernel_set
 from .prefix import PrefixCache
 from .requests import RequestTable
-from .resolve_ref import (copy_rows_reference, copy_staged_reference, resolve_lookup_reference, resolve_reference,
-                          resolve_resident_reference)
-from .resolve_triton import _launch_resolve, _launch_resolve_resident, check_state, resolve_lookup_triton
+from .resolve_triton import check_state
 from .results import ResolveResult, SplitResult
 from .stager import CacheStreams, CopyShape, Stager, capturing
 from .state import HotState, ResolveBuffers
 from .stats import cache_stats
-from .transfer import _launch_copy_rows, _launch_copy_staged
 from .write import WriteBatch, Writer
 from .write_step import StepCapacity, StepPlan
 
 
-def _stage_reference(host_rows, out: ResolveBuffers, hot_rows, *, K: int, programs=None,
-                     shape=None) -> None:
-    copy_staged_reference(host_rows, out.stage_src, hot_rows, out.stage_dst, out.stage_counts, K=K)
-
-
-class _PinnedPool:
-    """Whether the host pool's rows (uint8 [L, H, row_bytes], CPU), which the Triton
-    kernels reach over UVA, are page-locked now: the pool's own flag, which a release
-    or close clears (a flag read per launch, capture included); a pool that is not
-    pinned is refused with a ValueError before the launch. On the interpreter (dev
-    None) there is nothing to check."""
-
-    def __init__(self, pool: HostPool, dev: torch.device | None) -> None:
-        self.pool = pool
-        self.dev = dev
-
-    def check(self, name: str) -> None:
-        if self.dev is not None and not self.pool.pinned:
-            raise ValueError(f"{name} (the host pool's rows) is not pinned (a pool made with pin=False, "
-                             f"or released / closed); the kernel on {self.dev} can only reach page-locked "
-                             "host memory")
-
-
-def _kernel_set(kernels: Kernels, device: torch.device, pool: HostPool) -> dict:
-    """The launch functions of a picked implementation. The Triton ones launch without
-    re-checking what the cache owns (its state, buffers, plans and pool; see
-    ``resolve_triton._launch_resolve``); the callers check the call's own arguments."""
-    if kernels is Kernels.TORCH:
-        def mirror(rows, plan, host_l):
-            copy_rows_reference(rows, plan.host_tok32, host_l, plan.host_h32)
-        return dict(resolve_fn=resolve_reference, lookup_fn=resolve_lookup_reference,
-                    resident_fn=resolve_resident_reference, copy_fn=_stage_reference,
-                    apply_fn=apply_write_plan_reference, mirror_fn=mirror, pinned_check=lambda name: None)
-
-    dev = device if device.type == "cuda" else None
-    pinned = _PinnedPool(pool, dev)
-
-    def mirror(rows, plan, host_l):  # packed rows (Writer.check_rows) -> pinned host over UVA
-        pinned.check("dst")
-        _launch_copy_rows(rows, plan.host_tok32, host_l, plan.host_h32, dev)
-
-    def stage(host_rows, out: ResolveBuffers, hot_rows, *, K: int, programs=None, shape=None) -> None:
-        # the pool's pinned flag: checked by every resolve before it launches (_check_resolve)
-        if programs is not None:  # Stager.stage_programs, settable by its user
-            check_int("programs", programs, 1)
-        rows, warps = shape if shape is not None else (8, 4)  # (rows per iteration, warps)
-        _launch_copy_staged(host_rows, out.stage_src, hot_rows, out.stage_dst, out.stage_counts, dev,
-                            K=K, programs=programs, rows_per_program=rows, num_warps=warps)
-
-    return dict(resolve_fn=_launch_resolve, lookup_fn=resolve_lookup_triton, resident_fn=_launch_resolve_resident,
-                copy_fn=stage, apply_fn=apply_write_plan_triton, mirror_fn=mirror, pinned_check=pinned.check)
-
-
 def _split_buffers(memo: dict, cfg: HiSparseConfig, device: torch.device, layer: int, T: int,
                    K: int) -> tuple[torch.Tensor, tuple]:
-    """int32 [T, K] hit rows and the (miss rows, miss host rows, counts) lists of a
+    """int32 [T, K] hit rows and the (miss rows, miss row keys, counts) lists of a
     layer's split resolves (allocated into ``memo`` on the layer's first split resolve)."""
     bufs = memo.get(layer)
     if bufs is None:
@@ -143,7 +87,9 @@ class HiSparseCache:
         self.state = HotState.allocate(cfg, self.device)
         if choice is Kernels.TRITON:
             check_state(self.state)  # once: the per-call launches rely on it
-        fns = _kernel_set(choice, self.device, self.pool)
+        # the staging copy reads row keys through the block-id map only where aliases exist
+        fns = kernel_set(choice, self.device, self.pool, B=cfg.host_block_size,
+                         host_block=self.state.host_block if cfg.prefix_alias_blocks else None)
         self._pinned_check = fns.pop("pinned_check")
         # uint8 [L, device_rows_per_layer, row_bytes]; hot[l] is what physical indices index
         self.hot = torch.zeros((L, cfg.device_rows_per_layer, cfg.row_bytes), dtype=torch.uint8,
@@ -249,7 +195,9 @@ class HiSparseCache:
         are views of the cache's own buffers, valid for the cache's lifetime. With the
         elastic tier (``cfg.device_pool_rows``) it carries the residency flags and the
         device page table, so staging reads a resident request's rows from its pages
-        (device to device) instead of the host pool; without one it carries neither."""
+        (device to device) instead of the host pool; without one it carries neither.
+        With prefix-cache aliases (``cfg.prefix_alias_blocks``) it carries the block-id
+        map ``host_block``, so staging reads an alias's rows from the cached host block."""
         V.check_layer(self.cfg, layer)
         view = self._views.get(layer)
         if view is None:
@@ -264,7 +212,8 @@ class HiSparseCache:
                     if self.dpool.enabled else {})
             view = LayerView(host_rows=self.pool.rows[layer], blocks=blocks, row_format=fmt,
                              hot_rows=self.hot[layer], row_slot=st.row_slot[layer],
-                             slots_per_req=cfg.slots_per_req, **pool)
+                             slots_per_req=cfg.slots_per_req,
+                             host_block=st.host_block if cfg.prefix_alias_blocks else None, **pool)
             self._views[layer] = view
         return view
 
@@ -541,7 +490,7 @@ class HiSparseCache:
         Predicted rows become hot like a resolve's; positions the layer does not hold
         yet are skipped; only the staged rows are counted (``prefetch_rows``). Unchecked
         (``validate=False``) semantics: graph capturable. Returns the prefetch's
-        ``ResolveBuffers``: its staging lists (the host rows it staged in ``stage_src``,
+        ``ResolveBuffers``: its staging lists (the row keys it staged in ``stage_src``,
         their slots in ``stage_dst``, ``stage_counts`` per group) are written on the
         stage stream and valid until the next prefetch; its undo log is shared with
         every layer's resolves.

@@ -26,7 +26,8 @@ Inputs: ``req_ids`` int32 [T] (request id per query token), ``topk`` int32 [T, K
    the |M| smallest-key victims among slots 0..S-1 whose stamp < s (see ``state`` for
    the key); the i-th miss takes the i-th victim in ascending *slot* order. A victim's
    old row is unmapped; the miss is mapped, stamped s, and appended to the group's
-   staging list stage_src/stage_dst[t0*K : t0*K + |M|] (host row -> flat hot row).
+   staging list stage_src/stage_dst[t0*K : t0*K + |M|] (row key -> flat hot row; the
+   staging copy reads the key's host row, ``host_rows_of_keys``).
 4. physical[t, k] = r * (S + 1) + slot of the entry's row, -1 for padding;
    valid_counts[t] = number of non-padding entries (duplicates count).
    With ``compact`` the valid entries of each row move to its front, in order.
@@ -201,8 +202,8 @@ def resolve_reference(state: HotState, layer: int, req_ids: torch.Tensor, topk: 
     capacity >= [T, K] (only the first T rows / T*K entries are written).
     ``stamped``: the hits were already stamped and counted (the miss phase of a split
     resolve, after ``resolve_lookup_reference``). ``miss_lists``: (miss_phys int32
-    [T, K], miss_host int32 [T, K], miss_counts int32 [T]) receive each token's miss
-    entries, compacted. ``prefetch``: only the misses are counted, as STAT_PREFETCH.
+    [T, K], miss_host int32 [T, K] (row keys), miss_counts int32 [T]) receive each
+    token's miss entries, compacted. ``prefetch``: only the misses are counted, as STAT_PREFETCH.
     """
     T, K = topk.shape
     S, B = state.S, state.B
@@ -224,7 +225,7 @@ def resolve_reference(state: HotState, layer: int, req_ids: torch.Tensor, topk: 
     if not prefetch:
         state.stats[layer, STAT_INVALID] += (bad & ~live[:, None]).sum() if stamped else bad.sum()
 
-    row_slot = state.row_slot[layer]  # int32 [H]
+    row_slot = state.row_slot[layer]  # int32 [HV], by row key
     phys = torch.full((T, K), -1, dtype=torch.int64, device=dev)
     miss_lane = torch.zeros((T, K), dtype=torch.bool, device=dev)
     for t0, r, n in groups:
@@ -305,16 +306,35 @@ def resolve_reference(state: HotState, layer: int, req_ids: torch.Tensor, topk: 
     out.physical[:T, :K] = phys.to(torch.int32)
 
 
+def host_rows_of_keys(keys: torch.Tensor, host_block: torch.Tensor | None, B: int) -> torch.Tensor:
+    """Host rows (int64, ``keys``' shape) of row keys ``keys`` (any integer tensor, -1 =
+    none): ``host_block[key // B] * B + key % B``, -1 for -1, for a key past the NV
+    block ids of ``host_block`` (int32 [NV]) or an unmapped id. ``host_block`` None:
+    the identity (the keys, int64)."""
+    k = keys.long()
+    if host_block is None:
+        return k
+    hb = host_block.to(k.device).long()
+    ok = (k >= 0) & (k < hb.numel() * B)
+    safe = torch.where(ok, k, torch.zeros_like(k))
+    blk = hb[safe // B]
+    return torch.where(ok & (blk >= 0), blk * B + safe % B, torch.full_like(k, -1))
+
+
 def copy_staged_reference(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor,
-                          counts: torch.Tensor, *, K: int) -> int:
+                          counts: torch.Tensor, *, K: int, host_block: torch.Tensor | None = None,
+                          B: int = 1) -> int:
     """``transfer.copy_staged``'s semantics: the first counts[t] entries of each group's
-    list, t * K on (a group of q tokens has up to q * K). Returns the number of rows copied."""
+    list, t * K on (a group of q tokens has up to q * K). ``src_idx`` (int32 [T * K])
+    holds row keys read at their host rows through ``host_block`` (int32 [NV], block
+    ids of B rows; None: the keys are the rows). Returns the number of rows copied."""
     n = 0
     T = counts.shape[0]
     for t, m in enumerate(counts.tolist()):
         m = max(0, min(int(m), (T - t) * K))
         if m:
-            n += copy_rows_reference(src, src_idx[t * K:t * K + m], dst, dst_idx[t * K:t * K + m])
+            rows = host_rows_of_keys(src_idx[t * K:t * K + m], host_block, B)
+            n += copy_rows_reference(src, rows, dst, dst_idx[t * K:t * K + m])
     return n
 
 

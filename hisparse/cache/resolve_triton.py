@@ -43,15 +43,21 @@ def _check_vec(name: str, x: object, dtype: torch.dtype, ndim: int, device: torc
 
 def check_state(state: HotState) -> None:
     """The layout the kernels assume of ``state``'s tensors (dtypes, one device,
-    contiguous, [L, R] counters). A cache checks its own state once, when it is built
-    (nothing replaces its tensors afterwards); the public launchers check per call."""
+    contiguous, [L, R] counters, row_slot [L, HV] with HV = NV x B for the NV block ids
+    of host_block). A cache checks its own state once, when it is built (nothing
+    replaces its tensors afterwards); the public launchers check per call."""
     dev = state.slot_pos.device
     for name, dtype in (("id_to_slot", torch.int32), ("seq_lens", torch.int32), ("block_table", torch.int32),
                         ("slot_pos", torch.int32), ("slot_stamp", torch.int64), ("row_slot", torch.int32),
-                        ("step", torch.int64)):
+                        ("host_block", torch.int32), ("step", torch.int64)):
         x = getattr(state, name)
         if x.dtype != dtype or x.device != dev or not x.is_contiguous():
             raise ValueError(f"state.{name} must be a contiguous {dtype} tensor on {dev}")
+    if (state.row_slot.dim() != 2 or state.host_block.dim() != 1
+            or state.row_slot.shape[1] != state.host_block.shape[0] * state.B):
+        raise ValueError(f"state.row_slot must be int32 [L, NV x B] for state.host_block int32 [NV] "
+                         f"(B = {state.B}), got row_slot {tuple(state.row_slot.shape)}, host_block "
+                         f"{tuple(state.host_block.shape)}")
     if state.seq_lens.dim() != 2 or state.seq_lens.shape != state.step.shape:
         raise ValueError(f"state.seq_lens must be int32 [L, R] like state.step {tuple(state.step.shape)}, "
                          f"got {tuple(state.seq_lens.shape)}")
@@ -185,7 +191,7 @@ def _launch_resolve(state: HotState, layer: int, req_ids: torch.Tensor, topk: to
             ls.seq_lens, ls.seq_lens.shape[0],
             bt, bt.stride(0), bt.shape[1],
             ls.slot_pos, ls.slot_stamp,
-            ls.row_slot, ls.row_slot.shape[0],
+            ls.row_slot, ls.row_slot.shape[0],  # HV: row keys (block id x B + offset) index row_slot
             ls.step, ls.stats,
             state.resident, state.page_table, state.page_table.stride(0), state.page_table.shape[1],
             state.pool_base, state.PB, state.pool_pages,

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .resolve_ref import resident_rows, resolve_groups
+from .resolve_ref import host_rows_of_keys, resident_rows, resolve_groups
 from .state import STAT_HITS, STAT_INVALID, STAT_MISSES, STAT_RESIDENT, STAT_RESOLVES, HotState, ResolveBuffers
 
 
@@ -34,7 +34,8 @@ def rollback_resolve(state: HotState, layer: int, req_ids: torch.Tensor, topk: t
     synchronises first). ``miss_phase_ran=False``: only the hit phase of a split
     resolve ran (hits stamped with step + 1 and counted, nothing mapped).
     hot_rows: uint8 [N, row_bytes] and host_rows: uint8 [H, row_bytes], the layer's:
-    victims' bytes are restored from host (needed once the staging may have run).
+    victims' bytes are restored from host (needed once the staging may have run), read
+    at the host rows of their row keys (``state.host_block``).
     """
     T, K = topk.shape
     if T == 0:
@@ -69,7 +70,7 @@ def rollback_resolve(state: HotState, layer: int, req_ids: torch.Tensor, topk: t
             old_rows = bt[op // B] * B + op % B
             row_slot[old_rows] = slots[had].to(torch.int32)
             if hot_rows is not None and bool(had.any()):
-                back = host_rows[old_rows.to(host_rows.device)]
+                back = host_rows[host_rows_of_keys(old_rows, state.host_block, B).to(host_rows.device)]
                 hot_rows[dst[:m][had].to(hot_rows.device)] = back.to(hot_rows.device)
         undo = out.undo_hit[base:base + n * K]
         lanes = (undo >= 0) & (undo != s_new)

@@ -145,7 +145,8 @@ class ResolveBuffers:
 
     physical:     int32 [T, K]   row in the layer's flat hot view, -1 = padding
     valid_counts: int32 [T]      non-padding entries per query token
-    stage_src:    int32 [T * K]  host row to stage (within the layer), -1 = nothing
+    stage_src:    int32 [T * K]  row key to stage (within the layer; the copy reads its
+                  host row through host_block), -1 = nothing
     stage_dst:    int32 [T * K]  flat hot row it goes to, -1 = nothing
     stage_counts: int32 [T]      m at a group's first token t0, 0 elsewhere: the misses of
                   that group occupy stage_*[t0*K : t0*K + m]

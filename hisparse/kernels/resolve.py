@@ -21,14 +21,14 @@ in registers from P1 to P5; global memory hand-offs between phases are separated
 ``tl.debug_barrier`` (a CTA-wide barrier), and values written by atomics are read back
 with ``.cg`` loads (L2, not a possibly stale L1 line). The only sort is of the misses:
   P1  load the group's positions; invalid ones (out of [0, seq_len), or an unmapped
-      host block) are counted and treated as padding. Look every row up in row_slot.
+      block) are counted and treated as padding. Look every row key up in row_slot.
   P2  hits: ``atomic_xchg`` their slot stamp to the new step; the lanes that changed
       a stamp are the unique hits. If there is no miss, skip to P5 (the all-hit path:
       one pass over the tile, no barrier). Misses: each miss lane bids a marker < -1
       for its row with ``atomic_min`` (the first lane in row-major order bids the
       smallest); the lane that reads its own marker back is the row's first
       occurrence. First occurrences get their miss rank i (row-major exclusive cumsum)
-      and park (host row, position) at entry i of the group's staging slice
+      and park (row key, position) at entry i of the group's staging slice
       stage_*[t0*K : (t0+n)*K] (the slice belongs to the group alone); the rest of
       the slice is cleared to -1. The m parked entries are then sorted by position
       (``tl.sort`` over a tile of SMALL_SORT entries when m is small, else of the
@@ -57,7 +57,7 @@ counted in STAT_RESIDENT; its step does not move. The split hit phase does the s
 lookup and stamps nothing.
 
 Robustness with validation off: every load and store index is range checked
-(request id, request slot, block, host row, slot), so a corrupt input or state costs
+(request id, request slot, block, row key, slot), so a corrupt input or state costs
 correctness for the affected rows but never an out-of-bounds access. Two groups of
 the same request in one launch (non-contiguous tokens, rejected in checked mode)
 cannot race on that request's state: only the first run is resolved.
@@ -73,18 +73,17 @@ _I64_MAX = tl.constexpr(9223372036854775807)
 
 
 @triton.jit
-def _host_row(pos, ok, bt_row_ptr, NB, B, H):
-    """Host row (int64) of positions ``pos`` through one block-table row.
-
-    pos: int32 tensor; ok: bool tensor (lanes to look up). Returns (row, good):
-    row is -1 where not good; good = ok and the block is mapped and in range.
-    """
+def _row_key(pos, ok, bt_row_ptr, NB, B, HV):
+    """Row key (int64: block id * B + pos % B, ``state``) of positions ``pos`` through
+    one block-table row. pos: int32 tensor; ok: bool tensor (lanes to look up).
+    Returns (row, good): row is -1 where not good; good = ok and the block is mapped
+    and the key < HV (row_slot's length)."""
     safe = tl.where(ok, pos, 0)
     blk = safe // B
     okb = ok & (blk < NB)
     hb = tl.load(bt_row_ptr + blk, mask=okb, other=-1)
     row = hb.to(tl.int64) * B + (safe % B)
-    good = okb & (hb >= 0) & (row < H)
+    good = okb & (hb >= 0) & (row < HV)
     return tl.where(good, row, -1), good
 
 
@@ -103,15 +102,15 @@ def _page_row(pos, ok, pt_row_ptr, MP, PB, pool_base, NPG):
 
 
 @triton.jit
-def _sort_parked(stage_src_ptr, stage_dst_ptr, base, m, bt_r, NB, B, H, TILE: tl.constexpr):
-    """Rewrite the m parked misses (entries [base, base + m) of stage_src = host row,
+def _sort_parked(stage_src_ptr, stage_dst_ptr, base, m, bt_r, NB, B, HV, TILE: tl.constexpr):
+    """Rewrite the m parked misses (entries [base, base + m) of stage_src = row key,
     stage_dst = -2 - position; m <= TILE) in ascending position order."""
     i = tl.arange(0, TILE)
     im = i < m
     enc = tl.load(stage_dst_ptr + base + i, mask=im, other=-1)
     pos = tl.sort(tl.where(im, -2 - enc, _I32_MAX))
     tl.debug_barrier()  # every parked entry is read before any is rewritten
-    row, _good = _host_row(pos, im, bt_r, NB, B, H)
+    row, _good = _row_key(pos, im, bt_r, NB, B, HV)
     tl.store(stage_src_ptr + base + i, row.to(tl.int32), mask=im)
     tl.store(stage_dst_ptr + base + i, -2 - pos, mask=im)
 
@@ -132,7 +131,7 @@ def _list_victims(vic, si, m, scratch_ptr, K, phys_stride):
 @triton.jit
 def _pair_listed(nv, m, s_new, rbase, base, scratch_ptr, K, phys_stride, S, slot_pos_r, slot_stamp_r,
                  row_slot_ptr, stage_src_ptr, stage_dst_ptr, undo_vpos_ptr, undo_vstamp_ptr, bt_r, NB,
-                 B, H, N: tl.constexpr):
+                 B, HV, N: tl.constexpr):
     """P4, second half, over N >= m lanes (the group tile's, not the S slots'): victim i < min(nv, m)
     takes the miss parked at entry i. It logs the victim's old position and stamp,
     unmaps its old row and maps the miss. Returns the number of victims paired."""
@@ -141,10 +140,10 @@ def _pair_listed(nv, m, s_new, rbase, base, scratch_ptr, K, phys_stride, S, slot
     vs = tl.load(scratch_ptr + (i // K).to(tl.int64) * phys_stride + i % K, mask=im, other=-1)
     mrow = tl.load(stage_src_ptr + base + i, mask=im, other=-1)
     menc = tl.load(stage_dst_ptr + base + i, mask=im, other=-1)
-    okv = im & (vs >= 0) & (vs < S) & (menc <= -2) & (mrow >= 0) & (mrow < H)
+    okv = im & (vs >= 0) & (vs < S) & (menc <= -2) & (mrow >= 0) & (mrow < HV)
     spo = tl.load(slot_pos_r + vs, mask=okv, other=-1)
     st = tl.load(slot_stamp_r + vs, mask=okv, other=-1, cache_modifier=".cg")
-    orow, ogood = _host_row(spo, okv & (spo >= 0), bt_r, NB, B, H)
+    orow, ogood = _row_key(spo, okv & (spo >= 0), bt_r, NB, B, HV)
     tl.store(row_slot_ptr + orow, tl.full([N], -1, tl.int32), mask=ogood)
     tl.store(undo_vpos_ptr + base + i, spo, mask=okv)
     tl.store(undo_vstamp_ptr + base + i, st, mask=okv)
@@ -205,7 +204,7 @@ def _token_group(t, req_ids_ptr, id_to_slot_ptr, max_request_id, R, Q: tl.conste
 # per-layer state pointers are views at arbitrary 4-byte offsets, and only scalar
 # or gathered accesses use them, so their alignment is not specialised either.
 @triton.jit(
-    do_not_specialize=["topk_stride", "max_request_id", "R", "bt_stride", "NB", "H",
+    do_not_specialize=["topk_stride", "max_request_id", "R", "bt_stride", "NB", "HV",
                        "pt_stride", "MP", "pool_base", "PB", "NPG", "phys_stride", "T", "K", "S", "B"],
     do_not_specialize_on_alignment=["slot_pos_ptr", "slot_stamp_ptr", "row_slot_ptr",
                                     "step_ptr", "stats_ptr", "id_to_slot_ptr", "seq_lens_ptr",
@@ -221,13 +220,13 @@ def resolve_kernel(
     max_request_id,
     seq_lens_ptr,  # int32 [R] of this layer: rows appended to the layer per request slot
     R,
-    bt_ptr,  # int32 [R, NB] (row stride bt_stride), host block per logical block
+    bt_ptr,  # int32 [R, NB] (row stride bt_stride), block id (< NV) per logical block
     bt_stride,
     NB,
     slot_pos_ptr,  # int32 [R, S + 1] of this layer (contiguous), -1 = empty
     slot_stamp_ptr,  # int64 [R, S + 1] of this layer (contiguous), -1 = empty
-    row_slot_ptr,  # int32 [H] of this layer, -1 = not hot
-    H,
+    row_slot_ptr,  # int32 [HV] of this layer, by row key, -1 = not hot
+    HV,  # row keys: NV x B
     step_ptr,  # int64 [R] of this layer
     stats_ptr,  # int64 [NUM_STATS] of this layer
     resident_ptr,  # int32 [R], 1 = resident request slot
@@ -240,13 +239,13 @@ def resolve_kernel(
     phys_ptr,  # int32 [>= T, >= K] (row stride phys_stride), output
     phys_stride,
     valid_ptr,  # int32 [>= T], output
-    stage_src_ptr,  # int32 [>= T * K], output: host row to stage, -1 = nothing
+    stage_src_ptr,  # int32 [>= T * K], output: row key to stage, -1 = nothing
     stage_dst_ptr,  # int32 [>= T * K], output: flat hot row, -1 = nothing
     undo_hit_ptr,  # int64 [>= T * K], output: a hit lane's stamp before this step, -2 = no hit
     undo_vpos_ptr,  # int32 [>= T * K], output: victim i's old position at t0 * K + i
     undo_vstamp_ptr,  # int64 [>= T * K], output: victim i's old stamp at t0 * K + i
     miss_phys_ptr,  # int32 [>= T, >= K] (row stride phys_stride), output when MISS_LISTS
-    miss_host_ptr,  # int32 [>= T, >= K] (row stride phys_stride), output when MISS_LISTS
+    miss_host_ptr,  # int32 [>= T, >= K] (row stride phys_stride), row keys, output when MISS_LISTS
     miss_cnt_ptr,  # int32 [>= T], output when MISS_LISTS
     stage_cnt_ptr,  # int32 [>= T], output: m at the group's first token, 0 at the others
     T,
@@ -347,7 +346,7 @@ def resolve_kernel(
             gpos = tl.load(topk_ptr + (t + gj).to(tl.int64) * topk_stride + gk,
                            mask=gmask, other=-1)
             gok = gmask & (gpos >= 0) & (gpos < seq)
-            grow, ggood = _host_row(gpos, gok, bt_r, NB, B, H)
+            grow, ggood = _row_key(gpos, gok, bt_r, NB, B, HV)
             nbad = tl.sum(tl.sum((gmask & (gpos != -1) & (ggood == 0)).to(tl.int32), axis=1), axis=0)
             gslot = tl.load(row_slot_ptr + grow, mask=ggood, other=-1)
             ghit = ggood & (gslot >= 0) & (gslot <= S)
@@ -375,7 +374,7 @@ def resolve_kernel(
                 m = tl.sum(tl.sum(win, axis=1), axis=0)
                 wrow = tl.sum(win, axis=1)
                 mrank = tl.cumsum(win, 1) - win + (tl.cumsum(wrow, 0) - wrow)[:, None]
-                # the miss of rank i parks (host row, -2 - position) at entry i of the
+                # the miss of rank i parks (row key, -2 - position) at entry i of the
                 # group's staging slice for its victim to pick up in P4; entries >= m
                 # are cleared (the two masks address disjoint entries)
                 tl.store(stage_src_ptr + base + mrank, grow.to(tl.int32), mask=win != 0)
@@ -390,10 +389,10 @@ def resolve_kernel(
                     # the m parked entries are sorted, in a small tile when m is small.
                     tl.debug_barrier()
                     if m <= SMALL_SORT:
-                        _sort_parked(stage_src_ptr, stage_dst_ptr, base, m, bt_r, NB, B, H,
+                        _sort_parked(stage_src_ptr, stage_dst_ptr, base, m, bt_r, NB, B, HV,
                                      SMALL_SORT)
                     else:
-                        _sort_parked(stage_src_ptr, stage_dst_ptr, base, m, bt_r, NB, B, H,
+                        _sort_parked(stage_src_ptr, stage_dst_ptr, base, m, bt_r, NB, B, HV,
                                      GQ * KB)
             else:
                 tl.store(stage_src_ptr + base + goff, minus1_g, mask=gmask)
@@ -451,7 +450,7 @@ def resolve_kernel(
                 tl.debug_barrier()  # the victim list is written before it is read
                 npaired = _pair_listed(nv, m, s_new, rbase, base, scratch_ptr, K, phys_stride, S,
                                        slot_pos_r, slot_stamp_r, row_slot_ptr, stage_src_ptr,
-                                       stage_dst_ptr, undo_vpos_ptr, undo_vstamp_ptr, bt_r, NB, B, H,
+                                       stage_dst_ptr, undo_vpos_ptr, undo_vstamp_ptr, bt_r, NB, B, HV,
                                        GQ * KB)
                 if npaired != m:
                     # only with a corrupt state: unmark and drop the unpaired misses
@@ -459,7 +458,7 @@ def resolve_kernel(
                     d = tl.load(stage_dst_ptr + base + goff, mask=gmask, other=-1)
                     unpaired = gmask & (d < -1)
                     urow = tl.load(stage_src_ptr + base + goff, mask=unpaired, other=-1)
-                    urow_ok = unpaired & (urow >= 0) & (urow < H)
+                    urow_ok = unpaired & (urow >= 0) & (urow < HV)
                     tl.store(row_slot_ptr + urow, minus1_g, mask=urow_ok)
                     tl.store(stage_dst_ptr + base + goff, minus1_g, mask=unpaired)
                     tl.store(stage_src_ptr + base + goff, minus1_g, mask=unpaired)
@@ -505,7 +504,7 @@ def resolve_kernel(
 
 
 @triton.jit(
-    do_not_specialize=["topk_stride", "max_request_id", "R", "bt_stride", "NB", "H",
+    do_not_specialize=["topk_stride", "max_request_id", "R", "bt_stride", "NB", "HV",
                        "pt_stride", "MP", "pool_base", "PB", "NPG", "hit_stride", "T", "K", "S", "B"],
     do_not_specialize_on_alignment=["slot_stamp_ptr", "row_slot_ptr", "step_ptr", "stats_ptr",
                                     "id_to_slot_ptr", "seq_lens_ptr", "bt_ptr", "resident_ptr",
@@ -519,12 +518,12 @@ def resolve_lookup_kernel(
     max_request_id,
     seq_lens_ptr,  # int32 [R] of this layer
     R,
-    bt_ptr,  # int32 [R, NB] (row stride bt_stride)
+    bt_ptr,  # int32 [R, NB] (row stride bt_stride), block ids
     bt_stride,
     NB,
     slot_stamp_ptr,  # int64 [R, S + 1] of this layer
-    row_slot_ptr,  # int32 [H] of this layer
-    H,
+    row_slot_ptr,  # int32 [HV] of this layer, by row key
+    HV,
     step_ptr,  # int64 [R] of this layer (read only: the miss phase increments it)
     stats_ptr,  # int64 [NUM_STATS] of this layer
     resident_ptr,  # int32 [R], 1 = resident request slot
@@ -587,7 +586,7 @@ def resolve_lookup_kernel(
         bt_r = bt_ptr + r.to(tl.int64) * bt_stride
         pos = tl.load(topk_ptr + t.to(tl.int64) * topk_stride + kk, mask=kmask, other=-1)
         ok = kmask & (pos >= 0) & (pos < seq)
-        row, good = _host_row(pos, ok, bt_r, NB, B, H)
+        row, good = _row_key(pos, ok, bt_r, NB, B, HV)
         nbad = tl.sum((kmask & (pos != -1) & (good == 0)).to(tl.int32), axis=0)
         slot = tl.load(row_slot_ptr + row, mask=good, other=-1)
         hit = good & (slot >= 0) & (slot <= S)

@@ -12,14 +12,17 @@ do nothing. For each position p of request i (request slot r = req_slots[i]):
     resident request (HAS_POOL and resident[r] != 0): its page row, device to device
         src = hot[pool_base + page_table[r, p // PB] * PB + p % PB]
     otherwise
-        h   = block_table[r, p // B] * B + p % B           host row
+        v   = block_table[r, p // B]                       block id
+        h   = v * B + p % B                                row key (< HV)
         s   = row_slot[h]                                  (HAS_HOT) hot slot, -1 = not hot
-        src = hot[r * SP + s] if s >= 0 else host[h]       same bytes by the cache invariant
+        hr  = host_block[v] * B + p % B                    (ALIASED) host row; else hr = h
+        src = hot[r * SP + s] if s >= 0 else host[hr]      same bytes by the cache invariant
     workspace[workspace_starts[i] + p] = convert(src)
 
 A resident request never reads its block table or the host pool (the cache keeps its
-page rows byte-identical to its host rows). ``HAS_POOL`` is a constexpr: a view
-without the elastic tier compiles the same body as before it.
+page rows byte-identical to its host rows). ``HAS_POOL`` and ``ALIASED`` are
+constexprs: a view without the elastic tier, or without block-id aliases (prefix
+caching), compiles no code and issues no load for them.
 
 Two bodies, both reading whole rows as int32 words: ``stage_dequant_kernel`` turns
 fp8_ds_mla rows into bf16 workspace rows (element j of the latent = e4m3 code j times
@@ -43,19 +46,20 @@ import triton.language as tl
 @triton.jit
 def _locate_rows(
     i, b,  # program ids: prefill request, row block
-    bt_ptr,  # int32 [R, NB] block table
+    bt_ptr,  # int32 [R, NB] block table (block ids)
     slots_ptr,  # int32 [P] request slot of each prefill request
     lens_ptr,  # int32 [P] rows to stage per request
     starts_ptr,  # int32 [P] first workspace row of each request
-    row_slot_ptr,  # int32 [H] hot slot of each host row, -1 = not hot (HAS_HOT)
+    row_slot_ptr,  # int32 [HV] hot slot of each row key, -1 = not hot (HAS_HOT)
     resident_ptr,  # int32 [R] != 0 = resident request slot (HAS_POOL)
     pt_ptr,  # int32 [R, MP] pool page of each logical page, -1 = none (HAS_POOL)
-    R, NB, H, W, HOT_N, SP, stride_bt, MP, stride_pt, pool_base,
+    hb_ptr,  # int32 [NV] host block of each block id (ALIASED)
+    R, NB, H, HV, W, HOT_N, SP, stride_bt, MP, stride_pt, pool_base,
     BLOCK_SIZE: tl.constexpr, ROWS: tl.constexpr, HAS_HOT: tl.constexpr,
-    HAS_POOL: tl.constexpr, PAGE_ROWS: tl.constexpr,
+    HAS_POOL: tl.constexpr, PAGE_ROWS: tl.constexpr, ALIASED: tl.constexpr,
 ):
-    """int64 [ROWS] source row in host / device view (hot or page row, -1 = host) and
-    workspace row, masks of what to do."""
+    """int64 [ROWS] host row, source row in the device view (hot or page row, -1 =
+    host) and workspace row, masks of what to do."""
     r = tl.load(slots_ptr + i).to(tl.int64)
     n = tl.load(lens_ptr + i).to(tl.int64)
     w0 = tl.load(starts_ptr + i).to(tl.int64)
@@ -69,8 +73,14 @@ def _locate_rows(
     blk = p // BLOCK_SIZE
     ok = base_ok & (blk < NB) & (is_res == 0)
     pb = tl.load(bt_ptr + r * stride_bt + blk, mask=ok, other=-1).to(tl.int64)
-    h = pb * BLOCK_SIZE + p % BLOCK_SIZE
-    ok = ok & (pb >= 0) & (h < H)
+    h = pb * BLOCK_SIZE + p % BLOCK_SIZE  # row key
+    ok = ok & (pb >= 0) & (h < HV)
+    if ALIASED:
+        hb = tl.load(hb_ptr + tl.where(ok, pb, 0), mask=ok, other=-1).to(tl.int64)
+        hr = hb * BLOCK_SIZE + p % BLOCK_SIZE
+        ok = ok & (hb >= 0) & (hr < H)
+    else:
+        hr = h
     hot_row = h * 0 - 1
     if HAS_HOT:
         s = tl.load(row_slot_ptr + h, mask=ok, other=-1).to(tl.int64)
@@ -86,7 +96,7 @@ def _locate_rows(
         ok = ok | okp
     from_hot = ok & (hot_row >= 0)
     from_host = ok & (hot_row < 0)
-    return h, hot_row, wrow, ok, from_hot, from_host
+    return hr, hot_row, wrow, ok, from_hot, from_host
 
 
 @triton.jit
@@ -103,15 +113,16 @@ def _bf16_bits_rne(x):
 def stage_copy_kernel(
     host_ptr,  # int32 [H, WORDS] host pool rows of the layer as words (pinned CPU over UVA, or device)
     hot_ptr,  # int32 [HOT_N, WORDS] the layer's flat device view: hot rows, then pool pages (HAS_HOT)
-    row_slot_ptr,  # int32 [H] hot slot of each host row, -1 = not hot (HAS_HOT)
+    row_slot_ptr,  # int32 [HV] hot slot of each row key, -1 = not hot (HAS_HOT)
     resident_ptr,  # int32 [R] != 0 = resident request slot (HAS_POOL)
     pt_ptr,  # int32 [R, MP] pool page of each logical page (HAS_POOL)
-    bt_ptr,  # int32 [R, NB] block table
+    hb_ptr,  # int32 [NV] host block of each block id (ALIASED)
+    bt_ptr,  # int32 [R, NB] block table (block ids)
     slots_ptr,  # int32 [P] request slot of each prefill request
     lens_ptr,  # int32 [P] rows to stage per request
     starts_ptr,  # int32 [P] first workspace row of each request
     ws_ptr,  # int32 [W, WORDS] workspace rows as words
-    R, NB, H, W, HOT_N, SP, stride_bt, MP, stride_pt, pool_base,
+    R, NB, H, HV, W, HOT_N, SP, stride_bt, MP, stride_pt, pool_base,
     BLOCK_SIZE: tl.constexpr,
     ROWS: tl.constexpr,  # rows per program
     WORDS: tl.constexpr,  # int32 words per row (row_bytes / 4)
@@ -119,12 +130,14 @@ def stage_copy_kernel(
     HAS_HOT: tl.constexpr,
     HAS_POOL: tl.constexpr,  # resident requests read their page rows
     PAGE_ROWS: tl.constexpr,  # PB, rows per pool page (HAS_POOL)
+    ALIASED: tl.constexpr,  # block ids past the host blocks: host rows through hb_ptr
 ):
     i = tl.program_id(1)
     b = tl.program_id(0)
     h, hot_row, wrow, ok, from_hot, from_host = _locate_rows(
-        i, b, bt_ptr, slots_ptr, lens_ptr, starts_ptr, row_slot_ptr, resident_ptr, pt_ptr, R, NB, H, W,
-        HOT_N, SP, stride_bt, MP, stride_pt, pool_base, BLOCK_SIZE, ROWS, HAS_HOT, HAS_POOL, PAGE_ROWS)
+        i, b, bt_ptr, slots_ptr, lens_ptr, starts_ptr, row_slot_ptr, resident_ptr, pt_ptr, hb_ptr, R, NB, H, HV,
+        W, HOT_N, SP, stride_bt, MP, stride_pt, pool_base, BLOCK_SIZE, ROWS, HAS_HOT, HAS_POOL, PAGE_ROWS,
+        ALIASED)
     cols = tl.arange(0, WORDS_P2)
     in_row = (cols < WORDS)[None, :]
     mh = from_host[:, None] & in_row
@@ -140,20 +153,22 @@ def stage_copy_kernel(
 def stage_dequant_kernel(
     host_ptr,  # int32 [H, 164] host pool rows of the layer as words (pinned CPU over UVA, or device)
     hot_ptr,  # int32 [HOT_N, 164] the layer's flat device view as words: hot rows, then pool pages (HAS_HOT)
-    row_slot_ptr,  # int32 [H] hot slot of each host row, -1 = not hot (HAS_HOT)
+    row_slot_ptr,  # int32 [HV] hot slot of each row key, -1 = not hot (HAS_HOT)
     resident_ptr,  # int32 [R] != 0 = resident request slot (HAS_POOL)
     pt_ptr,  # int32 [R, MP] pool page of each logical page (HAS_POOL)
-    bt_ptr,  # int32 [R, NB] block table
+    hb_ptr,  # int32 [NV] host block of each block id (ALIASED)
+    bt_ptr,  # int32 [R, NB] block table (block ids)
     slots_ptr,  # int32 [P] request slot of each prefill request
     lens_ptr,  # int32 [P] rows to stage per request
     starts_ptr,  # int32 [P] first workspace row of each request
     ws_ptr,  # int32 [W, 288] workspace rows as words (two bf16 per word)
-    R, NB, H, W, HOT_N, SP, stride_bt, MP, stride_pt, pool_base,
+    R, NB, H, HV, W, HOT_N, SP, stride_bt, MP, stride_pt, pool_base,
     BLOCK_SIZE: tl.constexpr,
     ROWS: tl.constexpr,  # rows per program
     HAS_HOT: tl.constexpr,
     HAS_POOL: tl.constexpr,  # resident requests read their page rows
     PAGE_ROWS: tl.constexpr,  # PB, rows per pool page (HAS_POOL)
+    ALIASED: tl.constexpr,  # block ids past the host blocks: host rows through hb_ptr
 ):
     """fp8_ds_mla rows -> bf16 workspace rows, each source row read in one contiguous
     656-byte load (164 int32 words).
@@ -168,8 +183,9 @@ def stage_dequant_kernel(
     i = tl.program_id(1)
     b = tl.program_id(0)
     h, hot_row, wrow, ok, from_hot, from_host = _locate_rows(
-        i, b, bt_ptr, slots_ptr, lens_ptr, starts_ptr, row_slot_ptr, resident_ptr, pt_ptr, R, NB, H, W,
-        HOT_N, SP, stride_bt, MP, stride_pt, pool_base, BLOCK_SIZE, ROWS, HAS_HOT, HAS_POOL, PAGE_ROWS)
+        i, b, bt_ptr, slots_ptr, lens_ptr, starts_ptr, row_slot_ptr, resident_ptr, pt_ptr, hb_ptr, R, NB, H, HV,
+        W, HOT_N, SP, stride_bt, MP, stride_pt, pool_base, BLOCK_SIZE, ROWS, HAS_HOT, HAS_POOL, PAGE_ROWS,
+        ALIASED)
     cols = tl.arange(0, 256)
     in_row = (cols < 164)[None, :]
     v = tl.load(host_ptr + (tl.where(from_host, h, 0) * 164)[:, None] + cols[None, :],

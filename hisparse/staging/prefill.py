@@ -36,9 +36,10 @@ Where a row is read from (the same bytes either way):
   from its device page, ``hot[pool_base + page_table[r, p // PB] * PB + p % PB]``,
   device to device; its host rows and block table are not read. The cache writes
   each appended row to its page and to the host pool alike.
-- a hot request: a host row with ``row_slot[h] >= 0`` from its hot slot (HBM instead
-  of PCIe), the others from the host pool over PCIe. The cache keeps hot rows
-  byte-identical to their host rows.
+- a hot request: a row whose row key h (``state``) has ``row_slot[h] >= 0`` from its
+  hot slot (HBM instead of PCIe), the others from the host pool over PCIe, at the host
+  row of h (through ``view.host_block`` where the view has one, prefix caching). The
+  cache keeps hot rows byte-identical to their host rows.
 The caller must not run, concurrently with staging, a resolve of the same (layer,
 request) (a resolve may remap slots) nor a write or free that changes residency (a
 demotion or free returns a request's pages, which a later write may refill).
@@ -277,7 +278,7 @@ def _validate_values(view: LayerView, reqs: StageRequests, workspace: torch.Tens
         return
     block_size = view.blocks.block_size
     R, NB = view.blocks.table.shape
-    H, W = view.num_host_rows, workspace.shape[0]
+    H, HV, W = view.num_host_rows, view.num_row_keys, workspace.shape[0]
     slots = reqs.req_slots.long().cpu()
     lens = reqs.seq_lens.long().cpu()
     starts = reqs.starts.long().cpu()
@@ -300,6 +301,7 @@ def _validate_values(view: LayerView, reqs: StageRequests, workspace: torch.Tens
             raise ValueError(f"workspace regions of prefill requests {a} and {b} overlap "
                              f"([{int(starts[a])}, {int(starts[a] + lens[a])}) and starts[{b}] = {int(starts[b])})")
     bt = view.blocks.table.long().cpu()
+    hb = view.host_block.long().cpu() if view.host_block is not None else None
     resident = view.resident.cpu() if view.has_pool else None
     for i in range(P):
         r, n = int(slots[i]), int(lens[i])
@@ -314,16 +316,34 @@ def _validate_values(view: LayerView, reqs: StageRequests, workspace: torch.Tens
             k = int(torch.nonzero(blocks < 0)[0])
             raise ValueError(f"prefill request {i} (slot {r}) has no block for logical block {k} "
                              f"(block_table[{r}, {k}] = -1) but seq_len = {n}")
-        last = (blocks * block_size + block_size - 1)
-        last[-1] = blocks[-1] * block_size + (n - 1) % block_size
-        if bool((last >= H).any()):
-            k = int(torch.nonzero(last >= H)[0])
-            raise ValueError(f"prefill request {i}: block_table[{r}, {k}] = {int(blocks[k])} points past "
-                             f"the host pool of H={H} rows")
+        _validate_blocks(i, r, n, blocks, block_size, HV, H, hb)
     if view.row_slot is not None:
         rs = view.row_slot
         if bool(((rs < -1) | (rs >= view.slots_per_req)).any()):
             raise ValueError(f"row_slot holds values outside [-1, {view.slots_per_req})")
+
+
+def _validate_blocks(i: int, r: int, n: int, blocks: torch.Tensor, B: int, HV: int, H: int,
+                     hb: torch.Tensor | None) -> None:
+    """Block ids ``blocks`` (int64 [nb] >= 0, CPU) of prefill request i (slot r, n rows):
+    every row key < HV and, through ``hb`` (int64 [NV] CPU, or None: the identity),
+    every host row < H."""
+    last = blocks * B + B - 1
+    last[-1] = blocks[-1] * B + (n - 1) % B
+    if bool((last >= HV).any()):
+        k = int(torch.nonzero(last >= HV)[0])
+        what = f"the {HV // B} block ids" if hb is not None else f"the host pool of H={H} rows"
+        raise ValueError(f"prefill request {i}: block_table[{r}, {k}] = {int(blocks[k])} points past {what}")
+    if hb is None:
+        return
+    host = hb[blocks]
+    last = host * B + B - 1
+    last[-1] = host[-1] * B + (n - 1) % B
+    bad = (host < 0) | (last >= H)
+    if bool(bad.any()):
+        k = int(torch.nonzero(bad)[0])
+        raise ValueError(f"prefill request {i}: block id {int(blocks[k])} (block_table[{r}, {k}]) maps to "
+                         f"host block {int(host[k])}, outside the host pool of H={H} rows")
 
 
 def _validate_pages(view: LayerView, i: int, r: int, n: int) -> None:
@@ -372,8 +392,9 @@ def _source_rows(view: LayerView, r: int, n: int) -> tuple[torch.Tensor | None, 
         good = okp & (page >= 0) & (row < view.hot_rows.shape[0])
         return p[good], view.hot_rows[row[good]]
     B = view.blocks.block_size
-    h = bt[r].long()[p // B] * B + p % B
-    rows = view.host_rows[h.to(view.host_rows.device)].to(bt.device)
+    h = bt[r].long()[p // B] * B + p % B  # row keys
+    hr = h if view.host_block is None else view.host_block.long()[h // B] * B + h % B
+    rows = view.host_rows[hr.to(view.host_rows.device)].to(bt.device)
     if view.row_slot is not None:
         s = view.row_slot[h].long()
         hot = s >= 0
@@ -469,7 +490,7 @@ def _launch(mode: _Mode, view: LayerView, reqs: StageRequests, workspace: torch.
     P = reqs.num_requests
     block_table = view.blocks.table
     R, NB = block_table.shape
-    H, W = view.num_host_rows, workspace.shape[0]
+    H, HV, W = view.num_host_rows, view.num_row_keys, workspace.shape[0]
     has_hot = view.hot_rows is not None
     has_pool = view.has_pool  # implies has_hot (LayerView)
     hot_rows, row_slot = view.hot_rows, view.row_slot
@@ -488,18 +509,20 @@ def _launch(mode: _Mode, view: LayerView, reqs: StageRequests, workspace: torch.
     grid = (-(-max_rows // rows), P)
     host_w = view.host_rows.view(torch.int32)
     hot_w = hot_rows.view(torch.int32) if has_hot else host_w
-    common = (host_w, hot_w, row_slot if has_hot else reqs.req_slots, *pool,
+    aliased = view.host_block is not None
+    hb = view.host_block if aliased else reqs.req_slots
+    common = (host_w, hot_w, row_slot if has_hot else reqs.req_slots, *pool, hb,
               bt if bt.numel() else reqs.req_slots, reqs.req_slots, reqs.seq_lens, reqs.starts)
     flags = dict(BLOCK_SIZE=view.blocks.block_size, ROWS=rows, HAS_HOT=has_hot, HAS_POOL=has_pool,
-                 PAGE_ROWS=view.page_rows if has_pool else 1, num_warps=num_warps)
+                 PAGE_ROWS=view.page_rows if has_pool else 1, ALIASED=aliased, num_warps=num_warps)
     with torch.cuda.device(workspace.device) if workspace.is_cuda else contextlib.nullcontext():
         if mode.dequant:
             stage_dequant_kernel[grid](
-                *common, workspace.view(torch.int32), R, NB, H, W, hot_n, sp, stride_bt, *pool_args, **flags)
+                *common, workspace.view(torch.int32), R, NB, H, HV, W, hot_n, sp, stride_bt, *pool_args, **flags)
         else:
             words = mode.row_bytes // 4
             stage_copy_kernel[grid](
-                *common, workspace.view(torch.int32).view(W, words), R, NB, H, W, hot_n, sp, stride_bt,
+                *common, workspace.view(torch.int32).view(W, words), R, NB, H, HV, W, hot_n, sp, stride_bt,
                 *pool_args, WORDS=words, WORDS_P2=triton.next_power_of_2(words), **flags)
 
 

@@ -3,8 +3,9 @@
 - :class:`BlockTable`: where each request's logical positions live, as rows of a flat
   row store (the cache's host pool, or an engine's own paged cache).
 - :class:`LayerView`: one cache layer as staging sees it: its host rows, the block
-  table, its hot rows and row -> slot map, the row format and, with the elastic tier,
-  the residency flags and device page table of its resident requests. A cache hands
+  table, its hot rows and row -> slot map, the row format, with prefix caching the
+  map of block ids to host blocks and, with the elastic tier, the residency flags and
+  device page table of its resident requests. A cache hands
   one out (``HiSparseCache.layer_view(layer)``); tests and benchmarks may build their own.
 
 Both are checked once, when built (types, dtypes, shapes, devices, pinning): the
@@ -67,11 +68,16 @@ class LayerView:
     """One layer of a tiered cache, as staging reads it (notation of ``cache.state``).
 
     host_rows:     uint8 [H, row_bytes] the layer's host rows (pinned CPU, or on the device)
-    blocks:        BlockTable over host_rows (request slots x host blocks)
+    blocks:        BlockTable of block ids (request slots x logical blocks); the row key
+                   of (r, p) is ``table[r, p // B] * B + p % B``
     row_format:    RowFormat of the stored rows
     hot_rows:      uint8 [>= R * SP, row_bytes] | None, the layer's flat hot view
-    row_slot:      int32 [H] | None, hot slot (0..S) of each host row, -1 = not hot
+    row_slot:      int32 [HV] | None, hot slot (0..S) of each row key, -1 = not hot
     slots_per_req: SP = S + 1 hot rows per request slot (when hot_rows is given)
+    host_block:    int32 [NV] | None, host block of each block id (prefix caching: ids
+                   past the host blocks are aliases of cached ones); the host row of
+                   (r, p) is ``host_block[table[r, p // B]] * B + p % B``. None: every
+                   block id is its host block (HV = H, the row key is the host row).
 
     The elastic device tier (``hisparse.cache.device_pool``; ``resident`` and
     ``page_table`` both or neither, and only with ``hot_rows``; ``pool_base`` and
@@ -101,6 +107,7 @@ class LayerView:
     page_table: torch.Tensor | None = None
     pool_base: int = 0
     page_rows: int = DEVICE_PAGE_ROWS
+    host_block: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         fmt = RowFormat.parse(self.row_format)
@@ -119,11 +126,15 @@ class LayerView:
         if (self.hot_rows is None) != (self.row_slot is None):
             raise ValueError("hot_rows and row_slot go together: pass both or neither")
         check_int("slots_per_req", self.slots_per_req, 1)
+        if self.host_block is not None:
+            check_tensor("host_block", self.host_block, dtype=torch.int32, ndim=1, device=dev, contiguous=True)
+            if self.blocks.block_stride != self.blocks.block_size:
+                raise ValueError(f"a view with host_block takes a block table of block_stride = block_size "
+                                 f"({self.blocks.block_size}), got {self.blocks.block_stride}")
         if self.hot_rows is not None:
             check_tensor("hot_rows", self.hot_rows, dtype=torch.uint8, shape=(None, fmt.row_bytes),
                          device=dev, contiguous=True)
-            check_tensor("row_slot", self.row_slot, dtype=torch.int32,
-                         shape=(self.host_rows.shape[0],), device=dev)
+            check_tensor("row_slot", self.row_slot, dtype=torch.int32, shape=(self.num_row_keys,), device=dev)
             need = self.blocks.num_rows * self.slots_per_req
             if self.hot_rows.shape[0] < need:
                 raise ValueError(f"hot_rows has {self.hot_rows.shape[0]} rows, fewer than R x "
@@ -156,6 +167,13 @@ class LayerView:
     @property
     def num_host_rows(self) -> int:
         return int(self.host_rows.shape[0])
+
+    @property
+    def num_row_keys(self) -> int:
+        """HV: row keys the block ids name (NV x B with host_block, else H)."""
+        if self.host_block is None:
+            return self.num_host_rows
+        return int(self.host_block.shape[0]) * self.blocks.block_size
 
     @property
     def has_pool(self) -> bool:
