@@ -193,8 +193,7 @@ class StressRun(PoolChecks, PrefixRun):
             num_layers=L, host_pool_tokens=max(blocks, 1) * B, row_bytes=RowFormat.parse(o.row_format).row_bytes,
             top_k=K, device_buffer_size=o.buffer_size, max_num_reqs=max(live_max, 1),
             host_block_size=B, max_request_id=max(max_id + 1, 2 * live_max + 1, 16), device=str(self.dev),
-            device_pool_rows=o.pool_rows, prefix_caching=bool(o.shared_prefix),
-            prefix_alias_blocks=0 if o.shared_prefix else None)  # TODO(kern-hostblock): the default
+            device_pool_rows=o.pool_rows, prefix_caching=bool(o.shared_prefix))
         self.S = self.cfg.device_buffer_size
         if o.ramp:
             check_ramp_overflows(self.cfg, o)

@@ -72,7 +72,8 @@ def test_run_with_groups_follow_ups_and_evictions_verifies_and_drains():
     assert p["hit_tokens"] % 16 == 0 and p["prefill_rows_saved"] == p["hit_tokens"] * L
     assert p["evictions"] > 0 and p["cached_blocks"] > 0  # the pool filled with cached blocks, then reused them
     assert p["drained"] and p["blocks_used_after_reset"] == 0
-    assert p["host_rows_unshared_peak"] >= p["host_rows_peak"] > 0 and p["host_rows_saved"] >= 0
+    assert p["host_rows_unshared_peak"] > p["host_rows_peak"] > 0 and p["host_rows_saved"] > 0  # concurrent sharers
+    assert p["shared_blocks_peak"] > 0 and p["alias_blocks"] == r["config"]["host_pool_tokens"] // 16
     assert ov["rows_verified"] == ov["hits"] + ov["misses"] and ov["optimal_hit_rate"] is None
     assert len(r["per_step"]["host_rows"]) == len(r["per_step"]["prefix_hit_rate"]) == 30
     assert StressOptions(**r["options"], progress=False) == StressOptions(**PREFIX)
@@ -90,6 +91,17 @@ def test_only_the_uncached_rows_are_prefilled():
     p, ov = r["prefix"], r["overall"]
     assert p["prefill_rows_saved"] > 0
     assert ov["prefill_rows"] + p["prefill_rows_saved"] == 2 * (p["query_tokens"] - p["joins"])
+
+
+def test_concurrent_sharers_verify_with_the_triton_kernels():
+    """Requests of one group live at once map the cached blocks under alias ids; the
+    Triton resolve and staging (interpreted) read the host rows behind them."""
+    r = run_stress(StressOptions(**{**PREFIX, "kernels": "triton", "num_layers": 1, "steps": 6, "churn": 0.3,
+                                    "context": 200, "context_min": 150, "prefix_groups": None, "seed": 1}))
+    assert r["ok"], r["failures"]
+    p = r["prefix"]
+    assert r["kernels"] == "triton" and p["shared_blocks_peak"] > 0 and p["host_rows_saved"] > 0
+    assert r["overall"]["misses"] > 0 and p["drained"]
 
 
 def test_a_pool_left_in_use_after_the_reset_fails_the_run(monkeypatch):

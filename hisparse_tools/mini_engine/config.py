@@ -200,8 +200,7 @@ class MiniEngineConfig:
             host_block_size=self.host_block_size,
             host_pool_tokens=R * (ceil_div(self.max_context, self.host_block_size) + 1) * self.host_block_size,
             max_request_id=max(self.num_requests, 1), device=self.device, device_pool_rows=self.device_pool_rows,
-            prefix_caching=self.prefix_reuse,
-            prefix_alias_blocks=0 if self.prefix_reuse else None)  # TODO(kern-hostblock): the default
+            prefix_caching=self.prefix_reuse)
 
 
 def memory_needed(cfg: MiniEngineConfig) -> tuple[dict[str, int], dict[str, int]]:
