@@ -256,7 +256,7 @@ def test_prefix_reuse_on_and_off_give_the_same_hisparse_outputs():
 
 @pytest.mark.parametrize("kw, msg", [
     (dict(shared_prefix=20), "shared_prefix=20 does not fit the prompts"),
-    (dict(prefix_groups=2), "prefix_groups=2 needs shared_prefix > 0"),
+    (dict(prefix_groups=2), "prefix_groups=2 has no effect without shared_prefix"),
     (dict(prefix_reuse=True, synthetic_context=4), "prefix_reuse and synthetic_context"),
     (dict(shared_prefix=-1), "shared_prefix"),
 ])

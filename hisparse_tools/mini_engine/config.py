@@ -99,10 +99,10 @@ class MiniEngineConfig:
         if self.shared_prefix >= self.min_prompt:
             raise ValueError(f"shared_prefix={self.shared_prefix} does not fit the prompts: a prompt is the shared "
                              f"prefix plus at least one token of its own, and the shortest has min_prompt="
-                             f"{self.min_prompt}; give a shared_prefix below {self.min_prompt}")
+                             f"{self.min_prompt} tokens; give a shared_prefix below {self.min_prompt}")
         if self.prefix_groups > 1 and not self.shared_prefix:
-            raise ValueError(f"prefix_groups={self.prefix_groups} needs shared_prefix > 0: it says how many groups "
-                             "share a prefix")
+            raise ValueError(f"prefix_groups={self.prefix_groups} has no effect without shared_prefix (it says how "
+                             "many groups share a prefix); give a shared_prefix or drop it")
         if self.prefix_reuse and self.synthetic_context:
             raise ValueError("prefix_reuse and synthetic_context both decide a prompt's first rows (cached, or "
                              "written as random rows): give one of the two")

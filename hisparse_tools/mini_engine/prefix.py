@@ -6,7 +6,8 @@ leading tokens' KV rows it holds already (whole host blocks that an earlier requ
 wrote), and the engine starts the request there: it computes and writes only the
 rest. The rows are not all an engine keeps per token: the indexer's keys of the cached
 positions are needed too, and hisparse does not hold them. :class:`IndexerPrefix` is the
-engine's own cache of them, by the same chained block names (``block_names``): after
+engine's own cache of them, by chained names of the blocks' token ids (as the cache
+names its blocks, :func:`block_names`): after
 each forward it keeps the keys of every prompt block the forward completed, and a
 request that starts at a cached position gets its keys copied into its indexer slot.
 It never drops a block, so every block the cache can return has its keys here.
@@ -20,11 +21,24 @@ of it (``compare``'s ``tokens_skipped``).
 
 from __future__ import annotations
 
+import hashlib
+
+import numpy as np
 import torch
 
-from hisparse.cache.prefix_index import block_names
 from .config import MiniEngineConfig, Request
 from .model import Indexer
+
+
+def block_names(tokens: torch.Tensor, B: int) -> list[bytes]:
+    """Chained names of the whole blocks of ``tokens`` (int, CPU): block i's name hashes
+    block i - 1's name and block i's token ids, so equal names mean equal prefixes."""
+    raw = np.ascontiguousarray(tokens.numpy().astype("<u4")).tobytes()
+    names, h = [], b""
+    for i in range(len(raw) // (4 * B)):
+        h = hashlib.sha256(h + raw[4 * B * i:4 * B * (i + 1)]).digest()
+        names.append(h)
+    return names
 
 
 class IndexerPrefix:
@@ -40,7 +54,7 @@ class IndexerPrefix:
     def admit(self, r: Request, cached: int) -> None:
         """Request ``r`` (its slot set) starts at position ``cached``: copy the keys of its
         cached blocks into its slot."""
-        names = self.names[r.rid] = block_names(r.tokens[:r.prompt_len].tolist(), self.B)
+        names = self.names[r.rid] = block_names(r.tokens[:r.prompt_len], self.B)
         keys = self.indexer.keys
         for i in range(cached // self.B):
             keys[:, r.slot, i * self.B:(i + 1) * self.B] = self.store[names[i]]
@@ -57,4 +71,4 @@ class IndexerPrefix:
         self.names.pop(r.rid, None)
 
 
-__all__ = ["IndexerPrefix"]
+__all__ = ["IndexerPrefix", "block_names"]
