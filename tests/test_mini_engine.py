@@ -265,6 +265,12 @@ def test_prefix_reuse_bad_config(kw, msg):
         me.MiniEngineConfig(**kw)
 
 
+def test_prefix_reuse_counts_the_indexer_keys_it_keeps():
+    host, _ = me.memory_needed(me.MiniEngineConfig(**PREFIX, prefix_reuse=True))
+    assert host["indexer keys of cached prompt blocks"] == 2 * 4 * 34 * 16 * 4
+    assert "indexer keys of cached prompt blocks" not in me.memory_needed(me.MiniEngineConfig(**PREFIX))[0]
+
+
 def test_prefix_reuse_flags():
     args = me.build_parser().parse_args(["--prefix-reuse", "--shared-prefix", "18", "--prefix-groups", "2"])
     cfg = me.config_from_args(args)

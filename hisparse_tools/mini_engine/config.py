@@ -223,6 +223,8 @@ def memory_needed(cfg: MiniEngineConfig) -> tuple[dict[str, int], dict[str, int]
         "KV rows (resident or hot buffers)": max(resident, hisparse_dev),
         "outputs": cfg.num_requests * (C - cfg.synthetic_context) * D * 4,  # synthetic rows have none
     }
+    if cfg.prefix_reuse:  # .prefix.IndexerPrefix keeps every prompt block's keys: at most every prompt's
+        device["indexer keys of cached prompt blocks"] = F * cfg.num_requests * cfg.max_prompt * cfg.indexer_dim * 4
     host = {"host pool": cc.host_pool_bytes}
     if not cfg.device.startswith("cuda"):
         host.update(device)
