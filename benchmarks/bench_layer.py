@@ -22,6 +22,12 @@ layers (split), the second layer's selection prefetched from the first's while t
 first computes, against two resident layers; the two selections share ``--overlap``
 of their entries.
 
+``--shared-prefix P``: every case runs twice, once as above and once with prefix caching
+on and the B requests sharing the first P tokens' host blocks (request 0 writes them,
+the others map them under alias block ids and write only their own rows; the hot
+buffers are then warmed with positions [0, S) so the hit positions are hot as before);
+the report adds each mode's ratio shared / private (the cost of sharing on the hot path).
+
 Reported per (backend, B, hit rate): medians (min/p99 in the JSON), each mode's ratio
 to resident, and the fraction of the staging time hidden, (serial - mode) /
 (serial - resident); also the staging alone (resolve + copy) and the hit attention
@@ -29,7 +35,7 @@ alone, and the largest output difference from resident (relative to its largest 
 
   python -m benchmarks.bench_layer [--batch 16 64 256] [--hits 100 95 90 80]
       [--backends triton flashmla] [--modes serial split prefetch] [--trace restore|periodic]
-      [--out FILE]
+      [--shared-prefix P] [--out FILE]
   python -m benchmarks.bench_layer --dry-run      # tiny shapes on CPU (interpreter)
 """
 
@@ -83,6 +89,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--flashmla-lib", default=None)
     ap.add_argument("--dry-run", action="store_true", help="tiny shapes on CPU; figures mean nothing")
+    ap.add_argument("--shared-prefix", type=int, default=0,
+                    help="also run each case with the requests sharing the first P tokens (prefix caching)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     periodic = a.trace == "periodic"
@@ -97,6 +105,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--slots must be >= --top-k, got {a.slots} and {a.top_k}")
     # each token draws its misses among the positions past the hot slots
     need = a.slots + a.top_k + 1 if not periodic else 2 * a.slots + a.top_k + 1
+    if a.shared_prefix < 0 or a.shared_prefix >= min(a.context, a.context_256):
+        ap.error(f"--shared-prefix must be in [0, context), got {a.shared_prefix}")
     if min(a.context, a.context_256) < need:
         ap.error(f"--context and --context-256 must be >= --slots + --top-k + 1 = {need}, got "
                  f"{a.context} and {a.context_256}")
@@ -111,27 +121,44 @@ def fp8_rows(n: int, seed: int, device: torch.device) -> torch.Tensor:
 
 
 class Setup:
-    """A cache and a resident copy of the same rows for B requests (two layers)."""
+    """A cache and a resident copy of the same rows for B requests (two layers);
+    ``shared`` > 0: prefix caching on, the requests share the blocks of the first
+    ``shared`` tokens (rounded down to whole blocks)."""
 
-    def __init__(self, B: int, ctx: int, a: argparse.Namespace, dev: torch.device) -> None:
+    def __init__(self, B: int, ctx: int, a: argparse.Namespace, dev: torch.device, shared: int = 0) -> None:
         self.B, self.ctx, self.K, self.S, self.dev = B, ctx, a.top_k, a.slots, dev
         blocks = math.ceil(ctx / 64) * B
         cfg = HiSparseConfig(num_layers=2, host_pool_tokens=blocks * 64, row_bytes=656, top_k=a.top_k,
                              device_buffer_size=a.slots, max_num_reqs=B, host_block_size=64,
-                             max_request_id=max(16, B), device=str(dev))
+                             max_request_id=max(16, B), device=str(dev), prefix_caching=shared > 0)
         kern = "triton" if dev.type == "cuda" or a.dry_run else "torch"
         self.cache = HiSparseCache(cfg, kernels=kern)
         chunk = min(ctx, 1 << 16)
         base = [fp8_rows(chunk, 10 + layer, dev) for layer in range(2)]
         self.resident = [torch.empty((B * ctx, 656), dtype=torch.uint8, device=dev) for _ in range(2)]
+        self.cached = 0
         for b in range(B):
-            self.cache.add_request(b)
+            ids = None
+            if shared:  # the prefix's token ids are common, the rest the request's own
+                ids = list(range(shared)) + [1_000_000 * (b + 1) + i for i in range(ctx - shared)]
+            got = self.cache.add_request(b, token_ids=ids)
+            self.cached += got
             for layer in range(2):
                 rows = torch.roll(base[layer], shifts=b * 7919, dims=0)
                 reps = math.ceil(ctx / chunk)
                 rows = rows.repeat(reps, 1)[:ctx] if reps > 1 else rows[:ctx]
-                self.cache.append_rows(layer, b, rows)
+                if shared:  # the shared prefix holds request 0's rows
+                    first = base[layer].repeat(reps, 1)[:ctx] if reps > 1 else base[layer][:ctx]
+                    rows = torch.cat([first[:shared], rows[shared:]])
+                self.cache.append_rows(layer, b, rows[got:])
                 self.resident[layer][b * ctx:(b + 1) * ctx] = rows
+        if shared:  # positions [0, S) hot, as the private run's write path leaves them
+            req = torch.arange(B, dtype=torch.int32, device=dev)
+            for layer in range(2):
+                for p0 in range(0, self.S, self.K):
+                    pos = torch.arange(p0, p0 + self.K, dtype=torch.int32, device=dev) % self.S
+                    self.cache.resolve(layer, req, pos.expand(B, -1).contiguous())
+            self.cache.join_staging()
         self.cache.join_backup()
         if dev.type == "cuda":
             torch.cuda.synchronize()
@@ -325,6 +352,40 @@ def bench_case_periodic(s: Setup, be: SparseMLABackend, hit: float, a: argparse.
     return res
 
 
+def add_shared_ratios(r: dict, cases: list) -> None:
+    """Each mode's median with a shared prefix over the same case's without (same
+    backend, B, hit rate, earlier in ``cases``): ``ratio_shared_vs_private``."""
+    for c in cases:
+        if (c.get("backend"), c.get("B"), c.get("hit"), c.get("shared_prefix")) == (r["backend"], r["B"], r["hit"], 0):
+            for m in ("serial", "split", "staging_alone"):
+                if m in r and m in c:
+                    r[m]["ratio_shared_vs_private"] = r[m]["median_us"] / c[m]["median_us"]
+
+
+def print_case(r: dict, name: str, B: int, h: int) -> None:
+    line = f"{name:8s} B={B:4d} hit={h:3d}%" + (f" cached={r['cached_tokens']}" if r["shared_prefix"] else "")
+    line += f"  resident {r['resident']['median_us']:8.1f} us"
+    for m in ("serial", "split"):
+        if m in r:
+            hid = r[m].get("staging_hidden")
+            line += f" | {m} {r[m]['ratio_vs_resident']:.2f}x" + (f" hid {hid:.0%}" if hid is not None else "")
+            if "ratio_shared_vs_private" in r[m]:
+                line += f" (vs private {r[m]['ratio_shared_vs_private']:.3f}x)"
+    if "prefetch_2layers" in r:
+        line += (f" | 2 layers split {r['split_2layers']['ratio_vs_resident']:.2f}x prefetch "
+                 f"{r['prefetch_2layers']['ratio_vs_resident']:.2f}x")
+    line += f" | staging {r['staging_alone']['median_us']:.1f} us"
+    if "hit_attention_alone" in r:
+        line += f", hit attn {r['hit_attention_alone']['median_us']:.1f} us"
+    if "measured_miss_rate" in r.get("serial", {}):
+        line += f" | misses {r['serial']['measured_miss_rate']:.4f} (trace {r['miss_rate']:.4f})"
+    print(line, flush=True)
+    for progs, row in r.get("sweep", {}).items():
+        print(f"    programs {progs:>4s}: serial {row['serial']['ratio_vs_resident']:.2f}x split "
+              f"{row['split']['ratio_vs_resident']:.2f}x "
+              f"staging alone {row['staging_alone']['median_us']:.1f} us", flush=True)
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     if not common.out_ok(a.out, "bench_layer"):
@@ -333,38 +394,24 @@ def main(argv=None) -> int:
     report = {"benchmark": "bench_layer", "env": common.environment(dev), "args": vars(a), "cases": []}
     for B in a.batch:
         ctx = a.context if B <= 64 else a.context_256
-        s = Setup(B, ctx, a, dev)
-        for name in a.backends:
-            be, why = make_backend(name, a, dev, a.heads)
-            if be is None:
-                print(f"{name}: skipped ({why})")
-                report["cases"].append({"backend": name, "B": B, "skipped": why})
-                continue
-            for h in a.hits:
-                r = (bench_case_periodic if a.trace == "periodic" else bench_case)(s, be, h / 100.0, a)
-                r.update(backend=name, B=B, context=ctx)
-                report["cases"].append(r)
-                line = f"{name:8s} B={B:4d} hit={h:3d}%  resident {r['resident']['median_us']:8.1f} us"
-                for m in ("serial", "split"):
-                    if m in r:
-                        hid = r[m].get("staging_hidden")
-                        line += f" | {m} {r[m]['ratio_vs_resident']:.2f}x" + (f" hid {hid:.0%}" if hid is not None else "")
-                if "prefetch_2layers" in r:
-                    line += (f" | 2 layers split {r['split_2layers']['ratio_vs_resident']:.2f}x prefetch "
-                             f"{r['prefetch_2layers']['ratio_vs_resident']:.2f}x")
-                line += f" | staging {r['staging_alone']['median_us']:.1f} us"
-                if "hit_attention_alone" in r:
-                    line += f", hit attn {r['hit_attention_alone']['median_us']:.1f} us"
-                if "measured_miss_rate" in r.get("serial", {}):
-                    line += f" | misses {r['serial']['measured_miss_rate']:.4f} (trace {r['miss_rate']:.4f})"
-                print(line, flush=True)
-                for progs, row in r.get("sweep", {}).items():
-                    print(f"    programs {progs:>4s}: serial {row['serial']['ratio_vs_resident']:.2f}x split "
-                          f"{row['split']['ratio_vs_resident']:.2f}x "
-                          f"staging alone {row['staging_alone']['median_us']:.1f} us", flush=True)
-        del s
-        if dev.type == "cuda":
-            torch.cuda.empty_cache()
+        for shared in ([0, a.shared_prefix] if a.shared_prefix else [0]):
+            s = Setup(B, ctx, a, dev, shared=shared)
+            for name in a.backends:
+                be, why = make_backend(name, a, dev, a.heads)
+                if be is None:
+                    print(f"{name}: skipped ({why})")
+                    report["cases"].append({"backend": name, "B": B, "skipped": why})
+                    continue
+                for h in a.hits:
+                    r = (bench_case_periodic if a.trace == "periodic" else bench_case)(s, be, h / 100.0, a)
+                    r.update(backend=name, B=B, context=ctx, shared_prefix=shared, cached_tokens=s.cached)
+                    if shared:
+                        add_shared_ratios(r, report["cases"])
+                    report["cases"].append(r)
+                    print_case(r, name, B, h)
+            del s
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
     if a.out:
         common.write_json(a.out, report)
     return 0

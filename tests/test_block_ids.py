@@ -2,11 +2,13 @@
 holds alias ids (>= NB) reads the rows of the cached host blocks they stand for, while
 ``row_slot`` stays indexed by its own row keys (alias range).
 
-The aliased state is built by hand (``map_aliases``): request A writes rows through
-the cache, then request B's block table points at alias ids whose ``host_block`` entry
-is A's host block. Resolves (full, split, prefetch, a rolled-back one) and prefill
-staging of B must read A's bytes exactly, and leave A's row_slot entries alone; the
-torch and Triton (interpreter) kernels must agree byte for byte.
+Most cases build the aliased state by hand (``map_aliases``), independent of the
+prefix index: request A writes rows through the cache, then request B's block table
+points at alias ids whose ``host_block`` entry is A's host block. Resolves (full,
+split, prefetch, a rolled-back one) and prefill staging of B must read A's bytes
+exactly, and leave A's row_slot entries alone; the torch and Triton (interpreter)
+kernels must agree byte for byte. One case maps the aliases through
+``add_request(token_ids=...)``.
 """
 
 from __future__ import annotations
@@ -60,7 +62,9 @@ def map_aliases(cache: HiSparseCache, r_dst: int, r_src: int, nblocks: int, firs
 def build(kernels: str, seed: int = 0):
     """(cache, rows per layer of A (uint8 [N_A, 656]), slot of A, slot of B, alias ids)."""
     cache = HiSparseCache(HiSparseConfig(**CFG, prefix_caching=True), kernels=kernels)
-    ra, rb = cache.add_request(A_ID), cache.add_request(B_ID)
+    cache.add_request(A_ID)
+    cache.add_request(B_ID)
+    ra, rb = cache.request_slot(A_ID), cache.request_slot(B_ID)
     g = torch.Generator().manual_seed(seed)
     rows = [fp8_rows(g, N_A) for _ in range(CFG["num_layers"])]
     for layer, r in enumerate(rows):
@@ -239,6 +243,49 @@ def test_copy_staged_translates_row_keys(rows_per_program):
     want = {0: 13, 1: 20, 2: 1, 3: 2, 4: None, 5: 7, 6: None, 7: 23, 8: None, 9: None, 10: 12, 11: None}
     for j, row in want.items():
         assert torch.equal(exp[j], src[row] if row is not None else torch.zeros(32, dtype=torch.uint8)), j
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_prefix_api_aliases_read_cached_rows(kernels):
+    """B's prompt shares A's first two blocks: add_request maps them under alias ids
+    (A still maps them); B's resolves and prefill staging read A's rows there and B's
+    own appended rows past them."""
+    cache = HiSparseCache(HiSparseConfig(**CFG, prefix_caching=True), kernels=kernels)
+    cfg = cache.cfg
+    NB, B = cfg.num_host_blocks, cfg.host_block_size
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, 1000, (N_A,), generator=g).tolist()
+    assert cache.add_request(A_ID, token_ids=prompt) == 0
+    rows_a = [fp8_rows(g, N_A) for _ in range(cfg.num_layers)]
+    for layer, r in enumerate(rows_a):
+        cache.append_rows(layer, A_ID, r)
+    b_prompt = prompt[:2 * B] + [7, 8, 9, 10]
+    assert cache.add_request(B_ID, token_ids=b_prompt) == 2 * B
+    ra, rb = cache.request_slot(A_ID), cache.request_slot(B_ID)
+    ids = cache.state.block_table[rb, :2].long()
+    assert bool((ids >= NB).all())  # aliases: A maps the host blocks under their own ids
+    assert torch.equal(cache.state.host_block[ids], cache.state.block_table[ra, :2])
+    rows_b = [fp8_rows(g, 4) for _ in range(cfg.num_layers)]
+    for layer, r in enumerate(rows_b):
+        cache.append_rows(layer, B_ID, r)  # into a fresh block of B's own
+    want = [torch.cat([a[:2 * B], b]) for a, b in zip(rows_a, rows_b)]
+    a_keys = (cache.state.block_table[ra, :3].long()[:, None] * B + torch.arange(B)).flatten()
+    a_before = cache.state.row_slot[:, a_keys].clone()
+    req = torch.tensor([B_ID], dtype=I32)
+    for topk in ([0, 5, 16, 31, 32, 33, 35, -1], [1, 2, 3, 17, 18, 34, 31, 0]):
+        t = torch.tensor([topk], dtype=I32)
+        for layer in range(cfg.num_layers):
+            check_rows(cache, want, layer, cache.resolve(layer, req, t).physical, t)
+    assert torch.equal(cache.state.row_slot[:, a_keys], a_before)  # A's keys untouched
+    n_b = 2 * B + 4
+    reqs = StageRequests(req_slots=torch.tensor([rb], dtype=I32), seq_lens=torch.tensor([n_b], dtype=I32),
+                         starts=torch.tensor([0], dtype=I32))
+    for layer in range(cfg.num_layers):
+        ws = torch.zeros((n_b, 656), dtype=torch.uint8)
+        stage_prefill(cache.layer_view(layer), reqs, ws, kernels=kernels)
+        assert torch.equal(ws, want[layer])
+    cache.free_request(B_ID)
+    assert not bool((cache.state.row_slot[:, NB * B:] >= 0).any())  # B's alias keys cleared
 
 
 def test_no_prefix_caching_no_host_block():

@@ -100,8 +100,9 @@ class BlockAllocator:
         return self.host_of[np.asarray(self._owned.get(owner, _EMPTY), dtype=np.int64)]
 
     def allocate(self, owner: Hashable, n: int) -> list[int]:
-        """Append ``n`` fresh blocks to ``owner``'s list and return them, evicting cached
-        blocks no owner references when too few are free.
+        """Append ``n`` fresh blocks to ``owner``'s list and return them: free blocks,
+        lowest id first, then (when too few are free) cached blocks no owner references,
+        evicted least recently used first.
 
         Raises CapacityError (nothing changed) when fewer than ``n`` can be had.
         """
@@ -112,11 +113,10 @@ class BlockAllocator:
                 f"host pool exhausted: {n} more blocks needed, {self.num_free} of "
                 f"{self.num_blocks} free; free requests or configure a larger host pool"
             )
-        short = n - len(self._free)
-        if short > 0:
-            self._free.extend(self.cache.evict(short))
-            self._free.sort(reverse=True)
-        got = [self._free.pop() for _ in range(n)]
+        take = min(n, len(self._free))
+        got = [self._free.pop() for _ in range(take)]
+        if n > take:  # then the least recently used cached blocks, in that order
+            got += self.cache.evict(n - take)
         self._mapped[got] = True
         self._owned.setdefault(owner, []).extend(got)
         return got
@@ -128,7 +128,7 @@ class BlockAllocator:
             raise CapacityError(f"host pool exhausted: {n} more blocks needed, {self.num_free} free")
         short = n - len(self._free)
         if short > 0:
-            return sorted(self._free + self.cache.peek_evict(short))
+            return self._free[::-1] + self.cache.peek_evict(short)
         return self._free[-1:-n - 1:-1] if n else []
 
     def claim(self, owner: Hashable, blocks: list[int]) -> None:
