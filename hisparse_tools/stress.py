@@ -72,6 +72,9 @@ Result (``run_stress`` / ``hisparse stress --json``), a dict:
                      wasted_bytes, bytes, time_s, per_layer; per_layer entries then also
                      have prefetch_rows, bytes_h2d and h2d_GBps count those rows and their
                      time, and overall has step_ms_p50_with_prefetch
+  prefix             (with shared_prefix) the prefix cache's figures: see
+                     :mod:`hisparse_tools.stress_prefix`; per_step then also has
+                     host_rows, host_rows_unshared and prefix_hit_rate
   plots              (CLI with --plot) paths of the PNGs written
 """
 
