@@ -363,7 +363,7 @@ def add_shared_ratios(r: dict, cases: list) -> None:
 
 
 def print_case(r: dict, name: str, B: int, h: int) -> None:
-    line = f"{name:8s} B={B:4d} hit={h:3d}%" + (f" shared={r['cached_tokens'] // B}" if r["shared_prefix"] else "")
+    line = f"{name:8s} B={B:4d} hit={h:3d}%" + (f" cached={r['cached_tokens']}" if r["shared_prefix"] else "")
     line += f"  resident {r['resident']['median_us']:8.1f} us"
     for m in ("serial", "split"):
         if m in r:

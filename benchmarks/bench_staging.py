@@ -231,7 +231,7 @@ def make_resolve_case(dev, pool_flat, Bn: int, K: int, S: int, Bk: int, W: int, 
         st.slot_pos[0, r, S] = seq - 1
         st.slot_stamp[0, r, S] = 0
         st.row_slot[0, int(st.block_table[r, (seq - 1) // Bk]) * Bk + (seq - 1) % Bk] = S
-    fields = ("id_to_slot", "seq_lens", "block_table", "slot_pos", "slot_stamp", "row_slot",
+    fields = ("id_to_slot", "seq_lens", "block_table", "slot_pos", "slot_stamp", "row_slot", "host_block",
               "step", "stats", "resident", "page_table")
     saved = HotState(**{f: getattr(st, f).to(dev) for f in fields}, S=S, B=Bk)
     state = saved.clone()

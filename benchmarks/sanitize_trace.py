@@ -57,7 +57,7 @@ from hisparse.device import PinnedBuffer
 from hisparse.engine import HiSparseIndexGroup, SparseMLAMetadata
 from hisparse.formats import quantize_fp8_ds_mla
 
-FIELDS = ("id_to_slot", "seq_lens", "block_table", "slot_pos", "slot_stamp", "row_slot",
+FIELDS = ("id_to_slot", "seq_lens", "block_table", "slot_pos", "slot_stamp", "row_slot", "host_block",
           "step", "stats", "resident", "page_table")
 
 

@@ -1,7 +1,8 @@
 """hisparse's tools: the ``hisparse`` command and what it runs, apart from the library.
 
 - ``cli``: the command (``hisparse``, ``python -m hisparse``, ``python -m hisparse_tools``).
-- ``stress`` (+ ``stress_limits``, ``stress_prefetch``, ``stress_report``): the real cache
+- ``stress`` (+ ``stress_limits``, ``stress_pool``, ``stress_prefetch``, ``stress_prefix``,
+  ``stress_report``): the real cache
   under a long-context workload, verified byte-exact.
 - ``whatif`` (+ ``whatif_report``), ``belady``, ``sources``, ``traces``: miss rates
   simulated from a recorded or generated trace; no cache, no kernel.

@@ -107,7 +107,8 @@ REPLAY_FIXED = {"num_requests": "--requests", "context": "--context", "context_m
                 "churn": "--churn", "drift": "--drift"}
 STRESS_FIELDS = ("num_requests", "context", "context_min", "num_layers", "top_k", "buffer_size",
                  "row_format", "steps", "churn", "trace", "drift", "replay", "record", "verify",
-                 "seed", "device", "block_size", "kernels", "optimal", "checked", "prefetch", "pool_rows", "ramp")
+                 "seed", "device", "block_size", "kernels", "optimal", "checked", "prefetch", "pool_rows", "ramp",
+                 "shared_prefix", "prefix_groups")
 
 
 def _add_stress(sub) -> None:
@@ -123,7 +124,11 @@ def _add_stress(sub) -> None:
             "(64 requests x 128K context x 4 layers, K=2048, S=4096). --pool-rows N adds the "
             "elastic device tier (requests resident in device pages until a spill demotes them "
             "to hot buffers); --ramp then adds requests until the pool overflows and lets them "
-            "leave one by one, verifying every resolved row across the spills. Defaults in [brackets]."),
+            "leave one by one, verifying every resolved row across the spills. --shared-prefix P runs the "
+            "cache with prefix caching: prompts in --prefix-groups G groups share P tokens, follow-up turns "
+            "extend requests that left; only uncached rows are prefilled, shared rows verified like any other, "
+            "and the host pool must be empty once all leave and the prefix cache is reset. Defaults in "
+            "[brackets]."),
         epilog=EXIT_TABLE)
     p.add_argument("--preset", choices=sorted(STRESS_PRESETS), default="small",
                    help="base sizes; explicit flags override [small]")
@@ -167,6 +172,13 @@ def _add_stress(sub) -> None:
       help="with --pool-rows: a load ramp instead of --steps/--churn: one request joins per step (every "
            "live one appending a row) until the pool has overflowed (a spill left a request hot), then the "
            "oldest leaves each step until none is left; every resolved row verified [--verify all]")
+    a("--shared-prefix", type=token_arg, default=None, metavar="P",
+      help="prefix caching (HiSparseConfig.prefix_caching): every fresh prompt starts with its group's P shared "
+           "tokens (e.g. 1K), at least one host block and below --context-min; joining requests are also "
+           "follow-up turns (a request that left, its generated tokens and a new turn); reports the prefix hit "
+           "rate, host and prefill rows saved, cached / shared blocks and evictions; no Belady bound [off]")
+    a("--prefix-groups", type=int, default=None, metavar="G",
+      help="with --shared-prefix: groups of requests, each sharing its own prefix [1]")
     a("--plot", type=path_arg, metavar="DIR", help="write hit_rate.png and step_time.png there (needs matplotlib)")
     a("--metrics-file", type=path_arg, metavar="FILE",
       help="write the cache's stats() there in the Prometheus text format (hisparse_* metrics), "
@@ -375,6 +387,12 @@ def _add_plan(sub) -> None:
            "device_pool_rows) for the --target requests, else the hisparse concurrency: its GPU bytes, the "
            "requests it holds resident at --context, the rows that would hold all of them; auto: every GPU "
            "byte those requests leave")
+    a("--shared-prefix", type=token_arg, default=None, metavar="P",
+      help="prefix caching: the requests share the first P of their --context tokens in --prefix-groups groups; "
+           "reports the host pool rows with and without sharing, the alias ids (prefix_alias_blocks) and their "
+           "device memory, and the concurrency with sharing")
+    a("--prefix-groups", type=int, default=None, metavar="G",
+      help="with --shared-prefix: groups of requests, each sharing its own prefix (default 1)")
     p.set_defaults(func=_cmd_plan)
 
 
@@ -386,7 +404,8 @@ def _cmd_plan(args) -> int:
                         indexer_bytes=args.indexer_bytes, index_share=args.index_share,
                         hot_rows=args.hot_rows, max_seqs=args.max_seqs, block_size=args.block_size,
                         target_requests=args.target_requests, tp_ranks=args.tp_ranks,
-                        tp_share=args.tp_share, pool_rows=args.pool_rows))
+                        tp_share=args.tp_share, pool_rows=args.pool_rows, shared_prefix=args.shared_prefix,
+                        prefix_groups=args.prefix_groups))
     c, b = r["concurrency"], r["per_request_bytes"]
     if c["hisparse"] == 0:
         raise CapacityError(

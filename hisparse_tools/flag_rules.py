@@ -62,8 +62,10 @@ def _flashmla_lib(args: argparse.Namespace, *, device: str | None) -> None:
 def check_stress(args: argparse.Namespace) -> None:
     """``hisparse stress``: metrics options without the output they configure; ``--ramp``
     without ``--pool-rows`` (the pool it overflows), or next to what it replaces
-    (``--steps``, ``--churn``: the ramp sets its own schedule; ``--replay``); then the
-    defaults those options stand for are filled in."""
+    (``--steps``, ``--churn``: the ramp sets its own schedule; ``--replay``);
+    ``--prefix-groups`` without ``--shared-prefix``, which makes its own requests (so not
+    next to ``--ramp`` or ``--replay``); then the defaults those options stand for are
+    filled in."""
     if args.ramp and args.pool_rows is None:
         raise unused(["--ramp"], "without --pool-rows (it adds requests until that device pool overflows)",
                      "add --pool-rows N or drop it")
@@ -77,6 +79,13 @@ def check_stress(args: argparse.Namespace) -> None:
         if args.replay is not None:
             raise ValueError("--ramp makes its own join/leave schedule and --replay FILE replays a recorded one: "
                              "give one of them")
+    if args.prefix_groups is not None and args.shared_prefix is None:
+        raise unused(["--prefix-groups"], "without --shared-prefix (it sets how many groups share a prefix)",
+                     "add --shared-prefix P or drop it")
+    if args.shared_prefix is not None and (args.ramp or args.replay is not None):
+        other = "--ramp" if args.ramp else "--replay FILE"
+        raise ValueError(f"--shared-prefix makes its own requests (prompts sharing a prefix, follow-up turns) and "
+                         f"{other} {'makes' if args.ramp else 'replays'} another schedule: give one of them")
     if args.metrics_every is not None and not args.metrics_file:
         raise unused(["--metrics-every"], "without --metrics-file (it sets how often that file is rewritten)",
                      "add --metrics-file FILE or drop it")
@@ -90,10 +99,14 @@ def check_stress(args: argparse.Namespace) -> None:
 
 
 def check_plan(args: argparse.Namespace) -> None:
-    """``hisparse plan``: ``--tp-share`` needs more than one rank."""
+    """``hisparse plan``: ``--tp-share`` needs more than one rank; ``--prefix-groups``
+    needs ``--shared-prefix``."""
     if args.tp_share and args.tp_ranks == 1:
         raise unused(["--tp-share"], "with --tp 1 (one rank keeps one host pool, shared or not)",
                      "give --tp N with N > 1, or drop it")
+    if args.prefix_groups is not None and args.shared_prefix is None:
+        raise unused(["--prefix-groups"], "without --shared-prefix (it sets how many groups share a prefix)",
+                     "add --shared-prefix P or drop it")
 
 
 def check_autotune(args: argparse.Namespace) -> None:

@@ -41,6 +41,21 @@ Formulas (``FORMULAS`` below is printed by ``hisparse plan --help``):
     --pool-rows auto: Np = R * (S + 1) + floor((G - R * hisparse GPU bytes) / (L * row))
                       (every GPU byte the R requests leave)
 
+  prefix sharing (--shared-prefix P --prefix-groups Gp, prefix caching): the requests
+  come in Gp groups, each sharing the first P of its C tokens; whole blocks are shared:
+    Ps = floor(P / B) * B  shared rows of a group;  Co = Cb - Ps  own rows of a request
+    host rows per layer for R requests: min(R, Gp) * Ps + R * Co   (R * Cb unshared)
+    host bytes = rows * L * row (per pool copy)
+    N_host shared = floor((Hm / X - Gp * Ps * L * row) / (Co * L * row)) when that is
+                    >= Gp, else N_host (too few requests to fill every group)
+    alias ids (prefix_alias_blocks) for every sharer: A = (R - min(R, Gp)) * Ps / B;
+      each costs 4 * L * B (row_slot) + 4 (host_block map) device bytes; the R * Cb
+      rows' row map of the unshared count is as large, so GPU bytes grow by 4 * A;
+      the cache's default (prefix_alias_blocks = the pool's blocks) costs
+      (host rows / B) * (4 * L * B + 4)
+    N_hisparse shared = min(N_gpu shared, N_host shared, M, N_index), N_gpu shared the
+                    largest N with N * hisparse GPU bytes + 4 * A(N) <= G
+
 Result fields (``plan`` / ``hisparse plan --json``): inputs (PlanInputs + row_bytes),
 per_request_bytes {resident_gpu, hisparse_gpu, hisparse_gpu_breakdown {hot_rows_and_
 slot_state, indexer_keys, row_to_slot_map, tables}, hisparse_host}, concurrency
@@ -52,7 +67,12 @@ target {requests, host_pool_bytes, gpu_bytes, fits_gpu, within_max_seqs} (with a
 device_pool (with pool_rows) {requests, requests_from, pool_rows, pool_rows_from, hot_rows,
 pages, page_rows, device_bytes, gpu_bytes_at_requests, fits_gpu, pages_per_request,
 resident_requests, rows_all_resident, device_bytes_all_resident,
-gpu_bytes_all_resident, all_resident_fits_gpu}.
+gpu_bytes_all_resident, all_resident_fits_gpu},
+prefix (with shared_prefix) {requests, requests_from, shared_prefix, groups, shared_rows_per_group,
+own_rows_per_request, host_rows_unshared, host_rows_shared, host_rows_saved, host_bytes_unshared,
+host_bytes_shared (per node), alias_ids, alias_device_bytes, row_map_bytes_saved,
+gpu_bytes_shared, default_alias_ids, default_alias_device_bytes, concurrency_shared,
+host_limit_shared, gpu_limit_shared, binding_shared}.
 """
 
 from __future__ import annotations
@@ -89,6 +109,8 @@ class PlanInputs:
     tp_ranks: int = 1  # P
     tp_share: bool = False  # one shared host pool per node (hisparse.cache.distributed)
     pool_rows: int | str | None = None  # Np, device rows per layer (the elastic tier), "auto" or None
+    shared_prefix: int | None = None  # P: tokens each group's requests share (prefix caching)
+    prefix_groups: int | None = None  # Gp: groups sharing a prefix (default 1 with shared_prefix)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "context_len", "top_k", "max_seqs", "block_size", "tp_ranks",
@@ -115,6 +137,25 @@ class PlanInputs:
             raise ValueError(f"hot_rows={self.hot_rows} (+1 reserved slot) exceeds int32 hot-row indices")
         if self.pool_rows is not None and self.pool_rows != "auto":
             check_int("pool_rows", self.pool_rows, lo=1)
+        self._check_prefix()
+
+    def _check_prefix(self) -> None:
+        P, G = self.shared_prefix, self.prefix_groups
+        if G is not None:
+            check_int("prefix_groups", G, lo=1)
+            if P is None:
+                raise ValueError("prefix_groups needs shared_prefix: it says how many groups share a prefix")
+        if P is None:
+            return
+        check_int("shared_prefix", P, lo=1)
+        if P >= self.context_len:
+            raise ValueError(f"shared_prefix={P} does not fit the context: a request's context_len={self.context_len} "
+                             "tokens are the shared prefix plus at least one token of its own (the cache computes "
+                             f"its last prompt token); give a shared_prefix below {self.context_len}")
+        if P < self.block_size:
+            raise ValueError(f"shared_prefix={P} is shorter than one host block (block_size={self.block_size}): "
+                             "only whole blocks are shared, so nothing would be; give at least "
+                             f"{self.block_size}")
 
 
 def plan(inp: PlanInputs) -> dict:
@@ -160,6 +201,9 @@ def plan(inp: PlanInputs) -> dict:
         R = inp.target_requests if inp.target_requests is not None else n_hs
         if R:  # none fits: the command reports that (exit 3)
             out["device_pool"] = device_pool(inp, R, hs_gpu, row)
+    if inp.shared_prefix is not None:
+        out["prefix"] = prefix_sharing(inp, n_gpu=n_gpu, n_host=n_host, n_index=n_index, hs_gpu=hs_gpu, row=row,
+                                       copies=copies)
     if inp.target_requests is not None:
         t = inp.target_requests
         out["target"] = {"requests": t, "host_pool_bytes": t * copies * hs_host,
@@ -199,6 +243,63 @@ def device_pool(inp: PlanInputs, R: int, hs_gpu: int, row: int) -> dict:
             "pages_per_request": pc, "resident_requests": min(R, pages // pc),
             "rows_all_resident": all_rows, "device_bytes_all_resident": L * all_rows * row,
             "gpu_bytes_all_resident": all_gpu, "all_resident_fits_gpu": all_gpu <= G}
+
+
+def prefix_sharing(inp: PlanInputs, *, n_gpu: int, n_host: int, n_index: int, hs_gpu: int, row: int,
+                   copies: int) -> dict:
+    """Host rows with and without prefix sharing, the alias ids it needs and the
+    concurrency it allows (the formulas of the module docstring)."""
+    L, B, Gp = inp.num_layers, inp.block_size, inp.prefix_groups or 1
+    Cb = ceil_div(inp.context_len, B) * B
+    Ps = inp.shared_prefix // B * B
+    Co = Cb - Ps
+    Pb = Ps // B
+    per_row = L * row
+    budget = inp.host_bytes // copies  # one pool copy's bytes
+    n_host_sh = (budget - Gp * Ps * per_row) // (Co * per_row)
+    if n_host_sh < Gp:
+        n_host_sh = n_host  # fewer requests than groups: each owns its whole context
+    # the largest N with N * hs_gpu + 4 * (N - min(N, Gp)) * Pb <= G
+    n_gpu_sh = n_gpu if n_gpu <= Gp else max(Gp, (inp.gpu_bytes + 4 * Gp * Pb) // (hs_gpu + 4 * Pb))
+    n_sh = min(n_gpu_sh, n_host_sh, inp.max_seqs, n_index)
+    binding = ("gpu" if n_sh == n_gpu_sh else "host" if n_sh == n_host_sh
+               else "max_seqs" if n_sh == inp.max_seqs else "int32_indices")
+    R = inp.target_requests if inp.target_requests is not None else n_sh
+    rows_sh = min(R, Gp) * Ps + R * Co
+    aliases = (R - min(R, Gp)) * Pb
+    alias_bytes = 4 * L * B + 4  # row_slot rows of one block id, and its host_block entry
+    return {"requests": R, "requests_from": "target" if inp.target_requests is not None else "hisparse_shared",
+            "shared_prefix": inp.shared_prefix, "groups": Gp, "shared_rows_per_group": Ps,
+            "own_rows_per_request": Co, "host_rows_unshared": R * Cb, "host_rows_shared": rows_sh,
+            "host_rows_saved": R * Cb - rows_sh, "host_bytes_unshared": copies * R * Cb * per_row,
+            "host_bytes_shared": copies * rows_sh * per_row, "alias_ids": aliases,
+            "alias_device_bytes": aliases * alias_bytes, "row_map_bytes_saved": (R * Cb - rows_sh) * L * 4,
+            "gpu_bytes_shared": R * hs_gpu + 4 * aliases, "default_alias_ids": rows_sh // B,
+            "default_alias_device_bytes": rows_sh // B * alias_bytes, "concurrency_shared": n_sh,
+            "host_limit_shared": n_host_sh, "gpu_limit_shared": n_gpu_sh, "binding_shared": binding}
+
+
+def _prefix_lines(p: dict) -> list[str]:
+    x = p["prefix"]
+    who = "the --target" if x["requests_from"] == "target" else "the concurrency with sharing"
+    R, Gp = x["requests"], x["groups"]
+    saved = x["host_rows_saved"] / x["host_rows_unshared"] if x["host_rows_unshared"] else 0.0
+    return [
+        f"prefix sharing: {R} requests ({who}) in {Gp} group{'s' if Gp > 1 else ''} sharing {x['shared_prefix']} "
+        f"tokens ({x['shared_rows_per_group']} rows in whole blocks), {x['own_rows_per_request']} rows of their own",
+        f"host pool rows per layer: {min(R, Gp)} x {x['shared_rows_per_group']} + {R} x {x['own_rows_per_request']} "
+        f"= {x['host_rows_shared']} (vs {R} x {x['host_rows_unshared'] // max(R, 1)} = {x['host_rows_unshared']} "
+        f"unshared: {100 * saved:.1f}% fewer); host pool {fmt_bytes(x['host_bytes_shared'])} "
+        f"(vs {fmt_bytes(x['host_bytes_unshared'])})",
+        f"alias ids for every sharer (prefix_alias_blocks): {x['alias_ids']}, "
+        f"{fmt_bytes(x['alias_device_bytes'])} of device memory (row_slot: 4 B x L x B each, + 4 B), about what the "
+        f"row map of the saved host rows takes unshared ({fmt_bytes(x['row_map_bytes_saved'])}): GPU at {R} "
+        f"requests {fmt_bytes(x['gpu_bytes_shared'])}; the cache's default, one id per host block: "
+        f"{x['default_alias_ids']} ids, {fmt_bytes(x['default_alias_device_bytes'])}"
+        + ("" if x["default_alias_ids"] >= x["alias_ids"] else
+           f" (then only {x['default_alias_ids']} of the {x['alias_ids']} shared block mappings share)"),
+        f"concurrency with sharing: {x['concurrency_shared']} (binding: {x['binding_shared']}; host allows "
+        f"{x['host_limit_shared']}, GPU {x['gpu_limit_shared']})"]
 
 
 def format_plan(p: dict) -> str:
@@ -241,4 +342,6 @@ def format_plan(p: dict) -> str:
                      f"{d['resident_requests']} of {d['requests']} requests; all {d['requests']} resident needs "
                      f"--pool-rows {d['rows_all_resident']} ({fmt_bytes(d['device_bytes_all_resident'])}; GPU "
                      f"{fmt_bytes(d['gpu_bytes_all_resident'])}, {fits(d['all_resident_fits_gpu'])} the budget)")
+    if "prefix" in p:
+        lines += _prefix_lines(p)
     return "\n".join(lines)

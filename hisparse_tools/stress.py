@@ -72,6 +72,9 @@ Result (``run_stress`` / ``hisparse stress --json``), a dict:
                      wasted_bytes, bytes, time_s, per_layer; per_layer entries then also
                      have prefetch_rows, bytes_h2d and h2d_GBps count those rows and their
                      time, and overall has step_ms_p50_with_prefetch
+  prefix             (with shared_prefix) the prefix cache's figures: see
+                     :mod:`hisparse_tools.stress_prefix`; per_step then also has
+                     host_rows, host_rows_unshared and prefix_hit_rate
   plots              (CLI with --plot) paths of the PNGs written
 """
 
@@ -98,6 +101,7 @@ from .sources import CorrelatedSource, IndexerSource, UniformSource, WorkingSetS
 from .stress_limits import check_ramp_overflows, check_stress_sizes
 from .stress_pool import PoolChecks
 from .stress_prefetch import prefetch_report, prefetch_useful, selected_hot, selected_rows
+from .stress_prefix import PrefixRun, PrefixSchedule
 from .traces import ReplaySource, TraceRecorder
 from .workload import RampSchedule, Schedule, StressOptions
 
@@ -139,7 +143,7 @@ def _pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs), q)) if xs else 0.0
 
 
-class StressRun(PoolChecks):
+class StressRun(PoolChecks, PrefixRun):
     """One stress run; ``run()`` returns the JSON-able result dict (``ok`` False on failure).
 
     Building it checks everything that can be checked before work starts: the options,
@@ -192,7 +196,7 @@ class StressRun(PoolChecks):
             num_layers=L, host_pool_tokens=max(blocks, 1) * B, row_bytes=RowFormat.parse(o.row_format).row_bytes,
             top_k=K, device_buffer_size=o.buffer_size, max_num_reqs=max(live_max, 1),
             host_block_size=B, max_request_id=max(max_id + 1, 2 * live_max + 1, 16), device=str(self.dev),
-            device_pool_rows=o.pool_rows)
+            device_pool_rows=o.pool_rows, prefix_caching=bool(o.shared_prefix))
         self.S = self.cfg.device_buffer_size
         if o.ramp:
             check_ramp_overflows(self.cfg, o)
@@ -201,10 +205,13 @@ class StressRun(PoolChecks):
                      hint="lower --requests, --context, --layers, --top-k/--buffer, --pool-rows or --steps")
         if self.replay:
             self.schedule = None
+        elif o.shared_prefix:
+            self.schedule = PrefixSchedule(o, self.cfg.max_request_id, max_len)
         else:
             self.schedule = RampSchedule(o) if o.ramp else Schedule(o, self.cfg.max_request_id)
         self.vgen = torch.Generator(device=self.dev)
         self.vgen.manual_seed(o.seed + 2)
+        self.keys = None  # PrefixKeys of a --shared-prefix run, set when it starts
 
     def memory_needed(self) -> tuple[dict[str, int], dict[str, int]]:
         """(host parts, device parts): bytes the run allocates, by what (an estimate for
@@ -219,8 +226,10 @@ class StressRun(PoolChecks):
             device["indexer keys"] = L * self.live_max * self.source.max_context * self.source.dim * 4
         if isinstance(self.source, WorkingSetSource):  # candidates, scores, mirror mask; position owners
             device["working-set state"] = L * self.live_max * workingset_state_bytes(self.K, self.max_len)
+        if self.o.shared_prefix:  # PrefixKeys: a key per (live request, position)
+            device["prefix row keys"] = self.live_max * self.max_len * 8
         host = {"host pool": cfg.host_pool_bytes, "per-step counters": 2 * L * steps * 8}
-        if self.o.optimal:
+        if self.o.optimal and not self.o.shared_prefix:
             host["Belady bound events"] = steps * L * self.live_max * min(self.K, self.max_len) * 8
         if self.dev.type != "cuda":
             host.update(device)
@@ -233,7 +242,10 @@ class StressRun(PoolChecks):
             torch.cuda.synchronize(self.dev)
 
     def _rows(self, layer: int, inst: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        return row_content(self.o.seed, layer, inst, pos, self.cfg.row_bytes)
+        """The expected bytes of rows: of (request instance, position), or with
+        --shared-prefix of (the token prefix up to the position, position)."""
+        key = inst if self.keys is None else self.keys.keys(inst, pos)
+        return row_content(self.o.seed, layer, key, pos, self.cfg.row_bytes)
 
     def _verify(self, cache, layer: int, step: int, req_ids: np.ndarray, inst_t: torch.Tensor,
                 topk: torch.Tensor, phys: torch.Tensor) -> tuple[int, list[str]]:
@@ -299,7 +311,9 @@ class StressRun(PoolChecks):
         cache = HiSparseCache(self.cfg, kernels=self.kernels.value)
         if self.dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.dev)
-        tracker = OptimalTracker(num_layers=L, buffer_size=S) if o.optimal else None
+        # the Belady bound models requests appending their own rows: none with a prefix cache
+        tracker = OptimalTracker(num_layers=L, buffer_size=S) if o.optimal and not o.shared_prefix else None
+        self._prefix_begin()
         recorder = TraceRecorder(num_layers=L, top_k=K) if o.record else None
         live: dict[int, tuple[int, int]] = {}  # id -> (instance, length)
         n_inst = 0
@@ -333,6 +347,7 @@ class StressRun(PoolChecks):
                 # leave
                 for rid in [r for r in live if r not in set(ids.tolist())]:
                     cache.free_request(rid)
+                    self._leave(rid)
                     self.source.drop(rid)
                     del live[rid]
                     tiers.pop(rid, None)
@@ -342,8 +357,10 @@ class StressRun(PoolChecks):
                 # join + prefill (all but the step's last row)
                 for rid, n in zip(ids.tolist(), lens.tolist()):
                     if rid not in live:
-                        cache.add_request(rid)
-                        live[rid] = (n_inst, 0)
+                        cached = self._admit(cache, rid, n_inst)  # tokens cached already (--shared-prefix)
+                        live[rid] = (n_inst, cached)
+                        if cached:
+                            tiers[rid] = "hot"  # a cached prefix starts on the host only: no seeded buffer
                         n_inst += 1
                         joined += 1
                     inst, cur = live[rid]
@@ -386,6 +403,7 @@ class StressRun(PoolChecks):
                 append_ms.append(t_step * 1e3)
                 for rid, n in zip(ids.tolist(), lens.tolist()):
                     live[rid] = (live[rid][0], n)
+                self._prefix_step(cache, ids, lens)
                 # the tiers after this step's writes: a request a spill demoted (in a joining request's
                 # prefill or in the appends) has its seeded hot buffer checked before any resolve
                 admitted = "resident" if self.cfg.pool_pages else "hot"  # a joining request's first tier
@@ -455,6 +473,7 @@ class StressRun(PoolChecks):
                 note = f"hit {good / max(tot, 1):.3f}"
                 if self.cfg.pool_pages:
                     note += f" resident {t['resident_requests']} hot {t['hot_requests']} spills {t['spills']}"
+                note += self._prefix_note(t)
                 bar.update(1, note=note)
                 if failures:
                     break
@@ -464,6 +483,10 @@ class StressRun(PoolChecks):
         if ramp is not None and not failures:
             failures += self._ramp_end(cache, ramp, stats)
             stats = cache.stats()  # the figures after every request left
+        prefix = None
+        if self.keys is not None:  # every request leaves, the prefix cache is reset: the pool must be empty
+            prefix, f = self._prefix_end(cache, live, stats, check=not failures)
+            failures += f
         res = self._summary(stats, tracker, done, step_ms, append_ms, step_hits[:, :done],
                             step_miss[:, :done], resolve_s, prefill_s, prefill_rows, verified,
                             joined, left, failures, step_res[:, :done])
@@ -471,6 +494,9 @@ class StressRun(PoolChecks):
             res["device_pool"] = self._pool_report(stats, tier_steps, step_hits[:, :done], step_miss[:, :done],
                                                    step_res[:, :done], seeded_checked)
             res["per_step"].update({k: v for k, v in tier_steps.items()})
+        if prefix is not None:
+            res["prefix"] = prefix
+            res["per_step"].update(self._px_steps)
         if ramp is not None:
             res["ramp"] = {"joined": ramp.next_id, "overflowed": ramp.overflow_step is not None,
                            "overflow_step": ramp.overflow_step, "peak_live": ramp.peak_live,

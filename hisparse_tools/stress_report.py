@@ -6,6 +6,7 @@ from typing import Any
 
 from .units import fmt_bytes
 from .report import table
+from .stress_prefix import format_prefix
 
 
 def _run_line(o: dict[str, Any], w: dict[str, Any]) -> str:
@@ -19,13 +20,15 @@ def _run_line(o: dict[str, Any], w: dict[str, Any]) -> str:
             parts.append(f"drift={w['drift']}")
     parts += [f"seed={o['seed']}", f"verify={o['verify']}", f"resolve={'checked' if o['checked'] else 'unchecked'}",
               f"block_size={o['block_size']}", f"prefill_chunk={o['prefill_chunk']}",
-              f"belady={'on' if o['optimal'] else 'off'}", f"prefetch={'on' if o['prefetch'] else 'off'}"]
+              f"belady={'n/a' if o.get('shared_prefix') else 'on' if o['optimal'] else 'off'}", f"prefetch={'on' if o['prefetch'] else 'off'}"]
     if o["record"]:
         parts.append(f"record={o['record']}")
     if o.get("pool_rows") is not None:
         parts.append(f"pool_rows={o['pool_rows']}")
     if o.get("ramp"):
         parts.append("ramp=on")
+    if o.get("shared_prefix") is not None:
+        parts.append(f"shared_prefix={o['shared_prefix']} prefix_groups={o.get('prefix_groups') or 1}")
     return " ".join(parts)
 
 
@@ -106,6 +109,8 @@ def format_stress(r: dict[str, Any]) -> str:
                      "prefetched row that is then selected, the Belady bound has no prefetch")
     if dp:
         lines += _pool_lines(r)
+    if "prefix" in r:
+        lines += format_prefix(r)
     lines.append(f"verified {ov['rows_verified']} rows byte-exact (hot and host copies)")
     if r["ok"]:
         lines.append("RESULT: PASS")

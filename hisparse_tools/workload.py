@@ -50,6 +50,8 @@ class StressOptions:
     prefetch: bool = False  # after layer l's resolve, stage its selection into layer l+1 (exact if shared)
     pool_rows: int | None = None  # HiSparseConfig.device_pool_rows: the elastic device tier (None: none)
     ramp: bool = False  # RampSchedule: join until the pool overflows, then leave (needs pool_rows)
+    shared_prefix: int | None = None  # prefix caching: every prompt starts with its group's P shared tokens
+    prefix_groups: int | None = None  # groups of requests sharing a prefix (default 1 with shared_prefix)
     progress: bool = True
 
     @property
@@ -86,6 +88,7 @@ class StressOptions:
         if self.ramp and self.trace == "replay":
             raise ValueError("ramp makes its own join/leave schedule and a replayed trace fixes one: "
                              "give one of them")
+        self._check_prefix(cm)
         RowFormat.parse(self.row_format)
         Kernels.parse(self.kernels)
         if self.trace not in SOURCES:
@@ -106,6 +109,38 @@ class StressOptions:
         v = self.verify
         if not (v in ("all", "none") or (isinstance(v, int) and not isinstance(v, bool) and v >= 0)):
             raise ValueError(f"verify must be a count >= 0, 'all' or 'none'; got {v!r}")
+
+    @property
+    def groups_used(self) -> int:
+        """``prefix_groups``, or 1 when only ``shared_prefix`` is given."""
+        return self.prefix_groups if self.prefix_groups is not None else 1
+
+    def _check_prefix(self, cm: int) -> None:
+        """``shared_prefix`` / ``prefix_groups`` (``hisparse stress --shared-prefix P
+        --prefix-groups G``): P >= one host block and below the shortest prompt, G >= 1,
+        and neither with a replayed trace or a ramp (which fix their own requests)."""
+        P, G = self.shared_prefix, self.prefix_groups
+        if G is not None:
+            check_int("prefix_groups", G, lo=1)
+            if P is None:
+                raise ValueError("prefix_groups needs shared_prefix: it says how many groups share a prefix")
+        if P is None:
+            return
+        check_int("shared_prefix", P, lo=1)
+        if P < self.block_size:
+            raise ValueError(f"shared_prefix={P} is shorter than one host block (block_size={self.block_size}): "
+                             "only whole blocks are shared, so nothing would be; give a shared_prefix of at "
+                             f"least {self.block_size} or a smaller block_size")
+        if P >= cm:
+            given = "" if self.context_min is not None else ", by default context / 2"
+            raise ValueError(f"shared_prefix={P} does not fit the prompts: a prompt is the shared prefix plus at "
+                             f"least one token of its own, and the shortest has {cm} tokens (context_min{given}); "
+                             f"give a shared_prefix below {cm} or a longer context_min")
+        if self.trace == "replay":
+            raise ValueError("shared_prefix makes its own requests (prompts, follow-up turns) and a replayed "
+                             "trace fixes them: give one of the two")
+        if self.ramp:
+            raise ValueError("shared_prefix and ramp each make their own request schedule: give one of the two")
 
 
 class Schedule:

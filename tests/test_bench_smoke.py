@@ -191,6 +191,27 @@ def test_bench_prefix_times_full_hits(tmp_path, capsys):
     assert all(0 < c["min_us"] <= c["median_us"] <= c["p99_us"] for c in cases)
 
 
+def test_bench_prefix_add_request_and_pool_modes(tmp_path, capsys):
+    """add_request on a real cache: every timed call a full hit, with the publisher gone
+    or live (aliases); pool: groups x shared + requests x own rows, the pool empty after."""
+    from benchmarks import bench_prefix
+
+    out = tmp_path / "prefix.json"
+    assert bench_prefix.main(["--mode", "add_request", "pool", "--tokens", "1000", "--block", "16", "--reps", "3",
+                              "--publisher", "left", "live", "--requests", "6", "--groups", "2", "--shared", "64",
+                              "--own", "40", "--out", str(out)]) == 0
+    cases = json.loads(out.read_text())["cases"]
+    adds = [c for c in cases if c["mode"] == "add_request"]
+    assert [c["publisher"] for c in adds] == ["left", "live"]
+    assert all(c["hit_tokens"] == 992 and c["add_request"]["n"] == 3 and isinstance(c["meets_target"], bool)
+               for c in adds)
+    (pool,) = [c for c in cases if c["mode"] == "pool"]
+    assert pool["rows_target"] == 2 * 64 + 6 * 40 and pool["alias_blocks"] == 4 * 4
+    assert pool["rows_used"] == 2 * 64 + 6 * 48  # each request's own 40 tokens take 3 whole blocks of 16
+    assert pool["sharer_hit_tokens_min"] == 64 and pool["first_of_group_hit_tokens"] == [0, 0]
+    assert pool["blocks_used_after_reset"] == 0 and pool["within_tolerance"] is False  # 30% over: tiny blocks
+
+
 def test_profile_layer_dry_run_lists_each_mode(tmp_path, capsys):
     """The layer profiler on tiny shapes: one timeline per (hit rate, mode), each with
     entries in start order and a span that covers them."""

@@ -559,6 +559,21 @@ def test_plan_pool_rows(capsys):
     _fails(capsys, base + ["--pool-rows", "some"], 2, "argument --pool-rows: cannot parse row count 'some'")
 
 
+def test_plan_shared_prefix(capsys):
+    base = ["plan", "--context", "36K", "--target", "64"]
+    r = _json(capsys, base + ["--json", "--shared-prefix", "32K", "--prefix-groups", "8"])
+    x = r["prefix"]
+    assert x["host_rows_shared"] == 8 * 32768 + 64 * 4096 and x["host_rows_unshared"] == 64 * 36864
+    assert r["inputs"]["shared_prefix"] == 32768 and r["inputs"]["prefix_groups"] == 8
+    assert main(base + ["--shared-prefix", "32K", "--prefix-groups", "8"]) == 0
+    assert "8 x 32768 + 64 x 4096 = 524288" in capsys.readouterr().out
+    _fails(capsys, base + ["--shared-prefix", "36K"], 2, "--shared-prefix 36864 does not fit the context",
+           "--context 36864", "give a --shared-prefix below 36864")
+    _fails(capsys, base + ["--shared-prefix", "0"], 2, "--shared-prefix must be >= 1, got 0")
+    _fails(capsys, base + ["--shared-prefix", "1K", "--prefix-groups", "0"], 2, "--prefix-groups must be >= 1, got 0")
+    _fails(capsys, base + ["--prefix-groups", "8"], 2, "--prefix-groups has no effect without --shared-prefix")
+
+
 def test_autotune_pool_rows(capsys):
     base = ["autotune", "--quiet", "--device", "cpu", "--layers", "1", "--top-k", "8", "--context", "32", "--heads",
             "2", "--steps", "1", "--warmup", "0", "--candidates", "1", "--block-size", "16", "--gpu-memory", "400KiB",

@@ -218,3 +218,61 @@ def test_report_flags_outlier_steps():
     text = format_report(res)
     assert "WARNING: resident had 1 step(s) over 10x the median" in text
     assert "WARNING: hisparse" not in text
+
+
+# ------------------------------------------------------------------ prefix reuse
+PREFIX = dict(shared_prefix=18, prefix_groups=2, num_requests=4, min_prompt=20, max_prompt=34, min_decode=2,
+              max_decode=4)
+
+
+@pytest.mark.parametrize("slots", [1, None])  # one request at a time; all four at once
+def test_prefix_reuse_serves_a_shared_prefix_batch_with_the_same_outputs(slots):
+    """Four requests in two groups sharing an 18-token prefix (one block of 16): with
+    prefix reuse hisparse computes each prompt from its cached blocks on and gives the
+    outputs of the resident run (which computes everything) on every position both
+    computed; the positions it skipped are the cached tokens."""
+    cfg = me.MiniEngineConfig(**PREFIX, prefix_reuse=True, max_num_reqs=slots)
+    res = me.run(cfg)
+    c, cache = res["compare"], res["hisparse"]["cache"]
+    assert c["bitwise_equal"] and c["argmax_mismatches"] == 0, c
+    assert cache["prefix_hit_tokens"] > 0 and cache["prefix_hit_tokens"] % 16 == 0, cache
+    assert c["tokens_skipped"] == cache["prefix_hit_tokens"]
+    reqs = me.make_workload(cfg)
+    assert cache["prefix_query_tokens"] == sum(r.prompt_len for r in reqs)
+    assert c["tokens_compared"] == sum(r.total for r in reqs) - c["tokens_skipped"]
+    assert res["hisparse"]["tokens"] == res["resident"]["tokens"] - c["tokens_skipped"]
+    assert all(bool((r.tokens[:18] == reqs[r.rid % 2].tokens[:18]).all()) for r in reqs)
+    assert "prefix reuse:" in me.format_report(res) and "cached ones not computed" in me.format_report(res)
+
+
+def test_prefix_reuse_on_and_off_give_the_same_hisparse_outputs():
+    on = me.MiniEngineConfig(**PREFIX, prefix_reuse=True, max_num_reqs=1)
+    a = me.run_engine(on, "hisparse")
+    b = me.run_engine(me.MiniEngineConfig(**PREFIX, max_num_reqs=1), "hisparse")
+    c = me.compare(on, a, b)
+    assert c["bitwise_equal"] and c["tokens_skipped"] > 0, c
+    assert b["stats"]["total"]["prefix_query_tokens"] == 0  # off: no token ids given
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(shared_prefix=20), "shared_prefix=20 does not fit the prompts"),
+    (dict(prefix_groups=2), "prefix_groups=2 has no effect without shared_prefix"),
+    (dict(prefix_reuse=True, synthetic_context=4), "prefix_reuse and synthetic_context"),
+    (dict(shared_prefix=-1), "shared_prefix"),
+])
+def test_prefix_reuse_bad_config(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        me.MiniEngineConfig(**kw)
+
+
+def test_prefix_reuse_counts_the_indexer_keys_it_keeps():
+    host, _ = me.memory_needed(me.MiniEngineConfig(**PREFIX, prefix_reuse=True))
+    assert host["indexer keys of cached prompt blocks"] == 2 * 4 * 34 * 16 * 4
+    assert "indexer keys of cached prompt blocks" not in me.memory_needed(me.MiniEngineConfig(**PREFIX))[0]
+
+
+def test_prefix_reuse_flags():
+    args = me.build_parser().parse_args(["--prefix-reuse", "--shared-prefix", "18", "--prefix-groups", "2"])
+    cfg = me.config_from_args(args)
+    assert cfg.prefix_reuse and cfg.shared_prefix == 18 and cfg.prefix_groups == 2
+    assert cfg.cache_config().prefix_caching and not me.MiniEngineConfig().cache_config().prefix_caching

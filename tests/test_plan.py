@@ -167,3 +167,63 @@ def test_device_pool_given_for_a_target():
 def test_device_pool_bad_sizes(kw, msg):
     with pytest.raises(ValueError, match=msg):
         _case(**kw)
+
+
+# ------------------------------------------------------------------ prefix sharing
+def _shared(**kw):
+    base = dict(num_layers=61, context_len=36 * 1024, gpu_bytes=80 << 30, host_bytes=1 << 40,
+                shared_prefix=32 * 1024, prefix_groups=8, target_requests=64)
+    return plan(PlanInputs(**{**base, **kw}))
+
+
+def test_prefix_sharing_host_rows_of_64_requests_in_8_groups():
+    """64 requests in 8 groups sharing 32K + 4K own: 8 x 32K + 64 x 4K host rows per layer
+    rather than 64 x 36K; the alias ids every sharer needs cost what cfg.device_bytes()
+    counts for prefix_alias_blocks."""
+    from hisparse import HiSparseConfig
+
+    p = _shared()
+    x, K = p["prefix"], 1024
+    assert x["requests"] == 64 and x["requests_from"] == "target" and x["groups"] == 8
+    assert x["shared_rows_per_group"] == 32 * K and x["own_rows_per_request"] == 4 * K
+    assert x["host_rows_shared"] == 8 * 32 * K + 64 * 4 * K and x["host_rows_unshared"] == 64 * 36 * K
+    assert x["host_rows_saved"] == 64 * 36 * K - (8 * 32 * K + 64 * 4 * K)
+    assert x["host_bytes_shared"] == x["host_rows_shared"] * 61 * 656
+    assert x["host_bytes_unshared"] == p["target"]["host_pool_bytes"]
+    assert x["alias_ids"] == (64 - 8) * 32 * K // 64 == 28672
+    cfg = lambda aliases: HiSparseConfig(num_layers=61, host_pool_tokens=x["host_rows_shared"], top_k=64,
+                                         prefix_caching=True, prefix_alias_blocks=aliases, device="cpu")
+    extra = cfg(x["alias_ids"]).device_bytes()["total"] - cfg(0).device_bytes()["total"]
+    assert extra == x["alias_device_bytes"] == x["alias_ids"] * (4 * 61 * 64 + 4)
+    assert x["default_alias_ids"] == cfg(None).prefix_alias_blocks == x["host_rows_shared"] // 64
+    assert x["gpu_bytes_shared"] == p["target"]["gpu_bytes"] + 4 * x["alias_ids"]
+    assert x["row_map_bytes_saved"] == x["host_rows_saved"] * 61 * 4
+    text = format_plan(p)
+    for part in ("in 8 groups sharing 32768 tokens", "8 x 32768 + 64 x 4096 = 524288 (vs 64 x 36864 = 2359296",
+                 "alias ids for every sharer (prefix_alias_blocks): 28672", "concurrency with sharing"):
+        assert part in text, (part, text)
+
+
+def test_prefix_sharing_raises_the_host_bound_concurrency():
+    """Host-bound (the _case budgets): 14 requests unshared; sharing 512 of 1000 tokens in
+    2 groups leaves (20e6 - 2 x 512 x 2 x 656) // (512 x 2 x 656) = 27 requests."""
+    p = _case(shared_prefix=512, prefix_groups=2)
+    x = p["prefix"]
+    assert p["concurrency"]["hisparse"] == 14 and x["host_limit_shared"] == 27
+    assert x["concurrency_shared"] == 27 and x["binding_shared"] == "host" and x["requests"] == 27
+    assert x["own_rows_per_request"] == 1024 - 512 and x["shared_rows_per_group"] == 512
+    one = _case(shared_prefix=100)  # one group; only whole blocks are shared (64 of the 100 tokens)
+    assert one["prefix"]["groups"] == 1 and one["prefix"]["shared_rows_per_group"] == 64
+    assert "prefix" not in _case()
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(shared_prefix=0), "shared_prefix must be >= 1"),
+    (dict(shared_prefix=1000), r"shared_prefix=1000 does not fit the context: a request's context_len=1000"),
+    (dict(shared_prefix=32), r"shared_prefix=32 is shorter than one host block \(block_size=64\)"),
+    (dict(shared_prefix=128, prefix_groups=0), "prefix_groups must be >= 1"),
+    (dict(prefix_groups=2), "prefix_groups needs shared_prefix"),
+])
+def test_prefix_sharing_bad_values(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        _case(**kw)

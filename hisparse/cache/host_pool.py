@@ -149,40 +149,44 @@ class BlockAllocator:
         references in the prefix index)."""
         if self._owned.get(owner):
             raise ValueError(f"map_cached for {owner!r}, which owns blocks already")
-        ids: list[int] = []
-        for b in blocks:
-            if not self._mapped[b]:
-                self._mapped[b] = True
-                ids.append(int(b))
-            elif self._aliases:
-                v = self._aliases.pop()
-                self.host_of[v] = b
-                ids.append(v)
-            else:
-                break
-        if ids:
-            self._owned.setdefault(owner, []).extend(ids)
-        return ids
+        hb = np.asarray(blocks, dtype=np.int64)
+        taken = self._mapped[hb]  # these need an alias
+        n = len(hb)
+        if int(taken.sum()) > len(self._aliases):  # stop at the first block with no id left
+            n = int(np.flatnonzero(np.cumsum(taken) > len(self._aliases))[0])
+            hb, taken = hb[:n], taken[:n]
+        ids = hb.copy()
+        k = int(taken.sum())
+        if k:
+            alias = np.array(self._aliases[-1:-k - 1:-1], dtype=np.int64)  # lowest first
+            del self._aliases[-k:]
+            ids[taken] = alias
+            self.host_of[alias] = hb[taken]
+        self._mapped[hb[~taken]] = True
+        out = ids.tolist()
+        if out:
+            self._owned.setdefault(owner, []).extend(out)
+        return out
 
     def free(self, owner: Hashable) -> list[int]:
         """Release every block id of ``owner``: a cached block loses the owner's reference
         (it stays cached), any other block returns to the free list. Returns the host
         blocks that went to the free list."""
-        ids = self._owned.pop(owner, [])
-        freed: list[int] = []
-        cache = self.cache
-        for v in ids:
-            b = int(self.host_of[v])
-            if v >= self.num_blocks:
-                self._aliases.append(v)
-            else:
-                self._mapped[v] = False
-            if cache is not None and cache.holds(b):
-                cache.release((b,))
-            else:
-                freed.append(b)
-        if len(self._aliases) > 1:
+        ids = np.asarray(self._owned.pop(owner, []), dtype=np.int64)
+        hb = self.host_of[ids]
+        alias = ids >= self.num_blocks
+        self._mapped[ids[~alias]] = False
+        if alias.any():
+            self._aliases.extend(ids[alias].tolist())
             self._aliases.sort(reverse=True)
+        cache = self.cache
+        blocks = hb.tolist()
+        if cache is not None:
+            cached = [b for b in blocks if cache.holds(b)]
+            cache.release(cached)
+            freed = [b for b in blocks if not cache.holds(b)] if cached else blocks
+        else:
+            freed = blocks
         # keep the free list sorted descending so pop() keeps giving the lowest id
         self._free.extend(freed)
         self._free.sort(reverse=True)

@@ -69,12 +69,12 @@ def _map_blocks(cache: "HiSparseCache", r: int, ids: list[int], cached: int) -> 
     host blocks it mapped under block ids ``ids`` (no reserved-slot occupant)."""
     st, dev, w = cache.state, cache.device, cache.writer
     NB = cache.pool.allocator.num_blocks
-    v = torch.tensor(ids, dtype=torch.int32)
-    st.block_table[r, :len(ids)] = v.to(dev)
-    alias = v >= NB
-    if bool(alias.any()):
-        hb = torch.from_numpy(cache.pool.allocator.host_of[v[alias].numpy()]).to(torch.int32)
-        st.host_block[v[alias].to(dev, torch.long)] = hb.to(dev)
+    v = np.asarray(ids, dtype=np.int32)
+    st.block_table[r, :len(ids)] = torch.from_numpy(v).to(dev)
+    alias = v[v >= NB].astype(np.int64)
+    if len(alias):
+        hb = cache.pool.allocator.host_of[alias].astype(np.int32)
+        st.host_block[torch.from_numpy(alias).to(dev)] = torch.from_numpy(hb).to(dev)
     st.seq_lens[:, r] = cached
     w.host_blocks[r, :len(ids)] = ids
     w.num_blocks[r] = len(ids)
@@ -92,14 +92,11 @@ def release(cache: "HiSparseCache", req_id: int) -> list[int]:
     st, B = cache.state, cache.pool.B
     if cache.prefix is not None:
         cache.prefix.publish(cache.requests, (r,))  # its finished blocks stay cached
-    blocks = cache.pool.allocator.owned(r)
-    start = 0
-    while start < len(blocks):  # clear row_slot run by run of consecutive block ids
-        end = start + 1
-        while end < len(blocks) and blocks[end] == blocks[end - 1] + 1:
-            end += 1
-        st.row_slot[:, blocks[start] * B:(blocks[end - 1] + 1) * B] = -1
-        start = end
+    ids = np.asarray(cache.pool.allocator.owned(r), dtype=np.int64)
+    if len(ids):  # clear row_slot run by run of consecutive block ids
+        cut = np.flatnonzero(np.diff(ids) != 1) + 1
+        for a, b in zip(ids[np.r_[0, cut]].tolist(), ids[np.r_[cut - 1, len(ids) - 1]].tolist()):
+            st.row_slot[:, a * B:(b + 1) * B] = -1
     st.slot_pos[:, r] = -1
     st.slot_stamp[:, r] = -1
     st.step[:, r] = 0

@@ -37,7 +37,7 @@ import numpy as np
 
 from ..config import HiSparseConfig
 from .host_pool import BlockAllocator
-from .prefix_index import PrefixIndex, _token_bytes, block_names
+from .prefix_index import PrefixIndex, _token_bytes, block_names, names_of_bytes
 from .requests import RequestTable
 
 
@@ -70,7 +70,7 @@ class PrefixCache:
         of an ``add_request``, done before anything changes (ValueError: bad ids)."""
         raw = _token_bytes(token_ids)  # checks the ids
         n = len(raw) // 4
-        names = block_names(np.frombuffer(raw, dtype="<u4"), self.B, salt=salt, algo=self.algo)
+        names = names_of_bytes(raw, self.B, salt=salt, algo=self.algo)
         whole = len(names) * self.B
         tail = np.frombuffer(raw[4 * whole:], dtype="<u4").tolist() if whole < n else []
         return names, tail
@@ -86,7 +86,7 @@ class PrefixCache:
         """Request slot r (new, owning nothing) maps the cached blocks ``hits`` (as many
         as block ids allow) and records its names; returns the block ids it mapped."""
         ids = self.allocator.map_cached(r, hits)
-        self.index.acquire([int(self.allocator.host_of[v]) for v in ids], queried=len(names))
+        self.index.acquire(hits[:len(ids)], queried=len(names))
         self._req[r] = _Tokens(salt, list(names), list(tail), len(ids))
         self.query_tokens += num_tokens
         self.hit_tokens += len(ids) * self.B

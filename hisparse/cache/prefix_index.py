@@ -68,15 +68,21 @@ def block_names(token_ids: Sequence[int] | np.ndarray, block_size: int, *, salt:
         raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
     if salt is not None and not isinstance(salt, (bytes, bytearray)):
         raise TypeError(f"salt must be bytes or None, got {type(salt).__name__}")
+    return names_of_bytes(_token_bytes(token_ids), block_size, salt=salt, parent=parent, algo=algo)
+
+
+def names_of_bytes(raw: bytes, block_size: int, *, salt: bytes | None = None, parent: bytes = b"",
+                   algo: str = "sha256") -> list[bytes]:
+    """``block_names`` of token ids already packed as little-endian uint32 bytes."""
     H = _hash_fn(algo)
-    raw = _token_bytes(token_ids)
     step = 4 * block_size
     salted = H(bytes(salt)) if salt else b""
     names: list[bytes] = []
+    append = names.append
     h = bytes(parent)
     for i in range(0, len(raw) - step + 1, step):
         h = H(h + salted + raw[i:i + step])
-        names.append(h)
+        append(h)
     return names
 
 
@@ -165,12 +171,16 @@ class PrefixIndex:
         """A request references ``blocks`` (cached ones, e.g. a ``lookup``); ``queried``:
         the blocks its lookup asked for (counted with the hits)."""
         blocks = list(blocks)
+        name_of = self._name_of
+        missing = [b for b in blocks if b not in name_of]
+        if missing:
+            raise KeyError(f"blocks {missing[:8]} are not cached")
+        refs, lru = self._refs, self._lru
         for b in blocks:
-            if b not in self._name_of:
-                raise KeyError(f"block {b} is not cached")
-        for b in blocks:
-            self._refs[b] = self._refs.get(b, 0) + 1
-            self._lru.pop(b, None)
+            n = refs.get(b, 0)
+            refs[b] = n + 1
+            if not n:
+                lru.pop(b, None)
         if queried is not None:
             self.query_blocks += queried
             self.hit_blocks += len(blocks)
@@ -179,14 +189,17 @@ class PrefixIndex:
         """A request stops referencing ``blocks``; one no request references becomes
         evictable (most recently released last)."""
         blocks = list(blocks)
+        refs, lru = self._refs, self._lru
+        missing = [b for b in blocks if refs.get(b, 0) < 1]
+        if missing:
+            raise KeyError(f"blocks {missing[:8]} are not referenced")
         for b in blocks:
-            if self._refs.get(b, 0) < 1:
-                raise KeyError(f"block {b} is not referenced")
-        for b in blocks:
-            self._refs[b] -= 1
-            if self._refs[b] == 0:
-                del self._refs[b]
-                self._lru[b] = None
+            n = refs[b] - 1
+            if n:
+                refs[b] = n
+            else:
+                del refs[b]
+                lru[b] = None
 
     def publish(self, name: bytes, block: int, *, referenced: bool = True) -> bool:
         """Make ``block`` findable as ``name`` (its rows are written in every layer);
@@ -225,4 +238,4 @@ class PrefixIndex:
         return out
 
 
-__all__ = ["HASHES", "NAME_BYTES", "PrefixIndex", "block_names"]
+__all__ = ["HASHES", "NAME_BYTES", "PrefixIndex", "block_names", "names_of_bytes"]

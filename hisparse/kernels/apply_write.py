@@ -36,7 +36,7 @@ def apply_write_plan_kernel(
     hot_ptr,  # int32 [device_rows_per_layer, WW]: the layer's device rows as words
     bt_ptr,  # int32 [R, max_blocks] block table
     bt_stride,  # elements between block-table rows
-    row_slot_ptr,  # int32 [num_host_rows] row_slot of the layer
+    row_slot_ptr,  # int32 [HV] row_slot of the layer, by row key (hisparse.cache.state)
     slot_pos_ptr,  # int32 [R * (S + 1)] slot_pos of the layer
     slot_stamp_ptr,  # int64 [R * (S + 1)] slot_stamp of the layer
     step_ptr,  # int64 [R] step of the layer

@@ -44,6 +44,10 @@ _SWITCHES = {
     "prefetch": ("--prefetch", "store_true",
                  "hisparse: stage layer l's top-k into layer l+1 while layer l computes: into Shared layers "
                  "(exact, --index-share > 1), and into Full layers as a prediction when --index-correlation > 0"),
+    "prefix_reuse": ("--prefix-reuse", "store_true",
+                     "hisparse: prefix caching: a request is admitted with its prompt's token ids and computes only "
+                     "the tokens past its cached blocks (the engine keeps their indexer keys); outputs of the "
+                     "skipped positions are left out of the comparison"),
     "async_steps": ("--sync-steps", "store_false",
                     "CUDA: finish each step before preparing the next (default: the host prepares step t + 1 "
                     "while step t runs, one step ahead)"),
@@ -97,6 +101,9 @@ _HELP = {
     "tolerance": "max |resident - hisparse| output difference, relative to max |output|",
     "ffn": "rest-of-layer stand-in after attention", "ffn_intermediate": "MLP / per-expert intermediate size",
     "ffn_experts": "MoE: experts", "ffn_active": "MoE: experts per token", "ffn_shared": "MoE: shared experts",
+    "shared_prefix": "request i's prompt starts with the tokens of group i %% --prefix-groups's prefix of this "
+                     "length (with --prefix-reuse, hisparse computes them once)",
+    "prefix_groups": "groups of requests sharing a prefix (with --shared-prefix)",
     "ffn_routing": "MoE: choose a token's experts from its hidden state (content) or its input embedding "
                    "(token: rounding-level differences can't reroute it, for output comparisons)",
 }

@@ -74,14 +74,17 @@ class MiniEngineConfig:
     ffn_shared: int = 1  # MoE: shared experts (each of ffn_intermediate) on every token
     ffn_routing: str = "content"  # MoE: experts chosen from the hidden state ("content") or from the
     #                      input token's embedding ("token"; .ffn)
+    shared_prefix: int = 0  # request i's prompt starts with the shared_prefix tokens of group i % prefix_groups
+    prefix_groups: int = 1
+    prefix_reuse: bool = False  # hisparse: prefix caching; a request computes only its uncached tokens (.prefix)
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_heads", "hidden", "indexer_dim", "vocab", "top_k", "num_requests",
                      "min_prompt", "max_prompt", "max_decode", "query_len", "chunk",
                      "max_batch_tokens", "host_block_size", "ffn_intermediate", "ffn_experts", "ffn_active",
-                     "index_share"):
+                     "index_share", "prefix_groups"):
             check_int(name, getattr(self, name), lo=1)
-        for name in ("arrival_every", "min_decode", "synthetic_context", "ffn_shared"):
+        for name in ("arrival_every", "min_decode", "synthetic_context", "ffn_shared", "shared_prefix"):
             check_int(name, getattr(self, name), lo=0)
         check_int("seed", self.seed, 0, 2**62)  # the tools derive seed + 1, seed + 2, ... from it
         for name in ("device_buffer_size", "max_num_reqs", "device_pool_rows"):
@@ -92,6 +95,17 @@ class MiniEngineConfig:
         check_bool("graphs", self.graphs)
         check_bool("layer_graphs", self.layer_graphs)
         check_bool("async_steps", self.async_steps)
+        check_bool("prefix_reuse", self.prefix_reuse)
+        if self.shared_prefix >= self.min_prompt:
+            raise ValueError(f"shared_prefix={self.shared_prefix} does not fit the prompts: a prompt is the shared "
+                             f"prefix plus at least one token of its own, and the shortest has min_prompt="
+                             f"{self.min_prompt} tokens; give a shared_prefix below {self.min_prompt}")
+        if self.prefix_groups > 1 and not self.shared_prefix:
+            raise ValueError(f"prefix_groups={self.prefix_groups} has no effect without shared_prefix (it says how "
+                             "many groups share a prefix); give a shared_prefix or drop it")
+        if self.prefix_reuse and self.synthetic_context:
+            raise ValueError("prefix_reuse and synthetic_context both decide a prompt's first rows (cached, or "
+                             "written as random rows): give one of the two")
         overlap = Overlap.parse(self.overlap)
         ffn = FFNKind.parse(self.ffn)
         if self.ffn_routing not in FFN_ROUTINGS:
@@ -185,7 +199,8 @@ class MiniEngineConfig:
             device_buffer_size=self.device_buffer_size, max_num_reqs=R, max_query_len=self.query_len,
             host_block_size=self.host_block_size,
             host_pool_tokens=R * (ceil_div(self.max_context, self.host_block_size) + 1) * self.host_block_size,
-            max_request_id=max(self.num_requests, 1), device=self.device, device_pool_rows=self.device_pool_rows)
+            max_request_id=max(self.num_requests, 1), device=self.device, device_pool_rows=self.device_pool_rows,
+            prefix_caching=self.prefix_reuse)
 
 
 def memory_needed(cfg: MiniEngineConfig) -> tuple[dict[str, int], dict[str, int]]:
@@ -208,6 +223,8 @@ def memory_needed(cfg: MiniEngineConfig) -> tuple[dict[str, int], dict[str, int]
         "KV rows (resident or hot buffers)": max(resident, hisparse_dev),
         "outputs": cfg.num_requests * (C - cfg.synthetic_context) * D * 4,  # synthetic rows have none
     }
+    if cfg.prefix_reuse:  # .prefix.IndexerPrefix keeps every prompt block's keys: at most every prompt's
+        device["indexer keys of cached prompt blocks"] = F * cfg.num_requests * cfg.max_prompt * cfg.indexer_dim * 4
     host = {"host pool": cc.host_pool_bytes}
     if not cfg.device.startswith("cuda"):
         host.update(device)
@@ -224,6 +241,7 @@ class Request:
     decode_len: int  # decode steps
     tokens: torch.Tensor  # int64 [prompt_len + decode_len * q] teacher-forced inputs (CPU)
     done: int = 0  # positions processed
+    cached: int = 0  # leading positions whose KV the hisparse store had cached (prefix_reuse): not computed
     slot: int = -1  # engine slot (indexer store, resident block table)
     _decode_list: list | None = dataclasses.field(default=None, repr=False, compare=False)
 
@@ -242,12 +260,17 @@ class Request:
 
 
 def make_workload(cfg: MiniEngineConfig) -> list[Request]:
+    """The requests of ``cfg``'s workload; with ``shared_prefix``, request i's prompt
+    starts with its group's (i % prefix_groups) prefix, drawn apart from the rest."""
     g = torch.Generator().manual_seed(cfg.seed)
+    gp = torch.Generator().manual_seed(cfg.seed + 7)
+    prefixes = [torch.randint(0, cfg.vocab, (cfg.shared_prefix,), generator=gp) for _ in range(cfg.prefix_groups)]
     reqs = []
     for i in range(cfg.num_requests):
         p = int(torch.randint(cfg.min_prompt, cfg.max_prompt + 1, (1,), generator=g))
         d = int(torch.randint(cfg.min_decode, cfg.max_decode + 1, (1,), generator=g))
         toks = torch.randint(0, cfg.vocab, (p + d * cfg.query_len,), generator=g)
+        toks[:cfg.shared_prefix] = prefixes[i % cfg.prefix_groups]
         reqs.append(Request(rid=i, arrival=i * cfg.arrival_every, prompt_len=p, decode_len=d, tokens=toks))
     return reqs
 

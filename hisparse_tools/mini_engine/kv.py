@@ -19,7 +19,10 @@
   prefill_attention(layer, q, idx, batch) -> bf16 [Tp, H, D_LATENT]
                                         gather the prefill requests' rows into the bf16
                                         workspace, then attention over ``idx``
-  admit / release / fill / stats        request lifecycle, synthetic context, counters
+  admit(req) -> cached / release / fill / stats
+                                        request lifecycle (admit: the leading prompt tokens
+                                        whose KV the store holds already, 0 but with
+                                        prefix reuse), synthetic context, counters
   layer_graphs()                        hisparse with layer_graphs: the per-layer graphs' counts
 
 The attention calls take the query and the top-k and return the attention output, so
@@ -90,7 +93,10 @@ class KVStore:
     def __init__(self, attn: Attention) -> None:
         self.attn = attn
 
-    def admit(self, req: Request) -> None:
+    def admit(self, req: Request) -> int:
+        """Take ``req`` (its slot set); returns how many leading prompt tokens' KV rows the
+        store holds already (hisparse with ``prefix_reuse``; else 0): the engine computes
+        from there."""
         raise NotImplementedError
 
     def release(self, req: Request) -> None:
@@ -194,12 +200,13 @@ class ResidentKV(KVStore):
         self.device = device
         self.validate = cfg.validate
 
-    def admit(self, req: Request) -> None:
+    def admit(self, req: Request) -> int:
         n = ceil_div(req.total, self.bs)
         blocks = [self.free.pop() for _ in range(n)]
         self.owned[req.rid] = blocks
         self.block_table[req.slot].fill_(-1)
         self.block_table[req.slot, :n] = torch.tensor(blocks, dtype=torch.int32, device=self.device)
+        return 0
 
     def release(self, req: Request) -> None:
         self.free.extend(self.owned.pop(req.rid))
@@ -291,8 +298,13 @@ class HiSparseKV(KVStore):
         """Whether this layer's top-k is staged into layer + 1 (``cfg.prefetches_into``)."""
         return self.cfg.prefetches_into(layer + 1)
 
-    def admit(self, req: Request) -> None:
-        self.group.add_request(req.rid)
+    def admit(self, req: Request) -> int:
+        """With ``prefix_reuse`` the prompt's token ids go along: the cache maps the
+        longest cached run of its whole blocks (``hisparse.cache.prefix``)."""
+        if not self.cfg.prefix_reuse:
+            self.group.add_request(req.rid)
+            return 0
+        return self.group.add_request(req.rid, token_ids=req.tokens[:req.prompt_len].tolist())
 
     def release(self, req: Request) -> None:
         self.finished[self.group.hisparse_cache.residency(req.rid)] += 1

@@ -34,6 +34,7 @@ from .config import MiniEngineConfig, Request, make_workload, memory_needed
 from .graphs import DecodeGraphs, DecodeMode, StaticInputs, bucket_for
 from .kv import KV_STORES, Attention, Batch
 from .model import Indexer, Model, synthetic_rows
+from .prefix import IndexerPrefix
 
 
 class MiniEngine:
@@ -59,6 +60,8 @@ class MiniEngine:
         self.attn = Attention(decode=self.decode_backend, prefill=self.prefill_backend,
                               sm_scale=self.model.sm_scale, row_format=self.fmt, workspace=ws)
         self.kv = KV_STORES[kv_kind](cfg, self.slots, self.device, self.attn)
+        # prefix reuse: the indexer keys of cached prompt blocks (hisparse holds their rows)
+        self.prefix = IndexerPrefix(cfg, self.indexer) if cfg.prefix_reuse and kv_kind == "hisparse" else None
         if decode_mode is not None:
             mode = decode_mode
         else:
@@ -237,6 +240,8 @@ class MiniEngine:
                 replay_gpu_times.append(DecodeGraphs.replay_gpu_s(f["marks"]))
             for r in f["released"]:
                 self.kv.release(r)
+                if self.prefix is not None:
+                    self.prefix.release(r)
                 free_slots.append(r.slot)
 
         while pending or running:
@@ -250,7 +255,10 @@ class MiniEngine:
                 r = pending.pop(0)
                 r.slot = free_slots.pop()
                 r.done = 0
-                self.kv.admit(r)
+                r.cached = self.kv.admit(r)  # prefix reuse: tokens whose KV is cached, not computed
+                if self.prefix is not None:
+                    self.prefix.admit(r, r.cached)
+                    r.done = r.cached
                 if cfg.synthetic_context:
                     t0 = time.perf_counter()
                     self._fill(r)
@@ -287,6 +295,8 @@ class MiniEngine:
             tokens += x.shape[0]
             released = []
             for r, n in items:
+                if self.prefix is not None:
+                    self.prefix.save(r, r.done, r.done + n)
                 r.done += n
                 if r.done >= r.total:
                     running.remove(r)
@@ -313,7 +323,8 @@ class MiniEngine:
         total = time.perf_counter() - t_start - fill_time
         for r in reqs:
             argmax[r.rid] = self.model.logits(outputs[r.rid]).argmax(dim=-1)
-        return {"outputs": outputs, "argmax": argmax, "tokens": tokens, "steps": step, "time_s": total,
+        return {"outputs": outputs, "argmax": argmax, "skipped": {r.rid: r.cached for r in reqs},
+                "tokens": tokens, "steps": step, "time_s": total,
                 "step_times": step_times, "decode_step_times": decode_step_times,
                 "replay_step_times": replay_step_times, "replay_gpu_times": replay_gpu_times,
                 "fill_time_s": fill_time,
@@ -433,16 +444,20 @@ def step_stats(xs: list[float]) -> dict:
 
 
 def compare(cfg: MiniEngineConfig, a: dict, b: dict) -> dict:
-    """Token-by-token comparison of two runs' final hidden states and argmax tokens."""
-    max_diff, scale, mismatched, n = 0.0, 0.0, 0, 0
+    """Token-by-token comparison of two runs' final hidden states and argmax tokens (the
+    positions either run skipped, prefix reuse's cached ones, have no output: left out)."""
+    max_diff, scale, mismatched, n, skipped = 0.0, 0.0, 0, 0, 0
     for rid in a["outputs"]:
-        xa, xb = a["outputs"][rid], b["outputs"][rid]  # positions synthetic_context onwards
+        k = max(a.get("skipped", {}).get(rid, 0), b.get("skipped", {}).get(rid, 0))
+        k = max(0, k - cfg.synthetic_context)
+        xa, xb = a["outputs"][rid][k:], b["outputs"][rid][k:]  # positions synthetic_context onwards
         max_diff = max(max_diff, float((xa - xb).abs().max()) if xa.numel() else 0.0)
         scale = max(scale, float(xa.abs().max()) if xa.numel() else 0.0)
-        mismatched += int((a["argmax"][rid] != b["argmax"][rid]).sum())
+        mismatched += int((a["argmax"][rid][k:] != b["argmax"][rid][k:]).sum())
         n += xa.shape[0]
+        skipped += k
     rel = max_diff / scale if scale else 0.0
-    return {"tokens_compared": n, "max_abs_diff": max_diff, "max_rel_diff": rel,
+    return {"tokens_compared": n, "tokens_skipped": skipped, "max_abs_diff": max_diff, "max_rel_diff": rel,
             "argmax_mismatches": mismatched, "bitwise_equal": max_diff == 0.0,
             "within_tolerance": rel <= cfg.tolerance}
 
@@ -521,7 +536,9 @@ def summarize(res: dict) -> dict:
                                                 "bytes_d2h", "invalid", "resolves", "resident_rows",
                                                 "resident_requests", "hot_requests", "pool_rows_used",
                                                 "pool_rows_total", "spills", "seeded_rows",
-                                                "finished_resident", "finished_hot")}
+                                                "finished_resident", "finished_hot", "prefix_query_tokens",
+                                                "prefix_hit_tokens", "cached_blocks", "shared_blocks",
+                                                "prefix_evictions")}
         # a prefetched row a resolve then finds is a hit: per layer, so Shared layers show apart
         layers = res["stats"].get("layers", [])
         out["cache"]["layer_hit_rates"] = [d["hit_rate"] for d in layers]

@@ -36,7 +36,12 @@ def format_report(res: dict) -> str:
            f"{cache.get('finished_resident')}, hot {cache.get('finished_hot')}), spills "
            f"{cache['spills']}, seeded rows {cache['seeded_rows']}, rows used {cache['pool_rows_used']} of "
            f"{cache['pool_rows_total']}" if res.get("config", {}).get("device_pool_rows") else ""),
-        f"outputs: {c['tokens_compared']} tokens compared, max |diff| {c['max_abs_diff']:.3e} "
+        *([f"prefix reuse: {cache['prefix_hit_tokens']} of {cache['prefix_query_tokens']} prompt tokens cached "
+           f"(not computed), cached blocks {cache['cached_blocks']}, shared {cache['shared_blocks']}, evictions "
+           f"{cache['prefix_evictions']}"] if cache.get("prefix_query_tokens") else []),
+        f"outputs: {c['tokens_compared']} tokens compared"
+        + (f" ({c['tokens_skipped']} cached ones not computed, left out)" if c.get("tokens_skipped") else "")
+        + f", max |diff| {c['max_abs_diff']:.3e} "
         f"(relative {c['max_rel_diff']:.3e}), argmax mismatches {c['argmax_mismatches']}, "
         f"{'bitwise equal' if c['bitwise_equal'] else 'not bitwise equal'}, "
         f"{'WITHIN' if c['within_tolerance'] else 'OUTSIDE'} tolerance",
