@@ -79,7 +79,7 @@ def bench_lookup(a: argparse.Namespace, report: dict) -> None:
     for algo in a.algo:
         for n in a.tokens:
             toks = _tokens(n, rng, a.numpy)
-            ix = PrefixIndex()
+            ix = PrefixIndex(len(toks) // a.block + 1)
             for i, name in enumerate(block_names(toks, a.block, algo=algo)):
                 ix.publish(name, i, referenced=False)
 

@@ -297,7 +297,7 @@ def prefix_snapshot(cache) -> dict[str, Any]:
     p = cache.prefix
     if p is not None:
         ix = p.index
-        snap["index"] = (dict(ix._block_of), dict(ix._refs), list(ix._lru), ix.evictions,
+        snap["index"] = (dict(ix._block_of), ix.ref_counts(), ix.evictable_order(), ix.evictions,
                          ix.query_blocks, ix.hit_blocks)
         snap["prefix"] = (p.query_tokens, p.hit_tokens,
                           {r: (t.salt, list(t.names), list(t.tail), t.done) for r, t in p._req.items()})
@@ -667,7 +667,7 @@ class PrefixTrace:
         ix = cache.prefix.index
         assert alloc.num_used == 0 and alloc.num_free == alloc.num_blocks, (alloc.num_used, alloc.num_free)
         assert alloc.owners() == [] and alloc.aliases_free == self.cfg.prefix_alias_blocks
-        assert ix.cached == 0 and ix.evictable == 0 and ix.referenced() == 0 and ix._refs == {}
+        assert ix.cached == 0 and ix.evictable == 0 and ix.referenced() == 0 and ix.ref_counts() == {}
         st = _cpu_state(cache)
         assert (st["row_slot"] == -1).all() and (st["slot_pos"] == -1).all() and (st["seq_lens"] == 0).all()
         assert (st["block_table"] == -1).all() and (st["id_to_slot"] == -1).all()
@@ -701,8 +701,8 @@ class PrefixTrace:
         # the index
         if set(ix._name_of) != set(model.name_of):
             _fail(f"cached blocks {sorted(ix._name_of)}, model {sorted(model.name_of)}")
-        if dict(ix._refs) != model.refs:
-            _fail(f"references {dict(ix._refs)}, model {model.refs}")
+        if ix.ref_counts() != model.refs:
+            _fail(f"references {ix.ref_counts()}, model {model.refs}")
         if ix.peek_evict(len(model.lru) + 1) != list(model.lru) or ix.evictable != len(model.lru):
             _fail(f"evictable (LRU order) {ix.peek_evict(10**9)}, model {list(model.lru)}")
         if ix.evictions != model.evictions:

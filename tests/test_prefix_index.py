@@ -61,7 +61,7 @@ def test_bad_names_input(bad, err):
 
 
 def test_lookup_acquire_release_evict_reset():
-    ix = PrefixIndex()
+    ix = PrefixIndex(128)
     names = block_names(list(range(16)), 4)
     for i, n in enumerate(names[:3]):
         assert ix.publish(n, 10 + i)
@@ -90,14 +90,16 @@ def _check(ix: PrefixIndex, model: dict) -> None:
     evictable, never both; the counts as the model has them."""
     assert len(ix._block_of) == len(ix._name_of) == ix.cached
     assert all(ix._name_of[b] == n for n, b in ix._block_of.items())
-    assert set(ix._refs) | set(ix._lru) == set(ix._name_of) and not set(ix._refs) & set(ix._lru)
-    assert {b: r for b, r in ix._refs.items()} == {b: r for b, r in model.items() if r}
+    refs, lru = ix.ref_counts(), ix.evictable_order()
+    assert set(refs) | set(lru) == set(ix._name_of) and not set(refs) & set(lru)
+    assert len(lru) == ix.evictable and all(ix.holds(b) for b in lru)
+    assert refs == {b: r for b, r in model.items() if r}
 
 
 @pytest.mark.parametrize("seed", range(4))
 def test_random_trace(seed):
     rng = random.Random(seed)
-    ix = PrefixIndex()
+    ix = PrefixIndex(4096)
     refs: dict[int, int] = {}
     held: list[list[int]] = []
     next_block = 0

@@ -180,13 +180,12 @@ class BlockAllocator:
             self._aliases.extend(ids[alias].tolist())
             self._aliases.sort(reverse=True)
         cache = self.cache
-        blocks = hb.tolist()
         if cache is not None:
-            cached = [b for b in blocks if cache.holds(b)]
-            cache.release(cached)
-            freed = [b for b in blocks if not cache.holds(b)] if cached else blocks
+            held = cache.holds_each(hb)
+            cache.release(hb[held])
+            freed = hb[~held].tolist()
         else:
-            freed = blocks
+            freed = hb.tolist()
         # keep the free list sorted descending so pop() keeps giving the lowest id
         self._free.extend(freed)
         self._free.sort(reverse=True)

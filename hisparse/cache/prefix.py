@@ -57,7 +57,7 @@ class PrefixCache:
     def __init__(self, cfg: HiSparseConfig, allocator: BlockAllocator) -> None:
         self.B = cfg.host_block_size
         self.algo = cfg.prefix_hash
-        self.index = PrefixIndex()
+        self.index = PrefixIndex(cfg.num_host_blocks)
         self.allocator = allocator
         allocator.cache = self.index
         self._req: dict[int, _Tokens] = {}  # request slot -> its tokens

@@ -31,7 +31,6 @@ requests reference it:
 from __future__ import annotations
 
 import array
-import collections
 import hashlib
 import sys
 from typing import Iterable, Sequence
@@ -80,6 +79,12 @@ def names_of_bytes(raw: bytes, block_size: int, *, salt: bytes | None = None, pa
     names: list[bytes] = []
     append = names.append
     h = bytes(parent)
+    if algo == "sha256":  # the same names, without a call per block through H
+        sha = hashlib.sha256
+        for i in range(0, len(raw) - step + 1, step):
+            h = sha(h + salted + raw[i:i + step]).digest()[:NAME_BYTES]
+            append(h)
+        return names
     for i in range(0, len(raw) - step + 1, step):
         h = H(h + salted + raw[i:i + step])
         append(h)
@@ -109,13 +114,22 @@ def _token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
 
 class PrefixIndex:
     """Cached host blocks by name, with reference counts and an LRU of the evictable
-    ones (see the module docstring). Host-side bookkeeping only."""
+    ones (see the module docstring), over host blocks ``0 .. num_blocks - 1``.
+    Host-side bookkeeping only: per-block arrays (reference count, whether cached, the
+    release stamp that orders the evictable ones), so that a request's thousands of
+    blocks are acquired and released with array operations."""
 
-    def __init__(self) -> None:
+    def __init__(self, num_blocks: int) -> None:
+        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
         self._block_of: dict[bytes, int] = {}
         self._name_of: dict[int, bytes] = {}
-        self._refs: dict[int, int] = {}
-        self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # evictable, oldest first
+        self._refs = np.zeros(num_blocks, dtype=np.int64)  # references per block
+        self._cached = np.zeros(num_blocks, dtype=bool)
+        self._stamp = np.zeros(num_blocks, dtype=np.int64)  # release order (evictable blocks)
+        self._seen = np.zeros(num_blocks, dtype=np.int64)  # scratch of the distinctness check
+        self._clock = 0
+        self._evictable = 0
         self.query_blocks = 0
         self.hit_blocks = 0
         self.evictions = 0
@@ -129,77 +143,95 @@ class PrefixIndex:
     @property
     def evictable(self) -> int:
         """Cached blocks no request references."""
-        return len(self._lru)
+        return self._evictable
 
     @property
     def shared(self) -> int:
         """Cached blocks referenced by more than one request."""
-        return sum(1 for n in self._refs.values() if n > 1)
+        return int((self._refs > 1).sum())
 
     def refs(self, block: int) -> int:
-        return self._refs.get(block, 0)
+        return int(self._refs[block])
+
+    def ref_counts(self) -> dict[int, int]:
+        """{block: references} of every referenced block."""
+        idx = np.flatnonzero(self._refs)
+        return dict(zip(idx.tolist(), self._refs[idx].tolist()))
 
     def holds(self, block: int) -> bool:
         """Whether ``block`` is cached (in the index, referenced or not)."""
-        return block in self._name_of
+        return bool(self._cached[block])
+
+    def holds_each(self, blocks: np.ndarray) -> np.ndarray:
+        """bool [n]: whether each block of ``blocks`` (int64 [n]) is cached."""
+        return self._cached[blocks]
 
     def referenced(self) -> int:
         """References summed over cached blocks."""
-        return sum(self._refs.values())
+        return int(self._refs.sum())
+
+    def evictable_order(self) -> list[int]:
+        """Every evictable block, least recently released first (the eviction order)."""
+        return self.peek_evict(self._evictable)
 
     def peek_evict(self, n: int) -> list[int]:
         """The blocks ``evict(n)`` would drop, in that order (nothing changes)."""
-        out = []
-        for b in self._lru:
-            if len(out) >= n:
-                break
-            out.append(b)
-        return out
+        n = min(n, self._evictable)
+        if n <= 0:
+            return []
+        cand = np.flatnonzero(self._cached & (self._refs == 0))
+        st = self._stamp[cand]
+        if n < len(cand):
+            part = np.argpartition(st, n - 1)[:n]
+            cand, st = cand[part], st[part]
+        return cand[np.argsort(st, kind="stable")].tolist()
 
     def lookup(self, names: Sequence[bytes]) -> list[int]:
         """The blocks of the longest run of ``names`` from the first that are cached."""
         out: list[int] = []
+        get = self._block_of.get
         for name in names:
-            b = self._block_of.get(name)
+            b = get(name)
             if b is None:
                 break
             out.append(b)
         return out
 
     # ---- changes -----------------------------------------------------------------
+    def _blocks(self, blocks: Iterable[int]) -> np.ndarray:
+        b = np.asarray(blocks if isinstance(blocks, (list, tuple, np.ndarray)) else list(blocks), dtype=np.int64)
+        if b.ndim != 1 or (b.size and (b.min() < 0 or b.max() >= len(self._refs))):
+            raise KeyError(f"blocks must be ids in [0, {len(self._refs)})")
+        if b.size > 1:  # distinct: each position writes its index, a repeat keeps only one
+            seen = self._seen
+            seen[b] = np.arange(b.size)
+            if (seen[b] != np.arange(b.size)).any():
+                raise ValueError("a block appears twice")
+        return b
+
     def acquire(self, blocks: Iterable[int], *, queried: int | None = None) -> None:
-        """A request references ``blocks`` (cached ones, e.g. a ``lookup``); ``queried``:
-        the blocks its lookup asked for (counted with the hits)."""
-        blocks = list(blocks)
-        name_of = self._name_of
-        missing = [b for b in blocks if b not in name_of]
-        if missing:
-            raise KeyError(f"blocks {missing[:8]} are not cached")
-        refs, lru = self._refs, self._lru
-        for b in blocks:
-            n = refs.get(b, 0)
-            refs[b] = n + 1
-            if not n:
-                lru.pop(b, None)
+        """A request references ``blocks`` (distinct cached ones, e.g. a ``lookup``);
+        ``queried``: the blocks its lookup asked for (counted with the hits)."""
+        b = self._blocks(blocks)
+        if not self._cached[b].all():
+            raise KeyError(f"blocks {b[~self._cached[b]][:8].tolist()} are not cached")
+        self._evictable -= int((self._refs[b] == 0).sum())
+        self._refs[b] += 1
         if queried is not None:
             self.query_blocks += queried
-            self.hit_blocks += len(blocks)
+            self.hit_blocks += len(b)
 
     def release(self, blocks: Iterable[int]) -> None:
-        """A request stops referencing ``blocks``; one no request references becomes
-        evictable (most recently released last)."""
-        blocks = list(blocks)
-        refs, lru = self._refs, self._lru
-        missing = [b for b in blocks if refs.get(b, 0) < 1]
-        if missing:
-            raise KeyError(f"blocks {missing[:8]} are not referenced")
-        for b in blocks:
-            n = refs[b] - 1
-            if n:
-                refs[b] = n
-            else:
-                del refs[b]
-                lru[b] = None
+        """A request stops referencing ``blocks`` (distinct); one no request references
+        becomes evictable (most recently released last, in the order given)."""
+        b = self._blocks(blocks)
+        if (self._refs[b] < 1).any():
+            raise KeyError(f"blocks {b[self._refs[b] < 1][:8].tolist()} are not referenced")
+        self._refs[b] -= 1
+        z = b[self._refs[b] == 0]
+        self._stamp[z] = self._clock + np.arange(len(z))
+        self._clock += len(z)
+        self._evictable += len(z)
 
     def publish(self, name: bytes, block: int, *, referenced: bool = True) -> bool:
         """Make ``block`` findable as ``name`` (its rows are written in every layer);
@@ -207,35 +239,36 @@ class PrefixIndex:
         the name is cached already, by another block."""
         if name in self._block_of:
             return False
-        if block in self._name_of:
+        if self._cached[block]:
             raise ValueError(f"block {block} is cached already, under another name")
         self._block_of[name] = block
         self._name_of[block] = name
+        self._cached[block] = True
         if referenced:
             self._refs[block] = 1
         else:
-            self._lru[block] = None
+            self._stamp[block] = self._clock
+            self._clock += 1
+            self._evictable += 1
         return True
 
     def evict(self, n: int) -> list[int]:
         """Drop the ``n`` least recently released evictable blocks (fewer if there are
         fewer) and return them (counted in ``evictions``)."""
-        out = self._drop(n)
+        out = self._drop(self.peek_evict(n))
         self.evictions += len(out)
         return out
 
     def reset(self) -> list[int]:
         """Drop every evictable block; returns them (not counted as evictions)."""
-        return self._drop(len(self._lru))
+        return self._drop(self.evictable_order())
 
-    def _drop(self, n: int) -> list[int]:
-        out = []
-        while n > 0 and self._lru:
-            b, _ = self._lru.popitem(last=False)
+    def _drop(self, blocks: list[int]) -> list[int]:
+        for b in blocks:
             del self._block_of[self._name_of.pop(b)]
-            out.append(b)
-            n -= 1
-        return out
+        self._cached[blocks] = False
+        self._evictable -= len(blocks)
+        return blocks
 
 
 __all__ = ["HASHES", "NAME_BYTES", "PrefixIndex", "block_names", "names_of_bytes"]
