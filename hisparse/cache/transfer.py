@@ -212,8 +212,8 @@ def _launch_copy_staged(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Ten
     with on_device(dev):
         copy_staged_kernel[(programs,)](
             src.view(torch.int32), src_idx, src.shape[0], dst.view(torch.int32), dst_idx, dst.shape[0],
-            counts, T, K, programs, hb, NV, B, WW=WW, WB=WB, ROWS=rows_per_program, TB=_COUNT_BLOCK,
-            ALIASED=aliased, num_warps=num_warps)
+            counts, T, K, programs, hb, NV, WW=WW, WB=WB, ROWS=rows_per_program, TB=_COUNT_BLOCK,
+            ALIASED=aliased, B=B if aliased else 1, num_warps=num_warps)
 
 
 __all__ = ["copy_rows", "copy_staged", "DEFAULT_ROWS_PER_PROGRAM", "DEFAULT_NUM_WARPS", "DEFAULT_PROGRAMS_PER_SM"]

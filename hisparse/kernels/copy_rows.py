@@ -54,7 +54,7 @@ def copy_rows_kernel(
         c += NPROG
 
 
-@triton.jit(do_not_specialize=["Ns", "Nd", "T", "K", "NPROG", "NV", "B"])
+@triton.jit(do_not_specialize=["Ns", "Nd", "T", "K", "NPROG", "NV"])
 def copy_staged_kernel(
     src_ptr,  # int32 [Ns, WW] (the layer's host rows viewed as words)
     src_idx_ptr,  # int32 [T * K]: group t's staging list at [t * K, t * K + counts[t]), row keys
@@ -68,12 +68,12 @@ def copy_staged_kernel(
     NPROG,  # programs in the grid (the persistent loop's stride)
     host_block_ptr,  # int32 [NV] host block of each block id (ALIASED; else unused)
     NV,  # block ids (ALIASED)
-    B,  # rows per block (ALIASED)
     WW: tl.constexpr,
     WB: tl.constexpr,
     ROWS: tl.constexpr,
     TB: tl.constexpr,  # groups whose counts are read at once (power of two)
     ALIASED: tl.constexpr,  # row keys go through host_block; else a key is its host row
+    B: tl.constexpr,  # rows per block (ALIASED; a constant, so // and % compile to shifts for 2^n)
 ):
     """A resolve's staging: only the first ``counts[t]`` entries (at most (T - t) * K: a
     group of q tokens has q * K) of each group's list are read. With ALIASED, entry
