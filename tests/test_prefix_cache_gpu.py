@@ -56,7 +56,9 @@ def run(shape: str, seed: int, n_ops: int, *, device: str = "cuda", kernels: str
 def test_churn_trace_byte_exact_on_cuda(shape, aliases):
     hits = aliased = evicted = 0
     for seed in range(2):
-        t = run(shape, seed, 300, aliases=aliases)
+        # the larger shape checks every row and the whole LRU state every 4th op (the
+        # cheaper checks every op): the full check of its 4 x 1025 slots dominates otherwise
+        t = run(shape, seed, 300, aliases=aliases, full_every=4 if shape == "K512_B64" else 1)
         hits += t.counts["hit_tokens"]
         aliased += t.counts.get("alias_maps", 0)
         evicted += t.counts["evictions"]
