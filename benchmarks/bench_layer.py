@@ -22,11 +22,13 @@ layers (split), the second layer's selection prefetched from the first's while t
 first computes, against two resident layers; the two selections share ``--overlap``
 of their entries.
 
-``--shared-prefix P``: every case runs twice, once as above and once with prefix caching
-on and the B requests sharing the first P tokens' host blocks (request 0 writes them,
-the others map them under alias block ids and write only their own rows; the hot
-buffers are then warmed with positions [0, S) so the hit positions are hot as before);
-the report adds each mode's ratio shared / private (the cost of sharing on the hot path).
+``--shared-prefix P``: every case runs three times: prefix caching off (as above); on,
+every request admitted with prompt token ids of its own (nothing shared: what turning
+it on costs); and on with the B requests sharing the first P tokens' host blocks
+(request 0 writes them, the others map them under alias block ids and write only their
+own rows; the hot buffers are then warmed with positions [0, S) so the hit positions
+are hot as before). The report adds each mode's ratio to the case with it off
+(``ratio_vs_prefix_off``).
 
 Reported per (backend, B, hit rate): medians (min/p99 in the JSON), each mode's ratio
 to resident, and the fraction of the staging time hidden, (serial - mode) /
@@ -123,14 +125,14 @@ def fp8_rows(n: int, seed: int, device: torch.device) -> torch.Tensor:
 class Setup:
     """A cache and a resident copy of the same rows for B requests (two layers);
     ``shared`` > 0: prefix caching on, the requests share the blocks of the first
-    ``shared`` tokens (rounded down to whole blocks)."""
+    ``shared`` tokens (rounded down to whole blocks); -1: on, nothing shared; 0: off."""
 
     def __init__(self, B: int, ctx: int, a: argparse.Namespace, dev: torch.device, shared: int = 0) -> None:
         self.B, self.ctx, self.K, self.S, self.dev = B, ctx, a.top_k, a.slots, dev
         blocks = math.ceil(ctx / 64) * B
         cfg = HiSparseConfig(num_layers=2, host_pool_tokens=blocks * 64, row_bytes=656, top_k=a.top_k,
                              device_buffer_size=a.slots, max_num_reqs=B, host_block_size=64,
-                             max_request_id=max(16, B), device=str(dev), prefix_caching=shared > 0)
+                             max_request_id=max(16, B), device=str(dev), prefix_caching=shared != 0)
         kern = "triton" if dev.type == "cuda" or a.dry_run else "torch"
         self.cache = HiSparseCache(cfg, kernels=kern)
         chunk = min(ctx, 1 << 16)
@@ -140,19 +142,20 @@ class Setup:
         for b in range(B):
             ids = None
             if shared:  # the prefix's token ids are common, the rest the request's own
-                ids = list(range(shared)) + [1_000_000 * (b + 1) + i for i in range(ctx - shared)]
+                n0 = max(shared, 0)
+                ids = list(range(n0)) + [1_000_000 * (b + 1) + i for i in range(ctx - n0)]
             got = self.cache.add_request(b, token_ids=ids)
             self.cached += got
             for layer in range(2):
                 rows = torch.roll(base[layer], shifts=b * 7919, dims=0)
                 reps = math.ceil(ctx / chunk)
                 rows = rows.repeat(reps, 1)[:ctx] if reps > 1 else rows[:ctx]
-                if shared:  # the shared prefix holds request 0's rows
+                if shared > 0:  # the shared prefix holds request 0's rows
                     first = base[layer].repeat(reps, 1)[:ctx] if reps > 1 else base[layer][:ctx]
                     rows = torch.cat([first[:shared], rows[shared:]])
                 self.cache.append_rows(layer, b, rows[got:])
                 self.resident[layer][b * ctx:(b + 1) * ctx] = rows
-        if shared:  # positions [0, S) hot, as the private run's write path leaves them
+        if shared > 0:  # positions [0, S) hot, as the private run's write path leaves them
             req = torch.arange(B, dtype=torch.int32, device=dev)
             for layer in range(2):
                 for p0 in range(0, self.S, self.K):
@@ -352,25 +355,25 @@ def bench_case_periodic(s: Setup, be: SparseMLABackend, hit: float, a: argparse.
     return res
 
 
-def add_shared_ratios(r: dict, cases: list) -> None:
-    """Each mode's median with a shared prefix over the same case's without (same
-    backend, B, hit rate, earlier in ``cases``): ``ratio_shared_vs_private``."""
+def add_prefix_ratios(r: dict, cases: list) -> None:
+    """Each mode's median with prefix caching on over the same case's with it off (same
+    backend, B, hit rate, earlier in ``cases``): ``ratio_vs_prefix_off``."""
     for c in cases:
-        if (c.get("backend"), c.get("B"), c.get("hit"), c.get("shared_prefix")) == (r["backend"], r["B"], r["hit"], 0):
+        if (c.get("backend"), c.get("B"), c.get("hit"), c.get("prefix")) == (r["backend"], r["B"], r["hit"], "off"):
             for m in ("serial", "split", "staging_alone"):
                 if m in r and m in c:
-                    r[m]["ratio_shared_vs_private"] = r[m]["median_us"] / c[m]["median_us"]
+                    r[m]["ratio_vs_prefix_off"] = r[m]["median_us"] / c[m]["median_us"]
 
 
 def print_case(r: dict, name: str, B: int, h: int) -> None:
-    line = f"{name:8s} B={B:4d} hit={h:3d}%" + (f" cached={r['cached_tokens']}" if r["shared_prefix"] else "")
+    line = f"{name:8s} B={B:4d} hit={h:3d}%" + {"off": "", "on": " prefix on", "shared": f" shared, cached={r['cached_tokens']}"}[r["prefix"]]
     line += f"  resident {r['resident']['median_us']:8.1f} us"
     for m in ("serial", "split"):
         if m in r:
             hid = r[m].get("staging_hidden")
             line += f" | {m} {r[m]['ratio_vs_resident']:.2f}x" + (f" hid {hid:.0%}" if hid is not None else "")
-            if "ratio_shared_vs_private" in r[m]:
-                line += f" (vs private {r[m]['ratio_shared_vs_private']:.3f}x)"
+            if "ratio_vs_prefix_off" in r[m]:
+                line += f" (vs off {r[m]['ratio_vs_prefix_off']:.3f}x)"
     if "prefetch_2layers" in r:
         line += (f" | 2 layers split {r['split_2layers']['ratio_vs_resident']:.2f}x prefetch "
                  f"{r['prefetch_2layers']['ratio_vs_resident']:.2f}x")
@@ -394,7 +397,7 @@ def main(argv=None) -> int:
     report = {"benchmark": "bench_layer", "env": common.environment(dev), "args": vars(a), "cases": []}
     for B in a.batch:
         ctx = a.context if B <= 64 else a.context_256
-        for shared in ([0, a.shared_prefix] if a.shared_prefix else [0]):
+        for shared in ([0, -1, a.shared_prefix] if a.shared_prefix else [0]):
             s = Setup(B, ctx, a, dev, shared=shared)
             for name in a.backends:
                 be, why = make_backend(name, a, dev, a.heads)
@@ -404,9 +407,10 @@ def main(argv=None) -> int:
                     continue
                 for h in a.hits:
                     r = (bench_case_periodic if a.trace == "periodic" else bench_case)(s, be, h / 100.0, a)
-                    r.update(backend=name, B=B, context=ctx, shared_prefix=shared, cached_tokens=s.cached)
+                    r.update(backend=name, B=B, context=ctx, shared_prefix=max(shared, 0), cached_tokens=s.cached,
+                             prefix="off" if shared == 0 else "on" if shared < 0 else "shared")
                     if shared:
-                        add_shared_ratios(r, report["cases"])
+                        add_prefix_ratios(r, report["cases"])
                     report["cases"].append(r)
                     print_case(r, name, B, h)
             del s
