@@ -84,7 +84,7 @@ class KernelGraphs(RecordingGraphs):
     decision of those wrappers, as a CUDA graph's replay does not."""
 
     def targets(self) -> list[tuple[object, str]]:
-        import hisparse.cache.cache as cache_module
+        import hisparse.cache.kernel_set as cache_module
         c = self.cache
         return [(c.writer, "apply_fn"), (c.stager, "resolve_fn"), (c.stager, "lookup_fn"), (c.stager, "resident_fn"),
                 (cache_module, "_launch_copy_rows"), (cache_module, "_launch_copy_staged")]

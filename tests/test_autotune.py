@@ -20,9 +20,9 @@ def test_gpu_bytes_hand_computed():
     g = gpu_bytes(cfg, num_heads=2, reserve_frac=0.5)
     assert g["hot_rows"] == 2 * 64 * 16  # 3 x 9 rows per layer, rounded up to 64
     # slot_pos (int32) + slot_stamp (int64), step (int64), seq_lens, block_table (3 x 4 blocks),
-    # row_slot (2 x 64), id_to_slot, stats (7 counters), residency flags (3) and a page table
-    # of one column (no pool)
-    assert g["slot_state"] == (2 * 3 * 9 * 12 + 2 * 3 * 8 + 2 * 3 * 4 + 3 * 4 * 4 + 2 * 64 * 4 + 10 * 4
+    # row_slot (2 x 64), the block-id map (4 ids), id_to_slot, stats (7 counters), residency
+    # flags (3) and a page table of one column (no pool)
+    assert g["slot_state"] == (2 * 3 * 9 * 12 + 2 * 3 * 8 + 2 * 3 * 4 + 3 * 4 * 4 + 2 * 64 * 4 + 4 * 4 + 10 * 4
                                + 2 * 7 * 8 + 3 * 4 + 3 * 1 * 4)
     # per layer and once more for prefetches: physical + stage src/dst (T x K x 12) + counts,
     # plus the one undo log (T x K x 20)
