@@ -293,3 +293,36 @@ def test_no_prefix_caching_no_host_block():
     assert cache.cfg.num_virtual_blocks == cache.cfg.num_host_blocks
     assert cache.layer_view(0).host_block is None
     assert cache.layer_view(0).num_row_keys == cache.cfg.num_host_rows
+
+
+def test_copy_staged_compiles_for_sm90_with_and_without_aliases():
+    """The staging copy's two variants compile for the GPU (offline, sm90): the
+    interpreter runs the translation above, ptxas must accept it too."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    from benchmarks import resolve_registers
+    try:
+        resolve_registers.ptxas_path(90)
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    code = textwrap.dedent("""
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        from hisparse.kernels.copy_rows import copy_staged_kernel as k
+        for aliased in (False, True):
+            consts = dict(WW=164, WB=256, ROWS=8, TB=128, ALIASED=aliased, B=64 if aliased else 1)
+            sig = {n: "constexpr" if n in consts else "*i32" if n.endswith("_ptr") else "i32" for n in k.arg_names}
+            c = triton.compile(ASTSource(fn=k, signature=sig, constexprs=consts),
+                               target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+            assert "ld.global" in c.asm["ptx"]
+        print("compiled")
+    """)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root, timeout=600)
+    assert r.returncode == 0 and "compiled" in r.stdout, r.stderr[-3000:]

@@ -209,11 +209,10 @@ def _launch_copy_staged(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Ten
     WW, WB = row_words(src.shape[1])
     aliased = host_block is not None
     hb, NV = (host_block, host_block.shape[0]) if aliased else (src_idx, 0)
-    NB = src.shape[0] // B if aliased else 0  # host blocks (ids below: the identity)
     with on_device(dev):
         copy_staged_kernel[(programs,)](
             src.view(torch.int32), src_idx, src.shape[0], dst.view(torch.int32), dst_idx, dst.shape[0],
-            counts, T, K, programs, hb, NB, NV, WW=WW, WB=WB, ROWS=rows_per_program, TB=_COUNT_BLOCK,
+            counts, T, K, programs, hb, NV, WW=WW, WB=WB, ROWS=rows_per_program, TB=_COUNT_BLOCK,
             ALIASED=aliased, B=B if aliased else 1, num_warps=num_warps)
 
 

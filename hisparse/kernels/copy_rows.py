@@ -54,7 +54,7 @@ def copy_rows_kernel(
         c += NPROG
 
 
-@triton.jit(do_not_specialize=["Ns", "Nd", "T", "K", "NPROG", "NB", "NV"])
+@triton.jit(do_not_specialize=["Ns", "Nd", "T", "K", "NPROG", "NV"])
 def copy_staged_kernel(
     src_ptr,  # int32 [Ns, WW] (the layer's host rows viewed as words)
     src_idx_ptr,  # int32 [T * K]: group t's staging list at [t * K, t * K + counts[t]), row keys
@@ -67,7 +67,6 @@ def copy_staged_kernel(
     K,
     NPROG,  # programs in the grid (the persistent loop's stride)
     host_block_ptr,  # int32 [NV] host block of each block id (ALIASED; else unused)
-    NB,  # host blocks: ids below are their own host block (ALIASED)
     NV,  # block ids (ALIASED)
     WW: tl.constexpr,
     WB: tl.constexpr,
@@ -85,9 +84,7 @@ def copy_staged_kernel(
     nothing to stage is skipped whole: a step without misses costs each program one
     load and one sum per block. In a block with misses, each group's count is read
     again (a scalar load, one dependent round trip per group), and chunk c of group t
-    goes to program (t + c) mod NPROG, so small groups spread over the programs too.
-    With ALIASED, a key of an id below NB is its own host row (no load): only the
-    aliases of shared blocks pay the dependent host_block load."""
+    goes to program (t + c) mod NPROG, so small groups spread over the programs too."""
     pid = tl.program_id(0)
     cols = tl.arange(0, WB)
     cmask = cols < WW
@@ -108,12 +105,10 @@ def copy_staged_kernel(
                     ri = t.to(tl.int64) * K + j
                     si = tl.load(src_idx_ptr + ri, mask=jm, other=-1)
                     di = tl.load(dst_idx_ptr + ri, mask=jm, other=-1)
-                    if ALIASED:  # row key -> host row; only an alias id (>= NB) loads its host block
-                        blk = si // B
-                        alias = jm & (blk >= NB) & (blk < NV)
-                        hb = tl.load(host_block_ptr + tl.where(alias, blk, 0), mask=alias, other=-1)
-                        si = tl.where(alias, tl.where(hb >= 0, hb.to(tl.int64) * B + si % B, -1),
-                                      tl.where(blk < NB, si.to(tl.int64), -1))
+                    if ALIASED:  # row key -> host row
+                        kok = jm & (si >= 0) & (si // B < NV)
+                        hb = tl.load(host_block_ptr + tl.where(kok, si // B, 0), mask=kok, other=-1)
+                        si = tl.where(kok & (hb >= 0), hb.to(tl.int64) * B + si % B, -1)
                     ok = jm & (si >= 0) & (si < Ns) & (di >= 0) & (di < Nd)
                     m2 = ok[:, None] & cmask[None, :]
                     x = tl.load(src_ptr + si.to(tl.int64)[:, None] * WW + cols[None, :], mask=m2, other=0)

@@ -1,0 +1,53 @@
+"""What the staging copy's block-id translation costs by itself: one decode layer in a CUDA
+graph (``benchmarks.bench_layer``'s setup, periodic trace, Triton) with prefix caching off
+("plain"), on with nothing shared ("translated": the copy looks every row key's host block
+up, as it does whenever alias ids exist) and on with the requests sharing half their
+context ("shared"), at B = 16 and 64, 95% and 90% hits, the three alternating per repetition.
+
+  python -m benchmarks.probe_prefix_copy [--reps-outer 2] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from benchmarks import bench_layer as BL
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--reps-outer", type=int, default=2)
+    ap.add_argument("--out", default=None)
+    o = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("probe_prefix_copy: needs CUDA", file=sys.stderr)
+        return 2
+    a = BL.parse_args(["--trace", "periodic", "--batch", "16", "--hits", "95", "90", "--backends", "triton",
+                       "--context", "32768", "--reps", "40"])
+    dev = torch.device("cuda")
+    be, _ = BL.make_backend("triton", a, dev, a.heads)
+    rows = []
+    for rep in range(o.reps_outer):
+        for B in (16, 64):
+            for kind, shared in (("plain", 0), ("translated", -1), ("shared", 16384)):
+                s = BL.Setup(B, 32768, a, dev, shared=shared)
+                for h in (0.95, 0.90):
+                    r = BL.bench_case_periodic(s, be, h, a)
+                    row = {"rep": rep, "B": B, "kind": kind, "hit": h,
+                           **{m: r[m]["median_us"] for m in ("resident", "serial", "split", "staging_alone")}}
+                    rows.append(row)
+                    print(row, flush=True)
+                del s
+                torch.cuda.empty_cache()
+    if o.out:
+        with open(o.out, "w") as f:
+            json.dump({"benchmark": "probe_prefix_copy", "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
