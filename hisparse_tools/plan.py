@@ -82,7 +82,7 @@ import math
 
 from hisparse.config import DEVICE_PAGE_ROWS, RowFormat, ceil_div, check_bool, check_int
 from .report import table
-from .sizing import hot_buffer_rows
+from .sizing import check_prefix_options, hot_buffer_rows
 from .units import fmt_bytes
 
 INT32_ROWS = 2**31 - 1  # rows one layer of a cache can index (int32)
@@ -140,22 +140,13 @@ class PlanInputs:
         self._check_prefix()
 
     def _check_prefix(self) -> None:
-        P, G = self.shared_prefix, self.prefix_groups
-        if G is not None:
-            check_int("prefix_groups", G, lo=1)
-            if P is None:
-                raise ValueError("prefix_groups needs shared_prefix: it says how many groups share a prefix")
-        if P is None:
+        if not check_prefix_options(self.shared_prefix, self.prefix_groups, self.block_size):
             return
-        check_int("shared_prefix", P, lo=1)
+        P = self.shared_prefix
         if P >= self.context_len:
             raise ValueError(f"shared_prefix={P} does not fit the context: a request's context_len={self.context_len} "
                              "tokens are the shared prefix plus at least one token of its own (the cache computes "
                              f"its last prompt token); give a shared_prefix below {self.context_len}")
-        if P < self.block_size:
-            raise ValueError(f"shared_prefix={P} is shorter than one host block (block_size={self.block_size}): "
-                             "only whole blocks are shared, so nothing would be; give at least "
-                             f"{self.block_size}")
 
 
 def plan(inp: PlanInputs) -> dict:

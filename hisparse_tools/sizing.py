@@ -4,7 +4,7 @@ budget arithmetic, which the mini engine's memory check uses too). See
 
 from __future__ import annotations
 
-from hisparse.config import HiSparseConfig, ceil_div
+from hisparse.config import HiSparseConfig, ceil_div, check_int
 from hisparse.formats import D_LATENT, D_ROW
 
 # the rows one layer's hot buffers are rounded up to a multiple of (HiSparseConfig.hot_rows_per_layer:
@@ -36,4 +36,23 @@ def gpu_bytes(cfg: HiSparseConfig, *, num_heads: int, reserve_frac: float = 0.0)
     return parts
 
 
-__all__ = ["gpu_bytes", "hot_buffer_rows", "HOT_ALIGN"]
+__all__ = ["check_prefix_options", "gpu_bytes", "hot_buffer_rows", "HOT_ALIGN"]
+
+
+def check_prefix_options(shared_prefix: int | None, prefix_groups: int | None, block_size: int) -> bool:
+    """The shared-prefix options of ``stress`` and ``plan`` (``--shared-prefix P
+    --prefix-groups G``): G >= 1 and only with P, P >= one host block (only whole blocks
+    are shared). Returns whether P is given (ValueError otherwise)."""
+    P, G = shared_prefix, prefix_groups
+    if G is not None:
+        check_int("prefix_groups", G, lo=1)
+        if P is None:
+            raise ValueError("prefix_groups needs shared_prefix: it says how many groups share a prefix")
+    if P is None:
+        return False
+    check_int("shared_prefix", P, lo=1)
+    if P < block_size:
+        raise ValueError(f"shared_prefix={P} is shorter than one host block (block_size={block_size}): "
+                         "only whole blocks are shared, so nothing would be; give a shared_prefix of at "
+                         f"least {block_size} or a smaller block_size")
+    return True

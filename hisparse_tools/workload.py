@@ -12,6 +12,7 @@ import dataclasses
 import numpy as np
 
 from hisparse.config import Kernels, RowFormat, check_bool, check_int
+from .sizing import check_prefix_options
 from .sources import WORKINGSET_DRIFT, WORKINGSET_RECENT, WORKINGSET_SINKS
 from .traces import SOURCES
 
@@ -119,18 +120,9 @@ class StressOptions:
         """``shared_prefix`` / ``prefix_groups`` (``hisparse stress --shared-prefix P
         --prefix-groups G``): P >= one host block and below the shortest prompt, G >= 1,
         and neither with a replayed trace or a ramp (which fix their own requests)."""
-        P, G = self.shared_prefix, self.prefix_groups
-        if G is not None:
-            check_int("prefix_groups", G, lo=1)
-            if P is None:
-                raise ValueError("prefix_groups needs shared_prefix: it says how many groups share a prefix")
-        if P is None:
+        if not check_prefix_options(self.shared_prefix, self.prefix_groups, self.block_size):
             return
-        check_int("shared_prefix", P, lo=1)
-        if P < self.block_size:
-            raise ValueError(f"shared_prefix={P} is shorter than one host block (block_size={self.block_size}): "
-                             "only whole blocks are shared, so nothing would be; give a shared_prefix of at "
-                             f"least {self.block_size} or a smaller block_size")
+        P = self.shared_prefix
         if P >= cm:
             given = "" if self.context_min is not None else ", by default context / 2"
             raise ValueError(f"shared_prefix={P} does not fit the prompts: a prompt is the shared prefix plus at "
