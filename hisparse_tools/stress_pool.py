@@ -62,11 +62,11 @@ class PoolChecks:
             i = int(bad.nonzero()[0])
             return 0, [f"{where}: slot {int(occ[i])} (hot row {r * SP + int(occ[i])}) holding position "
                        f"{int(p[i])} differs from the expected bytes ({int(bad.sum())} of {bad.numel()} slots bad)"]
-        h = cache.pool.host_rows(r, p.cpu()).to(self.dev)
+        h = cache.pool.row_keys(r, p.cpu()).to(self.dev)
         back = cache.state.row_slot[layer].index_select(0, h).long()
         if not torch.equal(back, occ):
             i = int((back != occ).nonzero()[0])
-            return 0, [f"{where}: position {int(p[i])} is in slot {int(occ[i])} but row_slot maps its host row "
+            return 0, [f"{where}: position {int(p[i])} is in slot {int(occ[i])} but row_slot maps its row key "
                        f"to {int(back[i])}"]
         return int(occ.numel()), []
 

@@ -4,7 +4,9 @@ After layer l's resolve the stress run prefetches layer l's top-k into layer l +
 (``HiSparseCache.prefetch``). Of the rows it staged (its lists, which the call returns),
 the useful ones are those layer l + 1 then selects; the ones it cost are rows layer
 l + 1 selects that were hot before the prefetch and that it evicted. One decode token per
-request; host rows come from the pool's block lists (``HostPool.host_rows``).
+request; rows are named by row key (``HostPool.row_keys``: block id x B + offset, what
+``row_slot`` and ``stage_src`` are indexed by, distinct per request even where requests
+share a host block).
 """
 
 from __future__ import annotations
@@ -16,10 +18,10 @@ import torch
 
 
 def selected_rows(cache, req_ids: list[int], topk: torch.Tensor) -> list[torch.Tensor]:
-    """Per request (one token each), the host rows of its valid selected positions:
-    int64 CPU tensors, from the pool's block lists (``HostPool.host_rows``)."""
+    """Per request (one token each), the row keys of its valid selected positions:
+    int64 CPU tensors (``HostPool.row_keys``)."""
     tk = topk.cpu().long()
-    return [cache.pool.host_rows(cache.request_slot(rid), tk[t][tk[t] >= 0]) for t, rid in enumerate(req_ids)]
+    return [cache.pool.row_keys(cache.request_slot(rid), tk[t][tk[t] >= 0]) for t, rid in enumerate(req_ids)]
 
 
 def selected_hot(cache, layer: int, rows: list[torch.Tensor]) -> torch.Tensor:
@@ -31,8 +33,8 @@ def selected_hot(cache, layer: int, rows: list[torch.Tensor]) -> torch.Tensor:
 
 def prefetch_useful(out, K: int, rows: list[torch.Tensor]) -> tuple[int, int]:
     """(rows a prefetch of K columns staged, how many of them the next layer selects): the
-    staged host rows of each request (``out.stage_src[t*K : t*K + stage_counts[t]]``, one
-    token per request) against the host rows of its next-layer selection (``rows``)."""
+    staged row keys of each request (``out.stage_src[t*K : t*K + stage_counts[t]]``, one
+    token per request) against the row keys of its next-layer selection (``rows``)."""
     counts = out.stage_counts[:len(rows)].cpu()
     src = out.stage_src[:len(rows) * K].cpu().long()
     staged = useful = 0

@@ -253,7 +253,7 @@ class PrefixModel:
         q = self.reqs[rid]
         self.publish(q)
         del self.reqs[rid]
-        for v in q.ids:
+        for v in reversed(q.ids):  # the last block first: a chain's tail is evicted before its head
             b = self.host(v)
             if v >= self.NB:
                 self.aliases.add(v)

@@ -310,7 +310,10 @@ def test_eviction_is_lru_and_only_of_unreferenced_blocks():
     for i in (2, 0, 1):
         c.free_request(i)
     assert ix.cached == 6 and ix.evictable == 6
-    assert ix.peek_evict(6) == blocks[2] + blocks[0] + blocks[1]
+    # least recently released first; a request's own blocks tail first (a head evicted
+    # first would leave the rest of its chain unreachable)
+    rev = {i: blocks[i][::-1] for i in blocks}
+    assert ix.peek_evict(6) == rev[2] + rev[0] + rev[1]
     # request 0's prompt again: its blocks are referenced (not evictable) and move out of the LRU
     again = Req(c, 3, toks(2 * B + 1, start=1000))
     assert again.cached == 2 * B and ix.evictable == 4
@@ -321,14 +324,15 @@ def test_eviction_is_lru_and_only_of_unreferenced_blocks():
     free_before = sorted(alloc._free)
     n.write()
     got = alloc.blocks(c.request_slot(4))
-    assert got == free_before + blocks[2] + blocks[1][:1]
+    assert got == free_before + rev[2] + rev[1][:1]
     assert ix.evictions == 3 and ix.cached == 3
-    assert all(ix.holds(b) for b in blocks[0]) and ix.holds(blocks[1][1])
+    assert all(ix.holds(b) for b in blocks[0]) and ix.holds(blocks[1][0])
     assert c.stats()["total"]["prefix_evictions"] == 3
-    # request 2's prompt is gone; request 1's second block alone is not a prefix
+    # request 2's prompt is gone; request 1 keeps its first block (the tail went first)
     assert Req(c, 5, toks(2 * B + 1, start=3000)).cached == 0
     c.free_request(5)
-    assert Req(c, 6, toks(2 * B + 1, start=2000)).cached == 0
+    assert Req(c, 6, toks(2 * B + 1, start=2000)).cached == B
+    c.free_request(6)
     again.write()
     again.resolve(0, [0, 1, 7, 8])
     assert all(ix.refs(b) == 1 for b in blocks[0])
@@ -576,3 +580,105 @@ def test_block_names_are_the_caches():
     names = block_names(a.tokens[:2 * B], B, salt=b"s")
     assert [c.prefix.index.lookup(names)] == [c.pool.allocator.blocks(c.request_slot(0))[:2]]
     assert _cpu_state(c)["seq_lens"][:, 0].tolist() == [2 * B + 1] * 2
+
+
+# ---------------------------------------------------------------- found by review
+def test_rows_of_a_prepared_step_not_written_are_never_published():
+    """A prepared step counts its rows in the lengths before any layer is written; a free
+    (allowed between prepare and the first write), stats() or a lookup in between must
+    not publish those blocks, and an abandoned step leaves nothing findable."""
+    c = make()
+    Req(c, 0, toks(2 * B + 1))
+    step = c.prepare_step(c.plan_write([0], [2 * B + 1]))  # lengths count 9 rows, none written
+    c.stats()
+    c.free_request(0)
+    assert c.prefix.index.cached == 0 and step.pending
+    b = Req(c, 1, toks(2 * B + 1))
+    assert b.cached == 0
+    b.write()
+    b.resolve(0, [0, 1, B])  # its own rows, byte-exact
+    c2 = make()
+    Req(c2, 0, toks(2 * B + 1))
+    step = c2.prepare_step(c2.plan_write([0], [2 * B + 1]))
+    c2.stats()
+    c2.abandon_step(step)
+    assert Req(c2, 1, toks(2 * B + 1)).cached == 0
+    # once every layer is written, the blocks are published
+    c3 = make()
+    Req(c3, 0, toks(2 * B + 1))
+    step = c3.prepare_step(c3.plan_write([0], [2 * B + 1]))
+    w = Req.__new__(Req)
+    w.rows = Rows(None, c3.cfg.num_layers, c3.cfg.row_bytes)
+    w.rows.extend(toks(2 * B + 1))
+    for layer in range(c3.cfg.num_layers):
+        c3.write_step(layer, step, w.rows.get(layer, 0, 2 * B + 1))
+    assert Req(c3, 1, toks(2 * B + 1)).cached == 2 * B
+
+
+def test_a_salt_given_without_token_ids_names_the_later_tokens():
+    c = make()
+    a = Req(c, 0, [], salt=b"tenant-a", given=False)
+    c.free_request(0)
+    c.add_request(0, salt=b"tenant-a")
+    a.rows.extend(toks(2 * B))
+    a.write()
+    c.add_tokens(0, toks(2 * B))
+    c.free_request(0)
+    assert c.add_request(1, toks(2 * B + 1)) == 0  # unsalted: another tenant
+    assert c.add_request(2, toks(2 * B + 1), b"tenant-a") == 2 * B
+
+
+def test_a_failed_commit_of_reserved_blocks_publishes_nothing():
+    """P/D: reserve (no token ids), the prompt told by add_tokens, the commit's step
+    prepared, its write fails and the request is freed: every reserved block goes back
+    to the free list (the receiver quarantines what free_request returns)."""
+    c = make()
+    c.add_request(0)
+    got = c.reserve_blocks(0, 2 * B + 1)
+    c.add_tokens(0, toks(2 * B + 1))
+    step = c.prepare_step(c.plan_write([0], [2 * B + 1]), host_written=True)  # noqa: F841 (held, as the receiver does)
+    freed = []
+    c.free_listeners.append(lambda rid, r, blocks: freed.extend(blocks))
+    c.free_request(0)
+    assert sorted(freed) == sorted(got) and c.prefix.index.cached == 0
+
+
+def test_a_write_that_evicts_drops_the_blocks_before_its_launches():
+    """Cached blocks a write takes leave the index before the write launches, so a launch
+    that fails part way (after the host mirror overwrote their rows) leaves none of them
+    findable; the blocks are free for the next allocation."""
+    c = make(host_pool_tokens=3 * B, max_num_reqs=3)  # 3 host blocks
+    a = Req(c, 0, toks(2 * B + 1))
+    a.write()
+    c.free_request(0)
+    assert c.prefix.index.cached == 2
+    n = Req(c, 1, toks(3 * B, start=900))  # needs all 3: the free one, then evicts 2
+
+    def boom(*args, **kw):
+        raise RuntimeError("apply launch failed (injected)")
+
+    real, c.writer.apply_fn = c.writer.apply_fn, boom
+    with pytest.raises(RuntimeError, match="injected"):
+        c.append_rows(0, 1, n.rows.get(0, 0, 3 * B))
+    c.writer.apply_fn = real
+    assert c.prefix.index.cached == 0 and c.pool.allocator.num_free == 3
+    assert c.layer_len(0, 1) == 0
+    n.write()
+    n.resolve(0, [0, B, 2 * B + 1])
+    c.free_request(1)
+    assert Req(c, 2, toks(2 * B + 1)).cached == 0  # request 0's blocks are gone
+
+
+def test_stress_prefetch_counts_by_row_key_for_sharers():
+    """The stress tool's prefetch figures look rows up by row key: a sharer's aliases, not
+    the writer's host rows."""
+    from hisparse_tools.stress_prefetch import selected_hot, selected_rows
+    c = make()
+    w = Req(c, 0, toks(2 * B + 1))
+    w.write()
+    m = Req(c, 1, toks(2 * B + 1))
+    assert m.cached == 2 * B
+    m.write()
+    w.resolve(0, [0, 1, 2, 3])  # the writer's rows hot, the sharer's not
+    hot = selected_hot(c, 0, selected_rows(c, [1], torch.tensor([[0, 1, 2, 3]])))
+    assert hot.tolist() == [False] * 4

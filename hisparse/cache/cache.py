@@ -542,7 +542,7 @@ class HiSparseCache:
         if self.cuda:
             torch.cuda.synchronize(self.device)
         if self.prefix is not None:
-            self.prefix.publish(self.requests)
+            self.prefix.publish(self.requests, self.writer.unwritten_from())
         return cache_stats(self.state, self.pool, row_bytes=self.cfg.row_bytes,
                            num_layers=self.cfg.num_layers, live_requests=len(self.requests),
                            kernels=self.kernels, device_pool=self.dpool,

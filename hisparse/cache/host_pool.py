@@ -68,17 +68,18 @@ class BlockAllocator:
         self.host_of = np.arange(num_blocks + alias_blocks, dtype=np.int64) % num_blocks
         self._aliases: list[int] = list(range(num_blocks + alias_blocks - 1, num_blocks - 1, -1))
         self._mapped = np.zeros(num_blocks, dtype=bool)  # id v < num_blocks is in an owner's list
+        self._reclaimed: list[int] = []  # evicted ahead of an allocation (``reclaim``), handed out in order
         self.cache = None  # a hisparse.cache.prefix_index.PrefixIndex, or None
 
     @property
     def num_free(self) -> int:
         """Blocks an allocation can have: free ones plus cached ones no owner references."""
-        return len(self._free) + (self.cache.evictable if self.cache is not None else 0)
+        return len(self._free) + len(self._reclaimed) + (self.cache.evictable if self.cache is not None else 0)
 
     @property
     def num_used(self) -> int:
-        """Host blocks owned by an owner or cached (not on the free list)."""
-        return self.num_blocks - len(self._free)
+        """Host blocks owned by an owner or cached (neither free nor reclaimed)."""
+        return self.num_blocks - len(self._free) - len(self._reclaimed)
 
     @property
     def aliases_free(self) -> int:
@@ -115,8 +116,12 @@ class BlockAllocator:
             )
         take = min(n, len(self._free))
         got = [self._free.pop() for _ in range(take)]
-        if n > take:  # then the least recently used cached blocks, in that order
-            got += self.cache.evict(n - take)
+        if n > take:  # then reclaimed blocks, then the least recently used cached ones, in that order
+            k = min(n - take, len(self._reclaimed))
+            got += self._reclaimed[:k]
+            del self._reclaimed[:k]
+            if n > take + k:
+                got += self.cache.evict(n - take - k)
         self._mapped[got] = True
         self._owned.setdefault(owner, []).extend(got)
         return got
@@ -126,10 +131,22 @@ class BlockAllocator:
         and nothing evicted)."""
         if n > self.num_free:
             raise CapacityError(f"host pool exhausted: {n} more blocks needed, {self.num_free} free")
-        short = n - len(self._free)
-        if short > 0:
-            return self._free[::-1] + self.cache.peek_evict(short)
+        short = n - len(self._free) - len(self._reclaimed)
+        if n > len(self._free):
+            return (self._free[::-1] + self._reclaimed + (self.cache.peek_evict(short) if short > 0 else []))[:n]
         return self._free[-1:-n - 1:-1] if n else []
+
+    def reclaim(self, n: int) -> int:
+        """Make sure the next ``n`` blocks allocated are not cached: evict now the cached
+        ones among them (``peek(n)`` is unchanged). A write does this before its launches,
+        so that a launch that fails part way can't leave rows it overwrote findable.
+        Returns the blocks evicted."""
+        short = n - len(self._free) - len(self._reclaimed)
+        if short <= 0 or self.cache is None:
+            return 0
+        got = self.cache.evict(short)
+        self._reclaimed += got
+        return len(got)
 
     def claim(self, owner: Hashable, blocks: list[int]) -> None:
         """Append these free ``blocks`` to ``owner``'s list (ValueError, nothing changed,
@@ -182,7 +199,9 @@ class BlockAllocator:
         cache = self.cache
         if cache is not None:
             held = cache.holds_each(hb)
-            cache.release(hb[held])
+            # last block first: released together, a chain's tail is evicted before its head
+            # (a head evicted first would leave the blocks after it unreachable)
+            cache.release(hb[held][::-1])
             freed = hb[~held].tolist()
         else:
             freed = hb.tolist()
@@ -245,6 +264,16 @@ class HostPool:
                 f"positions out of the owner's {blocks.numel()} blocks of {self.B} tokens"
             )
         return blocks[pos // self.B] * self.B + pos % self.B
+
+    def row_keys(self, owner: Hashable, positions: torch.Tensor) -> torch.Tensor:
+        """Row key (block id x B + offset: what ``row_slot`` and a resolve's ``stage_src``
+        are indexed by, ``hisparse.cache.state``) of each position. positions: int64 [n]
+        CPU -> int64 [n]; positions must lie inside the owner's blocks (ValueError)."""
+        ids = torch.tensor(self.allocator.owned(owner), dtype=torch.int64)
+        pos = positions.to(torch.int64)
+        if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= ids.numel() * self.B):
+            raise ValueError(f"positions out of the owner's {ids.numel()} blocks of {self.B} tokens")
+        return ids[pos // self.B] * self.B + pos % self.B
 
     def segments(self, owner: Hashable, p0: int, p1: int) -> list[tuple[int, int, int]]:
         """Positions ``[p0, p1)`` of ``owner`` split into runs contiguous in the pool:

@@ -42,7 +42,7 @@ def admit(cache: "HiSparseCache", req_id: int, token_ids=None, salt: bytes | Non
     hits: list[int] = []
     num_tokens = len(names) * cache.pool.B + len(tail)
     if token_ids is not None and num_tokens > 1:
-        prefix.publish(req)  # blocks every layer of a live request holds become findable
+        prefix.publish(req, cache.writer.unwritten_from())  # blocks every layer holds become findable
         hits = prefix.lookup(names, num_tokens)
     r = req.add(rid)
     st = cache.state
@@ -53,7 +53,7 @@ def admit(cache: "HiSparseCache", req_id: int, token_ids=None, salt: bytes | Non
             st.resident[r] = 1
         return 0
     if token_ids is None:
-        prefix.track(r)
+        prefix.track(r, None if salt is None else bytes(salt))
     else:
         ids = prefix.admit(r, names, tail, None if salt is None else bytes(salt), hits, num_tokens)
         cached = len(ids) * cache.pool.B
@@ -91,7 +91,7 @@ def release(cache: "HiSparseCache", req_id: int) -> list[int]:
     cache.streams.before_lifecycle()
     st, B = cache.state, cache.pool.B
     if cache.prefix is not None:
-        cache.prefix.publish(cache.requests, (r,))  # its finished blocks stay cached
+        cache.prefix.publish(cache.requests, cache.writer.unwritten_from(), (r,))  # its written blocks stay cached
     ids = np.asarray(cache.pool.allocator.owned(r), dtype=np.int64)
     if len(ids):  # clear row_slot run by run of consecutive block ids
         cut = np.flatnonzero(np.diff(ids) != 1) + 1

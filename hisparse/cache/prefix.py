@@ -13,9 +13,10 @@ whole blocks of the tokens it was given (``add_request(token_ids=...)`` then
   resident: a hit's rows are on the host only, so it begins as a hot request whose
   first steps miss, as a request whose resident pages were spilled would).
 - **Publishing**: a request's block becomes findable once every layer holds its rows
-  and its tokens are known. That is checked, for every live request, before each
-  lookup, in ``stats`` and when the request is freed: the decode path does no prefix
-  work at all. A block whose name is cached already (two requests with the same
+  and its tokens are known; rows a prepared step counts but has not written to every
+  layer (a pending or captured layer) don't count. That is checked, for every live
+  request, before each lookup, in ``stats`` and when the request is freed: the decode
+  path does no prefix work at all. A block whose name is cached already (two requests with the same
   prompt admitted before either was written) stays private to its writer and is freed
   with it.
 - **Eviction**: a cached block that no request references is kept, and evicted least
@@ -92,10 +93,10 @@ class PrefixCache:
         self.hit_tokens += len(ids) * self.B
         return ids
 
-    def track(self, r: int) -> None:
+    def track(self, r: int, salt: bytes | None = None) -> None:
         """Request slot r was admitted without token ids (it publishes nothing until
-        ``add_tokens`` gives it some)."""
-        self._req[r] = _Tokens(None, [], [], 0)
+        ``add_tokens`` gives it some; their names take ``salt``)."""
+        self._req[r] = _Tokens(salt, [], [], 0)
 
     def add_tokens(self, r: int, token_ids) -> int:
         """Append ``token_ids`` to what request slot r's tokens are known to be (its
@@ -114,17 +115,19 @@ class PrefixCache:
         return 0 if t is None else len(t.names) * self.B + len(t.tail)
 
     # ---- publishing -----------------------------------------------------------------
-    def publish(self, requests: RequestTable, slots: Sequence[int] | None = None) -> int:
+    def publish(self, requests: RequestTable, unwritten: dict[int, int], slots: Sequence[int] | None = None) -> int:
         """Make findable every block of the request slots ``slots`` (default: all live)
-        whose rows every layer holds; returns the blocks published."""
+        whose rows every layer holds; ``unwritten``: {slot: first position} of rows a
+        prepared step counts but has not written everywhere (``Writer.unwritten_from``).
+        Returns the blocks published."""
         out = 0
         B = self.B
         for r in (self._req if slots is None else slots):
             t = self._req.get(r)
             if t is None or t.done >= len(t.names):
                 continue
-            rows = requests.rows_of(np.array([r], dtype=np.int64))[0, 0]
-            whole = min(int(rows.min()) // B, len(t.names))
+            rows = int(requests.rows_of(np.array([r], dtype=np.int64))[0, 0].min())
+            whole = min(min(rows, unwritten.get(r, rows)) // B, len(t.names))
             if whole <= t.done:
                 continue
             blocks = self.allocator.host_blocks(r)

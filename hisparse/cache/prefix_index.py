@@ -4,7 +4,8 @@ A host block holds ``B`` consecutive tokens of a request (every layer's rows). T
 requests whose token ids agree on a whole block *and on everything before it* hold the
 same rows there (the KV of a token depends on the tokens before it), so a block is named
 by a chained hash: ``h_i = H(h_{i-1} || H(salt) || token ids of block i)`` (16 bytes;
-``h_{-1}`` is empty, and so is the salt's part without a salt). ``H`` is SHA-256
+``h_{-1}`` is 16 zero bytes, and so is the salt's part without a salt: every input has the
+same layout, so no salt can make a salted block's input equal another block's). ``H`` is SHA-256
 (``hashlib``, truncated to 16 bytes) by default: with tenants that don't trust each
 other a name must not be forgeable, or a crafted prompt could read another tenant's
 rows. ``algo="xxh3_128"`` (the ``xxhash`` package), where every prompt is trusted,
@@ -38,6 +39,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 NAME_BYTES = 16  # bytes of a block name (a truncated digest)
+_ZERO = bytes(NAME_BYTES)  # the parent of a first block, the salt part without a salt
 
 
 HASHES = ("sha256", "xxh3_128")
@@ -75,10 +77,10 @@ def names_of_bytes(raw: bytes, block_size: int, *, salt: bytes | None = None, pa
     """``block_names`` of token ids already packed as little-endian uint32 bytes."""
     H = _hash_fn(algo)
     step = 4 * block_size
-    salted = H(bytes(salt)) if salt else b""
+    salted = H(bytes(salt)) if salt is not None else _ZERO
     names: list[bytes] = []
     append = names.append
-    h = bytes(parent)
+    h = bytes(parent) or _ZERO
     if algo == "sha256":  # the same names, without a call per block through H
         sha = hashlib.sha256
         for i in range(0, len(raw) - step + 1, step):

@@ -182,6 +182,8 @@ class Writer:
                                     new_blocks=new_blocks, B=self.pool.B, S=self.cfg.device_buffer_size,
                                     device=self.device, resident=self._resident(changes))  # type: ignore[arg-type]
         undo = self._pool_undo(changes) if not changes.empty else None
+        if new_blocks:  # cached blocks the write takes leave the prefix index before any launch
+            self.pool.allocator.reclaim(sum(len(b) for b in new_blocks.values()))
         try:
             if undo is not None:
                 self._apply_pool_changes(changes, {})
@@ -460,6 +462,21 @@ class Writer:
                         f"this write needs the device pages of resident request {rid}, whose prepared step "
                         f"has rows not written yet (layers {sorted(step.pending)}): write them (write_step) "
                         "or put them back (abandon_step, or prepare_step(..., replaces=step)) first")
+
+    def unwritten_from(self) -> dict[int, int]:
+        """{request slot: first position} of the rows that a prepared step counts in the
+        slot's lengths but has not written to every layer yet (a layer pending, or captured
+        and so written only when its graph replays): prefix caching publishes no block
+        past it."""
+        out: dict[int, int] = {}
+        req = self.requests
+        for step in list(self._open_steps.values()):
+            if not (step.pending or step.captured):
+                continue
+            for rid, r, inc, p0, *_ in step.req_work:
+                if req.slot_map().get(rid) == r and req.incarnation(r) == inc:
+                    out[r] = min(out.get(r, p0), p0)
+        return out
 
     def _pool_undo(self, changes: PoolChanges) -> Callable[[], None]:
         """A function that puts back what ``_apply_pool_changes(changes)`` is about to

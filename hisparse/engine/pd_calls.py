@@ -48,11 +48,14 @@ class PDCalls:
                                   quarantine_s=QUARANTINE_S if quarantine_s is None else quarantine_s)
         return self._pd
 
-    def pd_reserve(self, req_id: int, num_tokens: int, *, timeout_s: float | None = None) -> "PDDescriptor":
+    def pd_reserve(self, req_id: int, num_tokens: int, *, timeout_s: float | None = None,
+                   salt: bytes | None = None) -> "PDDescriptor":
         """Admit ``req_id`` with host blocks for ``num_tokens`` rows a prefill engine will
-        write (``PDReceiver.reserve``); its descriptor goes to the prefill side."""
+        write (``PDReceiver.reserve``); its descriptor goes to the prefill side. With
+        prefix caching, ``salt`` keys its block names; give its prompt with
+        ``add_tokens`` for its blocks to be shared once committed."""
         self._refuse_mid_forward("pd_reserve")  # type: ignore[attr-defined]
-        return self.pd_receiver().reserve(req_id, num_tokens, timeout_s=timeout_s)
+        return self.pd_receiver().reserve(req_id, num_tokens, timeout_s=timeout_s, salt=salt)
 
     def pd_commit(self, req_id: int, generation: int) -> None:
         """The reserved rows count as appended in every layer (``PDReceiver.commit``)."""

@@ -160,9 +160,16 @@ class PDReceiver:
         cache.free_listeners.append(self._on_free)
 
     # ---- the three transitions ------------------------------------------------
-    def reserve(self, req_id: int, num_tokens: int, *, timeout_s: float | None = None) -> PDDescriptor:
+    def reserve(self, req_id: int, num_tokens: int, *, timeout_s: float | None = None,
+                salt: bytes | None = None) -> PDDescriptor:
         """Admit ``req_id`` and give it the blocks of ``num_tokens`` rows per layer (module
-        docstring). ``timeout_s``: ``poll`` aborts the reservation after that long."""
+        docstring). ``timeout_s``: ``poll`` aborts the reservation after that long.
+        ``salt`` (prefix caching): the salt of its block names, whose tokens
+        ``cache.add_tokens`` gives later (the prompt, once committed)."""
+        if salt is not None and not isinstance(salt, (bytes, bytearray)):
+            raise TypeError(f"salt must be bytes or None, got {type(salt).__name__}")
+        if salt is not None and self.cache.prefix is None:
+            raise ValueError("salt needs a cache configured with prefix_caching=True")
         self._check_running("reserve")
         cache = self.cache
         check_int("req_id", req_id, 0, cache.cfg.max_request_id)
@@ -181,7 +188,7 @@ class PDReceiver:
             raise CapacityError(f"reserve request {req_id}: {num_tokens} tokens need {need} host blocks, "
                                 f"{free} of {cache.pool.allocator.num_blocks} are free"
                                 + (f" ({held} in quarantine)" if held else ""))
-        cache.add_request(req_id)
+        cache.add_request(req_id, salt=salt)
         r = cache.request_slot(req_id)
         try:
             cache.reserve_blocks(req_id, num_tokens)
