@@ -110,18 +110,8 @@ class PrefixSchedule(Schedule):
         self.tokens[rid] = np.concatenate([prompt, self._draw(self.rng, self.max_len - prompt.size)])
         self.live[rid] = prompt.size - 1
 
-    def step(self, s: int) -> tuple[np.ndarray, np.ndarray]:
-        busy = set(self.live)
-        if s > 0:
-            for rid in list(self.live):
-                if self.rng.random() < self.o.churn:
-                    self.parents.append(self.tokens[rid][:self.live.pop(rid)])  # its rows: prompt + output
-        while len(self.live) < self.o.num_requests:
-            self._join(busy)
-        for rid in self.live:
-            self.live[rid] += 1
-        ids = np.array(sorted(self.live), dtype=np.int64)
-        return ids, np.array([self.live[i] for i in ids], dtype=np.int64)
+    def _leave(self, rid: int) -> None:
+        self.parents.append(self.tokens[rid][:self.live.pop(rid)])  # its rows: prompt + output
 
 
 class PrefixKeys:

@@ -152,12 +152,15 @@ class Schedule:
         busy.add(rid)
         self.live[rid] = int(self.rng.integers(self.cmin, self.o.context + 1)) - 1
 
+    def _leave(self, rid: int) -> None:
+        del self.live[rid]
+
     def step(self, s: int) -> tuple[np.ndarray, np.ndarray]:
         busy = set(self.live)
         if s > 0:
             for rid in list(self.live):
                 if self.rng.random() < self.o.churn:
-                    del self.live[rid]
+                    self._leave(rid)
         while len(self.live) < self.o.num_requests:
             self._join(busy)
         for rid in self.live:

@@ -257,23 +257,22 @@ class HostPool:
 
         Positions must lie inside the owner's blocks (checked: ValueError).
         """
-        blocks = torch.from_numpy(self.allocator.host_blocks(owner))
-        pos = positions.to(torch.int64)
-        if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= blocks.numel() * self.B):
-            raise ValueError(
-                f"positions out of the owner's {blocks.numel()} blocks of {self.B} tokens"
-            )
-        return blocks[pos // self.B] * self.B + pos % self.B
+        return self._rows_of(self.allocator.host_blocks(owner), positions)
 
     def row_keys(self, owner: Hashable, positions: torch.Tensor) -> torch.Tensor:
         """Row key (block id x B + offset: what ``row_slot`` and a resolve's ``stage_src``
         are indexed by, ``hisparse.cache.state``) of each position. positions: int64 [n]
         CPU -> int64 [n]; positions must lie inside the owner's blocks (ValueError)."""
-        ids = torch.tensor(self.allocator.owned(owner), dtype=torch.int64)
+        return self._rows_of(np.asarray(self.allocator.owned(owner), dtype=np.int64), positions)
+
+    def _rows_of(self, blocks: np.ndarray, positions: torch.Tensor) -> torch.Tensor:
+        """``blocks[p // B] * B + p % B`` of each position p (blocks: int64 [m], the owner's
+        blocks or ids in logical order; ValueError for a position past them)."""
+        blk = torch.from_numpy(blocks)
         pos = positions.to(torch.int64)
-        if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= ids.numel() * self.B):
-            raise ValueError(f"positions out of the owner's {ids.numel()} blocks of {self.B} tokens")
-        return ids[pos // self.B] * self.B + pos % self.B
+        if pos.numel() and (int(pos.min()) < 0 or int(pos.max()) >= blk.numel() * self.B):
+            raise ValueError(f"positions out of the owner's {blk.numel()} blocks of {self.B} tokens")
+        return blk[pos // self.B] * self.B + pos % self.B
 
     def segments(self, owner: Hashable, p0: int, p1: int) -> list[tuple[int, int, int]]:
         """Positions ``[p0, p1)`` of ``owner`` split into runs contiguous in the pool:

@@ -38,7 +38,7 @@ import numpy as np
 
 from ..config import HiSparseConfig
 from .host_pool import BlockAllocator
-from .prefix_index import PrefixIndex, _token_bytes, block_names, names_of_bytes
+from .prefix_index import PrefixIndex, _token_bytes, names_of_bytes
 from .requests import RequestTable
 
 
@@ -69,12 +69,13 @@ class PrefixCache:
     def names(self, token_ids, salt: bytes | None) -> tuple[list[bytes], list[int]]:
         """(names of the whole blocks of ``token_ids``, the ids past them) — the hashing
         of an ``add_request``, done before anything changes (ValueError: bad ids)."""
-        raw = _token_bytes(token_ids)  # checks the ids
-        n = len(raw) // 4
-        names = names_of_bytes(raw, self.B, salt=salt, algo=self.algo)
-        whole = len(names) * self.B
-        tail = np.frombuffer(raw[4 * whole:], dtype="<u4").tolist() if whole < n else []
-        return names, tail
+        return self._split(_token_bytes(token_ids), salt, b"")  # _token_bytes checks the ids
+
+    def _split(self, raw: bytes, salt: bytes | None, parent: bytes) -> tuple[list[bytes], list[int]]:
+        """(names of the whole blocks of the packed ids ``raw`` after ``parent``, the ids
+        past them)."""
+        names = names_of_bytes(raw, self.B, salt=salt, parent=parent, algo=self.algo)
+        return names, np.frombuffer(raw[4 * len(names) * self.B:], dtype="<u4").tolist()
 
     def lookup(self, names: list[bytes], num_tokens: int) -> list[int]:
         """Cached host blocks that prefix a request of ``num_tokens`` tokens named
@@ -102,17 +103,10 @@ class PrefixCache:
         """Append ``token_ids`` to what request slot r's tokens are known to be (its
         decode output, a next turn's prompt); returns the tokens known now."""
         t = self._req[r]
-        raw = _token_bytes(token_ids)
-        ids = t.tail + np.frombuffer(raw, dtype="<u4").tolist()
-        whole = len(ids) // self.B * self.B
-        parent = t.names[-1] if t.names else b""
-        t.names += block_names(ids[:whole], self.B, salt=t.salt, parent=parent, algo=self.algo)
-        t.tail = ids[whole:]
+        raw = _token_bytes(t.tail) + _token_bytes(token_ids)
+        names, t.tail = self._split(raw, t.salt, t.names[-1] if t.names else b"")
+        t.names += names
         return len(t.names) * self.B + len(t.tail)
-
-    def known_tokens(self, r: int) -> int:
-        t = self._req.get(r)
-        return 0 if t is None else len(t.names) * self.B + len(t.tail)
 
     # ---- publishing -----------------------------------------------------------------
     def publish(self, requests: RequestTable, unwritten: dict[int, int], slots: Sequence[int] | None = None) -> int:
