@@ -6,7 +6,8 @@
 Compiles ``hisparse.kernels.resolve.resolve_kernel`` with ``triton.compile`` for a
 CUDA target (compute capability 9.0 by default) exactly as ``resolve_triton`` would
 launch it for K top-k entries, S slots and query length q, the serial decode variant
-(no miss lists, no compaction; ``--miss-lists`` / ``--compact`` for the others). The
+(no miss lists, no compaction, no alias ids; ``--miss-lists`` / ``--compact`` /
+``--aliased`` for the others). The
 PTX then goes through the ptxas Triton uses for that target (``-v``). Reported per case:
 registers per thread, spill stores / loads in bytes and the stack frame. This runs
 on a CPU-only machine: no driver is needed to compile, only to launch.
@@ -46,6 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--sm", type=pos, default=90, help="compute capability, e.g. 90 [90]")
     ap.add_argument("--miss-lists", action="store_true", help="the miss phase of a split resolve")
     ap.add_argument("--compact", action="store_true", help="compacted physical rows")
+    ap.add_argument("--aliased", action="store_true", help="with prefix-cache alias ids (host rows through host_block)")
     ap.add_argument("--json", action="store_true", help="print the cases as JSON")
     a = ap.parse_args(argv)
     if a.query_len * a.top_k > min(a.slots):
@@ -70,7 +72,7 @@ def ptxas_path(sm: int = 90) -> str:
 
 
 def compile_case(S: int, K: int, q: int, warps: int | None, sm: int, *, miss_lists: bool,
-                 compact: bool) -> dict:
+                 compact: bool, aliased: bool = False) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -85,7 +87,8 @@ def compile_case(S: int, K: int, q: int, warps: int | None, sm: int, *, miss_lis
     consts = dict(STAT_HITS=STAT_HITS, STAT_MISSES=STAT_MISSES, STAT_INVALID=STAT_INVALID,
                   STAT_RESOLVES=STAT_RESOLVES, STAT_PREFETCH=STAT_PREFETCH, STAMPED=miss_lists,
                   MISS_LISTS=miss_lists, PREFETCH=False, Q=q, KB=KB, GQ=GQ,
-                  SMALL_SORT=min(rt._SMALL_SORT, GQ * KB), SB=SB, COMPACT=compact, CH=rt._SCAN_CHUNK)
+                  SMALL_SORT=min(rt._SMALL_SORT, GQ * KB), SB=SB, COMPACT=compact, CH=rt._SCAN_CHUNK,
+                  ALIASED=aliased)
     int64_ptrs = {"slot_stamp_ptr", "undo_hit_ptr", "undo_vstamp_ptr", "step_ptr", "stats_ptr"}
     sig = {}
     for name in resolve_kernel.arg_names:
@@ -135,7 +138,7 @@ def main(argv=None) -> int:
         for w in (a.warps or [None]):
             try:
                 c = compile_case(S, a.top_k, a.query_len, w, a.sm, miss_lists=a.miss_lists,
-                                 compact=a.compact)
+                                 compact=a.compact, aliased=a.aliased)
             except Exception as e:  # ptxas or the compiler (its CompilationError too) refused the case
                 print(f"resolve_registers: S={S}: {e}", file=sys.stderr)
                 return 1

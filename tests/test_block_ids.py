@@ -18,8 +18,6 @@ import pytest
 import torch
 
 from hisparse import HiSparseCache, HiSparseConfig
-from hisparse.cache.resolve_ref import copy_staged_reference
-from hisparse.cache.transfer import copy_staged
 from hisparse.formats import dequantize_fp8_ds_mla_reference
 from hisparse.staging import StageRequests, stage_prefill
 
@@ -122,8 +120,8 @@ def run_resolves(kernels: str, split: bool):
                 res = cache.resolve(layer, req, topk)
             check_rows(cache, rows, layer, res.physical, topk)
             m = int(cache._bufs[layer].stage_counts[0])
-            src = res.stage_src[:m]
-            assert bool((src >= NB * B).all()) and bool((src < cfg.num_virtual_rows).all())  # alias range
+            a_rows = (cache.state.block_table[ra, :SHARED].long()[:, None] * B + torch.arange(B)).flatten()
+            assert bool(torch.isin(res.stage_src[:m].long(), a_rows).all())  # A's host rows
             for p in {int(x) for x in topk[0].tolist() if x >= 0}:
                 key = key_of(cache, rb, p)
                 assert key // B in ids.tolist()
@@ -222,27 +220,27 @@ def test_prefill_validation_checks_block_ids():
     assert torch.equal(ws, rows[0][:n_b])
 
 
-@pytest.mark.parametrize("rows_per_program", [1, 4])
-def test_copy_staged_translates_row_keys(rows_per_program):
-    """``copy_staged`` with a host_block against ``copy_staged_reference``: keys of
-    host blocks, aliases, an unmapped alias, keys past NV and -1 entries."""
-    g = torch.Generator().manual_seed(7)
-    B, NB, K, T = 4, 6, 5, 3
-    src = torch.randint(0, 256, (NB * B, 32), dtype=torch.uint8, generator=g)
-    host_block = torch.cat([torch.arange(NB), torch.tensor([3, 0, -1, 5])]).to(I32)  # NV = 10
-    keys = torch.tensor([25, 36, 1, 30, -1,  7, 32, 39, 40, 41,  12, 0, 0, 0, 0], dtype=I32)
-    dst_idx = torch.arange(T * K, dtype=I32)
-    counts = torch.tensor([4, 5, 1], dtype=I32)
-    dst = torch.zeros((T * K, 32), dtype=torch.uint8)
-    exp = dst.clone()
-    copy_staged_reference(src, keys, exp, dst_idx, counts, K=K, host_block=host_block, B=B)
-    copy_staged(src, keys, dst, dst_idx, counts, K=K, host_block=host_block, block_size=B,
-                rows_per_program=rows_per_program)
-    assert torch.equal(dst, exp)
-    # entry -> host row read (None: skipped: -1, an unmapped alias, an id >= NV, past the count)
-    want = {0: 13, 1: 20, 2: 1, 3: 2, 4: None, 5: 7, 6: None, 7: 23, 8: None, 9: None, 10: 12, 11: None}
-    for j, row in want.items():
-        assert torch.equal(exp[j], src[row] if row is not None else torch.zeros(32, dtype=torch.uint8)), j
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_resolve_stages_host_rows_of_aliases(kernels):
+    """A resolve stages the host row of each miss's row key (``stage_src``): A's rows for
+    B's alias keys; a miss whose alias maps no host block (-1) is mapped but staged from
+    nowhere (-1: the copy skips it); torch and Triton agree on every list and byte."""
+    got = {}
+    for k in KERNELS:
+        cache, rows, ra, rb, ids = build(k)
+        B = cache.cfg.host_block_size
+        cache.state.host_block[int(ids[1])] = -1
+        topk = torch.tensor([[3, 20, 9, 31, -1]], dtype=I32)
+        res = cache.resolve(0, torch.tensor([B_ID], dtype=I32), topk)
+        m = int(cache._bufs[0].stage_counts[0])
+        src = res.stage_src[:m].tolist()
+        a_row = [int(cache.state.block_table[ra, p // B]) * B + p % B for p in (3, 9)]
+        assert src == a_row + [-1, -1]  # ascending positions 3, 9, 20, 31
+        check_rows(cache, rows, 0, res.physical[:, [0, 2]], topk[:, [0, 2]])
+        got[k] = (res.stage_src[:m].clone(), res.stage_dst[:m].clone(), snapshot(cache))
+    assert torch.equal(got["torch"][0], got["triton"][0]) and torch.equal(got["torch"][1], got["triton"][1])
+    for name in got["torch"][2]:
+        assert torch.equal(got["torch"][2][name], got["triton"][2][name]), name
 
 
 @pytest.mark.parametrize("kernels", KERNELS)
@@ -295,9 +293,9 @@ def test_no_prefix_caching_no_host_block():
     assert cache.layer_view(0).num_row_keys == cache.cfg.num_host_rows
 
 
-def test_copy_staged_compiles_for_sm90_with_and_without_aliases():
-    """The staging copy's two variants compile for the GPU (offline, sm90): the
-    interpreter runs the translation above, ptxas must accept it too."""
+def test_aliased_resolve_compiles_for_sm90():
+    """The resolve's ALIASED variant (host rows through host_block) compiles for the GPU
+    (offline, sm90, through ptxas): the interpreter runs it above."""
     import os
     import subprocess
     import sys
@@ -309,16 +307,9 @@ def test_copy_staged_compiles_for_sm90_with_and_without_aliases():
     except FileNotFoundError as e:
         pytest.skip(str(e))
     code = textwrap.dedent("""
-        import triton
-        from triton.backends.compiler import GPUTarget
-        from triton.compiler import ASTSource
-        from hisparse.kernels.copy_rows import copy_staged_kernel as k
-        for aliased in (False, True):
-            consts = dict(WW=164, WB=256, ROWS=8, TB=128, ALIASED=aliased, B=64 if aliased else 1)
-            sig = {n: "constexpr" if n in consts else "*i32" if n.endswith("_ptr") else "i32" for n in k.arg_names}
-            c = triton.compile(ASTSource(fn=k, signature=sig, constexprs=consts),
-                               target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-            assert "ld.global" in c.asm["ptx"]
+        from benchmarks.resolve_registers import compile_case
+        c = compile_case(64, 16, 1, None, 90, miss_lists=False, compact=False, aliased=True)
+        assert c["registers"], c
         print("compiled")
     """)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

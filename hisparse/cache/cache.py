@@ -87,9 +87,7 @@ class HiSparseCache:
         self.state = HotState.allocate(cfg, self.device)
         if choice is Kernels.TRITON:
             check_state(self.state)  # once: the per-call launches rely on it
-        # the staging copy reads row keys through the block-id map only where aliases exist
-        fns = kernel_set(choice, self.device, self.pool, B=cfg.host_block_size,
-                         host_block=self.state.host_block if cfg.prefix_alias_blocks else None)
+        fns = kernel_set(choice, self.device, self.pool)
         self._pinned_check = fns.pop("pinned_check")
         # uint8 [L, device_rows_per_layer, row_bytes]; hot[l] is what physical indices index
         self.hot = torch.zeros((L, cfg.device_rows_per_layer, cfg.row_bytes), dtype=torch.uint8,
@@ -490,7 +488,7 @@ class HiSparseCache:
         Predicted rows become hot like a resolve's; positions the layer does not hold
         yet are skipped; only the staged rows are counted (``prefetch_rows``). Unchecked
         (``validate=False``) semantics: graph capturable. Returns the prefetch's
-        ``ResolveBuffers``: its staging lists (the row keys it staged in ``stage_src``,
+        ``ResolveBuffers``: its staging lists (the host rows it staged in ``stage_src``,
         their slots in ``stage_dst``, ``stage_counts`` per group) are written on the
         stage stream and valid until the next prefetch; its undo log is shared with
         every layer's resolves.

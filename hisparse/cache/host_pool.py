@@ -260,8 +260,8 @@ class HostPool:
         return self._rows_of(self.allocator.host_blocks(owner), positions)
 
     def row_keys(self, owner: Hashable, positions: torch.Tensor) -> torch.Tensor:
-        """Row key (block id x B + offset: what ``row_slot`` and a resolve's ``stage_src``
-        are indexed by, ``hisparse.cache.state``) of each position. positions: int64 [n]
+        """Row key (block id x B + offset: what ``row_slot`` is indexed by,
+        ``hisparse.cache.state``) of each position. positions: int64 [n]
         CPU -> int64 [n]; positions must lie inside the owner's blocks (ValueError)."""
         return self._rows_of(np.asarray(self.allocator.owned(owner), dtype=np.int64), positions)
 

@@ -2,11 +2,6 @@
 (``Kernels.TORCH``: the torch references; ``Kernels.TRITON``: the Triton launchers,
 which run without re-checking what the cache owns: its state, buffers, plans and pool),
 and the check that the host pool the Triton kernels read over UVA is page-locked.
-
-The staging copy of either set reads the host row of each staged row key (``state``):
-through ``host_block`` (int32 [NV], the state's block-id map) when the cache has
-prefix-cache aliases, else the key itself (no translation: the same launch as without
-prefix caching).
 """
 
 from __future__ import annotations
@@ -41,20 +36,16 @@ class PinnedPool:
                              "host memory")
 
 
-def kernel_set(kernels: Kernels, device: torch.device, pool: HostPool, *,
-               host_block: torch.Tensor | None = None, B: int = 1) -> dict:
+def kernel_set(kernels: Kernels, device: torch.device, pool: HostPool) -> dict:
     """The launch functions of a picked implementation (resolve_fn, lookup_fn,
-    resident_fn, copy_fn, apply_fn, mirror_fn, pinned_check). ``host_block``: int32
-    [NV] on ``device``, the block-id map the staging copy reads row keys through (B
-    rows a block), or None when every row key is its host row (no aliases). The
-    callers check the call's own arguments."""
+    resident_fn, copy_fn, apply_fn, mirror_fn, pinned_check). The callers check the
+    call's own arguments."""
     if kernels is Kernels.TORCH:
         def mirror(rows, plan, host_l):
             copy_rows_reference(rows, plan.host_tok32, host_l, plan.host_h32)
 
         def stage_ref(host_rows, out: ResolveBuffers, hot_rows, *, K: int, programs=None, shape=None) -> None:
-            copy_staged_reference(host_rows, out.stage_src, hot_rows, out.stage_dst, out.stage_counts, K=K,
-                                  host_block=host_block, B=B)
+            copy_staged_reference(host_rows, out.stage_src, hot_rows, out.stage_dst, out.stage_counts, K=K)
         return dict(resolve_fn=resolve_reference, lookup_fn=resolve_lookup_reference,
                     resident_fn=resolve_resident_reference, copy_fn=stage_ref,
                     apply_fn=apply_write_plan_reference, mirror_fn=mirror, pinned_check=lambda name: None)
@@ -72,8 +63,7 @@ def kernel_set(kernels: Kernels, device: torch.device, pool: HostPool, *,
             check_int("programs", programs, 1)
         rows, warps = shape if shape is not None else (8, 4)  # (rows per iteration, warps)
         _launch_copy_staged(host_rows, out.stage_src, hot_rows, out.stage_dst, out.stage_counts, dev,
-                            K=K, programs=programs, rows_per_program=rows, num_warps=warps,
-                            host_block=host_block, B=B)
+                            K=K, programs=programs, rows_per_program=rows, num_warps=warps)
 
     return dict(resolve_fn=_launch_resolve, lookup_fn=resolve_lookup_triton, resident_fn=_launch_resolve_resident,
                 copy_fn=stage, apply_fn=apply_write_plan_triton, mirror_fn=mirror, pinned_check=pinned.check)

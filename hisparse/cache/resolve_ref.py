@@ -26,8 +26,8 @@ Inputs: ``req_ids`` int32 [T] (request id per query token), ``topk`` int32 [T, K
    the |M| smallest-key victims among slots 0..S-1 whose stamp < s (see ``state`` for
    the key); the i-th miss takes the i-th victim in ascending *slot* order. A victim's
    old row is unmapped; the miss is mapped, stamped s, and appended to the group's
-   staging list stage_src/stage_dst[t0*K : t0*K + |M|] (row key -> flat hot row; the
-   staging copy reads the key's host row, ``host_rows_of_keys``).
+   staging list stage_src/stage_dst[t0*K : t0*K + |M|] (the host row of the miss's
+   row key, ``host_rows_of_keys`` -> flat hot row).
 4. physical[t, k] = r * (S + 1) + slot of the entry's row, -1 for padding;
    valid_counts[t] = number of non-padding entries (duplicates count).
    With ``compact`` the valid entries of each row move to its front, in order.
@@ -281,7 +281,8 @@ def resolve_reference(state: HotState, layer: int, req_ids: torch.Tensor, topk: 
             spos[victims] = uniq.to(torch.int32)
             stamp[victims] = s_new
             row_slot[miss_rows] = victims.to(torch.int32)
-            out.stage_src[base:base + m] = miss_rows.to(torch.int32)
+            out.stage_src[base:base + m] = host_rows_of_keys(
+                miss_rows, state.host_block if state.aliased else None, B).to(torch.int32)
             out.stage_dst[base:base + m] = (r * SP + victims).to(torch.int32)
 
         safe = torch.where(g_ok, g_pos, torch.zeros_like(g_pos))
@@ -322,19 +323,16 @@ def host_rows_of_keys(keys: torch.Tensor, host_block: torch.Tensor | None, B: in
 
 
 def copy_staged_reference(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor,
-                          counts: torch.Tensor, *, K: int, host_block: torch.Tensor | None = None,
-                          B: int = 1) -> int:
+                          counts: torch.Tensor, *, K: int) -> int:
     """``transfer.copy_staged``'s semantics: the first counts[t] entries of each group's
-    list, t * K on (a group of q tokens has up to q * K). ``src_idx`` (int32 [T * K])
-    holds row keys read at their host rows through ``host_block`` (int32 [NV], block
-    ids of B rows; None: the keys are the rows). Returns the number of rows copied."""
+    list, t * K on (a group of q tokens has up to q * K). Returns the number of rows
+    copied."""
     n = 0
     T = counts.shape[0]
     for t, m in enumerate(counts.tolist()):
         m = max(0, min(int(m), (T - t) * K))
         if m:
-            rows = host_rows_of_keys(src_idx[t * K:t * K + m], host_block, B)
-            n += copy_rows_reference(src, rows, dst, dst_idx[t * K:t * K + m])
+            n += copy_rows_reference(src, src_idx[t * K:t * K + m], dst, dst_idx[t * K:t * K + m])
     return n
 
 

@@ -197,14 +197,14 @@ def _launch_resolve(state: HotState, layer: int, req_ids: torch.Tensor, topk: to
             state.pool_base, state.PB, state.pool_pages,
             out.physical, out.physical.stride(0), out.valid_counts,
             out.stage_src, out.stage_dst, out.undo_hit, out.undo_vpos, out.undo_vstamp,
-            mp, mh, mc, out.stage_counts,
+            mp, mh, mc, out.stage_counts, state.host_block,
             T, K, S, state.B,
             STAT_HITS=STAT_HITS, STAT_MISSES=STAT_MISSES, STAT_INVALID=STAT_INVALID,
             STAT_RESOLVES=STAT_RESOLVES, STAT_PREFETCH=STAT_PREFETCH, STAT_RESIDENT=STAT_RESIDENT,
             HAS_POOL=state.pool_pages > 0, STAMPED=bool(stamped),
             MISS_LISTS=miss_lists is not None, PREFETCH=bool(prefetch),
             Q=max_query_len, KB=KB, GQ=GQ, SB=SB, SMALL_SORT=min(_SMALL_SORT, GQ * KB),
-            COMPACT=bool(compact), CH=_SCAN_CHUNK, num_warps=num_warps,
+            COMPACT=bool(compact), CH=_SCAN_CHUNK, ALIASED=state.aliased, num_warps=num_warps,
         )
 
 

@@ -17,8 +17,8 @@ class ResolveResult:
 
     physical:     int32 [T, K]  rows of ``hot_rows(layer)``, -1 = padding
     valid_counts: int32 [T]     non-padding entries per query token
-    stage_src:    int32 [T * K] row keys staged this step (-1 = none; ``state``: the host
-                  row is ``host_block[key // B] * B + key % B``), for inspection
+    stage_src:    int32 [T * K] host rows staged this step (-1 = none; a prefix-cache
+                  alias's rows are read from its cached host block), for inspection
     stage_dst:    int32 [T * K] flat hot rows they went to
     event:        CUDA event recorded after staging (None on CPU)
 

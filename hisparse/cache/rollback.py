@@ -61,7 +61,8 @@ def rollback_resolve(state: HotState, layer: int, req_ids: torch.Tensor, topk: t
         m = int((dst >= 0).sum())
         if m:
             slots = dst[:m] - r * SP
-            row_slot[out.stage_src[base:base + m].long()] = -1
+            new_pos = slot_pos[r, slots].long()  # the misses the resolve mapped (stage_src holds host rows)
+            row_slot[bt[new_pos // B] * B + new_pos % B] = -1
             old_pos = out.undo_vpos[base:base + m]
             slot_pos[r, slots] = old_pos
             slot_stamp[r, slots] = out.undo_vstamp[base:base + m]

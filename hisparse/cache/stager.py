@@ -227,7 +227,7 @@ class Stager:
 
     resolve_fn(state, layer, req_ids, topk, out, max_query_len=, compact=) updates the
     LRU state and fills ``out``; copy_fn(host_rows, out, hot_rows, K=, programs=) stages
-    its misses (``transfer.copy_staged``: the host row of each staged row key). ``stage_programs``: the staging kernel's grid
+    its misses (``transfer.copy_staged``). ``stage_programs``: the staging kernel's grid
     (None = a quarter of the SMs, so that it runs beside the attention). When
     the copy launch raises after the resolve launch ran, the resolve is rolled back
     (``cache.rollback``) before the error propagates, so the failed call changes nothing.

@@ -119,6 +119,12 @@ class HotState:
             pool_pages=cfg.pool_pages,
         )
 
+    @property
+    def aliased(self) -> bool:
+        """Whether block ids past the NB host blocks exist (prefix-cache aliases): then
+        a row key is not always its host row."""
+        return self.host_block.shape[0] > self.block_table.shape[1]
+
     def layer(self, layer: int) -> LayerState:
         """Layer ``layer``'s views (made once per layer: launchers ask every call)."""
         views = self.__dict__.setdefault("_layer_views", {})
@@ -145,8 +151,8 @@ class ResolveBuffers:
 
     physical:     int32 [T, K]   row in the layer's flat hot view, -1 = padding
     valid_counts: int32 [T]      non-padding entries per query token
-    stage_src:    int32 [T * K]  row key to stage (within the layer; the copy reads its
-                  host row through host_block), -1 = nothing
+    stage_src:    int32 [T * K]  host row to stage (within the layer: the miss's row key
+                  through host_block), -1 = nothing
     stage_dst:    int32 [T * K]  flat hot row it goes to, -1 = nothing
     stage_counts: int32 [T]      m at a group's first token t0, 0 elsewhere: the misses of
                   that group occupy stage_*[t0*K : t0*K + m]

@@ -1,8 +1,7 @@
 """Launcher of the row-copy kernel: ``dst[dst_idx[i]] = src[src_idx[i]]``.
 
-Used for miss staging (pinned host pool -> hot rows, read by the GPU over UVA; the
-staging lists name rows by row key, translated to host rows by ``copy_staged``) and
-works for any pair of CUDA tensors and pinned host tensors (device -> host,
+Used for miss staging (pinned host pool -> hot rows, read by the GPU over UVA; a
+resolve's staging lists name host rows, ``copy_staged``) and works for any pair of CUDA tensors and pinned host tensors (device -> host,
 device -> device). The kernel is ``hisparse.kernels.copy_rows``.
 
 Which path runs:
@@ -141,13 +140,10 @@ def _launch_copy_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tenso
 
 def copy_staged(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor,
                 counts: torch.Tensor, *, K: int, programs: int | None = None, rows_per_program: int = 8,
-                num_warps: int = 4, host_block: torch.Tensor | None = None,
-                block_size: int | None = None) -> None:
-    """A resolve's staging: for each group t, ``dst[dst_idx[t*K + j]] = src[row(src_idx[t*K + j])]``
+                num_warps: int = 4) -> None:
+    """A resolve's staging: for each group t, ``dst[dst_idx[t*K + j]] = src[src_idx[t*K + j]]``
     for j < counts[t] (at most (T - t) * K; an entry with a -1 or out-of-range index is
-    skipped). ``src_idx`` holds row keys (``state``): row(k) = ``host_block[k // B] * B
-    + k % B`` with ``host_block`` (int32 [NV], on the index lists' device; B =
-    ``block_size``), or k itself when ``host_block`` is None.
+    skipped). ``src_idx`` holds host rows (a resolve's ``stage_src``).
 
     src: uint8 [Ns, W] (pinned host, or device); dst: uint8 [Nd, W]; src_idx / dst_idx:
     int32 [T * K]; counts: int32 [T]. ``programs``: size of the persistent grid (default
@@ -179,16 +175,8 @@ def copy_staged(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst
                                  "can only reach page-locked host memory (use PinnedBuffer)")
     if programs is not None:
         check_int("programs", programs, 1)
-    if host_block is not None:
-        _check_idx("host_block", host_block)
-        check_int("block_size", block_size, 1)
-        if host_block.device != src_idx.device:
-            raise ValueError(f"host_block is on {host_block.device}, the index lists on {src_idx.device}")
-    elif block_size is not None:
-        check_int("block_size", block_size, 1)
     _launch_copy_staged(src, src_idx, dst, dst_idx, counts, dev, K=K, programs=programs,
-                        rows_per_program=rows_per_program, num_warps=num_warps, host_block=host_block,
-                        B=block_size or 1)
+                        rows_per_program=rows_per_program, num_warps=num_warps)
 
 
 _COUNT_BLOCK = 128  # groups whose counts copy_staged_kernel reads as one vector
@@ -196,24 +184,19 @@ _COUNT_BLOCK = 128  # groups whose counts copy_staged_kernel reads as one vector
 
 def _launch_copy_staged(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor,
                         counts: torch.Tensor, dev: torch.device | None, *, K: int, programs: int | None = None,
-                        rows_per_program: int = 8, num_warps: int = 4, host_block: torch.Tensor | None = None,
-                        B: int = 1) -> None:
-    """``copy_staged`` without its checks (see ``_launch_copy_rows``). ``host_block``
-    (int32 [NV]) | None and ``B`` as copy_staged's: the kernel translates row keys
-    (ALIASED) only with a host_block (None: no load more than a plain copy)."""
+                        rows_per_program: int = 8, num_warps: int = 4) -> None:
+    """``copy_staged`` without its checks (see ``_launch_copy_rows``)."""
     T = counts.shape[0]
     if T == 0 or K == 0 or src.shape[0] == 0 or dst.shape[0] == 0:
         return
     if programs is None:
         programs = max(1, sm_count(dev) // 4) if dev is not None else 2
     WW, WB = row_words(src.shape[1])
-    aliased = host_block is not None
-    hb, NV = (host_block, host_block.shape[0]) if aliased else (src_idx, 0)
     with on_device(dev):
         copy_staged_kernel[(programs,)](
             src.view(torch.int32), src_idx, src.shape[0], dst.view(torch.int32), dst_idx, dst.shape[0],
-            counts, T, K, programs, hb, NV, WW=WW, WB=WB, ROWS=rows_per_program, TB=_COUNT_BLOCK,
-            ALIASED=aliased, B=B if aliased else 1, num_warps=num_warps)
+            counts, T, K, programs, WW=WW, WB=WB, ROWS=rows_per_program, TB=_COUNT_BLOCK,
+            num_warps=num_warps)
 
 
 __all__ = ["copy_rows", "copy_staged", "DEFAULT_ROWS_PER_PROGRAM", "DEFAULT_NUM_WARPS", "DEFAULT_PROGRAMS_PER_SM"]

@@ -54,10 +54,10 @@ def copy_rows_kernel(
         c += NPROG
 
 
-@triton.jit(do_not_specialize=["Ns", "Nd", "T", "K", "NPROG", "NV"])
+@triton.jit(do_not_specialize=["Ns", "Nd", "T", "K", "NPROG"])
 def copy_staged_kernel(
     src_ptr,  # int32 [Ns, WW] (the layer's host rows viewed as words)
-    src_idx_ptr,  # int32 [T * K]: group t's staging list at [t * K, t * K + counts[t]), row keys
+    src_idx_ptr,  # int32 [T * K]: group t's staging list at [t * K, t * K + counts[t]), host rows
     Ns,
     dst_ptr,  # int32 [Nd, WW] (the layer's hot rows viewed as words)
     dst_idx_ptr,  # int32 [T * K], parallel to src_idx
@@ -66,19 +66,13 @@ def copy_staged_kernel(
     T,
     K,
     NPROG,  # programs in the grid (the persistent loop's stride)
-    host_block_ptr,  # int32 [NV] host block of each block id (ALIASED; else unused)
-    NV,  # block ids (ALIASED)
     WW: tl.constexpr,
     WB: tl.constexpr,
     ROWS: tl.constexpr,
     TB: tl.constexpr,  # groups whose counts are read at once (power of two)
-    ALIASED: tl.constexpr,  # row keys go through host_block; else a key is its host row
-    B: tl.constexpr,  # rows per block (ALIASED; a constant, so // and % compile to shifts for 2^n)
 ):
     """A resolve's staging: only the first ``counts[t]`` entries (at most (T - t) * K: a
-    group of q tokens has q * K) of each group's list are read. With ALIASED, entry
-    key k is read from host row ``host_block[k // B] * B + k % B`` (a key whose block id
-    is >= NV or unmapped is skipped); without it, from row k.
+    group of q tokens has q * K) of each group's list are read.
 
     The counts are read TB groups at a time as one vector, and a block of groups with
     nothing to stage is skipped whole: a step without misses costs each program one
@@ -105,10 +99,6 @@ def copy_staged_kernel(
                     ri = t.to(tl.int64) * K + j
                     si = tl.load(src_idx_ptr + ri, mask=jm, other=-1)
                     di = tl.load(dst_idx_ptr + ri, mask=jm, other=-1)
-                    if ALIASED:  # row key -> host row
-                        kok = jm & (si >= 0) & (si // B < NV)
-                        hb = tl.load(host_block_ptr + tl.where(kok, si // B, 0), mask=kok, other=-1)
-                        si = tl.where(kok & (hb >= 0), hb.to(tl.int64) * B + si % B, -1)
                     ok = jm & (si >= 0) & (si < Ns) & (di >= 0) & (di < Nd)
                     m2 = ok[:, None] & cmask[None, :]
                     x = tl.load(src_ptr + si.to(tl.int64)[:, None] * WW + cols[None, :], mask=m2, other=0)

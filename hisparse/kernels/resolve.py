@@ -43,9 +43,11 @@ with ``.cg`` loads (L2, not a possibly stale L1 line). The only sort is of the m
       overwrites); then, over the group tile's lanes (GQ x KB, masked to the m victims)
       instead of the S slot lanes, victim i reads the miss parked in
       entry i, logs its old position and stamp, unmaps its old row, maps the miss
-      (slot_pos, slot_stamp, row_slot, overwriting the marker) and writes its flat hot
-      row to stage_dst[t0*K + i]. The gathers run over the group tile's lanes, so their
-      registers do not grow with S.
+      (slot_pos, slot_stamp, row_slot, overwriting the marker), writes its flat hot
+      row to stage_dst[t0*K + i] and the miss's host row over its row key in
+      stage_src[t0*K + i] (through host_block where block ids have aliases), so the
+      copy reads host rows as they are. The gathers run over the group tile's lanes,
+      so their registers do not grow with S.
   P5  per token of the group, from the tile: physical = r * (S + 1) + slot (the miss
       lanes re-read their final slot), -1 for padding/invalid; valid count; optional
       stable compaction.
@@ -131,10 +133,13 @@ def _list_victims(vic, si, m, scratch_ptr, K, phys_stride):
 @triton.jit
 def _pair_listed(nv, m, s_new, rbase, base, scratch_ptr, K, phys_stride, S, slot_pos_r, slot_stamp_r,
                  row_slot_ptr, stage_src_ptr, stage_dst_ptr, undo_vpos_ptr, undo_vstamp_ptr, bt_r, NB,
-                 B, HV, N: tl.constexpr):
+                 B, HV, host_block_ptr, N: tl.constexpr, ALIASED: tl.constexpr):
     """P4, second half, over N >= m lanes (the group tile's, not the S slots'): victim i < min(nv, m)
     takes the miss parked at entry i. It logs the victim's old position and stamp,
-    unmaps its old row and maps the miss. Returns the number of victims paired."""
+    unmaps its old row, maps the miss and rewrites entry i's row key as the miss's host
+    row (``host_block[key // B] * B + key % B`` with ALIASED, else the key itself: the
+    staging copy reads it as is). The host-block load runs beside the victim's loads
+    (both wait only on the parked entry). Returns the number of victims paired."""
     i = tl.arange(0, N)
     im = i < tl.minimum(nv, m)
     vs = tl.load(scratch_ptr + (i // K).to(tl.int64) * phys_stride + i % K, mask=im, other=-1)
@@ -151,6 +156,10 @@ def _pair_listed(nv, m, s_new, rbase, base, scratch_ptr, K, phys_stride, S, slot
     tl.store(slot_stamp_r + vs, tl.zeros([N], tl.int64) + s_new, mask=okv)
     tl.store(row_slot_ptr + mrow, vs, mask=okv)
     tl.store(stage_dst_ptr + base + i, rbase + vs, mask=okv)
+    if ALIASED:  # mrow < HV = NV x B, so its block id indexes host_block
+        hb = tl.load(host_block_ptr + tl.where(okv, mrow, 0) // B, mask=okv, other=-1)
+        hrow = tl.where(hb >= 0, hb.to(tl.int64) * B + mrow % B, -1)
+        tl.store(stage_src_ptr + base + i, hrow.to(tl.int32), mask=okv)
     return tl.sum(okv.to(tl.int32), axis=0)
 
 
@@ -210,7 +219,7 @@ def _token_group(t, req_ids_ptr, id_to_slot_ptr, max_request_id, R, Q: tl.conste
                                     "step_ptr", "stats_ptr", "id_to_slot_ptr", "seq_lens_ptr",
                                     "bt_ptr", "resident_ptr", "pt_ptr", "valid_ptr", "undo_hit_ptr",
                                     "undo_vpos_ptr", "undo_vstamp_ptr", "miss_cnt_ptr",
-                                    "stage_cnt_ptr"],
+                                    "stage_cnt_ptr", "host_block_ptr"],
 )
 def resolve_kernel(
     req_ids_ptr,  # int32 [T], request id per query token
@@ -239,7 +248,7 @@ def resolve_kernel(
     phys_ptr,  # int32 [>= T, >= K] (row stride phys_stride), output
     phys_stride,
     valid_ptr,  # int32 [>= T], output
-    stage_src_ptr,  # int32 [>= T * K], output: row key to stage, -1 = nothing
+    stage_src_ptr,  # int32 [>= T * K], output: host row to stage, -1 = nothing
     stage_dst_ptr,  # int32 [>= T * K], output: flat hot row, -1 = nothing
     undo_hit_ptr,  # int64 [>= T * K], output: a hit lane's stamp before this step, -2 = no hit
     undo_vpos_ptr,  # int32 [>= T * K], output: victim i's old position at t0 * K + i
@@ -248,6 +257,7 @@ def resolve_kernel(
     miss_host_ptr,  # int32 [>= T, >= K] (row stride phys_stride), row keys, output when MISS_LISTS
     miss_cnt_ptr,  # int32 [>= T], output when MISS_LISTS
     stage_cnt_ptr,  # int32 [>= T], output: m at the group's first token, 0 at the others
+    host_block_ptr,  # int32 [NV], host block of each block id (read with ALIASED)
     T,
     K,
     S,  # LRU slots per (layer, request); slot S is reserved
@@ -269,6 +279,7 @@ def resolve_kernel(
     SB: tl.constexpr,  # next power of two >= S
     COMPACT: tl.constexpr,
     CH: tl.constexpr,  # chunk of req_ids scanned per step when looking for an earlier run
+    ALIASED: tl.constexpr,  # block ids past the host blocks exist (prefix caching)
 ):
     t = tl.program_id(0)
     my_id, off, r, live = _token_group(t, req_ids_ptr, id_to_slot_ptr, max_request_id, R, Q, CH)
@@ -451,7 +462,7 @@ def resolve_kernel(
                 npaired = _pair_listed(nv, m, s_new, rbase, base, scratch_ptr, K, phys_stride, S,
                                        slot_pos_r, slot_stamp_r, row_slot_ptr, stage_src_ptr,
                                        stage_dst_ptr, undo_vpos_ptr, undo_vstamp_ptr, bt_r, NB, B, HV,
-                                       GQ * KB)
+                                       host_block_ptr, GQ * KB, ALIASED)
                 if npaired != m:
                     # only with a corrupt state: unmark and drop the unpaired misses
                     tl.debug_barrier()

@@ -1,10 +1,11 @@
-"""What the staging copy's block-id translation costs by itself: one decode layer in a CUDA
-graph (``benchmarks.bench_layer``'s setup, periodic trace, Triton) with prefix caching off
-("plain"), on with nothing shared ("translated": the copy looks every row key's host block
-up, as it does whenever alias ids exist) and on with the requests sharing half their
-context ("shared"), at B = 16 and 64, 95% and 90% hits, the three alternating per repetition.
+"""What prefix caching costs one decode layer in a CUDA graph (``benchmarks.bench_layer``'s
+setup, periodic trace, Triton): prefix caching off ("off"), on with nothing shared ("on":
+alias ids exist, so the resolve writes each miss's host row through ``host_block``) and on
+with the requests sharing half their context ("shared": their misses read the shared
+blocks through alias ids), at B = 16 and 64, 95% and 90% hits, the three alternating per
+repetition. Prints one row per case (medians, us) and writes ``--out`` JSON.
 
-  python -m benchmarks.probe_prefix_copy [--reps-outer 2] [--out FILE]
+  python -m benchmarks.probe_prefix_layer [--reps-outer 2] [--out FILE]
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import sys
 import torch
 
 from benchmarks import bench_layer as BL
+from benchmarks import common
 
 
 def main(argv=None) -> int:
@@ -24,7 +26,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     o = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        print("probe_prefix_copy: needs CUDA", file=sys.stderr)
+        print("probe_prefix_layer: needs CUDA", file=sys.stderr)
         return 2
     a = BL.parse_args(["--trace", "periodic", "--batch", "16", "--hits", "95", "90", "--backends", "triton",
                        "--context", "32768", "--reps", "40"])
@@ -33,7 +35,7 @@ def main(argv=None) -> int:
     rows = []
     for rep in range(o.reps_outer):
         for B in (16, 64):
-            for kind, shared in (("plain", 0), ("translated", -1), ("shared", 16384)):
+            for kind, shared in (("off", 0), ("on", -1), ("shared", 16384)):
                 s = BL.Setup(B, 32768, a, dev, shared=shared)
                 for h in (0.95, 0.90):
                     r = BL.bench_case_periodic(s, be, h, a)
@@ -45,7 +47,7 @@ def main(argv=None) -> int:
                 torch.cuda.empty_cache()
     if o.out:
         with open(o.out, "w") as f:
-            json.dump({"benchmark": "probe_prefix_copy", "rows": rows}, f, indent=1)
+            json.dump({"benchmark": "probe_prefix_layer", **common.environment(), "rows": rows}, f, indent=1)
     return 0
 
 
