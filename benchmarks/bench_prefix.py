@@ -11,7 +11,9 @@
   blocks under alias ids: ``--publisher live``); the timed call is
   ``cache.add_request(1, token_ids=prompt)`` with a full hit ((tokens - 1) // block
   blocks), then ``free_request(1)`` is timed apart. Target: add_request <= 5 ms at
-  128K tokens on the 2-core CPU (``meets_target``: the median).
+  128K tokens on the 2-core CPU (``meets_target``: the median). ``--device cuda``: the
+  same cache on the GPU (Triton kernels; the call also writes the device tables), the
+  queue drained before each timed call.
 - ``pool``: the host pool rows of ``--requests`` requests in ``--groups`` groups, each
   prompt the group's ``--shared`` tokens plus ``--own`` of its own, all live at once,
   every one written: the pool's blocks used against groups x shared + requests x own
@@ -25,7 +27,7 @@ JSON (``common.environment``: versions, commit, machine).
 
   python -m benchmarks.bench_prefix [--mode lookup add_request pool] [--tokens 8192 32768 131072]
       [--block 64] [--reps 50] [--algo sha256 xxh3_128] [--numpy] [--publisher left live]
-      [--requests 64 --groups 8 --shared 32768 --own 4096] [--out FILE]
+      [--requests 64 --groups 8 --shared 32768 --own 4096] [--device cpu|cuda] [--out FILE]
 """
 
 from __future__ import annotations
@@ -60,8 +62,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--groups", type=common.positive_int, default=8, help="pool: groups sharing a prefix")
     ap.add_argument("--shared", type=common.positive_int, default=32768, help="pool: shared tokens of a group")
     ap.add_argument("--own", type=common.positive_int, default=4096, help="pool: tokens of each request's own")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                    help="add_request: the cache's device (cuda: Triton kernels, its tables on the GPU)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
+    if a.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device here")
     if "pool" in a.mode and a.shared % a.block:
         ap.error(f"--shared {a.shared} must be whole blocks of --block {a.block}")
     return a
@@ -96,18 +102,18 @@ def bench_lookup(a: argparse.Namespace, report: dict) -> None:
                   f"{st['p99_us']:9.1f}", flush=True)
 
 
-def _cache(*, tokens: int, block: int, algo: str, reqs: int, aliases: int | None = None):
+def _cache(*, tokens: int, block: int, algo: str, reqs: int, aliases: int | None = None, device: str = "cpu"):
     from hisparse import HiSparseCache, HiSparseConfig
 
     cfg = HiSparseConfig(num_layers=1, host_pool_tokens=tokens, row_bytes=ROW_BYTES, top_k=64, max_num_reqs=reqs,
-                         host_block_size=block, device="cpu", prefix_caching=True, prefix_alias_blocks=aliases,
+                         host_block_size=block, device=device, prefix_caching=True, prefix_alias_blocks=aliases,
                          prefix_hash=algo)
-    return HiSparseCache(cfg, kernels="torch")
+    return HiSparseCache(cfg, kernels="torch" if device == "cpu" else "triton")
 
 
 def _write(cache, rid: int, n: int) -> None:
     """Append ``n`` rows to request ``rid`` in every layer (their bytes do not matter)."""
-    rows = torch.zeros(n, ROW_BYTES, dtype=torch.uint8)
+    rows = torch.zeros(n, ROW_BYTES, dtype=torch.uint8, device=cache.device)
     for layer in range(cache.cfg.num_layers):
         cache.append_rows(layer, rid, rows)
 
@@ -121,7 +127,7 @@ def bench_add_request(a: argparse.Namespace, report: dict) -> None:
         for pub in a.publisher:
             for n in a.tokens:
                 toks = _tokens(n, rng, a.numpy)
-                cache = _cache(tokens=-(-n // a.block) * a.block, block=a.block, algo=algo, reqs=2)
+                cache = _cache(tokens=-(-n // a.block) * a.block, block=a.block, algo=algo, reqs=2, device=a.device)
                 assert cache.add_request(0, token_ids=toks) == 0
                 _write(cache, 0, n)
                 if pub == "left":
@@ -129,6 +135,8 @@ def bench_add_request(a: argparse.Namespace, report: dict) -> None:
                 full = (n - 1) // a.block * a.block
                 add_s, free_s = [], []
                 for i in range(a.reps + 3):
+                    if a.device == "cuda":
+                        torch.cuda.synchronize()  # time this call's host work, not what the last one queued
                     t0 = time.perf_counter()
                     got = cache.add_request(1, token_ids=toks)
                     t1 = time.perf_counter()
@@ -142,6 +150,7 @@ def bench_add_request(a: argparse.Namespace, report: dict) -> None:
                 st, fr = common.stats(add_s, unit="_ms"), common.stats(free_s, unit="_ms")
                 case = {"mode": "add_request", "algo": algo, "publisher": pub, "tokens": n,
                         "hit_tokens": full, "hit_blocks": full // a.block, "token_ids": "numpy" if a.numpy else "list",
+                        "device": a.device,
                         "add_request": st, "free_request": fr,
                         "target_ms": TARGET_MS, "meets_target": st["median_ms"] <= TARGET_MS}
                 report["cases"].append(case)
@@ -192,7 +201,7 @@ def main(argv=None) -> int:
     a = parse_args(argv)
     if not common.out_ok(a.out, "bench_prefix"):
         return 2
-    report = {"benchmark": "bench_prefix", "env": common.environment("cpu"), "args": vars(a), "cases": []}
+    report = {"benchmark": "bench_prefix", "env": common.environment(a.device), "args": vars(a), "cases": []}
     for mode, fn in (("lookup", bench_lookup), ("add_request", bench_add_request), ("pool", bench_pool)):
         if mode in a.mode:
             fn(a, report)

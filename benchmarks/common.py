@@ -155,6 +155,18 @@ def git_commit() -> dict[str, Any]:
     return {"commit": head, "commit_dirty": None if dirty is None else bool(dirty)}
 
 
+def _cpu_model() -> str | None:
+    """The host CPU's model name (Linux /proc/cpuinfo; None elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
 def environment(device: torch.device | str | None = None) -> dict[str, Any]:
     """The record every result carries: versions, GPU, driver, hisparse commit, time.
 
@@ -172,6 +184,7 @@ def environment(device: torch.device | str | None = None) -> dict[str, Any]:
         "triton": triton.__version__, "cuda": torch.version.cuda, "hisparse": hisparse.__version__,
         **git_commit(), "gpu": None, "sm": None, "sm_count": None, "gpu_mem_gib": None,
         "driver": None, "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "cpu": _cpu_model(), "cpu_count": os.cpu_count(),
     }
     if dev.type == "cuda":
         p = torch.cuda.get_device_properties(dev)
