@@ -6,12 +6,18 @@ operation."""
 
 from __future__ import annotations
 
+import hashlib
 import random
 
 import numpy as np
 import pytest
 
-from hisparse.cache.prefix_index import NAME_BYTES, PrefixIndex, block_names
+from hisparse.cache.prefix_index import (
+    NAME_BYTES,
+    PrefixIndex,
+    block_names,
+    names_of_bytes,
+)
 
 
 def test_names_chain_over_whole_blocks():
@@ -48,6 +54,43 @@ def test_names_of_each_hash():
         block_names(toks, 8, algo="md5")
 
 
+def _names_by_definition(toks, B, salt=None, parent=b"", algo="sha256"):
+    """h_i = H(h_{i-1} || H(salt) or 16 zero bytes || block i's ids as little-endian uint32)."""
+    def H(b):
+        if algo == "sha256":
+            return hashlib.sha256(b).digest()[:NAME_BYTES]
+        import xxhash
+        return xxhash.xxh3_128_digest(b)
+
+    salted = H(salt) if salt is not None else bytes(NAME_BYTES)
+    h, out = parent or bytes(NAME_BYTES), []
+    for i in range(len(toks) // B):
+        h = H(h + salted + b"".join(int(t).to_bytes(4, "little") for t in toks[i * B:(i + 1) * B]))
+        out.append(h)
+    return out
+
+
+@pytest.mark.parametrize("algo", ["sha256", "xxh3_128"])
+@pytest.mark.parametrize("nblocks", [0, 1, 3, 15, 16, 40])  # both sides of the row layout's threshold
+def test_names_are_the_definition(algo, nblocks):
+    if algo == "xxh3_128":
+        pytest.importorskip("xxhash")
+    rng = random.Random(nblocks)
+    B = 8
+    toks = [rng.choice([0, 1, 255, 256, 2**16, 2**31, 2**32 - 1, rng.randrange(2**32)]) for _ in range(nblocks * B + 5)]
+    parent = bytes(range(NAME_BYTES))
+    for salt in (None, b"", b"tenant-7" * 5):
+        want = _names_by_definition(toks, B, salt=salt, algo=algo)
+        assert block_names(toks, B, salt=salt, algo=algo) == want
+        assert block_names(tuple(toks), B, salt=salt, algo=algo) == want
+        for dt in (np.int64, np.uint64, np.uint32, ">u4"):
+            assert block_names(np.array(toks, dtype=dt), B, salt=salt, algo=algo) == want
+        assert block_names(np.repeat(np.array(toks, dtype=np.int64), 2)[::2], B, salt=salt, algo=algo) == want  # strided
+        assert names_of_bytes(np.array(toks, dtype="<u4").tobytes(), B, salt=salt, algo=algo) == want
+        got = block_names(toks, B, salt=salt, parent=parent, algo=algo)
+        assert got == _names_by_definition(toks, B, salt=salt, parent=parent, algo=algo)
+
+
 @pytest.mark.parametrize("bad,err", [(([1, 2], 0), ValueError), (([1, 2], True), ValueError),
                                      (([[1, 2]], 1), ValueError), (([1.5, 2], 1), ValueError),
                                      (([-1, 2], 1), ValueError), (([2**32], 1), ValueError)])
@@ -56,6 +99,10 @@ def test_bad_names_input(bad, err):
         block_names(*bad)
     with pytest.raises(ValueError):
         block_names(np.array([1.5, 2.0]), 1)  # numpy input is checked the same way
+    for arr in (np.array([3, -1]), np.array([2**32, 0], dtype=np.uint64), np.array([2**63], dtype=np.uint64),
+                np.array([-2**63]), np.array([5, -128], dtype=np.int8)):
+        with pytest.raises(ValueError):
+            block_names(arr, 1)
     with pytest.raises(TypeError, match="salt must be bytes"):
         block_names([1], 1, salt="text")
 
@@ -69,6 +116,9 @@ def test_lookup_acquire_release_evict_reset():
     with pytest.raises(ValueError, match="cached already"):
         ix.publish(names[3], 10)
     assert ix.lookup(names) == [10, 11, 12] and ix.lookup(names[3:]) == []
+    assert ix.lookup_ids(names, 2).tolist() == [10, 11] and ix.lookup_ids(names, 9).tolist() == [10, 11, 12]
+    assert ix.lookup_ids(names, 0).tolist() == ix.lookup_ids(names, -1).tolist() == ix.lookup([]) == []
+    assert ix.lookup(names[:2] + names[3:] + names[2:3]) == [10, 11]  # stops at the first miss
     assert ix.cached == 3 and ix.evictable == 0
     ix.acquire([10, 11], queried=4)
     assert (ix.refs(10), ix.shared, ix.query_blocks, ix.hit_blocks) == (2, 2, 4, 2)

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from ..errors import CapacityError
+from .host_pool import int64_array
 
 if TYPE_CHECKING:
     from .cache import HiSparseCache
@@ -39,7 +40,7 @@ def admit(cache: "HiSparseCache", req_id: int, token_ids=None, salt: bytes | Non
     if token_ids is not None:
         names, tail = prefix.names(token_ids, salt)  # ValueError on bad ids, before any change
     cache.streams.before_lifecycle()
-    hits: list[int] = []
+    hits = np.zeros(0, dtype=np.int64)  # cached blocks to map
     num_tokens = len(names) * cache.pool.B + len(tail)
     if token_ids is not None and num_tokens > 1:
         prefix.publish(req, cache.writer.unwritten_from())  # blocks every layer holds become findable
@@ -64,22 +65,28 @@ def admit(cache: "HiSparseCache", req_id: int, token_ids=None, salt: bytes | Non
     return cached
 
 
-def _map_blocks(cache: "HiSparseCache", r: int, ids: list[int], cached: int) -> None:
-    """Request slot r starts with ``cached`` tokens in every layer, held in the cached
-    host blocks it mapped under block ids ``ids`` (no reserved-slot occupant)."""
+def _map_blocks(cache: "HiSparseCache", r: int, ids: np.ndarray, cached: int) -> None:
+    """Request slot r (new) starts with ``cached`` tokens in every layer, held in the
+    cached host blocks it mapped under block ids ``ids`` (int64 [n]; no reserved-slot
+    occupant). The block table, and the alias map when the alias ids are one run, take one
+    copy from the host each."""
     st, dev, w = cache.state, cache.device, cache.writer
     NB = cache.pool.allocator.num_blocks
-    v = np.asarray(ids, dtype=np.int32)
-    st.block_table[r, :len(ids)] = torch.from_numpy(v).to(dev)
-    alias = v[v >= NB].astype(np.int64)
+    n = len(ids)
+    v = ids.astype(np.int32)
+    st.block_table[r, :n].copy_(torch.from_numpy(v))
+    alias = ids[ids >= NB]  # ascending and distinct (aliases are handed out lowest first)
     if len(alias):
-        hb = cache.pool.allocator.host_of[alias].astype(np.int32)
-        st.host_block[torch.from_numpy(alias).to(dev)] = torch.from_numpy(hb).to(dev)
+        hb = torch.from_numpy(cache.pool.allocator.host_of[alias].astype(np.int32))
+        a0 = int(alias[0])
+        if int(alias[-1]) - a0 == len(alias) - 1:  # one run of ids
+            st.host_block[a0:a0 + len(alias)].copy_(hb)
+        else:
+            st.host_block.index_copy_(0, torch.from_numpy(alias).to(dev), hb.to(dev))
     st.seq_lens[:, r] = cached
-    w.host_blocks[r, :len(ids)] = ids
-    w.num_blocks[r] = len(ids)
-    slot = np.array([r], dtype=np.int64)
-    cache.requests.set_written_rows(slot, np.array([cached], dtype=np.int64), np.array([-1], dtype=np.int64))
+    w.host_blocks[r, :n] = v
+    w.num_blocks[r] = n
+    cache.requests.set_uniform(r, cached)
     cache.requests.touch_all()
 
 
@@ -92,10 +99,10 @@ def release(cache: "HiSparseCache", req_id: int) -> list[int]:
     st, B = cache.state, cache.pool.B
     if cache.prefix is not None:
         cache.prefix.publish(cache.requests, cache.writer.unwritten_from(), (r,))  # its written blocks stay cached
-    ids = np.asarray(cache.pool.allocator.owned(r), dtype=np.int64)
+    ids = int64_array(cache.pool.allocator.owned(r))
     if len(ids):  # clear row_slot run by run of consecutive block ids
         cut = np.flatnonzero(np.diff(ids) != 1) + 1
-        for a, b in zip(ids[np.r_[0, cut]].tolist(), ids[np.r_[cut - 1, len(ids) - 1]].tolist()):
+        for a, b in zip(ids[np.concatenate(([0], cut))].tolist(), ids[np.append(cut - 1, len(ids) - 1)].tolist()):
             st.row_slot[:, a * B:(b + 1) * B] = -1
     st.slot_pos[:, r] = -1
     st.slot_stamp[:, r] = -1

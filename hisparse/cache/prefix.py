@@ -38,7 +38,7 @@ import numpy as np
 
 from ..config import HiSparseConfig
 from .host_pool import BlockAllocator
-from .prefix_index import PrefixIndex, _token_bytes, names_of_bytes
+from .prefix_index import PrefixIndex, names_of_ids, token_array
 from .requests import RequestTable
 
 
@@ -69,24 +69,24 @@ class PrefixCache:
     def names(self, token_ids, salt: bytes | None) -> tuple[list[bytes], list[int]]:
         """(names of the whole blocks of ``token_ids``, the ids past them) — the hashing
         of an ``add_request``, done before anything changes (ValueError: bad ids)."""
-        return self._split(_token_bytes(token_ids), salt, b"")  # _token_bytes checks the ids
+        return self._split(token_array(token_ids), salt, b"")  # token_array checks the ids
 
-    def _split(self, raw: bytes, salt: bytes | None, parent: bytes) -> tuple[list[bytes], list[int]]:
-        """(names of the whole blocks of the packed ids ``raw`` after ``parent``, the ids
-        past them)."""
-        names = names_of_bytes(raw, self.B, salt=salt, parent=parent, algo=self.algo)
-        return names, np.frombuffer(raw[4 * len(names) * self.B:], dtype="<u4").tolist()
+    def _split(self, ids: np.ndarray, salt: bytes | None, parent: bytes) -> tuple[list[bytes], list[int]]:
+        """(names of the whole blocks of the checked ids ``ids`` (integer [n]) after
+        ``parent``, the ids past them)."""
+        names = names_of_ids(ids, self.B, salt=salt, parent=parent, algo=self.algo)
+        return names, ids[len(names) * self.B:].tolist()
 
-    def lookup(self, names: list[bytes], num_tokens: int) -> list[int]:
-        """Cached host blocks that prefix a request of ``num_tokens`` tokens named
-        ``names``: at most ``(num_tokens - 1) // B`` of them (changes nothing)."""
-        cap = max(0, (num_tokens - 1) // self.B)
-        return self.index.lookup(names[:cap])
+    def lookup(self, names: list[bytes], num_tokens: int) -> np.ndarray:
+        """int64 [n]: cached host blocks that prefix a request of ``num_tokens`` tokens
+        named ``names``, at most ``(num_tokens - 1) // B`` of them (changes nothing)."""
+        return self.index.lookup_ids(names, (num_tokens - 1) // self.B)
 
     def admit(self, r: int, names: list[bytes], tail: list[int], salt: bytes | None,
-              hits: list[int], num_tokens: int) -> list[int]:
-        """Request slot r (new, owning nothing) maps the cached blocks ``hits`` (as many
-        as block ids allow) and records its names; returns the block ids it mapped."""
+              hits: np.ndarray, num_tokens: int) -> np.ndarray:
+        """Request slot r (new, owning nothing) maps the cached blocks ``hits`` (int64
+        [n]; as many as block ids allow) and records its names; returns the block ids it
+        mapped (int64 [m], m <= n)."""
         ids = self.allocator.map_cached(r, hits)
         self.index.acquire(hits[:len(ids)], queried=len(names))
         self._req[r] = _Tokens(salt, list(names), list(tail), len(ids))
@@ -103,8 +103,10 @@ class PrefixCache:
         """Append ``token_ids`` to what request slot r's tokens are known to be (its
         decode output, a next turn's prompt); returns the tokens known now."""
         t = self._req[r]
-        raw = _token_bytes(t.tail) + _token_bytes(token_ids)
-        names, t.tail = self._split(raw, t.salt, t.names[-1] if t.names else b"")
+        ids = token_array(token_ids)
+        if t.tail:
+            ids = np.concatenate((np.array(t.tail, dtype=np.uint32), ids.astype(np.uint32, copy=False)))
+        names, t.tail = self._split(ids, t.salt, t.names[-1] if t.names else b"")
         t.names += names
         return len(t.names) * self.B + len(t.tail)
 
@@ -120,7 +122,7 @@ class PrefixCache:
             t = self._req.get(r)
             if t is None or t.done >= len(t.names):
                 continue
-            rows = int(requests.rows_of(np.array([r], dtype=np.int64))[0, 0].min())
+            rows = requests.min_length(r)
             whole = min(min(rows, unwritten.get(r, rows)) // B, len(t.names))
             if whole <= t.done:
                 continue

@@ -88,6 +88,10 @@ class RequestTable:
         """Rows appended to each layer (a new list)."""
         return self.rows_of(np.array([r]))[0, 0].tolist()
 
+    def min_length(self, r: int) -> int:
+        """Rows appended to the layer of slot r that holds the fewest."""
+        return int(self.len0[r]) if self.uniform[r] else int(self._rows[r, 0].min())
+
     def reserved(self, r: int, layer: int) -> int:
         return int(self.res0[r] if self.uniform[r] else self._rows[r, 1, layer])
 
@@ -204,6 +208,12 @@ class RequestTable:
         self.len0[slots] = ends
         self.res0[slots] = reserved
         self.uniform[slots] = True
+
+    def set_uniform(self, r: int, rows: int, reserved: int = -1) -> None:
+        """Every layer of slot r holds ``rows`` rows, with ``reserved`` (-1 = none) in its
+        reserved slot."""
+        self._version += 1
+        self.uniform[r], self.len0[r], self.res0[r] = True, rows, reserved
 
     def incarnation(self, r: int) -> int:
         """Which admission the request in slot r is (distinct for every add_request, so a
