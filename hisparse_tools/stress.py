@@ -100,7 +100,7 @@ from .sizing import gpu_bytes
 from .sources import CorrelatedSource, IndexerSource, UniformSource, WorkingSetSource, workingset_state_bytes
 from .stress_limits import check_ramp_overflows, check_stress_sizes
 from .stress_pool import PoolChecks
-from .stress_prefetch import prefetch_report, prefetch_useful, selected_hot, selected_rows
+from .stress_prefetch import prefetch_report, prefetch_useful, selected_host_rows, selected_hot, selected_rows
 from .stress_prefix import PrefixRun, PrefixSchedule
 from .traces import ReplaySource, TraceRecorder
 from .workload import RampSchedule, Schedule, StressOptions
@@ -449,7 +449,8 @@ class StressRun(PoolChecks, PrefixRun):
                         dt = time.perf_counter() - t0
                         t_pf += dt
                         pf["s"][layer + 1] += dt
-                        staged, useful = prefetch_useful(out, topks[layer].shape[1], rows)
+                        staged, useful = prefetch_useful(out, topks[layer].shape[1],
+                                                         selected_host_rows(cache, ids.tolist(), topks[layer + 1]))
                         hot1 = selected_hot(cache, layer + 1, rows)
                         pf["staged"][layer + 1] += staged
                         pf["useful"][layer + 1] += useful

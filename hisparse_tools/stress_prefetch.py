@@ -4,9 +4,10 @@ After layer l's resolve the stress run prefetches layer l's top-k into layer l +
 (``HiSparseCache.prefetch``). Of the rows it staged (its lists, which the call returns),
 the useful ones are those layer l + 1 then selects; the ones it cost are rows layer
 l + 1 selects that were hot before the prefetch and that it evicted. One decode token per
-request; rows are named by row key (``HostPool.row_keys``: block id x B + offset, what
-``row_slot`` and ``stage_src`` are indexed by, distinct per request even where requests
-share a host block).
+request. Whether a row is hot is read at its row key (``HostPool.row_keys``: block id x B +
+offset, what ``row_slot`` is indexed by, distinct per request even where requests share a
+host block); a staged row is matched by host row (``stage_src`` holds host rows; a request
+maps each host block once, so within one request the match is one to one).
 """
 
 from __future__ import annotations
@@ -24,6 +25,14 @@ def selected_rows(cache, req_ids: list[int], topk: torch.Tensor) -> list[torch.T
     return [cache.pool.row_keys(cache.request_slot(rid), tk[t][tk[t] >= 0]) for t, rid in enumerate(req_ids)]
 
 
+def selected_host_rows(cache, req_ids: list[int], topk: torch.Tensor) -> list[torch.Tensor]:
+    """Per request (one token each), the host rows of its valid selected positions (a
+    cached block mapped under an alias id: the cached block's rows): int64 CPU tensors
+    (``HostPool.host_rows``)."""
+    tk = topk.cpu().long()
+    return [cache.pool.host_rows(cache.request_slot(rid), tk[t][tk[t] >= 0]) for t, rid in enumerate(req_ids)]
+
+
 def selected_hot(cache, layer: int, rows: list[torch.Tensor]) -> torch.Tensor:
     """Whether each of ``rows`` (:func:`selected_rows`) is hot in ``layer`` now: bool
     [entries], request by request."""
@@ -33,8 +42,9 @@ def selected_hot(cache, layer: int, rows: list[torch.Tensor]) -> torch.Tensor:
 
 def prefetch_useful(out, K: int, rows: list[torch.Tensor]) -> tuple[int, int]:
     """(rows a prefetch of K columns staged, how many of them the next layer selects): the
-    staged row keys of each request (``out.stage_src[t*K : t*K + stage_counts[t]]``, one
-    token per request) against the row keys of its next-layer selection (``rows``)."""
+    staged host rows of each request (``out.stage_src[t*K : t*K + stage_counts[t]]``, one
+    token per request) against the host rows of its next-layer selection (``rows``,
+    :func:`selected_host_rows`)."""
     counts = out.stage_counts[:len(rows)].cpu()
     src = out.stage_src[:len(rows) * K].cpu().long()
     staged = useful = 0

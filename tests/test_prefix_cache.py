@@ -682,3 +682,21 @@ def test_stress_prefetch_counts_by_row_key_for_sharers():
     w.resolve(0, [0, 1, 2, 3])  # the writer's rows hot, the sharer's not
     hot = selected_hot(c, 0, selected_rows(c, [1], torch.tensor([[0, 1, 2, 3]])))
     assert hot.tolist() == [False] * 4
+
+
+def test_stress_prefetch_counts_a_sharers_staged_rows():
+    """``hisparse stress --prefetch``'s count: a prefetch stages host rows (``stage_src``), so
+    a sharer mapping cached blocks under alias ids has its staged rows matched against
+    the host rows of its selection, and all of them count as useful."""
+    from hisparse_tools.stress_prefetch import prefetch_useful, selected_host_rows
+    c = make()
+    w = Req(c, 0, toks(2 * B + 1))
+    w.write()
+    m = Req(c, 1, toks(2 * B + 1))  # maps request 0's two cached blocks under alias ids
+    assert m.cached == 2 * B
+    assert all(v >= c.pool.allocator.num_blocks for v in c.pool.allocator.owned(c.request_slot(1))[:2])
+    m.write()
+    topk = torch.tensor([[0, 1, 2, 3]], dtype=torch.int32)
+    rows = selected_host_rows(c, [1], topk)  # the next layer selects exactly these rows
+    out = c.prefetch(1, torch.tensor([1], dtype=torch.int32), topk)
+    assert prefetch_useful(out, c.cfg.top_k, rows) == (4, 4)

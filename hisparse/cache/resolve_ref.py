@@ -161,7 +161,7 @@ def _stamp_hits(state: HotState, layer: int, r: int, s_new: int, g_pos: torch.Te
 
 def resolve_lookup_reference(state: HotState, layer: int, req_ids: torch.Tensor, topk: torch.Tensor,
                              hit: torch.Tensor, undo_hit: torch.Tensor, *, max_query_len: int) -> None:
-    """The hit phase of a split resolve (``kernels.resolve.resolve_lookup_kernel``).
+    """The hit phase of a split resolve (``kernels.resolve_lookup.resolve_lookup_kernel``).
 
     hit: int32 [>= T, >= K] output (flat hot row of each hit entry, -1 otherwise);
     undo_hit: int64 [>= T * K]. Stamps the hits with step + 1 and counts unique hits and

@@ -25,7 +25,8 @@ import triton
 
 from .._checks import check_int, check_tensor, device_type, interpreter_mode
 from ..device import on_device
-from ..kernels.resolve import resolve_kernel, resolve_lookup_kernel
+from ..kernels.resolve import resolve_kernel
+from ..kernels.resolve_lookup import resolve_lookup_kernel
 from ..kernels.resolve_resident import resolve_resident_kernel
 from .state import (NUM_STATS, STAT_HITS, STAT_INVALID, STAT_MISSES, STAT_PREFETCH, STAT_RESIDENT,
                     STAT_RESOLVES, HotState, ResolveBuffers)

@@ -17,8 +17,9 @@ class ResolveResult:
 
     physical:     int32 [T, K]  rows of ``hot_rows(layer)``, -1 = padding
     valid_counts: int32 [T]     non-padding entries per query token
-    stage_src:    int32 [T * K] host rows staged this step (-1 = none; a prefix-cache
-                  alias's rows are read from its cached host block), for inspection
+    stage_src:    int32 [T * K] host rows staged this step (-1 = none, or a miss whose
+                  alias id maps no host block: nothing copied; a prefix-cache alias's rows
+                  are read from its cached host block), for inspection
     stage_dst:    int32 [T * K] flat hot rows they went to
     event:        CUDA event recorded after staging (None on CPU)
 
@@ -66,7 +67,8 @@ class SplitResult(ResolveResult):
                    returned (-1 for misses, padding, invalid): attend them right away
     miss_physical: int32 [T, K]  each token's miss entries, compacted (entries j <
                    miss_counts[t]): the hot rows they are staged into
-    miss_host:     int32 [T, K]  the row keys of those entries (same order; ``state``)
+    miss_host:     int32 [T, K]  the row keys of those entries (same order; ``state``;
+                   not host rows where prefix-cache alias ids exist)
     miss_counts:   int32 [T]
     physical, valid_counts, stage_src, stage_dst, event: as ResolveResult (the union of
     hits and misses; ``event`` marks the staging done, on the stage stream)
