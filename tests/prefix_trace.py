@@ -16,12 +16,14 @@ hold byte-identical rows there and a shared block has well-defined content.
 - publishing: a live request's block is cached once every layer holds its rows and its
   tokens are known (given with the prompt or ``add_tokens``), checked for every live
   request (admission order) before a lookup of a prompt of >= 2 tokens, in ``stats``,
-  and for the request itself when it is freed; a name cached already stays private;
+  and for the request itself when it is freed; a name cached already stays private, and
+  the request references the cached block of that name instead until it is freed;
 - allocation: free blocks lowest id first; when too few are free, the least recently
   released unreferenced cached blocks are evicted (counted) and handed out in that
   order; a write that needs more than free + evictable blocks raises CapacityError;
 - free: a cached block loses the request's reference (unreferenced: evictable, newest
-  last, in the request's block order), any other block goes back to the free list;
+  last, last block first, a cached block held for a private copy in that copy's place),
+  any other block goes back to the free list;
 - ``reset_prefix_cache``: every evictable block back to the free list (not counted).
 
 :class:`PrefixTrace` checks after every operation: the returned cached tokens, block
@@ -114,6 +116,7 @@ class MReq:
         self.ids: list[int] = []  # block ids
         self.lens = [0] * L  # rows written per layer
         self.done = 0  # leading blocks that are in the index
+        self.held: dict[int, int] = {}  # block i -> the cached block it references for its private copy
 
     @property
     def tokens(self) -> list[int]:
@@ -171,8 +174,12 @@ class PrefixModel:
         whole = min(min(q.lens) // self.B, n)
         for i in range(q.done, whole):
             key = self.name(q.salt, q.tokens, i)
-            if key in self.index:
-                continue  # private copy
+            if key in self.index:  # private copy: reference the cached one
+                b = self.index[key]
+                q.held[i] = b
+                self.refs[b] = self.refs.get(b, 0) + 1
+                self.lru.pop(b, None)
+                continue
             b = self.host(q.ids[i])
             assert b not in self.name_of, "model: a fresh block is cached already"
             self.index[key] = b
@@ -253,14 +260,22 @@ class PrefixModel:
         q = self.reqs[rid]
         self.publish(q)
         del self.reqs[rid]
-        for v in reversed(q.ids):  # the last block first: a chain's tail is evicted before its head
+        for i in reversed(range(len(q.ids))):  # the last block first: a chain's tail is evicted before its head
+            v = q.ids[i]
             b = self.host(v)
             if v >= self.NB:
                 self.aliases.add(v)
                 del self.alias_host[v]
             else:
                 self.mapped.discard(v)
-            if b in self.name_of:
+            if i in q.held:
+                self.free.add(b)
+                h = q.held[i]
+                self.refs[h] -= 1
+                if self.refs[h] == 0:
+                    del self.refs[h]
+                    self.lru[h] = None
+            elif b in self.name_of:
                 self.refs[b] -= 1
                 if self.refs[b] == 0:
                     del self.refs[b]
@@ -300,7 +315,8 @@ def prefix_snapshot(cache) -> dict[str, Any]:
         snap["index"] = (dict(ix._block_of), ix.ref_counts(), ix.evictable_order(), ix.evictions,
                          ix.query_blocks, ix.hit_blocks)
         snap["prefix"] = (p.query_tokens, p.hit_tokens,
-                          {r: (t.salt, list(t.names), list(t.tail), t.done) for r, t in p._req.items()})
+                          {r: (t.salt, t.chain.name, t.chain.blocks, t.chain.tail.tolist(), list(t.names), t.first,
+                               t.done, t.path[:t.done].tolist(), list(t.extra)) for r, t in p._req.items()})
     return snap
 
 
@@ -705,6 +721,7 @@ class PrefixTrace:
             _fail(f"references {ix.ref_counts()}, model {model.refs}")
         if ix.peek_evict(len(model.lru) + 1) != list(model.lru) or ix.evictable != len(model.lru):
             _fail(f"evictable (LRU order) {ix.peek_evict(10**9)}, model {list(model.lru)}")
+        ix.check()  # a cached block's parent is cached
         if ix.evictions != model.evictions:
             _fail(f"evictions {ix.evictions}, model {model.evictions}")
         if ix.referenced() != sum(model.refs.values()):

@@ -192,10 +192,11 @@ class BlockAllocator:
             self._owned.setdefault(owner, []).extend(ids.tolist())
         return ids
 
-    def free(self, owner: Hashable) -> list[int]:
+    def free(self, owner: Hashable, extra: Sequence[tuple[int, int]] = ()) -> list[int]:
         """Release every block id of ``owner``: a cached block loses the owner's reference
-        (it stays cached), any other block returns to the free list. Returns the host
-        blocks that went to the free list."""
+        (it stays cached), any other block returns to the free list; ``extra``: (i,
+        cached block) pairs the owner also references in place of its private block i,
+        released in their places. Returns the host blocks that went to the free list."""
         ids = int64_array(self._owned.pop(owner, _EMPTY))
         hb = self.host_of[ids]
         alias = ids >= self.num_blocks
@@ -206,9 +207,12 @@ class BlockAllocator:
         cache = self.cache
         if cache is not None:
             held = cache.holds_each(hb)
+            rel = np.where(held, hb, -1)
+            for i, b in extra:  # its private copy at i is not cached
+                rel[i] = b
             # last block first: released together, a chain's tail is evicted before its head
-            # (a head evicted first would leave the blocks after it unreachable)
-            cache.release(hb[held][::-1])
+            # (a cached block's parent stays cached while it is: prefix_index)
+            cache.release(rel[rel >= 0][::-1])
             freed = hb[~held].tolist()
         else:
             freed = hb.tolist()

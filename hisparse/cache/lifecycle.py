@@ -35,16 +35,14 @@ def admit(cache: "HiSparseCache", req_id: int, token_ids=None, salt: bytes | Non
             raise ValueError("token_ids / salt need a cache configured with prefix_caching=True")
         if salt is not None and not isinstance(salt, (bytes, bytearray)):
             raise TypeError(f"salt must be bytes or None, got {type(salt).__name__}")
-    names: list[bytes] = []
-    tail: list[int] = []
+    salt = None if salt is None else bytes(salt)
     if token_ids is not None:
-        names, tail = prefix.names(token_ids, salt)  # ValueError on bad ids, before any change
+        ids = prefix.check_ids(token_ids)  # ValueError on bad ids, before any change
     cache.streams.before_lifecycle()
-    hits = np.zeros(0, dtype=np.int64)  # cached blocks to map
-    num_tokens = len(names) * cache.pool.B + len(tail)
-    if token_ids is not None and num_tokens > 1:
-        prefix.publish(req, cache.writer.unwritten_from())  # blocks every layer holds become findable
-        hits = prefix.lookup(names, num_tokens)
+    if token_ids is not None:
+        if len(ids) > 1:
+            prefix.publish(req, cache.writer.unwritten_from())  # blocks every layer holds become findable
+        hits, chain = prefix.lookup(ids, salt)
     r = req.add(rid)
     st = cache.state
     st.id_to_slot[rid] = r
@@ -54,12 +52,12 @@ def admit(cache: "HiSparseCache", req_id: int, token_ids=None, salt: bytes | Non
             st.resident[r] = 1
         return 0
     if token_ids is None:
-        prefix.track(r, None if salt is None else bytes(salt))
+        prefix.track(r, salt)
     else:
-        ids = prefix.admit(r, names, tail, None if salt is None else bytes(salt), hits, num_tokens)
-        cached = len(ids) * cache.pool.B
+        mapped = prefix.admit(r, ids, salt, hits, chain)
+        cached = len(mapped) * cache.pool.B
     if cached:
-        _map_blocks(cache, r, ids, cached)
+        _map_blocks(cache, r, mapped, cached)
     elif cache.dpool.admit(r):
         st.resident[r] = 1
     return cached
@@ -113,9 +111,8 @@ def release(cache: "HiSparseCache", req_id: int) -> list[int]:
     st.resident[r] = 0
     st.page_table[r] = -1
     cache.dpool.release(r)
-    if cache.prefix is not None:
-        cache.prefix.forget(r)
-    freed = cache.pool.allocator.free(r)
+    extra = cache.prefix.forget(r) if cache.prefix is not None else []
+    freed = cache.pool.allocator.free(r, extra)
     cache.writer.release(r)
     cache.requests.remove(req_id)
     return freed

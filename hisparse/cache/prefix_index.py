@@ -3,28 +3,40 @@
 A host block holds ``B`` consecutive tokens of a request (every layer's rows). Two
 requests whose token ids agree on a whole block *and on everything before it* hold the
 same rows there (the KV of a token depends on the tokens before it), so a block is named
-by a chained hash: ``h_i = H(h_{i-1} || H(salt) || token ids of block i)`` (16 bytes;
-``h_{-1}`` is 16 zero bytes, and so is the salt's part without a salt: every input has the
-same layout, so no salt can make a salted block's input equal another block's). ``H`` is SHA-256
-(``hashlib``, truncated to 16 bytes) by default: with tenants that don't trust each
-other a name must not be forgeable, or a crafted prompt could read another tenant's
-rows. ``algo="xxh3_128"`` (the ``xxhash`` package), where every prompt is trusted,
-computes the names in about a quarter of SHA-256's time (``benchmarks.bench_prefix``). The salt keys what else changes the KV (model,
-adapter, ...). Only complete blocks are named.
+by a chained hash: block i's name is ``H(s || the ids of blocks 0..i)`` truncated to 16
+bytes, the ids as little-endian uint32, ``s`` = ``H(salt)`` (16 bytes) or 16 zero bytes
+without a salt (every input has the same layout, so no salt can make a salted block's
+input equal another block's). The chain is the hash's own: SHA-256 (and XXH3) carry
+their state from one input block to the next, so block i's name is the parent's chaining
+state advanced over block i's ids, and a name costs only its block's bytes
+(``NameChain`` keeps the running state). Two names agree only if the whole prefixes
+agree (or the hash collides). This also lets a lookup name any block without naming
+the ones before it: a full hit hashes the prompt once and looks up one name
+(``hisparse.cache.prefix``). ``H`` is SHA-256 (``hashlib``) by default: with tenants
+that don't trust each other a name must not be forgeable, or a crafted prompt could read
+another tenant's rows. ``algo="xxh3_128"`` (the ``xxhash`` package) is for where every
+prompt is trusted. The salt keys what else changes the KV (model, adapter, ...). Only
+complete blocks are named.
 
 ``PrefixIndex`` maps names to host block ids and keeps, per cached block, how many
-requests reference it:
+requests reference it and its *parent* (the cached block of the name before it):
 
-- ``lookup(names)``: the longest run of cached blocks that prefix ``names`` (changes
-  nothing; ``lookup_ids``: the same as an array, of at most ``limit`` names);
+- ``block_of(name)`` / ``chain(block)``: a cached block, and the blocks from the first
+  of its prompt to it (following parents); ``lookup(names)``: the longest run of cached
+  blocks that prefix ``names`` (changes nothing);
 - ``acquire(blocks)`` / ``release(blocks)``: a request starts / stops referencing
   cached blocks; a block no request references stays cached and becomes *evictable*,
   least recently released first;
-- ``publish(name, block)``: a block whose rows are written in every layer becomes
-  findable (a name already cached keeps its first block: the caller frees the copy);
+- ``publish(name, block, parent)``: a block whose rows are written in every layer becomes
+  findable (a name already cached keeps its first block);
 - ``evict(n)``: the ``n`` least recently released evictable blocks leave the index and
   are returned for the allocator to reuse; a referenced block is never evicted;
 - ``reset()``: every evictable block leaves.
+
+A cached block's parent is cached for as long as it is: the cache references a block's
+parent whenever it references the block, and releases a request's blocks last first
+(``hisparse.cache.prefix``), so a parent is released after its children and evicted
+after them. ``check()`` verifies it.
 
 ``hisparse.cache.prefix`` wires it into the cache (block ids, publishing, eviction).
 """
@@ -39,74 +51,100 @@ from typing import Iterable, Sequence
 import numpy as np
 
 NAME_BYTES = 16  # bytes of a block name (a truncated digest)
-_ZERO = bytes(NAME_BYTES)  # the parent of a first block, the salt part without a salt
+_ZERO = bytes(NAME_BYTES)  # the salt part without a salt
 
 
 HASHES = ("sha256", "xxh3_128")
 
 
-def _hash_fn(algo: str):
-    """bytes -> NAME_BYTES-byte digest of ``algo`` (ValueError: unknown, or xxhash missing)."""
+def _hasher(algo: str):
+    """A fresh streaming hasher of ``algo`` (ValueError: unknown, or xxhash missing)."""
     if algo == "sha256":
-        sha = hashlib.sha256
-        return lambda b: sha(b).digest()[:NAME_BYTES]
+        return hashlib.sha256()
     if algo == "xxh3_128":
         try:
             import xxhash
         except ImportError:
             raise ValueError("algo='xxh3_128' needs the xxhash package (pip install xxhash)") from None
-        return xxhash.xxh3_128_digest
+        return xxhash.xxh3_128()
     raise ValueError(f"algo must be one of {HASHES}, got {algo!r}")
 
 
+class NameChain:
+    """The running hash of one request's token ids: the names of its whole blocks as
+    the ids arrive (see the module docstring). ``blocks``: whole blocks hashed so far;
+    ``tail``: the ids given past them (fewer than ``B``)."""
+
+    __slots__ = ("B", "algo", "_h", "blocks", "tail")
+
+    def __init__(self, block_size: int, *, salt: bytes | None = None, algo: str = "sha256") -> None:
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+        if salt is not None and not isinstance(salt, (bytes, bytearray)):
+            raise TypeError(f"salt must be bytes or None, got {type(salt).__name__}")
+        self.B, self.algo = block_size, algo
+        self._h = _hasher(algo)
+        if salt is not None:
+            s = _hasher(algo)
+            s.update(bytes(salt))
+            self._h.update(s.digest()[:NAME_BYTES])
+        else:
+            self._h.update(_ZERO)
+        self.blocks = 0
+        self.tail = np.zeros(0, dtype=np.uint32)
+
+    def copy(self) -> "NameChain":
+        c = NameChain.__new__(NameChain)
+        c.B, c.algo, c._h, c.blocks, c.tail = self.B, self.algo, self._h.copy(), self.blocks, self.tail
+        return c
+
+    @property
+    def name(self) -> bytes:
+        """The name of the last whole block hashed (meaningless before the first)."""
+        return self._h.digest()[:NAME_BYTES]
+
+    def _raw(self, ids: np.ndarray) -> tuple[memoryview, int]:
+        """(the tail then ``ids`` as little-endian uint32 bytes, whole blocks in them);
+        the ids past the whole blocks become the tail."""
+        if len(self.tail):
+            ids = np.concatenate((self.tail, ids.astype(np.uint32, copy=False)))
+        nb = len(ids) // self.B
+        raw = np.ascontiguousarray(ids[:nb * self.B], dtype="<u4")
+        self.tail = ids[nb * self.B:].astype(np.uint32)
+        return memoryview(raw).cast("B"), nb
+
+    def extend(self, ids: np.ndarray) -> list[bytes]:
+        """Append ``ids`` (checked, ``token_array``: integer [n]); returns the names of
+        the blocks they complete."""
+        mv, nb = self._raw(ids)
+        step, update, digest = 4 * self.B, self._h.update, self._h.digest
+        out: list[bytes] = []
+        put = out.append
+        for o in range(0, nb * step, step):
+            update(mv[o:o + step])
+            put(digest()[:NAME_BYTES])
+        self.blocks += nb
+        return out
+
+    def skip(self, ids: np.ndarray) -> None:
+        """``extend`` without naming the blocks (one hash call for all of them)."""
+        mv, nb = self._raw(ids)
+        self._h.update(mv)
+        self.blocks += nb
+
+
 def block_names(token_ids: Sequence[int] | np.ndarray, block_size: int, *, salt: bytes | None = None,
-                parent: bytes = b"", algo: str = "sha256") -> list[bytes]:
+                algo: str = "sha256") -> list[bytes]:
     """Chained names of the complete blocks of ``token_ids`` (int, any sequence; the
-    trailing partial block has none). ``parent``: the name of the block before the
-    first (a follow-up turn's tokens after a cached prefix), empty at position 0.
-    ``algo``: ``HASHES`` (see the module docstring); names of one index must all use one."""
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-        raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
-    if salt is not None and not isinstance(salt, (bytes, bytearray)):
-        raise TypeError(f"salt must be bytes or None, got {type(salt).__name__}")
-    return names_of_ids(token_array(token_ids), block_size, salt=salt, parent=parent, algo=algo)
+    trailing partial block has none). ``algo``: ``HASHES`` (see the module docstring);
+    names of one index must all use one."""
+    chain = NameChain(block_size, salt=salt, algo=algo)
+    return chain.extend(token_array(token_ids))
 
 
-def names_of_bytes(raw: bytes, block_size: int, *, salt: bytes | None = None, parent: bytes = b"",
-                   algo: str = "sha256") -> list[bytes]:
+def names_of_bytes(raw: bytes, block_size: int, *, salt: bytes | None = None, algo: str = "sha256") -> list[bytes]:
     """``block_names`` of token ids already packed as little-endian uint32 bytes."""
-    return names_of_ids(np.frombuffer(raw, dtype="<u4", count=len(raw) // 4), block_size, salt=salt,
-                        parent=parent, algo=algo)
-
-
-_ROWS_FROM = 16  # blocks from which the hash inputs are laid out with numpy, not sliced one by one
-
-
-def names_of_ids(ids: np.ndarray, block_size: int, *, salt: bytes | None = None, parent: bytes = b"",
-                 algo: str = "sha256") -> list[bytes]:
-    """``block_names`` of token ids already checked (``token_array``). ids: any integer
-    dtype [n], every value in [0, 2**32).
-
-    Block i's input past its parent's name, ``salt part || its ids as little-endian
-    uint32``, is one row of a uint8 array built at once (from ``_ROWS_FROM`` blocks);
-    the chain then costs one concatenation and one hash call per block."""
-    H = _hash_fn(algo)
-    salted = H(bytes(salt)) if salt is not None else _ZERO
-    h = bytes(parent) or _ZERO
-    nb = len(ids) // block_size
-    if nb < _ROWS_FROM:
-        raw = ids[:nb * block_size].astype("<u4", copy=False).tobytes()
-        step = 4 * block_size
-        inputs = [salted + raw[i:i + step] for i in range(0, len(raw), step)]
-    else:
-        rows = np.empty((nb, NAME_BYTES + 4 * block_size), dtype=np.uint8)
-        rows[:, :NAME_BYTES] = np.frombuffer(salted, dtype=np.uint8)
-        rows[:, NAME_BYTES:].view("<u4")[...] = ids[:nb * block_size].reshape(nb, block_size)
-        inputs = rows.view(f"V{rows.shape[1]}")[:, 0].tolist()  # bytes of each row
-    if algo == "sha256":  # the same names, without a call per block through H
-        sha = hashlib.sha256
-        return [h := sha(h + x).digest()[:NAME_BYTES] for x in inputs]
-    return [h := H(h + x) for x in inputs]
+    return NameChain(block_size, salt=salt, algo=algo).extend(np.frombuffer(raw, dtype="<u4", count=len(raw) // 4))
 
 
 def token_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
@@ -149,6 +187,12 @@ class PrefixIndex:
         self._cached = np.zeros(num_blocks, dtype=bool)
         self._stamp = np.zeros(num_blocks, dtype=np.int64)  # release order (evictable blocks)
         self._seen = np.zeros(num_blocks, dtype=np.int64)  # scratch of the distinctness check
+        self._parent = np.full(num_blocks, -1, dtype=np.int64)  # cached block of the name before (-1: first)
+        self._depth = np.zeros(num_blocks, dtype=np.int64)  # blocks before it in its prompt
+        # per cached block: an int64 array whose first depth + 1 entries are its chain (its
+        # publisher's running chain, shared by the blocks it published: entries are only
+        # ever appended to it)
+        self._path: list[np.ndarray | None] = [None] * num_blocks
         self._clock = 0
         self._evictable = 0
         self.query_blocks = 0
@@ -207,6 +251,39 @@ class PrefixIndex:
             cand, st = cand[part], st[part]
         return cand[np.argsort(st, kind="stable")].tolist()
 
+    def block_of(self, name: bytes) -> int:
+        """The cached block named ``name``, -1 when none is."""
+        return self._block_of.get(name, -1)
+
+    def chain(self, block: int) -> np.ndarray:
+        """int64 [depth + 1]: the cached blocks from the first of ``block``'s prompt to
+        ``block`` itself, each the parent of the next (RuntimeError if they are not,
+        which ``check`` rules out). One copy of the block's stored chain, checked with
+        array operations: no walk from block to block."""
+        path = self._path[block]
+        n = int(self._depth[block]) + 1
+        if path is None or not self._cached[block] or len(path) < n:
+            raise RuntimeError(f"prefix index: block {block} is not cached")
+        ids = path[:n].copy()
+        if (ids[-1] != block or self._parent[ids[0]] != -1 or not self._cached[ids].all()
+                or (self._parent[ids[1:]] != ids[:-1]).any()):
+            raise RuntimeError(f"prefix index: the parents of block {block} are broken")
+        return ids
+
+    def check(self) -> None:
+        """AssertionError unless names and blocks are one to one and every cached
+        block's parent is cached, one block shallower."""
+        assert len(self._block_of) == len(self._name_of) == int(self._cached.sum())
+        assert all(self._name_of[b] == n for n, b in self._block_of.items())
+        c = np.flatnonzero(self._cached)
+        par = self._parent[c]
+        root = par < 0
+        assert (self._depth[c[root]] == 0).all(), "a first block with a depth"
+        assert self._cached[par[~root]].all(), f"cached blocks {c[~root][~self._cached[par[~root]]][:8].tolist()} have an evicted parent"
+        assert (self._depth[c[~root]] == self._depth[par[~root]] + 1).all(), "a depth not its parent's + 1"
+        kid, up = c[~root], par[~root]
+        assert ((self._refs[kid] == 0) | (self._refs[up] > 0)).all(), "a referenced block's parent is not referenced"
+
     def lookup(self, names: Sequence[bytes]) -> list[int]:
         """The blocks of the longest run of ``names`` from the first that are cached."""
         return self.lookup_ids(names).tolist()
@@ -258,14 +335,29 @@ class PrefixIndex:
         self._clock += len(z)
         self._evictable += len(z)
 
-    def publish(self, name: bytes, block: int, *, referenced: bool = True) -> bool:
+    def publish(self, name: bytes, block: int, parent: int = -1, *, path: np.ndarray | None = None,
+                referenced: bool = True) -> bool:
         """Make ``block`` findable as ``name`` (its rows are written in every layer);
-        ``referenced``: its writer still references it. False (nothing changed) when
-        the name is cached already, by another block."""
+        ``parent``: the cached block of the name before (-1: the prompt's first block);
+        ``path``: int64 array whose first depth + 1 entries are the chain to ``block``
+        (the publisher's running chain, kept by reference and never changed there;
+        built from the parent's when None); ``referenced``: its writer still references
+        it (and so ``parent``). False (nothing changed) when the name is cached already,
+        by another block."""
         if name in self._block_of:
             return False
         if self._cached[block]:
             raise ValueError(f"block {block} is cached already, under another name")
+        if parent >= 0 and not self._cached[parent]:
+            raise ValueError(f"parent block {parent} of block {block} is not cached")
+        d = int(self._depth[parent]) + 1 if parent >= 0 else 0
+        if path is None:
+            path = np.append(self._path[parent][:d] if parent >= 0 else np.zeros(0, dtype=np.int64), block)
+        elif len(path) <= d or path[d] != block or (d and path[d - 1] != parent):
+            raise ValueError(f"path does not end with parent {parent}, block {block} at depth {d}")
+        self._parent[block] = parent
+        self._depth[block] = d
+        self._path[block] = path
         self._block_of[name] = block
         self._name_of[block] = name
         self._cached[block] = True
@@ -291,9 +383,10 @@ class PrefixIndex:
     def _drop(self, blocks: list[int]) -> list[int]:
         for b in blocks:
             del self._block_of[self._name_of.pop(b)]
+            self._path[b] = None
         self._cached[blocks] = False
         self._evictable -= len(blocks)
         return blocks
 
 
-__all__ = ["HASHES", "NAME_BYTES", "PrefixIndex", "block_names", "names_of_bytes", "names_of_ids", "token_array"]
+__all__ = ["HASHES", "NAME_BYTES", "NameChain", "PrefixIndex", "block_names", "names_of_bytes", "token_array"]
