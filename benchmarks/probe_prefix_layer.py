@@ -33,6 +33,7 @@ def main(argv=None) -> int:
     dev = torch.device("cuda")
     be, _ = BL.make_backend("triton", a, dev, a.heads)
     rows = []
+    env = common.environment()
     for rep in range(o.reps_outer):
         for B in (16, 64):
             for kind, shared in (("off", 0), ("on", -1), ("shared", 16384)):
@@ -45,9 +46,9 @@ def main(argv=None) -> int:
                     print(row, flush=True)
                 del s
                 torch.cuda.empty_cache()
-    if o.out:
-        with open(o.out, "w") as f:
-            json.dump({"benchmark": "probe_prefix_layer", **common.environment(), "rows": rows}, f, indent=1)
+        if o.out:  # after every repetition: a run cut short keeps what it measured
+            with open(o.out, "w") as f:
+                json.dump({"benchmark": "probe_prefix_layer", **env, "rows": rows}, f, indent=1)
     return 0
 
 
