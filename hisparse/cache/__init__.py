@@ -25,7 +25,7 @@ _EXPORTS = {
     "HiSparseCache": ".cache",
     "ResolveResult": ".results", "SplitResult": ".results",
     "ResolveBuffers": ".state",
-    "WriteBatch": ".write",
+    "WriteBatch": ".write_batch",
     "StepPlan": ".write_step", "StepCapacity": ".write_step",
     "HostPool": ".host_pool",
     "expand_runs": ".write_plan",

@@ -308,12 +308,15 @@ class HiSparseCache:
         return self.writer.write(layer, batch, rows)
 
     def prepare_step(self, batch: WriteBatch, *, capacity: StepCapacity | None = None,
-                     replaces: StepPlan | None = None, host_written: bool = False) -> StepPlan:
+                     replaces: StepPlan | None = None, host_written: bool = False,
+                     ends: Sequence[int] | None = None) -> StepPlan:
         """Plan ``batch``'s append to every layer at once (an engine's forward); then
         :meth:`write_step` per layer only launches. ``capacity``: fixed-shape lists in
-        a bucket's persistent buffers (CUDA graphs). The step serves this cache only
+        a bucket's persistent buffers (CUDA graphs). ``ends``: the rows each request must
+        hold after the step (ValueError otherwise). The step serves this cache only
         (another refuses it). See ``Writer.prepare_step``."""
-        return self.writer.prepare_step(batch, capacity=capacity, replaces=replaces, host_written=host_written)
+        return self.writer.prepare_step(batch, capacity=capacity, replaces=replaces, host_written=host_written,
+                                        ends=ends)
 
     def write_step(self, layer: int, step: StepPlan, rows: torch.Tensor) -> None:
         """Write ``layer``'s rows of a prepared step (uint8 [step.rows, row_bytes])."""

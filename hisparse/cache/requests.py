@@ -114,17 +114,19 @@ class RequestTable:
         same occupant; len0, res0 int64 [n]: those, meaningful where ``same``; read
         only) of each slot of ``slots`` (a tuple of ints or int64 [n]). A slot spelled
         out per layer whose layers agree again is made uniform on the way. Asked again
-        for the same tuple with nothing changed in between, it hands back the same
+        for the same tuple, or the same read-only array that owns its data (a
+        ``WriteBatch``'s), with nothing changed in between, it hands back the same
         arrays (a forward's checks ask twice)."""
-        if isinstance(slots, tuple):
-            memo = self._memo
-            if memo is not None and memo[0] == self._version and memo[1] == slots:
-                return memo[2]
-            got = self.summary(np.array(slots, dtype=np.int64))
-            self._memo = (self._version, slots, got)
-            return got
+        memo = self._memo
+        if memo is not None and memo[0] == self._version and (
+                memo[1] is slots or (type(slots) is tuple and type(memo[1]) is tuple and memo[1] == slots)):
+            return memo[2]
+        # a tuple, or an array that no one writes (read-only, its own data): its values are the key
+        key = slots if type(slots) is tuple or (slots.base is None and not slots.flags.writeable) else None
+        if type(slots) is tuple:
+            slots = np.array(slots, dtype=np.int64)
         u = self.uniform[slots]
-        if not u.all():
+        if np.count_nonzero(u) < len(u):  # (count_nonzero: no reduction machinery, for small batches)
             s = slots[~u]
             rows = self._rows[s]
             same = (rows == rows[:, :, :1]).all(axis=(1, 2))
@@ -135,6 +137,8 @@ class RequestTable:
         got = (u, self.len0[slots], self.res0[slots])
         for a in got:
             a.flags.writeable = False
+        if key is not None:
+            self._memo = (self._version, key, got)
         return got
 
     # ---- changes ---------------------------------------------------------------
@@ -198,7 +202,7 @@ class RequestTable:
         unchanged."""
         self._version += 1
         same = reserved < 0  # occupants unchanged: a slot spelled out stays so
-        if same.any():
+        if np.count_nonzero(same):
             spelled = same & ~self.uniform[slots]
             if spelled.any():
                 self._rows[slots[spelled], 0] = ends[spelled][:, None]

@@ -23,14 +23,13 @@ Rows whose layout a kernel can't read as packed words (a row stride other than
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import weakref
 from typing import Callable, Sequence
 
 import numpy as np
 import torch
 
-from .._checks import check_int, check_tensor, pack_rows, plain_ints
+from .._checks import check_tensor, pack_rows
 from ..config import HiSparseConfig
 from ..errors import CapacityError
 from .device_pool import NO_CHANGES, DevicePool, PoolChanges, apply_changes, seeded_reserved
@@ -38,27 +37,10 @@ from .host_pool import HostPool
 from .requests import RequestTable
 from .stager import CacheStreams
 from .state import STAT_D2H_ROWS, HotState
+from .write_batch import WriteBatch, check_ends, make_batch
 from .write_plan import NO_RESIDENT, Resident, WritePlan, Work, build_write_plan, plan_lists, plan_of, split_lists
 from .write_step import (NO_WORK, StepBuffers, StepCapacity, StepPlan, StepWork, pad_lists, single_row_step_lists,
                          split_block_entries, step_rows, step_summary)
-
-
-@dataclasses.dataclass(frozen=True)
-class WriteBatch:
-    """A checked batch of appends (``Writer.prepare``): request i gets ``counts[i]``
-    rows, ``rows[offsets[i] : offsets[i] + counts[i]]`` of the rows passed to a write.
-
-    Valid until the next add_request / free_request (``generation``), and only for the
-    cache that made it (``owner``: its writer).
-    """
-
-    req_ids: tuple[int, ...]
-    slots: tuple[int, ...]
-    counts: tuple[int, ...]
-    offsets: tuple[int, ...]
-    total: int
-    generation: int
-    owner: object = dataclasses.field(repr=False, compare=False)
 
 
 class Writer:
@@ -83,6 +65,7 @@ class Writer:
         self.mirror_fn = mirror_fn
         self.device = device
         self._plan: tuple[tuple, WritePlan] | None = None  # last committed plan and its key
+        self._batch: WriteBatch | None = None  # the last batch ``prepare`` made
         self.hot_layers = list(hot)  # uint8 [N, row_bytes] per layer (views, made once)
         self.host_layers = list(pool.rows)  # uint8 [H, row_bytes] per layer
         self.step_buffers = StepBuffers(device)
@@ -93,33 +76,17 @@ class Writer:
         # per layer, the flat int32 physical rows of its last resolve (set by the cache):
         # a demotion seeds the hot buffer with the rows they select first
         self.last_selection: list[torch.Tensor] | None = None
-        # the steps prepared here that may still be pending (weakly: a dropped step goes)
-        self._open_steps: "weakref.WeakValueDictionary[int, StepPlan]" = weakref.WeakValueDictionary()
+        # the steps prepared here that may still be pending, by id (weakly: a dropped step's
+        # reference goes dead, and is dropped when the next step is added)
+        self._open_steps: dict[int, weakref.ref] = {}
 
     # ---- checks ------------------------------------------------------------------
     def prepare(self, req_ids: Sequence[int], counts: Sequence[int]) -> WriteBatch:
-        """Check a batch: distinct live ids, one count (int >= 0) each."""
-        if not isinstance(req_ids, (list, tuple, range)) or not isinstance(counts, (list, tuple, range)):
-            raise TypeError("req_ids and counts must be sequences of ints")
-        req = self.requests
-        ids = tuple(req_ids)
-        if not plain_ints(ids, 0, req.max_request_id):  # the per-id check says what is wrong
-            ids = tuple(req.check_id(i) for i in ids)
-        if len(set(ids)) != len(ids):
-            twice = next(i for i in ids if ids.count(i) > 1)
-            raise ValueError(f"req_ids must be distinct (one entry per request, its rows counted in counts); "
-                             f"request {twice} appears {ids.count(twice)} times")
-        cl = tuple(counts)
-        if not plain_ints(cl, 0, None):
-            cl = tuple(check_int("counts entry", c, 0) for c in cl)
-        if len(cl) != len(ids):
-            raise ValueError(f"{len(ids)} request ids but {len(cl)} counts: give one count per request id")
-        slots = req.slots_of(ids)
-        if None in slots:
-            req.slot(ids[slots.index(None)])  # raises: not live
-        offsets = tuple(itertools.accumulate(cl[:-1], initial=0)) if cl else ()
-        return WriteBatch(req_ids=ids, slots=tuple(slots), counts=cl, offsets=offsets, total=sum(cl),
-                          generation=req.generation, owner=self)
+        """Check a batch: distinct live ids, one count (int >= 0) each. The same ids
+        and counts as the last batch, with no request added or freed since, give that
+        batch again (its checks passed and its slots still hold)."""
+        self._batch = make_batch(self.requests, req_ids, counts, owner=self, last=self._batch)
+        return self._batch
 
     def check_batch(self, batch: object) -> WriteBatch:
         """``batch`` as a WriteBatch this writer made and still valid (TypeError, ValueError)."""
@@ -209,7 +176,8 @@ class Writer:
 
     # ---- a forward's write to every layer, planned once ------------------------------
     def prepare_step(self, batch: WriteBatch, *, capacity: StepCapacity | None = None,
-                     replaces: StepPlan | None = None, host_written: bool = False) -> StepPlan:
+                     replaces: StepPlan | None = None, host_written: bool = False,
+                     ends: Sequence[int] | None = None) -> StepPlan:
         """Plan ``batch``'s append to every layer at once (``write_step`` per layer then
         only launches). Allocates the step's blocks, writes their block-table entries
         on the current stream and commits every layer's lengths and reserved-slot
@@ -222,7 +190,9 @@ class Writer:
         each request (ValueError otherwise). A CapacityError or ValueError changes
         nothing (``replaces`` included). The host work is array operations over the
         batch (no loop over requests x layers). ``host_written`` (not with ``capacity``): the
-        rows are in the host pool already (a transfer's): the writes skip the host mirror."""
+        rows are in the host pool already (a transfer's): the writes skip the host mirror.
+        ``ends``: the rows each request of the batch must hold after the step (ValueError,
+        nothing changed, where its rows now plus its count differ)."""
         self.check_batch(batch)
         if replaces is not None:
             self.check_own_step(replaces)
@@ -236,23 +206,24 @@ class Writer:
                              f"bucket holds {capacity.requests} and {capacity.tokens}")
         req = self.requests
         L, S = self.cfg.num_layers, self.cfg.device_buffer_size
-        same, p0, old = self.visible_summary(replaces, batch.req_ids, batch.slots)  # [n] each, read only
-        if not same.all():  # the first request whose layers differ
+        rids, slots, counts, t0 = batch.arrays  # int64 [n] each, read only
+        same, p0, old = self.visible_summary(replaces, batch.req_ids, slots)  # [n] each, read only
+        if np.count_nonzero(same) < len(same):  # the first request whose layers differ
             i = int((~same).argmax())
             rid = batch.req_ids[i]
             raise ValueError(f"request {rid} holds {self.visible(replaces, rid, batch.slots[i])[0]} rows per "
                              "layer: a step writes the same positions to every layer")
-        slots = np.array(batch.slots, dtype=np.int64)
-        counts = np.array(batch.counts, dtype=np.int64)
-        w = np.flatnonzero(counts)  # the requests that write
+        p1 = p0 + counts  # int64 [n]: the rows of each request after the step
+        if ends is not None and p1.tolist() != list(ends):
+            check_ends(batch, p0, ends)
         ws = slots
-        rids, t0 = np.array(batch.req_ids, dtype=np.int64), np.array(batch.offsets, dtype=np.int64)
-        if len(w) < len(slots):  # some requests write no row
-            ws, rids, t0, p0, old, counts = slots[w], rids[w], t0[w], p0[w], old[w], counts[w]
-        work = StepWork(rid=rids, slot=ws, inc=req.born[ws], p0=p0, p1=p0 + counts, old=old) if len(w) else NO_WORK
-        new_blocks, need = self._new_blocks_of(work.slot, work.p1)
+        if not batch.all_write:  # some requests write no row
+            w = np.flatnonzero(counts)  # the requests that write
+            ws, rids, t0, p0, p1, old, counts = slots[w], rids[w], t0[w], p0[w], p1[w], old[w], counts[w]
+        work = StepWork(rid=rids, slot=ws, inc=req.born[ws], p0=p0, p1=p1, old=old) if len(ws) else NO_WORK
+        single = bool(len(work)) and batch.single_rows  # a decode step: one row each
+        new_blocks, need = self._opened_blocks(work) if single else self._new_blocks_of(work.slot, work.p1)
         dp = self.device_pool
-        single = bool(len(work)) and bool((counts == 1).all())  # a decode step: one row each
         changes = NO_CHANGES
         if len(work) and dp.enabled and (not single or dp.needs_pages(work.slot, work.p1)):
             changes = dp.plan(list(zip(work.slot.tolist(), work.p1.tolist())))
@@ -307,10 +278,12 @@ class Writer:
         if new_blocks:
             self._allocate(new_blocks)
         if len(work):
-            keep = work.p1 - 1 >= S
+            last = work.p0 if single else work.p1 - 1  # each request's newest row
+            keep = last >= S
             if dp.enabled:  # a resident request keeps no reserved occupant
                 keep &= ~dp.resident_mask(work.slot)
-            req.set_written_rows(work.slot, work.p1, np.where(keep, work.p1 - 1, -1))
+            req.set_written_rows(work.slot, work.p1,
+                                 last if np.count_nonzero(keep) == len(keep) else np.where(keep, last, -1))
         req.touch_all()
         self._plan = None
         step = StepPlan(plan=plan, work=work, pending=set(range(L)) if len(work) else set(),
@@ -319,8 +292,19 @@ class Writer:
         if padded is not None:
             padded.owner = step
         if step.pending:
-            self._open_steps[id(step)] = step
+            self._track(step)
         return step
+
+    def _track(self, step: StepPlan) -> None:
+        """Keep a weak reference to ``step`` among the open steps (the dead ones dropped)."""
+        opened = self._open_steps
+        for k in [k for k, ref in opened.items() if ref() is None]:
+            del opened[k]
+        opened[id(step)] = weakref.ref(step)
+
+    def open_steps(self) -> list[StepPlan]:
+        """The steps prepared here that are still referenced, in the order they were prepared."""
+        return [s for s in (ref() for ref in list(self._open_steps.values())) if s is not None]
 
     def visible_rows(self, step: StepPlan | None, req_ids: Sequence[int],
                      slots: tuple[int, ...] | np.ndarray) -> np.ndarray:
@@ -453,7 +437,7 @@ class Writer:
         if not changes.demote:
             return
         req = self.requests
-        for step in list(self._open_steps.values()):
+        for step in self.open_steps():
             if step is replaces or not step.pending:
                 continue
             for rid, r, inc, *_ in step.req_work:
@@ -470,7 +454,7 @@ class Writer:
         past it."""
         out: dict[int, int] = {}
         req = self.requests
-        for step in list(self._open_steps.values()):
+        for step in self.open_steps():
             if not (step.pending or step.captured):
                 continue
             for rid, r, inc, p0, *_ in step.req_work:
@@ -533,6 +517,13 @@ class Writer:
         (CapacityError, nothing changed, when they are not all free)."""
         return self._new_blocks_of(np.array([w[0] for w in work], dtype=np.int64),
                                    np.array([w[2] for w in work], dtype=np.int64))[0]
+
+    def _opened_blocks(self, work: StepWork) -> tuple[dict[int, list[int]], np.ndarray | None]:
+        """``_new_blocks_of(work.slot, work.p1)`` of a step whose every request writes one
+        row; ({}, None) when none of them opens a block (the row past its blocks)."""
+        if not np.count_nonzero(work.p0 // self.pool.B >= self.num_blocks[work.slot]):
+            return {}, None
+        return self._new_blocks_of(work.slot, work.p1)
 
     def _new_blocks_of(self, slots: np.ndarray, ends: np.ndarray) -> tuple[dict[int, list[int]], np.ndarray]:
         """(blocks each request slot of ``slots`` (int64 [n]) needs to hold ``ends``

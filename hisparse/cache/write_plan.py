@@ -186,7 +186,7 @@ def _single_row_plan(work: list[Work], *, owned, new_blocks, B: int, S: int,
 
 def single_row_lists(r: np.ndarray, p0: np.ndarray, t0: np.ndarray, old: np.ndarray, h: np.ndarray,
                      h_old: np.ndarray, bt: np.ndarray, *, S: int,
-                     res_row: np.ndarray | None) -> list[np.ndarray]:
+                     res_row: np.ndarray | None, p1: np.ndarray | None = None) -> list[np.ndarray]:
     """The lists of ``build_write_plan`` when every request writes one row (a decode
     step), as array operations: one int64 numpy array per list, in ``_NAMES`` order.
 
@@ -194,11 +194,11 @@ def single_row_lists(r: np.ndarray, p0: np.ndarray, t0: np.ndarray, old: np.ndar
     written, t0 its row in ``rows``, old the reserved slot's occupant before the write
     (-1 = none), h the host row of p0, h_old the host row of ``old`` (read only where
     p0 >= S and old >= 0), res_row its page row when resident (-1: a hot request; None:
-    every request is hot). bt: int64 [3, n_bt], the new block-table entries (slot,
-    logical block, host block). Same decisions as ``_runs_plan``: a hot request's
-    position < S goes to slot == position, a later one to the reserved slot S
-    (unmapping the previous occupant); a resident request's to its page row, with no
-    slot state; every row to its host row.
+    every request is hot), p1 p0 + 1 (None: made here). bt: int64 [3, n_bt], the new
+    block-table entries (slot, logical block, host block). Same decisions as
+    ``_runs_plan``: a hot request's position < S goes to slot == position, a later one
+    to the reserved slot S (unmapping the previous occupant); a resident request's to
+    its page row, with no slot state; every row to its host row.
     """
     slot = np.minimum(p0, S)
     hot_dst = r * (S + 1) + slot
@@ -211,7 +211,8 @@ def single_row_lists(r: np.ndarray, p0: np.ndarray, t0: np.ndarray, old: np.ndar
         sp_idx = np.where(hot, hot_dst, -1)
         rs_h, rs_v = h[hot], slot[hot]
         moved &= hot
-    return [bt[0], bt[1], bt[2], hot_dst, t0, sp_idx, p0, r, rs_h, rs_v, h_old[moved], h, t0, r, p0 + 1]
+    return [bt[0], bt[1], bt[2], hot_dst, t0, sp_idx, p0, r, rs_h, rs_v, h_old[moved], h, t0, r,
+            p0 + 1 if p1 is None else p1]
 
 
 # the int32 copies a plan carries, host_h and host_tok first (16-byte aligned, for the
@@ -300,23 +301,46 @@ class WritePlan:
         return self._lists[name]
 
 
+_NEG = np.full(1024, -1, dtype=np.int64)  # padding (read only; replaced by a longer one when short)
+_NEG.flags.writeable = False
+
+
+def _neg(n: int) -> np.ndarray:
+    """int64 [n] of -1 (a read-only view)."""
+    global _NEG
+    if n > len(_NEG):
+        neg = np.full(2 * n, -1, dtype=np.int64)
+        neg.flags.writeable = False
+        _NEG = neg
+    return _NEG[:n]
+
+
 def pack_lists(lists: Sequence[np.ndarray], layout: PlanLayout) -> np.ndarray:
-    """The 15 lists (int64 numpy each, ``_NAMES`` order) in ``layout``'s buffer, each
+    """The 15 lists (int numpy each, ``_NAMES`` order) in ``layout``'s buffer, each
     padded with -1 to its capacity: int64 [layout.words] numpy (the caller makes sure
-    none is longer than its capacity)."""
-    if tuple(map(len, lists)) == layout.caps:  # no padding: one copy
-        buf = np.empty(layout.words, dtype=np.int64)
-        end = layout.o64[-1] + layout.caps[-1]
-        np.concatenate(lists, out=buf[:end])
-        buf[end:] = -1
-    else:
-        buf = np.full(layout.words, -1, dtype=np.int64)
-        for x, o in zip(lists, layout.o64):
-            buf[o:o + len(x)] = x
-    b32 = buf[layout.n64:].view(np.int32)
-    for i, o in zip(_I32_INDEX, layout.o32):
+    none is longer than its capacity). Two copies: the int64 area, then the int32 one."""
+    buf = np.empty(layout.words, dtype=np.int64)
+    parts = []
+    for x, c in zip(lists, layout.caps):
+        parts.append(x)
+        if len(x) < c:
+            parts.append(_neg(c - len(x)))
+    end = layout.o64[-1] + layout.caps[-1]
+    if layout.n64 > end:
+        parts.append(_neg(layout.n64 - end))
+    if parts:
+        np.concatenate(parts, out=buf[:layout.n64])
+    parts = []
+    for i in _I32_INDEX:  # each int32 copy padded to a multiple of 4
         x = lists[i]
-        b32[o:o + len(x)] = x
+        parts.append(x)
+        if -(-layout.caps[i] // 4) * 4 > len(x):
+            parts.append(_neg(-(-layout.caps[i] // 4) * 4 - len(x)))
+    b32 = buf[layout.n64:].view(np.int32)
+    used = sum(map(len, parts))
+    if len(b32) > used:
+        parts.append(_neg(len(b32) - used))
+    np.concatenate(parts, out=b32)  # int64 -> int32 (host rows, positions and block ids fit)
     return buf
 
 

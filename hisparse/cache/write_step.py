@@ -176,19 +176,24 @@ def split_block_entries(lists: list[np.ndarray], *, host: bool = True) -> tuple[
     return bt, rest if host else without_host_lists(rest)
 
 
-def single_row_step_lists(work: StepWork, t0: np.ndarray, need: np.ndarray, new_blocks: dict[int, list[int]], *,
-                          host_blocks: np.ndarray, num_blocks: np.ndarray, B: int, S: int,
+def single_row_step_lists(work: StepWork, t0: np.ndarray, need: np.ndarray | None, new_blocks: dict[int, list[int]],
+                          *, host_blocks: np.ndarray, num_blocks: np.ndarray, B: int, S: int,
                           res_row: np.ndarray | None) -> list[np.ndarray]:
     """The host plan (``write_plan.single_row_lists``: 15 int64 numpy arrays in
     ``_NAMES`` order) of a step whose every request writes one row.
 
     t0: int64 [n] each request's row in ``rows``; need: int64 [n] the blocks it opens
-    (``new_blocks[slot]``, as the allocator will hand them out); host_blocks: int32
-    [R, NB] each slot's host blocks (-1 = none) and num_blocks: int64 [R] how many, before
-    the step; res_row: int64 [n] each request's page row when resident, -1 when hot
-    (``DevicePool.page_rows``), None: every request is hot."""
+    (``new_blocks[slot]``, as the allocator will hand them out; None when it opens
+    none); host_blocks: int32 [R, NB] each slot's host blocks (-1 = none) and
+    num_blocks: int64 [R] how many, before the step; res_row: int64 [n] each request's
+    page row when resident, -1 when hot (``DevicePool.page_rows``), None: every
+    request is hot."""
     r, p0, old = work.slot, work.p0, work.old
-    blk = host_blocks[r, p0 // B]  # int32 [n], -1 for a block the step opens
+    # row 0: the position written; row 1: the reserved slot's occupant (held before the step)
+    pos = np.empty((2, len(r)), dtype=np.int64)
+    pos[0] = p0
+    np.maximum(old, 0, out=pos[1])
+    hp = host_blocks[r, pos // B]  # int32 [2, n]; row 0 -1 for a block the step opens
     bt = _NO_BT
     if new_blocks:
         entries: list[tuple[int, int, int]] = []
@@ -196,14 +201,12 @@ def single_row_step_lists(work: StepWork, t0: np.ndarray, need: np.ndarray, new_
             s = int(r[i])
             have, extra = int(num_blocks[s]), new_blocks[s]
             entries.extend((s, have + j, b) for j, b in enumerate(extra))
-            blk[i] = extra[int(p0[i]) // B - have]
+            hp[0, i] = extra[int(p0[i]) // B - have]
         bt = np.array(entries, dtype=np.int64).T
-    h = blk * B + p0 % B  # int64 (host rows fit int32)
-    ko = np.maximum(old, 0)  # an occupant sits in a block the request held before the step
-    h_old = host_blocks[r, ko // B] * B + ko % B
-    if res_row is not None and not (res_row >= 0).any():
+    hp = hp * B + pos % B  # int64 host rows (they fit int32)
+    if res_row is not None and not np.count_nonzero(res_row >= 0):
         res_row = None
-    return single_row_lists(r, p0, t0, old, h, h_old, bt, S=S, res_row=res_row)
+    return single_row_lists(r, p0, t0, old, hp[0], hp[1], bt, S=S, res_row=res_row, p1=work.p1)
 
 
 def step_rows(requests: RequestTable, step: StepPlan | None, req_ids: Sequence[int],

@@ -43,6 +43,7 @@ Semantics fixed here:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -167,6 +168,9 @@ class HiSparseIndexGroup(PrefillCalls, LayerGraphCalls, DecodeAttentionCalls, PD
         self._tokens = 0  # tokens the per-layer calls take (the bucket's with pad_to)
         self._decode_tokens = 0  # decode tokens they resolve (padded likewise)
         self._ids_bufs: dict[int, torch.Tensor] = {}  # padded decode ids per bucket size
+        # the last forward's decode-token request ids (int32 [tokens], padded with -1) and what
+        # they follow from: (request ids, decode requests, decode query length, tokens)
+        self._tok_ids: tuple[tuple, np.ndarray] | None = None
         self._decode_layers: dict[Overlap, DecodeLayer] = {}  # per mode, for the last backend object
         self.resolves_per_layer = [0] * config.num_layers  # lifetime count, for tests/metrics
         cuda = device_type(self.device) == "cuda"
@@ -344,34 +348,42 @@ class HiSparseIndexGroup(PrefillCalls, LayerGraphCalls, DecodeAttentionCalls, PD
             q = max(q, 1)
             capacity = StepCapacity(requests=pad_to, tokens=pad_to * q)
         cache = self._cache
-        ids, qlens = metadata.request_ids_cpu, metadata.query_lens()
-        # rows per layer, a layer the last forward did not write counted as before it
-        slots, same, len0 = cache.lengths_before_batch(ids, self._step)
-        starts = np.array([s - q for s, q in zip(metadata.seq_lens_cpu, qlens)])
-        dead = None in slots
-        bad = ~same | (len0 != starts)
-        if dead or bad.any():  # the first row that is not live or holds other lengths
-            row = int((bad | np.array([s is None for s in slots], dtype=bool)).argmax())
-            rid = ids[row]
-            if slots[row] is None:
-                raise ValueError(f"batch row {row}: request {rid} is not live (add_request first)")
-            lens = self._visible_lengths(rid)
-            raise ValueError(f"batch row {row}: request {rid} holds {lens} rows per layer but the "
-                             f"metadata says its context before this forward is {metadata.context_start(row)} "
-                             f"(seq_len {metadata.seq_lens_cpu[row]} - query_len {qlens[row]})")
-        write_batch = cache.plan_write(ids, qlens)
+        ids = metadata.request_ids_cpu
+        # every row's query length (all the decode one in a decode-only batch)
+        qlens = (metadata.decode_max_query_len,) * len(ids) if not metadata.num_prefills else metadata.query_lens()
+        # the rows each request holds are checked first: where a later check fails, that
+        # check runs then (nothing changed) and raises when it finds a request amiss
+        try:
+            write_batch = cache.plan_write(ids, qlens)
+        except Exception as e:  # noqa: BLE001 -- reported after the length check
+            failed: Exception | None = e
+        else:
+            failed = None
+        if failed is not None:
+            self._check_lengths(metadata, qlens)
+            raise failed
         if capacity is not None and device_type(self.device) == "cuda":
             # the persistent buffers are rewritten below: in-flight staging of the last
             # forward (which reads the decode ids) finishes first
             cache.join_staging()
         # changes state last; puts back the layers the last forward did not write
-        step = cache.prepare_step(write_batch, capacity=capacity, replaces=self._step)
+        try:
+            step = cache.prepare_step(write_batch, capacity=capacity, replaces=self._step,
+                                      ends=metadata.seq_lens_cpu)
+        except Exception as e:  # noqa: BLE001 -- reported after the length check
+            failed = e
+        if failed is not None:
+            self._check_lengths(metadata, qlens)
+            raise failed
         # ---- the forward's state ----
         self._tokens = capacity.tokens if capacity is not None else metadata.num_tokens
         ndt = capacity.tokens if capacity is not None else td
         if ndt:
-            # int32 [ndt]: live ids, < max_request_id < 2**31
-            tok_ids = np.array(metadata.decode_token_request_ids(ndt), dtype=np.int32)
+            key = (ids, metadata.num_decodes, metadata.decode_max_query_len, ndt)
+            if self._tok_ids is None or self._tok_ids[0] != key:
+                # int32 [ndt]: live ids, < max_request_id < 2**31
+                self._tok_ids = (key, np.array(metadata.decode_token_request_ids(ndt), dtype=np.int32))
+            tok_ids = self._tok_ids[1]
             if capacity is not None:  # into the bucket's persistent buffer (a captured graph reads it)
                 host = torch.from_numpy(tok_ids)
                 buf = self._ids_bufs.get(ndt)
@@ -396,6 +408,25 @@ class HiSparseIndexGroup(PrefillCalls, LayerGraphCalls, DecodeAttentionCalls, PD
             for i in range(cfg.num_layers):
                 self._converted[i] = (_REPLAYED, (None, None))
                 self.resolves_per_layer[i] += 1 if ndt else 0
+
+    def _check_lengths(self, metadata: SparseMLAMetadata, qlens: Sequence[int]) -> None:
+        """ValueError for the first batch row whose request is not live or holds other rows
+        in some layer than ``seq_len - query_len`` (``qlens``: each row's query length),
+        a layer the last forward did not write counted as before it."""
+        ids = metadata.request_ids_cpu
+        slots, same, len0 = self._cache.lengths_before_batch(ids, self._step)
+        starts = np.array([s - q for s, q in zip(metadata.seq_lens_cpu, qlens)])
+        dead = None in slots
+        bad = ~same | (len0 != starts)
+        if dead or bad.any():  # the first row that is not live or holds other lengths
+            row = int((bad | np.array([s is None for s in slots], dtype=bool)).argmax())
+            rid = ids[row]
+            if slots[row] is None:
+                raise ValueError(f"batch row {row}: request {rid} is not live (add_request first)")
+            lens = self._visible_lengths(rid)
+            raise ValueError(f"batch row {row}: request {rid} holds {lens} rows per layer but the "
+                             f"metadata says its context before this forward is {metadata.context_start(row)} "
+                             f"(seq_len {metadata.seq_lens_cpu[row]} - query_len {qlens[row]})")
 
     def abandon_forward(self) -> None:
         """The forward prepared last will not run to its end: put back every layer it did
