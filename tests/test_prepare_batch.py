@@ -326,3 +326,75 @@ def test_decode_token_ids_of_multi_token_decodes_and_padding():
     md1 = md_of([(5, 1, 7), (3, 1, 9)], 2)
     assert md1.decode_token_request_ids(3) == [5, 3, -1]
     assert md_of([(4, 3, 3)], 0).decode_token_request_ids(2) == [-1, -1]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_decode_steps_carried_from_the_last_equal_the_general_plan(seed, monkeypatch):
+    """A decode step of the batch of the last one (the table as that step left it) is
+    planned from what the last step carried (``DecodeCarry``, no summary of the table):
+    the same plan lists and the same cache state as the general path, through rows
+    that open blocks, cross into the reserved slot, batches that change order or
+    members, prefills, frees and adds, forwards cut short, and padded buckets."""
+    from hisparse.cache.write_step import DecodeCarry
+
+    rng = random.Random(seed)
+    groups = [make_group(), make_group()]  # the second plans every step the general way
+    live: dict[int, int] = {}  # request id -> rows in every layer
+    last_batch: list[int] = []
+    carried = []
+    lists = DecodeCarry.lists
+    monkeypatch.setattr(DecodeCarry, "lists", lambda self, *a: carried.append(1) or lists(self, *a))
+
+    def run(reqs, num_decodes, layers=range(L), pad_to=None):
+        md = md_of(reqs, num_decodes)
+        plans = []
+        for k, g in enumerate(groups):
+            if k == 1:
+                g.hisparse_cache.writer._carry = None
+            forward(g, md, layers=layers, pad_to=pad_to)
+            step = g._step
+            plans.append((step.buffers.buf if step.buffers is not None else step.plan.buf).clone())
+        assert torch.equal(plans[0], plans[1])
+        a, b = (state(g) for g in groups)
+        a["step"], b["step"] = a["step"][1:], b["step"][1:]  # (not the step objects' ids)
+        assert_same(a, b)
+
+    for _ in range(200):
+        op = rng.random()
+        if op < 0.12 and len(live) < 4:  # admit with a prefill of a few rows
+            rid = rng.choice([i for i in range(1, 16) if i not in live])
+            n = rng.randint(1, 20)
+            for g in groups:
+                g.add_request(rid)
+            run([(rid, n, n)], 0)
+            live[rid] = n
+        elif op < 0.16 and live:  # free the longest (or any) request
+            rid = max(live, key=live.get) if rng.random() < 0.7 else rng.choice(list(live))
+            for g in groups:
+                g.free_request(rid)
+            del live[rid]
+        elif live:
+            same = [r for r in last_batch if r in live]
+            batch = same if same and rng.random() < 0.8 else rng.sample(list(live), rng.randint(1, len(live)))
+            cut = rng.random() < 0.08
+            pad = 4 if rng.random() < 0.3 else None
+            run([(r, 1, live[r] + 1) for r in batch], len(batch), layers=range(L) if not cut else [0], pad_to=pad)
+            for r in batch:
+                live[r] += 1
+            if cut:  # the next forward is checked against the rows before this one: put it back
+                for g in groups:
+                    g.abandon_forward()
+                for r in batch:
+                    live[r] -= 1
+                for g in groups:  # the cut-short request holds a row more in layer 0: only freed
+                    for r in batch:
+                        g.free_request(r)
+                for r in batch:
+                    del live[r]
+            last_batch = batch
+        for rid in [r for r, n in live.items() if n > 36]:  # keep inside the host pool
+            for g in groups:
+                g.free_request(rid)
+            del live[rid]
+    assert len(carried) > 30, len(carried)
+    check_cache(groups[0].hisparse_cache)

@@ -39,8 +39,8 @@ from .stager import CacheStreams
 from .state import STAT_D2H_ROWS, HotState
 from .write_batch import WriteBatch, check_ends, make_batch
 from .write_plan import NO_RESIDENT, Resident, WritePlan, Work, build_write_plan, plan_lists, plan_of, split_lists
-from .write_step import (NO_WORK, StepBuffers, StepCapacity, StepPlan, StepWork, pad_lists, single_row_step_lists,
-                         split_block_entries, step_rows, step_summary)
+from .write_step import (NO_WORK, DecodeCarry, StepBuffers, StepCapacity, StepPlan, StepWork, open_blocks, pad_lists,
+                         single_row_step_lists, split_block_entries, step_rows, step_summary)
 
 
 class Writer:
@@ -66,6 +66,7 @@ class Writer:
         self.device = device
         self._plan: tuple[tuple, WritePlan] | None = None  # last committed plan and its key
         self._batch: WriteBatch | None = None  # the last batch ``prepare`` made
+        self._carry: DecodeCarry | None = None  # what the last step left for the next, when a decode step
         self.hot_layers = list(hot)  # uint8 [N, row_bytes] per layer (views, made once)
         self.host_layers = list(pool.rows)  # uint8 [H, row_bytes] per layer
         self.step_buffers = StepBuffers(device)
@@ -204,15 +205,22 @@ class Writer:
         if capacity is not None and (len(batch.req_ids) > capacity.requests or batch.total > capacity.tokens):
             raise ValueError(f"the batch has {len(batch.req_ids)} requests and {batch.total} rows; the "
                              f"bucket holds {capacity.requests} and {capacity.tokens}")
-        req = self.requests
-        L, S = self.cfg.num_layers, self.cfg.device_buffer_size
+        req, dp = self.requests, self.device_pool
+        L, S, B = self.cfg.num_layers, self.cfg.device_buffer_size, self.pool.B
         rids, slots, counts, t0 = batch.arrays  # int64 [n] each, read only
-        same, p0, old = self.visible_summary(replaces, batch.req_ids, slots)  # [n] each, read only
-        if np.count_nonzero(same) < len(same):  # the first request whose layers differ
-            i = int((~same).argmax())
-            rid = batch.req_ids[i]
-            raise ValueError(f"request {rid} holds {self.visible(replaces, rid, batch.slots[i])[0]} rows per "
-                             "layer: a step writes the same positions to every layer")
+        carry = self._carry  # the last decode step of this batch, the table as it left it: no summary
+        if not (carry is not None and carry.batch is batch and carry.version == req._version
+                and (replaces is None or not replaces.pending) and not host_written and not dp.enabled):
+            carry = None
+        if carry is not None:
+            p0, old = carry.p1, carry.last
+        else:
+            same, p0, old = self.visible_summary(replaces, batch.req_ids, slots)  # [n] each, read only
+            if np.count_nonzero(same) < len(same):  # the first request whose layers differ
+                i = int((~same).argmax())
+                rid = batch.req_ids[i]
+                raise ValueError(f"request {rid} holds {self.visible(replaces, rid, batch.slots[i])[0]} rows per "
+                                 "layer: a step writes the same positions to every layer")
         p1 = p0 + counts  # int64 [n]: the rows of each request after the step
         if ends is not None and p1.tolist() != list(ends):
             check_ends(batch, p0, ends)
@@ -220,10 +228,19 @@ class Writer:
         if not batch.all_write:  # some requests write no row
             w = np.flatnonzero(counts)  # the requests that write
             ws, rids, t0, p0, p1, old, counts = slots[w], rids[w], t0[w], p0[w], p1[w], old[w], counts[w]
-        work = StepWork(rid=rids, slot=ws, inc=req.born[ws], p0=p0, p1=p1, old=old) if len(ws) else NO_WORK
+        inc = carry.inc if carry is not None else req.born[ws]
+        work = StepWork(rid=rids, slot=ws, inc=inc, p0=p0, p1=p1, old=old) if len(ws) else NO_WORK
         single = bool(len(work)) and batch.single_rows  # a decode step: one row each
-        new_blocks, need = self._opened_blocks(work) if single else self._new_blocks_of(work.slot, work.p1)
-        dp = self.device_pool
+        if carry is not None:  # each row's host row, a block it opens allocated as by _opened_blocks
+            q = p0 // B
+            blk = self.host_blocks[ws, q]  # int32 [n], -1 where the row opens a block
+            new_blocks, need = {}, None
+            if np.count_nonzero(q >= self.num_blocks[ws]):
+                new_blocks, need = self._new_blocks_of(ws, p1)
+            bt_new = open_blocks(blk, ws, p0, need, new_blocks, num_blocks=self.num_blocks, B=B)
+            host_row = blk * B + p0 % B  # int64 [n]
+        else:
+            new_blocks, need = self._opened_blocks(work) if single else self._new_blocks_of(work.slot, work.p1)
         changes = NO_CHANGES
         if len(work) and dp.enabled and (not single or dp.needs_pages(work.slot, work.p1)):
             changes = dp.plan(list(zip(work.slot.tolist(), work.p1.tolist())))
@@ -237,6 +254,8 @@ class Writer:
             work = dataclasses.replace(work, old=np.array([x[4] for x in fixed], dtype=np.int64))
         if not len(work):
             lists = [np.zeros(0, dtype=np.int64)] * 15
+        elif carry is not None:
+            lists = carry.lists(work, t0, host_row, bt_new)
         elif single:  # (changes made only when pages are needed: page rows from the pool's arrays)
             res_row = dp.page_rows(work.slot, work.p0, changes) if dp.enabled else None
             lists = single_row_step_lists(work, t0, need, new_blocks, host_blocks=self.host_blocks,
@@ -277,13 +296,19 @@ class Writer:
                 raise
         if new_blocks:
             self._allocate(new_blocks)
+        self._carry = None
         if len(work):
             last = work.p0 if single else work.p1 - 1  # each request's newest row
-            keep = last >= S
-            if dp.enabled:  # a resident request keeps no reserved occupant
-                keep &= ~dp.resident_mask(work.slot)
-            req.set_written_rows(work.slot, work.p1,
-                                 last if np.count_nonzero(keep) == len(keep) else np.where(keep, last, -1))
+            kept = carry is not None  # (a carried step's rows are past S: each takes the reserved slot)
+            if not kept:
+                keep = last >= S
+                if dp.enabled:  # a resident request keeps no reserved occupant
+                    keep &= ~dp.resident_mask(work.slot)
+                kept = np.count_nonzero(keep) == len(keep)
+            req.set_written_rows(work.slot, work.p1, last if kept else np.where(keep, last, -1))
+            if kept and single and batch.all_write and not host_written and not dp.enabled:
+                self._carry = DecodeCarry(batch=batch, version=req._version, p1=work.p1, last=last, h=lists[11],
+                                          inc=work.inc, hot_dst=lists[3], slot=lists[9])
         req.touch_all()
         self._plan = None
         step = StepPlan(plan=plan, work=work, pending=set(range(L)) if len(work) else set(),

@@ -167,6 +167,37 @@ _NO_BT = np.zeros((3, 0), dtype=np.int64)
 _NONE.flags.writeable = _NO_BT.flags.writeable = False  # shared
 
 
+@dataclasses.dataclass(frozen=True)
+class DecodeCarry:
+    """What a decode step leaves for the next step of the same batch: a step of
+    ``batch`` (a ``WriteBatch``) whose every request wrote one row at a position >= S
+    (that row took the reserved slot), on the hot tier, mirrored to the host.
+    ``version``: the request table's ``_version`` once the step was committed; while it
+    is the same, every request of the batch holds ``p1`` rows in every layer with
+    ``last`` (= p1 - 1) in its reserved slot. int64 [n] each, in batch order: p1, last,
+    h (the host row of ``last``), inc (the requests' incarnations), hot_dst (their
+    reserved slot's flat hot row, r * (S + 1) + S) and slot (S each)."""
+
+    batch: object
+    version: int
+    p1: np.ndarray
+    last: np.ndarray
+    h: np.ndarray
+    inc: np.ndarray
+    hot_dst: np.ndarray
+    slot: np.ndarray
+
+    def lists(self, work: StepWork, t0: np.ndarray, h: np.ndarray, bt: np.ndarray) -> list[np.ndarray]:
+        """The host plan (``single_row_lists``: 15 int64 numpy arrays, ``_NAMES`` order)
+        of the next step: ``work`` writes row p0 = ``self.p1`` of each request, ``t0``
+        (int64 [n]) its row in ``rows``, ``h`` (int64 [n]) its host row, ``bt`` (int64
+        [3, n_bt]) the entries of the blocks it opens; every row takes the reserved slot
+        from ``last``, whose host row goes (the block ids a live request holds never
+        change)."""
+        return [bt[0], bt[1], bt[2], self.hot_dst, t0, self.hot_dst, work.p0, work.slot, h, self.slot, self.h, h,
+                t0, work.slot, work.p1]
+
+
 def split_block_entries(lists: list[np.ndarray], *, host: bool = True) -> tuple[np.ndarray, list[np.ndarray]]:
     """(block-table entries int64 [3, n_bt], the lists with the block-table ones
     emptied, and with ``host=False`` the host ones too: a ``host_written`` step) of a
@@ -174,6 +205,25 @@ def split_block_entries(lists: list[np.ndarray], *, host: bool = True) -> tuple[
     bt = np.stack(lists[:3]) if len(lists[0]) else _NO_BT
     rest = [_NONE, _NONE, _NONE] + list(lists[3:])
     return bt, rest if host else without_host_lists(rest)
+
+
+def open_blocks(blk: np.ndarray, r: np.ndarray, p0: np.ndarray, need: np.ndarray | None,
+                new_blocks: dict[int, list[int]], *, num_blocks: np.ndarray, B: int) -> np.ndarray:
+    """The block-table entries (int64 [3, n_bt]: slot, logical block, host block) of the
+    blocks a step of single rows opens, and in ``blk`` (int32 [n], the host block of each
+    row, -1 where it opens one; changed in place) the block each such row lands in.
+    r, p0: int64 [n] each request's slot and the position it writes; need: int64 [n]
+    the blocks it opens (``new_blocks[slot]``, as the allocator will hand them out;
+    None when none opens); num_blocks: int64 [R] each slot's blocks before the step."""
+    if not new_blocks:
+        return _NO_BT
+    entries: list[tuple[int, int, int]] = []
+    for i in np.flatnonzero(need).tolist():  # the row opens a new block (and any it skips)
+        s = int(r[i])
+        have, extra = int(num_blocks[s]), new_blocks[s]
+        entries.extend((s, have + j, b) for j, b in enumerate(extra))
+        blk[i] = extra[int(p0[i]) // B - have]
+    return np.array(entries, dtype=np.int64).T
 
 
 def single_row_step_lists(work: StepWork, t0: np.ndarray, need: np.ndarray | None, new_blocks: dict[int, list[int]],
@@ -194,15 +244,7 @@ def single_row_step_lists(work: StepWork, t0: np.ndarray, need: np.ndarray | Non
     pos[0] = p0
     np.maximum(old, 0, out=pos[1])
     hp = host_blocks[r, pos // B]  # int32 [2, n]; row 0 -1 for a block the step opens
-    bt = _NO_BT
-    if new_blocks:
-        entries: list[tuple[int, int, int]] = []
-        for i in np.flatnonzero(need).tolist():  # the row opens a new block (and any it skips)
-            s = int(r[i])
-            have, extra = int(num_blocks[s]), new_blocks[s]
-            entries.extend((s, have + j, b) for j, b in enumerate(extra))
-            hp[0, i] = extra[int(p0[i]) // B - have]
-        bt = np.array(entries, dtype=np.int64).T
+    bt = open_blocks(hp[0], r, p0, need, new_blocks, num_blocks=num_blocks, B=B)
     hp = hp * B + pos % B  # int64 host rows (they fit int32)
     if res_row is not None and not np.count_nonzero(res_row >= 0):
         res_row = None
@@ -258,5 +300,5 @@ def pad_lists(lists: list[np.ndarray], cap: StepCapacity) -> np.ndarray:
     return pack_lists(lists, layout)
 
 
-__all__ = ["StepCapacity", "StepPlan", "StepWork", "NO_WORK", "PaddedPlan", "StepBuffers", "split_block_entries",
-           "pad_lists", "single_row_step_lists", "step_rows", "step_summary"]
+__all__ = ["DecodeCarry", "StepCapacity", "StepPlan", "StepWork", "NO_WORK", "PaddedPlan", "StepBuffers", "split_block_entries",
+           "open_blocks", "pad_lists", "single_row_step_lists", "step_rows", "step_summary"]
