@@ -32,12 +32,13 @@ import torch
 from .._checks import check_tensor, pack_rows
 from ..config import HiSparseConfig
 from ..errors import CapacityError
-from .device_pool import NO_CHANGES, DevicePool, PoolChanges, apply_changes, seeded_reserved
+from .device_pool import NO_CHANGES, DevicePool, PoolChanges, seeded_reserved
 from .host_pool import HostPool
 from .requests import RequestTable
 from .stager import CacheStreams
 from .state import STAT_D2H_ROWS, HotState
 from .write_batch import WriteBatch, check_ends, make_batch
+from .write_pool import apply_pool_changes, pool_undo
 from .write_plan import NO_RESIDENT, Resident, WritePlan, Work, build_write_plan, plan_lists, plan_of, split_lists
 from .write_step import (NO_WORK, DecodeCarry, StepBuffers, StepCapacity, StepPlan, StepWork, open_blocks, pad_lists,
                          single_row_step_lists, split_block_entries, step_rows, step_summary)
@@ -149,12 +150,12 @@ class Writer:
             plan = build_write_plan(work, owned={r: alloc.owned(r) for r, *_ in work},
                                     new_blocks=new_blocks, B=self.pool.B, S=self.cfg.device_buffer_size,
                                     device=self.device, resident=self._resident(changes))  # type: ignore[arg-type]
-        undo = self._pool_undo(changes) if not changes.empty else None
+        undo = pool_undo(self, changes) if not changes.empty else None
         if new_blocks:  # cached blocks the write takes leave the prefix index before any launch
             self.pool.allocator.reclaim(sum(len(b) for b in new_blocks.values()))
         try:
             if undo is not None:
-                self._apply_pool_changes(changes, {})
+                apply_pool_changes(self, changes, {})
                 key = (req.generation, dp.epoch, tuple(work))
             self._launch(layer, plan, rows)
         except BaseException:
@@ -286,9 +287,9 @@ class Writer:
         if replaces is not None:
             self.abandon_step(replaces)
         if not changes.empty:
-            undo = self._pool_undo(changes)
+            undo = pool_undo(self, changes)
             try:
-                self._apply_pool_changes(changes, demoted if changes.demote else {})
+                apply_pool_changes(self, changes, demoted if changes.demote else {})
             except BaseException:
                 undo()  # the pool, page table, residency and slot state as they were
                 if bt.size:  # and the new blocks' block-table entries (-1 before)
@@ -486,56 +487,6 @@ class Writer:
                 if req.slot_map().get(rid) == r and req.incarnation(r) == inc:
                     out[r] = min(out.get(r, p0), p0)
         return out
-
-    def _pool_undo(self, changes: PoolChanges) -> Callable[[], None]:
-        """A function that puts back what ``_apply_pool_changes(changes)`` is about to
-        change (for a write whose launch then raises), from host-side records only: the
-        pool's pages and counters, the page-table rows and residency flags, each demoted
-        request's slot state and row maps (a resident request has none) and reserved
-        occupants, and the layers' epochs. The bytes a demotion seeded stay in the slots
-        it leaves unmapped again (no index points at them)."""
-        dp, st, req = self.device_pool, self.state, self.requests
-        free, pages = list(dp._free), {r: list(p) for r, p in dp._pages.items()}
-        counters = (dp.spills, dp.seeded_rows, dp.epoch)
-        epochs = list(req.epochs)
-        B = self.pool.B
-        seeded = {r: list(req.reserved_list(r)) for r in changes.demote}
-        touched = sorted(set(changes.demote) | {r for r, want in changes.grants.items() if want})
-
-        def undo() -> None:
-            dp.restore(free, {r: list(p) for r, p in pages.items()}, counters)
-            MP = st.page_table.shape[1]
-            for r in touched:
-                st.page_table[r] = torch.tensor(pages[r] + [-1] * (MP - len(pages[r])), dtype=torch.int32,
-                                                device=self.device)
-            for r, reserved in seeded.items():
-                st.resident[r] = 1
-                st.slot_pos[:, r] = -1
-                st.slot_stamp[:, r] = -1
-                # every host row of its blocks (whichever the demotion seeded): not hot
-                blocks = torch.tensor(self.pool.allocator.owned(r), dtype=torch.long)
-                h = (blocks[:, None] * B + torch.arange(B)).flatten().to(self.device)
-                if h.numel():
-                    st.row_slot[:, h] = -1
-                for layer, occ in enumerate(reserved):
-                    req.restore(r, layer, req.length(r, layer), occ)
-            req.epochs[:] = epochs
-
-        return undo
-
-    def _apply_pool_changes(self, changes: PoolChanges, lengths: dict[int, list[int]]) -> None:
-        """Demote and grant (``device_pool.apply_changes``) on the current stream, after
-        every in-flight staging (a demotion rewrites LRU state the stage stream reads).
-        ``lengths[r]``: a demoted request's rows per layer (default: the table's)."""
-        if changes.demote:
-            self.streams.before_lifecycle()
-        req = self.requests
-        apply_changes(changes, pool=self.device_pool, state=self.state, hot=self.hot,
-                      lengths=[lengths.get(r) or list(req.lengths(r)) for r in changes.demote],
-                      set_reserved=lambda r, layer, occ: req.restore(r, layer, req.length(r, layer), occ),
-                      last=self.last_selection)
-        for layer in range(self.cfg.num_layers):
-            req.touch(layer)
 
     def _new_blocks(self, work: list[Work]) -> dict[int, list[int]]:
         """Blocks each request of ``work`` needs, as the allocator will hand them out
