@@ -219,6 +219,14 @@ class RequestTable:
         self._version += 1
         self.uniform[r], self.len0[r], self.res0[r] = True, rows, reserved
 
+    def set_uniform_rows(self, slots: np.ndarray, ends: np.ndarray, reserved: np.ndarray) -> None:
+        """``set_written_rows`` of slots that are uniform (every layer holds the same rows
+        and occupant: the caller knows it) and all get a new occupant (``reserved`` >= 0):
+        slots, ends, reserved int64 [n]."""
+        self._version += 1
+        self.len0[slots] = ends
+        self.res0[slots] = reserved
+
     def incarnation(self, r: int) -> int:
         """Which admission the request in slot r is (distinct for every add_request, so a
         request freed and admitted again under the same id and slot is told apart)."""
@@ -247,7 +255,7 @@ class RequestTable:
 
     def touch_all(self) -> None:
         """Something in every layer changed (the same list object: results hold it)."""
-        self.epochs[:] = [e + 1 for e in self.epochs]
+        self.epochs[:] = map((1).__add__, self.epochs)
 
 
 __all__ = ["RequestTable"]

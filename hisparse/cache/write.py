@@ -306,7 +306,10 @@ class Writer:
                 if dp.enabled:  # a resident request keeps no reserved occupant
                     keep &= ~dp.resident_mask(work.slot)
                 kept = np.count_nonzero(keep) == len(keep)
-            req.set_written_rows(work.slot, work.p1, last if kept else np.where(keep, last, -1))
+            if carry is not None:  # uniform since the carried step, each row the new occupant
+                req.set_uniform_rows(work.slot, work.p1, last)
+            else:
+                req.set_written_rows(work.slot, work.p1, last if kept else np.where(keep, last, -1))
             if kept and single and batch.all_write and not host_written and not dp.enabled:
                 self._carry = DecodeCarry(batch=batch, version=req._version, p1=work.p1, last=last, h=lists[11],
                                           inc=work.inc, hot_dst=lists[3], slot=lists[9])
@@ -424,9 +427,9 @@ class Writer:
         their requests, block-table entries included). Requests freed since hold
         nothing to put back."""
         self.check_own_step(step)
-        layers = step.pending | (step.captured if captured else set())
-        if not layers:
+        if not (step.pending or (captured and step.captured)):
             return
+        layers = step.pending | (step.captured if captured else set())
         req, w = self.requests, step.work
         if len(w):  # the step's requests still live in the same admission
             now = [-1 if s is None else s for s in req.slots_of(w.rid.tolist())]

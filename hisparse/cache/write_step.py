@@ -20,6 +20,7 @@ Two differences from a plain ``write_plan.WritePlan``:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence
 
 import numpy as np
@@ -52,8 +53,13 @@ class StepCapacity:
 
     def layout(self) -> PlanLayout:
         """Where the bucket's padded lists lie in its persistent buffer."""
-        caps = self.caps()
-        return PlanLayout.of(tuple(caps[n] for n in _NAMES))
+        return _bucket_layout(self.requests, self.tokens)
+
+
+@functools.lru_cache(maxsize=64)
+def _bucket_layout(requests: int, tokens: int) -> PlanLayout:
+    caps = StepCapacity(requests, tokens).caps()
+    return PlanLayout.of(tuple(caps[n] for n in _NAMES))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -169,8 +169,10 @@ class HiSparseIndexGroup(PrefillCalls, LayerGraphCalls, DecodeAttentionCalls, PD
         self._decode_tokens = 0  # decode tokens they resolve (padded likewise)
         self._ids_bufs: dict[int, torch.Tensor] = {}  # padded decode ids per bucket size
         # the last forward's decode-token request ids (int32 [tokens], padded with -1) and what
-        # they follow from: (request ids, decode requests, decode query length, tokens)
-        self._tok_ids: tuple[tuple, np.ndarray] | None = None
+        # they follow from: (request ids, decode requests, decode query length, tokens), and
+        # their tensor on a CPU cache
+        self._tok_ids: tuple[tuple, np.ndarray, torch.Tensor | None] | None = None
+        self._ids_loaded: dict[int, tuple] = {}  # bucket size -> the key of the ids its buffer holds
         self._decode_layers: dict[Overlap, DecodeLayer] = {}  # per mode, for the last backend object
         self.resolves_per_layer = [0] * config.num_layers  # lifetime count, for tests/metrics
         cuda = device_type(self.device) == "cuda"
@@ -380,19 +382,24 @@ class HiSparseIndexGroup(PrefillCalls, LayerGraphCalls, DecodeAttentionCalls, PD
         ndt = capacity.tokens if capacity is not None else td
         if ndt:
             key = (ids, metadata.num_decodes, metadata.decode_max_query_len, ndt)
+            cpu = device_type(self.device) == "cpu"
             if self._tok_ids is None or self._tok_ids[0] != key:
                 # int32 [ndt]: live ids, < max_request_id < 2**31
-                self._tok_ids = (key, np.array(metadata.decode_token_request_ids(ndt), dtype=np.int32))
-            tok_ids = self._tok_ids[1]
+                tok = np.array(metadata.decode_token_request_ids(ndt), dtype=np.int32)
+                self._tok_ids = (key, tok, torch.from_numpy(tok) if cpu else None)
+            _, tok_ids, on_cpu = self._tok_ids
             if capacity is not None:  # into the bucket's persistent buffer (a captured graph reads it)
-                host = torch.from_numpy(tok_ids)
                 buf = self._ids_bufs.get(ndt)
                 if buf is None:
                     buf = self._ids_bufs[ndt] = torch.empty(ndt, dtype=torch.int32, device=self.device)
-                buf.copy_(host.pin_memory() if device_type(self.device) == "cuda" else host, non_blocking=True)
+                    self._ids_loaded.pop(ndt, None)
+                if self._ids_loaded.get(ndt) != key:  # (only written here: the same ids stay)
+                    host = torch.from_numpy(tok_ids)
+                    buf.copy_(host.pin_memory() if not cpu else host, non_blocking=True)
+                    self._ids_loaded[ndt] = key
                 self._decode_ids = buf
             else:
-                self._decode_ids = device_ints(tok_ids, self.device)
+                self._decode_ids = on_cpu if on_cpu is not None else device_ints(tok_ids, self.device)
         else:
             self._decode_ids = torch.empty(0, dtype=torch.int32, device=self.device)
         self._decode_tokens = ndt
