@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from hisparse import HiSparseConfig
+from hisparse import CapacityError, HiSparseConfig
 from hisparse.engine import HiSparseIndexGroup, SparseMLAMetadata
 
 from invariants import assert_same, check_cache, snapshot
@@ -398,3 +398,30 @@ def test_decode_steps_carried_from_the_last_equal_the_general_plan(seed, monkeyp
             del live[rid]
     assert len(carried) > 30, len(carried)
     check_cache(groups[0].hisparse_cache)
+
+
+def test_a_carried_decode_step_past_a_full_pool_is_a_capacity_error():
+    """A decode step planned from what the last one carried, whose row opens a block
+    when its request holds every block of the host pool: CapacityError (an engine
+    preempts on it), nothing changed, as the general path says. The carried path looked
+    the row's host block up before asking for the block: an IndexError past the block
+    table's last column."""
+    g = make_group()  # 48 host blocks of 4 rows
+    n = 4 * 48 - 2
+    g.add_request(1)
+    forward(g, md_of([(1, n, n)], 0))
+    for _ in range(2):  # the general path, then one carried from it: the pool is full
+        forward(g, md_of([(1, 1, n + 1)], 1))
+        n += 1
+    assert g.hisparse_cache.writer._carry is not None
+    for pad_to in (None, 2):
+        before = state(g)
+        with pytest.raises(CapacityError, match="host pool full"):
+            g.prepare_for_batch(md_of([(1, 1, n + 1)], 1), pad_to=pad_to)
+        assert_same(before, state(g))
+    check_cache(g.hisparse_cache)
+    g.free_request(1)  # the pool is whole again
+    g.add_request(2)
+    forward(g, md_of([(2, 9, 9)], 0))
+    forward(g, md_of([(2, 1, 10)], 1))
+    check_cache(g.hisparse_cache)

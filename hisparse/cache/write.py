@@ -234,10 +234,10 @@ class Writer:
         single = bool(len(work)) and batch.single_rows  # a decode step: one row each
         if carry is not None:  # each row's host row, a block it opens allocated as by _opened_blocks
             q = p0 // B
-            blk = self.host_blocks[ws, q]  # int32 [n], -1 where the row opens a block
             new_blocks, need = {}, None
-            if np.count_nonzero(q >= self.num_blocks[ws]):
-                new_blocks, need = self._new_blocks_of(ws, p1)
+            if np.count_nonzero(q >= self.num_blocks[ws]):  # CapacityError before the look-up below:
+                new_blocks, need = self._new_blocks_of(ws, p1)  # a row past a full pool's last block
+            blk = self.host_blocks[ws, q]  # int32 [n], -1 where the row opens a block
             bt_new = open_blocks(blk, ws, p0, need, new_blocks, num_blocks=self.num_blocks, B=B)
             host_row = blk * B + p0 % B  # int64 [n]
         else:
