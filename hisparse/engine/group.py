@@ -58,8 +58,9 @@ from ..device import release_deferred_pins, resolve_device
 from ..errors import CapacityError
 from ..formats import D_ROW, RowFormat
 from .decode_calls import DecodeAttentionCalls, topk_key
+from .decode_ids import DecodeIds
 from .layer_graphs import CudaGraphBackend, LayerGraphCalls, LayerGraphs
-from .metadata import SparseMLAMetadata, device_ints
+from .metadata import SparseMLAMetadata
 from .pd_calls import PDCalls
 from .prefill_calls import PrefillCalls
 
@@ -167,12 +168,7 @@ class HiSparseIndexGroup(PrefillCalls, LayerGraphCalls, DecodeAttentionCalls, PD
         self._step = None  # the forward's cache StepPlan (prepare_for_batch)
         self._tokens = 0  # tokens the per-layer calls take (the bucket's with pad_to)
         self._decode_tokens = 0  # decode tokens they resolve (padded likewise)
-        self._ids_bufs: dict[int, torch.Tensor] = {}  # padded decode ids per bucket size
-        # the last forward's decode-token request ids (int32 [tokens], padded with -1) and what
-        # they follow from: (request ids, decode requests, decode query length, tokens), and
-        # their tensor on a CPU cache
-        self._tok_ids: tuple[tuple, np.ndarray, torch.Tensor | None] | None = None
-        self._ids_loaded: dict[int, tuple] = {}  # bucket size -> the key of the ids its buffer holds
+        self._ids = DecodeIds(self.device)  # the decode tokens' request ids, per forward
         self._decode_layers: dict[Overlap, DecodeLayer] = {}  # per mode, for the last backend object
         self.resolves_per_layer = [0] * config.num_layers  # lifetime count, for tests/metrics
         cuda = device_type(self.device) == "cuda"
@@ -381,25 +377,7 @@ class HiSparseIndexGroup(PrefillCalls, LayerGraphCalls, DecodeAttentionCalls, PD
         self._tokens = capacity.tokens if capacity is not None else metadata.num_tokens
         ndt = capacity.tokens if capacity is not None else td
         if ndt:
-            key = (ids, metadata.num_decodes, metadata.decode_max_query_len, ndt)
-            cpu = device_type(self.device) == "cpu"
-            if self._tok_ids is None or self._tok_ids[0] != key:
-                # int32 [ndt]: live ids, < max_request_id < 2**31
-                tok = np.array(metadata.decode_token_request_ids(ndt), dtype=np.int32)
-                self._tok_ids = (key, tok, torch.from_numpy(tok) if cpu else None)
-            _, tok_ids, on_cpu = self._tok_ids
-            if capacity is not None:  # into the bucket's persistent buffer (a captured graph reads it)
-                buf = self._ids_bufs.get(ndt)
-                if buf is None:
-                    buf = self._ids_bufs[ndt] = torch.empty(ndt, dtype=torch.int32, device=self.device)
-                    self._ids_loaded.pop(ndt, None)
-                if self._ids_loaded.get(ndt) != key:  # (only written here: the same ids stay)
-                    host = torch.from_numpy(tok_ids)
-                    buf.copy_(host.pin_memory() if not cpu else host, non_blocking=True)
-                    self._ids_loaded[ndt] = key
-                self._decode_ids = buf
-            else:
-                self._decode_ids = on_cpu if on_cpu is not None else device_ints(tok_ids, self.device)
+            self._decode_ids = self._ids.of(metadata, ndt, padded=capacity is not None)
         else:
             self._decode_ids = torch.empty(0, dtype=torch.int32, device=self.device)
         self._decode_tokens = ndt
