@@ -425,3 +425,71 @@ def test_a_carried_decode_step_past_a_full_pool_is_a_capacity_error():
     forward(g, md_of([(2, 9, 9)], 0))
     forward(g, md_of([(2, 1, 10)], 1))
     check_cache(g.hisparse_cache)
+
+
+def test_a_carry_is_not_used_once_the_table_changed_under_the_same_batch():
+    """What a decode step carries for the next one holds only while the request table is
+    as that step left it. Changes that keep the batch (no add or free: the same
+    WriteBatch comes back) must still drop it: a row appended to every layer outside a
+    forward (the cache's per-layer path), a prepared forward abandoned before any write,
+    and one prepared again without its layers written. Each next step goes through with
+    the plan and state of a group that never carries; a stale carry plans from the old
+    rows (the step is refused, or writes the wrong positions)."""
+    from hisparse.cache.write_step import DecodeCarry
+
+    groups = [make_group(), make_group()]  # the second plans every step the general way
+    carried = []
+    lists = DecodeCarry.lists
+    live = {1: 12, 2: 9}
+
+    def both(fn):
+        for g in groups:
+            fn(g)
+
+    def step(layers=range(L), pad_to=None, prepare_only=False):
+        md = md_of([(r, 1, n + 1) for r, n in live.items()], len(live))
+        plans = []
+        for k, g in enumerate(groups):
+            if k == 1:
+                g.hisparse_cache.writer._carry = None
+            g.prepare_for_batch(md, pad_to=pad_to)
+            if not prepare_only:
+                for layer in layers:
+                    g.write_new_rows(layer, rows(g._tokens, layer), md)
+            s = g._step
+            plans.append((s.buffers.buf if s.buffers is not None else s.plan.buf).clone())
+        assert torch.equal(plans[0], plans[1])
+        a, b = (state(g) for g in groups)
+        a["step"], b["step"] = a["step"][1:], b["step"][1:]
+        assert_same(a, b)
+
+    both(lambda g: [g.add_request(r) for r in live])
+    both(lambda g: forward(g, md_of([(r, n, n) for r, n in live.items()], 0)))
+    import unittest.mock as mock
+    with mock.patch.object(DecodeCarry, "lists", lambda self, *a: carried.append(1) or lists(self, *a)):
+        for pad_to in (None, 4):
+            for _ in range(2):  # the second step plans from the first's carry
+                step(pad_to=pad_to)
+                live = {r: n + 1 for r, n in live.items()}
+            n_carried = len(carried)
+            assert n_carried and groups[0].hisparse_cache.writer._carry is not None
+            # a row appended to every layer of request 2 by the per-layer path
+            both(lambda g: [g.hisparse_cache.append_rows(layer, 2, rows(1, 5)) for layer in range(L)])
+            live[2] += 1
+            step(pad_to=pad_to)
+            live = {r: n + 1 for r, n in live.items()}
+            # prepared, nothing written, abandoned: the next forward has the same rows
+            step(pad_to=pad_to, prepare_only=True)
+            both(lambda g: g.abandon_forward())
+            step(pad_to=pad_to)
+            live = {r: n + 1 for r, n in live.items()}
+            # prepared and never written: the next forward replaces it
+            step(pad_to=pad_to, prepare_only=True)
+            step(pad_to=pad_to)
+            live = {r: n + 1 for r, n in live.items()}
+            step(pad_to=pad_to)  # and carries again
+            live = {r: n + 1 for r, n in live.items()}
+            assert len(carried) > n_carried
+    for g in groups:
+        assert [g.request_length(r, i) for r in live for i in range(L)] == [n for n in live.values() for _ in range(L)]
+        check_cache(g.hisparse_cache)
