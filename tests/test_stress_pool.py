@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from hisparse import HiSparseCache
-from hisparse.cache import write as cache_write
+from hisparse.cache import write_pool  # a write's demotions: apply_changes is looked up there
 from hisparse_tools import stress
 from hisparse_tools.cli import main
 from hisparse_tools.stress import StressOptions, StressRun, run_stress
@@ -121,7 +121,7 @@ def test_a_corrupted_resident_row_fails_the_run(monkeypatch):
 
 
 def test_a_corrupted_seeded_row_fails_the_run_before_any_resolve_reads_it(monkeypatch):
-    orig = cache_write.apply_changes
+    orig = write_pool.apply_changes
     seen = {}
 
     def apply_changes(ch, *, pool, state, hot, **kw):
@@ -132,7 +132,7 @@ def test_a_corrupted_seeded_row_fails_the_run_before_any_resolve_reads_it(monkey
             seen["slot"] = int((state.slot_pos[1, r] >= 0).nonzero()[0])
             hot[1, r * SP + seen["slot"], 0] ^= 0x01  # layer 1: a row of the demoted request's seeded buffer
 
-    monkeypatch.setattr(cache_write, "apply_changes", apply_changes)
+    monkeypatch.setattr(write_pool, "apply_changes", apply_changes)
     r = run_stress(StressOptions(**{**RAMP, "verify": "none"}))  # the resolve checks off: the seed check sees it
     assert not r["ok"] and "slot" in seen
     f = r["failures"][0]
