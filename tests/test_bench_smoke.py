@@ -181,13 +181,15 @@ def test_bench_elastic_dry_run_attends_resident_rows(tmp_path, capsys):
 
 
 def test_bench_prefix_times_full_hits(tmp_path, capsys):
-    """The prefix lookup benchmark: every timed call a full hit, min <= median <= p99."""
+    """The prefix lookup benchmark (the lookup, a full hit asserted in every call, and
+    naming every block): min <= median <= p99."""
     from benchmarks import bench_prefix
 
     out = tmp_path / "prefix.json"
     assert bench_prefix.main(["--tokens", "256", "1000", "--block", "16", "--reps", "3", "--out", str(out)]) == 0
     cases = json.loads(out.read_text())["cases"]
-    assert [(c["tokens"], c["blocks"]) for c in cases] == [(256, 16), (1000, 62)]
+    assert [(c["call"], c["tokens"], c["blocks"]) for c in cases] == [
+        ("lookup", 256, 16), ("names", 256, 16), ("lookup", 1000, 62), ("names", 1000, 62)]
     assert all(0 < c["min_us"] <= c["median_us"] <= c["p99_us"] for c in cases)
 
 
