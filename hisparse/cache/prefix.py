@@ -86,7 +86,7 @@ class PrefixCache:
         A cached block's parent is cached (``PrefixIndex.check``), so the cached blocks
         of a prompt are a prefix of its blocks: the first block's name is asked (a cold
         prompt stops there), then the last one's (a full hit: the prompt hashed once),
-        else a binary search; the hit blocks come from the last one's parents."""
+        else a binary search; the hit blocks are the last one's stored chain."""
         B, ix = self.B, self.index
         L = max(0, (len(ids) - 1) // B)
         chain = NameChain(B, salt=salt, algo=self.algo)
