@@ -147,7 +147,13 @@ def _run(cmd: list[str]) -> str | None:
 
 def git_commit() -> dict[str, Any]:
     """``{"commit": HEAD or None, "commit_dirty": tracked files changed or None}`` of
-    the checkout this package sits in (None where there is no git or no checkout)."""
+    the checkout this package sits in (None where there is no git or no checkout).
+    ``HISPARSE_COMMIT`` set in the environment wins (dirtiness then unknown): a copy of
+    the tree sent to another machine can carry git metadata older than the tree, so the
+    sender names the commit (``benchmarks/gpu_run.sh`` reads it from ``.gpu-deps/commit``)."""
+    given = os.environ.get("HISPARSE_COMMIT", "").strip()
+    if given:
+        return {"commit": given, "commit_dirty": None}
     head = _run(["git", "-C", str(ROOT), "rev-parse", "HEAD"])
     if not head:
         return {"commit": None, "commit_dirty": None}

@@ -51,6 +51,9 @@ rm -rf "$RES"
 mkdir -p "$OUT" "$RES"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
+# the commit every record names (benchmarks.common.git_commit): the sender's HEAD, written before the call with
+# `git rev-parse HEAD > .gpu-deps/commit` (a copied tree's git metadata can be older than the tree)
+if [ -z "${HISPARSE_COMMIT:-}" ] && [ -s .gpu-deps/commit ]; then export HISPARSE_COMMIT=$(cat .gpu-deps/commit); fi
 # Triton's compile cache travels between runs (git-ignored .triton-cache, carried back as
 # $OUT/triton-cache.tgz): a fresh machine would otherwise recompile every kernel.
 # The directory itself starts empty: a warm machine keeps ignored files between calls, and

@@ -282,3 +282,17 @@ def test_bench_layer_periodic_dry_run_measures_the_trace_miss_rate(tmp_path, cap
     assert "misses 0.1250 (trace 0.1250)" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         bench_layer.main(["--dry-run", "--trace", "periodic", "--modes", "prefetch"])
+
+
+def test_records_name_the_commit_the_sender_gives(monkeypatch):
+    """``HISPARSE_COMMIT`` (what gpu_run.sh reads from .gpu-deps/commit) wins over the
+    checkout's git metadata, which a copied tree may carry stale; without it, git's HEAD."""
+    from benchmarks import common
+
+    monkeypatch.delenv("HISPARSE_COMMIT", raising=False)
+    own = common.git_commit()
+    monkeypatch.setenv("HISPARSE_COMMIT", "0123abc")
+    assert common.git_commit() == {"commit": "0123abc", "commit_dirty": None}
+    assert common.environment()["commit"] == "0123abc"
+    monkeypatch.setenv("HISPARSE_COMMIT", "  ")
+    assert common.git_commit() == own
