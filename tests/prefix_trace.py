@@ -315,7 +315,7 @@ def prefix_snapshot(cache) -> dict[str, Any]:
         snap["index"] = (dict(ix._block_of), ix.ref_counts(), ix.evictable_order(), ix.evictions,
                          ix.query_blocks, ix.hit_blocks)
         snap["prefix"] = (p.query_tokens, p.hit_tokens,
-                          {r: (t.salt, t.chain.name, t.chain.blocks, t.chain.tail.tolist(), list(t.names), t.first,
+                          {r: (t.salt, t.chain.name, t.chain.blocks, t.chain.tail.tolist(), list(t.names),
                                t.done, t.path[:t.done].tolist(), list(t.extra)) for r, t in p._req.items()})
     return snap
 

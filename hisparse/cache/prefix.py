@@ -51,8 +51,7 @@ class _Tokens:
 
     salt: bytes | None
     chain: NameChain  # the running hash of the tokens given so far (their tail included)
-    names: list[bytes]  # names of blocks first, first + 1, ... (those not yet in the index)
-    first: int  # the block of names[0]
+    names: list[bytes]  # names of blocks done, done + 1, ... (those not yet in the index)
     done: int  # leading blocks whose names are in the index (mapped from it, published, or held)
     path: np.ndarray  # int64 [>= done]: the cached block of each of those names (its chain)
     extra: list[tuple[int, int]]  # (block, cached block of its name) held for a private copy
@@ -127,7 +126,7 @@ class PrefixCache:
         names = chain.extend(ids[m * B:])
         path = np.empty(max(16, 2 * len(ids) // B), dtype=np.int64)
         path[:m] = hits[:m]
-        self._req[r] = _Tokens(salt, chain, names, m, m, path, [])
+        self._req[r] = _Tokens(salt, chain, names, m, path, [])
         self.query_tokens += len(ids)
         self.hit_tokens += m * B
         return mapped
@@ -135,7 +134,7 @@ class PrefixCache:
     def track(self, r: int, salt: bytes | None = None) -> None:
         """Request slot r was admitted without token ids (it publishes nothing until
         ``add_tokens`` gives it some; their names take ``salt``)."""
-        self._req[r] = _Tokens(salt, NameChain(self.B, salt=salt, algo=self.algo), [], 0, 0,
+        self._req[r] = _Tokens(salt, NameChain(self.B, salt=salt, algo=self.algo), [], 0,
                                np.empty(16, dtype=np.int64), [])
 
     def add_tokens(self, r: int, token_ids) -> int:
@@ -171,7 +170,7 @@ class PrefixCache:
                 t.path = path
             path = t.path
             for i in range(t.done, whole):
-                name, own = t.names[i - t.first], int(blocks[i])
+                name, own = t.names[i - t.done], int(blocks[i])
                 parent = int(path[i - 1]) if i else -1
                 path[i] = own
                 if ix.publish(name, own, parent, path=path):
@@ -180,8 +179,8 @@ class PrefixCache:
                     path[i] = held = ix.block_of(name)
                     ix.acquire([held])
                     t.extra.append((i, held))
-            del t.names[:whole - t.first]
-            t.first = t.done = whole
+            del t.names[:whole - t.done]
+            t.done = whole
         return out
 
     def forget(self, r: int) -> list[tuple[int, int]]:
