@@ -227,8 +227,8 @@ def standalone(a: argparse.Namespace, kernel) -> list[dict]:
         rows = torch.randint(0, 256, (ctx, 656), dtype=torch.uint8, device="cuda")
         for b in range(Bmax):
             cache.add_request(b)
-            cache.append_rows(0, b, rows)
-        cache.join_backup()
+            cache.write(0, b, rows)
+        cache.streams.join_backup()
         g = torch.Generator().manual_seed(S)
         req_all = torch.arange(Bmax, dtype=torch.int32, device="cuda")
         for w in range(a.warm):

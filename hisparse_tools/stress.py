@@ -375,7 +375,7 @@ class StressRun(PoolChecks, PrefixRun):
                                 b = min(n - 1, a + o.prefill_chunk)
                                 pos = torch.arange(a, b, device=self.dev)
                                 rows = self._rows(layer, torch.full_like(pos, inst), pos)
-                                cache.append_rows(layer, rid, rows)
+                                cache.write(layer, rid, rows)
                             if tracker:
                                 tracker.append(layer, inst, n - 1)
                         self._sync()
@@ -397,7 +397,7 @@ class StressRun(PoolChecks, PrefixRun):
                 t0 = time.perf_counter()
                 id_list, ones = ids.tolist(), [1] * len(ids)
                 for layer in range(L):  # one batched append per layer (fixed launches)
-                    cache.append_rows_batch(layer, id_list, new_rows[layer], ones)
+                    cache.write(layer, cache.plan_write(id_list, ones), new_rows[layer])
                 self._sync()
                 t_step = time.perf_counter() - t0
                 append_ms.append(t_step * 1e3)
@@ -417,7 +417,7 @@ class StressRun(PoolChecks, PrefixRun):
                         failures += f
                 resident_t = torch.tensor([tiers[r] == "resident" for r in ids.tolist()], dtype=torch.bool,
                                           device=self.dev)
-                slot_t = torch.tensor([cache.request_slot(r) for r in ids.tolist()], dtype=torch.int64,
+                slot_t = torch.tensor([cache.request(r).slot for r in ids.tolist()], dtype=torch.int64,
                                       device=self.dev)
                 t_pf = 0.0
                 for layer in range(L):

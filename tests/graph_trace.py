@@ -317,7 +317,7 @@ class Runner:
         c = self.group.hisparse_cache
         for rid, n in self.lens.items():
             for layer in range(self.shape.layers):
-                assert c.layer_len(layer, rid) == n, (rid, layer)
+                assert c.request(rid).lengths[layer] == n, (rid, layer)
                 host = c.read_host_rows(layer, rid, list(range(n)))
                 assert torch.equal(host, self.truth.rows(layer, rid)[:n]), f"host rows of {rid} layer {layer}"
 
@@ -326,7 +326,7 @@ def _stall_stage(r: Runner, cycles: int) -> None:
     """On CUDA, hold the cache's stage stream for ``cycles`` GPU clocks before the next
     eager staging, so that a replay not ordered after that staging runs first and
     leaves another cache (instead of only sometimes)."""
-    stage = r.group.hisparse_cache.stage_stream
+    stage = r.group.hisparse_cache.streams.stage_stream
     if cycles and stage is not None:
         with torch.cuda.stream(stage):
             torch.cuda._sleep(cycles)

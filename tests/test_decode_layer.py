@@ -46,7 +46,7 @@ def make(kernels: str, fmt: str, q: int = 2) -> tuple[HiSparseCache, dict]:
             x = torch.randn((n, 576), generator=g) * 2
             rows = quantize_fp8_ds_mla(x) if fmt == "fp8_ds_mla" else x.to(torch.bfloat16).view(torch.uint8)
             truth[(rid, layer)] = rows
-            c.append_rows(layer, rid, rows)
+            c.write(layer, rid, rows)
     return c, truth
 
 

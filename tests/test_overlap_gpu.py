@@ -45,8 +45,8 @@ def make(seed: int = 0, b: int = B) -> HiSparseCache:
         c.add_request(r)
         for layer in range(2):
             x = torch.randn((CTX, 576), generator=g).to(DEV, torch.bfloat16)
-            c.append_rows(layer, r, quantize_fp8_ds_mla(x))
-    c.join_backup()
+            c.write(layer, r, quantize_fp8_ds_mla(x))
+    c.streams.join_backup()
     torch.cuda.synchronize()
     return c
 
@@ -67,7 +67,7 @@ def test_split_resolve_equals_serial():
     rng = random.Random(1)
     for step in range(6):
         tk = topk(rng, 0.5 + 0.1 * (step % 4))
-        res = a.resolve_split(step % 2, ids, tk, validate=False)
+        res = a.resolve(step % 2, ids, tk, validate=False, split=True)
         res.wait()
         want = b.resolve(step % 2, ids, tk, validate=False)
         torch.cuda.synchronize()

@@ -269,7 +269,7 @@ def test_layers_that_differ_are_named_with_every_layers_rows():
     too, and nothing changes; once the other layers catch up, the batch goes through."""
     g = filled()
     c = g.hisparse_cache
-    c.append_rows(1, 2, rows(1, 7))
+    c.write(1, 2, rows(1, 7))
     refused(g, md_of([(1, 1, 13), (2, 1, 10)], 2), r"batch row 1: request 2 holds \[9, 10, 9\] rows per layer")
     refused(g, md_of([(2, 1, 11)], 1), r"request 2 holds \[9, 10, 9\] rows per layer but the metadata says its "
                                        r"context before this forward is 10")
@@ -278,7 +278,7 @@ def test_layers_that_differ_are_named_with_every_layers_rows():
         c.prepare_step(c.plan_write([1, 2], [1, 1]))
     assert_same(before, state(g))
     for layer in (0, 2):
-        c.append_rows(layer, 2, rows(1, 7))
+        c.write(layer, 2, rows(1, 7))
     forward(g, md_of([(1, 1, 13), (2, 1, 11)], 2))
     assert [g.request_length(2, i) for i in range(L)] == [11] * L
     check_cache(c)
@@ -474,7 +474,7 @@ def test_a_carry_is_not_used_once_the_table_changed_under_the_same_batch():
             n_carried = len(carried)
             assert n_carried and groups[0].hisparse_cache.writer._carry is not None
             # a row appended to every layer of request 2 by the per-layer path
-            both(lambda g: [g.hisparse_cache.append_rows(layer, 2, rows(1, 5)) for layer in range(L)])
+            both(lambda g: [g.hisparse_cache.write(layer, 2, rows(1, 5))[0] for layer in range(L)])
             live[2] += 1
             step(pad_to=pad_to)
             live = {r: n + 1 for r, n in live.items()}

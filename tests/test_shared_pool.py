@@ -221,7 +221,7 @@ def test_drop_in_for_hisparse_cache(pair):
     for c, pool in zip(caches, (w, r)):
         c.add_request(5)
         for layer in range(cfg.num_layers):
-            c.append_rows(layer, 5, expected_rows(layer, 5, 0, n, 32))  # commits the append
+            c.write(layer, 5, expected_rows(layer, 5, 0, n, 32))[0]  # commits the append
     r.wait_visible(0)
     r.verify_admission(timeout_s=1)
     assert all(int(v) == 1 for v in w.buffer.published)  # one append per layer published
@@ -237,7 +237,7 @@ def test_drop_in_for_hisparse_cache(pair):
 
 
 def test_batched_append_uses_the_shared_pool_hooks(pair):
-    """append_rows_batch on both ranks: only the writer stores rows, each call commits
+    """a planned batch's write on both ranks: only the writer stores rows, each call commits
     one append per layer, and the reader stages the writer's rows."""
     from hisparse.cache.cache import HiSparseCache
 
@@ -251,7 +251,7 @@ def test_batched_append_uses_the_shared_pool_hooks(pair):
             rows = torch.cat([expected_rows(layer, rid, 0, n, 32) for rid, n in lens.items()])
             if c is caches[1]:  # rows that stay host-only: a reader store would show up
                 rows[8:19] = 0
-            assert c.append_rows_batch(layer, list(lens), rows, list(lens.values())) == [0, 0]
+            assert c.write(layer, c.plan_write(list(lens), list(lens.values())), rows) == [0, 0]
     r.wait_visible(0)
     r.verify_admission(timeout_s=1)
     assert all(int(v) == 1 for v in w.buffer.published)  # one batched append per layer

@@ -38,7 +38,7 @@ def fill(c: HiSparseCache, lens: dict[int, int]) -> dict:
         for layer in range(c.cfg.num_layers):
             g = torch.Generator().manual_seed(31 * rid + layer)
             truth[(rid, layer)] = torch.randint(0, 256, (n, c.cfg.row_bytes), dtype=torch.uint8, generator=g)
-            c.append_rows(layer, rid, truth[(rid, layer)])
+            c.write(layer, rid, truth[(rid, layer)])
     return truth
 
 
@@ -83,8 +83,8 @@ def hot_before(c: HiSparseCache, layer: int, ids: torch.Tensor, topk: torch.Tens
         prev = rid
         if not ok_run or run > c.cfg.max_query_len:
             continue
-        r = c.request_slot(rid)
-        n = c.layer_len(layer, rid)
+        r = c.request(rid).slot
+        n = c.request(rid).lengths[layer]
         for k in range(K):
             p = int(topk[t, k])
             if 0 <= p < n:
@@ -105,7 +105,7 @@ def test_split_equals_serial(kernels, seed):
         layer = step % 2
         ids, topk = random_step(rng, lens, 2, 5)
         was_hot = hot_before(a, layer, ids, topk)
-        res = a.resolve_split(layer, ids, topk, validate=False)
+        res = a.resolve(layer, ids, topk, validate=False, split=True)
         want = b.resolve(layer, ids, topk, validate=False)
         for name in STATE:
             assert torch.equal(getattr(a.state, name), getattr(b.state, name)), (step, name)
@@ -124,7 +124,7 @@ def test_split_equals_serial(kernels, seed):
             rid = int(ids[t])
             if m:
                 pos = topk[t][valid_miss[t]].long()
-                hosts = a.pool.host_rows(a.request_slot(rid), pos)
+                hosts = a.pool.host_rows(a.request(rid).slot, pos)
                 assert res.miss_host[t, :m].tolist() == hosts.tolist()
                 assert torch.equal(a.hot_rows(layer)[res.miss_physical[t, :m].long()], truth[(rid, layer)][pos])
         check_cache(a)
@@ -152,12 +152,12 @@ def test_split_failure_changes_nothing(kernels, site):
         raise RuntimeError("injected")
     setattr(a.stager, site, boom)
     with pytest.raises(RuntimeError, match="injected"):
-        a.resolve_split(1, ids, topk, validate=False)
+        a.resolve(1, ids, topk, validate=False, split=True)
     setattr(a.stager, site, good)
     for n in STATE:
         assert torch.equal(getattr(a.state, n), before[n]), n
     assert torch.equal(a.hot, hot)
-    x, y = a.resolve_split(1, ids, topk, validate=False), twin.resolve(1, ids, topk, validate=False)
+    x, y = a.resolve(1, ids, topk, validate=False, split=True), twin.resolve(1, ids, topk, validate=False)
     assert torch.equal(x.physical, y.physical)
     for n in STATE:
         assert torch.equal(getattr(a.state, n), getattr(twin.state, n)), n

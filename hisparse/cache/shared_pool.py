@@ -22,7 +22,7 @@ writer means one PCIe D2H stream per node instead of TP of them, and a single
 writer per counter needs no cross-process atomics (a plain aligned 8-byte store).
 
 Ordering of writes vs other ranks' reads: a per-layer *published append count*.
-Every rank calls :meth:`SharedHostPool.commit_append` after each ``append_rows`` of
+Every rank calls :meth:`SharedHostPool.commit_append` after each per-request ``write`` of
 a layer (all TP ranks make the same calls, so they count alike). The writer stores
 its count into ``published[layer]`` only after its rows are on host (CPU: the copy
 has returned; CUDA: after the copy's event has completed). Before staging misses
@@ -380,7 +380,7 @@ class SharedHostPool(HostPool):
         return int(self.buffer.published[layer])
 
     def commit_append(self, layer: int, event: Any = None) -> None:
-        """Count one ``append_rows`` of ``layer`` (call on every rank, after the host copy
+        """Count one per-request ``write`` of ``layer`` (call on every rank, after the host copy
         was issued). The writer publishes the count; with a CUDA ``event`` recorded after
         its copy it first waits for that event (a host sync of the backup stream)."""
         self._check_layer(layer)

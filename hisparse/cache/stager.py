@@ -49,7 +49,7 @@ class _Event:
         self.event = torch.cuda.Event() if cuda else None
         self.recorded = False
         self.in_capture = False
-        self.records = 0  # how many times it was recorded (``CacheStreams.recorded_since``)
+        self.records = 0  # how many times it was recorded (``CacheGraphs.capture``)
         self._eager_records = eager_records  # a counter shared by a group of events, or None
 
     def record(self, stream, in_capture: bool) -> None:
@@ -102,57 +102,29 @@ class CacheStreams:
         self._fork.record(cur)
         stream.wait_event(self._fork)
 
-    def _events(self) -> list[_Event]:
+    def events(self) -> list[_Event]:
+        """Every event of the cache: the host mirror's, then each layer's stage and
+        resolved events."""
         return [self.backup, *self.stage, *self.resolved]
+
+    @property
+    def stage_stream(self):
+        """The stream staging runs on (None on CPU)."""
+        return self.streams.stage
 
     def current(self):
         return self.streams.current()
 
     def flags(self) -> list[tuple[bool, bool, int]]:
-        """(recorded, in_capture, records) of every event, to put back with
-        :meth:`restore_flags` (around a capture whose graph replays later)."""
-        return [(ev.recorded, ev.in_capture, ev.records) for ev in self._events()]
-
-    def restore_flags(self, flags: list[tuple[bool, bool, int]]) -> None:
-        for ev, (rec, cap, n) in zip(self._events(), flags):
-            ev.recorded, ev.in_capture, ev.records = rec, cap, n
-
-    def recorded_since(self, flags: list[tuple[bool, bool, int]]) -> list[_Event]:
-        """The events recorded since ``flags`` were taken (e.g. by a capture)."""
-        return [ev for ev, (_, _, n) in zip(self._events(), flags) if ev.records != n]
-
-    def lend_events(self) -> list:
-        """Give every event a fresh CUDA event for a capture whose graph replays later, and
-        return the real ones for :meth:`return_events`. A CUDA event recorded during capture
-        can no longer be waited on outside it, so the capture records stand-ins and the real
-        events keep their last eager record."""
-        real = [ev.event for ev in self._events()]
-        if self.cuda:
-            for ev in self._events():
-                ev.event = torch.cuda.Event()
-        return real
-
-    def return_events(self, real: list) -> list:
-        """Put back the events :meth:`lend_events` returned; returns the stand-ins (a graph
-        keeps those it was captured with)."""
-        lent = [ev.event for ev in self._events()]
-        for ev, e in zip(self._events(), real):
-            ev.event = e
-        return lent
-
-    def forget_captured(self) -> None:
-        """Forget every event last recorded by a capture or a replay (a new capture starts:
-        a wait on them inside it would be invalid; the work they mark is ordered before
-        anything the current stream enqueues)."""
-        for ev in self._events():
-            if ev.in_capture:
-                ev.recorded = False
+        """(recorded, in_capture, records) of every event (``CacheGraphs.capture`` puts
+        them back around a capture whose graph replays later)."""
+        return [(ev.recorded, ev.in_capture, ev.records) for ev in self.events()]
 
     def note_replay(self) -> None:
         """A graph captured over this cache's calls is about to be replayed: the events'
         latest work is the replay's, which a host wait can only cover by a device sync
         (``_Event.synchronize``) and which every stream here is ordered after already."""
-        for ev in self._events():
+        for ev in self.events():
             if ev.event is not None:
                 ev.recorded, ev.in_capture = True, True
 
@@ -164,7 +136,7 @@ class CacheStreams:
         waits on."""
         cap = capturing(self.device)
         if cap and not self._was_capturing:
-            for ev in self._events():
+            for ev in self.events():
                 if ev.in_capture:
                     ev.recorded = False
         self._was_capturing = cap
@@ -178,24 +150,29 @@ class CacheStreams:
         return cur, self.capturing()
 
     def wait_resolved(self, layer: int, stream=None) -> None:
-        """``stream`` (default current) waits for the layer's last resolve state updates
-        (a split resolve's miss phase), not for its staging."""
+        """``stream`` (default current) waits until the last resolve of ``layer`` updated
+        the LRU state and chose its slots (a split resolve's miss phase), but not for its
+        staging; inside a capture, for the one captured."""
         cap = self.capturing()
         self.resolved[layer].wait_by(stream if stream is not None else self.current(), cap)
 
-    def wait_stage(self, layer: int, stream=None) -> None:
-        """``stream`` (default current) waits for the layer's last staging."""
+    def wait_staging(self, layer: int, stream=None) -> None:
+        """``stream`` (default current) waits until the last staging of ``layer`` (a
+        ``resolve(..., wait=False)``) landed; inside a capture, for the one captured."""
         cap = self.capturing()
         self.stage[layer].wait_by(stream if stream is not None else self.current(), cap)
 
-    def before_lifecycle(self) -> None:
-        """The compute stream waits for every layer's in-flight staging (add / free)."""
+    def join_staging(self) -> None:
+        """The current stream waits for every layer's in-flight resolve and staging
+        (before buffers those read are rewritten; add / free_request do)."""
         cur, cap = self.current(), self.capturing()
         for ev in self.stage:
             ev.wait_by(cur, cap)
 
     def join_backup(self, stream=None) -> None:
-        """``stream`` (default current) waits until every host mirror copy is done."""
+        """``stream`` (default current) waits until every host mirror copy is done; needed
+        before replaying a captured resolve after eager appends, or before staging reads
+        rows appended in the same step from host."""
         if not self.cuda:
             return
         stream = stream if stream is not None else self.current()
@@ -324,7 +301,7 @@ class Stager:
         the host rows; eagerly nothing waits for the mirror). Returns None with
         ``wait`` (the current stream is ordered after the launch already); without it
         the layer's stage event, recorded after the launch, for a reader on another
-        stream (``ResolveResult.wait``, ``wait_stage``)."""
+        stream (``ResolveResult.wait``, ``wait_staging``)."""
         cs = self.streams
         cur, cap = cs.current(), cs.capturing()
         cs.stage[layer].wait_by(cur, cap)

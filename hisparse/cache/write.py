@@ -375,9 +375,9 @@ class Writer:
             step.plan_recorded = True
         self._finish_step(layer, step)
 
-    def write_step_by(self, layer: int, step: StepPlan, launch: Callable[[], None]) -> None:
+    def run_step(self, layer: int, step: StepPlan, launch: Callable[[], None]) -> None:
         """``write_step`` of a padded step whose launches ``launch()`` enqueues (a replay
-        of a graph captured over :meth:`launch_step`): the same checks first, the same
+        of a graph captured over :meth:`enqueue_step`): the same checks first, the same
         bookkeeping after. A ``launch`` that raises leaves the layer pending. A step of
         zero rows calls nothing."""
         self.check_step(layer, step)
@@ -388,7 +388,7 @@ class Writer:
         launch()
         self._finish_step(layer, step, capturing=False)
 
-    def launch_step(self, layer: int, step: StepPlan, rows: torch.Tensor) -> None:
+    def enqueue_step(self, layer: int, step: StepPlan, rows: torch.Tensor) -> None:
         """The launches of ``write_step`` alone (rows checked by the caller, packed), for
         a graph capture: no bookkeeping. The current stream then waits for the host
         mirror, so that a graph captured over this call joins every stream it used."""

@@ -281,13 +281,12 @@ class HiSparseIndexGroup(PrefillCalls, LayerGraphCalls, DecodeAttentionCalls, PD
         """Rows stored for ``req_id`` in layer ``layer_index`` (this forward's rows count
         once the layer's ``write_new_rows`` ran)."""
         i = self._layer(layer_index)
-        self._cache.layer_len(i, req_id)  # checks the id
-        return self._visible_lengths(req_id)[i]
+        return self._visible_lengths(req_id)[i]  # checks the id
 
     def _visible_lengths(self, req_id: int) -> list[int]:
         """Rows per layer of a live request, a layer this forward has not written yet
         counted as before the forward."""
-        return self._cache.lengths_before(req_id, self._step)
+        return list(self._cache.request(req_id, self._step).lengths)
 
     def stats(self) -> dict:
         return self._cache.stats()
@@ -363,7 +362,7 @@ class HiSparseIndexGroup(PrefillCalls, LayerGraphCalls, DecodeAttentionCalls, PD
         if capacity is not None and device_type(self.device) == "cuda":
             # the persistent buffers are rewritten below: in-flight staging of the last
             # forward (which reads the decode ids) finishes first
-            cache.join_staging()
+            cache.streams.join_staging()
         # changes state last; puts back the layers the last forward did not write
         try:
             step = cache.prepare_step(write_batch, capacity=capacity, replaces=self._step,
@@ -387,7 +386,7 @@ class HiSparseIndexGroup(PrefillCalls, LayerGraphCalls, DecodeAttentionCalls, PD
         self._begun = {}
         self._written = set()  # layers whose rows this forward wrote
         if replay:  # the graph's replay runs every layer's write and resolve
-            cache.note_replay(tokens=ndt)
+            cache.graphs.note_replay(tokens=ndt)
             step.pending.clear()
             self._written = set(range(cfg.num_layers))
             for i in range(cfg.num_layers):
@@ -399,7 +398,7 @@ class HiSparseIndexGroup(PrefillCalls, LayerGraphCalls, DecodeAttentionCalls, PD
         in some layer than ``seq_len - query_len`` (``qlens``: each row's query length),
         a layer the last forward did not write counted as before it."""
         ids = metadata.request_ids_cpu
-        slots, same, len0 = self._cache.lengths_before_batch(ids, self._step)
+        slots, same, len0 = self._cache.batch_lengths(ids, self._step)
         starts = np.array([s - q for s, q in zip(metadata.seq_lens_cpu, qlens)])
         dead = None in slots
         bad = ~same | (len0 != starts)
@@ -421,7 +420,7 @@ class HiSparseIndexGroup(PrefillCalls, LayerGraphCalls, DecodeAttentionCalls, PD
         it wrote in some layers hold a row more there than in the others, and can only
         be freed."""
         if self._step is not None:
-            self._cache.abandon_step(self._step, captured=True)
+            self._step.abandon(captured=True)
         self._batch = None
         self._written = set()
         self._converted = {}
@@ -560,7 +559,7 @@ class HiSparseIndexGroup(PrefillCalls, LayerGraphCalls, DecodeAttentionCalls, PD
                         ("outside a CUDA graph capture", "inside one")
                 raise ValueError(f"layer {i} was converted {where[0]} and is waited for {where[1]}: a "
                                  "stream cannot wait across a capture boundary; wait on the same side")
-            self._cache.wait_staging(i, stream)
+            self._cache.streams.wait_staging(i, stream)
             del self._unwaited[i]
 
     def _capturing(self) -> bool:

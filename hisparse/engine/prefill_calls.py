@@ -133,11 +133,11 @@ class PrefillCalls:
         c = self._cache
         i32 = dict(dtype=torch.int32, device=self.device)
         requests = StageRequests(
-            req_slots=torch.tensor([c.request_slot(rid) for rid, _ in reqs], **i32),
+            req_slots=torch.tensor([c.request(rid).slot for rid, _ in reqs], **i32),
             seq_lens=torch.tensor([n for _, n in reqs], **i32), starts=torch.tensor(starts, **i32),
             max_rows=max((n for _, n in reqs), default=0))
         if self.prefill_stream is not None:
-            c.join_backup(self.prefill_stream)
+            c.streams.join_backup(self.prefill_stream)
         return stage_prefill(c.layer_view(layer), requests, dst, stream=self.prefill_stream,
                              validate=self.validate, kernels=c.kernels)
 

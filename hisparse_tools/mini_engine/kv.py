@@ -331,13 +331,13 @@ class HiSparseKV(KVStore):
         c = self.group.hisparse_cache
         md = batch.md
         need = md.num_decodes * -(-md.decode_max_query_len // DEVICE_PAGE_ROWS)
-        return c.all_resident() and c.pool_pages_free() >= need
+        return c.graphs.all_resident() and c.pool_usage().pages_free >= need
 
     def capture_variant(self, variant: object):
-        return self.group.hisparse_cache.resident_capture() if variant else contextlib.nullcontext()
+        return self.group.hisparse_cache.graphs.resident_capture() if variant else contextlib.nullcontext()
 
     def variant_holds(self, variant: object) -> bool:
-        return not variant or self.group.hisparse_cache.all_resident()
+        return not variant or self.group.hisparse_cache.graphs.all_resident()
 
     def write(self, layer: int, rows: torch.Tensor, batch: Batch) -> None:
         self.group.write_new_rows(layer, rows, batch.md)
