@@ -243,7 +243,7 @@ def standalone(a: argparse.Namespace, kernel) -> list[dict]:
             case = {"slots": S, "batch": B, "context": ctx}
 
             def launch():
-                rt._launch_resolve(cache.state, 0, req, tk, out, max_query_len=1)
+                rt.resolve_unchecked(cache.state, 0, req, tk, out, max_query_len=1)
             for cold in (False, True):
                 def before():
                     for n in names:

@@ -48,8 +48,8 @@ class RecordingGraphs:
     def targets(self) -> list[tuple[object, str]]:
         """(object, attribute) of each function a capture records."""
         c = self.cache
-        return [(c.writer, "apply_fn"), (c.writer, "mirror_fn"), (c.stager, "resolve_fn"), (c.stager, "copy_fn"),
-                (c.stager, "lookup_fn"), (c.stager, "resident_fn")]
+        return [(c.kernel_set, name) for name in ("apply_write", "mirror", "resolve", "copy_staged", "lookup",
+                                                  "resolve_resident")]
 
     def capture(self, fn):
         calls = []
@@ -86,8 +86,8 @@ class KernelGraphs(RecordingGraphs):
     def targets(self) -> list[tuple[object, str]]:
         import hisparse.cache.kernel_set as cache_module
         c = self.cache
-        return [(c.writer, "apply_fn"), (c.stager, "resolve_fn"), (c.stager, "lookup_fn"), (c.stager, "resident_fn"),
-                (cache_module, "_launch_copy_rows"), (cache_module, "_launch_copy_staged")]
+        return [*((c.kernel_set, name) for name in ("apply_write", "resolve", "lookup", "resolve_resident")),
+                (cache_module, "copy_rows_unchecked"), (cache_module, "copy_staged_unchecked")]
 
 
 def make_group(shape: TraceShape, device: str, kernels: str, *, validate: bool = False,

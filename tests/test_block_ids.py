@@ -158,17 +158,17 @@ def test_failed_staging_rolls_back_from_aliased_rows(kernels):
         cache.resolve(0, req, torch.arange(first, first + 8, dtype=I32)[None])
     assert bool((cache.state.slot_pos[0, rb, :16] >= 0).all())
     before = snapshot(cache)
-    real = cache.stager.copy_fn
+    real = cache.kernel_set.copy_staged
 
     def copy_then_fail(*a, **kw):
         real(*a, **kw)
         raise RuntimeError("injected copy failure")
 
-    cache.stager.copy_fn = copy_then_fail
+    cache.kernel_set.copy_staged = copy_then_fail
     fresh = torch.tensor([[0, 2, 4, 6, 8, 10, 12, 14]], dtype=I32)
     with pytest.raises(RuntimeError, match="injected"):
         cache.resolve(0, req, fresh)
-    cache.stager.copy_fn = real
+    cache.kernel_set.copy_staged = real
     after = snapshot(cache)
     for name in before:
         assert torch.equal(before[name], after[name]), name

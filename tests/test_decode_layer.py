@@ -501,8 +501,9 @@ def test_split_hit_attention_waits_for_the_miss_phase_when_planned(monkeypatch, 
     be = ReferenceBackend()
     layer = DecodeLayer(c, be, overlap="split")
     monkeypatch.setattr(layer, "_launch_plan", lambda T, H, K, fmt: (None, None, waits))
-    events, decode, wait = [], be.decode, c.wait_resolved
-    monkeypatch.setattr(c, "wait_resolved", lambda lay, stream=None: (events.append(("wait", lay)), wait(lay, stream)))
+    events, decode, wait = [], be.decode, c.streams.wait_resolved
+    monkeypatch.setattr(c.streams, "wait_resolved",
+                        lambda lay, stream=None: (events.append(("wait", lay)), wait(lay, stream)))
     monkeypatch.setattr(be, "decode", lambda *a, **k: (events.append(("decode",)), decode(*a, **k))[1])
     staged = SplitResult.wait
     monkeypatch.setattr(SplitResult, "wait", lambda self, stream=None: (events.append(("staged",)),

@@ -423,7 +423,7 @@ def _raise(*_a, **_k):
 
 
 @pytest.mark.parametrize("kernels", KERNELS)
-@pytest.mark.parametrize("site", ["writer.mirror_fn", "writer.apply_fn"])
+@pytest.mark.parametrize("site", ["kernel_set.mirror", "kernel_set.apply_write"])
 @pytest.mark.parametrize("path", ["write", "token_rows"])
 def test_a_failing_write_launch_undoes_its_demotion_and_grants(kernels, site, path):
     """Regression: a write whose pool changes (a demotion, a grant) were made before its
@@ -598,11 +598,11 @@ def test_rollback_with_resident_groups(kernels, call, when):
     tk = torch.tensor([[29, 3], [3, -1], [99, 64], [199, 0], [7, 200], [0, 1]], dtype=I32)
     before = full_state(c)
     if call == "split_hit_phase":  # the miss phase itself raises: only the hit phase ran
-        good = c.stager.resolve_fn
-        c.stager.resolve_fn = _raise if when == "before" else _after(good)
+        good = c.kernel_set.resolve
+        c.kernel_set.resolve = _raise if when == "before" else _after(good)
     else:
-        good = c.stager.copy_fn
-        c.stager.copy_fn = _raise if when == "before" else _after(good)
+        good = c.kernel_set.copy_staged
+        c.kernel_set.copy_staged = _raise if when == "before" else _after(good)
     with pytest.raises(Boom):
         if call in ("resolve_split", "split_hit_phase"):
             c.resolve(1, ids, tk, validate=False, split=True)
@@ -611,9 +611,9 @@ def test_rollback_with_resident_groups(kernels, call, when):
         else:
             c.resolve(1, ids, tk, validate=False, compact=call == "resolve_compact")
     if call == "split_hit_phase":
-        c.stager.resolve_fn = good
+        c.kernel_set.resolve = good
     else:
-        c.stager.copy_fn = good
+        c.kernel_set.copy_staged = good
     same_state(before, full_state(c))
     check_cache(c)
     a, b = c.resolve(1, ids, tk, validate=False), twin.resolve(1, ids, tk, validate=False)

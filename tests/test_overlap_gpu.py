@@ -198,7 +198,7 @@ def _hit_attention_end_ms(T: int, stall_cycles: int) -> float:
     q = (torch.randn((T, H, 576), generator=g) * 0.5).to(DEV, torch.bfloat16)
     layer(0, ids, topk(rng, 0.8, b=T), q, sm_scale=SM)  # compiles everything
     torch.cuda.synchronize()
-    marks, decode, resolve = [], be.decode, c.stager.resolve_fn
+    marks, decode, resolve = [], be.decode, c.kernel_set.resolve
 
     def timed_decode(*a, **k):
         out = decode(*a, **k)
@@ -210,7 +210,7 @@ def _hit_attention_end_ms(T: int, stall_cycles: int) -> float:
         torch.cuda._sleep(stall_cycles)
         return resolve(*a, **k)
 
-    be.decode, c.stager.resolve_fn = timed_decode, stalled_resolve
+    be.decode, c.kernel_set.resolve = timed_decode, stalled_resolve
     start = torch.cuda.Event(enable_timing=True)
     start.record()
     layer(1, ids, topk(rng, 0.8, b=T), q, sm_scale=SM)

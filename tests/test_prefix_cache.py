@@ -657,10 +657,10 @@ def test_a_write_that_evicts_drops_the_blocks_before_its_launches():
     def boom(*args, **kw):
         raise RuntimeError("apply launch failed (injected)")
 
-    real, c.writer.apply_fn = c.writer.apply_fn, boom
+    real, c.kernel_set.apply_write = c.kernel_set.apply_write, boom
     with pytest.raises(RuntimeError, match="injected"):
         c.write(0, 1, n.rows.get(0, 0, 3 * B))
-    c.writer.apply_fn = real
+    c.kernel_set.apply_write = real
     assert c.prefix.index.cached == 0 and c.pool.allocator.num_free == 3
     assert c.request(1).lengths[0] == 0
     n.write()

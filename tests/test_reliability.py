@@ -266,10 +266,10 @@ def _append_call(c):
 
 
 SITES = [  # (what fails, the call that reaches it)
-    ("writer.mirror_fn", _append_call),
-    ("writer.apply_fn", _append_call),
-    ("stager.resolve_fn", _resolve_call),
-    ("stager.copy_fn", _resolve_call),
+    ("kernel_set.mirror", _append_call),
+    ("kernel_set.apply_write", _append_call),
+    ("kernel_set.resolve", _resolve_call),
+    ("kernel_set.copy_staged", _resolve_call),
 ]
 
 
@@ -318,14 +318,14 @@ def test_staging_that_ran_then_failed_changes_nothing(kernels, call):
     ids = torch.tensor([1, 2, 4], dtype=I32)
     tk = torch.tensor([[29, 3, 17, 9], [5, 0, 1, 2], [20, 19, 11, 4]], dtype=I32)
     before = full_state(c)
-    good = c.stager.copy_fn
-    c.stager.copy_fn = _after(good)
+    good = c.kernel_set.copy_staged
+    c.kernel_set.copy_staged = _after(good)
     with pytest.raises(Boom):
         if call == "resolve_split":
             c.resolve(1, ids, tk, validate=False, split=True)
         else:
             c.resolve(1, ids, tk, validate=False) if call == "resolve" else c.prefetch(1, ids, tk)
-    c.stager.copy_fn = good
+    c.kernel_set.copy_staged = good
     assert_same(before, full_state(c))
     check_cache(c)
     a, b = c.resolve(1, ids, tk, validate=False), twin.resolve(1, ids, tk, validate=False)
@@ -350,11 +350,11 @@ def test_staging_failure_rolls_back_multi_token_groups(kernels):
     for x in (c, twin):
         x.resolve(0, ids[:3], tk[:3].flip(1).contiguous())
     before = full_state(c)
-    good = c.stager.copy_fn
-    c.stager.copy_fn = _raise
+    good = c.kernel_set.copy_staged
+    c.kernel_set.copy_staged = _raise
     with pytest.raises(Boom):
         c.resolve(0, ids, tk, validate=False)
-    c.stager.copy_fn = good
+    c.kernel_set.copy_staged = good
     assert_same(before, full_state(c))
     a, b = c.resolve(0, ids, tk, validate=False), twin.resolve(0, ids, tk, validate=False)
     assert torch.equal(a.physical, b.physical)
@@ -402,8 +402,8 @@ def group_state(g: HiSparseIndexGroup) -> dict:
 
 
 @pytest.mark.parametrize("kernels", KERNELS)
-@pytest.mark.parametrize("site", ["writer.mirror_fn", "writer.apply_fn", "stager.resolve_fn",
-                                  "stager.copy_fn", "prefill"])
+@pytest.mark.parametrize("site", ["kernel_set.mirror", "kernel_set.apply_write", "kernel_set.resolve",
+                                  "kernel_set.copy_staged", "prefill"])
 def test_engine_calls_change_nothing_when_a_launch_fails(kernels, site, monkeypatch):
     g = make_group(kernels)
     c = g.hisparse_cache
@@ -415,9 +415,9 @@ def test_engine_calls_change_nothing_when_a_launch_fails(kernels, site, monkeypa
     ws = torch.zeros((5, 576), dtype=torch.bfloat16)
     starts = torch.tensor([0], dtype=I32)
     g.prepare_for_batch(md)
-    if site.startswith("writer"):
+    if site in ("kernel_set.mirror", "kernel_set.apply_write"):
         calls = [lambda: g.write_new_rows(0, rows, md)]
-    elif site.startswith("stager"):
+    elif site.startswith("kernel_set"):
         g.write_new_rows(0, rows, md)
         calls = [lambda: g.convert_decode_logical_to_physical_topk(0, topk, md)]
     else:

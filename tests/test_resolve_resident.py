@@ -95,7 +95,7 @@ def test_resident_resolve_equals_the_full_resolve(kernels, seed):
         resolve_reference(want_state, layer, ids, topk, want, max_query_len=Q, compact=compact)
         before = copy.deepcopy(c.state)
         got = ResolveBuffers.allocate(T, K, torch.device("cpu"))
-        c.stager.resident_fn(c.state, layer, ids, topk, got, max_query_len=Q, compact=compact)
+        c.kernel_set.resolve_resident(c.state, layer, ids, topk, got, max_query_len=Q, compact=compact)
         assert torch.equal(got.physical, want.physical)
         assert torch.equal(got.valid_counts, want.valid_counts)
         assert torch.equal(got.stage_src[:T * K], want.stage_src[:T * K])
@@ -115,7 +115,7 @@ def test_a_live_hot_request_on_the_resident_kernel_gets_no_rows_and_is_counted()
     c.state.resident[0] = 0  # host and device disagree (what the path's choice rules out)
     out = c._bufs[0].view(1, 8)
     inv0 = int(c.state.stats[0, 2])
-    c.stager.resident_fn(c.state, 0, torch.tensor([1], dtype=I32), torch.tensor([[0, 1, -1, 2, 3, 4, 5, 6]],
+    c.kernel_set.resolve_resident(c.state, 0, torch.tensor([1], dtype=I32), torch.tensor([[0, 1, -1, 2, 3, 4, 5, 6]],
                          dtype=I32), out, max_query_len=3, compact=False)
     assert out.physical.tolist() == [[-1] * 8] and out.valid_counts.tolist() == [0]
     assert int(c.state.stats[0, 2]) - inv0 == 7
@@ -163,7 +163,7 @@ def test_resident_capture_and_its_refusals():
                                          "would give them no rows"):
         with c.graphs.resident_capture():
             pass
-    assert not c._resident_capture
+    assert not c.graphs._resident_capture
     nopool = HiSparseCache(HiSparseConfig(num_layers=1, host_pool_tokens=64, row_bytes=16, top_k=2,
                                           device_buffer_size=4, max_num_reqs=2, device="cpu"), kernels="torch")
     assert not nopool.graphs.all_resident() and not nopool.graphs.resident_resolve()

@@ -68,7 +68,7 @@ def test_resident_kernel_matches_the_full_reference(q, compact):
     want = ResolveBuffers.allocate(T, K, torch.device("cpu"))
     resolve_reference(cpu_state, 0, req.cpu(), tk.cpu(), want, max_query_len=q, compact=compact)
     got = ResolveBuffers.allocate(T, K, torch.device("cuda"))
-    c.stager.resident_fn(c.state, 0, req, tk, got, max_query_len=q, compact=compact)
+    c.kernel_set.resolve_resident(c.state, 0, req, tk, got, max_query_len=q, compact=compact)
     torch.cuda.synchronize()
     assert torch.equal(got.physical.cpu(), want.physical)
     assert torch.equal(got.valid_counts.cpu(), want.valid_counts)

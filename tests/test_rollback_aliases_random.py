@@ -75,12 +75,12 @@ def run(kernels, seed, n_ops=40):
         tk_t = torch.tensor(tk, dtype=torch.int32)
         fail = rng.random() < 1 / 3
         before = snap(c)
-        real = c.stager.copy_fn
+        real = c.kernel_set.copy_staged
         if fail:
             def boom(*a, **kw):
                 real(*a, **kw)
                 raise RuntimeError("injected")
-            c.stager.copy_fn = boom
+            c.kernel_set.copy_staged = boom
         try:
             if kind == "resolve":
                 res = c.resolve(layer, req_t, tk_t)
@@ -95,7 +95,7 @@ def run(kernels, seed, n_ops=40):
             same(before, snap(c), (kernels, seed, i, kind), hot_all=False)
             log.append((kind, "failed"))
         finally:
-            c.stager.copy_fn = real
+            c.kernel_set.copy_staged = real
     return snap(c), log
 
 

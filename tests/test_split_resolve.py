@@ -131,7 +131,7 @@ def test_split_equals_serial(kernels, seed):
 
 
 @pytest.mark.parametrize("kernels", KERNELS)
-@pytest.mark.parametrize("site", ["lookup_fn", "resolve_fn", "copy_fn"])
+@pytest.mark.parametrize("site", ["lookup", "resolve", "copy_staged"])
 def test_split_failure_changes_nothing(kernels, site):
     a, twin = make(kernels), make(kernels)
     lens = {1: 40, 3: 9, 6: 27}
@@ -146,14 +146,14 @@ def test_split_failure_changes_nothing(kernels, site):
     ids, topk = random_step(rng, lens, 2, 5)
     before = {n: getattr(a.state, n).clone() for n in STATE}
     hot = a.hot.clone()
-    good = getattr(a.stager, site)
+    good = getattr(a.kernel_set, site)
 
     def boom(*_a, **_k):
         raise RuntimeError("injected")
-    setattr(a.stager, site, boom)
+    setattr(a.kernel_set, site, boom)
     with pytest.raises(RuntimeError, match="injected"):
         a.resolve(1, ids, topk, validate=False, split=True)
-    setattr(a.stager, site, good)
+    setattr(a.kernel_set, site, good)
     for n in STATE:
         assert torch.equal(getattr(a.state, n), before[n]), n
     assert torch.equal(a.hot, hot)

@@ -31,7 +31,7 @@ from . import lifecycle
 from . import validate as V
 from .device_pool import DevicePool
 from .host_pool import HostPool, check_pool
-from .kernel_set import kernel_set
+from .kernel_set import cache_kernels
 from .prefix import PrefixCache
 from .requests import RequestTable
 from .resolve_triton import check_state
@@ -87,8 +87,8 @@ class HiSparseCache:
         self.state = HotState.allocate(cfg, self.device)
         if choice is Kernels.TRITON:
             check_state(self.state)  # once: the per-call launches rely on it
-        fns = kernel_set(choice, self.device, self.pool)
-        self._pinned_check = fns.pop("pinned_check")
+        # the launches, torch references or Triton (hisparse.cache.kernel_set)
+        self.kernel_set = cache_kernels(choice, self.device, self.pool)
         # uint8 [L, device_rows_per_layer, row_bytes]; hot[l] is what physical indices index
         self.hot = torch.zeros((L, cfg.device_rows_per_layer, cfg.row_bytes), dtype=torch.uint8,
                                device=self.device)
@@ -98,11 +98,9 @@ class HiSparseCache:
         self.streams = CacheStreams(self.device, L)
         self.cuda = self.streams.cuda
         self.writer = Writer(cfg, requests=self.requests, pool=self.pool, state=self.state, hot=self.hot,
-                             streams=self.streams, apply_fn=fns["apply_fn"], mirror_fn=fns["mirror_fn"],
+                             streams=self.streams, kernel_set=self.kernel_set,
                              device=self.device, device_pool=self.dpool)
-        self.stager = Stager(self.streams, self.state, resolve_fn=fns["resolve_fn"], lookup_fn=fns["lookup_fn"],
-                             resident_fn=fns["resident_fn"], copy_fn=fns["copy_fn"],
-                             max_query_len=cfg.max_query_len)
+        self.stager = Stager(self.streams, self.state, self.kernel_set, max_query_len=cfg.max_query_len)
         T, K = cfg.max_tokens, cfg.top_k
         self._prefetch_out = ResolveBuffers.allocate(T, K, self.device)  # its undo log serves all
         self._bufs = [ResolveBuffers.allocate(T, K, self.device, undo_of=self._prefetch_out) for _ in range(L)]
@@ -364,7 +362,7 @@ class HiSparseCache:
         """What a resolve checks at every call, planned or not: the host pool's pinning
         (staging reads it over UVA: refused before any launch) and, for a pool shared by
         several processes, that the writer rank's rows of ``layer`` are on host."""
-        self._pinned_check("the host pool")
+        self.kernel_set.check_pinned("the host pool")
         if self.pool.shared and not self.streams.capturing():
             self.pool.wait_visible(layer)
 

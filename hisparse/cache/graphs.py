@@ -144,7 +144,7 @@ class WriteCall:
             c.write_step(self.layer, self.step, rows)
             return
         if c.pool.is_writer:
-            c._pinned_check("the host pool")  # the mirror writes it over UVA
+            c.kernel_set.check_pinned("the host pool")  # the mirror writes it over UVA
         c.writer.check_step(self.layer, self.step)
 
         def launch() -> None:

@@ -18,7 +18,7 @@ Ordering rules (each one an event wait, never a host sync):
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,6 +26,9 @@ from .._checks import check_int, device_type
 from ..device import Streams
 from .rollback import rollback_resolve
 from .state import STAT_PREFETCH, HotState, ResolveBuffers
+
+if TYPE_CHECKING:
+    from .kernel_set import CacheKernels
 
 
 def capturing(device: torch.device) -> bool:
@@ -202,22 +205,19 @@ class CopyShape:
 class Stager:
     """Resolve + miss staging of one cache on the stage stream.
 
-    resolve_fn(state, layer, req_ids, topk, out, max_query_len=, compact=) updates the
-    LRU state and fills ``out``; copy_fn(host_rows, out, hot_rows, K=, programs=) stages
-    its misses (``transfer.copy_staged``). ``stage_programs``: the staging kernel's grid
+    kernel_set (``hisparse.cache.kernel_set``): ``resolve`` updates the LRU state and fills
+    ``out``; ``copy_staged`` stages its misses; ``lookup`` is a split resolve's hit phase,
+    ``resolve_resident`` the resident path. ``stage_programs``: the staging kernel's grid
     (None = a quarter of the SMs, so that it runs beside the attention). When
     the copy launch raises after the resolve launch ran, the resolve is rolled back
     (``cache.rollback``) before the error propagates, so the failed call changes nothing.
     """
 
-    def __init__(self, streams: CacheStreams, state: HotState, *, resolve_fn: Callable,
-                 lookup_fn: Callable, resident_fn: Callable, copy_fn: Callable, max_query_len: int) -> None:
+    def __init__(self, streams: CacheStreams, state: HotState, kernel_set: CacheKernels, *,
+                 max_query_len: int) -> None:
         self.streams = streams
         self.state = state
-        self.resolve_fn = resolve_fn
-        self.lookup_fn = lookup_fn
-        self.resident_fn = resident_fn
-        self.copy_fn = copy_fn
+        self.kernel_set = kernel_set
         self.max_query_len = max_query_len
         self._stage_programs: int | None = None
 
@@ -268,11 +268,11 @@ class Stager:
             cs.backup.wait_by(stage, cap)
         ev = cs.stage[layer]
         with cs.streams.on(stage):
-            self.resolve_fn(self.state, layer, req_ids, topk, out, max_query_len=self.max_query_len,
+            self.kernel_set.resolve(self.state, layer, req_ids, topk, out, max_query_len=self.max_query_len,
                             compact=compact, prefetch=prefetch)
             cs.resolved[layer].record(stage, cap)
             try:
-                self.copy_fn(host_rows, out, hot_rows, K=topk.shape[1], programs=self.stage_programs)
+                self.kernel_set.copy_staged(host_rows, out, hot_rows, K=topk.shape[1], programs=self.stage_programs)
             except BaseException:
                 if not cap:  # a failed capture is discarded by its owner; nothing ran
                     if prefetch:
@@ -292,7 +292,7 @@ class Stager:
     def run_resident(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor, out: ResolveBuffers, *,
                      compact: bool, wait: bool = True):
         """The resolve of a batch whose live requests are all resident, one launch of
-        ``resident_fn`` on the current stream after the layer's earlier staging work
+        ``kernel_set.resolve_resident`` on the current stream after the layer's earlier staging work
         (which wrote the same buffers): nothing to stage. One launch that changes only
         counters: nothing to undo when it raises. Under capture the current stream then
         joins the host mirror's stream: a captured write forked it, and a capture must
@@ -305,7 +305,7 @@ class Stager:
         cs = self.streams
         cur, cap = cs.current(), cs.capturing()
         cs.stage[layer].wait_by(cur, cap)
-        self.resident_fn(self.state, layer, req_ids, topk, out, max_query_len=self.max_query_len, compact=compact)
+        self.kernel_set.resolve_resident(self.state, layer, req_ids, topk, out, max_query_len=self.max_query_len, compact=compact)
         if cap:
             cs.backup.wait_by(cur, cap)
         if wait:
@@ -327,7 +327,7 @@ class Stager:
         cs = self.streams
         cur, cap = cs.current(), cs.capturing()
         cs.stage[layer].wait_by(cur, cap)  # earlier work of this layer (a prefetch) first
-        self.lookup_fn(self.state, layer, req_ids, topk, hit, out.undo_hit,
+        self.kernel_set.lookup(self.state, layer, req_ids, topk, hit, out.undo_hit,
                        max_query_len=self.max_query_len)
         stage = cs.streams.stage
         if stage is not None:
@@ -337,7 +337,7 @@ class Stager:
         miss_ran = False
         with cs.streams.on(stage):
             try:
-                self.resolve_fn(self.state, layer, req_ids, topk, out, max_query_len=self.max_query_len,
+                self.kernel_set.resolve(self.state, layer, req_ids, topk, out, max_query_len=self.max_query_len,
                                 compact=compact, stamped=True, miss_lists=miss_lists)
                 miss_ran = True
                 cs.resolved[layer].record(stage, cap)
@@ -345,7 +345,7 @@ class Stager:
                 if programs is None and copy_shape is not None:
                     programs = copy_shape.programs
                 shape = None if copy_shape is None else (copy_shape.rows, copy_shape.warps)
-                self.copy_fn(host_rows, out, hot_rows, K=topk.shape[1], programs=programs, shape=shape)
+                self.kernel_set.copy_staged(host_rows, out, hot_rows, K=topk.shape[1], programs=programs, shape=shape)
             except BaseException:
                 if not cap:
                     self._undo(layer, req_ids, topk, out, miss_phase_ran=miss_ran, streams=(cur, stage),
