@@ -276,14 +276,14 @@ def bench_case(s: Setup, be: SparseMLABackend, hit: float, a: argparse.Namespace
     res["hit_attention_alone"], _ = timed(
         lambda: be.decode(q, c.hot_rows(0), hits, sm_scale=sm, row_format=fmt), s, a, restore=False)
     for progs in a.stage_programs or []:  # grid-size sweep of the staging kernel
-        c.stager.stage_programs = progs
+        c.stage_programs = progs
         row = {}
         for m, dl in layers.items():
             row[m], _ = timed(lambda dl=dl: dl(0, s.req, tk0, q, sm_scale=sm), s, a, restore=True)
             row[m]["ratio_vs_resident"] = row[m]["median_us"] / res["resident"]["median_us"]
         row["staging_alone"], _ = timed(lambda: c.resolve(0, s.req, tk0, validate=False), s, a, restore=True)
         res.setdefault("sweep", {})[str(progs)] = row
-        c.stager.stage_programs = None
+        c.stage_programs = None
     if "prefetch" in a.modes:
         res["resident_2layers"], ref2 = timed(lambda: resident(2), s, a, restore=False)
 

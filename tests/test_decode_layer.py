@@ -484,7 +484,7 @@ def test_split_launch_plan_on_a_cuda_cache(monkeypatch):
     assert [plan(_Persistent(), T, H) for T, H in ((66, 128), (67, 128), (132, 64), (133, 64), (256, 16))] == \
         [(None, None, False), (SPLIT_COPY, None, True), (None, None, False), (SPLIT_COPY, None, True),
          (SPLIT_COPY, None, True)]
-    c.stager.stage_programs = 16
+    c.stage_programs = 16
     assert plan(_Counted(136), 68) == (SPLIT_COPY, 116, True)
 
 

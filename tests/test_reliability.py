@@ -490,7 +490,7 @@ def test_stage_programs_checked_when_set():
     c, _ = warm_cache("torch", seed=3)
     for bad in (0, -4, 2.5, True):
         with pytest.raises((TypeError, ValueError), match="stage_programs"):
-            c.stager.stage_programs = bad
-    c.stager.stage_programs = 8
-    assert c.stager.stage_programs == 8
-    c.stager.stage_programs = None
+            c.stage_programs = bad
+    c.stage_programs = 8
+    assert c.stage_programs == 8
+    c.stage_programs = None

@@ -118,7 +118,7 @@ class HiSparseCache:
 
     # ---- small queries ----------------------------------------------------
     def live_requests(self) -> list[int]:
-        """The live request ids, in admission order."""
+        """The live request ids, ascending."""
         return self.requests.live_ids()
 
     def request(self, req_id: int, step: StepPlan | None = None) -> RequestInfo:
@@ -157,6 +157,17 @@ class HiSparseCache:
         resident = d.num_resident if d.enabled else 0
         return PoolUsage(resident, n - resident, d.num_free if d.enabled else 0,
                          d.num_pages if d.enabled else 0)
+
+    @property
+    def stage_programs(self) -> int | None:
+        """The staging copy kernel's grid (None: a quarter of the SMs, or the split
+        resolve's ``copy_shape``); settable (checked here, not part-way through a resolve).
+        Part of a per-layer graph's key: a new value captures again."""
+        return self.stager.stage_programs
+
+    @stage_programs.setter
+    def stage_programs(self, programs: int | None) -> None:
+        self.stager.stage_programs = programs
 
     def hot_rows(self, layer: int) -> torch.Tensor:
         """uint8 [cfg.device_rows_per_layer, row_bytes]: the flat view physical indices
@@ -282,8 +293,8 @@ class HiSparseCache:
         the current stream must wait on before it reads ``result.miss_physical`` rows
         (``wait`` does not apply). The state after the call equals the one-phase call's
         bit for bit. ``copy_shape``: the split staging kernel's grid (``stager.CopyShape``;
-        None: a quarter of the SMs, 8 rows a program; ``stager.stage_programs`` overrides
-        its programs).
+        None: a quarter of the SMs, 8 rows a program; ``stage_programs`` overrides its
+        programs).
 
         CUDA graphs: capture ``resolve(..., validate=False)`` with the Triton kernels,
         after one eager call compiled them; replay on the compute stream, and call

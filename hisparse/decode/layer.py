@@ -221,7 +221,7 @@ class DecodeLayer:
                 return None, None, False
             programs = T * math.ceil(H / HEADS_PER_PROGRAM)
         elif self.backend.plans_sms:
-            planned = max(1, sms - (c.stager.stage_programs or SPLIT_COPY.programs))
+            planned = max(1, sms - (c.stage_programs or SPLIT_COPY.programs))
         if split_waits_for_misses(programs, sms):
             return SPLIT_COPY, planned, True
         if planned is not None and split_fills_sms(programs, sms):

@@ -267,15 +267,18 @@ class HiSparseIndexGroup(PrefillCalls, LayerGraphCalls, DecodeAttentionCalls, PD
 
     def _refuse_mid_forward(self, what: str) -> None:
         step = self._step
-        if step is not None and step.pending and self._written and \
-                step.generation == self._cache.requests.generation:
+        if step is not None and step.pending and self._written and not step.stale:
             raise ValueError(f"{what} part-way through a forward: layers {sorted(self._written)} of it are "
                              f"written and {sorted(step.pending)} are not; write the remaining layers "
                              "first, or call abandon_forward() if the forward was cut short (then free "
                              "its requests: their written layers hold a row more than the others)")
 
     def has_request(self, req_id: int) -> bool:
-        return self._cache.requests.is_live(req_id)
+        try:
+            self._cache.request(req_id)
+        except (ValueError, TypeError):
+            return False
+        return True
 
     def request_length(self, req_id: int, layer_index: int) -> int:
         """Rows stored for ``req_id`` in layer ``layer_index`` (this forward's rows count

@@ -199,7 +199,7 @@ class LayerGraphs:
         # so is the resolve's path: a batch of resident requests alone replays a graph of
         # the resident resolve, any other batch one of the full resolve
         resident = cache.graphs.all_resident()
-        key = ("convert", layer, req_ids.data_ptr(), T, K, cache.stager.stage_programs, resident)
+        key = ("convert", layer, req_ids.data_ptr(), T, K, cache.stage_programs, resident)
         call = self._calls.get(key)
         if call is None or key not in self.graphs:  # the warm-up and the capture's call: every check
             call = cache.graphs.plan_resolve(layer, req_ids, topk)  # before the copy
