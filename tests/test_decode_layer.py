@@ -185,7 +185,7 @@ def test_an_unknown_overlap_is_refused_before_anything_changes(mode):
     with pytest.raises(ValueError, match=r"overlap must be one of \['serial', 'split'\]"):
         g.decode_attention(0, q, tk, md, backend=ReferenceBackend(), sm_scale=SM, overlap=mode)
     assert_same(before, snapshot(g.hisparse_cache))
-    assert g.resolves_per_layer == [0, 0] and not g._decode_layers
+    assert g.resolves_per_layer == [0, 0] and not g._decode.layers
     out, _ = g.decode_attention(0, q, tk, md, backend=ReferenceBackend(), sm_scale=SM, overlap="split")
     ref, _ = ReferenceBackend().decode(q, rows, tk, sm_scale=SM, row_format="fp8_ds_mla")
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)  # the layer still runs
@@ -402,7 +402,7 @@ def test_engine_keeps_no_layer_per_backend_object(overlap):
         md = _decode_forward(g, n)
     gc.collect()
     assert sum(r() is not None for r in made) <= 1  # at most the last one's layer is kept
-    assert len(g._decode_layers) == 1
+    assert len(g._decode.layers) == 1
 
 
 def test_engine_never_hands_a_layer_to_another_backend_object():

@@ -427,7 +427,7 @@ class _PerRequestWrites:
         for row, rid in enumerate(md.request_ids_cpu):
             if qsl[row + 1] > qsl[row]:
                 self.g.hisparse_cache.write(layer, rid, rows[qsl[row]:qsl[row + 1]])
-        self.g._written.add(layer)
+        self.g._fwd.written.add(layer)
 
 
 def test_batched_writes_equal_per_request_appends():

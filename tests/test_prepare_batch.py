@@ -215,7 +215,7 @@ def rows(n: int, seed: int = 0) -> torch.Tensor:
 def forward(g: HiSparseIndexGroup, md: SparseMLAMetadata, layers=range(L), **kw) -> None:
     g.prepare_for_batch(md, **kw)
     for layer in layers:
-        g.write_new_rows(layer, rows(g._tokens, layer), md)
+        g.write_new_rows(layer, rows(g._fwd.tokens, layer), md)
 
 
 def filled() -> HiSparseIndexGroup:
@@ -233,7 +233,8 @@ def state(g: HiSparseIndexGroup) -> dict:
     snap["epochs"] = list(c.requests.epochs)
     snap["lengths"] = {rid: [g.request_length(rid, i) for i in range(L)] for rid in c.live_requests()}
     step = g._step
-    snap["step"] = (id(step), sorted(step.pending) if step is not None else None, sorted(g._written))
+    written = None if g._fwd is None else sorted(g._fwd.written)
+    snap["step"] = (id(step), sorted(step.pending) if step is not None else None, written)
     return snap
 
 
@@ -455,7 +456,7 @@ def test_a_carry_is_not_used_once_the_table_changed_under_the_same_batch():
             g.prepare_for_batch(md, pad_to=pad_to)
             if not prepare_only:
                 for layer in layers:
-                    g.write_new_rows(layer, rows(g._tokens, layer), md)
+                    g.write_new_rows(layer, rows(g._fwd.tokens, layer), md)
             s = g._step
             plans.append((s.buffers.buf if s.buffers is not None else s.plan.buf).clone())
         assert torch.equal(plans[0], plans[1])

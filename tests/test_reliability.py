@@ -397,7 +397,7 @@ def group_state(g: HiSparseIndexGroup) -> dict:
     # be written in this forward does not count its rows yet)
     snap["host"] = {(rid, l): c.read_host_rows(l, rid, list(range(g.request_length(rid, l))))
                     for rid in c.live_requests() for l in range(c.cfg.num_layers)}
-    snap["group"] = (sorted(g._written), sorted(g._converted), list(g.resolves_per_layer))
+    snap["group"] = (sorted(g._fwd.written), sorted(g._fwd.resolved), list(g.resolves_per_layer))
     return snap
 
 

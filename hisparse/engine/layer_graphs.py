@@ -54,14 +54,12 @@ from typing import Callable
 
 import torch
 
-from .._checks import check_int
 from ..cache.cache import HiSparseCache
 from ..cache.graphs import Captured, ResolveCall
 from ..cache.stager import capturing
 from ..cache.write_step import StepPlan
-from .metadata import SparseMLAMetadata
 
-__all__ = ["CudaGraphBackend", "IN_PLACE_GRAPHS", "LayerGraphCalls", "LayerGraphs", "RECENT_INPUTS"]
+__all__ = ["CudaGraphBackend", "IN_PLACE_GRAPHS", "LayerGraphs", "RECENT_INPUTS"]
 
 # graphs per (call, layer, bucket) that read an engine's tensor where it is (see above);
 # a bound on captures and graph memory when an engine's addresses drift
@@ -291,56 +289,15 @@ class LayerGraphs:
         ptr = t.untyped_storage().data_ptr()
         return any(b.untyped_storage().data_ptr() == ptr for b in (*self._rows.values(), *self._topk.values()))
 
-    def report(self) -> dict:
-        return {"graphs": len(self.graphs), **self.counts,
-                **{f"{call}_replays": n for call, n in self.replays_by_call.items()}}
-
-
-class LayerGraphCalls:
-    """The per-layer graphs' calls of ``HiSparseIndexGroup`` (which provides ``config``,
-    ``_layer_graphs``, ``_step``, ``_tokens``, ``_decode_tokens`` and ``_check_batch``)."""
-
-    def layer_graphs(self) -> dict | None:
-        """With ``layer_graphs=True``: {graphs, eager, captures, replays, copies,
-        in_place_graphs, write_replays, convert_replays}, the per-layer calls that ran
-        eagerly (a bucket's warm-up), captured and replayed, the replayed calls that
-        copied their input into a static buffer, the graphs captured to read an engine's
-        tensor where it is, and the replays of each call; else None."""
-        return None if self._layer_graphs is None else self._layer_graphs.report()
-
-    def layer_input_buffers(self, metadata: SparseMLAMetadata, top_k: int | None = None
-                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The bucket's static inputs of the per-layer graphs (``layer_graphs=True``, a
-        forward prepared with ``pad_to``): rows uint8 [tokens, row_bytes] and top-k
-        int32 [decode tokens, top_k] (the config's top_k unless given; None when the
-        forward has no decode tokens).
-
-        The graphs read their inputs from these buffers; ``write_new_rows`` and the
-        conversion copy a tensor they are given into them first. An engine that writes
-        a layer's rows and top-k into these very tensors (on the current stream, before
-        the layer's call) and passes them saves both copies. The buffers are the same
-        for every layer and forward of the bucket: a call's graph has read them before
-        anything the current stream runs after the call. ``prefetch`` and conversions with
-        ``wait=False`` refuse the top-k buffer: they read it on the staging stream after
-        they return, while the engine writes the next layer's top-k into it.
-        """
-        self._check_batch(metadata)
-        lg = self._layer_graphs
-        if lg is None or not lg.applies(self._step):
-            why = ("layer_graphs=True was not given" if lg is None else
-                   "this forward was not prepared with pad_to (or the current stream is being captured)")
-            raise ValueError(f"layer_input_buffers: {why}; the buffers are the per-layer graphs' inputs")
-        k = self.config.top_k if top_k is None else check_int("top_k", top_k, 1, self.config.top_k + 1)
-        rows = lg.rows_buffer(self._tokens)
-        topk = lg.topk_buffer(self._decode_tokens, k) if self._decode_tokens else None
-        return rows, topk
-
-    def _refuse_input_buffer(self, topk: torch.Tensor, call: str) -> None:
+    def refuse_input_buffer(self, topk: torch.Tensor, call: str) -> None:
         """The eager calls that read their top-k on the side stream after they return
-        refuse ``layer_input_buffers``' tensor, which the engine overwrites for the next
-        layer while that read may still be running."""
-        lg = self._layer_graphs
-        if lg is not None and lg.is_input_buffer(topk):
+        refuse the top-k input buffer (``layer_input_buffers``), which the engine
+        overwrites for the next layer while that read may still be running."""
+        if self.is_input_buffer(topk):
             raise ValueError(f"{call} reads its top-k on the staging stream after it returns, and "
                              "layer_input_buffers()' top-k is overwritten for the next layer meanwhile: "
                              "pass a tensor of your own (e.g. a copy)")
+
+    def report(self) -> dict:
+        return {"graphs": len(self.graphs), **self.counts,
+                **{f"{call}_replays": n for call, n in self.replays_by_call.items()}}
