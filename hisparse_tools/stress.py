@@ -80,7 +80,6 @@ Result (``run_stress`` / ``hisparse stress --json``), a dict:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import resource
 import time
@@ -90,9 +89,10 @@ import numpy as np
 import torch
 
 from hisparse import HiSparseCache
-from hisparse.config import DEVICE_PAGE_ROWS, HiSparseConfig, RowFormat
+from hisparse.config import DEVICE_PAGE_ROWS, HiSparseConfig
 from .belady import OptimalTracker, hit_rate
 from .exit_codes import writing
+from .fields import plain_dict
 from .outputs import Outputs
 from .preflight import check_memory, parse_device, require_kernels
 from .progress import Progress
@@ -193,7 +193,7 @@ class StressRun(PoolChecks, PrefixRun):
                            pool_rows=o.pool_rows)
         blocks = live_max * math.ceil(max_len / B)
         self.cfg = HiSparseConfig(
-            num_layers=L, host_pool_tokens=max(blocks, 1) * B, row_bytes=RowFormat.parse(o.row_format).row_bytes,
+            num_layers=L, host_pool_tokens=max(blocks, 1) * B, row_bytes=o.row_format.row_bytes,
             top_k=K, device_buffer_size=o.buffer_size, max_num_reqs=max(live_max, 1),
             host_block_size=B, max_request_id=max(max_id + 1, 2 * live_max + 1, 16), device=str(self.dev),
             device_pool_rows=o.pool_rows, prefix_caching=bool(o.shared_prefix))
@@ -546,7 +546,7 @@ class StressRun(PoolChecks, PrefixRun):
                             "CPU (Triton interpreter)" if stats["kernels"] == "triton" else
                             "CPU (torch reference path)"),
             "config": self.cfg.to_dict(),
-            "options": {f.name: getattr(o, f.name) for f in dataclasses.fields(o) if f.name != "progress"},
+            "options": {k: v for k, v in plain_dict(o).items() if k != "progress"},
             "workload": {"trace": o.trace,
                          "drift": o.drift_used if o.trace in ("correlated", "indexer", "workingset") else None,
                          "replay": o.replay, "steps_run": done, "steps_planned": self.steps,

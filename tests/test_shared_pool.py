@@ -131,7 +131,7 @@ def test_attach_mismatch_names_field(tmp_path):
     with SharedHostPool.create(cfg, world_size=2, shm_dir=str(tmp_path), pin=False) as w:
         with pytest.raises(ConfigMismatchError, match="host_block_size: 4 != 8"):
             SharedHostPool.attach(w.path, make_cfg(host_block_size=8), rank=1, pin=False)
-        with pytest.raises(ValueError, match=r"rank must be in \[0, 2\)"):
+        with pytest.raises(ValueError, match=r"rank=2 is out of range \[0, 2\)"):
             SharedHostPool.attach(w.path, cfg, rank=2, pin=False)
         # device differs per rank by nature and is not part of the identity
         SharedHostPool.attach(w.path, cfg.replace(device="cuda:1"), rank=1, pin=False).close()
@@ -152,9 +152,9 @@ def test_bad_inputs(tmp_path):
         SharedHostPool.attach(str(bogus), cfg, rank=0)
     assert os.listdir(tmp_path) == ["bogus"]  # failed creates left nothing behind
     with SharedHostPool.create(cfg, world_size=1, shm_dir=str(tmp_path), pin=False) as p:
-        with pytest.raises(ValueError, match="layer must be"):
+        with pytest.raises(ValueError, match=r"layer=2 is out of range \[0, 2\)"):
             p.commit_append(2)
-        with pytest.raises(ValueError, match="layer must be"):
+        with pytest.raises(ValueError, match=r"layer=-1 is out of range \[0, 2\)"):
             p.wait_visible(-1)
         assert p.published(0) == 0  # no state change
     with pytest.raises(ValueError, match="tp_ranks_per_node"):

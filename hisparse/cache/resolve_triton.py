@@ -37,9 +37,9 @@ _SMALL_SORT = 256  # misses of a group sorted in a tile of this size when they f
 
 
 def _check_vec(name: str, x: object, dtype: torch.dtype, ndim: int, device: torch.device) -> None:
-    check_tensor(name, x, dtype=dtype, ndim=ndim, device=device)
-    if ndim and x.stride(-1) != 1:  # type: ignore[union-attr]
-        raise ValueError(f"{name} must be contiguous in its last dimension, got strides {x.stride()}")  # type: ignore[union-attr]
+    x = check_tensor(name, x, dtype=dtype, ndim=ndim, device=device)
+    if ndim and x.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension, got strides {x.stride()}")
 
 
 def check_state(state: HotState) -> None:

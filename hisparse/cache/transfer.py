@@ -35,20 +35,20 @@ DEFAULT_PROGRAMS_PER_SM = 8
 
 
 def _check_rows(name: str, x: object) -> None:
-    check_tensor(name, x, dtype=torch.uint8, ndim=2)
-    W = x.shape[1]  # type: ignore[union-attr]
+    x = check_tensor(name, x, dtype=torch.uint8, ndim=2)
+    W = x.shape[1]
     if W % 16 != 0 or W == 0:
         raise ValueError(f"{name} rows are {W} bytes; copy_rows needs a positive multiple of 16")
-    if x.shape[0] > 1 and x.stride(0) != W or x.stride(1) != 1:  # type: ignore[union-attr]
-        raise ValueError(f"{name} rows must be contiguous (strides ({W}, 1)), got {x.stride()}")  # type: ignore[union-attr]
-    if x.numel() and x.data_ptr() % 16 != 0:  # type: ignore[union-attr]
-        raise ValueError(f"{name} data pointer {x.data_ptr():#x} is not 16-byte aligned")  # type: ignore[union-attr]
+    if x.shape[0] > 1 and x.stride(0) != W or x.stride(1) != 1:
+        raise ValueError(f"{name} rows must be contiguous (strides ({W}, 1)), got {x.stride()}")
+    if x.numel() and x.data_ptr() % 16 != 0:
+        raise ValueError(f"{name} data pointer {x.data_ptr():#x} is not 16-byte aligned")
 
 
 def _check_idx(name: str, x: object) -> None:
-    check_tensor(name, x, dtype=torch.int32, ndim=1)
-    if x.numel() > 1 and x.stride(0) != 1:  # type: ignore[union-attr]
-        raise ValueError(f"{name} must be a contiguous 1-D tensor, got strides {x.stride()}")  # type: ignore[union-attr]
+    x = check_tensor(name, x, dtype=torch.int32, ndim=1)
+    if x.numel() > 1 and x.stride(0) != 1:
+        raise ValueError(f"{name} must be a contiguous 1-D tensor, got strides {x.stride()}")
 
 
 def copy_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor,

@@ -114,12 +114,12 @@ class Writer:
     def check_rows(self, rows: object, n: int) -> torch.Tensor:
         """rows: uint8 [n, row_bytes] on the cache device -> packed rows."""
         rb = self.cfg.row_bytes
-        check_tensor("rows", rows, dtype=torch.uint8, ndim=2, device=self.device)
-        if rows.shape[1] != rb:  # type: ignore[union-attr]
-            raise ValueError(f"rows must be uint8 [n, row_bytes={rb}], got shape {tuple(rows.shape)}")  # type: ignore[union-attr]
-        if rows.shape[0] != n:  # type: ignore[union-attr]
-            raise ValueError(f"the batch's counts sum to {n} but rows has {rows.shape[0]} rows")  # type: ignore[union-attr]
-        return pack_rows(rows, rb)  # type: ignore[arg-type]
+        rows = check_tensor("rows", rows, dtype=torch.uint8, ndim=2, device=self.device)
+        if rows.shape[1] != rb:
+            raise ValueError(f"rows must be uint8 [n, row_bytes={rb}], got shape {tuple(rows.shape)}")
+        if rows.shape[0] != n:
+            raise ValueError(f"the batch's counts sum to {n} but rows has {rows.shape[0]} rows")
+        return pack_rows(rows, rb)
 
     # ---- the write -----------------------------------------------------------------
     def write(self, layer: int, batch: WriteBatch, rows: torch.Tensor) -> list[int]:
