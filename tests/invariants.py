@@ -405,7 +405,7 @@ def _check_tier(cache, st: dict[str, torch.Tensor], hot: torch.Tensor, live: dic
     the hot buffers and the pages stay zero; the stats' tier figures agree."""
     cfg = cache.cfg
     dp = getattr(cache, "dpool", None)
-    L, R, SP, B = cfg.num_layers, cfg.max_num_reqs, cfg.slots_per_req, cache.pool.B
+    R, SP, B = cfg.max_num_reqs, cfg.slots_per_req, cache.pool.B
     base = cfg.hot_rows_per_layer
     if hot.shape[1] != cfg.device_rows_per_layer:
         _fail(f"hot has {hot.shape[1]} rows per layer, config says {cfg.device_rows_per_layer}")
