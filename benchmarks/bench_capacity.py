@@ -80,6 +80,7 @@ from benchmarks import common
 common.interpret_dry_run(with_gpu=True)  # a dry run is on the CPU; before hisparse loads
 
 from hisparse_tools.capacity import Budget, RunShape, engine_config, measure, tier_limits  # noqa: E402
+from hisparse_tools.fields import plain_dict  # noqa: E402
 from hisparse_tools.mini_engine import adjacent_layer_overlap, compare  # noqa: E402
 from hisparse_tools.mini_engine.ffn import v32_share_at  # noqa: E402
 from hisparse_tools.mini_engine.graphs import DecodeMode  # noqa: E402
@@ -357,7 +358,7 @@ def run_one(budget: Budget, shape: RunShape, ctx: int, a: argparse.Namespace, *,
         prof = (max(shape.decode_steps - 2 - a.profile, 1), a.profile)
     s, res = measure(cfg, kind, decode_mode=shape.decode_mode, full_layers=budget.num_layers, profile=prof)
     s["wall_s"] = time.perf_counter() - t0
-    s["config"] = dataclasses.asdict(cfg)
+    s["config"] = plain_dict(cfg)
     if kind == "hisparse" and pool["from"] is not None:
         s["pool"] = pool
     dec = s["decode"]
@@ -531,8 +532,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench_capacity: {e}", file=sys.stderr)
         return 2
     result = {"bench": "capacity", "env": common.environment("cpu" if a.dry_run else None),
-              "dry_run": a.dry_run, "budget": dataclasses.asdict(budget) | {"kv_bytes": budget.kv_bytes},
-              "shape": dataclasses.asdict(shape) | {"decode_mode": shape.decode_mode.value}, "contexts": {}}
+              "dry_run": a.dry_run, "budget": plain_dict(budget) | {"kv_bytes": budget.kv_bytes},
+              "shape": plain_dict(shape), "contexts": {}}
     print(f"[capacity] {result['env']}")
     print(f"[capacity] sizing for {budget.num_layers} layers: GPU {fmt_bytes(budget.gpu_total)} - reserve "
           f"{fmt_bytes(budget.reserve)} = {fmt_bytes(budget.kv_bytes)} for KV, host pool "

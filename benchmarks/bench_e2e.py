@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[bench_e2e] layers={cfg.num_layers} heads={cfg.num_heads} requests={cfg.num_requests} "
           f"prompts {cfg.min_prompt}-{cfg.max_prompt} (synthetic {cfg.synthetic_context}) top_k={cfg.top_k} "
           f"hot slots={cfg.device_buffer_size or 2 * cfg.top_k} decode {cfg.min_decode}-{cfg.max_decode} steps "
-          f"rows={cfg.row_format} backend={cfg.backend or 'auto'} layer_graphs={cfg.layer_graphs}", flush=True)
+          f"rows={cfg.row_format.value} backend={cfg.backend or 'auto'} layer_graphs={cfg.layer_graphs}", flush=True)
     rc = 0
     try:
         if not args.no_warmup:

@@ -97,7 +97,7 @@ class Setup:
             reps = math.ceil(ctx / chunk)
             rows = rows.repeat(reps, 1)[:ctx] if reps > 1 else rows[:ctx]
             c.write(0, c.plan_write([b], [ctx]), rows)
-        c.join_backup()
+        c.streams.join_backup()
         if dev.type == "cuda":
             torch.cuda.synchronize()
         assert all(c.residency(b) == "resident" for b in range(B)), "every request should fit the pool"
@@ -140,7 +140,7 @@ def bench_case(s: Setup, be, a: argparse.Namespace) -> dict:
     one = torch.zeros(1, device=dev)
     res["one_node"], _ = timed(lambda: one.add_(1), s, a, restore=False)
     layers = {m: DecodeLayer(c, be, overlap=Overlap.parse(m)) for m in ("serial", "split")}
-    with c.resident_capture():  # graphs of the resident path (what the per-layer graphs replay here)
+    with c.graphs.resident_capture():  # graphs of the resident path (what the per-layer graphs replay here)
         for m, layer in layers.items():
             res[m], out = timed(lambda layer=layer: layer(0, s.req, s.topk, q, sm_scale=sm), s, a,
                                 restore=False)

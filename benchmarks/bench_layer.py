@@ -153,7 +153,7 @@ class Setup:
                 if shared > 0:  # the shared prefix holds request 0's rows
                     first = base[layer].repeat(reps, 1)[:ctx] if reps > 1 else base[layer][:ctx]
                     rows = torch.cat([first[:shared], rows[shared:]])
-                self.cache.append_rows(layer, b, rows[got:])
+                self.cache.write(layer, b, rows[got:])
                 self.resident[layer][b * ctx:(b + 1) * ctx] = rows
         if shared > 0:  # positions [0, S) hot, as the private run's write path leaves them
             req = torch.arange(B, dtype=torch.int32, device=dev)
@@ -161,8 +161,8 @@ class Setup:
                 for p0 in range(0, self.S, self.K):
                     pos = torch.arange(p0, p0 + self.K, dtype=torch.int32, device=dev) % self.S
                     self.cache.resolve(layer, req, pos.expand(B, -1).contiguous())
-            self.cache.join_staging()
-        self.cache.join_backup()
+            self.cache.streams.join_staging()
+        self.cache.streams.join_backup()
         if dev.type == "cuda":
             torch.cuda.synchronize()
         self.saved = {n: getattr(self.cache.state, n).clone() for n in STATE}
@@ -271,19 +271,19 @@ def bench_case(s: Setup, be: SparseMLABackend, hit: float, a: argparse.Namespace
     # staging alone and hit attention alone
     res["staging_alone"], _ = timed(lambda: c.resolve(0, s.req, tk0, validate=False), s, a, restore=True)
     s.restore()
-    sp = c.resolve_split(0, s.req, tk0, validate=False)
+    sp = c.resolve(0, s.req, tk0, validate=False, split=True)
     hits = sp.hit_physical.clone()
     res["hit_attention_alone"], _ = timed(
         lambda: be.decode(q, c.hot_rows(0), hits, sm_scale=sm, row_format=fmt), s, a, restore=False)
     for progs in a.stage_programs or []:  # grid-size sweep of the staging kernel
-        c.stager.stage_programs = progs
+        c.stage_programs = progs
         row = {}
         for m, dl in layers.items():
             row[m], _ = timed(lambda dl=dl: dl(0, s.req, tk0, q, sm_scale=sm), s, a, restore=True)
             row[m]["ratio_vs_resident"] = row[m]["median_us"] / res["resident"]["median_us"]
         row["staging_alone"], _ = timed(lambda: c.resolve(0, s.req, tk0, validate=False), s, a, restore=True)
         res.setdefault("sweep", {})[str(progs)] = row
-        c.stager.stage_programs = None
+        c.stage_programs = None
     if "prefetch" in a.modes:
         res["resident_2layers"], ref2 = timed(lambda: resident(2), s, a, restore=False)
 

@@ -130,9 +130,7 @@ def _write(cache, rid: int, n: int) -> None:
     """Append ``n`` rows to request ``rid`` in every layer (their bytes do not matter)."""
     rows = torch.zeros(n, ROW_BYTES, dtype=torch.uint8, device=cache.device)
     for layer in range(cache.cfg.num_layers):
-        cache.append_rows(layer, rid, rows)
-
-
+        cache.write(layer, rid, rows)
 def bench_add_request(a: argparse.Namespace, report: dict) -> None:
     print(f"{'algo':>9s} {'publisher':>9s} {'tokens':>8s} {'hit blks':>8s} {'min ms':>8s} {'median ms':>9s} "
           f"{'p99 ms':>8s} {'free med ms':>11s}  (add_request(token_ids), full hit; token ids as "

@@ -64,20 +64,20 @@ class Nodes:
         cur.wait_stream(stream)
 
     def extra(self, kind: str) -> None:
-        from hisparse.cache.transfer import _launch_copy_rows
+        from hisparse.cache.transfer import copy_rows_unchecked
         d = self.dev
         if kind == "triton_d2d":
-            _launch_copy_rows(self.rows, self.src, self.rows, self.dst_dev, d)
+            copy_rows_unchecked(self.rows, self.src, self.rows, self.dst_dev, d)
         elif kind == "uva_write":
-            _launch_copy_rows(self.rows, self.src, self.host, self.dst, d)
+            copy_rows_unchecked(self.rows, self.src, self.host, self.dst, d)
         elif kind == "uva_read":
-            _launch_copy_rows(self.host, self.dst, self.rows, self.src, d)
+            copy_rows_unchecked(self.host, self.dst, self.rows, self.src, d)
         elif kind == "fork_kernel":
             self._forked(self.side, lambda: self.rows[0].add_(1))
         elif kind == "fork_hiprio":
             self._forked(self.side_hi, lambda: self.rows[0].add_(1))
         elif kind == "fork_uva_write":
-            self._forked(self.side, lambda: _launch_copy_rows(self.rows, self.src, self.host, self.dst, d))
+            self._forked(self.side, lambda: copy_rows_unchecked(self.rows, self.src, self.host, self.dst, d))
         elif kind == "memcpy_d2h":
             self.small.copy_(self.rows[:13].reshape(-1), non_blocking=True)
         elif kind == "memset":

@@ -227,8 +227,8 @@ def standalone(a: argparse.Namespace, kernel) -> list[dict]:
         rows = torch.randint(0, 256, (ctx, 656), dtype=torch.uint8, device="cuda")
         for b in range(Bmax):
             cache.add_request(b)
-            cache.append_rows(0, b, rows)
-        cache.join_backup()
+            cache.write(0, b, rows)
+        cache.streams.join_backup()
         g = torch.Generator().manual_seed(S)
         req_all = torch.arange(Bmax, dtype=torch.int32, device="cuda")
         for w in range(a.warm):
@@ -243,7 +243,7 @@ def standalone(a: argparse.Namespace, kernel) -> list[dict]:
             case = {"slots": S, "batch": B, "context": ctx}
 
             def launch():
-                rt._launch_resolve(cache.state, 0, req, tk, out, max_query_len=1)
+                rt.resolve_unchecked(cache.state, 0, req, tk, out, max_query_len=1)
             for cold in (False, True):
                 def before():
                     for n in names:

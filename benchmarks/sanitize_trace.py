@@ -323,7 +323,7 @@ def overlap_trace(dev: torch.device) -> None:
         for r in range(4):
             c.add_request(r)
             for layer in range(2):
-                c.append_rows(layer, r, rows[(r, layer)])
+                c.write(layer, r, rows[(r, layer)])
     be = TritonBackend(allow_interpreter=dev.type != "cuda")
     layers = {m: DecodeLayer(c, be, overlap=m) for m, c in caches.items()}
     ids = torch.arange(4, dtype=torch.int32, device=dev)

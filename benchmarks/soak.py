@@ -47,6 +47,7 @@ import torch
 from benchmarks import common
 from hisparse import CapacityError
 from hisparse_tools.exit_codes import MissingDependency
+from hisparse_tools.fields import plain_dict
 from hisparse_tools.stress import StressOptions, StressRun, run_stress
 
 PRESETS = {
@@ -201,7 +202,7 @@ def main(argv=None) -> int:
         return 2
     dev = torch.device(base.device or "cuda")
     result = {"benchmark": "soak", "preset": a.preset, "env": common.environment(dev),
-              "options": dataclasses.asdict(base), "budget_s": a.budget_s, "runs": []}
+              "options": plain_dict(base), "budget_s": a.budget_s, "runs": []}
     print(f"[soak] {a.preset}: {base.num_requests} requests, contexts {base.context_min}-"
           f"{base.context}, {base.num_layers} layers, K={base.top_k}, S={base.buffer_size}, churn "
           f"{base.churn}, verify {base.verify}; up to {runs} run(s) of {steps} steps within "

@@ -25,19 +25,23 @@ import torch
 
 
 # ----------------------------------------------------------------- scalars
-def check_int(name: str, value: object, lo: int | None = None, hi: int | None = None) -> int:
+def check_int(name: str, value: object, lo: int | None = None, hi: int | None = None, *,
+              error: type[Exception] | None = None) -> int:
     """``value`` must be a Python int (bool rejected) with ``lo <= value < hi``.
 
-    ``lo``/``hi`` of None leave that side open. Returns ``value``.
+    ``lo``/``hi`` of None leave that side open. A non-int raises TypeError, an int out
+    of range ValueError; ``error`` names one type for both (an API whose contract says
+    ValueError for any bad value). Returns ``value``.
     """
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
+        raise (error or TypeError)(f"{name} must be an int, got {type(value).__name__} ({value!r})")
+    bad = error or ValueError
     if hi is not None and lo is not None and not lo <= value < hi:
-        raise ValueError(f"{name}={value} is out of range [{lo}, {hi})")
+        raise bad(f"{name}={value} is out of range [{lo}, {hi})")
     if lo is not None and value < lo:
-        raise ValueError(f"{name} must be >= {lo}, got {value}")
+        raise bad(f"{name} must be >= {lo}, got {value}")
     if hi is not None and value >= hi:
-        raise ValueError(f"{name} must be < {hi}, got {value}")
+        raise bad(f"{name} must be < {hi}, got {value}")
     return value
 
 
@@ -57,11 +61,12 @@ def check_bool(name: str, value: object) -> bool:
     return value
 
 
-def check_ints(name: str, values: object, lo: int | None = None, hi: int | None = None) -> list[int]:
+def check_ints(name: str, values: object, lo: int | None = None, hi: int | None = None, *,
+               error: type[Exception] | None = None) -> list[int]:
     """A list/tuple/range of ints, each checked by :func:`check_int`; returns a list."""
     if not isinstance(values, (list, tuple, range)):
-        raise TypeError(f"{name} must be a list of ints, got {type(values).__name__}")
-    return [check_int(f"{name}[{i}]", v, lo, hi) for i, v in enumerate(values)]
+        raise (error or TypeError)(f"{name} must be a list of ints, got {type(values).__name__}")
+    return [check_int(f"{name}[{i}]", v, lo, hi, error=error) for i, v in enumerate(values)]
 
 
 # ----------------------------------------------------------------- tensors

@@ -20,13 +20,6 @@ HOT_ROW_ALIGN = 64  # rows; see HiSparseConfig.hot_rows_per_layer
 DEVICE_PAGE_ROWS = 64  # rows per page of the elastic device pool (a FlashMLA page)
 
 
-def _positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} ({value!r})")
-    if value <= 0:
-        raise ValueError(f"{name} must be > 0, got {value}")
-
-
 @dataclasses.dataclass(frozen=True)
 class HiSparseConfig:
     """Configuration of a :class:`hisparse.HiSparseCache`.
@@ -82,10 +75,10 @@ class HiSparseConfig:
     def __post_init__(self) -> None:
         for name in ("num_layers", "host_pool_tokens", "row_bytes", "top_k",
                      "max_num_reqs", "max_query_len", "host_block_size", "max_request_id"):
-            _positive_int(name, getattr(self, name))
+            check_int(name, getattr(self, name), lo=1)
         if self.device_buffer_size is None:
             object.__setattr__(self, "device_buffer_size", 2 * self.top_k)
-        _positive_int("device_buffer_size", self.device_buffer_size)
+        check_int("device_buffer_size", self.device_buffer_size, lo=1)
         need = self.max_query_len * self.top_k
         if self.device_buffer_size < need:  # a capacity failure, found at configuration
             raise CapacityError(
@@ -117,7 +110,7 @@ class HiSparseConfig:
         if self.slots_per_req * self.max_num_reqs >= 2**31:
             raise ValueError("max_num_reqs x (device_buffer_size + 1) exceeds int32 indices")
         if self.device_pool_rows is not None:
-            _positive_int("device_pool_rows", self.device_pool_rows)
+            check_int("device_pool_rows", self.device_pool_rows, lo=1)
             floor = self.max_num_reqs * self.slots_per_req
             if self.device_pool_rows < floor:
                 raise ValueError(
@@ -232,7 +225,7 @@ class HiSparseConfig:
     def from_pool_bytes(cls, *, num_layers: int, host_pool_bytes: int, row_bytes: int = FP8_ROW_BYTES,
                         **kwargs: Any) -> "HiSparseConfig":
         """Build a config whose host pool holds at most ``host_pool_bytes``."""
-        _positive_int("host_pool_bytes", host_pool_bytes)
+        check_int("host_pool_bytes", host_pool_bytes, lo=1)
         tokens = host_pool_bytes // (num_layers * row_bytes)
         return cls(num_layers=num_layers, host_pool_tokens=tokens, row_bytes=row_bytes, **kwargs)
 

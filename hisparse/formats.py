@@ -63,7 +63,8 @@ class RowFormat(enum.Enum):
         return BF16_ROW_BYTES if self is RowFormat.BF16 else FP8_ROW_BYTES
 
     @classmethod
-    def parse(cls, value: "RowFormat | str") -> "RowFormat":
+    def parse(cls, value: object) -> "RowFormat":
+        """The member itself, or the member whose value ``value`` is (ValueError otherwise)."""
         if isinstance(value, RowFormat):
             return value
         for f in cls:
@@ -96,9 +97,9 @@ def _check_rows(rows: object) -> torch.Tensor:
 
 
 def _check_out_dtype(out_dtype: object) -> torch.dtype:
-    if out_dtype not in (torch.bfloat16, torch.float32):
+    if not isinstance(out_dtype, torch.dtype) or out_dtype not in (torch.bfloat16, torch.float32):
         raise TypeError(f"out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype!r}")
-    return out_dtype  # type: ignore[return-value]
+    return out_dtype
 
 
 def _want_triton(device: torch.device, kernels: Kernels | str) -> bool:

@@ -73,6 +73,7 @@ from hisparse import __version__
 from hisparse.config import DEVICE_PAGE_ROWS, HiSparseConfig, RowFormat, check_int
 from hisparse.errors import CapacityError
 from .capacity import Budget, RunShape, engine_config, largest_fit, measure
+from .fields import parse_choices
 from .mini_engine.graphs import DecodeMode
 from .units import fmt_bytes
 from .preflight import check_memory, parse_device
@@ -89,7 +90,7 @@ class AutotuneOptions:
     """Knobs of an autotune run (the CLI flags, 1:1)."""
 
     num_layers: int = 2
-    row_format: str = "fp8_ds_mla"
+    row_format: RowFormat = RowFormat.FP8_DS_MLA  # or its value
     top_k: int = 64
     buffer_size: int | None = None  # S, default 2 * top_k
     context: int = 512  # tokens per request during timing (and in the pool sizing)
@@ -133,7 +134,7 @@ class AutotuneOptions:
                 raise ValueError(f"pool_rows={self.pool_rows} leaves no page past one request's hot buffer "
                                  f"(S + 1 = {S + 1} rows, rounded up to {HOT_ALIGN}); give at least {least}, "
                                  "or auto")
-        RowFormat.parse(self.row_format)
+        parse_choices(self, {"row_format": RowFormat.parse})
 
     def validate(self) -> None:
         """Kept for callers of the mutable version; the checks run when the options are built."""
@@ -156,7 +157,7 @@ def _make_cfg(o: AutotuneOptions, R: int, device: str, pool_rows: int | None = N
     B = o.block_size
     per_req = math.ceil(o.context / B) * B
     return HiSparseConfig(num_layers=o.num_layers, host_pool_tokens=R * per_req,
-                          row_bytes=RowFormat.parse(o.row_format).row_bytes, top_k=o.top_k,
+                          row_bytes=o.row_format.row_bytes, top_k=o.top_k,
                           device_buffer_size=o.buffer_size, max_num_reqs=R,
                           max_query_len=o.max_query_len, host_block_size=B,
                           max_request_id=max(o.max_request_id, R + 1), device=device,

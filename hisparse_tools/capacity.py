@@ -29,7 +29,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from hisparse.config import check_int
+from hisparse.config import Kernels, RowFormat, check_int
+from hisparse.decode import Overlap
+from .fields import parse_choices
 from .mini_engine import MiniEngineConfig
 from .mini_engine.graphs import DecodeMode
 from .plan import PlanInputs, plan
@@ -66,7 +68,7 @@ class Budget:
     gpu_total: int = H200_BYTES
     reserve: int = DEFAULT_RESERVE  # weights + activations + slack; G = gpu_total - reserve
     host_memory: int = 1 << 40  # Hm, this GPU's share of the node's pinned pool
-    row_format: str = "fp8_ds_mla"
+    row_format: RowFormat = RowFormat.FP8_DS_MLA  # or its value
     top_k: int = 2048
     hot_rows: int | None = None  # S, default 2 * top_k
     block_size: int = 64
@@ -79,6 +81,7 @@ class Budget:
             check_int(name, getattr(self, name), lo=1)
         check_int("reserve", self.reserve, lo=0)
         check_int("indexer_bytes", self.indexer_bytes, lo=0)
+        parse_choices(self, {"row_format": RowFormat.parse})
         if self.reserve >= self.gpu_total:
             raise ValueError(f"reserve {self.reserve} leaves nothing of gpu_total {self.gpu_total} for KV")
 
@@ -135,9 +138,9 @@ class RunShape:
     decode_mode: DecodeMode = DecodeMode.GRAPHS
     backend: str | None = None
     flashmla_lib: str | None = None
-    cache_kernels: str = "auto"
+    cache_kernels: Kernels = Kernels.AUTO  # or its value
     seed: int = 0
-    overlap: str = "serial"  # hisparse decode: serial | split (the miss staging hidden)
+    overlap: Overlap = Overlap.SERIAL  # hisparse decode: serial | split (the miss staging hidden); or its value
     prefetch: bool = False  # hisparse decode: stage the next layer's rows from this one's top-k (prefetches_into)
     async_steps: bool = True  # the host prepares step t + 1 while step t runs (MiniEngineConfig)
 
@@ -147,6 +150,7 @@ class RunShape:
             check_int(name, getattr(self, name), lo=1)
         if not isinstance(self.decode_mode, DecodeMode):
             raise TypeError(f"decode_mode must be a DecodeMode, got {self.decode_mode!r}")
+        parse_choices(self, {"cache_kernels": lambda v: Kernels.parse(v, "cache_kernels"), "overlap": Overlap.parse})
 
 
 def engine_config(budget: Budget, shape: RunShape, *, context: int, batch: int,
@@ -173,7 +177,7 @@ def engine_config(budget: Budget, shape: RunShape, *, context: int, batch: int,
         validate=shape.device == "cpu" and shape.decode_mode is DecodeMode.EAGER,
         graphs=graphs, overlap=shape.overlap, prefetch=shape.prefetch, index_share=budget.index_share,
         async_steps=shape.async_steps,
-        tolerance=2e-2 if shape.overlap == "serial" else 5e-2,  # split: the hit partial rounds to bf16 once more
+        tolerance=2e-2 if shape.overlap is Overlap.SERIAL else 5e-2,  # split: the hit partial rounds to bf16 once more
         **shape.ffn)
 
 

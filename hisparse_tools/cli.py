@@ -139,7 +139,7 @@ def _add_stress(sub) -> None:
     a("--layers", dest="num_layers", type=int, help=f"layers [{d.num_layers}]")
     a("--top-k", type=int, help=f"indexer top-k K [{d.top_k}]")
     a("--buffer", dest="buffer_size", type=int, help="hot LRU slots S per (layer, request) [2*K]")
-    a("--format", dest="row_format", choices=["fp8_ds_mla", "bf16"], help=f"row format [{d.row_format}]")
+    a("--format", dest="row_format", choices=["fp8_ds_mla", "bf16"], help=f"row format [{d.row_format.value}]")
     a("--steps", type=int, help=f"decode steps [{d.steps}]")
     a("--churn", type=float, help=f"per step and request: probability it leaves [{d.churn}]")
     a("--trace", choices=list(SOURCES), help=f"top-k source [{d.trace}]")
@@ -154,7 +154,7 @@ def _add_stress(sub) -> None:
     a("--device", help="cpu, cuda or cuda:N [cuda if available]")
     a("--block-size", type=int, help=f"host block size [{d.block_size}]")
     a("--kernels", choices=KERNEL_NAMES,
-      help=f"cache kernels; triton on a CPU device needs TRITON_INTERPRET=1 [{d.kernels}]")
+      help=f"cache kernels; triton on a CPU device needs TRITON_INTERPRET=1 [{d.kernels.value}]")
     a("--no-optimal", dest="optimal", action="store_false", default=None,
       help="skip the Belady bound (saves host memory on huge runs)")
     a("--unchecked", dest="checked", action="store_false", default=None,
@@ -298,8 +298,8 @@ def _add_autotune(sub) -> None:
         epilog=EXIT_TABLE)
     a = p.add_argument
     a("--layers", dest="num_layers", type=int, default=d.num_layers, help=f"layers [{d.num_layers}]")
-    a("--format", dest="row_format", choices=["fp8_ds_mla", "bf16"], default=d.row_format,
-      help=f"KV row format [{d.row_format}]")
+    a("--format", dest="row_format", choices=["fp8_ds_mla", "bf16"], default=d.row_format.value,
+      help=f"KV row format [{d.row_format.value}]")
     a("--top-k", type=int, default=d.top_k, help=f"indexer top-k K [{d.top_k}]")
     a("--buffer", dest="buffer_size", type=int, default=None, help="hot LRU slots S [2*K]")
     a("--context", type=token_arg, default=d.context, help=f"context per request while timing [{d.context}]")

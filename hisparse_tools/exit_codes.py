@@ -23,7 +23,7 @@ import re
 import select
 import stat
 import sys
-from typing import Callable, Iterator, Mapping
+from typing import Callable, Iterator, Mapping, NoReturn
 
 import torch
 
@@ -42,7 +42,7 @@ class MissingDependency(RuntimeError):
 class OneLineParser(argparse.ArgumentParser):
     """``argparse`` whose usage errors are one line on stderr (exit status 2)."""
 
-    def error(self, message: str):  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         self.exit(EXIT_INPUT, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 

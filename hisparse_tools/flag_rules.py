@@ -137,13 +137,13 @@ def check_mini_engine(args: argparse.Namespace, cfg) -> None:
     sizes of a kind not asked for, ``--sync-steps`` or ``--flashmla-lib`` on a CPU
     device, a missing ``--flashmla-lib`` file."""
     dead = [flag for name, (flag, kinds) in _FFN_OPTIONS.items()
-            if getattr(args, name, None) is not None and cfg.ffn not in kinds]
+            if getattr(args, name, None) is not None and cfg.ffn.value not in kinds]
     if dead:
         need = "--ffn moe" if "--ffn-intermediate" not in dead else "--ffn mlp or --ffn moe"
         default = "" if getattr(args, "ffn", None) is not None else " (the default)"
         them = "them" if len(dead) > 1 else "it"
         what = "they configure" if len(dead) > 1 else "it configures"
-        raise unused(dead, f"with --ffn {cfg.ffn}{default}: {what} the stand-in of {need}",
+        raise unused(dead, f"with --ffn {cfg.ffn.value}{default}: {what} the stand-in of {need}",
                      f"add {need}, or drop {them}")
     cpu = not cfg.device.startswith("cuda")
     if getattr(args, "async_steps", None) is False and cpu:

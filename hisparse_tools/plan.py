@@ -81,6 +81,7 @@ import dataclasses
 import math
 
 from hisparse.config import DEVICE_PAGE_ROWS, RowFormat, ceil_div, check_bool, check_int
+from .fields import parse_choices, plain_dict
 from .report import table
 from .sizing import check_prefix_options, hot_buffer_rows
 from .units import fmt_bytes
@@ -98,7 +99,7 @@ class PlanInputs:
     context_len: int  # C
     gpu_bytes: int  # G
     host_bytes: int  # Hm
-    row_format: str = "fp8_ds_mla"
+    row_format: RowFormat = RowFormat.FP8_DS_MLA  # or its value
     top_k: int = 2048
     indexer_bytes: int = 132  # I
     index_share: int = 1  # n: layers per indexer (Li = ceil(L / n))
@@ -118,7 +119,7 @@ class PlanInputs:
             check_int(name, getattr(self, name), lo=1)
         check_int("indexer_bytes", self.indexer_bytes, lo=0)
         check_bool("tp_share", self.tp_share)
-        RowFormat.parse(self.row_format)
+        parse_choices(self, {"row_format": RowFormat.parse})
         if self.hot_rows is None:
             object.__setattr__(self, "hot_rows", 2 * self.top_k)
         check_int("hot_rows", self.hot_rows)
@@ -152,7 +153,7 @@ class PlanInputs:
 def plan(inp: PlanInputs) -> dict:
     """Evaluate the formulas of the module docstring; returns a JSON-able dict."""
     L, C, B, S, I = inp.num_layers, inp.context_len, inp.block_size, inp.hot_rows, inp.indexer_bytes
-    row = RowFormat.parse(inp.row_format).row_bytes
+    row = inp.row_format.row_bytes
     nblocks = math.ceil(C / B)
     Cb = nblocks * B
     Li = math.ceil(L / inp.index_share)
@@ -172,7 +173,7 @@ def plan(inp: PlanInputs) -> dict:
     binding = ("gpu" if n_hs == n_gpu else "host" if n_hs == n_host
                else "max_seqs" if n_hs == inp.max_seqs else "int32_indices")
     out = {
-        "inputs": dataclasses.asdict(inp) | {"row_bytes": row},
+        "inputs": plain_dict(inp) | {"row_bytes": row},
         "per_request_bytes": {
             "resident_gpu": resident_gpu,
             "hisparse_gpu": hs_gpu,

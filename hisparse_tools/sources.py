@@ -75,8 +75,7 @@ class TopkSource:
     name = "base"
 
     def __init__(self, *, top_k: int, device: torch.device | str = "cpu", seed: int = 0) -> None:
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k <= 0:
-            raise ValueError(f"top_k must be a positive int, got {top_k!r}")
+        check_int("top_k", top_k, lo=1, error=ValueError)
         self.top_k = top_k
         self.device = torch.device(device)
         self.gen = torch.Generator(device=self.device)

@@ -80,7 +80,6 @@ Result (``run_stress`` / ``hisparse stress --json``), a dict:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import resource
 import time
@@ -90,9 +89,10 @@ import numpy as np
 import torch
 
 from hisparse import HiSparseCache
-from hisparse.config import DEVICE_PAGE_ROWS, HiSparseConfig, RowFormat
+from hisparse.config import DEVICE_PAGE_ROWS, HiSparseConfig
 from .belady import OptimalTracker, hit_rate
 from .exit_codes import writing
+from .fields import plain_dict
 from .outputs import Outputs
 from .preflight import check_memory, parse_device, require_kernels
 from .progress import Progress
@@ -193,7 +193,7 @@ class StressRun(PoolChecks, PrefixRun):
                            pool_rows=o.pool_rows)
         blocks = live_max * math.ceil(max_len / B)
         self.cfg = HiSparseConfig(
-            num_layers=L, host_pool_tokens=max(blocks, 1) * B, row_bytes=RowFormat.parse(o.row_format).row_bytes,
+            num_layers=L, host_pool_tokens=max(blocks, 1) * B, row_bytes=o.row_format.row_bytes,
             top_k=K, device_buffer_size=o.buffer_size, max_num_reqs=max(live_max, 1),
             host_block_size=B, max_request_id=max(max_id + 1, 2 * live_max + 1, 16), device=str(self.dev),
             device_pool_rows=o.pool_rows, prefix_caching=bool(o.shared_prefix))
@@ -375,7 +375,7 @@ class StressRun(PoolChecks, PrefixRun):
                                 b = min(n - 1, a + o.prefill_chunk)
                                 pos = torch.arange(a, b, device=self.dev)
                                 rows = self._rows(layer, torch.full_like(pos, inst), pos)
-                                cache.append_rows(layer, rid, rows)
+                                cache.write(layer, rid, rows)
                             if tracker:
                                 tracker.append(layer, inst, n - 1)
                         self._sync()
@@ -397,7 +397,7 @@ class StressRun(PoolChecks, PrefixRun):
                 t0 = time.perf_counter()
                 id_list, ones = ids.tolist(), [1] * len(ids)
                 for layer in range(L):  # one batched append per layer (fixed launches)
-                    cache.append_rows_batch(layer, id_list, new_rows[layer], ones)
+                    cache.write(layer, cache.plan_write(id_list, ones), new_rows[layer])
                 self._sync()
                 t_step = time.perf_counter() - t0
                 append_ms.append(t_step * 1e3)
@@ -417,7 +417,7 @@ class StressRun(PoolChecks, PrefixRun):
                         failures += f
                 resident_t = torch.tensor([tiers[r] == "resident" for r in ids.tolist()], dtype=torch.bool,
                                           device=self.dev)
-                slot_t = torch.tensor([cache.request_slot(r) for r in ids.tolist()], dtype=torch.int64,
+                slot_t = torch.tensor([cache.request(r).slot for r in ids.tolist()], dtype=torch.int64,
                                       device=self.dev)
                 t_pf = 0.0
                 for layer in range(L):
@@ -546,7 +546,7 @@ class StressRun(PoolChecks, PrefixRun):
                             "CPU (Triton interpreter)" if stats["kernels"] == "triton" else
                             "CPU (torch reference path)"),
             "config": self.cfg.to_dict(),
-            "options": {f.name: getattr(o, f.name) for f in dataclasses.fields(o) if f.name != "progress"},
+            "options": {k: v for k, v in plain_dict(o).items() if k != "progress"},
             "workload": {"trace": o.trace,
                          "drift": o.drift_used if o.trace in ("correlated", "indexer", "workingset") else None,
                          "replay": o.replay, "steps_run": done, "steps_planned": self.steps,

@@ -43,11 +43,11 @@ class PoolChecks:
         row back to its slot, and min(rows, S + 1) slots are occupied. Returns (rows
         checked, failure messages)."""
         SP = self.cfg.slots_per_req
-        r = cache.request_slot(req_id)
+        r = cache.request(req_id).slot
         pos = cache.state.slot_pos[layer, r].long()
         occ = (pos >= 0).nonzero().flatten()
         p = pos[occ]
-        n = cache.layer_len(layer, req_id)
+        n = cache.request(req_id).lengths[layer]
         where = f"step {step} layer {layer}: request {req_id}, demoted to a hot buffer"
         if occ.numel() != min(n, SP):
             return 0, [f"{where}: {occ.numel()} slots occupied, expected min({n} rows, {SP}) = {min(n, SP)}"]

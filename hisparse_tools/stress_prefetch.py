@@ -22,7 +22,7 @@ def selected_rows(cache, req_ids: list[int], topk: torch.Tensor) -> list[torch.T
     """Per request (one token each), the row keys of its valid selected positions:
     int64 CPU tensors (``HostPool.row_keys``)."""
     tk = topk.cpu().long()
-    return [cache.pool.row_keys(cache.request_slot(rid), tk[t][tk[t] >= 0]) for t, rid in enumerate(req_ids)]
+    return [cache.pool.row_keys(cache.request(rid).slot, tk[t][tk[t] >= 0]) for t, rid in enumerate(req_ids)]
 
 
 def selected_host_rows(cache, req_ids: list[int], topk: torch.Tensor) -> list[torch.Tensor]:
@@ -30,7 +30,7 @@ def selected_host_rows(cache, req_ids: list[int], topk: torch.Tensor) -> list[to
     cached block mapped under an alias id: the cached block's rows): int64 CPU tensors
     (``HostPool.host_rows``)."""
     tk = topk.cpu().long()
-    return [cache.pool.host_rows(cache.request_slot(rid), tk[t][tk[t] >= 0]) for t, rid in enumerate(req_ids)]
+    return [cache.pool.host_rows(cache.request(rid).slot, tk[t][tk[t] >= 0]) for t, rid in enumerate(req_ids)]
 
 
 def selected_hot(cache, layer: int, rows: list[torch.Tensor]) -> torch.Tensor:

@@ -190,7 +190,7 @@ class PrefixRun:
             if n > self._given[rid]:
                 cache.add_tokens(rid, sch.tokens[rid][self._given[rid]:n])
                 self._given[rid] = n
-            blocks.append(alloc.host_blocks(cache.request_slot(rid)))
+            blocks.append(alloc.host_blocks(cache.request(rid).slot))
         allb = np.concatenate(blocks) if blocks else np.zeros(0, np.int64)
         self._px_steps["host_rows_unshared"].append(int(allb.size) * B)
         self._px_steps["host_rows"].append(int(np.unique(allb).size) * B)

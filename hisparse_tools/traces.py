@@ -51,6 +51,8 @@ from typing import BinaryIO
 import numpy as np
 import torch
 
+from hisparse.config import check_int
+
 from .sources import TopkSource
 
 TRACE_FORMAT = "hisparse-trace"
@@ -227,9 +229,7 @@ def _read_meta(path: str, m: np.ndarray) -> dict:
     for key, lo in (("num_layers", 1), ("top_k", 1), ("num_steps", 0)):
         if key not in meta:
             raise ValueError(f"trace file {path!r}: meta lacks {key!r}")
-        v = meta[key]
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise ValueError(f"trace file {path!r}: meta {key!r} must be an int >= {lo}, got {v!r}")
+        check_int(f"trace file {path!r}: meta {key!r}", meta[key], lo=lo, error=ValueError)
     return meta
 
 

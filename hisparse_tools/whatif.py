@@ -46,6 +46,7 @@ import torch
 
 from hisparse.config import RowFormat, check_int
 from .exit_codes import MissingDependency, writing
+from .fields import parse_choices
 from .flag_rules import check_whatif
 from .belady import (LayerTrace, Policy, hit_rate, make_plan, next_uses, row_membership,
                      simulate)
@@ -100,7 +101,8 @@ REFERENCE_BAND = 0.20  # the preset must land within +-20% (relative) of its ref
 
 @dataclasses.dataclass(frozen=True)
 class WhatifOptions:
-    """What to simulate (the CLI flags, 1:1). ``preset`` fills what is None."""
+    """What to simulate (the CLI flags, 1:1). ``preset`` fills what is None;
+    ``row_format`` takes its string value too (parsed when built)."""
 
     replay: str | None = None
     preset: str | None = None
@@ -121,12 +123,15 @@ class WhatifOptions:
     layer_overlap: float | None = None
     buffers: tuple[int, ...] | None = None
     warmup: int | None = None
-    row_format: str = "fp8_ds_mla"
+    row_format: RowFormat = RowFormat.FP8_DS_MLA
     row_bytes: int | None = None
     pcie_gbps: float = PCIE_GBPS
     device: str = "cpu"
     threads: int = 1  # torch CPU threads while it runs (restored after), 1..MAX_THREADS
     progress: bool = True
+
+    def __post_init__(self) -> None:
+        parse_choices(self, {"row_format": RowFormat.parse})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,7 +151,7 @@ def _resolve(o: WhatifOptions) -> _Resolved:
     if o.row_bytes is not None:
         row_bytes = check_int("row_bytes", o.row_bytes, 1)
     else:
-        row_bytes = RowFormat.parse(o.row_format).row_bytes
+        row_bytes = o.row_format.row_bytes
     bw = o.pcie_gbps
     if not isinstance(bw, (int, float)) or isinstance(bw, bool) or not 0 < bw < math.inf:
         raise ValueError(f"--pcie-gbps must be a positive, finite number of GB/s (an infinite bandwidth "

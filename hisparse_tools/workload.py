@@ -12,6 +12,7 @@ import dataclasses
 import numpy as np
 
 from hisparse.config import Kernels, RowFormat, check_bool, check_int
+from .fields import parse_choices
 from .sizing import check_prefix_options
 from .sources import WORKINGSET_DRIFT, WORKINGSET_RECENT, WORKINGSET_SINKS
 from .traces import SOURCES
@@ -19,7 +20,9 @@ from .traces import SOURCES
 
 @dataclasses.dataclass(frozen=True)
 class StressOptions:
-    """Workload and checking knobs of a stress run (the CLI flags, 1:1), checked when built.
+    """Workload and checking knobs of a stress run (the CLI flags, 1:1), checked when built
+    (``row_format`` and ``kernels`` parsed to their enum members there: each takes its
+    string value too).
 
     With ``trace="replay"`` the trace file fixes the layers, top-k, steps and the request
     schedule: ``num_requests``, ``context``, ``context_min``, ``num_layers``, ``top_k``,
@@ -33,7 +36,7 @@ class StressOptions:
     num_layers: int = 2
     top_k: int = 64
     buffer_size: int | None = None  # hot LRU slots S (default 2 * top_k)
-    row_format: str = "fp8_ds_mla"
+    row_format: RowFormat = RowFormat.FP8_DS_MLA
     steps: int = 40
     churn: float = 0.05  # per step and request: probability it leaves (a new one joins)
     trace: str = "correlated"  # uniform | correlated | replay | indexer
@@ -44,7 +47,7 @@ class StressOptions:
     seed: int = 0
     device: str | None = None  # cpu, cuda, cuda:N; default: cuda when available, else cpu
     block_size: int = 64
-    kernels: str = "auto"  # a hisparse._checks.Kernels value
+    kernels: Kernels = Kernels.AUTO
     optimal: bool = True  # compute the Belady bound
     checked: bool = True  # checked resolve (host sync); False times the unchecked fast path
     prefill_chunk: int = 16384  # rows per append call when a request joins
@@ -90,8 +93,7 @@ class StressOptions:
             raise ValueError("ramp makes its own join/leave schedule and a replayed trace fixes one: "
                              "give one of them")
         self._check_prefix(cm)
-        RowFormat.parse(self.row_format)
-        Kernels.parse(self.kernels)
+        parse_choices(self, {"row_format": RowFormat.parse, "kernels": Kernels.parse})
         if self.trace not in SOURCES:
             raise ValueError(f"trace must be one of {list(SOURCES)}, got {self.trace!r}")
         fixed = WORKINGSET_SINKS + WORKINGSET_RECENT

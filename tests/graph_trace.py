@@ -48,8 +48,8 @@ class RecordingGraphs:
     def targets(self) -> list[tuple[object, str]]:
         """(object, attribute) of each function a capture records."""
         c = self.cache
-        return [(c.writer, "apply_fn"), (c.writer, "mirror_fn"), (c.stager, "resolve_fn"), (c.stager, "copy_fn"),
-                (c.stager, "lookup_fn"), (c.stager, "resident_fn")]
+        return [(c.kernel_set, name) for name in ("apply_write", "mirror", "resolve", "copy_staged", "lookup",
+                                                  "resolve_resident")]
 
     def capture(self, fn):
         calls = []
@@ -86,8 +86,8 @@ class KernelGraphs(RecordingGraphs):
     def targets(self) -> list[tuple[object, str]]:
         import hisparse.cache.kernel_set as cache_module
         c = self.cache
-        return [(c.writer, "apply_fn"), (c.stager, "resolve_fn"), (c.stager, "lookup_fn"), (c.stager, "resident_fn"),
-                (cache_module, "_launch_copy_rows"), (cache_module, "_launch_copy_staged")]
+        return [*((c.kernel_set, name) for name in ("apply_write", "resolve", "lookup", "resolve_resident")),
+                (cache_module, "copy_rows_unchecked"), (cache_module, "copy_staged_unchecked")]
 
 
 def make_group(shape: TraceShape, device: str, kernels: str, *, validate: bool = False,
@@ -317,7 +317,7 @@ class Runner:
         c = self.group.hisparse_cache
         for rid, n in self.lens.items():
             for layer in range(self.shape.layers):
-                assert c.layer_len(layer, rid) == n, (rid, layer)
+                assert c.request(rid).lengths[layer] == n, (rid, layer)
                 host = c.read_host_rows(layer, rid, list(range(n)))
                 assert torch.equal(host, self.truth.rows(layer, rid)[:n]), f"host rows of {rid} layer {layer}"
 
@@ -326,7 +326,7 @@ def _stall_stage(r: Runner, cycles: int) -> None:
     """On CUDA, hold the cache's stage stream for ``cycles`` GPU clocks before the next
     eager staging, so that a replay not ordered after that staging runs first and
     leaves another cache (instead of only sometimes)."""
-    stage = r.group.hisparse_cache.stage_stream
+    stage = r.group.hisparse_cache.streams.stage_stream
     if cycles and stage is not None:
         with torch.cuda.stream(stage):
             torch.cuda._sleep(cycles)

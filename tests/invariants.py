@@ -307,7 +307,7 @@ def check_cache(cache, sim: LRUSim | None = None,
     st = _cpu_state(cache)
     hot = cache.hot.cpu()
     pool = cache.pool.rows
-    live = {rid: cache.request_slot(rid) for rid in cache.live_requests()}
+    live = {rid: cache.request(rid).slot for rid in cache.live_requests()}
     slots_live = set(live.values())
     if len(slots_live) != len(live):
         _fail(f"two live ids share a request slot: {live}")
@@ -327,7 +327,7 @@ def check_cache(cache, sim: LRUSim | None = None,
         bt = st["block_table"][r].tolist()
         if bt[:len(blocks)] != blocks or any(b != -1 for b in bt[len(blocks):]):
             _fail(f"block_table[{r}]={bt} but allocator holds {blocks}")
-        lens = [cache.layer_len(l, rid) for l in range(L)]
+        lens = list(cache.request(rid).lengths)
         if st["seq_lens"][:, r].tolist() != lens:
             _fail(f"seq_lens[:, {r}]={st['seq_lens'][:, r].tolist()}, layer lengths {lens}")
         if max(lens) > len(blocks) * B or len(blocks) > -(-max(lens) // B):
@@ -366,7 +366,7 @@ def check_cache(cache, sim: LRUSim | None = None,
                 _fail(f"row_slot[{l}, {h}]={s} (req slot {r}, pos {p}) but slot_pos holds "
                       f"{int(st['slot_pos'][l, r, s]) if 0 <= s <= S else 'n/a'}")
         for rid, r in live.items():
-            n_l = cache.layer_len(l, rid)
+            n_l = cache.request(rid).lengths[l]
             blocks = alloc.blocks(r)
             for s in range(SP):
                 p = int(st["slot_pos"][l, r, s])
@@ -405,7 +405,7 @@ def _check_tier(cache, st: dict[str, torch.Tensor], hot: torch.Tensor, live: dic
     the hot buffers and the pages stay zero; the stats' tier figures agree."""
     cfg = cache.cfg
     dp = getattr(cache, "dpool", None)
-    L, R, SP, B = cfg.num_layers, cfg.max_num_reqs, cfg.slots_per_req, cache.pool.B
+    R, SP, B = cfg.max_num_reqs, cfg.slots_per_req, cache.pool.B
     base = cfg.hot_rows_per_layer
     if hot.shape[1] != cfg.device_rows_per_layer:
         _fail(f"hot has {hot.shape[1]} rows per layer, config says {cfg.device_rows_per_layer}")
@@ -445,7 +445,7 @@ def _check_tier(cache, st: dict[str, torch.Tensor], hot: torch.Tensor, live: dic
             _fail(f"resident request {rid}: resident flag {flag}")
         if pt != pages + [-1] * (MP - len(pages)):
             _fail(f"resident request {rid}: page table {pt}, pool pages {pages}")
-        lens = [cache.layer_len(l, rid) for l in range(L)]
+        lens = list(cache.request(rid).lengths)
         if len(pages) * PB < max(lens) or len(pages) > cfg.max_pages_per_request:
             _fail(f"resident request {rid}: {len(pages)} pages for lengths {lens} "
                   f"(at most {cfg.max_pages_per_request})")
@@ -480,8 +480,8 @@ def _check_sim(cache, sim: LRUSim, st: dict[str, torch.Tensor], live: dict[int, 
                 _fail(f"layer {l} stat {k}: cache {got[k]}, sim {v} (all: {got})")
         for rid, r in live.items():
             q = sim.reqs[rid]
-            if cache.layer_len(l, rid) != q.lens[l]:
-                _fail(f"({l}, {rid}) length cache {cache.layer_len(l, rid)} sim {q.lens[l]}")
+            if cache.request(rid).lengths[l] != q.lens[l]:
+                _fail(f"({l}, {rid}) length cache {cache.request(rid).lengths[l]} sim {q.lens[l]}")
             if int(st["step"][l, r]) != q.step[l]:
                 _fail(f"({l}, {rid}) step cache {int(st['step'][l, r])} sim {q.step[l]}")
             pos, stamp = st["slot_pos"][l, r].tolist(), st["slot_stamp"][l, r].tolist()
@@ -536,7 +536,7 @@ def check_result(cache, layer: int, req_ids: list[int], topk: list[list[int]], r
         if not want_pos:
             continue
         rid = req_ids[t]
-        r = cache.request_slot(rid)
+        r = cache.request(rid).slot
         host = cache.read_host_rows(layer, rid, want_pos)
         if int(st["resident"][r]):  # through the page table, into the pool's pages
             base, PB = cache.cfg.hot_rows_per_layer, 64
@@ -566,10 +566,10 @@ def snapshot(cache) -> dict[str, Any]:
     snap["pool"] = cache.pool.rows.clone()
     alloc = cache.pool.allocator
     snap["alloc"] = (alloc.num_free, {o: alloc.blocks(o) for o in alloc.owners()})
-    snap["live"] = {rid: (cache.request_slot(rid),
-                          [cache.layer_len(l, rid) for l in range(cache.cfg.num_layers)])
+    snap["live"] = {rid: (cache.request(rid).slot,
+                          list(cache.request(rid).lengths))
                     for rid in cache.live_requests()}
-    snap["reserved"] = {rid: list(cache.requests.reserved_list(cache.request_slot(rid)))
+    snap["reserved"] = {rid: list(cache.requests.reserved_list(cache.request(rid).slot))
                         for rid in cache.live_requests()}
     snap["host_blocks"] = torch.from_numpy(cache.writer.host_blocks.copy())
     snap["num_blocks"] = torch.from_numpy(cache.writer.num_blocks.copy())
@@ -626,7 +626,7 @@ class TraceRunner:
                 return
             _fail("add_request past max_num_reqs did not raise CapacityError")
         self.cache.add_request(rid)
-        r = self.cache.request_slot(rid)
+        r = self.cache.request(rid).slot
         self.sim.add(rid, r)
         self._check()
 
@@ -652,13 +652,13 @@ class TraceRunner:
                                  generator=torch.Generator().manual_seed(self.rng.randrange(2**31)))
             before = snapshot(self.cache) if n else None
             try:
-                p0 = self.cache.append_rows(l, rid, rows.to(self.cache.device))
+                p0 = self.cache.write(l, rid, rows.to(self.cache.device))[0]
             except CapacityError:
                 self.capacity_errors += 1
                 assert_same(before, snapshot(self.cache))
                 return
             if p0 != self.sim.reqs[rid].lens[l]:
-                _fail(f"append_rows returned {p0}, expected {self.sim.reqs[rid].lens[l]}")
+                _fail(f"write returned {p0}, expected {self.sim.reqs[rid].lens[l]}")
             self.sim.append(l, rid, n)
             old = self.truth.get((rid, l), torch.empty((0, self.cfg.row_bytes), dtype=torch.uint8))
             self.truth[(rid, l)] = torch.cat([old, rows])
@@ -666,7 +666,7 @@ class TraceRunner:
 
     def append_tokens(self, mask: int, layer: int) -> None:
         """One row to each live request picked by ``mask`` through the batched
-        ``append_token_rows`` (a decode step's new tokens)."""
+        ``write`` of one row per request (a decode step's new tokens)."""
         live = sorted(self.sim.reqs)
         rids = [rid for i, rid in enumerate(live) if (mask >> i) & 1]
         l = layer % self.cfg.num_layers
@@ -674,14 +674,14 @@ class TraceRunner:
                              generator=torch.Generator().manual_seed(self.rng.randrange(2**31)))
         before = snapshot(self.cache)
         try:
-            pos = self.cache.append_token_rows(l, rids, rows.to(self.cache.device))
+            pos = self.cache.write(l, self.cache.plan_write(rids, [1] * len(rids)), rows.to(self.cache.device))
         except CapacityError:
             self.capacity_errors += 1
             assert_same(before, snapshot(self.cache))
             return
         for i, rid in enumerate(rids):
             if pos[i] != self.sim.reqs[rid].lens[l]:
-                _fail(f"append_token_rows gave position {pos[i]}, expected "
+                _fail(f"the decode write gave position {pos[i]}, expected "
                       f"{self.sim.reqs[rid].lens[l]}")
             old = self.truth.get((rid, l), torch.empty((0, self.cfg.row_bytes), dtype=torch.uint8))
             self.truth[(rid, l)] = torch.cat([old, rows[i:i + 1]])
@@ -814,10 +814,10 @@ class TraceRunner:
 
     def resolve_split(self, layer: int, mask: int, pad: float = 0.2, invalid: bool = False,
                       compact: bool = False) -> None:
-        """``resolve`` through ``resolve_split``: the same state and union result; a hit
+        """``resolve`` in two phases (``split=True``): the same state and union result; a hit
         row (non-compact) is the union's row, a resident token has no misses."""
         layer, ids, topk, ids_t, topk_t = self._step_tensors(layer, mask, pad, invalid)
-        res = self.cache.resolve_split(layer, ids_t, topk_t, validate=not invalid, compact=compact)
+        res = self.cache.resolve(layer, ids_t, topk_t, validate=not invalid, compact=compact, split=True)
         self.sim.resolve(layer, ids, topk)
         check_result(self.cache, layer, ids, topk, res, self.sim, compact=compact)
         hit, phys = res.hit_physical.cpu(), res.physical.cpu()

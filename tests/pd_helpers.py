@@ -62,7 +62,7 @@ def filled_cache(cfg: HiSparseConfig, req_ids=(1, 2), n: int = 37) -> tuple[HiSp
         cache.add_request(rid)
         rows = make_rows(100 + rid, n, cfg.row_bytes, cfg.num_layers)
         for layer in range(cfg.num_layers):
-            cache.append_rows(layer, rid, rows[layer])
+            cache.write(layer, rid, rows[layer])
         truth[rid] = rows
     return cache, truth
 

@@ -396,7 +396,7 @@ class PrefixTrace:
                 return
             _fail("add_request with every request slot taken did not raise CapacityError")
         got = self.cache.add_request(rid, tokens, salt) if given else self.cache.add_request(rid)
-        slot = self.cache.request_slot(rid)
+        slot = self.cache.request(rid).slot
         want = self.model.add(rid, slot, tokens, salt, given)
         if got != want:
             _fail(f"add_request({rid}, {len(tokens)} tokens, {kind}) returned {got} cached tokens, "
@@ -462,7 +462,7 @@ class PrefixTrace:
                     cache.write_step(l, plan, rows)
                     firsts = None
                 else:
-                    firsts = cache.append_rows_batch(l, rids, rows, counts)
+                    firsts = cache.write(l, cache.plan_write(rids, counts), rows)
                 if firsts is not None:
                     want = [model.reqs[rid].lens[l] for rid in rids]
                     if firsts != want:
@@ -705,15 +705,15 @@ class PrefixTrace:
         if alloc.aliases_free != len(model.aliases):
             _fail(f"{alloc.aliases_free} free alias ids, model {len(model.aliases)}")
         for rid, q in model.reqs.items():
-            if cache.request_slot(rid) != q.slot:
-                _fail(f"request {rid} in slot {cache.request_slot(rid)}, model {q.slot}")
+            if cache.request(rid).slot != q.slot:
+                _fail(f"request {rid} in slot {cache.request(rid).slot}, model {q.slot}")
             if alloc.blocks(q.slot) != q.ids:
                 _fail(f"request {rid}: block ids {alloc.blocks(q.slot)}, model {q.ids}")
             hb = [model.host(v) for v in q.ids]
             if alloc.host_blocks(q.slot).tolist() != hb:
                 _fail(f"request {rid}: host blocks {alloc.host_blocks(q.slot).tolist()}, model {hb}")
-            if list(cache.lengths(rid)) != q.lens:
-                _fail(f"request {rid}: lengths {cache.lengths(rid)}, model {q.lens}")
+            if list(cache.request(rid).lengths) != q.lens:
+                _fail(f"request {rid}: lengths {cache.request(rid).lengths}, model {q.lens}")
         # the index
         if set(ix._name_of) != set(model.name_of):
             _fail(f"cached blocks {sorted(ix._name_of)}, model {sorted(model.name_of)}")

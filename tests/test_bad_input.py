@@ -28,8 +28,8 @@ def cache():
     c.add_request(1)
     c.add_request(6)
     for layer in range(2):
-        c.append_rows(layer, 1, torch.full((5, 16), 3 + layer, dtype=torch.uint8))
-        c.append_rows(layer, 6, torch.full((1, 16), 9, dtype=torch.uint8))
+        c.write(layer, 1, torch.full((5, 16), 3 + layer, dtype=torch.uint8))
+        c.write(layer, 6, torch.full((1, 16), 9, dtype=torch.uint8))
     c.resolve(0, torch.tensor([1], dtype=I32), torch.tensor([[4, 0]], dtype=I32))
     return c
 
@@ -74,14 +74,14 @@ def test_add_live_free_dead_and_full(cache):
     rejects(cache, ValueError, "not live", cache.free_request, 3)
     cache.free_request(6)
     rejects(cache, ValueError, "not live", cache.free_request, 6)
-    rejects(cache, ValueError, "not live", cache.append_rows, 0, 6, torch.zeros((1, 16), dtype=torch.uint8))
+    rejects(cache, ValueError, "not live", cache.write, 0, 6, torch.zeros((1, 16), dtype=torch.uint8))
 
 
-# ---- append_rows ---------------------------------------------------------------------
+# ---- write of one request----------------------------------------------------------------
 @pytest.mark.parametrize("layer,exc", [(2, ValueError), (-1, ValueError), (0.0, TypeError),
                                        (True, TypeError), ("0", TypeError)])
 def test_append_bad_layer(cache, layer, exc):
-    rejects(cache, exc, "layer", cache.append_rows, layer, 1, torch.zeros((1, 16), dtype=torch.uint8))
+    rejects(cache, exc, "layer", cache.write, layer, 1, torch.zeros((1, 16), dtype=torch.uint8))
 
 
 @pytest.mark.parametrize("rows,exc,match", [
@@ -94,18 +94,18 @@ def test_append_bad_layer(cache, layer, exc):
     (torch.zeros((1, 16), dtype=torch.uint8, device="meta"), ValueError, "expected cpu"),
 ])
 def test_append_bad_rows(cache, rows, exc, match):
-    rejects(cache, exc, match, cache.append_rows, 0, 1, rows)
+    rejects(cache, exc, match, cache.write, 0, 1, rows)
 
 
 def test_append_past_the_pool_is_a_capacity_error_in_any_layer(cache):
     # 6 blocks: request 1 holds 3 (5 rows), request 6 holds 1; 2 free: request 1 may grow
     # to 9 rows, request 6 to 6
     rows = torch.zeros((6, 16), dtype=torch.uint8)
-    rejects(cache, CapacityError, "host pool (exhausted|full)", cache.append_rows, 1, 6, rows)
-    rejects(cache, CapacityError, "host pool (exhausted|full)", cache.append_rows, 0, 1, rows)
-    assert cache.append_rows(0, 1, rows[:4]) == 5  # exactly the 2 free blocks
-    assert cache.layer_len(0, 1) == 9 and cache.stats()["host_pool"]["blocks_used"] == 6
-    rejects(cache, CapacityError, "host pool (exhausted|full)", cache.append_rows, 1, 6, rows[:2])
+    rejects(cache, CapacityError, "host pool (exhausted|full)", cache.write, 1, 6, rows)
+    rejects(cache, CapacityError, "host pool (exhausted|full)", cache.write, 0, 1, rows)
+    assert cache.write(0, 1, rows[:4])[0] == 5  # exactly the 2 free blocks
+    assert cache.request(1).lengths[0] == 9 and cache.stats()["host_pool"]["blocks_used"] == 6
+    rejects(cache, CapacityError, "host pool (exhausted|full)", cache.write, 1, 6, rows[:2])
 
 
 # ---- resolve: metadata (checked in both modes) ------------------------------------------
@@ -186,7 +186,7 @@ def test_resolve_content_errors_unchecked_become_padding(cache, rid, tk, match, 
             first_run = rid[t] not in rid[:t]
         for k, p in enumerate(row):
             live = rid[t] in (1, 6) and first_run
-            if p == -1 or not live or not 0 <= p < cache.seq_len(rid[t]):
+            if p == -1 or not live or not 0 <= p < cache.request(rid[t]).seq_len:
                 assert phys[t][k] == -1, (t, k, phys)
     check_cache(cache)
 

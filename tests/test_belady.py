@@ -161,7 +161,7 @@ def test_lru_model_matches_the_cache(seed):
             i = ids_live[rid]
             n_new = int(rng.integers(1, 4))
             for layer in range(L):
-                cache.append_rows(layer, rid, torch.zeros((n_new, 16), dtype=torch.uint8))
+                cache.write(layer, rid, torch.zeros((n_new, 16), dtype=torch.uint8))
                 streams.setdefault((layer, i), []).append(A(lens[i] + n_new))
             lens[i] += n_new
             k = int(rng.integers(0, min(K, lens[i]) + 1))

@@ -62,11 +62,11 @@ def build(kernels: str, seed: int = 0):
     cache = HiSparseCache(HiSparseConfig(**CFG, prefix_caching=True), kernels=kernels)
     cache.add_request(A_ID)
     cache.add_request(B_ID)
-    ra, rb = cache.request_slot(A_ID), cache.request_slot(B_ID)
+    ra, rb = cache.request(A_ID).slot, cache.request(B_ID).slot
     g = torch.Generator().manual_seed(seed)
     rows = [fp8_rows(g, N_A) for _ in range(CFG["num_layers"])]
     for layer, r in enumerate(rows):
-        cache.append_rows(layer, A_ID, r)
+        cache.write(layer, A_ID, r)
     ids = map_aliases(cache, rb, ra, SHARED)
     return cache, rows, ra, rb, ids
 
@@ -114,7 +114,7 @@ def run_resolves(kernels: str, split: bool):
     for step, topk in enumerate(topk_steps(1, 6)):
         for layer in range(cfg.num_layers):
             if split:
-                res = cache.resolve_split(layer, req, topk)
+                res = cache.resolve(layer, req, topk, split=True)
                 assert bool((res.miss_host[0, :int(res.miss_counts[0])] >= NB * B).all())  # row keys
             else:
                 res = cache.resolve(layer, req, topk)
@@ -158,17 +158,17 @@ def test_failed_staging_rolls_back_from_aliased_rows(kernels):
         cache.resolve(0, req, torch.arange(first, first + 8, dtype=I32)[None])
     assert bool((cache.state.slot_pos[0, rb, :16] >= 0).all())
     before = snapshot(cache)
-    real = cache.stager.copy_fn
+    real = cache.kernel_set.copy_staged
 
     def copy_then_fail(*a, **kw):
         real(*a, **kw)
         raise RuntimeError("injected copy failure")
 
-    cache.stager.copy_fn = copy_then_fail
+    cache.kernel_set.copy_staged = copy_then_fail
     fresh = torch.tensor([[0, 2, 4, 6, 8, 10, 12, 14]], dtype=I32)
     with pytest.raises(RuntimeError, match="injected"):
         cache.resolve(0, req, fresh)
-    cache.stager.copy_fn = real
+    cache.kernel_set.copy_staged = real
     after = snapshot(cache)
     for name in before:
         assert torch.equal(before[name], after[name]), name
@@ -256,16 +256,16 @@ def test_prefix_api_aliases_read_cached_rows(kernels):
     assert cache.add_request(A_ID, token_ids=prompt) == 0
     rows_a = [fp8_rows(g, N_A) for _ in range(cfg.num_layers)]
     for layer, r in enumerate(rows_a):
-        cache.append_rows(layer, A_ID, r)
+        cache.write(layer, A_ID, r)
     b_prompt = prompt[:2 * B] + [7, 8, 9, 10]
     assert cache.add_request(B_ID, token_ids=b_prompt) == 2 * B
-    ra, rb = cache.request_slot(A_ID), cache.request_slot(B_ID)
+    ra, rb = cache.request(A_ID).slot, cache.request(B_ID).slot
     ids = cache.state.block_table[rb, :2].long()
     assert bool((ids >= NB).all())  # aliases: A maps the host blocks under their own ids
     assert torch.equal(cache.state.host_block[ids], cache.state.block_table[ra, :2])
     rows_b = [fp8_rows(g, 4) for _ in range(cfg.num_layers)]
     for layer, r in enumerate(rows_b):
-        cache.append_rows(layer, B_ID, r)  # into a fresh block of B's own
+        cache.write(layer, B_ID, r)[0]  # into a fresh block of B's own
     want = [torch.cat([a[:2 * B], b]) for a, b in zip(rows_a, rows_b)]
     a_keys = (cache.state.block_table[ra, :3].long()[:, None] * B + torch.arange(B)).flatten()
     a_before = cache.state.row_slot[:, a_keys].clone()

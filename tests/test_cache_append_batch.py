@@ -1,5 +1,5 @@
-"""``HiSparseCache.append_rows_batch``: the batched write path equals per-request
-``append_rows`` exactly (state tensors, hot rows, host rows, blocks, host mirrors),
+"""``HiSparseCache.write`` of a planned batch: the batched write path equals per-request
+per-request ``write`` exactly (state tensors, hot rows, host rows, blocks, host mirrors),
 including plan reuse across layers and across add/free; CapacityError and bad input
 change nothing.
 """
@@ -13,6 +13,7 @@ import torch
 
 from hisparse import CapacityError, HiSparseConfig
 from hisparse.cache.cache import HiSparseCache
+from hisparse.cache.graphs import WriteCall
 from hisparse.cache.host_pool import HostPool
 from hisparse.cache.write_plan import _NAMES, Resident, _runs_plan, _single_row_plan, expand_runs
 from hisparse.cache.write_step import StepCapacity
@@ -32,10 +33,10 @@ def make_cfg(**kw) -> HiSparseConfig:
 def full_state(c: HiSparseCache) -> dict:
     """Everything the write path changes, host mirrors included (CPU copies)."""
     snap = snapshot(c)
-    snap["reserved"] = {rid: [c.requests.reserved(c.request_slot(rid), l) for l in range(c.cfg.num_layers)]
+    snap["reserved"] = {rid: [c.requests.reserved(c.request(rid).slot, l) for l in range(c.cfg.num_layers)]
                         for rid in c.live_requests()}
     snap["pool_live"] = {
-        rid: [c.read_host_rows(l, rid, list(range(c.layer_len(l, rid)))) for l in range(c.cfg.num_layers)]
+        rid: [c.read_host_rows(l, rid, list(range(c.request(rid).lengths[l]))) for l in range(c.cfg.num_layers)]
         for rid in c.live_requests()}
     return snap
 
@@ -130,16 +131,16 @@ def test_batch_equals_per_request_appends(kernels, seed):
             rows = torch.randint(0, 256, (sum(counts), ROW_BYTES), dtype=torch.uint8,
                                  generator=torch.Generator().manual_seed(1000 * step + layer))
             try:
-                firsts = a.append_rows_batch(layer, ids, rows, counts)
+                firsts = a.write(layer, a.plan_write(ids, counts), rows)
             except CapacityError:
                 before = full_state(b)
                 with pytest.raises(CapacityError):
-                    b.append_rows_batch(layer, ids, rows, counts)
+                    b.write(layer, b.plan_write(ids, counts), rows)
                 same(before, full_state(b))
                 break
             want, t0 = [], 0
             for rid, n in zip(ids, counts):
-                want.append(b.append_rows(layer, rid, rows[t0:t0 + n]))
+                want.append(b.write(layer, rid, rows[t0:t0 + n])[0])
                 t0 += n
             assert firsts == want
             same(full_state(a), full_state(b))
@@ -151,16 +152,16 @@ def test_token_rows_wrapper_and_plan_reuse():
     c = HiSparseCache(cfg, kernels="torch")
     for rid in (3, 7):
         c.add_request(rid)
-    c.append_rows_batch(0, [3, 7], torch.zeros((9, ROW_BYTES), dtype=torch.uint8), [6, 3])
+    c.write(0, c.plan_write([3, 7], [6, 3]), torch.zeros((9, ROW_BYTES), dtype=torch.uint8))
     plan0 = c.writer._plan[1]
-    c.append_rows_batch(1, [3, 7], torch.ones((9, ROW_BYTES), dtype=torch.uint8), [6, 3])
+    c.write(1, c.plan_write([3, 7], [6, 3]), torch.ones((9, ROW_BYTES), dtype=torch.uint8))
     assert c.writer._plan[1] is plan0  # same positions in the next layer: plan reused
-    c.append_rows_batch(2, [3, 7], torch.ones((9, ROW_BYTES), dtype=torch.uint8), [6, 3])
-    assert c.append_token_rows(0, [7, 3], torch.full((2, ROW_BYTES), 5, dtype=torch.uint8)) == [3, 6]
-    assert c.layer_len(0, 7) == 4 and c.layer_len(0, 3) == 7 and c.layer_len(1, 3) == 6
-    assert c.state.seq_lens[:, c.request_slot(3)].tolist() == [7, 6, 6]
-    assert c.append_rows_batch(0, [], torch.zeros((0, ROW_BYTES), dtype=torch.uint8), []) == []
-    assert c.append_rows_batch(1, [3], torch.zeros((0, ROW_BYTES), dtype=torch.uint8), [0]) == [6]
+    c.write(2, c.plan_write([3, 7], [6, 3]), torch.ones((9, ROW_BYTES), dtype=torch.uint8))
+    assert c.write(0, c.plan_write([7, 3], [1, 1]), torch.full((2, ROW_BYTES), 5, dtype=torch.uint8)) == [3, 6]
+    assert c.request(7).lengths[0] == 4 and c.request(3).lengths[0] == 7 and c.request(3).lengths[1] == 6
+    assert c.state.seq_lens[:, c.request(3).slot].tolist() == [7, 6, 6]
+    assert c.write(0, c.plan_write([], []), torch.zeros((0, ROW_BYTES), dtype=torch.uint8)) == []
+    assert c.write(1, c.plan_write([3], [0]), torch.zeros((0, ROW_BYTES), dtype=torch.uint8)) == [6]
     check_cache(c)
 
 
@@ -169,12 +170,12 @@ def test_capacity_error_changes_nothing():
     c = HiSparseCache(cfg, kernels="torch")
     c.add_request(1)
     c.add_request(2)
-    c.append_rows_batch(0, [1], torch.zeros((5, ROW_BYTES), dtype=torch.uint8), [5])  # 2 blocks
+    c.write(0, c.plan_write([1], [5]), torch.zeros((5, ROW_BYTES), dtype=torch.uint8))  # 2 blocks
     before = full_state(c)
     with pytest.raises(CapacityError, match="host pool full"):
-        c.append_rows_batch(0, [1, 2], torch.zeros((8, ROW_BYTES), dtype=torch.uint8), [2, 6])
+        c.write(0, c.plan_write([1, 2], [2, 6]), torch.zeros((8, ROW_BYTES), dtype=torch.uint8))
     same(before, full_state(c))
-    assert c.append_rows_batch(0, [1, 2], torch.zeros((7, ROW_BYTES), dtype=torch.uint8), [1, 6]) == [5, 0]
+    assert c.write(0, c.plan_write([1, 2], [1, 6]), torch.zeros((7, ROW_BYTES), dtype=torch.uint8)) == [5, 0]
 
 
 U8 = torch.uint8
@@ -196,12 +197,13 @@ def test_bad_input_changes_nothing(args, exc, match):
     c = HiSparseCache(make_cfg(), kernels="torch")
     for rid in (1, 2):
         c.add_request(rid)
-    c.append_rows(0, 1, torch.ones((2, ROW_BYTES), dtype=U8))
+    c.write(0, 1, torch.ones((2, ROW_BYTES), dtype=U8))
     before = full_state(c)
     with pytest.raises(exc, match=match):
-        c.append_rows_batch(0, *args)
+        ids, rows, counts = args
+        c.write(0, c.plan_write(ids, counts), rows)
     with pytest.raises(ValueError, match="layer"):
-        c.append_rows_batch(3, [1], torch.zeros((1, ROW_BYTES), dtype=U8), [1])
+        c.write(3, c.plan_write([1], [1]), torch.zeros((1, ROW_BYTES), dtype=U8))
     same(before, full_state(c))
 
 
@@ -253,10 +255,9 @@ def test_write_handles_of_another_cache_are_refused(kernels):
     launched = []
     calls = {"write": lambda: y.write(0, batch, rows), "prepare_step": lambda: y.prepare_step(batch),
              "write_step": lambda: y.write_step(0, step, rows),
-             "check_write_step": lambda: y.check_write_step(0, step),
-             "write_step_by": lambda: y.write_step_by(0, step, lambda: launched.append(0)),
-             "lengths_before": lambda: y.lengths_before(2, step),
-             "abandon_step": lambda: y.abandon_step(step),
+             "graphs.plan_write": lambda: y.graphs.plan_write(0, step),
+             "WriteCall.run": lambda: WriteCall(y, 0, step).run(replay=lambda: launched.append(0)),
+             "request": lambda: y.request(2, step),
              "replaces": lambda: y.prepare_step(y.plan_write([2], [1]), replaces=step)}
     before = full_state(x), full_state(y)
     for name, call in calls.items():
@@ -275,7 +276,8 @@ def test_write_handles_of_another_cache_are_refused(kernels):
 @pytest.mark.parametrize("padded", [False, True])
 def test_a_step_of_zero_rows_is_a_no_op_on_every_write_path(kernels, padded):
     """A batch whose counts are all 0: write() of each layer and, for its prepared step,
-    check_write_step / write_step (and write_step_by of a padded step) accept it, any
+    graphs.plan_write / write_step (and a planned call's run with a replay, for a padded
+    step) accept it, any
     number of times, launch nothing and change nothing, as write() of the batch does."""
     c = HiSparseCache(make_cfg(), kernels=kernels)
     for rid in (1, 2):
@@ -291,11 +293,11 @@ def test_a_step_of_zero_rows_is_a_no_op_on_every_write_path(kernels, padded):
     for _ in range(2):
         for layer in range(c.cfg.num_layers):
             assert c.write(layer, batch, none[:0]) == [3, 1]
-            c.check_write_step(layer, step)
+            call = c.graphs.plan_write(layer, step)
             c.write_step(layer, step, none)
             if padded:
-                c.write_step_by(layer, step, lambda: launched.append(layer))
-            assert c.lengths_before(1, step) == [3, 3, 3]
+                call.run(replay=lambda: launched.append(layer))
+            assert c.request(1, step).lengths == (3, 3, 3)
     assert not launched
     same(before, full_state(c))
     check_cache(c)

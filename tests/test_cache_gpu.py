@@ -62,18 +62,18 @@ def test_a_released_pool_is_refused_before_any_launch():
     cache.resolve(0, ids, topk)
     torch.cuda.synchronize()
     cache.pool.release()
-    before, lens = _state(cache), [cache.layer_len(0, r) for r in (0, 1)]
+    before, lens = _state(cache), [cache.request(r).lengths[0] for r in (0, 1)]
     with pytest.raises(ValueError, match="not pinned"):
         cache.resolve(0, ids, topk)
     with pytest.raises(ValueError, match="not pinned"):
         cache.resolve(1, ids, topk, validate=False)
     with pytest.raises(ValueError, match="not pinned"):
-        cache.append_rows(0, 1, torch.zeros((1, cfg.row_bytes), dtype=torch.uint8, device="cuda"))
+        cache.write(0, 1, torch.zeros((1, cfg.row_bytes), dtype=torch.uint8, device="cuda"))
     torch.cuda.synchronize()
     after = _state(cache)
     for k in before:
         assert torch.equal(before[k], after[k]), k
-    assert [cache.layer_len(0, r) for r in (0, 1)] == lens
+    assert [cache.request(r).lengths[0] for r in (0, 1)] == lens
 
 
 def _build(cfg, lens, seed=0):
@@ -84,7 +84,7 @@ def _build(cfg, lens, seed=0):
         cache.add_request(rid)
         for layer in range(cfg.num_layers):
             rows = torch.randint(0, 256, (n, cfg.row_bytes), dtype=torch.uint8, generator=g)
-            cache.append_rows(layer, rid, rows.cuda())
+            cache.write(layer, rid, rows.cuda())
     return cache
 
 
@@ -130,8 +130,8 @@ def test_graph_replay_of_unchecked_resolve_equals_eager():
             rows = torch.randint(0, 256, (3, cfg.row_bytes), dtype=torch.uint8,
                                  generator=torch.Generator().manual_seed(i)).cuda()
             for c in (eager, graphed):
-                c.append_rows(0, 1, rows)
-            graphed.join_backup()
+                c.write(0, 1, rows)
+            graphed.streams.join_backup()
         static_topk.copy_(torch.tensor(step, dtype=torch.int32))
         graph.replay()
         res_e = eager.resolve(0, ids_t, torch.tensor(step, dtype=torch.int32, device="cuda"),
@@ -206,9 +206,9 @@ def test_split_runs_on_cuda_equal_reference():
 
 
 @pytest.mark.parametrize("kernels", ["auto", "torch"])
-def test_append_rows_batch_equals_append_rows_on_cuda(kernels):
+def test_batched_write_equals_per_request_writes_on_cuda(kernels):
     """The batched write path (row-copy kernel to pinned host over UVA) leaves the same
-    state, hot rows and host rows as per-request append_rows."""
+    state, hot rows and host rows as per-request writes."""
     cfg = HiSparseConfig(device="cuda", **FP8ROWS)
     a, b = HiSparseCache(cfg, kernels=kernels), HiSparseCache(cfg, kernels=kernels)
     g = torch.Generator().manual_seed(3)
@@ -218,10 +218,10 @@ def test_append_rows_batch_equals_append_rows_on_cuda(kernels):
     for step, counts in enumerate([[10, 3, 0], [1, 1, 1], [9, 2, 30], [1, 0, 1], [2, 2, 2]]):
         for layer in range(cfg.num_layers):
             rows = torch.randint(0, 256, (sum(counts), cfg.row_bytes), dtype=torch.uint8, generator=g).cuda()
-            firsts = a.append_rows_batch(layer, [1, 4, 7], rows, counts)
+            firsts = a.write(layer, a.plan_write([1, 4, 7], counts), rows)
             t0, want = 0, []
             for rid, n in zip((1, 4, 7), counts):
-                want.append(b.append_rows(layer, rid, rows[t0:t0 + n]))
+                want.append(b.write(layer, rid, rows[t0:t0 + n])[0])
                 t0 += n
             assert firsts == want, (step, layer)
     torch.cuda.synchronize()
@@ -231,8 +231,8 @@ def test_append_rows_batch_equals_append_rows_on_cuda(kernels):
     assert torch.equal(a.hot, b.hot)
     for rid in (1, 4, 7):
         for layer in range(cfg.num_layers):
-            n = a.layer_len(layer, rid)
+            n = a.request(rid).lengths[layer]
             assert torch.equal(a.read_host_rows(layer, rid, list(range(n))),
                                b.read_host_rows(layer, rid, list(range(n))))
     check_cache(a)
-    print(f"append_rows_batch on cuda ({a.kernels}): equal to append_rows")
+    print(f"a planned batch's write on cuda ({a.kernels}): equal to per-request writes")

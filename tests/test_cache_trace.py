@@ -53,8 +53,8 @@ def holds(cache, phys_row, pos, layer=0):
 
 def test_fits_phase_maps_position_to_slot_and_never_misses(make):
     c = make()
-    assert c.add_request(3) == 0 and c.request_slot(3) == 0  # no token ids: 0 cached tokens
-    assert c.append_rows(0, 3, rows(0, 3)) == 0
+    assert c.add_request(3) == 0 and c.request(3).slot == 0  # no token ids: 0 cached tokens
+    assert c.write(0, 3, rows(0, 3))[0] == 0
     assert slots(c) == ([0, 1, 2, -1, -1], [0, 0, 0, -1, -1])
     assert c.state.row_slot[0, :4].tolist() == [0, 1, 2, -1]
     assert c.state.seq_lens.tolist() == [[3, 0]]
@@ -65,7 +65,7 @@ def test_fits_phase_maps_position_to_slot_and_never_misses(make):
     phys, vc, _ = step(c, [3], [[1, -1]])
     assert (phys, vc) == ([[1, -1]], [1])
     assert slots(c) == ([0, 1, 2, -1, -1], [1, 2, 1, -1, -1])
-    assert c.append_rows(0, 3, rows(3, 1)) == 3  # still fits: slot 3, stamp = step 2
+    assert c.write(0, 3, rows(3, 1))[0] == 3  # still fits: slot 3, stamp = step 2
     assert slots(c) == ([0, 1, 2, 3, -1], [1, 2, 1, 2, -1])
     s = c.stats()["total"]
     assert (s["hits"], s["misses"], s["resolves"]) == (3, 0, 2)
@@ -75,7 +75,7 @@ def test_fits_phase_maps_position_to_slot_and_never_misses(make):
 def test_lru_walk_with_reserved_slot(make):
     c = make()
     c.add_request(5)
-    assert c.append_rows(0, 5, rows(0, 6)) == 0
+    assert c.write(0, 5, rows(0, 6))[0] == 0
     # positions 0..3 -> slots 0..3, 4 host only, 5 (the newest) -> reserved slot 4
     assert slots(c) == ([0, 1, 2, 3, 5], [0, 0, 0, 0, 0])
     assert c.state.row_slot[0, :6].tolist() == [0, 1, 2, 3, -1, 4]
@@ -95,7 +95,7 @@ def test_lru_walk_with_reserved_slot(make):
     assert phys == [[3, 0]]
     assert slots(c) == ([2, 1, 0, 3, 5], [3, 2, 2, 3, 1])
     # decode append of position 6: takes the reserved slot, position 5 becomes host-only
-    assert c.append_rows(0, 5, rows(6, 1)) == 6
+    assert c.write(0, 5, rows(6, 1))[0] == 6
     assert slots(c) == ([2, 1, 0, 3, 6], [3, 2, 2, 3, 3])
     assert c.state.row_slot[0, 5].item() == -1 and c.state.row_slot[0, 6].item() == 4
     # step 4: 6 hits; 5 misses -> all LRU slots evictable, keys (2,0)<(2,1)<(3,2)<(3,3) -> slot 2
@@ -116,7 +116,7 @@ def test_lru_walk_with_reserved_slot(make):
 def test_multi_token_group_resolves_the_union_once(make):
     c = make(max_query_len=2)
     c.add_request(1)
-    c.append_rows(0, 1, rows(0, 8))
+    c.write(0, 1, rows(0, 8))
     assert slots(c) == ([0, 1, 2, 3, 7], [0, 0, 0, 0, 0])
     # union {0, 4, 5}: 0 hits, misses 4, 5 take slots 1, 2 (stamp 0, positions 1 < 2 < 3)
     phys, vc, res = step(c, [1, 1], [[4, 5], [5, 0]])
@@ -136,9 +136,9 @@ def test_multi_token_group_resolves_the_union_once(make):
 def test_two_requests_offsets_compact_and_reuse_after_free(make):
     c = make()
     c.add_request(7), c.add_request(2)
-    assert (c.request_slot(7), c.request_slot(2)) == (0, 1)
-    c.append_rows(0, 7, rows(0, 2))
-    c.append_rows(0, 2, rows(0, 3))
+    assert (c.request(7).slot, c.request(2).slot) == (0, 1)
+    c.write(0, 7, rows(0, 2))
+    c.write(0, 2, rows(0, 3))
     assert c.pool.allocator.blocks(0) == [0] and c.pool.allocator.blocks(1) == [1, 2]
     phys, vc, _ = step(c, [7, 2], [[1, -1], [-1, 2]])
     assert (phys, vc) == ([[1, -1], [-1, 5 + 2]], [1, 1])  # request slot 1 rows start at 5
@@ -151,8 +151,8 @@ def test_two_requests_offsets_compact_and_reuse_after_free(make):
     assert c.state.id_to_slot[7].item() == -1 and c.state.step[0, 0].item() == 0
     # the id and the request slot come back clean; block 0 is reused first
     c.add_request(7)
-    assert c.request_slot(7) == 0 and c.seq_len(7) == 0
-    c.append_rows(0, 7, rows(10, 1))
+    assert c.request(7).slot == 0 and c.request(7).seq_len == 0
+    c.write(0, 7, rows(10, 1))
     assert c.pool.allocator.blocks(0) == [0]
     assert slots(c, r=0) == ([0, -1, -1, -1, -1], [0, -1, -1, -1, -1])
     phys, vc, _ = step(c, [7], [[0, 0]])
@@ -164,16 +164,16 @@ def test_capacity_errors_change_nothing(make):
     c = make()  # 8 blocks of 2 tokens
     c.add_request(0)
     c.add_request(1)
-    c.append_rows(0, 0, rows(0, 12))  # 6 blocks
+    c.write(0, 0, rows(0, 12))[0]  # 6 blocks
     before = snapshot(c)
     with pytest.raises(CapacityError, match="host pool (exhausted|full)"):
-        c.append_rows(0, 1, rows(0, 6))  # needs 3, 2 free
+        c.write(0, 1, rows(0, 6))[0]  # needs 3, 2 free
     assert_same(before, snapshot(c))
-    assert c.layer_len(0, 1) == 0
+    assert c.request(1).lengths[0] == 0
     with pytest.raises(CapacityError, match="request slots"):
         c.add_request(2)
     assert_same(before, snapshot(c))
-    assert c.append_rows(0, 1, rows(0, 4)) == 0  # exactly the 2 free blocks
+    assert c.write(0, 1, rows(0, 4))[0] == 0  # exactly the 2 free blocks
     assert c.stats()["host_pool"]["blocks_used"] == 8
     check_cache(c)
 
@@ -181,9 +181,9 @@ def test_capacity_errors_change_nothing(make):
 def test_layers_append_independently_and_resolve_uses_the_layer_length(make):
     c = make(num_layers=2)
     c.add_request(4)
-    assert c.append_rows(0, 4, rows(0, 3)) == 0
-    assert c.append_rows(1, 4, rows(0, 1, layer=1)) == 0
-    assert c.seq_len(4) == 1 and c.layer_len(0, 4) == 3 and c.layer_len(1, 4) == 1
+    assert c.write(0, 4, rows(0, 3))[0] == 0
+    assert c.write(1, 4, rows(0, 1, layer=1))[0] == 0
+    assert c.request(4).seq_len == 1 and c.request(4).lengths[0] == 3 and c.request(4).lengths[1] == 1
     assert c.state.seq_lens[:, 0].tolist() == [3, 1]
     assert c.pool.allocator.blocks(0) == [0, 1]  # blocks shared by both layers
     # layer 0 holds 3 rows: position 2 resolves there even though layer 1 lacks it
@@ -196,8 +196,8 @@ def test_layers_append_independently_and_resolve_uses_the_layer_length(make):
     assert (phys, vc) == ([[-1, 0]], [1])
     assert c.stats()["layers"][1]["invalid"] == 1 and c.stats()["layers"][0]["invalid"] == 0
     assert c.state.step.tolist() == [[before[0][0], 0], [before[1][0] + 1, 0]]
-    assert c.append_rows(1, 4, rows(1, 2, layer=1)) == 1
-    assert c.seq_len(4) == 3
+    assert c.write(1, 4, rows(1, 2, layer=1))[0] == 1
+    assert c.request(4).seq_len == 3
     phys, _, _ = step(c, [4], [[2, 1]], layer=1)
     assert phys == [[2, 1]] and holds(c, 2, 2, layer=1) and holds(c, 2, 2, layer=0)
     assert torch.equal(c.read_host_rows(1, 4, [2, 0]), torch.cat([rows(2, 1, 1), rows(0, 1, 1)]))
@@ -207,7 +207,7 @@ def test_layers_append_independently_and_resolve_uses_the_layer_length(make):
 def test_empty_inputs_are_no_ops(make):
     c = make()
     c.add_request(0)
-    assert c.append_rows(0, 0, torch.empty((0, 16), dtype=torch.uint8)) == 0
+    assert c.write(0, 0, torch.empty((0, 16), dtype=torch.uint8))[0] == 0
     assert c.pool.allocator.num_used == 0
     res = c.resolve(0, torch.empty(0, dtype=torch.int64), torch.empty((0, 2), dtype=torch.int32))
     assert res.physical.shape == (0, 2)

@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from hisparse import CapacityError, HiSparseCache, HiSparseConfig
+from hisparse.config import Kernels
 from hisparse_tools import cli, stress
 from hisparse_tools.cli import main
 from hisparse_tools.exit_codes import EXIT_FAILED, run_command
@@ -329,7 +330,7 @@ def test_new_and_former_spellings_give_the_same_config(capsys, fake_me_run):
     old_argv = [x for k, v in FORMER.items() for x in (k, vals[v])]
     old_args = _me_args(old_argv)
     assert me_cli.config_from_args(old_args) == new
-    assert new.num_layers == 3 and new.device_buffer_size == 32 and new.cache_kernels == "torch"
+    assert new.num_layers == 3 and new.device_buffer_size == 32 and new.cache_kernels is Kernels.TORCH
     assert len(old_args.notes) == len(FORMER)
     assert main(["mini-engine", "--num-layers", "1"] + ME_TINY) == 0
     err = capsys.readouterr().err.strip().splitlines()

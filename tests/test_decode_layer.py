@@ -46,7 +46,7 @@ def make(kernels: str, fmt: str, q: int = 2) -> tuple[HiSparseCache, dict]:
             x = torch.randn((n, 576), generator=g) * 2
             rows = quantize_fp8_ds_mla(x) if fmt == "fp8_ds_mla" else x.to(torch.bfloat16).view(torch.uint8)
             truth[(rid, layer)] = rows
-            c.append_rows(layer, rid, rows)
+            c.write(layer, rid, rows)
     return c, truth
 
 
@@ -185,7 +185,7 @@ def test_an_unknown_overlap_is_refused_before_anything_changes(mode):
     with pytest.raises(ValueError, match=r"overlap must be one of \['serial', 'split'\]"):
         g.decode_attention(0, q, tk, md, backend=ReferenceBackend(), sm_scale=SM, overlap=mode)
     assert_same(before, snapshot(g.hisparse_cache))
-    assert g.resolves_per_layer == [0, 0] and not g._decode_layers
+    assert g.resolves_per_layer == [0, 0] and not g._decode.layers
     out, _ = g.decode_attention(0, q, tk, md, backend=ReferenceBackend(), sm_scale=SM, overlap="split")
     ref, _ = ReferenceBackend().decode(q, rows, tk, sm_scale=SM, row_format="fp8_ds_mla")
     torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)  # the layer still runs
@@ -402,7 +402,7 @@ def test_engine_keeps_no_layer_per_backend_object(overlap):
         md = _decode_forward(g, n)
     gc.collect()
     assert sum(r() is not None for r in made) <= 1  # at most the last one's layer is kept
-    assert len(g._decode_layers) == 1
+    assert len(g._decode.layers) == 1
 
 
 def test_engine_never_hands_a_layer_to_another_backend_object():
@@ -484,7 +484,7 @@ def test_split_launch_plan_on_a_cuda_cache(monkeypatch):
     assert [plan(_Persistent(), T, H) for T, H in ((66, 128), (67, 128), (132, 64), (133, 64), (256, 16))] == \
         [(None, None, False), (SPLIT_COPY, None, True), (None, None, False), (SPLIT_COPY, None, True),
          (SPLIT_COPY, None, True)]
-    c.stager.stage_programs = 16
+    c.stage_programs = 16
     assert plan(_Counted(136), 68) == (SPLIT_COPY, 116, True)
 
 
@@ -501,8 +501,9 @@ def test_split_hit_attention_waits_for_the_miss_phase_when_planned(monkeypatch, 
     be = ReferenceBackend()
     layer = DecodeLayer(c, be, overlap="split")
     monkeypatch.setattr(layer, "_launch_plan", lambda T, H, K, fmt: (None, None, waits))
-    events, decode, wait = [], be.decode, c.wait_resolved
-    monkeypatch.setattr(c, "wait_resolved", lambda lay, stream=None: (events.append(("wait", lay)), wait(lay, stream)))
+    events, decode, wait = [], be.decode, c.streams.wait_resolved
+    monkeypatch.setattr(c.streams, "wait_resolved",
+                        lambda lay, stream=None: (events.append(("wait", lay)), wait(lay, stream)))
     monkeypatch.setattr(be, "decode", lambda *a, **k: (events.append(("decode",)), decode(*a, **k))[1])
     staged = SplitResult.wait
     monkeypatch.setattr(SplitResult, "wait", lambda self, stream=None: (events.append(("staged",)),

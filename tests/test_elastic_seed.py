@@ -29,7 +29,7 @@ def test_demotion_seeds_the_last_selection_then_the_newest(kernels):
     c.add_request(6)
     data = {layer: _rows(100, layer) for layer in range(2)}
     for layer in range(2):
-        c.append_rows(layer, 5, data[layer])  # 2 pages: the whole pool
+        c.write(layer, 5, data[layer])[0]  # 2 pages: the whole pool
     assert c.residency(5) == "resident"
     sel = {0: [3, 40, 41, 77], 1: [0, 9, 60, 90]}
     ids = torch.tensor([5], dtype=torch.int32)
@@ -37,7 +37,7 @@ def test_demotion_seeds_the_last_selection_then_the_newest(kernels):
         c.resolve(layer, ids, torch.tensor([sel[layer]], dtype=torch.int32))
     # request 6's first rows need a page: request 5 (the one holding pages) is demoted
     for layer in range(2):
-        c.append_rows(layer, 6, _rows(3, 10 + layer))
+        c.write(layer, 6, _rows(3, 10 + layer))
     assert (c.residency(5), c.residency(6)) == ("hot", "resident")
     tot = c.stats()["total"]
     assert tot["spills"] == 1 and tot["seeded_rows"] == 2 * 17
@@ -64,9 +64,9 @@ def test_demotion_of_a_short_context_keeps_every_row_in_place():
     c.add_request(1)
     c.add_request(2)
     for layer in range(2):
-        c.append_rows(layer, 1, _rows(12, layer))  # 1 page, fits its hot buffer (12 <= S)
-        c.append_rows(layer, 2, _rows(64, 5 + layer))  # 1 page
-    c.append_rows(0, 2, _rows(1, 9))  # a third page is needed: request 2 holds as many, slot 0 goes
+        c.write(layer, 1, _rows(12, layer))[0]  # 1 page, fits its hot buffer (12 <= S)
+        c.write(layer, 2, _rows(64, 5 + layer))[0]  # 1 page
+    c.write(0, 2, _rows(1, 9))[0]  # a third page is needed: request 2 holds as many, slot 0 goes
     assert (c.residency(1), c.residency(2)) == ("hot", "resident")
     for layer in range(2):
         assert c.state.slot_pos[layer, 0, :12].tolist() == list(range(12))
@@ -83,17 +83,17 @@ def test_a_replayed_forward_names_its_own_rows_as_the_last_selection():
     for rid in range(4):
         c.add_request(rid)
         for layer in range(2):
-            c.append_rows(layer, rid, _rows(20, rid))
+            c.write(layer, rid, _rows(20, rid))
     topk = torch.tensor([[0, 1, 2, 3]] * 4, dtype=torch.int32)
     for T in (4, 2):  # a bucket of 4 then one of 2 (what a capture of each resolves)
         for layer in range(2):
             c.resolve(layer, torch.arange(T, dtype=torch.int32), topk[:T])
     assert [t.numel() for t in c.writer.last_selection] == [2 * 4, 2 * 4]
-    c.note_replay(tokens=4)  # the next forward replays the bucket of 4
+    c.graphs.note_replay(tokens=4)  # the next forward replays the bucket of 4
     assert [t.numel() for t in c.writer.last_selection] == [4 * 4, 4 * 4]
-    c.note_replay(tokens=3)  # no resolve of 3 tokens was captured: nothing to name
+    c.graphs.note_replay(tokens=3)  # no resolve of 3 tokens was captured: nothing to name
     assert [t.numel() for t in c.writer.last_selection] == [4 * 4, 4 * 4]
-    c.note_replay()
+    c.graphs.note_replay()
     assert [t.numel() for t in c.writer.last_selection] == [4 * 4, 4 * 4]
 
 
@@ -112,7 +112,7 @@ def test_a_demotion_that_fails_part_way_changes_nothing(monkeypatch, path):
         c.add_request(rid)
     for rid in (1, 2):
         for layer in range(2):
-            c.append_rows(layer, rid, _rows(40, rid))  # one page each, past S = 16
+            c.write(layer, rid, _rows(40, rid))[0]  # one page each, past S = 16
     before = snapshot(c)
     real, calls = dp_mod._seed, []
 

@@ -13,6 +13,7 @@ resolve input) with resident requests; rollbacks of resolves with resident group
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -54,7 +55,7 @@ def fill(c: HiSparseCache, rid: int, n: int, seed: int | None = None) -> dict:
     out = {}
     for layer in range(c.cfg.num_layers):
         out[layer] = rows(n, (seed if seed is not None else 10 * rid) + layer)
-        c.append_rows(layer, rid, out[layer])
+        c.write(layer, rid, out[layer])
     return out
 
 
@@ -75,7 +76,7 @@ def full_state(c: HiSparseCache) -> dict:
     """Everything a failed call must leave as it was (invariants.snapshot + the rest)."""
     snap = snapshot(c)
     snap["epochs"] = list(c.requests.epochs)
-    snap["host_live"] = {(rid, l): c.read_host_rows(l, rid, list(range(c.layer_len(l, rid))))
+    snap["host_live"] = {(rid, l): c.read_host_rows(l, rid, list(range(c.request(rid).lengths[l])))
                          for rid in c.live_requests() for l in range(c.cfg.num_layers)}
     snap["stats"] = c.stats()
     del snap["pool"]  # rows past a length are not state (a mirror may have written them)
@@ -336,7 +337,7 @@ def test_demotion_of_a_short_context_keeps_every_row_at_its_position():
     # the next rows of 1 go to slot = position, then the reserved slot
     new = rows(3, 99)
     for layer in range(2):
-        c.append_rows(layer, 1, new)
+        c.write(layer, 1, new)
     sim.write([0], [(1, 3)])
     sim.write([1], [(1, 3)])
     assert c.state.slot_pos[0, 0].tolist() == [0, 1, 2, 3, 5]
@@ -402,9 +403,9 @@ def test_a_write_refused_by_its_checks_leaves_the_pool_as_it_was(kernels):
         with pytest.raises((ValueError, TypeError)):
             c.write(0, b, bad)
         same_state(before, full_state(c))
-    for call in (lambda: c.append_rows(0, 2, rows(100, 1)),  # 25 blocks, 24 free
+    for call in (lambda: c.write(0, 2, rows(100, 1))[0],  # 25 blocks, 24 free
                  lambda: c.prepare_step(c.plan_write([2, 1], [1, 96])),
-                 lambda: c.append_rows_batch(1, [2, 1], rows(99, 1), [3, 96])):
+                 lambda: c.write(1, c.plan_write([2, 1], [3, 96]), rows(99, 1))):
         with pytest.raises(CapacityError, match="host pool full"):
             call()
         same_state(before, full_state(c))
@@ -422,7 +423,7 @@ def _raise(*_a, **_k):
 
 
 @pytest.mark.parametrize("kernels", KERNELS)
-@pytest.mark.parametrize("site", ["writer.mirror_fn", "writer.apply_fn"])
+@pytest.mark.parametrize("site", ["kernel_set.mirror", "kernel_set.apply_write"])
 @pytest.mark.parametrize("path", ["write", "token_rows"])
 def test_a_failing_write_launch_undoes_its_demotion_and_grants(kernels, site, path):
     """Regression: a write whose pool changes (a demotion, a grant) were made before its
@@ -441,8 +442,8 @@ def test_a_failing_write_launch_undoes_its_demotion_and_grants(kernels, site, pa
 
     def call(x):
         if path == "write":
-            return x.append_rows_batch(0, [2, 3], new[:3], [2, 1])
-        return x.append_token_rows(0, [3, 2, 1], new)
+            return x.write(0, x.plan_write([2, 3], [2, 1]), new[:3])
+        return x.write(0, x.plan_write([3, 2, 1], [1, 1, 1]), new)
 
     before = full_state(c)
     part, attr = site.split(".")
@@ -483,7 +484,7 @@ def test_a_write_never_demotes_a_request_whose_step_is_not_written_yet():
         c.prepare_step(c.plan_write([2], [100]))  # would demote 1 (two pages)
     same_state(before, full_state(c))
     with pytest.raises(ValueError, match="not written yet"):
-        c.append_rows(0, 2, rows(100, 6))
+        c.write(0, 2, rows(100, 6))
     same_state(before, full_state(c))
     c.write_step(1, s1, a1)
     s2 = c.prepare_step(c.plan_write([2], [100]))
@@ -507,7 +508,7 @@ def test_a_step_replacing_a_pending_step_may_demote_its_requests():
     s1 = c.prepare_step(c.plan_write([1], [1]))  # a second page for 1, nothing written
     assert c.dpool.pages(0) == [0, 1]
     s2 = c.prepare_step(c.plan_write([2], [100]), replaces=s1)
-    assert c.residency(1) == "hot" and c.lengths(1) == (64, 64)
+    assert c.residency(1) == "hot" and c.request(1).lengths == (64, 64)
     assert [c.requests.reserved(0, l) for l in range(2)] == [63, 63]
     b = rows(100, 6)
     for layer in range(2):
@@ -536,7 +537,7 @@ def test_checked_resolve_with_bad_input_changes_nothing(kernels):
         (torch.tensor([1], dtype=I32), torch.tensor([[0] * (K + 1)], dtype=I32)),  # K > top_k
     ]
     for ids, tk in bad:
-        for fn in (c.resolve, c.resolve_split):
+        for fn in (c.resolve, functools.partial(c.resolve, split=True)):
             with pytest.raises((ValueError, TypeError)):
                 fn(0, ids, tk)
             same_state(before, full_state(c))
@@ -597,22 +598,22 @@ def test_rollback_with_resident_groups(kernels, call, when):
     tk = torch.tensor([[29, 3], [3, -1], [99, 64], [199, 0], [7, 200], [0, 1]], dtype=I32)
     before = full_state(c)
     if call == "split_hit_phase":  # the miss phase itself raises: only the hit phase ran
-        good = c.stager.resolve_fn
-        c.stager.resolve_fn = _raise if when == "before" else _after(good)
+        good = c.kernel_set.resolve
+        c.kernel_set.resolve = _raise if when == "before" else _after(good)
     else:
-        good = c.stager.copy_fn
-        c.stager.copy_fn = _raise if when == "before" else _after(good)
+        good = c.kernel_set.copy_staged
+        c.kernel_set.copy_staged = _raise if when == "before" else _after(good)
     with pytest.raises(Boom):
         if call in ("resolve_split", "split_hit_phase"):
-            c.resolve_split(1, ids, tk, validate=False)
+            c.resolve(1, ids, tk, validate=False, split=True)
         elif call == "prefetch":
             c.prefetch(1, ids, tk)
         else:
             c.resolve(1, ids, tk, validate=False, compact=call == "resolve_compact")
     if call == "split_hit_phase":
-        c.stager.resolve_fn = good
+        c.kernel_set.resolve = good
     else:
-        c.stager.copy_fn = good
+        c.kernel_set.copy_staged = good
     same_state(before, full_state(c))
     check_cache(c)
     a, b = c.resolve(1, ids, tk, validate=False), twin.resolve(1, ids, tk, validate=False)

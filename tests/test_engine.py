@@ -400,17 +400,17 @@ def _state_snapshot(g: HiSparseIndexGroup) -> dict:
     snap = {n: getattr(st, n).clone() for n in ("id_to_slot", "seq_lens", "block_table", "slot_pos",
                                                  "slot_stamp", "row_slot", "step", "stats")}
     snap["hot"] = c.hot.clone()
-    snap["blocks"] = {rid: list(c.pool.allocator.owned(c.request_slot(rid))) for rid in c.live_requests()}
+    snap["blocks"] = {rid: list(c.pool.allocator.owned(c.request(rid).slot)) for rid in c.live_requests()}
     # host rows of live requests (the rest of the pool is uninitialised memory)
     for rid in c.live_requests():
-        n = c.layer_len(0, rid)
+        n = c.request(rid).lengths[0]
         snap[f"pool{rid}"] = torch.stack([c.read_host_rows(layer, rid, torch.arange(n)) for layer in range(L)])
     return snap
 
 
 class _PerRequestWrites:
     """A group whose write_new_rows appends request by request through the cache's
-    ``append_rows``: the reference the batched write path must equal."""
+    per-request ``write``: the reference the batched write path must equal."""
 
     def __init__(self, g: HiSparseIndexGroup) -> None:
         self.g = g
@@ -420,14 +420,14 @@ class _PerRequestWrites:
 
     def prepare_for_batch(self, md):
         self.g.prepare_for_batch(md)
-        self.g.hisparse_cache.abandon_step(self.g._step)  # the appends below write the rows
+        self.g._step.abandon()  # the appends below write the rows
 
     def write_new_rows(self, layer, rows, md):
         qsl = md.query_start_loc_cpu
         for row, rid in enumerate(md.request_ids_cpu):
             if qsl[row + 1] > qsl[row]:
-                self.g.hisparse_cache.append_rows(layer, rid, rows[qsl[row]:qsl[row + 1]])
-        self.g._written.add(layer)
+                self.g.hisparse_cache.write(layer, rid, rows[qsl[row]:qsl[row + 1]])
+        self.g._fwd.written.add(layer)
 
 
 def test_batched_writes_equal_per_request_appends():

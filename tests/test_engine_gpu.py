@@ -42,14 +42,14 @@ def test_deferred_wait_is_what_orders_the_rows_cuda(monkeypatch):
     lens = {1: 5, 2: 20, 3: 31}
     for rid, n in lens.items():
         te.fill(g, rid, n)
-    stager = g.hisparse_cache.stager
-    real_copy = stager.copy_fn
+    ks = g.hisparse_cache.kernel_set
+    real_copy = ks.copy_staged
 
     def held_copy(*args, **kw):
         torch.cuda._sleep(200_000_000)  # ~0.1 s of the stage stream before the copy
         return real_copy(*args, **kw)
 
-    monkeypatch.setattr(stager, "copy_fn", held_copy)
+    monkeypatch.setattr(ks, "copy_staged", held_copy)
     md = te.build([(rid, 1, lens[rid] + 1) for rid in lens], 3)
     te.forward_writes(g, md)
     misses = g.stats()["total"]["misses"]

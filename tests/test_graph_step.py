@@ -155,17 +155,17 @@ def test_abandoned_forward_is_put_back_after_requests_change():
     big = SparseMLAMetadata.build(request_ids=[3], query_lens=[n3], seq_lens=[n3], num_decodes=0)
     with pytest.raises(CapacityError):
         g.prepare_for_batch(big)
-    assert [c.layer_len(i, 1) for i in range(2)] == [17, 17]  # still the abandoned forward's
+    assert list(c.request(1).lengths) == [17, 17]  # still the abandoned forward's
     assert [g.request_length(1, i) for i in range(2)] == [16, 16]
     assert c.pool.allocator.num_used == used
     md = decode_md([1], {1: 16})
     g.prepare_for_batch(md)  # puts the abandoned forward back, then plans this one
-    assert [c.layer_len(i, 1) for i in range(2)] == [17, 17]
+    assert list(c.request(1).lengths) == [17, 17]
     for layer in range(2):
         g.write_new_rows(layer, truth.rows(layer, 1)[16:17], md)
         assert torch.equal(c.read_host_rows(layer, 1, list(range(17))), truth.rows(layer, 1)[:17])
     after = cache_state(g)
-    assert torch.equal(after["seq_lens"][:, c.request_slot(1)], torch.tensor([17, 17], dtype=torch.int32))
+    assert torch.equal(after["seq_lens"][:, c.request(1).slot], torch.tensor([17, 17], dtype=torch.int32))
     assert not torch.equal(before["hot"], after["hot"])
 
 
@@ -177,16 +177,16 @@ def test_a_request_admitted_again_is_not_the_abandoned_forwards():
     c = g.hisparse_cache
     join(g, 1, 10, truth, lens)
     g.prepare_for_batch(decode_md([1], lens), pad_to=2)  # written by no layer
-    slot = c.request_slot(1)
+    slot = c.request(1).slot
     g.free_request(1)
     g.add_request(1)
-    assert c.request_slot(1) == slot
+    assert c.request(1).slot == slot
     assert [g.request_length(1, i) for i in range(2)] == [0, 0]
     md = SparseMLAMetadata.build(request_ids=[1], query_lens=[4], seq_lens=[4], num_decodes=0)
     g.prepare_for_batch(md)  # the new request's prefill is accepted
     for layer in range(2):
         g.write_new_rows(layer, truth.rows(layer, 1)[:4], md)
-    assert [c.layer_len(i, 1) for i in range(2)] == [4, 4]
+    assert list(c.request(1).lengths) == [4, 4]
     assert c.state.seq_lens[:, slot].tolist() == [4, 4]
 
 
@@ -211,7 +211,7 @@ def test_abandon_forward_and_bucket_buffers_taken_over():
     g.prepare_for_batch(md, pad_to=2)
     g.write_new_rows(0, torch.cat([truth.rows(0, 1)[10:11]] * 2), md)
     g.abandon_forward()  # (a capture that raised): every layer not run is put back
-    assert [c.layer_len(i, 1) for i in range(2)] == [11, 10]  # layer 0 ran eagerly
+    assert list(c.request(1).lengths) == [11, 10]  # layer 0 ran eagerly
     with pytest.raises(ValueError, match="prepare_for_batch"):
         g.write_new_rows(1, torch.cat([truth.rows(1, 1)[10:11]] * 2), md)
     # two padded steps of one bucket share its buffers: the older step can't write any more
@@ -268,7 +268,7 @@ def test_checked_resolve_padding_tokens_do_not_split_a_request():
                          max_num_reqs=2, max_query_len=2, host_block_size=16, device="cpu")
     c = HiSparseCache(cfg, kernels="torch")
     c.add_request(0)
-    c.append_rows(0, 0, torch.zeros((3, 656), dtype=torch.uint8))
+    c.write(0, 0, torch.zeros((3, 656), dtype=torch.uint8))
     tk = torch.tensor([[0, -1, -1, -1], [-1, -1, -1, -1], [1, -1, -1, -1]], dtype=torch.int32)
     with pytest.raises(ValueError, match="not contiguous"):
         c.resolve(0, torch.tensor([0, -1, 0], dtype=torch.int32), tk)
@@ -287,11 +287,11 @@ def test_a_step_refuses_requests_whose_layers_differ_and_changes_nothing():
     c.add_request(6)
     rows = torch.randint(0, 255, (7, 656), dtype=torch.uint8)
     for layer in range(3):
-        c.append_rows(layer, 6, rows[:3])
+        c.write(layer, 6, rows[:3])
     for layer in (0, 2):  # layer 1 of request 5 is one row short
-        c.append_rows(layer, 5, rows)
-    c.append_rows(1, 5, rows[:6])
-    r5, r6 = c.request_slot(5), c.request_slot(6)
+        c.write(layer, 5, rows)
+    c.write(1, 5, rows[:6])
+    r5, r6 = c.request(5).slot, c.request(6).slot
     before = (list(c.requests.lengths(r5)), list(c.requests.lengths(r6)), c.pool.allocator.num_used,
               c.state.block_table.clone(), list(c.requests.epochs))
     with pytest.raises(ValueError, match=r"request 5 holds \[7, 6, 7\] rows per layer"):
@@ -299,7 +299,7 @@ def test_a_step_refuses_requests_whose_layers_differ_and_changes_nothing():
     after = (list(c.requests.lengths(r5)), list(c.requests.lengths(r6)), c.pool.allocator.num_used,
              c.state.block_table, list(c.requests.epochs))
     assert before[:3] == after[:3] and torch.equal(before[3], after[3]) and before[4] == after[4]
-    c.append_rows(1, 5, rows[6:7])
+    c.write(1, 5, rows[6:7])
     c.prepare_step(c.plan_write([6, 5], [1, 1]))
     assert c.requests.lengths(r5) == [8, 8, 8] and c.requests.lengths(r6) == [4, 4, 4]
 
@@ -308,7 +308,7 @@ def test_a_step_refuses_requests_whose_layers_differ_and_changes_nothing():
 def test_host_written_steps_mirror_nothing_and_count_their_rows(kernels):
     """A ``host_written`` step (the rows are in the host pool already: hisparse.pd) plans
     no host mirror, leaves the pool's rows as they are and counts its rows in the D2H
-    counter, leaving the state an append_rows of the same rows leaves. A padded one is
+    counter, leaving the state a write of the same rows leaves. A padded one is
     refused (a bucket's graph replays other steps), changing nothing. The rows handed to the writes hold poison
     where the write needs none (positions S .. C - 2 of a hot request)."""
     from invariants import assert_same, snapshot
@@ -320,13 +320,13 @@ def test_host_written_steps_mirror_nothing_and_count_their_rows(kernels):
     ref = HiSparseCache(cfg, kernels=kernels)
     ref.add_request(1)
     for layer in range(2):
-        ref.append_rows(layer, 1, rows[layer])
+        ref.write(layer, 1, rows[layer])
     want = snapshot(ref)
     c = HiSparseCache(cfg, kernels=kernels)
     c.add_request(1)
-    c.reserve_blocks(1, C)
+    c.writer.allocate_for(c.request(1).slot, C)
     for layer in range(2):
-        for p0, p1, h in c.pool.segments(c.request_slot(1), 0, C):
+        for p0, p1, h in c.pool.segments(c.request(1).slot, 0, C):
             c.pool.rows[layer][h:h + p1 - p0] = rows[layer][p0:p1]
     before = snapshot(c)
     with pytest.raises(ValueError, match="host_written steps can't be padded"):

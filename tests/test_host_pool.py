@@ -123,6 +123,6 @@ def test_free_listeners_hear_each_free_after_it():
     c.free_listeners.append(lambda rid, r, blocks: heard.append((rid, r, list(blocks), c.requests.is_live(rid),
                                                                  c.pool.allocator.num_free)))
     c.add_request(5)
-    c.reserve_blocks(5, 20)
+    c.writer.allocate_for(c.request(5).slot, 20)
     c.free_request(5)
     assert heard == [(5, 0, [0, 1], False, 4)]

@@ -5,7 +5,7 @@ The cache's events are None on CPU, so the trace tests never exercise what
 CUDA event does in the one way that matters: an event whose last record was made during
 a stream capture can't be waited on by a stream outside a capture (CUDA answers
 ``cudaErrorInvalidValue``; the first GPU run of the per-layer graphs failed so). Pinned:
-a capture records only stand-ins (``lend_events``), leaves every flag as it was and
+a capture records only stand-ins (``CacheGraphs.capture``), leaves every flag as it was and
 reports the events it recorded; a replay marks exactly those as recorded by a replay;
 the wait before a replay picks only events last recorded eagerly.
 """
@@ -59,9 +59,9 @@ class _Backend:
 def _setup(monkeypatch):
     g = make_group(TraceShape(layers=2), "cpu", "torch")
     cs = g.hisparse_cache.streams
-    monkeypatch.setattr(torch.cuda, "Event", _CudaEvent)  # what lend_events makes
+    monkeypatch.setattr(torch.cuda, "Event", _CudaEvent)  # what a capture makes its stand-ins of
     monkeypatch.setattr(cs, "cuda", True)
-    for ev in cs._events():
+    for ev in cs.events():
         ev.event = _CudaEvent()
     cur = _Stream()
     monkeypatch.setattr(cs, "current", lambda: cur)
@@ -81,24 +81,24 @@ def _captured_calls(cs, side):
 
 def test_a_capture_records_stand_ins_and_a_replay_flags_its_events(monkeypatch):
     cs, cur, side, lg = _setup(monkeypatch)
-    real = {id(ev): ev.event for ev in cs._events()}
+    real = {id(ev): ev.event for ev in cs.events()}
     before = cs.flags()
     got = lg._capture(("convert", 0), _captured_calls(cs, side))
     assert cs.flags() == before, "a capture changed the events' flags"
-    assert all(ev.event is real[id(ev)] for ev in cs._events()), "the real events were not given back"
+    assert all(ev.event is real[id(ev)] for ev in cs.events()), "the real events were not given back"
     assert cs.resolved[0].event.records == 1 and not cs.resolved[0].event.captured
     assert cs.stage[0].event.records == 0
     assert got.events == [cs.stage[0], cs.resolved[0]]
     recorded = [e for e in got.lent if e.records]
     assert len(recorded) == 2 and all(e.captured for e in recorded), "the capture recorded the stand-ins"
-    lg._wait_eager((cs.resolved[0], cs.backup))  # both last recorded eagerly: waited on
+    lg.cache.graphs._before_replay(0, resolve=False)  # both last recorded eagerly: waited on
     assert cur.waited == [cs.resolved[0].event, cs.backup.event]
     lg._replay(got, "convert")
     assert (cs.stage[0].recorded, cs.stage[0].in_capture) == (True, True)
     assert (cs.resolved[0].recorded, cs.resolved[0].in_capture) == (True, True)
     assert (cs.backup.recorded, cs.backup.in_capture) == (True, False)
     cur.waited.clear()
-    lg._wait_eager((cs.resolved[0], cs.backup))  # the replay's record is ordered already
+    lg.cache.graphs._before_replay(0, resolve=False)  # the replay's record is ordered already
     assert cur.waited == [cs.backup.event]
     assert lg.report() == {"graphs": 1, "eager": 0, "captures": 1, "replays": 1, "copies": 0,
                            "in_place_graphs": 0, "write_replays": 0, "convert_replays": 1}
@@ -108,7 +108,8 @@ def test_without_stand_ins_the_wait_before_the_first_replay_is_invalid(monkeypat
     """What the stand-ins prevent: recording the real events during the capture makes
     the eager wait before the first replay invalid, as it was on the GPU."""
     cs, cur, side, lg = _setup(monkeypatch)
-    monkeypatch.setattr(cs, "lend_events", lambda: [ev.event for ev in cs._events()])
+    monkeypatch.setattr(cs, "cuda", False)  # no stand-ins: the capture records the real events
     lg._capture(("convert", 0), _captured_calls(cs, side))
+    monkeypatch.setattr(cs, "cuda", True)
     with pytest.raises(RuntimeError, match="cudaErrorInvalidValue"):
-        lg._wait_eager((cs.resolved[0], cs.backup))
+        lg.cache.graphs._before_replay(0, resolve=False)

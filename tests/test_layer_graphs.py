@@ -266,7 +266,7 @@ def test_a_replayed_write_refuses_a_released_pool():
     _warm_capture_replay(g, truth, lens)
     assert g.layer_graphs()["replays"] == 4
     c = g.hisparse_cache
-    c._pinned_check.__self__.dev = torch.device("cuda", 0)  # as on a GPU: the pool must be pinned
+    c.kernel_set.pinned.dev = torch.device("cuda", 0)  # as on a GPU: the pool must be pinned
     c.pool.buffer.pinned = False  # what release() / close() leave
     md = decode_md([1], lens)
     g.prepare_for_batch(md, pad_to=2)

@@ -118,7 +118,7 @@ def _real_stats():
     c = HiSparseCache(cfg, kernels="torch")
     c.add_request(3)
     for layer in range(2):
-        c.append_rows(layer, 3, torch.randint(0, 256, (20, 32), dtype=torch.uint8))
+        c.write(layer, 3, torch.randint(0, 256, (20, 32), dtype=torch.uint8))
     for _ in range(2):
         c.resolve(0, torch.tensor([3], dtype=torch.int32), torch.tensor([[0, 9, 15, 19]], dtype=torch.int32))
     return c.stats()
@@ -239,7 +239,7 @@ def test_a_pooled_cache_exports_the_elastic_tier():
     c = HiSparseCache(cfg, kernels="torch")
     for rid, n in ((1, 40), (2, 40)):
         c.add_request(rid)
-        c.append_rows(0, rid, torch.zeros((n, 32), dtype=torch.uint8))
+        c.write(0, rid, torch.zeros((n, 32), dtype=torch.uint8))
     c.resolve(0, torch.tensor([2], dtype=torch.int32), torch.tensor([[0, 1, 2, 3]], dtype=torch.int32))
     st = c.stats()
     samples, types, _ = parse(M.format_text(st))

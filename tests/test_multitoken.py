@@ -43,9 +43,7 @@ def make_cache(q: int, *, kernels: str = "torch", L: int = 2) -> HiSparseCache:
 def fill(cache: HiSparseCache, req: int, n: int) -> None:
     cache.add_request(req)
     for layer in range(cache.cfg.num_layers):
-        cache.append_rows(layer, req, row_bytes_for(layer, req, range(n)))
-
-
+        cache.write(layer, req, row_bytes_for(layer, req, range(n)))
 @pytest.mark.parametrize("q", [1, 2, 4])
 def test_config_requires_q_times_topk(q):
     HiSparseConfig(num_layers=1, host_pool_tokens=64, top_k=K, max_query_len=q, device_buffer_size=q * K,
@@ -188,7 +186,7 @@ def test_mixed_batch_decode_then_prefill(q):
     check_hot_bytes(cache, layer, dec_ids, dec_topk, res.physical)
     T_dec = len(dec_ids)
     # prefill part: stage every prefill request's context from host/hot rows
-    slots = torch.tensor([cache.request_slot(r) for r in pre_reqs], dtype=torch.int32)
+    slots = torch.tensor([cache.request(r).slot for r in pre_reqs], dtype=torch.int32)
     W = 40
     chunks = plan_prefill_chunks([ctx[r] for r in pre_reqs], [ql[r] for r in pre_reqs], W,
                                  reserve_query_rows=True, token_offset=T_dec, req_slots=slots)
@@ -215,7 +213,7 @@ def test_mixed_batch_decode_then_prefill(q):
             row[:m] = torch.randperm(max(ctx[req], 1), generator=g)[:m].to(torch.int32)
             pre_topk.append(row)
     topk = torch.cat([dec_topk, torch.stack(pre_topk)])
-    req_slot_per_token = torch.tensor([cache.request_slot(r) for r in dec_ids] + [0] * len(pre_topk),
+    req_slot_per_token = torch.tensor([cache.request(r).slot for r in dec_ids] + [0] * len(pre_topk),
                                       dtype=torch.int32)
     pre_id = torch.cat([torch.full((T_dec,), -1, dtype=torch.int32), chunk.prefill_request_id])
     conv = convert(topk, req_slot_per_token, st.block_table, block_size=cache.pool.B,
@@ -239,7 +237,7 @@ def test_mixed_batch_decode_then_prefill(q):
     for req in pre_reqs:
         for lay in range(cache.cfg.num_layers):
             new = row_bytes_for(lay, req, range(ctx[req], ctx[req] + ql[req]))
-            assert cache.append_rows(lay, req, new) == ctx[req]
+            assert cache.write(lay, req, new)[0] == ctx[req]
     lens = torch.tensor([ctx[r] + ql[r] for r in pre_reqs], dtype=torch.int32)
     starts = torch.tensor([0, 16, 18], dtype=torch.int32)
     ws2 = torch.zeros(W, 576, dtype=torch.bfloat16)

@@ -45,8 +45,8 @@ def make(seed: int = 0, b: int = B) -> HiSparseCache:
         c.add_request(r)
         for layer in range(2):
             x = torch.randn((CTX, 576), generator=g).to(DEV, torch.bfloat16)
-            c.append_rows(layer, r, quantize_fp8_ds_mla(x))
-    c.join_backup()
+            c.write(layer, r, quantize_fp8_ds_mla(x))
+    c.streams.join_backup()
     torch.cuda.synchronize()
     return c
 
@@ -67,7 +67,7 @@ def test_split_resolve_equals_serial():
     rng = random.Random(1)
     for step in range(6):
         tk = topk(rng, 0.5 + 0.1 * (step % 4))
-        res = a.resolve_split(step % 2, ids, tk, validate=False)
+        res = a.resolve(step % 2, ids, tk, validate=False, split=True)
         res.wait()
         want = b.resolve(step % 2, ids, tk, validate=False)
         torch.cuda.synchronize()
@@ -198,7 +198,7 @@ def _hit_attention_end_ms(T: int, stall_cycles: int) -> float:
     q = (torch.randn((T, H, 576), generator=g) * 0.5).to(DEV, torch.bfloat16)
     layer(0, ids, topk(rng, 0.8, b=T), q, sm_scale=SM)  # compiles everything
     torch.cuda.synchronize()
-    marks, decode, resolve = [], be.decode, c.stager.resolve_fn
+    marks, decode, resolve = [], be.decode, c.kernel_set.resolve
 
     def timed_decode(*a, **k):
         out = decode(*a, **k)
@@ -210,7 +210,7 @@ def _hit_attention_end_ms(T: int, stall_cycles: int) -> float:
         torch.cuda._sleep(stall_cycles)
         return resolve(*a, **k)
 
-    be.decode, c.stager.resolve_fn = timed_decode, stalled_resolve
+    be.decode, c.kernel_set.resolve = timed_decode, stalled_resolve
     start = torch.cuda.Event(enable_timing=True)
     start.record()
     layer(1, ids, topk(rng, 0.8, b=T), q, sm_scale=SM)

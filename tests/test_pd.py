@@ -67,13 +67,13 @@ def test_reserve_send_commit_in_process_byte_exact(sender):
     cache, truth = filled_cache(cfg)
     rx = receiver(cache)
     desc = PDDescriptor.from_bytes(rx.reserve(7, 40).to_bytes())
-    assert cache.lengths(7) == (0, 0, 0)  # nothing readable before commit
+    assert cache.request(7).lengths == (0, 0, 0)  # nothing readable before commit
     rows = make_rows(7, 40)
     rep = sender.send(desc, rows)
     assert (rep.bytes, rep.transfers, rep.descriptors) == (3 * 40 * 656, 1, 3)
-    assert cache.lengths(7) == (0, 0, 0)
+    assert cache.request(7).lengths == (0, 0, 0)
     rx.wait(7, timeout_s=10)
-    assert cache.lengths(7) == (40, 40, 40) and rx.open_requests() == []
+    assert cache.request(7).lengths == (40, 40, 40) and rx.open_requests() == []
     truth[7] = rows
     assert_rows(cache, truth)
     check_cache(cache, truth={(rid, l): r[l] for rid, r in truth.items() for l in range(3)})
@@ -82,7 +82,7 @@ def test_reserve_send_commit_in_process_byte_exact(sender):
                                                                               dtype=torch.int32))
     phys = res.physical[0, :5].long()
     assert torch.equal(cache.hot_rows(1)[phys], rows[1][[0, 5, 39, 20, 33]])
-    cache.append_rows(0, 7, make_rows(1, 1)[0])  # and grows like any request
+    cache.write(0, 7, make_rows(1, 1)[0])[0]  # and grows like any request
     rx.close()
 
 
@@ -95,7 +95,7 @@ def test_elastic_tier_commit_is_resident(sender):
     rows = make_rows(5, 70)
     sender.send(desc, rows, per_layer=True)
     rx.wait(5, timeout_s=10)
-    assert cache.residency(5) == "resident" and cache.all_resident()
+    assert cache.residency(5) == "resident" and cache.graphs.all_resident()
     res = cache.resolve(2, torch.tensor([5], dtype=torch.int32), torch.tensor([[0, 64, 69, 3, -1, -1, -1, -1]],
                                                                               dtype=torch.int32))
     phys = res.physical[0, :4].long()
@@ -270,7 +270,7 @@ def test_commit_of_a_request_appended_meanwhile_is_refused():
     cache, _ = filled_cache(small_cfg())
     rx = receiver(cache)
     d = rx.reserve(7, 40)
-    cache.append_rows(0, 7, make_rows(0, 1)[0])
+    cache.write(0, 7, make_rows(0, 1)[0])
     with pytest.raises(ValueError, match="nothing may append to a reserved request"):
         rx.commit(7, d.generation)
     rx.abort(7)

@@ -1,4 +1,4 @@
-"""A P/D commit leaves the cache exactly as ``append_rows`` of the same rows would.
+"""A P/D commit leaves the cache exactly as per-request ``write`` of the same rows would.
 
 Two caches go through the same history (requests appended, some freed: the new
 request's blocks then have holes between them); then one appends request 9's rows layer
@@ -62,7 +62,7 @@ def history(cfg, kernels: str, layout: str) -> tuple[HiSparseCache, dict]:
     for rid, n in plan[0]:
         cache.add_request(rid)
         for layer, rows in enumerate(make_rows(100 + rid, n, cfg.row_bytes, cfg.num_layers)):
-            cache.append_rows(layer, rid, rows.to(cache.device))
+            cache.write(layer, rid, rows.to(cache.device))
             truth[rid, layer] = rows
     for rid in plan[1]:
         cache.free_request(rid)
@@ -71,13 +71,13 @@ def history(cfg, kernels: str, layout: str) -> tuple[HiSparseCache, dict]:
 
 def committed_and_appended(cfg, C: int, *, kernels: str = "torch", layout: str = "fresh"):
     """(cache whose request RID was committed by a receiver, cache whose RID was
-    appended with append_rows, every live request's rows ((id, layer) -> rows), the
+    appended with per-request writes, every live request's rows ((id, layer) -> rows), the
     reservation's runs)."""
     rows = make_rows(RID, C, cfg.row_bytes, cfg.num_layers)
     ref, truth = history(cfg, kernels, layout)
     ref.add_request(RID)
     for layer in range(cfg.num_layers):
-        ref.append_rows(layer, RID, rows[layer].to(ref.device))
+        ref.write(layer, RID, rows[layer].to(ref.device))
     cache, _ = history(cfg, kernels, layout)
     rx = PDReceiver(cache, name=f"test-commit-decode-{next(_N)}")
     d = rx.reserve(RID, C)
@@ -100,7 +100,7 @@ def assert_same_cache(got: HiSparseCache, want: HiSparseCache) -> None:
 def check_commit(cache, ref, truth, C: int) -> None:
     assert_same_cache(cache, ref)
     L = cache.cfg.num_layers
-    assert cache.lengths(RID) == (C,) * L
+    assert cache.request(RID).lengths == (C,) * L
     for layer in range(L):
         assert torch.equal(cache.read_host_rows(layer, RID, list(range(C))), truth[RID, layer])
     check_cache(cache, truth=truth)
@@ -109,7 +109,7 @@ def check_commit(cache, ref, truth, C: int) -> None:
 @pytest.mark.usefixtures("poisoned")
 @pytest.mark.parametrize("layout", ["fresh", "hole", "holes"])
 @pytest.mark.parametrize("C", SIZES)
-def test_hot_commit_equals_append_rows(C, layout):
+def test_hot_commit_equals_per_request_writes(C, layout):
     cfg = small_cfg(max_num_reqs=8)
     cache, ref, truth, runs = committed_and_appended(cfg, C, layout=layout)
     assert cache.residency(RID) == "hot"
@@ -121,7 +121,7 @@ def test_hot_commit_equals_append_rows(C, layout):
 @pytest.mark.usefixtures("poisoned")
 @pytest.mark.parametrize("layout", ["fresh", "holes"])
 @pytest.mark.parametrize("C", (1, 17, 18, 40, 70))
-def test_resident_commit_equals_append_rows(C, layout):
+def test_resident_commit_equals_per_request_writes(C, layout):
     cfg = small_cfg(max_num_reqs=8, device_pool_rows=8 * 17 + 64 * 4)
     cache, ref, truth, _ = committed_and_appended(cfg, C, layout=layout)
     assert cache.residency(RID) == ref.residency(RID) == "resident"
@@ -147,7 +147,7 @@ def test_commit_with_the_triton_kernels(C, layout, resident, gather, monkeypatch
 @pytest.mark.parametrize(("C", "layout", "resident"), [(1, "fresh", False), (17, "hole", False),
                                                         (18, "holes", False), (70, "holes", False),
                                                         (40, "fresh", True), (70, "holes", True)])
-def test_commit_equals_append_rows_on_cuda(C, layout, resident):
+def test_commit_equals_per_request_writes_on_cuda(C, layout, resident):
     """On a CUDA cache the commit gathers with the row-copy kernel over UVA."""
     cfg = small_cfg(max_num_reqs=8, device="cuda", **({"device_pool_rows": 8 * 17 + 64 * 4} if resident else {}))
     cache, ref, truth, _ = committed_and_appended(cfg, C, kernels="auto", layout=layout)

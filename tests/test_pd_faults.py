@@ -51,9 +51,9 @@ def test_free_request_of_a_reserved_request_closes_it_and_quarantines_its_blocks
     cache.add_request(9)
     rows9 = make_rows(9, 40)
     for layer in range(3):
-        cache.append_rows(layer, 9, rows9[layer])
+        cache.write(layer, 9, rows9[layer])
     truth[9] = rows9
-    assert not set(cache.pool.allocator.blocks(cache.request_slot(9))) & set(rx.quarantined()[d7.generation].blocks)
+    assert not set(cache.pool.allocator.blocks(cache.request(9).slot)) & set(rx.quarantined()[d7.generation].blocks)
     with pytest.raises(StaleDescriptorError, match="nothing was written"):
         sender.send(d7, make_rows(7, 40))
     assert_rows(cache, truth)
@@ -73,18 +73,18 @@ def test_a_free_the_receiver_missed_is_caught_by_the_slot_incarnation(sender):
     d7 = rx.reserve(7, 40)
     cache.free_listeners.remove(rx._on_free)
     try:
-        slot = cache.request_slot(7)
+        slot = cache.request(7).slot
         cache.free_request(7)
-        assert cache.add_request(7) == 0 and cache.request_slot(7) == slot  # the same id and slot: a new admission
+        assert cache.add_request(7) == 0 and cache.request(7).slot == slot  # the same id and slot: a new admission
         with pytest.raises(StaleDescriptorError, match="freed while reserved"):
             rx.commit(7, d7.generation)
-        assert cache.lengths(7) == (0, 0, 0) and rx.open_requests() == []
+        assert cache.request(7).lengths == (0, 0, 0) and rx.open_requests() == []
         with pytest.raises(StaleDescriptorError, match="nothing was written"):
             sender.send(d7, make_rows(7, 40))
         assert "freed while reserved" in rx.poll().failed[7]
         rows = make_rows(70, 5)
         for layer in range(3):
-            cache.append_rows(layer, 7, rows[layer])
+            cache.write(layer, 7, rows[layer])
         truth[7] = rows
         assert_rows(cache, truth)
     finally:
@@ -107,7 +107,7 @@ def test_abort_while_a_write_is_in_flight_quarantines_until_the_done_notice(send
         cache.add_request(9)
         rows9 = make_rows(9, 40)
         for layer in range(3):
-            cache.append_rows(layer, 9, rows9[layer])
+            cache.write(layer, 9, rows9[layer])
         truth[9] = rows9
 
     monkeypatch.setattr(PDSender, "_check_generation", read_then_decode_side_aborts)
@@ -155,7 +155,7 @@ def test_poll_handles_each_notice_on_its_own(sender):
     d8, d7 = rx.reserve(8, 20), rx.reserve(7, 20)
     sender.send(d8, make_rows(8, 20))
     sender.send(d7, make_rows(7, 20))
-    cache.append_rows(0, 7, make_rows(0, 1)[0])  # an engine bug: 7 appended before its commit
+    cache.write(0, 7, make_rows(0, 1)[0])[0]  # an engine bug: 7 appended before its commit
     committed, failed = [], {}
     end = time.monotonic() + 10
     while len(committed) + len(failed) < 2 and time.monotonic() < end:
@@ -164,7 +164,7 @@ def test_poll_handles_each_notice_on_its_own(sender):
         failed.update(r.failed)
         time.sleep(0.002)
     assert committed == [8] and list(failed) == [7] and "nothing may append" in failed[7]
-    assert cache.lengths(8) == (20, 20, 20) and not cache.requests.is_live(7)
+    assert cache.request(8).lengths == (20, 20, 20) and not cache.requests.is_live(7)
     rx.wait(8)  # the commit is not lost
     truth[8] = make_rows(8, 20)
     assert_rows(cache, truth)

@@ -34,9 +34,9 @@ def elastic_cache(kernels: str, fmt: str = "fp8_ds_mla", seed: int = 0):
         c.add_request(rid)
         for layer in range(L):
             rows[rid, layer] = random_rows(g, n, fmt)
-            c.append_rows(layer, rid, rows[rid, layer])
+            c.write(layer, rid, rows[rid, layer])
     assert [c.residency(rid) for rid in LENS] == ["hot", "resident", "resident"]
-    r1 = c.request_slot(1)
+    r1 = c.request(1).slot
     assert int((c.state.row_slot[0] >= 0).sum()) == 17  # the demotion's seeded hot rows
     assert int(c.state.resident[r1]) == 0 and bool((c.state.page_table[r1] < 0).all())
     return c, rows
@@ -55,7 +55,7 @@ def requests(c: HiSparseCache, order=(3, 1, 2), gap: int = 2) -> tuple[StageRequ
     for rid in order:
         starts[rid] = acc
         acc += LENS[rid] + gap
-    reqs = StageRequests(req_slots=torch.tensor([c.request_slot(rid) for rid in order], dtype=I32),
+    reqs = StageRequests(req_slots=torch.tensor([c.request(rid).slot for rid in order], dtype=I32),
                          seq_lens=torch.tensor([LENS[rid] for rid in order], dtype=I32),
                          starts=torch.tensor([starts[rid] for rid in order], dtype=I32),
                          max_rows=max(LENS.values()))
@@ -68,11 +68,11 @@ def workspace(W: int, fmt: str, ws_dtype, fill=7) -> torch.Tensor:
 
 
 def host_row_ids(c: HiSparseCache, rid: int, positions) -> torch.Tensor:
-    return c.pool.host_rows(c.request_slot(rid), torch.as_tensor(list(positions), dtype=torch.int64))
+    return c.pool.host_rows(c.request(rid).slot, torch.as_tensor(list(positions), dtype=torch.int64))
 
 
 def page_row_ids(c: HiSparseCache, rid: int, positions) -> torch.Tensor:
-    r = c.request_slot(rid)
+    r = c.request(rid).slot
     return torch.tensor([c.dpool.page_row(r, p) for p in positions], dtype=torch.int64)
 
 
@@ -156,7 +156,7 @@ def test_resident_rows_are_read_from_device_pages(impl):
     reqs, starts, W = requests(c)
     layer = 1
     host = c.pool.rows[layer]
-    hot_pos = set(c.state.slot_pos[layer, c.request_slot(1)].tolist()) - {-1}
+    hot_pos = set(c.state.slot_pos[layer, c.request(1).slot].tolist()) - {-1}
     assert len(hot_pos) == 17  # the demotion's seeded rows (the newest, with no resolve before it)
     for rid, n in LENS.items():
         host[host_row_ids(c, rid, range(n))] = 0
@@ -186,7 +186,7 @@ def test_partial_and_chunked_resident_staging(impl):
     c, rows = elastic_cache("torch", "bf16", seed=4)
     view = c.layer_view(0)
     for rid, n in ((2, 1), (1, 54), (3, 9), (2, 29)):
-        reqs = StageRequests(req_slots=torch.tensor([c.request_slot(rid)], dtype=I32),
+        reqs = StageRequests(req_slots=torch.tensor([c.request(rid).slot], dtype=I32),
                              seq_lens=torch.tensor([n], dtype=I32), starts=torch.tensor([3], dtype=I32))
         ws = workspace(n + 5, "bf16", torch.bfloat16, fill=1.5)
         stage_prefill(view, reqs, ws, kernels=impl)
@@ -201,7 +201,7 @@ def test_partial_and_chunked_resident_staging(impl):
 @pytest.mark.parametrize("impl", IMPLS)
 def test_checked_mode_validates_pages_and_unchecked_skips(change, msg, impl):
     c, rows = elastic_cache("torch")
-    r = c.request_slot(2)
+    r = c.request(2).slot
     assert r == 1
     change(c.state, r)
     reqs, starts, W = requests(c)
@@ -222,7 +222,7 @@ def test_resident_seq_len_past_the_page_table(impl):
     fewer than the block table's 256): checked mode names it; unchecked stages the
     mapped pages and skips the rest (its second page is unmapped too)."""
     c, rows = elastic_cache("torch")
-    r = c.request_slot(3)
+    r = c.request(3).slot
     reqs = StageRequests(req_slots=torch.tensor([r], dtype=I32), seq_lens=torch.tensor([130], dtype=I32),
                          starts=torch.tensor([0], dtype=I32), max_rows=130)
     ws = workspace(130, "fp8_ds_mla", torch.uint8)
@@ -240,11 +240,11 @@ def test_multi_page_resident_request(impl):
     c, rows = elastic_cache("torch")  # for its config
     c2 = HiSparseCache(c.cfg, kernels="torch")
     c2.add_request(1)
-    c2.append_rows(0, 1, rows[1, 0])
-    assert c2.residency(1) == "resident" and c2.dpool.pages(c2.request_slot(1)) == [0, 1]
+    c2.write(0, 1, rows[1, 0])
+    assert c2.residency(1) == "resident" and c2.dpool.pages(c2.request(1).slot) == [0, 1]
     host = c2.pool.rows[0]
     host[host_row_ids(c2, 1, range(70))] = 0  # read from the pages, not from here
-    reqs = StageRequests(req_slots=torch.tensor([c2.request_slot(1)], dtype=I32),
+    reqs = StageRequests(req_slots=torch.tensor([c2.request(1).slot], dtype=I32),
                          seq_lens=torch.tensor([70], dtype=I32), starts=torch.tensor([1], dtype=I32))
     ws = workspace(72, "fp8_ds_mla", torch.bfloat16)
     stage_prefill(c2.layer_view(0), reqs, ws, kernels=impl, rows_per_program=16)

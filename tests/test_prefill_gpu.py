@@ -235,7 +235,7 @@ def test_stage_elastic_resident_byte_exact(fmt):
     for rid, n in lens.items():
         c.add_request(rid)
         rows[rid] = _random_rows_gpu(g, n, fmt)
-        c.append_rows(0, rid, rows[rid])
+        c.write(0, rid, rows[rid])
     assert [c.residency(rid) for rid in lens] == ["hot", "resident", "resident", "resident"]
     assert int((c.state.row_slot[0] >= 0).sum()) == 4097
     order = [3, 1, 4, 2]
@@ -245,10 +245,10 @@ def test_stage_elastic_resident_byte_exact(fmt):
         acc += lens[rid] + 5  # gaps between requests stay untouched
     W = acc
     i32 = dict(dtype=torch.int32, device=DEV)
-    reqs = StageRequests(req_slots=torch.tensor([c.request_slot(rid) for rid in order], **i32),
+    reqs = StageRequests(req_slots=torch.tensor([c.request(rid).slot for rid in order], **i32),
                          seq_lens=torch.tensor([lens[rid] for rid in order], **i32),
                          starts=torch.tensor([starts[rid] for rid in order], **i32), max_rows=max(lens.values()))
-    c.join_backup()
+    c.streams.join_backup()
     torch.cuda.synchronize()
     host = {rid: c.read_host_rows(0, rid, list(range(n))) for rid, n in lens.items()}
     for rid in lens:
@@ -278,7 +278,7 @@ def test_stage_elastic_resident_byte_exact(fmt):
             assert bool((got[w0 + n:w0 + n + 5] == 3).all())
     # the resident requests' rows come from their device pages, not from the host pool
     for rid, n in lens.items():
-        c.pool.rows[0][c.pool.host_rows(c.request_slot(rid), torch.arange(n))] = 0
+        c.pool.rows[0][c.pool.host_rows(c.request(rid).slot, torch.arange(n))] = 0
     ws = torch.full((W, ROW_BYTES[fmt]), 3, dtype=torch.uint8, device=DEV)
     stage_prefill(view, reqs, ws, kernels="triton", validate=False)
     torch.cuda.synchronize()
@@ -286,7 +286,7 @@ def test_stage_elastic_resident_byte_exact(fmt):
     for rid in (2, 3, 4):
         assert torch.equal(got[starts[rid]:starts[rid] + lens[rid]], host[rid]), rid
     w1 = got[starts[1]:starts[1] + lens[1]]
-    hot = c.state.slot_pos[0, c.request_slot(1)].cpu()
+    hot = c.state.slot_pos[0, c.request(1).slot].cpu()
     hot = hot[hot >= 0].long()
     assert hot.numel() == 4097
     cold = torch.ones(lens[1], dtype=torch.bool)

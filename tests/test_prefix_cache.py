@@ -125,9 +125,9 @@ class Req:
         c = self.cache
         end = len(self.tokens) if end is None else end
         for l in (range(c.cfg.num_layers) if layers is None else layers):
-            p0 = c.layer_len(l, self.rid)
+            p0 = c.request(self.rid).lengths[l]
             if p0 < end:
-                assert c.append_rows(l, self.rid, self.rows.get(l, p0, end)) == p0
+                assert c.write(l, self.rid, self.rows.get(l, p0, end))[0] == p0
 
     def decode(self, tokens, give=True):
         for t in tokens:
@@ -226,7 +226,7 @@ def test_multi_turn_hits_the_previous_turn_when_freed(give):
     c.free_request(0)
     t2 = Req(c, 1, t1.tokens + [40, 41])
     assert t2.cached == (3 * B if give else B)
-    assert c.seq_len(1) == t2.cached and c.lengths(1) == (t2.cached,) * 2
+    assert c.request(1).seq_len == t2.cached and c.request(1).lengths == (t2.cached,) * 2
     t2.write()
     t2.decode([50])
     for layer in range(2):
@@ -247,7 +247,7 @@ def test_lookup_publishes_a_live_writer_and_a_second_sharer_needs_an_alias():
         b = Req(c, 1, toks(2 * B + 3))
         assert b.cached == want, aliases
         assert c.prefix.index.cached == 2
-        ids = c.pool.allocator.blocks(c.request_slot(1))
+        ids = c.pool.allocator.blocks(c.request(1).slot)
         NB = c.cfg.num_host_blocks
         assert ids == ([NB, NB + 1] if aliases is None else [])
         if aliases is None:
@@ -268,7 +268,7 @@ def test_two_sharers_have_independent_hot_state():
     assert x.cached == y.cached == 4 * B
     NB = c.cfg.num_host_blocks
     alloc = c.pool.allocator
-    rx, ry = c.request_slot(1), c.request_slot(2)
+    rx, ry = c.request(1).slot, c.request(2).slot
     assert alloc.blocks(rx) == [0, 1, 2, 3] and alloc.blocks(ry) == [NB, NB + 1, NB + 2, NB + 3]
     assert alloc.host_blocks(ry).tolist() == [0, 1, 2, 3]
     x.write(), y.write()
@@ -306,7 +306,7 @@ def test_eviction_is_lru_and_only_of_unreferenced_blocks():
         r = Req(c, i, toks(2 * B + 1, start=1000 * (i + 1)))
         r.write()
         reqs.append(r)
-    blocks = {i: alloc.blocks(c.request_slot(i))[:2] for i in range(3)}
+    blocks = {i: alloc.blocks(c.request(i).slot)[:2] for i in range(3)}
     for i in (2, 0, 1):
         c.free_request(i)
     assert ix.cached == 6 and ix.evictable == 6
@@ -323,7 +323,7 @@ def test_eviction_is_lru_and_only_of_unreferenced_blocks():
     assert len(alloc._free) == 4
     free_before = sorted(alloc._free)
     n.write()
-    got = alloc.blocks(c.request_slot(4))
+    got = alloc.blocks(c.request(4).slot)
     assert got == free_before + rev[2] + rev[1][:1]
     assert ix.evictions == 3 and ix.cached == 3
     assert all(ix.holds(b) for b in blocks[0]) and ix.holds(blocks[1][0])
@@ -353,16 +353,16 @@ def test_admission_counts_evictable_blocks_as_free():
     d = Req(c, 2, toks(4 * B, start=50))
     before = prefix_snapshot(c)
     with pytest.raises(CapacityError):
-        c.append_rows(0, 2, d.rows.get(0, 0, 4 * B))
+        c.write(0, 2, d.rows.get(0, 0, 4 * B))
     with pytest.raises(CapacityError):
         c.prepare_step(c.plan_write([1, 2], [1, 3 * B + 1]))
     with pytest.raises(CapacityError):
-        c.reserve_blocks(2, 4 * B)
+        c.writer.allocate_for(c.request(2).slot, 4 * B)
     assert_same(before, prefix_snapshot(c))
     # exactly free + evictable: succeeds, evicting every cached block
     d.write(end=3 * B)
     assert ix.evictions == 4 and alloc.num_free == 0 and ix.evictable == 0
-    assert ix.cached == 3 and [ix.refs(h) for h in alloc.blocks(c.request_slot(1))] == [1, 1, 1]  # b's, published by d's lookup
+    assert ix.cached == 3 and [ix.refs(h) for h in alloc.blocks(c.request(1).slot)] == [1, 1, 1]  # b's, published by d's lookup
     d.resolve(0, [0, 5, 11])
 
 
@@ -384,8 +384,8 @@ def test_a_batched_write_that_evicts_gets_the_blocks_it_planned(kernels):
     o.rows.extend([5])
     rows = torch.cat([o.rows.get(0, B, B + 1), n.rows.get(0, 0, 2 * B)])
     assert alloc.peek(3) == [1, 3, 0]
-    assert c.append_rows_batch(0, [1, 2], rows, [1, 2 * B]) == [B, 0]
-    assert alloc.blocks(c.request_slot(1)) == [2, 1] and alloc.blocks(c.request_slot(2)) == [3, 0]
+    assert c.write(0, c.plan_write([1, 2], [1, 2 * B]), rows) == [B, 0]
+    assert alloc.blocks(c.request(1).slot) == [2, 1] and alloc.blocks(c.request(2).slot) == [3, 0]
     assert c.prefix.index.evictions == 1
     o.resolve(0, [0, B])
     n.resolve(0, [0, 3, 4, 7])
@@ -400,7 +400,7 @@ def test_a_batched_write_that_evicts_gets_the_blocks_it_planned(kernels):
     o.rows.extend([5])
     step = c2.prepare_step(c2.plan_write([1, 2], [1, 2 * B]))
     c2.write_step(0, step, torch.cat([o.rows.get(0, B, B + 1), n.rows.get(0, 0, 2 * B)]))
-    assert c2.pool.allocator.blocks(c2.request_slot(1)) == [2, 1] and c2.pool.allocator.blocks(c2.request_slot(2)) == [3, 0]
+    assert c2.pool.allocator.blocks(c2.request(1).slot) == [2, 1] and c2.pool.allocator.blocks(c2.request(2).slot) == [3, 0]
     n.resolve(0, [0, 7])
 
 
@@ -578,7 +578,7 @@ def test_block_names_are_the_caches():
     a.decode(toks(B, start=9))
     c.stats()  # publishes
     names = block_names(a.tokens[:2 * B], B, salt=b"s")
-    assert [c.prefix.index.lookup(names)] == [c.pool.allocator.blocks(c.request_slot(0))[:2]]
+    assert [c.prefix.index.lookup(names)] == [c.pool.allocator.blocks(c.request(0).slot)[:2]]
     assert _cpu_state(c)["seq_lens"][:, 0].tolist() == [2 * B + 1] * 2
 
 
@@ -601,7 +601,7 @@ def test_rows_of_a_prepared_step_not_written_are_never_published():
     Req(c2, 0, toks(2 * B + 1))
     step = c2.prepare_step(c2.plan_write([0], [2 * B + 1]))
     c2.stats()
-    c2.abandon_step(step)
+    step.abandon()
     assert Req(c2, 1, toks(2 * B + 1)).cached == 0
     # once every layer is written, the blocks are published
     c3 = make()
@@ -634,7 +634,7 @@ def test_a_failed_commit_of_reserved_blocks_publishes_nothing():
     to the free list (the receiver quarantines what free_request returns)."""
     c = make()
     c.add_request(0)
-    got = c.reserve_blocks(0, 2 * B + 1)
+    got = c.writer.allocate_for(c.request(0).slot, 2 * B + 1)
     c.add_tokens(0, toks(2 * B + 1))
     step = c.prepare_step(c.plan_write([0], [2 * B + 1]), host_written=True)  # noqa: F841 (held, as the receiver does)
     freed = []
@@ -657,12 +657,12 @@ def test_a_write_that_evicts_drops_the_blocks_before_its_launches():
     def boom(*args, **kw):
         raise RuntimeError("apply launch failed (injected)")
 
-    real, c.writer.apply_fn = c.writer.apply_fn, boom
+    real, c.kernel_set.apply_write = c.kernel_set.apply_write, boom
     with pytest.raises(RuntimeError, match="injected"):
-        c.append_rows(0, 1, n.rows.get(0, 0, 3 * B))
-    c.writer.apply_fn = real
+        c.write(0, 1, n.rows.get(0, 0, 3 * B))
+    c.kernel_set.apply_write = real
     assert c.prefix.index.cached == 0 and c.pool.allocator.num_free == 3
-    assert c.layer_len(0, 1) == 0
+    assert c.request(1).lengths[0] == 0
     n.write()
     n.resolve(0, [0, B, 2 * B + 1])
     c.free_request(1)
@@ -694,7 +694,7 @@ def test_stress_prefetch_counts_a_sharers_staged_rows():
     w.write()
     m = Req(c, 1, toks(2 * B + 1))  # maps request 0's two cached blocks under alias ids
     assert m.cached == 2 * B
-    assert all(v >= c.pool.allocator.num_blocks for v in c.pool.allocator.owned(c.request_slot(1))[:2])
+    assert all(v >= c.pool.allocator.num_blocks for v in c.pool.allocator.owned(c.request(1).slot)[:2])
     m.write()
     topk = torch.tensor([[0, 1, 2, 3]], dtype=torch.int32)
     rows = selected_host_rows(c, [1], topk)  # the next layer selects exactly these rows

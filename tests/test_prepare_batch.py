@@ -215,7 +215,7 @@ def rows(n: int, seed: int = 0) -> torch.Tensor:
 def forward(g: HiSparseIndexGroup, md: SparseMLAMetadata, layers=range(L), **kw) -> None:
     g.prepare_for_batch(md, **kw)
     for layer in layers:
-        g.write_new_rows(layer, rows(g._tokens, layer), md)
+        g.write_new_rows(layer, rows(g._fwd.tokens, layer), md)
 
 
 def filled() -> HiSparseIndexGroup:
@@ -233,7 +233,8 @@ def state(g: HiSparseIndexGroup) -> dict:
     snap["epochs"] = list(c.requests.epochs)
     snap["lengths"] = {rid: [g.request_length(rid, i) for i in range(L)] for rid in c.live_requests()}
     step = g._step
-    snap["step"] = (id(step), sorted(step.pending) if step is not None else None, sorted(g._written))
+    written = None if g._fwd is None else sorted(g._fwd.written)
+    snap["step"] = (id(step), sorted(step.pending) if step is not None else None, written)
     return snap
 
 
@@ -269,7 +270,7 @@ def test_layers_that_differ_are_named_with_every_layers_rows():
     too, and nothing changes; once the other layers catch up, the batch goes through."""
     g = filled()
     c = g.hisparse_cache
-    c.append_rows(1, 2, rows(1, 7))
+    c.write(1, 2, rows(1, 7))
     refused(g, md_of([(1, 1, 13), (2, 1, 10)], 2), r"batch row 1: request 2 holds \[9, 10, 9\] rows per layer")
     refused(g, md_of([(2, 1, 11)], 1), r"request 2 holds \[9, 10, 9\] rows per layer but the metadata says its "
                                        r"context before this forward is 10")
@@ -278,7 +279,7 @@ def test_layers_that_differ_are_named_with_every_layers_rows():
         c.prepare_step(c.plan_write([1, 2], [1, 1]))
     assert_same(before, state(g))
     for layer in (0, 2):
-        c.append_rows(layer, 2, rows(1, 7))
+        c.write(layer, 2, rows(1, 7))
     forward(g, md_of([(1, 1, 13), (2, 1, 11)], 2))
     assert [g.request_length(2, i) for i in range(L)] == [11] * L
     check_cache(c)
@@ -455,7 +456,7 @@ def test_a_carry_is_not_used_once_the_table_changed_under_the_same_batch():
             g.prepare_for_batch(md, pad_to=pad_to)
             if not prepare_only:
                 for layer in layers:
-                    g.write_new_rows(layer, rows(g._tokens, layer), md)
+                    g.write_new_rows(layer, rows(g._fwd.tokens, layer), md)
             s = g._step
             plans.append((s.buffers.buf if s.buffers is not None else s.plan.buf).clone())
         assert torch.equal(plans[0], plans[1])
@@ -474,7 +475,7 @@ def test_a_carry_is_not_used_once_the_table_changed_under_the_same_batch():
             n_carried = len(carried)
             assert n_carried and groups[0].hisparse_cache.writer._carry is not None
             # a row appended to every layer of request 2 by the per-layer path
-            both(lambda g: [g.hisparse_cache.append_rows(layer, 2, rows(1, 5)) for layer in range(L)])
+            both(lambda g: [g.hisparse_cache.write(layer, 2, rows(1, 5))[0] for layer in range(L)])
             live[2] += 1
             step(pad_to=pad_to)
             live = {r: n + 1 for r, n in live.items()}

@@ -55,10 +55,10 @@ def full_state(c: HiSparseCache) -> dict:
     snap["hot"] = c.hot.clone()
     alloc = c.pool.allocator
     snap["alloc"] = (alloc.num_free, {o: alloc.blocks(o) for o in alloc.owners()})
-    snap["requests"] = {rid: (c.request_slot(rid), c.lengths(rid),
-                              [c.requests.reserved(c.request_slot(rid), l) for l in range(c.cfg.num_layers)])
+    snap["requests"] = {rid: (c.request(rid).slot, c.request(rid).lengths,
+                              [c.requests.reserved(c.request(rid).slot, l) for l in range(c.cfg.num_layers)])
                         for rid in c.live_requests()}
-    snap["host"] = {(rid, l): c.read_host_rows(l, rid, list(range(c.layer_len(l, rid))))
+    snap["host"] = {(rid, l): c.read_host_rows(l, rid, list(range(c.request(rid).lengths[l])))
                     for rid in c.live_requests() for l in range(c.cfg.num_layers)}
     snap["epochs"] = list(c.requests.epochs)
     return snap
@@ -94,8 +94,8 @@ def test_strided_rows_land_byte_exact(kernels):
     wide = rand_rows(20, 1, 2 * 656)
     rows = wide[:, :656]
     assert rows.stride(0) == 2 * 656
-    c.append_rows_batch(0, [0], rows[:3], [3])
-    c.append_rows(0, 0, rows[3:20])  # past S: fits phase, reserved slot and host-only rows
+    c.write(0, c.plan_write([0], [3]), rows[:3])
+    c.write(0, 0, rows[3:20])[0]  # past S: fits phase, reserved slot and host-only rows
     resolve_ok(c, 0, 0, [0, 1, 2, -1][:3] + [19], rows)
     resolve_ok(c, 0, 0, [10, 11, 12, 13], rows)
     assert torch.equal(c.read_host_rows(0, 0, list(range(20))), rows)
@@ -110,11 +110,11 @@ def test_rows_at_odd_storage_offset_land_byte_exact(kernels):
     raw = rand_rows(1, 2, 12 * 656 + 1)[0]
     rows = raw[1:].view(12, 656)
     assert rows.storage_offset() % 4 == 1 and rows.is_contiguous()
-    c.append_rows(0, 0, rows)
-    assert c.layer_len(0, 0) == 12 and int(c.state.seq_lens[0, c.request_slot(0)]) == 12
+    c.write(0, 0, rows)
+    assert c.request(0).lengths[0] == 12 and int(c.state.seq_lens[0, c.request(0).slot]) == 12
     resolve_ok(c, 0, 0, [0, 5, 9, 11], rows)
-    c.append_rows(0, 0, rows[:1])  # the next append lands at position 12
-    assert c.layer_len(0, 0) == 13
+    c.write(0, 0, rows[:1])[0]  # the next append lands at position 12
+    assert c.request(0).lengths[0] == 13
     check_cache(c)
 
 
@@ -163,7 +163,7 @@ def test_engine_capacity_error_mid_batch_changes_nothing_and_the_next_batch_work
     g.prepare_for_batch(md2)  # the lengths are still 0: the next batch is accepted
     for layer in range(2):
         g.write_new_rows(layer, rand_rows(30, 5 + layer), md2)
-    assert c.lengths(1) == (20, 20) and c.lengths(2) == (10, 10)
+    assert c.request(1).lengths == (20, 20) and c.request(2).lengths == (10, 10)
 
 
 # ---------------------------------------------------------------- counter wrap
@@ -179,15 +179,15 @@ def test_step_counter_past_int32_keeps_staging_misses(kernels, start):
     steps = [rng.sample(range(40), 4) for _ in range(8)]
     for c in caches:
         c.add_request(3)
-        c.append_rows(0, 3, truth)
-        r = c.request_slot(3)
+        c.write(0, 3, truth)
+        r = c.request(3).slot
         c.state.step[0, r] = start
         occupied = c.state.slot_pos[0, r] >= 0
         c.state.slot_stamp[0, r][occupied] = start  # the context's rows were stamped at that step
         for positions in steps:
             resolve_ok(c, 0, 3, positions, truth)
     a, b = caches
-    assert int(a.state.step[0, a.request_slot(3)]) == start + len(steps)
+    assert int(a.state.step[0, a.request(3).slot]) == start + len(steps)
     for name in ("slot_pos", "slot_stamp", "row_slot", "step", "stats"):
         assert torch.equal(getattr(a.state, name), getattr(b.state, name)), name
     assert a.stats()["total"]["misses"] > 0
@@ -202,11 +202,11 @@ def test_held_result_is_stale_after_an_append():
     c = HiSparseCache(cfg(num_layers=2), kernels="torch")
     c.add_request(0)
     for layer in range(2):
-        c.append_rows(layer, 0, rand_rows(12, 8 + layer))
+        c.write(layer, 0, rand_rows(12, 8 + layer))
     res = c.resolve(0, torch.tensor([0], dtype=I32), torch.tensor([[11, 0, -1, -1]], dtype=I32))
     other = c.resolve(1, torch.tensor([0], dtype=I32), torch.tensor([[1, -1, -1, -1]], dtype=I32))
     assert not res.stale and not other.stale
-    c.append_rows(0, 0, rand_rows(1, 10))
+    c.write(0, 0, rand_rows(1, 10))
     assert res.stale and not other.stale  # only layer 0 changed
     c.free_request(0)
     assert other.stale
@@ -245,7 +245,7 @@ def warm_cache(kernels: str, seed: int) -> tuple[HiSparseCache, dict]:
         c.add_request(rid)
         for layer in range(2):
             truth[(rid, layer)] = rand_rows(n, 100 * rid + layer)
-            c.append_rows(layer, rid, truth[(rid, layer)])
+            c.write(layer, rid, truth[(rid, layer)])
     for _ in range(4):
         for layer in range(2):
             ids = torch.tensor([1, 4], dtype=I32)
@@ -262,14 +262,14 @@ def _resolve_call(c):
 
 def _append_call(c):
     rows = rand_rows(4, 55)
-    return lambda: c.append_rows_batch(0, [1, 2, 4], rows, [1, 2, 1])
+    return lambda: c.write(0, c.plan_write([1, 2, 4], [1, 2, 1]), rows)
 
 
 SITES = [  # (what fails, the call that reaches it)
-    ("writer.mirror_fn", _append_call),
-    ("writer.apply_fn", _append_call),
-    ("stager.resolve_fn", _resolve_call),
-    ("stager.copy_fn", _resolve_call),
+    ("kernel_set.mirror", _append_call),
+    ("kernel_set.apply_write", _append_call),
+    ("kernel_set.resolve", _resolve_call),
+    ("kernel_set.copy_staged", _resolve_call),
 ]
 
 
@@ -318,14 +318,14 @@ def test_staging_that_ran_then_failed_changes_nothing(kernels, call):
     ids = torch.tensor([1, 2, 4], dtype=I32)
     tk = torch.tensor([[29, 3, 17, 9], [5, 0, 1, 2], [20, 19, 11, 4]], dtype=I32)
     before = full_state(c)
-    good = c.stager.copy_fn
-    c.stager.copy_fn = _after(good)
+    good = c.kernel_set.copy_staged
+    c.kernel_set.copy_staged = _after(good)
     with pytest.raises(Boom):
         if call == "resolve_split":
-            c.resolve_split(1, ids, tk, validate=False)
+            c.resolve(1, ids, tk, validate=False, split=True)
         else:
             c.resolve(1, ids, tk, validate=False) if call == "resolve" else c.prefetch(1, ids, tk)
-    c.stager.copy_fn = good
+    c.kernel_set.copy_staged = good
     assert_same(before, full_state(c))
     check_cache(c)
     a, b = c.resolve(1, ids, tk, validate=False), twin.resolve(1, ids, tk, validate=False)
@@ -342,7 +342,7 @@ def test_staging_failure_rolls_back_multi_token_groups(kernels):
         for rid, n in ((1, 30), (4, 21)):
             c.add_request(rid)
             for layer in range(2):
-                c.append_rows(layer, rid, rand_rows(n, 7 * rid + layer))
+                c.write(layer, rid, rand_rows(n, 7 * rid + layer))
         return c
     c, twin = make(), make()
     ids = torch.tensor([1, 1, 4, 1], dtype=I32)
@@ -350,11 +350,11 @@ def test_staging_failure_rolls_back_multi_token_groups(kernels):
     for x in (c, twin):
         x.resolve(0, ids[:3], tk[:3].flip(1).contiguous())
     before = full_state(c)
-    good = c.stager.copy_fn
-    c.stager.copy_fn = _raise
+    good = c.kernel_set.copy_staged
+    c.kernel_set.copy_staged = _raise
     with pytest.raises(Boom):
         c.resolve(0, ids, tk, validate=False)
-    c.stager.copy_fn = good
+    c.kernel_set.copy_staged = good
     assert_same(before, full_state(c))
     a, b = c.resolve(0, ids, tk, validate=False), twin.resolve(0, ids, tk, validate=False)
     assert torch.equal(a.physical, b.physical)
@@ -368,7 +368,7 @@ def test_prefill_staging_failure_changes_nothing(kernels, monkeypatch):
     before = full_state(c)
     site = "_launch" if kernels == "triton" else "stage_prefill_reference"
     monkeypatch.setattr(prefill_mod, site, _raise)
-    reqs = prefill_mod.StageRequests(req_slots=torch.tensor([c.request_slot(1)], dtype=I32),
+    reqs = prefill_mod.StageRequests(req_slots=torch.tensor([c.request(1).slot], dtype=I32),
                                      seq_lens=torch.tensor([30], dtype=I32), starts=torch.tensor([0], dtype=I32))
     ws = torch.zeros((30, 576), dtype=torch.bfloat16)
     with pytest.raises(Boom):
@@ -397,13 +397,13 @@ def group_state(g: HiSparseIndexGroup) -> dict:
     # be written in this forward does not count its rows yet)
     snap["host"] = {(rid, l): c.read_host_rows(l, rid, list(range(g.request_length(rid, l))))
                     for rid in c.live_requests() for l in range(c.cfg.num_layers)}
-    snap["group"] = (sorted(g._written), sorted(g._converted), list(g.resolves_per_layer))
+    snap["group"] = (sorted(g._fwd.written), sorted(g._fwd.resolved), list(g.resolves_per_layer))
     return snap
 
 
 @pytest.mark.parametrize("kernels", KERNELS)
-@pytest.mark.parametrize("site", ["writer.mirror_fn", "writer.apply_fn", "stager.resolve_fn",
-                                  "stager.copy_fn", "prefill"])
+@pytest.mark.parametrize("site", ["kernel_set.mirror", "kernel_set.apply_write", "kernel_set.resolve",
+                                  "kernel_set.copy_staged", "prefill"])
 def test_engine_calls_change_nothing_when_a_launch_fails(kernels, site, monkeypatch):
     g = make_group(kernels)
     c = g.hisparse_cache
@@ -415,9 +415,9 @@ def test_engine_calls_change_nothing_when_a_launch_fails(kernels, site, monkeypa
     ws = torch.zeros((5, 576), dtype=torch.bfloat16)
     starts = torch.tensor([0], dtype=I32)
     g.prepare_for_batch(md)
-    if site.startswith("writer"):
+    if site in ("kernel_set.mirror", "kernel_set.apply_write"):
         calls = [lambda: g.write_new_rows(0, rows, md)]
-    elif site.startswith("stager"):
+    elif site.startswith("kernel_set"):
         g.write_new_rows(0, rows, md)
         calls = [lambda: g.convert_decode_logical_to_physical_topk(0, topk, md)]
     else:
@@ -490,7 +490,7 @@ def test_stage_programs_checked_when_set():
     c, _ = warm_cache("torch", seed=3)
     for bad in (0, -4, 2.5, True):
         with pytest.raises((TypeError, ValueError), match="stage_programs"):
-            c.stager.stage_programs = bad
-    c.stager.stage_programs = 8
-    assert c.stager.stage_programs == 8
-    c.stager.stage_programs = None
+            c.stage_programs = bad
+    c.stage_programs = 8
+    assert c.stage_programs == 8
+    c.stage_programs = None

@@ -64,7 +64,7 @@ def _batch(rng: random.Random, c: HiSparseCache, layer: int, Q: int, K: int) -> 
         ids.insert(rng.randrange(len(ids) + 1), 40)  # past max_request_id
     topk = []
     for rid in ids:
-        n = c.layer_len(layer, rid) if c.requests.is_live(rid) else 5
+        n = c.request(rid).lengths[layer] if c.requests.is_live(rid) else 5
         row = []
         for _ in range(K):
             u = rng.random()
@@ -82,8 +82,8 @@ def test_resident_resolve_equals_the_full_resolve(kernels, seed):
         c.add_request(rid)
         for layer in range(2):  # lengths differ per layer; across page boundaries
             n = rng.choice([1, 5, 63, 64, 65, 130]) + layer
-            c.append_rows(layer, rid, _rows(n, 100 * i + layer))
-    assert c.all_resident() and c.resident_resolve()
+            c.write(layer, rid, _rows(n, 100 * i + layer))
+    assert c.graphs.all_resident() and c.graphs.resident_resolve()
     Q, K = c.cfg.max_query_len, c.cfg.top_k
     for it in range(6):
         layer = it % 2
@@ -95,7 +95,7 @@ def test_resident_resolve_equals_the_full_resolve(kernels, seed):
         resolve_reference(want_state, layer, ids, topk, want, max_query_len=Q, compact=compact)
         before = copy.deepcopy(c.state)
         got = ResolveBuffers.allocate(T, K, torch.device("cpu"))
-        c.stager.resident_fn(c.state, layer, ids, topk, got, max_query_len=Q, compact=compact)
+        c.kernel_set.resolve_resident(c.state, layer, ids, topk, got, max_query_len=Q, compact=compact)
         assert torch.equal(got.physical, want.physical)
         assert torch.equal(got.valid_counts, want.valid_counts)
         assert torch.equal(got.stage_src[:T * K], want.stage_src[:T * K])
@@ -111,11 +111,11 @@ def test_resident_resolve_equals_the_full_resolve(kernels, seed):
 def test_a_live_hot_request_on_the_resident_kernel_gets_no_rows_and_is_counted():
     c = HiSparseCache(pooled(pages=4), kernels="torch")
     c.add_request(1)
-    c.append_rows(0, 1, _rows(10, 0))
+    c.write(0, 1, _rows(10, 0))
     c.state.resident[0] = 0  # host and device disagree (what the path's choice rules out)
     out = c._bufs[0].view(1, 8)
     inv0 = int(c.state.stats[0, 2])
-    c.stager.resident_fn(c.state, 0, torch.tensor([1], dtype=I32), torch.tensor([[0, 1, -1, 2, 3, 4, 5, 6]],
+    c.kernel_set.resolve_resident(c.state, 0, torch.tensor([1], dtype=I32), torch.tensor([[0, 1, -1, 2, 3, 4, 5, 6]],
                          dtype=I32), out, max_query_len=3, compact=False)
     assert out.physical.tolist() == [[-1] * 8] and out.valid_counts.tolist() == [0]
     assert int(c.state.stats[0, 2]) - inv0 == 7
@@ -124,9 +124,7 @@ def test_a_live_hot_request_on_the_resident_kernel_gets_no_rows_and_is_counted()
 def _fill(c: HiSparseCache, rid: int, n: int) -> None:
     c.add_request(rid)
     for layer in range(c.cfg.num_layers):
-        c.append_rows(layer, rid, _rows(n, rid * 10 + layer))
-
-
+        c.write(layer, rid, _rows(n, rid * 10 + layer))
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
 def test_the_path_follows_residency(kernels, monkeypatch):
     # 3 pages: two requests of 64 rows resident; a third of 100 rows needs 2 pages, so
@@ -143,12 +141,12 @@ def test_the_path_follows_residency(kernels, monkeypatch):
     check_result(c, 0, [1, 2], tk.tolist(), res)
     _fill(c, 3, 100)
     assert {r: c.residency(r) for r in (1, 2, 3)} == {1: "hot", 2: "resident", 3: "resident"}
-    assert not c.all_resident() and not c.resident_resolve()
+    assert not c.graphs.all_resident() and not c.graphs.resident_resolve()
     res = c.resolve(0, torch.tensor([3, 2], dtype=I32), tk)
     assert full == [0]  # a hot request is live: the full path, even for a batch of resident ones
     check_result(c, 0, [3, 2], tk.tolist(), res)
     c.free_request(1)
-    assert c.all_resident()
+    assert c.graphs.all_resident()
     res = c.resolve(1, torch.tensor([2, 3], dtype=I32), tk, compact=True)
     assert full == [0]
     check_result(c, 1, [2, 3], tk.tolist(), res, compact=True)
@@ -157,20 +155,20 @@ def test_the_path_follows_residency(kernels, monkeypatch):
 
 def test_resident_capture_and_its_refusals():
     c = HiSparseCache(pooled(pages=1), kernels="torch")
-    with c.resident_capture():  # no live request: nothing is hot
-        assert c.resident_resolve()
+    with c.graphs.resident_capture():  # no live request: nothing is hot
+        assert c.graphs.resident_resolve()
     _fill(c, 1, 64)
     _fill(c, 2, 64)  # one page: the first is demoted
     with pytest.raises(ValueError, match=r"resident_capture: 1 live request\(s\) are hot; a resident resolve "
                                          "would give them no rows"):
-        with c.resident_capture():
+        with c.graphs.resident_capture():
             pass
-    assert not c._resident_capture
+    assert not c.graphs._resident_capture
     nopool = HiSparseCache(HiSparseConfig(num_layers=1, host_pool_tokens=64, row_bytes=16, top_k=2,
                                           device_buffer_size=4, max_num_reqs=2, device="cpu"), kernels="torch")
-    assert not nopool.all_resident() and not nopool.resident_resolve()
+    assert not nopool.graphs.all_resident() and not nopool.graphs.resident_resolve()
     with pytest.raises(ValueError, match=r"no device pool: cfg.device_pool_rows is None"):
-        with nopool.resident_capture():
+        with nopool.graphs.resident_capture():
             pass
 
 
@@ -185,8 +183,8 @@ def test_decode_layer_on_the_resident_path_serial_equals_split():
     c = HiSparseCache(cfg, kernels="torch")
     for rid, n in ((4, 70), (6, 130)):
         c.add_request(rid)
-        c.append_rows(0, rid, _fp8_rows(n, rid))
-    assert c.resident_resolve()
+        c.write(0, rid, _fp8_rows(n, rid))
+    assert c.graphs.resident_resolve()
     be = ReferenceBackend()
     g = torch.Generator().manual_seed(1)
     q = (torch.randn((3, 16, 576), generator=g) * 0.5).to(torch.bfloat16)
@@ -204,7 +202,7 @@ def test_decode_layer_on_the_resident_path_serial_equals_split():
     ref = be.decode(q, c.hot_rows(0), c.resolve(0, ids, tk).physical, sm_scale=sm, row_format=RowFormat.FP8_DS_MLA)
     assert torch.equal(ref[0], o)
     launch = layer.begin(0, ids, tk, num_heads=16)
-    c.append_rows(0, 6, _fp8_rows(1, 9))
+    c.write(0, 6, _fp8_rows(1, 9))
     with pytest.raises(ValueError, match="appended to, resolved or freed since begin"):
         layer.finish(launch, q, sm_scale=sm)
 

@@ -36,9 +36,9 @@ def _cache(B: int, lens: list[int], q: int) -> HiSparseCache:
     for b, n in enumerate(lens):
         c.add_request(2 * b)
         x = (torch.randn((n, 576), generator=g) * 0.5).to(device="cuda", dtype=torch.bfloat16)
-        c.append_rows(0, 2 * b, quantize_fp8_ds_mla(x))
+        c.write(0, 2 * b, quantize_fp8_ds_mla(x))
     torch.cuda.synchronize()
-    assert c.all_resident()
+    assert c.graphs.all_resident()
     return c
 
 
@@ -68,7 +68,7 @@ def test_resident_kernel_matches_the_full_reference(q, compact):
     want = ResolveBuffers.allocate(T, K, torch.device("cpu"))
     resolve_reference(cpu_state, 0, req.cpu(), tk.cpu(), want, max_query_len=q, compact=compact)
     got = ResolveBuffers.allocate(T, K, torch.device("cuda"))
-    c.stager.resident_fn(c.state, 0, req, tk, got, max_query_len=q, compact=compact)
+    c.kernel_set.resolve_resident(c.state, 0, req, tk, got, max_query_len=q, compact=compact)
     torch.cuda.synchronize()
     assert torch.equal(got.physical.cpu(), want.physical)
     assert torch.equal(got.valid_counts.cpu(), want.valid_counts)
@@ -93,7 +93,7 @@ def test_a_layer_captured_on_the_resident_path_replays_the_eager_output():
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         graph = torch.cuda.CUDAGraph()
-        with c.resident_capture(), torch.cuda.stream(s):
+        with c.graphs.resident_capture(), torch.cuda.stream(s):
             with torch.cuda.graph(graph, stream=s):
                 out = layer(0, req, tk, q, sm_scale=sm)
         stats0 = c.stats()["total"]["resident_rows"]

@@ -40,14 +40,14 @@ def setup(kernels):
     toks = list(range(100, 100 + 5 * B + 1))
     c.add_request(0, toks)
     for l in range(2):
-        c.append_rows(l, 0, torch.randint(0, 256, (len(toks), 64), generator=g, dtype=torch.uint8))
+        c.write(l, 0, torch.randint(0, 256, (len(toks), 64), generator=g, dtype=torch.uint8))
     assert c.add_request(1, toks) == 5 * B  # aliases of request 0's blocks
     c.add_request(2, toks[:2 * B + 1])  # two more aliases? (blocks mapped by 0 and 1)
     for rid in (1, 2):
-        n = c.layer_len(0, rid)
+        n = c.request(rid).lengths[0]
         need = len(toks) + 3 - n
         for l in range(2):
-            c.append_rows(l, rid, torch.randint(0, 256, (need, 64), generator=g, dtype=torch.uint8))
+            c.write(l, rid, torch.randint(0, 256, (need, 64), generator=g, dtype=torch.uint8))
     return c
 
 
@@ -62,7 +62,7 @@ def run(kernels, seed, n_ops=40):
         req, tk = [], []
         for rid in rids:
             q = 1 if kind == "prefetch" else rng.randint(1, 2)
-            n = c.layer_len(layer, rid)
+            n = c.request(rid).lengths[layer]
             for _ in range(q):
                 row = [rng.randrange(n) for _ in range(4)]
                 if rng.random() < 0.3:
@@ -75,17 +75,17 @@ def run(kernels, seed, n_ops=40):
         tk_t = torch.tensor(tk, dtype=torch.int32)
         fail = rng.random() < 1 / 3
         before = snap(c)
-        real = c.stager.copy_fn
+        real = c.kernel_set.copy_staged
         if fail:
             def boom(*a, **kw):
                 real(*a, **kw)
                 raise RuntimeError("injected")
-            c.stager.copy_fn = boom
+            c.kernel_set.copy_staged = boom
         try:
             if kind == "resolve":
                 res = c.resolve(layer, req_t, tk_t)
             elif kind == "split":
-                res = c.resolve_split(layer, req_t, tk_t)
+                res = c.resolve(layer, req_t, tk_t, split=True)
             else:
                 res = c.prefetch(layer, req_t, tk_t)
             assert not fail
@@ -95,7 +95,7 @@ def run(kernels, seed, n_ops=40):
             same(before, snap(c), (kernels, seed, i, kind), hot_all=False)
             log.append((kind, "failed"))
         finally:
-            c.stager.copy_fn = real
+            c.kernel_set.copy_staged = real
     return snap(c), log
 
 

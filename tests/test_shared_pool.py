@@ -131,7 +131,7 @@ def test_attach_mismatch_names_field(tmp_path):
     with SharedHostPool.create(cfg, world_size=2, shm_dir=str(tmp_path), pin=False) as w:
         with pytest.raises(ConfigMismatchError, match="host_block_size: 4 != 8"):
             SharedHostPool.attach(w.path, make_cfg(host_block_size=8), rank=1, pin=False)
-        with pytest.raises(ValueError, match=r"rank must be in \[0, 2\)"):
+        with pytest.raises(ValueError, match=r"rank=2 is out of range \[0, 2\)"):
             SharedHostPool.attach(w.path, cfg, rank=2, pin=False)
         # device differs per rank by nature and is not part of the identity
         SharedHostPool.attach(w.path, cfg.replace(device="cuda:1"), rank=1, pin=False).close()
@@ -152,9 +152,9 @@ def test_bad_inputs(tmp_path):
         SharedHostPool.attach(str(bogus), cfg, rank=0)
     assert os.listdir(tmp_path) == ["bogus"]  # failed creates left nothing behind
     with SharedHostPool.create(cfg, world_size=1, shm_dir=str(tmp_path), pin=False) as p:
-        with pytest.raises(ValueError, match="layer must be"):
+        with pytest.raises(ValueError, match=r"layer=2 is out of range \[0, 2\)"):
             p.commit_append(2)
-        with pytest.raises(ValueError, match="layer must be"):
+        with pytest.raises(ValueError, match=r"layer=-1 is out of range \[0, 2\)"):
             p.wait_visible(-1)
         assert p.published(0) == 0  # no state change
     with pytest.raises(ValueError, match="tp_ranks_per_node"):
@@ -221,7 +221,7 @@ def test_drop_in_for_hisparse_cache(pair):
     for c, pool in zip(caches, (w, r)):
         c.add_request(5)
         for layer in range(cfg.num_layers):
-            c.append_rows(layer, 5, expected_rows(layer, 5, 0, n, 32))  # commits the append
+            c.write(layer, 5, expected_rows(layer, 5, 0, n, 32))[0]  # commits the append
     r.wait_visible(0)
     r.verify_admission(timeout_s=1)
     assert all(int(v) == 1 for v in w.buffer.published)  # one append per layer published
@@ -237,7 +237,7 @@ def test_drop_in_for_hisparse_cache(pair):
 
 
 def test_batched_append_uses_the_shared_pool_hooks(pair):
-    """append_rows_batch on both ranks: only the writer stores rows, each call commits
+    """a planned batch's write on both ranks: only the writer stores rows, each call commits
     one append per layer, and the reader stages the writer's rows."""
     from hisparse.cache.cache import HiSparseCache
 
@@ -251,7 +251,7 @@ def test_batched_append_uses_the_shared_pool_hooks(pair):
             rows = torch.cat([expected_rows(layer, rid, 0, n, 32) for rid, n in lens.items()])
             if c is caches[1]:  # rows that stay host-only: a reader store would show up
                 rows[8:19] = 0
-            assert c.append_rows_batch(layer, list(lens), rows, list(lens.values())) == [0, 0]
+            assert c.write(layer, c.plan_write(list(lens), list(lens.values())), rows) == [0, 0]
     r.wait_visible(0)
     r.verify_admission(timeout_s=1)
     assert all(int(v) == 1 for v in w.buffer.published)  # one batched append per layer

@@ -38,7 +38,7 @@ def fill(c: HiSparseCache, lens: dict[int, int]) -> dict:
         for layer in range(c.cfg.num_layers):
             g = torch.Generator().manual_seed(31 * rid + layer)
             truth[(rid, layer)] = torch.randint(0, 256, (n, c.cfg.row_bytes), dtype=torch.uint8, generator=g)
-            c.append_rows(layer, rid, truth[(rid, layer)])
+            c.write(layer, rid, truth[(rid, layer)])
     return truth
 
 
@@ -83,8 +83,8 @@ def hot_before(c: HiSparseCache, layer: int, ids: torch.Tensor, topk: torch.Tens
         prev = rid
         if not ok_run or run > c.cfg.max_query_len:
             continue
-        r = c.request_slot(rid)
-        n = c.layer_len(layer, rid)
+        r = c.request(rid).slot
+        n = c.request(rid).lengths[layer]
         for k in range(K):
             p = int(topk[t, k])
             if 0 <= p < n:
@@ -105,7 +105,7 @@ def test_split_equals_serial(kernels, seed):
         layer = step % 2
         ids, topk = random_step(rng, lens, 2, 5)
         was_hot = hot_before(a, layer, ids, topk)
-        res = a.resolve_split(layer, ids, topk, validate=False)
+        res = a.resolve(layer, ids, topk, validate=False, split=True)
         want = b.resolve(layer, ids, topk, validate=False)
         for name in STATE:
             assert torch.equal(getattr(a.state, name), getattr(b.state, name)), (step, name)
@@ -124,14 +124,14 @@ def test_split_equals_serial(kernels, seed):
             rid = int(ids[t])
             if m:
                 pos = topk[t][valid_miss[t]].long()
-                hosts = a.pool.host_rows(a.request_slot(rid), pos)
+                hosts = a.pool.host_rows(a.request(rid).slot, pos)
                 assert res.miss_host[t, :m].tolist() == hosts.tolist()
                 assert torch.equal(a.hot_rows(layer)[res.miss_physical[t, :m].long()], truth[(rid, layer)][pos])
         check_cache(a)
 
 
 @pytest.mark.parametrize("kernels", KERNELS)
-@pytest.mark.parametrize("site", ["lookup_fn", "resolve_fn", "copy_fn"])
+@pytest.mark.parametrize("site", ["lookup", "resolve", "copy_staged"])
 def test_split_failure_changes_nothing(kernels, site):
     a, twin = make(kernels), make(kernels)
     lens = {1: 40, 3: 9, 6: 27}
@@ -146,18 +146,18 @@ def test_split_failure_changes_nothing(kernels, site):
     ids, topk = random_step(rng, lens, 2, 5)
     before = {n: getattr(a.state, n).clone() for n in STATE}
     hot = a.hot.clone()
-    good = getattr(a.stager, site)
+    good = getattr(a.kernel_set, site)
 
     def boom(*_a, **_k):
         raise RuntimeError("injected")
-    setattr(a.stager, site, boom)
+    setattr(a.kernel_set, site, boom)
     with pytest.raises(RuntimeError, match="injected"):
-        a.resolve_split(1, ids, topk, validate=False)
-    setattr(a.stager, site, good)
+        a.resolve(1, ids, topk, validate=False, split=True)
+    setattr(a.kernel_set, site, good)
     for n in STATE:
         assert torch.equal(getattr(a.state, n), before[n]), n
     assert torch.equal(a.hot, hot)
-    x, y = a.resolve_split(1, ids, topk, validate=False), twin.resolve(1, ids, topk, validate=False)
+    x, y = a.resolve(1, ids, topk, validate=False, split=True), twin.resolve(1, ids, topk, validate=False)
     assert torch.equal(x.physical, y.physical)
     for n in STATE:
         assert torch.equal(getattr(a.state, n), getattr(twin.state, n)), n

@@ -175,7 +175,7 @@ def test_trace_file_that_is_not_an_npz(tmp_path, write, msg):
     (dict(meta=np.array('{"format": "hisparse-trace", "version": 1, "num_layers": 1, "num_steps": 1}')),
      r"meta lacks 'top_k'"),
     (dict(meta=np.array('{"format": "hisparse-trace", "version": 1, "num_layers": "1", "top_k": 2, '
-                        '"num_steps": 1}')), r"meta 'num_layers' must be an int >= 1"),
+                        '"num_steps": 1}')), r"meta 'num_layers' must be an int, got str"),
     (dict(meta=np.array(3)), r"key 'meta' must be a 0-d string"),
     (dict(topk=np.array([[[0.0, 2.0]]])), r"key 'topk' has dtype float64; expected integers"),
     (dict(seq_lens=np.array([3.0])), r"key 'seq_lens' has dtype float64"),

@@ -59,7 +59,7 @@ def _cache_counts(steps, *, L, K, S, max_len):
                 cache.add_request(rid)
                 live[rid] = 0
             for layer in range(L):
-                cache.append_rows(layer, rid, torch.zeros((n - live[rid], 16), dtype=torch.uint8))
+                cache.write(layer, rid, torch.zeros((n - live[rid], 16), dtype=torch.uint8))
             live[rid] = n
         for layer in range(L):
             before = cache.stats()["layers"][layer]

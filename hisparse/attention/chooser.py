@@ -118,7 +118,7 @@ def _parse(device: object, row_format: object, num_heads: object,
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
         dev = torch.device("cuda", torch.cuda.current_device())
-    fmt = RowFormat.parse(row_format)  # type: ignore[arg-type]
+    fmt = RowFormat.parse(row_format)
     check_int("num_heads", num_heads, 1)
     if isinstance(phase, str):
         try:

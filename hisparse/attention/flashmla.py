@@ -279,7 +279,8 @@ class FlashMLABackend(SparseMLABackend):
         if reason is not None:
             raise ValueError(f"FlashMLA backend cannot run this {phase.value}: {reason}")
         ops, _ = self.ops()
-        return ops  # type: ignore[return-value]
+        assert ops is not None  # supports() found them
+        return ops
 
     # ---------------------------------------------------------------- helpers
     def _sanitize(self, idx: torch.Tensor, vc: torch.Tensor | None, N: int):

@@ -190,20 +190,20 @@ def _check_partial(out_name: str, out: object, lse_name: str, lse: object, T: in
 
 
 def _check_list(name: str, x: object, T: int, device: torch.device) -> int:
-    check_tensor(name, x, dtype=torch.int32, ndim=2, device=device)
-    if x.shape[0] != T:  # type: ignore[union-attr]
-        raise ValueError(f"{name} must be int32 [T={T}, K], got shape {list(x.shape)}")  # type: ignore[union-attr]
-    if x.numel() and x.stride(1) != 1:  # type: ignore[union-attr]
-        raise ValueError(f"{name} must have a contiguous last dimension, got strides {x.stride()}")  # type: ignore[union-attr]
-    return x.shape[1]  # type: ignore[union-attr]
+    x = check_tensor(name, x, dtype=torch.int32, ndim=2, device=device)
+    if x.shape[0] != T:
+        raise ValueError(f"{name} must be int32 [T={T}, K], got shape {list(x.shape)}")
+    if x.numel() and x.stride(1) != 1:
+        raise ValueError(f"{name} must have a contiguous last dimension, got strides {x.stride()}")
+    return x.shape[1]
 
 
 def _check_common(q: object, kv_rows: object, miss_idx: object, miss_counts: object,
                   sm_scale: object, row_format: RowFormat | str) -> DecodeInputs:
     """q, the hot rows, the miss lists and the scale; returns them as DecodeInputs
     (indices = miss_idx, valid_counts = miss_counts)."""
-    check_tensor("q", q, dtype=torch.bfloat16, ndim=3)
-    T, dev = q.shape[0], q.device  # type: ignore[union-attr]
+    q = check_tensor("q", q, dtype=torch.bfloat16, ndim=3)
+    T, dev = q.shape[0], q.device
     _check_list("miss_idx", miss_idx, T, dev)
     check_tensor("miss_counts", miss_counts, dtype=torch.int32, shape=(T,), device=dev,
                  contiguous=True)

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .._checks import check_int
 from ..config import HiSparseConfig
 from .shared_pool import (ConfigMismatchError, RankFailureError, SharedHostPool, config_diff, layout,
                           pid_alive)
@@ -121,9 +122,7 @@ def setup_shared_pool(cfg: HiSparseConfig, *, group: Any = None, store: Any = No
         raise ValueError(f"timeout_s must be a positive number, got {timeout_s!r}")
     rank = dist.get_rank(group)
     world = dist.get_world_size(group)
-    if isinstance(writer_rank, bool) or not isinstance(writer_rank, int) or not (
-            0 <= writer_rank < world):
-        raise ValueError(f"writer_rank must be an int in [0, {world}), got {writer_rank!r}")
+    check_int("writer_rank", writer_rank, 0, world, error=ValueError)
     members = dist.get_process_group_ranks(group) if group is not None else list(range(world))
     tag = "-".join(map(str, members))
     n = _setup_counts.get(tag, 0)
@@ -232,9 +231,7 @@ def shared_pool_bytes_per_node(cfg: HiSparseConfig, *, tp_ranks_per_node: int,
                                tp_share: bool) -> int:
     """Host bytes the pools of one node take: one shared pool (header + rows) when
     ``tp_share``, else one private ``cfg.host_pool_bytes`` pool per TP rank on the node."""
-    if isinstance(tp_ranks_per_node, bool) or not isinstance(tp_ranks_per_node, int) or \
-            tp_ranks_per_node <= 0:
-        raise ValueError(f"tp_ranks_per_node must be a positive int, got {tp_ranks_per_node!r}")
+    check_int("tp_ranks_per_node", tp_ranks_per_node, lo=1, error=ValueError)
     if tp_share:
         header_bytes, data_bytes = layout(cfg)
         return header_bytes + data_bytes

@@ -19,6 +19,7 @@ from typing import Hashable, Sequence
 import numpy as np
 import torch
 
+from .._checks import check_int
 from ..config import HiSparseConfig
 from ..device import PinnedBuffer
 from ..errors import CapacityError
@@ -68,8 +69,7 @@ class BlockAllocator:
     """
 
     def __init__(self, num_blocks: int, alias_blocks: int = 0) -> None:
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks <= 0:
-            raise ValueError(f"BlockAllocator needs a positive int num_blocks, got {num_blocks!r}")
+        check_int("BlockAllocator num_blocks", num_blocks, lo=1, error=ValueError)
         self.num_blocks = num_blocks
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # pop() -> lowest id
         self._owned: dict[Hashable, list[int]] = {}
@@ -116,8 +116,7 @@ class BlockAllocator:
 
         Raises CapacityError (nothing changed) when fewer than ``n`` can be had.
         """
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"allocate needs an int n >= 0, got {n!r}")
+        check_int("allocate n", n, lo=0, error=ValueError)
         if n > self.num_free:
             raise CapacityError(
                 f"host pool exhausted: {n} more blocks needed, {self.num_free} of "

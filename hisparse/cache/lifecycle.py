@@ -1,7 +1,7 @@
 """Admitting and freeing requests: ``HiSparseCache.add_request`` / ``free_request``.
 
 Both run on the current stream after every in-flight resolve and staging
-(``CacheStreams.before_lifecycle``) and decide from host-side bookkeeping; the device
+(``CacheStreams.join_staging``) and decide from host-side bookkeeping; the device
 tables they change (id map, block table, lengths, LRU state, residency) are written
 with small copies on the current stream. Every check runs before the first change,
 so a refused call changes nothing.
@@ -38,7 +38,7 @@ def admit(cache: "HiSparseCache", req_id: int, token_ids=None, salt: bytes | Non
     salt = None if salt is None else bytes(salt)
     if token_ids is not None:
         ids = prefix.check_ids(token_ids)  # ValueError on bad ids, before any change
-    cache.streams.before_lifecycle()
+    cache.streams.join_staging()
     if token_ids is not None:
         if len(ids) > 1:
             prefix.publish(req, cache.writer.unwritten_from())  # blocks every layer holds become findable
@@ -93,7 +93,7 @@ def release(cache: "HiSparseCache", req_id: int) -> list[int]:
     reference), clear every slot mapping of every layer, release the id. Returns the
     host blocks that went back to the free list."""
     r = cache.requests.slot(req_id)
-    cache.streams.before_lifecycle()
+    cache.streams.join_staging()
     st, B = cache.state, cache.pool.B
     if cache.prefix is not None:
         cache.prefix.publish(cache.requests, cache.writer.unwritten_from(), (r,))  # its written blocks stay cached

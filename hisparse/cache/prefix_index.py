@@ -50,6 +50,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from .._checks import check_int
+
 NAME_BYTES = 16  # bytes of a block name (a truncated digest)
 _ZERO = bytes(NAME_BYTES)  # the salt part without a salt
 
@@ -78,8 +80,7 @@ class NameChain:
     __slots__ = ("B", "algo", "_h", "blocks", "tail")
 
     def __init__(self, block_size: int, *, salt: bytes | None = None, algo: str = "sha256") -> None:
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
-            raise ValueError(f"block_size must be an int >= 1, got {block_size!r}")
+        check_int("block_size", block_size, lo=1, error=ValueError)
         if salt is not None and not isinstance(salt, (bytes, bytearray)):
             raise TypeError(f"salt must be bytes or None, got {type(salt).__name__}")
         self.B, self.algo = block_size, algo
@@ -179,8 +180,7 @@ class PrefixIndex:
     blocks are acquired and released with array operations."""
 
     def __init__(self, num_blocks: int) -> None:
-        if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 1:
-            raise ValueError(f"num_blocks must be an int >= 1, got {num_blocks!r}")
+        check_int("num_blocks", num_blocks, lo=1, error=ValueError)
         self._block_of: dict[bytes, int] = {}
         self._name_of: dict[int, bytes] = {}
         self._refs = np.zeros(num_blocks, dtype=np.int64)  # references per block

@@ -37,9 +37,9 @@ _SMALL_SORT = 256  # misses of a group sorted in a tile of this size when they f
 
 
 def _check_vec(name: str, x: object, dtype: torch.dtype, ndim: int, device: torch.device) -> None:
-    check_tensor(name, x, dtype=dtype, ndim=ndim, device=device)
-    if ndim and x.stride(-1) != 1:  # type: ignore[union-attr]
-        raise ValueError(f"{name} must be contiguous in its last dimension, got strides {x.stride()}")  # type: ignore[union-attr]
+    x = check_tensor(name, x, dtype=dtype, ndim=ndim, device=device)
+    if ndim and x.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dimension, got strides {x.stride()}")
 
 
 def check_state(state: HotState) -> None:
@@ -164,11 +164,11 @@ def resolve_triton(state: HotState, layer: int, req_ids: torch.Tensor, topk: tor
     if topk.shape[0] == 0:
         return
     _require_device(topk.device, "resolve_triton")
-    _launch_resolve(state, layer, req_ids, topk, out, max_query_len=max_query_len, compact=compact,
+    resolve_unchecked(state, layer, req_ids, topk, out, max_query_len=max_query_len, compact=compact,
                     stamped=stamped, miss_lists=miss_lists, prefetch=prefetch)
 
 
-def _launch_resolve(state: HotState, layer: int, req_ids: torch.Tensor, topk: torch.Tensor,
+def resolve_unchecked(state: HotState, layer: int, req_ids: torch.Tensor, topk: torch.Tensor,
                     out: ResolveBuffers, *, max_query_len: int, compact: bool = False,
                     stamped: bool = False, miss_lists: tuple | None = None,
                     prefetch: bool = False) -> None:
@@ -209,11 +209,11 @@ def _launch_resolve(state: HotState, layer: int, req_ids: torch.Tensor, topk: to
         )
 
 
-def _launch_resolve_resident(state: HotState, layer: int, req_ids: torch.Tensor, topk: torch.Tensor,
+def resolve_resident_unchecked(state: HotState, layer: int, req_ids: torch.Tensor, topk: torch.Tensor,
                              out: ResolveBuffers, *, max_query_len: int, compact: bool = False) -> None:
     """The resolve of a batch whose live requests are all resident
     (``kernels.resolve_resident``), one launch of T programs on the current stream;
-    checked by the caller as ``_launch_resolve`` is. T = 0 launches nothing.
+    checked by the caller as ``resolve_unchecked`` is. T = 0 launches nothing.
 
     req_ids: int32 [T]; topk: int32 [T, K] (-1 = padding); out: buffers of capacity
     >= [T, K] (physical, valid_counts and the staging lists are written)."""

@@ -7,9 +7,33 @@ the buffers. ``stale`` says whether that has happened.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from .state import ResolveBuffers
+
+
+class RequestInfo(NamedTuple):
+    """A live request as :meth:`HiSparseCache.request` sees it: its request slot and
+    the rows appended to each layer."""
+
+    slot: int
+    lengths: tuple[int, ...]
+
+    @property
+    def seq_len(self) -> int:
+        """Positions appended to every layer (the min of the layer lengths)."""
+        return min(self.lengths)
+
+
+class PoolUsage(NamedTuple):
+    """The elastic tier's occupancy (:meth:`HiSparseCache.pool_usage`)."""
+
+    resident_requests: int
+    hot_requests: int
+    pages_free: int
+    pages_total: int
 
 
 class ResolveResult:
@@ -60,7 +84,7 @@ class ResolveResult:
 
 
 class SplitResult(ResolveResult):
-    """Output of :meth:`HiSparseCache.resolve_split`: a resolve whose hits can be
+    """Output of ``HiSparseCache.resolve(..., split=True)``: a resolve whose hits can be
     attended before its misses landed.
 
     hit_physical:  int32 [T, K]  rows of ``hot_rows(layer)`` already hot when the call

@@ -22,7 +22,7 @@ writer means one PCIe D2H stream per node instead of TP of them, and a single
 writer per counter needs no cross-process atomics (a plain aligned 8-byte store).
 
 Ordering of writes vs other ranks' reads: a per-layer *published append count*.
-Every rank calls :meth:`SharedHostPool.commit_append` after each ``append_rows`` of
+Every rank calls :meth:`SharedHostPool.commit_append` after each per-request ``write`` of
 a layer (all TP ranks make the same calls, so they count alike). The writer stores
 its count into ``published[layer]`` only after its rows are on host (CPU: the copy
 has returned; CUDA: after the copy's event has completed). Before staging misses
@@ -76,6 +76,7 @@ from typing import Any, Hashable
 import numpy as np
 import torch
 
+from .._checks import check_int
 from ..config import HiSparseConfig
 from ..device import pin_host_range, unpin_host_range
 from .host_pool import BlockAllocator, HostPool
@@ -126,13 +127,6 @@ def config_diff(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
 def owner_tag(owner: Hashable) -> int:
     """31-bit tag of an allocation owner, equal on every process (no salted hash)."""
     return zlib.crc32(repr(owner).encode()) & 0x7FFFFFFF
-
-
-def _check_int(name: str, v: Any, lo: int, hi: int) -> None:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise TypeError(f"{name} must be an int, got {type(v).__name__} ({v!r})")
-    if not lo <= v < hi:
-        raise ValueError(f"{name} must be in [{lo}, {hi}), got {v}")
 
 
 def _round_up(x: int, m: int) -> int:
@@ -308,9 +302,9 @@ class SharedHostPool(HostPool):
         """Create the file (exactly header + pool bytes, zero-filled) and map it."""
         if not isinstance(cfg, HiSparseConfig):
             raise TypeError(f"cfg must be a HiSparseConfig, got {type(cfg).__name__}")
-        _check_int("world_size", world_size, 1, MAX_RANKS + 1)
-        _check_int("writer_rank", writer_rank, 0, world_size)
-        _check_int("rank", rank, 0, world_size)
+        check_int("world_size", world_size, 1, MAX_RANKS + 1)
+        check_int("writer_rank", writer_rank, 0, world_size)
+        check_int("rank", rank, 0, world_size)
         cfg_json = json.dumps({k: v for k, v in cfg.to_dict().items() if k != "device"},
                               sort_keys=True).encode()
         if len(cfg_json) > _CFG_MAX:
@@ -368,7 +362,7 @@ class SharedHostPool(HostPool):
             raise ConfigMismatchError(
                 f"shared pool {path} was created for a different config (creator's != this "
                 f"rank's): {'; '.join(diff) or 'fingerprint differs'}")
-        _check_int("rank", rank, 0, int(raw[_F_WORLD]))
+        check_int("rank", rank, 0, int(raw[_F_WORLD]))
         header_bytes, data_bytes = layout(cfg)
         buf = SharedBuffer(path, header_bytes, data_bytes, cfg.num_layers, cfg.num_host_blocks,
                            pin=pin)
@@ -380,7 +374,7 @@ class SharedHostPool(HostPool):
         return int(self.buffer.published[layer])
 
     def commit_append(self, layer: int, event: Any = None) -> None:
-        """Count one ``append_rows`` of ``layer`` (call on every rank, after the host copy
+        """Count one per-request ``write`` of ``layer`` (call on every rank, after the host copy
         was issued). The writer publishes the count; with a CUDA ``event`` recorded after
         its copy it first waits for that event (a host sync of the backup stream)."""
         self._check_layer(layer)
@@ -449,9 +443,7 @@ class SharedHostPool(HostPool):
                 f"{what}; dead ranks: {self.dead_ranks()}")
 
     def _check_layer(self, layer: int) -> None:
-        if isinstance(layer, bool) or not isinstance(layer, int) or not (
-                0 <= layer < self.cfg.num_layers):
-            raise ValueError(f"layer must be an int in [0, {self.cfg.num_layers}), got {layer!r}")
+        check_int("layer", layer, 0, self.cfg.num_layers, error=ValueError)
 
     # ---- lifetime ----------------------------------------------------------
     def unlink(self) -> None:

@@ -18,7 +18,7 @@ Ordering rules (each one an event wait, never a host sync):
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,6 +26,9 @@ from .._checks import check_int, device_type
 from ..device import Streams
 from .rollback import rollback_resolve
 from .state import STAT_PREFETCH, HotState, ResolveBuffers
+
+if TYPE_CHECKING:
+    from .kernel_set import CacheKernels
 
 
 def capturing(device: torch.device) -> bool:
@@ -49,7 +52,7 @@ class _Event:
         self.event = torch.cuda.Event() if cuda else None
         self.recorded = False
         self.in_capture = False
-        self.records = 0  # how many times it was recorded (``CacheStreams.recorded_since``)
+        self.records = 0  # how many times it was recorded (``CacheGraphs.capture``)
         self._eager_records = eager_records  # a counter shared by a group of events, or None
 
     def record(self, stream, in_capture: bool) -> None:
@@ -102,57 +105,29 @@ class CacheStreams:
         self._fork.record(cur)
         stream.wait_event(self._fork)
 
-    def _events(self) -> list[_Event]:
+    def events(self) -> list[_Event]:
+        """Every event of the cache: the host mirror's, then each layer's stage and
+        resolved events."""
         return [self.backup, *self.stage, *self.resolved]
+
+    @property
+    def stage_stream(self):
+        """The stream staging runs on (None on CPU)."""
+        return self.streams.stage
 
     def current(self):
         return self.streams.current()
 
     def flags(self) -> list[tuple[bool, bool, int]]:
-        """(recorded, in_capture, records) of every event, to put back with
-        :meth:`restore_flags` (around a capture whose graph replays later)."""
-        return [(ev.recorded, ev.in_capture, ev.records) for ev in self._events()]
-
-    def restore_flags(self, flags: list[tuple[bool, bool, int]]) -> None:
-        for ev, (rec, cap, n) in zip(self._events(), flags):
-            ev.recorded, ev.in_capture, ev.records = rec, cap, n
-
-    def recorded_since(self, flags: list[tuple[bool, bool, int]]) -> list[_Event]:
-        """The events recorded since ``flags`` were taken (e.g. by a capture)."""
-        return [ev for ev, (_, _, n) in zip(self._events(), flags) if ev.records != n]
-
-    def lend_events(self) -> list:
-        """Give every event a fresh CUDA event for a capture whose graph replays later, and
-        return the real ones for :meth:`return_events`. A CUDA event recorded during capture
-        can no longer be waited on outside it, so the capture records stand-ins and the real
-        events keep their last eager record."""
-        real = [ev.event for ev in self._events()]
-        if self.cuda:
-            for ev in self._events():
-                ev.event = torch.cuda.Event()
-        return real
-
-    def return_events(self, real: list) -> list:
-        """Put back the events :meth:`lend_events` returned; returns the stand-ins (a graph
-        keeps those it was captured with)."""
-        lent = [ev.event for ev in self._events()]
-        for ev, e in zip(self._events(), real):
-            ev.event = e
-        return lent
-
-    def forget_captured(self) -> None:
-        """Forget every event last recorded by a capture or a replay (a new capture starts:
-        a wait on them inside it would be invalid; the work they mark is ordered before
-        anything the current stream enqueues)."""
-        for ev in self._events():
-            if ev.in_capture:
-                ev.recorded = False
+        """(recorded, in_capture, records) of every event (``CacheGraphs.capture`` puts
+        them back around a capture whose graph replays later)."""
+        return [(ev.recorded, ev.in_capture, ev.records) for ev in self.events()]
 
     def note_replay(self) -> None:
         """A graph captured over this cache's calls is about to be replayed: the events'
         latest work is the replay's, which a host wait can only cover by a device sync
         (``_Event.synchronize``) and which every stream here is ordered after already."""
-        for ev in self._events():
+        for ev in self.events():
             if ev.event is not None:
                 ev.recorded, ev.in_capture = True, True
 
@@ -164,7 +139,7 @@ class CacheStreams:
         waits on."""
         cap = capturing(self.device)
         if cap and not self._was_capturing:
-            for ev in self._events():
+            for ev in self.events():
                 if ev.in_capture:
                     ev.recorded = False
         self._was_capturing = cap
@@ -178,24 +153,29 @@ class CacheStreams:
         return cur, self.capturing()
 
     def wait_resolved(self, layer: int, stream=None) -> None:
-        """``stream`` (default current) waits for the layer's last resolve state updates
-        (a split resolve's miss phase), not for its staging."""
+        """``stream`` (default current) waits until the last resolve of ``layer`` updated
+        the LRU state and chose its slots (a split resolve's miss phase), but not for its
+        staging; inside a capture, for the one captured."""
         cap = self.capturing()
         self.resolved[layer].wait_by(stream if stream is not None else self.current(), cap)
 
-    def wait_stage(self, layer: int, stream=None) -> None:
-        """``stream`` (default current) waits for the layer's last staging."""
+    def wait_staging(self, layer: int, stream=None) -> None:
+        """``stream`` (default current) waits until the last staging of ``layer`` (a
+        ``resolve(..., wait=False)``) landed; inside a capture, for the one captured."""
         cap = self.capturing()
         self.stage[layer].wait_by(stream if stream is not None else self.current(), cap)
 
-    def before_lifecycle(self) -> None:
-        """The compute stream waits for every layer's in-flight staging (add / free)."""
+    def join_staging(self) -> None:
+        """The current stream waits for every layer's in-flight resolve and staging
+        (before buffers those read are rewritten; add / free_request do)."""
         cur, cap = self.current(), self.capturing()
         for ev in self.stage:
             ev.wait_by(cur, cap)
 
     def join_backup(self, stream=None) -> None:
-        """``stream`` (default current) waits until every host mirror copy is done."""
+        """``stream`` (default current) waits until every host mirror copy is done; needed
+        before replaying a captured resolve after eager appends, or before staging reads
+        rows appended in the same step from host."""
         if not self.cuda:
             return
         stream = stream if stream is not None else self.current()
@@ -225,22 +205,19 @@ class CopyShape:
 class Stager:
     """Resolve + miss staging of one cache on the stage stream.
 
-    resolve_fn(state, layer, req_ids, topk, out, max_query_len=, compact=) updates the
-    LRU state and fills ``out``; copy_fn(host_rows, out, hot_rows, K=, programs=) stages
-    its misses (``transfer.copy_staged``). ``stage_programs``: the staging kernel's grid
+    kernel_set (``hisparse.cache.kernel_set``): ``resolve`` updates the LRU state and fills
+    ``out``; ``copy_staged`` stages its misses; ``lookup`` is a split resolve's hit phase,
+    ``resolve_resident`` the resident path. ``stage_programs``: the staging kernel's grid
     (None = a quarter of the SMs, so that it runs beside the attention). When
     the copy launch raises after the resolve launch ran, the resolve is rolled back
     (``cache.rollback``) before the error propagates, so the failed call changes nothing.
     """
 
-    def __init__(self, streams: CacheStreams, state: HotState, *, resolve_fn: Callable,
-                 lookup_fn: Callable, resident_fn: Callable, copy_fn: Callable, max_query_len: int) -> None:
+    def __init__(self, streams: CacheStreams, state: HotState, kernel_set: CacheKernels, *,
+                 max_query_len: int) -> None:
         self.streams = streams
         self.state = state
-        self.resolve_fn = resolve_fn
-        self.lookup_fn = lookup_fn
-        self.resident_fn = resident_fn
-        self.copy_fn = copy_fn
+        self.kernel_set = kernel_set
         self.max_query_len = max_query_len
         self._stage_programs: int | None = None
 
@@ -291,11 +268,11 @@ class Stager:
             cs.backup.wait_by(stage, cap)
         ev = cs.stage[layer]
         with cs.streams.on(stage):
-            self.resolve_fn(self.state, layer, req_ids, topk, out, max_query_len=self.max_query_len,
+            self.kernel_set.resolve(self.state, layer, req_ids, topk, out, max_query_len=self.max_query_len,
                             compact=compact, prefetch=prefetch)
             cs.resolved[layer].record(stage, cap)
             try:
-                self.copy_fn(host_rows, out, hot_rows, K=topk.shape[1], programs=self.stage_programs)
+                self.kernel_set.copy_staged(host_rows, out, hot_rows, K=topk.shape[1], programs=self.stage_programs)
             except BaseException:
                 if not cap:  # a failed capture is discarded by its owner; nothing ran
                     if prefetch:
@@ -315,7 +292,7 @@ class Stager:
     def run_resident(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor, out: ResolveBuffers, *,
                      compact: bool, wait: bool = True):
         """The resolve of a batch whose live requests are all resident, one launch of
-        ``resident_fn`` on the current stream after the layer's earlier staging work
+        ``kernel_set.resolve_resident`` on the current stream after the layer's earlier staging work
         (which wrote the same buffers): nothing to stage. One launch that changes only
         counters: nothing to undo when it raises. Under capture the current stream then
         joins the host mirror's stream: a captured write forked it, and a capture must
@@ -324,11 +301,11 @@ class Stager:
         the host rows; eagerly nothing waits for the mirror). Returns None with
         ``wait`` (the current stream is ordered after the launch already); without it
         the layer's stage event, recorded after the launch, for a reader on another
-        stream (``ResolveResult.wait``, ``wait_stage``)."""
+        stream (``ResolveResult.wait``, ``wait_staging``)."""
         cs = self.streams
         cur, cap = cs.current(), cs.capturing()
         cs.stage[layer].wait_by(cur, cap)
-        self.resident_fn(self.state, layer, req_ids, topk, out, max_query_len=self.max_query_len, compact=compact)
+        self.kernel_set.resolve_resident(self.state, layer, req_ids, topk, out, max_query_len=self.max_query_len, compact=compact)
         if cap:
             cs.backup.wait_by(cur, cap)
         if wait:
@@ -350,7 +327,7 @@ class Stager:
         cs = self.streams
         cur, cap = cs.current(), cs.capturing()
         cs.stage[layer].wait_by(cur, cap)  # earlier work of this layer (a prefetch) first
-        self.lookup_fn(self.state, layer, req_ids, topk, hit, out.undo_hit,
+        self.kernel_set.lookup(self.state, layer, req_ids, topk, hit, out.undo_hit,
                        max_query_len=self.max_query_len)
         stage = cs.streams.stage
         if stage is not None:
@@ -360,7 +337,7 @@ class Stager:
         miss_ran = False
         with cs.streams.on(stage):
             try:
-                self.resolve_fn(self.state, layer, req_ids, topk, out, max_query_len=self.max_query_len,
+                self.kernel_set.resolve(self.state, layer, req_ids, topk, out, max_query_len=self.max_query_len,
                                 compact=compact, stamped=True, miss_lists=miss_lists)
                 miss_ran = True
                 cs.resolved[layer].record(stage, cap)
@@ -368,7 +345,7 @@ class Stager:
                 if programs is None and copy_shape is not None:
                     programs = copy_shape.programs
                 shape = None if copy_shape is None else (copy_shape.rows, copy_shape.warps)
-                self.copy_fn(host_rows, out, hot_rows, K=topk.shape[1], programs=programs, shape=shape)
+                self.kernel_set.copy_staged(host_rows, out, hot_rows, K=topk.shape[1], programs=programs, shape=shape)
             except BaseException:
                 if not cap:
                     self._undo(layer, req_ids, topk, out, miss_phase_ran=miss_ran, streams=(cur, stage),

@@ -36,7 +36,7 @@ def cache_stats(state: HotState, pool: HostPool, *, row_bytes: int, num_layers: 
     """The stats dict (reads the device counters: the caller synchronised)."""
     raw = state.stats.cpu().tolist()
     layers = []
-    tot = dict(hits=0, misses=0, resident_rows=0, invalid=0, resolves=0, prefetch_rows=0, bytes_h2d=0,
+    tot: dict[str, int | float] = dict(hits=0, misses=0, resident_rows=0, invalid=0, resolves=0, prefetch_rows=0, bytes_h2d=0,
                bytes_d2h=0)
     for row in raw:
         d = dict(hits=row[STAT_HITS], misses=row[STAT_MISSES], resident_rows=row[STAT_RESIDENT],
@@ -47,7 +47,7 @@ def cache_stats(state: HotState, pool: HostPool, *, row_bytes: int, num_layers: 
             tot[k] += d[k]
         d["hit_rate"] = hit_rate(d["hits"], d["misses"], d["resident_rows"])
         layers.append(d)
-    tot["hit_rate"] = hit_rate(tot["hits"], tot["misses"], tot["resident_rows"])  # type: ignore[assignment]
+    tot["hit_rate"] = hit_rate(tot["hits"], tot["misses"], tot["resident_rows"])
     dp = device_pool
     nres = len(dp.resident_slots()) if dp is not None else 0
     tot.update(resident_requests=nres, hot_requests=live_requests - nres,

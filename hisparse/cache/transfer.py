@@ -35,20 +35,20 @@ DEFAULT_PROGRAMS_PER_SM = 8
 
 
 def _check_rows(name: str, x: object) -> None:
-    check_tensor(name, x, dtype=torch.uint8, ndim=2)
-    W = x.shape[1]  # type: ignore[union-attr]
+    x = check_tensor(name, x, dtype=torch.uint8, ndim=2)
+    W = x.shape[1]
     if W % 16 != 0 or W == 0:
         raise ValueError(f"{name} rows are {W} bytes; copy_rows needs a positive multiple of 16")
-    if x.shape[0] > 1 and x.stride(0) != W or x.stride(1) != 1:  # type: ignore[union-attr]
-        raise ValueError(f"{name} rows must be contiguous (strides ({W}, 1)), got {x.stride()}")  # type: ignore[union-attr]
-    if x.numel() and x.data_ptr() % 16 != 0:  # type: ignore[union-attr]
-        raise ValueError(f"{name} data pointer {x.data_ptr():#x} is not 16-byte aligned")  # type: ignore[union-attr]
+    if x.shape[0] > 1 and x.stride(0) != W or x.stride(1) != 1:
+        raise ValueError(f"{name} rows must be contiguous (strides ({W}, 1)), got {x.stride()}")
+    if x.numel() and x.data_ptr() % 16 != 0:
+        raise ValueError(f"{name} data pointer {x.data_ptr():#x} is not 16-byte aligned")
 
 
 def _check_idx(name: str, x: object) -> None:
-    check_tensor(name, x, dtype=torch.int32, ndim=1)
-    if x.numel() > 1 and x.stride(0) != 1:  # type: ignore[union-attr]
-        raise ValueError(f"{name} must be a contiguous 1-D tensor, got strides {x.stride()}")  # type: ignore[union-attr]
+    x = check_tensor(name, x, dtype=torch.int32, ndim=1)
+    if x.numel() > 1 and x.stride(0) != 1:
+        raise ValueError(f"{name} must be a contiguous 1-D tensor, got strides {x.stride()}")
 
 
 def copy_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor,
@@ -105,7 +105,7 @@ def copy_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_i
         raise ValueError("copy_rows on CPU tensors needs Triton's interpreter (TRITON_INTERPRET=1); "
                          "use hisparse.cache.resolve_ref.copy_rows_reference on CPU")
 
-    _launch_copy_rows(src, src_idx, dst, dst_idx, dev, rows=rows, num_warps=warps, programs_per_sm=per_sm)
+    copy_rows_unchecked(src, src_idx, dst, dst_idx, dev, rows=rows, num_warps=warps, programs_per_sm=per_sm)
 
 
 @functools.lru_cache(maxsize=None)
@@ -115,7 +115,7 @@ def row_words(row_bytes: int) -> tuple[int, int]:
     return ww, triton.next_power_of_2(ww)
 
 
-def _launch_copy_rows(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor,
+def copy_rows_unchecked(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor,
                       dev: torch.device | None, *, rows: int = DEFAULT_ROWS_PER_PROGRAM,
                       num_warps: int = DEFAULT_NUM_WARPS, programs_per_sm: int = DEFAULT_PROGRAMS_PER_SM) -> None:
     """``copy_rows`` without its checks, for callers that made them already (or own
@@ -175,17 +175,17 @@ def copy_staged(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst
                                  "can only reach page-locked host memory (use PinnedBuffer)")
     if programs is not None:
         check_int("programs", programs, 1)
-    _launch_copy_staged(src, src_idx, dst, dst_idx, counts, dev, K=K, programs=programs,
+    copy_staged_unchecked(src, src_idx, dst, dst_idx, counts, dev, K=K, programs=programs,
                         rows_per_program=rows_per_program, num_warps=num_warps)
 
 
 _COUNT_BLOCK = 128  # groups whose counts copy_staged_kernel reads as one vector
 
 
-def _launch_copy_staged(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor,
+def copy_staged_unchecked(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Tensor, dst_idx: torch.Tensor,
                         counts: torch.Tensor, dev: torch.device | None, *, K: int, programs: int | None = None,
                         rows_per_program: int = 8, num_warps: int = 4) -> None:
-    """``copy_staged`` without its checks (see ``_launch_copy_rows``)."""
+    """``copy_staged`` without its checks (see ``copy_rows_unchecked``)."""
     T = counts.shape[0]
     if T == 0 or K == 0 or src.shape[0] == 0 or dst.shape[0] == 0:
         return

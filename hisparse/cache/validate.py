@@ -57,21 +57,21 @@ def check_resolve_meta(cfg: HiSparseConfig, device: torch.device, req_ids: objec
     only with T = 0) and T <= max_tokens
     (the capacity of the preallocated output buffers, R x max_query_len).
     """
-    check_tensor("req_ids", req_ids, dtype=(torch.int32, torch.int64), ndim=1, device=device)
-    check_tensor("topk", topk, dtype=torch.int32, ndim=2, device=device)
-    T, K = topk.shape  # type: ignore[union-attr]
+    req_ids = check_tensor("req_ids", req_ids, dtype=(torch.int32, torch.int64), ndim=1, device=device)
+    topk = check_tensor("topk", topk, dtype=torch.int32, ndim=2, device=device)
+    T, K = topk.shape
     if req_ids.shape[0] != T:
         raise ValueError(
             f"req_ids has {req_ids.shape[0]} entries but topk has {T} rows; one request id "
             "per query token is expected"
         )
-    if T > 1 and req_ids.stride(0) != 1:  # type: ignore[union-attr]
-        raise ValueError(f"req_ids must be contiguous, got stride {req_ids.stride(0)}")  # type: ignore[union-attr]
+    if T > 1 and req_ids.stride(0) != 1:
+        raise ValueError(f"req_ids must be contiguous, got stride {req_ids.stride(0)}")
     if T and K == 0:
         raise ValueError("topk must have K >= 1 columns (use -1 entries for padding)")
-    if T and K > 1 and topk.stride(1) != 1:  # type: ignore[union-attr]  (no rows: nothing is read)
+    if T and K > 1 and topk.stride(1) != 1:  # no rows: nothing is read
         raise ValueError(f"topk must be contiguous in its last dimension, got strides "
-                         f"{topk.stride()}")  # type: ignore[union-attr]
+                         f"{topk.stride()}")
     if K > cfg.top_k:
         raise ValueError(f"topk has K={K} columns, more than the configured top_k={cfg.top_k}")
     if T > max_tokens:

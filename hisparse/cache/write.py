@@ -34,6 +34,7 @@ from ..config import HiSparseConfig
 from ..errors import CapacityError
 from .device_pool import NO_CHANGES, DevicePool, PoolChanges, seeded_reserved
 from .host_pool import HostPool
+from .kernel_set import CacheKernels
 from .requests import RequestTable
 from .stager import CacheStreams
 from .state import STAT_D2H_ROWS, HotState
@@ -47,13 +48,13 @@ from .write_step import (NO_WORK, DecodeCarry, StepBuffers, StepCapacity, StepPl
 class Writer:
     """Appends rows to a cache's layers (see the module docstring).
 
-    apply_fn(state, hot_l, rows, plan, layer): the hot-tier update of a plan (Triton or
-    torch); mirror_fn(rows, plan, host_l): the host copy of the plan's rows.
+    kernel_set: the launches (``hisparse.cache.kernel_set``): ``apply_write``, a plan's
+    hot-tier update, and ``mirror``, the host copy of its rows.
     """
 
     def __init__(self, cfg: HiSparseConfig, *, requests: RequestTable, pool: HostPool,
                  state: HotState, hot: torch.Tensor, streams: CacheStreams,
-                 apply_fn: Callable, mirror_fn: Callable, device: torch.device,
+                 kernel_set: CacheKernels, device: torch.device,
                  device_pool: DevicePool | None = None) -> None:
         self.cfg = cfg
         self.device_pool = device_pool if device_pool is not None else DevicePool(cfg)
@@ -62,8 +63,7 @@ class Writer:
         self.state = state
         self.hot = hot
         self.streams = streams
-        self.apply_fn = apply_fn
-        self.mirror_fn = mirror_fn
+        self.kernel_set = kernel_set
         self.device = device
         self._plan: tuple[tuple, WritePlan] | None = None  # last committed plan and its key
         self._batch: WriteBatch | None = None  # the last batch ``prepare`` made
@@ -114,12 +114,12 @@ class Writer:
     def check_rows(self, rows: object, n: int) -> torch.Tensor:
         """rows: uint8 [n, row_bytes] on the cache device -> packed rows."""
         rb = self.cfg.row_bytes
-        check_tensor("rows", rows, dtype=torch.uint8, ndim=2, device=self.device)
-        if rows.shape[1] != rb:  # type: ignore[union-attr]
-            raise ValueError(f"rows must be uint8 [n, row_bytes={rb}], got shape {tuple(rows.shape)}")  # type: ignore[union-attr]
-        if rows.shape[0] != n:  # type: ignore[union-attr]
-            raise ValueError(f"the batch's counts sum to {n} but rows has {rows.shape[0]} rows")  # type: ignore[union-attr]
-        return pack_rows(rows, rb)  # type: ignore[arg-type]
+        rows = check_tensor("rows", rows, dtype=torch.uint8, ndim=2, device=self.device)
+        if rows.shape[1] != rb:
+            raise ValueError(f"rows must be uint8 [n, row_bytes={rb}], got shape {tuple(rows.shape)}")
+        if rows.shape[0] != n:
+            raise ValueError(f"the batch's counts sum to {n} but rows has {rows.shape[0]} rows")
+        return pack_rows(rows, rb)
 
     # ---- the write -----------------------------------------------------------------
     def write(self, layer: int, batch: WriteBatch, rows: torch.Tensor) -> list[int]:
@@ -375,9 +375,9 @@ class Writer:
             step.plan_recorded = True
         self._finish_step(layer, step)
 
-    def write_step_by(self, layer: int, step: StepPlan, launch: Callable[[], None]) -> None:
+    def run_step(self, layer: int, step: StepPlan, launch: Callable[[], None]) -> None:
         """``write_step`` of a padded step whose launches ``launch()`` enqueues (a replay
-        of a graph captured over :meth:`launch_step`): the same checks first, the same
+        of a graph captured over :meth:`enqueue_step`): the same checks first, the same
         bookkeeping after. A ``launch`` that raises leaves the layer pending. A step of
         zero rows calls nothing."""
         self.check_step(layer, step)
@@ -388,7 +388,7 @@ class Writer:
         launch()
         self._finish_step(layer, step, capturing=False)
 
-    def launch_step(self, layer: int, step: StepPlan, rows: torch.Tensor) -> None:
+    def enqueue_step(self, layer: int, step: StepPlan, rows: torch.Tensor) -> None:
         """The launches of ``write_step`` alone (rows checked by the caller, packed), for
         a graph capture: no bookkeeping. The current stream then waits for the host
         mirror, so that a graph captured over this call joins every stream it used."""
@@ -570,7 +570,7 @@ class Writer:
             cs.follow(backup, cur)
         with cs.streams.on(backup):
             if self.pool.is_writer and mirror:
-                self.mirror_fn(rows, plan, self.host_layers[layer])
+                self.kernel_set.mirror(rows, plan, self.host_layers[layer])
             cs.backup.record(backup, cap)
         recorded = backup is not None and not cap
         if recorded:  # read on the backup stream
@@ -578,7 +578,7 @@ class Writer:
             if record_plan:
                 plan.host_tok32.record_stream(backup)
                 plan.host_h32.record_stream(backup)
-        self.apply_fn(self.state, self.hot_layers[layer], rows, plan, layer)
+        self.kernel_set.apply_write(self.state, self.hot_layers[layer], rows, plan, layer)
         if counted:
             self.state.stats[layer, STAT_D2H_ROWS].add_(counted)
         return recorded

@@ -1,7 +1,7 @@
-"""Index plan of a batched append (``HiSparseCache.append_rows_batch``).
+"""Index plan of a batched append (``HiSparseCache.write`` of a ``plan_write`` batch).
 
 A batched append writes several requests' new rows of one layer in a fixed number of
-launches. Everything ``append_rows`` decides per request on the host (which block
+launches. Everything per-request ``write`` decides per request on the host (which block
 table entries are new, which hot row / slot each position takes, which host row
 mirrors it, which reserved-slot occupant is unmapped) is turned here into flat device
 index lists, built as runs ``(start, length, step)`` on the host, expanded in one go

@@ -56,7 +56,7 @@ def apply_pool_changes(w: Writer, changes: PoolChanges, lengths: dict[int, list[
     every in-flight staging (a demotion rewrites LRU state the stage stream reads).
     ``lengths[r]``: a demoted request's rows per layer (default: the table's)."""
     if changes.demote:
-        w.streams.before_lifecycle()
+        w.streams.join_staging()
     req = w.requests
     apply_changes(changes, pool=w.device_pool, state=w.state, hot=w.hot,
                   lengths=[lengths.get(r) or list(req.lengths(r)) for r in changes.demote],

@@ -123,6 +123,18 @@ class StepPlan:
         reserved occupant before the step) per request written."""
         return self.work.tuples()
 
+    @property
+    def stale(self) -> bool:
+        """Whether requests were added or freed since this step was prepared (its writes
+        are refused then)."""
+        return self.generation != self.owner.requests.generation
+
+    def abandon(self, *, captured: bool = False) -> None:
+        """Put back every layer of this step whose write did not run (``captured``: and
+        those captured in a graph that failed), so that the requests' lengths are what
+        they were before it."""
+        self.owner.abandon_step(self, captured=captured)
+
     def before(self, rid: int, slot: int, incarnation: int) -> tuple[int, int] | None:
         """(length, reserved occupant) the request had before this step, when the step
         writes it: the same id, slot and admission (None otherwise)."""

@@ -141,7 +141,7 @@ class DecodeLayer:
         T, H = q.shape[0], q.shape[1]
         if isinstance(topk, torch.Tensor) and topk.dim() == 2 and topk.shape[0] != T:
             raise ValueError(f"topk has {topk.shape[0]} rows but q has T={T} tokens")
-        if self.overlap is Overlap.SERIAL or c.resident_resolve():
+        if self.overlap is Overlap.SERIAL or c.graphs.resident_resolve():
             res = c.resolve(layer, req_ids, topk, validate=self.validate)
             return self.backend.decode(q, hot, res.physical, sm_scale=sm_scale, row_format=fmt)
         return self._finish_split(self._begin_split(layer, req_ids, topk, H), q, sm_scale)
@@ -221,7 +221,7 @@ class DecodeLayer:
                 return None, None, False
             programs = T * math.ceil(H / HEADS_PER_PROGRAM)
         elif self.backend.plans_sms:
-            planned = max(1, sms - (c.stager.stage_programs or SPLIT_COPY.programs))
+            planned = max(1, sms - (c.stage_programs or SPLIT_COPY.programs))
         if split_waits_for_misses(programs, sms):
             return SPLIT_COPY, planned, True
         if planned is not None and split_fills_sms(programs, sms):
@@ -229,12 +229,12 @@ class DecodeLayer:
         return None, None, False
 
     def _begin_split(self, layer: int, req_ids, topk, H: int) -> SplitLaunch:
-        if self.cache.resident_resolve():  # nothing can miss: the whole resolve, one attention in finish
+        if self.cache.graphs.resident_resolve():  # nothing can miss: the whole resolve, one attention in finish
             res = self.cache.resolve(layer, req_ids, topk, validate=self.validate)
             return SplitLaunch(result=res, cache=self.cache, num_heads=H, sms=None)
         T, K = (topk.shape[0], topk.shape[1]) if isinstance(topk, torch.Tensor) and topk.dim() == 2 else (0, 0)
         copy, sms, after = self._launch_plan(T, H, K, self.cache.layer_view(layer).row_format)
-        sp = self.cache.resolve_split(layer, req_ids, topk, validate=self.validate, copy_shape=copy)
+        sp = self.cache.resolve(layer, req_ids, topk, validate=self.validate, copy_shape=copy, split=True)
         return SplitLaunch(result=sp, cache=self.cache, num_heads=H, sms=sms, after_miss_phase=after)
 
     def _finish_split(self, launch: SplitLaunch, q: torch.Tensor, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -248,7 +248,7 @@ class DecodeLayer:
         plan = self._plan(MissMode.SPLIT, q.shape[0], q.shape[1], fmt)
         kw = {} if launch.sms is None else {"sms": launch.sms}
         if launch.after_miss_phase:
-            self.cache.wait_resolved(sp.layer)
+            self.cache.streams.wait_resolved(sp.layer)
         out, lse = self.backend.decode(q, hot, sp.hit_physical, sm_scale=sm_scale, row_format=fmt, **kw)
         sp.wait()
         miss_attention_merge(q, hot, sp.miss_physical, sp.miss_counts, out, lse, sm_scale=sm_scale,

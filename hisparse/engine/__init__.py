@@ -6,12 +6,16 @@
   ``HotView``).
 - ``metadata``: ``SparseMLAMetadata``, one forward's batch description, and
   ``device_ints``, the one non-blocking copy that puts a step's int lists on the device.
+- ``forward``: ``Forward``, what ``prepare_for_batch`` returns: one forward's sizes,
+  step and what its per-layer calls have done.
 """
 
 from ..errors import CapacityError
-from .group import HiSparseIndexGroup, HotView, LayerCache, LayerRuntime
+from .forward import Forward
+from .group import HiSparseIndexGroup
+from .handles import HotView, LayerCache, LayerRuntime
 from .metadata import SparseMLAMetadata, device_ints
 from .pd_calls import PDConnector
 
-__all__ = ["HiSparseIndexGroup", "SparseMLAMetadata", "device_ints", "LayerCache", "LayerRuntime", "HotView",
-           "CapacityError", "PDConnector"]
+__all__ = ["HiSparseIndexGroup", "SparseMLAMetadata", "device_ints", "Forward", "LayerCache", "LayerRuntime",
+           "HotView", "CapacityError", "PDConnector"]

@@ -42,85 +42,27 @@ Semantics fixed here:
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Sequence
-
-import numpy as np
 import torch
 
 from .._checks import check_bool, check_int, check_tensor, device_type
 from ..cache.cache import HiSparseCache
 from ..cache.stager import capturing
-from ..cache.write_step import StepCapacity
 from ..config import HiSparseConfig
-from ..decode.layer import DecodeLayer, Overlap
+from ..decode.layer import Overlap
 from ..device import release_deferred_pins, resolve_device
 from ..errors import CapacityError
 from ..formats import D_ROW, RowFormat
-from .decode_calls import DecodeAttentionCalls, topk_key
+from .decode_calls import DecodeAttention
 from .decode_ids import DecodeIds
-from .layer_graphs import CudaGraphBackend, LayerGraphCalls, LayerGraphs
+from .forward import Forward, Resolved, prepare_forward, topk_key
+from .handles import KV_DTYPES, HotView, LayerCache, LayerRuntime, row_format_of
+from .layer_graphs import CudaGraphBackend, LayerGraphs
 from .metadata import SparseMLAMetadata
-from .pd_calls import PDCalls
-from .prefill_calls import PrefillCalls
-
-_REPLAYED = ("replayed",)  # the conversion key of layers a graph replay resolves
+from .pd_calls import PDCalls, PDConnector
+from .prefill_calls import PrefillStaging
 
 
-_KV_DTYPES = {"fp8_ds_mla": RowFormat.FP8_DS_MLA, "bf16": RowFormat.BF16, "auto": RowFormat.BF16,
-              "bfloat16": RowFormat.BF16}
-
-
-@dataclasses.dataclass(frozen=True)
-class HotView:
-    """What an attention backend needs to know about one layer's hot buffer.
-
-    attention_cache: uint8 [device_rows_per_layer, row_bytes], the flat row view
-    physical indices point into (``physical_kv_cache``): R * (S + 1) hot rows (rounded
-    up to 64), then the elastic pool's pages when the config has ``device_pool_rows``.
-    block_size = S + 1: viewed as blocks, block r is request slot r and a hot
-    request's ``physical = r * block_size + slot`` (a resident request's rows lie in
-    the pages past the hot buffers).
-    """
-
-    attention_cache: torch.Tensor
-    block_size: int
-    num_rows: int
-    row_bytes: int
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerRuntime:
-    """``cache(i).runtime``: sizes and the hot view of layer ``layer``."""
-
-    layer: int
-    max_num_reqs: int
-    top_k: int
-    max_query_len: int
-    row_format: RowFormat
-    hot: HotView
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerCache:
-    """The handle ``cache(i)`` returns for one registered layer."""
-
-    layer_index: int
-    head_size: int
-    kv_cache_dtype: str
-    runtime: LayerRuntime
-
-
-def _row_format_of(config: HiSparseConfig) -> RowFormat:
-    if config.row_bytes == RowFormat.FP8_DS_MLA.row_bytes:
-        return RowFormat.FP8_DS_MLA
-    if config.row_bytes == RowFormat.BF16.row_bytes:
-        return RowFormat.BF16
-    raise ValueError(f"an engine index group needs attention rows: row_bytes must be 656 "
-                     f"(fp8_ds_mla) or 1152 (bf16), got {config.row_bytes}")
-
-
-class HiSparseIndexGroup(PrefillCalls, LayerGraphCalls, DecodeAttentionCalls, PDCalls):
+class HiSparseIndexGroup:
     """Per-layer hisparse caches behind the calls a sparse-MLA backend makes.
 
     ``config.num_layers`` is the number of layers that will be registered. ``kernels``
@@ -136,7 +78,7 @@ class HiSparseIndexGroup(PrefillCalls, LayerGraphCalls, DecodeAttentionCalls, PD
             raise TypeError(f"config must be a HiSparseConfig, got {type(config).__name__}")
         check_bool("layer_graphs", layer_graphs)
         self.config = config
-        self.row_format = _row_format_of(config)
+        self.row_format = row_format_of(config)
         self.validate = bool(validate)
         if layer_graphs:
             if self.validate:
@@ -157,22 +99,16 @@ class HiSparseIndexGroup(PrefillCalls, LayerGraphCalls, DecodeAttentionCalls, PD
                                  f"got {self._cache.kernels!r}")
             self._layer_graphs = LayerGraphs(self._cache, CudaGraphBackend(self.device))
         self._layers: list[LayerCache] = []
-        self._batch: SparseMLAMetadata | None = None
-        self._decode_ids = torch.empty(0, dtype=torch.int32, device=self.device)
-        self._converted: dict[int, tuple[tuple, object]] = {}
-        self._begun: dict[int, tuple] = {}  # layer -> (DecodeLayer, SplitLaunch) of begin_decode_attention
-        self._written: set[int] = set()
-        # layers converted with wait=False and not waited for yet -> whether that
-        # conversion ran inside a CUDA graph capture (its wait must run on the same side)
-        self._unwaited: dict[int, bool] = {}
-        self._step = None  # the forward's cache StepPlan (prepare_for_batch)
-        self._tokens = 0  # tokens the per-layer calls take (the bucket's with pad_to)
-        self._decode_tokens = 0  # decode tokens they resolve (padded likewise)
+        self._fwd: Forward | None = None  # the forward prepared last (None once abandoned)
+        self._step = None  # its cache StepPlan, kept after an abandon (the next forward's replaces=)
         self._ids = DecodeIds(self.device)  # the decode tokens' request ids, per forward
-        self._decode_layers: dict[Overlap, DecodeLayer] = {}  # per mode, for the last backend object
         self.resolves_per_layer = [0] * config.num_layers  # lifetime count, for tests/metrics
         cuda = device_type(self.device) == "cuda"
         self.prefill_stream = torch.cuda.Stream(device=self.device) if cuda else None
+        self._decode = DecodeAttention(self._cache, validate=self.validate, resolves_per_layer=self.resolves_per_layer,
+                                       refuse_input=self._refuse_input_buffer)
+        self._prefill = PrefillStaging(self._cache, validate=self.validate, prefill_stream=self.prefill_stream)
+        self._pd = PDCalls(self._cache, self._refuse_mid_forward)
 
     # ------------------------------------------------------------------ set-up
     @property
@@ -197,9 +133,9 @@ class HiSparseIndexGroup(PrefillCalls, LayerGraphCalls, DecodeAttentionCalls, PD
         """
         if head_size != D_ROW:
             raise ValueError(f"head_size must be {D_ROW} (512 latent + 64 RoPE), got {head_size!r}")
-        if kv_cache_dtype not in _KV_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {sorted(_KV_DTYPES)}, got {kv_cache_dtype!r}")
-        fmt = _KV_DTYPES[kv_cache_dtype]
+        if kv_cache_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {sorted(KV_DTYPES)}, got {kv_cache_dtype!r}")
+        fmt = KV_DTYPES[kv_cache_dtype]
         if fmt is not self.row_format:
             raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} needs {fmt.row_bytes}-byte rows but the "
                              f"config has row_bytes={self.config.row_bytes} ({self.row_format.value})")
@@ -266,36 +202,41 @@ class HiSparseIndexGroup(PrefillCalls, LayerGraphCalls, DecodeAttentionCalls, PD
         self._cache.free_request(req_id)
 
     def _refuse_mid_forward(self, what: str) -> None:
+        fwd = self._fwd
         step = self._step
-        if step is not None and step.pending and self._written and \
-                step.generation == self._cache.requests.generation:
-            raise ValueError(f"{what} part-way through a forward: layers {sorted(self._written)} of it are "
+        if fwd is not None and step.pending and fwd.written and not step.stale:
+            raise ValueError(f"{what} part-way through a forward: layers {sorted(fwd.written)} of it are "
                              f"written and {sorted(step.pending)} are not; write the remaining layers "
                              "first, or call abandon_forward() if the forward was cut short (then free "
                              "its requests: their written layers hold a row more than the others)")
 
     def has_request(self, req_id: int) -> bool:
-        return self._cache.requests.is_live(req_id)
+        try:
+            self._cache.request(req_id)
+        except (ValueError, TypeError):
+            return False
+        return True
 
     def request_length(self, req_id: int, layer_index: int) -> int:
         """Rows stored for ``req_id`` in layer ``layer_index`` (this forward's rows count
         once the layer's ``write_new_rows`` ran)."""
         i = self._layer(layer_index)
-        self._cache.layer_len(i, req_id)  # checks the id
-        return self._visible_lengths(req_id)[i]
+        return self._visible_lengths(req_id)[i]  # checks the id
 
     def _visible_lengths(self, req_id: int) -> list[int]:
         """Rows per layer of a live request, a layer this forward has not written yet
         counted as before the forward."""
-        return self._cache.lengths_before(req_id, self._step)
+        return list(self._cache.request(req_id, self._step).lengths)
 
     def stats(self) -> dict:
         return self._cache.stats()
 
     # ------------------------------------------------------------ per batch
     def prepare_for_batch(self, metadata: SparseMLAMetadata, *, pad_to: int | None = None,
-                          replay: bool = False) -> None:
-        """Start a forward: check the batch and do the host work of every layer's write.
+                          replay: bool = False) -> Forward:
+        """Start a forward: check the batch and do the host work of every layer's write;
+        returns the forward (``engine.forward.Forward``: its sizes, step and what its
+        per-layer calls have done; the per-layer calls take its metadata).
 
         Every request must be live and hold exactly ``seq_len - query_len`` rows in every
         layer (its context before this forward). The forward's blocks are allocated
@@ -318,8 +259,9 @@ class HiSparseIndexGroup(PrefillCalls, LayerGraphCalls, DecodeAttentionCalls, PD
         if not isinstance(metadata, SparseMLAMetadata):
             raise TypeError(f"metadata must be a SparseMLAMetadata, got {type(metadata).__name__}")
         release_deferred_pins()  # host pools freed during a capture: their page-locks go now
-        if self._unwaited:
-            raise ValueError(f"layer(s) {sorted(self._unwaited)} of the last forward were converted with "
+        unwaited = {} if self._fwd is None else self._fwd.unwaited
+        if unwaited:
+            raise ValueError(f"layer(s) {sorted(unwaited)} of the last forward were converted with "
                              "wait=False and never passed to wait_for_staging(): their attention may have "
                              "read rows before they landed. Call wait_for_staging(layer) on the stream "
                              "that reads the rows, before it reads them")
@@ -328,90 +270,13 @@ class HiSparseIndexGroup(PrefillCalls, LayerGraphCalls, DecodeAttentionCalls, PD
                              "register every layer before the first forward")
         if metadata.device != self.device:
             raise ValueError(f"metadata tensors are on {metadata.device}, the cache on {self.device}")
-        cfg = self.config
-        q = metadata.decode_max_query_len
-        if metadata.num_decodes and q > cfg.max_query_len:
-            raise ValueError(f"decode query length {q} exceeds the config's max_query_len={cfg.max_query_len}")
-        td = metadata.num_decode_tokens
-        capacity = None
-        if check_bool("replay", replay) and pad_to is None:
-            raise ValueError("replay=True needs pad_to (a graph is captured per batch-size bucket)")
-        if pad_to is not None:
-            check_int("pad_to", pad_to, 1, cfg.max_num_reqs + 1)
-            if metadata.num_prefills:
-                raise ValueError("pad_to is for decode-only batches (graph replay); this batch has "
-                                 f"{metadata.num_prefills} prefill requests")
-            if pad_to < metadata.num_decodes:
-                raise ValueError(f"pad_to={pad_to} is smaller than the batch's {metadata.num_decodes} decodes")
-            q = max(q, 1)
-            capacity = StepCapacity(requests=pad_to, tokens=pad_to * q)
-        cache = self._cache
-        ids = metadata.request_ids_cpu
-        # every row's query length (all the decode one in a decode-only batch)
-        qlens = (metadata.decode_max_query_len,) * len(ids) if not metadata.num_prefills else metadata.query_lens()
-        # the rows each request holds are checked first: where a later check fails, that
-        # check runs then (nothing changed) and raises when it finds a request amiss
-        try:
-            write_batch = cache.plan_write(ids, qlens)
-        except Exception as e:  # noqa: BLE001 -- reported after the length check
-            failed: Exception | None = e
-        else:
-            failed = None
-        if failed is not None:
-            self._check_lengths(metadata, qlens)
-            raise failed
-        if capacity is not None and device_type(self.device) == "cuda":
-            # the persistent buffers are rewritten below: in-flight staging of the last
-            # forward (which reads the decode ids) finishes first
-            cache.join_staging()
-        # changes state last; puts back the layers the last forward did not write
-        try:
-            step = cache.prepare_step(write_batch, capacity=capacity, replaces=self._step,
-                                      ends=metadata.seq_lens_cpu)
-        except Exception as e:  # noqa: BLE001 -- reported after the length check
-            failed = e
-        if failed is not None:
-            self._check_lengths(metadata, qlens)
-            raise failed
-        # ---- the forward's state ----
-        self._tokens = capacity.tokens if capacity is not None else metadata.num_tokens
-        ndt = capacity.tokens if capacity is not None else td
-        if ndt:
-            self._decode_ids = self._ids.of(metadata, ndt, padded=capacity is not None)
-        else:
-            self._decode_ids = torch.empty(0, dtype=torch.int32, device=self.device)
-        self._decode_tokens = ndt
-        self._batch = metadata
-        self._step = step
-        self._converted = {}
-        self._begun = {}
-        self._written = set()  # layers whose rows this forward wrote
-        if replay:  # the graph's replay runs every layer's write and resolve
-            cache.note_replay(tokens=ndt)
-            step.pending.clear()
-            self._written = set(range(cfg.num_layers))
-            for i in range(cfg.num_layers):
-                self._converted[i] = (_REPLAYED, (None, None))
-                self.resolves_per_layer[i] += 1 if ndt else 0
-
-    def _check_lengths(self, metadata: SparseMLAMetadata, qlens: Sequence[int]) -> None:
-        """ValueError for the first batch row whose request is not live or holds other rows
-        in some layer than ``seq_len - query_len`` (``qlens``: each row's query length),
-        a layer the last forward did not write counted as before it."""
-        ids = metadata.request_ids_cpu
-        slots, same, len0 = self._cache.lengths_before_batch(ids, self._step)
-        starts = np.array([s - q for s, q in zip(metadata.seq_lens_cpu, qlens)])
-        dead = None in slots
-        bad = ~same | (len0 != starts)
-        if dead or bad.any():  # the first row that is not live or holds other lengths
-            row = int((bad | np.array([s is None for s in slots], dtype=bool)).argmax())
-            rid = ids[row]
-            if slots[row] is None:
-                raise ValueError(f"batch row {row}: request {rid} is not live (add_request first)")
-            lens = self._visible_lengths(rid)
-            raise ValueError(f"batch row {row}: request {rid} holds {lens} rows per layer but the "
-                             f"metadata says its context before this forward is {metadata.context_start(row)} "
-                             f"(seq_len {metadata.seq_lens_cpu[row]} - query_len {qlens[row]})")
+        fwd = prepare_forward(self._cache, self.config, self._ids, metadata, last=self._step, pad_to=pad_to,
+                              replay=replay, device=self.device)
+        self._fwd, self._step = fwd, fwd.step
+        if replay and fwd.decode_tokens:
+            for i in range(self.config.num_layers):
+                self.resolves_per_layer[i] += 1
+        return fwd
 
     def abandon_forward(self) -> None:
         """The forward prepared last will not run to its end: put back every layer it did
@@ -421,18 +286,16 @@ class HiSparseIndexGroup(PrefillCalls, LayerGraphCalls, DecodeAttentionCalls, PD
         it wrote in some layers hold a row more there than in the others, and can only
         be freed."""
         if self._step is not None:
-            self._cache.abandon_step(self._step, captured=True)
-        self._batch = None
-        self._written = set()
-        self._converted = {}
-        self._begun = {}
-        self._unwaited = {}
+            self._step.abandon(captured=True)
+        self._fwd = None
 
-    def _check_batch(self, metadata: object) -> SparseMLAMetadata:
-        if self._batch is None or metadata is not self._batch:
+    def _forward(self, metadata: object) -> Forward:
+        """The forward prepared last, when ``metadata`` is its batch."""
+        fwd = self._fwd
+        if fwd is None or metadata is not fwd.metadata:
             raise ValueError("metadata is not the batch given to the last prepare_for_batch(); "
                              "call prepare_for_batch(metadata) once per forward first")
-        return self._batch
+        return fwd
 
     def write_new_rows(self, layer_index: int, rows: torch.Tensor, metadata: SparseMLAMetadata) -> None:
         """Append this forward's KV rows of layer ``layer_index`` (every token, batch order).
@@ -444,18 +307,18 @@ class HiSparseIndexGroup(PrefillCalls, LayerGraphCalls, DecodeAttentionCalls, PD
         (a token attends to itself). Launches two kernels and nothing else.
         """
         i = self._layer(layer_index)
-        self._check_batch(metadata)
-        rows = self._as_row_bytes(rows, self._tokens, "rows")
-        if i in self._written:
+        fwd = self._forward(metadata)
+        rows = self._as_row_bytes(rows, fwd.tokens, "rows")
+        if i in fwd.written:
             raise ValueError(f"layer {i}: this forward's rows were already written (or are, by a graph "
                              "replay)")
-        if self._step.pending:
+        if fwd.step.pending:
             lg = self._layer_graphs
-            if lg is not None and lg.applies(self._step):
-                lg.write(i, self._step, rows)
+            if lg is not None and lg.applies(fwd.step):
+                lg.write(i, fwd.step, rows)
             else:
-                self._cache.write_step(i, self._step, rows)  # a launch that raises leaves it pending
-        self._written.add(i)
+                self._cache.write_step(i, fwd.step, rows)  # a launch that raises leaves it pending
+        fwd.written.add(i)
 
     def _as_row_bytes(self, rows: object, n: int, name: str) -> torch.Tensor:
         """uint8 [n, row_bytes] (bf16 [n, 576] accepted for bf16 rows; any strides)."""
@@ -499,51 +362,52 @@ class HiSparseIndexGroup(PrefillCalls, LayerGraphCalls, DecodeAttentionCalls, PD
         """
         check_bool("wait", wait)
         i = self._layer(layer_index)
-        md = self._check_batch(metadata)
+        fwd = self._forward(metadata)
+        md = fwd.metadata
         nd = md.num_decodes if num_decodes is None else num_decodes
         q = md.decode_max_query_len if decode_query_len is None else decode_query_len
         if nd != md.num_decodes or (nd and q != md.decode_max_query_len):
             raise ValueError(f"num_decodes={nd}, decode_query_len={q} disagree with the batch "
                              f"({md.num_decodes} decodes of {md.decode_max_query_len} tokens)")
-        td = self._decode_tokens
-        self._check_decode_topk(topk_indices)
+        td = fwd.decode_tokens
+        fwd.check_decode_topk(topk_indices, self.device)
         shape = tuple(topk_indices.shape)
         if shape[1] > self.config.top_k:
             raise ValueError(f"topk_indices has K={shape[1]} > config top_k={self.config.top_k}")
         key = topk_key(topk_indices)
-        done = self._converted.get(i)
+        done = fwd.resolved.get(i)
         if done is not None:
-            if done[0] is _REPLAYED:
+            if done.how == "replayed":
                 raise ValueError(f"layer {i} is resolved by the graph replay of this forward")
-            if done[0] != key:
+            if done.key != key:
                 raise ValueError(f"layer {i} was already converted in this forward with another top-k "
                                  "tensor; each layer is resolved once per forward")
-            phys, counts = done[1]
-            if phys is None:  # decode_attention keeps no indices to hand out
+            if done.how != "converted":  # decode_attention keeps no indices to hand out
                 how = ("begun by begin_decode_attention: attend it with decode_attention(..., overlap='split')"
-                       if i in self._begun else "resolved by decode_attention, which returns no indices")
+                       if done.how == "begun" else "resolved by decode_attention, which returns no indices")
                 raise ValueError(f"layer {i} was {how} in this forward")
+            phys, counts = done.physical, done.counts
         else:
-            if nd and i not in self._written:  # this forward's rows of layer i are not in yet
+            if nd and i not in fwd.written:  # this forward's rows of layer i are not in yet
                 raise ValueError(f"layer {i}: write_new_rows must run before the conversion (the "
                                  "decode tokens attend to their own rows)")
             if td:
                 lg = self._layer_graphs
-                if lg is not None and wait and lg.applies(self._step):
-                    res = lg.convert(i, self._decode_ids, topk_indices)
-                    phys, counts = res.physical, res.valid_counts
+                if lg is not None and wait and lg.applies(fwd.step):
+                    res = lg.convert(i, fwd.decode_ids, topk_indices)
                 else:
                     if not wait:
                         self._refuse_input_buffer(topk_indices, "a conversion with wait=False")
-                    phys, counts = self._resolve_decode(i, topk_indices, wait)
+                    res = self._cache.resolve(i, fwd.decode_ids, topk_indices, validate=self.validate, wait=wait)
+                phys, counts = res.physical, res.valid_counts
                 self.resolves_per_layer[i] += 1
                 if not wait:
-                    self._unwaited[i] = self._capturing()
+                    fwd.unwaited[i] = self._capturing()
             else:
                 phys = torch.empty((0, topk_indices.shape[1]), dtype=torch.int32, device=self.device)
                 counts = torch.empty((0,), dtype=torch.int32, device=self.device)
-            self._converted[i] = (key, (phys, counts))
-        if wait and i in self._unwaited:
+            fwd.resolved[i] = Resolved("converted", key, phys, counts)
+        if wait and i in fwd.unwaited:
             self.wait_for_staging(i)
         return (phys, counts) if return_valid_counts else phys
 
@@ -552,31 +416,159 @@ class HiSparseIndexGroup(PrefillCalls, LayerGraphCalls, DecodeAttentionCalls, PD
         conversion with ``wait=False`` landed in its hot rows (an event wait, no host
         sync; captured along inside a CUDA graph). A no-op after a waiting conversion."""
         i = self._layer(layer_index)
-        if i not in self._converted:
+        if self._fwd is None or i not in self._fwd.resolved:
             raise ValueError(f"layer {i} was not converted in this forward: nothing to wait for")
-        if i in self._unwaited:
-            if self._unwaited[i] != self._capturing():
-                where = ("inside a CUDA graph capture", "outside it") if self._unwaited[i] else \
+        unwaited = self._fwd.unwaited
+        if i in unwaited:
+            if unwaited[i] != self._capturing():
+                where = ("inside a CUDA graph capture", "outside it") if unwaited[i] else \
                         ("outside a CUDA graph capture", "inside one")
                 raise ValueError(f"layer {i} was converted {where[0]} and is waited for {where[1]}: a "
                                  "stream cannot wait across a capture boundary; wait on the same side")
-            self._cache.wait_staging(i, stream)
-            del self._unwaited[i]
+            self._cache.streams.wait_staging(i, stream)
+            del unwaited[i]
+
+    def decode_attention(self, layer_index: int, q: torch.Tensor, topk_indices: torch.Tensor,
+                         metadata: SparseMLAMetadata, *, backend, sm_scale: float,
+                         overlap: Overlap | str = "split") -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode attention of layer ``layer_index`` with the miss staging hidden behind
+        it (``hisparse.decode``): resolves the decode tokens' top-k (int32 [Td, K]) and
+        attends ``q`` (bf16 [Td, H, 576]) with ``backend`` over the hits while the misses
+        stage ("split"; "serial" = convert + attend). Returns out bf16
+        [Td, H, 512], lse float32 [Td, H]. Counts as the layer's one resolve of the
+        forward (a later conversion of the same layer is refused).
+        """
+        i = self._layer(layer_index)
+        return self._decode.attend(self._forward(metadata), i, q, topk_indices, backend=backend, sm_scale=sm_scale,
+                                   overlap=overlap)
+
+    def begin_decode_attention(self, layer_index: int, topk_indices: torch.Tensor,
+                               metadata: SparseMLAMetadata, *, backend, num_heads: int) -> None:
+        """The resolve of a split ``decode_attention`` (``DecodeLayer.begin``), launched
+        as soon as the top-k (int32 [Td, K]) exists, so that it runs beside the query
+        projection; ``decode_attention(..., overlap="split")`` of the layer, with the
+        same backend, ``topk_indices`` tensor and a query of ``num_heads`` heads, then
+        attends. Counts as the layer's resolve of the forward. A head count the backend
+        refuses is refused before the resolve (nothing changed: the layer can still be
+        converted or attended)."""
+        i = self._layer(layer_index)
+        self._decode.begin(self._forward(metadata), i, topk_indices, backend=backend, num_heads=num_heads)
+
+    def prefetch(self, layer_index: int, topk_indices: torch.Tensor, metadata: SparseMLAMetadata) -> None:
+        """Stage a predicted selection (int32 [Td, K], e.g. the previous layer's top-k) of
+        layer ``layer_index`` ahead of its resolve in this forward (``HiSparseCache.prefetch``)."""
+        i = self._layer(layer_index)
+        self._decode.prefetch(self._forward(metadata), i, topk_indices)
 
     def _capturing(self) -> bool:
         return capturing(self.device)
 
-    def _resolve_decode(self, layer: int, topk: torch.Tensor, wait: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """Resolve decode top-k through the cache.
+    # ---------------------------------------------------------------- prefill
+    def stage_prefill_rows(self, layer_index: int, kv_cache: torch.Tensor, metadata: SparseMLAMetadata):
+        """Stage every prefill request's context rows, in the stored row format, into ``kv_cache``.
 
-        Lengths are per layer in the cache, and ``write_new_rows`` of this layer ran
-        first, so a token's own position and the other new positions of this forward
-        (multi-token decode) resolve like any other row: positions < S are hot in slot
-        == position, the newest row is hot in the reserved slot S, and new positions
-        >= S other than the newest are staged from the host mirror.
+        kv_cache: uint8 [num_blocks, block_size, row_bytes] or [N, row_bytes], an
+        engine-owned staging area (contents overwritten). Prefill request p (p-th
+        prefill of the batch) gets rows [0, seq_len) at consecutive blocks.
+        Returns ``(staged, block_table, req_id_per_token)``: staged = ``kv_cache`` as a
+        flat uint8 [N, row_bytes] view; block_table int32 [P, max_blocks] (-1 = unused);
+        req_id_per_token int32 [num_prefill_tokens], the prefill index of each prefill
+        token -- what the engine's own conversion needs to turn logical top-k into rows
+        of ``staged``. The compute stream waits for the staging inside this call.
         """
-        res = self._cache.resolve(layer, self._decode_ids, topk, validate=self.validate, wait=wait)
-        return res.physical, res.valid_counts
+        i = self._layer(layer_index)
+        return self._prefill.stage_prefill_rows(self._forward(metadata), i, kv_cache)
+
+    def gather_fp8_prefill(self, layer_index: int, kv_cache: torch.Tensor | None, workspace: torch.Tensor,
+                           block_table: torch.Tensor | None, workspace_starts: torch.Tensor, num_reqs: int,
+                           metadata: SparseMLAMetadata, req_start_idx: int):
+        """Gather prefill requests' context rows into a bf16 workspace (fp8 dequantised).
+
+        Prefill requests ``req_start_idx .. req_start_idx + num_reqs - 1`` (indices among
+        the batch's prefills) have rows [0, seq_len) written to ``workspace`` bf16 [W, 576]
+        at ``workspace_starts`` int32 [num_reqs] (device; must equal the exclusive prefix
+        sum of those seq_lens, which is how engines lay out the workspace). ``kv_cache``
+        and ``block_table`` are the engine's own paged cache arguments of its non-hisparse
+        path; hisparse reads its own tiers and ignores them (None is fine).
+        Returns the event (None on CPU) the compute stream must wait on before reading
+        ``workspace``; the staging runs on ``prefill_stream``.
+        """
+        i = self._layer(layer_index)
+        return self._prefill.gather_fp8_prefill(self._forward(metadata), i, kv_cache, workspace, block_table,
+                                                workspace_starts, num_reqs, req_start_idx)
+
+    # ---------------------------------------------------------- per-layer graphs
+    def layer_graphs(self) -> dict | None:
+        """With ``layer_graphs=True``: {graphs, eager, captures, replays, copies,
+        in_place_graphs, write_replays, convert_replays}, the per-layer calls that ran
+        eagerly (a bucket's warm-up), captured and replayed, the replayed calls that
+        copied their input into a static buffer, the graphs captured to read an engine's
+        tensor where it is, and the replays of each call; else None."""
+        return None if self._layer_graphs is None else self._layer_graphs.report()
+
+    def layer_input_buffers(self, metadata: SparseMLAMetadata, top_k: int | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The bucket's static inputs of the per-layer graphs (``layer_graphs=True``, a
+        forward prepared with ``pad_to``): rows uint8 [tokens, row_bytes] and top-k
+        int32 [decode tokens, top_k] (the config's top_k unless given; None when the
+        forward has no decode tokens).
+
+        The graphs read their inputs from these buffers; ``write_new_rows`` and the
+        conversion copy a tensor they are given into them first. An engine that writes
+        a layer's rows and top-k into these very tensors (on the current stream, before
+        the layer's call) and passes them saves both copies. The buffers are the same
+        for every layer and forward of the bucket: a call's graph has read them before
+        anything the current stream runs after the call. ``prefetch`` and conversions with
+        ``wait=False`` refuse the top-k buffer: they read it on the staging stream after
+        they return, while the engine writes the next layer's top-k into it.
+        """
+        fwd = self._forward(metadata)
+        lg = self._layer_graphs
+        if lg is None or not lg.applies(fwd.step):
+            why = ("layer_graphs=True was not given" if lg is None else
+                   "this forward was not prepared with pad_to (or the current stream is being captured)")
+            raise ValueError(f"layer_input_buffers: {why}; the buffers are the per-layer graphs' inputs")
+        k = self.config.top_k if top_k is None else check_int("top_k", top_k, 1, self.config.top_k + 1)
+        rows = lg.rows_buffer(fwd.tokens)
+        topk = lg.topk_buffer(fwd.decode_tokens, k) if fwd.decode_tokens else None
+        return rows, topk
+
+    def _refuse_input_buffer(self, topk: torch.Tensor, call: str) -> None:
+        if self._layer_graphs is not None:
+            self._layer_graphs.refuse_input_buffer(topk, call)
+
+    # ---------------------------------------------------------- prefill/decode disaggregation
+    def pd_receiver(self, *, name: str | None = None, backends: tuple[str, ...] = ("UCX",),
+                    quarantine_s: float | None = None):
+        """The group's receiver, made on the first call (NixlUnavailable without NIXL): its
+        agent starts and registers the host pool then. ``name`` (default: unique per
+        host, process and call, ``nixl_api.default_agent_name``), ``backends`` and
+        ``quarantine_s`` (None: ``receiver.QUARANTINE_S``) take effect on that first
+        call only."""
+        return self._pd.pd_receiver(name=name, backends=backends, quarantine_s=quarantine_s)
+
+    def pd_reserve(self, req_id: int, num_tokens: int, *, timeout_s: float | None = None,
+                   salt: bytes | None = None):
+        """Admit ``req_id`` with host blocks for ``num_tokens`` rows a prefill engine will
+        write (``PDReceiver.reserve``); its descriptor goes to the prefill side. With
+        prefix caching, ``salt`` keys its block names; give its prompt with
+        ``add_tokens`` for its blocks to be shared once committed."""
+        return self._pd.pd_reserve(req_id, num_tokens, timeout_s=timeout_s, salt=salt)
+
+    def pd_commit(self, req_id: int, generation: int) -> None:
+        """The reserved rows count as appended in every layer (``PDReceiver.commit``)."""
+        self._pd.pd_commit(req_id, generation)
+
+    def pd_abort(self, req_id: int) -> None:
+        """Return every block of a reservation (``PDReceiver.abort``)."""
+        self._pd.pd_abort(req_id)
+
+    def pd_connector(self, *, timeout_s: float | None = 60.0) -> PDConnector:
+        """A scheduler-side connector over this group (module docstring); ``timeout_s``:
+        the deadline of each reservation it makes (None: none). Makes the group's
+        receiver now (``pd_receiver``), so the agent's start and the host pool's
+        registration happen here, not in the first reserve."""
+        return self._pd.pd_connector(timeout_s=timeout_s)
 
 
 __all__ = ["HiSparseIndexGroup", "SparseMLAMetadata", "LayerCache", "LayerRuntime", "HotView",

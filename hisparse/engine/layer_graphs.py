@@ -26,21 +26,22 @@ pad_to=N)``) replay one small graph per (call, layer, bucket) instead:
 - a graph joins every stream it forks (the host mirror's, the staging's) before it ends,
   so work after a replay on the current stream, or on a stream that follows it, is
   ordered after all of the graph's work;
-- the checks and the host-side bookkeeping run around the replay (``Writer.write_step_by``,
-  ``HiSparseCache.resolve_by``): the eager call's on the call that captures; on later
-  replays of a key, the checks whose outcome can change since it was captured (the
-  group's checks of the call, the step's, the host pool's pinning:
-  ``HiSparseCache.resolve_replay``). A call that fails a check launches nothing and
-  changes nothing.
+- each call is planned through the cache's graph mode (``HiSparseCache.graphs``,
+  ``hisparse.cache.graphs``): ``plan_write`` / ``plan_resolve`` make the checks before
+  anything is copied (a call that fails a check launches nothing and changes nothing);
+  a graph captures the planned call's ``launch``; every later call runs it with the
+  graph's replay, between the checks whose outcome can change since it was planned (the
+  step's, the host pool's pinning) and the eager call's bookkeeping. A resolve's plan is
+  kept with its graph (the same static req_ids and top-k shape); a write's is made per
+  forward (its step).
 
 Events: the cache orders its streams with events (``hisparse.cache.stager``). Before a
 replay the current stream waits on each event the eager call would wait on whose last
 record was eager (one recorded by a replay is ordered already), and on the stage stream
-when eager staging ran since the last replay (the graph forks a stream of its own). After
-a replay, the events the graph recorded count as recorded by a replay, as
-``note_replay`` does for a whole captured forward. A capture changes no event's state: it
-records stand-in CUDA events (``CacheStreams.lend_events``), since an event recorded during
-capture can no longer be waited on outside it.
+when eager staging ran since the last replay (the graph forks a stream of its own): the
+planned call's ``run`` does. A capture (``CacheGraphs.capture``) changes no event's
+state, and after a replay the events the graph recorded count as recorded by a replay,
+as ``graphs.note_replay`` does for a whole captured forward.
 
 The eager path runs instead for conversions with ``wait=False``, ``decode_attention``,
 ``prefetch``, unpadded forwards, and every call made while the current stream is being
@@ -53,13 +54,12 @@ from typing import Callable
 
 import torch
 
-from .._checks import check_int
 from ..cache.cache import HiSparseCache
+from ..cache.graphs import Captured, ResolveCall
 from ..cache.stager import capturing
 from ..cache.write_step import StepPlan
-from .metadata import SparseMLAMetadata
 
-__all__ = ["CudaGraphBackend", "IN_PLACE_GRAPHS", "LayerGraphCalls", "LayerGraphs", "RECENT_INPUTS"]
+__all__ = ["CudaGraphBackend", "IN_PLACE_GRAPHS", "LayerGraphs", "RECENT_INPUTS"]
 
 # graphs per (call, layer, bucket) that read an engine's tensor where it is (see above);
 # a bound on captures and graph memory when an engine's addresses drift
@@ -106,17 +106,6 @@ def _same(t: torch.Tensor, static: torch.Tensor) -> bool:
     return t is static or (t.data_ptr() == static.data_ptr() and t.stride() == static.stride())
 
 
-class _Graph:
-    """A captured call: the backend's graph and the cache events it records."""
-
-    __slots__ = ("graph", "events", "lent")
-
-    def __init__(self, graph: object, events: list, lent: list) -> None:
-        self.graph = graph
-        self.events = events  # the cache's ``_Event``s the graph records (flags set on replay)
-        self.lent = lent  # the stand-in CUDA events it was captured with, kept alive with it
-
-
 class LayerGraphs:
     """The per-layer graphs of one group's cache (see the module docstring).
 
@@ -128,11 +117,11 @@ class LayerGraphs:
     def __init__(self, cache: HiSparseCache, backend) -> None:
         self.cache = cache
         self.backend = backend
-        self.graphs: dict[tuple, _Graph] = {}
+        self.graphs: dict[tuple, Captured] = {}
         self.warm: set[tuple] = set()
         self._rows: dict[int, torch.Tensor] = {}  # tokens -> uint8 [tokens, row_bytes]
         self._topk: dict[tuple[int, int], torch.Tensor] = {}  # (tokens, K) -> int32 [tokens, K]
-        self._stage_seen = cache.streams.stage_eager_records[0]
+        self._calls: dict[tuple, ResolveCall] = {}  # a convert graph's key -> its planned resolve
         self._recent_inputs: dict[tuple, list] = {}  # key -> (data_ptr, strides) it copied last
         self._in_place: dict[tuple, int] = {}  # key -> graphs of it reading an engine's tensor
         # id(static buffer) -> its (data_ptr, strides); the buffers live as long as this object
@@ -174,29 +163,28 @@ class LayerGraphs:
         cache = self.cache
         static = self.rows_buffer(step.rows)
         key = ("write", layer, id(step.buffers))
+        call = cache.graphs.plan_write(layer, step)  # before the copy: a refused call launches nothing
         got = self.graphs.get(key)
         if got is None and key not in self.warm:
-            cache.check_write_step(layer, step)  # before the copy: a refused call launches nothing
             if not _same(rows, static):
                 static.copy_(rows)
-            cache.write_step(layer, step, static)
-            cache.join_backup()  # the host mirror read ``static``: the next copy into it waits
+            call.run(static)
+            cache.streams.join_backup()  # the host mirror read ``static``: the next copy into it waits
             self.warm.add(key)
             self.counts["eager"] += 1
             return
+        gkey, g, src, copy, addr = self._source(key, rows, static)
 
-        def launch() -> None:  # after the checks: a refused call notes nothing
-            gkey, g, src, copy, addr = self._source(key, rows, static)
+        def replay() -> None:  # after the checks and the waits: eager mirrors read ``static`` too
+            nonlocal g
             if g is None:
-                g = self._graph(key, gkey, lambda: cache.launch_write_step(layer, step, src))
-            cs = cache.streams
-            self._wait_eager((cs.resolved[layer], cs.backup))  # eager mirrors read ``static`` too
+                g = self._graph(key, gkey, lambda: call.launch(src))
             if copy:
                 static.copy_(rows)
             self._replay(g, "write")
             self._note_input(key, addr, copy)
 
-        cache.write_step_by(layer, step, launch)
+        call.run(replay=replay)
 
     def convert(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor):
         """``cache.resolve(layer, req_ids, topk, validate=False, wait=True)`` (topk int32
@@ -208,50 +196,34 @@ class LayerGraphs:
         # the staging copy's launch shape is part of the graph: a new one captures again;
         # so is the resolve's path: a batch of resident requests alone replays a graph of
         # the resident resolve, any other batch one of the full resolve
-        resident = cache.all_resident()
-        key = ("convert", layer, req_ids.data_ptr(), T, K, cache.stager.stage_programs, resident)
-        got = self.graphs.get(key)
-        if got is None and key not in self.warm:
-            cache.check_resolve(layer, req_ids, topk)  # before the copy
+        resident = cache.graphs.all_resident()
+        key = ("convert", layer, req_ids.data_ptr(), T, K, cache.stage_programs, resident)
+        call = self._calls.get(key)
+        if call is None or key not in self.graphs:  # the warm-up and the capture's call: every check
+            call = cache.graphs.plan_resolve(layer, req_ids, topk)  # before the copy
+        if key not in self.graphs and key not in self.warm:
             if not _same(topk, static):
                 static.copy_(topk)
-            res = cache.resolve(layer, req_ids, static, validate=False, wait=True)
+            res = call.run(static)
             self.warm.add(key)
             self.counts["eager"] += 1
             return res
+        self._calls[key] = call
+        gkey, g, src, copy, addr = self._source(key, topk, static)
 
-        def launch() -> None:  # after the checks: a refused call notes nothing
-            gkey, g, src, copy, addr = self._source(key, topk, static)
+        def replay() -> None:  # after the waits: eager staging may read ``static``
+            nonlocal g
             if g is None:
-                g = self._graph(key, gkey, lambda: self._launch_resolve(layer, req_ids, src, resident))
-            cs = cache.streams
-            if cs.stage_eager_records[0] != self._stage_seen and cs.streams.stage is not None:
-                # eager staging in flight: the graph's own fork of the stage stream is not after it
-                cs.current().wait_stream(cs.streams.stage)
-            self._wait_eager((cs.resolved[layer], cs.backup))
-            if copy:  # after the waits: eager staging may read ``static``
+                g = self._graph(key, gkey, lambda: call.launch(src))
+            if copy:
                 static.copy_(topk)
             self._replay(g, "convert")
             self._note_input(key, addr, copy)
 
-        if got is None:  # the capture's call: every check again
-            res = cache.resolve_by(layer, req_ids, static, launch)
-        else:  # this key's arguments passed those checks when it was warmed up
-            res = cache.resolve_replay(layer, T, K, launch)
-        self._stage_seen = cache.streams.stage_eager_records[0]
-        return res
-
-    def _launch_resolve(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor, resident: bool) -> None:
-        """The launches a convert graph captures: the resident resolve's when ``resident``
-        (``HiSparseCache.resident_capture``), else the full resolve's."""
-        if resident:
-            with self.cache.resident_capture():
-                self.cache.launch_resolve(layer, req_ids, topk)
-        else:
-            self.cache.launch_resolve(layer, req_ids, topk)
+        return call.run(replay=replay)
 
     def _source(self, key: tuple, t: torch.Tensor, static: torch.Tensor
-                ) -> tuple[tuple, _Graph | None, torch.Tensor, bool, tuple | None]:
+                ) -> tuple[tuple, Captured | None, torch.Tensor, bool, tuple | None]:
         """(the key of the graph to replay, that graph or None when it is not captured
         yet, the tensor it reads, whether the caller copies ``t`` into ``static`` first,
         ``t``'s (data_ptr, strides) to note once the call ran, or None) for a call of
@@ -289,7 +261,7 @@ class LayerGraphs:
             recent.append(addr)
             del recent[:-RECENT_INPUTS]
 
-    def _graph(self, key: tuple, gkey: tuple, fn: Callable[[], None]) -> _Graph:
+    def _graph(self, key: tuple, gkey: tuple, fn: Callable[[], None]) -> Captured:
         """The graph under ``gkey`` (the static buffer's ``key``, or ``key`` plus an
         engine tensor's address: a graph reading it in place), captured over ``fn`` if
         it is not yet."""
@@ -301,37 +273,14 @@ class LayerGraphs:
                 self.counts["in_place_graphs"] += 1
         return got
 
-    def _wait_eager(self, events) -> None:
-        """The current stream waits on those of ``events`` last recorded eagerly (one a
-        replay recorded is ordered already); the stream is looked up only when one is."""
-        cur = None
-        for ev in events:
-            if ev.event is not None and ev.recorded and not ev.in_capture:
-                if cur is None:
-                    cur = self.cache.streams.current()
-                ev.wait_by(cur, False)
-
-    # ------------------------------------------------------------------ capture / replay
-    def _capture(self, key: tuple, fn: Callable[[], None]) -> _Graph:
-        cs = self.cache.streams
-        before = cs.flags()
-        real = cs.lend_events()  # the capture records stand-ins: the real events stay waitable
-        try:
-            cs.forget_captured()  # events a replay recorded can't be waited on inside a capture
-            graph = self.backend.capture(fn)
-            events = cs.recorded_since(before)
-        finally:
-            cs.restore_flags(before)  # what a capture records runs only when it is replayed
-            lent = cs.return_events(real)
-            cs.capturing()  # not capturing any more: an engine's own capture later starts afresh
-        got = self.graphs[key] = _Graph(graph, events, lent)
+    def _capture(self, key: tuple, fn: Callable[[], None]) -> Captured:
+        got = self.graphs[key] = self.cache.graphs.capture(lambda: self.backend.capture(fn))
         self.counts["captures"] += 1
         return got
 
-    def _replay(self, g: _Graph, call: str) -> None:
+    def _replay(self, g: Captured, call: str) -> None:
         self.backend.replay(g.graph)
-        for ev in g.events:
-            ev.recorded, ev.in_capture = True, True
+        g.replayed()
         self.counts["replays"] += 1
         self.replays_by_call[call] += 1
 
@@ -340,56 +289,15 @@ class LayerGraphs:
         ptr = t.untyped_storage().data_ptr()
         return any(b.untyped_storage().data_ptr() == ptr for b in (*self._rows.values(), *self._topk.values()))
 
-    def report(self) -> dict:
-        return {"graphs": len(self.graphs), **self.counts,
-                **{f"{call}_replays": n for call, n in self.replays_by_call.items()}}
-
-
-class LayerGraphCalls:
-    """The per-layer graphs' calls of ``HiSparseIndexGroup`` (which provides ``config``,
-    ``_layer_graphs``, ``_step``, ``_tokens``, ``_decode_tokens`` and ``_check_batch``)."""
-
-    def layer_graphs(self) -> dict | None:
-        """With ``layer_graphs=True``: {graphs, eager, captures, replays, copies,
-        in_place_graphs, write_replays, convert_replays}, the per-layer calls that ran
-        eagerly (a bucket's warm-up), captured and replayed, the replayed calls that
-        copied their input into a static buffer, the graphs captured to read an engine's
-        tensor where it is, and the replays of each call; else None."""
-        return None if self._layer_graphs is None else self._layer_graphs.report()
-
-    def layer_input_buffers(self, metadata: SparseMLAMetadata, top_k: int | None = None
-                            ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The bucket's static inputs of the per-layer graphs (``layer_graphs=True``, a
-        forward prepared with ``pad_to``): rows uint8 [tokens, row_bytes] and top-k
-        int32 [decode tokens, top_k] (the config's top_k unless given; None when the
-        forward has no decode tokens).
-
-        The graphs read their inputs from these buffers; ``write_new_rows`` and the
-        conversion copy a tensor they are given into them first. An engine that writes
-        a layer's rows and top-k into these very tensors (on the current stream, before
-        the layer's call) and passes them saves both copies. The buffers are the same
-        for every layer and forward of the bucket: a call's graph has read them before
-        anything the current stream runs after the call. ``prefetch`` and conversions with
-        ``wait=False`` refuse the top-k buffer: they read it on the staging stream after
-        they return, while the engine writes the next layer's top-k into it.
-        """
-        self._check_batch(metadata)
-        lg = self._layer_graphs
-        if lg is None or not lg.applies(self._step):
-            why = ("layer_graphs=True was not given" if lg is None else
-                   "this forward was not prepared with pad_to (or the current stream is being captured)")
-            raise ValueError(f"layer_input_buffers: {why}; the buffers are the per-layer graphs' inputs")
-        k = self.config.top_k if top_k is None else check_int("top_k", top_k, 1, self.config.top_k + 1)
-        rows = lg.rows_buffer(self._tokens)
-        topk = lg.topk_buffer(self._decode_tokens, k) if self._decode_tokens else None
-        return rows, topk
-
-    def _refuse_input_buffer(self, topk: torch.Tensor, call: str) -> None:
+    def refuse_input_buffer(self, topk: torch.Tensor, call: str) -> None:
         """The eager calls that read their top-k on the side stream after they return
-        refuse ``layer_input_buffers``' tensor, which the engine overwrites for the next
-        layer while that read may still be running."""
-        lg = self._layer_graphs
-        if lg is not None and lg.is_input_buffer(topk):
+        refuse the top-k input buffer (``layer_input_buffers``), which the engine
+        overwrites for the next layer while that read may still be running."""
+        if self.is_input_buffer(topk):
             raise ValueError(f"{call} reads its top-k on the staging stream after it returns, and "
                              "layer_input_buffers()' top-k is overwritten for the next layer meanwhile: "
                              "pass a tensor of your own (e.g. a copy)")
+
+    def report(self) -> dict:
+        return {"graphs": len(self.graphs), **self.counts,
+                **{f"{call}_replays": n for call, n in self.replays_by_call.items()}}

@@ -1,10 +1,10 @@
 """The engine façade's prefill/decode calls: a decode engine receives requests whose KV
 a prefill engine wrote into its host pool through NIXL (``hisparse.pd``).
 
-:class:`PDCalls`, a base of ``HiSparseIndexGroup``, gives the group ``pd_reserve`` /
-``pd_commit`` / ``pd_abort`` over one ``PDReceiver`` of its cache (made on first use,
-which starts a NIXL agent and registers the host pool), and ``pd_connector()``: the
-object an engine's scheduler drives, shaped like vLLM's KV-connector scheduler side.
+:class:`PDCalls` serves the group's ``pd_reserve`` / ``pd_commit`` / ``pd_abort`` over
+one ``PDReceiver`` of its cache (made on first use, which starts a NIXL agent and
+registers the host pool), and ``pd_connector()``: the object an engine's scheduler
+drives, shaped like vLLM's KV-connector scheduler side.
 
     conn = group.pd_connector()
     params = conn.request_remote_prefill(req_id, num_prompt_tokens)   # bytes, to the prefill engine
@@ -22,18 +22,22 @@ receiver listens on the cache's frees): its blocks go into quarantine and the ne
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
+    from ..cache.cache import HiSparseCache
     from ..pd.descriptor import PDDescriptor
     from ..pd.receiver import PDReceiver
 
 
 class PDCalls:
-    """The P/D calls of ``HiSparseIndexGroup`` (which provides ``_cache`` and
-    ``_refuse_mid_forward``)."""
+    """The P/D calls over one cache; ``between_forwards(what)`` raises while a forward has
+    written some layers but not all (the group's check)."""
 
-    _pd: "PDReceiver | None" = None
+    def __init__(self, cache: "HiSparseCache", between_forwards: Callable[[str], None]) -> None:
+        self.cache = cache
+        self.between_forwards = between_forwards
+        self._pd: "PDReceiver | None" = None
 
     def pd_receiver(self, *, name: str | None = None, backends: tuple[str, ...] = ("UCX",),
                     quarantine_s: float | None = None) -> "PDReceiver":
@@ -44,7 +48,7 @@ class PDCalls:
         call only."""
         if self._pd is None:
             from ..pd.receiver import QUARANTINE_S, PDReceiver
-            self._pd = PDReceiver(self._cache, name=name, backends=backends,  # type: ignore[attr-defined]
+            self._pd = PDReceiver(self.cache, name=name, backends=backends,
                                   quarantine_s=QUARANTINE_S if quarantine_s is None else quarantine_s)
         return self._pd
 
@@ -54,17 +58,17 @@ class PDCalls:
         write (``PDReceiver.reserve``); its descriptor goes to the prefill side. With
         prefix caching, ``salt`` keys its block names; give its prompt with
         ``add_tokens`` for its blocks to be shared once committed."""
-        self._refuse_mid_forward("pd_reserve")  # type: ignore[attr-defined]
+        self.between_forwards("pd_reserve")
         return self.pd_receiver().reserve(req_id, num_tokens, timeout_s=timeout_s, salt=salt)
 
     def pd_commit(self, req_id: int, generation: int) -> None:
         """The reserved rows count as appended in every layer (``PDReceiver.commit``)."""
-        self._refuse_mid_forward("pd_commit")  # type: ignore[attr-defined]
+        self.between_forwards("pd_commit")
         self.pd_receiver().commit(req_id, generation)
 
     def pd_abort(self, req_id: int) -> None:
         """Return every block of a reservation (``PDReceiver.abort``)."""
-        self._refuse_mid_forward("pd_abort")  # type: ignore[attr-defined]
+        self.between_forwards("pd_abort")
         self.pd_receiver().abort(req_id)
 
     def pd_connector(self, *, timeout_s: float | None = 60.0) -> "PDConnector":
@@ -79,34 +83,34 @@ class PDCalls:
 class PDConnector:
     """What a decode engine's scheduler calls (module docstring)."""
 
-    def __init__(self, group: PDCalls, *, timeout_s: float | None) -> None:
-        self.group = group
+    def __init__(self, calls: PDCalls, *, timeout_s: float | None) -> None:
+        self.calls = calls
         self.timeout_s = timeout_s
 
     def request_remote_prefill(self, req_id: int, num_tokens: int) -> bytes:
         """Reserve ``req_id`` for ``num_tokens`` prompt rows; returns the serialised
         descriptor for the prefill engine (``PDDescriptor.from_bytes`` there)."""
-        return self.group.pd_reserve(req_id, num_tokens, timeout_s=self.timeout_s).to_bytes()
+        return self.calls.pd_reserve(req_id, num_tokens, timeout_s=self.timeout_s).to_bytes()
 
     def get_finished(self) -> tuple[list[int], dict[int, str]]:
         """Commit the requests whose transfer completed and abort those that failed or
         passed their deadline: (committed ids, {aborted id: why})."""
-        self.group._refuse_mid_forward("get_finished")  # type: ignore[attr-defined]
-        res = self.group.pd_receiver().poll()
+        self.calls.between_forwards("get_finished")
+        res = self.calls.pd_receiver().poll()
         return list(res.committed), dict(res.failed)
 
     def request_finished(self, req_id: int) -> bool:
         """A request the scheduler dropped: abort its reservation if it is still open
         (True), else nothing (False; a committed request is freed with free_request)."""
-        rx = self.group.pd_receiver()
+        rx = self.calls.pd_receiver()
         if req_id in rx.open_requests():
-            self.group.pd_abort(req_id)
+            self.calls.pd_abort(req_id)
             return True
         return False
 
     def pending(self) -> list[int]:
         """Request ids reserved and not committed or aborted yet."""
-        return self.group.pd_receiver().open_requests()
+        return self.calls.pd_receiver().open_requests()
 
 
 __all__ = ["PDCalls", "PDConnector"]

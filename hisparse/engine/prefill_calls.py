@@ -1,8 +1,8 @@
 """The engine façade's prefill calls: a prefill request's context staged from the tiers.
 
 A prefill (or chunked-prefill) request attends to its whole context, which lives in the
-host pool (and, for recent positions, the hot buffer). :class:`PrefillCalls`, a base of
-``HiSparseIndexGroup``, stages those rows for the engine's prefill attention: into a
+host pool (and, for recent positions, the hot buffer). :class:`PrefillStaging`, which
+``HiSparseIndexGroup`` calls, stages those rows for the engine's prefill attention: into a
 bf16 workspace with fp8 rows dequantised (``gather_fp8_prefill``, on the group's
 prefill stream, returning the event to wait on), or in the stored row format into an
 engine-owned staging area (``stage_prefill_rows``, which waits itself). Both read the
@@ -14,19 +14,28 @@ from __future__ import annotations
 import torch
 
 from .._checks import check_int, check_tensor
+from ..cache.cache import HiSparseCache
 from ..formats import D_ROW
 from ..staging.prefill import StageRequests, stage_prefill
-from .metadata import SparseMLAMetadata
+from .forward import Forward
 
 
-class PrefillCalls:
-    """The prefill calls of ``HiSparseIndexGroup`` (which provides ``config``,
-    ``device``, ``validate``, ``prefill_stream``, ``_cache``, ``_written``, ``_layer``
-    and ``_check_batch``)."""
+class PrefillStaging:
+    """The prefill calls over one cache (``validate``: the group's checked mode;
+    ``prefill_stream``: the stream staging runs on, None on CPU). The group checks the
+    layer index and the metadata; these take the forward (``engine.forward``)."""
 
-    def _prefill_rows(self, md: SparseMLAMetadata, start: int, count: int, layer: int) -> list[tuple[int, int]]:
+    def __init__(self, cache: HiSparseCache, *, validate: bool, prefill_stream) -> None:
+        self.cache = cache
+        self.config = cache.cfg
+        self.device = cache.device
+        self.validate = validate
+        self.prefill_stream = prefill_stream
+
+    def _prefill_rows(self, fwd: Forward, start: int, count: int, layer: int) -> list[tuple[int, int]]:
         """(request id, rows to stage) of prefill requests start .. start+count-1."""
-        if md.num_tokens and layer not in self._written:
+        md = fwd.metadata
+        if md.num_tokens and layer not in fwd.written:
             raise ValueError(f"layer {layer}: call write_new_rows before staging the prefill context")
         out = []
         for p in range(start, start + count):
@@ -34,7 +43,7 @@ class PrefillCalls:
             out.append((md.request_ids_cpu[row], md.seq_lens_cpu[row]))
         return out
 
-    def stage_prefill_rows(self, layer_index: int, kv_cache: torch.Tensor, metadata: SparseMLAMetadata):
+    def stage_prefill_rows(self, fwd: Forward, i: int, kv_cache: torch.Tensor):
         """Stage every prefill request's context rows, in the stored row format, into ``kv_cache``.
 
         kv_cache: uint8 [num_blocks, block_size, row_bytes] or [N, row_bytes], an
@@ -46,10 +55,9 @@ class PrefillCalls:
         token -- what the engine's own conversion needs to turn logical top-k into rows
         of ``staged``. The compute stream waits for the staging inside this call.
         """
-        i = self._layer(layer_index)
-        md = self._check_batch(metadata)
+        md = fwd.metadata
         flat, block_size = self._staging_view(kv_cache)
-        reqs = self._prefill_rows(md, 0, md.num_prefills, i)
+        reqs = self._prefill_rows(fwd, 0, md.num_prefills, i)
         blocks = [-(-n // block_size) for _, n in reqs]
         if sum(blocks) * block_size > flat.shape[0]:
             raise ValueError(f"kv_cache holds {flat.shape[0]} rows but the {len(reqs)} prefill requests need "
@@ -79,9 +87,9 @@ class PrefillCalls:
         raise ValueError(f"kv_cache must be a contiguous uint8 [num_blocks, block_size, {rb}] or "
                          f"[N, {rb}] tensor, got {tuple(kv_cache.shape)}")
 
-    def gather_fp8_prefill(self, layer_index: int, kv_cache: torch.Tensor | None, workspace: torch.Tensor,
+    def gather_fp8_prefill(self, fwd: Forward, i: int, kv_cache: torch.Tensor | None, workspace: torch.Tensor,
                            block_table: torch.Tensor | None, workspace_starts: torch.Tensor, num_reqs: int,
-                           metadata: SparseMLAMetadata, req_start_idx: int):
+                           req_start_idx: int):
         """Gather prefill requests' context rows into a bf16 workspace (fp8 dequantised).
 
         Prefill requests ``req_start_idx .. req_start_idx + num_reqs - 1`` (indices among
@@ -93,8 +101,7 @@ class PrefillCalls:
         Returns the event (None on CPU) the compute stream must wait on before reading
         ``workspace``; the staging runs on ``prefill_stream``.
         """
-        i = self._layer(layer_index)
-        md = self._check_batch(metadata)
+        md = fwd.metadata
         check_int("num_reqs", num_reqs, 0)
         check_int("req_start_idx", req_start_idx, 0)
         if req_start_idx + num_reqs > md.num_prefills:
@@ -107,7 +114,7 @@ class PrefillCalls:
                      contiguous=True)
         check_tensor("workspace_starts", workspace_starts, dtype=torch.int32, shape=(num_reqs,),
                      device=self.device)
-        reqs = self._prefill_rows(md, req_start_idx, num_reqs, i)
+        reqs = self._prefill_rows(fwd, req_start_idx, num_reqs, i)
         starts, acc = [], 0
         for _, n in reqs:
             starts.append(acc)
@@ -130,17 +137,17 @@ class PrefillCalls:
         mirror copies (rows written by ``write_new_rows`` this forward are on host
         before they are read from there).
         """
-        c = self._cache
+        c = self.cache
         i32 = dict(dtype=torch.int32, device=self.device)
         requests = StageRequests(
-            req_slots=torch.tensor([c.request_slot(rid) for rid, _ in reqs], **i32),
+            req_slots=torch.tensor([c.request(rid).slot for rid, _ in reqs], **i32),
             seq_lens=torch.tensor([n for _, n in reqs], **i32), starts=torch.tensor(starts, **i32),
             max_rows=max((n for _, n in reqs), default=0))
         if self.prefill_stream is not None:
-            c.join_backup(self.prefill_stream)
+            c.streams.join_backup(self.prefill_stream)
         return stage_prefill(c.layer_view(layer), requests, dst, stream=self.prefill_stream,
                              validate=self.validate, kernels=c.kernels)
 
 
 
-__all__ = ["PrefillCalls"]
+__all__ = ["PrefillStaging"]

@@ -1,4 +1,4 @@
-"""Triton body of a batched append's device updates (``HiSparseCache.append_rows_batch``):
+"""Triton body of a batched append's device updates (``HiSparseCache.write``):
 one launch applies a ``WritePlan`` to one layer's hot tier, where the torch path takes
 eleven small ops.
 

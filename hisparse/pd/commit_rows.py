@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from ..cache.cache import HiSparseCache
-from ..cache.transfer import _launch_copy_rows
+from ..cache.transfer import copy_rows_unchecked
 from ..device import device_ints
 
 
@@ -78,7 +78,7 @@ class CommitRows:
         buf = self.buf
         assert buf is not None
         if self.kernel:
-            _launch_copy_rows(host, self.src, buf, self.dst, self.launch_dev)
+            copy_rows_unchecked(host, self.src, buf, self.dst, self.launch_dev)
             return buf
         for p0, p1, k in self.pieces:
             idx = self.src[k:k + p1 - p0]  # int64 [p1 - p0] CPU

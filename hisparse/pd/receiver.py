@@ -15,7 +15,7 @@ request:
     same descriptor is refused from then on), then the rows count as appended in every
     layer, through the cache's own step write (``prepare_step`` + ``write_step`` of the
     rows now in the pool, ``host_written``: no host mirror), so a hot request's slots
-    and a resident request's pages are filled exactly as ``append_rows`` fills them.
+    and a resident request's pages are filled exactly as ``HiSparseCache.write`` fills them.
 ``abort(req_id)``
     clears the word and frees the request; its blocks go into *quarantine* (below).
 ``poll()`` / ``wait(req_id, timeout_s)``
@@ -189,9 +189,9 @@ class PDReceiver:
                                 f"{free} of {cache.pool.allocator.num_blocks} are free"
                                 + (f" ({held} in quarantine)" if held else ""))
         cache.add_request(req_id, salt=salt)
-        r = cache.request_slot(req_id)
+        r = cache.request(req_id).slot
         try:
-            cache.reserve_blocks(req_id, num_tokens)
+            cache.writer.allocate_for(r, num_tokens)  # blocks, no row written: the rows land from elsewhere
         except BaseException:
             cache.free_request(req_id)  # no reservation yet: the listener ignores it
             raise
@@ -226,8 +226,8 @@ class PDReceiver:
             raise StaleDescriptorError(f"commit of request {req_id} with generation {generation}; the open "
                                        f"reservation has generation {res.generation}")
         cache = self.cache
-        if any(cache.lengths(req_id)):
-            raise ValueError(f"request {req_id} holds rows {cache.lengths(req_id)} although it is reserved: "
+        if any(cache.request(req_id).lengths):
+            raise ValueError(f"request {req_id} holds rows {cache.request(req_id).lengths} although it is reserved: "
                              "nothing may append to a reserved request before its commit")
         self._words[res.slot] = 0  # from here on a send of this descriptor is refused
         try:

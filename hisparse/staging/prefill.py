@@ -22,7 +22,7 @@ Flow of one prefill step (per layer):
 3. ``hisparse.staging.convert_topk_to_physical(..., workspace=chunk.workspace_map())``:
    top-k positions -> workspace rows.
 4. Attention over the workspace; afterwards the new rows are appended through the
-   cache's write path (``HiSparseCache.append_rows``).
+   cache's write path (``HiSparseCache.write``).
 
 A request longer than the workspace raises ``CapacityError`` naming W and the
 request's length. Staging it in pieces was not done: a query token's top-k may

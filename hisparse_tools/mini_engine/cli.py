@@ -14,23 +14,25 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import json
 import sys
 
 from hisparse.config import Kernels
 from hisparse.decode import Overlap
 from ..exit_codes import EXIT_FAILED, EXIT_OK, OneLineParser, flag_names, run_command, writing
+from ..fields import choice_values
 from ..flag_rules import check_mini_engine
 from ..outputs import Outputs
 from ..preflight import path_arg
 from ..units import rows_arg
 from .config import PRESETS, MiniEngineConfig
-from .ffn import FFN_ROUTINGS, FFNKind
+from .ffn import FFNKind, FFNRouting
 from .report import format_report
 
-_CHOICES = {"row_format": ["fp8_ds_mla", "bf16"], "cache_kernels": [k.value for k in Kernels],
-            "overlap": [o.value for o in Overlap], "ffn": [k.value for k in FFNKind],
-            "ffn_routing": list(FFN_ROUTINGS)}
+# the choice fields' spellings (the config parses them to its enum members)
+_CHOICES = {"row_format": ["fp8_ds_mla", "bf16"], "cache_kernels": choice_values(Kernels),
+            "overlap": choice_values(Overlap), "ffn": choice_values(FFNKind), "ffn_routing": choice_values(FFNRouting)}
 
 
 # boolean fields as switches: field -> (flag, argparse action, help)
@@ -157,12 +159,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                                 "reuse its top-k (IndexCache-style Full / Shared layers) (default 1)")
             continue
         ann = str(f.type)
-        typ = float if "float" in ann else int if "int" in ann else str
+        typ = str if name in _CHOICES else float if "float" in ann else int if "int" in ann else str
+        default = f.default.value if isinstance(f.default, enum.Enum) else f.default
         field_flag = "--" + name.replace("_", "-")
         flag = _FLAGS.get(name, field_flag)
         meta = None if name in _CHOICES else flag[2:].upper().replace("-", "_")
         p.add_argument(flag, dest=name, type=typ, default=None, choices=_CHOICES.get(name), metavar=meta,
-                       help=f"{_HELP.get(name, '')} (default {_NONE_MEANS.get(name, f.default)})".strip())
+                       help=f"{_HELP.get(name, '')} (default {_NONE_MEANS.get(name, default)})".strip())
         if flag != field_flag:
             p.add_argument(field_flag, dest=name, type=typ, default=None, choices=_CHOICES.get(name),
                            action=FormerSpelling, use=f"use {flag} (the same option)")

@@ -1,7 +1,8 @@
 """Sizes of the mini engine's model, workload and cache, and the workload itself.
 
 ``MiniEngineConfig`` is checked when built (every field, before anything is
-allocated); :func:`memory_needed` says what a run will allocate, so the CLI can refuse
+allocated; its choice fields parsed to enum members there, :mod:`hisparse_tools.fields`);
+:func:`memory_needed` says what a run will allocate, so the CLI can refuse
 a size the machine can't hold before it starts. :func:`make_workload` draws the
 requests (arrival step, prompt and decode lengths, teacher-forced tokens) from
 ``seed``, so both runs of a comparison see the same inputs.
@@ -10,23 +11,45 @@ requests (arrival step, prompt and decode lengths, teacher-forced tokens) from
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 
 import torch
 
-from hisparse.config import HiSparseConfig, Kernels, RowFormat, ceil_div, check_bool, check_int
+from hisparse.config import HiSparseConfig, Kernels, RowFormat, ceil_div
 from hisparse.decode import Overlap
 from hisparse.formats import D_LATENT, D_ROW
+from ..fields import check_fields, parse_choices
 from ..sizing import gpu_bytes
-from .ffn import FFNKind, FFN_ROUTINGS, ffn_weight_bytes
+from .ffn import FFNKind, FFNRouting, ffn_weight_bytes
 
 _DEVICE_RE = re.compile(r"cpu|cuda(:\d+)?")
+
+# MiniEngineConfig's fields, each checked alone (.fields.check_fields): int ranges [lo, hi)
+_INTS = {**dict.fromkeys(("num_layers", "num_heads", "hidden", "indexer_dim", "vocab", "top_k", "num_requests",
+                          "min_prompt", "max_prompt", "max_decode", "query_len", "chunk", "max_batch_tokens",
+                          "host_block_size", "ffn_intermediate", "ffn_experts", "ffn_active", "index_share",
+                          "prefix_groups"), (1, None)),
+         **dict.fromkeys(("arrival_every", "min_decode", "synthetic_context", "ffn_shared", "shared_prefix"),
+                         (0, None)),
+         "seed": (0, 2**62)}  # the tools derive seed + 1, seed + 2, ... from it
+_OPTIONAL_INTS = dict.fromkeys(("device_buffer_size", "max_num_reqs", "device_pool_rows"), (1, None))
+_BOOLS = ("validate", "prefetch", "graphs", "layer_graphs", "async_steps", "prefix_reuse")
+_FINITE = ("locality", "tolerance", "index_correlation")
+# finite numbers: [lo, hi) and its words in the error
+_RANGES = {"locality": (0.0, 1.0, "in [0, 1)"), "index_correlation": (0.0, 1.0, "in [0, 1)"),
+           "tolerance": (0.0, float("inf"), ">= 0 (a relative difference)")}
+# choice fields: their parse (a member, or a ValueError naming the field and the spellings)
+_CHOICES = {"row_format": RowFormat.parse, "cache_kernels": lambda v: Kernels.parse(v, "cache_kernels"),
+            "overlap": Overlap.parse, "ffn": FFNKind.parse, "ffn_routing": FFNRouting.parse}
 
 
 @dataclasses.dataclass(frozen=True)
 class MiniEngineConfig:
-    """Sizes of the model, the workload and the hisparse cache (see the package docstring)."""
+    """Sizes of the model, the workload and the hisparse cache (see the package docstring).
+
+    The choice fields (``row_format``, ``cache_kernels``, ``overlap``, ``ffn``,
+    ``ffn_routing``) hold enum members and take their string values too.
+    """
 
     num_layers: int = 2
     num_heads: int = 2
@@ -47,16 +70,16 @@ class MiniEngineConfig:
     device_pool_rows: int | None = None  # hisparse's elastic device tier (HiSparseConfig.device_pool_rows)
     host_block_size: int = 16
     max_num_reqs: int | None = None  # default num_requests
-    row_format: str = "fp8_ds_mla"
+    row_format: RowFormat = RowFormat.FP8_DS_MLA
     device: str = "cpu"  # cpu, cuda or cuda:N
     seed: int = 0
     locality: float = 0.9
     synthetic_context: int = 0
     backend: str | None = None  # attention backend name (None: chooser default)
     flashmla_lib: str | None = None  # path of FlashMLA's _flashmla_C library (backend "flashmla")
-    cache_kernels: str = "auto"  # HiSparseCache kernels, a Kernels value (triton on CPU: interpreter)
+    cache_kernels: Kernels = Kernels.AUTO  # HiSparseCache kernels (triton on CPU: interpreter)
     validate: bool = True  # checked mode for cache and attention calls
-    overlap: str = "serial"  # hisparse decode: serial | split (hisparse.decode.Overlap)
+    overlap: Overlap = Overlap.SERIAL  # hisparse decode: serial | split
     prefetch: bool = False  # hisparse decode: stage layer l's top-k into layer l+1 (prefetches_into)
     index_share: int = 1  # layers per indexer: layer l computes a top-k iff l % index_share == 0 (a
     #                      "Full" layer, IndexCache's terms); the layers after it reuse that top-k
@@ -67,35 +90,30 @@ class MiniEngineConfig:
     graphs: bool = False  # decode-only steps as CUDA graphs per batch-size bucket (needs CUDA, unchecked)
     layer_graphs: bool = False  # decode-only steps padded to buckets and run eagerly, hisparse's per-layer
     #                      calls replaying graphs of their own (HiSparseIndexGroup layer_graphs=True)
-    ffn: str = "none"  # rest-of-layer stand-in after attention: none | mlp | moe (.ffn)
+    ffn: FFNKind = FFNKind.NONE  # rest-of-layer stand-in after attention: none | mlp | moe (.ffn)
     ffn_intermediate: int = 64  # MLP / per-expert intermediate size
     ffn_experts: int = 4  # MoE: experts on this GPU
     ffn_active: int = 2  # MoE: experts per token
     ffn_shared: int = 1  # MoE: shared experts (each of ffn_intermediate) on every token
-    ffn_routing: str = "content"  # MoE: experts chosen from the hidden state ("content") or from the
-    #                      input token's embedding ("token"; .ffn)
+    ffn_routing: FFNRouting = FFNRouting.CONTENT  # MoE: experts chosen from the hidden state (content) or
+    #                      from the input token's embedding (token; .ffn)
     shared_prefix: int = 0  # request i's prompt starts with the shared_prefix tokens of group i % prefix_groups
     prefix_groups: int = 1
     prefix_reuse: bool = False  # hisparse: prefix caching; a request computes only its uncached tokens (.prefix)
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "num_heads", "hidden", "indexer_dim", "vocab", "top_k", "num_requests",
-                     "min_prompt", "max_prompt", "max_decode", "query_len", "chunk",
-                     "max_batch_tokens", "host_block_size", "ffn_intermediate", "ffn_experts", "ffn_active",
-                     "index_share", "prefix_groups"):
-            check_int(name, getattr(self, name), lo=1)
-        for name in ("arrival_every", "min_decode", "synthetic_context", "ffn_shared", "shared_prefix"):
-            check_int(name, getattr(self, name), lo=0)
-        check_int("seed", self.seed, 0, 2**62)  # the tools derive seed + 1, seed + 2, ... from it
-        for name in ("device_buffer_size", "max_num_reqs", "device_pool_rows"):
-            if getattr(self, name) is not None:
-                check_int(name, getattr(self, name), lo=1)
-        check_bool("validate", self.validate)
-        check_bool("prefetch", self.prefetch)
-        check_bool("graphs", self.graphs)
-        check_bool("layer_graphs", self.layer_graphs)
-        check_bool("async_steps", self.async_steps)
-        check_bool("prefix_reuse", self.prefix_reuse)
+        check_fields(self, ints=_INTS, optional_ints=_OPTIONAL_INTS, bools=_BOOLS, finite=_FINITE)
+        parse_choices(self, _CHOICES)
+        for name, (lo, hi, what) in _RANGES.items():
+            if not lo <= getattr(self, name) < hi:
+                raise ValueError(f"{name} must be {what}, got {getattr(self, name)}")
+        if not isinstance(self.device, str) or not _DEVICE_RE.fullmatch(self.device):
+            raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
+        self._check_rules()
+        self.cache_config()  # the cache's own limits (buffer >= q x K, int32 indices)
+
+    def _check_rules(self) -> None:
+        """The rules between fields (each field alone is checked already)."""
         if self.shared_prefix >= self.min_prompt:
             raise ValueError(f"shared_prefix={self.shared_prefix} does not fit the prompts: a prompt is the shared "
                              f"prefix plus at least one token of its own, and the shortest has min_prompt="
@@ -106,19 +124,15 @@ class MiniEngineConfig:
         if self.prefix_reuse and self.synthetic_context:
             raise ValueError("prefix_reuse and synthetic_context both decide a prompt's first rows (cached, or "
                              "written as random rows): give one of the two")
-        overlap = Overlap.parse(self.overlap)
-        ffn = FFNKind.parse(self.ffn)
-        if self.ffn_routing not in FFN_ROUTINGS:
-            raise ValueError(f"ffn_routing must be one of {FFN_ROUTINGS}, got {self.ffn_routing!r}")
-        if ffn is FFNKind.MOE and self.ffn_active > self.ffn_experts:
+        if self.ffn is FFNKind.MOE and self.ffn_active > self.ffn_experts:
             raise ValueError(f"ffn_active={self.ffn_active} exceeds ffn_experts={self.ffn_experts}")
-        if ffn is not FFNKind.NONE and (self.hidden % 8 or self.ffn_intermediate % 8):
+        if self.ffn is not FFNKind.NONE and (self.hidden % 8 or self.ffn_intermediate % 8):
             raise ValueError(f"the ffn stand-in needs hidden and ffn_intermediate multiples of 8, got "
                              f"{self.hidden} and {self.ffn_intermediate}")
         for flag in ("graphs", "layer_graphs"):
             if not getattr(self, flag):
                 continue
-            if not (isinstance(self.device, str) and self.device.startswith("cuda")):
+            if not self.device.startswith("cuda"):
                 raise ValueError(f"{flag} (CUDA graphs) need a CUDA device, got device={self.device!r}")
             if self.validate:
                 raise ValueError(f"{flag} need unchecked mode (--unchecked): checked mode reads device "
@@ -127,12 +141,12 @@ class MiniEngineConfig:
             if self.graphs:
                 raise ValueError("layer_graphs are for a forward that runs eagerly; with graphs the whole decode "
                                  "forward is captured already: give one of the two")
-            if overlap is not Overlap.SERIAL:
-                raise ValueError(f"layer_graphs replay the serial conversion; overlap={self.overlap!r} runs "
+            if self.overlap is not Overlap.SERIAL:
+                raise ValueError(f"layer_graphs replay the serial conversion; overlap={self.overlap.value!r} runs "
                                  "decode_attention, which stays eager: use overlap serial")
-            if self.cache_kernels not in ("auto", "triton"):
+            if self.cache_kernels is Kernels.TORCH:
                 raise ValueError(f"layer_graphs need the Triton cache kernels, got cache_kernels="
-                                 f"{self.cache_kernels!r}")
+                                 f"{self.cache_kernels.value!r}")
         if self.prefetch and not any(self.prefetches_into(i) for i in range(self.num_layers)):
             raise ValueError("prefetch would stage into no layer: with index_share=1 and index_correlation=0 "
                              "every layer has its own independent indexer, so a layer's top-k predicts nothing "
@@ -144,24 +158,9 @@ class MiniEngineConfig:
         if not self.synthetic_context < self.min_prompt:
             raise ValueError(f"synthetic_context must be in [0, min_prompt={self.min_prompt}), "
                              f"got {self.synthetic_context}")
-        for name in ("locality", "tolerance", "index_correlation"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-                raise TypeError(f"{name} must be a finite number, got {v!r}")
-        if not 0.0 <= self.locality < 1.0:
-            raise ValueError(f"locality must be in [0, 1), got {self.locality}")
-        if not 0.0 <= self.index_correlation < 1.0:
-            raise ValueError(f"index_correlation must be in [0, 1), got {self.index_correlation}")
-        if self.tolerance < 0:
-            raise ValueError(f"tolerance must be >= 0 (a relative difference), got {self.tolerance}")
-        RowFormat.parse(self.row_format)
-        Kernels.parse(self.cache_kernels, "cache_kernels")
-        if not isinstance(self.device, str) or not _DEVICE_RE.fullmatch(self.device):
-            raise ValueError(f"device must be cpu, cuda or cuda:N, got {self.device!r}")
         if self.max_batch_tokens < self.num_requests * self.query_len:
             raise ValueError(f"max_batch_tokens={self.max_batch_tokens} cannot hold one decode step of all "
                              f"{self.num_requests} requests x query_len {self.query_len}")
-        self.cache_config()  # the cache's own limits (buffer >= q x K, int32 indices)
 
     @property
     def max_context(self) -> int:
@@ -192,10 +191,9 @@ class MiniEngineConfig:
         return self.max_num_reqs or self.num_requests
 
     def cache_config(self) -> HiSparseConfig:
-        fmt = RowFormat.parse(self.row_format)
         R = self.slots
         return HiSparseConfig(
-            num_layers=self.num_layers, row_bytes=fmt.row_bytes, top_k=self.top_k,
+            num_layers=self.num_layers, row_bytes=self.row_format.row_bytes, top_k=self.top_k,
             device_buffer_size=self.device_buffer_size, max_num_reqs=R, max_query_len=self.query_len,
             host_block_size=self.host_block_size,
             host_pool_tokens=R * (ceil_div(self.max_context, self.host_block_size) + 1) * self.host_block_size,
@@ -208,7 +206,7 @@ def memory_needed(cfg: MiniEngineConfig) -> tuple[dict[str, int], dict[str, int]
     other: the larger KV store counts). On a CPU device everything is host memory."""
     L, D, H, R, C = cfg.num_layers, cfg.hidden, cfg.num_heads, cfg.slots, cfg.max_context
     F = cfg.index_layers
-    rb = RowFormat.parse(cfg.row_format).row_bytes
+    rb = cfg.row_format.row_bytes
     cc = cfg.cache_config()
     resident = L * (R + 1) * ceil_div(C, cfg.host_block_size) * cfg.host_block_size * rb
     hisparse_dev = gpu_bytes(cc, num_heads=H)["total"]

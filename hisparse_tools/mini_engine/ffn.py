@@ -49,8 +49,6 @@ import torch.nn.functional as F
 
 from hisparse.config import parse_enum
 
-FFN_ROUTINGS = ("content", "token")
-
 V32_EP8_SHARE = dict(hidden=7168, ffn="moe", ffn_intermediate=2048, ffn_experts=32, ffn_active=8,
                      ffn_shared=1)
 V32_HIDDEN = 7168
@@ -76,6 +74,18 @@ class FFNKind(enum.Enum):
     @classmethod
     def parse(cls, v: "FFNKind | str") -> "FFNKind":
         return parse_enum(cls, v, "ffn")
+
+
+class FFNRouting(enum.Enum):
+    """How the MoE stand-in picks a token's experts: from its hidden state (CONTENT) or
+    from its input embedding (TOKEN)."""
+
+    CONTENT = "content"
+    TOKEN = "token"
+
+    @classmethod
+    def parse(cls, v: "FFNRouting | str", name: str = "ffn_routing") -> "FFNRouting":
+        return parse_enum(cls, v, name)
 
 
 def ffn_weight_bytes(*, kind: FFNKind | str, num_layers: int, hidden: int, intermediate: int, experts: int,
@@ -111,11 +121,10 @@ class FFN:
     """The stand-in of one model: per-layer weights on ``device`` (see the module docstring)."""
 
     def __init__(self, *, kind: FFNKind | str, num_layers: int, hidden: int, intermediate: int, experts: int,
-                 active: int, shared: int, seed: int, device: torch.device, routing: str = "content") -> None:
+                 active: int, shared: int, seed: int, device: torch.device,
+                 routing: FFNRouting | str = FFNRouting.CONTENT) -> None:
         self.kind = FFNKind.parse(kind)
-        if routing not in FFN_ROUTINGS:
-            raise ValueError(f"routing must be one of {FFN_ROUTINGS}, got {routing!r}")
-        self.routing = routing
+        self.routing = FFNRouting.parse(routing, "routing")
         if self.kind is FFNKind.MOE:
             if not 1 <= active <= experts:
                 raise ValueError(f"ffn_active must be in [1, ffn_experts={experts}], got {active}")
@@ -176,7 +185,7 @@ class FFN:
         if self.kind is FFNKind.MLP:
             return x + self._mlp(xb, p["gate_up"], p["down"]).float()
         T = xb.shape[0]
-        if self.routing == "token":
+        if self.routing is FFNRouting.TOKEN:
             if route_x is None or route_x.shape != x.shape:
                 raise ValueError(f"token routing needs route_x of x's shape {list(x.shape)}, got "
                                  f"{None if route_x is None else list(route_x.shape)}")
@@ -200,4 +209,4 @@ class FFN:
         return x + out
 
 
-__all__ = ["FFN", "FFNKind", "FFN_ROUTINGS", "V32_EP8_SHARE", "v32_share_at", "ffn_weight_bytes", "grouped_mm", "grouped_mm_reference"]
+__all__ = ["FFN", "FFNKind", "FFNRouting", "V32_EP8_SHARE", "v32_share_at", "ffn_weight_bytes", "grouped_mm", "grouped_mm_reference"]

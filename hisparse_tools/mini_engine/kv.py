@@ -54,6 +54,7 @@ from hisparse.attention import SparseMLABackend
 from hisparse.cache import expand_runs
 from hisparse.staging import BlockTable, convert_topk_to_physical
 from hisparse.config import DEVICE_PAGE_ROWS, RowFormat, ceil_div
+from hisparse.decode import Overlap
 from hisparse.engine import HiSparseIndexGroup, SparseMLAMetadata
 from hisparse.formats import dequantize_fp8_ds_mla
 from .config import MiniEngineConfig, Request
@@ -188,7 +189,7 @@ class ResidentKV(KVStore):
         self.bs = cfg.host_block_size
         self.max_blocks = ceil_div(cfg.max_context, self.bs)
         nblocks = slots * self.max_blocks
-        self.fmt = RowFormat.parse(cfg.row_format)
+        self.fmt = cfg.row_format
         # one more block: the scratch slot's (row ``slots`` of the block table), which the
         # padding tokens of a bucketed decode step write to and nothing reads
         self.rows = torch.zeros(cfg.num_layers, (nblocks + 1) * self.bs, self.fmt.row_bytes, dtype=torch.uint8,
@@ -258,7 +259,7 @@ class HiSparseKV(KVStore):
         self.group = HiSparseIndexGroup(cfg.cache_config(), validate=cfg.validate, kernels=cfg.cache_kernels,
                                         layer_graphs=cfg.layer_graphs)
         for _ in range(cfg.num_layers):
-            self.group.register_layer(kv_cache_dtype=cfg.row_format)
+            self.group.register_layer(kv_cache_dtype=cfg.row_format.value)
         self.device = device
         self.overlap = cfg.overlap
         self.cfg = cfg
@@ -271,7 +272,7 @@ class HiSparseKV(KVStore):
         """Serial: the conversion; split: the split layer's resolve
         (``begin_decode_attention``). Either way the misses stage while the loop
         computes q."""
-        if self.overlap == "serial":
+        if self.overlap is Overlap.SERIAL:
             return self.decode_rows(layer, topk, batch)
         self.group.begin_decode_attention(layer, topk, batch.md, backend=self.attn.decode,
                                           num_heads=self.cfg.num_heads)
@@ -283,7 +284,7 @@ class HiSparseKV(KVStore):
         split: ``HiSparseIndexGroup.decode_attention`` (the hits attended while the misses
         stage). With prefetch, this layer's top-k is then staged into the next layer
         (:meth:`prefetch_targets`) while the rest of this layer computes."""
-        if self.overlap == "serial":
+        if self.overlap is Overlap.SERIAL:
             self.group.wait_for_staging(layer)  # a no-op after a waiting conversion
             out = super().decode_attention(layer, q, topk, batch, staged)
         else:
@@ -331,13 +332,13 @@ class HiSparseKV(KVStore):
         c = self.group.hisparse_cache
         md = batch.md
         need = md.num_decodes * -(-md.decode_max_query_len // DEVICE_PAGE_ROWS)
-        return c.all_resident() and c.pool_pages_free() >= need
+        return c.graphs.all_resident() and c.pool_usage().pages_free >= need
 
     def capture_variant(self, variant: object):
-        return self.group.hisparse_cache.resident_capture() if variant else contextlib.nullcontext()
+        return self.group.hisparse_cache.graphs.resident_capture() if variant else contextlib.nullcontext()
 
     def variant_holds(self, variant: object) -> bool:
-        return not variant or self.group.hisparse_cache.all_resident()
+        return not variant or self.group.hisparse_cache.graphs.all_resident()
 
     def write(self, layer: int, rows: torch.Tensor, batch: Batch) -> None:
         self.group.write_new_rows(layer, rows, batch.md)

@@ -27,6 +27,7 @@ from hisparse.device import resolve_device
 from hisparse.engine import SparseMLAMetadata, device_ints
 from hisparse.formats import D_LATENT, D_ROW
 from ..exit_codes import writing
+from ..fields import plain_dict
 from ..outputs import Outputs
 from ..preflight import check_memory, parse_device, require_kernels
 from ..traces import TraceRecorder
@@ -53,7 +54,7 @@ class MiniEngine:
         self.model = Model(cfg, self.device)
         self.indexer = Indexer(cfg, self.slots, self.device)
         self.recorder: TraceRecorder | None = None  # decode steps' top-k go there (run(record=))
-        self.fmt = RowFormat.parse(cfg.row_format)
+        self.fmt = cfg.row_format
         self.decode_backend = self._pick(Phase.DECODE, self.fmt)
         self.prefill_backend = self._pick(Phase.PREFILL, RowFormat.BF16)
         ws = torch.zeros(self.slots * cfg.max_context, D_ROW, dtype=torch.bfloat16, device=self.device)
@@ -573,7 +574,7 @@ def run(cfg: MiniEngineConfig, *, progress: bool = False, record: str | None = N
                                 recorder=recorder if kind == "resident" else None)  # same selections in both
                for kind in ("resident", "hisparse")}
     cmp = compare(cfg, results["resident"], results["hisparse"])
-    out = {"config": dataclasses.asdict(cfg), "compare": cmp}
+    out = {"config": plain_dict(cfg), "compare": cmp}
     if recorder is not None:
         with writing("--record", record), outputs.open(record) as fh:
             recorder.save(fh)

@@ -61,7 +61,7 @@ class Model:
             self.w_iq = a * torch.randn(D, di, generator=gc, device=device) / math.sqrt(D) + b * self.w_iq
             self.w_ik = a * torch.randn(D, di, generator=gc, device=device) / math.sqrt(D) + b * self.w_ik
         self.H = H
-        self.fmt = RowFormat.parse(cfg.row_format)
+        self.fmt = cfg.row_format
         self.sm_scale = 1.0 / math.sqrt(D_ROW)
         self.ffn = FFN(kind=cfg.ffn, num_layers=L, hidden=D, intermediate=cfg.ffn_intermediate,
                        experts=cfg.ffn_experts, active=cfg.ffn_active, shared=cfg.ffn_shared, seed=cfg.seed,
@@ -113,7 +113,7 @@ def synthetic_rows(cfg: MiniEngineConfig, rid: int, layer: int, n: int, device: 
         a = cfg.index_correlation
         common = torch.randn(n, cfg.indexer_dim, generator=gc, device=device) / math.sqrt(cfg.indexer_dim)
         ik = a * common + math.sqrt(1 - a * a) * ik
-    if RowFormat.parse(cfg.row_format) is RowFormat.FP8_DS_MLA:
+    if cfg.row_format is RowFormat.FP8_DS_MLA:
         return quantize_fp8_ds_mla(kv, validate=False), ik
     return kv.view(torch.uint8), ik
 
