@@ -41,11 +41,7 @@ class PDCalls:
 
     def pd_receiver(self, *, name: str | None = None, backends: tuple[str, ...] = ("UCX",),
                     quarantine_s: float | None = None) -> "PDReceiver":
-        """The group's receiver, made on the first call (NixlUnavailable without NIXL): its
-        agent starts and registers the host pool then. ``name`` (default: unique per
-        host, process and call, ``nixl_api.default_agent_name``), ``backends`` and
-        ``quarantine_s`` (None: ``receiver.QUARANTINE_S``) take effect on that first
-        call only."""
+        """``HiSparseIndexGroup.pd_receiver`` (documented there)."""
         if self._pd is None:
             from ..pd.receiver import QUARANTINE_S, PDReceiver
             self._pd = PDReceiver(self.cache, name=name, backends=backends,
@@ -54,28 +50,22 @@ class PDCalls:
 
     def pd_reserve(self, req_id: int, num_tokens: int, *, timeout_s: float | None = None,
                    salt: bytes | None = None) -> "PDDescriptor":
-        """Admit ``req_id`` with host blocks for ``num_tokens`` rows a prefill engine will
-        write (``PDReceiver.reserve``); its descriptor goes to the prefill side. With
-        prefix caching, ``salt`` keys its block names; give its prompt with
-        ``add_tokens`` for its blocks to be shared once committed."""
+        """``HiSparseIndexGroup.pd_reserve`` (documented there)."""
         self.between_forwards("pd_reserve")
         return self.pd_receiver().reserve(req_id, num_tokens, timeout_s=timeout_s, salt=salt)
 
     def pd_commit(self, req_id: int, generation: int) -> None:
-        """The reserved rows count as appended in every layer (``PDReceiver.commit``)."""
+        """``HiSparseIndexGroup.pd_commit`` (documented there)."""
         self.between_forwards("pd_commit")
         self.pd_receiver().commit(req_id, generation)
 
     def pd_abort(self, req_id: int) -> None:
-        """Return every block of a reservation (``PDReceiver.abort``)."""
+        """``HiSparseIndexGroup.pd_abort`` (documented there)."""
         self.between_forwards("pd_abort")
         self.pd_receiver().abort(req_id)
 
     def pd_connector(self, *, timeout_s: float | None = 60.0) -> "PDConnector":
-        """A scheduler-side connector over this group (module docstring); ``timeout_s``:
-        the deadline of each reservation it makes (None: none). Makes the group's
-        receiver now (``pd_receiver``), so the agent's start and the host pool's
-        registration happen here, not in the first reserve."""
+        """``HiSparseIndexGroup.pd_connector`` (documented there)."""
         self.pd_receiver()
         return PDConnector(self, timeout_s=timeout_s)
 

@@ -44,17 +44,7 @@ class PrefillStaging:
         return out
 
     def stage_prefill_rows(self, fwd: Forward, i: int, kv_cache: torch.Tensor):
-        """Stage every prefill request's context rows, in the stored row format, into ``kv_cache``.
-
-        kv_cache: uint8 [num_blocks, block_size, row_bytes] or [N, row_bytes], an
-        engine-owned staging area (contents overwritten). Prefill request p (p-th
-        prefill of the batch) gets rows [0, seq_len) at consecutive blocks.
-        Returns ``(staged, block_table, req_id_per_token)``: staged = ``kv_cache`` as a
-        flat uint8 [N, row_bytes] view; block_table int32 [P, max_blocks] (-1 = unused);
-        req_id_per_token int32 [num_prefill_tokens], the prefill index of each prefill
-        token -- what the engine's own conversion needs to turn logical top-k into rows
-        of ``staged``. The compute stream waits for the staging inside this call.
-        """
+        """``HiSparseIndexGroup.stage_prefill_rows`` of layer i (documented there)."""
         md = fwd.metadata
         flat, block_size = self._staging_view(kv_cache)
         reqs = self._prefill_rows(fwd, 0, md.num_prefills, i)
@@ -90,17 +80,7 @@ class PrefillStaging:
     def gather_fp8_prefill(self, fwd: Forward, i: int, kv_cache: torch.Tensor | None, workspace: torch.Tensor,
                            block_table: torch.Tensor | None, workspace_starts: torch.Tensor, num_reqs: int,
                            req_start_idx: int):
-        """Gather prefill requests' context rows into a bf16 workspace (fp8 dequantised).
-
-        Prefill requests ``req_start_idx .. req_start_idx + num_reqs - 1`` (indices among
-        the batch's prefills) have rows [0, seq_len) written to ``workspace`` bf16 [W, 576]
-        at ``workspace_starts`` int32 [num_reqs] (device; must equal the exclusive prefix
-        sum of those seq_lens, which is how engines lay out the workspace). ``kv_cache``
-        and ``block_table`` are the engine's own paged cache arguments of its non-hisparse
-        path; hisparse reads its own tiers and ignores them (None is fine).
-        Returns the event (None on CPU) the compute stream must wait on before reading
-        ``workspace``; the staging runs on ``prefill_stream``.
-        """
+        """``HiSparseIndexGroup.gather_fp8_prefill`` of layer i (documented there)."""
         md = fwd.metadata
         check_int("num_reqs", num_reqs, 0)
         check_int("req_start_idx", req_start_idx, 0)
