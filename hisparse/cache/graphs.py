@@ -38,6 +38,7 @@ import torch
 
 from .results import ResolveResult
 from .stager import capturing
+from .validate import check_layer
 
 if TYPE_CHECKING:
     from .cache import HiSparseCache
@@ -175,7 +176,6 @@ class CacheGraphs:
         """Check that ``layer`` of the prepared ``step`` can be written now (ValueError:
         a stale step, its bucket taken over by a later step, the layer written already)."""
         c = self._cache
-        from .validate import check_layer
         check_layer(c.cfg, layer)
         c.writer.check_step(layer, step)
         return WriteCall(c, layer, step)
