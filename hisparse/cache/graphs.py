@@ -111,9 +111,10 @@ class ResolveCall:
                 raise ValueError(f"topk has shape {tuple(topk.shape)}, the call was planned for {(self.T, self.K)}")
             event = self._launch(topk)
         else:
-            c.graphs._before_replay(layer, resolve=True)
+            g = c.graphs
+            g._before_replay(layer, resolve=True)
             replay()
-            c.graphs._seen_stage()
+            g._stage_seen = c.streams.stage_eager_records[0]
             event = None
         c.requests.touch(layer)
         return ResolveResult(out, event, c.requests.epochs, layer)
@@ -146,9 +147,8 @@ class WriteCall:
             return
         if c.pool.is_writer:
             c.kernel_set.check_pinned("the host pool")  # the mirror writes it over UVA
-        c.writer.check_step(self.layer, self.step)
 
-        def launch() -> None:
+        def launch() -> None:  # after run_step's checks of the step
             c.graphs._before_replay(self.layer, resolve=False)
             replay()
 
@@ -270,6 +270,3 @@ class CacheGraphs:
                 if cur is None:
                     cur = cs.current()
                 ev.wait_by(cur, False)
-
-    def _seen_stage(self) -> None:
-        self._stage_seen = self._cache.streams.stage_eager_records[0]

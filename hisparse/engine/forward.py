@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -36,8 +37,7 @@ def topk_key(t: torch.Tensor) -> tuple:
     return (t.data_ptr(), tuple(t.shape), tuple(t.stride()))
 
 
-@dataclasses.dataclass(frozen=True)
-class Resolved:
+class Resolved(NamedTuple):
     """A layer's resolve in a forward. ``how``: "converted" (physical int32 [Td, K] and
     counts int32 [Td] handed out), "attended" (``decode_attention``: no indices kept),
     "begun" (``begin_decode_attention``, attended by the next split ``decode_attention``)

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_bool, check_int, check_tensor, device_type
+from .._checks import Kernels, check_bool, check_int, check_tensor, device_type
 from ..cache.cache import HiSparseCache
 from ..cache.stager import capturing
 from ..config import HiSparseConfig
@@ -87,7 +87,7 @@ class HiSparseIndexGroup:
             if resolve_device(config.device).type != "cuda":
                 raise ValueError(f"layer_graphs=True needs a CUDA device (CUDA graphs); config.device is "
                                  f"{config.device!r}")
-            if kernels not in ("auto", "triton"):  # refused before the pool is allocated and pinned
+            if Kernels.parse(kernels) is Kernels.TORCH:  # refused before the pool is allocated and pinned
                 raise ValueError(f"layer_graphs=True needs the Triton kernels (kernels='triton' or 'auto'); "
                                  f"got {kernels!r}")
         self._cache = HiSparseCache(config, kernels=kernels)

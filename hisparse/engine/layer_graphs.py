@@ -55,7 +55,7 @@ from typing import Callable
 import torch
 
 from ..cache.cache import HiSparseCache
-from ..cache.graphs import Captured, ResolveCall
+from ..cache.graphs import Captured, ResolveCall, WriteCall
 from ..cache.stager import capturing
 from ..cache.write_step import StepPlan
 
@@ -163,9 +163,9 @@ class LayerGraphs:
         cache = self.cache
         static = self.rows_buffer(step.rows)
         key = ("write", layer, id(step.buffers))
-        call = cache.graphs.plan_write(layer, step)  # before the copy: a refused call launches nothing
         got = self.graphs.get(key)
         if got is None and key not in self.warm:
+            call = cache.graphs.plan_write(layer, step)  # before the copy: a refused call launches nothing
             if not _same(rows, static):
                 static.copy_(rows)
             call.run(static)
@@ -173,6 +173,7 @@ class LayerGraphs:
             self.warm.add(key)
             self.counts["eager"] += 1
             return
+        call = WriteCall(cache, layer, step)  # its run checks the step before replay() copies anything
         gkey, g, src, copy, addr = self._source(key, rows, static)
 
         def replay() -> None:  # after the checks and the waits: eager mirrors read ``static`` too
@@ -198,17 +199,17 @@ class LayerGraphs:
         # the resident resolve, any other batch one of the full resolve
         resident = cache.graphs.all_resident()
         key = ("convert", layer, req_ids.data_ptr(), T, K, cache.stage_programs, resident)
-        call = self._calls.get(key)
-        if call is None or key not in self.graphs:  # the warm-up and the capture's call: every check
-            call = cache.graphs.plan_resolve(layer, req_ids, topk)  # before the copy
-        if key not in self.graphs and key not in self.warm:
-            if not _same(topk, static):
-                static.copy_(topk)
-            res = call.run(static)
-            self.warm.add(key)
-            self.counts["eager"] += 1
-            return res
-        self._calls[key] = call
+        call = self._calls.get(key) if key in self.graphs else None
+        if call is None:  # the warm-up and the capture's call: every check, before the copy
+            call = cache.graphs.plan_resolve(layer, req_ids, topk)
+            if key not in self.warm:
+                if not _same(topk, static):
+                    static.copy_(topk)
+                res = call.run(static)
+                self.warm.add(key)
+                self.counts["eager"] += 1
+                return res
+            self._calls[key] = call  # later replays of the key: the checks that can change only
         gkey, g, src, copy, addr = self._source(key, topk, static)
 
         def replay() -> None:  # after the waits: eager staging may read ``static``
