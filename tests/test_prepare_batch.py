@@ -335,15 +335,17 @@ def test_decode_steps_carried_from_the_last_equal_the_general_plan(seed, monkeyp
     the same plan lists and the same cache state as the general path, through rows
     that open blocks, cross into the reserved slot, batches that change order or
     members, prefills, frees and adds, forwards cut short, and padded buckets."""
+    from hisparse.cache.write_carry import CarriedPlan
     from hisparse.cache.write_step import DecodeCarry
 
     rng = random.Random(seed)
     groups = [make_group(), make_group()]  # the second plans every step the general way
     live: dict[int, int] = {}  # request id -> rows in every layer
     last_batch: list[int] = []
-    carried = []
-    lists = DecodeCarry.lists
+    carried, followed = [], []
+    lists, advance = DecodeCarry.lists, CarriedPlan.advance
     monkeypatch.setattr(DecodeCarry, "lists", lambda self, *a: carried.append(1) or lists(self, *a))
+    monkeypatch.setattr(CarriedPlan, "advance", lambda self, *a: followed.append(1) or advance(self, *a))
 
     def run(reqs, num_decodes, layers=range(L), pad_to=None):
         md = md_of(reqs, num_decodes)
@@ -396,7 +398,7 @@ def test_decode_steps_carried_from_the_last_equal_the_general_plan(seed, monkeyp
             for g in groups:
                 g.free_request(rid)
             del live[rid]
-    assert len(carried) > 30, len(carried)
+    assert len(carried) > 20 and len(followed) > 10, (len(carried), len(followed))
     check_cache(groups[0].hisparse_cache)
 
 
@@ -405,15 +407,16 @@ def test_a_carried_decode_step_past_a_full_pool_is_a_capacity_error():
     when its request holds every block of the host pool: CapacityError (an engine
     preempts on it), nothing changed, as the general path says. The carried path looked
     the row's host block up before asking for the block: an IndexError past the block
-    table's last column."""
+    table's last column. Eager, the step follows the last step's lists (only the row
+    that opens a block looks its host row up); padded, it is planned from the carry."""
     g = make_group()  # 48 host blocks of 4 rows
-    n = 4 * 48 - 2
+    n = 4 * 48 - 3
     g.add_request(1)
     forward(g, md_of([(1, n, n)], 0))
-    for _ in range(2):  # the general path, then one carried from it: the pool is full
+    for _ in range(3):  # the general path, one carried from it, one that follows: the pool is full
         forward(g, md_of([(1, 1, n + 1)], 1))
         n += 1
-    assert g.hisparse_cache.writer._carry is not None
+    assert g.hisparse_cache.writer._carry.follow is not None
     for pad_to in (None, 2):
         before = state(g)
         with pytest.raises(CapacityError, match="host pool full"):
@@ -435,11 +438,12 @@ def test_a_carry_is_not_used_once_the_table_changed_under_the_same_batch():
     and one prepared again without its layers written. Each next step goes through with
     the plan and state of a group that never carries; a stale carry plans from the old
     rows (the step is refused, or writes the wrong positions)."""
+    from hisparse.cache.write_carry import CarriedPlan
     from hisparse.cache.write_step import DecodeCarry
 
     groups = [make_group(), make_group()]  # the second plans every step the general way
     carried = []
-    lists = DecodeCarry.lists
+    lists, advance = DecodeCarry.lists, CarriedPlan.advance
     live = {1: 12, 2: 9}
 
     def both(fn):
@@ -466,13 +470,15 @@ def test_a_carry_is_not_used_once_the_table_changed_under_the_same_batch():
     both(lambda g: [g.add_request(r) for r in live])
     both(lambda g: forward(g, md_of([(r, n, n) for r, n in live.items()], 0)))
     import unittest.mock as mock
-    with mock.patch.object(DecodeCarry, "lists", lambda self, *a: carried.append(1) or lists(self, *a)):
+    with mock.patch.object(DecodeCarry, "lists", lambda self, *a: carried.append(1) or lists(self, *a)), \
+            mock.patch.object(CarriedPlan, "advance", lambda self, *a: carried.append(2) or advance(self, *a)):
         for pad_to in (None, 4):
-            for _ in range(2):  # the second step plans from the first's carry
+            n_carried = len(carried)
+            for _ in range(3):  # the second step plans from the first's carry, the third from the second's lists
                 step(pad_to=pad_to)
                 live = {r: n + 1 for r, n in live.items()}
+            assert {1, 2} <= set(carried[n_carried:]) and groups[0].hisparse_cache.writer._carry.follow is not None
             n_carried = len(carried)
-            assert n_carried and groups[0].hisparse_cache.writer._carry is not None
             # a row appended to every layer of request 2 by the per-layer path
             both(lambda g: [g.hisparse_cache.append_rows(layer, 2, rows(1, 5)) for layer in range(L)])
             live[2] += 1
