@@ -499,3 +499,65 @@ def test_a_carry_is_not_used_once_the_table_changed_under_the_same_batch():
     for g in groups:
         assert [g.request_length(r, i) for r in live for i in range(L)] == [n for n in live.values() for _ in range(L)]
         check_cache(g.hisparse_cache)
+
+
+def test_steps_that_follow_take_host_plans_in_turn_only_once_done():
+    """On a CPU cache the eager steps of a chain that follow one another take two plans
+    in turn (their lists copied in, no plan made per step). A plan is taken again only
+    when the step that last took it is done: while that step still has layers to write
+    (prepared below the façade, with nothing replaced), the next step gets a plan of its
+    own, and the pending step's lists stay as they were. Every step's lists and the
+    cache's state equal those of a cache that plans every step the general way, and the
+    rows land where they do there."""
+    from hisparse.cache.cache import HiSparseCache
+    from hisparse.cache.write_carry import HostPlans
+
+    cfg = HiSparseConfig(num_layers=L, row_bytes=656, top_k=4, device_buffer_size=4, max_num_reqs=3,
+                         host_block_size=4, host_pool_tokens=4 * 32, max_request_id=16, device="cpu")
+    caches = [HiSparseCache(cfg, kernels="torch") for _ in range(2)]  # the second plans the general way
+    taken = []
+    take = HostPlans.take
+    live = {1: 6, 2: 9, 3: 5}  # every row past S = 4: each step carries
+    for c in caches:
+        for rid, n in live.items():
+            c.add_request(rid)
+            for layer in range(L):
+                c.append_rows(layer, rid, rows(n, layer))
+
+    def prepare(replaces):
+        steps = []
+        for k, c in enumerate(caches):
+            if k == 1:
+                c.writer._carry = None
+            steps.append(c.prepare_step(c.plan_write(list(live), [1] * len(live)), replaces=replaces[k]))
+        assert torch.equal(steps[0].plan.buf, steps[1].plan.buf)
+        for r in live:
+            live[r] += 1
+        return steps
+
+    def write(steps, seed):
+        for c, s in zip(caches, steps):
+            for layer in range(L):
+                c.write_step(layer, s, rows(len(live), seed + layer))
+
+    import unittest.mock as mock
+    with mock.patch.object(HostPlans, "take", lambda self, *a: taken.append(take(self, *a)) or taken[-1]):
+        last = [None, None]
+        for i in range(4):  # general, carried, then two that follow: plans 0 and 1 taken
+            last = prepare(last)
+            write(last, 10 * i)
+        assert len(taken) == 2 and all(p is not None for p in taken)
+        held = prepare(last)  # plan 0 again (its step is done); not written yet
+        assert taken[-1] is taken[0] and held[0].plan is taken[0]
+        kept = held[0].plan.buf.clone()
+        nxt = prepare([None, None])  # plan 1 again (done); nothing replaced
+        assert nxt[0].plan is taken[1]
+        after = prepare([None, None])  # plan 0's step still has every layer to write: a plan of its own
+        assert taken[-1] is None and after[0].plan is not taken[0]
+        assert torch.equal(held[0].plan.buf, kept)
+        for i, steps in enumerate((held, nxt, after)):  # each step writes its own rows, in order
+            write(steps, 50 + 10 * i)
+    a, b = (snapshot(c) for c in caches)
+    assert_same(a, b)
+    for c in caches:
+        check_cache(c)

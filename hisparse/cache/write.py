@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from .._checks import check_tensor, pack_rows
+from .._checks import check_tensor, device_type, pack_rows
 from ..config import HiSparseConfig
 from ..errors import CapacityError
 from .device_pool import NO_CHANGES, DevicePool, PoolChanges, seeded_reserved
@@ -293,8 +293,9 @@ class Writer:
             padded.load(packed)
             plan, rows = padded.plan, capacity.tokens
         else:
-            padded = None
-            plan, rows = WritePlan(to_device(packed, self.device), layout), batch.total
+            padded, rows = None, batch.total
+            taken = follow.host.take(follow.steps % 2, new) if new is not None and follow.host is not None else None
+            plan = taken if taken is not None else WritePlan(to_device(packed, self.device), layout)
         if bt.size:
             btt = torch.from_numpy(bt)
             btd = btt.pin_memory().to(self.device, non_blocking=True) if self.streams.cuda else btt
@@ -328,8 +329,8 @@ class Writer:
                 req.set_written_rows(work.slot, work.p1, last if kept else np.where(keep, last, -1))
             if kept and single and batch.all_write and not host_written and not dp.enabled:
                 # a carried step's packed lists are those the next carried step's follow from
-                nxt = None if carry is None else CarriedPlan.start(packed, layout, capacity, work.p1, B) \
-                    if new is None else follow.following(new, cross)
+                nxt = None if carry is None else follow.following(new, cross) if new is not None else \
+                    CarriedPlan.start(packed, layout, capacity, work.p1, B, device_type(self.device) == "cpu")
                 self._carry = DecodeCarry(batch=batch, version=req._version, p1=work.p1, last=last,
                                           h=lists[11] if new is None else nxt.host_rows(), inc=work.inc,
                                           hot_dst=lists[3] if new is None else carry.hot_dst,
@@ -341,6 +342,8 @@ class Writer:
                         host_written=bool(host_written), host_rows=int(counts.sum()) if host_written else 0)
         if padded is not None:
             padded.owner = step
+        elif taken is not None:
+            follow.host.own(follow.steps % 2, step)
         if step.pending:
             self._track(step)
         return step

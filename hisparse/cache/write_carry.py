@@ -14,25 +14,62 @@ with one addition of a fixed ``delta``; the requests whose row starts a block ar
 known ahead from each one's position modulo B (``crossing``) and get their host rows
 looked up. The result is the buffer ``pack_lists`` / ``pad_lists`` makes of the next
 step's lists, word for word.
+
+On a CPU cache a plan's tensors are views of its host buffer, so the eager steps of a
+chain take two plans in turn (:class:`HostPlans`) and copy their lists in, instead of
+making (and later dropping) a plan's tensors every step.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import numpy as np
+import torch
 
-from .write_plan import _I32_INDEX, _NAMES, PlanLayout
+from .write_plan import _I32_INDEX, _NAMES, PlanLayout, WritePlan
 
 _SP_POS, _RS_H, _UNMAP, _HOST_H, _LEN_V = (_NAMES.index(n) for n in ("sp_pos", "rs_h", "unmap", "host_h", "len_v"))
 _MOVED = (_SP_POS, _RS_H, _UNMAP, _HOST_H, _LEN_V)  # the lists whose entries move on by one each step
 _H32 = _I32_INDEX.index(_HOST_H)  # host_h's place among the int32 copies
 
 
-@dataclasses.dataclass(frozen=True)
+class HostPlans:
+    """Two plans over host buffers (a CPU cache's) that a chain's eager steps take in turn.
+
+    A plan is written over (its buffer's words replaced) only once the step that took it
+    last is done: dropped, or every layer written and none captured (``owner``), so no
+    write reads it again. The step before keeps the other plan."""
+
+    def __init__(self, layout: PlanLayout) -> None:
+        self.layout = layout
+        self.bufs: list[np.ndarray | None] = [None, None]  # int64 [layout.words] each
+        self.plans: list[WritePlan | None] = [None, None]
+        self.owners: list[weakref.ref | None] = [None, None]
+
+    def take(self, k: int, packed: np.ndarray) -> WritePlan | None:
+        """Plan ``k`` (0 or 1) holding ``packed`` (int64 [layout.words]), or None while the
+        step that took it last may still write a layer."""
+        ref = self.owners[k]
+        step = ref() if ref is not None else None
+        if step is not None and (step.pending or step.captured):
+            return None
+        if self.plans[k] is None:
+            self.bufs[k] = buf = np.empty_like(packed)
+            self.plans[k] = WritePlan(torch.from_numpy(buf), self.layout)
+        np.copyto(self.bufs[k], packed)
+        return self.plans[k]
+
+    def own(self, k: int, step: object) -> None:
+        """``step`` (a StepPlan) took plan ``k``."""
+        self.owners[k] = weakref.ref(step)
+
+
+@dataclasses.dataclass(slots=True)
 class CarriedPlan:
     """The packed lists of a carried step of ``n`` requests, and what the next carried
-    step's take from them.
+    step's take from them (not changed once made: ``following`` makes the next).
 
     packed: int64 [layout.words], the step's lists as ``pack_lists`` lays them out in
     ``layout`` (the bucket's with ``capacity``; never written once made); delta: int64
@@ -41,7 +78,8 @@ class CarriedPlan:
     crossing: batch index arrays (int64 [m]) of the requests whose row starts a block
     in the next step, keyed by ``steps`` modulo B (absent: none); crossed: the batch
     indices of the requests whose row started a block in this step (their next
-    ``unmap`` entry does not follow by one), None when none did."""
+    ``unmap`` entry does not follow by one), None when none did; host: the plans the
+    chain's eager steps take in turn on a CPU cache (None: a new plan each step)."""
 
     packed: np.ndarray
     layout: PlanLayout
@@ -51,11 +89,14 @@ class CarriedPlan:
     crossing: dict[int, np.ndarray]
     steps: int
     crossed: np.ndarray | None
+    host: HostPlans | None
 
     @staticmethod
-    def start(packed: np.ndarray, layout: PlanLayout, capacity: object, p1: np.ndarray, B: int) -> CarriedPlan:
+    def start(packed: np.ndarray, layout: PlanLayout, capacity: object, p1: np.ndarray, B: int,
+              cpu: bool) -> CarriedPlan:
         """The chain that follows a carried step whose packed lists are ``packed`` (in
-        ``layout``, for ``capacity``), its requests holding ``p1`` (int64 [n]) rows."""
+        ``layout``, for ``capacity``), its requests holding ``p1`` (int64 [n]) rows;
+        ``cpu``: the cache is on the CPU."""
         n = len(p1)
         delta = np.zeros(layout.words, dtype=np.int64)
         o = layout.o64
@@ -71,7 +112,8 @@ class CarriedPlan:
             due.setdefault(t, []).append(i)
         crossing = {t: np.array(ix, dtype=np.int64) for t, ix in due.items()}
         crossed = crossing.get(-1 % B)  # the rows p1 - 1 of this step that started a block
-        return CarriedPlan(packed, layout, capacity, n, delta, crossing, 0, crossed)
+        host = HostPlans(layout) if cpu and capacity is None else None
+        return CarriedPlan(packed, layout, capacity, n, delta, crossing, 0, crossed, host)
 
     def advance(self, B: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """(the next step's packed lists but for the host rows of the rows that start a
@@ -94,7 +136,8 @@ class CarriedPlan:
     def following(self, new: np.ndarray, crossed: np.ndarray | None) -> CarriedPlan:
         """The chain one step on: ``new`` the packed lists of the step just planned,
         ``crossed`` the batch indices of its rows that started a block (or None)."""
-        return CarriedPlan(new, self.layout, self.capacity, self.n, self.delta, self.crossing, self.steps + 1, crossed)
+        return CarriedPlan(new, self.layout, self.capacity, self.n, self.delta, self.crossing, self.steps + 1, crossed,
+                           self.host)
 
     def host_rows(self) -> np.ndarray:
         """int64 [n]: each request's host row h in this step (a view of ``packed``)."""
@@ -102,4 +145,4 @@ class CarriedPlan:
         return self.packed[o:o + self.n]
 
 
-__all__ = ["CarriedPlan"]
+__all__ = ["CarriedPlan", "HostPlans"]

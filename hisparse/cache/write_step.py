@@ -138,16 +138,21 @@ class PaddedPlan:
     """The persistent device buffers of one capacity: ``buf`` int64 [layout.words] holds
     every list and its int32 copies (``write_plan.PlanLayout``); ``plan`` is the
     WritePlan the kernels read (views of ``buf``); ``owner``: the step whose lists are
-    loaded."""
+    loaded; ``host``: ``buf`` as a numpy array when it is in host memory (a CPU cache),
+    else None."""
 
     buf: torch.Tensor
     layout: PlanLayout
     plan: WritePlan
     owner: object = None
+    host: np.ndarray | None = None
 
     def load(self, lists: np.ndarray) -> None:
         """Copy a step's packed lists (int64 numpy, ``pad_lists``) in, on the current
         stream (in place: a captured graph reads these addresses)."""
+        if self.host is not None:
+            np.copyto(self.host, lists)
+            return
         src = torch.from_numpy(lists)
         self.buf.copy_(src.pin_memory() if self.buf.is_cuda else src, non_blocking=True)
 
@@ -164,7 +169,8 @@ class StepBuffers:
         if got is None:
             layout = cap.layout()
             buf = torch.full((layout.words,), -1, dtype=torch.int64, device=self.device)
-            got = PaddedPlan(buf=buf, layout=layout, plan=WritePlan(buf, layout))
+            got = PaddedPlan(buf=buf, layout=layout, plan=WritePlan(buf, layout),
+                             host=buf.numpy() if buf.device.type == "cpu" else None)
             self._bufs[cap] = got
         return got
 
