@@ -39,8 +39,9 @@ class HostPlans:
     """Two plans over host buffers (a CPU cache's) that a chain's eager steps take in turn.
 
     A plan is written over (its buffer's words replaced) only once the step that took it
-    last is done: dropped, or every layer written and none captured (``owner``), so no
-    write reads it again. The step before keeps the other plan."""
+    last is done: dropped, or every layer written and none captured (``owners``: a weak
+    reference to that step), so no write reads it again. The step before keeps the
+    other plan."""
 
     def __init__(self, layout: PlanLayout) -> None:
         self.layout = layout
@@ -74,7 +75,8 @@ class CarriedPlan:
     packed: int64 [layout.words], the step's lists as ``pack_lists`` lays them out in
     ``layout`` (the bucket's with ``capacity``; never written once made); delta: int64
     [layout.words], +1 at every entry of ``_MOVED`` and of their int32 copies (as int32
-    halves of its words), 0 elsewhere; steps: the steps planned from this chain so far;
+    halves of its words: those entries are >= 0, so an int64 addition carries nothing
+    into the other half), 0 elsewhere; steps: the steps planned from this chain so far;
     crossing: batch index arrays (int64 [m]) of the requests whose row starts a block
     in the next step, keyed by ``steps`` modulo B (absent: none); crossed: the batch
     indices of the requests whose row started a block in this step (their next
@@ -111,7 +113,7 @@ class CarriedPlan:
         for i, t in enumerate(((-p1) % B).tolist()):
             due.setdefault(t, []).append(i)
         crossing = {t: np.array(ix, dtype=np.int64) for t, ix in due.items()}
-        crossed = crossing.get(-1 % B)  # the rows p1 - 1 of this step that started a block
+        crossed = crossing.get(-1 % B)  # this step's rows p1 - 1 that started a block ((p1 - 1) % B == 0)
         host = HostPlans(layout) if cpu and capacity is None else None
         return CarriedPlan(packed, layout, capacity, n, delta, crossing, 0, crossed, host)
 
