@@ -521,8 +521,9 @@ def test_steps_that_follow_take_host_plans_in_turn_only_once_done():
     for c in caches:
         for rid, n in live.items():
             c.add_request(rid)
+            batch = c.plan_write([rid], [n])
             for layer in range(L):
-                c.append_rows(layer, rid, rows(n, layer))
+                c.write(layer, batch, rows(n, layer))
 
     def prepare(replaces):
         steps = []
