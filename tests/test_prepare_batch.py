@@ -336,15 +336,17 @@ def test_decode_steps_carried_from_the_last_equal_the_general_plan(seed, monkeyp
     the same plan lists and the same cache state as the general path, through rows
     that open blocks, cross into the reserved slot, batches that change order or
     members, prefills, frees and adds, forwards cut short, and padded buckets."""
+    from hisparse.cache.write_carry import CarriedPlan
     from hisparse.cache.write_step import DecodeCarry
 
     rng = random.Random(seed)
     groups = [make_group(), make_group()]  # the second plans every step the general way
     live: dict[int, int] = {}  # request id -> rows in every layer
     last_batch: list[int] = []
-    carried = []
-    lists = DecodeCarry.lists
+    carried, followed = [], []
+    lists, advance = DecodeCarry.lists, CarriedPlan.advance
     monkeypatch.setattr(DecodeCarry, "lists", lambda self, *a: carried.append(1) or lists(self, *a))
+    monkeypatch.setattr(CarriedPlan, "advance", lambda self, *a: followed.append(1) or advance(self, *a))
 
     def run(reqs, num_decodes, layers=range(L), pad_to=None):
         md = md_of(reqs, num_decodes)
@@ -397,7 +399,7 @@ def test_decode_steps_carried_from_the_last_equal_the_general_plan(seed, monkeyp
             for g in groups:
                 g.free_request(rid)
             del live[rid]
-    assert len(carried) > 30, len(carried)
+    assert len(carried) > 20 and len(followed) > 10, (len(carried), len(followed))
     check_cache(groups[0].hisparse_cache)
 
 
@@ -406,15 +408,16 @@ def test_a_carried_decode_step_past_a_full_pool_is_a_capacity_error():
     when its request holds every block of the host pool: CapacityError (an engine
     preempts on it), nothing changed, as the general path says. The carried path looked
     the row's host block up before asking for the block: an IndexError past the block
-    table's last column."""
+    table's last column. Eager, the step follows the last step's lists (only the row
+    that opens a block looks its host row up); padded, it is planned from the carry."""
     g = make_group()  # 48 host blocks of 4 rows
-    n = 4 * 48 - 2
+    n = 4 * 48 - 3
     g.add_request(1)
     forward(g, md_of([(1, n, n)], 0))
-    for _ in range(2):  # the general path, then one carried from it: the pool is full
+    for _ in range(3):  # the general path, one carried from it, one that follows: the pool is full
         forward(g, md_of([(1, 1, n + 1)], 1))
         n += 1
-    assert g.hisparse_cache.writer._carry is not None
+    assert g.hisparse_cache.writer._carry.follow is not None
     for pad_to in (None, 2):
         before = state(g)
         with pytest.raises(CapacityError, match="host pool full"):
@@ -436,11 +439,12 @@ def test_a_carry_is_not_used_once_the_table_changed_under_the_same_batch():
     and one prepared again without its layers written. Each next step goes through with
     the plan and state of a group that never carries; a stale carry plans from the old
     rows (the step is refused, or writes the wrong positions)."""
+    from hisparse.cache.write_carry import CarriedPlan
     from hisparse.cache.write_step import DecodeCarry
 
     groups = [make_group(), make_group()]  # the second plans every step the general way
     carried = []
-    lists = DecodeCarry.lists
+    lists, advance = DecodeCarry.lists, CarriedPlan.advance
     live = {1: 12, 2: 9}
 
     def both(fn):
@@ -467,13 +471,15 @@ def test_a_carry_is_not_used_once_the_table_changed_under_the_same_batch():
     both(lambda g: [g.add_request(r) for r in live])
     both(lambda g: forward(g, md_of([(r, n, n) for r, n in live.items()], 0)))
     import unittest.mock as mock
-    with mock.patch.object(DecodeCarry, "lists", lambda self, *a: carried.append(1) or lists(self, *a)):
+    with mock.patch.object(DecodeCarry, "lists", lambda self, *a: carried.append(1) or lists(self, *a)), \
+            mock.patch.object(CarriedPlan, "advance", lambda self, *a: carried.append(2) or advance(self, *a)):
         for pad_to in (None, 4):
-            for _ in range(2):  # the second step plans from the first's carry
+            n_carried = len(carried)
+            for _ in range(3):  # the second step plans from the first's carry, the third from the second's lists
                 step(pad_to=pad_to)
                 live = {r: n + 1 for r, n in live.items()}
+            assert {1, 2} <= set(carried[n_carried:]) and groups[0].hisparse_cache.writer._carry.follow is not None
             n_carried = len(carried)
-            assert n_carried and groups[0].hisparse_cache.writer._carry is not None
             # a row appended to every layer of request 2 by the per-layer path
             both(lambda g: [g.hisparse_cache.write(layer, 2, rows(1, 5))[0] for layer in range(L)])
             live[2] += 1
@@ -494,3 +500,66 @@ def test_a_carry_is_not_used_once_the_table_changed_under_the_same_batch():
     for g in groups:
         assert [g.request_length(r, i) for r in live for i in range(L)] == [n for n in live.values() for _ in range(L)]
         check_cache(g.hisparse_cache)
+
+
+def test_steps_that_follow_take_host_plans_in_turn_only_once_done():
+    """On a CPU cache the eager steps of a chain that follow one another take two plans
+    in turn (their lists copied in, no plan made per step). A plan is taken again only
+    when the step that last took it is done: while that step still has layers to write
+    (prepared below the façade, with nothing replaced), the next step gets a plan of its
+    own, and the pending step's lists stay as they were. Every step's lists and the
+    cache's state equal those of a cache that plans every step the general way, and the
+    rows land where they do there."""
+    from hisparse.cache.cache import HiSparseCache
+    from hisparse.cache.write_carry import HostPlans
+
+    cfg = HiSparseConfig(num_layers=L, row_bytes=656, top_k=4, device_buffer_size=4, max_num_reqs=3,
+                         host_block_size=4, host_pool_tokens=4 * 32, max_request_id=16, device="cpu")
+    caches = [HiSparseCache(cfg, kernels="torch") for _ in range(2)]  # the second plans the general way
+    taken = []
+    take = HostPlans.take
+    live = {1: 6, 2: 9, 3: 5}  # every row past S = 4: each step carries
+    for c in caches:
+        for rid, n in live.items():
+            c.add_request(rid)
+            batch = c.plan_write([rid], [n])
+            for layer in range(L):
+                c.write(layer, batch, rows(n, layer))
+
+    def prepare(replaces):
+        steps = []
+        for k, c in enumerate(caches):
+            if k == 1:
+                c.writer._carry = None
+            steps.append(c.prepare_step(c.plan_write(list(live), [1] * len(live)), replaces=replaces[k]))
+        assert torch.equal(steps[0].plan.buf, steps[1].plan.buf)
+        for r in live:
+            live[r] += 1
+        return steps
+
+    def write(steps, seed):
+        for c, s in zip(caches, steps):
+            for layer in range(L):
+                c.write_step(layer, s, rows(len(live), seed + layer))
+
+    import unittest.mock as mock
+    with mock.patch.object(HostPlans, "take", lambda self, *a: taken.append(take(self, *a)) or taken[-1]):
+        last = [None, None]
+        for i in range(4):  # general, carried, then two that follow: plans 0 and 1 taken
+            last = prepare(last)
+            write(last, 10 * i)
+        assert len(taken) == 2 and all(p is not None for p in taken)
+        held = prepare(last)  # plan 0 again (its step is done); not written yet
+        assert taken[-1] is taken[0] and held[0].plan is taken[0]
+        kept = held[0].plan.buf.clone()
+        nxt = prepare([None, None])  # plan 1 again (done); nothing replaced
+        assert nxt[0].plan is taken[1]
+        after = prepare([None, None])  # plan 0's step still has every layer to write: a plan of its own
+        assert taken[-1] is None and after[0].plan is not taken[0]
+        assert torch.equal(held[0].plan.buf, kept)
+        for i, steps in enumerate((held, nxt, after)):  # each step writes its own rows, in order
+            write(steps, 50 + 10 * i)
+    a, b = (snapshot(c) for c in caches)
+    assert_same(a, b)
+    for c in caches:
+        check_cache(c)

@@ -255,7 +255,7 @@ class RequestTable:
 
     def touch_all(self) -> None:
         """Something in every layer changed (the same list object: results hold it)."""
-        self.epochs[:] = map((1).__add__, self.epochs)
+        self.epochs[:] = [e + 1 for e in self.epochs]
 
 
 __all__ = ["RequestTable"]

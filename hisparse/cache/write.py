@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from .._checks import check_tensor, pack_rows
+from .._checks import check_tensor, device_type, pack_rows
 from ..config import HiSparseConfig
 from ..errors import CapacityError
 from .device_pool import NO_CHANGES, DevicePool, PoolChanges, seeded_reserved
@@ -39,10 +39,13 @@ from .requests import RequestTable
 from .stager import CacheStreams
 from .state import STAT_D2H_ROWS, HotState
 from .write_batch import WriteBatch, check_ends, make_batch
-from .write_pool import apply_pool_changes, pool_undo
-from .write_plan import NO_RESIDENT, Resident, WritePlan, Work, build_write_plan, plan_lists, plan_of, split_lists
-from .write_step import (NO_WORK, DecodeCarry, StepBuffers, StepCapacity, StepPlan, StepWork, open_blocks, pad_lists,
-                         single_row_step_lists, split_block_entries, step_rows, step_summary)
+from .write_pool import apply_pool_changes, check_demotions, pool_undo
+from .write_carry import CarriedPlan
+from .write_plan import (NO_RESIDENT, Resident, WritePlan, Work, build_write_plan, packed_of, plan_lists, split_lists,
+                         to_device)
+from .write_step import (NO_BLOCK_ENTRIES, NO_WORK, DecodeCarry, StepBuffers, StepCapacity, StepPlan, StepWork,
+                         pad_lists, single_row_hosts, single_row_step_lists, split_block_entries, step_rows,
+                         step_summary)
 
 
 class Writer:
@@ -144,7 +147,7 @@ class Writer:
         else:
             new_blocks = self._new_blocks(work)
             changes = dp.plan([(r, p1) for r, _, p1, _, _ in work])
-            self._check_demotions(changes)
+            check_demotions(self, changes)
             work = self._after_demotion(work, changes, {r: p0 for r, p0, *_ in work})
             alloc = self.pool.allocator
             plan = build_write_plan(work, owned={r: alloc.owned(r) for r, *_ in work},
@@ -213,8 +216,14 @@ class Writer:
         if not (carry is not None and carry.batch is batch and carry.version == req._version
                 and (replaces is None or not replaces.pending) and not host_written and not dp.enabled):
             carry = None
+        # the lists of a step that follows a carried one of the same layout: from the last step's
+        follow = carry.follow if carry is not None and carry.follow is not None and carry.follow.capacity == capacity \
+            else None
+        new = cross = None
         if carry is not None:
             p0, old = carry.p1, carry.last
+            if follow is not None:  # (p1 is among those lists)
+                new, p1, cross = follow.advance(B)
         else:
             same, p0, old = self.visible_summary(replaces, batch.req_ids, slots)  # [n] each, read only
             if np.count_nonzero(same) < len(same):  # the first request whose layers differ
@@ -222,7 +231,8 @@ class Writer:
                 rid = batch.req_ids[i]
                 raise ValueError(f"request {rid} holds {self.visible(replaces, rid, batch.slots[i])[0]} rows per "
                                  "layer: a step writes the same positions to every layer")
-        p1 = p0 + counts  # int64 [n]: the rows of each request after the step
+        if new is None:
+            p1 = p0 + counts  # int64 [n]: the rows of each request after the step
         if ends is not None and p1.tolist() != list(ends):
             check_ends(batch, p0, ends)
         ws = slots
@@ -233,27 +243,30 @@ class Writer:
         work = StepWork(rid=rids, slot=ws, inc=inc, p0=p0, p1=p1, old=old) if len(ws) else NO_WORK
         single = bool(len(work)) and batch.single_rows  # a decode step: one row each
         if carry is not None:  # each row's host row, a block it opens allocated as by _opened_blocks
-            q = p0 // B
-            new_blocks, need = {}, None
-            if np.count_nonzero(q >= self.num_blocks[ws]):  # CapacityError before the look-up below:
-                new_blocks, need = self._new_blocks_of(ws, p1)  # a row past a full pool's last block
-            blk = self.host_blocks[ws, q]  # int32 [n], -1 where the row opens a block
-            bt_new = open_blocks(blk, ws, p0, need, new_blocks, num_blocks=self.num_blocks, B=B)
-            host_row = blk * B + p0 % B  # int64 [n]
+            new_blocks, bt_new = {}, NO_BLOCK_ENTRIES
+            if new is None:
+                new_blocks, bt_new, host_row = single_row_hosts(ws, p0, p1, self.num_blocks, self.host_blocks, B,
+                                                                self._new_blocks_of)
+            elif cross is not None:  # following the last step's lists: only the rows that start a block
+                new_blocks, bt_new, h = single_row_hosts(ws[cross], p0[cross], p1[cross], self.num_blocks,
+                                                         self.host_blocks, B, self._new_blocks_of)
+                follow.set_host_rows(new, cross, h)
         else:
             new_blocks, need = self._opened_blocks(work) if single else self._new_blocks_of(work.slot, work.p1)
         changes = NO_CHANGES
         if len(work) and dp.enabled and (not single or dp.needs_pages(work.slot, work.p1)):
             changes = dp.plan(list(zip(work.slot.tolist(), work.p1.tolist())))
         if changes.demote:
-            self._check_demotions(changes, replaces)
+            check_demotions(self, changes, replaces)
         if changes.demote:  # rows per layer of each demoted request, as this step sees them
             ids = {r: rid for rid, r in req.slot_map().items()}
             demoted = {r: self.visible(replaces, ids[r], r)[0] for r in changes.demote}
             fixed = self._after_demotion([(r, 0, 0, 0, o) for r, o in zip(work.slot.tolist(), work.old.tolist())],
                                          changes, {r: demoted[r][0] for r in changes.demote})
             work = dataclasses.replace(work, old=np.array([x[4] for x in fixed], dtype=np.int64))
-        if not len(work):
+        if new is not None:
+            lists = None
+        elif not len(work):
             lists = [np.zeros(0, dtype=np.int64)] * 15
         elif carry is not None:
             lists = carry.lists(work, t0, host_row, bt_new)
@@ -269,16 +282,20 @@ class Writer:
             flat, sizes = plan_lists(tuples, owned={r: alloc.owned(r) for r, *_ in tuples}, new_blocks=new_blocks,
                                      B=self.pool.B, S=S, resident=resident, mirror=not host_written)
             lists = split_lists(flat.numpy(), sizes)
-        bt, lists = split_block_entries(lists, host=not host_written)  # host_written: no mirror, no host lists
+        if new is not None:
+            bt, packed, layout = bt_new, new, follow.layout
+        else:  # host_written: no mirror, no host lists
+            bt, lists = split_block_entries(lists, host=not host_written)
+            layout, packed = (capacity.layout(), pad_lists(lists, capacity)) if capacity is not None else packed_of(lists)
         if capacity is not None:
-            packed = pad_lists(lists, capacity)
             padded = self.step_buffers.get(capacity)
             self.streams.join_backup()  # a mirror still reading the buffers of an eager step
             padded.load(packed)
             plan, rows = padded.plan, capacity.tokens
         else:
-            padded = None
-            plan, rows = plan_of(lists, self.device), batch.total
+            padded, rows = None, batch.total
+            taken = follow.host.take(follow.steps % 2, new) if new is not None and follow.host is not None else None
+            plan = taken if taken is not None else WritePlan(to_device(packed, self.device), layout)
         if bt.size:
             btt = torch.from_numpy(bt)
             btd = btt.pin_memory().to(self.device, non_blocking=True) if self.streams.cuda else btt
@@ -311,8 +328,13 @@ class Writer:
             else:
                 req.set_written_rows(work.slot, work.p1, last if kept else np.where(keep, last, -1))
             if kept and single and batch.all_write and not host_written and not dp.enabled:
-                self._carry = DecodeCarry(batch=batch, version=req._version, p1=work.p1, last=last, h=lists[11],
-                                          inc=work.inc, hot_dst=lists[3], slot=lists[9])
+                # a carried step's packed lists are those the next carried step's follow from
+                nxt = None if carry is None else follow.following(new, cross) if new is not None else \
+                    CarriedPlan.start(packed, layout, capacity, work.p1, B, device_type(self.device) == "cpu")
+                self._carry = DecodeCarry(batch=batch, version=req._version, p1=work.p1, last=last,
+                                          h=lists[11] if new is None else nxt.host_rows(), inc=work.inc,
+                                          hot_dst=lists[3] if new is None else carry.hot_dst,
+                                          slot=lists[9] if new is None else carry.slot, follow=nxt)
         req.touch_all()
         self._plan = None
         step = StepPlan(plan=plan, work=work, pending=set(range(L)) if len(work) else set(),
@@ -320,6 +342,8 @@ class Writer:
                         host_written=bool(host_written), host_rows=int(counts.sum()) if host_written else 0)
         if padded is not None:
             padded.owner = step
+        elif taken is not None:
+            follow.host.own(follow.steps % 2, step)
         if step.pending:
             self._track(step)
         return step
@@ -456,25 +480,6 @@ class Writer:
         S = self.cfg.device_buffer_size
         return [(r, p0, p1, t0, seeded_reserved(lens[r], S) if r in changes.demote else old)
                 for r, p0, p1, t0, old in work]
-
-    def _check_demotions(self, changes: PoolChanges, replaces: StepPlan | None = None) -> None:
-        """ValueError (nothing changed) when ``changes`` would demote a request that a
-        prepared step (other than ``replaces``, which is put back first) has not written
-        to every layer yet: its lengths already count the step's rows but its pages don't
-        hold them yet, so the demotion would seed those layers' hot buffers from rows not
-        written, and the step's remaining writes would land in pages given away."""
-        if not changes.demote:
-            return
-        req = self.requests
-        for step in self.open_steps():
-            if step is replaces or not step.pending:
-                continue
-            for rid, r, inc, *_ in step.req_work:
-                if r in changes.demote and req.slot_map().get(rid) == r and req.incarnation(r) == inc:
-                    raise ValueError(
-                        f"this write needs the device pages of resident request {rid}, whose prepared step "
-                        f"has rows not written yet (layers {sorted(step.pending)}): write them (write_step) "
-                        "or put them back (abandon_step, or prepare_step(..., replaces=step)) first")
 
     def unwritten_from(self) -> dict[int, int]:
         """{request slot: first position} of the rows that a prepared step counts in the

@@ -376,13 +376,20 @@ def to_device(buf: np.ndarray, device: torch.device) -> torch.Tensor:
     return t if kind == "cpu" else t.to(device)
 
 
-def plan_of(lists: Sequence[np.ndarray], device: torch.device) -> WritePlan:
-    """The device plan of 15 host lists (int64 numpy each, ``_NAMES`` order): one copy,
-    the int64 lists and their int32 copies in one buffer."""
+def packed_of(lists: Sequence[np.ndarray]) -> tuple[PlanLayout, np.ndarray]:
+    """(layout, int64 [layout.words] numpy): 15 host lists (int64 numpy each, ``_NAMES``
+    order) packed into one buffer, the int64 lists and their int32 copies."""
     sizes = tuple(map(len, lists))
     check_groups(sizes)
     layout = PlanLayout.of(sizes)
-    return WritePlan(to_device(pack_lists(lists, layout), device), layout)
+    return layout, pack_lists(lists, layout)
+
+
+def plan_of(lists: Sequence[np.ndarray], device: torch.device) -> WritePlan:
+    """The device plan of 15 host lists (int64 numpy each, ``_NAMES`` order): one copy,
+    the int64 lists and their int32 copies in one buffer."""
+    layout, packed = packed_of(lists)
+    return WritePlan(to_device(packed, device), layout)
 
 
 def _to_plan(flat: torch.Tensor, sizes: list[int], device: torch.device) -> WritePlan:
@@ -391,4 +398,4 @@ def _to_plan(flat: torch.Tensor, sizes: list[int], device: torch.device) -> Writ
 
 
 __all__ = ["WritePlan", "Work", "Resident", "NO_RESIDENT", "PlanLayout", "build_write_plan", "expand_runs",
-           "pack_lists", "plan_of", "single_row_lists", "split_lists", "to_device", "without_host_lists"]
+           "pack_lists", "packed_of", "plan_of", "single_row_lists", "split_lists", "to_device", "without_host_lists"]

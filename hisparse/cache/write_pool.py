@@ -1,6 +1,7 @@
 """The elastic tier's side of a write (``Writer``): apply a write's demotions and page
 grants (``device_pool.apply_changes``) and, before that, record what puts them back
-for a write whose launch then raises."""
+for a write whose launch then raises; refuse demotions of requests a prepared step
+has not written yet."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from .device_pool import PoolChanges, apply_changes
 
 if TYPE_CHECKING:
     from .write import Writer
+    from .write_step import StepPlan
 
 
 def pool_undo(w: Writer, changes: PoolChanges) -> Callable[[], None]:
@@ -51,6 +53,7 @@ def pool_undo(w: Writer, changes: PoolChanges) -> Callable[[], None]:
 
     return undo
 
+
 def apply_pool_changes(w: Writer, changes: PoolChanges, lengths: dict[int, list[int]]) -> None:
     """Demote and grant (``device_pool.apply_changes``) on the current stream, after
     every in-flight staging (a demotion rewrites LRU state the stage stream reads).
@@ -66,4 +69,24 @@ def apply_pool_changes(w: Writer, changes: PoolChanges, lengths: dict[int, list[
         req.touch(layer)
 
 
-__all__ = ["apply_pool_changes", "pool_undo"]
+def check_demotions(w: Writer, changes: PoolChanges, replaces: StepPlan | None = None) -> None:
+    """ValueError (nothing changed) when ``changes`` (a write of ``w``'s) would demote a
+    request that a prepared step (other than ``replaces``, which is put back first) has
+    not written to every layer yet: its lengths already count the step's rows but its
+    pages don't hold them yet, so the demotion would seed those layers' hot buffers from
+    rows not written, and the step's remaining writes would land in pages given away."""
+    if not changes.demote:
+        return
+    req = w.requests
+    for step in w.open_steps():
+        if step is replaces or not step.pending:
+            continue
+        for rid, r, inc, *_ in step.req_work:
+            if r in changes.demote and req.slot_map().get(rid) == r and req.incarnation(r) == inc:
+                raise ValueError(
+                    f"this write needs the device pages of resident request {rid}, whose prepared step "
+                    f"has rows not written yet (layers {sorted(step.pending)}): write them (write_step) "
+                    "or put them back (abandon_step, or prepare_step(..., replaces=step)) first")
+
+
+__all__ = ["apply_pool_changes", "check_demotions", "pool_undo"]

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from .requests import RequestTable
+from .write_carry import CarriedPlan
 from .write_plan import _NAMES, PlanLayout, WritePlan, pack_lists, single_row_lists, without_host_lists
 
 _BT = ("bt_r", "bt_k", "bt_v")
@@ -149,16 +150,21 @@ class PaddedPlan:
     """The persistent device buffers of one capacity: ``buf`` int64 [layout.words] holds
     every list and its int32 copies (``write_plan.PlanLayout``); ``plan`` is the
     WritePlan the kernels read (views of ``buf``); ``owner``: the step whose lists are
-    loaded."""
+    loaded; ``host``: ``buf`` as a numpy array when it is in host memory (a CPU cache),
+    else None."""
 
     buf: torch.Tensor
     layout: PlanLayout
     plan: WritePlan
     owner: object = None
+    host: np.ndarray | None = None
 
     def load(self, lists: np.ndarray) -> None:
         """Copy a step's packed lists (int64 numpy, ``pad_lists``) in, on the current
         stream (in place: a captured graph reads these addresses)."""
+        if self.host is not None:
+            np.copyto(self.host, lists)
+            return
         src = torch.from_numpy(lists)
         self.buf.copy_(src.pin_memory() if self.buf.is_cuda else src, non_blocking=True)
 
@@ -175,13 +181,14 @@ class StepBuffers:
         if got is None:
             layout = cap.layout()
             buf = torch.full((layout.words,), -1, dtype=torch.int64, device=self.device)
-            got = PaddedPlan(buf=buf, layout=layout, plan=WritePlan(buf, layout))
+            got = PaddedPlan(buf=buf, layout=layout, plan=WritePlan(buf, layout),
+                             host=buf.numpy() if buf.device.type == "cpu" else None)
             self._bufs[cap] = got
         return got
 
 
 _NONE = np.zeros(0, dtype=np.int64)
-_NO_BT = np.zeros((3, 0), dtype=np.int64)
+_NO_BT = NO_BLOCK_ENTRIES = np.zeros((3, 0), dtype=np.int64)  # int64 [3, 0]: no block-table entries
 _NONE.flags.writeable = _NO_BT.flags.writeable = False  # shared
 
 
@@ -194,7 +201,9 @@ class DecodeCarry:
     is the same, every request of the batch holds ``p1`` rows in every layer with
     ``last`` (= p1 - 1) in its reserved slot. int64 [n] each, in batch order: p1, last,
     h (the host row of ``last``), inc (the requests' incarnations), hot_dst (their
-    reserved slot's flat hot row, r * (S + 1) + S) and slot (S each)."""
+    reserved slot's flat hot row, r * (S + 1) + S) and slot (S each). ``follow``: when
+    the step was itself planned from a carry, its packed lists, which the next step of
+    the same layout derives its own from (``write_carry.CarriedPlan``)."""
 
     batch: object
     version: int
@@ -204,6 +213,7 @@ class DecodeCarry:
     inc: np.ndarray
     hot_dst: np.ndarray
     slot: np.ndarray
+    follow: CarriedPlan | None = None
 
     def lists(self, work: StepWork, t0: np.ndarray, h: np.ndarray, bt: np.ndarray) -> list[np.ndarray]:
         """The host plan (``single_row_lists``: 15 int64 numpy arrays, ``_NAMES`` order)
@@ -242,6 +252,24 @@ def open_blocks(blk: np.ndarray, r: np.ndarray, p0: np.ndarray, need: np.ndarray
         entries.extend((s, have + j, b) for j, b in enumerate(extra))
         blk[i] = extra[int(p0[i]) // B - have]
     return np.array(entries, dtype=np.int64).T
+
+
+def single_row_hosts(r: np.ndarray, p0: np.ndarray, p1: np.ndarray, num_blocks: np.ndarray, host_blocks: np.ndarray,
+                     B: int, new_blocks_of) -> tuple[dict[int, list[int]], np.ndarray, np.ndarray]:
+    """(the blocks the rows open, as ``new_blocks_of(r, p1)`` says the allocator will hand
+    them out; their block-table entries, int64 [3, n_bt]; each row's host row, int64 [n])
+    of rows ``p0`` (int64 [n]) that request slots ``r`` (int64 [n]) write, one each, and
+    hold ``p1`` = p0 + 1 rows after (int64 [n]). num_blocks: int64 [R] each slot's blocks
+    and host_blocks: int32 [R, NB] which (-1 = none), before the step. CapacityError
+    (from ``new_blocks_of``) before any look-up, when a row opens a block the pool can't
+    supply."""
+    q = p0 // B
+    new_blocks, need = {}, None
+    if np.count_nonzero(q >= num_blocks[r]):  # CapacityError before the look-up below:
+        new_blocks, need = new_blocks_of(r, p1)  # a row past a full pool's last block
+    blk = host_blocks[r, q]  # int32 [n], -1 where the row opens a block
+    bt = open_blocks(blk, r, p0, need, new_blocks, num_blocks=num_blocks, B=B)
+    return new_blocks, bt, blk * B + p0 % B
 
 
 def single_row_step_lists(work: StepWork, t0: np.ndarray, need: np.ndarray | None, new_blocks: dict[int, list[int]],
@@ -318,5 +346,5 @@ def pad_lists(lists: list[np.ndarray], cap: StepCapacity) -> np.ndarray:
     return pack_lists(lists, layout)
 
 
-__all__ = ["DecodeCarry", "StepCapacity", "StepPlan", "StepWork", "NO_WORK", "PaddedPlan", "StepBuffers", "split_block_entries",
-           "open_blocks", "pad_lists", "single_row_step_lists", "step_rows", "step_summary"]
+__all__ = ["NO_BLOCK_ENTRIES", "DecodeCarry", "StepCapacity", "StepPlan", "StepWork", "NO_WORK", "PaddedPlan", "StepBuffers", "split_block_entries",
+           "open_blocks", "pad_lists", "single_row_hosts", "single_row_step_lists", "step_rows", "step_summary"]
