@@ -17,6 +17,7 @@ import torch
 from graph_trace import (Runner, TraceShape, Truth, assert_same_state, cache_state,
                          decode_md, join, make_group, plan_trace, run_mixed, run_pair)
 from hisparse import HiSparseConfig
+from hisparse.config import Kernels
 from hisparse.engine import HiSparseIndexGroup, SparseMLAMetadata
 
 
@@ -175,6 +176,14 @@ def test_layer_graphs_option_checks():
         HiSparseIndexGroup(cfg, validate=False, layer_graphs=True)
     with pytest.raises(TypeError, match="bool"):
         HiSparseIndexGroup(cfg, validate=False, layer_graphs=1)
+    # kernels= as a string or a Kernels member (the tools pass members): the torch kernels are
+    # refused, the others pass on to the device check
+    for k in ("torch", Kernels.TORCH):
+        with pytest.raises(ValueError, match="needs the Triton kernels"):
+            HiSparseIndexGroup(cfg, validate=False, kernels=k, layer_graphs=True)
+    for k in ("auto", "triton", Kernels.AUTO, Kernels.TRITON):
+        with pytest.raises(ValueError, match="CUDA device"):
+            HiSparseIndexGroup(cfg, validate=False, kernels=k, layer_graphs=True)
     assert HiSparseIndexGroup(cfg, validate=False).layer_graphs() is None
 
 

@@ -84,12 +84,12 @@ class HiSparseIndexGroup:
             if self.validate:
                 raise ValueError("layer_graphs=True needs validate=False (a checked call syncs with the host, "
                                  "which a graph can't hold)")
-            if resolve_device(config.device).type != "cuda":
-                raise ValueError(f"layer_graphs=True needs a CUDA device (CUDA graphs); config.device is "
-                                 f"{config.device!r}")
             if Kernels.parse(kernels) is Kernels.TORCH:  # refused before the pool is allocated and pinned
                 raise ValueError(f"layer_graphs=True needs the Triton kernels (kernels='triton' or 'auto'); "
                                  f"got {kernels!r}")
+            if resolve_device(config.device).type != "cuda":
+                raise ValueError(f"layer_graphs=True needs a CUDA device (CUDA graphs); config.device is "
+                                 f"{config.device!r}")
         self._cache = HiSparseCache(config, kernels=kernels)
         self.device = self._hot_rows(0).device
         self._layer_graphs: LayerGraphs | None = None
