@@ -16,7 +16,7 @@ a block table, ``staging.convert_topk_to_physical`` as the mini engine's residen
 does, then attention; the same rows) and that conversion alone; a graph of one
 one-element kernel (the floor of a graph node here);
 hisparse serial and split and the resolve alone, captured on the cache's resident path
-(``HiSparseCache.resident_capture``: the graphs ``engine.layer_graphs`` replays while
+(``CacheGraphs.resident_capture``: the graphs ``engine.layer_graphs`` replays while
 every live request is resident); hisparse serial and the resolve alone captured on the
 full path (the graph that is correct whatever the residency); the overhead (hisparse -
 resident) in us and as a ratio; whether the resident path's serial layer meets the

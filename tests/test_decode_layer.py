@@ -359,6 +359,8 @@ def test_engine_begin_refused_by_the_backend_leaves_the_layer_to_resolve():
         g.convert_decode_logical_to_physical_topk(1, tk, md)
     g.decode_attention(1, q, tk, md, backend=be, sm_scale=SM, overlap="split")  # still finishes
     assert g.resolves_per_layer == [1, 1]
+    with pytest.raises(ValueError, match="resolved by decode_attention"):  # begun, then attended
+        g.convert_decode_logical_to_physical_topk(1, tk, md)
 
 
 def test_engine_finishes_a_begun_layer_given_the_overlap_enum():

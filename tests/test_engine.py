@@ -597,3 +597,13 @@ def test_bf16_rows():
     want = torch.cat([x, y])
     for k in range(3):
         assert torch.equal(hot[int(phys[0, k])], want[int(topk[0, k])])
+
+
+def test_has_request_takes_any_int_like_id():
+    """An engine's ids often come from numpy arrays: ``has_request`` answers for them as
+    for Python ints, and says False (it does not raise) for ids that are not live."""
+    import numpy as np
+    g = make_group()
+    g.add_request(3)
+    assert g.has_request(3) and g.has_request(np.int64(3)) and g.has_request(np.int32(3))
+    assert not g.has_request(4) and not g.has_request(np.int64(4)) and not g.has_request(-1)

@@ -306,9 +306,9 @@ class HiSparseCache:
         stream, no staging; ``result.event`` None with ``wait``); a capture takes it only
         inside ``graphs.resident_capture``.
         """
-        T, K, req_ids = self._check_resolve(layer, req_ids, topk, validate)
         if not split and copy_shape is not None:
             raise ValueError("copy_shape is the split resolve's staging grid: pass split=True")
+        T, K, req_ids = self._check_resolve(layer, req_ids, topk, validate)
         out = self._out(layer, T, K)
         if split:
             hit, miss_lists = _split_buffers(self._split, self.cfg, self.device, layer, T, K)

@@ -14,7 +14,7 @@ Modes (``Overlap``):
 Both leave the cache in the same state, bit for bit, and return the same attention
 (split within the rounding of one merge of bf16 partials). When the cache's resolve
 takes its resident path (every live request resident in the elastic tier:
-``HiSparseCache.resident_resolve``), nothing can miss and both modes run the same
+``CacheGraphs.resident_resolve``), nothing can miss and both modes run the same
 two launches on the current stream: the resident resolve, then one attention. The
 hit attention runs on any backend (``attention.base.SparseMLABackend``: Triton,
 FlashMLA, FlashInfer, the reference); the miss side runs our Triton kernels (their

@@ -46,6 +46,7 @@ class DecodeAttention:
                                  "'split', the same backend and the same topk_indices tensor")
             out = layer.finish(sp, q, sm_scale=sm_scale)
             del fwd.begun[i]
+            fwd.resolved[i] = fwd.resolved[i]._replace(how="attended")
             return out
         layer = self._layer(fwd, i, topk_indices, backend, mode)
         out = layer(i, fwd.decode_ids, topk_indices, q, sm_scale=sm_scale)

@@ -211,11 +211,7 @@ class HiSparseIndexGroup:
                              "its requests: their written layers hold a row more than the others)")
 
     def has_request(self, req_id: int) -> bool:
-        try:
-            self._cache.request(req_id)
-        except (ValueError, TypeError):
-            return False
-        return True
+        return self._cache.requests.is_live(req_id)  # any id that hashes as a live one (numpy ints too)
 
     def request_length(self, req_id: int, layer_index: int) -> int:
         """Rows stored for ``req_id`` in layer ``layer_index`` (this forward's rows count

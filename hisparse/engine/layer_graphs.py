@@ -20,7 +20,7 @@ pad_to=N)``) replay one small graph per (call, layer, bucket) instead:
   compiles the kernels for those pointers; the second captures the same launches on a
   side stream and replays the graph; later calls replay it;
 - a conversion's graph is of the full resolve, or of the resident one when every live
-  request is resident (``HiSparseCache.resident_resolve``): the key of the graph a call
+  request is resident (``CacheGraphs.resident_resolve``): the key of the graph a call
   replays includes which, so a batch replays the resident graph only while no live
   request is hot;
 - a graph joins every stream it forks (the host mirror's, the staging's) before it ends,
