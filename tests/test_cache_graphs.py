@@ -17,7 +17,7 @@ import torch
 from hisparse import HiSparseConfig
 from hisparse.cache.cache import HiSparseCache
 from hisparse.cache.write_step import StepCapacity
-from invariants import check_cache, snapshot
+from invariants import assert_same, check_cache, snapshot
 
 I32, U8 = torch.int32, torch.uint8
 ROW_BYTES = 16
@@ -45,15 +45,6 @@ def _twins(kernels: str, **kw) -> tuple[HiSparseCache, HiSparseCache]:
     return out[0], out[1]
 
 
-def _same(a: dict, b: dict) -> None:
-    assert a.keys() == b.keys()
-    for k in a:
-        if isinstance(a[k], torch.Tensor):
-            assert torch.equal(a[k], b[k]), k
-        else:
-            assert a[k] == b[k], k
-
-
 def _topks(steps: int, seed: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, 20, (3, 4), dtype=I32, generator=g) for _ in range(steps)]
@@ -77,7 +68,7 @@ def test_a_planned_resolve_runs_as_the_eager_call(kernels):
             rb = call.run(replay=lambda: call.launch(static))
             assert rb.event is None
         assert torch.equal(ra.physical, rb.physical) and torch.equal(ra.valid_counts, rb.valid_counts)
-        _same(snapshot(a), snapshot(b))
+        assert_same(snapshot(a), snapshot(b))
     assert b.requests.epochs[0] == epochs[0] + 6, "each run counts as a resolve of the layer"
     check_cache(b)
 
@@ -92,7 +83,7 @@ def test_a_run_takes_the_top_k_or_a_replay():
         call.run(torch.zeros((3, 4), dtype=I32), replay=lambda: None)
     with pytest.raises(ValueError, match="planned for"):
         call.run(torch.zeros((2, 4), dtype=I32))
-    _same(before, snapshot(c))
+    assert_same(before, snapshot(c))
 
 
 def test_plan_resolve_refuses_what_an_unchecked_resolve_refuses():
@@ -102,7 +93,7 @@ def test_plan_resolve_refuses_what_an_unchecked_resolve_refuses():
         c.graphs.plan_resolve(0, torch.tensor([1, 2, 3]), torch.zeros((3, 4), dtype=I32))
     with pytest.raises(ValueError, match="layer"):
         c.graphs.plan_resolve(5, torch.tensor([1, 2, 3], dtype=I32), torch.zeros((3, 4), dtype=I32))
-    _same(before, snapshot(c))
+    assert_same(before, snapshot(c))
 
 
 def test_a_resident_plan_is_refused_once_a_request_is_hot():
@@ -125,7 +116,7 @@ def test_a_resident_plan_is_refused_once_a_request_is_hot():
     before = snapshot(c)
     with pytest.raises(ValueError, match="plan it again"):
         call.run(torch.tensor([[0, 1, 2, 3]], dtype=I32))
-    _same(before, snapshot(c))
+    assert_same(before, snapshot(c))
     with pytest.raises(ValueError, match="hot"):
         with c.graphs.resident_capture():
             pass
@@ -155,8 +146,8 @@ def test_a_planned_write_runs_as_write_step(kernels):
                 b.graphs.plan_write(layer, sb)
             with pytest.raises(ValueError, match="already written"):
                 call.run(replay=lambda: pytest.fail("a refused run replayed"))
-            _same(before, snapshot(b))
-        _same(snapshot(a), snapshot(b))
+            assert_same(before, snapshot(b))
+        assert_same(snapshot(a), snapshot(b))
         assert b.request(2).lengths == (21 + step_i, 21 + step_i)
     check_cache(b)
 
