@@ -29,7 +29,13 @@ def _pool_in_a_cycle(nbytes: int) -> tuple[int, list]:
 @pytest.fixture
 def collect_only_when_asked():
     """No automatic collection: what the test drops is freed by its gc.collect() inside
-    the capture, not before it."""
+    the capture, not before it. What earlier tests of the same process left in cycles is
+    collected first, outside any capture: it may hold a torch CUDAGraph, whose destructor
+    (a graph reset) is refused inside a capture and would invalidate it, and its pinned
+    pools would add to the count of deferred releases the first test expects."""
+    gc.collect()
+    device.release_deferred_pins()
+    assert not device._DEFERRED
     gc.disable()
     yield
     gc.enable()
