@@ -142,7 +142,7 @@ def _add_stress(sub) -> None:
     a("--format", dest="row_format", choices=["fp8_ds_mla", "bf16"], help=f"row format [{d.row_format.value}]")
     a("--steps", type=int, help=f"decode steps [{d.steps}]")
     a("--churn", type=float, help=f"per step and request: probability it leaves [{d.churn}]")
-    a("--trace", choices=list(SOURCES), help=f"top-k source [{d.trace}]")
+    a("--trace", choices=list(SOURCES), help=f"top-k source [{d.trace.value}]")
     a("--drift", type=float, help="correlated: fraction replaced per step; indexer: query drift; workingset: "
                                   "candidates replaced per step [0.1; workingset 0.03]")
     a("--replay", type=path_arg, metavar="FILE",

@@ -102,7 +102,7 @@ from .stress_limits import check_ramp_overflows, check_stress_sizes
 from .stress_pool import PoolChecks
 from .stress_prefetch import prefetch_report, prefetch_useful, selected_host_rows, selected_hot, selected_rows
 from .stress_prefix import PrefixRun, PrefixSchedule
-from .traces import ReplaySource, TraceRecorder
+from .traces import ReplaySource, Trace, TraceRecorder
 from .workload import RampSchedule, Schedule, StressOptions
 
 _M32 = 0xFFFFFFFF
@@ -160,7 +160,7 @@ class StressRun(PoolChecks, PrefixRun):
         self.kernels = require_kernels(o.kernels, self.dev)
         self.outputs = outputs if outputs is not None else Outputs()
         self.outputs.file(o.record, flag="--record")
-        self.replay = ReplaySource(o.replay, device=self.dev) if o.trace == "replay" else None
+        self.replay = ReplaySource(o.replay, device=self.dev) if o.trace is Trace.REPLAY else None
         if self.replay is not None:
             L, K = self.replay.num_layers, self.replay.top_k
             steps = len(self.replay.steps)
@@ -176,12 +176,12 @@ class StressRun(PoolChecks, PrefixRun):
             L, K = o.num_layers, o.top_k
             steps = 2 * o.num_requests if o.ramp else o.steps  # a ramp's length: RampSchedule.max_steps
             live_max, max_len, max_id = o.num_requests, o.context + steps, 0
-            if o.trace == "uniform":
+            if o.trace is Trace.UNIFORM:
                 self.source = UniformSource(top_k=K, device=self.dev, seed=o.seed)
-            elif o.trace == "indexer":
+            elif o.trace is Trace.INDEXER:
                 self.source = IndexerSource(top_k=K, max_context=max_len, drift=o.drift_used,
                                             device=self.dev, seed=o.seed)
-            elif o.trace == "workingset":  # the knobs stress has no flags for at their defaults, as whatif's
+            elif o.trace is Trace.WORKINGSET:  # the knobs stress has no flags for at their defaults, as whatif's
                 self.source = WorkingSetSource(top_k=K, drift=o.drift_used, device=self.dev, seed=o.seed)
             else:
                 self.source = CorrelatedSource(top_k=K, drift=o.drift_used, device=self.dev, seed=o.seed)
@@ -547,8 +547,8 @@ class StressRun(PoolChecks, PrefixRun):
                             "CPU (torch reference path)"),
             "config": self.cfg.to_dict(),
             "options": {k: v for k, v in plain_dict(o).items() if k != "progress"},
-            "workload": {"trace": o.trace,
-                         "drift": o.drift_used if o.trace in ("correlated", "indexer", "workingset") else None,
+            "workload": {"trace": o.trace.value,
+                         "drift": o.drift_used if o.trace.drifts else None,
                          "replay": o.replay, "steps_run": done, "steps_planned": self.steps,
                          "requests": o.num_requests if self.replay is None else None,
                          "context": o.context if self.replay is None else None,

@@ -42,6 +42,7 @@ by more than one appends all the missing rows in that step.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import io
 import json
 import os
@@ -51,7 +52,7 @@ from typing import BinaryIO
 import numpy as np
 import torch
 
-from hisparse.config import check_int
+from hisparse.config import check_int, parse_enum
 
 from .sources import TopkSource
 
@@ -296,4 +297,25 @@ class ReplaySource(TopkSource):
         return torch.from_numpy(np.ascontiguousarray(st.topk[:, layer])).to(self.device)
 
 
-SOURCES = ("uniform", "correlated", "replay", "indexer", "workingset")
+class Trace(enum.Enum):
+    """Where a run's top-k selections come from (``--trace``; ``StressOptions.trace``,
+    ``WhatifOptions.trace``): a generator of :mod:`hisparse_tools.sources`, or a
+    recorded trace file (REPLAY)."""
+
+    UNIFORM = "uniform"
+    CORRELATED = "correlated"
+    REPLAY = "replay"
+    INDEXER = "indexer"
+    WORKINGSET = "workingset"
+
+    @classmethod
+    def parse(cls, value: "Trace | str", name: str = "trace") -> "Trace":
+        return parse_enum(cls, value, name)
+
+    @property
+    def drifts(self) -> bool:
+        """Whether the selection drifts step to step (``drift`` applies)."""
+        return self in (Trace.CORRELATED, Trace.INDEXER, Trace.WORKINGSET)
+
+
+SOURCES = tuple(t.value for t in Trace)  # the CLI's spellings

@@ -55,17 +55,17 @@ from .preflight import check_memory, check_output_dir, path_arg
 from .progress import Progress
 from .report import PlotUnavailable, require_matplotlib  # noqa: F401 (PlotUnavailable: raised from here)
 from .sources import CorrelatedSource, IndexerSource, UniformSource, WorkingSetSource, workingset_state_bytes
-from .traces import TraceStep, load_trace
+from .traces import Trace, TraceStep, load_trace
 from .whatif_report import format_whatif, plot_whatif
 from .workload import Schedule, StressOptions
 
 EXIT_OK = 0
 PCIE_GBPS = 55.0  # H200 bulk pinned host -> device copy: the ceiling for staging (docs/PERF_NOTES.md)
 MAX_THREADS = 1024  # --threads bound: torch.set_num_threads crashes the process on absurd counts
-GENERATORS = ("workingset", "correlated", "uniform", "indexer")
+GENERATORS = (Trace.WORKINGSET, Trace.CORRELATED, Trace.UNIFORM, Trace.INDEXER)
 WORKLOAD_KEYS = ("requests", "context", "context_min", "layers", "top_k", "steps", "churn", "seed")
-KNOB_KEYS = {"workingset": ("sinks", "recent", "pool", "persistence", "drift", "layer_overlap"),
-             "correlated": ("drift",), "indexer": ("drift",), "uniform": ()}
+KNOB_KEYS = {Trace.WORKINGSET: ("sinks", "recent", "pool", "persistence", "drift", "layer_overlap"),
+             Trace.CORRELATED: ("drift",), Trace.INDEXER: ("drift",), Trace.UNIFORM: ()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +75,7 @@ class Preset:
 
     description: str
     workload: dict
-    trace: str
+    trace: Trace
     knobs: dict
     warmup: int
     reference: dict
@@ -88,7 +88,7 @@ PRESETS = {
                     "working set, adjacent layers overlapping about 80%",
         workload=dict(requests=32, context=128 * 1024, context_min=96 * 1024, layers=2,
                       top_k=2048, steps=100, churn=0.0, seed=0),
-        trace="workingset",
+        trace=Trace.WORKINGSET,
         knobs=dict(sinks=4, recent=64, pool=2.5, persistence=0.72, drift=0.03, layer_overlap=0.8),
         warmup=20,  # a 4x buffer fills in about 15 steps (see the plot in docs/WHATIF.md)
         reference={1.0: 0.30, 2.0: 0.134, 4.0: 0.067},
@@ -106,7 +106,7 @@ class WhatifOptions:
 
     replay: str | None = None
     preset: str | None = None
-    trace: str | None = None
+    trace: Trace | None = None  # a generator (not REPLAY: --replay FILE)
     requests: int | None = None
     context: int | None = None
     context_min: int | None = None
@@ -132,11 +132,13 @@ class WhatifOptions:
 
     def __post_init__(self) -> None:
         parse_choices(self, {"row_format": RowFormat.parse})
+        if self.trace is not None:
+            parse_choices(self, {"trace": Trace.parse})
 
 
 @dataclasses.dataclass(frozen=True)
 class _Resolved:
-    source: str  # "replay" or a generator name
+    source: Trace
     preset: Preset | None
     workload: dict
     knobs: dict
@@ -146,7 +148,7 @@ class _Resolved:
 
 def _resolve(o: WhatifOptions) -> _Resolved:
     """Merge preset and flags; ValueError for a bad or inapplicable option."""
-    given = {k: getattr(o, k) for k in WORKLOAD_KEYS + KNOB_KEYS["workingset"]
+    given = {k: getattr(o, k) for k in WORKLOAD_KEYS + KNOB_KEYS[Trace.WORKINGSET]
              if getattr(o, k) is not None}
     if o.row_bytes is not None:
         row_bytes = check_int("row_bytes", o.row_bytes, 1)
@@ -165,21 +167,22 @@ def _resolve(o: WhatifOptions) -> _Resolved:
         if extra:
             raise ValueError(f"{', '.join('--' + k.replace('_', '-') for k in extra)} "
                              f"appl{'ies' if len(extra) == 1 else 'y'} to generated traces, not --replay")
-        return _Resolved("replay", None, {"top_k": o.top_k}, {}, o.warmup or 0, row_bytes)
+        return _Resolved(Trace.REPLAY, None, {"top_k": o.top_k}, {}, o.warmup or 0, row_bytes)
     if o.preset is not None and o.preset not in PRESETS:
         raise ValueError(f"unknown preset {o.preset!r}; expected one of {sorted(PRESETS)}")
     pre = PRESETS[o.preset or "glm51"]
     source = o.trace or pre.trace
     if source not in GENERATORS:
-        raise ValueError(f"unknown trace generator {source!r}; expected one of {list(GENERATORS)}")
-    bad = [k for k in KNOB_KEYS["workingset"] if k in given and k not in KNOB_KEYS[source]]
+        raise ValueError(f"--trace {source.value} is not a generator; expected one of "
+                         f"{[g.value for g in GENERATORS]} (a recorded trace is --replay FILE)")
+    bad = [k for k in KNOB_KEYS[Trace.WORKINGSET] if k in given and k not in KNOB_KEYS[source]]
     if bad:
         raise ValueError(f"{', '.join('--' + k.replace('_', '-') for k in bad)} "
-                         f"do{'es' if len(bad) == 1 else ''} not apply to --trace {source}")
+                         f"do{'es' if len(bad) == 1 else ''} not apply to --trace {source.value}")
     workload = {**pre.workload, **{k: v for k, v in given.items() if k in WORKLOAD_KEYS}}
     if "context" in given and "context_min" not in given and workload["context_min"] > workload["context"]:
         workload["context_min"] = max(1, workload["context"] // 2)
-    base = pre.knobs if source == pre.trace else {}
+    base = pre.knobs if source is pre.trace else {}
     knobs = {k: given.get(k, base.get(k)) for k in KNOB_KEYS[source]}
     knobs = {k: v for k, v in knobs.items() if v is not None}
     for k in ("requests", "context", "layers", "top_k", "steps", "seed"):
@@ -187,7 +190,7 @@ def _resolve(o: WhatifOptions) -> _Resolved:
     check_int("context_min", workload["context_min"], 1, workload["context"] + 1)
     if not 0.0 <= float(workload["churn"]) <= 1.0:
         raise ValueError(f"churn must be in [0, 1], got {workload['churn']!r}")
-    is_pre = o.trace is None or o.trace == pre.trace
+    is_pre = o.trace is None or o.trace is pre.trace
     # another generator counts every step by default, as stress does
     warmup = o.warmup if o.warmup is not None else (pre.warmup if is_pre else 0)
     if warmup >= workload["steps"]:
@@ -197,11 +200,11 @@ def _resolve(o: WhatifOptions) -> _Resolved:
 
 def _make_source(r: _Resolved, dev: torch.device):
     w, kn, K = r.workload, r.knobs, r.workload["top_k"]
-    if r.source == "workingset":
+    if r.source is Trace.WORKINGSET:
         return WorkingSetSource(top_k=K, device=dev, seed=w["seed"], **kn)
-    if r.source == "correlated":
+    if r.source is Trace.CORRELATED:
         return CorrelatedSource(top_k=K, device=dev, seed=w["seed"], **kn)
-    if r.source == "indexer":
+    if r.source is Trace.INDEXER:
         return IndexerSource(top_k=K, max_context=w["context"] + w["steps"], device=dev,
                              seed=w["seed"], **kn)
     return UniformSource(top_k=K, device=dev, seed=w["seed"])
@@ -274,7 +277,7 @@ def _run(o: WhatifOptions) -> dict[str, Any]:
     dev = torch.device(o.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise MissingDependency("--device cuda: no CUDA device is available here; use --device cpu")
-    if r.source == "replay":
+    if r.source is Trace.REPLAY:
         meta, steps = load_trace(o.replay)
         if not steps:
             raise ValueError(f"trace file {o.replay!r} has no steps")
@@ -290,7 +293,7 @@ def _run(o: WhatifOptions) -> dict[str, Any]:
             raise ValueError(f"every buffer size must be >= top_k={K} (a resolve needs up to "
                              f"top_k free slots), got {b}")
     buffers = sorted(set(buffers))
-    if r.source == "replay":
+    if r.source is Trace.REPLAY:
         live = max(st.req_ids.size for st in steps)
         if live == 0:
             raise ValueError(f"trace file {o.replay!r} has no request in any of its {len(steps)} steps")
@@ -302,12 +305,12 @@ def _run(o: WhatifOptions) -> dict[str, Any]:
     host = _memory_needed(r, K=K, L=L, S=buffers[-1], live=live, max_len=max_len, steps=n_steps)
     check_memory(host=host, device={}, on=torch.device("cpu"), what="this whatif run",
                  hint="lower --requests, --context, --steps, --top-k or --buffers"
-                 + (" (or the working set's --pool)" if r.source == "workingset" else ""))
-    n_gen = r.workload["steps"] if r.source != "replay" else 0
-    n_sim = 2 * L * len(buffers) * (r.workload["steps"] if r.source != "replay" else len(steps))
+                 + (" (or the working set's --pool)" if r.source is Trace.WORKINGSET else ""))
+    n_gen = r.workload["steps"] if r.source is not Trace.REPLAY else 0
+    n_sim = 2 * L * len(buffers) * (r.workload["steps"] if r.source is not Trace.REPLAY else len(steps))
     with Progress(n_gen + n_sim, "whatif", enabled=o.progress) as bar:
         t0 = time.perf_counter()
-        if r.source != "replay":
+        if r.source is not Trace.REPLAY:
             steps = generate(r, dev, bar)
         t_gen = time.perf_counter() - t0
         insts = _instances(steps)
@@ -315,9 +318,9 @@ def _run(o: WhatifOptions) -> dict[str, Any]:
     res["timings"] = {"generate_s": t_gen, "simulate_s": time.perf_counter() - t_start - t_gen}
     lens = np.concatenate([st.seq_lens for st in steps])
     res["trace"] = {
-        "source": r.source, "file": o.replay,
+        "source": r.source.value, "file": o.replay,
         "preset": (o.preset or "glm51") if r.preset is not None else None,
-        "workload": r.workload if r.source != "replay" else None, "knobs": r.knobs,
+        "workload": r.workload if r.source is not Trace.REPLAY else None, "knobs": r.knobs,
         "num_layers": L, "top_k": K, "steps": len(steps),
         "max_live_requests": max(st.req_ids.size for st in steps),
         "requests_seen": int(max([int(i.max()) for i in insts if i.size] + [-1]) + 1),
@@ -351,7 +354,7 @@ def _memory_needed(r: _Resolved, *, K: int, L: int, S: int, live: int, max_len: 
     out = {"traces": steps * live * L * K * 4,
            "next uses": 2 * steps * live * K * 8,
            "simulation": live * ((S + 1) * 16 + (max_len + 2) * 4)}
-    if r.source == "workingset":
+    if r.source is Trace.WORKINGSET:
         kn = {k: r.knobs[k] for k in ("sinks", "recent", "pool") if k in r.knobs}
         out["generator"] = L * live * workingset_state_bytes(K, max_len, **kn)
     return out
@@ -441,7 +444,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
     a = p.add_argument
     a("--replay", type=path_arg, metavar="FILE", help="a recorded .npz trace (stress/mini-engine --record)")
     a("--preset", choices=sorted(PRESETS), help="generated workload [glm51 unless --replay]")
-    a("--trace", choices=GENERATORS, help="generator (overrides the preset's)")
+    a("--trace", choices=[g.value for g in GENERATORS], help="generator (overrides the preset's)")
     for k, typ, h in (("requests", int, "live requests"),
                       ("context", token_arg, "max context of a joining request, e.g. 128K"),
                       ("context-min", token_arg, "min context of a joining request"), ("layers", int, "layers"),

@@ -15,7 +15,7 @@ from hisparse.config import Kernels, RowFormat, check_bool, check_int
 from .fields import parse_choices
 from .sizing import check_prefix_options
 from .sources import WORKINGSET_DRIFT, WORKINGSET_RECENT, WORKINGSET_SINKS
-from .traces import SOURCES
+from .traces import Trace
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +39,7 @@ class StressOptions:
     row_format: RowFormat = RowFormat.FP8_DS_MLA
     steps: int = 40
     churn: float = 0.05  # per step and request: probability it leaves (a new one joins)
-    trace: str = "correlated"  # uniform | correlated | replay | indexer
+    trace: Trace = Trace.CORRELATED
     drift: float | None = None  # correlated / indexer / workingset: per step replacement (None: the trace's default)
     replay: str | None = None  # trace file for trace="replay"
     record: str | None = None  # write the trace used to this .npz
@@ -64,7 +64,7 @@ class StressOptions:
         (``WORKINGSET_DRIFT``, as whatif's preset), 0.1 for the others."""
         if self.drift is not None:
             return float(self.drift)
-        return WORKINGSET_DRIFT if self.trace == "workingset" else 0.1
+        return WORKINGSET_DRIFT if self.trace is Trace.WORKINGSET else 0.1
 
     def __post_init__(self) -> None:
         for name in ("num_requests", "context", "num_layers", "top_k", "steps", "block_size",
@@ -89,25 +89,23 @@ class StressOptions:
             check_int("pool_rows", self.pool_rows, lo=1)
         if self.ramp and self.pool_rows is None:
             raise ValueError("ramp needs pool_rows: it adds requests until the device pool overflows")
-        if self.ramp and self.trace == "replay":
+        parse_choices(self, {"row_format": RowFormat.parse, "kernels": Kernels.parse, "trace": Trace.parse})
+        if self.ramp and self.trace is Trace.REPLAY:
             raise ValueError("ramp makes its own join/leave schedule and a replayed trace fixes one: "
                              "give one of them")
         self._check_prefix(cm)
-        parse_choices(self, {"row_format": RowFormat.parse, "kernels": Kernels.parse})
-        if self.trace not in SOURCES:
-            raise ValueError(f"trace must be one of {list(SOURCES)}, got {self.trace!r}")
         fixed = WORKINGSET_SINKS + WORKINGSET_RECENT
-        if self.trace == "workingset" and self.top_k <= fixed:
+        if self.trace is Trace.WORKINGSET and self.top_k <= fixed:
             raise ValueError(f"trace='workingset' always selects {WORKINGSET_SINKS} sink and the "
                              f"{WORKINGSET_RECENT} newest tokens, so it needs top_k > {fixed} (got {self.top_k}); "
                              "give a larger --top-k or another --trace")
-        if self.drift is not None and self.trace in ("uniform", "replay"):
-            raise ValueError(f"drift does not apply to trace={self.trace!r} (only correlated, indexer "
+        if self.drift is not None and not self.trace.drifts:
+            raise ValueError(f"drift does not apply to trace={self.trace.value!r} (only correlated, indexer "
                              "and workingset drift); leave --drift out or pick one of those traces")
-        if self.trace == "replay" and not self.replay:
+        if self.trace is Trace.REPLAY and not self.replay:
             raise ValueError("trace='replay' needs a trace file (--replay FILE)")
-        if self.replay and self.trace != "replay":
-            raise ValueError(f"a trace file to replay ({self.replay!r}) and trace={self.trace!r} "
+        if self.replay and self.trace is not Trace.REPLAY:
+            raise ValueError(f"a trace file to replay ({self.replay!r}) and trace={self.trace.value!r} "
                              "conflict: use trace='replay' with it, or drop the file")
         v = self.verify
         if not (v in ("all", "none") or (isinstance(v, int) and not isinstance(v, bool) and v >= 0)):
@@ -130,7 +128,7 @@ class StressOptions:
             raise ValueError(f"shared_prefix={P} does not fit the prompts: a prompt is the shared prefix plus at "
                              f"least one token of its own, and the shortest has {cm} tokens (context_min{given}); "
                              f"give a shared_prefix below {cm} or a longer context_min")
-        if self.trace == "replay":
+        if self.trace is Trace.REPLAY:
             raise ValueError("shared_prefix makes its own requests (prompts, follow-up turns) and a replayed "
                              "trace fixes them: give one of the two")
         if self.ramp:
