@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+from typing import Any
 
 import torch
 
@@ -41,7 +42,7 @@ _D_CKV = D_LATENT  # FlashInfer's names: compressed KV (the latent) and the RoPE
 _D_KPE = D_ROPE
 _LN2 = math.log(2.0)
 
-_IMPORT: dict[str, object] = {}
+_IMPORT: dict[str, Any] = {}  # "reason": str | None, "version": str
 _find_spec = importlib.util.find_spec  # (a module attribute so tests can simulate absence)
 
 
@@ -61,7 +62,7 @@ def flashinfer_import_reason() -> str | None:
                 _IMPORT["version"] = getattr(flashinfer, "__version__", "unknown")
             except Exception as e:  # a broken install: report it, don't crash supports()
                 _IMPORT["reason"] = f"importing flashinfer.mla failed: {type(e).__name__}: {e}"
-    return _IMPORT["reason"]  # type: ignore[return-value]
+    return _IMPORT["reason"]
 
 
 def flashinfer_version() -> str | None:

@@ -73,10 +73,10 @@ class Forward:
     def check_decode_topk(self, topk_indices: object, device: torch.device) -> None:
         """A decode top-k of this forward: int32 [decode_tokens, K] on ``device``."""
         td = self.decode_tokens
-        check_tensor("topk_indices", topk_indices, dtype=torch.int32, ndim=2, device=device)
-        if topk_indices.shape[0] != td:  # type: ignore[union-attr]
+        t = check_tensor("topk_indices", topk_indices, dtype=torch.int32, ndim=2, device=device)
+        if t.shape[0] != td:
             raise ValueError(f"topk_indices must be [num_decode_tokens={td}, K] (padded to the bucket with "
-                             f"pad_to), got {list(topk_indices.shape)}")  # type: ignore[union-attr]
+                             f"pad_to), got {list(t.shape)}")
 
     def written_before(self, layer: int, what: str) -> None:
         """ValueError when this forward's rows of ``layer`` are not written yet (decode

@@ -154,10 +154,10 @@ class HiSparseIndexGroup:
         return i
 
     def _layer(self, layer_index: object) -> int:
-        check_int("layer_index", layer_index)
-        if not 0 <= layer_index < len(self._layers):  # type: ignore[operator]
-            raise ValueError(f"layer_index {layer_index} is not registered (have {len(self._layers)} layers)")
-        return layer_index  # type: ignore[return-value]
+        i = check_int("layer_index", layer_index)
+        if not 0 <= i < len(self._layers):
+            raise ValueError(f"layer_index {i} is not registered (have {len(self._layers)} layers)")
+        return i
 
     def cache(self, layer_index: int) -> LayerCache:
         return self._layers[self._layer(layer_index)]
@@ -319,17 +319,17 @@ class HiSparseIndexGroup:
     def _as_row_bytes(self, rows: object, n: int, name: str) -> torch.Tensor:
         """uint8 [n, row_bytes] (bf16 [n, 576] accepted for bf16 rows; any strides)."""
         rb = self.config.row_bytes
-        check_tensor(name, rows, ndim=2, device=self.device)
-        if rows.dtype != torch.uint8:  # type: ignore[union-attr]
-            if rows.dtype == torch.bfloat16 and self.row_format is RowFormat.BF16:  # type: ignore[union-attr]
-                if rows.shape[1] != D_ROW:  # type: ignore[union-attr]
-                    raise ValueError(f"{name} as bf16 must be [T, {D_ROW}], got {tuple(rows.shape)}")  # type: ignore[union-attr]
-                rows = rows.contiguous().view(torch.uint8)  # type: ignore[union-attr]
-            check_tensor(name, rows, dtype=torch.uint8)
-        if tuple(rows.shape) != (n, rb):  # type: ignore[union-attr]
+        t = check_tensor(name, rows, ndim=2, device=self.device)
+        if t.dtype != torch.uint8:
+            if t.dtype == torch.bfloat16 and self.row_format is RowFormat.BF16:
+                if t.shape[1] != D_ROW:
+                    raise ValueError(f"{name} as bf16 must be [T, {D_ROW}], got {tuple(t.shape)}")
+                t = t.contiguous().view(torch.uint8)
+            check_tensor(name, t, dtype=torch.uint8)
+        if tuple(t.shape) != (n, rb):
             raise ValueError(f"{name} must be [T={n}, {rb}] (one row per token of the batch), got "
-                             f"{list(rows.shape)}")  # type: ignore[union-attr]
-        return rows  # type: ignore[return-value]
+                             f"{list(t.shape)}")
+        return t
 
     # ---------------------------------------------------------------- decode
     def convert_decode_logical_to_physical_topk(
