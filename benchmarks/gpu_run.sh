@@ -102,8 +102,8 @@ run_to() {  # name timeout_s stdout_file cmd...  (stdout to a file, stderr to th
 }
 for s in "${sections[@]}"; do
   case "$s" in
-    env) run_to env 180 "$RES/env.json" python3 -m hisparse env --json; nvidia-smi >>"$LOG" 2>&1
-         python3 -m hisparse env >>"$LOG" 2>&1 ;;
+    env) run_to env 180 "$RES/env.json" python3 -m hisparse_tools env --json; nvidia-smi >>"$LOG" 2>&1
+         python3 -m hisparse_tools env >>"$LOG" 2>&1 ;;
     tests) run tests ${TESTS_TIMEOUT:-400} env OUT="$RES" bash tests/run_gpu.sh default
            tail -5 "$LOG" | tee -a "$SUM" ;;
     tests_each)  # one pytest per file, so a slow file can't hide the others' reports
@@ -170,7 +170,7 @@ for s in "${sections[@]}"; do
     profile_layer) run_to profile_layer 300 "$RES/profile_layer.txt" python3 -m benchmarks.profile_layer \
         --out "$RES/profile_layer.json" ${PROFILE_LAYER_ARGS:-} ;;
     miss) run miss 300 python3 -m benchmarks.bench_miss_attention --out "$RES/miss_attention.json" ${QUICK:+--quick} ${MISS_ARGS:-} ;;
-    stress) run_to stress 420 "$RES/stress.json" python3 -m hisparse stress --preset gpu --json --plot "$RES"
+    stress) run_to stress 420 "$RES/stress.json" python3 -m hisparse_tools stress --preset gpu --json --plot "$RES"
             python3 -c "import json,sys; from hisparse_tools.stress_report import format_stress; print(format_stress(json.load(open(sys.argv[1]))))" "$RES/stress.json" >>"$LOG" 2>&1 ;;
     host_calls) for pad in "" 64; do
           run "host_calls${pad:+_pad$pad}" 240 python3 -m benchmarks.bench_host_calls --requests 64 --layers 8 \
@@ -205,11 +205,11 @@ for s in "${sections[@]}"; do
       grep "^{\"slots\|^\[phases\]" "$LOG" | tail -n 3 | tee -a "$SUM" ;;
     mini_graphs)
       for ov in serial split; do
-        run "mini_graphs_$ov" 240 python3 -m hisparse mini-engine --preset h200 --graphs --unchecked --overlap "$ov" \
+        run "mini_graphs_$ov" 240 python3 -m hisparse_tools mini-engine --preset h200 --graphs --unchecked --overlap "$ov" \
             --layers 2 --requests 16 --min-prompt 7680 --max-prompt 8192 --synthetic-context 7168 \
             --arrival-every 1 --backend triton --out "$RES/mini_graphs_$ov.json"
       done ;;
-    autotune) run autotune 420 python3 -m hisparse autotune --layers 61 --format fp8_ds_mla --top-k 2048 \
+    autotune) run autotune 420 python3 -m hisparse_tools autotune --layers 61 --format fp8_ds_mla --top-k 2048 \
               --heads 128 --context 8192 --out "$RES/autotune.json" ;;
     *) echo "unknown section $s" | tee -a "$SUM" ;;
   esac

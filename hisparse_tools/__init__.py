@@ -1,6 +1,6 @@
 """hisparse's tools: the ``hisparse`` command and what it runs, apart from the library.
 
-- ``cli``: the command (``hisparse``, ``python -m hisparse``, ``python -m hisparse_tools``).
+- ``cli``: the command (``hisparse``, or ``python -m hisparse_tools``).
 - ``stress`` (+ ``stress_limits``, ``stress_pool``, ``stress_prefetch``, ``stress_prefix``,
   ``stress_report``): the real cache
   under a long-context workload, verified byte-exact.

@@ -13,7 +13,7 @@ every ``--help`` ends with the table, and ``docs/CLI.md`` has the cases):
   3  a capacity limit (nothing fits the budget, the pool or the machine's memory)
   4  a missing dependency (CUDA, Triton's interpreter, matplotlib, prometheus_client)
 
-``python -m hisparse ...`` is the same command; ``hisparse --version`` prints the version.
+``python -m hisparse_tools ...`` is the same command; ``hisparse --version`` prints the version.
 """
 
 from __future__ import annotations

@@ -215,7 +215,7 @@ def test_mini_engine_help_says_what_unset_defaults_mean(capsys):
 
 
 def test_python_dash_m():
-    p = subprocess.run([sys.executable, "-m", "hisparse", "plan", "--json", "--quiet"],
+    p = subprocess.run([sys.executable, "-m", "hisparse_tools", "plan", "--json", "--quiet"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert json.loads(p.stdout)["binding"] in ("gpu", "host", "max_seqs")
@@ -256,7 +256,7 @@ def test_triton_kernels_on_cpu_without_the_interpreter_exit_4():
     for flag, argv in (("--kernels", ["stress", "--kernels", "triton", "--device", "cpu", "--quiet"]),
                        ("--kernels", ["mini-engine", "--kernels", "triton", "--device", "cpu"]
                         + ME_TINY)):
-        p = subprocess.run([sys.executable, "-m", "hisparse", *argv], capture_output=True, text=True,
+        p = subprocess.run([sys.executable, "-m", "hisparse_tools", *argv], capture_output=True, text=True,
                            timeout=120, env=env)
         err = p.stderr.strip()
         assert p.returncode == 4, p.stderr
