@@ -47,7 +47,8 @@ import numpy as np
 import torch
 
 from hisparse import CapacityError
-from invariants import LRUSim, _check_sim, _cpu_state, assert_same, snapshot
+from invariants import _check_sim, _cpu_state, assert_same, snapshot
+from lru_sim import LRUSim
 
 
 def _fail(msg: str) -> None:

@@ -11,7 +11,8 @@ import torch
 from hisparse import HiSparseConfig
 from hisparse.cache.cache import HiSparseCache
 
-from invariants import TraceRunner, check_cache, check_result, long_trace
+from invariants import check_cache, check_result
+from trace_runner import TraceRunner, long_trace
 
 pytestmark = pytest.mark.gpu
 

@@ -24,7 +24,9 @@ from hisparse.cache.cache import HiSparseCache
 from hisparse.cache.device_pool import seed_positions
 from hisparse.cache.state import STAT_RESIDENT
 from hisparse.cache.write_step import StepCapacity
-from invariants import LRUSim, TraceRunner, check_cache, check_result, snapshot, tier_trace
+from invariants import check_cache, check_result, snapshot
+from lru_sim import LRUSim
+from trace_runner import TraceRunner, tier_trace
 
 I32 = torch.int32
 KERNELS = ["torch", "triton"]
