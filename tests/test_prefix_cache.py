@@ -11,7 +11,7 @@ a batched write that evicts, two live requests sharing a block with independent 
 state, stats / metrics, the engine façade, and the cache without prefix caching.
 
 Rows are a function of (layer, salt, the token ids up to the position), as a model's
-KV would be (``prefix_trace.Rows``).
+KV would be (``prefix_model.Rows``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from hisparse.cache.prefix_index import block_names
 from hisparse.cache.state import HotState
 
 from invariants import _cpu_state, assert_same
-from prefix_trace import PrefixTrace, Rows, prefix_snapshot
+from prefix_model import Rows
+from prefix_trace import PrefixTrace, prefix_snapshot
 
 B = 4
 
@@ -108,7 +109,7 @@ def test_churn_trace_triton(aliases):
 
 # ---------------------------------------------------------------- helpers
 class Req:
-    """A request of the focused tests: its tokens and rows (``prefix_trace.Rows``)."""
+    """A request of the focused tests: its tokens and rows (``prefix_model.Rows``)."""
 
     def __init__(self, cache, rid, tokens, salt=None, given=True):
         self.cache, self.rid, self.salt = cache, rid, salt
