@@ -176,7 +176,7 @@ def test_split_runs_on_cuda_equal_reference():
     import os
     import sys
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # any pytest import mode
-    from test_kernels_resolve import assert_same, make_state, new_buffers
+    from resolve_common import assert_same, make_state, new_buffers
 
     from hisparse.cache.resolve_ref import resolve_reference
     from hisparse.cache.resolve_triton import resolve_triton
