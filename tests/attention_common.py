@@ -1,6 +1,6 @@
 """Helpers shared by the attention tests: GPU problems and checks against the float32
 reference (test_attention_gpu.py, test_attention_ws_gpu.py), the offline sm90
-compile runner (test_attention_triton.py, test_attention_ws_compile.py), and the
+compile runner (test_attention_compile.py, test_attention_ws_compile.py), and the
 empty-row cases every backend's output goes through the LSE merges with
 (test_miss_merge_empty.py on CPU, test_miss_attention_gpu.py and test_backends_gpu.py).
 

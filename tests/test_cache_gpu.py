@@ -11,7 +11,8 @@ import torch
 from hisparse import HiSparseConfig
 from hisparse.cache.cache import HiSparseCache
 
-from invariants import TraceRunner, check_cache, check_result, long_trace
+from invariants import check_cache, check_result
+from trace_runner import TraceRunner, long_trace
 
 pytestmark = pytest.mark.gpu
 
@@ -175,7 +176,7 @@ def test_split_runs_on_cuda_equal_reference():
     import os
     import sys
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # any pytest import mode
-    from test_kernels_resolve import assert_same, make_state, new_buffers
+    from resolve_common import assert_same, make_state, new_buffers
 
     from hisparse.cache.resolve_ref import resolve_reference
     from hisparse.cache.resolve_triton import resolve_triton

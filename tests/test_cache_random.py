@@ -19,7 +19,7 @@ from hypothesis import strategies as st  # noqa: E402
 from hisparse import HiSparseConfig  # noqa: E402
 from hisparse.cache.cache import HiSparseCache  # noqa: E402
 
-from invariants import TraceRunner, long_trace  # noqa: E402
+from trace_runner import TraceRunner, long_trace  # noqa: E402
 
 CONFIGS = {
     # two layers, multi-token decode, 2-token blocks

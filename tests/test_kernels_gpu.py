@@ -27,7 +27,7 @@ from hisparse.config import HiSparseConfig
 from hisparse.device import PinnedBuffer
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # any pytest import mode
-from test_kernels_resolve import assert_same, make_state, new_buffers  # noqa: E402
+from resolve_common import assert_same, make_state, new_buffers  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 

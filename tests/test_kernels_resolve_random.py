@@ -1,7 +1,7 @@
 """The Triton resolve kernel against the reference on random traces (hypothesis).
 
 hypothesis is the [test] extra; without it this module is skipped, test_kernels_resolve.py
-(whose helpers the GPU tests import) runs.
+(whose helpers, ``resolve_common``, the GPU tests import too) runs.
 """
 
 import random
@@ -12,7 +12,7 @@ pytest.importorskip("hypothesis")
 
 from hypothesis import given, settings, strategies as st  # noqa: E402
 
-from test_kernels_resolve import run_trace, small_cfg  # noqa: E402
+from resolve_common import run_trace, small_cfg  # noqa: E402
 
 
 @settings(max_examples=10, deadline=None)

@@ -1,17 +1,19 @@
 """Prefix caching in ``HiSparseCache`` (``hisparse.cache.prefix``), on CPU with the torch
-kernels and the Triton kernels (interpreter).
+kernels and the Triton kernels (interpreter): lookup, publishing and sharing.
 
 A randomized churn trace (``prefix_trace.PrefixTrace``: requests of a few prompt
 groups, follow-up turns that extend an earlier request's prompt and output, chunked
 prefills, decode steps with resolves, frees, resets, refused calls) against a plain
 model of the prefix cache, byte-exact; then focused cases: the cap at ``len - 1``,
 salts, publishing only when every layer holds a block, publishing at free (multi-turn),
-LRU eviction of unreferenced blocks only, admission counting evictable blocks as free,
-a batched write that evicts, two live requests sharing a block with independent hot
-state, stats / metrics, the engine façade, and the cache without prefix caching.
+a live writer's blocks found by the next lookup (aliases), two live requests sharing a
+block with independent hot state, and rows of a prepared step, a salt without token
+ids and a failed commit that publish nothing. Eviction is in
+test_prefix_cache_eviction.py; stats, the engine façade and the cache without prefix
+caching are in test_prefix_cache_api.py.
 
 Rows are a function of (layer, salt, the token ids up to the position), as a model's
-KV would be (``prefix_trace.Rows``).
+KV would be (``prefix_model.Rows``).
 """
 
 from __future__ import annotations
@@ -19,23 +21,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hisparse import CapacityError, HiSparseConfig
-from hisparse.cache.cache import HiSparseCache
-from hisparse.cache.prefix_index import block_names
-from hisparse.cache.state import HotState
-
-from invariants import _cpu_state, assert_same
-from prefix_trace import PrefixTrace, Rows, prefix_snapshot
-
-B = 4
-
-
-def make(kernels="torch", **kw) -> HiSparseCache:
-    base = dict(num_layers=2, row_bytes=64, top_k=4, device_buffer_size=8, host_block_size=B,
-                max_num_reqs=4, host_pool_tokens=B * 20, max_request_id=12, device="cpu",
-                prefix_caching=True)
-    base.update(kw)
-    return HiSparseCache(HiSparseConfig(**base), kernels=kernels)
+from prefix_common import B, Req, make, toks
+from prefix_model import Rows
+from prefix_trace import PrefixTrace
 
 
 # ---------------------------------------------------------------- the churn trace
@@ -104,53 +92,6 @@ def test_churn_trace_triton(aliases):
     _, counts = run_trace(cache, 0 if aliases is None else 3, 100)  # seed 0 fails without host_block
     assert counts["hit_tokens"] > 0 and counts["resolve"] > 10, counts  # (seeds that do)
     assert aliases == 0 or counts.get("alias_maps", 0) > 0, counts
-
-
-# ---------------------------------------------------------------- helpers
-class Req:
-    """A request of the focused tests: its tokens and rows (``prefix_trace.Rows``)."""
-
-    def __init__(self, cache, rid, tokens, salt=None, given=True):
-        self.cache, self.rid, self.salt = cache, rid, salt
-        self.rows = Rows(salt, cache.cfg.num_layers, cache.cfg.row_bytes)
-        self.rows.extend(tokens)
-        self.cached = cache.add_request(rid, list(tokens), salt) if given else cache.add_request(rid)
-
-    @property
-    def tokens(self):
-        return self.rows.tokens
-
-    def write(self, layers=None, end=None):
-        """Write the rows each layer lacks up to ``end`` (default: every token)."""
-        c = self.cache
-        end = len(self.tokens) if end is None else end
-        for l in (range(c.cfg.num_layers) if layers is None else layers):
-            p0 = c.request(self.rid).lengths[l]
-            if p0 < end:
-                assert c.write(l, self.rid, self.rows.get(l, p0, end))[0] == p0
-
-    def decode(self, tokens, give=True):
-        for t in tokens:
-            self.rows.extend([t])
-            self.write()
-        if give:
-            self.cache.add_tokens(self.rid, list(tokens))
-
-    def resolve(self, layer, positions):
-        """Resolve ``positions`` (padded to top_k) and check every row byte-exact;
-        returns the physical rows."""
-        c = self.cache
-        K = c.cfg.top_k
-        row = list(positions) + [-1] * (K - len(positions))
-        res = c.resolve(layer, torch.tensor([self.rid], dtype=torch.int32), torch.tensor([row], dtype=torch.int32))
-        phys = res.physical[0].tolist()[:len(positions)]
-        for p, x in zip(positions, phys):
-            assert torch.equal(c.hot[layer, x], self.rows.get(layer, p, p + 1)[0]), (self.rid, layer, p, x)
-        return phys
-
-
-def toks(n, start=100):
-    return list(range(start, start + n))
 
 
 # ---------------------------------------------------------------- focused cases
@@ -298,290 +239,6 @@ def test_two_sharers_have_independent_hot_state():
     assert [c.prefix.index.refs(h) for h in range(4)] == [1, 1, 1, 1]
 
 
-def test_eviction_is_lru_and_only_of_unreferenced_blocks():
-    c = make(host_pool_tokens=10 * B, max_num_reqs=4)  # 10 blocks
-    ix, alloc = c.prefix.index, c.pool.allocator
-    reqs = []
-    for i in range(3):  # three 2-block prompts, freed in order 2, 0, 1
-        r = Req(c, i, toks(2 * B + 1, start=1000 * (i + 1)))
-        r.write()
-        reqs.append(r)
-    blocks = {i: alloc.blocks(c.request(i).slot)[:2] for i in range(3)}
-    for i in (2, 0, 1):
-        c.free_request(i)
-    assert ix.cached == 6 and ix.evictable == 6
-    # least recently released first; a request's own blocks tail first (a head evicted
-    # first would leave the rest of its chain unreachable)
-    rev = {i: blocks[i][::-1] for i in blocks}
-    assert ix.peek_evict(6) == rev[2] + rev[0] + rev[1]
-    # request 0's prompt again: its blocks are referenced (not evictable) and move out of the LRU
-    again = Req(c, 3, toks(2 * B + 1, start=1000))
-    assert again.cached == 2 * B and ix.evictable == 4
-    # a fresh request needs 7 blocks: the 4 free, then evicts the 3 least recently released
-    # unreferenced ones
-    n = Req(c, 4, toks(6 * B + 1, start=5))
-    assert len(alloc._free) == 4
-    free_before = sorted(alloc._free)
-    n.write()
-    got = alloc.blocks(c.request(4).slot)
-    assert got == free_before + rev[2] + rev[1][:1]
-    assert ix.evictions == 3 and ix.cached == 3
-    assert all(ix.holds(b) for b in blocks[0]) and ix.holds(blocks[1][0])
-    assert c.stats()["total"]["prefix_evictions"] == 3
-    # request 2's prompt is gone; request 1 keeps its first block (the tail went first)
-    assert Req(c, 5, toks(2 * B + 1, start=3000)).cached == 0
-    c.free_request(5)
-    assert Req(c, 6, toks(2 * B + 1, start=2000)).cached == B
-    c.free_request(6)
-    again.write()
-    again.resolve(0, [0, 1, 7, 8])
-    assert all(ix.refs(b) == 1 for b in blocks[0])
-
-
-def test_admission_counts_evictable_blocks_as_free():
-    c = make(host_pool_tokens=6 * B, max_num_reqs=3)  # 6 blocks
-    alloc, ix = c.pool.allocator, c.prefix.index
-    a = Req(c, 0, toks(4 * B + 1))
-    a.write()  # 5 blocks
-    c.free_request(0)  # 4 cached (evictable) + 1 free -> 2 free
-    assert (alloc.num_used, alloc.num_free, ix.evictable) == (4, 6, 4)
-    assert c.stats()["host_pool"]["blocks_used"] == 4
-    b = Req(c, 1, toks(3 * B, start=9))
-    b.write()  # 3 blocks: 2 free + 1 evicted
-    assert ix.evictions == 1 and alloc.num_free == 3
-    # 4 more blocks than exist free + evictable: refused, nothing changed
-    d = Req(c, 2, toks(4 * B, start=50))
-    before = prefix_snapshot(c)
-    with pytest.raises(CapacityError):
-        c.write(0, 2, d.rows.get(0, 0, 4 * B))
-    with pytest.raises(CapacityError):
-        c.prepare_step(c.plan_write([1, 2], [1, 3 * B + 1]))
-    with pytest.raises(CapacityError):
-        c.writer.allocate_for(c.request(2).slot, 4 * B)
-    assert_same(before, prefix_snapshot(c))
-    # exactly free + evictable: succeeds, evicting every cached block
-    d.write(end=3 * B)
-    assert ix.evictions == 4 and alloc.num_free == 0 and ix.evictable == 0
-    assert ix.cached == 3 and [ix.refs(h) for h in alloc.blocks(c.request(1).slot)] == [1, 1, 1]  # b's, published by d's lookup
-    d.resolve(0, [0, 5, 11])
-
-
-@pytest.mark.parametrize("kernels", ["torch", "triton"])
-def test_a_batched_write_that_evicts_gets_the_blocks_it_planned(kernels):
-    """A batch whose requests together need evictions: the write plans with ``peek`` of
-    the whole batch and allocates request by request; both must agree (a regression:
-    the first request used to be handed a free block while the plan had given it an
-    evicted one of lower id)."""
-    c = make(kernels, host_pool_tokens=4 * B, num_layers=1)  # 4 blocks
-    alloc = c.pool.allocator
-    a = Req(c, 0, toks(B + 1))
-    a.write()  # blocks 0 (published at free), 1
-    o = Req(c, 1, toks(B, start=70), given=False)
-    o.write()  # block 2
-    c.free_request(0)
-    assert sorted(alloc._free) == [1, 3] and c.prefix.index.peek_evict(1) == [0]
-    n = Req(c, 2, toks(2 * B, start=90), given=False)
-    o.rows.extend([5])
-    rows = torch.cat([o.rows.get(0, B, B + 1), n.rows.get(0, 0, 2 * B)])
-    assert alloc.peek(3) == [1, 3, 0]
-    assert c.write(0, c.plan_write([1, 2], [1, 2 * B]), rows) == [B, 0]
-    assert alloc.blocks(c.request(1).slot) == [2, 1] and alloc.blocks(c.request(2).slot) == [3, 0]
-    assert c.prefix.index.evictions == 1
-    o.resolve(0, [0, B])
-    n.resolve(0, [0, 3, 4, 7])
-    # the same through a prepared step (an engine's forward)
-    c2 = make(kernels, host_pool_tokens=4 * B, num_layers=1)
-    a = Req(c2, 0, toks(B + 1))
-    a.write()
-    o = Req(c2, 1, toks(B, start=70), given=False)
-    o.write()
-    c2.free_request(0)
-    n = Req(c2, 2, toks(2 * B, start=90), given=False)
-    o.rows.extend([5])
-    step = c2.prepare_step(c2.plan_write([1, 2], [1, 2 * B]))
-    c2.write_step(0, step, torch.cat([o.rows.get(0, B, B + 1), n.rows.get(0, 0, 2 * B)]))
-    assert c2.pool.allocator.blocks(c2.request(1).slot) == [2, 1] and c2.pool.allocator.blocks(c2.request(2).slot) == [3, 0]
-    n.resolve(0, [0, 7])
-
-
-def test_reset_prefix_cache_drops_unreferenced_blocks_only():
-    c = make()
-    a = Req(c, 0, toks(2 * B + 1))
-    a.write()
-    b = Req(c, 1, toks(3 * B + 1, start=500))
-    b.write()
-    c.free_request(0)
-    used = c.pool.allocator.num_used
-    assert c.prefix.index.evictable == 2
-    assert c.reset_prefix_cache() == 2
-    assert c.pool.allocator.num_used == used - 2 and c.prefix.index.cached == 0
-    assert c.prefix.index.evictions == 0  # a reset is not an eviction
-    assert Req(c, 2, toks(2 * B + 1)).cached == 0
-    # request 1's blocks, published by this lookup, are referenced: a reset keeps them
-    assert Req(c, 3, toks(3 * B + 1, start=500)).cached == 3 * B
-    assert c.reset_prefix_cache() == 0
-    for rid in (1, 2, 3):
-        c.free_request(rid)
-    assert c.reset_prefix_cache() == 3
-    assert c.pool.allocator.num_used == 0 and (c.state.row_slot == -1).all()
-
-
-def test_failed_add_request_changes_nothing():
-    c = make(max_num_reqs=2)
-    a = Req(c, 0, toks(2 * B + 1))
-    a.write()
-    before = prefix_snapshot(c)
-    for bad in ([1, -1], [2**32], [[1, 2]], [0.5], "abc"):
-        with pytest.raises(ValueError):
-            c.add_request(1, bad)
-    with pytest.raises(TypeError):
-        c.add_request(1, [1, 2], salt="str")
-    with pytest.raises(ValueError, match="already live"):
-        c.add_request(0, toks(2 * B + 1))
-    assert_same(before, prefix_snapshot(c))
-    Req(c, 1, [3])
-    before = prefix_snapshot(c)
-    with pytest.raises(CapacityError, match="request slots"):
-        c.add_request(2, toks(2 * B + 1))  # would publish and hit: refused first
-    assert_same(before, prefix_snapshot(c))
-    assert c.prefix.index.cached == 0
-
-
-def test_stats_and_metrics():
-    from hisparse.metrics import format_text
-
-    c = make()
-    keys = ("prefix_query_tokens", "prefix_hit_tokens", "cached_blocks", "shared_blocks", "prefix_evictions")
-    assert {k: c.stats()["total"][k] for k in keys} == dict.fromkeys(keys, 0)
-    a = Req(c, 0, toks(2 * B + 1))
-    a.write()
-    b = Req(c, 1, toks(2 * B + 3))
-    tot = c.stats()["total"]
-    assert {k: tot[k] for k in keys} == dict(prefix_query_tokens=4 * B + 4, prefix_hit_tokens=2 * B,
-                                             cached_blocks=2, shared_blocks=2, prefix_evictions=0)
-    assert b.cached == 2 * B
-    text = format_text(c.stats())
-    for name in ("hisparse_prefix_query_tokens", "hisparse_prefix_hit_tokens", "hisparse_prefix_cached_blocks",
-                 "hisparse_prefix_shared_blocks", "hisparse_prefix_evictions"):
-        assert name in text, name
-    assert "hisparse_prefix_cached_blocks 2" in text
-    # stats publishes a live request's finished blocks too
-    d = Req(c, 2, toks(B + 1, start=300))
-    d.write()
-    assert c.stats()["total"]["cached_blocks"] == 3
-    plain = HiSparseCache(HiSparseConfig(num_layers=1, host_pool_tokens=16, row_bytes=16, top_k=2,
-                                         max_num_reqs=2, host_block_size=4, device="cpu"), kernels="torch")
-    assert {k: plain.stats()["total"][k] for k in keys} == dict.fromkeys(keys, 0)
-
-
-def test_engine_group_add_request_returns_cached_tokens():
-    from hisparse.engine import HiSparseIndexGroup, SparseMLAMetadata
-
-    cfg = HiSparseConfig(num_layers=2, row_bytes=656, top_k=4, device_buffer_size=8, max_num_reqs=3,
-                         host_block_size=B, host_pool_tokens=3 * 48, max_request_id=16, device="cpu",
-                         prefix_caching=True)
-    g = HiSparseIndexGroup(cfg)
-    for _ in range(2):
-        g.register_layer(kv_cache_dtype="fp8_ds_mla")
-    rows = {}
-
-    def forward(rid, n0, n1, decode):
-        md = SparseMLAMetadata.build(request_ids=[rid], query_lens=[n1 - n0], seq_lens=[n1],
-                                     num_decodes=1 if decode else 0, device="cpu")
-        g.prepare_for_batch(md)
-        for layer in range(2):
-            g.write_new_rows(layer, rows[rid].get(layer, n0, n1), md)
-        return md
-
-    prompt = toks(3 * B + 2)
-    assert g.add_request(1, prompt) == 0
-    rows[1] = Rows(None, 2, 656)
-    rows[1].extend(prompt)
-    forward(1, 0, len(prompt), False)
-    rows[1].extend([9])
-    forward(1, len(prompt), len(prompt) + 1, True)
-    assert g.add_tokens(1, [9]) == len(prompt) + 1
-    g.free_request(1)
-    turn2 = prompt + [9, 10, 11]
-    assert g.add_request(2, turn2) == 3 * B
-    rows[2] = Rows(None, 2, 656)
-    rows[2].extend(turn2 + [12])
-    forward(2, 3 * B, len(turn2), False)
-    md = forward(2, len(turn2), len(turn2) + 1, True)
-    for layer in range(2):
-        topk = torch.tensor([[0, 5, 3 * B + 1, len(turn2)]], dtype=torch.int32)
-        phys, counts = g.convert_decode_logical_to_physical_topk(layer, topk, md, return_valid_counts=True)
-        assert counts.tolist() == [4]
-        hot = g.physical_kv_cache(layer)
-        for p, x in zip(topk[0].tolist(), phys[0].tolist()):
-            assert torch.equal(hot[x], rows[2].get(layer, p, p + 1)[0]), (layer, p)
-    assert g.stats()["total"]["prefix_hit_tokens"] == 3 * B
-    g.free_request(2)
-    assert g.reset_prefix_cache() == 4
-
-
-def test_token_ids_need_prefix_caching():
-    c = HiSparseCache(HiSparseConfig(num_layers=1, host_pool_tokens=16, row_bytes=16, top_k=2,
-                                     max_num_reqs=2, host_block_size=4, device="cpu"), kernels="torch")
-    assert c.prefix is None
-    with pytest.raises(ValueError, match="prefix_caching"):
-        c.add_request(0, [1, 2, 3])
-    with pytest.raises(ValueError, match="prefix_caching"):
-        c.add_request(0, salt=b"x")
-    assert c.live_requests() == []
-    assert c.add_request(0) == 0
-    with pytest.raises(ValueError, match="prefix_caching"):
-        c.add_tokens(0, [1])
-    assert c.reset_prefix_cache() == 0
-    with pytest.raises(ValueError, match="prefix_alias_blocks"):
-        HiSparseConfig(num_layers=1, host_pool_tokens=64, prefix_alias_blocks=4, device="cpu")
-
-
-def _state_bytes(st: HotState) -> int:
-    return sum(t.numel() * t.element_size() for t in vars(st).values() if isinstance(t, torch.Tensor))
-
-
-def test_default_config_keeps_its_device_tables():
-    """Without prefix caching: no alias ids, row_slot indexed by host row, and
-    device_bytes what the state tensors take (the old sizes plus the 4 x NB bytes of
-    the host_block map)."""
-    kw = dict(num_layers=3, host_pool_tokens=40 * B, row_bytes=32, top_k=4, max_num_reqs=3,
-              host_block_size=B, max_request_id=64, device="cpu")
-    cfg = HiSparseConfig(**kw)
-    assert cfg.prefix_alias_blocks == 0 and not cfg.prefix_caching
-    assert cfg.num_virtual_blocks == cfg.num_host_blocks and cfg.num_virtual_rows == cfg.num_host_rows
-    c = HiSparseCache(cfg, kernels="torch")
-    L, H, NB, R, SP = 3, cfg.num_host_rows, cfg.num_host_blocks, 3, cfg.slots_per_req
-    assert tuple(c.state.row_slot.shape) == (L, H)
-    assert c.state.host_block.tolist() == list(range(NB))
-    db = cfg.device_bytes()
-    assert db["state"] == _state_bytes(c.state)
-    old_state = (4 * 64 + 4 * L * R + 4 * R * NB + 12 * L * R * SP + 4 * L * H + 8 * L * R + 8 * L * 7
-                 + 4 * R * (1 + max(1, cfg.max_pages_per_request)))  # before prefix caching
-    assert db["state"] == old_state + 4 * NB
-    # with prefix caching: one alias per host block by default, row_slot over every id
-    pc = HiSparseConfig(**kw, prefix_caching=True)
-    assert pc.prefix_alias_blocks == NB and pc.num_virtual_rows == 2 * H
-    cp = HiSparseCache(pc, kernels="torch")
-    assert tuple(cp.state.row_slot.shape) == (L, 2 * H)
-    assert pc.device_bytes()["state"] == _state_bytes(cp.state) == db["state"] + 4 * L * H + 4 * NB
-    assert pc.device_bytes()["hot_rows"] == db["hot_rows"]
-    assert HiSparseConfig(**kw, prefix_caching=True, prefix_alias_blocks=0).device_bytes() == db
-
-
-def test_block_names_are_the_caches():
-    """The names a request's blocks are published under are ``block_names`` of its
-    tokens (salted), whether told at admission or later with add_tokens."""
-    c = make()
-    a = Req(c, 0, toks(B + 1), salt=b"s")
-    a.write()
-    a.decode(toks(B, start=9))
-    c.stats()  # publishes
-    names = block_names(a.tokens[:2 * B], B, salt=b"s")
-    assert [c.prefix.index.lookup(names)] == [c.pool.allocator.blocks(c.request(0).slot)[:2]]
-    assert _cpu_state(c)["seq_lens"][:, 0].tolist() == [2 * B + 1] * 2
-
-
 # ---------------------------------------------------------------- found by review
 def test_rows_of_a_prepared_step_not_written_are_never_published():
     """A prepared step counts its rows in the lengths before any layer is written; a free
@@ -641,62 +298,3 @@ def test_a_failed_commit_of_reserved_blocks_publishes_nothing():
     c.free_listeners.append(lambda rid, r, blocks: freed.extend(blocks))
     c.free_request(0)
     assert sorted(freed) == sorted(got) and c.prefix.index.cached == 0
-
-
-def test_a_write_that_evicts_drops_the_blocks_before_its_launches():
-    """Cached blocks a write takes leave the index before the write launches, so a launch
-    that fails part way (after the host mirror overwrote their rows) leaves none of them
-    findable; the blocks are free for the next allocation."""
-    c = make(host_pool_tokens=3 * B, max_num_reqs=3)  # 3 host blocks
-    a = Req(c, 0, toks(2 * B + 1))
-    a.write()
-    c.free_request(0)
-    assert c.prefix.index.cached == 2
-    n = Req(c, 1, toks(3 * B, start=900))  # needs all 3: the free one, then evicts 2
-
-    def boom(*args, **kw):
-        raise RuntimeError("apply launch failed (injected)")
-
-    real, c.kernel_set.apply_write = c.kernel_set.apply_write, boom
-    with pytest.raises(RuntimeError, match="injected"):
-        c.write(0, 1, n.rows.get(0, 0, 3 * B))
-    c.kernel_set.apply_write = real
-    assert c.prefix.index.cached == 0 and c.pool.allocator.num_free == 3
-    assert c.request(1).lengths[0] == 0
-    n.write()
-    n.resolve(0, [0, B, 2 * B + 1])
-    c.free_request(1)
-    assert Req(c, 2, toks(2 * B + 1)).cached == 0  # request 0's blocks are gone
-
-
-def test_stress_prefetch_counts_by_row_key_for_sharers():
-    """The stress tool's prefetch figures look rows up by row key: a sharer's aliases, not
-    the writer's host rows."""
-    from hisparse_tools.stress_prefetch import selected_hot, selected_rows
-    c = make()
-    w = Req(c, 0, toks(2 * B + 1))
-    w.write()
-    m = Req(c, 1, toks(2 * B + 1))
-    assert m.cached == 2 * B
-    m.write()
-    w.resolve(0, [0, 1, 2, 3])  # the writer's rows hot, the sharer's not
-    hot = selected_hot(c, 0, selected_rows(c, [1], torch.tensor([[0, 1, 2, 3]])))
-    assert hot.tolist() == [False] * 4
-
-
-def test_stress_prefetch_counts_a_sharers_staged_rows():
-    """``hisparse stress --prefetch``'s count: a prefetch stages host rows (``stage_src``), so
-    a sharer mapping cached blocks under alias ids has its staged rows matched against
-    the host rows of its selection, and all of them count as useful."""
-    from hisparse_tools.stress_prefetch import prefetch_useful, selected_host_rows
-    c = make()
-    w = Req(c, 0, toks(2 * B + 1))
-    w.write()
-    m = Req(c, 1, toks(2 * B + 1))  # maps request 0's two cached blocks under alias ids
-    assert m.cached == 2 * B
-    assert all(v >= c.pool.allocator.num_blocks for v in c.pool.allocator.owned(c.request(1).slot)[:2])
-    m.write()
-    topk = torch.tensor([[0, 1, 2, 3]], dtype=torch.int32)
-    rows = selected_host_rows(c, [1], topk)  # the next layer selects exactly these rows
-    out = c.prefetch(1, torch.tensor([1], dtype=torch.int32), topk)
-    assert prefetch_useful(out, c.cfg.top_k, rows) == (4, 4)
