@@ -277,24 +277,6 @@ def test_commit_of_a_request_appended_meanwhile_is_refused():
     rx.close()
 
 
-def test_reserve_commit_bookkeeping_time(sender):
-    """Reserve + commit of a request (host work, no transfer), median of 20: far under
-    1 ms at this size on a CPU cache (the bound here is loose for shared CI machines)."""
-    cfg = small_cfg(num_layers=4, host_pool_tokens=8192, max_num_reqs=8)
-    cache, _ = filled_cache(cfg, req_ids=(1,))
-    rx = receiver(cache)
-    times = []
-    for i in range(20):
-        t0 = time.perf_counter()
-        d = rx.reserve(10 + i, 64)
-        rx.commit(10 + i, d.generation)
-        times.append(time.perf_counter() - t0)
-        cache.free_request(10 + i)
-    times.sort()
-    assert times[10] < 0.02, times
-    rx.close()
-
-
 def test_failed_commit_aborts(monkeypatch):
     cache, truth = filled_cache(small_cfg())
     rx = receiver(cache)
