@@ -28,7 +28,7 @@ from benchmarks import common
 common.interpret_dry_run(with_gpu=True)  # a dry run is on the CPU; before hisparse loads
 
 from hisparse.cache import transfer  # noqa: E402
-from hisparse.cache.resolve_triton import resolve_triton  # noqa: E402
+from hisparse.cache.resolve_launch import resolve_triton  # noqa: E402
 from hisparse.cache.state import HotState, ResolveBuffers  # noqa: E402
 from hisparse.cache.transfer import copy_rows  # noqa: E402
 from hisparse.config import HiSparseConfig  # noqa: E402

@@ -160,7 +160,7 @@ class _Launch:
 @contextlib.contextmanager
 def _swapped(launcher):
     """The resolve launcher calls ``launcher`` instead of ``resolve_kernel`` inside the block."""
-    import hisparse.cache.resolve_triton as rt
+    import hisparse.cache.resolve_launch as rt
     orig = rt.resolve_kernel
     rt.resolve_kernel = launcher
     try:
@@ -213,7 +213,7 @@ def _topk(cache, B: int, K: int, S: int, ctx: int, hit: float, g):
 def standalone(a: argparse.Namespace, kernel) -> list[dict]:
     import torch
 
-    import hisparse.cache.resolve_triton as rt
+    import hisparse.cache.resolve_launch as rt
     from hisparse import HiSparseCache, HiSparseConfig
     K, ctx, Bmax = a.top_k, a.context, max(a.batch)
     names = ("slot_pos", "slot_stamp", "row_slot", "step", "stats", "seq_lens")

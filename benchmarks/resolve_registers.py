@@ -77,7 +77,7 @@ def compile_case(S: int, K: int, q: int, warps: int | None, sm: int, *, miss_lis
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from hisparse.cache import resolve_triton as rt
+    from hisparse.cache import resolve_launch as rt
     from hisparse.cache.state import (STAT_HITS, STAT_INVALID, STAT_MISSES, STAT_PREFETCH,
                                       STAT_RESOLVES)
     from hisparse.kernels.resolve import resolve_kernel

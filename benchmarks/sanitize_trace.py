@@ -49,7 +49,7 @@ from hisparse.attention.triton_backend import TritonBackend, default_config
 from hisparse.cache.cache import HiSparseCache
 from hisparse.decode import DecodeLayer, Overlap
 from hisparse.cache.resolve_ref import copy_rows_reference, resolve_reference
-from hisparse.cache.resolve_triton import resolve_triton
+from hisparse.cache.resolve_launch import resolve_triton
 from hisparse.cache.state import HotState, ResolveBuffers
 from hisparse.cache.transfer import copy_rows
 from hisparse.config import HiSparseConfig, RowFormat

@@ -13,7 +13,7 @@ import random
 import torch
 
 from hisparse.cache.resolve_ref import resolve_reference
-from hisparse.cache.resolve_triton import resolve_triton
+from hisparse.cache.resolve_launch import resolve_triton
 from hisparse.cache.state import HotState, ResolveBuffers
 from hisparse.config import HiSparseConfig
 

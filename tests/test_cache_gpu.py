@@ -179,7 +179,7 @@ def test_split_runs_on_cuda_equal_reference():
     from resolve_common import assert_same, make_state, new_buffers
 
     from hisparse.cache.resolve_ref import resolve_reference
-    from hisparse.cache.resolve_triton import resolve_triton
+    from hisparse.cache.resolve_launch import resolve_triton
 
     cfg = HiSparseConfig(num_layers=2, host_pool_tokens=16 * 700, row_bytes=16, top_k=8,
                          device_buffer_size=24, max_num_reqs=40, max_query_len=2, host_block_size=16,

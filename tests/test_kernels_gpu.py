@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from hisparse.cache.resolve_ref import copy_rows_reference, resolve_reference
-from hisparse.cache.resolve_triton import resolve_triton
+from hisparse.cache.resolve_launch import resolve_triton
 from hisparse.cache.state import STAT_INVALID, STAT_MISSES, HotState
 from hisparse.cache.transfer import copy_rows
 from hisparse.config import HiSparseConfig

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hisparse.cache.resolve_ref import copy_rows_reference, resolve_reference
-from hisparse.cache.resolve_triton import resolve_triton
+from hisparse.cache.resolve_launch import resolve_triton
 from hisparse.cache.state import (STAT_HITS, STAT_INVALID, STAT_MISSES, STAT_RESOLVES,
                                   HotState, ResolveBuffers)
 from hisparse.config import HiSparseConfig
@@ -157,7 +157,7 @@ def test_split_runs_second_run_not_resolved(compact):
 
 def test_split_run_scan_crosses_chunks(monkeypatch):
     """The earlier occurrence lies beyond the first scan chunk (chunk of 2 here)."""
-    import hisparse.cache.resolve_triton as rt
+    import hisparse.cache.resolve_launch as rt
     monkeypatch.setattr(rt, "_SCAN_CHUNK", 2)
     cfg = small_cfg(K=2, q=1, S=4, L=1)
     state = make_state(cfg, {1: 3, 2: 3, 3: 3, 4: 3}, CPU, random.Random(2))
@@ -440,7 +440,7 @@ def test_resolve_launch_warps_follow_the_widest_tile():
     """The resolve's warps grow with its widest tile (the S slots or the Q x K group):
     4 up to 1024 lanes, 8 up to 2048, 16 beyond (the default S = 4096 takes 16), and 32
     beyond for the miss phase of a split resolve."""
-    from hisparse.cache.resolve_triton import _launch_sizes
+    from hisparse.cache.resolve_launch import _launch_sizes
 
     assert _launch_sizes(4096, 2048, 1) == (2048, 1, 4096, 16)
     assert _launch_sizes(2048, 2048, 1) == (2048, 1, 2048, 8)

@@ -12,7 +12,7 @@ import torch
 
 from hisparse import HiSparseConfig
 from hisparse.cache.kernel_set import PinnedPool
-from hisparse.cache.resolve_triton import resolve_triton
+from hisparse.cache.resolve_launch import resolve_triton
 from hisparse.cache.state import STAT_HITS, HotState, ResolveBuffers
 
 CPU = torch.device("cpu")

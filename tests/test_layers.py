@@ -90,6 +90,20 @@ def _exported() -> tuple[set[str], dict[str, set[str]]]:
     return public, names
 
 
+def test_no_package_exports_a_name_of_one_of_its_modules():
+    """A package never exports a name that one of its modules also has (``resolve_triton``
+    in a ``resolve_triton.py``): importing that module sets the package's attribute of
+    that name to the module, and ``from package import name`` then gives the module."""
+    public, exports = _exported()
+    clashes = []
+    for module in sorted(public):
+        folder = LIBRARY.joinpath(*module.split(".")[1:])
+        if (folder / "__init__.py").is_file():
+            subs = {p.stem for p in folder.glob("*.py")} | {p.name for p in folder.iterdir() if p.is_dir()}
+            clashes += [f"{module}.{n}" for n in sorted(exports[module] & subs)]
+    assert not clashes, "exported names that are also module names: " + ", ".join(clashes)
+
+
 def test_tools_import_only_exported_library_names():
     """A tool may import a public library module (``import hisparse.metrics``, ``from
     hisparse import metrics``) or a name that module exports (``from hisparse.cache

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from hisparse.cache.resolve_ref import resolve_reference
-from hisparse.cache.resolve_triton import resolve_triton
+from hisparse.cache.resolve_launch import resolve_triton
 from hisparse.cache.state import STAT_MISSES, HotState
 
 from resolve_common import CPU, assert_same, host_row, make_state, new_buffers, small_cfg

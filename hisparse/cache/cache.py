@@ -34,7 +34,7 @@ from .host_pool import HostPool, check_pool
 from .kernel_set import cache_kernels
 from .prefix import PrefixCache
 from .requests import RequestTable
-from .resolve_triton import check_state
+from .resolve_launch import check_state
 from .graphs import CacheGraphs
 from .results import PoolUsage, RequestInfo, ResolveResult, SplitResult
 from .stager import CacheStreams, CopyShape, Stager

@@ -22,7 +22,7 @@ from .apply_write import apply_write_plan_reference, apply_write_plan_triton
 from .host_pool import HostPool
 from .resolve_ref import (copy_rows_reference, copy_staged_reference, resolve_lookup_reference, resolve_reference,
                           resolve_resident_reference)
-from .resolve_triton import resolve_lookup_triton, resolve_resident_unchecked, resolve_unchecked
+from .resolve_launch import resolve_lookup_triton, resolve_resident_unchecked, resolve_unchecked
 from .state import ResolveBuffers
 from .transfer import copy_rows_unchecked, copy_staged_unchecked
 
