@@ -65,7 +65,7 @@ from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared,
 
 from hisparse.attention.triton_backend import WS_MAXNREG, ws_consumer_regs, ws_device_problem
 from hisparse.kernels.gluon_support import gluon_ws_problem
-from hisparse.kernels.mla_decode_ws import _cta_barrier
+from hisparse.kernels.mla_decode_ws import cta_barrier
 
 PRODUCER_REGS = 72  # the decode kernel's default register split (WS_DEFAULT)
 ROWS, COLS, SLOTS = 32, 64, 2  # one ring slot: int32 [ROWS, COLS]
@@ -128,7 +128,7 @@ def ctl_a_ws_inits_kernel(out_ptr,  # int32 [CTAS, 3, 128]
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)
     fence_async_shared()
-    _cta_barrier()
+    cta_barrier()
     gl.warp_specialize([(_mark0, (out_ptr, 3)), (_mark1, (out_ptr, 3)), (_mark2, (out_ptr, 3))],
                        [4, 4], [WORKER_REGS0, WORKER_REGS1])
 
@@ -150,7 +150,7 @@ def ctl_a_ws_inits_nobar_kernel(out_ptr,  # int32 [CTAS, 3, 128]
 @gluon.jit
 def ctl_a_ws_bar_kernel(out_ptr,  # int32 [CTAS, 3, 128]
                         WORKER_REGS0: gl.constexpr, WORKER_REGS1: gl.constexpr):
-    _cta_barrier()
+    cta_barrier()
     gl.warp_specialize([(_mark0, (out_ptr, 3)), (_mark1, (out_ptr, 3)), (_mark2, (out_ptr, 3))],
                        [4, 4], [WORKER_REGS0, WORKER_REGS1])
 
@@ -210,7 +210,7 @@ def _ring_kernel(out_ptr, n_rounds, SYNC: gl.constexpr, WORKER_REGS0: gl.constex
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
     fence_async_shared()
-    _cta_barrier()
+    cta_barrier()
     gl.warp_specialize([
         (_ring_consumer, (ring, ready, empty, out_ptr, n_rounds, SYNC, ROWS, COLS, SLOTS)),
         (_idle, (n_rounds, )),
@@ -251,9 +251,9 @@ def ctl_d_cta_barrier_kernel(out_ptr,  # int32 [CTAS, n_rounds, ROWS, COLS]
     for j in range(n_rounds):
         s = j % SLOTS
         ring.index(s).store(_tile_value(cta, j, rs, cs, ROWS, COLS))
-        _cta_barrier()
+        cta_barrier()
         v = ring.index(s).load(ld_l)
-        _cta_barrier()
+        cta_barrier()
         gl.store(out_ptr + ((cta * n_rounds + j) * ROWS + rl) * COLS + cl, v)
 
 

@@ -158,7 +158,7 @@ def test_split_runs_second_run_not_resolved(compact):
 def test_split_run_scan_crosses_chunks(monkeypatch):
     """The earlier occurrence lies beyond the first scan chunk (chunk of 2 here)."""
     import hisparse.cache.resolve_launch as rt
-    monkeypatch.setattr(rt, "_SCAN_CHUNK", 2)
+    monkeypatch.setattr(rt, "RESOLVE_SCAN_CHUNK", 2)
     cfg = small_cfg(K=2, q=1, S=4, L=1)
     state = make_state(cfg, {1: 3, 2: 3, 3: 3, 4: 3}, CPU, random.Random(2))
     ref = state.clone()
@@ -170,6 +170,38 @@ def test_split_run_scan_crosses_chunks(monkeypatch):
     assert_same(ref, state, oref, out, msg="chunked scan")
     assert out.valid_counts[:6].tolist() == [2, 2, 2, 2, 0, 0]
     assert state.stats[0, STAT_INVALID].item() == 4
+
+
+def test_set_resolve_kernel_swaps_every_launch_until_set_back():
+    """``set_resolve_kernel`` (benchmarks.resolve_phases' hook): the launcher launches the
+    kernel it was given, with the real kernel's grid and arguments, until the previous
+    one is set back; the results are the real kernel's when the stand-in forwards."""
+    from hisparse.cache.resolve_launch import set_resolve_kernel
+    from hisparse.kernels.resolve import resolve_kernel
+
+    grids = []
+
+    class Forward:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return resolve_kernel[grid]
+
+    cfg = small_cfg(K=2, q=1, S=4, L=1)
+    state = make_state(cfg, {1: 3, 2: 3}, CPU, random.Random(3))
+    ref = state.clone()
+    req, topk = torch.tensor([1, 2], dtype=torch.int32), torch.tensor([[0, 1], [1, 2]], dtype=torch.int32)
+    out, oref = new_buffers(2, 2, CPU), new_buffers(2, 2, CPU)
+    previous = set_resolve_kernel(Forward())
+    try:
+        assert previous is resolve_kernel
+        resolve_triton(state, 0, req, topk, out, max_query_len=1)
+    finally:
+        assert isinstance(set_resolve_kernel(previous), Forward)
+    resolve_reference(ref, 0, req, topk, oref, max_query_len=1)
+    assert grids == [(2,)]
+    assert_same(ref, state, oref, out, msg="through the swapped launcher")
+    resolve_triton(state, 0, req, topk, out, max_query_len=1)
+    assert grids == [(2,)]  # set back: the real kernel, not the stand-in
 
 
 def test_lengths_are_per_layer():
@@ -440,14 +472,14 @@ def test_resolve_launch_warps_follow_the_widest_tile():
     """The resolve's warps grow with its widest tile (the S slots or the Q x K group):
     4 up to 1024 lanes, 8 up to 2048, 16 beyond (the default S = 4096 takes 16), and 32
     beyond for the miss phase of a split resolve."""
-    from hisparse.cache.resolve_launch import _launch_sizes
+    from hisparse.cache.resolve_launch import resolve_launch_sizes
 
-    assert _launch_sizes(4096, 2048, 1) == (2048, 1, 4096, 16)
-    assert _launch_sizes(2048, 2048, 1) == (2048, 1, 2048, 8)
-    assert _launch_sizes(1024, 512, 2) == (512, 2, 1024, 4)
-    assert _launch_sizes(1000, 2048, 2)[3] == 16  # a 2 x 2048 group tile over 1024 slots
-    assert _launch_sizes(3000, 100, 1) == (128, 1, 4096, 16)
+    assert resolve_launch_sizes(4096, 2048, 1) == (2048, 1, 4096, 16)
+    assert resolve_launch_sizes(2048, 2048, 1) == (2048, 1, 2048, 8)
+    assert resolve_launch_sizes(1024, 512, 2) == (512, 2, 1024, 4)
+    assert resolve_launch_sizes(1000, 2048, 2)[3] == 16  # a 2 x 2048 group tile over 1024 slots
+    assert resolve_launch_sizes(3000, 100, 1) == (128, 1, 4096, 16)
     # the miss phase of a split resolve doubles that widest case only
-    assert _launch_sizes(4096, 2048, 1, miss_phase=True) == (2048, 1, 4096, 32)
-    assert _launch_sizes(2048, 2048, 1, miss_phase=True)[3] == 8
-    assert _launch_sizes(1024, 512, 2, miss_phase=True)[3] == 4
+    assert resolve_launch_sizes(4096, 2048, 1, miss_phase=True) == (2048, 1, 4096, 32)
+    assert resolve_launch_sizes(2048, 2048, 1, miss_phase=True)[3] == 8
+    assert resolve_launch_sizes(1024, 512, 2, miss_phase=True)[3] == 4

@@ -1,4 +1,5 @@
-"""Launcher of the Triton resolve kernel (``hisparse.kernels.resolve``).
+"""Launchers of the Triton resolve kernels (``hisparse.kernels.resolve`` and its
+resident and lookup variants).
 
 ``resolve_triton`` has exactly the signature and semantics of
 ``hisparse.cache.resolve_ref.resolve_reference`` and pairs misses with victims the
@@ -14,6 +15,11 @@ are handled by the kernel (treated as padding and counted in STAT_INVALID).
 On CPU tensors the kernel runs in Triton's interpreter (``TRITON_INTERPRET=1``, set
 by the test suite); without it a CPU call is a ValueError (the torch path is
 ``resolve_reference``, chosen by the caller, never substituted here).
+
+For tools that compile or replace the kernel themselves (``benchmarks.resolve_registers``,
+``benchmarks.resolve_phases``): ``resolve_launch_sizes`` and ``RESOLVE_SCAN_CHUNK`` /
+``RESOLVE_SMALL_SORT`` are the launch shape and constants the launcher compiles it with;
+``set_resolve_kernel`` has every launch use an instrumented copy instead.
 """
 
 from __future__ import annotations
@@ -32,8 +38,8 @@ from .state import (NUM_STATS, STAT_HITS, STAT_INVALID, STAT_MISSES, STAT_PREFET
                     STAT_RESOLVES, HotState, ResolveBuffers)
 
 
-_SCAN_CHUNK = 256  # req_ids scanned per step for an earlier run of the same request
-_SMALL_SORT = 256  # misses of a group sorted in a tile of this size when they fit
+RESOLVE_SCAN_CHUNK = 256  # req_ids scanned per step for an earlier run of the same request
+RESOLVE_SMALL_SORT = 256  # misses of a group sorted in a tile of this size when they fit
 
 
 def _check_vec(name: str, x: object, dtype: torch.dtype, ndim: int, device: torch.device) -> None:
@@ -125,8 +131,10 @@ def _check_miss_lists(miss_lists, T: int, K: int, phys_stride: int, dev: torch.d
 
 
 @functools.lru_cache(maxsize=None)
-def _launch_sizes(S: int, K: int, max_query_len: int, *,
-                  miss_phase: bool = False) -> tuple[int, int, int, int]:
+def resolve_launch_sizes(S: int, K: int, max_query_len: int, *,
+                         miss_phase: bool = False) -> tuple[int, int, int, int]:
+    """(KB, GQ, SB, num_warps) of a resolve launch: the tiles (powers of two >= K,
+    max_query_len and S) and the warps (``miss_phase``: the miss phase of a split resolve)."""
     KB = triton.next_power_of_2(K)
     GQ = triton.next_power_of_2(max_query_len)
     SB = triton.next_power_of_2(S)
@@ -137,6 +145,17 @@ def _launch_sizes(S: int, K: int, max_query_len: int, *,
     # wait for the SMs it holds, so its length is what counts (BENCHMARKS.md, "Resolve");
     # the whole resolve measured slower at 32 (BENCHMARKS.md, "Measured slower and removed")
     return KB, GQ, SB, (4 if big <= 1024 else (8 if big <= 2048 else (32 if miss_phase else 16)))
+
+
+def set_resolve_kernel(kernel):
+    """Have every resolve launch from now on (``resolve_triton``, a cache's) launch
+    ``kernel`` in place of ``hisparse.kernels.resolve.resolve_kernel``; returns the kernel
+    it replaces (set it back when done). ``kernel[grid](...)`` takes the real kernel's
+    arguments: an instrumented copy of it (``benchmarks.resolve_phases``). A profiling
+    hook: not thread-safe, never needed to use the cache."""
+    global resolve_kernel
+    previous, resolve_kernel = resolve_kernel, kernel
+    return previous
 
 
 def _require_device(dev: torch.device, what: str) -> None:
@@ -181,7 +200,7 @@ def resolve_unchecked(state: HotState, layer: int, req_ids: torch.Tensor, topk: 
         return
     dev = topk.device
     S = state.S
-    KB, GQ, SB, num_warps = _launch_sizes(S, K, max_query_len, miss_phase=miss_lists is not None)
+    KB, GQ, SB, num_warps = resolve_launch_sizes(S, K, max_query_len, miss_phase=miss_lists is not None)
     mp, mh, mc = miss_lists if miss_lists is not None else (out.physical, out.physical, out.valid_counts)
     ls = state.layer(layer)
     bt = state.block_table
@@ -204,8 +223,8 @@ def resolve_unchecked(state: HotState, layer: int, req_ids: torch.Tensor, topk: 
             STAT_RESOLVES=STAT_RESOLVES, STAT_PREFETCH=STAT_PREFETCH, STAT_RESIDENT=STAT_RESIDENT,
             HAS_POOL=state.pool_pages > 0, STAMPED=bool(stamped),
             MISS_LISTS=miss_lists is not None, PREFETCH=bool(prefetch),
-            Q=max_query_len, KB=KB, GQ=GQ, SB=SB, SMALL_SORT=min(_SMALL_SORT, GQ * KB),
-            COMPACT=bool(compact), CH=_SCAN_CHUNK, ALIASED=state.aliased, num_warps=num_warps,
+            Q=max_query_len, KB=KB, GQ=GQ, SB=SB, SMALL_SORT=min(RESOLVE_SMALL_SORT, GQ * KB),
+            COMPACT=bool(compact), CH=RESOLVE_SCAN_CHUNK, ALIASED=state.aliased, num_warps=num_warps,
         )
 
 
@@ -234,7 +253,7 @@ def resolve_resident_unchecked(state: HotState, layer: int, req_ids: torch.Tenso
             out.stage_src, out.stage_dst, out.stage_counts,
             T, K,
             STAT_INVALID=STAT_INVALID, STAT_RESOLVES=STAT_RESOLVES, STAT_RESIDENT=STAT_RESIDENT,
-            Q=max_query_len, KB=KB, COMPACT=bool(compact), CH=_SCAN_CHUNK,
+            Q=max_query_len, KB=KB, COMPACT=bool(compact), CH=RESOLVE_SCAN_CHUNK,
             num_warps=4 if KB <= 1024 else 8,
         )
 
@@ -277,8 +296,9 @@ def resolve_lookup_triton(state: HotState, layer: int, req_ids: torch.Tensor, to
             T, K, state.S, state.B,
             STAT_HITS=STAT_HITS, STAT_INVALID=STAT_INVALID, STAT_RESIDENT=STAT_RESIDENT,
             HAS_POOL=state.pool_pages > 0, Q=max_query_len, CHUNK=chunk,
-            CH=_SCAN_CHUNK, num_warps=4,
+            CH=RESOLVE_SCAN_CHUNK, num_warps=4,
         )
 
 
-__all__ = ["resolve_triton", "resolve_lookup_triton", "check_state"]
+__all__ = ["resolve_triton", "resolve_lookup_triton", "check_state", "resolve_launch_sizes", "RESOLVE_SCAN_CHUNK",
+           "RESOLVE_SMALL_SORT", "set_resolve_kernel"]

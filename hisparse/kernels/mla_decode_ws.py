@@ -44,7 +44,7 @@ LOG2_LN2 = gl.constexpr(0.6931471805599453)  # ln(2): base-2 lse -> natural log
 # Two Gluon builtins renamed after Triton 3.6, same operations: the CTA-wide barrier
 # (thread_barrier -> barrier) and the cp.async gather into shared memory
 # (async_copy_global_to_shared -> async_load; the old name raises from 3.9 on).
-_cta_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
+cta_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
 _cp_async = (async_copy.async_load if hasattr(async_copy, "async_load")
              else async_copy.async_copy_global_to_shared)
 
@@ -161,7 +161,7 @@ def _producer(kv_ptr, idx_ptr, vc_ptr, N, K, kv_stride, idx_stride, rows_per_spl
         async_copy.commit_group()
         n_c, n_s, n_r = _load_idx(idx_row, lo + (nxt + 1) * BLOCK_N, hi, BLOCK_N)
         async_copy.wait_group(RAW - 1)  # block j's copies (this thread's) have landed
-        _cta_barrier()  # ... and every producer thread's
+        cta_barrier()  # ... and every producer thread's
         r = j % RAW
         s = j % STAGES
         mbarrier.wait(empty.index(s), ((j // STAGES) & 1) ^ 1)
@@ -318,7 +318,7 @@ def sparse_mla_decode_ws_kernel(
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both consumers release a slot
     fence_async_shared()  # q's stores and the barrier inits -> async proxy / other warps
-    _cta_barrier()  # ... and every warp sees them before the partitions start
+    cta_barrier()  # ... and every warp sees them before the partitions start
 
     gl.warp_specialize([
         (_consume, (q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, ready, empty, idx_ptr,
