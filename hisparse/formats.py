@@ -240,7 +240,7 @@ bf16_rows_to_bytes_reference = bf16_rows_to_bytes
 bytes_to_bf16_rows_reference = bytes_to_bf16_rows
 
 __all__ = [
-    "D_LATENT", "D_ROPE", "D_ROW", "TILE", "NUM_TILES", "SCALE_OFFSET", "ROPE_OFFSET",
+    "RowFormat", "D_LATENT", "D_ROPE", "D_ROW", "TILE", "NUM_TILES", "SCALE_OFFSET", "ROPE_OFFSET",
     "FP8_ROW_BYTES", "BF16_ROW_BYTES", "FP8_MAX", "MIN_SCALE", "pow2_scales_reference",
     "quantize_fp8_ds_mla_reference", "dequantize_fp8_ds_mla_reference", "quantize_fp8_ds_mla",
     "dequantize_fp8_ds_mla", "bf16_rows_to_bytes", "bytes_to_bf16_rows",

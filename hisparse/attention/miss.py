@@ -364,4 +364,4 @@ def miss_attention_merge(
 __all__ = ["MissMode", "MissConfig", "MissPlan", "gpu_config", "default_miss_config",
            "plan_miss_attention",
            "merge_lse", "merge_lse_reference", "miss_attention_merge",
-           "miss_attention_merge_reference"]
+           "miss_attention_merge_reference", "MERGE_BLOCK_H"]

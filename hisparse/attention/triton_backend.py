@@ -513,4 +513,4 @@ __all__ = ["TritonBackend", "TritonMLAConfig", "default_config", "auto_splits", 
            "wave_tail_plan",
            "DEFAULT_CONFIGS", "WS_DEFAULT", "isolate_problem", "ws_unsupported",
            "ws_device_problem",
-           "ws_rows_problem", "ws_shared_bytes", "ws_consumer_regs"]
+           "ws_rows_problem", "ws_shared_bytes", "ws_consumer_regs", "WS_MAXNREG"]

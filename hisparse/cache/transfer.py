@@ -199,4 +199,5 @@ def copy_staged_unchecked(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.T
             num_warps=num_warps)
 
 
-__all__ = ["copy_rows", "copy_staged", "DEFAULT_ROWS_PER_PROGRAM", "DEFAULT_NUM_WARPS", "DEFAULT_PROGRAMS_PER_SM"]
+__all__ = ["copy_rows", "copy_rows_unchecked", "copy_staged", "DEFAULT_ROWS_PER_PROGRAM", "DEFAULT_NUM_WARPS",
+           "DEFAULT_PROGRAMS_PER_SM"]
