@@ -37,11 +37,8 @@ import traceback
 import torch
 
 from benchmarks.common import L2Flush, environment, flashmla_lib, out_ok, stats, write_json
-from hisparse.attention.base import Phase
-from hisparse.attention.flashinfer import FlashInferBackend, flashinfer_version
-from hisparse.attention.flashmla import FlashMLABackend, pad_topk
-from hisparse.attention.reference import ReferenceBackend
-from hisparse.attention.triton_backend import TritonBackend, default_config
+from hisparse.attention import (FlashInferBackend, FlashMLABackend, Phase, ReferenceBackend, TritonBackend,
+                                default_config, flashinfer_version)
 from hisparse.config import RowFormat
 from hisparse.formats import quantize_fp8_ds_mla
 
@@ -165,7 +162,8 @@ def flashmla_op_fn(fm: FlashMLABackend, q, rows, idx, sm_scale):
     if N % 64 != 0:
         raise ValueError(f"FlashMLA needs 64-row pages; N = {N} is not a multiple of 64")
     kv4 = rows.view(N // 64, 64, 1, 656)
-    idx3 = pad_topk(idx).unsqueeze(1).contiguous()
+    # the SM90 kernels take top-k in tiles of 64: pad with -1 (what the backend's decode does)
+    idx3 = torch.nn.functional.pad(idx, (0, (-idx.shape[1]) % 64), value=-1).unsqueeze(1).contiguous()
     args = dict(q=q4, kv=kv4, indices=idx3, topk_length=None, attn_sink=None,
                 tile_scheduler_metadata=None, num_splits=None, extra_kv=None,
                 extra_indices=None, extra_topk_length=None, d_v=512, sm_scale=sm_scale)

@@ -39,7 +39,7 @@ from benchmarks import common
 
 common.interpret_dry_run(with_gpu=True)  # a dry run is on the CPU; before hisparse loads
 
-from hisparse.attention.chooser import backend_names  # noqa: E402
+from hisparse.attention import backend_names  # noqa: E402
 from hisparse_tools import mini_engine as me  # noqa: E402
 
 TARGET_RATIO = 1.3

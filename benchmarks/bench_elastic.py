@@ -42,7 +42,7 @@ common.interpret_dry_run(with_gpu=True)  # before hisparse loads (a dry run stay
 
 from benchmarks.bench_layer import fp8_rows, make_backend, max_diff, timed  # noqa: E402
 from hisparse import HiSparseConfig  # noqa: E402
-from hisparse.cache.cache import HiSparseCache  # noqa: E402
+from hisparse.cache import HiSparseCache  # noqa: E402
 from hisparse.config import DEVICE_PAGE_ROWS  # noqa: E402
 from hisparse.decode import DecodeLayer, Overlap  # noqa: E402
 from hisparse.formats import RowFormat  # noqa: E402
@@ -108,10 +108,10 @@ class Setup:
         self.flush = common.L2Flush(dev)
         # the same rows as an engine's own paged cache addresses them: a block table of
         # pool pages (flat row = block * PB + offset; the pool starts on a page boundary)
-        st, PB = c.state, DEVICE_PAGE_ROWS
-        assert st.pool_base % PB == 0
-        pt = st.page_table[:B]
-        self.block_table = torch.where(pt >= 0, pt + st.pool_base // PB, -1).to(torch.int32).contiguous()
+        view, PB = c.layer_view(0), DEVICE_PAGE_ROWS  # the device page table, as staging reads it
+        assert view.page_rows == PB and view.pool_base % PB == 0
+        pt = view.page_table[:B]
+        self.block_table = torch.where(pt >= 0, pt + view.pool_base // PB, -1).to(torch.int32).contiguous()
         self.conv_out = torch.empty((B, a.top_k), dtype=torch.int32, device=dev)
 
 

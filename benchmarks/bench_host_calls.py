@@ -49,8 +49,7 @@ from triton import knobs
 from benchmarks import common
 from benchmarks.common import percentile
 from hisparse import CapacityError, HiSparseConfig
-from hisparse.engine import HiSparseIndexGroup, SparseMLAMetadata
-from hisparse.engine.layer_graphs import RECENT_INPUTS
+from hisparse.engine import RECENT_INPUTS, HiSparseIndexGroup, SparseMLAMetadata
 from hisparse_tools.exit_codes import MissingDependency
 from hisparse_tools.preflight import parse_device, require_kernels
 

@@ -55,11 +55,8 @@ from benchmarks.periodic_trace import PeriodicTrace, run_steps
 common.interpret_dry_run(with_gpu=True)  # before hisparse loads (a dry run stays on CPU)
 
 from hisparse import HiSparseConfig  # noqa: E402
-from hisparse.attention.base import SparseMLABackend  # noqa: E402
-from hisparse.attention.flashmla import FlashMLABackend  # noqa: E402
-from hisparse.attention.triton_backend import TritonBackend  # noqa: E402
-from hisparse.attention.base import Phase  # noqa: E402
-from hisparse.cache.cache import HiSparseCache  # noqa: E402
+from hisparse.attention import FlashMLABackend, Phase, SparseMLABackend, TritonBackend  # noqa: E402
+from hisparse.cache import HiSparseCache  # noqa: E402
 from hisparse.decode import DecodeLayer, Overlap  # noqa: E402
 from hisparse.formats import RowFormat, quantize_fp8_ds_mla  # noqa: E402
 
@@ -297,8 +294,7 @@ def bench_case(s: Setup, be: SparseMLABackend, hit: float, a: argparse.Namespace
         res["prefetch_2layers"], out = timed(lambda: two(True), s, a, restore=True)
         res["prefetch_2layers"]["max_rel_diff"] = max_diff(out, ref2)
         s.restore()
-        c.prefetch(1, s.req, tk0)
-        pre = c._prefetch_out  # what the prefetch staged, for precision / recall
+        pre = c.prefetch(1, s.req, tk0)  # what the prefetch staged, for precision / recall
         staged = int((pre.stage_dst[:s.B * s.K] >= 0).sum())
         real = c.resolve(1, s.req, tk1, validate=False)
         left = int((real.stage_dst >= 0).sum())

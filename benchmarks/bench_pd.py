@@ -114,9 +114,8 @@ def main(argv=None) -> int:
     if a.device == "cuda" and not torch.cuda.is_available():
         print("bench_pd: --device cuda needs a CUDA GPU (none here)", file=sys.stderr)
         return 4
-    from hisparse import HiSparseCache, HiSparseConfig
+    from hisparse import HiSparseCache, HiSparseConfig, RowFormat
     from hisparse.pd import PDReceiver, nixl_available
-    from hisparse.pd.receiver import row_format_name
     why = nixl_available()
     if why is not None:
         print(f"bench_pd: {why}", file=sys.stderr)
@@ -131,8 +130,8 @@ def main(argv=None) -> int:
               "args": vars(a), "bytes_per_request": L * C * rb}
     ctx = mp.get_context("spawn")
     mine, theirs = ctx.Pipe()
-    proc = ctx.Process(target=prefill_side, args=(theirs, row_format_name(rb), a.block, a.device, a.per_layer),
-                       daemon=True)
+    row_format = next(f.value for f in RowFormat if f.row_bytes == rb)  # --row-bytes: 656 or 1152
+    proc = ctx.Process(target=prefill_side, args=(theirs, row_format, a.block, a.device, a.per_layer), daemon=True)
     proc.start()
     try:
         cache = HiSparseCache(cfg)

@@ -42,7 +42,7 @@ from benchmarks import common
 import numpy as np
 import torch
 
-from hisparse.cache.prefix_index import HASHES, block_names
+from hisparse.cache import HASHES, block_names
 
 TARGET_MS = 5.0  # add_request with 128K token ids and a full hit, on the 2-core CPU
 POOL_TOLERANCE = 0.02  # pool blocks used within 2% of groups x shared + requests x own
@@ -81,8 +81,7 @@ def _tokens(n: int, rng: random.Random, as_numpy: bool):
 
 def bench_lookup(a: argparse.Namespace, report: dict) -> None:
     from hisparse import HiSparseConfig
-    from hisparse.cache.host_pool import BlockAllocator
-    from hisparse.cache.prefix import PrefixCache
+    from hisparse.cache import BlockAllocator, PrefixCache
 
     print(f"{'algo':>9s} {'call':>6s} {'tokens':>8s} {'blocks':>7s} {'min us':>9s} {'median us':>10s} {'p99 us':>9s}  "
           f"(lookup: ids + lookup + refs, full hit; names: every block named; token ids as "

@@ -15,7 +15,7 @@ import sys
 import torch
 
 from benchmarks import common
-from hisparse.attention.triton_backend import TritonBackend, TritonMLAConfig
+from hisparse.attention import TritonBackend, TritonMLAConfig
 from hisparse.formats import quantize_fp8_ds_mla
 
 
