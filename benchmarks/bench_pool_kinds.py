@@ -3,7 +3,9 @@
 Staging reads missed rows straight from pinned host memory over UVA. Scattered over a
 large pool, every row lands on a different host page, so the GPU's address
 translation for system memory can become the bottleneck. This compares pool
-allocations of the same size, each read by the same ``copy_rows`` launch:
+allocations of the same size, each read by the same row-copy launch (``copy_rows_unchecked``:
+``copy_rows`` without its checks, whose pinning check knows only page-locked ranges, not the
+pools the driver maps for the GPU itself, vmm_host and managed):
 
   register   torch.empty + cudaHostRegister (what hisparse.device.PinnedBuffer does)
   thp        anonymous mmap + madvise(MADV_HUGEPAGE), touched, then cudaHostRegister
@@ -36,8 +38,7 @@ import numpy as np
 import torch
 
 from benchmarks import common
-from hisparse import device as hdev
-from hisparse.cache.transfer import copy_rows
+from hisparse.cache import copy_rows_unchecked
 
 
 def _register(t: torch.Tensor) -> None:
@@ -179,11 +180,7 @@ def alloc(kind: str, nbytes: int):
         arr = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
         t = torch.from_numpy(arr)
         t[:: 4096].zero_()  # the CPU can write it (access granted to host NUMA 0)
-        hdev._REGISTERED[ptr] = nbytes  # reachable from the GPU: let copy_rows accept it
-
-        def rel():
-            hdev._REGISTERED.pop(ptr, None)
-            vrel()
+        rel = vrel
     elif kind == "managed":
         import cupy  # optional: only these two kinds need it
 
@@ -193,10 +190,8 @@ def alloc(kind: str, nbytes: int):
         arr = np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(ptr))
         t = torch.from_numpy(arr)
         t[:: 4096].zero_()
-        hdev._REGISTERED[ptr] = nbytes
 
         def rel():
-            hdev._REGISTERED.pop(ptr, None)
             cupy.cuda.runtime.free(ptr)
     elif kind == "hostalloc":
         import cupy  # optional, see above
@@ -272,7 +267,7 @@ def main(argv=None) -> int:
             clustered = (blk + torch.arange(64).repeat(n // 64)).to(torch.int32).to(dev)
             for order, s_idx in (("random", src), ("sorted", src.sort().values),
                                  ("blocks64", clustered)):
-                t_copy = time_us(lambda: copy_rows(rows, s_idx, hot, dst))
+                t_copy = time_us(lambda: copy_rows_unchecked(rows, s_idx, hot, dst, hot.device))
                 ok = torch.equal(hot[:64].cpu(), rows[s_idx[:64].long().cpu()])
                 gbs = n * W / t_copy["median"] / 1e3
                 ratio = t_bulk["median"] / t_copy["median"]

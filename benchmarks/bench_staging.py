@@ -27,10 +27,8 @@ from benchmarks import common
 
 common.interpret_dry_run(with_gpu=True)  # a dry run is on the CPU; before hisparse loads
 
-from hisparse.cache import transfer  # noqa: E402
-from hisparse.cache.resolve_launch import resolve_triton  # noqa: E402
-from hisparse.cache.state import HotState, ResolveBuffers  # noqa: E402
-from hisparse.cache.transfer import copy_rows  # noqa: E402
+from hisparse.cache import (DEFAULT_NUM_WARPS, DEFAULT_PROGRAMS_PER_SM, DEFAULT_ROWS_PER_PROGRAM,  # noqa: E402
+                            HotState, ResolveBuffers, copy_rows, resolve_triton)
 from hisparse.config import HiSparseConfig  # noqa: E402
 from hisparse.device import PinnedBuffer  # noqa: E402
 
@@ -117,8 +115,7 @@ def bench_copy(args, dev, timer, pool_flat, results):
             warps_l = [4, 8]
             per_sm_l = [4, 8, 16] if args.quick else [4, 8, 16, 32]
             sweep = [(r, w, s) for r in rows_l for w in warps_l for s in per_sm_l]
-    default = (transfer.DEFAULT_ROWS_PER_PROGRAM, transfer.DEFAULT_NUM_WARPS,
-               transfer.DEFAULT_PROGRAMS_PER_SM)
+    default = (DEFAULT_ROWS_PER_PROGRAM, DEFAULT_NUM_WARPS, DEFAULT_PROGRAMS_PER_SM)  # copy_rows' own
     max_n = max(counts)
     for W in widths:
         pool_rows = pool_flat.numel() // W

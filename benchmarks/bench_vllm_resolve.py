@@ -1,6 +1,6 @@
 """Same-run comparison of the all-hit resolve: vLLM 0.30's
 ``torch.ops._C_cache_ops.hisparse_resolve_residency`` against our
-``hisparse.cache.resolve_launch.resolve_triton``, in one process, at the same shapes.
+``hisparse.cache.resolve_triton``, in one process, at the same shapes.
 
   python -m benchmarks.bench_vllm_resolve --out vllm_resolve.json
   python -m benchmarks.bench_vllm_resolve --lib /path/to/_C_stable_libtorch.abi3.so
@@ -41,9 +41,7 @@ import torch
 
 from benchmarks.bench_staging import Timer, environment, fmt, make_resolve_case, random_pool, summary
 from benchmarks.common import ROOT, out_ok, write_json
-from hisparse.cache.resolve_launch import resolve_triton
-from hisparse.cache.state import STAT_HITS, STAT_MISSES
-from hisparse.cache.transfer import copy_rows
+from hisparse.cache import STAT_HITS, STAT_MISSES, copy_rows, resolve_triton
 
 DEFAULT_LIB = ROOT / ".gpu-deps" / "vllm" / "_C_stable_libtorch.abi3.so"
 UNPACK_DIR = pathlib.Path("/tmp/hisparse-vllm")

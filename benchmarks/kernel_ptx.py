@@ -107,8 +107,7 @@ def specialisations() -> list[dict]:
     default's; the combine and merge kernels."""
     import dataclasses
 
-    from hisparse.attention.miss import MERGE_BLOCK_H, MissConfig, gpu_config
-    from hisparse.attention.triton_backend import DEFAULT_CONFIGS
+    from hisparse.attention import DEFAULT_CONFIGS, MERGE_BLOCK_H, MissConfig, gpu_config
     from hisparse.formats import RowFormat
 
     specs = []

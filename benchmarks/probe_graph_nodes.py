@@ -64,7 +64,7 @@ class Nodes:
         cur.wait_stream(stream)
 
     def extra(self, kind: str) -> None:
-        from hisparse.cache.transfer import copy_rows_unchecked
+        from hisparse.cache import copy_rows_unchecked
         d = self.dev
         if kind == "triton_d2d":
             copy_rows_unchecked(self.rows, self.src, self.rows, self.dst_dev, d)

@@ -3,7 +3,7 @@
 With prefix caching the requests' misses read the shared prefix's host rows (a small
 region of the pool, some rows several times in one launch); without it every request
 reads its own rows, spread over the pool. The first case stages 2-5% slower. This
-probe times one row-copy launch (``hisparse.cache.transfer.copy_rows``, and the
+probe times one row-copy launch (``hisparse.cache.copy_rows``, and the
 cache's own staging launcher ``copy_staged``: a quarter of the SMs, 8 rows per
 iteration, 64 groups) of N = 13,120 fp8_ds_mla rows (656 bytes: 64 requests x 205
 misses) from a 2M-row (1.37 GB) pinned host pool into distinct random rows of a
@@ -327,7 +327,7 @@ class Staged:
 
 def launch_fn(launcher: str, pool: torch.Tensor, dst: torch.Tensor, staged: Staged):
     """(prepare(si, di), launch()) of one launcher: prepare is untimed."""
-    from hisparse.cache.transfer import copy_rows, copy_staged
+    from hisparse.cache import copy_rows, copy_staged
 
     cur: list[torch.Tensor] = []
     if launcher == "rows":

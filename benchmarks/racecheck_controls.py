@@ -63,9 +63,8 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-from hisparse.attention.triton_backend import WS_MAXNREG, ws_consumer_regs, ws_device_problem
-from hisparse.kernels.gluon_support import gluon_ws_problem
-from hisparse.kernels.mla_decode_ws import cta_barrier
+from hisparse.attention import WS_MAXNREG, gluon_ws_problem, ws_consumer_regs, ws_device_problem
+from hisparse.kernels import cta_barrier
 
 PRODUCER_REGS = 72  # the decode kernel's default register split (WS_DEFAULT)
 ROWS, COLS, SLOTS = 32, 64, 2  # one ring slot: int32 [ROWS, COLS]

@@ -160,13 +160,12 @@ class _Launch:
 @contextlib.contextmanager
 def _swapped(launcher):
     """The resolve launcher calls ``launcher`` instead of ``resolve_kernel`` inside the block."""
-    import hisparse.cache.resolve_launch as rt
-    orig = rt.resolve_kernel
-    rt.resolve_kernel = launcher
+    from hisparse.cache import set_resolve_kernel
+    orig = set_resolve_kernel(launcher)
     try:
         yield
     finally:
-        rt.resolve_kernel = orig
+        set_resolve_kernel(orig)
 
 
 def summarize(clk) -> dict:
@@ -213,8 +212,8 @@ def _topk(cache, B: int, K: int, S: int, ctx: int, hit: float, g):
 def standalone(a: argparse.Namespace, kernel) -> list[dict]:
     import torch
 
-    import hisparse.cache.resolve_launch as rt
     from hisparse import HiSparseCache, HiSparseConfig
+    from hisparse.cache import ResolveBuffers, resolve_triton
     K, ctx, Bmax = a.top_k, a.context, max(a.batch)
     names = ("slot_pos", "slot_stamp", "row_slot", "step", "stats", "seq_lens")
     flush = common.L2Flush(torch.device("cuda"))
@@ -239,11 +238,11 @@ def standalone(a: argparse.Namespace, kernel) -> list[dict]:
         saved = {n: getattr(cache.state, n).clone() for n in names}
         for B in a.batch:
             req, tk = req_all[:B], tk_all[:B].contiguous()
-            out = cache._bufs[0].view(B, K)
+            out = ResolveBuffers.allocate(B, K, torch.device("cuda"))
             case = {"slots": S, "batch": B, "context": ctx}
 
             def launch():
-                rt.resolve_unchecked(cache.state, 0, req, tk, out, max_query_len=1)
+                resolve_triton(cache.state, 0, req, tk, out, max_query_len=1)
             for cold in (False, True):
                 def before():
                     for n in names:

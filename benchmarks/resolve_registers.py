@@ -77,17 +77,16 @@ def compile_case(S: int, K: int, q: int, warps: int | None, sm: int, *, miss_lis
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from hisparse.cache import resolve_launch as rt
-    from hisparse.cache.state import (STAT_HITS, STAT_INVALID, STAT_MISSES, STAT_PREFETCH,
-                                      STAT_RESOLVES)
-    from hisparse.kernels.resolve import resolve_kernel
+    from hisparse.cache import (RESOLVE_SCAN_CHUNK, RESOLVE_SMALL_SORT, STAT_HITS, STAT_INVALID, STAT_MISSES,
+                                STAT_PREFETCH, STAT_RESOLVES, resolve_launch_sizes)
+    from hisparse.kernels import resolve_kernel
 
-    KB, GQ, SB, default_warps = rt.resolve_launch_sizes(S, K, q, miss_phase=miss_lists)
+    KB, GQ, SB, default_warps = resolve_launch_sizes(S, K, q, miss_phase=miss_lists)
     warps = warps or default_warps
     consts = dict(STAT_HITS=STAT_HITS, STAT_MISSES=STAT_MISSES, STAT_INVALID=STAT_INVALID,
                   STAT_RESOLVES=STAT_RESOLVES, STAT_PREFETCH=STAT_PREFETCH, STAMPED=miss_lists,
                   MISS_LISTS=miss_lists, PREFETCH=False, Q=q, KB=KB, GQ=GQ,
-                  SMALL_SORT=min(rt.RESOLVE_SMALL_SORT, GQ * KB), SB=SB, COMPACT=compact, CH=rt.RESOLVE_SCAN_CHUNK,
+                  SMALL_SORT=min(RESOLVE_SMALL_SORT, GQ * KB), SB=SB, COMPACT=compact, CH=RESOLVE_SCAN_CHUNK,
                   ALIASED=aliased)
     int64_ptrs = {"slot_stamp_ptr", "undo_hit_ptr", "undo_vstamp_ptr", "step_ptr", "stats_ptr"}
     sig = {}

@@ -44,14 +44,10 @@ import sys
 
 import torch
 
-from hisparse.attention.reference import ReferenceBackend
-from hisparse.attention.triton_backend import TritonBackend, default_config
-from hisparse.cache.cache import HiSparseCache
+from hisparse.attention import ReferenceBackend, TritonBackend, default_config
+from hisparse.cache import (HiSparseCache, HotState, ResolveBuffers, copy_rows, copy_rows_reference, resolve_reference,
+                            resolve_triton)
 from hisparse.decode import DecodeLayer, Overlap
-from hisparse.cache.resolve_ref import copy_rows_reference, resolve_reference
-from hisparse.cache.resolve_launch import resolve_triton
-from hisparse.cache.state import HotState, ResolveBuffers
-from hisparse.cache.transfer import copy_rows
 from hisparse.config import HiSparseConfig, RowFormat
 from hisparse.device import PinnedBuffer
 from hisparse.engine import HiSparseIndexGroup, SparseMLAMetadata
