@@ -44,6 +44,8 @@ class PoolChecks:
         checked, failure messages)."""
         SP = self.cfg.slots_per_req
         r = cache.request(req_id).slot
+        # the positions the slots hold: the one read of the cache's internal state (no public
+        # view has them; layer_view's row_slot is the other direction, row key -> slot)
         pos = cache.state.slot_pos[layer, r].long()
         occ = (pos >= 0).nonzero().flatten()
         p = pos[occ]
@@ -63,7 +65,7 @@ class PoolChecks:
             return 0, [f"{where}: slot {int(occ[i])} (hot row {r * SP + int(occ[i])}) holding position "
                        f"{int(p[i])} differs from the expected bytes ({int(bad.sum())} of {bad.numel()} slots bad)"]
         h = cache.pool.row_keys(r, p.cpu()).to(self.dev)
-        back = cache.state.row_slot[layer].index_select(0, h).long()
+        back = cache.layer_view(layer).row_slot.index_select(0, h).long()
         if not torch.equal(back, occ):
             i = int((back != occ).nonzero()[0])
             return 0, [f"{where}: position {int(p[i])} is in slot {int(occ[i])} but row_slot maps its row key "

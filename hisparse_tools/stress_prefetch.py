@@ -35,8 +35,9 @@ def selected_host_rows(cache, req_ids: list[int], topk: torch.Tensor) -> list[to
 
 def selected_hot(cache, layer: int, rows: list[torch.Tensor]) -> torch.Tensor:
     """Whether each of ``rows`` (:func:`selected_rows`) is hot in ``layer`` now: bool
-    [entries], request by request."""
-    row_slot = cache.state.row_slot[layer].cpu()
+    [entries], request by request (read through the layer's ``layer_view``: the cache's
+    rows are of a row format, as the stress run's are)."""
+    row_slot = cache.layer_view(layer).row_slot.cpu()
     return torch.cat([row_slot[r] >= 0 for r in rows]) if rows else torch.zeros(0, dtype=torch.bool)
 
 

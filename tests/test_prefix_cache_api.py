@@ -161,7 +161,7 @@ def test_stress_prefetch_counts_by_row_key_for_sharers():
     """The stress tool's prefetch figures look rows up by row key: a sharer's aliases, not
     the writer's host rows."""
     from hisparse_tools.stress_prefetch import selected_hot, selected_rows
-    c = make()
+    c = make(row_bytes=656)  # a row format, as the stress run's caches have (selected_hot reads layer_view)
     w = Req(c, 0, toks(2 * B + 1))
     w.write()
     m = Req(c, 1, toks(2 * B + 1))
