@@ -1,7 +1,8 @@
 """The library (``hisparse``) and its tools (``hisparse_tools``) kept apart.
 
 - The library's import graph has no arrow into the tools.
-- The tools import only names the library exports.
+- The tools and the benchmarks import only names the library exports, and no package
+  exports a name one of its modules also has (importing that module would replace it).
 - ``hisparse whatif`` runs without importing the cache, a kernel or Triton.
 
 The first two read the source (every import statement, at any depth: module level, in a
@@ -23,6 +24,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 LIBRARY = ROOT / "hisparse"
 TOOLS = ROOT / "hisparse_tools"
+BENCHMARKS = ROOT / "benchmarks"
 # the tools' package, and where they lived inside the library before issue 44
 TOOL_PACKAGES = ("hisparse_tools", "hisparse.tools")
 
@@ -104,14 +106,18 @@ def test_no_package_exports_a_name_of_one_of_its_modules():
     assert not clashes, "exported names that are also module names: " + ", ".join(clashes)
 
 
-def test_tools_import_only_exported_library_names():
-    """A tool may import a public library module (``import hisparse.metrics``, ``from
-    hisparse import metrics``) or a name that module exports (``from hisparse.cache
-    import HiSparseCache``); nothing else of the library (no ``hisparse._checks``, no
-    ``hisparse.cache.state``, no name left out of an ``__all__``)."""
+@pytest.mark.parametrize("folder, at_least", [(TOOLS, 10), (BENCHMARKS, 20)], ids=["tools", "benchmarks"])
+def test_tools_import_only_exported_library_names(folder, at_least):
+    """A tool or a benchmark may import a public library module (``import
+    hisparse.metrics``, ``from hisparse import metrics``) or a name that module exports
+    (``from hisparse.cache import HiSparseCache``); nothing else of the library (no
+    ``hisparse._checks``, no ``hisparse.cache.state``, no name left out of an
+    ``__all__``). The benchmarks that drive kernels and launchers directly import the
+    kernel level that ``hisparse.cache``, ``hisparse.kernels`` and ``hisparse.attention``
+    export for them."""
     public, exports = _exported()
-    files = sorted(TOOLS.rglob("*.py"))
-    assert len(files) > 10, f"the tools' sources were not found under {TOOLS}"
+    files = sorted(folder.rglob("*.py"))
+    assert len(files) > at_least, f"the sources were not found under {folder}"
     bad = []
     for path in files:
         for line, module, name in _imports(path):
@@ -122,7 +128,7 @@ def test_tools_import_only_exported_library_names():
                 bad.append(f"{where} imports from {module}, which is not a public library module")
             elif name is not None and name not in exports[module] and f"{module}.{name}" not in public:
                 bad.append(f"{where} imports {name} from {module}, which does not export it")
-    assert not bad, "the tools reach past the library's exports:\n" + "\n".join(bad)
+    assert not bad, f"{folder.name}/ reaches past the library's exports:\n" + "\n".join(bad)
 
 
 _WHATIF = """
