@@ -279,7 +279,7 @@ def run_case(T, H, K, fmt, args, timer, backends, copy_cache) -> list[dict]:
     if "triton" in by and "flashinfer" in by:
         by["triton"]["triton_vs_flashinfer"] = (by["flashinfer"]["us"]["median"]
                                                 / by["triton"]["us"]["median"])
-    del q, rows, idx
+    q = rows = idx = None  # free the case's tensors (the closures above share the names: no del)
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return results

@@ -32,7 +32,6 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import L2Flush, environment, out_ok, stats, time_calls
-import hisparse
 from hisparse.attention import ReferenceBackend, TritonBackend, TritonMLAConfig, auto_splits, default_config
 from hisparse.formats import quantize_fp8_ds_mla
 

@@ -275,7 +275,7 @@ def standalone(a: argparse.Namespace, kernel) -> list[dict]:
             case["misses"] = misses
             print(json.dumps(case), flush=True)
             cases.append(case)
-        del cache
+        cache = None  # free the cache (launch() shares the name: no del)
         torch.cuda.empty_cache()
     return cases
 
