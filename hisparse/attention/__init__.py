@@ -8,9 +8,9 @@
   ``gluon_ws_problem``: why its warp-specialised kernel can't run here, or None),
   ``FlashMLABackend`` (ops from vllm / sgl_kernel or a library path),
   ``FlashInferBackend`` (``flashinfer_version``: the installed one, or None).
-- ``miss``: the miss side of a split decode (``merge_lse``, ``miss_attention_merge``;
-  ``plan_miss_attention``: its launch shape and scratch, planned once); the last two
-  are exported here.
+- ``miss``: the miss side of a split decode (``merge_lse``, ``miss_attention_merge``);
+  ``miss_attention_merge`` and ``plan_miss_attention`` (its launch shape and scratch,
+  planned once) are exported here too.
 
 Kernel level: the launch shapes of the Triton kernels, for the benchmarks that sweep,
 compile or check them (``bench_triton_configs``, ``kernel_ptx``, ``racecheck_controls``):
