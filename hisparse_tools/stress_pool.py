@@ -44,9 +44,7 @@ class PoolChecks:
         checked, failure messages)."""
         SP = self.cfg.slots_per_req
         r = cache.request(req_id).slot
-        # the positions the slots hold: the one read of the cache's internal state (no public
-        # view has them; layer_view's row_slot is the other direction, row key -> slot)
-        pos = cache.state.slot_pos[layer, r].long()
+        pos = cache.layer_view(layer).slot_pos[r].long()  # the position each slot holds
         occ = (pos >= 0).nonzero().flatten()
         p = pos[occ]
         n = cache.request(req_id).lengths[layer]

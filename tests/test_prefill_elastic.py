@@ -87,6 +87,10 @@ def test_layer_view_carries_the_pool_only_with_one():
                                            host_block_size=16, device="cpu", max_request_id=8), kernels="torch")
     v0 = no_pool.layer_view(0)
     assert not v0.has_pool and v0.resident is None and v0.page_table is None
+    # slot_pos: the state's own memory (row_slot's other direction), pool or not
+    for cache, layer in ((c, 1), (no_pool, 0)):
+        sp = cache.layer_view(layer).slot_pos
+        assert sp.data_ptr() == cache.state.slot_pos[layer].data_ptr() and torch.equal(sp, cache.state.slot_pos[layer])
 
 
 def _view_kwargs():
@@ -111,6 +115,10 @@ def _view_kwargs():
     (dict(pool_base=-1), ValueError, "pool_base must be >= 0"),
     (dict(page_rows=0), ValueError, "page_rows must be >= 1"),
     (dict(pool_base=6.0), TypeError, "pool_base must be an int"),
+    (dict(slot_pos=torch.full((2, 4), -1, dtype=I32)), ValueError, r"slot_pos must have shape \[2, 3\]"),
+    (dict(slot_pos=torch.full((2, 3), -1, dtype=torch.int64)), TypeError, "slot_pos must have dtype int32"),
+    (dict(hot_rows=None, row_slot=None, resident=None, page_table=None, slot_pos=torch.full((2, 3), -1, dtype=I32)),
+     ValueError, "slot_pos describes the hot slots"),
 ])
 def test_layer_view_checks_the_pool(change, exc, msg):
     kw = _view_kwargs()

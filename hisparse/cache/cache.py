@@ -66,6 +66,12 @@ class HiSparseCache:
     "triton" (on CPU only under ``TRITON_INTERPRET=1``; otherwise a ValueError here).
     ``pin``: pin the host pool (default: when CUDA is available). ``host_pool``: a pool
     built elsewhere (e.g. ``SharedHostPool``) for the same config.
+
+    Attributes besides the methods: ``pool`` (the ``HostPool``: a request's row keys and
+    host rows, its block allocator), ``graphs`` (``CacheGraphs``: CUDA graphs as a mode
+    of the calls), ``streams`` (``CacheStreams``: the waits an engine orders its streams
+    with) and ``kernel_set`` (the torch or Triton kernels the calls launch). The rest is
+    internal state, read through ``layer_view``, ``request`` and ``stats``.
     """
 
     def __init__(self, cfg: HiSparseConfig, *, kernels: Kernels | str = "auto",
@@ -197,7 +203,7 @@ class HiSparseCache:
                     if self.dpool.enabled else {})
             view = LayerView(host_rows=self.pool.rows[layer], blocks=blocks, row_format=fmt,
                              hot_rows=self.hot[layer], row_slot=st.row_slot[layer],
-                             slots_per_req=cfg.slots_per_req,
+                             slots_per_req=cfg.slots_per_req, slot_pos=st.slot_pos[layer],
                              host_block=st.host_block if cfg.prefix_alias_blocks else None, **pool)
             self._views[layer] = view
         return view

@@ -73,6 +73,8 @@ class LayerView:
     row_format:    RowFormat of the stored rows
     hot_rows:      uint8 [>= R * SP, row_bytes] | None, the layer's flat hot view
     row_slot:      int32 [HV] | None, hot slot (0..S) of each row key, -1 = not hot
+    slot_pos:      int32 [R, SP] | None, the position each hot slot holds, -1 = empty
+                   (``row_slot``'s other direction; staging does not read it)
     slots_per_req: SP = S + 1 hot rows per request slot (when hot_rows is given)
     host_block:    int32 [NV] | None, host block of each block id (prefix caching: ids
                    past the host blocks are aliases of cached ones); the host row of
@@ -103,6 +105,7 @@ class LayerView:
     hot_rows: torch.Tensor | None = None
     row_slot: torch.Tensor | None = None
     slots_per_req: int = 1
+    slot_pos: torch.Tensor | None = None
     resident: torch.Tensor | None = None
     page_table: torch.Tensor | None = None
     pool_base: int = 0
@@ -125,6 +128,8 @@ class LayerView:
                              "UVA, which needs page-locked memory (hisparse.device.PinnedBuffer)")
         if (self.hot_rows is None) != (self.row_slot is None):
             raise ValueError("hot_rows and row_slot go together: pass both or neither")
+        if self.slot_pos is not None and self.hot_rows is None:
+            raise ValueError("slot_pos describes the hot slots: it needs hot_rows and row_slot")
         check_int("slots_per_req", self.slots_per_req, 1)
         if self.host_block is not None:
             check_tensor("host_block", self.host_block, dtype=torch.int32, ndim=1, device=dev, contiguous=True)
@@ -135,6 +140,9 @@ class LayerView:
             check_tensor("hot_rows", self.hot_rows, dtype=torch.uint8, shape=(None, fmt.row_bytes),
                          device=dev, contiguous=True)
             check_tensor("row_slot", self.row_slot, dtype=torch.int32, shape=(self.num_row_keys,), device=dev)
+            if self.slot_pos is not None:
+                check_tensor("slot_pos", self.slot_pos, dtype=torch.int32,
+                             shape=(self.blocks.num_rows, self.slots_per_req), device=dev)
             need = self.blocks.num_rows * self.slots_per_req
             if self.hot_rows.shape[0] < need:
                 raise ValueError(f"hot_rows has {self.hot_rows.shape[0]} rows, fewer than R x "
