@@ -238,7 +238,7 @@ def test_merge_weights_exact_with_one_miss_per_token(splits):
     lse = its score), so only the merge's bf16 rounding remains: each element within
     2^-7 of the sum of the magnitudes of its two weighted terms. Hit lses are put near
     the miss scores so both weights matter (a 1% error in either would show)."""
-    fmt, T, H, K, N = "bf16", 3, 16, 4, 12
+    fmt, T, H, N = "bf16", 3, 16, 12
     rows = _rows(N, fmt, seed=8)
     q = _q(T, H, seed=9)
     idx = torch.tensor([[5, 1, 2, 3], [-1, 7, 8, 9], [11, 0, 0, 0]], dtype=torch.int32)
