@@ -70,8 +70,11 @@ class HiSparseCache:
     Attributes besides the methods: ``pool`` (the ``HostPool``: a request's row keys and
     host rows, its block allocator), ``graphs`` (``CacheGraphs``: CUDA graphs as a mode
     of the calls), ``streams`` (``CacheStreams``: the waits an engine orders its streams
-    with) and ``kernel_set`` (the torch or Triton kernels the calls launch). The rest is
-    internal state, read through ``layer_view``, ``request`` and ``stats``.
+    with) and ``kernel_set`` (the torch or Triton kernels the calls launch). ``state``
+    (``HotState``) and ``hot`` (uint8 [L, device rows, row_bytes]) are the kernel level's
+    view of the hot tier, for benchmarks and checks that drive a launcher on its own
+    (``hisparse.cache`` exports that level); an engine reads them through ``layer_view``,
+    ``request`` and ``stats``. The rest is internal.
     """
 
     def __init__(self, cfg: HiSparseConfig, *, kernels: Kernels | str = "auto",
