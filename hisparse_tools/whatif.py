@@ -133,7 +133,14 @@ class WhatifOptions:
     def __post_init__(self) -> None:
         parse_choices(self, {"row_format": RowFormat.parse})
         if self.trace is not None:
-            parse_choices(self, {"trace": Trace.parse})
+            try:
+                trace = Trace.parse(self.trace)
+            except ValueError:
+                trace = None
+            if trace not in GENERATORS:  # REPLAY is --replay FILE
+                raise ValueError(f"trace must be a generator, one of {[g.value for g in GENERATORS]}, got "
+                                 f"{self.trace!r} (a recorded trace is --replay FILE)")
+            object.__setattr__(self, "trace", trace)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -325,6 +325,16 @@ def test_workingset_bad_knobs(kw, msg):
         WorkingSetSource(top_k=256, **kw)
 
 
+@pytest.mark.parametrize("trace", ["replay", "bogus", W.Trace.REPLAY])
+def test_options_take_a_generator_as_trace(trace):
+    """``trace`` is a generator: a recorded trace is ``replay=FILE``; the error lists the
+    generators only."""
+    with pytest.raises(ValueError, match=r"trace must be a generator, one of \['workingset', 'correlated', "
+                                         r"'uniform', 'indexer'\].*--replay FILE"):
+        W.WhatifOptions(trace=trace)
+    assert W.WhatifOptions(trace="indexer").trace is W.Trace.INDEXER
+
+
 # ------------------------------------------------------------------ CLI
 SMALL = ["--requests", "2", "--steps", "25", "--layers", "2", "--quiet"]
 

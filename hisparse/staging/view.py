@@ -105,12 +105,12 @@ class LayerView:
     hot_rows: torch.Tensor | None = None
     row_slot: torch.Tensor | None = None
     slots_per_req: int = 1
-    slot_pos: torch.Tensor | None = None
     resident: torch.Tensor | None = None
     page_table: torch.Tensor | None = None
     pool_base: int = 0
     page_rows: int = DEVICE_PAGE_ROWS
     host_block: torch.Tensor | None = None
+    slot_pos: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         fmt = RowFormat.parse(self.row_format)
