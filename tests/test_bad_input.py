@@ -149,6 +149,14 @@ def test_resolve_metadata_errors_in_both_modes(cache, validate, rid, tk, match, 
     rejects(cache, exc, match, cache.resolve, layer, r, t, validate=validate)
 
 
+@pytest.mark.parametrize("rid,tk,match,layer,exc", META_CASES)
+def test_prefetch_metadata_errors(cache, rid, tk, match, layer, exc):
+    """A prefetch makes the unchecked resolve's metadata checks (top_k among them)."""
+    r = rid if not isinstance(rid, list) else torch.tensor(rid, dtype=I32)
+    t = tk if not isinstance(tk, list) else torch.tensor(tk, dtype=I32)
+    rejects(cache, exc, match, cache.prefetch, layer, r, t)
+
+
 # ---- resolve: contents (checked mode raises; unchecked counts) ------------------------------
 CONTENT_CASES = [
     # (req_ids, topk, message, invalid entries counted when unchecked)

@@ -355,9 +355,7 @@ class HiSparseCache:
         stage stream and valid until the next prefetch; its undo log is shared with
         every layer's resolves.
         """
-        T, K, req_ids = self._check_resolve(layer, req_ids, topk, False)
-        if K > self.cfg.top_k:
-            raise ValueError(f"topk has K={K} columns, more than top_k={self.cfg.top_k}")
+        T, K, req_ids = self._check_resolve(layer, req_ids, topk, False)  # K <= top_k among its checks
         out = self._prefetch_out.view(T, K)
         self.stager.run_prefetch(layer, req_ids, topk, out, host_rows=self._host_l[layer],
                                  hot_rows=self._hot_l[layer])
