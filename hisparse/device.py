@@ -30,7 +30,7 @@ import weakref
 import numpy as np
 import torch
 
-from ._checks import interpreter_mode  # re-exported: whether Triton runs under its CPU interpreter
+from ._checks import device_type, interpreter_mode  # interpreter_mode re-exported: whether Triton runs under its CPU interpreter
 from .errors import CapacityError
 
 
@@ -302,6 +302,12 @@ def wait_event(stream, event) -> None:
         stream.wait_event(event)
 
 
-__all__ = ["PinnedBuffer", "Streams", "available_host_bytes", "check_host_bytes", "device_ints", "interpreter_mode",
+def capturing(device: torch.device) -> bool:
+    """Whether the current CUDA stream of ``device``'s type is being captured into a graph
+    (False on CPU)."""
+    return device_type(device) == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+__all__ = ["PinnedBuffer", "Streams", "available_host_bytes", "capturing", "check_host_bytes", "device_ints", "interpreter_mode",
            "is_cuda", "is_pinned_host", "on_device", "pin_host_range", "release_deferred_pins", "resolve_device",
            "unpin_host_range", "wait_event"]

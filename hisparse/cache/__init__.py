@@ -3,8 +3,9 @@
 - ``HiSparseCache(cfg, kernels=, pin=, host_pool=)``: the coordinator (``cache``); also
   ``hisparse.HiSparseCache``.
 - What its calls take and hand back: ``ResolveResult`` (``resolve``) and ``SplitResult``
-  (``resolve(..., split=True)``), ``RequestInfo`` (``request``), ``PoolUsage``
-  (``pool_usage``) (``results``); ``ResolveBuffers`` (``prefetch``; ``state``);
+  (``resolve(..., split=True)``; ``CopyShape``: its ``copy_shape=``, the staging copy's
+  launch shape), ``RequestInfo`` (``request``), ``PoolUsage`` (``pool_usage``)
+  (``results``); ``ResolveBuffers`` (``prefetch``; ``state``);
   ``WriteBatch`` (``plan_write``; ``write``); ``StepPlan`` (``prepare_step``) and
   ``StepCapacity`` (its ``capacity=``: fixed-shape lists) (``write_step``); ``LayerView``
   (``layer_view``: what ``hisparse.staging`` reads of a layer; defined there).
@@ -52,6 +53,7 @@ from .._lazy import lazy_exports
 # exported name -> module that defines it (relative to this package)
 _EXPORTS = {
     "HiSparseCache": ".cache",
+    "CopyShape": ".stager",
     "ResolveResult": ".results", "SplitResult": ".results", "RequestInfo": ".results", "PoolUsage": ".results",
     "CacheGraphs": ".graphs", "ResolveCall": ".graphs", "WriteCall": ".graphs",
     "ResolveBuffers": ".state",

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Callable, Iterator
 import torch
 
 from .results import ResolveResult
-from .stager import capturing
+from ..device import capturing
 from .validate import check_layer
 
 if TYPE_CHECKING:

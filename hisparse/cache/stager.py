@@ -22,18 +22,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .._checks import check_int, device_type
-from ..device import Streams
+from .._checks import check_int
+from ..device import Streams, capturing
 from .rollback import rollback_resolve
 from .state import STAT_PREFETCH, HotState, ResolveBuffers
 
 if TYPE_CHECKING:
     from .kernel_set import CacheKernels
-
-
-def capturing(device: torch.device) -> bool:
-    """Whether the current CUDA stream is being captured into a graph."""
-    return device_type(device) == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 class _Event:
@@ -375,4 +370,4 @@ class Stager:
         self.state.stats[layer, STAT_PREFETCH] -= int((out.stage_dst[:topk.numel()] >= 0).sum())
 
 
-__all__ = ["CacheStreams", "CopyShape", "Stager", "capturing"]
+__all__ = ["CacheStreams", "CopyShape", "Stager"]

@@ -38,7 +38,7 @@ from ..attention.base import Phase, SparseMLABackend, check_decode_call
 from ..attention.miss import MissConfig, MissMode, MissPlan, miss_attention_merge, plan_miss_attention
 from ..cache.cache import HiSparseCache
 from ..cache.results import ResolveResult, SplitResult
-from ..cache.stager import CopyShape
+from ..cache import CopyShape
 from ..formats import RowFormat
 from .overlap import Overlap
 

@@ -46,7 +46,7 @@ import torch
 
 from .._checks import Kernels, check_bool, check_int, check_tensor, device_type
 from ..cache.cache import HiSparseCache
-from ..cache.stager import capturing
+from ..device import capturing
 from ..config import HiSparseConfig
 from ..decode.layer import Overlap
 from ..device import release_deferred_pins, resolve_device
@@ -211,7 +211,7 @@ class HiSparseIndexGroup:
                              "its requests: their written layers hold a row more than the others)")
 
     def has_request(self, req_id: int) -> bool:
-        return self._cache.requests.is_live(req_id)  # any id that hashes as a live one (numpy ints too)
+        return req_id in self._cache.live_requests()  # any id equal to a live one (numpy ints too)
 
     def request_length(self, req_id: int, layer_index: int) -> int:
         """Rows stored for ``req_id`` in layer ``layer_index`` (this forward's rows count

@@ -56,7 +56,7 @@ import torch
 
 from ..cache.cache import HiSparseCache
 from ..cache.graphs import Captured, ResolveCall, WriteCall
-from ..cache.stager import capturing
+from ..device import capturing
 from ..cache.write_step import StepPlan
 
 __all__ = ["CudaGraphBackend", "IN_PLACE_GRAPHS", "LayerGraphs", "RECENT_INPUTS"]
