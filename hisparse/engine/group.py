@@ -211,7 +211,7 @@ class HiSparseIndexGroup:
                              "its requests: their written layers hold a row more than the others)")
 
     def has_request(self, req_id: int) -> bool:
-        return req_id in self._cache.live_requests()  # any id equal to a live one (numpy ints too)
+        return self._cache.requests.is_live(req_id)  # a dict lookup: any id that hashes as a live one (numpy ints too)
 
     def request_length(self, req_id: int, layer_index: int) -> int:
         """Rows stored for ``req_id`` in layer ``layer_index`` (this forward's rows count
