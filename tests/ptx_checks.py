@@ -32,6 +32,24 @@ _BRANCH = re.compile(_PRED + r"bra(?:\.uni)?\s+(\$\w+)\s*;")
 _NO_FALL_THROUGH = re.compile(r"^\s*(?:bra(?:\.uni)?\s|ret\b|exit\b)")  # unpredicated
 
 
+def resource_usage(cubin: bytes) -> str:
+    """``cuobjdump --dump-resource-usage`` of a compiled kernel (the Triton wheel's
+    cuobjdump): its registers, stack, shared memory, as text."""
+    import os
+    import subprocess
+    import tempfile
+
+    import triton
+
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
+        return subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    finally:
+        os.unlink(f.name)
+
+
 def ex2_args_from_fma(ptx: str) -> list[str]:
     """The argument registers of the ``ex2`` instructions in ``ptx`` whose value comes
     from an ``fma`` (directly or through mov / neg / abs / selp); [] when none."""

@@ -13,7 +13,7 @@ from attention_common import run_sm90_compile
 
 # ------------------------------------------- compiles for the H200 (sm90)
 _SM90_COMPILE = r'''
-import json, os, re, subprocess, sys, tempfile
+import json, re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -22,7 +22,7 @@ from hisparse.attention.triton_backend import DEFAULT_CONFIGS, isolate_problem
 from hisparse.formats import RowFormat
 from hisparse.kernels import mla_decode as M
 from hisparse.kernels import mla_decode_wide as MW
-from ptx_checks import ex2_args_from_fma
+from ptx_checks import ex2_args_from_fma, resource_usage
 
 def compile_decode(fp8, bh, splits):
     cfg = DEFAULT_CONFIGS[(RowFormat.FP8_DS_MLA if fp8 else RowFormat.BF16, bh)]
@@ -48,12 +48,7 @@ def compile_decode(fp8, bh, splits):
     src = ASTSource(fn=fn, signature=sig, attrs=attrs, constexprs=consts)
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(k.asm["cubin"])
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-    usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True,
-                           text=True).stdout
-    os.unlink(f.name)
+    usage = resource_usage(k.asm["cubin"])
     stack = re.search(r"STACK:(\d+)", usage)
     mma = re.findall(r"nvidia_mma<\{[^}]*warpsPerCTA = \[(\d+), (\d+)\]", k.asm["ttgir"])
     return {"fp8": fp8, "block_h": bh, "splits": splits, "shared": k.metadata.shared,

@@ -420,13 +420,13 @@ def test_plan_mismatch_and_bad_config_raise():
 
 # ------------------------------------------------------------------ sm90 build
 _SM90_COMPILE = r'''
-import json, os, re, subprocess, tempfile
+import json, re
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from hisparse.attention.miss import MERGE_BLOCK_H, gpu_config
 from hisparse.kernels import mla_miss as M
-from ptx_checks import ex2_args_from_fma
+from ptx_checks import ex2_args_from_fma, resource_usage
 
 STRIDES = ("H", "q_stride_t", "q_stride_h", "kv_stride", "idx_stride")
 
@@ -436,12 +436,7 @@ def build(fn, sig, consts, **opts):
              if sig[n].startswith("*") or n in STRIDES}
     k = triton.compile(ASTSource(fn=fn, signature=sig, attrs=attrs, constexprs=consts),
                        target=GPUTarget("cuda", 90, 32), options=opts)
-    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
-        f.write(k.asm["cubin"])
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
-    usage = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True,
-                           text=True).stdout
-    os.unlink(f.name)
+    usage = resource_usage(k.asm["cubin"])
     ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
     layouts = dict(re.findall(r"^(#\w+) = #ttg.blocked<\{sizePerThread = \[([\d, ]+)\]", ttgir, re.M))
     # vector width (int32 elements per thread) of every load/store of an i32 row tile
