@@ -122,14 +122,24 @@ def fp8_rows(n: int, seed: int, device: torch.device) -> torch.Tensor:
 class Setup:
     """A cache and a resident copy of the same rows for B requests (two layers);
     ``shared`` > 0: prefix caching on, the requests share the blocks of the first
-    ``shared`` tokens (rounded down to whole blocks); -1: on, nothing shared; 0: off."""
+    ``shared`` tokens (rounded down to whole blocks); -1: on, nothing shared; 0: off.
+    ``pool``: an elastic device pool with room for request 0's pages and every other
+    request's own pages past the shared prefix, and ``share_pages`` passed on as
+    ``share_prefix_pages`` (True: the sharers join resident on request 0's prefix pages;
+    False: they join hot, their prefix on the host only)."""
 
-    def __init__(self, B: int, ctx: int, a: argparse.Namespace, dev: torch.device, shared: int = 0) -> None:
+    def __init__(self, B: int, ctx: int, a: argparse.Namespace, dev: torch.device, shared: int = 0,
+                 pool: bool = False, share_pages: bool = True) -> None:
         self.B, self.ctx, self.K, self.S, self.dev = B, ctx, a.top_k, a.slots, dev
         blocks = math.ceil(ctx / 64) * B
+        rows = None
+        if pool:
+            pages = math.ceil(ctx / 64) + (B - 1) * (math.ceil((ctx - max(shared, 0) // 64 * 64) / 64))
+            rows = math.ceil(B * (a.slots + 1) / 64) * 64 + pages * 64
         cfg = HiSparseConfig(num_layers=2, host_pool_tokens=blocks * 64, row_bytes=656, top_k=a.top_k,
                              device_buffer_size=a.slots, max_num_reqs=B, host_block_size=64,
-                             max_request_id=max(16, B), device=str(dev), prefix_caching=shared != 0)
+                             max_request_id=max(16, B), device=str(dev), prefix_caching=shared != 0,
+                             device_pool_rows=rows, share_prefix_pages=share_pages)
         kern = "triton" if dev.type == "cuda" or a.dry_run else "torch"
         self.cache = HiSparseCache(cfg, kernels=kern)
         chunk = min(ctx, 1 << 16)

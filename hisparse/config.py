@@ -55,6 +55,10 @@ class HiSparseConfig:
                           block by many as long as ids last), 0 without.
       prefix_hash         block name hash, "sha256" (default; names can't be forged
                           across tenants) or "xxh3_128" (faster; needs ``xxhash``)
+      share_prefix_pages  with prefix caching and a device pool: a request whose cached
+                          prefix a resident request holds joins resident on that
+                          request's device pages (``hisparse.cache.device_pool``);
+                          False: a prefix hit joins hot. On by default.
     """
 
     num_layers: int
@@ -71,6 +75,7 @@ class HiSparseConfig:
     prefix_caching: bool = False
     prefix_alias_blocks: int | None = None
     prefix_hash: str = "sha256"
+    share_prefix_pages: bool = True
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "host_pool_tokens", "row_bytes", "top_k",
@@ -120,6 +125,7 @@ class HiSparseConfig:
             if self.device_rows_per_layer >= 2**31:
                 raise ValueError(f"device_pool_rows={self.device_pool_rows} exceeds int32 row indices")
         check_bool("prefix_caching", self.prefix_caching)
+        check_bool("share_prefix_pages", self.share_prefix_pages)
         if self.prefix_alias_blocks is None:
             object.__setattr__(self, "prefix_alias_blocks", self.num_host_blocks if self.prefix_caching else 0)
         check_int("prefix_alias_blocks", self.prefix_alias_blocks, 0)

@@ -55,6 +55,13 @@ Formulas (``FORMULAS`` below is printed by ``hisparse plan --help``):
       (host rows / B) * (4 * L * B + 4)
     N_hisparse shared = min(N_gpu shared, N_host shared, M, N_index), N_gpu shared the
                     largest N with N * hisparse GPU bytes + 4 * A(N) <= G
+    with --pool-rows too: resident sharers reference their group's first resident
+    request's device pages of the prefix: Pp = floor(Ps / 64) whole pages per group
+    (a partial page is copied: a page of the sharer's own)
+      pages for all R resident = min(R, Gp) * Pc + (R - min(R, Gp)) * (Pc - Pp)
+      Np for all R resident with sharing = Hh + that * 64
+      resident at C with sharing: the groups' first requests first (Pc pages each),
+                    then sharers (Pc - Pp each), at most R
 
 Result fields (``plan`` / ``hisparse plan --json``): inputs (PlanInputs + row_bytes),
 per_request_bytes {resident_gpu, hisparse_gpu, hisparse_gpu_breakdown {hot_rows_and_
@@ -72,7 +79,8 @@ prefix (with shared_prefix) {requests, requests_from, shared_prefix, groups, sha
 own_rows_per_request, host_rows_unshared, host_rows_shared, host_rows_saved, host_bytes_unshared,
 host_bytes_shared (per node), alias_ids, alias_device_bytes, row_map_bytes_saved,
 gpu_bytes_shared, default_alias_ids, default_alias_device_bytes, concurrency_shared,
-host_limit_shared, gpu_limit_shared, binding_shared}.
+host_limit_shared, gpu_limit_shared, binding_shared; with pool_rows also
+shared_pages_per_group, rows_all_resident_shared, resident_requests_shared}.
 """
 
 from __future__ import annotations
@@ -196,6 +204,8 @@ def plan(inp: PlanInputs) -> dict:
     if inp.shared_prefix is not None:
         out["prefix"] = prefix_sharing(inp, n_gpu=n_gpu, n_host=n_host, n_index=n_index, hs_gpu=hs_gpu, row=row,
                                        copies=copies)
+        if "device_pool" in out:
+            out["prefix"].update(shared_pages(inp, out["device_pool"], out["prefix"]["requests"]))
     if inp.target_requests is not None:
         t = inp.target_requests
         out["target"] = {"requests": t, "host_pool_bytes": t * copies * hs_host,
@@ -271,6 +281,19 @@ def prefix_sharing(inp: PlanInputs, *, n_gpu: int, n_host: int, n_index: int, hs
             "host_limit_shared": n_host_sh, "gpu_limit_shared": n_gpu_sh, "binding_shared": binding}
 
 
+def shared_pages(inp: PlanInputs, d: dict, R: int) -> dict:
+    """The device pool with shared prefix pages (the module docstring's formulas):
+    ``d`` is the ``device_pool`` figures, R the requests of the prefix figures."""
+    Gp, PB = inp.prefix_groups or 1, DEVICE_PAGE_ROWS
+    Pp = inp.shared_prefix // inp.block_size * inp.block_size // PB
+    pc, first = d["pages_per_request"], min(R, Gp)
+    pages = first * pc + (R - first) * (pc - Pp)
+    fit = d["pages"]
+    res = fit // pc if fit < first * pc else first + ((fit - first * pc) // (pc - Pp) if pc > Pp else R)
+    return {"shared_pages_per_group": Pp, "rows_all_resident_shared": d["hot_rows"] + pages * PB,
+            "resident_requests_shared": min(R, res)}
+
+
 def _prefix_lines(p: dict) -> list[str]:
     x = p["prefix"]
     who = "the --target" if x["requests_from"] == "target" else "the concurrency with sharing"
@@ -291,7 +314,10 @@ def _prefix_lines(p: dict) -> list[str]:
         + ("" if x["default_alias_ids"] >= x["alias_ids"] else
            f" (then only {x['default_alias_ids']} of the {x['alias_ids']} shared block mappings share)"),
         f"concurrency with sharing: {x['concurrency_shared']} (binding: {x['binding_shared']}; host allows "
-        f"{x['host_limit_shared']}, GPU {x['gpu_limit_shared']})"]
+        f"{x['host_limit_shared']}, GPU {x['gpu_limit_shared']})"] + ([
+        f"device pool with shared prefix pages ({x['shared_pages_per_group']} pages per group): "
+        f"{x['resident_requests_shared']} of {R} requests resident; all {R} resident needs --pool-rows "
+        f"{x['rows_all_resident_shared']}"] if "rows_all_resident_shared" in x else [])
 
 
 def format_plan(p: dict) -> str:

@@ -31,7 +31,9 @@ followup_hit_tokens, prefill_rows_saved (cached tokens x layers), host_rows_unsh
 (rows per layer the live requests would hold owning their rows), host_rows_peak (the
 distinct host rows they held), host_rows_saved (the two peaks' difference),
 host_rows_saved_mean (per step), cached_blocks, shared_blocks (at the end of the steps),
-shared_blocks_peak, evictions, alias_blocks (``prefix_alias_blocks``), drained (no host
+shared_blocks_peak, evictions, alias_blocks (``prefix_alias_blocks``), resident_joins
+(joins resident on another request's device prefix pages, ``--pool-rows``),
+shared_pages_peak (device pool pages several requests shared), drained (no host
 block used after every request left and the reset), blocks_used_after_reset; per_step
 gains host_rows_unshared, host_rows (and prefix_hit_rate, cumulative).
 """
@@ -153,6 +155,7 @@ class PrefixRun:
         self._px = collections.Counter()
         self._px_steps: dict[str, list] = {"host_rows_unshared": [], "host_rows": [], "prefix_hit_rate": []}
         self._shared_peak = 0
+        self._pages_peak = 0  # device pool pages several resident requests share, peak
 
     def _admit(self, cache, rid: int, inst: int) -> int:
         """Add a joining request; returns its cached tokens (0 without --shared-prefix)."""
@@ -203,6 +206,7 @@ class PrefixRun:
         rate = total["prefix_hit_tokens"] / q if q else 0.0
         self._px_steps["prefix_hit_rate"].append(rate)
         self._shared_peak = max(self._shared_peak, total["shared_blocks"])
+        self._pages_peak = max(self._pages_peak, total["pool_pages_shared"])
         return f" prefix hit {rate:.3f} evictions {total['prefix_evictions']}"
 
     def _prefix_end(self, cache, live: dict, stats: dict[str, Any], *, check: bool) -> tuple[dict, list[str]]:
@@ -236,6 +240,7 @@ class PrefixRun:
             "cached_blocks": t["cached_blocks"], "shared_blocks": t["shared_blocks"],
             "shared_blocks_peak": self._shared_peak, "evictions": t["prefix_evictions"],
             "alias_blocks": self.cfg.prefix_alias_blocks,
+            "resident_joins": t["prefix_resident_joins"], "shared_pages_peak": self._pages_peak,
             "drained": not (used or after["total"]["cached_blocks"] or after["live_requests"]),
             "blocks_used_after_reset": used,
         }
@@ -258,6 +263,9 @@ def format_prefix(r: dict[str, Any]) -> list[str]:
             ["cached / shared blocks", f"{p['cached_blocks']} / {p['shared_blocks']}",
              f"at the last step; shared peak {p['shared_blocks_peak']}"],
             ["evictions", p["evictions"], f"cached blocks reused for new rows (alias ids {p['alias_blocks']})"]]
+    if p.get("resident_joins") is not None and (p["resident_joins"] or p["shared_pages_peak"]):
+        rows.append(["joins resident on shared pages", p["resident_joins"],
+                     f"device pool pages shared, peak {p['shared_pages_peak']} (one device copy of a prefix)"])
     return [f"prefix caching: {p['groups']} group(s) sharing {p['shared_prefix']} tokens, follow-up turns", "",
             table(["", "value", ""], rows), "",
             "after every request left and reset_prefix_cache(): "

@@ -18,6 +18,7 @@ runs these checks after every op.
 
 from __future__ import annotations
 
+import collections
 from typing import Any
 
 import torch
@@ -159,9 +160,20 @@ def _check_tier(cache, st: dict[str, torch.Tensor], hot: torch.Tensor, live: dic
     PB = dp.PB
     owned = {r: list(dp.pages(r)) for r in dp.resident_slots()}
     free = list(dp._free)
-    every = free + [p for ps in owned.values() for p in ps]
-    if sorted(every) != list(range(dp.num_pages)):
-        _fail(f"pool pages: free {sorted(free)} + owned {owned} != the {dp.num_pages} pages")
+    held = collections.Counter(p for ps in owned.values() for p in ps)
+    if any(len(set(ps)) != len(ps) for ps in owned.values()):
+        _fail(f"a request holds a page twice: {owned}")
+    if sorted(free + list(held)) != list(range(dp.num_pages)):
+        _fail(f"pool pages: free {sorted(free)} + held {sorted(held)} != the {dp.num_pages} pages")
+    if dp.refs.tolist() != [held.get(p, 0) for p in range(dp.num_pages)]:
+        _fail(f"page references {dp.refs.tolist()}, held {dict(held)}")
+    if dp.num_shared != sum(n > 1 for n in held.values()):
+        _fail(f"num_shared {dp.num_shared}, pages held more than once {sum(n > 1 for n in held.values())}")
+    at = {}  # a shared page holds the same positions in every request that holds it
+    for r, ps in owned.items():
+        for i, p in enumerate(ps):
+            if at.setdefault(p, i) != i:
+                _fail(f"page {p} is logical page {i} of slot {r} but {at[p]} of another")
     if dp.num_pages != cfg.pool_pages:
         _fail(f"pool has {dp.num_pages} pages, config {cfg.pool_pages}")
     if set(owned) - set(live.values()):
@@ -319,7 +331,7 @@ def snapshot(cache) -> dict[str, Any]:
     dp = getattr(cache, "dpool", None)
     if dp is not None:  # the elastic tier's host side
         snap["dpool"] = (sorted(dp._free), {r: list(dp.pages(r)) for r in dp.resident_slots()},
-                         dp.spills, dp.promotions, dp.seeded_rows, dp.epoch)
+                         dp.spills, dp.promotions, dp.seeded_rows, dp.epoch, dp.refs.tolist(), dp.shared_joins)
     return snap
 
 

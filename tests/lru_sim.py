@@ -12,11 +12,13 @@ when built with ``pool_pages`` > 0 (:meth:`LRUSim.for_cache` does that from a ca
 config): a request joins *resident* (no LRU state, its rows in pages of ``PB`` rows,
 resolves counted as resident entries, no step), a write that needs pages the pool
 lacks demotes resident requests (a request needing more than ``max_pages`` pages
-first, then the one holding the most pages, ties lowest request slot, among those
-holding pages or written) and seeds each
+first, then the one holding the most pages no other resident request holds, ties
+lowest request slot, among those holding pages or written; a page is free once no
+resident request holds it) and seeds each
 demoted layer's hot buffer with its newest S + 1 positions (all of them, slot =
 position, when it holds at most S), stamped with the layer's step; granted pages are
-the lowest free ones, in batch order.
+the lowest free ones, in batch order. :meth:`LRUSim.share` joins a request resident on
+another's leading pages (a shared prompt prefix), the caller deciding which.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class LRUSim:
         # per layer, the page rows its last resolve returned (what a demotion seeds first)
         self.last_rows: list[set[int]] = [set() for _ in range(num_layers)]
         self.spills = 0
+        self.shared_spills = 0  # demotions of a request some of whose pages another holds
         self.seeded_rows = 0
         self.demoted: list[int] = []  # ids demoted, in order (for tests that predict them)
 
@@ -78,7 +81,27 @@ class LRUSim:
     def free(self, rid: int) -> None:
         q = self.reqs.pop(rid)
         if q.pages is not None:
-            self.free_pages.update(q.pages)
+            self.free_pages.update(p for p in q.pages if not self._held(p))
+
+    def _held(self, page: int, but: frozenset = frozenset()) -> bool:
+        """Whether a resident request (other than those in ``but``) holds ``page``."""
+        return any(q.pages is not None and page in q.pages for rid, q in self.reqs.items() if rid not in but)
+
+    def share(self, rid: int, holder: int, rows: int) -> bool:
+        """Request ``rid`` (just added, resident, no rows of its own yet) shares resident
+        ``holder``'s first ``rows`` positions: its whole pages, and the lowest free page
+        for the rest (False, and ``rid`` hot, when that page is not there)."""
+        k, rem = divmod(rows, self.PB)
+        have = self.reqs[holder].pages
+        assert have is not None and len(have) * self.PB >= rows
+        q = self.reqs[rid]
+        if rem and not self.free_pages:
+            q.pages = None
+            return False
+        own = [min(self.free_pages)] if rem else []
+        self.free_pages.difference_update(own)
+        q.pages = have[:k] + own
+        return True
 
     def resident(self, rid: int) -> bool:
         return self.reqs[rid].pages is not None
@@ -98,8 +121,10 @@ class LRUSim:
                 q.hot[l] = OrderedDict((p, s) for p in sorted(keep))
                 q.reserved[l] = (n - 1, s)
             self.seeded_rows += min(n, S + 1)
-        self.free_pages.update(q.pages or [])
-        q.pages = None
+        pages, q.pages = q.pages or [], None
+        kept = [p for p in pages if self._held(p)]  # another resident request holds them
+        self.free_pages.update(p for p in pages if p not in kept)
+        self.shared_spills += bool(kept)
         self.spills += 1
         self.demoted.append(rid)
 
@@ -123,15 +148,21 @@ class LRUSim:
         demote = [rid for rid, end in ends if rid in need and pages_for(end) > self.max_pages]
         for rid in demote:
             del need[rid]
-        freed = sum(len(self.reqs[rid].pages) for rid in demote)
+
+        def freed() -> int:  # pages no request outside ``demote`` holds
+            out = set(p for rid in demote for p in self.reqs[rid].pages)
+            return sum(not self._held(p, frozenset(demote)) for p in out)
+
+        def alone(rid: int) -> int:
+            return sum(not self._held(p, frozenset([rid])) for p in self.reqs[rid].pages)
+
         order = sorted((rid for rid in self.reqs if self.resident(rid) and rid not in demote
                         and (self.reqs[rid].pages or rid in need)),  # demoting others frees nothing
-                       key=lambda rid: (-len(self.reqs[rid].pages), self.reqs[rid].slot))
+                       key=lambda rid: (-alone(rid), self.reqs[rid].slot))
         for rid in order:
-            if sum(need.values()) <= len(self.free_pages) + freed:
+            if sum(need.values()) <= len(self.free_pages) + freed():
                 break
             demote.append(rid)
-            freed += len(self.reqs[rid].pages)
             need.pop(rid, None)
         for rid in demote:
             self._demote(rid)

@@ -133,16 +133,36 @@ class PrefixTrace:
         if got != want:
             _fail(f"add_request({rid}, {len(tokens)} tokens, {kind}) returned {got} cached tokens, "
                   f"model {want}")
+        holder = self._holder(rid) if want else None
         self.sim.add(rid, slot)
         self.sim.reqs[rid].lens = [want] * self.L
-        if want:  # a hit starts hot (its cached rows are on the host only)
-            self.sim.reqs[rid].pages = None
+        if want and (holder is None or not self.sim.share(rid, holder, want)):
+            self.sim.reqs[rid].pages = None  # no resident holder of its blocks: hot
+        if want and self.sim.resident(rid):
+            self.counts["resident_joins"] += 1
+            self.counts["page_shares"] += want >= 64  # whole pages referenced, not only copied
         self.counts["add"] += 1
         self.counts["hit_tokens"] += want
         if want and any(v >= self.model.NB for v in self.model.reqs[rid].ids):
             self.counts["alias_maps"] += 1
         if given and self.model.short:
             self.counts["ids_short"] += 1
+
+    def _holder(self, rid: int) -> int | None:
+        """The resident request (lowest slot) whose published leading blocks are the
+        cached blocks ``rid`` just mapped, when the cache shares prefix pages."""
+        if not (self.cfg.share_prefix_pages and self.sim.pool_pages):
+            return None
+        model = self.model
+        q = model.reqs[rid]
+        want = [model.host(v) for v in q.ids]
+        n = len(want)
+        for x in sorted(model.reqs.values(), key=lambda x: x.slot):
+            if x.rid == rid or x.rid not in self.sim.reqs or not self.sim.resident(x.rid) or x.done < n:
+                continue
+            if [x.held.get(i, model.host(x.ids[i])) for i in range(n)] == want:
+                return x.rid
+        return None
 
     def op_bad_add(self) -> None:
         rid = self._free_id()
@@ -377,6 +397,12 @@ class PrefixTrace:
         got = {k: tot[k] for k in want}
         if got != want:
             _fail(f"prefix stats {got}, model {want}")
+        held = collections.Counter(p for q in self.sim.reqs.values() if q.pages for p in q.pages)
+        shared = sum(n > 1 for n in held.values())
+        if (tot["pool_pages_shared"], tot["prefix_resident_joins"]) != (shared, self.counts["resident_joins"]):
+            _fail(f"(pool_pages_shared, prefix_resident_joins) {(tot['pool_pages_shared'], tot['prefix_resident_joins'])}"
+                  f", sim {(shared, self.counts['resident_joins'])}")
+        self.counts["shared_pages_seen"] += shared
         self.counts["stats"] += 1
 
     OPS = [("add", 6), ("prefill", 6), ("decode", 6), ("decode_step", 2), ("give", 3), ("extend", 1),
@@ -519,6 +545,11 @@ class PrefixTrace:
                     hb = torch.tensor([model.host(v) for v in q.ids], dtype=torch.long)
                     if not torch.equal(pool[l, hb[pp // B] * B + pp % B], q.rows.get(l, 0, n)):
                         _fail(f"({l}, {rid}): host rows differ from the expected rows")
+                    if int(st["resident"][r]):  # its page rows (shared prefix pages included)
+                        pt = st["page_table"][r].long()
+                        phys = self.cfg.hot_rows_per_layer + pt[pp // 64] * 64 + pp % 64
+                        if not torch.equal(hot[l, phys], q.rows.get(l, 0, n)):
+                            _fail(f"({l}, {rid}): resident page rows differ from the expected rows")
             if int((rs >= 0).sum()) != mapped:
                 _fail(f"layer {l}: {int((rs >= 0).sum())} row_slot entries, {mapped} occupied slots")
         # every cached block holds the rows of its name, in every layer (each checked once

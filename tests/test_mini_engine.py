@@ -245,6 +245,17 @@ def test_prefix_reuse_serves_a_shared_prefix_batch_with_the_same_outputs(slots):
     assert "prefix reuse:" in me.format_report(res) and "cached ones not computed" in me.format_report(res)
 
 
+def test_prefix_reuse_with_the_elastic_tier_shares_device_pages_with_the_same_outputs():
+    """All four requests at once with a device pool: the second of each group joins
+    resident on the first's prefix pages (a partial page, copied device to device), so
+    nothing misses, and the outputs are the resident run's, bit for bit."""
+    res = me.run(me.MiniEngineConfig(**PREFIX, prefix_reuse=True, device_pool_rows=2048))
+    c, cache = res["compare"], res["hisparse"]["cache"]
+    assert c["bitwise_equal"] and c["argmax_mismatches"] == 0, c
+    assert cache["prefix_hit_tokens"] > 0 and cache["prefix_resident_joins"] == 2, cache
+    assert cache["misses"] == 0 and cache["resident_rows"] > 0, cache
+
+
 def test_prefix_reuse_on_and_off_give_the_same_hisparse_outputs():
     on = me.MiniEngineConfig(**PREFIX, prefix_reuse=True, max_num_reqs=1)
     a = me.run_engine(on, "hisparse")

@@ -204,6 +204,24 @@ def test_prefix_sharing_host_rows_of_64_requests_in_8_groups():
         assert part in text, (part, text)
 
 
+def test_prefix_sharing_with_a_device_pool_counts_each_groups_prefix_pages_once():
+    """64 requests in 8 groups of 32K shared + 4K own: resident sharers reference their
+    group's 512 prefix pages, so all 64 resident need hot rows + (8 x 576 + 56 x 64) pages
+    (not 64 x 576); a pool of 8 x 576 + 10 x 64 pages holds the 8 first requests and 10
+    sharers."""
+    p = _shared(pool_rows="auto")
+    x, d = p["prefix"], p["device_pool"]
+    assert d["pages_per_request"] == 576 and x["shared_pages_per_group"] == 512
+    assert x["rows_all_resident_shared"] == d["hot_rows"] + (8 * 576 + 56 * 64) * 64
+    assert d["rows_all_resident"] == d["hot_rows"] + 64 * 576 * 64
+    assert x["resident_requests_shared"] == 64 > d["resident_requests"]
+    small = _shared(pool_rows=None)
+    assert "shared_pages_per_group" not in small["prefix"]
+    q = _shared(pool_rows=d["hot_rows"] + (8 * 576 + 10 * 64) * 64 + 63)
+    assert q["device_pool"]["pages"] == 8 * 576 + 10 * 64 and q["prefix"]["resident_requests_shared"] == 18
+    assert "device pool with shared prefix pages (512 pages per group): 18 of 64" in format_plan(q)
+
+
 def test_prefix_sharing_raises_the_host_bound_concurrency():
     """Host-bound (the _case budgets): 14 requests unshared; sharing 512 of 1000 tokens in
     2 groups leaves (20e6 - 2 x 512 x 2 x 656) // (512 x 2 x 656) = 27 requests."""

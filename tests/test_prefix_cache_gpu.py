@@ -33,10 +33,14 @@ SHAPES = {
 
 
 def run(shape: str, seed: int, n_ops: int, *, device: str = "cuda", kernels: str = "auto",
-        aliases=None, full_every: int = 1) -> PrefixTrace:
+        aliases=None, full_every: int = 1, pool_pages: int | None = None) -> PrefixTrace:
     cfg_kw, trace_kw = SHAPES[shape]
+    rows = None
+    if pool_pages is not None:  # the elastic tier: the hot buffers plus pool_pages pages of 64 rows
+        R, SP = cfg_kw["max_num_reqs"], cfg_kw["device_buffer_size"] + 1
+        rows = -(-R * SP // 64) * 64 + pool_pages * 64
     cache = HiSparseCache(HiSparseConfig(device=device, prefix_caching=True, prefix_alias_blocks=aliases,
-                                         **cfg_kw), kernels=kernels)
+                                         device_pool_rows=rows, **cfg_kw), kernels=kernels)
     if device == "cuda" and kernels == "auto":
         assert cache.kernels == "triton", cache.kernels
     t = PrefixTrace(cache, seed, full_every=full_every, **trace_kw)
@@ -65,3 +69,17 @@ def test_churn_trace_byte_exact_on_cuda(shape, aliases):
         assert t.counts["resolve"] > 50, dict(t.counts)
     assert hits > 0 and evicted > 0, (hits, evicted)
     assert aliases == 0 or aliased > 0, aliased
+
+
+def test_churn_trace_shares_prefix_pages_on_cuda():
+    """The elastic tier with shared prefix pages (``share_prefix_pages``): prompts of up to
+    20 blocks of 64 rows share whole device pages with their group's resident request; a
+    pool of 24 pages spills holders and sharers. Every resident request's page rows and
+    every resolved row byte-exact, the pages and their references against the sim."""
+    joins = shares = spills = 0
+    for seed in range(2):
+        t = run("K512_B64", seed, 300, pool_pages=24, full_every=4)
+        joins += t.counts.get("resident_joins", 0)
+        shares += t.counts.get("page_shares", 0)
+        spills += t.sim.spills
+    assert shares > 0 and spills > 0, (joins, shares, spills)

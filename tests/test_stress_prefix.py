@@ -163,3 +163,16 @@ def test_cli_shared_prefix_next_to_a_replay_is_refused(capsys, monkeypatch, tmp_
     monkeypatch.setattr(stress.StressRun, "run", _never)
     fails(capsys, ["stress", "--shared-prefix", "64", "--replay", str(tmp_path / "t.npz"), "--device", "cpu",
                    "--quiet"], 2, "--shared-prefix makes its own requests", "--replay FILE replays another schedule")
+
+
+def test_shared_prompts_share_device_pages_in_the_elastic_tier():
+    """With ``--pool-rows``, a request whose cached prefix a resident request holds joins
+    resident on its pages: every resolved row (resident through the shared pages, hot
+    otherwise) byte-verified every step, the pool empty at the end."""
+    hot = 4 * 33  # the stress tool's max_num_reqs (requests + 1) x (S + 1)
+    r = run_stress(StressOptions(**{**PREFIX, "pool_rows": -(-hot // 64) * 64 + 24 * 64, "churn": 0.3, "seed": 2}))
+    assert r["ok"], r["failures"]
+    p = r["prefix"]
+    assert p["resident_joins"] > 0 and p["shared_pages_peak"] > 0 and p["drained"], p
+    assert r["overall"]["resident_rows"] > 0
+    assert "joins resident on shared pages" in format_stress(r)

@@ -12,18 +12,32 @@ rounded up to 64) and then ``cfg.pool_pages`` pages of ``PB`` = 64 rows. A reque
 A request is admitted resident when the pool has pages at all (with no pool every
 request is hot, exactly as without the tier). Its pages are taken when a write needs
 them. When a write needs more pages than are free, the **spill policy** demotes
-resident requests to hot, one at a time, the one holding the most pages first (ties:
-the lowest request slot), until the write's pages fit (a request that holds no page
-and is not written is never demoted: that frees nothing); a request that can't fit the
-pool at all (more than ``cfg.max_pages_per_request`` pages) is demoted too. A demotion
-seeds the new hot buffer device to device from the request's own resident rows, in
-every layer: a context of at most S rows keeps every row (slot = position, as writes
-place them); a longer one keeps its newest row in the reserved slot S and, in slots
-0..S-1, the rows the layer's last resolve selected, then the newest others (what a hot
-buffer would have held: the next step's selection overlaps the last one most). Then
-the pages are freed. The host copy of every row is complete either way (rows are mirrored at
-append), so a demotion never loses a row. Hot requests are not promoted back to
-resident (``promotions`` stays 0): freed pages go to the requests admitted later.
+resident requests to hot, one at a time, the one whose demotion frees the most pages
+first (pages no other resident request references, counted when the write is planned;
+ties: the lowest request slot), until the write's pages fit (a request that holds no
+page and is not written is never demoted: that frees nothing); a request that can't
+fit the pool at all (more than ``cfg.max_pages_per_request`` pages) is demoted too. A
+demotion seeds the new hot buffer device to device from the request's own resident
+rows, in every layer: a context of at most S rows keeps every row (slot = position, as
+writes place them); a longer one keeps its newest row in the reserved slot S and, in
+slots 0..S-1, the rows the layer's last resolve selected, then the newest others (what
+a hot buffer would have held: the next step's selection overlaps the last one most).
+Then its references to its pages are dropped. The host copy of every row is complete
+either way (rows are mirrored at append), so a demotion never loses a row. Hot
+requests are not promoted back to resident (``promotions`` stays 0): freed pages go
+to the requests admitted later.
+
+**Shared prefix pages** (prefix caching, ``cfg.share_prefix_pages``): a request that
+joins with ``c`` cached tokens, when a resident request (the *holder*: the lowest
+request slot among those whose published leading blocks are the same cached blocks)
+holds them, joins resident on the holder's pages: it references the holder's first
+``c // PB`` pages (the same positions, the same bytes: one device copy of the prefix
+for every request that uses it) and, when ``c % PB`` rows are left, takes the lowest
+free page and copies those rows into it from the holder's next page, device to device,
+in every layer. Without a holder, or with no free page for that copy, it joins hot. A
+page is freed when the last request referencing it is freed or demoted. A request
+never writes a referenced page: it appends only past its cached tokens, and a page
+that holds positions past a holder's prefix is the holder's alone.
 
 Everything here is host-side bookkeeping; the device updates of a demotion and of a
 grant (page table, residency flag, seeded rows and slot state) are made by
@@ -73,6 +87,7 @@ class DevicePool:
         self.rows_per_layer = cfg.device_rows_per_layer
         self._free: list[int] = list(range(self.num_pages - 1, -1, -1))  # pop() -> lowest
         self._pages: dict[int, list[int]] = {}  # resident request slot -> its pages
+        self.refs = np.zeros(self.num_pages, dtype=np.int64)  # resident requests referencing each page
         # the same as arrays over request slots: npages int64 [R] (-1: not resident) and
         # page_of int64 [R, MP] (-1 = none), a host copy of state.page_table
         self.npages = np.full(cfg.max_num_reqs, -1, dtype=np.int64)
@@ -80,6 +95,7 @@ class DevicePool:
         self.spills = 0
         self.promotions = 0
         self.seeded_rows = 0  # rows copied into hot buffers by demotions (all layers)
+        self.shared_joins = 0  # requests admitted resident on a holder's prefix pages
         self.epoch = 0  # moves on with every residency change
 
     # ---- queries ---------------------------------------------------------------
@@ -102,6 +118,17 @@ class DevicePool:
     def pages(self, r: int) -> list[int]:
         """Resident slot r's pages (the pool's own list: read it only)."""
         return self._pages[r]
+
+    @property
+    def num_shared(self) -> int:
+        """Pages referenced by more than one resident request (shared prefixes)."""
+        return int((self.refs > 1).sum())
+
+    def exclusive(self, r: int) -> int:
+        """Pages of resident slot r that no other resident request references (what its
+        demotion frees)."""
+        p = self._pages[r]
+        return int((self.refs[p] == 1).sum()) if p else 0
 
     def resident_mask(self, slots: np.ndarray) -> np.ndarray:
         """bool [n]: whether each request slot of ``slots`` (int64 [n]) is resident."""
@@ -158,23 +185,31 @@ class DevicePool:
         if not need:
             return PoolChanges((), {}, {r: self._pages[r] for r, _ in ends if r in self._pages})
         demote: list[int] = []
+        dropped: dict[int, int] = {}  # page -> references the demotions so far drop
+        freed: list[int] = []  # pages no request references after them
+
+        def drop(r: int) -> None:
+            demote.append(r)
+            for p in self._pages[r]:
+                d = dropped[p] = dropped.get(p, 0) + 1
+                if d == self.refs[p]:
+                    freed.append(p)
+
         # a request that can never fit the pool goes hot now
         for r, end in ends:
             if r in need and ceil_div(end, PB) > self.max_pages:
-                demote.append(r)
+                drop(r)
                 del need[r]
-        freed = sum(len(self._pages[r]) for r in demote)
         # candidates: a request whose demotion helps the write fit, i.e. one that holds
         # pages or is one of the write's (demoting any other frees nothing)
         order = sorted((r for r in self._pages if r not in demote and (self._pages[r] or r in need)),
-                       key=lambda r: (-len(self._pages[r]), r))
+                       key=lambda r: (-self.exclusive(r), r))
         for r in order:
-            if sum(need.values()) <= len(self._free) + freed:
+            if sum(need.values()) <= len(self._free) + len(freed):
                 break
-            demote.append(r)
-            freed += len(self._pages[r])
+            drop(r)
             need.pop(r, None)
-        free = sorted(self._free + [p for r in demote for p in self._pages[r]])
+        free = sorted(self._free + freed)
         grants: dict[int, list[int]] = {}
         o = 0
         for r, _ in ends:
@@ -196,22 +231,50 @@ class DevicePool:
         return False
 
     def release(self, r: int) -> list[int]:
-        """Slot r leaves the resident tier (freed or demoted); returns its pages, now free."""
+        """Slot r leaves the resident tier (freed or demoted): its references are dropped;
+        returns the pages that are free now (those no other request references)."""
         pages = self._pages.pop(r, None)
         if pages is None:
             return []
         self.npages[r] = -1
         self.page_of[r] = -1
-        self._free.extend(pages)
+        self.refs[pages] -= 1
+        gone = [p for p in pages if self.refs[p] == 0]
+        self._free.extend(gone)
         self._free.sort(reverse=True)
         self.epoch += 1
-        return pages
+        return gone
+
+    def holder_pages(self, holder: int, rows: int) -> tuple[list[int], int] | None:
+        """(the pages of resident slot ``holder`` a request sharing its first ``rows``
+        positions references, the holder page whose leading ``rows % PB`` rows it copies,
+        or -1); None when that copy needs a page and none is free. Changes nothing."""
+        k, rem = divmod(rows, self.PB)
+        have = self._pages[holder]
+        if len(have) * self.PB < rows or (rem and not self._free):
+            return None
+        return have[:k], (have[k] if rem else -1)
+
+    def share(self, r: int, pages: list[int], copy: bool) -> int:
+        """Resident slot r (admitted, no pages yet) references ``pages`` (a
+        ``holder_pages`` answer) and, with ``copy``, takes the lowest free page after them
+        (returned; -1 without)."""
+        own = self._free.pop() if copy else -1
+        got = list(pages) + ([own] if copy else [])
+        self._pages[r] = got
+        self.refs[got] += 1
+        self.page_of[r, :len(got)] = got
+        self.npages[r] = len(got)
+        self.shared_joins += 1
+        self.epoch += 1
+        return own
 
     def grant(self, r: int, want: list[int]) -> None:
         """Give resident slot r the pages ``want`` (exactly those ``plan`` predicted)."""
         for p in want:
             self._free.remove(p)
         self._free.sort(reverse=True)
+        self.refs[want] = 1
         k0 = len(self._pages[r])
         self._pages[r].extend(want)
         self.page_of[r, k0:k0 + len(want)] = want
@@ -226,9 +289,11 @@ class DevicePool:
         self.spills, self.seeded_rows, self.epoch = counters
         self.npages[:] = -1
         self.page_of[:] = -1
+        self.refs[:] = 0
         for r, p in pages.items():
             self.npages[r] = len(p)
             self.page_of[r, :len(p)] = p
+            np.add.at(self.refs, p, 1)
 
 
 def seeded_reserved(n: int, S: int) -> int:

@@ -58,9 +58,37 @@ def admit(cache: "HiSparseCache", req_id: int, token_ids=None, salt: bytes | Non
         cached = len(mapped) * cache.pool.B
     if cached:
         _map_blocks(cache, r, mapped, cached)
+        _join_shared(cache, r, hits[:len(mapped)], cached)
     elif cache.dpool.admit(r):
         st.resident[r] = 1
     return cached
+
+
+def _join_shared(cache: "HiSparseCache", r: int, hits: np.ndarray, cached: int) -> None:
+    """Request slot r (new, ``cached`` tokens in the cached blocks ``hits``, int64 [n])
+    joins resident on the pages of a resident request that holds the same blocks (the
+    lowest such slot), when the tier shares prefix pages; else it stays hot. The copy
+    of a partial last page runs on the current stream, after the holder's writes."""
+    dp = cache.dpool
+    if not (dp.enabled and cache.cfg.share_prefix_pages):
+        return
+    holder = cache.prefix.holder(hits, dp.resident_slots())
+    if holder is None:
+        return
+    got = dp.holder_pages(holder, cached)
+    if got is None:
+        return
+    pages, src = got
+    dp.admit(r)
+    own = dp.share(r, pages, src >= 0)
+    st = cache.state
+    every = pages + ([own] if own >= 0 else [])
+    st.page_table[r, :len(every)].copy_(torch.tensor(every, dtype=torch.int32))
+    if own >= 0:  # the rows of the holder's page past the whole pages, in every layer
+        PB, base = dp.PB, st.pool_base
+        n = cached - len(pages) * PB
+        cache.hot[:, base + own * PB:base + own * PB + n] = cache.hot[:, base + src * PB:base + src * PB + n]
+    st.resident[r] = 1
 
 
 def _map_blocks(cache: "HiSparseCache", r: int, ids: np.ndarray, cached: int) -> None:

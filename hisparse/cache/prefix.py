@@ -10,9 +10,11 @@ blocks not yet in the index and how many of its leading blocks are.
   always left to compute), found with a few names (``PrefixCache.lookup``), not one
   per block. The request maps them under block ids
   (``BlockAllocator.map_cached``: the block's own id when no other request maps it,
-  else an alias) and starts with that many tokens appended in every layer, hot (never
-  resident: a hit's rows are on the host only, so it begins as a hot request whose
-  first steps miss, as a request whose resident pages were spilled would).
+  else an alias) and starts with that many tokens appended in every layer. With the
+  elastic tier it joins resident on the device pages of a resident request that holds
+  the same blocks (``PrefixCache.holder``; ``device_pool`` shares them), else hot (its
+  rows are on the host only, so its first steps miss, as a request whose resident
+  pages were spilled would).
 - **Publishing**: a request's block becomes findable once every layer holds its rows
   and its tokens are known; rows a prepared step counts but has not written to every
   layer (a pending or captured layer) don't count. That is checked, for every live
@@ -182,6 +184,18 @@ class PrefixCache:
             del t.names[:whole - t.done]
             t.done = whole
         return out
+
+    def holder(self, blocks: np.ndarray, slots) -> int | None:
+        """The lowest request slot of ``slots`` whose leading published blocks are
+        ``blocks`` (int64 [n], cached blocks: its first n blocks are named by them, so
+        its rows of those positions are theirs in every layer); None if none is."""
+        n = len(blocks)
+        for r in sorted(slots):
+            t = self._req.get(r)
+            # the last block names its whole chain (a cached block's parent is fixed)
+            if t is not None and t.done >= n and t.path[n - 1] == blocks[n - 1] and np.array_equal(t.path[:n], blocks):
+                return r
+        return None
 
     def forget(self, r: int) -> list[tuple[int, int]]:
         """Request slot r is being freed: returns the (block, cached block) pairs it held

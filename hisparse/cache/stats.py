@@ -10,8 +10,10 @@ entries, not unique rows, so with query length > 1 it leans high.
 
 The elastic tier's figures are in ``total`` too: ``resident_requests``,
 ``hot_requests``, ``pool_rows_used`` / ``pool_rows_total`` (device rows per layer: a
-hot buffer per live request plus the taken pages), ``spills``, ``promotions`` and
-``seeded_rows`` (rows a demotion copied into hot buffers, all layers).
+hot buffer per live request plus the taken pages), ``spills``, ``promotions``,
+``seeded_rows`` (rows a demotion copied into hot buffers, all layers),
+``pool_pages_shared`` (pages several resident requests reference: shared prefixes)
+and ``prefix_resident_joins`` (requests admitted resident on another's prefix pages).
 """
 
 from __future__ import annotations
@@ -54,7 +56,9 @@ def cache_stats(state: HotState, pool: HostPool, *, row_bytes: int, num_layers: 
                pool_rows_used=dp.rows_used(live_requests, slots_per_req) if dp is not None else 0,
                pool_rows_total=dp.rows_per_layer if dp is not None else 0,
                spills=dp.spills if dp is not None else 0, promotions=dp.promotions if dp is not None else 0,
-               seeded_rows=dp.seeded_rows if dp is not None else 0)
+               seeded_rows=dp.seeded_rows if dp is not None else 0,
+               pool_pages_shared=dp.num_shared if dp is not None else 0,
+               prefix_resident_joins=dp.shared_joins if dp is not None else 0)
     tot.update(prefix.stats() if prefix is not None else
                dict(prefix_query_tokens=0, prefix_hit_tokens=0, cached_blocks=0, shared_blocks=0, prefix_evictions=0))
     alloc = pool.allocator

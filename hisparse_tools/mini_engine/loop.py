@@ -539,7 +539,8 @@ def summarize(res: dict) -> dict:
                                                 "pool_rows_total", "spills", "seeded_rows",
                                                 "finished_resident", "finished_hot", "prefix_query_tokens",
                                                 "prefix_hit_tokens", "cached_blocks", "shared_blocks",
-                                                "prefix_evictions")}
+                                                "prefix_evictions", "pool_pages_shared",
+                                                "prefix_resident_joins")}
         # a prefetched row a resolve then finds is a hit: per layer, so Shared layers show apart
         layers = res["stats"].get("layers", [])
         out["cache"]["layer_hit_rates"] = [d["hit_rate"] for d in layers]
