@@ -74,13 +74,13 @@ target {requests, host_pool_bytes, gpu_bytes, fits_gpu, within_max_seqs} (with a
 device_pool (with pool_rows) {requests, requests_from, pool_rows, pool_rows_from, hot_rows,
 pages, page_rows, device_bytes, gpu_bytes_at_requests, fits_gpu, pages_per_request,
 resident_requests, rows_all_resident, device_bytes_all_resident,
-gpu_bytes_all_resident, all_resident_fits_gpu},
+gpu_bytes_all_resident, all_resident_fits_gpu; with shared_prefix also
+shared_pages_per_group, rows_all_resident_shared, resident_requests_shared},
 prefix (with shared_prefix) {requests, requests_from, shared_prefix, groups, shared_rows_per_group,
 own_rows_per_request, host_rows_unshared, host_rows_shared, host_rows_saved, host_bytes_unshared,
 host_bytes_shared (per node), alias_ids, alias_device_bytes, row_map_bytes_saved,
 gpu_bytes_shared, default_alias_ids, default_alias_device_bytes, concurrency_shared,
-host_limit_shared, gpu_limit_shared, binding_shared; with pool_rows also
-shared_pages_per_group, rows_all_resident_shared, resident_requests_shared}.
+host_limit_shared, gpu_limit_shared, binding_shared}.
 """
 
 from __future__ import annotations
@@ -205,7 +205,7 @@ def plan(inp: PlanInputs) -> dict:
         out["prefix"] = prefix_sharing(inp, n_gpu=n_gpu, n_host=n_host, n_index=n_index, hs_gpu=hs_gpu, row=row,
                                        copies=copies)
         if "device_pool" in out:
-            out["prefix"].update(shared_pages(inp, out["device_pool"], out["prefix"]["requests"]))
+            out["device_pool"].update(shared_pages(inp, out["device_pool"]))
     if inp.target_requests is not None:
         t = inp.target_requests
         out["target"] = {"requests": t, "host_pool_bytes": t * copies * hs_host,
@@ -281,10 +281,10 @@ def prefix_sharing(inp: PlanInputs, *, n_gpu: int, n_host: int, n_index: int, hs
             "host_limit_shared": n_host_sh, "gpu_limit_shared": n_gpu_sh, "binding_shared": binding}
 
 
-def shared_pages(inp: PlanInputs, d: dict, R: int) -> dict:
-    """The device pool with shared prefix pages (the module docstring's formulas):
-    ``d`` is the ``device_pool`` figures, R the requests of the prefix figures."""
-    Gp, PB = inp.prefix_groups or 1, DEVICE_PAGE_ROWS
+def shared_pages(inp: PlanInputs, d: dict) -> dict:
+    """The device pool's figures with shared prefix pages (the module docstring's
+    formulas), for the same ``d["requests"]`` requests as ``d`` (``device_pool``)."""
+    Gp, PB, R = inp.prefix_groups or 1, DEVICE_PAGE_ROWS, d["requests"]
     Pp = inp.shared_prefix // inp.block_size * inp.block_size // PB
     pc, first = d["pages_per_request"], min(R, Gp)
     pages = first * pc + (R - first) * (pc - Pp)
@@ -314,10 +314,7 @@ def _prefix_lines(p: dict) -> list[str]:
         + ("" if x["default_alias_ids"] >= x["alias_ids"] else
            f" (then only {x['default_alias_ids']} of the {x['alias_ids']} shared block mappings share)"),
         f"concurrency with sharing: {x['concurrency_shared']} (binding: {x['binding_shared']}; host allows "
-        f"{x['host_limit_shared']}, GPU {x['gpu_limit_shared']})"] + ([
-        f"device pool with shared prefix pages ({x['shared_pages_per_group']} pages per group): "
-        f"{x['resident_requests_shared']} of {R} requests resident; all {R} resident needs --pool-rows "
-        f"{x['rows_all_resident_shared']}"] if "rows_all_resident_shared" in x else [])
+        f"{x['host_limit_shared']}, GPU {x['gpu_limit_shared']})"]
 
 
 def format_plan(p: dict) -> str:
@@ -360,6 +357,10 @@ def format_plan(p: dict) -> str:
                      f"{d['resident_requests']} of {d['requests']} requests; all {d['requests']} resident needs "
                      f"--pool-rows {d['rows_all_resident']} ({fmt_bytes(d['device_bytes_all_resident'])}; GPU "
                      f"{fmt_bytes(d['gpu_bytes_all_resident'])}, {fits(d['all_resident_fits_gpu'])} the budget)")
+        if "rows_all_resident_shared" in d:
+            lines.append(f"with shared prefix pages ({d['shared_pages_per_group']} pages per group): "
+                         f"{d['resident_requests_shared']} of {d['requests']} requests resident; all "
+                         f"{d['requests']} resident needs --pool-rows {d['rows_all_resident_shared']}")
     if "prefix" in p:
         lines += _prefix_lines(p)
     return "\n".join(lines)

@@ -359,8 +359,8 @@ class StressRun(PoolChecks, PrefixRun):
                     if rid not in live:
                         cached = self._admit(cache, rid, n_inst)  # tokens cached already (--shared-prefix)
                         live[rid] = (n_inst, cached)
-                        if cached:
-                            tiers[rid] = "hot"  # a cached prefix starts on the host only: no seeded buffer
+                        if cached:  # resident on a holder's prefix pages, else hot (its prefix on the host only)
+                            tiers[rid] = cache.residency(rid)
                         n_inst += 1
                         joined += 1
                     inst, cur = live[rid]

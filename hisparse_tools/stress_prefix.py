@@ -18,7 +18,8 @@ verification's expected bytes come from a 32-bit polynomial hash of the token pr
 (:func:`prefix_keys`) in place of the request instance of a plain run, so two requests
 that share a prefix expect the same rows there and every verified row (hot and host
 copy) checks the sharing. The Belady bound is not computed: it models a request that
-appended its own rows, and a cached prefix starts on the host only.
+appended its own rows, and a cached prefix starts on the host only (or, with
+``--pool-rows``, on another request's device pages).
 
 The host pool holds every live request's longest context, as without the option, so a
 run that churns fills it with cached blocks of requests that left and then evicts them

@@ -210,16 +210,22 @@ def test_prefix_sharing_with_a_device_pool_counts_each_groups_prefix_pages_once(
     (not 64 x 576); a pool of 8 x 576 + 10 x 64 pages holds the 8 first requests and 10
     sharers."""
     p = _shared(pool_rows="auto")
-    x, d = p["prefix"], p["device_pool"]
-    assert d["pages_per_request"] == 576 and x["shared_pages_per_group"] == 512
-    assert x["rows_all_resident_shared"] == d["hot_rows"] + (8 * 576 + 56 * 64) * 64
+    d = p["device_pool"]
+    assert d["requests"] == 64 and d["pages_per_request"] == 576 and d["shared_pages_per_group"] == 512
+    assert d["rows_all_resident_shared"] == d["hot_rows"] + (8 * 576 + 56 * 64) * 64
     assert d["rows_all_resident"] == d["hot_rows"] + 64 * 576 * 64
-    assert x["resident_requests_shared"] == 64 > d["resident_requests"]
-    small = _shared(pool_rows=None)
-    assert "shared_pages_per_group" not in small["prefix"]
+    assert d["resident_requests_shared"] == 64 > d["resident_requests"]
+    assert "shared_pages_per_group" not in _shared(pool_rows=None)["prefix"]
+    assert "shared_pages_per_group" not in _case(pool_rows="auto")["device_pool"]  # no shared prefix
     q = _shared(pool_rows=d["hot_rows"] + (8 * 576 + 10 * 64) * 64 + 63)
-    assert q["device_pool"]["pages"] == 8 * 576 + 10 * 64 and q["prefix"]["resident_requests_shared"] == 18
-    assert "device pool with shared prefix pages (512 pages per group): 18 of 64" in format_plan(q)
+    assert q["device_pool"]["pages"] == 8 * 576 + 10 * 64 and q["device_pool"]["resident_requests_shared"] == 18
+    assert "with shared prefix pages (512 pages per group): 18 of 64 requests resident" in format_plan(q)
+    # without a target the device pool's requests (the unshared concurrency) are the ones counted
+    r = _shared(target_requests=None, host_bytes=200 << 30, pool_rows="auto")["device_pool"]
+    assert r["requests"] != _shared(target_requests=None, host_bytes=200 << 30)["prefix"]["requests"]
+    first = min(r["requests"], 8)
+    need = first * 576 + (r["requests"] - first) * 64
+    assert r["rows_all_resident_shared"] == r["hot_rows"] + need * 64
 
 
 def test_prefix_sharing_raises_the_host_bound_concurrency():

@@ -15,12 +15,15 @@ them. When a write needs more pages than are free, the **spill policy** demotes
 resident requests to hot, one at a time, the one whose demotion frees the most pages
 first (pages no other resident request references, counted when the write is planned;
 ties: the lowest request slot), until the write's pages fit (a request that holds no
-page and is not written is never demoted: that frees nothing); a request that can't
-fit the pool at all (more than ``cfg.max_pages_per_request`` pages) is demoted too. A
+page and is not written is never demoted: that frees nothing; one whose pages are all
+shared frees pages only together with their other holders, so it comes last); a
+request that can't fit the pool at all (more than ``cfg.max_pages_per_request`` pages)
+is demoted too. A
 demotion seeds the new hot buffer device to device from the request's own resident
 rows, in every layer: a context of at most S rows keeps every row (slot = position, as
 writes place them); a longer one keeps its newest row in the reserved slot S and, in
-slots 0..S-1, the rows the layer's last resolve selected, then the newest others (what
+slots 0..S-1, the rows the layer's last resolve selected (from its pages: with shared
+pages, rows another request selected there count too), then the newest others (what
 a hot buffer would have held: the next step's selection overlaps the last one most).
 Then its references to its pages are dropped. The host copy of every row is complete
 either way (rows are mirrored at append), so a demotion never loses a row. Hot
