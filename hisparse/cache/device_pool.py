@@ -263,8 +263,8 @@ class DevicePool:
         ``holder_pages`` answer) and, with ``copy``, takes the lowest free page after them
         (returned; -1 without)."""
         own = self._free.pop() if copy else -1
-        got = list(pages) + ([own] if copy else [])
-        self._pages[r] = got
+        got = np.array(pages + [own] if copy else pages, dtype=np.int64)
+        self._pages[r] = got.tolist()
         self.refs[got] += 1
         self.page_of[r, :len(got)] = got
         self.npages[r] = len(got)

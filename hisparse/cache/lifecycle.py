@@ -82,8 +82,8 @@ def _join_shared(cache: "HiSparseCache", r: int, hits: np.ndarray, cached: int) 
     dp.admit(r)
     own = dp.share(r, pages, src >= 0)
     st = cache.state
-    every = pages + ([own] if own >= 0 else [])
-    st.page_table[r, :len(every)].copy_(torch.tensor(every, dtype=torch.int32))
+    n = int(dp.npages[r])
+    st.page_table[r, :n].copy_(torch.from_numpy(dp.page_of[r, :n].astype(np.int32)))
     if own >= 0:  # the rows of the holder's page past the whole pages, in every layer
         PB, base = dp.PB, st.pool_base
         n = cached - len(pages) * PB
