@@ -241,8 +241,9 @@ class DevicePool:
             return []
         self.npages[r] = -1
         self.page_of[r] = -1
-        self.refs[pages] -= 1
-        gone = [p for p in pages if self.refs[p] == 0]
+        held = np.asarray(pages, dtype=np.int64)
+        self.refs[held] -= 1
+        gone = held[self.refs[held] == 0].tolist()
         self._free.extend(gone)
         self._free.sort(reverse=True)
         self.epoch += 1
