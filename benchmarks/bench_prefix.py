@@ -126,10 +126,11 @@ def _cache(*, tokens: int, block: int, algo: str, reqs: int, aliases: int | None
     from hisparse import HiSparseCache, HiSparseConfig
     from hisparse.config import DEVICE_PAGE_ROWS as PB
 
-    rows = -(-reqs * 129 // PB) * PB + (-(-tokens // PB) + 1) * PB if pool else None  # S + 1 = 129 (top_k 64)
     cfg = HiSparseConfig(num_layers=1, host_pool_tokens=tokens, row_bytes=ROW_BYTES, top_k=64, max_num_reqs=reqs,
                          host_block_size=block, device=device, prefix_caching=True, prefix_alias_blocks=aliases,
-                         prefix_hash=algo, device_pool_rows=rows)
+                         prefix_hash=algo)
+    if pool:
+        cfg = cfg.replace(device_pool_rows=cfg.hot_rows_per_layer + (-(-tokens // PB) + 1) * PB)
     return HiSparseCache(cfg, kernels="torch" if device == "cpu" else "triton")
 
 

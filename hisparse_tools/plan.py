@@ -289,7 +289,8 @@ def shared_pages(inp: PlanInputs, d: dict) -> dict:
     pc, first = d["pages_per_request"], min(R, Gp)
     pages = first * pc + (R - first) * (pc - Pp)
     fit = d["pages"]
-    res = fit // pc if fit < first * pc else first + ((fit - first * pc) // (pc - Pp) if pc > Pp else R)
+    # Pp < pc: a shared prefix leaves at least one token of the context its own
+    res = fit // pc if fit < first * pc else first + (fit - first * pc) // (pc - Pp)
     return {"shared_pages_per_group": Pp, "rows_all_resident_shared": d["hot_rows"] + pages * PB,
             "resident_requests_shared": min(R, res)}
 

@@ -82,12 +82,12 @@ def _join_shared(cache: "HiSparseCache", r: int, hits: np.ndarray, cached: int) 
     dp.admit(r)
     own = dp.share(r, pages, src >= 0)
     st = cache.state
-    n = int(dp.npages[r])
-    st.page_table[r, :n].copy_(torch.from_numpy(dp.page_of[r, :n].astype(np.int32)))
+    k = int(dp.npages[r])
+    st.page_table[r, :k].copy_(torch.from_numpy(dp.page_of[r, :k].astype(np.int32)))
     if own >= 0:  # the rows of the holder's page past the whole pages, in every layer
         PB, base = dp.PB, st.pool_base
-        n = cached - len(pages) * PB
-        cache.hot[:, base + own * PB:base + own * PB + n] = cache.hot[:, base + src * PB:base + src * PB + n]
+        rem = cached - len(pages) * PB
+        cache.hot[:, base + own * PB:base + own * PB + rem] = cache.hot[:, base + src * PB:base + src * PB + rem]
     st.resident[r] = 1
 
 
