@@ -24,6 +24,9 @@ Fields of ``collect_env()``:
                                         is ws), whether this Triton's Gluon can build the ws
                                         kernel (None: yes, else what it lacks), the config
   triton_interpret                      bool (TRITON_INTERPRET=1, CPU interpreter mode)
+  direct_launch                         str | None: None when compiled Triton kernels are
+                                        launched directly (``hisparse.kernels.fast_launch``),
+                                        else why each launch goes through Triton's JIT
   interpreter_fixes                     list of str: the fixes hisparse applied to this
                                         Triton's interpreter (empty outside interpreter mode)
 """
@@ -179,8 +182,17 @@ def collect_env(*, device: str | None = None, flashmla_lib: str | None = None,
         "backends": backend_matrix(dev, flashmla_lib=flashmla_lib),
         "triton_decode": triton_decode_choice(dev),
         "triton_interpret": interpreter_mode(),
+        "direct_launch": _direct_launch(),
         "interpreter_fixes": interpreter_fixes.applied(),
     }
+
+
+def _direct_launch() -> str | None:
+    try:  # Triton is a Linux-only dependency
+        from hisparse.kernels import fast_launch_problem
+    except ImportError as e:
+        return f"Triton does not import: {e}"
+    return fast_launch_problem()
 
 
 def _cell(reason: str | None) -> str:
@@ -247,6 +259,10 @@ def format_env(d: dict[str, Any]) -> str:
         gl = td.get("gluon_ws")
         lines.append("Gluon (warp-specialised kernel): "
                      + ("this Triton offers what it uses" if gl is None else f"not usable: {gl}"))
+    if "direct_launch" in d:
+        dl = d["direct_launch"]
+        lines.append("compiled Triton kernels: " + ("launched directly" if dl is None
+                                                    else f"launched through Triton's JIT ({dl})"))
     if d.get("interpreter_fixes"):
         lines.append(f"Triton interpreter fixes applied: {', '.join(d['interpreter_fixes'])}")
     return "\n".join(lines)

@@ -53,6 +53,7 @@ import triton
 
 from .._checks import Kernels, check_bool, check_int, check_tensor, device_type, same_device, sm_count
 from ..formats import D_LATENT, RowFormat
+from ..kernels.fast_launch import fast
 from ..kernels.mla_miss import miss_combine_kernel, miss_merge_kernel, miss_split_kernel
 from .base import DecodeInputs, validate_decode_inputs
 from .reference import sparse_mla_reference
@@ -294,7 +295,7 @@ def merge_lse(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor,
     if T == 0:
         return
     with _on_device(out.device):
-        miss_merge_kernel[(T, triton.cdiv(H, MERGE_BLOCK_H))](
+        fast(miss_merge_kernel)[(T, triton.cdiv(H, MERGE_BLOCK_H))](
             out, lse, part_out, part_lse, H, BLOCK_H=MERGE_BLOCK_H, num_warps=4)
 
 
@@ -349,14 +350,14 @@ def miss_attention_merge(
     part_out, part_lse = (plan.part_out, plan.part_lse) if S > 1 else (out, lse)
     is_fp8 = inp.row_format is RowFormat.FP8_DS_MLA
     with _on_device(dev):
-        miss_split_kernel[(T, triton.cdiv(H, cfg.block_h), S)](
+        fast(miss_split_kernel)[(T, triton.cdiv(H, cfg.block_h), S)](
             q, kv, miss_idx, miss_counts, out, lse, part_out, part_lse, N, K, H,
             q.stride(0), q.stride(1), kv.stride(0), miss_idx.stride(0), inp.sm_scale * LOG2E,
             IS_FP8=is_fp8, NUM_SPLITS=S, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n,
             ISOLATE_QK=cfg.isolate_qk, PREFETCH=int(cfg.prefetch and device_type(dev) == "cuda"),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
         if S > 1:
-            miss_combine_kernel[(T, triton.cdiv(H, MERGE_BLOCK_H))](
+            fast(miss_combine_kernel)[(T, triton.cdiv(H, MERGE_BLOCK_H))](
                 part_out, part_lse, miss_counts, out, lse, K, H, NUM_SPLITS=S,
                 BLOCK_N=cfg.block_n, BLOCK_H=MERGE_BLOCK_H, num_warps=4)
 

@@ -13,7 +13,6 @@ out-of-range entries as padding instead (graph-capturable).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib
 import math
@@ -22,7 +21,9 @@ import torch
 import triton
 
 from .._checks import check_bool, check_int, device_type, interpreter_mode, sm_count
+from ..device import on_device
 from ..formats import BF16_ROW_BYTES, FP8_ROW_BYTES, RowFormat
+from ..kernels.fast_launch import fast
 from ..kernels.gluon_support import gluon_ws_problem
 from ..kernels.mla_decode import sparse_mla_combine_kernel, sparse_mla_decode_kernel
 from ..kernels.mla_decode_wide import sparse_mla_decode_wide_kernel
@@ -232,8 +233,40 @@ def default_config(T: int, H: int, K: int, device: torch.device,
     (``ws``) when the installed Triton can build it and, with ``kv_rows`` (uint8 [N, 656])
     given, those rows are 16-byte aligned; ``allow_ws=False`` asks for the ``tl``
     kernels. Otherwise the config's ``ws_off_reason`` says why not. ``sms``: the SMs the
-    launch may plan for (``auto_splits``).
+    launch may plan for (``auto_splits``). The answer depends on nothing but these
+    arguments (of ``kv_rows``, only whether its rows are 16-byte aligned) and the
+    module's tables, so it is computed once per distinct call (an eager decode asks
+    every layer; a device given without an index is asked anew each time).
     """
+    key = cfg = None
+    if (type(T) is int and type(H) is int and type(K) is int and type(allow_ws) is bool
+            and (sms is None or type(sms) is int) and isinstance(device, torch.device)
+            and (device.type != "cuda" or device.index is not None)  # "cuda" alone: whichever is current
+            and isinstance(row_format, (RowFormat, str)) and (kv_rows is None or isinstance(kv_rows, torch.Tensor))):
+        rows_ok = None if kv_rows is None else ws_rows_problem(kv_rows) is None
+        # the functions it asks (their identity: a test that replaces one asks anew)
+        key = (T, H, K, device, row_format, allow_ws, rows_ok, sms, ws_device_problem, gluon_ws_problem,
+               isolate_problem, auto_splits, sm_count)
+        cfg = _CONFIGS.get(key)
+    if cfg is None:
+        cfg = _default_config(T, H, K, device, row_format, allow_ws=allow_ws, kv_rows=kv_rows, sms=sms)
+        if key is not None:
+            if len(_CONFIGS) >= _CONFIGS_MAX:
+                _CONFIGS.clear()
+            _CONFIGS[key] = cfg
+    return cfg
+
+
+_CONFIGS: dict[tuple, "TritonMLAConfig"] = {}
+_CONFIGS_MAX = 4096  # distinct (T, H, K, device, ...) calls remembered; then forgotten at once
+
+
+def _default_config(T: int, H: int, K: int, device: torch.device,
+                   row_format: RowFormat | str = RowFormat.FP8_DS_MLA, *,
+                   allow_ws: bool = True,
+                   kv_rows: torch.Tensor | None = None,
+                   sms: int | None = None) -> TritonMLAConfig:
+    """``default_config`` computed (every argument checked)."""
     check_int("T", T, 0)
     check_int("H", H, 1)
     check_int("K", K, 0)
@@ -363,7 +396,7 @@ def run_sparse_mla(inp: DecodeInputs, cfg: TritonMLAConfig | None = None, *,
     tail, tail_splits = _tail_plan(T, H, K, cfg, splits, dev, sms)
     out = torch.empty((T, H, D_V), dtype=torch.bfloat16, device=dev)
     lse = torch.empty((T, H), dtype=torch.float32, device=dev)
-    with _on_device(dev):
+    with on_device(dev if device_type(dev) == "cuda" else None):
         # the tail launch runs after the first one (same stream), split so that its
         # programs fill one wave of SMs
         for lo, hi, s in ((0, T - tail, splits), (T - tail, T, tail_splits)):
@@ -376,9 +409,10 @@ def _launch(inp: DecodeInputs, cfg: TritonMLAConfig, lo: int, hi: int, splits: i
             out: torch.Tensor, lse: torch.Tensor) -> None:
     """One decode launch (+ the split combine) for tokens [lo, hi) into out / lse rows
     [lo, hi) (views: every kernel addresses its token rows from these bases)."""
-    q, kv, idx, vc = inp.q[lo:hi], inp.kv_rows, inp.indices[lo:hi], inp.valid_counts
-    vc = vc[lo:hi] if vc is not None else None
-    o, ls = out[lo:hi], lse[lo:hi]
+    q, kv, idx, vc, o, ls = inp.q, inp.kv_rows, inp.indices, inp.valid_counts, out, lse
+    if lo != 0 or hi != q.shape[0]:  # the tail launch (a view per token range: no copy)
+        q, idx, o, ls = q[lo:hi], idx[lo:hi], o[lo:hi], ls[lo:hi]
+        vc = vc[lo:hi] if vc is not None else None
     T, H, _ = q.shape
     K = idx.shape[1]
     dev = q.device
@@ -395,30 +429,25 @@ def _launch(inp: DecodeInputs, cfg: TritonMLAConfig, lo: int, hi: int, splits: i
             rows_per_split, inp.sm_scale * 1.4426950408889634)
     prefetch = cfg.prefetch if device_type(dev) == "cuda" else 0  # a hint; no inline PTX on CPU
     if cfg.ws:
-        _ws_kernel()[grid](
+        fast(_ws_kernel())[grid](
             *args, HAS_VC=vc is not None, NUM_SPLITS=splits, BLOCK_N=cfg.block_n,
             STAGES=cfg.num_stages, RAW=cfg.ws_raw, PRODUCER_REGS=cfg.ws_producer_regs,
             CONSUMER_REGS=ws_consumer_regs(cfg.ws_producer_regs), num_warps=4,
             maxnreg=WS_MAXNREG)
     elif cfg.wide:
-        sparse_mla_decode_wide_kernel[grid](
+        fast(sparse_mla_decode_wide_kernel)[grid](
             *args, HAS_VC=vc is not None, IS_FP8=is_fp8, NUM_SPLITS=splits,
             BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, PREFETCH=prefetch,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     else:
-        sparse_mla_decode_kernel[grid](
+        fast(sparse_mla_decode_kernel)[grid](
             *args, HAS_VC=vc is not None, IS_FP8=is_fp8, NUM_SPLITS=splits,
             BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, ISOLATE_QK=cfg.isolate_qk,
             PREFETCH=prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if splits > 1:
-        sparse_mla_combine_kernel[(T, H)](
+        fast(sparse_mla_combine_kernel)[(T, H)](
             part_out, part_lse, o, ls, H, NUM_SPLITS=splits,
             SPLITS_P2=triton.next_power_of_2(splits), num_warps=4)
-
-
-def _on_device(dev: torch.device):
-    """Triton launches on the current CUDA device: make it ``dev`` for the launch."""
-    return torch.cuda.device(dev) if device_type(dev) == "cuda" else contextlib.nullcontext()
 
 
 class TritonBackend(SparseMLABackend):
@@ -439,6 +468,7 @@ class TritonBackend(SparseMLABackend):
         self.config = config
         self.validate = bool(validate)
         self.allow_interpreter = bool(allow_interpreter)
+        self._supported: set = set()  # (device, row format, heads, phase, config, interpreter) accepted by supports()
 
     def supports(self, *, device: torch.device, row_format: RowFormat, num_heads: int,
                  phase: Phase) -> str | None:
@@ -473,9 +503,13 @@ class TritonBackend(SparseMLABackend):
 
     def _check_supported(self, inp_device: torch.device, fmt: RowFormat, H: int,
                          phase: Phase) -> None:
+        key = (inp_device, fmt, H, phase, self.config, self.allow_interpreter)
+        if key in self._supported:  # accepted before: the answer depends on nothing else
+            return
         reason = self.supports(device=inp_device, row_format=fmt, num_heads=H, phase=phase)
         if reason is not None:
             raise ValueError(f"triton backend cannot run this {phase.value}: {reason}")
+        self._supported.add(key)
 
     plans_sms = True
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..device import on_device
+from ..kernels.fast_launch import fast
 from ..kernels.apply_write import apply_write_plan_kernel
 
 from .state import STAT_D2H_ROWS, HotState
@@ -70,7 +71,7 @@ def apply_write_plan_triton(state: HotState, hot: torch.Tensor, rows: torch.Tens
     ww, wb = row_words(W)
     grid = (-(-longest // BLOCK),)
     with on_device(hot.device if hot.is_cuda else None):
-        apply_write_plan_kernel[grid](
+        fast(apply_write_plan_kernel)[grid](
             plan.flat, rows.view(torch.int32), hot.view(torch.int32), bt, bt.stride(0),
             ls.row_slot, ls.slot_pos, ls.slot_stamp, ls.step, ls.seq_lens, ls.stats, *plan.counts,
             STAT_D2H=STAT_D2H_ROWS, WW=ww, WB=wb, BLOCK=BLOCK,

@@ -31,6 +31,7 @@ import triton
 
 from .._checks import check_int, check_tensor, device_type, interpreter_mode
 from ..device import on_device
+from ..kernels.fast_launch import fast
 from ..kernels.resolve import resolve_kernel
 from ..kernels.resolve_lookup import resolve_lookup_kernel
 from ..kernels.resolve_resident import resolve_resident_kernel
@@ -205,7 +206,7 @@ def resolve_unchecked(state: HotState, layer: int, req_ids: torch.Tensor, topk: 
     ls = state.layer(layer)
     bt = state.block_table
     with on_device(dev if device_type(dev) == "cuda" else None):
-        resolve_kernel[(T,)](
+        fast(resolve_kernel)[(T,)](
             req_ids, topk, topk.stride(0),
             state.id_to_slot, state.id_to_slot.shape[0],
             ls.seq_lens, ls.seq_lens.shape[0],
@@ -243,7 +244,7 @@ def resolve_resident_unchecked(state: HotState, layer: int, req_ids: torch.Tenso
     KB = triton.next_power_of_2(K)
     ls = state.layer(layer)
     with on_device(dev if device_type(dev) == "cuda" else None):
-        resolve_resident_kernel[(T,)](
+        fast(resolve_resident_kernel)[(T,)](
             req_ids, topk, topk.stride(0),
             state.id_to_slot, state.id_to_slot.shape[0],
             ls.seq_lens, ls.seq_lens.shape[0], ls.stats,
@@ -284,7 +285,7 @@ def resolve_lookup_triton(state: HotState, layer: int, req_ids: torch.Tensor, to
     _require_device(dev, "resolve_lookup_triton")
     chunk = min(_LOOKUP_CHUNK, triton.next_power_of_2(K))
     with on_device(dev if device_type(dev) == "cuda" else None):
-        resolve_lookup_kernel[(T, triton.cdiv(K, chunk))](
+        fast(resolve_lookup_kernel)[(T, triton.cdiv(K, chunk))](
             req_ids, topk, topk.stride(0),
             state.id_to_slot, state.id_to_slot.shape[0],
             state.seq_lens[layer], state.seq_lens.shape[1],

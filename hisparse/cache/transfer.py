@@ -26,6 +26,7 @@ import triton
 
 from .._checks import check_int, check_tensor, device_type, interpreter_mode, sm_count
 from ..device import is_pinned_host, on_device
+from ..kernels.fast_launch import fast
 from ..kernels.copy_rows import copy_rows_kernel, copy_staged_kernel
 
 # Defaults of the launch shape; the staging benchmark sweeps them on the H200.
@@ -131,7 +132,7 @@ def copy_rows_unchecked(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.Ten
     else:
         grid = min(chunks, programs_per_sm * sm_count(dev))
     with on_device(dev):
-        copy_rows_kernel[(grid,)](
+        fast(copy_rows_kernel)[(grid,)](
             src.view(torch.int32), src_idx, src.shape[0],
             dst.view(torch.int32), dst_idx, dst.shape[0], N, grid, chunks,
             WW=WW, WB=WB, ROWS=rows, num_warps=num_warps,
@@ -193,7 +194,7 @@ def copy_staged_unchecked(src: torch.Tensor, src_idx: torch.Tensor, dst: torch.T
         programs = max(1, sm_count(dev) // 4) if dev is not None else 2
     WW, WB = row_words(src.shape[1])
     with on_device(dev):
-        copy_staged_kernel[(programs,)](
+        fast(copy_staged_kernel)[(programs,)](
             src.view(torch.int32), src_idx, src.shape[0], dst.view(torch.int32), dst_idx, dst.shape[0],
             counts, T, K, programs, WW=WW, WB=WB, ROWS=rows_per_program, TB=_COUNT_BLOCK,
             num_warps=num_warps)

@@ -41,6 +41,7 @@ import torch
 import triton
 
 from .._checks import Kernels, check_tensor
+from ..kernels.fast_launch import fast
 from ..kernels.convert import convert_topk_kernel
 from .view import BlockTable
 
@@ -290,7 +291,7 @@ def convert_topk_to_physical(
     block_n = min(max(triton.next_power_of_2(K), 16), 256)
     ws = workspace
     with torch.cuda.device(topk.device) if topk.is_cuda else contextlib.nullcontext():
-        convert_topk_kernel[(T,)](
+        fast(convert_topk_kernel)[(T,)](
             topk, req_id_per_token, table if table.numel() else dummy, out,
             counts if counts is not None else dummy,
             ws.prefill_request_id if ws is not None else dummy,

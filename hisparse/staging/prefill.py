@@ -57,6 +57,7 @@ import triton
 from .._checks import Kernels, check_int, check_ints, check_tensor, device_type
 from ..errors import CapacityError
 from ..formats import D_ROW, RowFormat, dequantize_fp8_ds_mla_reference
+from ..kernels.fast_launch import fast
 from ..kernels.stage_prefill import stage_copy_kernel, stage_dequant_kernel
 from .convert import WorkspaceMap
 from .view import LayerView
@@ -517,11 +518,11 @@ def _launch(mode: _Mode, view: LayerView, reqs: StageRequests, workspace: torch.
                  PAGE_ROWS=view.page_rows if has_pool else 1, ALIASED=aliased, num_warps=num_warps)
     with torch.cuda.device(workspace.device) if workspace.is_cuda else contextlib.nullcontext():
         if mode.dequant:
-            stage_dequant_kernel[grid](
+            fast(stage_dequant_kernel)[grid](
                 *common, workspace.view(torch.int32), R, NB, H, HV, W, hot_n, sp, stride_bt, *pool_args, **flags)
         else:
             words = mode.row_bytes // 4
-            stage_copy_kernel[grid](
+            fast(stage_copy_kernel)[grid](
                 *common, workspace.view(torch.int32).view(W, words), R, NB, H, HV, W, hot_n, sp, stride_bt,
                 *pool_args, WORDS=words, WORDS_P2=triton.next_power_of_2(words), **flags)
 

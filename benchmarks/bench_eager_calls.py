@@ -1,0 +1,131 @@
+"""Host time of hisparse's eager per-layer decode calls, as an engine that runs attention
+outside CUDA graphs pays it: B requests (K-entry top-k, one decode token each) over
+one layer, each call timed with perf_counter around it and the GPU queue drained
+between samples (so the call never waits for the GPU). Calls:
+
+- ``attention``: ``TritonBackend(validate=False).decode`` over the hot rows;
+- ``resolve``: ``cache.resolve(validate=False)``; ``resolve_checked``: ``cache.resolve()``;
+- ``layer_serial`` / ``layer_split``: ``DecodeLayer(..., overlap=...)`` (resolve + attention).
+
+Each call runs with compiled kernels launched directly (``hisparse.kernels.fast_launch``)
+and through Triton's JIT (``set_direct_launch(False)``), the two alternating sample by
+sample in one process; prints min / median / p99 per call and path, the ratio of the
+medians, and writes ``--out`` JSON with the environment. On a tree without the direct
+path (an older hisparse on PYTHONPATH) only the JIT column is measured.
+
+  python3 -m benchmarks.bench_eager_calls [--batch 64] [--top-k 2048] [--samples 300] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from benchmarks import common
+
+
+def _setup(B: int, K: int, context: int, dev: torch.device):
+    from hisparse import HiSparseCache, HiSparseConfig
+    from hisparse.formats import quantize_fp8_ds_mla
+    cfg = HiSparseConfig(num_layers=1, host_pool_tokens=B * (-(-context // 64) * 64), row_bytes=656, top_k=K,
+                         device_buffer_size=2 * K, max_num_reqs=B, max_query_len=1, host_block_size=64,
+                         max_request_id=2 * B, device=str(dev))
+    cache = HiSparseCache(cfg, kernels="triton")
+    g = torch.Generator(device=dev).manual_seed(1)
+    for r in range(B):
+        cache.add_request(r)
+        x = (torch.randn((context, 576), device=dev, generator=g) * 0.5).to(torch.bfloat16)
+        cache.write(0, r, quantize_fp8_ds_mla(x))
+    req = torch.arange(B, dtype=torch.int32, device=dev)
+    topk = torch.stack([torch.randperm(context, device=dev, generator=g)[:K] for _ in range(B)]).to(torch.int32)
+    q = (torch.randn((B, 128, 576), device=dev, generator=g) * 0.3).to(torch.bfloat16)
+    return cache, req, topk, q
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    pos = common.positive_int
+    ap.add_argument("--batch", type=pos, default=64, help="decode requests [%(default)s]")
+    ap.add_argument("--top-k", type=pos, default=2048, help="[%(default)s]")
+    ap.add_argument("--context", type=pos, default=4200, help="rows per request [%(default)s]")
+    ap.add_argument("--samples", type=pos, default=300, help="timed calls per call and path [%(default)s]")
+    ap.add_argument("--out", default=None, help="write the figures as JSON here")
+    o = ap.parse_args(argv)
+    if not common.out_ok(o.out, "bench_eager_calls"):
+        return 2
+    if not torch.cuda.is_available():
+        print("bench_eager_calls: needs CUDA (host time of GPU launches)", file=sys.stderr)
+        return 2
+    if o.top_k > o.context:
+        print(f"bench_eager_calls: --top-k {o.top_k} needs --context >= it", file=sys.stderr)
+        return 2
+    import hisparse.kernels as hk
+    from hisparse.attention import TritonBackend
+    from hisparse.decode import DecodeLayer
+    # an older tree (the baseline) has no direct path: only the JIT column is measured
+    problem = getattr(hk, "fast_launch_problem", None) if "fast_launch_problem" in getattr(hk, "__all__", ()) else None
+    dev = torch.device("cuda")
+    cache, req, topk, q = _setup(o.batch, o.top_k, o.context, dev)
+    be = TritonBackend(validate=False)
+    serial = DecodeLayer(cache, be, overlap="serial")
+    split = DecodeLayer(cache, be, overlap="split")
+    scale = 576 ** -0.5
+    res = cache.resolve(0, req, topk, validate=False)
+    hot = cache.layer_view(0).hot_rows
+    phys = res.physical.clone()
+    calls = {
+        "attention": lambda: be.decode(q, hot, phys, sm_scale=scale, row_format="fp8_ds_mla"),
+        "resolve": lambda: cache.resolve(0, req, topk, validate=False),
+        "resolve_checked": lambda: cache.resolve(0, req, topk),
+        "layer_serial": lambda: serial(0, req, topk, q, sm_scale=scale),
+        "layer_split": lambda: split(0, req, topk, q, sm_scale=scale),
+    }
+    why_not = "this hisparse has no direct launch" if problem is None else problem()
+    paths = ["direct", "jit"] if why_not is None else ["jit"]
+    samples = {c: {p: [] for p in paths} for c in calls}
+    for name, fn in calls.items():  # warm-up: compile, then fill the direct path's cache
+        for _ in range(3):
+            fn()
+    torch.cuda.synchronize()
+    print(f"bench_eager_calls: B={o.batch} K={o.top_k} context={o.context}, {o.samples} samples per call and path"
+          + ("" if why_not is None else f"; direct launch off: {why_not}"), flush=True)
+    for i in range(o.samples):
+        for name, fn in calls.items():
+            for p in (paths if i % 2 == 0 else paths[::-1]):
+                if problem is not None:
+                    hk.set_direct_launch(p == "direct")
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                fn()
+                t1 = time.perf_counter()
+                samples[name][p].append((t1 - t0) * 1e6)
+    if problem is not None:
+        hk.set_direct_launch(True)
+    torch.cuda.synchronize()
+    rows = {}
+    print(f"{'call':16s} " + " ".join(f"{p + ' min/med/p99 us':>26s}" for p in paths) + ("   direct/jit" if len(paths) > 1 else ""))
+    for name in calls:
+        st = {p: common.stats(samples[name][p], unit="_us") for p in paths}
+        rows[name] = st
+        line = f"{name:16s} " + " ".join(f"{s['min_us']:8.1f} {s['median_us']:8.1f} {s['p99_us']:8.1f}" for s in st.values())
+        if len(paths) > 1:
+            r = st["direct"]["median_us"] / st["jit"]["median_us"]
+            rows[name]["ratio_direct_jit"] = r
+            line += f"   {r:10.3f}"
+        print(line)
+    counts = None
+    if problem is not None:
+        counts = hk.direct_launch_counts()
+        print("launches direct / through the JIT per kernel: "
+              + ", ".join(f"{k} {v['direct']}/{v['jit']}" for k, v in counts.items()))
+    if o.out:
+        common.write_json(o.out, {"environment": common.environment(dev), "args": vars(o), "paths": paths,
+                                  "direct_off_reason": why_not, "calls": rows, "launch_counts": counts})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

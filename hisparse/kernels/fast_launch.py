@@ -1,0 +1,269 @@
+"""Launching compiled Triton kernels without the JIT's per-call work.
+
+``kernel[grid](*args, **kwargs)`` on a ``@triton.jit`` function binds the arguments,
+specialises every one (dtype, 16-byte alignment of pointers, ``== 1`` and ``% 16`` of
+integers), builds a cache key, looks the compiled kernel up and only then calls its
+launcher: tens of microseconds of host time per launch, several launches per decode
+layer. ``FastKernel(kernel)[grid](*args, **kwargs)`` takes the same call and, once the
+JIT has compiled and launched it for a specialisation, calls that compiled kernel's
+launcher directly for every later call of the same specialisation.
+
+The guard: a call's key here is a refinement of the JIT's specialisation -- for every
+argument its class (tensor: dtype and ``data_ptr() % 16 == 0``; int: ``== 1``, ``% 16
+== 0`` and its integer width, whether or not the parameter is specialised; bool,
+float, None), the constexpr values and launch options as given, the current device and
+Triton's debug / instrumentation settings -- so two calls with equal keys here have
+equal keys in the JIT, and a call whose key is new (an unaligned pointer, another
+dtype, a new constexpr) takes the JIT path, which compiles if needed, and is
+remembered. ``tests/test_fast_launch.py`` checks the refinement against the installed
+Triton's own binder.
+
+The direct path is on only where every condition holds, else each call takes the JIT
+path (``fast_launch_problem()`` says why; logged once):
+- a CUDA launch (not the interpreter) on a Triton whose launcher call was tested here
+  (``TESTED_TRITON``: the compiled kernel's ``run(grid x, y, z, stream, function,
+  packed metadata, launch metadata, enter hook, exit hook, *every argument)``);
+- no launch hooks set (a profiler's ``knobs.runtime.launch_enter_hook``) and no pre-run
+  hooks on the kernel: those calls take the JIT path, which runs them;
+- ``HISPARSE_FAST_LAUNCH`` not set to 0 (``set_direct_launch(False)`` turns it off in a
+  running process: benchmarks compare the two paths in one run).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import weakref
+
+import triton
+
+try:
+    from triton import knobs as _knobs
+    from triton.runtime.driver import driver as _driver
+except ImportError:  # an older Triton: fast_launch_problem() says so and nothing uses these
+    _knobs = _driver = None
+
+_LOG = logging.getLogger("hisparse.fast_launch")
+
+# (major, minor) of the Triton releases whose compiled-kernel launcher call was tested on a GPU
+TESTED_TRITON = ((3, 6),)
+
+
+def _version() -> tuple[int, int]:
+    parts = triton.__version__.split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return (0, 0)
+
+
+_OFF: list = []  # non-empty: set_direct_launch(False)
+
+
+def set_direct_launch(on: bool) -> bool:
+    """Allow (True) or forbid (False) direct launches from now on; returns the previous
+    setting. A switch for benchmarks and tests that compare the two paths in one
+    process; the conditions of ``fast_launch_problem`` still apply."""
+    previous = not _OFF
+    _OFF.clear()
+    if not on:
+        _OFF.append(True)
+    return previous
+
+
+def fast_launch_problem() -> str | None:
+    """None when compiled kernels may be launched directly in this process, else why
+    not (one line)."""
+    return "set_direct_launch(False)" if _OFF else _static_problem()
+
+
+@functools.lru_cache(maxsize=None)
+def _static_problem() -> str | None:
+    if os.environ.get("HISPARSE_FAST_LAUNCH", "1") == "0":
+        return "HISPARSE_FAST_LAUNCH=0"
+    if _knobs is None:
+        return f"triton {triton.__version__} has no triton.knobs"
+    if _knobs.runtime.interpret:
+        return "Triton's interpreter (TRITON_INTERPRET=1) runs the kernels"
+    import torch
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    if _version() not in TESTED_TRITON:
+        tested = ", ".join(f"{a}.{b}" for a, b in TESTED_TRITON)
+        return f"triton {triton.__version__}'s launcher call is not tested here (tested: {tested})"
+    return None
+
+
+_MISSING = object()
+_I32 = 1 << 31
+_I64 = 1 << 63
+
+
+def arg_class(a: object) -> object:
+    """A non-constexpr argument's class (see the module docstring): equal classes are
+    specialised alike by the JIT."""
+    t = type(a)
+    if t is int:
+        if -_I32 <= a < _I32:
+            width = 0
+        elif -_I64 <= a < _I64:
+            width = 1
+        elif _I64 <= a < 2 * _I64:
+            width = 2
+        else:  # no integer type holds it: the JIT refuses it
+            raise _Unclassified
+        return (a == 1, a % 16 == 0, width)
+    if t is bool or a is None:
+        return a
+    if t is float:
+        return 1.5
+    dtype = getattr(a, "dtype", None)
+    if dtype is not None and hasattr(a, "data_ptr"):
+        return dtype, a.data_ptr() % 16 == 0
+    raise _Unclassified
+
+
+def _hooked(hook) -> bool:
+    """Whether a launch hook is set: Triton keeps an empty chain of hooks (a profiler
+    adds to it) or, in some releases, None."""
+    if hook is None:
+        return False
+    calls = getattr(hook, "calls", None)
+    return True if calls is None else bool(calls)
+
+
+class _Unclassified(Exception):
+    """An argument this module does not classify: the call takes the JIT path."""
+
+
+def spec_key(values: list, constexpr: tuple[bool, ...], options: tuple) -> tuple:
+    """The key of a call with every parameter's value in order (``values``), which of
+    them are constexpr and the launch options (sorted (name, value) pairs)."""
+    return (tuple(v if c else arg_class(v) for v, c in zip(values, constexpr)), options)
+
+
+class FastKernel:
+    """``kernel`` (a ``@triton.jit`` / ``@gluon.jit`` function) launched directly once
+    compiled for a call's specialisation: ``FastKernel(k)[grid](*args, **kwargs)`` is
+    ``k[grid](*args, **kwargs)``. ``hits`` / ``misses``: calls launched directly / through the
+    JIT (``unkeyed``: of the misses, those with an argument of no known class)."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+        self.hits = 0
+        self.misses = 0
+        self.unkeyed = 0  # calls with an argument this module does not classify (each took the JIT path)
+        self._compiled: dict = {}
+        params = getattr(kernel, "params", None)  # None: the interpreter's function
+        if params is None:
+            self._names, self._const, self._defaults = None, (), {}
+            return
+        self._names = [p.name for p in params]
+        self._index = {n: i for i, n in enumerate(self._names)}
+        self._const = tuple(bool(p.is_constexpr) for p in params)
+        self._defaults = {p.name: p.default for p in params if p.has_default}
+
+    def __getitem__(self, grid):
+        return functools.partial(self._launch, grid)
+
+    def _globals_changed(self) -> bool:
+        """Whether a global the kernel read when compiled has another value now (the JIT's
+        own check, which then raises)."""
+        for (name, _), (val, globals_dict) in self.kernel.used_global_vals.items():
+            if globals_dict.get(name, _MISSING) != val:
+                return True
+        return False
+
+    def _bind(self, args: tuple, kwargs: dict) -> tuple[list, tuple]:
+        """(every parameter's value in order, the launch options) of a call."""
+        names = self._names
+        values = list(args)
+        opts = []
+        rest = {}
+        for k, v in kwargs.items():
+            if k in self._index:
+                rest[k] = v
+            else:
+                opts.append((k, type(v).__name__, v))  # the JIT keys on str(options): 4 and 4.0 differ
+        for n in names[len(values):]:
+            if n in rest:
+                values.append(rest.pop(n))
+            elif n in self._defaults:
+                values.append(self._defaults[n])
+            else:
+                raise TypeError(f"{n!r} missing")
+        if rest or len(values) != len(names):
+            raise TypeError("arguments do not match the kernel's parameters")
+        opts.sort()
+        return values, tuple(opts)
+
+    def _launch(self, grid, *args, **kwargs):
+        kernel = self.kernel
+        if self._names is None or fast_launch_problem() is not None or callable(grid):
+            self.misses += 1
+            return kernel[grid](*args, **kwargs)
+        knobs, driver = _knobs, _driver
+        rt = knobs.runtime
+        hooked = _hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook) or bool(kernel.pre_run_hooks)
+        try:
+            values, opts = self._bind(args, kwargs)
+            dev = driver.active.get_current_device()
+            key = (dev, spec_key(values, self._const, opts), rt.debug, knobs.compilation.instrumentation_mode)
+            hash(key)  # an unhashable constexpr or option: the JIT path
+        except (_Unclassified, TypeError):
+            key = None
+            self.unkeyed += 1
+        compiled = None if key is None or hooked else self._compiled.get(key)
+        if compiled is not None and self._globals_changed():
+            compiled = None  # the JIT raises for a changed global a kernel read
+        if compiled is None:
+            self.misses += 1
+            compiled = kernel[grid](*args, **kwargs)
+            if key is not None and not hooked and compiled is not None and hasattr(compiled, "packed_metadata"):
+                self._compiled[key] = compiled
+            return compiled
+        self.hits += 1
+        g = tuple(grid)
+        n = len(g)
+        stream = driver.active.get_current_stream(dev)
+        compiled.run(g[0], g[1] if n > 1 else 1, g[2] if n > 2 else 1, stream, compiled.function,
+                     compiled.packed_metadata, None, None, None, *values)
+        return compiled
+
+
+_FAST: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_LOGGED: list = []
+
+
+def fast(kernel) -> FastKernel:
+    """The process's ``FastKernel`` of ``kernel`` (made on first use, dropped with the
+    kernel; an object that is not a JIT function, e.g. an instrumented stand-in, is
+    launched through its own ``[grid]`` every call)."""
+    try:
+        f = _FAST.get(kernel)
+    except TypeError:  # not weakly referenceable / hashable: a new wrapper each call
+        return FastKernel(kernel)
+    if f is None:
+        f = _FAST[kernel] = FastKernel(kernel)
+        why = fast_launch_problem()
+        if why is not None and not _LOGGED:
+            _LOGGED.append(why)
+            _LOG.info("compiled Triton kernels launch through the JIT: %s", why)
+    return f
+
+
+def direct_launch_counts() -> dict[str, dict[str, int]]:
+    """Per kernel launched through ``fast`` so far in this process: {"direct": calls
+    launched directly, "jit": calls through Triton's JIT}."""
+    out: dict[str, dict[str, int]] = {}
+    for f in list(_FAST.values()):
+        name = getattr(f.kernel, "__name__", None) or type(f.kernel).__name__
+        c = out.setdefault(name, {"direct": 0, "jit": 0})
+        c["direct"] += f.hits
+        c["jit"] += f.misses
+    return out
+
+
+__all__ = ["FastKernel", "direct_launch_counts", "TESTED_TRITON", "arg_class", "fast", "fast_launch_problem", "set_direct_launch",
+           "spec_key"]
