@@ -36,6 +36,7 @@ import logging
 import os
 import weakref
 
+import torch
 import triton
 
 try:
@@ -86,7 +87,6 @@ def _static_problem() -> str | None:
         return f"triton {triton.__version__} has no triton.knobs"
     if _knobs.runtime.interpret:
         return "Triton's interpreter (TRITON_INTERPRET=1) runs the kernels"
-    import torch
     if not torch.cuda.is_available():
         return "no CUDA device"
     if _version() not in TESTED_TRITON:
@@ -100,27 +100,30 @@ _I32 = 1 << 31
 _I64 = 1 << 63
 
 
-def arg_class(a: object) -> object:
+def arg_class(a: object, _tensor=torch.Tensor, _int=int, _lo=-_I32, _hi=_I32) -> object:
     """A non-constexpr argument's class (see the module docstring): equal classes are
-    specialised alike by the JIT."""
+    specialised alike by the JIT. Tensors: (dtype, 16-byte aligned); ints: a string
+    naming the width (i32 / i64 / u64) and whether the value is 1 or a multiple of 16;
+    bools and None: themselves; floats: "f". (The keyword defaults are constants bound
+    once: this runs for every argument of every launch.)"""
     t = type(a)
-    if t is int:
-        if -_I32 <= a < _I32:
-            width = 0
-        elif -_I64 <= a < _I64:
-            width = 1
-        elif _I64 <= a < 2 * _I64:
-            width = 2
-        else:  # no integer type holds it: the JIT refuses it
-            raise _Unclassified
-        return (a == 1, a % 16 == 0, width)
+    if t is _int:
+        if _lo <= a < _hi:
+            return "i1" if a == 1 else "i" if a & 15 else "i16"
+        if -_I64 <= a < _I64:
+            return "l" if a & 15 else "l16"
+        if _I64 <= a < 2 * _I64:
+            return "u" if a & 15 else "u16"
+        raise _Unclassified  # no integer type holds it: the JIT refuses it
+    if t is _tensor:
+        return a.dtype, not a.data_ptr() & 15
     if t is bool or a is None:
         return a
     if t is float:
-        return 1.5
-    dtype = getattr(a, "dtype", None)
+        return "f"
+    dtype = getattr(a, "dtype", None)  # a tensor subclass, or another object with a pointer
     if dtype is not None and hasattr(a, "data_ptr"):
-        return dtype, a.data_ptr() % 16 == 0
+        return dtype, not a.data_ptr() & 15
     raise _Unclassified
 
 
@@ -155,6 +158,7 @@ class FastKernel:
         self.misses = 0
         self.unkeyed = 0  # calls with an argument this module does not classify (each took the JIT path)
         self._compiled: dict = {}
+        self._plans: dict = {}  # call shape -> _Plan (None: such calls do not bind)
         params = getattr(kernel, "params", None)  # None: the interpreter's function
         if params is None:
             self._names, self._const, self._defaults = None, (), {}
@@ -198,21 +202,62 @@ class FastKernel:
         opts.sort()
         return values, tuple(opts)
 
+    def _plan(self, shape: tuple) -> "_Plan | None":
+        """How calls of one shape -- (number of positional arguments, keyword names in
+        order) -- are keyed and bound; None when such a call does not bind (the JIT path
+        says what is wrong)."""
+        n, kw = shape[0], shape[1:]
+        names, const = self._names, self._const
+        if n > len(names) or len(set(kw)) != len(kw) or any(k in self._index and self._index[k] < n for k in kw):
+            return None
+        tail = []
+        for name in names[n:]:
+            if name in kw:
+                tail.append((name, True, None))
+            elif name in self._defaults:
+                tail.append((name, False, self._defaults[name]))
+            else:
+                return None
+        pos_const = const[:n]
+        kw_kind = tuple(k in self._index and not const[self._index[k]] for k in kw)  # True: classify it
+        return _Plan(not any(pos_const), pos_const, not any(kw_kind), kw_kind, tuple(tail))
+
+    def _key(self, plan: "_Plan", shape: tuple, args: tuple, kwargs: dict, dev) -> tuple:
+        """A call's key: a refinement of ``spec_key`` over its bound values (the shape, each
+        positional argument's class, or its value for a constexpr, each keyword value with
+        its type, or its class for a parameter that is not constexpr)."""
+        if plan.pos_plain:
+            pk = tuple(map(arg_class, args))
+        else:
+            pk = tuple(a if c else arg_class(a) for a, c in zip(args, plan.pos_const))
+        kv = tuple(kwargs.values())
+        if plan.kw_plain:
+            kk = (kv, tuple(map(type, kv)))
+        else:
+            kk = tuple(arg_class(v) if k else (type(v), v) for v, k in zip(kv, plan.kw_kind))
+        rt = _knobs.runtime
+        return (shape, pk, kk, dev, rt.debug, _knobs.compilation.instrumentation_mode)
+
     def _launch(self, grid, *args, **kwargs):
         kernel = self.kernel
         if self._names is None or fast_launch_problem() is not None or callable(grid):
             self.misses += 1
             return kernel[grid](*args, **kwargs)
-        knobs, driver = _knobs, _driver
-        rt = knobs.runtime
+        rt = _knobs.runtime
         hooked = _hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook) or bool(kernel.pre_run_hooks)
-        try:
-            values, opts = self._bind(args, kwargs)
-            dev = driver.active.get_current_device()
-            key = (dev, spec_key(values, self._const, opts), rt.debug, knobs.compilation.instrumentation_mode)
-            hash(key)  # an unhashable constexpr or option: the JIT path
-        except (_Unclassified, TypeError):
-            key = None
+        shape = (len(args), *kwargs)
+        plan = self._plans.get(shape, _MISSING)
+        if plan is _MISSING:
+            plan = self._plans[shape] = self._plan(shape)
+        key = None
+        if plan is not None:
+            dev = _driver.active.get_current_device()
+            try:
+                key = self._key(plan, shape, args, kwargs, dev)
+                hash(key)  # an unhashable constexpr or option: the JIT path
+            except (_Unclassified, TypeError):
+                key = None
+        if key is None:
             self.unkeyed += 1
         compiled = None if key is None or hooked else self._compiled.get(key)
         if compiled is not None and self._globals_changed():
@@ -224,12 +269,21 @@ class FastKernel:
                 self._compiled[key] = compiled
             return compiled
         self.hits += 1
-        g = tuple(grid)
-        n = len(g)
-        stream = driver.active.get_current_stream(dev)
-        compiled.run(g[0], g[1] if n > 1 else 1, g[2] if n > 2 else 1, stream, compiled.function,
-                     compiled.packed_metadata, None, None, None, *values)
+        n = len(grid)
+        compiled.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1,
+                     _driver.active.get_current_stream(dev), compiled.function, compiled.packed_metadata,
+                     None, None, None, *args, *[kwargs[name] if given else d for name, given, d in plan.tail])
         return compiled
+
+
+class _Plan:
+    """``FastKernel._plan``'s answer for one call shape."""
+
+    __slots__ = ("pos_plain", "pos_const", "kw_plain", "kw_kind", "tail")
+
+    def __init__(self, pos_plain, pos_const, kw_plain, kw_kind, tail) -> None:
+        self.pos_plain, self.pos_const, self.kw_plain, self.kw_kind, self.tail = (
+            pos_plain, pos_const, kw_plain, kw_kind, tail)
 
 
 _FAST: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
