@@ -10,8 +10,9 @@ between samples (so the call never waits for the GPU). Calls:
 Each call runs with compiled kernels launched directly (``hisparse.kernels.fast_launch``)
 and through Triton's JIT (``set_direct_launch(False)``), the two alternating sample by
 sample in one process; prints min / median / p99 per call and path, the ratio of the
-medians, and writes ``--out`` JSON with the environment. On a tree without the direct
-path (an older hisparse on PYTHONPATH) only the JIT column is measured.
+medians, and writes ``--out`` JSON with the environment. Run from a checkout of a tree
+without the direct path, it measures the JIT column alone (``python -m`` imports the
+hisparse of the current directory first, whatever PYTHONPATH says).
 
   python3 -m benchmarks.bench_eager_calls [--batch 64] [--top-k 2048] [--samples 300] [--out FILE]
 """
