@@ -67,7 +67,21 @@ def _binder(jf):
     return create_function_from_signature(jf.signature, jf.params, make_backend(GPUTarget("cuda", 90, 32)))
 
 
-_BASE = torch.zeros(64, dtype=torch.uint8)  # 64-byte aligned storage (CPU allocator)
+def _product_key(fk: FL.FastKernel, jf, values: list, options: dict) -> tuple:
+    """The key ``FastKernel`` computes for a call of ``values`` (every parameter, in
+    order) made as hisparse's call sites make them: the parameters before the first
+    constexpr positionally, the rest (and the launch ``options``) by keyword."""
+    const = [p.is_constexpr for p in jf.params]
+    n = const.index(True) if True in const else len(const)
+    args = tuple(values[:n])
+    kwargs = {p.name: v for p, v in zip(jf.params[n:], values[n:])}
+    kwargs.update(options)
+    shape = (len(args), *kwargs)
+    plan = fk._plan(shape)
+    assert plan is not None
+    return fk._key(plan, shape, args, kwargs, 0)
+
+
 
 
 def _tensor(dtype, aligned: bool, rng: random.Random) -> torch.Tensor:
@@ -134,6 +148,7 @@ def test_key_refines_tritons_specialization(module, name):
     kernel = getattr(importlib.import_module(module), name)
     jf = _jit_function(kernel)
     binder = _binder(jf)
+    fk = FL.FastKernel(jf)
     const = tuple(p.is_constexpr for p in jf.params)
     rng = random.Random(hash(name) & 0xFFFF)
     seen: dict = {}
@@ -143,7 +158,7 @@ def test_key_refines_tritons_specialization(module, name):
         warps = rng.choice([4, 8])
         for _rep in range(2):  # two members of the same classes
             values = [consts[i] if c else _member(k, rng) for i, (c, k) in enumerate(zip(const, classes))]
-            key = FL.spec_key(values, const, (("num_warps", "int", warps),))
+            key = _product_key(fk, jf, values, {"num_warps": warps})
             _, spec, _ = binder(*values, num_warps=warps)
             spec = repr(spec)
             assert seen.setdefault(key, spec) == spec, (name, key)
@@ -157,6 +172,7 @@ def test_a_coarser_key_would_be_caught(monkeypatch):
     from hisparse.kernels.copy_rows import copy_rows_kernel
     jf = _jit_function(copy_rows_kernel)
     binder = _binder(jf)
+    fk = FL.FastKernel(jf)
     const = tuple(p.is_constexpr for p in jf.params)
     real = FL.arg_class
 
@@ -174,10 +190,10 @@ def test_a_coarser_key_would_be_caught(monkeypatch):
     ints16 = [v if c else 32 for v, c in zip(base, const)]
     ints3 = [v if c else 3 for v, c in zip(base, const)]
     for coarse, a, b in ((coarse_tensor, base, unaligned), (coarse_int, ints16, ints3)):
-        assert FL.spec_key(a, const, ()) != FL.spec_key(b, const, ())  # the real keys separate them
+        assert _product_key(fk, jf, a, {}) != _product_key(fk, jf, b, {})  # the real keys separate them
         assert repr(binder(*a)[1]) != repr(binder(*b)[1])  # as Triton does
         monkeypatch.setattr(FL, "arg_class", coarse)
-        assert FL.spec_key(a, const, ()) == FL.spec_key(b, const, ()), coarse.__name__  # a coarse key would not
+        assert _product_key(fk, jf, a, {}) == _product_key(fk, jf, b, {}), coarse.__name__  # a coarse key would not
         monkeypatch.setattr(FL, "arg_class", real)
 
 
@@ -222,17 +238,19 @@ class _FakeKernel:
         return call
 
 
-def test_bind_orders_arguments_and_options():
+def test_plans_bind_arguments_by_call_shape():
+    """A call shape (positional count, keyword names) maps to how its values are bound:
+    the parameters after the positional ones from the keywords or their defaults; a
+    shape that does not bind (a parameter missing, given twice, too many) has no plan."""
     fk = FL.FastKernel(_FakeKernel())
-    t = torch.zeros(4, dtype=torch.int32)
-    values, opts = fk._bind((t, 5), {"B": 8, "num_warps": 4, "num_stages": 2})
-    assert values == [t, 5, 8, 3] and opts == (("num_stages", "int", 2), ("num_warps", "int", 4))
-    values, _ = fk._bind((t,), {"n": 7, "B": 1, "D": 9})
-    assert values == [t, 7, 1, 9]
-    with pytest.raises(TypeError):
-        fk._bind((t,), {"B": 1})  # n missing
-    with pytest.raises(TypeError):
-        fk._bind((t, 1, 2, 3, 4), {})  # too many
+    plan = fk._plan((2, "B", "num_warps", "num_stages"))
+    assert plan.tail == (("B", True, None), ("D", False, 3)) and plan.pos_plain and plan.kw_plain
+    plan = fk._plan((1, "n", "B", "D"))
+    assert plan.tail == (("n", True, None), ("B", True, None), ("D", True, None)) and plan.kw_kind == (True, False, False)
+    assert fk._plan((1, "B")) is None  # n missing
+    assert fk._plan((5,)) is None  # too many
+    assert fk._plan((2, "x", "B")) is None  # x given twice
+    assert not fk._plan((3, "num_warps")).pos_plain  # B (a constexpr) given positionally: keyed by value
 
 
 def test_calls_go_through_the_jit_when_not_compiled_or_off(monkeypatch):

@@ -140,12 +140,6 @@ class _Unclassified(Exception):
     """An argument this module does not classify: the call takes the JIT path."""
 
 
-def spec_key(values: list, constexpr: tuple[bool, ...], options: tuple) -> tuple:
-    """The key of a call with every parameter's value in order (``values``), which of
-    them are constexpr and the launch options (sorted (name, value) pairs)."""
-    return (tuple(v if c else arg_class(v) for v, c in zip(values, constexpr)), options)
-
-
 class FastKernel:
     """``kernel`` (a ``@triton.jit`` / ``@gluon.jit`` function) launched directly once
     compiled for a call's specialisation: ``FastKernel(k)[grid](*args, **kwargs)`` is
@@ -179,29 +173,6 @@ class FastKernel:
                 return True
         return False
 
-    def _bind(self, args: tuple, kwargs: dict) -> tuple[list, tuple]:
-        """(every parameter's value in order, the launch options) of a call."""
-        names = self._names
-        values = list(args)
-        opts = []
-        rest = {}
-        for k, v in kwargs.items():
-            if k in self._index:
-                rest[k] = v
-            else:
-                opts.append((k, type(v).__name__, v))  # the JIT keys on str(options): 4 and 4.0 differ
-        for n in names[len(values):]:
-            if n in rest:
-                values.append(rest.pop(n))
-            elif n in self._defaults:
-                values.append(self._defaults[n])
-            else:
-                raise TypeError(f"{n!r} missing")
-        if rest or len(values) != len(names):
-            raise TypeError("arguments do not match the kernel's parameters")
-        opts.sort()
-        return values, tuple(opts)
-
     def _plan(self, shape: tuple) -> "_Plan | None":
         """How calls of one shape -- (number of positional arguments, keyword names in
         order) -- are keyed and bound; None when such a call does not bind (the JIT path
@@ -223,9 +194,10 @@ class FastKernel:
         return _Plan(not any(pos_const), pos_const, not any(kw_kind), kw_kind, tuple(tail))
 
     def _key(self, plan: "_Plan", shape: tuple, args: tuple, kwargs: dict, dev) -> tuple:
-        """A call's key: a refinement of ``spec_key`` over its bound values (the shape, each
-        positional argument's class, or its value for a constexpr, each keyword value with
-        its type, or its class for a parameter that is not constexpr)."""
+        """A call's key, a refinement of the JIT's specialisation of it: the shape, each
+        positional argument's class (its value for a constexpr), each keyword value with
+        its type (its class for a parameter that is not constexpr), the device and
+        Triton's debug and instrumentation settings."""
         if plan.pos_plain:
             pk = tuple(map(arg_class, args))
         else:
@@ -319,5 +291,4 @@ def direct_launch_counts() -> dict[str, dict[str, int]]:
     return out
 
 
-__all__ = ["FastKernel", "direct_launch_counts", "TESTED_TRITON", "arg_class", "fast", "fast_launch_problem", "set_direct_launch",
-           "spec_key"]
+__all__ = ["FastKernel", "direct_launch_counts", "TESTED_TRITON", "arg_class", "fast", "fast_launch_problem", "set_direct_launch"]
