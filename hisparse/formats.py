@@ -30,12 +30,12 @@ kernels match the references byte for byte.
 
 from __future__ import annotations
 
-import contextlib
 import enum
 
 import torch
 
 from ._checks import Kernels, check_tensor
+from .device import on_device
 
 D_LATENT = 512  # e4m3-quantized latent (NoPE) values per row
 D_ROPE = 64  # bf16 RoPE values per row
@@ -104,11 +104,6 @@ def _check_out_dtype(out_dtype: object) -> torch.dtype:
 
 def _want_triton(device: torch.device, kernels: Kernels | str) -> bool:
     return Kernels.parse(kernels).pick(device) is Kernels.TRITON
-
-
-def _on_device(device: torch.device):
-    """Triton launches on the current CUDA device: make it ``device`` for the launch."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 # -------------------------------------------------------------- references
@@ -182,7 +177,7 @@ def quantize_fp8_ds_mla(x: torch.Tensor, *, kernels: Kernels | str = Kernels.AUT
         return out
     if x.stride(1) != 1:
         x = x.contiguous()
-    with _on_device(x.device):
+    with on_device(x.device if x.device.type == "cuda" else None):
         quantize_fp8_ds_mla_kernel[(N,)](x, out, x.stride(0), out.stride(0),
                                           X_IS_BF16=x.dtype == torch.bfloat16, num_warps=4)
     return out
@@ -205,7 +200,7 @@ def dequantize_fp8_ds_mla(rows: torch.Tensor, *, out_dtype: torch.dtype = torch.
         return out
     if rows.stride(1) != 1 or rows.stride(0) % 4 != 0 or rows.data_ptr() % 4 != 0:
         rows = rows.contiguous()  # the kernel reads the float32 scales with 4-byte loads
-    with _on_device(rows.device):
+    with on_device(rows.device if rows.device.type == "cuda" else None):
         dequantize_fp8_ds_mla_kernel[(N,)](rows, out, rows.stride(0), out.stride(0), num_warps=4)
     return out
 

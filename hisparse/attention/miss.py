@@ -43,7 +43,6 @@ per token need.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
 import math
@@ -52,6 +51,7 @@ import torch
 import triton
 
 from .._checks import Kernels, check_bool, check_int, check_tensor, device_type, same_device, sm_count
+from ..device import on_device
 from ..formats import D_LATENT, RowFormat
 from ..kernels.fast_launch import fast
 from ..kernels.mla_miss import miss_combine_kernel, miss_merge_kernel, miss_split_kernel
@@ -233,10 +233,6 @@ def _check_plan(plan: object, mode: MissMode, inp: DecodeInputs) -> MissConfig:
     return plan.config
 
 
-def _on_device(dev: torch.device):
-    return torch.cuda.device(dev) if device_type(dev) == "cuda" else contextlib.nullcontext()
-
-
 # ------------------------------------------------------------------ merge
 def _validate_merge(out, lse, part_out, part_lse) -> None:
     check_tensor("out", out, dtype=torch.bfloat16, ndim=3)
@@ -294,7 +290,7 @@ def merge_lse(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor,
     T, H = out.shape[0], out.shape[1]
     if T == 0:
         return
-    with _on_device(out.device):
+    with on_device(out.device if out.device.type == "cuda" else None):
         fast(miss_merge_kernel)[(T, triton.cdiv(H, MERGE_BLOCK_H))](
             out, lse, part_out, part_lse, H, BLOCK_H=MERGE_BLOCK_H, num_warps=4)
 
@@ -349,7 +345,7 @@ def miss_attention_merge(
     S = cfg.num_splits
     part_out, part_lse = (plan.part_out, plan.part_lse) if S > 1 else (out, lse)
     is_fp8 = inp.row_format is RowFormat.FP8_DS_MLA
-    with _on_device(dev):
+    with on_device(dev if dev.type == "cuda" else None):
         fast(miss_split_kernel)[(T, triton.cdiv(H, cfg.block_h), S)](
             q, kv, miss_idx, miss_counts, out, lse, part_out, part_lse, N, K, H,
             q.stride(0), q.stride(1), kv.stride(0), miss_idx.stride(0), inp.sm_scale * LOG2E,
