@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from hisparse.attention import triton_backend as TB
+from hisparse.attention import triton_plan as TP
 from hisparse.attention.base import Phase, validate_decode_inputs
 from hisparse.attention.reference import ReferenceBackend, sparse_mla_reference
 from hisparse.attention.triton_backend import TritonBackend, TritonMLAConfig, default_config
@@ -178,9 +179,9 @@ def test_wave_tail_launch_matches_one_launch(fmt, monkeypatch):
     one = [be.decode(q, kv, idx, valid_counts=v, sm_scale=SCALE, row_format=fmt) for v in (None, vc)]
     calls, launches = [], []
     monkeypatch.setattr(TB, "_tail_plan", lambda T_, H_, K_, cfg_, s_, dev_, sms_: calls.append(T_) or (2, 3))
-    real_launch = TB._launch
-    monkeypatch.setattr(TB, "_launch", lambda inp, cfg_, lo, hi, s_, out, lse:
-                        launches.append((lo, hi, s_)) or real_launch(inp, cfg_, lo, hi, s_, out, lse))
+    real_run = TP._Launch.run
+    monkeypatch.setattr(TP._Launch, "run", lambda self, *a:
+                        launches.append((self.lo, self.hi, self.splits)) or real_run(self, *a))
     for v, (o1, l1) in zip((None, vc), one):
         out, lse = be.decode(q, kv, idx, valid_counts=v, sm_scale=SCALE, row_format=fmt)
         _close(out, lse, *REF.decode(q, kv, idx, valid_counts=v, sm_scale=SCALE, row_format=fmt))

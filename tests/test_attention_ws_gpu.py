@@ -14,7 +14,7 @@ import torch
 from attention_common import REF, SCALE, check, check_extreme_scales, check_graph_capture, make_problem
 
 from hisparse._checks import sm_count
-from hisparse.attention import triton_backend as TB
+from hisparse.attention import triton_plan as TP
 from hisparse.attention.triton_backend import (TritonBackend, TritonMLAConfig, default_config,
                                                wave_tail_plan)
 from hisparse.kernels.gluon_support import gluon_ws_problem
@@ -125,9 +125,9 @@ def test_ws_wave_tail_matches_one_launch_and_reference(H, extra, monkeypatch):
     tailed = TritonBackend(config=WS)
     one = TritonBackend(config=dataclasses.replace(WS, wave_tail=False))
     launches = []
-    real_launch = TB._launch
-    monkeypatch.setattr(TB, "_launch", lambda inp, cfg, lo, hi, s, out, lse:
-                        launches.append((lo, hi, s)) or real_launch(inp, cfg, lo, hi, s, out, lse))
+    real_run = TP._Launch.run
+    monkeypatch.setattr(TP._Launch, "run", lambda self, *a:
+                        launches.append((self.lo, self.hi, self.splits)) or real_run(self, *a))
     tailed.decode(q, rows, idx, sm_scale=SCALE, row_format="fp8_ds_mla")
     one.decode(q, rows, idx, sm_scale=SCALE, row_format="fp8_ds_mla")
     assert launches == [(0, T - tail, 1), (T - tail, T, splits), (0, T, 1)]
@@ -176,9 +176,9 @@ def test_ws_sm_budget_plans_the_wave_tail_for_fewer_sms(monkeypatch):
     q, rows, idx, _ = _problem(T, 128, 2048, seed=9)
     be = TritonBackend(config=WS)
     launches = []
-    real_launch = TB._launch
-    monkeypatch.setattr(TB, "_launch", lambda inp, cfg, lo, hi, s, out, lse:
-                        launches.append((lo, hi, s)) or real_launch(inp, cfg, lo, hi, s, out, lse))
+    real_run = TP._Launch.run
+    monkeypatch.setattr(TP._Launch, "run", lambda self, *a:
+                        launches.append((self.lo, self.hi, self.splits)) or real_run(self, *a))
     o_all, l_all = be.decode(q, rows, idx, sm_scale=SCALE, row_format="fp8_ds_mla")
     o_b, l_b = be.decode(q, rows, idx, sm_scale=SCALE, row_format="fp8_ds_mla", sms=sms - 8)
     tail, splits = wave_tail_plan(T, 2, 2048, WS.block_n, sms - 8)

@@ -398,3 +398,48 @@ def test_direct_path_launches_the_compiled_kernel(monkeypatch):
     before = fk.unkeyed
     fk[(1,)](t, 1 << 70, B=4)  # no integer type holds it
     assert fk.unkeyed == before + 1
+
+
+def test_bound_launch_remembers_the_compiled_kernel_per_key(monkeypatch):
+    """``FastKernel.bind``: the first call of a key goes through ``FastKernel`` (the JIT
+    here); later calls of that key call the compiled kernel's launcher with the bound
+    grid, every positional argument and the constexprs in parameter order; a new key, a
+    launch hook, Triton's debug knob, another current device or ``set_direct_launch(False)``
+    each take ``FastKernel``'s path."""
+    from triton import knobs
+    monkeypatch.setattr(FL, "fast_launch_problem", lambda: None)
+    driver = _FakeDriverActive()
+    monkeypatch.setattr(FL, "_driver", type("D", (), {"active": driver})())
+    k = _CompilingKernel()
+    fk = FL.FastKernel(k)
+    bound = fk.bind((5, 2), {"B": 4, "num_warps": 4})
+    t = torch.zeros(8, dtype=torch.int32)
+    bound("a", t, 7)
+    assert fk.misses == 1 and len(k.compiled) == 1 and k.calls[-1] == ((5, 2), (t, 7), {"B": 4, "num_warps": 4})
+    bound("a", t, 9)  # the caller's promise: same key, same classes
+    assert fk.hits == 1 and k.compiled[0].direct == [(5, 2, 1, 1234, "fn-handle", ("meta",), None, None, None, t, 9, 4, 3)]
+    bound("b", t, 7)  # a new key: FastKernel's own key finds the compiled kernel
+    assert fk.hits == 2 and len(k.compiled) == 1
+    bound("b", t, 7)
+    assert fk.hits == 3
+    misses = fk.misses
+    knobs.runtime.launch_enter_hook.add(print)
+    try:
+        bound("a", t, 7)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(print)
+    monkeypatch.setattr(knobs.runtime, "debug", True)
+    bound("a", t, 7)
+    monkeypatch.setattr(knobs.runtime, "debug", False)
+    monkeypatch.setattr(driver, "get_current_device", lambda: 1)
+    bound("a", t, 7)
+    monkeypatch.setattr(driver, "get_current_device", lambda: 0)
+    assert fk.misses == misses + 3
+    hits = fk.hits
+    FL.set_direct_launch(False)
+    monkeypatch.setattr(FL, "fast_launch_problem", lambda: "set_direct_launch(False)")
+    try:
+        bound("a", t, 7)
+    finally:
+        FL.set_direct_launch(True)
+    assert fk.hits == hits and fk.misses == misses + 4

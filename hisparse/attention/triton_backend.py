@@ -21,16 +21,14 @@ import torch
 import triton
 
 from .._checks import check_bool, check_int, device_type, interpreter_mode, sm_count
-from ..device import on_device
 from ..formats import BF16_ROW_BYTES, FP8_ROW_BYTES, RowFormat
-from ..kernels.fast_launch import fast
 from ..kernels.gluon_support import gluon_ws_problem
-from ..kernels.mla_decode import sparse_mla_combine_kernel, sparse_mla_decode_kernel
-from ..kernels.mla_decode_wide import sparse_mla_decode_wide_kernel
-from .base import (D_V, DecodeInputs, Phase, SparseMLABackend, empty_result, heads_reason,
+from .triton_plan import DecodePlan, call_signature
+from .base import (DecodeInputs, Phase, SparseMLABackend, heads_reason,
                    validate_decode_inputs, validate_prefill_inputs)
 
 MAX_SPLITS = 64
+PLANS_KEPT = 1024  # distinct call signatures an unchecked backend keeps plans for; then forgotten at once
 MAX_AUTO_SPLITS = 32  # partial outputs cost T * splits * H * 2 KiB of traffic
 
 # The warp-specialised kernel (mla_decode_ws): 12 warps launched with maxnreg 168 (the
@@ -370,84 +368,10 @@ def run_sparse_mla(inp: DecodeInputs, cfg: TritonMLAConfig | None = None, *,
     cfg None: ``default_config`` for these inputs (the ``tl`` kernels for rows the
     warp-specialised kernel can't read, e.g. a view that is not 16-byte aligned).
     sms: the SMs the launch plans its KV splits and wave tail for (``check_sms``; None:
-    all of the device's). Checked, then ignored, on CPU.
+    all of the device's). Checked, then ignored, on CPU. A ``triton_plan.DecodePlan``
+    made and run at once.
     """
-    q, kv, idx = inp.q, inp.kv_rows, inp.indices
-    T, H, _ = q.shape
-    K = idx.shape[1]
-    dev = q.device
-    if sms is not None:
-        check_sms(sms, dev)  # its range on CUDA, its type anywhere
-        if device_type(dev) != "cuda":
-            sms = None
-    if T == 0 or K == 0:
-        return empty_result(T, H, dev)
-    if cfg is None:
-        cfg = default_config(T, H, K, dev, inp.row_format, kv_rows=kv, sms=sms)
-    elif cfg.ws:
-        reason = ws_unsupported(inp, dev)
-        if reason is not None:
-            raise ValueError(f"TritonMLAConfig(ws=True) cannot run here: {reason}; use ws=False")
-    elif isolate_problem(cfg, dev) is not None:
-        raise ValueError(f"TritonMLAConfig(isolate_qk=True) cannot run here: "
-                         f"{isolate_problem(cfg, dev)}; use isolate_qk=False or wide=True")
-    splits = cfg.num_splits if cfg.num_splits is not None else auto_splits(T, H, K, cfg, dev, sms=sms)
-    splits = _rows_per_split(K, splits, cfg.block_n)[1]
-    tail, tail_splits = _tail_plan(T, H, K, cfg, splits, dev, sms)
-    out = torch.empty((T, H, D_V), dtype=torch.bfloat16, device=dev)
-    lse = torch.empty((T, H), dtype=torch.float32, device=dev)
-    with on_device(dev if device_type(dev) == "cuda" else None):
-        # the tail launch runs after the first one (same stream), split so that its
-        # programs fill one wave of SMs
-        for lo, hi, s in ((0, T - tail, splits), (T - tail, T, tail_splits)):
-            if hi > lo:
-                _launch(inp, cfg, lo, hi, s, out, lse)
-    return out, lse
-
-
-def _launch(inp: DecodeInputs, cfg: TritonMLAConfig, lo: int, hi: int, splits: int,
-            out: torch.Tensor, lse: torch.Tensor) -> None:
-    """One decode launch (+ the split combine) for tokens [lo, hi) into out / lse rows
-    [lo, hi) (views: every kernel addresses its token rows from these bases)."""
-    q, kv, idx, vc, o, ls = inp.q, inp.kv_rows, inp.indices, inp.valid_counts, out, lse
-    if lo != 0 or hi != q.shape[0]:  # the tail launch (a view per token range: no copy)
-        q, idx, o, ls = q[lo:hi], idx[lo:hi], o[lo:hi], ls[lo:hi]
-        vc = vc[lo:hi] if vc is not None else None
-    T, H, _ = q.shape
-    K = idx.shape[1]
-    dev = q.device
-    rows_per_split, splits = _rows_per_split(K, splits, cfg.block_n)
-    if splits > 1:
-        part_out = torch.empty((T, splits, H, D_V), dtype=torch.float32, device=dev)
-        part_lse = torch.empty((T, splits, H), dtype=torch.float32, device=dev)
-    else:
-        part_out, part_lse = o, ls  # unused by the kernel
-    is_fp8 = inp.row_format is RowFormat.FP8_DS_MLA
-    grid = (T, math.ceil(H / cfg.block_h), splits)
-    args = (q, kv, idx, vc if vc is not None else idx, o, ls, part_out, part_lse,
-            kv.shape[0], K, H, q.stride(0), q.stride(1), kv.stride(0), idx.stride(0),
-            rows_per_split, inp.sm_scale * 1.4426950408889634)
-    prefetch = cfg.prefetch if device_type(dev) == "cuda" else 0  # a hint; no inline PTX on CPU
-    if cfg.ws:
-        fast(_ws_kernel())[grid](
-            *args, HAS_VC=vc is not None, NUM_SPLITS=splits, BLOCK_N=cfg.block_n,
-            STAGES=cfg.num_stages, RAW=cfg.ws_raw, PRODUCER_REGS=cfg.ws_producer_regs,
-            CONSUMER_REGS=ws_consumer_regs(cfg.ws_producer_regs), num_warps=4,
-            maxnreg=WS_MAXNREG)
-    elif cfg.wide:
-        fast(sparse_mla_decode_wide_kernel)[grid](
-            *args, HAS_VC=vc is not None, IS_FP8=is_fp8, NUM_SPLITS=splits,
-            BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, PREFETCH=prefetch,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    else:
-        fast(sparse_mla_decode_kernel)[grid](
-            *args, HAS_VC=vc is not None, IS_FP8=is_fp8, NUM_SPLITS=splits,
-            BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, ISOLATE_QK=cfg.isolate_qk,
-            PREFETCH=prefetch, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if splits > 1:
-        fast(sparse_mla_combine_kernel)[(T, H)](
-            part_out, part_lse, o, ls, H, NUM_SPLITS=splits,
-            SPLITS_P2=triton.next_power_of_2(splits), num_warps=4)
+    return DecodePlan(inp, cfg, sms).run(inp.q, inp.kv_rows, inp.indices, inp.valid_counts, inp.sm_scale)
 
 
 class TritonBackend(SparseMLABackend):
@@ -469,6 +393,7 @@ class TritonBackend(SparseMLABackend):
         self.validate = bool(validate)
         self.allow_interpreter = bool(allow_interpreter)
         self._supported: set = set()  # (device, row format, heads, phase, config, interpreter) accepted by supports()
+        self._plans: dict = {}  # call_signature -> DecodePlan of unchecked decodes
 
     def supports(self, *, device: torch.device, row_format: RowFormat, num_heads: int,
                  phase: Phase) -> str | None:
@@ -515,12 +440,26 @@ class TritonBackend(SparseMLABackend):
 
     def decode(self, q, kv_rows, indices, *, valid_counts=None, sm_scale, row_format, sms=None):
         """As ``SparseMLABackend.decode``; ``sms`` plans the launch for that many SMs
-        (``run_sparse_mla``)."""
+        (``run_sparse_mla``). Unchecked (``validate=False``), a call with the metadata
+        of one this backend checked and planned before (``triton_plan.call_signature``)
+        runs that plan without checking or planning again."""
+        sig = None
+        if not self.validate:
+            sig = call_signature(q, kv_rows, indices, valid_counts, sm_scale, row_format, sms)
+            plan = self._plans.get(sig) if sig is not None else None
+            if plan is not None and plan.config is self.config and plan.interpreter is self.allow_interpreter:
+                return plan.run(q, kv_rows, indices, valid_counts, sm_scale)
         inp = validate_decode_inputs(q, kv_rows, indices, valid_counts=valid_counts,
                                      sm_scale=sm_scale, row_format=row_format,
                                      check_ranges=self.validate)
         self._check_supported(inp.q.device, inp.row_format, inp.num_heads, Phase.DECODE)
-        return run_sparse_mla(inp, self.config, sms=sms)
+        plan = DecodePlan(inp, self.config, sms, kv_as_bf16=inp.kv_rows is not kv_rows)
+        if sig is not None:
+            if len(self._plans) >= PLANS_KEPT:
+                self._plans.clear()
+            plan.interpreter = self.allow_interpreter
+            self._plans[sig] = plan
+        return plan.run(inp.q, kv_rows, inp.indices, inp.valid_counts, inp.sm_scale)
 
     def decode_programs(self, T, H, K, *, device, row_format):
         """The programs of the (first) launch of a ws-kernel decode, whose programs each
@@ -548,3 +487,4 @@ __all__ = ["TritonBackend", "TritonMLAConfig", "default_config", "auto_splits", 
            "DEFAULT_CONFIGS", "WS_DEFAULT", "isolate_problem", "ws_unsupported",
            "ws_device_problem",
            "ws_rows_problem", "ws_shared_bytes", "ws_consumer_regs", "WS_MAXNREG"]
+

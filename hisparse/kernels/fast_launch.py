@@ -165,6 +165,12 @@ class FastKernel:
     def __getitem__(self, grid):
         return functools.partial(self._launch, grid)
 
+    def bind(self, grid: tuple, kwargs: dict) -> "BoundLaunch":
+        """``kernel[grid](*args, **kwargs)`` with this grid (a tuple) and these keyword
+        arguments fixed, for a caller that knows its positional arguments' classes
+        from checks of its own: see ``BoundLaunch``."""
+        return BoundLaunch(self, grid, kwargs)
+
     def _globals_changed(self) -> bool:
         """Whether a global the kernel read when compiled has another value now (the JIT's
         own check, which then raises)."""
@@ -248,6 +254,54 @@ class FastKernel:
         return compiled
 
 
+class BoundLaunch:
+    """``FastKernel.bind``'s answer: ``bound(key, *args)`` is ``kernel[grid](*args,
+    **kwargs)`` with the bound grid and keyword arguments. The caller's promise: two
+    calls of one ``BoundLaunch`` with equal ``key`` (hashable) have positional arguments of
+    equal classes (``arg_class``) and equal values where the parameter is a constexpr --
+    typically a plan made once for a call's checked metadata, whose key is what it does
+    not fix (the alignment of buffers it allocates per call). The first call of a key
+    goes through ``FastKernel`` (its own key, the JIT where needed) and remembers the
+    compiled kernel; later calls of the key launch it directly, with no per-argument
+    work, under the same conditions as ``FastKernel``'s direct path (no launch or
+    pre-run hook, no changed global, the same device and debug / instrumentation
+    settings as when it was remembered), else through ``FastKernel`` again."""
+
+    __slots__ = ("_fk", "grid", "kwargs", "_grid3", "_compiled")
+
+    def __init__(self, fk: FastKernel, grid: tuple, kwargs: dict) -> None:
+        self._fk, self.grid, self.kwargs = fk, tuple(grid), dict(kwargs)
+        g = self.grid
+        self._grid3 = (g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1)
+        self._compiled: dict = {}  # key -> (compiled, device, knobs, tail arguments)
+
+    def __call__(self, key, *args):
+        fk = self._fk
+        got = self._compiled.get(key)
+        if got is not None and fast_launch_problem() is None:
+            compiled, dev, knob, tail = got
+            rt = _knobs.runtime
+            if (not _hooked(rt.launch_enter_hook) and not _hooked(rt.launch_exit_hook)
+                    and not fk.kernel.pre_run_hooks and (rt.debug, _knobs.compilation.instrumentation_mode) == knob
+                    and _driver.active.get_current_device() == dev and not fk._globals_changed()):
+                fk.hits += 1
+                g0, g1, g2 = self._grid3
+                compiled.run(g0, g1, g2, _driver.active.get_current_stream(dev), compiled.function,
+                             compiled.packed_metadata, None, None, None, *args, *tail)
+                return compiled
+        compiled = fk._launch(self.grid, *args, **self.kwargs)
+        if (key is not None and fast_launch_problem() is None and hasattr(compiled, "packed_metadata")
+                and not fk.kernel.pre_run_hooks):
+            plan = fk._plans.get((len(args), *self.kwargs))
+            if plan is not None:
+                kw = self.kwargs
+                rt = _knobs.runtime
+                self._compiled[key] = (compiled, _driver.active.get_current_device(),
+                                       (rt.debug, _knobs.compilation.instrumentation_mode),
+                                       tuple(kw[name] if given else d for name, given, d in plan.tail))
+        return compiled
+
+
 class _Plan:
     """``FastKernel._plan``'s answer for one call shape."""
 
@@ -291,4 +345,4 @@ def direct_launch_counts() -> dict[str, dict[str, int]]:
     return out
 
 
-__all__ = ["FastKernel", "direct_launch_counts", "TESTED_TRITON", "arg_class", "fast", "fast_launch_problem", "set_direct_launch"]
+__all__ = ["BoundLaunch", "FastKernel", "direct_launch_counts", "TESTED_TRITON", "arg_class", "fast", "fast_launch_problem", "set_direct_launch"]
