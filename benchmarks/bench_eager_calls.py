@@ -5,7 +5,13 @@ between samples (so the call never waits for the GPU). Calls:
 
 - ``attention``: ``TritonBackend(validate=False).decode`` over the hot rows;
 - ``resolve``: ``cache.resolve(validate=False)``; ``resolve_checked``: ``cache.resolve()``;
-- ``layer_serial`` / ``layer_split``: ``DecodeLayer(..., overlap=...)`` (resolve + attention).
+- ``layer_serial`` / ``layer_split``: ``DecodeLayer(..., overlap=...)`` (resolve + attention);
+- ``layer_*_graphs``: the same with ``graphs=True`` (a graph of the whole layer replayed
+  per call), given the same tensors every call (read in place), and ``..._copied`` given
+  a ring of six (copied into the graph's static inputs every call).
+
+Then the GPU time of each call (CUDA events around it, enqueued behind a ~1 ms sleep
+kernel so that the host's enqueueing does not show).
 
 Each call runs with compiled kernels launched directly (``hisparse.kernels.fast_launch``)
 and through Triton's JIT (``set_direct_launch(False)``), the two alternating sample by
@@ -84,6 +90,23 @@ def main(argv=None) -> int:
         "layer_serial": lambda: serial(0, req, topk, q, sm_scale=scale),
         "layer_split": lambda: split(0, req, topk, q, sm_scale=scale),
     }
+    try:  # whole layers as graphs replayed from the eager call (a tree without them measures the rest)
+        graphed = {m: DecodeLayer(cache, be, overlap=m, graphs=True) for m in ("serial", "split")}
+    except TypeError:
+        graphed = {}
+    # inputs: the same tensors every call (read in place once their addresses recur), or
+    # a ring of more tensors than the graphs remember (copied into the static buffers each call)
+    ring = [(topk.clone(), q.clone()) for _ in range(6)]
+    turn = [0]
+
+    def copied(layer):
+        turn[0] += 1
+        tk, qq = ring[turn[0] % len(ring)]
+        return layer(0, req, tk, qq, sm_scale=scale)
+
+    for m, layer in graphed.items():
+        calls[f"layer_{m}_graphs"] = lambda layer=layer: layer(0, req, topk, q, sm_scale=scale)
+        calls[f"layer_{m}_graphs_copied"] = lambda layer=layer: copied(layer)
     why_not = "this hisparse has no direct launch" if problem is None else problem()
     paths = ["direct", "jit"] if why_not is None else ["jit"]
     samples = {c: {p: [] for p in paths} for c in calls}
@@ -106,25 +129,43 @@ def main(argv=None) -> int:
     if problem is not None:
         hk.set_direct_launch(True)
     torch.cuda.synchronize()
+    gpu = {c: [] for c in calls}
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    for i in range(min(o.samples, 100)):
+        for name, fn in calls.items():
+            torch.cuda.synchronize()
+            torch.cuda._sleep(2_000_000)  # ~1 ms: the call is enqueued before the GPU reaches it
+            ev[0].record()
+            fn()
+            ev[1].record()
+            torch.cuda.synchronize()
+            gpu[name].append(ev[0].elapsed_time(ev[1]) * 1e3)
     rows = {}
-    print(f"{'call':16s} " + " ".join(f"{p + ' min/med/p99 us':>26s}" for p in paths) + ("   direct/jit" if len(paths) > 1 else ""))
+    print(f"{'call':26s} " + " ".join(f"{p + ' min/med/p99 us':>26s}" for p in paths) + ("   direct/jit" if len(paths) > 1 else "")
+          + "   GPU us (median)")
     for name in calls:
         st = {p: common.stats(samples[name][p], unit="_us") for p in paths}
         rows[name] = st
-        line = f"{name:16s} " + " ".join(f"{s['min_us']:8.1f} {s['median_us']:8.1f} {s['p99_us']:8.1f}" for s in st.values())
+        line = f"{name:26s} " + " ".join(f"{s['min_us']:8.1f} {s['median_us']:8.1f} {s['p99_us']:8.1f}" for s in st.values())
         if len(paths) > 1:
             r = st["direct"]["median_us"] / st["jit"]["median_us"]
             rows[name]["ratio_direct_jit"] = r
             line += f"   {r:10.3f}"
+        rows[name]["gpu"] = common.stats(gpu[name], unit="_us")
+        line += f"   GPU {rows[name]['gpu']['median_us']:7.1f}"
         print(line)
     counts = None
     if problem is not None:
         counts = hk.direct_launch_counts()
         print("launches direct / through the JIT per kernel: "
               + ", ".join(f"{k} {v['direct']}/{v['jit']}" for k, v in counts.items()))
+    graph_counts = {m: layer.graphs.report() for m, layer in graphed.items()}
+    if graph_counts:
+        print("layer graphs: " + "; ".join(f"{m} {r}" for m, r in graph_counts.items()))
     if o.out:
         common.write_json(o.out, {"environment": common.environment(dev), "args": vars(o), "paths": paths,
-                                  "direct_off_reason": why_not, "calls": rows, "launch_counts": counts})
+                                  "direct_off_reason": why_not, "calls": rows, "launch_counts": counts,
+                                  "layer_graphs": graph_counts})
     return 0
 
 

@@ -513,3 +513,19 @@ def test_split_hit_attention_waits_for_the_miss_phase_when_planned(monkeypatch, 
     out = layer(0, ids, tk, q, sm_scale=SM)
     assert events == ([("wait", 0)] if waits else []) + [("decode",), ("staged",)]
     assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+
+
+def test_layer_graphs_are_refused_where_they_cannot_run():
+    """``graphs=True`` replays CUDA graphs of unchecked calls: a CPU cache, checked calls
+    or a bad ``max_graphs`` are refused when the layer is made (the GPU behaviour:
+    tests/test_decode_graphs_gpu.py)."""
+    cache, _ = make("torch", "fp8_ds_mla")
+    with pytest.raises(ValueError, match="CUDA cache"):
+        DecodeLayer(cache, ReferenceBackend(), graphs=True)
+    with pytest.raises(ValueError, match="validate=False"):
+        DecodeLayer(cache, ReferenceBackend(), graphs=True, validate=True)
+    with pytest.raises(TypeError):
+        DecodeLayer(cache, ReferenceBackend(), graphs=1)
+    with pytest.raises(ValueError):
+        DecodeLayer(cache, ReferenceBackend(), max_graphs=0)
+    assert DecodeLayer(cache, ReferenceBackend()).graphs is None

@@ -44,7 +44,37 @@ if TYPE_CHECKING:
     from .cache import HiSparseCache
     from .write_step import StepPlan
 
-__all__ = ["CacheGraphs", "Captured", "ResolveCall", "WriteCall"]
+__all__ = ["CacheGraphs", "Captured", "CudaGraphBackend", "ResolveCall", "WriteCall"]
+
+
+class CudaGraphBackend:
+    """Captures a function's launches into a ``torch.cuda.CUDAGraph`` on a side stream
+    (each graph its own memory pool: the captured calls allocate nothing) and replays it
+    on the current stream."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+
+    def capture(self, fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(self.stream):
+            # thread_local: another thread's CUDA calls (an engine's allocations, syncs) stay
+            # legal while a layer is captured mid-serving; the captured calls make none
+            g.capture_begin(capture_error_mode="thread_local")
+            try:
+                fn()
+            except BaseException:
+                try:
+                    g.capture_end()  # ends the (invalidated) capture; the graph is dropped
+                except Exception:  # noqa: BLE001 -- the first error is the one to report
+                    pass
+                raise
+            g.capture_end()
+        return g
+
+    def replay(self, g: torch.cuda.CUDAGraph) -> None:
+        g.replay()
 
 
 class Captured:

@@ -40,6 +40,8 @@ from ..cache.cache import HiSparseCache
 from ..cache.results import ResolveResult, SplitResult
 from ..cache import CopyShape
 from ..formats import RowFormat
+from ..device import capturing
+from .graphs import MAX_GRAPHS, DecodeGraphs
 from .overlap import Overlap
 
 
@@ -94,11 +96,17 @@ class DecodeLayer:
 
     def __init__(self, cache: HiSparseCache, backend: SparseMLABackend, *,
                  overlap: Overlap | str = Overlap.SPLIT, validate: bool = False,
-                 kernels: str = "auto", miss_config: MissConfig | None = None) -> None:
+                 kernels: str = "auto", miss_config: MissConfig | None = None,
+                 graphs: bool = False, max_graphs: int = MAX_GRAPHS) -> None:
         if not isinstance(cache, HiSparseCache):
             raise TypeError(f"cache must be a HiSparseCache, got {type(cache).__name__}")
         if not isinstance(backend, SparseMLABackend):
             raise TypeError(f"backend must be a SparseMLABackend, got {type(backend).__name__}")
+        check_bool("graphs", graphs)
+        check_int("max_graphs", max_graphs, 1)
+        if graphs and (validate or not cache.cuda):
+            raise ValueError("graphs=True replays CUDA graphs of unchecked calls: it needs a CUDA cache and "
+                             "validate=False" + ("" if cache.cuda else f" (the cache is on {cache.device})"))
         self.cache = cache
         self.backend = backend
         self.overlap = Overlap.parse(overlap)
@@ -107,6 +115,7 @@ class DecodeLayer:
         self.miss_config = miss_config  # launch shape of the miss kernels (None: their default)
         self._plans: dict[tuple, MissPlan] = {}
         self._supported: set = set()  # (device, row format, heads) the backend accepted
+        self.graphs = DecodeGraphs(self, max_graphs=max_graphs) if graphs else None
 
     def with_backend(self, backend: SparseMLABackend) -> "DecodeLayer":
         """This layer attending with ``backend``: the same cache, mode, checks, kernels
@@ -114,7 +123,8 @@ class DecodeLayer:
         the head count, not on the backend), for a caller that gets a new backend object
         per forward."""
         layer = DecodeLayer(self.cache, backend, overlap=self.overlap, validate=self.validate,
-                            kernels=self.kernels, miss_config=self.miss_config)
+                            kernels=self.kernels, miss_config=self.miss_config, graphs=self.graphs is not None,
+                            max_graphs=self.graphs.max_graphs if self.graphs is not None else MAX_GRAPHS)
         layer._plans = self._plans
         return layer
 
@@ -132,7 +142,14 @@ class DecodeLayer:
         """Resolve ``topk`` (int32 [T, K]) of ``layer`` for ``req_ids`` (int32 [T]) and
         attend ``q`` (bf16 [T, H, 576]) over it. Returns out bf16 [T, H, 512] and lse
         float32 [T, H] (natural log); the current stream may read them when it reaches
-        them (every wait is enqueued)."""
+        them (every wait is enqueued). With ``graphs=True`` (``decode.graphs``) a call
+        of a (layer, shape) seen before replays a graph of the call, and returns that
+        graph's output buffers: read them before the next call of that layer and shape."""
+        if self.graphs is not None and not capturing(self.cache.device):
+            return self.graphs(layer, req_ids, topk, q, sm_scale)
+        return self._eager(layer, req_ids, topk, q, sm_scale)
+
+    def _eager(self, layer: int, req_ids, topk, q, sm_scale) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cache
         view = c.layer_view(layer)
         hot, fmt = view.hot_rows, view.row_format

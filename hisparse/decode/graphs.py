@@ -1,0 +1,197 @@
+"""CUDA graphs of whole decode layers, replayed from eager code: ``DecodeLayer(..., graphs=True)``.
+
+An engine that runs attention outside its own CUDA graphs (piecewise graphs, mixed
+batches) calls a ``DecodeLayer`` once per layer, and each call issues the resolve's
+launches, the attention's and, for a split layer, the stage stream's fork and join from
+Python: hundreds of microseconds of host time at B = 64. With ``graphs=True`` each
+(layer, T, K, H, scale, residency, staging grid) gets a graph of the whole call:
+
+- its first call runs eagerly (compiling the kernels, making the miss plans);
+- the second captures the same call (serial or split, the resident path when every
+  live request is resident) on a side stream, over static input buffers of the shape
+  (``input_buffers``: req_ids int32 [T], topk int32 [T, K], q bf16 [T, H, 576]), and
+  replays it on the current stream;
+- every later call makes the eager call's checks that read no device memory (the
+  layer, shapes, dtypes, devices, the scale, the backend's support, the host pool's
+  pinning) before anything is copied or launched, copies its inputs into the static
+  buffers (a tensor that is the buffer is read in place), waits on the cache's events
+  last recorded eagerly, replays, and does the eager call's host-side bookkeeping
+  (``cache.graphs.ResolveCall.run``). Inputs whose addresses recur -- among the last
+  ``RECENT_INPUTS`` distinct address sets a key's replays copied, as a caching
+  allocator's steady state gives -- get a graph of their own that reads them where
+  they are (at most ``IN_PLACE_GRAPHS`` per key), when they have the static buffers'
+  strides and 16-byte aligned addresses (so the kernels' specialisation is the same).
+
+Outputs: the graph's own out bf16 [T, H, 512] and lse float32 [T, H], which every
+replay of that graph writes: enqueue their reads before the next call of the same layer
+and shape, or clone them. At most ``max_graphs`` graphs are kept (the least recently
+replayed is dropped first); ``memory_bytes`` counts their outputs.
+
+The eager path runs instead while the current stream is being captured (an engine
+capturing its own forward records the eager launches). The backend must not read the
+device to check its inputs (``TritonBackend(validate=False)``,
+``FlashMLABackend(check_ranges=False)``); a capture that fails says so.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..attention.base import check_decode_call
+from ..cache.graphs import Captured, CudaGraphBackend, ResolveCall
+
+if TYPE_CHECKING:
+    from .layer import DecodeLayer
+
+__all__ = ["DecodeGraphs", "IN_PLACE_GRAPHS", "MAX_GRAPHS", "RECENT_INPUTS"]
+
+MAX_GRAPHS = 256  # graphs a DecodeLayer keeps (per layer and shape); the least recently replayed goes first
+IN_PLACE_GRAPHS = 2  # graphs per key that read an engine's tensors where they are
+RECENT_INPUTS = 4  # address sets per key remembered from the copies
+
+
+class _Graph:
+    __slots__ = ("captured", "out", "lse", "key")
+
+    def __init__(self, captured: Captured, out: torch.Tensor, lse: torch.Tensor, key: tuple) -> None:
+        self.captured, self.out, self.lse, self.key = captured, out, lse, key
+
+
+def _addr(t: torch.Tensor) -> tuple:
+    return t.data_ptr(), t.stride()
+
+
+class DecodeGraphs:
+    """The graphs of one ``DecodeLayer`` (see the module docstring). ``backend``: the
+    capture / replay backend (``CudaGraphBackend`` of the cache's device by default)."""
+
+    def __init__(self, layer: "DecodeLayer", *, max_graphs: int = MAX_GRAPHS, backend=None) -> None:
+        self.layer = layer
+        self.max_graphs = max_graphs
+        self.backend = backend if backend is not None else CudaGraphBackend(layer.cache.device)
+        self.graphs: collections.OrderedDict[tuple, _Graph] = collections.OrderedDict()
+        self.warm: set[tuple] = set()
+        self._static: dict[tuple, tuple] = {}  # (T, K, H) -> (req_ids, topk, q) static buffers
+        self._static_addr: dict[tuple, tuple] = {}  # (T, K, H) -> their addresses
+        self._recent: dict[tuple, list] = {}  # key -> address sets its replays copied, newest last
+        self._in_place: dict[tuple, int] = {}  # key -> its graphs reading an engine's tensors
+        self.counts = {"eager": 0, "captures": 0, "replays": 0, "copies": 0, "in_place_graphs": 0, "dropped": 0}
+
+    def input_buffers(self, T: int, K: int, H: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The static inputs of a shape: req_ids int32 [T], topk int32 [T, K], q bf16 [T,
+        H, 576]. A call given these very tensors copies nothing."""
+        shape = (T, K, H)
+        got = self._static.get(shape)
+        if got is None:
+            dev = self.layer.cache.device
+            got = (torch.empty((T,), dtype=torch.int32, device=dev), torch.empty((T, K), dtype=torch.int32, device=dev),
+                   torch.empty((T, H, 576), dtype=torch.bfloat16, device=dev))
+            self._static[shape] = got
+            self._static_addr[shape] = tuple(map(_addr, got))
+        return got
+
+    def memory_bytes(self) -> int:
+        """Device bytes of the kept graphs' outputs and of the static input buffers."""
+        outs = sum(g.out.nbytes + g.lse.nbytes for g in self.graphs.values())
+        return outs + sum(t.nbytes for ts in self._static.values() for t in ts)
+
+    def report(self) -> dict:
+        return {"graphs": len(self.graphs), "memory_bytes": self.memory_bytes(), **self.counts}
+
+    def __call__(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor, q: torch.Tensor,
+                 sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        dl = self.layer
+        c = dl.cache
+        view = c.layer_view(layer)
+        check_decode_call(dl.backend, q, sm_scale, device=view.hot_rows.device, row_format=view.row_format,
+                          supported=dl._supported)
+        T, K, req_ids = c._check_resolve(layer, req_ids, topk, False)
+        H = q.shape[1]
+        if q.shape[0] != T:
+            raise ValueError(f"topk has {T} rows but q has T={q.shape[0]} tokens")
+        resident = c.graphs.all_resident()
+        key = (layer, T, K, H, float(sm_scale), resident, c.stage_programs)
+        if key not in self.graphs and key not in self.warm:
+            out = dl._eager(layer, req_ids, topk, q, sm_scale)  # compiles; makes the miss plans
+            self.warm.add(key)
+            self.counts["eager"] += 1
+            return out
+        statics = self.input_buffers(T, K, H)
+        inputs = (req_ids, topk, q)
+        gkey, g, src, copy, addrs = self._source(key, inputs, statics)
+        call = ResolveCall(c, layer, src[0], T, K, resident)
+
+        def replay() -> None:  # after the checks and the waits on eager work
+            nonlocal g
+            if g is None:
+                g = self._capture(key, gkey, layer, src, float(sm_scale), resident)
+            if copy:
+                for s, x in zip(statics, inputs):
+                    if x is not s:
+                        s.copy_(x)
+                self.counts["copies"] += 1
+            self.backend.replay(g.captured.graph)
+            g.captured.replayed()
+            self.counts["replays"] += 1
+
+        call.run(replay=replay)
+        self.graphs.move_to_end(gkey)
+        if addrs is not None:
+            recent = self._recent.setdefault(key, [])
+            if addrs in recent:
+                recent.remove(addrs)
+            recent.append(addrs)
+            del recent[:-RECENT_INPUTS]
+        return g.out, g.lse
+
+    def _source(self, key: tuple, inputs: tuple, statics: tuple):
+        """(the key of the graph to replay, that graph or None when not captured yet, the
+        tensors it reads, whether the inputs are copied into the static buffers first,
+        the inputs' addresses to note once the call ran, or None). Changes nothing."""
+        addrs = tuple(map(_addr, inputs))
+        fixed = self._static_addr[key[1:4]]
+        if addrs == fixed:
+            return key, self.graphs.get(key), statics, False, None
+        own = key + (addrs,)
+        got = self.graphs.get(own)
+        if got is not None:
+            return own, got, inputs, False, None
+        if (addrs in self._recent.get(key, ()) and key in self.graphs
+                and self._in_place.get(key, 0) < IN_PLACE_GRAPHS
+                and all(a[1] == f[1] and a[0] % 16 == 0 for a, f in zip(addrs, fixed))):
+            return own, None, inputs, False, None  # the static graph compiled the kernels for this specialisation
+        return key, self.graphs.get(key), statics, True, addrs
+
+    def _capture(self, key: tuple, gkey: tuple, layer: int, src: tuple, sm_scale: float, resident: bool) -> _Graph:
+        dl, c = self.layer, self.layer.cache
+        outs: list = []
+
+        def body() -> None:
+            if resident:
+                with c.graphs.resident_capture():
+                    outs.append(dl._eager(layer, *src, sm_scale))
+            else:
+                outs.append(dl._eager(layer, *src, sm_scale))
+
+        try:
+            captured = c.graphs.capture(lambda: self.backend.capture(body))
+        except Exception as e:
+            raise RuntimeError(f"DecodeLayer(graphs=True) could not capture layer {layer} (T={key[1]}, K={key[2]}, "
+                               f"H={key[3]}): {e}. The backend must not read the device to check its inputs "
+                               "(TritonBackend(validate=False), FlashMLABackend(check_ranges=False)); or pass "
+                               "graphs=False") from e
+        if len(self.graphs) >= self.max_graphs:
+            old_key, _ = self.graphs.popitem(last=False)
+            base = old_key[:7]
+            if len(old_key) > 7:
+                self._in_place[base] -= 1
+            self.counts["dropped"] += 1
+        g = self.graphs[gkey] = _Graph(captured, outs[0][0], outs[0][1], gkey)
+        self.counts["captures"] += 1
+        if len(gkey) != len(key):
+            self._in_place[key] = self._in_place.get(key, 0) + 1
+            self.counts["in_place_graphs"] += 1
+        return g
