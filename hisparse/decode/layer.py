@@ -92,6 +92,8 @@ class DecodeLayer:
     picks the miss-side implementation ("auto": Triton on CUDA, torch on CPU). To
     capture a layer in a CUDA graph, give a backend that does not read the device to
     check its inputs (``TritonBackend(validate=False)``, ``FlashMLABackend(check_ranges=False)``).
+    ``graphs=True`` (a CUDA cache, ``validate=False``): calls replay a graph of the whole
+    layer call per (layer, shape), at most ``max_graphs`` of them (``decode.graphs``).
     """
 
     def __init__(self, cache: HiSparseCache, backend: SparseMLABackend, *,
