@@ -431,10 +431,32 @@ def test_bound_launch_remembers_the_compiled_kernel_per_key(monkeypatch):
     monkeypatch.setattr(knobs.runtime, "debug", True)
     bound("a", t, 7)
     monkeypatch.setattr(knobs.runtime, "debug", False)
+    assert fk.misses == misses + 2
+    bound("a", t, 7)  # the debug launch was remembered under "a": FastKernel's direct path, remembered again
+    hits = fk.hits
+    bound("a", t, 7)
+    assert fk.hits == hits + 1 and fk.misses == misses + 2  # direct again
     monkeypatch.setattr(driver, "get_current_device", lambda: 1)
     bound("a", t, 7)
     monkeypatch.setattr(driver, "get_current_device", lambda: 0)
     assert fk.misses == misses + 3
+    bound("a", t, 7)  # remembered for device 1 last: FastKernel's path finds device 0's kernel
+    bound("a", t, 7)
+    hits = fk.hits
+    k.pre_run_hooks.append(lambda *a, **kw: None)
+    bound("a", t, 7)
+    k.pre_run_hooks.clear()
+    assert fk.hits == hits
+    g = {"X": 1}
+    k.used_global_vals = {("X", 0): (1, g)}
+    bound("a", t, 7)
+    assert fk.hits == hits + 1
+    g["X"] = 2  # the JIT would raise: the stale kernel is not launched directly
+    misses = fk.misses
+    bound("a", t, 7)
+    assert fk.hits == hits + 1 and fk.misses == misses + 1
+    k.used_global_vals = {}
+    misses = fk.misses
     hits = fk.hits
     FL.set_direct_launch(False)
     monkeypatch.setattr(FL, "fast_launch_problem", lambda: "set_direct_launch(False)")
@@ -442,4 +464,4 @@ def test_bound_launch_remembers_the_compiled_kernel_per_key(monkeypatch):
         bound("a", t, 7)
     finally:
         FL.set_direct_launch(True)
-    assert fk.hits == hits and fk.misses == misses + 4
+    assert fk.hits == hits and fk.misses == misses + 1

@@ -83,7 +83,7 @@ def test_other_metadata_is_planned_anew(monkeypatch):
         dict(q=wide_q),  # other strides
         dict(valid_counts=vc),
         dict(sm_scale=SCALE * 2),  # the scale is an argument, not part of the plan: no new plan
-        dict(sms=None),
+        dict(sms=8),  # an SM budget: checked, planned anew (ignored on CPU)
     ]
     base = dict(q=q, kv_rows=rows, indices=idx, valid_counts=None, sm_scale=SCALE, sms=None)
     for i, change in enumerate(variants):
@@ -95,8 +95,12 @@ def test_other_metadata_is_planned_anew(monkeypatch):
             args["q"], args["kv_rows"], args["indices"], valid_counts=args["valid_counts"],
             sm_scale=args["sm_scale"], row_format="fp8_ds_mla")
         assert torch.equal(out, want[0]) and torch.equal(lse, want[1]), change
-        same = "sm_scale" in change or "sms" in change
+        same = "sm_scale" in change
         assert plans.n == made + (1 if same else 2), (i, change)  # + 1: the checked backend's own
+        if "sms" in change:
+            again = be.decode(args["q"], args["kv_rows"], args["indices"], sm_scale=SCALE, row_format="fp8_ds_mla",
+                              sms=8)
+            assert plans.n == made + 2 and torch.equal(again[0], out)
     # another config on the same backend: planned anew
     made = plans.n
     be.config = TritonMLAConfig(block_h=16, block_n=32, num_warps=4)

@@ -54,10 +54,11 @@ RECENT_INPUTS = 4  # address sets per key remembered from the copies
 
 
 class _Graph:
-    __slots__ = ("captured", "out", "lse", "key")
+    __slots__ = ("captured", "out", "lse", "key", "reserved")
 
-    def __init__(self, captured: Captured, out: torch.Tensor, lse: torch.Tensor, key: tuple) -> None:
+    def __init__(self, captured: Captured, out: torch.Tensor, lse: torch.Tensor, key: tuple, reserved: int) -> None:
         self.captured, self.out, self.lse, self.key = captured, out, lse, key
+        self.reserved = reserved  # device bytes the caching allocator reserved during the capture (its pool)
 
 
 def _addr(t: torch.Tensor) -> tuple:
@@ -65,13 +66,15 @@ def _addr(t: torch.Tensor) -> tuple:
 
 
 class DecodeGraphs:
-    """The graphs of one ``DecodeLayer`` (see the module docstring). ``backend``: the
-    capture / replay backend (``CudaGraphBackend`` of the cache's device by default)."""
+    """The graphs of a ``DecodeLayer``'s calls over ``cache`` (see the module docstring),
+    shared by the layers ``with_backend`` makes (a graph's key holds its backend object).
+    ``backend``: the capture / replay backend (``CudaGraphBackend`` of the cache's device
+    by default)."""
 
-    def __init__(self, layer: "DecodeLayer", *, max_graphs: int = MAX_GRAPHS, backend=None) -> None:
-        self.layer = layer
+    def __init__(self, cache, *, max_graphs: int = MAX_GRAPHS, backend=None) -> None:
+        self.cache = cache
         self.max_graphs = max_graphs
-        self.backend = backend if backend is not None else CudaGraphBackend(layer.cache.device)
+        self.backend = backend if backend is not None else CudaGraphBackend(cache.device)
         self.graphs: collections.OrderedDict[tuple, _Graph] = collections.OrderedDict()
         self.warm: set[tuple] = set()
         self._static: dict[tuple, tuple] = {}  # (T, K, H) -> (req_ids, topk, q) static buffers
@@ -86,7 +89,7 @@ class DecodeGraphs:
         shape = (T, K, H)
         got = self._static.get(shape)
         if got is None:
-            dev = self.layer.cache.device
+            dev = self.cache.device
             got = (torch.empty((T,), dtype=torch.int32, device=dev), torch.empty((T, K), dtype=torch.int32, device=dev),
                    torch.empty((T, H, 576), dtype=torch.bfloat16, device=dev))
             self._static[shape] = got
@@ -94,16 +97,23 @@ class DecodeGraphs:
         return got
 
     def memory_bytes(self) -> int:
-        """Device bytes of the kept graphs' outputs and of the static input buffers."""
-        outs = sum(g.out.nbytes + g.lse.nbytes for g in self.graphs.values())
-        return outs + sum(t.nbytes for ts in self._static.values() for t in ts)
+        """Device bytes of the kept graphs -- what the caching allocator reserved while each
+        was captured (its memory pool: outputs and the launches' scratch, such as split
+        partials), at least its outputs -- and of the static input buffers."""
+        kept = sum(max(g.reserved, g.out.nbytes + g.lse.nbytes) for g in self.graphs.values())
+        return kept + sum(t.nbytes for ts in self._static.values() for t in ts)
+
+    def is_input_buffer(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` is (a view of) one of the static input buffers."""
+        ptr = t.untyped_storage().data_ptr()
+        return any(b.untyped_storage().data_ptr() == ptr for ts in self._static.values() for b in ts)
 
     def report(self) -> dict:
         return {"graphs": len(self.graphs), "memory_bytes": self.memory_bytes(), **self.counts}
 
-    def __call__(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor, q: torch.Tensor,
+    def __call__(self, dl: "DecodeLayer", layer: int, req_ids: torch.Tensor, topk: torch.Tensor, q: torch.Tensor,
                  sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        dl = self.layer
+        """``dl(layer, req_ids, topk, q, sm_scale=sm_scale)`` (``dl`` over this cache)."""
         c = dl.cache
         view = c.layer_view(layer)
         check_decode_call(dl.backend, q, sm_scale, device=view.hot_rows.device, row_format=view.row_format,
@@ -113,21 +123,29 @@ class DecodeGraphs:
         if q.shape[0] != T:
             raise ValueError(f"topk has {T} rows but q has T={q.shape[0]} tokens")
         resident = c.graphs.all_resident()
-        key = (layer, T, K, H, float(sm_scale), resident, c.stage_programs)
+        be = dl.backend
+        key = (layer, T, K, H, float(sm_scale), resident, c.stage_programs, be, getattr(be, "config", None))
+        statics = self.input_buffers(T, K, H)
+        inputs = (req_ids, topk, q)
         if key not in self.graphs and key not in self.warm:
-            out = dl._eager(layer, req_ids, topk, q, sm_scale)  # compiles; makes the miss plans
+            # eagerly, over the static buffers: the kernels compile (and load) for the pointers
+            # the capture will have, which may not load while a stream is capturing
+            for s, x in zip(statics, inputs):
+                if x is not s:
+                    s.copy_(x)
+            out = dl._eager(layer, *statics, sm_scale)
+            if len(self.warm) >= 4 * self.max_graphs:  # keys hold backend objects: forget them at once
+                self.warm.clear()
             self.warm.add(key)
             self.counts["eager"] += 1
             return out
-        statics = self.input_buffers(T, K, H)
-        inputs = (req_ids, topk, q)
         gkey, g, src, copy, addrs = self._source(key, inputs, statics)
         call = ResolveCall(c, layer, src[0], T, K, resident)
 
         def replay() -> None:  # after the checks and the waits on eager work
             nonlocal g
             if g is None:
-                g = self._capture(key, gkey, layer, src, float(sm_scale), resident)
+                g = self._capture(dl, key, gkey, layer, src, float(sm_scale), resident)
             if copy:
                 for s, x in zip(statics, inputs):
                     if x is not s:
@@ -165,8 +183,9 @@ class DecodeGraphs:
             return own, None, inputs, False, None  # the static graph compiled the kernels for this specialisation
         return key, self.graphs.get(key), statics, True, addrs
 
-    def _capture(self, key: tuple, gkey: tuple, layer: int, src: tuple, sm_scale: float, resident: bool) -> _Graph:
-        dl, c = self.layer, self.layer.cache
+    def _capture(self, dl: "DecodeLayer", key: tuple, gkey: tuple, layer: int, src: tuple, sm_scale: float,
+                 resident: bool) -> _Graph:
+        c = dl.cache
         outs: list = []
 
         def body() -> None:
@@ -176,20 +195,24 @@ class DecodeGraphs:
             else:
                 outs.append(dl._eager(layer, *src, sm_scale))
 
+        epochs = list(c.requests.epochs)
+        before = torch.cuda.memory_reserved(c.device) if c.cuda else 0
         try:
             captured = c.graphs.capture(lambda: self.backend.capture(body))
         except Exception as e:
+            c.requests.epochs[:] = epochs  # nothing ran: no result of the layer is stale
             raise RuntimeError(f"DecodeLayer(graphs=True) could not capture layer {layer} (T={key[1]}, K={key[2]}, "
                                f"H={key[3]}): {e}. The backend must not read the device to check its inputs "
                                "(TritonBackend(validate=False), FlashMLABackend(check_ranges=False)); or pass "
                                "graphs=False") from e
+        c.requests.epochs[:] = epochs  # the capture's resolve ran nothing; the replay's run moves them
         if len(self.graphs) >= self.max_graphs:
             old_key, _ = self.graphs.popitem(last=False)
-            base = old_key[:7]
-            if len(old_key) > 7:
-                self._in_place[base] -= 1
+            if len(old_key) > len(key):  # an engine tensors' graph of its base key
+                self._in_place[old_key[:len(key)]] -= 1
             self.counts["dropped"] += 1
-        g = self.graphs[gkey] = _Graph(captured, outs[0][0], outs[0][1], gkey)
+        reserved = max(0, torch.cuda.memory_reserved(c.device) - before) if c.cuda else 0
+        g = self.graphs[gkey] = _Graph(captured, outs[0][0], outs[0][1], gkey, reserved)
         self.counts["captures"] += 1
         if len(gkey) != len(key):
             self._in_place[key] = self._in_place.get(key, 0) + 1

@@ -117,7 +117,7 @@ class DecodeLayer:
         self.miss_config = miss_config  # launch shape of the miss kernels (None: their default)
         self._plans: dict[tuple, MissPlan] = {}
         self._supported: set = set()  # (device, row format, heads) the backend accepted
-        self.graphs = DecodeGraphs(self, max_graphs=max_graphs) if graphs else None
+        self.graphs = DecodeGraphs(cache, max_graphs=max_graphs) if graphs else None
 
     def with_backend(self, backend: SparseMLABackend) -> "DecodeLayer":
         """This layer attending with ``backend``: the same cache, mode, checks, kernels
@@ -125,9 +125,9 @@ class DecodeLayer:
         the head count, not on the backend), for a caller that gets a new backend object
         per forward."""
         layer = DecodeLayer(self.cache, backend, overlap=self.overlap, validate=self.validate,
-                            kernels=self.kernels, miss_config=self.miss_config, graphs=self.graphs is not None,
-                            max_graphs=self.graphs.max_graphs if self.graphs is not None else MAX_GRAPHS)
+                            kernels=self.kernels, miss_config=self.miss_config)
         layer._plans = self._plans
+        layer.graphs = self.graphs  # their keys hold the backend: this one's are its own
         return layer
 
     def _plan(self, mode: MissMode, T: int, H: int, fmt: RowFormat) -> MissPlan:
@@ -148,7 +148,7 @@ class DecodeLayer:
         of a (layer, shape) seen before replays a graph of the call, and returns that
         graph's output buffers: read them before the next call of that layer and shape."""
         if self.graphs is not None and not capturing(self.cache.device):
-            return self.graphs(layer, req_ids, topk, q, sm_scale)
+            return self.graphs(self, layer, req_ids, topk, q, sm_scale)
         return self._eager(layer, req_ids, topk, q, sm_scale)
 
     def _eager(self, layer: int, req_ids, topk, q, sm_scale) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,6 +177,9 @@ class DecodeLayer:
         check_int("num_heads", num_heads, 1)
         if not isinstance(topk, torch.Tensor) or topk.dim() != 2:
             raise ValueError("topk must be an int32 [T, K] tensor")  # the resolve checks the rest
+        if self.graphs is not None and self.graphs.is_input_buffer(topk):
+            raise ValueError("begin() reads its top-k on the staging stream after it returns, and the layer "
+                             "graphs' input buffer is overwritten by the next call: pass a tensor of your own")
         view = self.cache.layer_view(layer)
         self._check_supported(view.hot_rows.device, view.row_format, num_heads)
         return self._begin_split(layer, req_ids, topk, num_heads)
