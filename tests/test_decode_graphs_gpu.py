@@ -82,7 +82,7 @@ def test_refused_calls_change_nothing_and_graphs_stay_bounded():
         counts = dict(graphed.graphs.counts)
         for bad, exc in ((dict(q=q.float()), TypeError), (dict(tk=tk[:, :200].long()), TypeError),
                          (dict(q=q[:1]), ValueError), (dict(layer=2), ValueError)):
-            args = dict(layer=0, ids=ids, tk=tk, q=q, **bad)
+            args = {**dict(layer=0, ids=ids, tk=tk, q=q), **bad}
             with pytest.raises(exc):
                 graphed(args["layer"], args["ids"], args["tk"], args["q"], sm_scale=SM)
         _state_equal(a, b, ("refused", step))
