@@ -109,3 +109,28 @@ def test_graphs_need_unchecked_cuda_calls():
     with pytest.raises(RuntimeError, match="could not capture"):
         layer(0, ids, topk(rng, 0.9), q, sm_scale=SM)
     assert c.requests.epochs == epochs and not layer.graphs.graphs
+
+
+@pytest.mark.parametrize("mode", ["serial", "split"])
+def test_resident_batches_replay_the_resident_path(mode):
+    """Every live request resident (the elastic tier with room): the graphs are of the
+    resident resolve, keyed apart from the full path's; outputs equal the eager layer's
+    bit for bit, and the state's counters too."""
+    from test_resolve_resident_gpu import _cache
+    lens = [2100, 3000, 4097, 2500]
+    a, b = _cache(4, lens, 1), _cache(4, lens, 1)
+    eager = DecodeLayer(a, TritonBackend(validate=False), overlap=mode)
+    graphed = DecodeLayer(b, TritonBackend(validate=False), overlap=mode, graphs=True)
+    ids = torch.tensor([0, 2, 4, 6], dtype=I32, device=DEV)
+    rng = random.Random(11)
+    g = torch.Generator(device="cpu").manual_seed(12)
+    for step in range(5):
+        tk = torch.tensor([rng.sample(range(n), 2048) for n in lens], dtype=I32, device=DEV)
+        q = (torch.randn((4, 128, 576), generator=g) * 0.3).to(DEV, torch.bfloat16)
+        want = eager(0, ids, tk, q, sm_scale=SM)
+        got = graphed(0, ids, tk, q, sm_scale=SM)
+        torch.cuda.synchronize()
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (mode, step)
+        assert torch.equal(a.state.stats, b.state.stats), step
+    keys = list(graphed.graphs.graphs)
+    assert keys and all(k[5] is True for k in keys), keys  # the resident path's graphs
