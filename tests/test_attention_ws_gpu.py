@@ -15,6 +15,7 @@ from attention_common import REF, SCALE, check, check_extreme_scales, check_grap
 
 from hisparse._checks import sm_count
 from hisparse.attention import triton_plan as TP
+from hisparse.attention.triton_backend import _rows_per_split
 from hisparse.attention.triton_backend import (TritonBackend, TritonMLAConfig, default_config,
                                                wave_tail_plan)
 from hisparse.kernels.gluon_support import gluon_ws_problem
@@ -130,7 +131,8 @@ def test_ws_wave_tail_matches_one_launch_and_reference(H, extra, monkeypatch):
                         launches.append((self.lo, self.hi, self.splits)) or real_run(self, *a))
     tailed.decode(q, rows, idx, sm_scale=SCALE, row_format="fp8_ds_mla")
     one.decode(q, rows, idx, sm_scale=SCALE, row_format="fp8_ds_mla")
-    assert launches == [(0, T - tail, 1), (T - tail, T, splits), (0, T, 1)]
+    # the launch's splits: the plan's, after dropping splits that would get no rows
+    assert launches == [(0, T - tail, 1), (T - tail, T, _rows_per_split(2048, splits, WS.block_n)[1]), (0, T, 1)]
     for v in (None, vc):
         out, lse = tailed.decode(q, rows, idx, valid_counts=v, sm_scale=SCALE, row_format="fp8_ds_mla")
         ref = REF.decode(q, rows, idx, valid_counts=v, sm_scale=SCALE, row_format="fp8_ds_mla")
@@ -182,7 +184,7 @@ def test_ws_sm_budget_plans_the_wave_tail_for_fewer_sms(monkeypatch):
     o_all, l_all = be.decode(q, rows, idx, sm_scale=SCALE, row_format="fp8_ds_mla")
     o_b, l_b = be.decode(q, rows, idx, sm_scale=SCALE, row_format="fp8_ds_mla", sms=sms - 8)
     tail, splits = wave_tail_plan(T, 2, 2048, WS.block_n, sms - 8)
-    assert tail >= 1 and launches == [(0, T, 1), (0, T - tail, 1), (T - tail, T, splits)]
+    assert tail >= 1 and launches == [(0, T, 1), (0, T - tail, 1), (T - tail, T, _rows_per_split(2048, splits, WS.block_n)[1])]
     ref = REF.decode(q, rows, idx, sm_scale=SCALE, row_format="fp8_ds_mla")
     _check(o_b, l_b, *ref, what=f"T={T} sms={sms - 8}")
     assert torch.equal(o_b[:T - tail], o_all[:T - tail])
