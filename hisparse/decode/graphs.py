@@ -4,9 +4,11 @@ An engine that runs attention outside its own CUDA graphs (piecewise graphs, mix
 batches) calls a ``DecodeLayer`` once per layer, and each call issues the resolve's
 launches, the attention's and, for a split layer, the stage stream's fork and join from
 Python: hundreds of microseconds of host time at B = 64. With ``graphs=True`` each
-(layer, T, K, H, scale, residency, staging grid) gets a graph of the whole call:
+(layer, T, K, H, scale, residency, staging grid, backend object and its config) gets a
+graph of the whole call:
 
-- its first call runs eagerly (compiling the kernels, making the miss plans);
+- its first call runs eagerly over the static input buffers (compiling and loading the
+  kernels for the pointers the capture will have, making the miss plans);
 - the second captures the same call (serial or split, the resident path when every
   live request is resident) on a side stream, over static input buffers of the shape
   (``input_buffers``: req_ids int32 [T], topk int32 [T, K], q bf16 [T, H, 576]), and
@@ -25,7 +27,9 @@ Python: hundreds of microseconds of host time at B = 64. With ``graphs=True`` ea
 Outputs: the graph's own out bf16 [T, H, 512] and lse float32 [T, H], which every
 replay of that graph writes: enqueue their reads before the next call of the same layer
 and shape, or clone them. At most ``max_graphs`` graphs are kept (the least recently
-replayed is dropped first); ``memory_bytes`` counts their outputs.
+replayed is dropped first); ``memory_bytes`` counts what each capture reserved (its
+memory pool: the outputs and the launches' scratch) and the static buffers. A capture's
+own bookkeeping (the layer's epoch) is undone: the replay's run does the call's.
 
 The eager path runs instead while the current stream is being captured (an engine
 capturing its own forward records the eager launches). The backend must not read the
