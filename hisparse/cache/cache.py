@@ -363,6 +363,14 @@ class HiSparseCache:
         return out
 
     def _check_resolve(self, layer: int, req_ids, topk, validate: bool):
+        T, K, req_ids = self._check_resolve_args(layer, req_ids, topk, validate)
+        self._runtime_checks(layer)
+        return T, K, req_ids
+
+    def _check_resolve_args(self, layer: int, req_ids, topk, validate: bool):
+        """A resolve's argument checks (the layer, the tensors' metadata, with ``validate``
+        their contents): ``_check_resolve`` less the runtime checks, for a planned call
+        whose ``run`` makes those (``graphs.ResolveCall``)."""
         V.check_layer(self.cfg, layer)
         T, K = V.check_resolve_meta(self.cfg, self.device, req_ids, topk, self.cfg.max_tokens)
         if validate:
@@ -373,7 +381,6 @@ class HiSparseCache:
         elif req_ids.dtype != torch.int32:
             raise TypeError("an unchecked resolve (validate=False) takes int32 req_ids: the hot path "
                             f"neither converts nor allocates; got {req_ids.dtype}")
-        self._runtime_checks(layer)
         return T, K, req_ids
 
     def _runtime_checks(self, layer: int) -> None:

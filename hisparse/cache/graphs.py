@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from .cache import HiSparseCache
     from .write_step import StepPlan
 
-__all__ = ["CacheGraphs", "Captured", "CudaGraphBackend", "ResolveCall", "WriteCall"]
+__all__ = ["CacheGraphs", "Captured", "CudaGraphBackend", "ResolveCall", "WriteCall", "choose_graph", "note_copied"]
 
 
 class CudaGraphBackend:
@@ -300,3 +300,37 @@ class CacheGraphs:
                 if cur is None:
                     cur = cs.current()
                 ev.wait_by(cur, False)
+
+
+def choose_graph(key: tuple, addrs: tuple, fixed: tuple, graphs, recent: dict, in_place: dict,
+                 limit: int) -> tuple[tuple, object, str]:
+    """Which graph a replayed call of ``key`` replays, for inputs at ``addrs`` ((data_ptr,
+    strides) of each) when its static buffers are at ``fixed``: (the graph's key, the
+    graph or None when it is not captured yet, where it reads its inputs) -- "static"
+    (the inputs are the static buffers), "own" (a graph under ``key + (addrs,)`` reads
+    them where they are: one captured before, or a new one when ``addrs`` is among the
+    key's ``recent`` copies, the static buffers' graph exists (it compiled the kernels),
+    fewer than ``limit`` such graphs exist (``in_place``) and each input has its static
+    buffer's strides and a 16-byte aligned address: the same specialisation, so that
+    capture compiles nothing), else "copy" (into the static buffers first). Changes
+    nothing."""
+    if addrs == fixed:
+        return key, graphs.get(key), "static"
+    own = key + (addrs,)
+    got = graphs.get(own)
+    if got is not None:
+        return own, got, "own"
+    if (addrs in recent.get(key, ()) and key in graphs and in_place.get(key, 0) < limit
+            and all(a[1] == f[1] and a[0] % 16 == 0 for a, f in zip(addrs, fixed))):
+        return own, None, "own"
+    return key, graphs.get(key), "copy"
+
+
+def note_copied(recent: dict, key: tuple, addrs: tuple, keep: int) -> None:
+    """Note ``addrs`` among the last ``keep`` distinct input addresses the replays of
+    ``key`` copied (newest last)."""
+    seen = recent.setdefault(key, [])
+    if addrs in seen:
+        seen.remove(addrs)
+    seen.append(addrs)
+    del seen[:-keep]

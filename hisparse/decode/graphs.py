@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..attention.base import check_decode_call
-from ..cache.graphs import Captured, CudaGraphBackend, ResolveCall
+from ..cache.graphs import Captured, CudaGraphBackend, ResolveCall, choose_graph, note_copied
 
 if TYPE_CHECKING:
     from .layer import DecodeLayer
@@ -67,6 +67,13 @@ class _Graph:
 
 def _addr(t: torch.Tensor) -> tuple:
     return t.data_ptr(), t.stride()
+
+
+def _copy_in(statics: tuple, inputs: tuple) -> None:
+    """Each input into its static buffer (on the current stream), but a buffer given itself."""
+    for s, x in zip(statics, inputs):
+        if x is not s:
+            s.copy_(x)
 
 
 class DecodeGraphs:
@@ -122,7 +129,7 @@ class DecodeGraphs:
         view = c.layer_view(layer)
         check_decode_call(dl.backend, q, sm_scale, device=view.hot_rows.device, row_format=view.row_format,
                           supported=dl._supported)
-        T, K, req_ids = c._check_resolve(layer, req_ids, topk, False)
+        T, K, req_ids = c._check_resolve_args(layer, req_ids, topk, False)  # ResolveCall.run: the runtime checks
         H = q.shape[1]
         if q.shape[0] != T:
             raise ValueError(f"topk has {T} rows but q has T={q.shape[0]} tokens")
@@ -134,9 +141,8 @@ class DecodeGraphs:
         if key not in self.graphs and key not in self.warm:
             # eagerly, over the static buffers: the kernels compile (and load) for the pointers
             # the capture will have, which may not load while a stream is capturing
-            for s, x in zip(statics, inputs):
-                if x is not s:
-                    s.copy_(x)
+            c._runtime_checks(layer)  # before the copy
+            _copy_in(statics, inputs)
             out = dl._eager(layer, *statics, sm_scale)
             if len(self.warm) >= 4 * self.max_graphs:  # keys hold backend objects: forget them at once
                 self.warm.clear()
@@ -151,9 +157,7 @@ class DecodeGraphs:
             if g is None:
                 g = self._capture(dl, key, gkey, layer, src, float(sm_scale), resident)
             if copy:
-                for s, x in zip(statics, inputs):
-                    if x is not s:
-                        s.copy_(x)
+                _copy_in(statics, inputs)
                 self.counts["copies"] += 1
             self.backend.replay(g.captured.graph)
             g.captured.replayed()
@@ -162,11 +166,7 @@ class DecodeGraphs:
         call.run(replay=replay)
         self.graphs.move_to_end(gkey)
         if addrs is not None:
-            recent = self._recent.setdefault(key, [])
-            if addrs in recent:
-                recent.remove(addrs)
-            recent.append(addrs)
-            del recent[:-RECENT_INPUTS]
+            note_copied(self._recent, key, addrs, RECENT_INPUTS)
         return g.out, g.lse
 
     def _source(self, key: tuple, inputs: tuple, statics: tuple):
@@ -174,18 +174,11 @@ class DecodeGraphs:
         tensors it reads, whether the inputs are copied into the static buffers first,
         the inputs' addresses to note once the call ran, or None). Changes nothing."""
         addrs = tuple(map(_addr, inputs))
-        fixed = self._static_addr[key[1:4]]
-        if addrs == fixed:
-            return key, self.graphs.get(key), statics, False, None
-        own = key + (addrs,)
-        got = self.graphs.get(own)
-        if got is not None:
-            return own, got, inputs, False, None
-        if (addrs in self._recent.get(key, ()) and key in self.graphs
-                and self._in_place.get(key, 0) < IN_PLACE_GRAPHS
-                and all(a[1] == f[1] and a[0] % 16 == 0 for a, f in zip(addrs, fixed))):
-            return own, None, inputs, False, None  # the static graph compiled the kernels for this specialisation
-        return key, self.graphs.get(key), statics, True, addrs
+        gkey, g, where = choose_graph(key, addrs, self._static_addr[key[1:4]], self.graphs, self._recent,
+                                      self._in_place, IN_PLACE_GRAPHS)
+        if where == "copy":
+            return gkey, g, statics, True, addrs
+        return gkey, g, (inputs if where == "own" else statics), False, None
 
     def _capture(self, dl: "DecodeLayer", key: tuple, gkey: tuple, layer: int, src: tuple, sm_scale: float,
                  resident: bool) -> _Graph:

@@ -55,7 +55,7 @@ from typing import Callable
 import torch
 
 from ..cache.cache import HiSparseCache
-from ..cache.graphs import Captured, CudaGraphBackend, ResolveCall, WriteCall
+from ..cache.graphs import Captured, CudaGraphBackend, ResolveCall, WriteCall, choose_graph, note_copied
 from ..device import capturing
 from ..cache.write_step import StepPlan
 
@@ -197,28 +197,19 @@ class LayerGraphs:
                 ) -> tuple[tuple, Captured | None, torch.Tensor, bool, tuple | None]:
         """(the key of the graph to replay, that graph or None when it is not captured
         yet, the tensor it reads, whether the caller copies ``t`` into ``static`` first,
-        ``t``'s (data_ptr, strides) to note once the call ran, or None) for a call of
+        ``t``'s addresses ((data_ptr, strides),) to note once the call ran, or None) for a call of
         ``key`` given ``t`` (of ``static``'s shape and dtype, checked by the caller):
         ``static``'s graph under ``key``, read in place when ``t`` is the static buffer,
         else after a copy, unless ``t`` gets a graph of its own (the module docstring).
         Changes nothing."""
         if t is static:
             return key, self.graphs.get(key), static, False, None
-        addr = (t.data_ptr(), t.stride())  # read once: ``_same``'s test, and the graph's key
-        fixed = self._static_addr[id(static)]
-        if addr == fixed:
-            return key, self.graphs.get(key), static, False, None
-        own = key + (addr,)
-        got = self.graphs.get(own)
-        if got is not None:
-            return own, got, t, False, None
-        if (addr in self._recent_inputs.get(key, ()) and key in self.graphs
-                and self._in_place.get(key, 0) < IN_PLACE_GRAPHS
-                and addr[1] == fixed[1] and addr[0] % 16 == 0):
-            # the static buffer's graph compiled the kernels; 16-byte alignment and the same
-            # strides give the same specialisation, so this capture compiles nothing
-            return own, None, t, False, None
-        return key, self.graphs.get(key), static, True, addr
+        addrs = ((t.data_ptr(), t.stride()),)  # read once: the static buffer's test, and the graph's key
+        gkey, g, where = choose_graph(key, addrs, (self._static_addr[id(static)],), self.graphs,
+                                      self._recent_inputs, self._in_place, IN_PLACE_GRAPHS)
+        if where == "copy":
+            return gkey, g, static, True, addrs
+        return gkey, g, (t if where == "own" else static), False, None
 
     def _note_input(self, key: tuple, addr: tuple | None, copied: bool) -> None:
         """After a replayed call of ``key``: count a copy, and note the address of an
@@ -226,11 +217,7 @@ class LayerGraphs:
         if copied:
             self.counts["copies"] += 1
         if addr is not None:
-            recent = self._recent_inputs.setdefault(key, [])
-            if addr in recent:
-                recent.remove(addr)
-            recent.append(addr)
-            del recent[:-RECENT_INPUTS]
+            note_copied(self._recent_inputs, key, addr, RECENT_INPUTS)
 
     def _graph(self, key: tuple, gkey: tuple, fn: Callable[[], None]) -> Captured:
         """The graph under ``gkey`` (the static buffer's ``key``, or ``key`` plus an
