@@ -34,6 +34,10 @@ import torch
 from benchmarks import common
 
 
+CALLS = ("attention", "resolve", "resolve_checked", "layer_serial", "layer_split", "layer_serial_graphs",
+         "layer_serial_graphs_copied", "layer_split_graphs", "layer_split_graphs_copied")
+
+
 def _setup(B: int, K: int, context: int, dev: torch.device):
     from hisparse import HiSparseCache, HiSparseConfig
     from hisparse.formats import quantize_fp8_ds_mla
@@ -59,6 +63,10 @@ def main(argv=None) -> int:
     ap.add_argument("--top-k", type=pos, default=2048, help="[%(default)s]")
     ap.add_argument("--context", type=pos, default=4200, help="rows per request [%(default)s]")
     ap.add_argument("--samples", type=pos, default=300, help="timed calls per call and path [%(default)s]")
+    ap.add_argument("--calls", nargs="+", default=None, metavar="CALL", choices=CALLS,
+                    help="measure only these calls, in this order (names as printed; default: all). "
+                         "Each call waits for nothing but the GPU work queued before it, so the order "
+                         "decides which earlier call's events and streams a call may find pending")
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
     o = ap.parse_args(argv)
     if not common.out_ok(o.out, "bench_eager_calls"):
@@ -107,6 +115,12 @@ def main(argv=None) -> int:
     for m, layer in graphed.items():
         calls[f"layer_{m}_graphs"] = lambda layer=layer: layer(0, req, topk, q, sm_scale=scale)
         calls[f"layer_{m}_graphs_copied"] = lambda layer=layer: copied(layer)
+    if o.calls is not None:
+        missing = [c for c in o.calls if c not in calls]
+        if missing:
+            print(f"bench_eager_calls: this hisparse has no {', '.join(missing)}", file=sys.stderr)
+            return 2
+        calls = {c: calls[c] for c in dict.fromkeys(o.calls)}
     why_not = "this hisparse has no direct launch" if problem is None else problem()
     paths = ["direct", "jit"] if why_not is None else ["jit"]
     samples = {c: {p: [] for p in paths} for c in calls}
