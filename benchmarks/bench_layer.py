@@ -58,6 +58,7 @@ from hisparse import HiSparseConfig  # noqa: E402
 from hisparse.attention import FlashMLABackend, Phase, SparseMLABackend, TritonBackend  # noqa: E402
 from hisparse.cache import HiSparseCache  # noqa: E402
 from hisparse.decode import DecodeLayer, Overlap  # noqa: E402
+from hisparse.decode.auto import MIN_SAMPLES  # noqa: E402
 from hisparse.formats import RowFormat, quantize_fp8_ds_mla  # noqa: E402
 
 STATE = ("slot_pos", "slot_stamp", "row_slot", "step", "stats", "seq_lens")
@@ -70,8 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--hits", type=common.percent, nargs="+", default=[100, 95, 90, 80],
                     help="hit rates in percent, each in [0, 100]")
     ap.add_argument("--backends", nargs="+", default=["triton", "flashmla"], choices=["triton", "flashmla"])
-    ap.add_argument("--modes", nargs="+", default=None, choices=["serial", "split", "prefetch"],
-                    help="[serial split prefetch]; with --trace periodic [serial split]")
+    ap.add_argument("--modes", nargs="+", default=None, choices=["serial", "split", "auto", "prefetch"],
+                    help="[serial split prefetch]; with --trace periodic [serial split auto]")
     ap.add_argument("--trace", choices=["restore", "periodic"], default="restore",
                     help="restore: the same misses every replay (state restored); periodic: a core plus "
                          "fresh positions, the LRU running on (see the module docstring)")
@@ -94,9 +95,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     a = ap.parse_args(argv)
     periodic = a.trace == "periodic"
     if a.modes is None:
-        a.modes = ["serial", "split"] if periodic else ["serial", "split", "prefetch"]
+        a.modes = ["serial", "split", "auto"] if periodic else ["serial", "split", "prefetch"]
     if periodic and ("prefetch" in a.modes or a.stage_programs):
-        ap.error("--trace periodic runs the serial and split modes only (no prefetch, no --stage-programs)")
+        ap.error("--trace periodic runs the serial, split and auto modes only (no prefetch, no --stage-programs)")
+    if not periodic and "auto" in a.modes:
+        ap.error("--modes auto times its calls as they run: it needs --trace periodic (the other trace "
+                 "restores the cache's state before every replay)")
     if a.dry_run:
         a.batch, a.context, a.context_256, a.top_k, a.slots, a.heads = [2], 96, 96, 8, 16, 16
         a.reps, a.warmup, a.backends = 1, 0, ["triton"]
@@ -244,11 +248,14 @@ def add_ratios(res: dict) -> None:
     (serial - mode) / (serial - resident)."""
     r0 = res["resident"]["median_us"]
     ser = res.get("serial", {}).get("median_us")
-    for m in ("serial", "split"):
+    for m in ("serial", "split", "auto"):
         if m in res:
             res[m]["ratio_vs_resident"] = res[m]["median_us"] / r0
             if ser is not None and ser > r0:
                 res[m]["staging_hidden"] = (ser - res[m]["median_us"]) / (ser - r0)
+    fixed = [res[m]["median_us"] for m in ("serial", "split") if m in res]
+    if "auto" in res and fixed:
+        res["auto"]["ratio_vs_better"] = res["auto"]["median_us"] / min(fixed)
 
 
 def bench_case(s: Setup, be: SparseMLABackend, hit: float, a: argparse.Namespace) -> dict:
@@ -348,6 +355,16 @@ def bench_case_periodic(s: Setup, be: SparseMLABackend, hit: float, a: argparse.
                                            warmup=warm + a.warmup, reps=a.reps, flush=s.flush.flush,
                                            cache=c, cuda=cuda)
             res[m]["measured_miss_rate"] = rate
+    if "auto" in a.modes:
+        # called eagerly, as an engine would: on CUDA with graphs=True (a graph per mode,
+        # replayed from the call), timed as GPU time behind a sleep kernel; the warm-up
+        # covers both modes' first timings (decode.auto.MIN_SAMPLES each, and their events)
+        auto = DecodeLayer(c, be, overlap=Overlap.AUTO, graphs=cuda)
+        res["auto"], _, t, rate = run_steps(lambda: auto(0, s.req, buf, q, sm_scale=sm), trace, buf, t,
+                                            warmup=warm + a.warmup + 4 * MIN_SAMPLES + 2, reps=a.reps,
+                                            flush=s.flush.flush, cache=c, cuda=cuda, eager=True)
+        res["auto"]["measured_miss_rate"] = rate
+        res["auto"]["choice"] = auto.auto_report()
     res["staging_alone"], _, t, rate = run_steps(lambda: c.resolve(0, s.req, buf, validate=False), trace, buf, t,
                                                  warmup=warm + a.warmup, reps=a.reps, flush=s.flush.flush,
                                                  cache=c, cuda=cuda)
@@ -374,10 +391,13 @@ def add_prefix_ratios(r: dict, cases: list) -> None:
 def print_case(r: dict, name: str, B: int, h: int) -> None:
     line = f"{name:8s} B={B:4d} hit={h:3d}%" + {"off": "", "on": " prefix on", "shared": f" shared, cached={r['cached_tokens']}"}[r["prefix"]]
     line += f"  resident {r['resident']['median_us']:8.1f} us"
-    for m in ("serial", "split"):
+    for m in ("serial", "split", "auto"):
         if m in r:
             hid = r[m].get("staging_hidden")
             line += f" | {m} {r[m]['ratio_vs_resident']:.2f}x" + (f" hid {hid:.0%}" if hid is not None else "")
+            if m == "auto" and "ratio_vs_better" in r[m]:
+                chosen = sorted({v["chosen"] for v in r[m]["choice"].values()} - {None})
+                line += f" ({r[m]['ratio_vs_better']:.3f}x the better, runs {'/'.join(chosen) or '-'})"
             if "ratio_vs_prefix_off" in r[m]:
                 line += f" (vs off {r[m]['ratio_vs_prefix_off']:.3f}x)"
     if "prefetch_2layers" in r:

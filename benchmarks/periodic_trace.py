@@ -61,11 +61,12 @@ class PeriodicTrace:
 
 
 def run_steps(fn, trace: PeriodicTrace, buf: torch.Tensor, t0: int, *, warmup: int, reps: int, flush,
-              cache=None, cuda: bool) -> tuple[dict, object, int, float | None]:
+              cache=None, cuda: bool, eager: bool = False) -> tuple[dict, object, int, float | None]:
     """Run ``fn()`` over steps t0, t0 + 1, ... of ``trace`` written into ``buf`` (int32
     [B, K], which ``fn`` reads): on CUDA captured in a graph (``common.capture``) and
-    replayed, else eagerly; ``warmup`` steps untimed, then ``reps`` timed
-    (``flush()`` before each). Returns (stats of the timed steps, the last output, the
+    replayed, or with ``eager`` called as it is and timed as GPU time (a sleep kernel
+    queued ahead of the start event hides the host's enqueueing), else (CPU) eagerly;
+    ``warmup`` steps untimed, then ``reps`` timed (``flush()`` before each). Returns (stats of the timed steps, the last output, the
     next step index, the misses / lookups of the timed steps counted by ``cache``'s layer
     0 counters, or None without a cache)."""
     t = [t0]
@@ -75,7 +76,7 @@ def run_steps(fn, trace: PeriodicTrace, buf: torch.Tensor, t0: int, *, warmup: i
         t[0] += 1
         flush()
 
-    if cuda:  # the capture's own replay runs a step too: one more warm-up step
+    if cuda and not eager:  # the capture's own replay runs a step too: one more warm-up step
         g, out = common.capture(fn, before)
         call = g.replay
     else:
@@ -84,8 +85,8 @@ def run_steps(fn, trace: PeriodicTrace, buf: torch.Tensor, t0: int, *, warmup: i
         before()
         call()
     h0, m0 = _counts(cache)
-    samples = common.time_calls(call, reps=reps, warmup=0, cuda=cuda, before=before)
-    if not cuda:  # the output of one more eager step
+    samples = common.time_calls(call, reps=reps, warmup=0, cuda=cuda, before=before, gpu_sleep=cuda and eager)
+    if not cuda or eager:  # the output of one more eager step
         before()
         out = fn()
     h1, m1 = _counts(cache)

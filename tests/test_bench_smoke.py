@@ -269,19 +269,25 @@ def test_periodic_trace_has_exact_steady_misses_and_no_repeats_in_a_step():
 
 def test_bench_layer_periodic_dry_run_measures_the_trace_miss_rate(tmp_path, capsys):
     """bench_layer --trace periodic: the LRU runs on across steps and modes, and the
-    cache's own counters see exactly the trace's steady miss rate in every mode."""
+    cache's own counters see exactly the trace's steady miss rate in every mode (auto:
+    both modes timed, one chosen); --modes auto needs this trace."""
     from benchmarks import bench_layer
     out = tmp_path / "p.json"
     assert bench_layer.main(["--dry-run", "--trace", "periodic", "--hits", "90", "75", "--out", str(out)]) == 0
     cases = json.loads(out.read_text())["cases"]
     assert [c["miss_rate"] for c in cases] == [0.125, 0.25]
     for c in cases:
-        for m in ("serial", "split", "staging_alone"):
+        for m in ("serial", "split", "auto", "staging_alone"):
             assert c[m]["measured_miss_rate"] == c["miss_rate"], (c["hit"], m)
         assert c["max_rel_diff"] == 0.0
+        (choice,) = c["auto"]["choice"].values()  # one layer, one batch size
+        assert choice["chosen"] in ("serial", "split") and min(choice["runs"].values()) >= 2, choice
+        assert c["auto"]["ratio_vs_better"] > 0
     assert "misses 0.1250 (trace 0.1250)" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         bench_layer.main(["--dry-run", "--trace", "periodic", "--modes", "prefetch"])
+    with pytest.raises(SystemExit):
+        bench_layer.main(["--dry-run", "--modes", "auto"])
 
 
 def test_records_name_the_commit_the_sender_gives(monkeypatch):

@@ -78,7 +78,7 @@ def test_modes_agree(kernels, fmt, case):
         results[mode] = layer(0, ids, tk, q, sm_scale=SM)
         states[mode] = ({n: getattr(c.state, n).clone() for n in STATE}, c.hot.clone())
     out0, lse0 = results[Overlap.SERIAL]
-    for mode in (Overlap.SPLIT,):
+    for mode in (Overlap.SPLIT, Overlap.AUTO):
         out, lse = results[mode]
         assert torch.equal(torch.isinf(lse), torch.isinf(lse0)), mode
         fin = torch.isfinite(lse0)
@@ -107,7 +107,7 @@ def test_random_steps_modes_agree(kernels):
         ids, tk = torch.tensor(ids, dtype=I32), torch.tensor(rows, dtype=I32)
         q = qs(len(rows), step)
         outs = {m: layers[m](step % 2, ids, tk, q, sm_scale=SM) for m in Overlap}
-        for m in (Overlap.SPLIT,):
+        for m in (Overlap.SPLIT, Overlap.AUTO):  # auto: split, serial, then its choice
             torch.testing.assert_close(outs[m][0].float(), outs[Overlap.SERIAL][0].float(), atol=2e-2, rtol=2e-2)
             for n in STATE:
                 assert torch.equal(getattr(caches[m].state, n), getattr(caches[Overlap.SERIAL].state, n)), (step, n)
@@ -170,19 +170,19 @@ def test_engine_decode_attention(overlap):
 
 @pytest.mark.parametrize("mode", ["fused", "FUSED", "", None])
 def test_an_unknown_overlap_is_refused_before_anything_changes(mode):
-    """``overlap`` is one of serial and split: anything else (e.g. "fused") is
-    a ValueError naming both, raised by the DecodeLayer constructor and by the engine's
+    """``overlap`` is one of serial, split and auto: anything else (e.g. "fused") is
+    a ValueError naming them, raised by the DecodeLayer constructor and by the engine's
     decode_attention before any resolve (cache, counters and bookkeeping unchanged)."""
-    assert [m.value for m in Overlap] == ["serial", "split"]
+    assert [m.value for m in Overlap] == ["serial", "split", "auto"]
     c, _ = make("torch", "fp8_ds_mla")
     before = snapshot(c)
-    with pytest.raises(ValueError, match=r"overlap must be one of \['serial', 'split'\]"):
+    with pytest.raises(ValueError, match=r"overlap must be one of \['serial', 'split', 'auto'\]"):
         DecodeLayer(c, ReferenceBackend(), overlap=mode)
     assert_same(before, snapshot(c))
     g, md, rows = _engine()
     q, tk = qs(1, 1), torch.tensor([[20, 15, 3, 9]], dtype=I32)
     before = snapshot(g.hisparse_cache)
-    with pytest.raises(ValueError, match=r"overlap must be one of \['serial', 'split'\]"):
+    with pytest.raises(ValueError, match=r"overlap must be one of \['serial', 'split', 'auto'\]"):
         g.decode_attention(0, q, tk, md, backend=ReferenceBackend(), sm_scale=SM, overlap=mode)
     assert_same(before, snapshot(g.hisparse_cache))
     assert g.resolves_per_layer == [0, 0] and not g._decode.layers

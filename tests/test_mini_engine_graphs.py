@@ -155,7 +155,8 @@ def test_layer_graphs_decode_replays_both_calls(monkeypatch):
 @pytest.mark.parametrize("kw, msg", [
     (dict(graphs=True), "need a CUDA device"),
     (dict(graphs=True, device="cuda", validate=True), "unchecked"),
-    (dict(graphs=True, device="cuda", validate=False, overlap="fused"), r"overlap must be one of \['serial', 'split'\]"),
+    (dict(graphs=True, device="cuda", validate=False, overlap="fused"), r"overlap must be one of \['serial', 'split', 'auto'\]"),
+    (dict(overlap="auto"), "use overlap serial or split"),
     (dict(layer_graphs=True), "need a CUDA device"),
     (dict(layer_graphs=True, device="cuda", validate=True), "unchecked"),
     (dict(layer_graphs=True, device="cuda", validate=False, graphs=True), "one of the two"),

@@ -4,8 +4,8 @@ An engine that runs attention outside its own CUDA graphs (piecewise graphs, mix
 batches) calls a ``DecodeLayer`` once per layer, and each call issues the resolve's
 launches, the attention's and, for a split layer, the stage stream's fork and join from
 Python: hundreds of microseconds of host time at B = 64. With ``graphs=True`` each
-(layer, T, K, H, scale, residency, staging grid, backend object and its config) gets a
-graph of the whole call:
+(layer, T, K, H, scale, residency, staging grid, backend object and its config, mode:
+an auto layer's serial and split get a graph each) gets a graph of the whole call:
 
 - its first call runs eagerly over the static input buffers (compiling and loading the
   kernels for the pointers the capture will have, making the miss plans);
@@ -46,6 +46,7 @@ import torch
 
 from ..attention.base import check_decode_call
 from ..cache.graphs import Captured, CudaGraphBackend, ResolveCall, choose_graph, note_copied
+from .overlap import Overlap
 
 if TYPE_CHECKING:
     from .layer import DecodeLayer
@@ -123,8 +124,9 @@ class DecodeGraphs:
         return {"graphs": len(self.graphs), "memory_bytes": self.memory_bytes(), **self.counts}
 
     def __call__(self, dl: "DecodeLayer", layer: int, req_ids: torch.Tensor, topk: torch.Tensor, q: torch.Tensor,
-                 sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """``dl(layer, req_ids, topk, q, sm_scale=sm_scale)`` (``dl`` over this cache)."""
+                 sm_scale: float, mode: Overlap) -> tuple[torch.Tensor, torch.Tensor]:
+        """``dl(layer, req_ids, topk, q, sm_scale=sm_scale)`` (``dl`` over this cache) in
+        ``mode`` (serial or split: an auto layer's choice)."""
         c = dl.cache
         view = c.layer_view(layer)
         check_decode_call(dl.backend, q, sm_scale, device=view.hot_rows.device, row_format=view.row_format,
@@ -135,7 +137,7 @@ class DecodeGraphs:
             raise ValueError(f"topk has {T} rows but q has T={q.shape[0]} tokens")
         resident = c.graphs.all_resident()
         be = dl.backend
-        key = (layer, T, K, H, float(sm_scale), resident, c.stage_programs, be, getattr(be, "config", None))
+        key = (layer, T, K, H, float(sm_scale), resident, c.stage_programs, be, getattr(be, "config", None), mode)
         statics = self.input_buffers(T, K, H)
         inputs = (req_ids, topk, q)
         if key not in self.graphs and key not in self.warm:
@@ -143,7 +145,7 @@ class DecodeGraphs:
             # the capture will have, which may not load while a stream is capturing
             c._runtime_checks(layer)  # before the copy
             _copy_in(statics, inputs)
-            out = dl._eager(layer, *statics, sm_scale)
+            out = dl._eager(layer, *statics, sm_scale, mode)
             if len(self.warm) >= 4 * self.max_graphs:  # keys hold backend objects: forget them at once
                 self.warm.clear()
             self.warm.add(key)
@@ -155,7 +157,7 @@ class DecodeGraphs:
         def replay() -> None:  # after the checks and the waits on eager work
             nonlocal g
             if g is None:
-                g = self._capture(dl, key, gkey, layer, src, float(sm_scale), resident)
+                g = self._capture(dl, key, gkey, layer, src, float(sm_scale), resident, mode)
             if copy:
                 _copy_in(statics, inputs)
                 self.counts["copies"] += 1
@@ -181,16 +183,16 @@ class DecodeGraphs:
         return gkey, g, (inputs if where == "own" else statics), False, None
 
     def _capture(self, dl: "DecodeLayer", key: tuple, gkey: tuple, layer: int, src: tuple, sm_scale: float,
-                 resident: bool) -> _Graph:
+                 resident: bool, mode: Overlap) -> _Graph:
         c = dl.cache
         outs: list = []
 
         def body() -> None:
             if resident:
                 with c.graphs.resident_capture():
-                    outs.append(dl._eager(layer, *src, sm_scale))
+                    outs.append(dl._eager(layer, *src, sm_scale, mode))
             else:
-                outs.append(dl._eager(layer, *src, sm_scale))
+                outs.append(dl._eager(layer, *src, sm_scale, mode))
 
         epochs = list(c.requests.epochs)
         before = torch.cuda.memory_reserved(c.device) if c.cuda else 0

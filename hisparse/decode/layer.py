@@ -11,6 +11,9 @@ Modes (``Overlap``):
           attention has more programs than one wave of SMs, it starts after the miss
           phase instead (``split_waits_for_misses``), beside the copy
 
+  auto    per (layer, T), whichever of the two its own GPU timings say is faster
+          (``decode.auto``: the rule, what it costs, what a capture keeps); the default
+
 Both leave the cache in the same state, bit for bit, and return the same attention
 (split within the rounding of one merge of bf16 partials). When the cache's resolve
 takes its resident path (every live request resident in the elastic tier:
@@ -41,6 +44,7 @@ from ..cache.results import ResolveResult, SplitResult
 from ..cache import CopyShape
 from ..formats import RowFormat
 from ..device import capturing
+from .auto import ModeChooser
 from .graphs import MAX_GRAPHS, DecodeGraphs
 from .overlap import Overlap
 
@@ -97,7 +101,7 @@ class DecodeLayer:
     """
 
     def __init__(self, cache: HiSparseCache, backend: SparseMLABackend, *,
-                 overlap: Overlap | str = Overlap.SPLIT, validate: bool = False,
+                 overlap: Overlap | str = Overlap.AUTO, validate: bool = False,
                  kernels: str = "auto", miss_config: MissConfig | None = None,
                  graphs: bool = False, max_graphs: int = MAX_GRAPHS) -> None:
         if not isinstance(cache, HiSparseCache):
@@ -118,6 +122,7 @@ class DecodeLayer:
         self._plans: dict[tuple, MissPlan] = {}
         self._supported: set = set()  # (device, row format, heads) the backend accepted
         self.graphs = DecodeGraphs(cache, max_graphs=max_graphs) if graphs else None
+        self.chooser = ModeChooser(cache.cuda) if self.overlap is Overlap.AUTO else None
 
     def with_backend(self, backend: SparseMLABackend) -> "DecodeLayer":
         """This layer attending with ``backend``: the same cache, mode, checks, kernels
@@ -128,6 +133,7 @@ class DecodeLayer:
                             kernels=self.kernels, miss_config=self.miss_config)
         layer._plans = self._plans
         layer.graphs = self.graphs  # their keys hold the backend: this one's are its own
+        layer.chooser = self.chooser  # auto: the timings go on
         return layer
 
     def _plan(self, mode: MissMode, T: int, H: int, fmt: RowFormat) -> MissPlan:
@@ -147,11 +153,24 @@ class DecodeLayer:
         them (every wait is enqueued). With ``graphs=True`` (``decode.graphs``) a call
         of a (layer, shape) seen before replays a graph of the call, and returns that
         graph's output buffers: read them before the next call of that layer and shape."""
-        if self.graphs is not None and not capturing(self.cache.device):
-            return self.graphs(self, layer, req_ids, topk, q, sm_scale)
-        return self._eager(layer, req_ids, topk, q, sm_scale)
+        cap = capturing(self.cache.device)
+        if self.chooser is None:
+            return self._call(layer, req_ids, topk, q, sm_scale, self.overlap, cap)
+        T = q.shape[0] if isinstance(q, torch.Tensor) and q.dim() >= 1 else -1
+        return self.chooser.run(layer, T, lambda mode: self._call(layer, req_ids, topk, q, sm_scale, mode, cap),
+                                capturing=cap)
 
-    def _eager(self, layer: int, req_ids, topk, q, sm_scale) -> tuple[torch.Tensor, torch.Tensor]:
+    def auto_report(self) -> dict:
+        """An auto layer's choices and timings per "layer/T" (``ModeChooser.report``);
+        {} for a layer of a fixed mode."""
+        return self.chooser.report() if self.chooser is not None else {}
+
+    def _call(self, layer: int, req_ids, topk, q, sm_scale, mode: Overlap, cap: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.graphs is not None and not cap:
+            return self.graphs(self, layer, req_ids, topk, q, sm_scale, mode)
+        return self._eager(layer, req_ids, topk, q, sm_scale, mode)
+
+    def _eager(self, layer: int, req_ids, topk, q, sm_scale, mode: Overlap) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.cache
         view = c.layer_view(layer)
         hot, fmt = view.hot_rows, view.row_format
@@ -160,7 +179,7 @@ class DecodeLayer:
         T, H = q.shape[0], q.shape[1]
         if isinstance(topk, torch.Tensor) and topk.dim() == 2 and topk.shape[0] != T:
             raise ValueError(f"topk has {topk.shape[0]} rows but q has T={T} tokens")
-        if self.overlap is Overlap.SERIAL or c.graphs.resident_resolve():
+        if mode is Overlap.SERIAL or c.graphs.resident_resolve():
             res = c.resolve(layer, req_ids, topk, validate=self.validate)
             return self.backend.decode(q, hot, res.physical, sm_scale=sm_scale, row_format=fmt)
         return self._finish_split(self._begin_split(layer, req_ids, topk, H), q, sm_scale)
@@ -170,10 +189,11 @@ class DecodeLayer:
         query: resolve ``topk`` (int32 [T, K]) of ``layer`` for ``req_ids`` (int32 [T])
         now -- the hit phase on the current stream, the miss phase and the staging on the
         stage stream -- so that they run beside the query projection. ``finish`` attends
-        a query of ``num_heads`` heads. Split mode only. A head count the backend
-        refuses is refused here, before the resolve (``finish`` could never attend it)."""
-        if self.overlap is not Overlap.SPLIT:
-            raise ValueError(f"begin/finish are the two halves of a split layer; this layer is {self.overlap.value}")
+        a query of ``num_heads`` heads. Split and auto layers (an auto layer's begun
+        call is split, untimed). A head count the backend refuses is refused here,
+        before the resolve (``finish`` could never attend it)."""
+        if self.overlap is Overlap.SERIAL:
+            raise ValueError("begin/finish are the two halves of a split layer; this layer is serial")
         check_int("num_heads", num_heads, 1)
         if not isinstance(topk, torch.Tensor) or topk.dim() != 2:
             raise ValueError("topk must be an int32 [T, K] tensor")  # the resolve checks the rest

@@ -1,5 +1,6 @@
 """``Overlap``: how a decode layer orders miss staging and attention (serial or split;
-:mod:`hisparse.decode.layer` describes each). Its own module so that naming a
+:mod:`hisparse.decode.layer` describes each; auto runs whichever it measured faster,
+:mod:`hisparse.decode.auto`). Its own module so that naming a
 mode (a config, a command-line choice) loads no kernel and no cache."""
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ class Overlap(enum.Enum):
 
     SERIAL = "serial"
     SPLIT = "split"
+    AUTO = "auto"  # serial or split per (layer, T), whichever measured faster (decode.auto)
 
     @classmethod
     def parse(cls, value: "Overlap | str") -> "Overlap":

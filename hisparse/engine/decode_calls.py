@@ -41,9 +41,9 @@ class DecodeAttention:
         begun = fwd.begun.get(i)
         if begun is not None:  # begin_decode_attention resolved it: attend
             layer, sp = begun
-            if mode is not Overlap.SPLIT or layer.backend is not backend or fwd.resolved[i].key != topk_key(topk_indices):
+            if mode is Overlap.SERIAL or layer.backend is not backend or fwd.resolved[i].key != topk_key(topk_indices):
                 raise ValueError(f"layer {i} was begun with begin_decode_attention: finish it with overlap "
-                                 "'split', the same backend and the same topk_indices tensor")
+                                 "'split' (or 'auto'), the same backend and the same topk_indices tensor")
             out = layer.finish(sp, q, sm_scale=sm_scale)
             del fwd.begun[i]
             fwd.resolved[i] = fwd.resolved[i]._replace(how="attended")

@@ -426,11 +426,12 @@ class HiSparseIndexGroup:
 
     def decode_attention(self, layer_index: int, q: torch.Tensor, topk_indices: torch.Tensor,
                          metadata: SparseMLAMetadata, *, backend, sm_scale: float,
-                         overlap: Overlap | str = "split") -> tuple[torch.Tensor, torch.Tensor]:
+                         overlap: Overlap | str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
         """Decode attention of layer ``layer_index`` with the miss staging hidden behind
         it (``hisparse.decode``): resolves the decode tokens' top-k (int32 [Td, K]) and
         attends ``q`` (bf16 [Td, H, 576]) with ``backend`` over the hits while the misses
-        stage ("split"; "serial" = convert + attend). Returns out bf16
+        stage ("split"; "serial" = convert + attend; "auto", the default: whichever of the
+        two this layer and batch size measured faster, ``hisparse.decode.auto``). Returns out bf16
         [Td, H, 512], lse float32 [Td, H]. Counts as the layer's one resolve of the
         forward (a later conversion of the same layer is refused).
         """

@@ -32,7 +32,7 @@ from .report import format_report
 
 # the choice fields' spellings (the config parses them to its enum members)
 _CHOICES = {"row_format": ["fp8_ds_mla", "bf16"], "cache_kernels": choice_values(Kernels),
-            "overlap": choice_values(Overlap), "ffn": choice_values(FFNKind), "ffn_routing": choice_values(FFNRouting)}
+            "overlap": [v for v in choice_values(Overlap) if v != Overlap.AUTO.value], "ffn": choice_values(FFNKind), "ffn_routing": choice_values(FFNRouting)}
 
 
 # boolean fields as switches: field -> (flag, argparse action, help)

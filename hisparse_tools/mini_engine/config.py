@@ -137,6 +137,10 @@ class MiniEngineConfig:
             if self.validate:
                 raise ValueError(f"{flag} need unchecked mode (--unchecked): checked mode reads device "
                                  "values on the host, which a captured call cannot do")
+        if self.overlap is Overlap.AUTO:
+            raise ValueError("overlap 'auto' picks a mode per layer call from its own timings; the mini engine "
+                             "begins each layer's resolve before its query (begin_decode_attention, a split "
+                             "call) and may capture whole steps: use overlap serial or split")
         if self.layer_graphs:
             if self.graphs:
                 raise ValueError("layer_graphs are for a forward that runs eagerly; with graphs the whole decode "

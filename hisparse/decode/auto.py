@@ -1,0 +1,162 @@
+"""``DecodeLayer(..., overlap="auto")``: run whichever of serial and split is faster, as measured.
+
+Neither mode wins everywhere (BENCHMARKS.md, "One decode layer in a CUDA graph"): split
+hides a staging copy that is shorter than the hit attention, and costs a second
+attention and a merge where there is nothing to hide (every row hot) or more than the
+attention can cover (the copy longer than it, at 80% hits). Where the two cross depends
+on the batch, the hit rate, the backend and the GPU, and the hit rate is only known
+after the resolve. So an auto layer measures instead of predicting.
+
+Rule (``ModeChooser``), per key (layer, T):
+
+- each call's GPU time is the time between CUDA events recorded on the current stream
+  before and after it (the split layer's stage-stream work is joined before its end),
+  read once both have completed (``Event.query``: never a host sync); on a CPU cache,
+  whose calls are synchronous, ``perf_counter`` around the call;
+- until each mode has ``MIN_SAMPLES`` timings (done or on the way) the modes
+  alternate, split first;
+- then the mode with the lower median of its last ``WINDOW`` timings runs; the other
+  runs once every ``EXPLORE_EVERY`` calls of the key (so a change of the hit rate is
+  noticed within a few dozen calls), and the chosen one is timed every
+  ``SAMPLE_EVERY``-th call;
+- while a stream is capturing (an engine capturing its step) nothing is timed and the
+  mode chosen so far runs (split before any timing): the graph keeps that mode.
+
+What it costs: two event records on a timed call (a few us of host time, none of GPU)
+and, while it explores, one call in ``EXPLORE_EVERY`` in the slower mode. Both modes
+leave the cache in the same state, bit for bit; their outputs differ within the
+rounding of the split merge (``decode.layer``).
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+from .overlap import Overlap
+
+MODES = (Overlap.SPLIT, Overlap.SERIAL)  # the order of the first calls
+MIN_SAMPLES = 2  # timings of each mode before the medians decide
+WINDOW = 8  # timings per mode whose median counts
+EXPLORE_EVERY = 32  # calls of a key between two runs of the mode not chosen
+SAMPLE_EVERY = 4  # the chosen mode is timed on every SAMPLE_EVERY-th call
+MAX_PENDING = 8  # timings awaiting their events, per key (a GPU far behind: time fewer)
+
+
+class _Key:
+    """The timings and counters of one (layer, T)."""
+
+    __slots__ = ("times", "pending", "calls", "runs")
+
+    def __init__(self) -> None:
+        self.times = {m: collections.deque(maxlen=WINDOW) for m in MODES}  # us, newest last
+        self.pending: collections.deque = collections.deque()  # (mode, start event, end event)
+        self.calls = 0
+        self.runs = {m: 0 for m in MODES}
+
+    def poll(self, free: list) -> None:
+        """Move the timings whose events completed into ``times`` (oldest first; no
+        sync), their events into ``free``."""
+        while self.pending and self.pending[0][2].query():
+            mode, start, end = self.pending.popleft()
+            self.times[mode].append(start.elapsed_time(end) * 1e3)
+            free += [start, end]
+
+    def best(self) -> Overlap | None:
+        """The mode with the lower median timing, once each has MIN_SAMPLES; else None."""
+        if any(len(self.times[m]) < MIN_SAMPLES for m in MODES):
+            return None
+        return min(MODES, key=lambda m: statistics.median(self.times[m]))
+
+    def choose(self) -> tuple[Overlap, bool]:
+        """(the mode of the next call, whether to time it)."""
+        best = self.best()
+        if best is None:  # alternate until both have their first timings
+            have = {m: len(self.times[m]) + self._pending(m) for m in MODES}
+            short = [m for m in MODES if have[m] < MIN_SAMPLES]
+            if short:
+                return min(short, key=lambda m: have[m]), True  # the fewest first: they alternate
+            return MODES[self.calls % 2], False  # their timings are on the way
+        if self.calls % EXPLORE_EVERY == EXPLORE_EVERY - 1:
+            return (Overlap.SERIAL if best is Overlap.SPLIT else Overlap.SPLIT), True
+        return best, self.calls % SAMPLE_EVERY == 0
+
+    def _pending(self, mode: Overlap) -> int:
+        return sum(1 for p in self.pending if p[0] is mode)
+
+
+class ModeChooser:
+    """The auto mode's timings and choices for one ``DecodeLayer`` (module docstring).
+    ``cuda``: whether its cache is on a CUDA device (events; else ``clock``, seconds,
+    around the call: ``time.perf_counter``)."""
+
+    def __init__(self, cuda: bool, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.cuda = cuda
+        self.clock = clock
+        self.keys: dict[tuple[int, int], _Key] = {}
+        self._events: list = []  # completed timing events, reused
+
+    def mode_now(self, layer: int, T: int) -> Overlap:
+        """The mode a call of (layer, T) that may not be timed runs: the best so far
+        (split before any timing). Changes nothing."""
+        k = self.keys.get((layer, T))
+        best = k.best() if k is not None else None
+        return best if best is not None else Overlap.SPLIT
+
+    def run(self, layer: int, T: int, call: Callable[[Overlap], tuple], *, capturing: bool) -> tuple:
+        """``call(mode)`` in the mode chosen for (layer, T), timed as the rule says.
+        A call that raises changes nothing here (no timing, no counter)."""
+        if capturing:
+            return call(self.mode_now(layer, T))
+        k = self.keys.get((layer, T))
+        if k is None:
+            k = _Key()
+        if self.cuda:
+            k.poll(self._events)
+        mode, timed = k.choose()
+        if timed and self.cuda and len(k.pending) >= MAX_PENDING:
+            timed = False
+        if not timed:
+            out = call(mode)
+        elif self.cuda:
+            start, end = self._event(), self._event()
+            start.record()
+            try:
+                out = call(mode)
+            except BaseException:
+                self._events += [start, end]
+                raise
+            end.record()
+            k.pending.append((mode, start, end))
+        else:
+            t0 = self.clock()
+            out = call(mode)
+            k.times[mode].append((self.clock() - t0) * 1e6)
+        self.keys[(layer, T)] = k
+        k.calls += 1
+        k.runs[mode] += 1
+        return out
+
+    def _event(self):
+        return self._events.pop() if self._events else torch.cuda.Event(enable_timing=True)
+
+    def report(self) -> dict:
+        """Per "layer/T": the mode chosen now (None until both modes are timed), the
+        median us of each mode's recent timings, and the calls that ran each mode."""
+        out = {}
+        for (layer, T), k in sorted(self.keys.items()):
+            if self.cuda:
+                k.poll(self._events)
+            out[f"{layer}/{T}"] = {
+                "chosen": (lambda b: b.value if b is not None else None)(k.best()),
+                "median_us": {m.value: (statistics.median(k.times[m]) if k.times[m] else None) for m in MODES},
+                "runs": {m.value: k.runs[m] for m in MODES},
+            }
+        return out
+
+
+__all__ = ["ModeChooser", "MIN_SAMPLES", "WINDOW", "EXPLORE_EVERY", "SAMPLE_EVERY"]

@@ -1,0 +1,193 @@
+"""``overlap="auto"`` (``hisparse.decode.auto``): the rule on a fake clock, and auto layers
+over real CPU caches (the same cache state as a serial layer, bit for bit; the output
+of whichever mode ran). Its CUDA-event timings: ``tests/test_decode_auto_gpu.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hisparse.attention.reference import ReferenceBackend
+from hisparse.decode import DecodeLayer, Overlap
+from hisparse.decode.auto import EXPLORE_EVERY, MIN_SAMPLES, SAMPLE_EVERY, WINDOW, ModeChooser
+
+from invariants import assert_same, check_cache, snapshot
+from test_decode_layer import I32, SM, STATE, make, qs
+
+SPLIT, SERIAL = Overlap.SPLIT, Overlap.SERIAL
+
+
+class FakeClock:
+    """Seconds that move only inside a call, by the cost given for its mode."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def runner(clock: FakeClock, cost: dict, log: list):
+    def call(mode):
+        log.append(mode)
+        clock.now += cost[mode] * 1e-6
+        return mode
+    return call
+
+
+def test_first_calls_time_both_modes_then_the_faster_runs():
+    clock, log = FakeClock(), []
+    ch = ModeChooser(cuda=False, clock=clock)
+    call = runner(clock, {SPLIT: 120.0, SERIAL: 100.0}, log)
+    for _ in range(2 * MIN_SAMPLES):
+        ch.run(0, 8, call, capturing=False)
+    assert log == [SPLIT, SERIAL] * MIN_SAMPLES  # alternating, split first
+    log.clear()
+    for _ in range(EXPLORE_EVERY):
+        ch.run(0, 8, call, capturing=False)
+    assert log.count(SERIAL) == EXPLORE_EVERY - 1 and log.count(SPLIT) == 1, log  # one exploring call
+    rep = ch.report()["0/8"]
+    assert rep["chosen"] == "serial"
+    assert rep["median_us"] == {"split": pytest.approx(120.0), "serial": pytest.approx(100.0)}
+    assert rep["runs"] == {"split": MIN_SAMPLES + 1, "serial": MIN_SAMPLES + EXPLORE_EVERY - 1}
+
+
+def test_the_choice_follows_a_change_of_costs():
+    """Split becomes the faster mode (e.g. the hit rate fell into split's range): the
+    exploring calls notice it and the choice moves within a few explore periods."""
+    clock, log = FakeClock(), []
+    ch = ModeChooser(cuda=False, clock=clock)
+    cost = {SPLIT: 150.0, SERIAL: 100.0}
+    call = runner(clock, cost, log)
+    for _ in range(3 * EXPLORE_EVERY):
+        ch.run(3, 64, call, capturing=False)
+    assert ch.mode_now(3, 64) is SERIAL
+    cost[SPLIT], cost[SERIAL] = 80.0, 100.0
+    for _ in range((WINDOW + 2) * EXPLORE_EVERY):
+        ch.run(3, 64, call, capturing=False)
+    assert ch.mode_now(3, 64) is SPLIT
+    log.clear()
+    for _ in range(EXPLORE_EVERY):
+        ch.run(3, 64, call, capturing=False)
+    assert log.count(SPLIT) == EXPLORE_EVERY - 1
+
+
+def test_keys_are_per_layer_and_batch_size():
+    clock, log = FakeClock(), []
+    ch = ModeChooser(cuda=False, clock=clock)
+    fast_split = runner(clock, {SPLIT: 50.0, SERIAL: 90.0}, log)
+    fast_serial = runner(clock, {SPLIT: 90.0, SERIAL: 50.0}, log)
+    for _ in range(4 * MIN_SAMPLES):
+        ch.run(0, 4, fast_split, capturing=False)
+        ch.run(0, 64, fast_serial, capturing=False)
+        ch.run(1, 4, fast_serial, capturing=False)
+    assert (ch.mode_now(0, 4), ch.mode_now(0, 64), ch.mode_now(1, 4)) == (SPLIT, SERIAL, SERIAL)
+    assert ch.mode_now(2, 4) is SPLIT  # never seen: split
+
+
+def test_a_capture_keeps_the_mode_chosen_so_far_and_times_nothing():
+    clock, log = FakeClock(), []
+    ch = ModeChooser(cuda=False, clock=clock)
+    call = runner(clock, {SPLIT: 120.0, SERIAL: 100.0}, log)
+    assert ch.run(0, 8, call, capturing=True) is SPLIT  # nothing known: split
+    assert ch.keys == {}
+    for _ in range(2 * MIN_SAMPLES):
+        ch.run(0, 8, call, capturing=False)
+    before = ch.report()
+    for _ in range(5):
+        assert ch.run(0, 8, call, capturing=True) is SERIAL
+    assert ch.report() == before
+
+
+def test_a_call_that_raises_changes_nothing():
+    clock, log = FakeClock(), []
+    ch = ModeChooser(cuda=False, clock=clock)
+    call = runner(clock, {SPLIT: 120.0, SERIAL: 100.0}, log)
+    ch.run(0, 8, call, capturing=False)
+    before = ch.report()
+
+    def bad(mode):
+        clock.now += 1.0
+        raise ValueError("bad input")
+    with pytest.raises(ValueError, match="bad input"):
+        ch.run(0, 8, bad, capturing=False)
+    with pytest.raises(ValueError, match="bad input"):
+        ch.run(5, 2, bad, capturing=False)
+    assert ch.report() == before and set(ch.keys) == {(0, 8)}
+    assert ch.run(0, 8, call, capturing=False) is SERIAL  # the next mode still the one owed
+
+
+def test_the_chosen_mode_is_timed_every_few_calls():
+    clock, log = FakeClock(), []
+    ch = ModeChooser(cuda=False, clock=clock)
+    call = runner(clock, {SPLIT: 120.0, SERIAL: 100.0}, log)
+    for _ in range(2 * MIN_SAMPLES):
+        ch.run(0, 8, call, capturing=False)
+    k = ch.keys[(0, 8)]
+    n0 = len(k.times[SERIAL])
+    calls0 = k.calls
+    for _ in range(4 * SAMPLE_EVERY):
+        ch.run(0, 8, call, capturing=False)
+    timed = sum(1 for c in range(calls0, calls0 + 4 * SAMPLE_EVERY)
+                if c % SAMPLE_EVERY == 0 and c % EXPLORE_EVERY != EXPLORE_EVERY - 1)
+    assert len(k.times[SERIAL]) == min(WINDOW, n0 + timed)
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_auto_layer_keeps_the_serial_state_and_returns_its_modes_outputs(kernels):
+    """Auto runs split, serial, then its choice; after every call the cache is the
+    serial twin's bit for bit, and the output is the one the mode that ran gives."""
+    ca, _ = make(kernels, "fp8_ds_mla")
+    cs, _ = make(kernels, "fp8_ds_mla")
+    auto = DecodeLayer(ca, ReferenceBackend(), kernels=kernels)  # the default
+    assert auto.overlap is Overlap.AUTO
+    serial = DecodeLayer(cs, ReferenceBackend(), overlap="serial", kernels=kernels)
+    ids = torch.tensor([1, 5], dtype=I32)
+    for step in range(4 * MIN_SAMPLES + 2):
+        tk = torch.tensor([[39 - step, 3, 20, 11, 0, 1], [29, 28 - step, 13, 14, 15, 2]], dtype=I32)
+        q = qs(2, step)
+        out, lse = auto(step % 2, ids, tk, q, sm_scale=SM)
+        ref, ref_lse = serial(step % 2, ids, tk, q, sm_scale=SM)
+        torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+        for n in STATE:
+            assert torch.equal(getattr(ca.state, n), getattr(cs.state, n)), (step, n)
+        assert torch.equal(ca.hot, cs.hot)
+        check_cache(ca)
+    rep = auto.auto_report()
+    assert set(rep) == {"0/2", "1/2"}
+    assert all(r["runs"]["split"] >= MIN_SAMPLES and r["runs"]["serial"] >= MIN_SAMPLES for r in rep.values())
+    assert DecodeLayer(ca, ReferenceBackend(), overlap="split").auto_report() == {}
+
+
+def test_auto_layer_refuses_bad_input_before_anything_changes():
+    c, _ = make("torch", "fp8_ds_mla")
+    layer = DecodeLayer(c, ReferenceBackend())
+    before = snapshot(c)
+    with pytest.raises(ValueError, match="rows but q has"):
+        layer(0, torch.tensor([1], dtype=I32), torch.tensor([[0, 1, 2, 3, 4, 5]], dtype=I32), qs(2, 0), sm_scale=SM)
+    with pytest.raises((ValueError, TypeError)):
+        layer(0, torch.tensor([1], dtype=I32), torch.tensor([[0, 1, 2, 3, 4, 5]], dtype=I32), "q", sm_scale=SM)
+    assert_same(snapshot(c), before)
+    assert layer.auto_report() == {}
+
+
+def test_begin_finish_on_an_auto_layer_is_split_and_serial_refuses():
+    c, _ = make("torch", "fp8_ds_mla")
+    layer = DecodeLayer(c, ReferenceBackend(), overlap="auto")
+    ids = torch.tensor([1, 5], dtype=I32)
+    tk = torch.tensor([[39, 3, 20, 11, 0, 1], [29, 28, 13, 14, 15, 2]], dtype=I32)
+    q = qs(2, 1)
+    out, _ = layer.finish(layer.begin(0, ids, tk, num_heads=q.shape[1]), q, sm_scale=SM)
+    assert layer.auto_report() == {}  # a begun call is not timed
+    c2, _ = make("torch", "fp8_ds_mla")
+    ref, _ = DecodeLayer(c2, ReferenceBackend(), overlap="split")(0, ids, tk, q, sm_scale=SM)
+    assert torch.equal(out, ref)
+    with pytest.raises(ValueError, match="this layer is serial"):
+        DecodeLayer(c, ReferenceBackend(), overlap="serial").begin(0, ids, tk, num_heads=q.shape[1])
+
+
+def test_with_backend_shares_the_timings():
+    c, _ = make("torch", "fp8_ds_mla")
+    layer = DecodeLayer(c, ReferenceBackend())
+    assert layer.with_backend(ReferenceBackend()).chooser is layer.chooser
