@@ -361,7 +361,7 @@ def bench_case_periodic(s: Setup, be: SparseMLABackend, hit: float, a: argparse.
         # covers both modes' first timings (decode.auto.MIN_SAMPLES each, and their events)
         auto = DecodeLayer(c, be, overlap=Overlap.AUTO, graphs=cuda)
         res["auto"], _, t, rate = run_steps(lambda: auto(0, s.req, buf, q, sm_scale=sm), trace, buf, t,
-                                            warmup=warm + a.warmup + 4 * MIN_SAMPLES + 2, reps=a.reps,
+                                            warmup=warm + a.warmup + 2 * (MIN_SAMPLES + 2) + 4, reps=a.reps,
                                             flush=s.flush.flush, cache=c, cuda=cuda, eager=True)
         res["auto"]["measured_miss_rate"] = rate
         res["auto"]["choice"] = auto.auto_report()

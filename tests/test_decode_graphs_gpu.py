@@ -100,7 +100,7 @@ def test_graphs_need_unchecked_cuda_calls():
     c = make()
     with pytest.raises(ValueError, match="validate=False"):
         DecodeLayer(c, TritonBackend(validate=False), graphs=True, validate=True)
-    layer = DecodeLayer(c, TritonBackend(validate=True), graphs=True)  # a backend that reads the device
+    layer = DecodeLayer(c, TritonBackend(validate=True), overlap="split", graphs=True)  # a backend that reads the device
     ids = torch.arange(B, dtype=I32, device=DEV)
     rng = random.Random(7)
     q = torch.zeros((B, 128, 576), dtype=torch.bfloat16, device=DEV)

@@ -13,9 +13,14 @@ Rule (``ModeChooser``), per key (layer, T):
   before and after it (the split layer's stage-stream work is joined before its end),
   read once both have completed (``Event.query``: never a host sync); on a CPU cache,
   whose calls are synchronous, ``perf_counter`` around the call;
+- a mode's first ``warm`` calls of a key are not timed: they compile, load and (with
+  ``graphs=True``) run eagerly and capture, so they say nothing of the steady cost
+  (``warm`` = 2 with graphs, else 1);
 - until each mode has ``MIN_SAMPLES`` timings (done or on the way) the modes
   alternate, split first;
-- then the mode with the lower median of its last ``WINDOW`` timings runs; the other
+- then the mode with the lower cost runs -- a mode's cost is the lowest of its last
+  ``WINDOW`` timings, since what disturbs a timing (host gaps while the call is
+  enqueued, other work on the GPU) only ever adds to it; the other
   runs once every ``EXPLORE_EVERY`` calls of the key (so a change of the hit rate is
   noticed within a few dozen calls), and the chosen one is timed every
   ``SAMPLE_EVERY``-th call;
@@ -31,7 +36,6 @@ rounding of the split merge (``decode.layer``).
 from __future__ import annotations
 
 import collections
-import statistics
 import time
 from typing import Callable
 
@@ -40,8 +44,8 @@ import torch
 from .overlap import Overlap
 
 MODES = (Overlap.SPLIT, Overlap.SERIAL)  # the order of the first calls
-MIN_SAMPLES = 2  # timings of each mode before the medians decide
-WINDOW = 8  # timings per mode whose median counts
+MIN_SAMPLES = 3  # timings of each mode before their costs decide
+WINDOW = 8  # recent timings per mode whose lowest is its cost
 EXPLORE_EVERY = 32  # calls of a key between two runs of the mode not chosen
 SAMPLE_EVERY = 4  # the chosen mode is timed on every SAMPLE_EVERY-th call
 MAX_PENDING = 8  # timings awaiting their events, per key (a GPU far behind: time fewer)
@@ -67,23 +71,27 @@ class _Key:
             free += [start, end]
 
     def best(self) -> Overlap | None:
-        """The mode with the lower median timing, once each has MIN_SAMPLES; else None."""
+        """The mode of the lower cost (its lowest recent timing), once each has
+        MIN_SAMPLES timings; else None."""
         if any(len(self.times[m]) < MIN_SAMPLES for m in MODES):
             return None
-        return min(MODES, key=lambda m: statistics.median(self.times[m]))
+        return min(MODES, key=lambda m: min(self.times[m]))
 
-    def choose(self) -> tuple[Overlap, bool]:
-        """(the mode of the next call, whether to time it)."""
+    def choose(self, warm: int) -> tuple[Overlap, bool]:
+        """(the mode of the next call, whether to time it); a mode's first ``warm`` runs
+        are not timed."""
         best = self.best()
         if best is None:  # alternate until both have their first timings
             have = {m: len(self.times[m]) + self._pending(m) for m in MODES}
             short = [m for m in MODES if have[m] < MIN_SAMPLES]
-            if short:
-                return min(short, key=lambda m: have[m]), True  # the fewest first: they alternate
+            if short:  # the fewest first, so that they alternate
+                m = min(short, key=lambda m: (have[m], self.runs[m]))
+                return m, self.runs[m] >= warm
             return MODES[self.calls % 2], False  # their timings are on the way
         if self.calls % EXPLORE_EVERY == EXPLORE_EVERY - 1:
-            return (Overlap.SERIAL if best is Overlap.SPLIT else Overlap.SPLIT), True
-        return best, self.calls % SAMPLE_EVERY == 0
+            m = Overlap.SERIAL if best is Overlap.SPLIT else Overlap.SPLIT
+            return m, self.runs[m] >= warm
+        return best, self.calls % SAMPLE_EVERY == 0 and self.runs[best] >= warm
 
     def _pending(self, mode: Overlap) -> int:
         return sum(1 for p in self.pending if p[0] is mode)
@@ -92,11 +100,13 @@ class _Key:
 class ModeChooser:
     """The auto mode's timings and choices for one ``DecodeLayer`` (module docstring).
     ``cuda``: whether its cache is on a CUDA device (events; else ``clock``, seconds,
-    around the call: ``time.perf_counter``)."""
+    around the call: ``time.perf_counter``); ``warm``: a mode's untimed first runs
+    per key."""
 
-    def __init__(self, cuda: bool, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, cuda: bool, clock: Callable[[], float] = time.perf_counter, warm: int = 1) -> None:
         self.cuda = cuda
         self.clock = clock
+        self.warm = warm  # untimed first runs of each mode per key
         self.keys: dict[tuple[int, int], _Key] = {}
         self._events: list = []  # completed timing events, reused
 
@@ -117,7 +127,7 @@ class ModeChooser:
             k = _Key()
         if self.cuda:
             k.poll(self._events)
-        mode, timed = k.choose()
+        mode, timed = k.choose(self.warm)
         if timed and self.cuda and len(k.pending) >= MAX_PENDING:
             timed = False
         if not timed:
@@ -145,15 +155,15 @@ class ModeChooser:
         return self._events.pop() if self._events else torch.cuda.Event(enable_timing=True)
 
     def report(self) -> dict:
-        """Per "layer/T": the mode chosen now (None until both modes are timed), the
-        median us of each mode's recent timings, and the calls that ran each mode."""
+        """Per "layer/T": the mode chosen now (None until both modes are timed), each
+        mode's cost (the lowest of its recent timings, us) and the calls that ran each mode."""
         out = {}
         for (layer, T), k in sorted(self.keys.items()):
             if self.cuda:
                 k.poll(self._events)
             out[f"{layer}/{T}"] = {
                 "chosen": (lambda b: b.value if b is not None else None)(k.best()),
-                "median_us": {m.value: (statistics.median(k.times[m]) if k.times[m] else None) for m in MODES},
+                "cost_us": {m.value: (min(k.times[m]) if k.times[m] else None) for m in MODES},
                 "runs": {m.value: k.runs[m] for m in MODES},
             }
         return out

@@ -122,7 +122,9 @@ class DecodeLayer:
         self._plans: dict[tuple, MissPlan] = {}
         self._supported: set = set()  # (device, row format, heads) the backend accepted
         self.graphs = DecodeGraphs(cache, max_graphs=max_graphs) if graphs else None
-        self.chooser = ModeChooser(cache.cuda) if self.overlap is Overlap.AUTO else None
+        # auto: a mode's first calls of a key compile, load kernels and (graphs) capture: untimed
+        self.chooser = (ModeChooser(cache.cuda, warm=2 if graphs else 1)
+                        if self.overlap is Overlap.AUTO else None)
 
     def with_backend(self, backend: SparseMLABackend) -> "DecodeLayer":
         """This layer attending with ``backend``: the same cache, mode, checks, kernels
