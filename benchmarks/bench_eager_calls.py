@@ -5,7 +5,8 @@ between samples (so the call never waits for the GPU). Calls:
 
 - ``attention``: ``TritonBackend(validate=False).decode`` over the hot rows;
 - ``resolve``: ``cache.resolve(validate=False)``; ``resolve_checked``: ``cache.resolve()``;
-- ``layer_serial`` / ``layer_split``: ``DecodeLayer(..., overlap=...)`` (resolve + attention);
+- ``layer_serial`` / ``layer_split`` / ``layer_auto``: ``DecodeLayer(..., overlap=...)`` (resolve +
+  attention; auto: the mode it measured faster, ``decode.auto``);
 - ``layer_*_graphs``: the same with ``graphs=True`` (a graph of the whole layer replayed
   per call), given the same tensors every call (read in place), and ``..._copied`` given
   a ring of six (copied into the graph's static inputs every call).
@@ -34,8 +35,9 @@ import torch
 from benchmarks import common
 
 
-CALLS = ("attention", "resolve", "resolve_checked", "layer_serial", "layer_split", "layer_serial_graphs",
-         "layer_serial_graphs_copied", "layer_split_graphs", "layer_split_graphs_copied")
+CALLS = ("attention", "resolve", "resolve_checked", "layer_serial", "layer_split", "layer_auto", "layer_serial_graphs",
+         "layer_serial_graphs_copied", "layer_split_graphs", "layer_split_graphs_copied", "layer_auto_graphs",
+         "layer_auto_graphs_copied")
 
 
 def _setup(B: int, K: int, context: int, dev: torch.device):
@@ -98,10 +100,21 @@ def main(argv=None) -> int:
         "layer_serial": lambda: serial(0, req, topk, q, sm_scale=scale),
         "layer_split": lambda: split(0, req, topk, q, sm_scale=scale),
     }
+    auto = None
+    try:  # the auto mode (a tree without it measures the rest)
+        auto = DecodeLayer(cache, be, overlap="auto")
+        calls["layer_auto"] = lambda: auto(0, req, topk, q, sm_scale=scale)
+    except ValueError:
+        pass
     try:  # whole layers as graphs replayed from the eager call (a tree without them measures the rest)
         graphed = {m: DecodeLayer(cache, be, overlap=m, graphs=True) for m in ("serial", "split")}
     except TypeError:
         graphed = {}
+    try:
+        if graphed:
+            graphed["auto"] = DecodeLayer(cache, be, overlap="auto", graphs=True)
+    except ValueError:
+        pass
     # inputs: the same tensors every call (read in place once their addresses recur), or
     # a ring of more tensors than the graphs remember (copied into the static buffers each call)
     ring = [(topk.clone(), q.clone()) for _ in range(6)]
@@ -173,13 +186,17 @@ def main(argv=None) -> int:
         counts = hk.direct_launch_counts()
         print("launches direct / through the JIT per kernel: "
               + ", ".join(f"{k} {v['direct']}/{v['jit']}" for k, v in counts.items()))
+    autos = {n: lay.auto_report() for n, lay in (("layer_auto", auto), ("layer_auto_graphs", graphed.get("auto")))
+             if lay is not None}
+    if autos:
+        print("auto: " + "; ".join(f"{n} {r}" for n, r in autos.items()))
     graph_counts = {m: layer.graphs.report() for m, layer in graphed.items()}
     if graph_counts:
         print("layer graphs: " + "; ".join(f"{m} {r}" for m, r in graph_counts.items()))
     if o.out:
         common.write_json(o.out, {"environment": common.environment(dev), "args": vars(o), "paths": paths,
                                   "direct_off_reason": why_not, "calls": rows, "launch_counts": counts,
-                                  "layer_graphs": graph_counts})
+                                  "layer_graphs": graph_counts, "auto": autos})
     return 0
 
 
