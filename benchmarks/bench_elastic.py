@@ -17,7 +17,9 @@ does, then attention; the same rows) and that conversion alone; a graph of one
 one-element kernel (the floor of a graph node here);
 hisparse serial and split and the resolve alone, captured on the cache's resident path
 (``CacheGraphs.resident_capture``: the graphs ``engine.layer_graphs`` replays while
-every live request is resident); hisparse serial and the resolve alone captured on the
+every live request is resident; a backend with a paged lookup -- Triton -- maps the
+top-k in the attention, ``serial_unfused`` is the same layer with the resident resolve
+as its own kernel, ``DecodeLayer(..., fuse_lookup=False)``); hisparse serial and the resolve alone captured on the
 full path (the graph that is correct whatever the residency); the overhead (hisparse -
 resident) in us and as a ratio; whether the resident path's serial layer meets the
 target max(3 us, 3%); the largest output difference from resident (0: same rows, same
@@ -140,6 +142,7 @@ def bench_case(s: Setup, be, a: argparse.Namespace) -> dict:
     one = torch.zeros(1, device=dev)
     res["one_node"], _ = timed(lambda: one.add_(1), s, a, restore=False)
     layers = {m: DecodeLayer(c, be, overlap=Overlap.parse(m)) for m in ("serial", "split")}
+    layers["serial_unfused"] = DecodeLayer(c, be, overlap=Overlap.SERIAL, fuse_lookup=False)
     with c.graphs.resident_capture():  # graphs of the resident path (what the per-layer graphs replay here)
         for m, layer in layers.items():
             res[m], out = timed(lambda layer=layer: layer(0, s.req, s.topk, q, sm_scale=sm), s, a,
@@ -154,7 +157,7 @@ def bench_case(s: Setup, be, a: argparse.Namespace) -> dict:
     res["resolve_full_alone"], _ = timed(lambda: c.resolve(0, s.req, s.topk, validate=False), s, a,
                                          restore=False)
     r0, rc = res["resident"]["median_us"], res["resident_convert"]["median_us"]
-    for m in ("serial", "split", "serial_full"):
+    for m in ("serial", "split", "serial_unfused", "serial_full"):
         over = res[m]["median_us"] - r0
         res[m]["ratio_vs_resident"] = res[m]["median_us"] / r0
         res[m]["overhead_us"] = over
@@ -174,7 +177,7 @@ def main(argv=None) -> int:
     report = {"benchmark": "bench_elastic", "env": common.environment(dev), "args": vars(a), "cases": [],
               "target": f"overhead <= max({TARGET_US} us, {TARGET_RATIO:.0%} of resident)"}
     print(f"{'backend':8s} {'B':>4s} {'resident us':>12s} {'serial us':>10s} {'x':>6s} {'split us':>9s} "
-          f"{'x':>6s} {'resolve us':>11s} {'full-path us':>13s} {'x':>6s} {'res+conv us':>12s} {'x':>6s} "
+          f"{'x':>6s} {'unfused us':>11s} {'x':>6s} {'resolve us':>11s} {'full-path us':>13s} {'x':>6s} {'res+conv us':>12s} {'x':>6s} "
           f"{'conv us':>8s} {'node us':>8s}  target", flush=True)
     for B in a.batch:
         s = Setup(B, a.context, a, dev)
@@ -190,7 +193,8 @@ def main(argv=None) -> int:
             ok = "met" if r["serial"]["meets_target"] else "MISSED"
             print(f"{name:8s} {B:4d} {r['resident']['median_us']:12.1f} {r['serial']['median_us']:10.1f} "
                   f"{r['serial']['ratio_vs_resident']:6.3f} {r['split']['median_us']:9.1f} "
-                  f"{r['split']['ratio_vs_resident']:6.3f} {r['resolve_alone']['median_us']:11.1f} "
+                  f"{r['split']['ratio_vs_resident']:6.3f} {r['serial_unfused']['median_us']:11.1f} "
+                  f"{r['serial_unfused']['ratio_vs_resident']:6.3f} {r['resolve_alone']['median_us']:11.1f} "
                   f"{r['serial_full']['median_us']:13.1f} {r['serial_full']['ratio_vs_resident']:6.3f} "
                   f"{r['resident_convert']['median_us']:12.1f} {r['serial']['ratio_vs_resident_convert']:6.3f} "
                   f"{r['convert_alone']['median_us']:8.1f} {r['one_node']['median_us']:8.1f}  {ok} "

@@ -23,6 +23,7 @@ import triton
 from .._checks import check_bool, check_int, device_type, interpreter_mode, sm_count
 from ..formats import BF16_ROW_BYTES, FP8_ROW_BYTES, RowFormat
 from ..kernels.gluon_support import gluon_ws_problem
+from .paged import PagedLookup, check_paged
 from .triton_plan import DecodePlan, call_signature
 from .base import (DecodeInputs, Phase, SparseMLABackend, heads_reason,
                    validate_decode_inputs, validate_prefill_inputs)
@@ -438,28 +439,49 @@ class TritonBackend(SparseMLABackend):
 
     plans_sms = True
 
-    def decode(self, q, kv_rows, indices, *, valid_counts=None, sm_scale, row_format, sms=None):
+    def decode(self, q, kv_rows, indices, *, valid_counts=None, sm_scale, row_format, sms=None, paged=None):
         """As ``SparseMLABackend.decode``; ``sms`` plans the launch for that many SMs
         (``run_sparse_mla``). Unchecked (``validate=False``), a call with the metadata
         of one this backend checked and planned before (``triton_plan.call_signature``)
-        runs that plan without checking or planning again."""
+        runs that plan without checking or planning again.
+
+        ``paged`` (an ``attention.paged.PagedLookup``, a cache's tables): ``indices`` are
+        the top-k's logical positions (int32 [T, K], -1 = padding), which the kernel maps
+        to rows of ``kv_rows`` itself, writing the resident resolve's physical rows and
+        counters (``kernels.paged_rows``); no valid counts; their ranges are the cache's
+        to check, not this backend's. Not with ``wide`` configs."""
         sig = None
         if not self.validate:
             sig = call_signature(q, kv_rows, indices, valid_counts, sm_scale, row_format, sms)
+            if sig is not None and paged is not None:
+                sig = (sig, paged.signature()) if type(paged) is PagedLookup else None
             plan = self._plans.get(sig) if sig is not None else None
             if plan is not None and plan.config is self.config and plan.interpreter is self.allow_interpreter:
-                return plan.run(q, kv_rows, indices, valid_counts, sm_scale)
+                return plan.run(q, kv_rows, indices, valid_counts, sm_scale, paged)
         inp = validate_decode_inputs(q, kv_rows, indices, valid_counts=valid_counts,
                                      sm_scale=sm_scale, row_format=row_format,
-                                     check_ranges=self.validate)
+                                     check_ranges=self.validate and paged is None)
+        if paged is not None:
+            if valid_counts is not None:
+                raise ValueError("a paged decode takes no valid_counts: the kernel maps every entry itself")
+            check_paged(paged, inp.q.shape[0], inp.indices.shape[1], inp.q.device)
         self._check_supported(inp.q.device, inp.row_format, inp.num_heads, Phase.DECODE)
-        plan = DecodePlan(inp, self.config, sms, kv_as_bf16=inp.kv_rows is not kv_rows)
+        plan = DecodePlan(inp, self.config, sms, kv_as_bf16=inp.kv_rows is not kv_rows, paged=paged)
         if sig is not None:
             if len(self._plans) >= PLANS_KEPT:
                 self._plans.clear()
             plan.interpreter = self.allow_interpreter
             self._plans[sig] = plan
-        return plan.run(inp.q, kv_rows, inp.indices, inp.valid_counts, inp.sm_scale)
+        return plan.run(inp.q, kv_rows, inp.indices, inp.valid_counts, inp.sm_scale, paged)
+
+    def paged_problem(self, T: int, H: int, K: int, *, device, row_format, kv_rows=None) -> str | None:
+        """Why ``decode(..., paged=)`` can't run a decode of this shape over ``kv_rows``
+        here (None: it can): the ``wide`` kernel has no paged prologue."""
+        device = torch.device(device)
+        if T == 0 or K == 0:
+            return "an empty decode launches nothing"
+        cfg = self.config or default_config(T, H, K, device, row_format, kv_rows=kv_rows)
+        return "the wide kernel has no paged lookup" if cfg.wide else None
 
     def decode_programs(self, T, H, K, *, device, row_format):
         """The programs of the (first) launch of a ws-kernel decode, whose programs each

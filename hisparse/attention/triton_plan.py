@@ -21,6 +21,7 @@ alignment is the launches' key.
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -33,6 +34,7 @@ from ..kernels.fast_launch import fast
 from ..kernels.mla_decode import sparse_mla_combine_kernel, sparse_mla_decode_kernel
 from ..kernels.mla_decode_wide import sparse_mla_decode_wide_kernel
 from .base import D_V, DecodeInputs, empty_result
+from .paged import PagedLookup
 
 LOG2E = 1.4426950408889634
 _TENSOR = torch.Tensor
@@ -67,12 +69,19 @@ def call_signature(q: object, kv_rows: object, indices: object, valid_counts: ob
         return None
 
 
+def _params(kernel) -> list[str]:
+    """The kernel's parameter names in order (a JIT, Gluon or interpreted function)."""
+    return list(inspect.signature(kernel.fn).parameters)
+
+
 class _Launch:
-    """One decode launch (+ the split combine) for tokens [lo, hi) of a plan."""
+    """One decode launch (+ the split combine) for tokens [lo, hi) of a plan; ``paged``:
+    the indices are positions that the kernel maps itself (``kernels.paged_rows``)."""
 
-    __slots__ = ("lo", "hi", "sliced", "T", "splits", "ints", "main", "combine")
+    __slots__ = ("lo", "hi", "sliced", "T", "splits", "ints", "main", "combine", "paged", "lead", "heads")
 
-    def __init__(self, inp: DecodeInputs, cfg, lo: int, hi: int, splits: int, kv: torch.Tensor) -> None:
+    def __init__(self, inp: DecodeInputs, cfg, lo: int, hi: int, splits: int, kv: torch.Tensor,
+                 paged: PagedLookup | None = None) -> None:
         from . import triton_backend as TB  # its helpers (it imports this module)
         q, idx = inp.q, inp.indices
         T_all, H, _ = q.shape
@@ -99,19 +108,36 @@ class _Launch:
             kw = dict(HAS_VC=has_vc, IS_FP8=inp.row_format is RowFormat.FP8_DS_MLA, NUM_SPLITS=self.splits,
                       BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, ISOLATE_QK=cfg.isolate_qk, PREFETCH=prefetch,
                       num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        self.paged = paged is not None
+        self.heads = grid[1]
+        self.lead = ()
+        if paged is not None:
+            # the paged arguments follow the constexprs: those before PAGED go positionally,
+            # then PAGED itself, then the call's tables (run)
+            names = _params(kernel)
+            between = names[names.index("qk_scale_log2") + 1:names.index("PAGED")]
+            self.lead = tuple(kw.pop(n) for n in between) + (True,)
+            kw.update(PQ=paged.max_query_len, PCH=paged.scan_chunk, STAT_INVALID=paged.stat_invalid,
+                      STAT_RESOLVES=paged.stat_resolves, STAT_RESIDENT=paged.stat_resident)
         self.main = fast(kernel).bind(grid, kw)
         self.combine = None
         if self.splits > 1:
             self.combine = fast(sparse_mla_combine_kernel).bind(
                 (self.T, H), dict(NUM_SPLITS=self.splits, SPLITS_P2=triton.next_power_of_2(self.splits), num_warps=4))
 
-    def run(self, q, kv, idx, vc, out, lse, scale_log2: float) -> None:
+    def run(self, q, kv, idx, vc, out, lse, scale_log2: float, paged: PagedLookup | None = None,
+            scratch: torch.Tensor | None = None) -> None:
         """q bf16 [T, H, 576], kv rows, idx int32 [T, K], vc int32 [T] | None, out bf16
-        [T, H, 512] and lse f32 [T, H] of the whole call: this launch's token rows."""
+        [T, H, 512] and lse f32 [T, H] of the whole call: this launch's token rows.
+        ``paged``: idx holds positions, mapped through these tables (the call's whole
+        top-k and request ids: the kernel offsets them by this launch's first token;
+        ``scratch`` int32 [T (head blocks - 1), K]: the rows of head blocks 1..)."""
         if self.sliced:
             lo, hi = self.lo, self.hi
-            q, idx, out, lse = q[lo:hi], idx[lo:hi], out[lo:hi], lse[lo:hi]
-            vc = vc[lo:hi] if vc is not None else None
+            q, out, lse = q[lo:hi], out[lo:hi], lse[lo:hi]
+            if not self.paged:
+                idx = idx[lo:hi]
+                vc = vc[lo:hi] if vc is not None else None
         if self.combine is not None:
             H = self.ints[2]
             part_out = torch.empty((self.T, self.splits, H, D_V), dtype=torch.float32, device=q.device)
@@ -120,8 +146,16 @@ class _Launch:
             part_out, part_lse = out, lse  # unused by the kernel
         # what the plan does not fix: the alignment of the buffers allocated per call
         key = (out.data_ptr() & 15, lse.data_ptr() & 15, part_out.data_ptr() & 15, part_lse.data_ptr() & 15)
-        self.main(key, q, kv, idx, vc if vc is not None else idx, out, lse, part_out, part_lse, *self.ints,
-                  scale_log2)
+        if self.paged:
+            p = paged
+            self.main(key, q, kv, idx, idx, out, lse, part_out, part_lse, *self.ints, scale_log2, *self.lead,
+                      self.lo, p.req_ids, p.id_to_slot, p.id_to_slot.shape[0], p.seq_lens.shape[0], p.resident,
+                      p.seq_lens, p.page_table, p.page_table.stride(0), p.page_table.shape[1], p.pool_base,
+                      p.page_rows, p.num_pages, p.stats, p.physical, p.physical.stride(0),
+                      scratch if scratch is not None else p.physical)
+        else:
+            self.main(key, q, kv, idx, vc if vc is not None else idx, out, lse, part_out, part_lse, *self.ints,
+                      scale_log2)
         if self.combine is not None:
             self.combine(key, part_out, part_lse, out, lse, self.ints[2])
 
@@ -131,9 +165,11 @@ class DecodePlan:
     docstring). ``config``: the config the plan was made for (None: ``default_config``),
     which its owner compares before reusing it."""
 
-    __slots__ = ("T", "H", "K", "device", "config", "cfg", "kv_as_bf16", "launches", "cuda_device", "interpreter")
+    __slots__ = ("T", "H", "K", "device", "config", "cfg", "kv_as_bf16", "launches", "cuda_device", "interpreter",
+                 "paged")
 
-    def __init__(self, inp: DecodeInputs, config, sms: int | None, *, kv_as_bf16: bool = False) -> None:
+    def __init__(self, inp: DecodeInputs, config, sms: int | None, *, kv_as_bf16: bool = False,
+                 paged: PagedLookup | None = None) -> None:
         from . import triton_backend as TB  # its helpers (it imports this module)
         q, kv, idx = inp.q, inp.kv_rows, inp.indices
         self.T, self.H, _ = q.shape
@@ -149,6 +185,7 @@ class DecodePlan:
                 sms = None
         self.launches: tuple = ()
         self.cfg = None
+        self.paged = paged is not None
         if self.T == 0 or self.K == 0:
             return
         cfg = config
@@ -161,6 +198,8 @@ class DecodePlan:
         elif TB.isolate_problem(cfg, dev) is not None:
             raise ValueError(f"TritonMLAConfig(isolate_qk=True) cannot run here: "
                              f"{TB.isolate_problem(cfg, dev)}; use isolate_qk=False or wide=True")
+        if paged is not None and cfg.wide:
+            raise ValueError("paged lookups run on the tiled and warp-specialised kernels, not wide=True")
         self.cfg = cfg
         T, H, K = self.T, self.H, self.K
         splits = cfg.num_splits if cfg.num_splits is not None else TB.auto_splits(T, H, K, cfg, dev, sms=sms)
@@ -168,13 +207,15 @@ class DecodePlan:
         tail, tail_splits = TB._tail_plan(T, H, K, cfg, splits, dev, sms)
         # the tail launch runs after the first one (same stream), split so that its
         # programs fill one wave of SMs
-        self.launches = tuple(_Launch(inp, cfg, lo, hi, s, kv)
+        self.launches = tuple(_Launch(inp, cfg, lo, hi, s, kv, paged)
                               for lo, hi, s in ((0, T - tail, splits), (T - tail, T, tail_splits)) if hi > lo)
 
     def run(self, q: torch.Tensor, kv_rows: torch.Tensor, indices: torch.Tensor,
-            valid_counts: torch.Tensor | None, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+            valid_counts: torch.Tensor | None, sm_scale: float,
+            paged: PagedLookup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Launch over tensors with the plan's metadata (the caller's promise: checked, or
-        of the signature the plan was made for). Returns out bf16 [T, H, 512], lse f32 [T, H]."""
+        of the signature the plan was made for; ``paged`` given exactly when the plan was
+        made with it). Returns out bf16 [T, H, 512], lse f32 [T, H]."""
         if not self.launches:
             return empty_result(self.T, self.H, self.device)
         if self.kv_as_bf16:
@@ -182,9 +223,14 @@ class DecodePlan:
         out = torch.empty((self.T, self.H, D_V), dtype=torch.bfloat16, device=self.device)
         lse = torch.empty((self.T, self.H), dtype=torch.float32, device=self.device)
         scale = sm_scale * LOG2E
+        scratch = None
+        if paged is not None:
+            hb = self.launches[0].heads
+            if hb > 1:  # head blocks 1.. map their entries here (head block 0 into paged.physical)
+                scratch = torch.empty((self.T * (hb - 1), self.K), dtype=torch.int32, device=self.device)
         with on_device(self.cuda_device):
             for launch in self.launches:
-                launch.run(q, kv_rows, indices, valid_counts, out, lse, scale)
+                launch.run(q, kv_rows, indices, valid_counts, out, lse, scale, paged, scratch)
         return out, lse
 
 

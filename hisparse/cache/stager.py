@@ -309,6 +309,20 @@ class Stager:
         ev.record(cur, cap)
         return ev.event
 
+    def run_paged(self, layer: int, launch):
+        """``run_resident`` with the resolve folded into another launch: ``launch()``
+        enqueues a kernel that maps the top-k itself (``kernels.paged_rows``) on the
+        current stream, ordered as the resident resolve would be (after the layer's
+        earlier staging work; under capture the current stream then joins the host
+        mirror's). Returns what ``launch`` returns."""
+        cs = self.streams
+        cur, cap = cs.current(), cs.capturing()
+        cs.stage[layer].wait_by(cur, cap)
+        got = launch()
+        if cap:
+            cs.backup.wait_by(cur, cap)
+        return got
+
     def run_split(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor, out: ResolveBuffers,
                   hit: torch.Tensor, miss_lists: tuple, *, host_rows: torch.Tensor,
                   hot_rows: torch.Tensor, compact: bool, copy_shape: CopyShape | None = None):

@@ -18,7 +18,9 @@ Both leave the cache in the same state, bit for bit, and return the same attenti
 (split within the rounding of one merge of bf16 partials). When the cache's resolve
 takes its resident path (every live request resident in the elastic tier:
 ``CacheGraphs.resident_resolve``), nothing can miss and both modes run the same
-two launches on the current stream: the resident resolve, then one attention. The
+work on the current stream: one attention that maps the top-k through the page table
+itself (``HiSparseCache.resolve_paged``, a backend with ``paged_problem``: Triton), or
+the resident resolve and then the attention (other backends, ``fuse_lookup=False``). The
 hit attention runs on any backend (``attention.base.SparseMLABackend``: Triton,
 FlashMLA, FlashInfer, the reference); the miss side runs our Triton kernels (their
 torch references on CPU). Graph capturable with ``validate=False``: fixed shapes, no
@@ -98,12 +100,15 @@ class DecodeLayer:
     check its inputs (``TritonBackend(validate=False)``, ``FlashMLABackend(check_ranges=False)``).
     ``graphs=True`` (a CUDA cache, ``validate=False``): calls replay a graph of the whole
     layer call per (layer, shape), at most ``max_graphs`` of them (``decode.graphs``).
+    ``fuse_lookup``: on the resident path, a backend that can (``paged_problem``) maps the
+    top-k itself instead of a resident resolve kernel in front of it (False: the two
+    launches, as for other backends).
     """
 
     def __init__(self, cache: HiSparseCache, backend: SparseMLABackend, *,
                  overlap: Overlap | str = Overlap.AUTO, validate: bool = False,
                  kernels: str = "auto", miss_config: MissConfig | None = None,
-                 graphs: bool = False, max_graphs: int = MAX_GRAPHS) -> None:
+                 graphs: bool = False, max_graphs: int = MAX_GRAPHS, fuse_lookup: bool = True) -> None:
         if not isinstance(cache, HiSparseCache):
             raise TypeError(f"cache must be a HiSparseCache, got {type(cache).__name__}")
         if not isinstance(backend, SparseMLABackend):
@@ -122,6 +127,8 @@ class DecodeLayer:
         self._plans: dict[tuple, MissPlan] = {}
         self._supported: set = set()  # (device, row format, heads) the backend accepted
         self.graphs = DecodeGraphs(cache, max_graphs=max_graphs) if graphs else None
+        self.fuse_lookup = check_bool("fuse_lookup", fuse_lookup)
+        self._paged: dict = {}  # (layer, T, H, K) -> whether the backend maps the resident top-k itself
         # auto: a mode's first calls of a key compile, load kernels and (graphs) capture: untimed
         self.chooser = (ModeChooser(cache.cuda, warm=2 if graphs else 1)
                         if self.overlap is Overlap.AUTO else None)
@@ -132,7 +139,7 @@ class DecodeLayer:
         the head count, not on the backend), for a caller that gets a new backend object
         per forward."""
         layer = DecodeLayer(self.cache, backend, overlap=self.overlap, validate=self.validate,
-                            kernels=self.kernels, miss_config=self.miss_config)
+                            kernels=self.kernels, miss_config=self.miss_config, fuse_lookup=self.fuse_lookup)
         layer._plans = self._plans
         layer.graphs = self.graphs  # their keys hold the backend: this one's are its own
         layer.chooser = self.chooser  # auto: the timings go on
@@ -181,10 +188,27 @@ class DecodeLayer:
         T, H = q.shape[0], q.shape[1]
         if isinstance(topk, torch.Tensor) and topk.dim() == 2 and topk.shape[0] != T:
             raise ValueError(f"topk has {topk.shape[0]} rows but q has T={T} tokens")
-        if mode is Overlap.SERIAL or c.graphs.resident_resolve():
+        resident = c.graphs.resident_resolve()
+        if resident and self._fuses(layer, topk, hot, q, fmt):
+            return c.resolve_paged(layer, req_ids, topk, lambda paged: self.backend.decode(
+                q, hot, topk, sm_scale=sm_scale, row_format=fmt, paged=paged), validate=self.validate)
+        if mode is Overlap.SERIAL or resident:
             res = c.resolve(layer, req_ids, topk, validate=self.validate)
             return self.backend.decode(q, hot, res.physical, sm_scale=sm_scale, row_format=fmt)
         return self._finish_split(self._begin_split(layer, req_ids, topk, H), q, sm_scale)
+
+    def _fuses(self, layer: int, topk, hot: torch.Tensor, q: torch.Tensor, fmt: RowFormat) -> bool:
+        """Whether the resident path of this call maps the top-k in the attention
+        (``fuse_lookup`` and a backend whose ``paged_problem`` is None for the shape)."""
+        problem = getattr(self.backend, "paged_problem", None)
+        if not self.fuse_lookup or problem is None or not isinstance(topk, torch.Tensor) or topk.dim() != 2:
+            return False
+        T, K, H = topk.shape[0], topk.shape[1], q.shape[1]
+        key = (layer, T, H, K)
+        ok = self._paged.get(key)
+        if ok is None:
+            ok = self._paged[key] = problem(T, H, K, device=hot.device, row_format=fmt, kv_rows=hot) is None
+        return ok
 
     def begin(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor, *, num_heads: int) -> SplitLaunch:
         """The first half of a split layer, for an engine that has the top-k before the

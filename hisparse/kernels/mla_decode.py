@@ -29,9 +29,16 @@ import triton.language as tl
 
 from .mla_blocks import (LN2, attend_block, entries, finish, load_q, load_rows, prefetch_block,
                          softmax_state, split_range, store_tiles)
+from .paged_rows import PAGED_CHUNK, paged_row_ptr, paged_rows_tl
+
+# the paged lookup's sizes, offsets and state views vary between caches, layers and calls:
+# specialising on them would compile a kernel per value class
+PAGED_NO_SPECIALIZE = ["t0", "max_request_id", "R", "pt_stride", "MP", "pool_base", "PB", "NPG", "phys_stride"]
+PAGED_NO_ALIGNMENT = ["req_ids_ptr", "id_to_slot_ptr", "resident_ptr", "seq_lens_ptr", "pt_ptr", "stats_ptr",
+                      "phys_ptr", "scratch_ptr"]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PAGED_NO_SPECIALIZE, do_not_specialize_on_alignment=PAGED_NO_ALIGNMENT)
 def sparse_mla_decode_kernel(
     q_ptr,  # bf16 [T, H, 576], last-dim stride 1
     kv_ptr,  # uint8 [N, 656] (IS_FP8) or bf16 [N, 576]; last-dim stride 1
@@ -54,6 +61,31 @@ def sparse_mla_decode_kernel(
     BLOCK_N: tl.constexpr,
     ISOLATE_QK: tl.constexpr = False,  # each q . k^T dot in its own one-trip loop (``scores``)
     PREFETCH: tl.constexpr = 0,  # L2-prefetch the rows PREFETCH blocks ahead (0 = off; GPU only)
+    # paged lookups (``paged_rows``): idx_ptr holds the top-k's positions of every token of
+    # the call (int32 [T_all, K], row stride idx_stride), mapped in the prologue
+    PAGED: tl.constexpr = False,
+    t0=0,  # this launch's first token in the call (the top-k, request ids and rows are the call's)
+    req_ids_ptr=None,  # int32 [T_all]
+    id_to_slot_ptr=None,  # int32 [max_request_id]
+    max_request_id=0,
+    R=0,
+    resident_ptr=None,  # int32 [R]
+    seq_lens_ptr=None,  # int32 [R] of the layer
+    pt_ptr=None,  # int32 [R, MP] page table (row stride pt_stride)
+    pt_stride=0,
+    MP=0,
+    pool_base=0,
+    PB=1,
+    NPG=0,
+    stats_ptr=None,  # int64 [NUM_STATS] of the layer
+    phys_ptr=None,  # int32 [>= T_all, >= K] the resolve's physical rows (row stride phys_stride), output
+    phys_stride=0,
+    scratch_ptr=None,  # int32 [T_all * (head blocks - 1), K], output
+    PQ: tl.constexpr = 1,  # max_query_len
+    PCH: tl.constexpr = 64,  # request ids scanned per step (resolve._token_group)
+    STAT_INVALID: tl.constexpr = 2,
+    STAT_RESOLVES: tl.constexpr = 4,
+    STAT_RESIDENT: tl.constexpr = 6,
 ):
     t = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
@@ -65,7 +97,15 @@ def sparse_mla_decode_kernel(
     lo, hi = split_range(vc_ptr, t, sp, rows_per_split, K, HAS_VC)
 
     m_i, l_i, acc = softmax_state(BLOCK_H, 4, 128)
-    idx_row = idx_ptr + t * idx_stride
+    if PAGED:
+        tg = (t0 + t).to(tl.int32)
+        idx_row = paged_row_ptr(tg, hb, tl.num_programs(1), K, phys_ptr, phys_stride, scratch_ptr)
+        paged_rows_tl(tg, hb, sp, lo, hi, idx_ptr, idx_stride, req_ids_ptr, id_to_slot_ptr, max_request_id, R,
+                      resident_ptr, seq_lens_ptr, pt_ptr, pt_stride, MP, pool_base, PB, NPG, stats_ptr, idx_row,
+                      STAT_INVALID, STAT_RESOLVES, STAT_RESIDENT, PQ, PCH, PAGED_CHUNK)
+        tl.debug_barrier()  # every thread's row stores before any thread's loads of them
+    else:
+        idx_row = idx_ptr + t * idx_stride
     # a runtime 1 for ISOLATE_QK's one-trip loops (lo >= 0 always; lo depends on the
     # program id, so the compiler cannot fold the loops away, whatever K is specialised to)
     one = (lo >= 0).to(tl.int32)

@@ -39,6 +39,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_
                                                               mbarrier, warpgroup_mma,
                                                               warpgroup_mma_wait)
 
+from .mla_decode import PAGED_NO_ALIGNMENT, PAGED_NO_SPECIALIZE
+from .paged_rows import PAGED_CHUNK, paged_row_ptr_gl, paged_rows_gl
+
 BLOCK_H = 64
 LOG2_LN2 = gl.constexpr(0.6931471805599453)  # ln(2): base-2 lse -> natural log
 # Two Gluon builtins renamed after Triton 3.6, same operations: the CTA-wide barrier
@@ -123,7 +126,7 @@ def _issue_raw(kv_ptr, idx_c, idx_s, idx_r, N, kv_stride, codes_slot, scales_slo
 
 
 @gluon.jit
-def _producer(kv_ptr, idx_ptr, vc_ptr, N, K, kv_stride, idx_stride, rows_per_split,
+def _producer(kv_ptr, idx_row, vc_ptr, N, K, kv_stride, rows_per_split,
               codes_raw, scales_raw, rope_raw, k_lo, k_hi, k_rope,
               ready, empty, HAS_VC: gl.constexpr, BLOCK_N: gl.constexpr,
               STAGES: gl.constexpr, RAW: gl.constexpr):
@@ -133,7 +136,6 @@ def _producer(kv_ptr, idx_ptr, vc_ptr, N, K, kv_stride, idx_stride, rows_per_spl
     t = gl.program_id(0).to(gl.int64)
     sp = gl.program_id(2)
     lo, hi, n_blocks = _ws_range(vc_ptr, t, sp, rows_per_split, K, HAS_VC, BLOCK_N)
-    idx_row = idx_ptr + t * idx_stride
     # fill the first RAW - 1 raw slots; one commit group per block (empty groups too, so
     # that wait_group(RAW - 1) below always means "block j has landed")
     for b in gl.static_range(RAW - 1):
@@ -182,8 +184,8 @@ def _producer(kv_ptr, idx_ptr, vc_ptr, N, K, kv_stride, idx_stride, rows_per_spl
 
 
 @gluon.jit
-def _consume(q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, ready, empty, idx_ptr,
-             out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, vc_ptr, N, K, H, idx_stride,
+def _consume(q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, ready, empty, idx_row,
+             out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, vc_ptr, N, K, H,
              rows_per_split, qk_scale_log2, PART: gl.constexpr, HAS_VC: gl.constexpr,
              NUM_SPLITS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """One consumer warpgroup: all of q . k^T, output columns [256 PART, 256 PART + 256)."""
@@ -191,7 +193,6 @@ def _consume(q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, ready, empty, idx_ptr,
     hb = gl.program_id(1)
     sp = gl.program_id(2)
     lo, hi, n_blocks = _ws_range(vc_ptr, t, sp, rows_per_split, K, HAS_VC, BLOCK_N)
-    idx_row = idx_ptr + t * idx_stride
     s_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                   instr_shape=[16, BLOCK_N, 16])
     o_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -251,16 +252,16 @@ def _consume(q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, ready, empty, idx_ptr,
 
 
 @gluon.jit
-def _consumer1(q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, ready, empty, idx_ptr,
-               out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, vc_ptr, N, K, H, idx_stride,
+def _consumer1(q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, ready, empty, idx_row,
+               out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, vc_ptr, N, K, H,
                rows_per_split, qk_scale_log2, HAS_VC: gl.constexpr, NUM_SPLITS: gl.constexpr,
                BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    _consume(q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, ready, empty, idx_ptr,
-             out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, vc_ptr, N, K, H, idx_stride,
+    _consume(q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, ready, empty, idx_row,
+             out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, vc_ptr, N, K, H,
              rows_per_split, qk_scale_log2, 1, HAS_VC, NUM_SPLITS, BLOCK_N, STAGES)
 
 
-@gluon.jit
+@gluon.jit(do_not_specialize=PAGED_NO_SPECIALIZE, do_not_specialize_on_alignment=PAGED_NO_ALIGNMENT)
 def sparse_mla_decode_ws_kernel(
     q_ptr,  # bf16 [T, H, 576], last-dim stride 1
     kv_ptr,  # uint8 [N, 656] fp8_ds_mla rows, 16-byte aligned rows
@@ -283,6 +284,13 @@ def sparse_mla_decode_ws_kernel(
     RAW: gl.constexpr,  # raw (cp.async) ring slots: the producer gathers RAW - 1 blocks ahead
     PRODUCER_REGS: gl.constexpr,
     CONSUMER_REGS: gl.constexpr,
+    # paged lookups (``paged_rows``; the arguments of ``mla_decode.sparse_mla_decode_kernel``)
+    PAGED: gl.constexpr = False,
+    t0=0, req_ids_ptr=None, id_to_slot_ptr=None, max_request_id=0, R=0, resident_ptr=None, seq_lens_ptr=None,
+    pt_ptr=None, pt_stride=0, MP=0, pool_base=0, PB=1, NPG=0, stats_ptr=None, phys_ptr=None, phys_stride=0,
+    scratch_ptr=None,
+    PQ: gl.constexpr = 1, PCH: gl.constexpr = 64,
+    STAT_INVALID: gl.constexpr = 2, STAT_RESOLVES: gl.constexpr = 4, STAT_RESIDENT: gl.constexpr = 6,
 ):
     t = gl.program_id(0).to(gl.int64)
     hb = gl.program_id(1)
@@ -314,21 +322,31 @@ def sparse_mla_decode_ws_kernel(
     rope_raw = gl.allocate_shared_memory(gl.bfloat16, [RAW, BLOCK_N, 64], plain2)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    if PAGED:  # this program's entries mapped to rows, stored before the barrier below
+        sp = gl.program_id(2)
+        tg = (t0 + t).to(gl.int32)
+        idx_row = paged_row_ptr_gl(tg, hb, gl.num_programs(1), K, phys_ptr, phys_stride, scratch_ptr)
+        p_lo, p_hi, _n = _ws_range(vc_ptr, t, sp, rows_per_split, K, HAS_VC, BLOCK_N)
+        paged_rows_gl(tg, hb, sp, p_lo, p_hi, idx_ptr, idx_stride, req_ids_ptr, id_to_slot_ptr, max_request_id,
+                      R, resident_ptr, seq_lens_ptr, pt_ptr, pt_stride, MP, pool_base, PB, NPG, stats_ptr, idx_row,
+                      STAT_INVALID, STAT_RESOLVES, STAT_RESIDENT, PQ, PCH, PAGED_CHUNK)
+    else:
+        idx_row = idx_ptr + t * idx_stride
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=2)  # both consumers release a slot
     fence_async_shared()  # q's stores and the barrier inits -> async proxy / other warps
-    cta_barrier()  # ... and every warp sees them before the partitions start
+    cta_barrier()  # ... and every warp sees them (and the paged rows) before the partitions start
 
     gl.warp_specialize([
-        (_consume, (q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, ready, empty, idx_ptr,
-                    out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, vc_ptr, N, K, H, idx_stride,
+        (_consume, (q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, ready, empty, idx_row,
+                    out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, vc_ptr, N, K, H,
                     rows_per_split, qk_scale_log2, 0, HAS_VC, NUM_SPLITS, BLOCK_N, STAGES)),
-        (_consumer1, (q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, ready, empty, idx_ptr,
+        (_consumer1, (q_lo, q_hi, q_rope, k_lo, k_hi, k_rope, ready, empty, idx_row,
                       out_ptr, lse_ptr, part_out_ptr, part_lse_ptr, vc_ptr, N, K, H,
-                      idx_stride, rows_per_split, qk_scale_log2, HAS_VC, NUM_SPLITS, BLOCK_N,
+                      rows_per_split, qk_scale_log2, HAS_VC, NUM_SPLITS, BLOCK_N,
                       STAGES)),
-        (_producer, (kv_ptr, idx_ptr, vc_ptr, N, K, kv_stride, idx_stride, rows_per_split,
+        (_producer, (kv_ptr, idx_row, vc_ptr, N, K, kv_stride, rows_per_split,
                      codes_raw, scales_raw, rope_raw, k_lo, k_hi, k_rope,
                      ready, empty, HAS_VC, BLOCK_N, STAGES, RAW)),
     ], [4, 4], [CONSUMER_REGS, PRODUCER_REGS])

@@ -1,0 +1,143 @@
+"""The resident resolve folded into the decode (``kernels.paged_rows``,
+``TritonBackend.decode(..., paged=)``, ``HiSparseCache.resolve_paged``, ``DecodeLayer``'s
+resident path), on CPU under Triton's interpreter.
+
+Against the resident resolve kernel followed by the same attention over its physical
+rows, on caches built alike, over randomized batches (query groups, padding,
+out-of-range entries, ids not live, repeated runs, offsets past max_query_len), with
+several head blocks (the scratch rows) and KV splits (the split ranges and the
+per-run counter): outputs bitwise equal, the same physical rows written, the same
+counters; no other state touched. Then the refusals, and ``DecodeLayer`` choosing the
+fused path (and not for a backend without one). The warp-specialised kernel's prologue
+runs on the GPU only: ``tests/test_paged_decode_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+
+from hisparse.attention.paged import PagedLookup
+from hisparse.attention.reference import ReferenceBackend
+from hisparse.attention.triton_backend import TritonBackend, TritonMLAConfig
+from hisparse.cache.cache import HiSparseCache
+from hisparse.decode import DecodeLayer
+from hisparse.formats import RowFormat
+from invariants import check_cache
+from test_resolve_resident import _batch, _fp8_rows, pooled
+
+I32 = torch.int32
+SM = 576 ** -0.5
+STATE = ("slot_pos", "slot_stamp", "row_slot", "step", "seq_lens", "page_table", "resident", "stats")
+
+
+def _cache(seed: int, kernels: str = "triton") -> HiSparseCache:
+    rng = random.Random(seed)
+    c = HiSparseCache(pooled(pages=12, row_bytes=656), kernels=kernels)
+    for i, rid in enumerate((3, 7, 0, 9)):
+        c.add_request(rid)
+        for layer in range(2):  # lengths differ per layer; across page boundaries
+            n = rng.choice([1, 5, 63, 64, 65, 130]) + layer
+            c.write(layer, rid, _fp8_rows(n, 100 * i + layer + 1000 * seed))
+    assert c.graphs.resident_resolve()
+    return c
+
+
+def _backend(H: int) -> TritonBackend:
+    # 16-head blocks (3 of them at H = 40: head blocks 1 and 2 map into the scratch rows)
+    # and 2 KV splits of 16-entry blocks
+    cfg = TritonMLAConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, num_splits=2)
+    return TritonBackend(config=cfg, validate=False, allow_interpreter=True)
+
+
+@pytest.mark.parametrize("seed,H", [(0, 40), (1, 16), (2, 40)])
+def test_paged_decode_equals_resolve_then_decode(seed, H):
+    rng = random.Random(seed)
+    a, b = _cache(seed), _cache(seed)
+    be = _backend(H)
+    Q, K = a.cfg.max_query_len, a.cfg.top_k
+    for it in range(3):
+        layer = it % 2
+        ids, topk = _batch(rng, a, layer, Q, K)
+        while ids.numel() > a.cfg.max_tokens:  # what the resolve's checks refuse
+            ids, topk = _batch(rng, a, layer, Q, K)
+        T = ids.numel()
+        q = (torch.randn((T, H, 576), generator=torch.Generator().manual_seed(it)) * 0.5).to(torch.bfloat16)
+        res = a.resolve(layer, ids, topk, validate=False)
+        want = be.decode(q, a.hot_rows(layer), res.physical, sm_scale=SM, row_format=RowFormat.FP8_DS_MLA)
+        before = copy.deepcopy(b.state)
+        got = b.resolve_paged(layer, ids, topk, lambda p: be.decode(
+            q, b.hot_rows(layer), topk, sm_scale=SM, row_format=RowFormat.FP8_DS_MLA, paged=p), validate=False)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (seed, it)
+        assert torch.equal(b._out(layer, T, K).physical, res.physical)  # what a demotion reads
+        assert torch.equal(b.state.stats, a.state.stats)
+        for name in STATE[:-1]:
+            assert torch.equal(getattr(b.state, name), getattr(before, name)), name
+        assert b.requests.epochs == a.requests.epochs
+    check_cache(b)
+
+
+def test_decode_layer_maps_the_resident_topk_in_the_attention():
+    a, b = _cache(5), _cache(5)
+    be = _backend(40)
+    calls = []
+    real = b.resolve_paged
+    b.resolve_paged = lambda *x, **k: calls.append(1) or real(*x, **k)
+    fused = DecodeLayer(b, be, overlap="serial")
+    plain = DecodeLayer(a, be, overlap="serial", fuse_lookup=False)
+    ids = torch.tensor([3, 3, 7, 9], dtype=I32)
+    tk = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7], [64, 3, -1, 2, 1, 0, 5, 4], [1, 0, -1, -1, 3, 2, 4, 5],
+                       [5, 4, 3, 2, 1, 0, -1, 7]], dtype=I32)
+    q = (torch.randn((4, 40, 576), generator=torch.Generator().manual_seed(0)) * 0.5).to(torch.bfloat16)
+    for layer in range(2):
+        o1, l1 = fused(layer, ids, tk, q, sm_scale=SM)
+        o0, l0 = plain(layer, ids, tk, q, sm_scale=SM)
+        assert torch.equal(o1, o0) and torch.equal(l1, l0)
+    assert calls == [1, 1]
+    assert torch.equal(a.state.stats, b.state.stats)
+    # a backend without a paged lookup takes the resolve, then the attention
+    ref = DecodeLayer(b, ReferenceBackend(), overlap="serial")
+    ref(0, ids, tk, q, sm_scale=SM)
+    assert calls == [1, 1]
+
+
+def test_paged_refusals():
+    c = _cache(6)
+    be = _backend(16)
+    ids = torch.tensor([3], dtype=I32)
+    tk = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7]], dtype=I32)
+    q = torch.zeros((1, 16, 576), dtype=torch.bfloat16)
+    got = []
+    c.resolve_paged(0, ids, tk, lambda p: got.append(p), validate=False)
+    (p,) = got
+    assert isinstance(p, PagedLookup) and p.physical.shape[1] >= 8
+    with pytest.raises(ValueError, match="no valid_counts"):
+        be.decode(q, c.hot_rows(0), tk, valid_counts=torch.ones(1, dtype=I32), sm_scale=SM,
+                  row_format="fp8_ds_mla", paged=p)
+    with pytest.raises(TypeError, match="PagedLookup"):
+        TritonBackend(validate=True, allow_interpreter=True).decode(q, c.hot_rows(0), tk, sm_scale=SM,
+                                                                    row_format="fp8_ds_mla", paged=(1, 2))
+    with pytest.raises(ValueError, match="req_ids"):
+        be.decode(q, c.hot_rows(0), tk, sm_scale=SM, row_format="fp8_ds_mla",
+                  paged=p._replace(req_ids=torch.zeros(2, dtype=I32)))
+    with pytest.raises(ValueError, match="page_rows"):
+        be.decode(q, c.hot_rows(0), tk, sm_scale=SM, row_format="fp8_ds_mla", paged=p._replace(page_rows=0))
+    wide = TritonBackend(config=TritonMLAConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, wide=True),
+                         allow_interpreter=True)
+    assert wide.paged_problem(1, 16, 8, device="cpu", row_format="fp8_ds_mla") is not None
+    with pytest.raises(ValueError, match="not wide"):
+        wide.decode(q, c.hot_rows(0), tk, sm_scale=SM, row_format="fp8_ds_mla", paged=p)
+    assert be.paged_problem(1, 16, 8, device="cpu", row_format="fp8_ds_mla") is None
+    # off the resident path: refused before anything
+    c2 = HiSparseCache(_nopool(), kernels="torch")
+    with pytest.raises(ValueError, match="every live request resident"):
+        c2.resolve_paged(0, ids, tk, lambda p: None)
+
+
+def _nopool():
+    from hisparse import HiSparseConfig
+    return HiSparseConfig(num_layers=2, host_pool_tokens=1024, row_bytes=656, top_k=8, device_buffer_size=24,
+                          max_num_reqs=4, max_query_len=3, host_block_size=4, max_request_id=12, device="cpu")
