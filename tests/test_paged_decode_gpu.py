@@ -30,7 +30,7 @@ DEV = torch.device("cuda")
 
 def _cache(seed: int, reqs: int, top_k: int = 64) -> HiSparseCache:
     rng = random.Random(seed)
-    cfg = pooled(pages=4 * reqs + 8, row_bytes=656, top_k=top_k, device_buffer_size=2 * top_k, max_num_reqs=reqs,
+    cfg = pooled(pages=4 * reqs + 8, row_bytes=656, top_k=top_k, device_buffer_size=3 * top_k, max_num_reqs=reqs,
                  max_request_id=2 * reqs + 4, host_pool_tokens=512 * reqs, device="cuda")
     c = HiSparseCache(cfg, kernels="triton")
     for i in range(reqs):

@@ -40,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_
                                                               warpgroup_mma_wait)
 
 from .mla_decode import PAGED_NO_ALIGNMENT, PAGED_NO_SPECIALIZE
-from .paged_rows import PAGED_CHUNK, paged_row_ptr_gl, paged_rows_gl
+from .paged_rows import PAGED_CHUNK_GL, paged_row_ptr_gl, paged_rows_gl
 
 BLOCK_H = 64
 LOG2_LN2 = gl.constexpr(0.6931471805599453)  # ln(2): base-2 lse -> natural log
@@ -329,7 +329,7 @@ def sparse_mla_decode_ws_kernel(
         p_lo, p_hi, _n = _ws_range(vc_ptr, t, sp, rows_per_split, K, HAS_VC, BLOCK_N)
         paged_rows_gl(tg, hb, sp, p_lo, p_hi, idx_ptr, idx_stride, req_ids_ptr, id_to_slot_ptr, max_request_id,
                       R, resident_ptr, seq_lens_ptr, pt_ptr, pt_stride, MP, pool_base, PB, NPG, stats_ptr, idx_row,
-                      STAT_INVALID, STAT_RESOLVES, STAT_RESIDENT, PQ, PCH, PAGED_CHUNK)
+                      STAT_INVALID, STAT_RESOLVES, STAT_RESIDENT, PQ, PCH, PAGED_CHUNK_GL)
     else:
         idx_row = idx_ptr + t * idx_stride
     for i in gl.static_range(STAGES):

@@ -33,7 +33,11 @@ from triton.experimental.gluon import language as gl
 
 from .resolve import _page_row, _token_group
 
-PAGED_CHUNK = tl.constexpr(256)  # entries a prologue maps per iteration
+PAGED_CHUNK = tl.constexpr(256)  # entries the tl prologue maps per iteration
+# entries the Gluon prologue maps per iteration: a whole split of the default shapes at
+# once, so that its loads are all in flight together (the prologue runs before any
+# attention work of the program; at 256 a 2048-entry split took 8 dependent rounds)
+PAGED_CHUNK_GL = tl.constexpr(2048)
 
 
 @triton.jit
@@ -151,4 +155,4 @@ def paged_rows_gl(tg, hb, sp, lo, hi, topk_ptr, topk_stride, req_ids_ptr, id_to_
                 gl.atomic_add(stats_ptr + STAT_RESOLVES, (off * 0 + 1).to(gl.int64), sem="relaxed")
 
 
-__all__ = ["PAGED_CHUNK", "paged_rows_tl", "paged_rows_gl"]
+__all__ = ["PAGED_CHUNK", "PAGED_CHUNK_GL", "paged_row_ptr", "paged_row_ptr_gl", "paged_rows_tl", "paged_rows_gl"]
