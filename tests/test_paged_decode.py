@@ -131,6 +131,9 @@ def test_paged_refusals():
     with pytest.raises(ValueError, match="not wide"):
         wide.decode(q, c.hot_rows(0), tk, sm_scale=SM, row_format="fp8_ds_mla", paged=p)
     assert be.paged_problem(1, 16, 8, device="cpu", row_format="fp8_ds_mla") is None
+    one = TritonBackend(config=TritonMLAConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, num_splits=1),
+                        allow_interpreter=True)  # 2048 entries a program: the resolve's own kernel is faster
+    assert "2048 entries a program" in one.paged_problem(64, 16, 2048, device="cpu", row_format="fp8_ds_mla")
     # off the resident path: refused before anything
     c2 = HiSparseCache(_nopool(), kernels="torch")
     with pytest.raises(ValueError, match="every live request resident"):

@@ -356,6 +356,12 @@ def _tail_plan(T: int, H: int, K: int, cfg: TritonMLAConfig, splits: int, dev: t
     return wave_tail_plan(T, math.ceil(H / cfg.block_h), K, cfg.block_n, check_sms(sms, dev))
 
 
+# the most entries of a row one program maps in its prologue where a decode maps its own
+# top-k (paged_problem): at 512 (B = 16, 4 splits) mapping in the prologue was faster than
+# the resolve's own kernel, at 2048 (B = 64, one split) slower (H100, bench_elastic)
+PAGED_ENTRIES_MAX = 512
+
+
 def _rows_per_split(K: int, splits: int, block_n: int) -> tuple[int, int]:
     """(rows per split, splits): a multiple of block_n; splits that would get no rows dropped."""
     rows = math.ceil(math.ceil(K / splits) / block_n) * block_n
@@ -475,13 +481,23 @@ class TritonBackend(SparseMLABackend):
         return plan.run(inp.q, kv_rows, inp.indices, inp.valid_counts, inp.sm_scale, paged)
 
     def paged_problem(self, T: int, H: int, K: int, *, device, row_format, kv_rows=None) -> str | None:
-        """Why ``decode(..., paged=)`` can't run a decode of this shape over ``kv_rows``
-        here (None: it can): the ``wide`` kernel has no paged prologue."""
+        """Why a decode of this shape over ``kv_rows`` should not map its top-k itself
+        (``decode(..., paged=)``) here; None: it should. The ``wide`` kernel has no paged
+        prologue, and a program whose share of a row is longer than ``PAGED_ENTRIES_MAX``
+        spends longer mapping it, before it attends, than the resident resolve's own
+        kernel takes (BENCHMARKS.md, "The elastic tier (H100)")."""
         device = torch.device(device)
         if T == 0 or K == 0:
             return "an empty decode launches nothing"
         cfg = self.config or default_config(T, H, K, device, row_format, kv_rows=kv_rows)
-        return "the wide kernel has no paged lookup" if cfg.wide else None
+        if cfg.wide:
+            return "the wide kernel has no paged lookup"
+        splits = cfg.num_splits if cfg.num_splits is not None else auto_splits(T, H, K, cfg, device)
+        rows = _rows_per_split(K, splits, cfg.block_n)[0]
+        if rows > PAGED_ENTRIES_MAX:
+            return (f"{rows} entries a program (K = {K} over {splits} KV splits): more than "
+                    f"{PAGED_ENTRIES_MAX} to map before attending")
+        return None
 
     def decode_programs(self, T, H, K, *, device, row_format):
         """The programs of the (first) launch of a ws-kernel decode, whose programs each
