@@ -57,8 +57,7 @@ common.interpret_dry_run(with_gpu=True)  # before hisparse loads (a dry run stay
 from hisparse import HiSparseConfig  # noqa: E402
 from hisparse.attention import FlashMLABackend, Phase, SparseMLABackend, TritonBackend  # noqa: E402
 from hisparse.cache import HiSparseCache  # noqa: E402
-from hisparse.decode import DecodeLayer, Overlap  # noqa: E402
-from hisparse.decode.auto import EXPLORE_EVERY, MIN_SAMPLES  # noqa: E402
+from hisparse.decode import DecodeLayer, ModeChooser, Overlap  # noqa: E402
 from hisparse.formats import RowFormat, quantize_fp8_ds_mla  # noqa: E402
 
 STATE = ("slot_pos", "slot_stamp", "row_slot", "step", "stats", "seq_lens")
@@ -362,7 +361,7 @@ def bench_case_periodic(s: Setup, be: SparseMLABackend, hit: float, a: argparse.
         # timed steps are the steady state; each rep's sleep makes its timing GPU time only
         auto = DecodeLayer(c, be, overlap=Overlap.AUTO, graphs=cuda)
         res["auto"], _, t, rate = run_steps(lambda: auto(0, s.req, buf, q, sm_scale=sm), trace, buf, t,
-                                            warmup=warm + a.warmup + 2 * (MIN_SAMPLES + 2) + 2 * EXPLORE_EVERY,
+                                            warmup=warm + a.warmup + 2 * (ModeChooser.MIN_SAMPLES + 2) + 2 * ModeChooser.EXPLORE_EVERY,
                                             reps=a.reps,
                                             flush=s.flush.flush, cache=c, cuda=cuda, eager=True)
         res["auto"]["measured_miss_rate"] = rate

@@ -8,6 +8,8 @@
   ``gluon_ws_problem``: why its warp-specialised kernel can't run here, or None),
   ``FlashMLABackend`` (ops from vllm / sgl_kernel or a library path),
   ``FlashInferBackend`` (``flashinfer_version``: the installed one, or None).
+- ``PagedLookup``: a cache's tables through which ``TritonBackend.decode(..., paged=)``
+  maps a resident batch's top-k itself (``paged``; ``HiSparseCache.resolve_paged``).
 - ``miss``: the miss side of a split decode (``merge_lse``, ``miss_attention_merge``);
   ``miss_attention_merge`` and ``plan_miss_attention`` (its launch shape and scratch,
   planned once) are exported here too.
@@ -41,7 +43,7 @@ _EXPORTS = {
     "get_backend": "chooser", "describe": "chooser",
     "Phase": "base", "SparseMLABackend": "base",
     "ReferenceBackend": "reference",
-    "TritonBackend": "triton_backend", "TritonMLAConfig": "triton_backend",
+    "TritonBackend": "triton_backend", "TritonMLAConfig": "triton_backend", "PagedLookup": "paged",
     "default_config": "triton_backend",
     "gluon_ws_problem": "triton_backend",
     "FlashMLABackend": "flashmla",

@@ -103,6 +103,8 @@ class ModeChooser:
     around the call: ``time.perf_counter``); ``warm``: a mode's untimed first runs
     per key."""
 
+    MIN_SAMPLES, EXPLORE_EVERY, SAMPLE_EVERY, WINDOW = MIN_SAMPLES, EXPLORE_EVERY, SAMPLE_EVERY, WINDOW  # the rule's
+
     def __init__(self, cuda: bool, clock: Callable[[], float] = time.perf_counter, warm: int = 1) -> None:
         self.cuda = cuda
         self.clock = clock
