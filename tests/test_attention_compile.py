@@ -23,6 +23,7 @@ from hisparse.formats import RowFormat
 from hisparse.kernels import mla_decode as M
 from hisparse.kernels import mla_decode_wide as MW
 from ptx_checks import ex2_args_from_fma, resource_usage
+from compile_args import unpaged_args
 
 def compile_decode(fp8, bh, splits):
     cfg = DEFAULT_CONFIGS[(RowFormat.FP8_DS_MLA if fp8 else RowFormat.BF16, bh)]
@@ -39,6 +40,10 @@ def compile_decode(fp8, bh, splits):
               "BLOCK_N": cfg.block_n, "ISOLATE_QK": cfg.isolate_qk, "PREFETCH": cfg.prefetch}
     if cfg.wide:  # the fused-tile body always isolates its dots
         del sig["ISOLATE_QK"], consts["ISOLATE_QK"]
+    else:  # the tiled body's paged-lookup parameters, unused (compile_args)
+        psig, pconsts = unpaged_args()
+        sig.update(psig)
+        consts.update(pconsts)
     names = list(sig)
     # what the launcher specializes at run time: 16-aligned pointers, strides and sizes
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)

@@ -27,6 +27,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from hisparse.attention.triton_backend import WS_MAXNREG, ws_consumer_regs
 from hisparse.kernels.mla_decode_ws import sparse_mla_decode_ws_kernel
 from ptx_checks import cp_async_after_shared_read, ex2_args_from_fma
+from compile_args import unpaged_args
 
 out = []
 for bn, stages, raw, preg, splits in json.loads(sys.argv[1]):
@@ -38,6 +39,9 @@ for bn, stages, raw, preg, splits in json.loads(sys.argv[1]):
     consts = dict(HAS_VC=True, NUM_SPLITS=splits, BLOCK_N=bn, STAGES=stages, RAW=raw,
                   PRODUCER_REGS=preg, CONSUMER_REGS=ws_consumer_regs(preg))
     sig.update({k: "constexpr" for k in consts})
+    psig, pconsts = unpaged_args()  # the paged-lookup parameters, unused (compile_args)
+    sig.update(psig)
+    consts.update(pconsts)
     names = list(sig)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if sig[n].startswith("*") or n in ("K", "q_stride_t", "q_stride_h", "kv_stride",

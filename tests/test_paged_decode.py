@@ -144,3 +144,64 @@ def _nopool():
     from hisparse import HiSparseConfig
     return HiSparseConfig(num_layers=2, host_pool_tokens=1024, row_bytes=656, top_k=8, device_buffer_size=24,
                           max_num_reqs=4, max_query_len=3, host_block_size=4, max_request_id=12, device="cpu")
+
+
+_SM90_PAGED = r'''
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from hisparse.kernels.gluon_support import gluon_ws_problem
+from hisparse.kernels.mla_decode import sparse_mla_decode_kernel
+from ptx_checks import resource_usage
+
+BASE = {"q_ptr": "*bf16", "kv_ptr": "*u8", "idx_ptr": "*i32", "vc_ptr": "*i32", "out_ptr": "*bf16",
+        "lse_ptr": "*fp32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "N": "i32", "K": "i32", "H": "i32",
+        "q_stride_t": "i32", "q_stride_h": "i32", "kv_stride": "i32", "idx_stride": "i32",
+        "rows_per_split": "i32", "qk_scale_log2": "fp32"}
+PAGED = {"PAGED": "constexpr", "t0": "i32", "req_ids_ptr": "*i32", "id_to_slot_ptr": "*i32", "max_request_id": "i32",
+         "R": "i32", "resident_ptr": "*i32", "seq_lens_ptr": "*i32", "pt_ptr": "*i32", "pt_stride": "i32",
+         "MP": "i32", "pool_base": "i32", "PB": "i32", "NPG": "i32", "stats_ptr": "*i64", "phys_ptr": "*i32",
+         "phys_stride": "i32", "scratch_ptr": "*i32", "PQ": "constexpr", "PCH": "constexpr",
+         "STAT_INVALID": "constexpr", "STAT_RESOLVES": "constexpr", "STAT_RESIDENT": "constexpr"}
+PCONST = dict(PAGED=True, PQ=2, PCH=256, STAT_INVALID=2, STAT_RESOLVES=4, STAT_RESIDENT=6)
+
+
+def compile_one(fn, consts, src_cls, options):
+    sig = dict(BASE)
+    sig.update({k: "constexpr" for k in consts})
+    sig.update(PAGED)
+    consts = {**consts, **PCONST}
+    names = list(sig)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if n in ("q_ptr", "kv_ptr", "idx_ptr", "out_ptr", "lse_ptr", "part_out_ptr", "part_lse_ptr")}
+    k = triton.compile(src_cls(fn=fn, signature=sig, constexprs=consts, attrs=attrs),
+                       target=GPUTarget("cuda", 90, 32), options=options)
+    ptx = k.asm["ptx"]
+    return {"atom": ptx.count("atom.") + ptx.count("red."), "usage": resource_usage(k.asm["cubin"])[-200:]}
+
+
+out = {"tl": compile_one(sparse_mla_decode_kernel, dict(HAS_VC=False, IS_FP8=True, NUM_SPLITS=2, BLOCK_H=64,
+                                                        BLOCK_N=32, ISOLATE_QK=False, PREFETCH=0),
+                         ASTSource, dict(num_warps=8, num_stages=1))}
+if gluon_ws_problem() is None:
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from hisparse.attention.triton_backend import WS_MAXNREG, ws_consumer_regs
+    from hisparse.kernels.mla_decode_ws import sparse_mla_decode_ws_kernel
+    out["ws"] = compile_one(sparse_mla_decode_ws_kernel, dict(HAS_VC=False, NUM_SPLITS=1, BLOCK_N=32, STAGES=2,
+                                                              RAW=2, PRODUCER_REGS=72,
+                                                              CONSUMER_REGS=ws_consumer_regs(72)),
+                            GluonASTSource, dict(num_warps=4, maxnreg=WS_MAXNREG))
+print(json.dumps(out))
+'''
+
+
+def test_paged_kernels_compile_for_sm90():
+    """The paged variants of the tl and warp-specialised kernels compile for sm90 (ptxas
+    from the Triton wheel, no GPU), their counters' atomics in the code."""
+    from attention_common import run_sm90_compile
+    from hisparse.kernels.gluon_support import gluon_ws_problem
+    got = run_sm90_compile(_SM90_PAGED, timeout=600)
+    assert got["tl"]["atom"] >= 3, got
+    if gluon_ws_problem() is None:
+        assert got["ws"]["atom"] >= 3, got

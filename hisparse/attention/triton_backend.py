@@ -483,7 +483,7 @@ class TritonBackend(SparseMLABackend):
     def paged_problem(self, T: int, H: int, K: int, *, device, row_format, kv_rows=None) -> str | None:
         """Why a decode of this shape over ``kv_rows`` should not map its top-k itself
         (``decode(..., paged=)``) here; None: it should. The ``wide`` kernel has no paged
-        prologue, and a program whose share of a row is longer than ``PAGED_ENTRIES_MAX``
+        prologue, on CUDA only the warp-specialised kernel's was measured, and a program whose share of a row is longer than ``PAGED_ENTRIES_MAX``
         spends longer mapping it, before it attends, than the resident resolve's own
         kernel takes (BENCHMARKS.md, "The elastic tier (H100)")."""
         device = torch.device(device)
@@ -492,6 +492,9 @@ class TritonBackend(SparseMLABackend):
         cfg = self.config or default_config(T, H, K, device, row_format, kv_rows=kv_rows)
         if cfg.wide:
             return "the wide kernel has no paged lookup"
+        if device.type == "cuda" and not cfg.ws:  # decode(..., paged=) runs, bitwise equal, but unmeasured
+            return ("measured with the warp-specialised kernel only (the tl kernel's paged variant spills 16 "
+                    "bytes at 64-head blocks under Triton 3.6)")
         splits = cfg.num_splits if cfg.num_splits is not None else auto_splits(T, H, K, cfg, device)
         rows = _rows_per_split(K, splits, cfg.block_n)[0]
         if rows > PAGED_ENTRIES_MAX:

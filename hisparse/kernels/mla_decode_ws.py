@@ -40,7 +40,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_
                                                               warpgroup_mma_wait)
 
 from .mla_decode import PAGED_NO_ALIGNMENT, PAGED_NO_SPECIALIZE
-from .paged_rows import PAGED_CHUNK_GL, paged_row_ptr_gl, paged_rows_gl
+from .paged_rows_gl import PAGED_CHUNK_GL, paged_row_ptr_gl, paged_rows_gl
 
 BLOCK_H = 64
 LOG2_LN2 = gl.constexpr(0.6931471805599453)  # ln(2): base-2 lse -> natural log
