@@ -35,12 +35,19 @@ def runner(clock: FakeClock, cost: dict, log: list):
     return call
 
 
-def test_first_calls_time_both_modes_then_the_faster_runs():
+def _timed_both(cost: dict | None = None):
+    """A chooser (no untimed runs) after the first calls of key (0, 8), with the clock,
+    the call and the log of modes run."""
     clock, log = FakeClock(), []
     ch = ModeChooser(cuda=False, clock=clock, warm=0)
-    call = runner(clock, {SPLIT: 120.0, SERIAL: 100.0}, log)
+    call = runner(clock, cost or {SPLIT: 120.0, SERIAL: 100.0}, log)
     for _ in range(2 * MIN_SAMPLES):
         ch.run(0, 8, call, capturing=False)
+    return ch, call, log
+
+
+def test_first_calls_time_both_modes_then_the_faster_runs():
+    ch, call, log = _timed_both()
     assert log == [SPLIT, SERIAL] * MIN_SAMPLES  # alternating, split first
     log.clear()
     for _ in range(EXPLORE_EVERY):
@@ -140,11 +147,7 @@ def test_the_first_runs_of_each_mode_are_not_timed(warm):
 
 
 def test_the_chosen_mode_is_timed_every_few_calls():
-    clock, log = FakeClock(), []
-    ch = ModeChooser(cuda=False, clock=clock, warm=0)
-    call = runner(clock, {SPLIT: 120.0, SERIAL: 100.0}, log)
-    for _ in range(2 * MIN_SAMPLES):
-        ch.run(0, 8, call, capturing=False)
+    ch, call, _ = _timed_both()
     k = ch.keys[(0, 8)]
     n0 = len(k.times[SERIAL])
     calls0 = k.calls
