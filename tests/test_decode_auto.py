@@ -39,7 +39,7 @@ def _timed_both(cost: dict | None = None):
     """A chooser (no untimed runs) after the first calls of key (0, 8), with the clock,
     the call and the log of modes run."""
     clock, log = FakeClock(), []
-    ch = ModeChooser(cuda=False, clock=clock, warm=0)
+    ch = ModeChooser("cpu", clock=clock, warm=0)
     call = runner(clock, cost or {SPLIT: 120.0, SERIAL: 100.0}, log)
     for _ in range(2 * MIN_SAMPLES):
         ch.run(0, 8, call, capturing=False)
@@ -63,7 +63,7 @@ def test_the_choice_follows_a_change_of_costs():
     """Split becomes the faster mode (e.g. the hit rate fell into split's range): the
     exploring calls notice it and the choice moves within a few explore periods."""
     clock, log = FakeClock(), []
-    ch = ModeChooser(cuda=False, clock=clock, warm=0)
+    ch = ModeChooser("cpu", clock=clock, warm=0)
     cost = {SPLIT: 150.0, SERIAL: 100.0}
     call = runner(clock, cost, log)
     for _ in range(3 * EXPLORE_EVERY):
@@ -81,7 +81,7 @@ def test_the_choice_follows_a_change_of_costs():
 
 def test_keys_are_per_layer_and_batch_size():
     clock, log = FakeClock(), []
-    ch = ModeChooser(cuda=False, clock=clock, warm=0)
+    ch = ModeChooser("cpu", clock=clock, warm=0)
     fast_split = runner(clock, {SPLIT: 50.0, SERIAL: 90.0}, log)
     fast_serial = runner(clock, {SPLIT: 90.0, SERIAL: 50.0}, log)
     for _ in range(4 * MIN_SAMPLES):
@@ -94,7 +94,7 @@ def test_keys_are_per_layer_and_batch_size():
 
 def test_a_capture_keeps_the_mode_chosen_so_far_and_times_nothing():
     clock, log = FakeClock(), []
-    ch = ModeChooser(cuda=False, clock=clock, warm=0)
+    ch = ModeChooser("cpu", clock=clock, warm=0)
     call = runner(clock, {SPLIT: 120.0, SERIAL: 100.0}, log)
     assert ch.run(0, 8, call, capturing=True) is SPLIT  # nothing known: split
     assert ch.keys == {}
@@ -108,7 +108,7 @@ def test_a_capture_keeps_the_mode_chosen_so_far_and_times_nothing():
 
 def test_a_call_that_raises_changes_nothing():
     clock, log = FakeClock(), []
-    ch = ModeChooser(cuda=False, clock=clock, warm=0)
+    ch = ModeChooser("cpu", clock=clock, warm=0)
     call = runner(clock, {SPLIT: 120.0, SERIAL: 100.0}, log)
     ch.run(0, 8, call, capturing=False)
     before = ch.report()
@@ -130,7 +130,7 @@ def test_the_first_runs_of_each_mode_are_not_timed(warm):
     the capture) say nothing of its steady cost: they are not timed, and their cost
     (here 100x) does not decide anything."""
     clock, log = FakeClock(), []
-    ch = ModeChooser(cuda=False, clock=clock, warm=warm)
+    ch = ModeChooser("cpu", clock=clock, warm=warm)
     cost = {SPLIT: 10_000.0, SERIAL: 10_000.0}
     call = runner(clock, cost, log)
     for _ in range(2 * warm):
@@ -216,3 +216,29 @@ def test_with_backend_shares_the_timings():
     c, _ = make("torch", "fp8_ds_mla")
     layer = DecodeLayer(c, ReferenceBackend())
     assert layer.with_backend(ReferenceBackend()).chooser is layer.chooser
+
+
+def test_a_call_that_was_not_steady_is_not_timed():
+    """``steady()`` False after the call (it captured a graph): its timing is dropped."""
+    clock, log = FakeClock(), []
+    ch = ModeChooser("cpu", clock=clock, warm=0)
+    call = runner(clock, {SPLIT: 120.0, SERIAL: 100.0}, log)
+    ch.run(0, 8, call, capturing=False, steady=lambda: False)
+    assert not ch.keys[(0, 8)].times[SPLIT] and ch.keys[(0, 8)].runs[SPLIT] == 1
+    assert ch.run(0, 8, call, capturing=False, steady=lambda: True) is SERIAL  # the fewer runs
+    assert list(ch.keys[(0, 8)].times[SERIAL]) == [pytest.approx(100.0)]
+    assert ch.run(0, 8, call, capturing=False, steady=lambda: True) is SPLIT  # still owed a timing
+    assert list(ch.keys[(0, 8)].times[SPLIT]) == [pytest.approx(120.0)]
+
+
+def test_the_resident_path_is_not_timed():
+    """Every live request resident: both modes run the same work, so an auto layer runs
+    it untimed (no key, no graph per mode)."""
+    from test_paged_decode import _cache
+    c = _cache(3, kernels="torch")
+    layer = DecodeLayer(c, ReferenceBackend())
+    ids = torch.tensor([3, 7], dtype=I32)
+    tk = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7], [1, 0, -1, -1, 3, 2, 4, 5]], dtype=I32)
+    for _ in range(3):
+        layer(0, ids, tk, qs(2, 0), sm_scale=SM)
+    assert layer.auto_report() == {}

@@ -105,6 +105,7 @@ def test_decode_layer_maps_the_resident_topk_in_the_attention():
 
 
 def test_paged_refusals():
+    """Bad paged lookups are refused before any launch (unchecked backend included)."""
     c = _cache(6)
     be = _backend(16)
     ids = torch.tensor([3], dtype=I32)
@@ -125,6 +126,14 @@ def test_paged_refusals():
                   paged=p._replace(req_ids=torch.zeros(2, dtype=I32)))
     with pytest.raises(ValueError, match="page_rows"):
         be.decode(q, c.hot_rows(0), tk, sm_scale=SM, row_format="fp8_ds_mla", paged=p._replace(page_rows=0))
+    for bad, match in ((dict(seq_lens=torch.zeros(8, dtype=I32)[::2]), "contiguous"),
+                       (dict(resident=torch.zeros(3, dtype=I32)), "R=4"),
+                       (dict(scan_chunk=48), "power of two"),
+                       (dict(stats=torch.zeros(3, dtype=torch.int64)), "stat_"),
+                       (dict(stats=p.stats.to(torch.int32)), "torch.int64"),
+                       (dict(req_ids="ids"), "must be a tensor")):
+        with pytest.raises((ValueError, TypeError), match=match):
+            be.decode(q, c.hot_rows(0), tk, sm_scale=SM, row_format="fp8_ds_mla", paged=p._replace(**bad))
     wide = TritonBackend(config=TritonMLAConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, wide=True),
                          allow_interpreter=True)
     assert wide.paged_problem(1, 16, 8, device="cpu", row_format="fp8_ds_mla") is not None
@@ -205,3 +214,24 @@ def test_paged_kernels_compile_for_sm90():
     assert got["tl"]["atom"] >= 3, got
     if gluon_ws_problem() is None:
         assert got["ws"]["atom"] >= 3, got
+
+
+def test_a_refused_paged_decode_changes_nothing():
+    """``attend`` refused (e.g. by the backend's own checks): no epoch moved, no
+    counter, the layer's last selection not re-registered."""
+    c = _cache(8)
+    ids = torch.tensor([3], dtype=I32)
+    tk = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7]], dtype=I32)
+    epochs = list(c.requests.epochs)
+    stats = c.state.stats.clone()
+    last = [(t.data_ptr(), t.numel()) if t is not None else None for t in c.writer.last_selection]
+
+    def refuse(paged):
+        raise ValueError("refused")
+    with pytest.raises(ValueError, match="refused"):
+        c.resolve_paged(1, ids, tk, refuse, validate=False)
+    assert c.requests.epochs == epochs and torch.equal(c.state.stats, stats)
+    assert [(t.data_ptr(), t.numel()) if t is not None else None for t in c.writer.last_selection] == last
+    c.resolve_paged(1, ids, tk, lambda paged: None, validate=False)  # accepted: the epoch and selection move
+    assert c.requests.epochs != epochs
+    assert [(t.data_ptr(), t.numel()) if t is not None else None for t in c.writer.last_selection] != last

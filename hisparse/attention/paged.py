@@ -60,10 +60,19 @@ def check_paged(paged: object, T: int, K: int, device: torch.device) -> PagedLoo
         want = torch.int64 if name == "stats" else torch.int32
         if t.dtype != want or t.device != device:
             raise ValueError(f"paged.{name} must be {want} on {device}, got {t.dtype} on {t.device}")
-    if paged.req_ids.dim() != 1 or paged.req_ids.shape[0] != T:
+    for name in ("req_ids", "id_to_slot", "resident", "seq_lens", "stats"):
+        t = getattr(paged, name)
+        if t.dim() != 1 or (t.shape[0] > 1 and t.stride(0) != 1):
+            raise ValueError(f"paged.{name} must be 1-d and contiguous, got shape {tuple(t.shape)} strides {t.stride()}")
+    if paged.req_ids.shape[0] != T:
         raise ValueError(f"paged.req_ids must be [T={T}], got {tuple(paged.req_ids.shape)}")
-    if paged.page_table.dim() != 2 or paged.page_table.stride(1) != 1:
+    pt = paged.page_table
+    if pt.dim() != 2 or pt.stride(1) != 1:
         raise ValueError("paged.page_table must be [R, MP] with unit last-dim stride")
+    R = pt.shape[0]
+    if paged.resident.shape[0] != R or paged.seq_lens.shape[0] != R:
+        raise ValueError(f"paged.resident and paged.seq_lens must have the page table's R={R} slots, got "
+                         f"{paged.resident.shape[0]} and {paged.seq_lens.shape[0]}")
     ph = paged.physical
     if ph.dim() != 2 or ph.shape[0] < T or ph.shape[1] < K or ph.stride(1) != 1:
         raise ValueError(f"paged.physical must be [>= {T}, >= {K}] with unit last-dim stride, got "
@@ -73,8 +82,13 @@ def check_paged(paged: object, T: int, K: int, device: torch.device) -> PagedLoo
         v = getattr(paged, name)
         if type(v) is not int or v < 0:
             raise ValueError(f"paged.{name} must be an int >= 0, got {v!r}")
-    if paged.page_rows < 1 or paged.max_query_len < 1 or paged.scan_chunk < 1:
-        raise ValueError("paged.page_rows, max_query_len and scan_chunk must be >= 1")
+    if paged.page_rows < 1 or paged.max_query_len < 1:
+        raise ValueError("paged.page_rows and max_query_len must be >= 1")
+    if paged.scan_chunk < 1 or paged.scan_chunk & (paged.scan_chunk - 1):
+        raise ValueError(f"paged.scan_chunk must be a power of two, got {paged.scan_chunk}")
+    need = max(paged.stat_invalid, paged.stat_resolves, paged.stat_resident) + 1
+    if paged.stats.shape[0] < need:
+        raise ValueError(f"paged.stats has {paged.stats.shape[0]} counters; the stat_* indices need {need}")
     return paged
 
 

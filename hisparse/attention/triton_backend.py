@@ -460,7 +460,10 @@ class TritonBackend(SparseMLABackend):
         if not self.validate:
             sig = call_signature(q, kv_rows, indices, valid_counts, sm_scale, row_format, sms)
             if sig is not None and paged is not None:
-                sig = (sig, paged.signature()) if type(paged) is PagedLookup else None
+                try:  # a field that is no tensor: checked (and refused) below
+                    sig = (sig, paged.signature()) if type(paged) is PagedLookup else None
+                except (AttributeError, TypeError):
+                    sig = None
             plan = self._plans.get(sig) if sig is not None else None
             if plan is not None and plan.config is self.config and plan.interpreter is self.allow_interpreter:
                 return plan.run(q, kv_rows, indices, valid_counts, sm_scale, paged)

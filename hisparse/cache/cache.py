@@ -349,13 +349,14 @@ class HiSparseCache:
             raise ValueError("resolve_paged maps positions through the resident requests' page tables: it "
                              "needs every live request resident (graphs.resident_resolve())")
         T, K, req_ids = self._check_resolve(layer, req_ids, topk, validate)
-        out = self._out(layer, T, K)
         st = self.state
         ls = st.layer(layer)
+        phys = self._bufs[layer].view(T, K).physical  # registered by _out once attend launched
         paged = PagedLookup(req_ids, st.id_to_slot, st.resident, ls.seq_lens, st.page_table, st.pool_base, st.PB,
-                            st.pool_pages, ls.stats, out.physical, self.stager.max_query_len, RESOLVE_SCAN_CHUNK,
+                            st.pool_pages, ls.stats, phys, self.stager.max_query_len, RESOLVE_SCAN_CHUNK,
                             STAT_INVALID, STAT_RESOLVES, STAT_RESIDENT)
         got = self.stager.run_paged(layer, lambda: attend(paged))
+        self._out(layer, T, K)  # the layer's last selection (what a demotion seeds first)
         self.requests.touch(layer)
         return got
 

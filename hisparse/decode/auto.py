@@ -25,7 +25,10 @@ Rule (``ModeChooser``), per key (layer, T):
   noticed within a few dozen calls), and the chosen one is timed every
   ``SAMPLE_EVERY``-th call;
 - while a stream is capturing (an engine capturing its step) nothing is timed and the
-  mode chosen so far runs (split before any timing): the graph keeps that mode.
+  mode chosen so far runs (split before any timing): the graph keeps that mode;
+- a call that captured a graph (``DecodeLayer(graphs=True)``: a new key, an evicted
+  graph, an in-place one) is not timed, and neither is a call on the cache's resident
+  path, where both modes run the same work (``DecodeLayer`` runs it untimed).
 
 What it costs: two event records on a timed call (a few us of host time, none of GPU)
 and, while it explores, one call in ``EXPLORE_EVERY`` in the slower mode. Both modes
@@ -99,14 +102,15 @@ class _Key:
 
 class ModeChooser:
     """The auto mode's timings and choices for one ``DecodeLayer`` (module docstring).
-    ``cuda``: whether its cache is on a CUDA device (events; else ``clock``, seconds,
-    around the call: ``time.perf_counter``); ``warm``: a mode's untimed first runs
-    per key."""
+    ``device``: its cache's device (CUDA: events on that device's current stream; else
+    ``clock``, seconds, around the call: ``time.perf_counter``); ``warm``: a mode's
+    untimed first runs per key."""
 
     MIN_SAMPLES, EXPLORE_EVERY, SAMPLE_EVERY, WINDOW = MIN_SAMPLES, EXPLORE_EVERY, SAMPLE_EVERY, WINDOW  # the rule's
 
-    def __init__(self, cuda: bool, clock: Callable[[], float] = time.perf_counter, warm: int = 1) -> None:
-        self.cuda = cuda
+    def __init__(self, device: torch.device, clock: Callable[[], float] = time.perf_counter, warm: int = 1) -> None:
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
         self.clock = clock
         self.warm = warm  # untimed first runs of each mode per key
         self.keys: dict[tuple[int, int], _Key] = {}
@@ -119,9 +123,12 @@ class ModeChooser:
         best = k.best() if k is not None else None
         return best if best is not None else Overlap.SPLIT
 
-    def run(self, layer: int, T: int, call: Callable[[Overlap], tuple], *, capturing: bool) -> tuple:
+    def run(self, layer: int, T: int, call: Callable[[Overlap], tuple], *, capturing: bool,
+            steady: Callable[[], bool] | None = None) -> tuple:
         """``call(mode)`` in the mode chosen for (layer, T), timed as the rule says.
-        A call that raises changes nothing here (no timing, no counter)."""
+        ``steady()``, asked after the call, False: the call did one-off work (a graph
+        capture), so its timing is dropped. A call that raises changes nothing here (no
+        timing, no counter)."""
         if capturing:
             return call(self.mode_now(layer, T))
         k = self.keys.get((layer, T))
@@ -135,19 +142,25 @@ class ModeChooser:
         if not timed:
             out = call(mode)
         elif self.cuda:
+            stream = torch.cuda.current_stream(self.device)  # the cache's device, whichever is current
             start, end = self._event(), self._event()
-            start.record()
+            start.record(stream)
             try:
                 out = call(mode)
             except BaseException:
                 self._events += [start, end]
                 raise
-            end.record()
-            k.pending.append((mode, start, end))
+            if steady is None or steady():
+                end.record(stream)
+                k.pending.append((mode, start, end))
+            else:
+                self._events += [start, end]
         else:
             t0 = self.clock()
             out = call(mode)
-            k.times[mode].append((self.clock() - t0) * 1e6)
+            t1 = self.clock()
+            if steady is None or steady():
+                k.times[mode].append((t1 - t0) * 1e6)
         self.keys[(layer, T)] = k
         k.calls += 1
         k.runs[mode] += 1

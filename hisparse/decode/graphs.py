@@ -120,6 +120,10 @@ class DecodeGraphs:
         ptr = t.untyped_storage().data_ptr()
         return any(b.untyped_storage().data_ptr() == ptr for ts in self._static.values() for b in ts)
 
+    def one_off_work(self) -> int:
+        """Calls so far that ran eagerly or captured a graph (not a steady replay)."""
+        return self.counts["eager"] + self.counts["captures"]
+
     def report(self) -> dict:
         return {"graphs": len(self.graphs), "memory_bytes": self.memory_bytes(), **self.counts}
 

@@ -130,7 +130,7 @@ class DecodeLayer:
         self.fuse_lookup = check_bool("fuse_lookup", fuse_lookup)
         self._paged: dict = {}  # (layer, T, H, K) -> whether the backend maps the resident top-k itself
         # auto: a mode's first calls of a key compile, load kernels and (graphs) capture: untimed
-        self.chooser = (ModeChooser(cache.cuda, warm=2 if graphs else 1)
+        self.chooser = (ModeChooser(cache.device, warm=2 if graphs else 1)
                         if self.overlap is Overlap.AUTO else None)
 
     def with_backend(self, backend: SparseMLABackend) -> "DecodeLayer":
@@ -165,9 +165,13 @@ class DecodeLayer:
         cap = capturing(self.cache.device)
         if self.chooser is None:
             return self._call(layer, req_ids, topk, q, sm_scale, self.overlap, cap)
+        if self.cache.graphs.resident_resolve():  # both modes run the same work: nothing to choose
+            return self._call(layer, req_ids, topk, q, sm_scale, Overlap.SERIAL, cap)
         T = q.shape[0] if isinstance(q, torch.Tensor) and q.dim() >= 1 else -1
+        g = self.graphs
+        work = g.one_off_work() if g is not None else None
         return self.chooser.run(layer, T, lambda mode: self._call(layer, req_ids, topk, q, sm_scale, mode, cap),
-                                capturing=cap)
+                                capturing=cap, steady=None if g is None else (lambda: g.one_off_work() == work))
 
     def auto_report(self) -> dict:
         """An auto layer's choices and timings per "layer/T" (``ModeChooser.report``);
