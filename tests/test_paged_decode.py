@@ -1,5 +1,5 @@
 """The resident resolve folded into the decode (``kernels.paged_rows``,
-``TritonBackend.decode(..., paged=)``, ``HiSparseCache.resolve_paged``, ``DecodeLayer``'s
+``TritonBackend.decode(..., paged=)``, ``cache.paged_resolve.resolve_paged``, ``DecodeLayer``'s
 resident path), on CPU under Triton's interpreter.
 
 Against the resident resolve kernel followed by the same attention over its physical
@@ -24,6 +24,7 @@ from hisparse.attention.paged import PagedLookup
 from hisparse.attention.reference import ReferenceBackend
 from hisparse.attention.triton_backend import TritonBackend, TritonMLAConfig
 from hisparse.cache.cache import HiSparseCache
+from hisparse.cache.paged_resolve import resolve_paged
 from hisparse.decode import DecodeLayer
 from hisparse.formats import RowFormat
 from invariants import check_cache
@@ -69,7 +70,7 @@ def test_paged_decode_equals_resolve_then_decode(seed, H):
         res = a.resolve(layer, ids, topk, validate=False)
         want = be.decode(q, a.hot_rows(layer), res.physical, sm_scale=SM, row_format=RowFormat.FP8_DS_MLA)
         before = copy.deepcopy(b.state)
-        got = b.resolve_paged(layer, ids, topk, lambda p: be.decode(
+        got = resolve_paged(b, layer, ids, topk, lambda p: be.decode(
             q, b.hot_rows(layer), topk, sm_scale=SM, row_format=RowFormat.FP8_DS_MLA, paged=p), validate=False)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (seed, it)
         assert torch.equal(b._out(layer, T, K).physical, res.physical)  # what a demotion reads
@@ -80,12 +81,13 @@ def test_paged_decode_equals_resolve_then_decode(seed, H):
     check_cache(b)
 
 
-def test_decode_layer_maps_the_resident_topk_in_the_attention():
+def test_decode_layer_maps_the_resident_topk_in_the_attention(monkeypatch):
+    import hisparse.decode.layer as L
     a, b = _cache(5), _cache(5)
     be = _backend(40)
     calls = []
-    real = b.resolve_paged
-    b.resolve_paged = lambda *x, **k: calls.append(1) or real(*x, **k)
+    real = L.resolve_paged
+    monkeypatch.setattr(L, "resolve_paged", lambda *x, **k: calls.append(1) or real(*x, **k))
     fused = DecodeLayer(b, be, overlap="serial")
     plain = DecodeLayer(a, be, overlap="serial", fuse_lookup=False)
     ids = torch.tensor([3, 3, 7, 9], dtype=I32)
@@ -112,7 +114,7 @@ def test_paged_refusals():
     tk = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7]], dtype=I32)
     q = torch.zeros((1, 16, 576), dtype=torch.bfloat16)
     got = []
-    c.resolve_paged(0, ids, tk, lambda p: got.append(p), validate=False)
+    resolve_paged(c, 0, ids, tk, lambda p: got.append(p), validate=False)
     (p,) = got
     assert isinstance(p, PagedLookup) and p.physical.shape[1] >= 8
     with pytest.raises(ValueError, match="no valid_counts"):
@@ -146,7 +148,7 @@ def test_paged_refusals():
     # off the resident path: refused before anything
     c2 = HiSparseCache(_nopool(), kernels="torch")
     with pytest.raises(ValueError, match="every live request resident"):
-        c2.resolve_paged(0, ids, tk, lambda p: None)
+        resolve_paged(c2, 0, ids, tk, lambda p: None)
 
 
 def _nopool():
@@ -229,9 +231,9 @@ def test_a_refused_paged_decode_changes_nothing():
     def refuse(paged):
         raise ValueError("refused")
     with pytest.raises(ValueError, match="refused"):
-        c.resolve_paged(1, ids, tk, refuse, validate=False)
+        resolve_paged(c, 1, ids, tk, refuse, validate=False)
     assert c.requests.epochs == epochs and torch.equal(c.state.stats, stats)
     assert [(t.data_ptr(), t.numel()) if t is not None else None for t in c.writer.last_selection] == last
-    c.resolve_paged(1, ids, tk, lambda paged: None, validate=False)  # accepted: the epoch and selection move
+    resolve_paged(c, 1, ids, tk, lambda paged: None, validate=False)  # accepted: the epoch and selection move
     assert c.requests.epochs != epochs
     assert [(t.data_ptr(), t.numel()) if t is not None else None for t in c.writer.last_selection] != last

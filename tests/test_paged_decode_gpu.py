@@ -14,6 +14,7 @@ import torch
 
 from hisparse.attention.triton_backend import TritonBackend, TritonMLAConfig
 from hisparse.cache.cache import HiSparseCache
+from hisparse.cache.paged_resolve import resolve_paged
 from hisparse.decode import DecodeLayer
 from hisparse.formats import RowFormat
 
@@ -61,7 +62,7 @@ def test_paged_decode_equals_resolve_then_decode(config, seed, reqs):
         q = (torch.randn((T, 128, 576), generator=torch.Generator().manual_seed(it)) * 0.5).to(DEV, torch.bfloat16)
         res = a.resolve(layer, ids, topk, validate=False)
         want = be.decode(q, a.hot_rows(layer), res.physical, sm_scale=SM, row_format=RowFormat.FP8_DS_MLA)
-        got = b.resolve_paged(layer, ids, topk, lambda p: be.decode(
+        got = resolve_paged(b, layer, ids, topk, lambda p: be.decode(
             q, b.hot_rows(layer), topk, sm_scale=SM, row_format=RowFormat.FP8_DS_MLA, paged=p), validate=False)
         torch.cuda.synchronize()
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (config, seed, it, T)

@@ -9,7 +9,7 @@
   ``FlashMLABackend`` (ops from vllm / sgl_kernel or a library path),
   ``FlashInferBackend`` (``flashinfer_version``: the installed one, or None).
 - ``PagedLookup``: a cache's tables through which ``TritonBackend.decode(..., paged=)``
-  maps a resident batch's top-k itself (``paged``; ``HiSparseCache.resolve_paged``).
+  maps a resident batch's top-k itself (``paged``; ``hisparse.cache.resolve_paged``).
 - ``miss``: the miss side of a split decode (``merge_lse``, ``miss_attention_merge``);
   ``miss_attention_merge`` and ``plan_miss_attention`` (its launch shape and scratch,
   planned once) are exported here too.

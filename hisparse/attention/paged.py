@@ -2,7 +2,7 @@
 itself (``TritonBackend.decode(..., paged=)``, ``kernels.paged_rows``).
 
 A cache whose live requests are all resident (the elastic tier) builds one per layer
-call (``HiSparseCache.paged_lookup``); the backend then takes the layer's logical top-k
+call (``hisparse.cache.resolve_paged``); the backend then takes the layer's logical top-k
 (int32 [T, K] positions, -1 = padding) as its ``indices`` and maps them in the
 attention's prologue instead of a resolve kernel in front of it, writing the same
 physical rows and counters the resident resolve writes (``kernels.paged_rows``). The

@@ -12,6 +12,9 @@
 - ``CacheGraphs`` (``cache.graphs``): CUDA graphs as a mode of the calls -- plan a call
   once (``ResolveCall``, ``WriteCall``), launch it eagerly or inside a capture, run it
   with a replay (``graphs``).
+- ``resolve_paged(cache, layer, req_ids, topk, attend)``: the resident path of a resolve
+  folded into an attention that maps the top-k itself (``paged_resolve``;
+  ``DecodeLayer`` calls it where its backend can).
 - ``HostPool``: the pinned host pool a cache owns, or one built elsewhere and passed as
   ``host_pool=`` (``host_pool``; ``distributed.setup_shared_pool`` builds a node-shared one).
 - ``expand_runs``: (start, n, step) runs expanded into one int64 index tensor, as the
@@ -56,6 +59,7 @@ _EXPORTS = {
     "CopyShape": ".stager",
     "ResolveResult": ".results", "SplitResult": ".results", "RequestInfo": ".results", "PoolUsage": ".results",
     "CacheGraphs": ".graphs", "ResolveCall": ".graphs", "WriteCall": ".graphs",
+    "resolve_paged": ".paged_resolve",
     "ResolveBuffers": ".state",
     "WriteBatch": ".write_batch",
     "StepPlan": ".write_step", "StepCapacity": ".write_step",

@@ -34,12 +34,11 @@ from .host_pool import HostPool, check_pool
 from .kernel_set import cache_kernels
 from .prefix import PrefixCache
 from .requests import RequestTable
-from ..attention.paged import PagedLookup
-from .resolve_launch import RESOLVE_SCAN_CHUNK, check_state
+from .resolve_launch import check_state
 from .graphs import CacheGraphs
 from .results import PoolUsage, RequestInfo, ResolveResult, SplitResult
 from .stager import CacheStreams, CopyShape, Stager
-from .state import STAT_INVALID, STAT_RESIDENT, STAT_RESOLVES, HotState, ResolveBuffers
+from .state import HotState, ResolveBuffers
 from .stats import cache_stats
 from .write import WriteBatch, Writer
 from .write_step import StepCapacity, StepPlan
@@ -334,31 +333,6 @@ class HiSparseCache:
                                     hot_rows=self._hot_l[layer], compact=compact, wait=wait)
         self.requests.touch(layer)
         return ResolveResult(out, event, self.requests.epochs, layer)
-
-    def resolve_paged(self, layer: int, req_ids: torch.Tensor, topk: torch.Tensor, attend, *,
-                      validate: bool = True):
-        """The resident path of ``resolve`` folded into an attention: ``attend(paged)``
-        enqueues a decode that maps ``topk`` (int32 [T, K] positions) through ``paged``
-        (an ``attention.paged.PagedLookup`` of this layer's tables and this call's
-        resolve buffers) itself, e.g. ``TritonBackend.decode(q, rows, topk, ...,
-        paged=paged)``, in place of the resident resolve's kernel: the same checks before
-        it, the same stream order and bookkeeping around it, the same physical rows and
-        counters written. Only on the resident path (``graphs.resident_resolve``).
-        Returns what ``attend`` returns."""
-        if not self.graphs.resident_resolve():
-            raise ValueError("resolve_paged maps positions through the resident requests' page tables: it "
-                             "needs every live request resident (graphs.resident_resolve())")
-        T, K, req_ids = self._check_resolve(layer, req_ids, topk, validate)
-        st = self.state
-        ls = st.layer(layer)
-        phys = self._bufs[layer].view(T, K).physical  # registered by _out once attend launched
-        paged = PagedLookup(req_ids, st.id_to_slot, st.resident, ls.seq_lens, st.page_table, st.pool_base, st.PB,
-                            st.pool_pages, ls.stats, phys, self.stager.max_query_len, RESOLVE_SCAN_CHUNK,
-                            STAT_INVALID, STAT_RESOLVES, STAT_RESIDENT)
-        got = self.stager.run_paged(layer, lambda: attend(paged))
-        self._out(layer, T, K)  # the layer's last selection (what a demotion seeds first)
-        self.requests.touch(layer)
-        return got
 
     def _out(self, layer: int, T: int, K: int) -> ResolveBuffers:
         """Layer ``layer``'s resolve buffers as [T, K]; their physical rows are what a

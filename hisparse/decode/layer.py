@@ -19,7 +19,7 @@ Both leave the cache in the same state, bit for bit, and return the same attenti
 takes its resident path (every live request resident in the elastic tier:
 ``CacheGraphs.resident_resolve``), nothing can miss and both modes run the same
 work on the current stream: one attention that maps the top-k through the page table
-itself (``HiSparseCache.resolve_paged``, a backend with ``paged_problem``: Triton), or
+itself (``cache.paged_resolve.resolve_paged``, a backend with ``paged_problem``: Triton), or
 the resident resolve and then the attention (other backends, ``fuse_lookup=False``). The
 hit attention runs on any backend (``attention.base.SparseMLABackend``: Triton,
 FlashMLA, FlashInfer, the reference); the miss side runs our Triton kernels (their
@@ -44,6 +44,7 @@ from ..attention.miss import MissConfig, MissMode, MissPlan, miss_attention_merg
 from ..cache.cache import HiSparseCache
 from ..cache.results import ResolveResult, SplitResult
 from ..cache import CopyShape
+from ..cache.paged_resolve import resolve_paged
 from ..formats import RowFormat
 from ..device import capturing
 from .auto import ModeChooser
@@ -194,7 +195,7 @@ class DecodeLayer:
             raise ValueError(f"topk has {topk.shape[0]} rows but q has T={T} tokens")
         resident = c.graphs.resident_resolve()
         if resident and self._fuses(layer, topk, hot, q, fmt):
-            return c.resolve_paged(layer, req_ids, topk, lambda paged: self.backend.decode(
+            return resolve_paged(c, layer, req_ids, topk, lambda paged: self.backend.decode(
                 q, hot, topk, sm_scale=sm_scale, row_format=fmt, paged=paged), validate=self.validate)
         if mode is Overlap.SERIAL or resident:
             res = c.resolve(layer, req_ids, topk, validate=self.validate)
