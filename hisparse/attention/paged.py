@@ -38,11 +38,13 @@ class PagedLookup(NamedTuple):
     stat_resident: int
 
     def signature(self) -> tuple:
-        """What a plan of a paged decode depends on: the tensors' dtypes and devices, the
-        constants compiled into the kernel."""
+        """What a plan of a paged decode depends on: everything ``check_paged`` checked
+        (the tensors' shapes, strides, dtypes and devices, the ints), so that a call with
+        an equal signature passes the same checks."""
         ts = (self.req_ids, self.id_to_slot, self.resident, self.seq_lens, self.page_table, self.stats, self.physical)
-        return (tuple((t.dtype, t.device) for t in ts), self.max_query_len, self.scan_chunk, self.stat_invalid,
-                self.stat_resolves, self.stat_resident)
+        return (tuple((t.shape, t.stride(), t.dtype, t.device) for t in ts), self.pool_base, self.page_rows,
+                self.num_pages, self.max_query_len, self.scan_chunk, self.stat_invalid, self.stat_resolves,
+                self.stat_resident)
 
 
 _INT32 = ("req_ids", "id_to_slot", "resident", "seq_lens", "page_table", "physical")
