@@ -357,8 +357,8 @@ def _tail_plan(T: int, H: int, K: int, cfg: TritonMLAConfig, splits: int, dev: t
 
 
 # the most entries of a row one program maps in its prologue where a decode maps its own
-# top-k (paged_problem): at 512 (B = 16, 4 splits) mapping in the prologue was faster than
-# the resolve's own kernel, at 2048 (B = 64, one split) slower (H100, bench_elastic)
+# top-k (paged_problem): up to here mapping them in the attention is faster than the
+# resolve's own kernel, past it slower (BENCHMARKS.md, "The elastic tier (H100)")
 PAGED_ENTRIES_MAX = 512
 
 
@@ -486,9 +486,10 @@ class TritonBackend(SparseMLABackend):
     def paged_problem(self, T: int, H: int, K: int, *, device, row_format, kv_rows=None) -> str | None:
         """Why a decode of this shape over ``kv_rows`` should not map its top-k itself
         (``decode(..., paged=)``) here; None: it should. The ``wide`` kernel has no paged
-        prologue, on CUDA only the warp-specialised kernel's was measured, and a program whose share of a row is longer than ``PAGED_ENTRIES_MAX``
-        spends longer mapping it, before it attends, than the resident resolve's own
-        kernel takes (BENCHMARKS.md, "The elastic tier (H100)")."""
+        prologue; on CUDA only the warp-specialised kernel's was measured; and a program
+        whose share of a row is longer than ``PAGED_ENTRIES_MAX`` spends longer mapping
+        it, before it attends, than the resident resolve's own kernel takes
+        (BENCHMARKS.md, "The elastic tier (H100)")."""
         device = torch.device(device)
         if T == 0 or K == 0:
             return "an empty decode launches nothing"

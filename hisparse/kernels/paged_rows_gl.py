@@ -8,8 +8,8 @@ from __future__ import annotations
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
-# one round of dependent loads per 256 entries (a whole 2048-entry split at once was
-# slower at small batches: 24.8 against 21.4 us at B = 1, H100)
+# entries mapped per round of dependent loads (BENCHMARKS.md, "Measured slower and removed":
+# a whole split in one round)
 PAGED_CHUNK_GL = gl.constexpr(256)
 
 
