@@ -166,17 +166,13 @@ from triton.compiler import ASTSource
 from hisparse.kernels.gluon_support import gluon_ws_problem
 from hisparse.kernels.mla_decode import sparse_mla_decode_kernel
 from ptx_checks import resource_usage
+from compile_args import paged_args
 
 BASE = {"q_ptr": "*bf16", "kv_ptr": "*u8", "idx_ptr": "*i32", "vc_ptr": "*i32", "out_ptr": "*bf16",
         "lse_ptr": "*fp32", "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "N": "i32", "K": "i32", "H": "i32",
         "q_stride_t": "i32", "q_stride_h": "i32", "kv_stride": "i32", "idx_stride": "i32",
         "rows_per_split": "i32", "qk_scale_log2": "fp32"}
-PAGED = {"PAGED": "constexpr", "t0": "i32", "req_ids_ptr": "*i32", "id_to_slot_ptr": "*i32", "max_request_id": "i32",
-         "R": "i32", "resident_ptr": "*i32", "seq_lens_ptr": "*i32", "pt_ptr": "*i32", "pt_stride": "i32",
-         "MP": "i32", "pool_base": "i32", "PB": "i32", "NPG": "i32", "stats_ptr": "*i64", "phys_ptr": "*i32",
-         "phys_stride": "i32", "scratch_ptr": "*i32", "PQ": "constexpr", "PCH": "constexpr",
-         "STAT_INVALID": "constexpr", "STAT_RESOLVES": "constexpr", "STAT_RESIDENT": "constexpr"}
-PCONST = dict(PAGED=True, PQ=2, PCH=256, STAT_INVALID=2, STAT_RESOLVES=4, STAT_RESIDENT=6)
+PAGED, PCONST = paged_args()  # compile_args
 
 
 def compile_one(fn, consts, src_cls, options):

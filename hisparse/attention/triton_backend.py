@@ -368,6 +368,14 @@ def _rows_per_split(K: int, splits: int, block_n: int) -> tuple[int, int]:
     return rows, math.ceil(K / rows)
 
 
+def _split_plan(T: int, H: int, K: int, cfg: "TritonMLAConfig", device: torch.device,
+                sms: int | None = None) -> tuple[int, int]:
+    """(rows per split, splits) of a decode's main launch under ``cfg`` (its own
+    ``num_splits``, else ``auto_splits`` for ``sms`` SMs)."""
+    splits = cfg.num_splits if cfg.num_splits is not None else auto_splits(T, H, K, cfg, device, sms=sms)
+    return _rows_per_split(K, splits, cfg.block_n)
+
+
 def run_sparse_mla(inp: DecodeInputs, cfg: TritonMLAConfig | None = None, *,
                    sms: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the kernel(s) on validated inputs. Returns out bf16 [T, H, 512], lse f32 [T, H].
@@ -499,8 +507,7 @@ class TritonBackend(SparseMLABackend):
         if device.type == "cuda" and not cfg.ws:  # decode(..., paged=) runs, bitwise equal, but unmeasured
             return ("measured with the warp-specialised kernel only (the tl kernel's paged variant spills 16 "
                     "bytes at 64-head blocks under Triton 3.6)")
-        splits = cfg.num_splits if cfg.num_splits is not None else auto_splits(T, H, K, cfg, device)
-        rows = _rows_per_split(K, splits, cfg.block_n)[0]
+        rows, splits = _split_plan(T, H, K, cfg, device)
         if rows > PAGED_ENTRIES_MAX:
             return (f"{rows} entries a program (K = {K} over {splits} KV splits): more than "
                     f"{PAGED_ENTRIES_MAX} to map before attending")
@@ -516,8 +523,7 @@ class TritonBackend(SparseMLABackend):
         cfg = self.config or default_config(T, H, K, device, row_format)
         if not cfg.ws:
             return None
-        splits = cfg.num_splits if cfg.num_splits is not None else auto_splits(T, H, K, cfg, device)
-        return T * math.ceil(H / cfg.block_h) * _rows_per_split(K, splits, cfg.block_n)[1]
+        return T * math.ceil(H / cfg.block_h) * _split_plan(T, H, K, cfg, device)[1]
 
     def prefill(self, q, workspace, indices, *, valid_counts=None, sm_scale):
         inp = validate_prefill_inputs(q, workspace, indices, valid_counts=valid_counts,

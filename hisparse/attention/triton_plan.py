@@ -202,8 +202,7 @@ class DecodePlan:
             raise ValueError("paged lookups run on the tiled and warp-specialised kernels, not wide=True")
         self.cfg = cfg
         T, H, K = self.T, self.H, self.K
-        splits = cfg.num_splits if cfg.num_splits is not None else TB.auto_splits(T, H, K, cfg, dev, sms=sms)
-        splits = TB._rows_per_split(K, splits, cfg.block_n)[1]
+        splits = TB._split_plan(T, H, K, cfg, dev, sms)[1]
         tail, tail_splits = TB._tail_plan(T, H, K, cfg, splits, dev, sms)
         # the tail launch runs after the first one (same stream), split so that its
         # programs fill one wave of SMs
