@@ -4,6 +4,8 @@ one layer, each call timed with perf_counter around it and the GPU queue drained
 between samples (so the call never waits for the GPU). Calls:
 
 - ``attention``: ``TritonBackend(validate=False).decode`` over the hot rows;
+  ``attention_out``: the same writing into buffers given once (``out=``, ``lse=``), as an
+  engine's attention layer hands its backend the layer's output;
 - ``resolve``: ``cache.resolve(validate=False)``; ``resolve_checked``: ``cache.resolve()``;
 - ``layer_serial`` / ``layer_split`` / ``layer_auto``: ``DecodeLayer(..., overlap=...)`` (resolve +
   attention; auto: the mode it measured faster, ``decode.auto``);
@@ -35,7 +37,7 @@ import torch
 from benchmarks import common
 
 
-CALLS = ("attention", "resolve", "resolve_checked", "layer_serial", "layer_split", "layer_auto", "layer_serial_graphs",
+CALLS = ("attention", "attention_out", "resolve", "resolve_checked", "layer_serial", "layer_split", "layer_auto", "layer_serial_graphs",
          "layer_serial_graphs_copied", "layer_split_graphs", "layer_split_graphs_copied", "layer_auto_graphs",
          "layer_auto_graphs_copied")
 
@@ -93,6 +95,7 @@ def main(argv=None) -> int:
     res = cache.resolve(0, req, topk, validate=False)
     hot = cache.layer_view(0).hot_rows
     phys = res.physical.clone()
+    out, lse = be.decode(q, hot, phys, sm_scale=scale, row_format="fp8_ds_mla")
     calls = {
         "attention": lambda: be.decode(q, hot, phys, sm_scale=scale, row_format="fp8_ds_mla"),
         "resolve": lambda: cache.resolve(0, req, topk, validate=False),
@@ -100,6 +103,12 @@ def main(argv=None) -> int:
         "layer_serial": lambda: serial(0, req, topk, q, sm_scale=scale),
         "layer_split": lambda: split(0, req, topk, q, sm_scale=scale),
     }
+    try:  # given outputs (a tree without them measures the rest)
+        be.decode(q, hot, phys, sm_scale=scale, row_format="fp8_ds_mla", out=out, lse=lse)
+        calls["attention_out"] = lambda: be.decode(q, hot, phys, sm_scale=scale, row_format="fp8_ds_mla",
+                                                   out=out, lse=lse)
+    except TypeError:
+        pass
     auto = None
     try:  # the auto mode (a tree without it measures the rest)
         auto = DecodeLayer(cache, be, overlap="auto")

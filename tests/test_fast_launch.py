@@ -465,3 +465,53 @@ def test_bound_launch_remembers_the_compiled_kernel_per_key(monkeypatch):
     finally:
         FL.set_direct_launch(True)
     assert fk.hits == hits and fk.misses == misses + 1
+
+
+
+class CudaLauncher:
+    """Stands in for Triton 3.6's launcher object (its class name is what ``_c_launch``
+    checks): a C ``launch`` function (``print`` here: a builtin taking any arguments),
+    its scratch sizes and launch flags; its own call records its arguments."""
+
+    def __init__(self, scratch=0):
+        self.global_scratch_size = scratch
+        self.profile_scratch_size = 0
+        self.launch_cooperative_grid = False
+        self.launch_pdl = True
+        self.launch = print
+        self.calls = []
+
+    def __call__(self, *args):
+        self.calls.append(args)
+
+
+def test_direct_launch_calls_the_c_launch_function_when_the_launcher_allows(monkeypatch, capsys):
+    """``DirectLaunch``: under Triton 3.6's ``CudaLauncher`` with no scratch, a direct launch
+    calls its C ``launch`` with (grid, stream, function, cooperative, pdl, no scratch,
+    packed metadata, no launch metadata, no hooks, every argument, the bound constexprs);
+    a launcher with scratch to allocate, or whose ``launch`` is no builtin, is called as
+    an object (its ``__call__`` allocates the scratch). Pointers given as ints pass as
+    they are."""
+    monkeypatch.setattr(FL, "_driver", type("D", (), {"active": _FakeDriverActive()})())
+    fk = FL.FastKernel(_CompilingKernel())
+
+    def direct(launcher):
+        compiled = type("C", (), {"function": "fn-handle", "packed_metadata": ("meta",), "run": launcher})()
+        return FL.DirectLaunch(fk, compiled, (5, 2, 1), 0, (False, None), (4, 3))
+
+    plain = CudaLauncher()
+    assert FL._c_launch(plain) is print
+    direct(plain)(0xABC0, 7)
+    assert capsys.readouterr().out.split() == [
+        "5", "2", "1", "1234", "fn-handle", "False", "True", "None", "None", "('meta',)", "None", "None", "None",
+        str(0xABC0), "7", "4", "3"]
+    assert plain.calls == []
+    for launcher in (CudaLauncher(scratch=64), CudaLauncher()):
+        if launcher.global_scratch_size == 0:
+            launcher.launch = lambda *a: None  # not a builtin
+        assert FL._c_launch(launcher) is None
+        direct(launcher)(0xABC0, 7)
+        assert launcher.calls == [(5, 2, 1, 1234, "fn-handle", ("meta",), None, None, None, 0xABC0, 7, 4, 3)]
+    other = type("OtherLauncher", (CudaLauncher,), {})()  # another class: the object path
+    assert FL._c_launch(other) is None
+    assert capsys.readouterr().out == "" and fk.hits == 3

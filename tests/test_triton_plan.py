@@ -164,3 +164,80 @@ def test_signature_reads_every_field_the_checks_read():
     assert sig(sms=True) is None and sig(fmt=["fp8_ds_mla"]) is None
     assert sig(q=torch.nn.Parameter(q.float(), requires_grad=False)) is None  # a subclass
     assert sig(q=q.to_sparse()) is None
+
+
+@pytest.mark.parametrize("validate", [True, False])
+def test_outputs_given_are_written_in_place_with_the_same_bits(validate, monkeypatch):
+    """``decode(..., out=, lse=)``: the results land in the caller's buffers, which are
+    returned, bit for bit those of a call that allocates; one of the two may be given
+    alone; unchecked, calls with and without outputs keep plans of their own, and a new
+    pair of buffers of the same metadata reuses the plan. A split (combine) plan and an
+    empty top-k write the given buffers too."""
+    plans = _Counting(monkeypatch)
+    q, rows, idx, vc = _problem(T=4)
+    be = TritonBackend(config=CFG, allow_interpreter=True, validate=validate)
+    for cfg_be in (be, TritonBackend(config=TritonMLAConfig(block_h=16, block_n=16, num_warps=4, num_splits=2),
+                                     allow_interpreter=True, validate=validate)):
+        want = cfg_be.decode(q, rows, idx, valid_counts=vc, sm_scale=SCALE, row_format="fp8_ds_mla")
+        for _ in range(2):
+            out = torch.full((4, 5, 512), 7.0, dtype=torch.bfloat16, device=DEV)
+            lse = torch.full((4, 5), 7.0, dtype=torch.float32, device=DEV)
+            got = cfg_be.decode(q, rows, idx, valid_counts=vc, sm_scale=SCALE, row_format="fp8_ds_mla",
+                                out=out, lse=lse)
+            assert got[0] is out and got[1] is lse
+            assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+        o_only = torch.empty((4, 5, 512), dtype=torch.bfloat16, device=DEV)
+        got = cfg_be.decode(q, rows, idx, valid_counts=vc, sm_scale=SCALE, row_format="fp8_ds_mla", out=o_only)
+        assert got[0] is o_only and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    if not validate:
+        made = plans.n
+        be.decode(q, rows, idx, valid_counts=vc, sm_scale=SCALE, row_format="fp8_ds_mla",
+                  out=torch.empty((4, 5, 512), dtype=torch.bfloat16, device=DEV),
+                  lse=torch.empty((4, 5), dtype=torch.float32, device=DEV))
+        assert plans.n == made  # the plan of the first call with both outputs
+    out = torch.full((4, 5, 512), 7.0, dtype=torch.bfloat16, device=DEV)
+    lse = torch.full((4, 5), 7.0, dtype=torch.float32, device=DEV)
+    empty_k = idx[:, :0]
+    be.decode(q, rows, empty_k, sm_scale=SCALE, row_format="fp8_ds_mla", out=out, lse=lse)
+    assert torch.equal(out, torch.zeros_like(out)) and bool((lse == float("-inf")).all())
+
+
+@pytest.mark.parametrize("validate", [True, False])
+def test_bad_outputs_are_refused_before_any_launch(validate):
+    """Outputs of the wrong dtype, shape, layout or type, or sharing storage with an
+    input or with each other: a clear error, nothing written (the buffers keep their
+    contents), and the next good call runs. Unchecked, the storage check is the
+    caller's promise; the rest is checked whenever a call's output metadata is new."""
+    q, rows, idx, _ = _problem(T=4)
+    be = TritonBackend(config=CFG, allow_interpreter=True, validate=validate)
+    kw = dict(sm_scale=SCALE, row_format="fp8_ds_mla")
+    good_o = torch.full((4, 5, 512), 3.0, dtype=torch.bfloat16, device=DEV)
+    good_l = torch.full((4, 5), 3.0, dtype=torch.float32, device=DEV)
+    big = torch.zeros((4, 5, 1024), dtype=torch.bfloat16, device=DEV)
+    bad = [
+        (dict(out=good_o.float()), ValueError, "out must be torch.bfloat16"),
+        (dict(out=good_o[:3]), ValueError, r"out must be torch.bfloat16 \[4, 5, 512\]"),
+        (dict(lse=good_l.double()), ValueError, "lse must be torch.float32"),
+        (dict(out=big[:, :, :512]), ValueError, "out must be contiguous"),
+        (dict(out=good_o, lse=good_l.t().contiguous().t()), ValueError, "lse must be"),
+        (dict(out="buffer"), TypeError, "out must be a torch.Tensor"),
+    ]
+    if validate:
+        alias = torch.empty(4 * 5 * 576 * 2, dtype=torch.bfloat16, device=DEV)
+        q2 = alias[:4 * 5 * 576].view(4, 5, 576)
+        q2.copy_(q)
+        bad += [
+            (dict(q=q2, out=alias[4 * 5 * 576:4 * 5 * 576 + 4 * 5 * 512].view(4, 5, 512)), ValueError,
+             "out shares storage"),
+            (dict(out=good_o, lse=good_o.view(torch.float32).view(-1)[:20].view(4, 5)), ValueError,
+             "lse shares storage"),
+        ]
+    for extra, err, msg in bad:
+        call = dict(kw)
+        qq = extra.pop("q", q)
+        call.update(extra)
+        with pytest.raises(err, match=msg):
+            be.decode(qq, rows, idx, **call)
+        assert bool((good_o == 3.0).all()) and bool((good_l == 3.0).all())
+    got = be.decode(q, rows, idx, out=good_o, lse=good_l, **kw)
+    assert got[0] is good_o and not bool((good_o == 3.0).all())

@@ -299,6 +299,32 @@ def validate_prefill_inputs(q: object, workspace: object, indices: object, *,
     return PrefillInputs(q, ws, idx, vc, scale)
 
 
+def check_outputs(out: object, lse: object, q: torch.Tensor, inputs: tuple) -> None:
+    """A decode's caller-given outputs, before any launch: ``out`` bf16 [T, H, 512] and
+    ``lse`` float32 [T, H] (either may be None), contiguous, on ``q``'s device, sharing
+    no storage with each other or any of ``inputs`` (the call's input tensors)."""
+    T, H = q.shape[0], q.shape[1]
+    given = []
+    for name, t, dtype, shape in (("out", out, torch.bfloat16, (T, H, D_V)), ("lse", lse, torch.float32, (T, H))):
+        if t is None:
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(t).__name__}")
+        if t.dtype != dtype or tuple(t.shape) != shape:
+            raise ValueError(f"{name} must be {dtype} {list(shape)} for q of T={T}, H={H}; got {t.dtype} "
+                             f"{list(t.shape)}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (strides {t.stride()})")
+        given.append((name, t))
+    for i, (name, t) in enumerate(given):
+        ptr = t.untyped_storage().data_ptr()
+        if t.numel() and any(x is not None and x.numel() and x.untyped_storage().data_ptr() == ptr
+                             for x in inputs + tuple(o for _, o in given[:i])):
+            raise ValueError(f"{name} shares storage with another tensor of the call: give it a buffer of its own")
+
+
 def empty_result(T: int, H: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """The answer when no token has a valid entry: out bf16 [T, H, 512] = 0, lse = -inf."""
     out = torch.zeros((T, H, D_V), dtype=torch.bfloat16, device=device)
@@ -307,6 +333,7 @@ def empty_result(T: int, H: int, device: torch.device) -> tuple[torch.Tensor, to
 
 
 __all__ = [
+    "check_outputs",
     "D_QK", "D_V", "Phase", "DecodeInputs",
     "PrefillInputs", "SparseMLABackend", "normalize_kv_rows", "validate_decode_inputs",
     "validate_prefill_inputs", "empty_result", "heads_reason", "check_decode_call",

@@ -24,8 +24,8 @@ from .._checks import check_bool, check_int, device_type, interpreter_mode, sm_c
 from ..formats import BF16_ROW_BYTES, FP8_ROW_BYTES, RowFormat
 from ..kernels.gluon_support import gluon_ws_problem
 from .paged import PagedLookup, check_paged
-from .triton_plan import DecodePlan, call_signature
-from .base import (DecodeInputs, Phase, SparseMLABackend, heads_reason,
+from .triton_plan import DecodePlan, call_signature, output_signature
+from .base import (DecodeInputs, Phase, SparseMLABackend, check_outputs, heads_reason,
                    validate_decode_inputs, validate_prefill_inputs)
 
 MAX_SPLITS = 64
@@ -453,11 +453,18 @@ class TritonBackend(SparseMLABackend):
 
     plans_sms = True
 
-    def decode(self, q, kv_rows, indices, *, valid_counts=None, sm_scale, row_format, sms=None, paged=None):
+    def decode(self, q, kv_rows, indices, *, valid_counts=None, sm_scale, row_format, sms=None, paged=None,
+               out=None, lse=None):
         """As ``SparseMLABackend.decode``; ``sms`` plans the launch for that many SMs
         (``run_sparse_mla``). Unchecked (``validate=False``), a call with the metadata
         of one this backend checked and planned before (``triton_plan.call_signature``)
         runs that plan without checking or planning again.
+
+        ``out`` (bf16 [T, H, 512]) and ``lse`` (float32 [T, H]), contiguous: buffers of
+        the caller's to write the results into (and return), as an engine's attention
+        layer hands its backend the layer's output; None: allocated per call. Checked
+        calls refuse one that shares storage with an input; unchecked, that is the
+        caller's promise.
 
         ``paged`` (an ``attention.paged.PagedLookup``, a cache's tables): ``indices`` are
         the top-k's logical positions (int32 [T, K], -1 = padding), which the kernel maps
@@ -472,9 +479,12 @@ class TritonBackend(SparseMLABackend):
                     sig = (sig, paged.signature()) if type(paged) is PagedLookup else None
                 except (AttributeError, TypeError):
                     sig = None
+            if sig is not None and (out is not None or lse is not None):
+                osig = output_signature(out, lse)
+                sig = (sig, osig) if osig is not None else None
             plan = self._plans.get(sig) if sig is not None else None
             if plan is not None and plan.config is self.config and plan.interpreter is self.allow_interpreter:
-                return plan.run(q, kv_rows, indices, valid_counts, sm_scale, paged)
+                return plan.run(q, kv_rows, indices, valid_counts, sm_scale, paged, out, lse)
         inp = validate_decode_inputs(q, kv_rows, indices, valid_counts=valid_counts,
                                      sm_scale=sm_scale, row_format=row_format,
                                      check_ranges=self.validate and paged is None)
@@ -482,6 +492,9 @@ class TritonBackend(SparseMLABackend):
             if valid_counts is not None:
                 raise ValueError("a paged decode takes no valid_counts: the kernel maps every entry itself")
             check_paged(paged, inp.q.shape[0], inp.indices.shape[1], inp.q.device)
+        if out is not None or lse is not None:
+            check_outputs(out, lse, inp.q, (q, kv_rows, indices, valid_counts)
+                          + (() if paged is None else (paged.physical, paged.stats)))
         self._check_supported(inp.q.device, inp.row_format, inp.num_heads, Phase.DECODE)
         plan = DecodePlan(inp, self.config, sms, kv_as_bf16=inp.kv_rows is not kv_rows, paged=paged)
         if sig is not None:
@@ -489,7 +502,7 @@ class TritonBackend(SparseMLABackend):
                 self._plans.clear()
             plan.interpreter = self.allow_interpreter
             self._plans[sig] = plan
-        return plan.run(inp.q, kv_rows, inp.indices, inp.valid_counts, inp.sm_scale, paged)
+        return plan.run(inp.q, kv_rows, inp.indices, inp.valid_counts, inp.sm_scale, paged, out, lse)
 
     def paged_problem(self, T: int, H: int, K: int, *, device, row_format, kv_rows=None) -> str | None:
         """Why a decode of this shape over ``kv_rows`` should not map its top-k itself

@@ -69,6 +69,24 @@ def call_signature(q: object, kv_rows: object, indices: object, valid_counts: ob
         return None
 
 
+def output_signature(out: object, lse: object) -> tuple | None:
+    """The metadata of a call's given outputs that ``base.check_outputs`` reads but their
+    addresses (shape, strides, dtype and device of each; None where not given); None
+    when one is not a plain tensor (such calls are checked, and refused, every time)."""
+    sig = []
+    try:
+        for t in (out, lse):
+            if t is None:
+                sig.append(None)
+            elif type(t) is not _TENSOR:
+                return None
+            else:
+                sig.append((t.shape, t.stride(), t.dtype, t.device))
+    except (RuntimeError, TypeError, ValueError):
+        return None
+    return tuple(sig)
+
+
 def _params(kernel) -> list[str]:
     """The kernel's parameter names in order (a JIT, Gluon or interpreted function)."""
     return list(inspect.signature(kernel.fn).parameters)
@@ -145,19 +163,35 @@ class _Launch:
         else:
             part_out, part_lse = out, lse  # unused by the kernel
         # what the plan does not fix: the alignment of the buffers allocated per call
-        key = (out.data_ptr() & 15, lse.data_ptr() & 15, part_out.data_ptr() & 15, part_lse.data_ptr() & 15)
+        po, pl, ppo, ppl = out.data_ptr(), lse.data_ptr(), part_out.data_ptr(), part_lse.data_ptr()
+        key = (po & 15, pl & 15, ppo & 15, ppl & 15)
+        main = self.main
         if self.paged:
             p = paged
-            self.main(key, q, kv, idx, idx, out, lse, part_out, part_lse, *self.ints, scale_log2, *self.lead,
-                      self.lo, p.req_ids, p.id_to_slot, p.id_to_slot.shape[0], p.seq_lens.shape[0], p.resident,
-                      p.seq_lens, p.page_table, p.page_table.stride(0), p.page_table.shape[1], p.pool_base,
-                      p.page_rows, p.num_pages, p.stats, p.physical, p.physical.stride(0),
-                      scratch if scratch is not None else p.physical)
+            args = (q, kv, idx, idx, out, lse, part_out, part_lse, *self.ints, scale_log2, *self.lead,
+                    self.lo, p.req_ids, p.id_to_slot, p.id_to_slot.shape[0], p.seq_lens.shape[0], p.resident,
+                    p.seq_lens, p.page_table, p.page_table.stride(0), p.page_table.shape[1], p.pool_base,
+                    p.page_rows, p.num_pages, p.stats, p.physical, p.physical.stride(0),
+                    scratch if scratch is not None else p.physical)
+            direct = main.ready(key)
+            if direct is not None:  # pointers as addresses: the launcher takes them as they are
+                direct(*[a.data_ptr() if type(a) is _TENSOR else a for a in args])
+            else:
+                main(key, *args)
         else:
-            self.main(key, q, kv, idx, vc if vc is not None else idx, out, lse, part_out, part_lse, *self.ints,
-                      scale_log2)
+            vc = vc if vc is not None else idx
+            direct = main.ready(key)
+            if direct is not None:
+                direct(q.data_ptr(), kv.data_ptr(), idx.data_ptr(), vc.data_ptr(), po, pl, ppo, ppl, *self.ints,
+                       scale_log2)
+            else:
+                main(key, q, kv, idx, vc, out, lse, part_out, part_lse, *self.ints, scale_log2)
         if self.combine is not None:
-            self.combine(key, part_out, part_lse, out, lse, self.ints[2])
+            direct = self.combine.ready(key)
+            if direct is not None:
+                direct(ppo, ppl, po, pl, self.ints[2])
+            else:
+                self.combine(key, part_out, part_lse, out, lse, self.ints[2])
 
 
 class DecodePlan:
@@ -211,16 +245,25 @@ class DecodePlan:
 
     def run(self, q: torch.Tensor, kv_rows: torch.Tensor, indices: torch.Tensor,
             valid_counts: torch.Tensor | None, sm_scale: float,
-            paged: PagedLookup | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            paged: PagedLookup | None = None, out: torch.Tensor | None = None,
+            lse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Launch over tensors with the plan's metadata (the caller's promise: checked, or
         of the signature the plan was made for; ``paged`` given exactly when the plan was
-        made with it). Returns out bf16 [T, H, 512], lse f32 [T, H]."""
+        made with it). ``out`` bf16 [T, H, 512] / ``lse`` f32 [T, H] (contiguous): written
+        in place where given, else allocated. Returns (out, lse)."""
         if not self.launches:
-            return empty_result(self.T, self.H, self.device)
+            o, l = empty_result(self.T, self.H, self.device)
+            if out is not None:
+                out.copy_(o)
+            if lse is not None:
+                lse.copy_(l)
+            return (o if out is None else out), (l if lse is None else lse)
         if self.kv_as_bf16:
             kv_rows = kv_rows.view(torch.bfloat16)
-        out = torch.empty((self.T, self.H, D_V), dtype=torch.bfloat16, device=self.device)
-        lse = torch.empty((self.T, self.H), dtype=torch.float32, device=self.device)
+        if out is None:
+            out = torch.empty((self.T, self.H, D_V), dtype=torch.bfloat16, device=self.device)
+        if lse is None:
+            lse = torch.empty((self.T, self.H), dtype=torch.float32, device=self.device)
         scale = sm_scale * LOG2E
         scratch = None
         if paged is not None:
@@ -233,4 +276,4 @@ class DecodePlan:
         return out, lse
 
 
-__all__ = ["DecodePlan", "call_signature"]
+__all__ = ["DecodePlan", "call_signature", "output_signature"]

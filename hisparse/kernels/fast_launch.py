@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import types
 import weakref
 
 import torch
@@ -265,7 +266,12 @@ class BoundLaunch:
     compiled kernel; later calls of the key launch it directly, with no per-argument
     work, under the same conditions as ``FastKernel``'s direct path (no launch or
     pre-run hook, no changed global, the same device and debug / instrumentation
-    settings as when it was remembered), else through ``FastKernel`` again."""
+    settings as when it was remembered), else through ``FastKernel`` again.
+
+    ``bound.ready(key)`` is that direct launch (a ``DirectLaunch``) when it may run now,
+    else None: a caller that checks it may pass each pointer as its address (an int,
+    ``tensor.data_ptr()``), which the launcher takes as it is -- no ``data_ptr`` call and
+    no driver query of the pointer per argument."""
 
     __slots__ = ("_fk", "grid", "kwargs", "_grid3", "_compiled")
 
@@ -273,22 +279,28 @@ class BoundLaunch:
         self._fk, self.grid, self.kwargs = fk, tuple(grid), dict(kwargs)
         g = self.grid
         self._grid3 = (g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1)
-        self._compiled: dict = {}  # key -> (compiled, device, knobs, tail arguments)
+        self._compiled: dict = {}  # key -> DirectLaunch
+
+    def ready(self, key) -> "DirectLaunch | None":
+        """The remembered direct launch of ``key`` if every condition of the direct path
+        holds now, else None (the call must go through ``bound(key, *tensors)``)."""
+        d = self._compiled.get(key)
+        if d is None or fast_launch_problem() is not None:
+            return None
+        rt = _knobs.runtime
+        fk = self._fk
+        if (_hooked(rt.launch_enter_hook) or _hooked(rt.launch_exit_hook) or fk.kernel.pre_run_hooks
+                or (rt.debug, _knobs.compilation.instrumentation_mode) != d.knob
+                or _driver.active.get_current_device() != d.dev or fk._globals_changed()):
+            return None
+        return d
 
     def __call__(self, key, *args):
+        d = self.ready(key)
+        if d is not None:
+            d(*args)
+            return d.compiled
         fk = self._fk
-        got = self._compiled.get(key)
-        if got is not None and fast_launch_problem() is None:
-            compiled, dev, knob, tail = got
-            rt = _knobs.runtime
-            if (not _hooked(rt.launch_enter_hook) and not _hooked(rt.launch_exit_hook)
-                    and not fk.kernel.pre_run_hooks and (rt.debug, _knobs.compilation.instrumentation_mode) == knob
-                    and _driver.active.get_current_device() == dev and not fk._globals_changed()):
-                fk.hits += 1
-                g0, g1, g2 = self._grid3
-                compiled.run(g0, g1, g2, _driver.active.get_current_stream(dev), compiled.function,
-                             compiled.packed_metadata, None, None, None, *args, *tail)
-                return compiled
         compiled = fk._launch(self.grid, *args, **self.kwargs)
         if (key is not None and fast_launch_problem() is None and hasattr(compiled, "packed_metadata")
                 and not fk.kernel.pre_run_hooks):
@@ -296,10 +308,51 @@ class BoundLaunch:
             if plan is not None:
                 kw = self.kwargs
                 rt = _knobs.runtime
-                self._compiled[key] = (compiled, _driver.active.get_current_device(),
-                                       (rt.debug, _knobs.compilation.instrumentation_mode),
-                                       tuple(kw[name] if given else d for name, given, d in plan.tail))
+                self._compiled[key] = DirectLaunch(
+                    fk, compiled, self._grid3, _driver.active.get_current_device(),
+                    (rt.debug, _knobs.compilation.instrumentation_mode),
+                    tuple(kw[name] if given else d for name, given, d in plan.tail))
         return compiled
+
+
+def _c_launch(launcher):
+    """The C launch function under a compiled kernel's launcher object, when calling it
+    directly is the launcher's own call (``CudaLauncher.__call__`` of the tested Triton:
+    no global or profile scratch to allocate, no tensor-descriptor wrapper); else None."""
+    fn = getattr(launcher, "launch", None)
+    if (type(launcher).__name__ != "CudaLauncher" or not isinstance(fn, types.BuiltinFunctionType)
+            or getattr(launcher, "global_scratch_size", 1) != 0 or getattr(launcher, "profile_scratch_size", 1) != 0
+            or not hasattr(launcher, "launch_cooperative_grid") or not hasattr(launcher, "launch_pdl")):
+        return None
+    return fn
+
+
+class DirectLaunch:
+    """One remembered compiled kernel of a ``BoundLaunch`` key: ``d(*args)`` launches it on
+    the current stream with the bound grid, ``args`` (tensors, or pointers as ints) and
+    the bound constexprs -- through the launcher's C function where ``_c_launch`` allows,
+    else through the launcher object."""
+
+    __slots__ = ("fk", "compiled", "grid", "dev", "knob", "tail", "_c", "_c_head", "_head")
+
+    def __init__(self, fk: FastKernel, compiled, grid: tuple, dev, knob: tuple, tail: tuple) -> None:
+        self.fk, self.compiled, self.grid, self.dev, self.knob, self.tail = fk, compiled, grid, dev, knob, tail
+        run = compiled.run
+        self._c = _c_launch(run)
+        if self._c is not None:  # (coop, pdl, global scratch, profile scratch, metadata, launch metadata, hooks)
+            self._c_head = (run.launch_cooperative_grid, run.launch_pdl, None, None, compiled.packed_metadata,
+                            None, None, None)
+        self._head = (compiled.packed_metadata, None, None, None)
+
+    def __call__(self, *args) -> None:
+        self.fk.hits += 1
+        g0, g1, g2 = self.grid
+        c = self.compiled
+        stream = _driver.active.get_current_stream(self.dev)
+        if self._c is not None:
+            self._c(g0, g1, g2, stream, c.function, *self._c_head, *args, *self.tail)
+        else:
+            c.run(g0, g1, g2, stream, c.function, *self._head, *args, *self.tail)
 
 
 class _Plan:
@@ -345,4 +398,4 @@ def direct_launch_counts() -> dict[str, dict[str, int]]:
     return out
 
 
-__all__ = ["BoundLaunch", "FastKernel", "direct_launch_counts", "TESTED_TRITON", "arg_class", "fast", "fast_launch_problem", "set_direct_launch"]
+__all__ = ["BoundLaunch", "DirectLaunch", "FastKernel", "direct_launch_counts", "TESTED_TRITON", "arg_class", "fast", "fast_launch_problem", "set_direct_launch"]
