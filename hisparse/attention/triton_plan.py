@@ -167,21 +167,16 @@ class _Launch:
         key = (po & 15, pl & 15, ppo & 15, ppl & 15)
         main = self.main
         if self.paged:
-            p = paged
-            args = (q, kv, idx, idx, out, lse, part_out, part_lse, *self.ints, scale_log2, *self.lead,
-                    self.lo, p.req_ids, p.id_to_slot, p.id_to_slot.shape[0], p.seq_lens.shape[0], p.resident,
-                    p.seq_lens, p.page_table, p.page_table.stride(0), p.page_table.shape[1], p.pool_base,
-                    p.page_rows, p.num_pages, p.stats, p.physical, p.physical.stride(0),
-                    scratch if scratch is not None else p.physical)
-            direct = main.ready(key)
-            if direct is not None:  # pointers as addresses: the launcher takes them as they are
-                direct(*[a.data_ptr() if type(a) is _TENSOR else a for a in args])
-            else:
-                main(key, *args)
+            p = paged  # the tensors themselves: the launcher reads their addresses
+            main(key, q, kv, idx, idx, out, lse, part_out, part_lse, *self.ints, scale_log2, *self.lead,
+                 self.lo, p.req_ids, p.id_to_slot, p.id_to_slot.shape[0], p.seq_lens.shape[0], p.resident,
+                 p.seq_lens, p.page_table, p.page_table.stride(0), p.page_table.shape[1], p.pool_base,
+                 p.page_rows, p.num_pages, p.stats, p.physical, p.physical.stride(0),
+                 scratch if scratch is not None else p.physical)
         else:
             vc = vc if vc is not None else idx
             direct = main.ready(key)
-            if direct is not None:
+            if direct is not None:  # pointers as addresses: the launcher takes them as they are
                 direct(q.data_ptr(), kv.data_ptr(), idx.data_ptr(), vc.data_ptr(), po, pl, ppo, ppl, *self.ints,
                        scale_log2)
             else:
