@@ -234,3 +234,53 @@ def test_a_refused_paged_decode_changes_nothing():
     resolve_paged(c, 1, ids, tk, lambda paged: None, validate=False)  # accepted: the epoch and selection move
     assert c.requests.epochs != epochs
     assert [(t.data_ptr(), t.numel()) if t is not None else None for t in c.writer.last_selection] != last
+
+
+def test_begin_defers_the_resident_lookup_into_finish(monkeypatch):
+    """A split layer's ``begin`` on the resident path, with a backend that maps the top-k
+    itself: it checks and launches nothing (no counter, no epoch moved); ``finish`` maps
+    and attends, bitwise as the resolve kernel followed by the attention. A write to the
+    layer in between makes the launch stale (refused, as before); a request joining hot
+    in between sends ``finish`` through the full resolve, with the same result. A
+    checked layer refuses a bad top-k at ``begin``."""
+    from hisparse.decode.layer import DeferredLookup
+    a, b = _cache(5), _cache(5)
+    be = _backend(40)
+    fused = DecodeLayer(b, be, overlap="split")
+    plain = DecodeLayer(a, be, overlap="split", fuse_lookup=False)
+    ids = torch.tensor([3, 3, 7, 9], dtype=I32)
+    tk = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7], [64, 3, -1, 2, 1, 0, 5, 4], [1, 0, -1, -1, 3, 2, 4, 5],
+                       [5, 4, 3, 2, 1, 0, -1, 7]], dtype=I32)
+    q = (torch.randn((4, 40, 576), generator=torch.Generator().manual_seed(0)) * 0.5).to(torch.bfloat16)
+    for layer in range(2):
+        stats, epochs = b.state.stats.clone(), list(b.requests.epochs)
+        launch = fused.begin(layer, ids, tk, num_heads=40)
+        assert isinstance(launch.result, DeferredLookup)
+        assert torch.equal(b.state.stats, stats) and b.requests.epochs == epochs
+        o1, l1 = fused.finish(launch, q, sm_scale=SM)
+        p = plain.begin(layer, ids, tk, num_heads=40)
+        assert not isinstance(p.result, DeferredLookup)
+        o0, l0 = plain.finish(p, q, sm_scale=SM)
+        assert torch.equal(o1, o0) and torch.equal(l1, l0)
+        assert torch.equal(b.state.stats, a.state.stats)
+        assert torch.equal(b._out(layer, 4, 8).physical, a._out(layer, 4, 8).physical)
+    check_cache(b)
+    launch = fused.begin(0, ids, tk, num_heads=40)
+    b.write(0, 9, _fp8_rows(1, 77))
+    with pytest.raises(ValueError, match="appended to, resolved or freed since begin"):
+        fused.finish(launch, q, sm_scale=SM)
+    a.write(0, 9, _fp8_rows(1, 77))
+    launch = fused.begin(1, ids, tk, num_heads=40)
+    monkeypatch.setattr(type(b.graphs), "resident_resolve", lambda self: False)  # as if a request joined hot
+    o1, l1 = fused.finish(launch, q, sm_scale=SM)
+    monkeypatch.undo()
+    o0, l0 = plain.finish(plain.begin(1, ids, tk, num_heads=40), q, sm_scale=SM)
+    assert torch.equal(o1, o0) and torch.equal(l1, l0) and torch.equal(b.state.stats, a.state.stats)
+    checked = DecodeLayer(b, TritonBackend(config=be.config, allow_interpreter=True), overlap="split", validate=True)
+    stats, epochs = b.state.stats.clone(), list(b.requests.epochs)
+    with pytest.raises(ValueError):
+        checked.begin(0, ids, torch.full_like(tk, 10_000), num_heads=40)
+    assert torch.equal(b.state.stats, stats) and b.requests.epochs == epochs
+    good = checked.begin(0, ids, tk, num_heads=40)
+    assert isinstance(good.result, DeferredLookup)
+    check_cache(b)

@@ -19,8 +19,9 @@ Both leave the cache in the same state, bit for bit, and return the same attenti
 takes its resident path (every live request resident in the elastic tier:
 ``CacheGraphs.resident_resolve``), nothing can miss and both modes run the same
 work on the current stream: one attention that maps the top-k through the page table
-itself (``cache.paged_resolve.resolve_paged``, a backend with ``paged_problem``: Triton), or
-the resident resolve and then the attention (other backends, ``fuse_lookup=False``). The
+itself (``cache.paged_resolve.resolve_paged``, a backend with ``paged_problem``: Triton;
+``begin`` then launches nothing and ``finish`` runs that attention), or the resident
+resolve and then the attention (other backends, ``fuse_lookup=False``). The
 hit attention runs on any backend (``attention.base.SparseMLABackend``: Triton,
 FlashMLA, FlashInfer, the reference); the miss side runs our Triton kernels (their
 torch references on CPU). Graph capturable with ``validate=False``: fixed shapes, no
@@ -78,6 +79,24 @@ def split_waits_for_misses(programs: int, sms: int) -> bool:
     return programs > sms
 
 
+class DeferredLookup:
+    """What ``DecodeLayer.begin`` keeps instead of resolving on the resident path when the
+    backend maps the top-k itself: the call's layer, request ids and top-k, attended
+    (and mapped) in ``finish``. Stale, as a resolve's result, once the layer is
+    appended to, resolved or freed."""
+
+    __slots__ = ("layer", "req_ids", "topk", "tokens", "_epochs", "_epoch")
+
+    def __init__(self, cache: HiSparseCache, layer: int, req_ids: torch.Tensor, topk: torch.Tensor) -> None:
+        self.layer, self.req_ids, self.topk, self.tokens = layer, req_ids, topk, topk.shape[0]
+        self._epochs = cache.requests.epochs
+        self._epoch = self._epochs[layer]
+
+    @property
+    def stale(self) -> bool:
+        return self._epochs[self.layer] != self._epoch
+
+
 @dataclasses.dataclass(frozen=True)
 class SplitLaunch:
     """What ``DecodeLayer.begin`` launched: the split resolve (or, on the cache's resident
@@ -85,7 +104,9 @@ class SplitLaunch:
     finishes it), the heads its query has, the SMs its hit attention plans for (None:
     all) and whether that attention waits for the miss phase (``split_waits_for_misses``)."""
 
-    result: SplitResult | ResolveResult  # a ResolveResult: the resident path (one attention, no miss side)
+    # a ResolveResult: the resident path (one attention, no miss side); a DeferredLookup:
+    # the resident path of a backend that maps the top-k in its attention (in finish)
+    result: SplitResult | ResolveResult | DeferredLookup
     cache: HiSparseCache = dataclasses.field(repr=False, compare=False)
     num_heads: int
     sms: int | None
@@ -194,7 +215,7 @@ class DecodeLayer:
         if isinstance(topk, torch.Tensor) and topk.dim() == 2 and topk.shape[0] != T:
             raise ValueError(f"topk has {topk.shape[0]} rows but q has T={T} tokens")
         resident = c.graphs.resident_resolve()
-        if resident and self._fuses(layer, topk, hot, q, fmt):
+        if resident and self._fuses(layer, topk, hot, H, fmt):
             return resolve_paged(c, layer, req_ids, topk, lambda paged: self.backend.decode(
                 q, hot, topk, sm_scale=sm_scale, row_format=fmt, paged=paged), validate=self.validate)
         if mode is Overlap.SERIAL or resident:
@@ -202,13 +223,13 @@ class DecodeLayer:
             return self.backend.decode(q, hot, res.physical, sm_scale=sm_scale, row_format=fmt)
         return self._finish_split(self._begin_split(layer, req_ids, topk, H), q, sm_scale)
 
-    def _fuses(self, layer: int, topk, hot: torch.Tensor, q: torch.Tensor, fmt: RowFormat) -> bool:
-        """Whether the resident path of this call maps the top-k in the attention
-        (``fuse_lookup`` and a backend whose ``paged_problem`` is None for the shape)."""
+    def _fuses(self, layer: int, topk, hot: torch.Tensor, H: int, fmt: RowFormat) -> bool:
+        """Whether the resident path of this call maps the top-k in the attention of H
+        heads (``fuse_lookup`` and a backend whose ``paged_problem`` is None for the shape)."""
         problem = getattr(self.backend, "paged_problem", None)
         if not self.fuse_lookup or problem is None or not isinstance(topk, torch.Tensor) or topk.dim() != 2:
             return False
-        T, K, H = topk.shape[0], topk.shape[1], q.shape[1]
+        T, K = topk.shape[0], topk.shape[1]
         key = (layer, T, H, K)
         ok = self._paged.get(key)
         if ok is None:
@@ -222,7 +243,10 @@ class DecodeLayer:
         stage stream -- so that they run beside the query projection. ``finish`` attends
         a query of ``num_heads`` heads. Split and auto layers (an auto layer's begun
         call is split, untimed). A head count the backend refuses is refused here,
-        before the resolve (``finish`` could never attend it)."""
+        before the resolve (``finish`` could never attend it). On the resident path with
+        a backend that maps the top-k itself (``fuse_lookup``), ``begin`` checks the call
+        and launches nothing: ``finish``'s attention maps ``topk``, which must stay as it
+        is until then (as the stage stream's reads of it require anyway)."""
         if self.overlap is Overlap.SERIAL:
             raise ValueError("begin/finish are the two halves of a split layer; this layer is serial")
         check_int("num_heads", num_heads, 1)
@@ -264,9 +288,10 @@ class DecodeLayer:
         view = self.cache.layer_view(sp.layer)
         check_decode_call(self.backend, q, sm_scale, device=view.hot_rows.device, row_format=view.row_format,
                           supported=self._supported)
-        if tuple(q.shape[:2]) != (sp.physical.shape[0], launch.num_heads):
+        tokens = sp.tokens if isinstance(sp, DeferredLookup) else sp.physical.shape[0]
+        if tuple(q.shape[:2]) != (tokens, launch.num_heads):
             raise ValueError(f"q is [T={q.shape[0]}, H={q.shape[1]}, ...] but begin() resolved "
-                             f"{sp.physical.shape[0]} tokens for {launch.num_heads} heads")
+                             f"{tokens} tokens for {launch.num_heads} heads")
         return self._finish_split(launch, q, sm_scale)
 
     def _launch_plan(self, T: int, H: int, K: int, fmt: RowFormat) -> tuple[CopyShape | None, int | None, bool]:
@@ -302,9 +327,16 @@ class DecodeLayer:
         return None, None, False
 
     def _begin_split(self, layer: int, req_ids, topk, H: int) -> SplitLaunch:
-        if self.cache.graphs.resident_resolve():  # nothing can miss: the whole resolve, one attention in finish
-            res = self.cache.resolve(layer, req_ids, topk, validate=self.validate)
-            return SplitLaunch(result=res, cache=self.cache, num_heads=H, sms=None)
+        c = self.cache
+        if c.graphs.resident_resolve():  # nothing can miss: the whole resolve, one attention in finish
+            view = c.layer_view(layer)
+            if self._fuses(layer, topk, view.hot_rows, H, view.row_format):
+                # the attention in finish maps the top-k itself: nothing to launch now; the
+                # checks run now (a bad top-k is refused here, as the resolve would be)
+                c._check_resolve(layer, req_ids, topk, self.validate)
+                return SplitLaunch(result=DeferredLookup(c, layer, req_ids, topk), cache=c, num_heads=H, sms=None)
+            res = c.resolve(layer, req_ids, topk, validate=self.validate)
+            return SplitLaunch(result=res, cache=c, num_heads=H, sms=None)
         T, K = (topk.shape[0], topk.shape[1]) if isinstance(topk, torch.Tensor) and topk.dim() == 2 else (0, 0)
         copy, sms, after = self._launch_plan(T, H, K, self.cache.layer_view(layer).row_format)
         sp = self.cache.resolve(layer, req_ids, topk, validate=self.validate, copy_shape=copy, split=True)
@@ -316,6 +348,13 @@ class DecodeLayer:
         sp = launch.result
         view = self.cache.layer_view(sp.layer)
         hot, fmt = view.hot_rows, view.row_format
+        if isinstance(sp, DeferredLookup):  # resident at begin; the layer unchanged since
+            c = self.cache
+            if not c.graphs.resident_resolve():  # a request joined hot since: the full resolve, then attend
+                res = c.resolve(sp.layer, sp.req_ids, sp.topk, validate=self.validate)
+                return self.backend.decode(q, hot, res.physical, sm_scale=sm_scale, row_format=fmt)
+            return resolve_paged(c, sp.layer, sp.req_ids, sp.topk, lambda paged: self.backend.decode(
+                q, hot, sp.topk, sm_scale=sm_scale, row_format=fmt, paged=paged), validate=self.validate)
         if not isinstance(sp, SplitResult):  # the resident path: every row is on the device already
             return self.backend.decode(q, hot, sp.physical, sm_scale=sm_scale, row_format=fmt)
         plan = self._plan(MissMode.SPLIT, q.shape[0], q.shape[1], fmt)
@@ -334,5 +373,5 @@ class DecodeLayer:
         self.cache.prefetch(layer, req_ids, topk)
 
 
-__all__ = ["DecodeLayer", "HEADS_PER_PROGRAM", "Overlap", "SPLIT_COPY", "SplitLaunch", "split_fills_sms",
+__all__ = ["DecodeLayer", "DeferredLookup", "HEADS_PER_PROGRAM", "Overlap", "SPLIT_COPY", "SplitLaunch", "split_fills_sms",
            "split_waits_for_misses"]
