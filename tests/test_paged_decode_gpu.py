@@ -91,3 +91,41 @@ def test_decode_layer_fused_equals_two_launches_eager_and_graphed(B):
         assert torch.equal(o0, o2) and torch.equal(l0, l2), (B, step)
     assert torch.equal(a.state.stats, b.state.stats) and torch.equal(a.state.stats, g.state.stats)
     assert graphed.graphs.report()["replays"] > 0
+
+
+@pytest.mark.parametrize("B", [1, 70])
+def test_split_begin_finish_defers_the_lookup_eager_and_captured(B):
+    """A split layer's begin / finish on the resident path: begin launches nothing, finish
+    maps and attends; bitwise the resolve kernel followed by the attention, eagerly and
+    in a captured graph replayed (as the mini engine captures whole steps)."""
+    from hisparse.decode.layer import DeferredLookup
+    a, b = _cache(9, B, top_k=256), _cache(9, B, top_k=256)
+    be = TritonBackend(validate=False)
+    plain = DecodeLayer(a, be, overlap="split", fuse_lookup=False)
+    fused = DecodeLayer(b, be, overlap="split")
+    rng = random.Random(B)
+    ids = torch.arange(B, dtype=I32, device=DEV)
+    for step in range(4):
+        layer = step % 2
+        tk = torch.tensor([[rng.randrange(-1, 65) for _ in range(256)] for _ in range(B)], dtype=I32, device=DEV)
+        q = (torch.randn((B, 128, 576), generator=torch.Generator().manual_seed(step)) * 0.5).to(DEV, torch.bfloat16)
+        launch = fused.begin(layer, ids, tk, num_heads=128)
+        assert isinstance(launch.result, DeferredLookup)
+        o1, l1 = fused.finish(launch, q, sm_scale=SM)
+        o0, l0 = plain.finish(plain.begin(layer, ids, tk, num_heads=128), q, sm_scale=SM)
+        torch.cuda.synchronize()
+        assert torch.equal(o0, o1) and torch.equal(l0, l1), (B, step)
+    assert torch.equal(a.state.stats, b.state.stats)
+    tk = torch.tensor([[rng.randrange(-1, 65) for _ in range(256)] for _ in range(B)], dtype=I32, device=DEV)
+    q = (torch.randn((B, 128, 576), generator=torch.Generator().manual_seed(9)) * 0.5).to(DEV, torch.bfloat16)
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), b.graphs.resident_capture():
+        with torch.cuda.graph(graph, stream=stream):
+            o1, l1 = fused.finish(fused.begin(0, ids, tk, num_heads=128), q, sm_scale=SM)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    o0, l0 = plain.finish(plain.begin(0, ids, tk, num_heads=128), q, sm_scale=SM)
+    torch.cuda.synchronize()
+    assert torch.equal(o0, o1) and torch.equal(l0, l1)
