@@ -152,3 +152,37 @@ def test_decode_layer_bits_with_direct_launch_on_and_off():
     for (a, la), (b, lb) in zip(on, off):
         assert torch.equal(a, b) and torch.equal(la, lb)
     assert stats_on == stats_off
+
+
+def test_attention_plans_launch_through_the_c_function_with_given_outputs():
+    """An unchecked Triton decode past one wave of SMs (a wave-tail launch) into given
+    outputs, 16-byte aligned or not (another key: the JIT first, then direct), equals
+    the checked call bit for bit on every repeat; its remembered launches call the
+    launcher's C function (``DirectLaunch._c``), pointers passed as addresses."""
+    _needs_fast()
+    from hisparse.attention import TritonBackend
+    from hisparse.formats import quantize_fp8_ds_mla
+    g = torch.Generator(device="cuda").manual_seed(3)
+    T, H, K, N = 70, 128, 2048, 4096
+    rows = quantize_fp8_ds_mla((torch.randn((N, 576), device="cuda", generator=g) * 0.5).to(torch.bfloat16))
+    q = (torch.randn((T, H, 576), device="cuda", generator=g) * 0.3).to(torch.bfloat16)
+    idx = torch.randint(-1, N, (T, K), device="cuda", generator=g, dtype=torch.int32)
+    kw = dict(sm_scale=576 ** -0.5, row_format="fp8_ds_mla")
+    want = TritonBackend().decode(q, rows, idx, **kw)
+    be = TritonBackend(validate=False)
+    ob = torch.empty(T * H * 512 + 8, dtype=torch.bfloat16, device="cuda")
+    lb = torch.empty(T * H + 4, dtype=torch.float32, device="cuda")
+    for out, lse in ((None, None), (ob[:T * H * 512].view(T, H, 512), lb[:T * H].view(T, H)),
+                     (ob[4:4 + T * H * 512].view(T, H, 512), lb[1:1 + T * H].view(T, H))):
+        for _ in range(3):
+            if out is not None:
+                out.fill_(7)
+                lse.fill_(7)
+            got = be.decode(q, rows, idx, out=out, lse=lse, **kw)
+            torch.cuda.synchronize()
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+            assert out is None or (got[0] is out and got[1] is lse)
+    plans = list(be._plans.values())
+    assert len(plans) == 2 and all(len(p.launches) == 2 for p in plans)  # main + wave tail each
+    remembered = [d for p in plans for la in p.launches for d in la.main._compiled.values()]
+    assert len(remembered) >= 6 and all(d._c is not None for d in remembered)

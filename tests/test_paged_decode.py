@@ -238,11 +238,13 @@ def test_a_refused_paged_decode_changes_nothing():
 
 def test_begin_defers_the_resident_lookup_into_finish(monkeypatch):
     """A split layer's ``begin`` on the resident path, with a backend that maps the top-k
-    itself: it checks and launches nothing (no counter, no epoch moved); ``finish`` maps
-    and attends, bitwise as the resolve kernel followed by the attention. A write to the
-    layer in between makes the launch stale (refused, as before); a request joining hot
-    in between sends ``finish`` through the full resolve, with the same result. A
-    checked layer refuses a bad top-k at ``begin``."""
+    itself: it checks and launches nothing (no counter; the layer's epoch moves, as a
+    resolve's would); ``finish`` maps and attends, bitwise as the resolve kernel followed
+    by the attention. A write to the layer, or a later begin, in between makes the launch
+    stale (refused, as before), and so does its own finish; a request joining hot in
+    between, or a finishing layer whose backend maps no top-k, sends ``finish`` through
+    the full resolve, with the same result. A checked layer refuses a bad top-k at
+    ``begin`` and finishes a good one."""
     from hisparse.decode.layer import DeferredLookup
     a, b = _cache(5), _cache(5)
     be = _backend(40)
@@ -256,6 +258,7 @@ def test_begin_defers_the_resident_lookup_into_finish(monkeypatch):
         stats, epochs = b.state.stats.clone(), list(b.requests.epochs)
         launch = fused.begin(layer, ids, tk, num_heads=40)
         assert isinstance(launch.result, DeferredLookup)
+        epochs[layer] += 1  # results held from before are stale, as after a resolve
         assert torch.equal(b.state.stats, stats) and b.requests.epochs == epochs
         o1, l1 = fused.finish(launch, q, sm_scale=SM)
         p = plain.begin(layer, ids, tk, num_heads=40)
@@ -283,4 +286,21 @@ def test_begin_defers_the_resident_lookup_into_finish(monkeypatch):
     assert torch.equal(b.state.stats, stats) and b.requests.epochs == epochs
     good = checked.begin(0, ids, tk, num_heads=40)
     assert isinstance(good.result, DeferredLookup)
+    o1, l1 = checked.finish(good, q, sm_scale=SM)
+    o0, l0 = plain.finish(plain.begin(0, ids, tk, num_heads=40), q, sm_scale=SM)
+    assert torch.equal(o1, o0) and torch.equal(l1, l0)
+    with pytest.raises(ValueError, match="since begin"):  # its own finish resolved the layer
+        checked.finish(good, q, sm_scale=SM)
+    # a later begin of the layer makes an earlier launch stale, as a resolve does
+    first = fused.begin(1, ids, tk, num_heads=40)
+    second = fused.begin(1, ids, tk, num_heads=40)
+    with pytest.raises(ValueError, match="since begin"):
+        fused.finish(first, q, sm_scale=SM)
+    fused.finish(second, q, sm_scale=SM)
+    # finished by a layer whose backend maps no top-k: the full resolve, then its attention
+    ref = DecodeLayer(b, ReferenceBackend(), overlap="split")
+    o2, l2 = ref.finish(fused.begin(1, ids, tk, num_heads=40), q, sm_scale=SM)
+    o3, l3 = DecodeLayer(a, ReferenceBackend(), overlap="split").finish(
+        plain.begin(1, ids, tk, num_heads=40), q, sm_scale=SM)
+    assert torch.equal(o2, o3) and torch.equal(l2, l3)
     check_cache(b)

@@ -83,7 +83,7 @@ class DeferredLookup:
     """What ``DecodeLayer.begin`` keeps instead of resolving on the resident path when the
     backend maps the top-k itself: the call's layer, request ids and top-k, attended
     (and mapped) in ``finish``. Stale, as a resolve's result, once the layer is
-    appended to, resolved or freed."""
+    appended to, resolved (a later begin, or this launch's own finish) or freed."""
 
     __slots__ = ("layer", "req_ids", "topk", "tokens", "_epochs", "_epoch")
 
@@ -332,8 +332,10 @@ class DecodeLayer:
             view = c.layer_view(layer)
             if self._fuses(layer, topk, view.hot_rows, H, view.row_format):
                 # the attention in finish maps the top-k itself: nothing to launch now; the
-                # checks run now (a bad top-k is refused here, as the resolve would be)
+                # checks run now (a bad top-k is refused here, as the resolve would be), and
+                # results held from before are stale from here, as after a resolve
                 c._check_resolve(layer, req_ids, topk, self.validate)
+                c.requests.touch(layer)
                 return SplitLaunch(result=DeferredLookup(c, layer, req_ids, topk), cache=c, num_heads=H, sms=None)
             res = c.resolve(layer, req_ids, topk, validate=self.validate)
             return SplitLaunch(result=res, cache=c, num_heads=H, sms=None)
@@ -350,7 +352,8 @@ class DecodeLayer:
         hot, fmt = view.hot_rows, view.row_format
         if isinstance(sp, DeferredLookup):  # resident at begin; the layer unchanged since
             c = self.cache
-            if not c.graphs.resident_resolve():  # a request joined hot since: the full resolve, then attend
+            if not (c.graphs.resident_resolve() and self._fuses(sp.layer, sp.topk, hot, q.shape[1], fmt)):
+                # a request joined hot since, or this layer's backend maps no top-k: the full resolve
                 res = c.resolve(sp.layer, sp.req_ids, sp.topk, validate=self.validate)
                 return self.backend.decode(q, hot, res.physical, sm_scale=sm_scale, row_format=fmt)
             return resolve_paged(c, sp.layer, sp.req_ids, sp.topk, lambda paged: self.backend.decode(

@@ -22,7 +22,8 @@ The direct path is on only where every condition holds, else each call takes the
 path (``fast_launch_problem()`` says why; logged once):
 - a CUDA launch (not the interpreter) on a Triton whose launcher call was tested here
   (``TESTED_TRITON``: the compiled kernel's ``run(grid x, y, z, stream, function,
-  packed metadata, launch metadata, enter hook, exit hook, *every argument)``);
+  packed metadata, launch metadata, enter hook, exit hook, *every argument)``, and for a
+  ``BoundLaunch`` the C function under it, ``_c_launch``);
 - no launch hooks set (a profiler's ``knobs.runtime.launch_enter_hook``) and no pre-run
   hooks on the kernel: those calls take the JIT path, which runs them;
 - ``HISPARSE_FAST_LAUNCH`` not set to 0 (``set_direct_launch(False)`` turns it off in a
