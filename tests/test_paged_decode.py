@@ -81,6 +81,16 @@ def test_paged_decode_equals_resolve_then_decode(seed, H):
     check_cache(b)
 
 
+def _fixed_call() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Request ids (a group of two tokens), a top-k with padding and a position past
+    request 3's rows, and a 40-head query: int32 [4], int32 [4, 8], bf16 [4, 40, 576]."""
+    ids = torch.tensor([3, 3, 7, 9], dtype=I32)
+    tk = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7], [64, 3, -1, 2, 1, 0, 5, 4], [1, 0, -1, -1, 3, 2, 4, 5],
+                       [5, 4, 3, 2, 1, 0, -1, 7]], dtype=I32)
+    q = (torch.randn((4, 40, 576), generator=torch.Generator().manual_seed(0)) * 0.5).to(torch.bfloat16)
+    return ids, tk, q
+
+
 def test_decode_layer_maps_the_resident_topk_in_the_attention(monkeypatch):
     import hisparse.decode.layer as L
     a, b = _cache(5), _cache(5)
@@ -90,10 +100,7 @@ def test_decode_layer_maps_the_resident_topk_in_the_attention(monkeypatch):
     monkeypatch.setattr(L, "resolve_paged", lambda *x, **k: calls.append(1) or real(*x, **k))
     fused = DecodeLayer(b, be, overlap="serial")
     plain = DecodeLayer(a, be, overlap="serial", fuse_lookup=False)
-    ids = torch.tensor([3, 3, 7, 9], dtype=I32)
-    tk = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7], [64, 3, -1, 2, 1, 0, 5, 4], [1, 0, -1, -1, 3, 2, 4, 5],
-                       [5, 4, 3, 2, 1, 0, -1, 7]], dtype=I32)
-    q = (torch.randn((4, 40, 576), generator=torch.Generator().manual_seed(0)) * 0.5).to(torch.bfloat16)
+    ids, tk, q = _fixed_call()
     for layer in range(2):
         o1, l1 = fused(layer, ids, tk, q, sm_scale=SM)
         o0, l0 = plain(layer, ids, tk, q, sm_scale=SM)
@@ -250,10 +257,7 @@ def test_begin_defers_the_resident_lookup_into_finish(monkeypatch):
     be = _backend(40)
     fused = DecodeLayer(b, be, overlap="split")
     plain = DecodeLayer(a, be, overlap="split", fuse_lookup=False)
-    ids = torch.tensor([3, 3, 7, 9], dtype=I32)
-    tk = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7], [64, 3, -1, 2, 1, 0, 5, 4], [1, 0, -1, -1, 3, 2, 4, 5],
-                       [5, 4, 3, 2, 1, 0, -1, 7]], dtype=I32)
-    q = (torch.randn((4, 40, 576), generator=torch.Generator().manual_seed(0)) * 0.5).to(torch.bfloat16)
+    ids, tk, q = _fixed_call()
     for layer in range(2):
         stats, epochs = b.state.stats.clone(), list(b.requests.epochs)
         launch = fused.begin(layer, ids, tk, num_heads=40)

@@ -70,6 +70,14 @@ def test_paged_decode_equals_resolve_then_decode(config, seed, reqs):
         assert torch.equal(b.state.stats, a.state.stats)
 
 
+def _step_inputs(rng: random.Random, B: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A top-k of 256 positions in [-1, 64] per request and a 128-head query: int32 [B, 256],
+    bf16 [B, 128, 576] on the GPU."""
+    tk = torch.tensor([[rng.randrange(-1, 65) for _ in range(256)] for _ in range(B)], dtype=I32, device=DEV)
+    q = (torch.randn((B, 128, 576), generator=torch.Generator().manual_seed(seed)) * 0.5).to(DEV, torch.bfloat16)
+    return tk, q
+
+
 @pytest.mark.parametrize("B", [1, 70])  # one program per head block; past one wave of SMs (a tail launch)
 def test_decode_layer_fused_equals_two_launches_eager_and_graphed(B):
     a, b, g = _cache(7, B, top_k=256), _cache(7, B, top_k=256), _cache(7, B, top_k=256)
@@ -81,8 +89,7 @@ def test_decode_layer_fused_equals_two_launches_eager_and_graphed(B):
     ids = torch.arange(B, dtype=I32, device=DEV)
     for step in range(5):
         layer = step % 2
-        tk = torch.tensor([[rng.randrange(-1, 65) for _ in range(256)] for _ in range(B)], dtype=I32, device=DEV)
-        q = (torch.randn((B, 128, 576), generator=torch.Generator().manual_seed(step)) * 0.5).to(DEV, torch.bfloat16)
+        tk, q = _step_inputs(rng, B, step)
         o0, l0 = plain(layer, ids, tk, q, sm_scale=SM)
         o1, l1 = fused(layer, ids, tk, q, sm_scale=SM)
         o2, l2 = graphed(layer, ids, tk, q, sm_scale=SM)
@@ -107,8 +114,7 @@ def test_split_begin_finish_defers_the_lookup_eager_and_captured(B):
     ids = torch.arange(B, dtype=I32, device=DEV)
     for step in range(4):
         layer = step % 2
-        tk = torch.tensor([[rng.randrange(-1, 65) for _ in range(256)] for _ in range(B)], dtype=I32, device=DEV)
-        q = (torch.randn((B, 128, 576), generator=torch.Generator().manual_seed(step)) * 0.5).to(DEV, torch.bfloat16)
+        tk, q = _step_inputs(rng, B, step)
         launch = fused.begin(layer, ids, tk, num_heads=128)
         assert isinstance(launch.result, DeferredLookup)
         o1, l1 = fused.finish(launch, q, sm_scale=SM)
@@ -116,8 +122,7 @@ def test_split_begin_finish_defers_the_lookup_eager_and_captured(B):
         torch.cuda.synchronize()
         assert torch.equal(o0, o1) and torch.equal(l0, l1), (B, step)
     assert torch.equal(a.state.stats, b.state.stats)
-    tk = torch.tensor([[rng.randrange(-1, 65) for _ in range(256)] for _ in range(B)], dtype=I32, device=DEV)
-    q = (torch.randn((B, 128, 576), generator=torch.Generator().manual_seed(9)) * 0.5).to(DEV, torch.bfloat16)
+    tk, q = _step_inputs(rng, B, 9)
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
