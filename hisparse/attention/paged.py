@@ -37,12 +37,15 @@ class PagedLookup(NamedTuple):
     stat_resolves: int
     stat_resident: int
 
+    def tensors(self) -> tuple:
+        """The tables' tensors (what a decode reads or writes besides its own inputs)."""
+        return (self.req_ids, self.id_to_slot, self.resident, self.seq_lens, self.page_table, self.stats, self.physical)
+
     def signature(self) -> tuple:
         """What a plan of a paged decode depends on: everything ``check_paged`` checked
         (the tensors' shapes, strides, dtypes and devices, the ints), so that a call with
         an equal signature passes the same checks."""
-        ts = (self.req_ids, self.id_to_slot, self.resident, self.seq_lens, self.page_table, self.stats, self.physical)
-        return (tuple((t.shape, t.stride(), t.dtype, t.device) for t in ts), self.pool_base, self.page_rows,
+        return (tuple((t.shape, t.stride(), t.dtype, t.device) for t in self.tensors()), self.pool_base, self.page_rows,
                 self.num_pages, self.max_query_len, self.scan_chunk, self.stat_invalid, self.stat_resolves,
                 self.stat_resident)
 

@@ -494,8 +494,7 @@ class TritonBackend(SparseMLABackend):
             check_paged(paged, inp.q.shape[0], inp.indices.shape[1], inp.q.device)
         if out is not None or lse is not None:
             check_outputs(out, lse, inp.q, (q, kv_rows, indices, valid_counts)
-                          + (() if paged is None else (paged.req_ids, paged.id_to_slot, paged.resident, paged.seq_lens,
-                                                       paged.page_table, paged.stats, paged.physical)))
+                          + (() if paged is None else paged.tensors()))
         self._check_supported(inp.q.device, inp.row_format, inp.num_heads, Phase.DECODE)
         plan = DecodePlan(inp, self.config, sms, kv_as_bf16=inp.kv_rows is not kv_rows, paged=paged)
         if sig is not None:

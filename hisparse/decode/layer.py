@@ -215,13 +215,21 @@ class DecodeLayer:
         if isinstance(topk, torch.Tensor) and topk.dim() == 2 and topk.shape[0] != T:
             raise ValueError(f"topk has {topk.shape[0]} rows but q has T={T} tokens")
         resident = c.graphs.resident_resolve()
-        if resident and self._fuses(layer, topk, hot, H, fmt):
-            return resolve_paged(c, layer, req_ids, topk, lambda paged: self.backend.decode(
-                q, hot, topk, sm_scale=sm_scale, row_format=fmt, paged=paged), validate=self.validate)
         if mode is Overlap.SERIAL or resident:
-            res = c.resolve(layer, req_ids, topk, validate=self.validate)
-            return self.backend.decode(q, hot, res.physical, sm_scale=sm_scale, row_format=fmt)
+            return self._resolve_attend(layer, req_ids, topk, q, hot, fmt, sm_scale,
+                                        paged=resident and self._fuses(layer, topk, hot, H, fmt))
         return self._finish_split(self._begin_split(layer, req_ids, topk, H), q, sm_scale)
+
+    def _resolve_attend(self, layer: int, req_ids, topk, q: torch.Tensor, hot: torch.Tensor, fmt: RowFormat,
+                        sm_scale: float, *, paged: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The resolve, then one attention over every entry of the layer's rows ``hot``;
+        ``paged``: the resident resolve folded into the attention (``resolve_paged``)."""
+        c = self.cache
+        if paged:
+            return resolve_paged(c, layer, req_ids, topk, lambda tables: self.backend.decode(
+                q, hot, topk, sm_scale=sm_scale, row_format=fmt, paged=tables), validate=self.validate)
+        res = c.resolve(layer, req_ids, topk, validate=self.validate)
+        return self.backend.decode(q, hot, res.physical, sm_scale=sm_scale, row_format=fmt)
 
     def _fuses(self, layer: int, topk, hot: torch.Tensor, H: int, fmt: RowFormat) -> bool:
         """Whether the resident path of this call maps the top-k in the attention of H
@@ -351,13 +359,9 @@ class DecodeLayer:
         view = self.cache.layer_view(sp.layer)
         hot, fmt = view.hot_rows, view.row_format
         if isinstance(sp, DeferredLookup):  # resident at begin; the layer unchanged since
-            c = self.cache
-            if not (c.graphs.resident_resolve() and self._fuses(sp.layer, sp.topk, hot, q.shape[1], fmt)):
-                # a request joined hot since, or this layer's backend maps no top-k: the full resolve
-                res = c.resolve(sp.layer, sp.req_ids, sp.topk, validate=self.validate)
-                return self.backend.decode(q, hot, res.physical, sm_scale=sm_scale, row_format=fmt)
-            return resolve_paged(c, sp.layer, sp.req_ids, sp.topk, lambda paged: self.backend.decode(
-                q, hot, sp.topk, sm_scale=sm_scale, row_format=fmt, paged=paged), validate=self.validate)
+            # unless a request joined hot since, or this layer's backend maps no top-k
+            paged = self.cache.graphs.resident_resolve() and self._fuses(sp.layer, sp.topk, hot, q.shape[1], fmt)
+            return self._resolve_attend(sp.layer, sp.req_ids, sp.topk, q, hot, fmt, sm_scale, paged=paged)
         if not isinstance(sp, SplitResult):  # the resident path: every row is on the device already
             return self.backend.decode(q, hot, sp.physical, sm_scale=sm_scale, row_format=fmt)
         plan = self._plan(MissMode.SPLIT, q.shape[0], q.shape[1], fmt)
