@@ -38,6 +38,7 @@ KERNELS = [
     ("hisparse.kernels.mla_miss", "miss_merge_kernel"),
     ("hisparse.kernels.convert", "convert_topk_kernel"),
     ("hisparse.kernels.apply_write", "apply_write_plan_kernel"),
+    ("hisparse.kernels.apply_write", "apply_write_layers_kernel"),
     ("hisparse.kernels.copy_rows", "copy_rows_kernel"),
     ("hisparse.kernels.copy_rows", "copy_staged_kernel"),
     ("hisparse.kernels.stage_prefill", "stage_copy_kernel"),

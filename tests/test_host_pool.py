@@ -126,3 +126,39 @@ def test_free_listeners_hear_each_free_after_it():
     c.writer.allocate_for(c.request(5).slot, 20)
     c.free_request(5)
     assert heard == [(5, 0, [0, 1], False, 4)]
+
+
+def _segments_by_row(blocks, B, p0, p1):
+    """The definition: one run per maximal range of positions whose host rows count up by one."""
+    out = []
+    for p in range(p0, p1):
+        row = blocks[p // B] * B + p % B
+        if out and out[-1][1] == p and out[-1][2] + (p - out[-1][0]) == row:
+            out[-1] = (out[-1][0], p + 1, out[-1][2])
+        else:
+            out.append((p, p + 1, row))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_block_segments_over_few_and_many_blocks_match_the_definition(seed):
+    """Few blocks take the loop, more than 8 the numpy path: both give the runs the
+    per-position definition gives, for block lists with runs, holes and reversals,
+    given as a list or an int64 array, over spans starting and ending mid-block."""
+    import numpy as np
+    from hisparse.cache.host_pool import block_segments
+    g = np.random.default_rng(seed)
+    B = int(g.choice([1, 4, 16]))
+    n = int(g.integers(1, 40))
+    pieces = []
+    while sum(map(len, pieces)) < n:  # runs of consecutive ids at random places
+        start, k = int(g.integers(0, 200)), int(g.integers(1, 6))
+        pieces.append(list(range(start, start + k)) if g.random() < 0.8 else list(range(start + k, start, -1)))
+    blocks = [b for piece in pieces for b in piece][:n]
+    for _ in range(20):
+        p0 = int(g.integers(0, n * B))
+        p1 = int(g.integers(p0, n * B + 1))
+        want = _segments_by_row(blocks, B, p0, p1)
+        assert block_segments(blocks, B, p0, p1) == want
+        got = block_segments(np.array(blocks, dtype=np.int64), B, p0, p1)
+        assert got == want and all(type(x) is int for run in got for x in run)

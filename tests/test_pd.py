@@ -286,7 +286,7 @@ def test_failed_commit_aborts(monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(cache, "write_step", boom)
+    monkeypatch.setattr(cache.kernel_set, "apply_write_pooled", boom)  # the commit's write of every layer
     with pytest.raises(PDError, match="injected"):
         rx.commit(7, d.generation)
     same_but_quarantined(before, snapshot(cache), rx)

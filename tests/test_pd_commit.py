@@ -6,8 +6,8 @@ by layer, the other reserves it through a ``PDReceiver``, gets the rows into the
 reservation's pool runs (as a transfer writes them) and commits. Every piece of state
 must match: the pool's bytes, the device rows (hot slots or resident pages), the slot
 maps, stamps, lengths, reserved occupants, counters, block tables and allocator, the
-elastic tier's pages. The rows the commit gathers for its write start as a poison
-pattern, so a row the write reads outside what the commit gathered shows.
+elastic tier's pages. The commit's write reads the rows from the pool itself
+(``hisparse.cache.write_pooled``), every layer in one launch.
 
 Sizes (S = 16 hot slots, 16-row blocks): C <= S + 1 (every row hot), C = S + 2 (the
 first row that is not), C not a multiple of the block, C spanning holes.
@@ -22,7 +22,6 @@ import torch
 
 from hisparse import HiSparseCache
 from hisparse.pd import PDReceiver
-from hisparse.pd import commit_rows as commit_rows_mod
 from invariants import check_cache, snapshot
 from pd_helpers import make_rows, nixl_or_skip, small_cfg
 
@@ -36,19 +35,6 @@ SIZES = (1, 10, 17, 18, 40, 70)  # S = 16, B = 16
 @pytest.fixture(scope="module")
 def nixl():
     nixl_or_skip()
-
-
-@pytest.fixture
-def poisoned(monkeypatch):
-    """CommitRows' gather buffer starts as 0xA5 bytes (never a row make_rows gives)."""
-    real = commit_rows_mod.CommitRows.__init__
-
-    def init(self, *a, **k):
-        real(self, *a, **k)
-        if self.buf is not None:
-            self.buf.fill_(0xA5)
-
-    monkeypatch.setattr(commit_rows_mod.CommitRows, "__init__", init)
 
 
 def history(cfg, kernels: str, layout: str) -> tuple[HiSparseCache, dict]:
@@ -106,7 +92,6 @@ def check_commit(cache, ref, truth, C: int) -> None:
     check_cache(cache, truth=truth)
 
 
-@pytest.mark.usefixtures("poisoned")
 @pytest.mark.parametrize("layout", ["fresh", "hole", "holes"])
 @pytest.mark.parametrize("C", SIZES)
 def test_hot_commit_equals_per_request_writes(C, layout):
@@ -118,7 +103,6 @@ def test_hot_commit_equals_per_request_writes(C, layout):
     check_commit(cache, ref, truth, C)
 
 
-@pytest.mark.usefixtures("poisoned")
 @pytest.mark.parametrize("layout", ["fresh", "holes"])
 @pytest.mark.parametrize("C", (1, 17, 18, 40, 70))
 def test_resident_commit_equals_per_request_writes(C, layout):
@@ -128,28 +112,22 @@ def test_resident_commit_equals_per_request_writes(C, layout):
     check_commit(cache, ref, truth, C)
 
 
-@pytest.mark.usefixtures("poisoned")
-@pytest.mark.parametrize("gather", ["torch", "kernel"])
 @pytest.mark.parametrize(("C", "layout", "resident"), [(18, "holes", False), (40, "hole", False),
                                                         (70, "holes", True), (10, "fresh", False)])
-def test_commit_with_the_triton_kernels(C, layout, resident, gather, monkeypatch):
-    """The Triton apply (interpreter here); ``gather="kernel"``: the rows gathered by
-    the row-copy kernel as on a CUDA cache (in the interpreter: no UVA here)."""
-    if gather == "kernel":
-        monkeypatch.setattr(commit_rows_mod, "gathers_by_kernel", lambda cache: True)
+def test_commit_with_the_triton_kernels(C, layout, resident):
+    """The Triton apply of every layer in one launch (the interpreter here)."""
     cfg = small_cfg(max_num_reqs=8, **({"device_pool_rows": 8 * 17 + 64 * 4} if resident else {}))
     cache, ref, truth, _ = committed_and_appended(cfg, C, kernels="triton", layout=layout)
     check_commit(cache, ref, truth, C)
 
 
 @pytest.mark.gpu
-@pytest.mark.usefixtures("poisoned")
 @pytest.mark.parametrize(("C", "layout", "resident"), [(1, "fresh", False), (17, "hole", False),
                                                         (18, "holes", False), (70, "holes", False),
                                                         (40, "fresh", True), (70, "holes", True)])
 def test_commit_equals_per_request_writes_on_cuda(C, layout, resident):
-    """On a CUDA cache the commit gathers with the row-copy kernel over UVA."""
+    """On a CUDA cache the commit's one launch reads the pinned pool over UVA."""
     cfg = small_cfg(max_num_reqs=8, device="cuda", **({"device_pool_rows": 8 * 17 + 64 * 4} if resident else {}))
     cache, ref, truth, _ = committed_and_appended(cfg, C, kernels="auto", layout=layout)
-    assert commit_rows_mod.gathers_by_kernel(cache)
+    assert cache.kernels == "triton" and cache.pool.pinned
     check_commit(cache, ref, truth, C)

@@ -193,16 +193,15 @@ def test_commit_closes_the_generation_before_it_writes(sender, monkeypatch):
     d = rx.reserve(7, 40)
     rows = make_rows(7, 40)
     sender.send(d, rows)
-    real, seen = cache.write_step, []
+    real, seen = cache.kernel_set.apply_write_pooled, []
 
-    def write_step(layer, step, r):
-        if layer == 0:
-            with pytest.raises(StaleDescriptorError) as e:
-                sender.send(d, make_rows(0, 40))
-            seen.append(e.value)
-        real(layer, step, r)
+    def write(state, hot, pool_rows, plan, layers, extra):  # the commit's write of every layer
+        with pytest.raises(StaleDescriptorError) as e:
+            sender.send(d, make_rows(0, 40))
+        seen.append(e.value)
+        real(state, hot, pool_rows, plan, layers, extra)
 
-    monkeypatch.setattr(cache, "write_step", write_step)
+    monkeypatch.setattr(cache.kernel_set, "apply_write_pooled", write)
     rx.wait(7, timeout_s=10)
     assert len(seen) == 1
     truth[7] = rows

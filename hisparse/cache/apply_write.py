@@ -1,6 +1,8 @@
 """Applying a batched append's ``WritePlan`` to one layer's hot tier: the Triton
 launcher (one launch; kernel ``hisparse.kernels.apply_write``) and the torch
 reference (the same updates as eleven small torch ops). Both leave identical state.
+The ``layers`` pair applies one plan to a range of layers, the rows read from the host
+pool (a ``host_written`` step's pooled write, ``hisparse.cache.write_pooled``).
 
 The caller orders the launch: on GPU the current stream must already wait for the
 host mirror of any row whose hot slot the plan overwrites (``HiSparseCache``
@@ -13,7 +15,7 @@ import torch
 
 from ..device import on_device
 from ..kernels.fast_launch import fast
-from ..kernels.apply_write import apply_write_plan_kernel
+from ..kernels.apply_write import apply_write_layers_kernel, apply_write_plan_kernel
 
 from .state import STAT_D2H_ROWS, HotState
 from .transfer import row_words
@@ -26,32 +28,53 @@ def apply_write_plan_reference(state: HotState, hot: torch.Tensor, rows: torch.T
                                plan: WritePlan, layer: int) -> None:
     """hot: uint8 [device_rows_per_layer, row_bytes], the layer's device rows; rows: uint8
     [T, row_bytes], the new rows the plan's tokens index."""
+    _apply_reference(state, hot, lambda tok: rows.index_select(0, tok), plan, layer)
+
+
+def _valid(first: torch.Tensor, *rest: torch.Tensor) -> list[torch.Tensor]:
+    m = first >= 0  # -1 = padding (a step plan padded to a graph bucket)
+    return [first[m]] + [x[m] for x in rest]
+
+
+def _apply_reference(state: HotState, hot: torch.Tensor, gather, plan: WritePlan, layer: int) -> None:
+    """The plan applied to ``layer``; ``gather(hot_tok)`` gives the rows (uint8 [n,
+    row_bytes] on hot's device) of the valid hot_tok entries (int64 [n] on the plan's
+    device)."""
     st = state
-
-    def valid(first: torch.Tensor, *rest: torch.Tensor) -> list[torch.Tensor]:
-        m = first >= 0  # -1 = padding (a step plan padded to a graph bucket)
-        return [first[m]] + [x[m] for x in rest]
-
-    bt_r, bt_k, bt_v = valid(plan.bt_r, plan.bt_k, plan.bt_v)
+    bt_r, bt_k, bt_v = _valid(plan.bt_r, plan.bt_k, plan.bt_v)
     if bt_r.numel():
         st.block_table[bt_r, bt_k] = bt_v
-    (unmap,) = valid(plan.unmap)
+    (unmap,) = _valid(plan.unmap)
     if unmap.numel():
         st.row_slot[layer].index_fill_(0, unmap, -1)
-    hot_dst, hot_tok, sp_idx, sp_pos, sp_r = valid(plan.hot_dst, plan.hot_tok, plan.sp_idx, plan.sp_pos,
-                                                   plan.sp_r)
+    hot_dst, hot_tok, sp_idx, sp_pos, sp_r = _valid(plan.hot_dst, plan.hot_tok, plan.sp_idx, plan.sp_pos,
+                                                    plan.sp_r)
     if hot_dst.numel():
-        hot.index_copy_(0, hot_dst, rows.index_select(0, hot_tok))
+        hot.index_copy_(0, hot_dst, gather(hot_tok))
         slot = sp_idx >= 0  # -1: a resident request's page row, no slot state
         sp_idx, sp_pos, sp_r = sp_idx[slot], sp_pos[slot], sp_r[slot]
         st.slot_pos[layer].view(-1).index_copy_(0, sp_idx, sp_pos)
         st.slot_stamp[layer].view(-1).index_copy_(0, sp_idx, st.step[layer].index_select(0, sp_r))
-    rs_h, rs_v = valid(plan.rs_h, plan.rs_v)
+    rs_h, rs_v = _valid(plan.rs_h, plan.rs_v)
     if rs_h.numel():
         st.row_slot[layer].index_copy_(0, rs_h, rs_v)
-    len_r, len_v = valid(plan.len_r, plan.len_v)
+    len_r, len_v = _valid(plan.len_r, plan.len_v)
     st.seq_lens[layer].index_copy_(0, len_r, len_v)
     st.stats[layer, STAT_D2H_ROWS] += (plan.host_h >= 0).sum()
+
+
+def apply_write_layers_reference(state: HotState, hot: torch.Tensor, pool_rows: torch.Tensor, plan: WritePlan,
+                                 layers: range, extra: int) -> None:
+    """``plan`` (no block-table entries; hot_tok holds host rows) applied to each layer
+    of ``layers``, its rows read from the host pool. hot: uint8 [L, device_rows_per_layer,
+    row_bytes]; pool_rows: uint8 [L, H, row_bytes] (CPU); ``extra``: rows added to each
+    layer's device -> host counter."""
+    tok = _valid(plan.hot_dst, plan.hot_tok)[1].to(pool_rows.device)  # int64 [n]: host rows read
+    for layer in layers:
+        rows = pool_rows[layer].index_select(0, tok).to(hot.device)  # uint8 [n, row_bytes]
+        _apply_reference(state, hot[layer], lambda _: rows, plan, layer)
+        if extra:
+            state.stats[layer, STAT_D2H_ROWS] += extra
 
 
 def apply_write_plan_triton(state: HotState, hot: torch.Tensor, rows: torch.Tensor,
@@ -78,4 +101,33 @@ def apply_write_plan_triton(state: HotState, hot: torch.Tensor, rows: torch.Tens
             num_warps=4)
 
 
-__all__ = ["apply_write_plan_reference", "apply_write_plan_triton"]
+def apply_write_layers_triton(state: HotState, hot: torch.Tensor, pool_rows: torch.Tensor, plan: WritePlan,
+                              layers: range, extra: int) -> None:
+    """Same arguments and result as ``apply_write_layers_reference``, one launch on the
+    current stream (the pool read over UVA; CPU tensors: the Triton interpreter)."""
+    W = pool_rows.shape[2]
+    if hot.shape[2] != W or W % 4:
+        raise ValueError(f"pool rows are {W} bytes and hot rows {hot.shape[2]}: both must be the same "
+                         "multiple of 4")
+    if plan.counts[0]:
+        raise ValueError("a pooled write's plan has no block-table entries (a step plan's are written "
+                         "when the step is prepared)")
+    if not len(layers):
+        return
+    longest = max(max(plan.counts), 1 if extra else 0)
+    if longest == 0:
+        return
+    st = state
+    ww, wb = row_words(W)
+    grid = (-(-longest // BLOCK), len(layers))
+    t = (st.row_slot, st.slot_pos, st.slot_stamp, st.step, st.seq_lens, st.stats)
+    with on_device(hot.device if hot.is_cuda else None):
+        fast(apply_write_layers_kernel)[grid](
+            plan.flat, pool_rows.view(torch.int32), pool_rows.stride(0) // 4, hot.view(torch.int32),
+            hot.stride(0) // 4, *(x for y in t for x in (y, y.stride(0))), layers.start, *plan.counts[1:], extra,
+            STAT_D2H=STAT_D2H_ROWS, WW=ww, WB=wb, BLOCK=BLOCK,
+            num_warps=4)
+
+
+__all__ = ["apply_write_plan_reference", "apply_write_plan_triton", "apply_write_layers_reference",
+           "apply_write_layers_triton"]

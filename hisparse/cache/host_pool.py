@@ -37,10 +37,25 @@ def int64_array(ids: list[int]) -> np.ndarray:
 
 
 def block_segments(blocks, B: int, p0: int, p1: int) -> list[tuple[int, int, int]]:
-    """Positions ``[p0, p1)`` of a block list (``B`` tokens a block) as runs contiguous in
-    the pool: ``[(pos_start, pos_end, host_row_start), ...]``, consecutive blocks merged
-    (a fresh pool gives one run per request)."""
-    out: list[tuple[int, int, int]] = []
+    """Positions ``[p0, p1)`` of a block list (``B`` tokens a block; a list of ints or an
+    int64 numpy array) as runs contiguous in the pool: ``[(pos_start, pos_end,
+    host_row_start), ...]``, consecutive blocks merged (a fresh pool gives one run per
+    request). Over many blocks the runs are found with numpy."""
+    if p1 <= p0:
+        return []
+    k0, k1 = p0 // B, (p1 - 1) // B + 1  # the blocks touched
+    if k1 - k0 > 8:
+        bb = np.asarray(blocks[k0:k1], dtype=np.int64)
+        cut = (np.flatnonzero(bb[1:] != bb[:-1] + 1) + 1).tolist()  # where a run starts anew
+        starts, heads = [0] + cut, bb[[0] + cut].tolist()
+        out = []
+        for s, e, blk in zip(starts, cut + [k1 - k0], heads):
+            a, b = max(p0, (k0 + s) * B), min(p1, (k0 + e) * B)
+            out.append((a, b, blk * B + a - (k0 + s) * B))
+        return out
+    if isinstance(blocks, np.ndarray):
+        blocks = blocks[:k1].tolist()
+    out = []
     p = p0
     while p < p1:
         end = min(p1, (p // B + 1) * B)
@@ -123,14 +138,15 @@ class BlockAllocator:
                 f"{self.num_blocks} free; free requests or configure a larger host pool"
             )
         take = min(n, len(self._free))
-        got = [self._free.pop() for _ in range(take)]
+        got = self._free[-1:-take - 1:-1] if take else []  # the lowest ids, ascending
+        del self._free[len(self._free) - take:]
         if n > take:  # then reclaimed blocks, then the least recently used cached ones, in that order
             k = min(n - take, len(self._reclaimed))
             got += self._reclaimed[:k]
             del self._reclaimed[:k]
             if n > take + k:
                 got += self.cache.evict(n - take - k)
-        self._mapped[got] = True
+        self._mapped[int64_array(got)] = True
         self._owned.setdefault(owner, []).extend(got)
         return got
 
@@ -287,7 +303,7 @@ class HostPool:
     def segments(self, owner: Hashable, p0: int, p1: int) -> list[tuple[int, int, int]]:
         """Positions ``[p0, p1)`` of ``owner`` split into runs contiguous in the pool:
         ``[(pos_start, pos_end, host_row_start), ...]`` (see :func:`block_segments`)."""
-        blocks = self.allocator.host_blocks(owner).tolist()
+        blocks = self.allocator.host_blocks(owner)  # int64 [n]
         if p1 > len(blocks) * self.B or p0 < 0:
             raise ValueError(f"positions [{p0}, {p1}) exceed the owner's {len(blocks)} blocks")
         return block_segments(blocks, self.B, p0, p1)

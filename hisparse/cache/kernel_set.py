@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 
 from .._checks import Kernels, check_int
-from .apply_write import apply_write_plan_reference, apply_write_plan_triton
+from .apply_write import (apply_write_layers_reference, apply_write_layers_triton, apply_write_plan_reference,
+                          apply_write_plan_triton)
 from .host_pool import HostPool
 from .resolve_ref import (copy_rows_reference, copy_staged_reference, resolve_lookup_reference, resolve_reference,
                           resolve_resident_reference)
@@ -78,6 +79,13 @@ class CacheKernels:
         """A write plan's hot-tier update of one layer (hot_l uint8 [N, row_bytes])."""
         raise NotImplementedError
 
+    def apply_write_pooled(self, state, hot: torch.Tensor, pool_rows: torch.Tensor, plan, layers: range,
+                           extra: int) -> None:
+        """A pooled plan (hot_tok: host rows) applied to ``layers``, the rows read from
+        the host pool (``hisparse.cache.write_pooled``); hot: uint8 [L, N, row_bytes],
+        pool_rows: uint8 [L, H, row_bytes]."""
+        raise NotImplementedError
+
     def mirror(self, rows: torch.Tensor, plan, host_l: torch.Tensor) -> None:
         """The host copy of a write plan's rows (host_l uint8 [H, row_bytes])."""
         raise NotImplementedError
@@ -107,6 +115,9 @@ class TorchKernels(CacheKernels):
 
     def apply_write(self, state, hot_l, rows, plan, layer) -> None:
         apply_write_plan_reference(state, hot_l, rows, plan, layer)
+
+    def apply_write_pooled(self, state, hot, pool_rows, plan, layers, extra) -> None:
+        apply_write_layers_reference(state, hot, pool_rows, plan, layers, extra)
 
     def mirror(self, rows, plan, host_l) -> None:
         copy_rows_reference(rows, plan.host_tok32, host_l, plan.host_h32)
@@ -142,6 +153,10 @@ class TritonKernels(CacheKernels):
 
     def apply_write(self, state, hot_l, rows, plan, layer) -> None:
         apply_write_plan_triton(state, hot_l, rows, plan, layer)
+
+    def apply_write_pooled(self, state, hot, pool_rows, plan, layers, extra) -> None:
+        self.pinned.check("the pooled write's source")
+        apply_write_layers_triton(state, hot, pool_rows, plan, layers, extra)
 
     def mirror(self, rows, plan, host_l) -> None:  # packed rows (Writer.check_rows) -> pinned host over UVA
         self.pinned.check("dst")

@@ -33,7 +33,7 @@ from .._checks import check_tensor, device_type, pack_rows
 from ..config import HiSparseConfig
 from ..errors import CapacityError
 from .device_pool import NO_CHANGES, DevicePool, PoolChanges, seeded_reserved
-from .host_pool import HostPool
+from .host_pool import HostPool, int64_array
 from .kernel_set import CacheKernels
 from .requests import RequestTable
 from .stager import CacheStreams
@@ -41,6 +41,7 @@ from .state import STAT_D2H_ROWS, HotState
 from .write_batch import WriteBatch, check_ends, make_batch
 from .write_pool import apply_pool_changes, check_demotions, pool_undo
 from .write_carry import CarriedPlan
+from .write_pooled import check_host_written, pooled_plan
 from .write_plan import (NO_RESIDENT, Resident, WritePlan, Work, build_write_plan, packed_of, plan_lists, split_lists,
                          to_device)
 from .write_step import (NO_BLOCK_ENTRIES, NO_WORK, DecodeCarry, StepBuffers, StepCapacity, StepPlan, StepWork,
@@ -253,6 +254,8 @@ class Writer:
                 follow.set_host_rows(new, cross, h)
         else:
             new_blocks, need = self._opened_blocks(work) if single else self._new_blocks_of(work.slot, work.p1)
+            if host_written:
+                check_host_written(new_blocks)
         changes = NO_CHANGES
         if len(work) and dp.enabled and (not single or dp.needs_pages(work.slot, work.p1)):
             changes = dp.plan(list(zip(work.slot.tolist(), work.p1.tolist())))
@@ -286,6 +289,8 @@ class Writer:
             bt, packed, layout = bt_new, new, follow.layout
         else:  # host_written: no mirror, no host lists
             bt, lists = split_block_entries(lists, host=not host_written)
+            if host_written and len(work):  # the same lists, each hot row read from the pool
+                pooled = pooled_plan(lists, work, t0, self.host_blocks, self.pool.allocator.host_of, B, self.device)
             layout, packed = (capacity.layout(), pad_lists(lists, capacity)) if capacity is not None else packed_of(lists)
         if capacity is not None:
             padded = self.step_buffers.get(capacity)
@@ -339,7 +344,8 @@ class Writer:
         self._plan = None
         step = StepPlan(plan=plan, work=work, pending=set(range(L)) if len(work) else set(),
                         rows=rows, generation=batch.generation, owner=self, buffers=padded,
-                        host_written=bool(host_written), host_rows=int(counts.sum()) if host_written else 0)
+                        host_written=bool(host_written), host_rows=int(counts.sum()) if host_written else 0,
+                        pooled=pooled if host_written and len(work) else None)
         if padded is not None:
             padded.owner = step
         elif taken is not None:
@@ -537,7 +543,7 @@ class Writer:
                 raise RuntimeError(f"the allocator handed request slot {r} blocks {got}, the write "
                                    f"planned with {want}")
             k = int(self.num_blocks[r])
-            self.host_blocks[r, k:k + len(got)] = got
+            self.host_blocks[r, k:k + len(got)] = int64_array(got)
             self.num_blocks[r] = k + len(got)
 
     def allocate_for(self, r: int, num_tokens: int) -> list[int]:
@@ -549,7 +555,8 @@ class Writer:
         got = new_blocks.get(r, [])
         if got:
             k = int(self.num_blocks[r])
-            self.state.block_table[r, k:k + len(got)] = torch.tensor(got, dtype=torch.int32, device=self.device)
+            self.state.block_table[r, k:k + len(got)] = torch.from_numpy(
+                int64_array(got).astype(np.int32)).to(self.device)
             self._allocate(new_blocks)
         return got
 

@@ -117,6 +117,7 @@ class StepPlan:
     plan_recorded: bool = False  # the plan's lists were recorded on the backup stream
     host_written: bool = False  # the rows are in the host pool already: no host mirror (hisparse.pd)
     host_rows: int = 0  # rows a host_written layer write counts in STAT_D2H_ROWS (its plan lists none)
+    pooled: WritePlan | None = None  # a host_written step's plan, hot_tok as host rows (hisparse.cache.write_pooled)
 
     @property
     def req_work(self) -> tuple[tuple[int, int, int, int, int, int], ...]:

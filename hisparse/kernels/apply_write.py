@@ -1,6 +1,8 @@
 """Triton body of a batched append's device updates (``HiSparseCache.write``):
 one launch applies a ``WritePlan`` to one layer's hot tier, where the torch path takes
-eleven small ops.
+eleven small ops; :func:`apply_write_layers_kernel` applies one plan to a range of
+layers in one launch, reading the rows from the host pool (a ``host_written`` step:
+``hisparse.cache.write_pooled``).
 
 The plan's index lists lie back to back in one int64 tensor, in ``write_plan._NAMES``
 order: bt_r, bt_k, bt_v (n_bt each), hot_dst, hot_tok, sp_idx, sp_pos, sp_r (n_hot
@@ -29,26 +31,13 @@ import triton
 import triton.language as tl
 
 
-@triton.jit(do_not_specialize=["n_bt", "n_hot", "n_rs", "n_unmap", "n_host", "n_len"])
-def apply_write_plan_kernel(
-    flat_ptr,  # int64 [3 n_bt + 5 n_hot + 2 n_rs + n_unmap + 2 n_host + 2 n_len]
-    rows_ptr,  # int32 [T, WW]: the new rows (uint8 [T, row_bytes] viewed as words)
-    hot_ptr,  # int32 [device_rows_per_layer, WW]: the layer's device rows as words
-    bt_ptr,  # int32 [R, max_blocks] block table
-    bt_stride,  # elements between block-table rows
-    row_slot_ptr,  # int32 [HV] row_slot of the layer, by row key (hisparse.cache.state)
-    slot_pos_ptr,  # int32 [R * (S + 1)] slot_pos of the layer
-    slot_stamp_ptr,  # int64 [R * (S + 1)] slot_stamp of the layer
-    step_ptr,  # int64 [R] step of the layer
-    seq_lens_ptr,  # int32 [R] seq_lens of the layer
-    stats_ptr,  # int64 [NUM_STATS] stats of the layer
-    n_bt, n_hot, n_rs, n_unmap, n_host, n_len,  # list lengths
-    STAT_D2H: tl.constexpr,  # index of the device->host row counter in stats
-    WW: tl.constexpr,  # int32 words per row
-    WB: tl.constexpr,  # next power of two >= WW
-    BLOCK: tl.constexpr,  # entries of each list per program
-):
-    pid = tl.program_id(0)
+@triton.jit
+def _apply_entries(pid, flat_ptr, rows_ptr, hot_ptr, bt_ptr, bt_stride, row_slot_ptr, slot_pos_ptr,
+                   slot_stamp_ptr, step_ptr, seq_lens_ptr, stats_ptr,
+                   n_bt, n_hot, n_rs, n_unmap, n_host, n_len,
+                   STAT_D2H: tl.constexpr, WW: tl.constexpr, WB: tl.constexpr, BLOCK: tl.constexpr):
+    """Entries ``pid * BLOCK ..`` of every list of the plan at ``flat_ptr``, applied to
+    one layer (its pointers given; the module docstring says what each list does)."""
     i = pid * BLOCK + tl.arange(0, BLOCK)
     o_hot = 3 * n_bt
     o_rs = o_hot + 5 * n_hot
@@ -101,3 +90,58 @@ def apply_write_plan_kernel(
     n_valid = tl.sum((m & (h >= 0)).to(tl.int64), axis=0)
     if n_valid > 0:
         tl.atomic_add(stats_ptr + STAT_D2H, n_valid, sem="relaxed")
+
+
+@triton.jit(do_not_specialize=["n_bt", "n_hot", "n_rs", "n_unmap", "n_host", "n_len"])
+def apply_write_plan_kernel(
+    flat_ptr,  # int64 [3 n_bt + 5 n_hot + 2 n_rs + n_unmap + 2 n_host + 2 n_len]
+    rows_ptr,  # int32 [T, WW]: the new rows (uint8 [T, row_bytes] viewed as words)
+    hot_ptr,  # int32 [device_rows_per_layer, WW]: the layer's device rows as words
+    bt_ptr,  # int32 [R, max_blocks] block table
+    bt_stride,  # elements between block-table rows
+    row_slot_ptr,  # int32 [HV] row_slot of the layer, by row key (hisparse.cache.state)
+    slot_pos_ptr,  # int32 [R * (S + 1)] slot_pos of the layer
+    slot_stamp_ptr,  # int64 [R * (S + 1)] slot_stamp of the layer
+    step_ptr,  # int64 [R] step of the layer
+    seq_lens_ptr,  # int32 [R] seq_lens of the layer
+    stats_ptr,  # int64 [NUM_STATS] stats of the layer
+    n_bt, n_hot, n_rs, n_unmap, n_host, n_len,  # list lengths
+    STAT_D2H: tl.constexpr,  # index of the device->host row counter in stats
+    WW: tl.constexpr,  # int32 words per row
+    WB: tl.constexpr,  # next power of two >= WW
+    BLOCK: tl.constexpr,  # entries of each list per program
+):
+    _apply_entries(tl.program_id(0), flat_ptr, rows_ptr, hot_ptr, bt_ptr, bt_stride, row_slot_ptr, slot_pos_ptr,
+                   slot_stamp_ptr, step_ptr, seq_lens_ptr, stats_ptr, n_bt, n_hot, n_rs, n_unmap, n_host, n_len,
+                   STAT_D2H, WW, WB, BLOCK)
+
+
+@triton.jit(do_not_specialize=["layer0", "n_hot", "n_rs", "n_unmap", "n_host", "n_len", "extra"])
+def apply_write_layers_kernel(
+    flat_ptr,  # int64 [5 n_hot + 2 n_rs + n_unmap + 2 n_host + 2 n_len]: a plan with no block-table entries
+    rows_ptr,  # int32 [L, H, WW]: the host pool's rows of every layer (pinned, over UVA); hot_tok holds host rows
+    rows_layer,  # elements between two layers of rows_ptr
+    hot_ptr,  # int32 [L, device_rows_per_layer, WW]: every layer's device rows as words
+    hot_layer,  # elements between two layers of hot_ptr
+    row_slot_ptr, row_slot_layer,  # int32 [L, HV] and its layer stride
+    slot_pos_ptr, slot_pos_layer,  # int32 [L, R * (S + 1)]
+    slot_stamp_ptr, slot_stamp_layer,  # int64 [L, R * (S + 1)]
+    step_ptr, step_layer,  # int64 [L, R]
+    seq_lens_ptr, seq_lens_layer,  # int32 [L, R]
+    stats_ptr, stats_layer,  # int64 [L, NUM_STATS]
+    layer0,  # the first layer written: program (p, j) writes layer layer0 + j
+    n_hot, n_rs, n_unmap, n_host, n_len,  # list lengths
+    extra,  # rows program (0, j) adds to the layer's device->host counter (a host_written step's rows)
+    STAT_D2H: tl.constexpr, WW: tl.constexpr, WB: tl.constexpr, BLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    lay = (layer0 + tl.program_id(1)).to(tl.int64)
+    stats = stats_ptr + lay * stats_layer
+    _apply_entries(pid, flat_ptr, rows_ptr + lay * rows_layer, hot_ptr + lay * hot_layer, stats_ptr, 0,
+                   row_slot_ptr + lay * row_slot_layer, slot_pos_ptr + lay * slot_pos_layer,
+                   slot_stamp_ptr + lay * slot_stamp_layer, step_ptr + lay * step_layer,
+                   seq_lens_ptr + lay * seq_lens_layer, stats, 0, n_hot, n_rs, n_unmap, n_host, n_len,
+                   STAT_D2H, WW, WB, BLOCK)
+    if pid == 0:
+        if extra > 0:
+            tl.atomic_add(stats + STAT_D2H, extra.to(tl.int64), sem="relaxed")

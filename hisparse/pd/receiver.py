@@ -13,9 +13,10 @@ request:
 ``commit(req_id, generation)``
     once the rows are in the blocks: clears the generation word first (a send of the
     same descriptor is refused from then on), then the rows count as appended in every
-    layer, through the cache's own step write (``prepare_step`` + ``write_step`` of the
-    rows now in the pool, ``host_written``: no host mirror), so a hot request's slots
-    and a resident request's pages are filled exactly as ``HiSparseCache.write`` fills them.
+    layer, through the cache's own step write (``prepare_step(..., host_written=True)``:
+    no host mirror; then ``hisparse.cache.write_pooled``: every layer in one launch,
+    the rows read from the pool), so a hot request's slots and a resident request's
+    pages are filled exactly as ``HiSparseCache.write`` fills them.
 ``abort(req_id)``
     clears the word and frees the request; its blocks go into *quarantine* (below).
 ``poll()`` / ``wait(req_id, timeout_s)``
@@ -73,9 +74,9 @@ import numpy as np
 
 from .._checks import check_int
 from ..cache.cache import HiSparseCache
+from ..cache.write_pooled import write_pooled
 from ..errors import CapacityError
 from ..formats import RowFormat
-from .commit_rows import CommitRows
 from .descriptor import PDDescriptor, parse_notice
 from .errors import PDError, StaleDescriptorError, TransferError, TransferTimeout
 from .nixl_api import default_agent_name, make_agent
@@ -232,9 +233,7 @@ class PDReceiver:
         self._words[res.slot] = 0  # from here on a send of this descriptor is refused
         try:
             step = cache.prepare_step(cache.plan_write([req_id], [res.num_tokens]), host_written=True)
-            rows = CommitRows(cache, res.slot, res.num_tokens, self._device_spans(res))
-            for layer in range(cache.cfg.num_layers):
-                cache.write_step(layer, step, rows.rows(layer))
+            write_pooled(cache.writer, step)
         except BaseException as e:
             self._abort(res)
             raise PDError(f"commit of request {req_id} failed and the reservation was aborted: "
@@ -459,16 +458,6 @@ class PDReceiver:
                     + ", ".join(f"{k} {got!r} (expected {exp!r})" for k, (got, exp) in diff.items())
                     + "; aborted")
         return None
-
-    def _device_spans(self, res: ReserveInfo) -> list[tuple[int, int]]:
-        """The position ranges whose rows the commit's write puts on the device (the
-        step is prepared, so the request's residency is final): every position of a
-        resident request (its pages); of a hot one the first S and the newest (the write
-        path's hot slots), when the request has more than S + 1 rows."""
-        C, S = res.num_tokens, self.cache.cfg.device_buffer_size
-        if C <= S + 1 or self.cache.residency(res.req_id) == "resident":
-            return [(0, C)]
-        return [(0, S), (C - 1, C)]
 
 
 __all__ = ["PDReceiver", "ReserveInfo", "Quarantine", "PollResult", "row_format_name", "QUARANTINE_S"]
