@@ -41,7 +41,7 @@ from .state import STAT_D2H_ROWS, HotState
 from .write_batch import WriteBatch, check_ends, make_batch
 from .write_pool import apply_pool_changes, check_demotions, pool_undo
 from .write_carry import CarriedPlan
-from .write_pooled import check_host_written, pooled_plan
+from .write_pooled import check_host_written, host_written_plans
 from .write_plan import (NO_RESIDENT, Resident, WritePlan, Work, build_write_plan, packed_of, plan_lists, split_lists,
                          to_device)
 from .write_step import (NO_BLOCK_ENTRIES, NO_WORK, DecodeCarry, StepBuffers, StepCapacity, StepPlan, StepWork,
@@ -50,11 +50,8 @@ from .write_step import (NO_BLOCK_ENTRIES, NO_WORK, DecodeCarry, StepBuffers, St
 
 
 class Writer:
-    """Appends rows to a cache's layers (see the module docstring).
-
-    kernel_set: the launches (``hisparse.cache.kernel_set``): ``apply_write``, a plan's
-    hot-tier update, and ``mirror``, the host copy of its rows.
-    """
+    """Appends rows to a cache's layers (see the module docstring). kernel_set: the launches
+    (``hisparse.cache.kernel_set``): ``apply_write`` (a plan's hot-tier update), ``mirror``."""
 
     def __init__(self, cfg: HiSparseConfig, *, requests: RequestTable, pool: HostPool,
                  state: HotState, hot: torch.Tensor, streams: CacheStreams,
@@ -289,8 +286,6 @@ class Writer:
             bt, packed, layout = bt_new, new, follow.layout
         else:  # host_written: no mirror, no host lists
             bt, lists = split_block_entries(lists, host=not host_written)
-            if host_written and len(work):  # the same lists, each hot row read from the pool
-                pooled = pooled_plan(lists, work, t0, self.host_blocks, self.pool.allocator.host_of, B, self.device)
             layout, packed = (capacity.layout(), pad_lists(lists, capacity)) if capacity is not None else packed_of(lists)
         if capacity is not None:
             padded = self.step_buffers.get(capacity)
@@ -300,7 +295,10 @@ class Writer:
         else:
             padded, rows = None, batch.total
             taken = follow.host.take(follow.steps % 2, new) if new is not None and follow.host is not None else None
-            plan = taken if taken is not None else WritePlan(to_device(packed, self.device), layout)
+            if host_written and len(work):  # with the plan each hot row of which is read from the pool
+                plan, pooled = host_written_plans(self, packed, layout, lists, work, t0)
+            else:
+                plan = taken if taken is not None else WritePlan(to_device(packed, self.device), layout)
         if bt.size:
             btt = torch.from_numpy(bt)
             btd = btt.pin_memory().to(self.device, non_blocking=True) if self.streams.cuda else btt
@@ -439,15 +437,17 @@ class Writer:
         if layer not in step.pending and len(step.work):  # a step of zero rows has nothing pending
             raise ValueError(f"layer {layer}: this step's rows were already written")
 
-    def _finish_step(self, layer: int, step: StepPlan, capturing: bool | None = None) -> None:
+    def _finish_step(self, layer: int | range, step: StepPlan, capturing: bool | None = None) -> None:
         """The host side of a layer's write, once its launches were enqueued
         (``capturing``: whether they were captured, when the caller knows)."""
-        step.pending.discard(layer)
+        layers = range(layer, layer + 1) if isinstance(layer, int) else layer  # or a range of them
+        step.pending.difference_update(layers)
         if capturing if capturing is not None else self.streams.capturing():
-            step.captured.add(layer)  # runs when the graph is replayed
-        self.requests.touch(layer)  # results held from before the write are stale
+            step.captured.update(layers)  # runs when the graph is replayed
         ev = self.streams.backup.event if (self.pool.is_writer and self.streams.cuda) else None
-        self.pool.commit_append(layer, ev)
+        for lay in layers:
+            self.requests.touch(lay)  # results held from before the write are stale
+            self.pool.commit_append(lay, ev)
 
     def abandon_step(self, step: StepPlan, *, captured: bool = False) -> None:
         """Put back the lengths and reserved-slot occupants of the layers whose write did

@@ -9,7 +9,7 @@ has pending in one launch of ``apply_write_layers_kernel`` (Triton: the pool rea
 UVA) or the torch reference, reading each hot row straight from the pool. For that
 the step carries a second plan, its *pooled plan*: the same lists with each ``hot_tok``
 entry (a token of the batch's rows) replaced by the host row that holds it
-(:func:`pooled_plan`, made when the step is prepared).
+(:func:`host_written_plans`, made with the step's own plan in one copy).
 
 The state it leaves is the one ``write_step`` of every pending layer leaves with the
 same rows. A host_written step opens no block (its rows' blocks hold them already), so
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from .write_plan import _NAMES, WritePlan, plan_of
+from .write_plan import _NAMES, PlanLayout, WritePlan, to_device
 
 if TYPE_CHECKING:
     from .write import Writer
@@ -32,23 +32,26 @@ if TYPE_CHECKING:
 _HOT_TOK = _NAMES.index("hot_tok")
 
 
-def pooled_plan(lists: list[np.ndarray], work: "StepWork", t0: np.ndarray, host_blocks: np.ndarray,
-                host_of: np.ndarray, B: int, device: torch.device) -> WritePlan:
-    """The device plan of ``lists`` (15 int64 numpy lists, ``_NAMES`` order, no
-    block-table entries) with each hot_tok entry replaced by its host row. ``work``: the
-    step's requests (those that write); t0: int64 [n], each one's first token in the
-    batch's rows; host_blocks: int32 [R, NB], each request slot's block ids; host_of:
-    int64 [NV], the host block of each block id; B: rows per block."""
+def host_written_plans(writer: "Writer", packed: np.ndarray, layout: PlanLayout, lists: list[np.ndarray],
+                       work: "StepWork", t0: np.ndarray) -> tuple[WritePlan, WritePlan]:
+    """(the step's plan, its pooled plan) on the writer's device, one copy for both.
+    packed: int64 [layout.words], the packed ``lists`` (15 int64 numpy lists, ``_NAMES``
+    order, no block-table entries); work: the step's requests (those that write); t0:
+    int64 [n], each one's first token in the batch's rows. The pooled plan is the same
+    buffer with each hot_tok entry replaced by the host row that holds the token."""
     tok = lists[_HOT_TOK]  # int64 [n_hot]: token of the batch's rows
-    out = list(lists)
+    both = np.concatenate([packed, packed])
     if len(tok):
+        B = writer.pool.B
         i = np.searchsorted(t0, tok, side="right") - 1  # the request each token belongs to
         pos = work.p0[i] + (tok - t0[i])  # its position
-        blk = host_blocks[work.slot[i], pos // B].astype(np.int64)
+        blk = writer.host_blocks[work.slot[i], pos // B].astype(np.int64)
         if (blk < 0).any():
             raise RuntimeError("a host_written step's token lies in a block its request does not hold")
-        out[_HOT_TOK] = host_of[blk] * B + pos % B
-    return plan_of(out, device)
+        o = layout.words + layout.o64[_HOT_TOK]
+        both[o:o + len(tok)] = writer.pool.allocator.host_of[blk] * B + pos % B
+    dev = to_device(both, writer.device)
+    return WritePlan(dev[:layout.words], layout), WritePlan(dev[layout.words:], layout)
 
 
 def check_host_written(new_blocks: dict) -> None:
@@ -66,12 +69,12 @@ def write_pooled(writer: "Writer", step: "StepPlan") -> None:
     the host pool: one launch per run of consecutive pending layers (one run unless a
     layer was written alone before). The checks of ``write_step`` come first (nothing
     changed when they fail); a launch that raises leaves its layers pending."""
-    if step.pooled is None:
+    if not step.host_written:
         raise ValueError("write_pooled takes a step prepared with host_written=True (its rows in the "
                          "host pool)")
     layers = sorted(step.pending)
     writer.check_step(layers[0] if layers else 0, step)  # (every layer written: "already written")
-    if not layers:
+    if not layers or step.pooled is None:  # (a step of zero rows has nothing pending)
         return
     cs = writer.streams
     cur, cap = cs.current(), cs.capturing()
@@ -88,8 +91,7 @@ def write_pooled(writer: "Writer", step: "StepPlan") -> None:
     for run in runs:
         writer.kernel_set.apply_write_pooled(writer.state, writer.hot, writer.pool.rows, step.pooled, run,
                                              step.host_rows)
-        for layer in run:
-            writer._finish_step(layer, step, capturing=cap)
+        writer._finish_step(run, step, capturing=cap)
 
 
-__all__ = ["pooled_plan", "check_host_written", "write_pooled"]
+__all__ = ["host_written_plans", "check_host_written", "write_pooled"]
