@@ -21,7 +21,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from .write_plan import _NAMES, PlanLayout, WritePlan, to_device
 
