@@ -366,6 +366,7 @@ def bench_case_periodic(s: Setup, be: SparseMLABackend, hit: float, a: argparse.
                                             flush=s.flush.flush, cache=c, cuda=cuda, eager=True)
         res["auto"]["measured_miss_rate"] = rate
         res["auto"]["choice"] = auto.auto_report()
+        res["auto"]["graphs"] = auto.graphs.report() if auto.graphs is not None else None
     res["staging_alone"], _, t, rate = run_steps(lambda: c.resolve(0, s.req, buf, validate=False), trace, buf, t,
                                                  warmup=warm + a.warmup, reps=a.reps, flush=s.flush.flush,
                                                  cache=c, cuda=cuda)

@@ -79,6 +79,48 @@ def test_the_choice_follows_a_change_of_costs():
     assert log.count(SPLIT) == EXPLORE_EVERY - 1
 
 
+class _Event:
+    """A CUDA event stand-in whose completion the test decides."""
+
+    def __init__(self) -> None:
+        self.done = False
+
+    def query(self) -> bool:
+        return self.done
+
+    def elapsed_time(self, end: "_Event") -> float:
+        return end.ms
+
+
+def test_timings_still_on_the_way_do_not_make_the_modes_alternate():
+    """A host far ahead of the GPU: each mode's first timing has completed, the others
+    are still pending. The calls then run the mode of the lower cost so far, untimed,
+    instead of alternating until every timing is in."""
+    from hisparse.decode.auto import _Key
+    k = _Key()
+    runs = []
+    for _ in range(2 * MIN_SAMPLES):  # both modes' timings enqueued, none completed
+        mode, timed = k.choose(0)
+        assert timed
+        end = _Event()
+        end.ms = {SPLIT: 0.120, SERIAL: 0.100}[mode]
+        k.pending.append((mode, _Event(), end))
+        k.calls += 1
+        k.runs[mode] += 1
+        runs.append(mode)
+    assert runs.count(SPLIT) == runs.count(SERIAL) == MIN_SAMPLES
+    mode, timed = k.choose(0)  # nothing completed yet: they alternate
+    assert not timed
+    for m in (SPLIT, SERIAL):  # the first timing of each mode completes
+        next(p for p in k.pending if p[0] is m)[2].done = True
+    k.pending[0][2].done = k.pending[1][2].done = True  # (poll takes completed ones in order)
+    k.poll([])
+    assert k.best() is None and all(k.times[m] for m in (SPLIT, SERIAL))
+    for i in range(10):
+        k.calls += 1
+        assert k.choose(0) == (SERIAL, False)
+
+
 def test_keys_are_per_layer_and_batch_size():
     clock, log = FakeClock(), []
     ch = ModeChooser("cpu", clock=clock, warm=0)

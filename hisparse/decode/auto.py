@@ -17,7 +17,9 @@ Rule (``ModeChooser``), per key (layer, T):
   ``graphs=True``) run eagerly and capture, so they say nothing of the steady cost
   (``warm`` = 2 with graphs, else 1);
 - until each mode has ``MIN_SAMPLES`` timings (done or on the way) the modes
-  alternate, split first;
+  alternate, split first; then, while some are still on the way (a host that runs
+  far ahead of the GPU), the mode of the lower cost among the timings done runs
+  untimed (the modes alternate until each has one done);
 - then the mode with the lower cost runs -- a mode's cost is the lowest of its last
   ``WINDOW`` timings, since what disturbs a timing (host gaps while the call is
   enqueued, other work on the GPU) only ever adds to it; the other
@@ -90,7 +92,9 @@ class _Key:
             if short:  # the fewest first, so that they alternate
                 m = min(short, key=lambda m: (have[m], self.runs[m]))
                 return m, self.runs[m] >= warm
-            return MODES[self.calls % 2], False  # their timings are on the way
+            if all(self.times[m] for m in MODES):  # the rest on the way: the lower cost so far
+                return min(MODES, key=lambda m: min(self.times[m])), False
+            return MODES[self.calls % 2], False  # their first timings are on the way
         if self.calls % EXPLORE_EVERY == EXPLORE_EVERY - 1:
             m = Overlap.SERIAL if best is Overlap.SPLIT else Overlap.SPLIT
             return m, self.runs[m] >= warm
