@@ -65,16 +65,35 @@ def _apply_reference(state: HotState, hot: torch.Tensor, gather, plan: WritePlan
 
 def apply_write_layers_reference(state: HotState, hot: torch.Tensor, pool_rows: torch.Tensor, plan: WritePlan,
                                  layers: range, extra: int) -> None:
-    """``plan`` (no block-table entries; hot_tok holds host rows) applied to each layer
-    of ``layers``, its rows read from the host pool. hot: uint8 [L, device_rows_per_layer,
-    row_bytes]; pool_rows: uint8 [L, H, row_bytes] (CPU); ``extra``: rows added to each
-    layer's device -> host counter."""
-    tok = _valid(plan.hot_dst, plan.hot_tok)[1].to(pool_rows.device)  # int64 [n]: host rows read
-    for layer in layers:
-        rows = pool_rows[layer].index_select(0, tok).to(hot.device)  # uint8 [n, row_bytes]
-        _apply_reference(state, hot[layer], lambda _: rows, plan, layer)
-        if extra:
-            state.stats[layer, STAT_D2H_ROWS] += extra
+    """``plan`` (no block-table entries; hot_tok holds host rows) applied to every layer
+    of ``layers`` at once (the same updates as ``apply_write_plan_reference``, each op
+    over the layers' slice), its rows read from the host pool. hot: uint8 [L,
+    device_rows_per_layer, row_bytes]; pool_rows: uint8 [L, H, row_bytes] (CPU);
+    ``extra``: rows added to each layer's device -> host counter."""
+    if plan.counts[0]:
+        raise ValueError("a pooled write's plan has no block-table entries (a step plan's are written "
+                         "when the step is prepared)")
+    st, ls = state, slice(layers.start, layers.stop)
+    if not len(layers):
+        return
+    (unmap,) = _valid(plan.unmap)
+    if unmap.numel():
+        st.row_slot[ls, unmap] = -1
+    hot_dst, hot_tok, sp_idx, sp_pos, sp_r = _valid(plan.hot_dst, plan.hot_tok, plan.sp_idx, plan.sp_pos,
+                                                    plan.sp_r)
+    if hot_dst.numel():
+        hot[ls, hot_dst] = pool_rows[ls, hot_tok.to(pool_rows.device)].to(hot.device)  # [n_layers, n, row_bytes]
+        slot = sp_idx >= 0  # -1: a resident request's page row, no slot state
+        sp_idx, sp_pos, sp_r = sp_idx[slot], sp_pos[slot], sp_r[slot]
+        L = st.slot_pos.shape[0]
+        st.slot_pos.view(L, -1)[ls, sp_idx] = sp_pos
+        st.slot_stamp.view(L, -1)[ls, sp_idx] = st.step[ls, sp_r]
+    rs_h, rs_v = _valid(plan.rs_h, plan.rs_v)
+    if rs_h.numel():
+        st.row_slot[ls, rs_h] = rs_v
+    len_r, len_v = _valid(plan.len_r, plan.len_v)
+    st.seq_lens[ls, len_r] = len_v
+    st.stats[ls, STAT_D2H_ROWS] += (plan.host_h >= 0).sum() + extra
 
 
 def apply_write_plan_triton(state: HotState, hot: torch.Tensor, rows: torch.Tensor,
