@@ -95,7 +95,7 @@ class _Event:
 def test_timings_still_on_the_way_do_not_make_the_modes_alternate():
     """A host far ahead of the GPU: each mode's first timing has completed, the others
     are still pending. The calls then run the mode of the lower cost so far, untimed,
-    instead of alternating until every timing is in."""
+    instead of alternating until every timing is in; a capture takes the same mode."""
     from hisparse.decode.auto import _Key
     k = _Key()
     runs = []
@@ -119,6 +119,9 @@ def test_timings_still_on_the_way_do_not_make_the_modes_alternate():
     for i in range(10):
         k.calls += 1
         assert k.choose(0) == (SERIAL, False)
+    ch = ModeChooser("cpu")
+    ch.keys[(0, 8)] = k
+    assert ch.mode_now(0, 8) is SERIAL  # a capture now keeps what the eager calls run
 
 
 def test_keys_are_per_layer_and_batch_size():

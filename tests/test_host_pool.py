@@ -162,3 +162,6 @@ def test_block_segments_over_few_and_many_blocks_match_the_definition(seed):
         assert block_segments(blocks, B, p0, p1) == want
         got = block_segments(np.array(blocks, dtype=np.int64), B, p0, p1)
         assert got == want and all(type(x) is int for run in got for x in run)
+    for p0, p1 in ((0, n * B + 1), (-1, 3), (n * B - 1, n * B + 10 * B)):  # past the blocks given
+        with pytest.raises(ValueError, match="exceed"):
+            block_segments(blocks, B, p0, p1)

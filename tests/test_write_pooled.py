@@ -150,3 +150,28 @@ def test_a_failed_launch_leaves_its_layers_pending():
     write_pooled(c.writer, step)  # the retry writes what is left
     assert not step.pending and calls[-1] == range(3, 4)
     assert_same(snapshot(want), snapshot(c))
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_the_pooled_apply_refuses_bad_layer_ranges(kernels):
+    """Before any launch: a range past the layers, of another step, or negative."""
+    c, step = host_written_step(cfg_of(), kernels)
+    before = snapshot(c)
+    for bad in (range(0, L + 1), range(0, L, 2), range(-1, 2)):
+        with pytest.raises(ValueError, match="range of step 1"):
+            c.kernel_set.apply_write_pooled(c.state, c.hot, c.pool.rows, step.pooled, bad, step.host_rows)
+    assert_same(before, snapshot(c))
+
+
+def test_the_reference_gathers_a_few_layers_at_a_time(monkeypatch):
+    """The torch reference's pooled gather is bounded (POOLED_CHUNK_BYTES): with a bound
+    of one layer's rows and a half, the layers go in chunks, the state the same."""
+    import hisparse.cache.apply_write as aw
+    cfg = cfg_of()
+    want, given = host_written_step(cfg, "torch")
+    write_pooled(want.writer, given)
+    c, step = host_written_step(cfg, "torch")
+    n_hot = int((step.pooled.hot_dst >= 0).sum())
+    monkeypatch.setattr(aw, "POOLED_CHUNK_BYTES", n_hot * W * 3 // 2)
+    write_pooled(c.writer, step)
+    assert_same(snapshot(want), snapshot(c))

@@ -22,6 +22,7 @@ from .transfer import row_words
 from .write_plan import WritePlan
 
 BLOCK = 16  # entries of each index list per program
+POOLED_CHUNK_BYTES = 64 << 20  # the torch reference's pooled write gathers at most this much at a time
 
 
 def apply_write_plan_reference(state: HotState, hot: torch.Tensor, rows: torch.Tensor,
@@ -70,9 +71,7 @@ def apply_write_layers_reference(state: HotState, hot: torch.Tensor, pool_rows: 
     over the layers' slice), its rows read from the host pool. hot: uint8 [L,
     device_rows_per_layer, row_bytes]; pool_rows: uint8 [L, H, row_bytes] (CPU);
     ``extra``: rows added to each layer's device -> host counter."""
-    if plan.counts[0]:
-        raise ValueError("a pooled write's plan has no block-table entries (a step plan's are written "
-                         "when the step is prepared)")
+    check_pooled(hot, pool_rows, plan, layers)
     st, ls = state, slice(layers.start, layers.stop)
     if not len(layers):
         return
@@ -82,7 +81,11 @@ def apply_write_layers_reference(state: HotState, hot: torch.Tensor, pool_rows: 
     hot_dst, hot_tok, sp_idx, sp_pos, sp_r = _valid(plan.hot_dst, plan.hot_tok, plan.sp_idx, plan.sp_pos,
                                                     plan.sp_r)
     if hot_dst.numel():
-        hot[ls, hot_dst] = pool_rows[ls, hot_tok.to(pool_rows.device)].to(hot.device)  # [n_layers, n, row_bytes]
+        tok = hot_tok.to(pool_rows.device)
+        step = max(1, POOLED_CHUNK_BYTES // (tok.numel() * pool_rows.shape[2]))  # layers per gather
+        for l0 in range(layers.start, layers.stop, step):
+            l1 = min(l0 + step, layers.stop)
+            hot[l0:l1, hot_dst] = pool_rows[l0:l1, tok].to(hot.device)  # uint8 [l1 - l0, n, row_bytes]
         slot = sp_idx >= 0  # -1: a resident request's page row, no slot state
         sp_idx, sp_pos, sp_r = sp_idx[slot], sp_pos[slot], sp_r[slot]
         L = st.slot_pos.shape[0]
@@ -94,6 +97,22 @@ def apply_write_layers_reference(state: HotState, hot: torch.Tensor, pool_rows: 
     len_r, len_v = _valid(plan.len_r, plan.len_v)
     st.seq_lens[ls, len_r] = len_v
     st.stats[ls, STAT_D2H_ROWS] += (plan.host_h >= 0).sum() + extra
+
+
+def check_pooled(hot: torch.Tensor, pool_rows: torch.Tensor, plan: WritePlan, layers: range) -> None:
+    """ValueError unless ``layers`` is a range of step 1 inside both hot (uint8 [L, N, W])
+    and pool_rows (uint8 [L, H, W]), of the same row width (a multiple of 4), and the
+    plan has no block-table entries."""
+    W = pool_rows.shape[2]
+    if hot.shape[2] != W or W % 4:
+        raise ValueError(f"pool rows are {W} bytes and hot rows {hot.shape[2]}: both must be the same "
+                         "multiple of 4")
+    if not isinstance(layers, range) or layers.step != 1 or layers.start < 0 or \
+            layers.stop > min(hot.shape[0], pool_rows.shape[0]):
+        raise ValueError(f"layers must be a range of step 1 inside the {hot.shape[0]} layers, got {layers!r}")
+    if plan.counts[0]:
+        raise ValueError("a pooled write's plan has no block-table entries (a step plan's are written "
+                         "when the step is prepared)")
 
 
 def apply_write_plan_triton(state: HotState, hot: torch.Tensor, rows: torch.Tensor,
@@ -124,13 +143,8 @@ def apply_write_layers_triton(state: HotState, hot: torch.Tensor, pool_rows: tor
                               layers: range, extra: int) -> None:
     """Same arguments and result as ``apply_write_layers_reference``, one launch on the
     current stream (the pool read over UVA; CPU tensors: the Triton interpreter)."""
+    check_pooled(hot, pool_rows, plan, layers)
     W = pool_rows.shape[2]
-    if hot.shape[2] != W or W % 4:
-        raise ValueError(f"pool rows are {W} bytes and hot rows {hot.shape[2]}: both must be the same "
-                         "multiple of 4")
-    if plan.counts[0]:
-        raise ValueError("a pooled write's plan has no block-table entries (a step plan's are written "
-                         "when the step is prepared)")
     if not len(layers):
         return
     longest = max(max(plan.counts), 1 if extra else 0)

@@ -272,8 +272,9 @@ class HiSparseCache:
         """Plan ``batch``'s append to every layer at once (an engine's forward); then
         :meth:`write_step` per layer only launches. ``capacity``: fixed-shape lists in
         a bucket's persistent buffers (CUDA graphs). ``ends``: the rows each request must
-        hold after the step (ValueError otherwise). The step serves this cache only
-        (another refuses it). See ``Writer.prepare_step``."""
+        hold after the step (ValueError otherwise). ``host_written``: the rows are in the
+        host pool already (``hisparse.cache.write_pooled``). The step serves this cache
+        only (another refuses it). See ``Writer.prepare_step``."""
         return self.writer.prepare_step(batch, capacity=capacity, replaces=replaces, host_written=host_written,
                                         ends=ends)
 

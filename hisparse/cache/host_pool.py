@@ -44,6 +44,8 @@ def block_segments(blocks, B: int, p0: int, p1: int) -> list[tuple[int, int, int
     if p1 <= p0:
         return []
     k0, k1 = p0 // B, (p1 - 1) // B + 1  # the blocks touched
+    if p0 < 0 or k1 > len(blocks):
+        raise ValueError(f"positions [{p0}, {p1}) exceed the {len(blocks)} blocks of {B} tokens given")
     if k1 - k0 > 8:
         bb = np.asarray(blocks[k0:k1], dtype=np.int64)
         cut = (np.flatnonzero(bb[1:] != bb[:-1] + 1) + 1).tolist()  # where a run starts anew

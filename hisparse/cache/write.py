@@ -193,7 +193,9 @@ class Writer:
         each request (ValueError otherwise). A CapacityError or ValueError changes
         nothing (``replaces`` included). The host work is array operations over the
         batch (no loop over requests x layers). ``host_written`` (not with ``capacity``): the
-        rows are in the host pool already (a transfer's): the writes skip the host mirror.
+        rows are in the host pool already (a transfer's), in blocks the requests hold (a
+        step that would open one is refused: ValueError): no host mirror, and
+        ``write_pooled`` writes every layer from the pool in one launch.
         ``ends``: the rows each request of the batch must hold after the step (ValueError,
         nothing changed, where its rows now plus its count differ)."""
         self.check_batch(batch)
@@ -250,9 +252,9 @@ class Writer:
                                                          self.host_blocks, B, self._new_blocks_of)
                 follow.set_host_rows(new, cross, h)
         else:
+            if host_written:  # (before the allocator's own check: this is the caller's mistake)
+                check_host_written(work, self.num_blocks, B)
             new_blocks, need = self._opened_blocks(work) if single else self._new_blocks_of(work.slot, work.p1)
-            if host_written:
-                check_host_written(new_blocks)
         changes = NO_CHANGES
         if len(work) and dp.enabled and (not single or dp.needs_pages(work.slot, work.p1)):
             changes = dp.plan(list(zip(work.slot.tolist(), work.p1.tolist())))
@@ -382,8 +384,7 @@ class Writer:
 
     def visible(self, step: StepPlan | None, rid: int, slot: int) -> tuple[list[int], list[int]]:
         """(rows per layer, reserved occupant per layer) of live request ``rid`` in
-        ``slot``, counting a layer that ``step`` has not written yet as it was before
-        the step."""
+        ``slot``, a layer that ``step`` has not written yet counted as before the step."""
         rows = self.visible_rows(step, (rid,), np.array([slot], dtype=np.int64))
         return rows[0, 0].tolist(), rows[0, 1].tolist()
 
@@ -406,8 +407,7 @@ class Writer:
     def run_step(self, layer: int, step: StepPlan, launch: Callable[[], None]) -> None:
         """``write_step`` of a padded step whose launches ``launch()`` enqueues (a replay
         of a graph captured over :meth:`enqueue_step`): the same checks first, the same
-        bookkeeping after. A ``launch`` that raises leaves the layer pending. A step of
-        zero rows calls nothing."""
+        bookkeeping after. A ``launch`` that raises leaves the layer pending; zero rows: nothing."""
         self.check_step(layer, step)
         if step.buffers is None:
             raise ValueError("only a padded step's write (persistent lists) can be replayed")

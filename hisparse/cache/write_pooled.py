@@ -53,14 +53,16 @@ def host_written_plans(writer: "Writer", packed: np.ndarray, layout: PlanLayout,
     return WritePlan(dev[:layout.words], layout), WritePlan(dev[layout.words:], layout)
 
 
-def check_host_written(new_blocks: dict) -> None:
+def check_host_written(work: "StepWork", num_blocks: np.ndarray, B: int) -> None:
     """ValueError when a ``host_written`` step would open blocks (its rows are in the
-    pool, so their blocks must be held already)."""
-    if new_blocks:
-        r = next(iter(new_blocks))
-        raise ValueError(f"host_written: request slot {r} holds too few blocks for the step's rows "
-                         f"({len(new_blocks[r])} more needed); rows in the host pool lie in blocks the "
-                         "request holds (allocate them first, as PDReceiver.reserve does)")
+    pool, so their blocks must be held already). work: the step's requests;
+    num_blocks: int64 [R], the blocks each request slot holds; B: rows per block."""
+    need = -(-work.p1 // B) - num_blocks[work.slot]  # int64 [n]
+    if (need > 0).any():
+        i = int(need.argmax())
+        raise ValueError(f"host_written: request {int(work.rid[i])} holds too few blocks for the step's rows "
+                         f"({int(need[i])} more needed); rows in the host pool lie in blocks the request "
+                         "holds (allocate them first, as PDReceiver.reserve does)")
 
 
 def write_pooled(writer: "Writer", step: "StepPlan") -> None:

@@ -27,7 +27,8 @@ Rule (``ModeChooser``), per key (layer, T):
   noticed within a few dozen calls), and the chosen one is timed every
   ``SAMPLE_EVERY``-th call;
 - while a stream is capturing (an engine capturing its step) nothing is timed and the
-  mode chosen so far runs (split before any timing): the graph keeps that mode;
+  mode chosen so far runs (the interim one while timings are on the way; split before
+  each mode has a timing done): the graph keeps that mode;
 - a call that captured a graph (``DecodeLayer(graphs=True)``: a new key, an evicted
   graph, an in-place one) is not timed, and neither is a call on the cache's resident
   path, where both modes run the same work (``DecodeLayer`` runs it untimed).
@@ -75,6 +76,14 @@ class _Key:
             self.times[mode].append(start.elapsed_time(end) * 1e3)
             free += [start, end]
 
+    def current(self) -> Overlap | None:
+        """``best``, or while some timings are on the way, the mode of the lower cost
+        among those done once each mode has one; else None."""
+        best = self.best()
+        if best is None and all(self.times[m] for m in MODES):
+            return min(MODES, key=lambda m: min(self.times[m]))
+        return best
+
     def best(self) -> Overlap | None:
         """The mode of the lower cost (its lowest recent timing), once each has
         MIN_SAMPLES timings; else None."""
@@ -92,9 +101,8 @@ class _Key:
             if short:  # the fewest first, so that they alternate
                 m = min(short, key=lambda m: (have[m], self.runs[m]))
                 return m, self.runs[m] >= warm
-            if all(self.times[m] for m in MODES):  # the rest on the way: the lower cost so far
-                return min(MODES, key=lambda m: min(self.times[m])), False
-            return MODES[self.calls % 2], False  # their first timings are on the way
+            now = self.current()  # the rest on the way: the lower cost so far
+            return (now if now is not None else MODES[self.calls % 2]), False
         if self.calls % EXPLORE_EVERY == EXPLORE_EVERY - 1:
             m = Overlap.SERIAL if best is Overlap.SPLIT else Overlap.SPLIT
             return m, self.runs[m] >= warm
@@ -124,8 +132,8 @@ class ModeChooser:
         """The mode a call of (layer, T) that may not be timed runs: the best so far
         (split before any timing). Changes nothing."""
         k = self.keys.get((layer, T))
-        best = k.best() if k is not None else None
-        return best if best is not None else Overlap.SPLIT
+        now = k.current() if k is not None else None
+        return now if now is not None else Overlap.SPLIT
 
     def run(self, layer: int, T: int, call: Callable[[Overlap], tuple], *, capturing: bool,
             steady: Callable[[], bool] | None = None) -> tuple:
