@@ -130,7 +130,8 @@ class ModeChooser:
 
     def mode_now(self, layer: int, T: int) -> Overlap:
         """The mode a call of (layer, T) that may not be timed runs: the best so far
-        (split before any timing). Changes nothing."""
+        (``_Key.current``: the interim one while timings are on the way; split before
+        each mode has one done). Changes nothing."""
         k = self.keys.get((layer, T))
         now = k.current() if k is not None else None
         return now if now is not None else Overlap.SPLIT
