@@ -80,7 +80,7 @@ def write_pooled(writer: "Writer", step: "StepPlan") -> None:
     cs = writer.streams
     cur, cap = cs.current(), cs.capturing()
     for layer in layers:  # as before_write: the layer's in-flight resolve state updates first
-        cs.resolved[layer].wait_by(cur, cap)
+        cs.wait_resolved(layer, cur)
     if step.pooled.counts[3]:  # unmap entries: the old occupants must be on host first
         cs.backup.wait_by(cur, cap)
     runs: list[range] = []
